@@ -1,0 +1,63 @@
+"""`eagle3-host` (= `python -m backend`): the host-side command line; each area registers its own subcommands."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+# Modules that register subcommands. Each exposes register(subparsers, common_parent) and keeps
+# heavy imports (torch, transformers) inside its handlers so `eagle3-host --help` stays fast.
+COMMAND_MODULES = [
+    "backend.host_cli",  # gpus, holders, job, agent
+    "backend.train.cli",  # train, extract, export, convert, build-tiny
+    "backend.serve.cli",  # preflight, serve
+    "backend.bench.cli",  # bench
+    "backend.chain_cli",  # stop-and-bench, grok
+]
+
+
+def default_run_dir() -> Path:
+    return Path(os.environ.get("EAGLE3_RUN_DIR") or "~/.eagle3").expanduser()
+
+
+def common_parent() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--run-dir",
+        type=Path,
+        default=default_run_dir(),
+        help="where jobs.db, job logs and runs live (default: $EAGLE3_RUN_DIR, else ~/.eagle3)",
+    )
+    return parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle3-host", description="EAGLE-3 host tools: GPUs, owned jobs, training, serving, benchmarks")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parent = common_parent()
+    for module_name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # area not present in this build
+            raise
+        module.register(subparsers, parent)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Profiles: TOML files naming the target model, draft shape, training and serving settings, as typed objects."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 hosts
+    import tomli as tomllib
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, unreadable, or has a wrong or missing field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TargetConfig(_Strict):
+    path: str = Field(description="HF model dir or id on the host; 'builtin:tiny' for the embedded CPU target")
+    architecture: str = Field(description="the target's HF/SGLang architecture class")
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    aux_layer_ids: list[int] = Field(description="output-of-layer ids captured for the draft (3 of them)")
+    dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"
+
+    @model_validator(mode="after")
+    def _aux_ids_in_range(self) -> "TargetConfig":
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"aux_layer_ids must hold 3 layer ids, got {self.aux_layer_ids}")
+        for layer in self.aux_layer_ids:
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"aux layer id {layer} is outside 0..{self.num_layers - 1} (num_layers={self.num_layers})")
+        if sorted(set(self.aux_layer_ids)) != list(self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids must be strictly increasing, got {self.aux_layer_ids}")
+        return self
+
+    @property
+    def aux_width(self) -> int:
+        return len(self.aux_layer_ids) * self.hidden_size
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """SpecForge/SGLang default, output-of-layer convention: [1, N//2-1, N-4]."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+class DraftConfig(_Strict):
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    intermediate_size: int = Field(gt=0)
+    draft_vocab_size: int = Field(gt=0)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 500000.0
+    max_position_embeddings: int = Field(default=4096, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "DraftConfig":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must divide by num_attention_heads ({self.num_attention_heads}) when head_dim is unset")
+        return self
+
+
+class TrainConfig(_Strict):
+    learning_rate: float = Field(default=1e-4, gt=0)
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    warmup_steps: int = Field(default=100, ge=0)
+    max_steps: int = Field(default=1000, gt=0)
+    batch_size: int = Field(default=1, gt=0)
+    seq_len: int = Field(default=2048, gt=1)
+    ttt_length: int = Field(default=7, gt=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    grad_clip: float = Field(default=0.5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    eval_interval: int = Field(default=500, gt=0)
+    save_interval: int = Field(default=1000, gt=0)
+    log_interval: int = Field(default=10, gt=0)
+    grokfast_alpha: float | None = Field(default=None, gt=0, lt=1)
+    grokfast_lambda: float = Field(default=2.0, ge=0)
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+
+class ServeConfig(_Strict):
+    engine: Literal["sglang", "reference"] = "sglang"
+    host: str = "127.0.0.1"
+    port: int = Field(default=30000, gt=0, lt=65536)
+    tp_size: int = Field(default=1, gt=0)
+    dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16"
+    num_steps: int = Field(default=3, gt=0)
+    eagle_topk: int = Field(default=1, gt=0)
+    num_draft_tokens: int = Field(default=4, gt=0)
+    mem_fraction_static: float = Field(default=0.8, gt=0, le=1)
+    trust_remote_code: bool = False
+    extra_args: list[str] = Field(default_factory=list)
+    ready_timeout_s: float = Field(default=1200, gt=0)
+
+
+class PathsConfig(_Strict):
+    run_dir: str = "~/.eagle3"
+    data_dir: str = "~/.eagle3/data"
+
+
+class Profile(_Strict):
+    name: str
+    description: str = ""
+    target: TargetConfig
+    draft: DraftConfig
+    train: TrainConfig = TrainConfig()
+    serve: ServeConfig = ServeConfig()
+    paths: PathsConfig = PathsConfig()
+    source: str = Field(default="", description="file the profile was loaded from")
+
+
+def _describe(error: dict, raw: dict) -> str:
+    loc = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    if error["type"] == "missing":
+        return f"field '{loc}' is missing ({error['msg'].lower()})"
+    value = error.get("input")
+    if error["type"] == "extra_forbidden":
+        return f"field '{loc}' = {value!r} is not a known field"
+    return f"field '{loc}' = {value!r}: expected {error['msg'][0].lower() + error['msg'][1:]}"
+
+
+def parse_profile(raw: dict, source: str) -> Profile:
+    try:
+        return Profile.model_validate({**raw, "source": source})
+    except ValidationError as exc:
+        problems = "; ".join(_describe(e, raw) for e in exc.errors())
+        raise ProfileError(f"profile {source}: {problems}") from None
+
+
+def resolve_profile_path(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".toml" or path.exists():
+        return path
+    return PROFILES_DIR / f"{name_or_path}.toml"
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """Load `tiny`, `llama3.1-8b`, `kimi-k2.5` (from profiles/) or a path to a TOML file."""
+    path = resolve_profile_path(name_or_path)
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.toml")))
+        raise ProfileError(f"profile {name_or_path!r}: no file {path} (known profiles: {known})")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"profile {path}: cannot read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"profile {path}: not valid TOML: {exc}") from None
+    return parse_profile(raw, str(path))
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))

@@ -1,0 +1,52 @@
+"""The layering rule of DESIGN.md: backend/ never imports console/ or Textual; the agent path is stdlib-only."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT_PATH_MODULES = ["backend.agent", "backend.protocol", "backend.gpu", "backend.jobs", "backend.holders", "backend.metrics"]
+
+
+def imported_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_backend_never_imports_console_or_textual():
+    offenders = []
+    for path in (ROOT / "backend").rglob("*.py"):
+        for name in imported_names(path):
+            top = name.split(".")[0]
+            if top in {"console", "textual", "textual_plotext", "plotext"}:
+                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not offenders, offenders
+
+
+def test_console_reaches_backend_only_through_protocol():
+    allowed = {"backend.protocol", "backend.profiles", "backend"}
+    offenders = []
+    for path in (ROOT / "console").rglob("*.py"):
+        for name in imported_names(path):
+            if name.split(".")[0] == "backend" and name not in allowed:
+                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not offenders, offenders
+
+
+def test_agent_path_imports_only_the_standard_library():
+    """Import the agent path in a fresh interpreter and list every third-party module it loaded."""
+    present = [m for m in AGENT_PATH_MODULES if (ROOT / (m.replace(".", "/") + ".py")).exists()]
+    code = (
+        "import sys, importlib\n"
+        "before = set(sys.modules)\n"
+        f"for m in {present!r}: importlib.import_module(m)\n"
+        "std = set(sys.stdlib_module_names)\n"
+        "print(sorted({n.split('.')[0] for n in set(sys.modules) - before} - std - {'backend'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"agent path imported non-stdlib modules: {out.stdout}"
