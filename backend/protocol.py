@@ -47,6 +47,8 @@ class Request:
     STAGES_HISTORY = "stages_history"  # {"name"} -> {"records": [...]}
     FOLLOW_LOG = "follow_log"  # {"name"?, "stream"} -> {} ; then LOG events; name null stops following
     LIST_CHECKPOINTS = "list_checkpoints"  # {"name"} -> {"checkpoints": [{"path","epoch","step","latest"}]}
+    SIGNALS = "signals"  # {"name"} -> grokking/health signals computed from the job's metrics (backend/signals.py)
+    WATCH_EXTERNAL = "watch_external"  # {"name", "path"} -> {} ; follow a SpecForge run read-only as job "ext:<name>"
     SHUTDOWN = "shutdown"  # {} -> {} then the agent exits (jobs keep running)
 
 
