@@ -1,0 +1,225 @@
+"""Async benchmark client: streams greedy /generate requests at several concurrency levels and measures them."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from backend.serve import http
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
+
+
+class PromptFileError(ValueError):
+    """A prompt file that cannot be read or has no usable prompt."""
+
+
+@dataclass
+class PromptSet:
+    prompts: list[str]
+    source: str
+    sha256: str
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "count": len(self.prompts), "sha256": self.sha256}
+
+
+def _prompt_of(record: Any) -> str | None:
+    if isinstance(record, str):
+        return record
+    if not isinstance(record, dict):
+        return None
+    for key in ("prompt", "text"):
+        if isinstance(record.get(key), str):
+            return record[key]
+    turns = record.get("conversations") or record.get("messages")
+    if isinstance(turns, list):  # SpecForge {"role","content"} or ShareGPT {"from","value"}: first user turn
+        for turn in turns:
+            if isinstance(turn, dict) and (turn.get("role") or turn.get("from")) in ("user", "human"):
+                content = turn.get("content", turn.get("value"))
+                if isinstance(content, str):
+                    return content
+    return None
+
+
+def load_prompts(path: str | Path | None = None, tag: str | None = None, limit: int | None = None) -> PromptSet:
+    """JSONL with {"prompt"} / {"text"} / {"conversations"} per line; the shipped default set when path is None."""
+    source = Path(path) if path else DEFAULT_PROMPTS
+    try:
+        lines = source.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PromptFileError(f"cannot read prompt file {source}: {exc}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptFileError(f"{source}:{number}: not JSON ({exc.msg})") from None
+        tags = (record.get("tags") or []) if isinstance(record, dict) else []
+        if tag and tag not in tags:
+            continue
+        prompt = _prompt_of(record)
+        if prompt is None:
+            raise PromptFileError(f"{source}:{number}: no 'prompt', 'text' or user turn in 'conversations'")
+        prompts.append(prompt)
+    if limit:
+        prompts = prompts[:limit]
+    if not prompts:
+        raise PromptFileError(f"{source}: no prompts" + (f" tagged {tag!r}" if tag else ""))
+    digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    return PromptSet(prompts, str(source) + (f" [tag {tag}]" if tag else ""), digest)
+
+
+@dataclass
+class RequestResult:
+    index: int
+    ok: bool
+    error: str | None = None
+    completion_tokens: int = 0
+    verify_ct: int = 0
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    chunk_gaps_s: list[float] = field(default_factory=list)  # time between streamed chunks after the first
+    text: str = ""
+
+
+async def stream_generate(client: httpx.AsyncClient, url: str, prompt: str, index: int, max_new_tokens: int) -> RequestResult:
+    payload = {"text": prompt, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
+    started = time.perf_counter()
+    result = RequestResult(index=index, ok=False)
+    last_chunk: float | None = None
+    try:
+        async with client.stream("POST", f"{url}/generate", json=payload) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")[:300]
+                result.error = f"HTTP {response.status_code}: {body}"
+                return result
+            async for event in http.sse_events(response):
+                now = time.perf_counter()
+                meta = event.get("meta_info") or {}
+                tokens = int(meta.get("completion_tokens") or 0)
+                if tokens > result.completion_tokens:
+                    if result.ttft_s is None:
+                        result.ttft_s = now - started
+                    elif last_chunk is not None:
+                        result.chunk_gaps_s.append(now - last_chunk)
+                    last_chunk = now
+                    result.completion_tokens = tokens
+                result.verify_ct = int(meta.get("spec_verify_ct") or result.verify_ct)
+                result.text = event.get("text", result.text)
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency_s = time.perf_counter() - started
+    result.ok = result.completion_tokens > 0
+    if not result.ok:
+        result.error = "stream ended without tokens"
+    return result
+
+
+def percentile(values: list[float], pct: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * pct / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    failed: int
+    duration_s: float
+    output_tokens: int
+    output_tok_per_s: float
+    request_per_s: float
+    accept_length: float | None  # sum(completion_tokens) / sum(spec_verify_ct)
+    server_avg_accept_length: float | None
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None  # gaps between streamed chunks (a chunk can hold several accepted tokens)
+    itl_p99_s: float | None
+    tpot_p50_s: float | None  # per request: (latency - ttft) / (completion_tokens - 1)
+    tpot_p99_s: float | None
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+    errors: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list, repr=False)
+
+    def to_dict(self, with_texts: bool = False) -> dict[str, Any]:
+        data = asdict(self)
+        if not with_texts:
+            data.pop("texts")
+        return data
+
+
+async def run_level(url: str, prompts: list[str], concurrency: int, max_new_tokens: int, timeout_s: float = 600.0) -> LevelResult:
+    """All prompts at one concurrency level, after /flush_cache so the server's average covers this level only."""
+    async with http.async_client(timeout=timeout_s, connections=max(concurrency, 1)) as client:
+        await client.post(f"{url}/flush_cache")
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(index: int, prompt: str) -> RequestResult:
+            async with gate:
+                return await stream_generate(client, url, prompt, index, max_new_tokens)
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        duration = time.perf_counter() - started
+        info = await client.get(f"{url}/get_server_info")
+    server_info = info.json() if info.status_code == 200 else {}
+    return summarize(concurrency, results, duration, server_info)
+
+
+def summarize(concurrency: int, results: list[RequestResult], duration: float, server_info: dict[str, Any]) -> LevelResult:
+    done = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens for r in done)
+    verify = sum(r.verify_ct for r in done)
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+    gaps = [g for r in done for g in r.chunk_gaps_s]
+    tpots = [(r.latency_s - r.ttft_s) / (r.completion_tokens - 1) for r in done
+             if r.ttft_s is not None and r.completion_tokens > 1]
+    latencies = [r.latency_s for r in done]
+    states = server_info.get("internal_states") or [{}]
+    server_avg = states[0].get("avg_spec_accept_length") if states and isinstance(states[0], dict) else None
+    by_index = sorted(results, key=lambda r: r.index)
+    return LevelResult(
+        concurrency=concurrency, requests=len(results), failed=len(results) - len(done), duration_s=duration,
+        output_tokens=tokens, output_tok_per_s=tokens / duration if duration > 0 else 0.0,
+        request_per_s=len(done) / duration if duration > 0 else 0.0,
+        accept_length=tokens / verify if verify else None, server_avg_accept_length=server_avg,
+        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+        itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99),
+        tpot_p50_s=percentile(tpots, 50), tpot_p99_s=percentile(tpots, 99),
+        latency_p50_s=percentile(latencies, 50), latency_p99_s=percentile(latencies, 99),
+        errors=[f"prompt {r.index}: {r.error}" for r in results if not r.ok][:10],
+        texts=[r.text for r in by_index],
+    )
+
+
+async def fetch_server_info(url: str) -> dict[str, Any]:
+    async with http.async_client(timeout=30) as client:
+        try:
+            reply = await client.get(f"{url}/get_server_info")
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"{url}/get_server_info: no answer ({type(exc).__name__}: {exc})") from None
+    if reply.status_code != 200:
+        raise ConnectionError(f"{url}/get_server_info: HTTP {reply.status_code}")
+    return reply.json()
+
+
+async def run_server(url: str, prompts: list[str], levels: list[int], max_new_tokens: int) -> tuple[dict[str, Any], list[LevelResult]]:
+    info = await fetch_server_info(url)
+    results = [await run_level(url, prompts, level, max_new_tokens) for level in levels]
+    return info, results
