@@ -1,0 +1,227 @@
+"""SGLang-format checkpoints: exact key set and shapes, bit-exact round trip, strict load, atomic save under SIGKILL."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from backend.profiles import load_profile
+from backend.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from backend.train.draft import DraftModelConfig, Eagle3Draft, build_vocab_mapping
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Reference sglang-eagle3.md section 2.3 for the tiny profile: H = Ht = 128, 4 heads x 32, I 512, V 259, Vd 192.
+TINY_KEYS = {
+    "fc.weight": ([128, 384], torch.float32),
+    "midlayer.self_attn.q_proj.weight": ([128, 256], torch.float32),
+    "midlayer.self_attn.k_proj.weight": ([128, 256], torch.float32),
+    "midlayer.self_attn.v_proj.weight": ([128, 256], torch.float32),
+    "midlayer.self_attn.o_proj.weight": ([128, 128], torch.float32),
+    "midlayer.mlp.gate_proj.weight": ([512, 128], torch.float32),
+    "midlayer.mlp.up_proj.weight": ([512, 128], torch.float32),
+    "midlayer.mlp.down_proj.weight": ([128, 512], torch.float32),
+    "midlayer.input_layernorm.weight": ([128], torch.float32),
+    "midlayer.hidden_norm.weight": ([128], torch.float32),
+    "midlayer.post_attention_layernorm.weight": ([128], torch.float32),
+    "norm.weight": ([128], torch.float32),
+    "lm_head.weight": ([192, 128], torch.float32),
+    "d2t": ([192], torch.int64),
+    "t2d": ([259], torch.bool),
+}
+
+
+def tiny_draft(seed=0):
+    config = DraftModelConfig.from_profile(load_profile("tiny"))
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(config)
+    draft.load_target_embedding(torch.randn(259, 128))
+    counts = torch.randint(0, 1000, (259,), generator=torch.Generator().manual_seed(seed))
+    draft.set_vocab_mapping(*build_vocab_mapping(counts, 192))
+    for param in draft.parameters():
+        if param.requires_grad:
+            param.data.normal_()  # norms too, so a dropped or swapped tensor cannot go unnoticed
+    return draft, config
+
+
+def test_checkpoint_has_exactly_the_sglang_key_set_shapes_and_config(tmp_path):
+    draft, config = tiny_draft()
+    state = {"optimizer": {"lr": 3e-3}, "global_step": 100}
+    path = save_checkpoint(tmp_path, draft, config, epoch=0, step=100, training_state=state,
+                           extra_meta={"val_acc": [0.8, 0.79, 0.78], "val_acc_step": 100})
+    assert path == tmp_path / "checkpoints" / "epoch_0_step_100"
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", "training_state.pt"]
+    with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
+        got = {key: (list(handle.get_slice(key).get_shape()), handle.get_tensor(key).dtype) for key in handle.keys()}
+    assert got == TINY_KEYS
+    hf = json.loads((path / "config.json").read_text())
+    assert hf["architectures"] == ["LlamaForCausalLMEagle3"] and hf["model_type"] == "llama"
+    assert hf["num_hidden_layers"] == 1 and hf["tie_word_embeddings"] is False
+    assert hf["draft_vocab_size"] == 192 and hf["target_hidden_size"] == 128 and hf["vocab_size"] == 259
+    assert hf["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}
+    block = hf["eagle3_console"]
+    assert block["trained_aux_width"] == 384 and block["trained_aux_layer_ids"] == [1, 3, 4] and block["ttt_length"] == 7
+    assert block["val_acc"] == [0.8, 0.79, 0.78] and block["val_acc_step"] == 100 and block["step"] == 100
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "epoch_0_step_100"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_is_bit_exact(tmp_path, dtype):
+    draft, config = tiny_draft(seed=3)
+    draft.to(dtype)
+    embedding = draft.embed_tokens.weight.detach().clone()
+    state = {"optimizer": {"exp_avg": torch.randn(7, 3)}, "global_step": 5, "rng": torch.get_rng_state()}
+    path = save_checkpoint(tmp_path, draft, config, epoch=1, step=5, training_state=state, extra_meta={"note": "x"})
+    loaded, loaded_config, meta, loaded_state = load_checkpoint(path, target_embedding=embedding)
+    assert loaded_config == config
+    original, restored = draft.state_dict(), loaded.state_dict()
+    assert set(original) == set(restored)
+    for name, tensor in original.items():
+        assert restored[name].dtype == tensor.dtype and torch.equal(restored[name], tensor), name
+    assert torch.equal(loaded_state["optimizer"]["exp_avg"], state["optimizer"]["exp_avg"])
+    assert loaded_state["global_step"] == 5 and torch.equal(loaded_state["rng"], state["rng"])
+    assert meta["epoch"] == 1 and meta["step"] == 5 and meta["note"] == "x"
+    assert not loaded.embed_tokens.weight.requires_grad
+
+
+def test_load_refuses_missing_unexpected_and_misshapen_keys(tmp_path):
+    draft, config = tiny_draft()
+    path = save_checkpoint(tmp_path, draft, config, epoch=0, step=1, training_state={})
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["layers.0.hidden_norm.weight"] = tensors.pop("midlayer.hidden_norm.weight")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:100].contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert "missing keys: midlayer.hidden_norm.weight" in message
+    assert "unexpected keys: layers.0.hidden_norm.weight" in message
+    assert "lm_head.weight: shape [100, 128], config says [192, 128]" in message
+    with pytest.raises(CheckpointError, match="lacks config.json, model.safetensors.*latest_checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+def test_latest_and_listing_order_skip_temp_dirs_and_fall_back(tmp_path):
+    draft, config = tiny_draft()
+    for epoch, step in [(0, 900), (0, 1000), (1, 50)]:
+        save_checkpoint(tmp_path, draft, config, epoch=epoch, step=step, training_state={"step": step})
+    checkpoints = tmp_path / "checkpoints"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["epoch_0_step_900", "epoch_0_step_1000", "epoch_1_step_50"]
+    assert latest_checkpoint(tmp_path) == checkpoints / "epoch_1_step_50"
+    assert latest_checkpoint(checkpoints) == checkpoints / "epoch_1_step_50"
+    # a save killed half-way leaves a temp dir owned by a dead pid: readers ignore it, the next save removes it
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    stale = checkpoints / f".tmp-epoch_2_step_0-{dead}-abcd1234"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    assert latest_checkpoint(tmp_path) == checkpoints / "epoch_1_step_50"
+    save_checkpoint(tmp_path, draft, config, epoch=1, step=60, training_state={})
+    assert not stale.exists()
+    # a pointer naming a missing dir falls back to the newest complete checkpoint
+    (checkpoints / "latest").write_text("epoch_9_step_9\n")
+    assert latest_checkpoint(tmp_path) == checkpoints / "epoch_1_step_60"
+    assert latest_checkpoint(tmp_path / "nowhere") is None
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path):
+    first, config = tiny_draft(seed=1)
+    second, _ = tiny_draft(seed=2)
+    save_checkpoint(tmp_path, first, config, epoch=0, step=10, training_state={"which": 1})
+    path = save_checkpoint(tmp_path, second, config, epoch=0, step=10, training_state={"which": 2})
+    loaded, _, _, state = load_checkpoint(path)
+    assert state == {"which": 2} and torch.equal(loaded.fc.weight, second.fc.weight)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch_0_step_10", "latest"]
+
+
+def test_save_refuses_a_draft_that_does_not_match_the_config(tmp_path):
+    draft, config = tiny_draft()
+    other = DraftModelConfig(**{**config.as_dict(), "draft_vocab_size": 100})
+    with pytest.raises(CheckpointError, match="lm_head.weight: shape \\[192, 128\\], config says \\[100, 128\\].*nothing was saved"):
+        save_checkpoint(tmp_path, draft, other, epoch=0, step=1, training_state={})
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+SAVER = textwrap.dedent(
+    """
+    import sys, torch
+    from backend.train.checkpoint import latest_checkpoint, save_checkpoint
+    from backend.train.draft import DraftModelConfig, Eagle3Draft
+
+    out, first_step = sys.argv[1], int(sys.argv[2])
+    config = DraftModelConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+        intermediate_size=1024, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, vocab_size=300,
+        draft_vocab_size=200, target_hidden_size=256, aux_layer_ids=[1, 2, 3], torch_dtype="float32")
+    step = first_step
+    while True:
+        torch.manual_seed(step)
+        draft = Eagle3Draft(config)
+        state = {"step": step, "blob": torch.full((6_000_000,), float(step))}  # ~24 MB: a save takes a while
+        save_checkpoint(out, draft, config, epoch=0, step=step, training_state=state)
+        print(step, flush=True)
+        step += 1
+    """
+)
+
+
+def expected_draft(step):
+    config = DraftModelConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                              intermediate_size=1024, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
+                              vocab_size=300, draft_vocab_size=200, target_hidden_size=256, aux_layer_ids=[1, 2, 3],
+                              torch_dtype="float32")
+    torch.manual_seed(step)
+    return Eagle3Draft(config)
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_never_leaves_latest_pointing_at_an_incomplete_checkpoint(tmp_path):
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER)
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    rng = random.Random(1234)
+    next_step, saw_partial, kills = 0, 0, 5
+    for _ in range(kills):
+        proc = subprocess.Popen([sys.executable, str(script), str(out), str(next_step)], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline(), proc.stderr.read()  # at least one save finished in this run
+            time.sleep(rng.uniform(0.0, 0.6))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        checkpoints = out / "checkpoints"
+        saw_partial += any(p.name.startswith(".tmp-") for p in checkpoints.iterdir())
+        named = [p for p in checkpoints.iterdir() if p.name.startswith("epoch_")]
+        assert named and all(sorted(f.name for f in p.iterdir()) == ["config.json", "model.safetensors", "training_state.pt"] for p in named)
+        latest = latest_checkpoint(out)
+        assert latest is not None and (checkpoints / "latest").read_text().strip() == latest.name
+        draft, _, meta, state = load_checkpoint(latest)
+        step = meta["step"]
+        assert state["step"] == step and torch.equal(state["blob"], torch.full((6_000_000,), float(step)))
+        reference = expected_draft(step).state_dict()
+        for name, tensor in draft.state_dict().items():
+            if name != "embed_tokens.weight":
+                assert torch.equal(tensor, reference[name]), (step, name)
+        next_step = step + 1
+    assert saw_partial >= 1, "no kill landed during a save; the test did not exercise the atomic path"
+    save_checkpoint(out, expected_draft(10_000), expected_config(), epoch=0, step=10_000, training_state={})
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+
+
+def expected_config():
+    return expected_draft(0).config
