@@ -363,3 +363,24 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert out.returncode == 2 and "missing.json" in out.stderr
     out = run_cli("preflight", str(good), "--target-config", str(target), "--profile", "no-such-profile")
     assert out.returncode == 2
+
+
+def test_checkpoint_from_the_trainer_passes(tmp_path):
+    """A draft saved by backend.train.checkpoint (the trainer's own writer) passes, including the tiny profile's flags."""
+    from backend.profiles import load_profile
+    from backend.serve.sglang_args import build_sglang_argv
+    from backend.train.checkpoint import save_checkpoint
+    from backend.train.draft import DraftModelConfig, Eagle3Draft, build_vocab_mapping
+
+    profile = load_profile("tiny")
+    config = DraftModelConfig.from_profile(profile)
+    draft = Eagle3Draft(config)
+    counts = torch.arange(config.vocab_size, dtype=torch.float32) % 7
+    draft.set_vocab_mapping(*build_vocab_mapping(counts, config.draft_vocab_size))
+    path = save_checkpoint(tmp_path / "run", draft, config, epoch=0, step=5, training_state=None,
+                           extra_meta={"val_acc": [0.7] * 7})
+    target = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_hidden_layers": 8, "vocab_size": 259,
+              "torch_dtype": "float32"}
+    report = run_preflight(path, target, serving_argv=build_sglang_argv(profile, str(path)), check_sglang=False)
+    assert report.ok, report.problems
+    assert run_preflight(tmp_path / "run", target, check_sglang=False).draft == str(path)  # run dir -> latest

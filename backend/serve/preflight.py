@@ -255,19 +255,27 @@ def trained_block(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve_draft_dir(path: Path) -> Path:
-    """A checkpoint dir as given; a training run dir resolves to checkpoints/latest (or the newest epoch_*_step_*)."""
-    if (path / "config.json").exists() or not (path / "checkpoints").is_dir():
+    """A checkpoint dir as given; a run dir (or its checkpoints/) resolves to the checkpoint `latest` names,
+    else the newest epoch_E_step_S (the trainer's layout, read without importing torch)."""
+    if (path / "config.json").exists():
         return path
-    latest = path / "checkpoints" / "latest"
-    if latest.exists():
+    checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    latest = checkpoints / "latest"
+    if latest.is_symlink() or latest.is_dir():
         return latest.resolve()
-    candidates = [p for p in (path / "checkpoints").glob("epoch_*_step_*") if (p / "config.json").exists()]
+    if latest.is_file():
+        named = checkpoints / latest.read_text().strip()
+        if (named / "config.json").is_file():
+            return named
+    candidates = [p for p in checkpoints.glob("epoch_*_step_*") if (p / "config.json").is_file()]
+
     def order(p: Path) -> tuple[int, int]:
         parts = p.name.split("_")
         try:
             return int(parts[1]), int(parts[3])
         except (IndexError, ValueError):
             return (-1, -1)
+
     return max(candidates, key=order) if candidates else path
 
 

@@ -1,0 +1,303 @@
+"""Launch a speculative server as an owned job: preflight, start, wait for health, check server info, run the canary."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from backend.profiles import Profile
+from backend.serve import canary as canary_mod
+from backend.serve import http
+from backend.serve.preflight import resolve_draft_dir, run_preflight
+from backend.serve.sglang_args import build_sglang_argv, expected_spec_settings
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ENGINES = ("sglang", "reference")
+FEEDS = ("aux", "last_hidden")
+TINY_PROMPT_BYTES = 64
+
+
+@dataclass
+class LaunchResult:
+    ok: bool
+    state: str  # refused | start_failed | exited | timeout | ready | dry_run
+    message: str
+    engine: str
+    url: str
+    argv: list[str]
+    job_name: str | None = None
+    job: dict[str, Any] | None = None
+    preflight: dict[str, Any] | None = None
+    forced: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+    server_info: dict[str, Any] = field(default_factory=dict)
+    server_check: list[str] = field(default_factory=list)  # mismatches between what was asked and what runs
+    canary: dict[str, Any] | None = None
+    verdict: str | None = None  # green | red (None when the server never became ready)
+    causes: list[dict[str, Any]] = field(default_factory=list)
+    log_tail: list[str] = field(default_factory=list)
+    gpu_release: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- argv and inputs
+
+def target_dir(profile: Profile) -> str:
+    """Local path of the target (builds the cached tiny target for 'builtin:tiny')."""
+    from backend.train.target import resolve_target_path
+
+    return resolve_target_path(profile)
+
+
+def target_config_for(profile: Profile, explicit: str | None = None) -> str | dict[str, Any]:
+    """--target-config when given; else the target dir's config.json; else the profile's own target facts."""
+    if explicit:
+        return explicit
+    path = Path(os.path.expanduser(profile.target.path))
+    if profile.target.path.startswith("builtin:"):
+        path = Path(target_dir(profile))
+    if (path / "config.json").is_file():
+        return str(path / "config.json")
+    target = profile.target
+    return {"architectures": [target.architecture], "hidden_size": target.hidden_size,
+            "num_hidden_layers": target.num_layers, "vocab_size": target.vocab_size, "torch_dtype": target.dtype}
+
+
+def reference_argv(profile: Profile, draft_dir: str, port: int, *, host: str = "127.0.0.1", feed: str = "aux",
+                   num_steps: int | None = None, speculative: bool = True) -> list[str]:
+    argv = [sys.executable, "-m", "backend.serve.reference_server", "--profile", profile.source or profile.name,
+            "--host", host, "--port", str(port)]
+    if speculative:
+        argv += ["--draft", str(draft_dir), "--feed", feed, "--num-steps", str(num_steps or profile.serve.num_steps)]
+    else:
+        argv.append("--no-speculation")
+    return argv
+
+
+def build_argv(profile: Profile, draft_dir: str, engine: str, port: int, *, feed: str = "aux",
+               host: str = "127.0.0.1", speculative: bool = True) -> list[str]:
+    if engine == "reference":
+        return reference_argv(profile, draft_dir, port, host=host, feed=feed, speculative=speculative)
+    if feed != "aux":
+        raise ValueError("--feed last_hidden exists only on the reference engine (SGLang feeds what its target captures)")
+    target = target_dir(profile) if profile.target.path.startswith("builtin:") else profile.target.path
+    return build_sglang_argv(profile, draft_dir, target_path=target, port=port, host=host)
+
+
+def draft_val_acc(draft_dir: str) -> list[float] | None:
+    try:
+        config = json.loads((Path(draft_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    acc = (config.get("eagle3_console") or {}).get("val_acc")
+    return [float(a) for a in acc] if isinstance(acc, list) and acc else None
+
+
+def canary_prompts(profile: Profile, count: int = 4) -> list[str]:
+    """Prompts like the training data: held-out corpus windows for the tiny target, the shipped set otherwise."""
+    if profile.target.path == "builtin:tiny":
+        from backend.train.tiny import read_corpus
+
+        text = read_corpus(target_dir(profile), "val")
+        stride = max(TINY_PROMPT_BYTES, len(text) // (count + 1))
+        windows = [text[i * stride: i * stride + TINY_PROMPT_BYTES] for i in range(count)]
+        return [w.decode("utf-8", errors="ignore") for w in windows]
+    from backend.bench.client import load_prompts
+
+    return load_prompts(tag="chat", limit=count).prompts
+
+
+# --------------------------------------------------------------------------- waiting
+
+def wait_ready(url: str, job_exit: Callable[[], int | None], timeout_s: float, log: Callable[[str], None]) -> tuple[str, int | None]:
+    """Poll GET /health_generate with backoff until 200. Returns ("ready"|"exited"|"timeout", exit_code)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.25
+    last_report = time.monotonic()
+    while True:
+        code = job_exit()
+        if code is not None:
+            return "exited", code
+        reply = http.get(f"{url}/health_generate", timeout=min(30.0, max(1.0, deadline - time.monotonic())))
+        if reply.status == 200:
+            return "ready", None
+        now = time.monotonic()
+        if now >= deadline:
+            return "timeout", None
+        if now - last_report > 30:
+            log(f"waiting for {url}/health_generate: {http.describe(reply)}")
+            last_report = now
+        time.sleep(min(delay, max(0.0, deadline - now)))
+        delay = min(delay * 1.5, 5.0)
+
+
+def server_mismatches(info: dict[str, Any], expected: dict[str, int]) -> list[str]:
+    problems = []
+    if info.get("speculative_algorithm") != "EAGLE3":
+        problems.append(f"speculative_algorithm is {info.get('speculative_algorithm')!r}, expected 'EAGLE3'")
+    for key, want in expected.items():
+        if info.get(key) != want:
+            problems.append(f"{key} is {info.get(key)!r}, expected {want}")
+    return problems
+
+
+def gpu_release_check(pids: list[int]) -> dict[str, Any]:
+    """After a server exited: does any of its processes still hold a GPU? (backend.holders when usable)."""
+    try:
+        from backend.gpu import open_gpu_source
+        from backend.holders import list_holders
+    except ImportError as exc:
+        return {"checked": False, "note": f"GPU holder check unavailable: {exc}"}
+    try:
+        source = open_gpu_source(stream=False)
+        try:
+            report = list_holders(source)
+        finally:
+            getattr(source, "close", lambda: None)()
+    except Exception as exc:  # a broken driver must not hide the server's own failure
+        return {"checked": False, "note": f"GPU holder check failed: {type(exc).__name__}: {exc}"}
+    still = [h.pid for h in report.holders if h.pid in pids]
+    note = ("no GPU visible here (nothing to release)" if report.gpu_source == "none" and not report.holders
+            else "released" if not still else f"processes {still} still hold GPU memory")
+    return {"checked": True, "gpu_source": report.gpu_source, "still_holding": still, "note": note}
+
+
+# --------------------------------------------------------------------------- the launch
+
+def launch(
+    profile: Profile,
+    draft_dir: str | os.PathLike,
+    *,
+    engine: str = "sglang",
+    port: int | None = None,
+    run_dir: str | os.PathLike | None = None,
+    job_name: str | None = None,
+    feed: str = "aux",
+    force: bool = False,
+    target_config: str | None = None,
+    host: str = "127.0.0.1",
+    prompts: list[str] | None = None,
+    max_new_tokens: int = 128,
+    ready_timeout_s: float | None = None,
+    run_canary: bool = True,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> LaunchResult:
+    if engine not in ENGINES or feed not in FEEDS:
+        raise ValueError(f"engine must be one of {ENGINES} and feed one of {FEEDS}; got {engine!r}, {feed!r}")
+    draft = str(resolve_draft_dir(Path(draft_dir).expanduser()))
+    port = port or (http.free_port(host) if engine == "reference" else profile.serve.port)
+    url = http.base_url(host, port)
+    argv = build_argv(profile, draft, engine, port, feed=feed, host=host)
+    result = LaunchResult(ok=False, state="refused", message="", engine=engine, url=url, argv=argv, forced=force)
+
+    started = time.monotonic()
+    sglang_argv = build_sglang_argv(profile, draft, port=port, host=host)
+    report = run_preflight(draft, target_config_for(profile, target_config), serving_argv=sglang_argv)
+    result.preflight = report.to_dict()
+    result.timings["preflight_s"] = time.monotonic() - started
+    if not report.ok and not force:
+        result.message = (f"preflight found {len(report.problems)} problem(s) ({', '.join(report.codes())}); "
+                          "the server was NOT started. Fix them, or pass --force to launch anyway.")
+        return result
+    if not report.ok:
+        log(f"preflight problems {report.codes()} ignored because of --force")
+
+    from backend import jobs
+
+    job_name = job_name or f"serve-{profile.name}-{engine}"
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
+        job = jobs.start_job(Path(run_dir or Path("~/.eagle3").expanduser()), job_name, "serve", argv,
+                             cwd=str(REPO_ROOT), env=env)
+    except Exception as exc:  # jobs raises on name conflicts, bad argv, spawn failures
+        result.state = "start_failed"
+        result.message = f"could not start job {job_name!r}: {exc}. Nothing else was started."
+        return result
+    result.job_name = job_name
+    result.job = _job_dict(job)
+    log(f"started job {job_name!r} (pid {result.job.get('pid')}): waiting for {url}/health_generate")
+
+    wait_started = time.monotonic()
+    timeout = ready_timeout_s or profile.serve.ready_timeout_s
+    state, exit_code = wait_ready(url, lambda: _job_exit_code(run_dir, job_name, job), timeout, log)
+    result.timings["ready_s"] = time.monotonic() - wait_started
+    if state != "ready":
+        result.state = state
+        result.log_tail = _log_tail(job)
+        pid = result.job.get("pid")
+        result.gpu_release = gpu_release_check([pid] if pid else [])
+        if state == "exited":
+            result.message = f"server job {job_name!r} exited with code {exit_code} before answering /health_generate"
+        else:
+            result.message = (f"server job {job_name!r} did not answer /health_generate with 200 within {timeout:.0f} s; "
+                              f"it is still running (stop it with `eagle3-host job stop {job_name}`)")
+        return result
+
+    info_reply = http.get(f"{url}/get_server_info", timeout=60)
+    result.server_info = _server_summary(info_reply.body if isinstance(info_reply.body, dict) else {})
+    expected = expected_spec_settings(profile)
+    result.server_check = server_mismatches(result.server_info, expected)
+    result.state = "ready"
+    if not run_canary:
+        result.ok = not result.server_check
+        result.message = "server ready (canary skipped)" + (f"; {result.server_check}" if result.server_check else "")
+        return result
+
+    canary_started = time.monotonic()
+    outcome = canary_mod.run_canary(
+        url, prompts or canary_prompts(profile), num_steps=int(result.server_info.get("speculative_num_steps") or profile.serve.num_steps),
+        val_acc=draft_val_acc(draft), max_new_tokens=max_new_tokens, preflight_codes=report.codes())
+    result.timings["canary_s"] = time.monotonic() - canary_started
+    result.canary = outcome.to_dict()
+    result.verdict, result.causes = outcome.verdict, outcome.causes
+    result.ok = outcome.verdict == canary_mod.GREEN and not result.server_check
+    result.message = f"{outcome.verdict}: {outcome.headline}"
+    if result.server_check:
+        result.message += f"; server runs other settings than asked: {'; '.join(result.server_check)}"
+    if not result.ok:
+        result.message += f". The server is still running as job {job_name!r}."
+    return result
+
+
+def _server_summary(info: dict[str, Any]) -> dict[str, Any]:
+    from backend.bench.results import server_summary
+
+    return server_summary(info)
+
+
+# --------------------------------------------------------------------------- job adapters
+
+def _job_dict(job: Any) -> dict[str, Any]:
+    if isinstance(job, dict):
+        return job
+    from backend.protocol import to_dict
+
+    return to_dict(job)
+
+
+def _job_exit_code(run_dir: Any, name: str, job: Any) -> int | None:
+    """The job's exit code once it has exited; None while it runs."""
+    from backend import jobs
+
+    info = _job_dict(jobs.get_job(Path(run_dir or Path("~/.eagle3").expanduser()), name))
+    if info.get("state") == "running":
+        return None
+    code = info.get("exit_code")
+    return code if code is not None else -1
+
+
+def _log_tail(job: Any, lines: int = 30) -> list[str]:
+    info = _job_dict(job)
+    tail: list[str] = []
+    for key in ("stdout_path", "stderr_path"):
+        path = info.get(key)
+        if path and Path(path).is_file():
+            text = Path(path).read_text(errors="replace").splitlines()
+            tail += [f"[{key.split('_')[0]}] {line}" for line in text[-lines:]]
+    return tail
