@@ -1,0 +1,328 @@
+"""Stop-and-benchmark: stop the owned training job with a checkpoint, free its GPUs, preflight, serve, canary, benchmark.
+
+Each stage appends a record to a stages.jsonl file (the console follows it through the agent) and reports to a
+callback; a failure stops the chain, says why, and leaves no half-state: a server whose canary is red is stopped
+unless the operator asked to keep it. The result is saved beside the training run so runs can be compared.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from backend.jsonl import append_record
+from backend.protocol import STAGES_FILENAME
+
+STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
+RESULTS_DIRNAME = "results"
+
+
+class ChainFailed(Exception):
+    """A stage failed; the message says why and what was left as it was."""
+
+
+@dataclass
+class ChainOptions:
+    job: str
+    run_dir: Path
+    profile: str | None = None  # default: the --profile of the training job's command line
+    engine: str | None = None  # default: the profile's serve.engine
+    grace_s: float = 120.0
+    port: int | None = None
+    keep_on_red: bool = False
+    stop_server_after: bool = False
+    concurrency: list[int] = field(default_factory=lambda: [1, 4])
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    stages_path: Path | None = None
+
+
+@dataclass
+class StageReporter:
+    """Writes one record per stage transition and forwards it to a callback."""
+
+    path: Path | None
+    callback: Callable[[dict[str, Any]], None] | None = None
+    started: dict[str, float] = field(default_factory=dict)
+
+    def emit(self, stage: str, status: str, detail: str = "", result: Any = None) -> dict[str, Any]:
+        now = time.time()
+        if status == "running":
+            self.started[stage] = now
+        record = {"stage": stage, "status": status, "time": now,
+                  "elapsed": round(now - self.started.get(stage, now), 3), "detail": detail}
+        if result is not None:
+            record["result"] = result
+        if self.path is not None:
+            append_record(self.path, record)
+        if self.callback is not None:
+            self.callback(record)
+        return record
+
+
+def profile_from_argv(argv: list[str]) -> str | None:
+    """The --profile value of a recorded training command line."""
+    for index, arg in enumerate(argv):
+        if arg == "--profile" and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith("--profile="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def default_stages_path(options: ChainOptions) -> Path | None:
+    if options.stages_path is not None:
+        return options.stages_path
+    job_dir = os.environ.get("EAGLE3_JOB_DIR")
+    return Path(job_dir) / STAGES_FILENAME if job_dir else None
+
+
+class StopAndBench:
+    """The chain, one method per stage; run() drives them and turns exceptions into a failed stage."""
+
+    def __init__(self, options: ChainOptions, on_stage: Callable[[dict[str, Any]], None] | None = None):
+        from backend.jobs import JobRegistry
+
+        self.options = options
+        self.registry = JobRegistry(options.run_dir)
+        self.reporter = StageReporter(default_stages_path(options), on_stage)
+        self.summary: dict[str, Any] = {"job": options.job, "started_at": time.time(), "stages": {}}
+        self.server_job: str | None = None
+        self.profile = None
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> dict[str, Any]:
+        steps = [("stop", self.stop_training), ("release", self.confirm_release), ("checkpoint", self.pick_checkpoint),
+                 ("preflight", self.preflight), ("launch", self.launch), ("canary", self.canary),
+                 ("bench", self.bench), ("result", self.save_result)]
+        for stage, step in steps:
+            self.reporter.emit(stage, "running")
+            try:
+                detail, result = step()
+            except ChainFailed as exc:
+                self._fail(stage, str(exc))
+                return self.summary
+            except Exception as exc:  # an unexpected error still ends the chain cleanly, with its cause
+                self._fail(stage, f"{type(exc).__name__}: {exc}")
+                return self.summary
+            self.summary["stages"][stage] = {"status": "ok", "detail": detail}
+            self.reporter.emit(stage, "ok", detail, result)
+        self.summary["ok"] = True
+        return self.summary
+
+    def _fail(self, stage: str, reason: str) -> None:
+        cleanup = self._cleanup_after_failure(stage)
+        detail = reason + (f" {cleanup}" if cleanup else "")
+        self.summary["stages"][stage] = {"status": "failed", "detail": detail}
+        self.summary.update(ok=False, failed_stage=stage, reason=detail)
+        self.reporter.emit(stage, "failed", detail)
+        for later in STAGES[STAGES.index(stage) + 1:]:
+            self.reporter.emit(later, "skipped", f"not run: {stage} failed")
+
+    def _cleanup_after_failure(self, stage: str) -> str:
+        """A server this chain started is stopped on failure, unless the operator keeps it (red canary only)."""
+        if not self.server_job:
+            return ""
+        if stage == "canary" and self.options.keep_on_red:
+            return f"The server job {self.server_job!r} was kept running, as asked (--keep-on-red)."
+        verdicts = self.registry.stop([self.server_job], grace=15.0)
+        outcomes = sorted({v.outcome for v in verdicts})
+        return f"The server job {self.server_job!r} this chain started was stopped ({', '.join(outcomes) or 'already gone'})."
+
+    # ------------------------------------------------------------------ stages
+    def stop_training(self) -> tuple[str, Any]:
+        from backend.jobs import JobNotFound
+        from backend.profiles import load_profile
+
+        try:
+            record = self.registry.get(self.options.job)
+        except JobNotFound:
+            raise ChainFailed(f"no job named {self.options.job!r} in {self.options.run_dir}; nothing was stopped") from None
+        info = record.info
+        self.summary["train_job_dir"] = info.job_dir
+        profile_name = self.options.profile or profile_from_argv(info.argv)
+        if not profile_name:
+            raise ChainFailed(f"job {info.name!r} has no --profile in its command line ({shlex.join(info.argv)}); "
+                              "pass --profile. Nothing was stopped.")
+        self.profile = load_profile(profile_name)
+        self.summary["profile"] = self.profile.name
+        if info.state != "running":
+            return f"job {info.name!r} was not running ({info.state}); using its last checkpoint", {"state": info.state}
+        plan = self.registry.stop_plan([info.name])
+        verdicts = self.registry.stop([info.name], grace=self.options.grace_s, gpu_source=self._gpu_source())
+        survivors = [v for v in verdicts if v.outcome == "survived"]
+        stale = [v for v in verdicts if v.outcome == "stale_not_signalled"]
+        result = {"verdicts": [vars(v) for v in verdicts], "planned_pids": [t["pid"] for t in plan.will_signal]}
+        if survivors or stale:
+            raise ChainFailed(f"stop of {info.name!r} did not finish cleanly: "
+                              + "; ".join(f"pid {v.pid} {v.outcome} ({v.detail})" for v in survivors + stale))
+        leader = next((v for v in verdicts if v.role == "leader"), None)
+        how = leader.outcome if leader else "stopped"
+        return f"stopped {info.name!r}: {len(verdicts)} process(es), leader {how}", result
+
+    def confirm_release(self) -> tuple[str, Any]:
+        from backend.holders import list_holders
+
+        source = self._gpu_source()
+        try:
+            report = list_holders(source, owner_lookup=self.registry.owned_pids)
+        finally:
+            getattr(source, "close", lambda: None)()
+        owned = [h for h in report.holders if h.owned]
+        foreign = [{"pid": h.pid, "user": h.user, "cmdline": h.cmdline, "used_memory_mib": h.used_memory_mib}
+                   for h in report.holders if not h.owned]
+        self.summary["foreign_gpu_holders"] = foreign
+        if owned:
+            raise ChainFailed("GPU memory is still held by processes of our jobs: "
+                              + ", ".join(f"pid {h.pid} ({h.job})" for h in owned) + ". Nothing was launched.")
+        if report.gpu_source == "none":
+            detail = "no NVIDIA driver on this host: no GPU memory to release"
+        else:
+            detail = f"our GPU memory is released; {len(foreign)} foreign holder(s) left untouched"
+        return detail, {"gpu_source": report.gpu_source, "foreign": foreign}
+
+    def pick_checkpoint(self) -> tuple[str, Any]:
+        from backend.serve.preflight import resolve_draft_dir
+
+        job_dir = Path(self.summary["train_job_dir"])
+        checkpoints = job_dir / "checkpoints"
+        if not (checkpoints / "latest").exists():
+            raise ChainFailed(f"no complete checkpoint under {checkpoints} (no 'latest' pointer); nothing was launched")
+        path = resolve_draft_dir(checkpoints)
+        config = json.loads((path / "config.json").read_text())
+        meta = config.get("eagle3_console") or {}
+        self.summary["checkpoint"] = str(path)
+        self.summary["val_acc"] = meta.get("val_acc")
+        return f"latest checkpoint {path.name}", {"path": str(path), "val_acc": meta.get("val_acc"),
+                                                  "val_step": meta.get("val_step")}
+
+    def preflight(self) -> tuple[str, Any]:
+        from backend.serve.launch import target_config_for
+        from backend.serve.preflight import run_preflight
+        from backend.serve.sglang_args import build_sglang_argv
+
+        checkpoint = self.summary["checkpoint"]
+        argv = build_sglang_argv(self.profile, checkpoint, port=self.options.port or self.profile.serve.port)
+        report = run_preflight(checkpoint, target_config_for(self.profile), serving_argv=argv)
+        self.summary["preflight"] = report.to_dict()
+        if not report.ok:
+            problems = "; ".join(f"{p.code}: {p.message}" for p in report.problems)
+            raise ChainFailed(f"preflight refused {Path(checkpoint).name}: {problems}. Nothing was launched.")
+        return "no problems", report.to_dict()
+
+    def launch(self) -> tuple[str, Any]:
+        from backend.serve.launch import launch
+
+        engine = self.options.engine or self.profile.serve.engine
+        name = f"serve-{self.options.job}"
+        self.summary["engine"] = engine
+        result = launch(self.profile, self.summary["checkpoint"], engine=engine, port=self.options.port,
+                        run_dir=self.options.run_dir, job_name=name, run_canary=False)
+        if result.job_name:
+            self.server_job = result.job_name
+        self.summary.update(server_job=result.job_name, url=result.url, argv=result.argv,
+                            server_info=result.server_info)
+        if result.state != "ready":
+            tail = "\n".join(result.log_tail[-10:])
+            raise ChainFailed(f"{result.message}" + (f"\nlast log lines:\n{tail}" if tail else ""))
+        if result.server_check:
+            raise ChainFailed(f"server runs other settings than asked: {'; '.join(result.server_check)}")
+        return f"{engine} ready at {result.url} as job {result.job_name!r} in {result.timings.get('ready_s', 0):.1f}s", \
+            {"url": result.url, "job": result.job_name, "argv": result.argv}
+
+    def canary(self) -> tuple[str, Any]:
+        from backend.serve import canary as canary_mod
+        from backend.serve.launch import canary_prompts
+
+        info = self.summary.get("server_info") or {}
+        steps = int(info.get("speculative_num_steps") or self.profile.serve.num_steps)
+        outcome = canary_mod.run_canary(self.summary["url"], canary_prompts(self.profile), num_steps=steps,
+                                        val_acc=self.summary.get("val_acc"), max_new_tokens=self.options.max_new_tokens)
+        canary = outcome.to_dict()
+        canary.pop("requests", None)
+        self.summary["canary"] = canary
+        if outcome.verdict != canary_mod.GREEN:
+            causes = "; ".join(c.get("cause", str(c)) if isinstance(c, dict) else str(c) for c in outcome.causes[:3])
+            raise ChainFailed(f"canary RED: {outcome.headline}. Likely causes, in order: {causes}.")
+        return f"green: {outcome.headline}", canary
+
+    def bench(self) -> tuple[str, Any]:
+        import asyncio
+
+        from backend.bench import client
+
+        prompts = self._bench_prompts()
+        info, levels = asyncio.run(client.run_server(self.summary["url"], prompts, self.options.concurrency,
+                                                     self.options.max_new_tokens))
+        rows = [level.to_dict() for level in levels]
+        self.summary["bench"] = rows
+        failed = sum(row.get("failed", 0) for row in rows)
+        if failed == sum(row.get("requests", 0) for row in rows):
+            raise ChainFailed(f"every benchmark request failed: {rows[0].get('errors', [])[:1]}")
+        best = max(rows, key=lambda row: row.get("output_tok_per_s") or 0)
+        return (f"{best.get('output_tok_per_s') or 0:.1f} tok/s at concurrency {best.get('concurrency')}, "
+                f"accept length {best.get('accept_length') or 0:.2f}"), rows
+
+    def save_result(self) -> tuple[str, Any]:
+        result = self.result_panel()
+        directory = Path(self.summary["train_job_dir"]) / RESULTS_DIRNAME
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"stop-and-bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        temp = path.with_suffix(".tmp")
+        temp.write_text(json.dumps({**self.summary, "result": result}, indent=1, default=str))
+        os.replace(temp, path)
+        self.summary["result"] = result
+        self.summary["saved_to"] = str(path)
+        if self.options.stop_server_after and self.server_job:
+            self.registry.stop([self.server_job], grace=15.0)
+            result["server"] = "stopped after the benchmark (--stop-server-after)"
+        return f"saved {path}", result
+
+    # ------------------------------------------------------------------ helpers
+    def result_panel(self) -> dict[str, Any]:
+        canary = self.summary.get("canary") or {}
+        rows = self.summary.get("bench") or []
+        return {
+            "verdict": canary.get("verdict"),
+            "accept_length": canary.get("accept_length"),
+            "tau_hat": canary.get("tau_hat"),
+            "ratio_to_tau_hat": canary.get("ratio_to_tau_hat"),
+            "throughput": [{"concurrency": r.get("concurrency"), "output_tok_per_s": r.get("output_tok_per_s"),
+                            "accept_length": r.get("accept_length")} for r in rows],
+            "checkpoint": self.summary.get("checkpoint"),
+            "engine": self.summary.get("engine"),
+            "argv": self.summary.get("argv"),
+            "server_job": self.server_job,
+            "server": "running" if self.server_job else None,
+        }
+
+    def _bench_prompts(self) -> list[str]:
+        from backend.bench.client import load_prompts
+        from backend.serve.launch import canary_prompts
+
+        if self.profile.target.path == "builtin:tiny":
+            return canary_prompts(self.profile, count=self.options.num_prompts)
+        return load_prompts(limit=self.options.num_prompts).prompts
+
+    @staticmethod
+    def _gpu_source():
+        from backend.gpu import open_gpu_source
+
+        return open_gpu_source(stream=False)
+
+
+def list_results(train_job_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Saved stop-and-bench results of a training run, oldest first, for comparison."""
+    directory = Path(train_job_dir) / RESULTS_DIRNAME
+    results = []
+    for path in sorted(directory.glob("stop-and-bench-*.json")):
+        try:
+            document = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        results.append({"path": str(path), **(document.get("result") or {})})
+    return results

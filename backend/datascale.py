@@ -1,0 +1,86 @@
+"""Data-scaling numbers: bytes per sample of hidden-state data, free disk where it lives, how many more samples fit.
+
+Standard library only (the agent answers the console's data-scaling panel with it). Measured from an `extract`
+output (meta.json + shard files) when one exists; otherwise estimated from the profile's shapes and marked so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+META_FILE = "meta.json"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KEEP_FREE_BYTES = 1 << 30
+
+
+def _shard_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*.safetensors") if path.is_file())
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def measured(data_dir: str | os.PathLike, keep_free_bytes: int = KEEP_FREE_BYTES) -> dict[str, Any]:
+    """Numbers from a finished extraction: real bytes on disk and real extraction speed."""
+    directory = Path(data_dir).expanduser()
+    meta_path = directory / META_FILE
+    meta = json.loads(meta_path.read_text())
+    splits = meta.get("splits") or {}
+    samples = sum(int(split.get("samples", 0)) for split in splits.values())
+    tokens = sum(int(split.get("tokens", 0)) for split in splits.values())
+    total = _shard_bytes(directory)
+    seconds = max(meta_path.stat().st_mtime - float(meta.get("created", meta_path.stat().st_mtime)), 0.0)
+    return _summary(directory, "measured", samples, tokens, total, seconds, keep_free_bytes)
+
+
+def estimated(profile: Any, data_dir: str | os.PathLike, samples_per_second: float | None = None,
+              keep_free_bytes: int = KEEP_FREE_BYTES) -> dict[str, Any]:
+    """Numbers for an online run (no shards on disk): what one offline sample of seq_len tokens would take."""
+    target, train = profile.target, profile.train
+    width = len(target.aux_layer_ids) * target.hidden_size
+    teacher = target.vocab_size if target.vocab_size <= 4096 else target.hidden_size
+    per_token = (width + teacher) * DTYPE_BYTES.get(target.dtype, 2) + 8 + 1
+    per_sample = per_token * train.seq_len
+    seconds = 1.0 / samples_per_second if samples_per_second else None
+    summary = _summary(Path(data_dir).expanduser(), "estimated", 1, train.seq_len, per_sample, seconds, keep_free_bytes)
+    summary["samples"] = 0
+    summary["note"] = "no extracted shards: bytes per sample estimated from the profile's shapes"
+    return summary
+
+
+def _summary(directory: Path, kind: str, samples: int, tokens: int, total_bytes: int, seconds: float | None,
+             keep_free_bytes: int) -> dict[str, Any]:
+    usage = shutil.disk_usage(_existing_parent(directory))
+    per_sample = total_bytes / samples if samples else None
+    room = max(usage.free - keep_free_bytes, 0)
+    more = int(room // per_sample) if per_sample else None
+    per_sample_s = seconds / samples if seconds and samples else None
+    return {
+        "kind": kind,
+        "path": str(directory),
+        "samples": samples,
+        "tokens": tokens,
+        "bytes": total_bytes,
+        "bytes_per_sample": per_sample,
+        "free_bytes": usage.free,
+        "keep_free_bytes": keep_free_bytes,
+        "more_samples_fit": more,
+        "fit_multiple_of_current": (more / samples) if more is not None and samples else None,
+        "seconds_per_sample": per_sample_s,
+        "estimated_seconds_for_fit": (more * per_sample_s) if more is not None and per_sample_s else None,
+    }
+
+
+def data_scaling(data_dir: str | os.PathLike | None, profile: Any = None) -> dict[str, Any]:
+    """Measured when data_dir holds an extraction; estimated from the profile otherwise."""
+    if data_dir and (Path(data_dir).expanduser() / META_FILE).is_file():
+        return measured(data_dir)
+    if profile is None:
+        raise ValueError(f"{data_dir} holds no {META_FILE} (not an `eagle3-host extract` output) and no profile was given to estimate from")
+    return estimated(profile, data_dir or profile.paths.data_dir)
