@@ -208,28 +208,27 @@ def launch(
     if not report.ok:
         log(f"preflight problems {report.codes()} ignored because of --force")
 
-    from backend import jobs
+    from backend.jobs import JobRegistry
 
     job_name = job_name or f"serve-{profile.name}-{engine}"
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    registry = JobRegistry(Path(run_dir or "~/.eagle3").expanduser())
     try:
-        job = jobs.start_job(Path(run_dir or Path("~/.eagle3").expanduser()), job_name, "serve", argv,
-                             cwd=str(REPO_ROOT), env=env)
-    except Exception as exc:  # jobs raises on name conflicts, bad argv, spawn failures
+        info = registry.start_job(job_name, "serve", argv, cwd=str(REPO_ROOT))
+    except Exception as exc:  # JobConflict (name in use), JobBadParams, spawn failures: nothing else was started
         result.state = "start_failed"
-        result.message = f"could not start job {job_name!r}: {exc}. Nothing else was started."
+        result.message = f"could not start job {job_name!r}: {exc}"
         return result
     result.job_name = job_name
-    result.job = _job_dict(job)
-    log(f"started job {job_name!r} (pid {result.job.get('pid')}): waiting for {url}/health_generate")
+    result.job = _job_dict(info)
+    log(f"started job {job_name!r} (pid {info.pid}): waiting for {url}/health_generate")
 
     wait_started = time.monotonic()
     timeout = ready_timeout_s or profile.serve.ready_timeout_s
-    state, exit_code = wait_ready(url, lambda: _job_exit_code(run_dir, job_name, job), timeout, log)
+    state, exit_code = wait_ready(url, lambda: _job_exit_code(registry, job_name), timeout, log)
     result.timings["ready_s"] = time.monotonic() - wait_started
     if state != "ready":
         result.state = state
-        result.log_tail = _log_tail(job)
+        result.log_tail = _log_tail(result.job)
         pid = result.job.get("pid")
         result.gpu_release = gpu_release_check([pid] if pid else [])
         if state == "exited":
@@ -281,23 +280,20 @@ def _job_dict(job: Any) -> dict[str, Any]:
     return to_dict(job)
 
 
-def _job_exit_code(run_dir: Any, name: str, job: Any) -> int | None:
+def _job_exit_code(registry: Any, name: str) -> int | None:
     """The job's exit code once it has exited; None while it runs."""
-    from backend import jobs
-
-    info = _job_dict(jobs.get_job(Path(run_dir or Path("~/.eagle3").expanduser()), name))
-    if info.get("state") == "running":
+    info = registry.get(name).info
+    if info.state in ("running", "unknown"):
         return None
-    code = info.get("exit_code")
-    return code if code is not None else -1
+    return info.exit_code if info.exit_code is not None else -1
 
 
-def _log_tail(job: Any, lines: int = 30) -> list[str]:
-    info = _job_dict(job)
+def _log_tail(job: dict[str, Any], lines: int = 30) -> list[str]:
+    from backend.jobs import tail_lines
+
     tail: list[str] = []
-    for key in ("stdout_path", "stderr_path"):
-        path = info.get(key)
+    for key, label in (("stdout_path", "stdout"), ("stderr_path", "stderr")):
+        path = job.get(key)
         if path and Path(path).is_file():
-            text = Path(path).read_text(errors="replace").splitlines()
-            tail += [f"[{key.split('_')[0]}] {line}" for line in text[-lines:]]
+            tail += [f"[{label}] {line}" for line in tail_lines(path, lines)]
     return tail
