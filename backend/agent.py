@@ -1,0 +1,571 @@
+"""The host agent: reads JSON-line requests on stdin, answers them and streams GPU, job, metrics, stage, disk and log events on stdout."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+from backend import holders as holders_mod
+from backend.disk import disks_for
+from backend.gpu import driver_state, open_gpu_source
+from backend.jobs import JobError, JobRecord, JobRegistry, tail_lines
+from backend.jsonl import JsonlFollower
+from backend.protocol import (
+    METRICS_FILENAME,
+    PROTOCOL_VERSION,
+    STAGES_FILENAME,
+    ErrorCode,
+    Event,
+    HelloInfo,
+    MalformedMessage,
+    Request,
+    decode,
+    encode,
+    reply_error,
+    reply_ok,
+    to_dict,
+)
+
+JOBS_EVERY_TICKS = 5
+DESCENDANTS_EVERY_TICKS = 5
+DISK_EVERY_TICKS = 10
+DIR_SIZE_EVERY_S = 60.0
+HISTORY_LIMIT = 100_000
+LOG_CHUNK_BYTES = 1 << 20
+CHECKPOINT_DIR = re.compile(r"^epoch_(\d+)_step_(\d+)$")
+
+
+class BadParams(Exception):
+    def __init__(self, param: str, problem: str):
+        super().__init__(f"{param}: {problem}")
+        self.param = param
+
+
+class Unavailable(Exception):
+    """An optional module (backend.signals, backend.external) is not part of this build."""
+
+
+def param(message: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ..., choices: tuple | None = None) -> Any:
+    """Read one request param, raising BadParams that names it when it is missing or of the wrong type."""
+    value = message.get(key)
+    if value is None:
+        if default is ...:
+            raise BadParams(key, "missing")
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        name = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise BadParams(key, f"expected {name}, got {type(value).__name__} {value!r}"[:200])
+    if choices is not None and value not in choices:
+        raise BadParams(key, f"{value!r} is not one of {', '.join(map(str, choices))}")
+    return value
+
+
+class Output:
+    """One JSON message per line on the protocol stream; writes are serialized and flushed each line."""
+
+    def __init__(self, stream: BinaryIO):
+        self._stream = stream
+        self._lock = threading.Lock()
+        self.closed = threading.Event()
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = encode(message)
+        with self._lock:
+            if self.closed.is_set():
+                return
+            try:
+                self._stream.write(data)
+                self._stream.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                self.closed.set()
+
+
+def sglang_version() -> str | None:
+    """The installed SGLang version from package metadata; sglang itself is never imported here (it pulls in torch)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def list_checkpoints(job_dir: str | Path) -> list[dict[str, Any]]:
+    """<job_dir>/checkpoints/epoch_E_step_S/ directories, oldest first, with the one the `latest` pointer names marked."""
+    root = Path(job_dir) / "checkpoints"
+    pointer = root / "latest"
+    latest = None
+    if pointer.is_symlink():
+        latest = Path(os.readlink(pointer)).name
+    elif pointer.is_file():
+        latest = Path(pointer.read_text().strip()).name or None
+    found = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            match = CHECKPOINT_DIR.match(entry.name)
+            if match and entry.is_dir() and not entry.is_symlink():
+                found.append({"path": str(entry), "epoch": int(match.group(1)), "step": int(match.group(2)), "latest": entry.name == latest})
+    return sorted(found, key=lambda c: (c["epoch"], c["step"]))
+
+
+def last_record(path: Path) -> dict[str, Any] | None:
+    """The last complete JSON object line of a file (reads only its tail)."""
+    try:
+        lines = tail_lines(path, 5)
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            return record
+    return None
+
+
+class JobFiles:
+    """Followers of one job's metrics.jsonl and stages.jsonl."""
+
+    def __init__(self, record: JobRecord, from_end: bool):
+        job_dir = Path(record.info.job_dir)
+        self.record_id = record.id
+        self.metrics = JsonlFollower(job_dir / METRICS_FILENAME, self._size(job_dir / METRICS_FILENAME) if from_end else 0)
+        self.stages = JsonlFollower(job_dir / STAGES_FILENAME, self._size(job_dir / STAGES_FILENAME) if from_end else 0)
+        self.latest = last_record(job_dir / METRICS_FILENAME) if from_end else None
+
+    @staticmethod
+    def _size(path: Path) -> int:
+        try:
+            return path.stat().st_size
+        except OSError:
+            return 0
+
+
+class Agent:
+    def __init__(self, run_dir: str | Path, interval: float = 1.0, data_dirs: list[str] | None = None, out: BinaryIO | None = None, gpu_source=None):
+        self.run_dir = Path(run_dir).expanduser().resolve()
+        self.interval = interval
+        self.data_dirs = list(data_dirs or [])
+        self.registry = JobRegistry(self.run_dir)
+        self.gpu = gpu_source if gpu_source is not None else open_gpu_source(stream=True, interval_s=interval)
+        self.out = Output(out if out is not None else sys.stdout.buffer)
+        self.stopping = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agent-request")
+        self._lock = threading.Lock()
+        self._files: dict[str, JobFiles] = {}
+        self._initial_jobs = {record.name for record in self.registry.list_records()}
+        self._last_gpus: list[dict] = []
+        self._last_jobs: list[dict] | None = None
+        self._last_disks: list[dict] = []
+        self._dir_sizes_at = float("-inf")
+        self._jobs_dirty = threading.Event()
+        self._followed_log: dict[str, Any] | None = None
+        self._externals: dict[str, dict[str, Any]] = {}
+        self._handlers: dict[str, Callable[[dict], Any]] = {
+            Request.PING: self._ping,
+            Request.SNAPSHOT: self._snapshot,
+            Request.START_JOB: self._start_job,
+            Request.STOP_PLAN: self._stop_plan,
+            Request.STOP_JOB: self._stop_job,
+            Request.ADOPT_JOB: self._adopt_job,
+            Request.LIST_JOBS: self._list_jobs,
+            Request.HOLDERS: self._holders,
+            Request.TAIL_LOG: self._tail_log,
+            Request.METRICS_HISTORY: self._metrics_history,
+            Request.STAGES_HISTORY: self._stages_history,
+            Request.FOLLOW_LOG: self._follow_log,
+            Request.LIST_CHECKPOINTS: self._list_checkpoints,
+            Request.SIGNALS: self._signals,
+            Request.WATCH_EXTERNAL: self._watch_external,
+            Request.SHUTDOWN: self._shutdown,
+        }
+        self._inline = {Request.PING, Request.SHUTDOWN, Request.FOLLOW_LOG}
+
+    # ------------------------------------------------------------ lifecycle
+
+    def hello(self) -> HelloInfo:
+        return HelloInfo(
+            protocol=PROTOCOL_VERSION,
+            host=socket.gethostname(),
+            python=platform.python_version(),
+            agent_pid=os.getpid(),
+            run_dir=str(self.run_dir),
+            driver=self.gpu.driver,
+            nvml=self.gpu.nvml,
+            gpu_source=self.gpu.name,
+            sglang=sglang_version(),
+            backend_hash=os.environ.get("EAGLE3_BACKEND_HASH") or None,
+        )
+
+    def run(self, stdin: BinaryIO) -> int:
+        """Serve until EOF on stdin, a shutdown request or a closed stdout. Jobs keep running afterwards."""
+        self.out.send({"type": Event.HELLO, **to_dict(self.hello())})
+        ticker = threading.Thread(target=self._tick_loop, name="agent-ticker", daemon=True)
+        ticker.start()
+        try:
+            while not self.stopping.is_set() and not self.out.closed.is_set():
+                line = stdin.readline()
+                if not line:
+                    break
+                if line.strip():
+                    self.handle_line(line)
+        finally:
+            self.stopping.set()
+            self._pool.shutdown(wait=True)  # a stop in its grace period finishes: no job is left half-stopped
+            ticker.join(timeout=max(5.0, 3 * self.interval))
+            self.gpu.close()
+            self.registry.close()
+        return 0
+
+    def _tick_loop(self) -> None:
+        started = time.monotonic()
+        tick = 0
+        while not self.stopping.is_set() and not self.out.closed.is_set():
+            self.tick(tick)
+            tick += 1
+            self.stopping.wait(max(0.0, started + tick * self.interval - time.monotonic()))
+
+    def tick(self, tick: int) -> None:
+        """One telemetry round; a failing part is reported on stderr and the others still run."""
+        parts = [
+            ("gpus", self._emit_gpus),
+            ("jobs", lambda: self._emit_jobs(force=tick % JOBS_EVERY_TICKS == 0)),
+            ("files", self._emit_files),
+            ("log", self._emit_log),
+            ("external", self._emit_externals),
+        ]
+        if tick % DESCENDANTS_EVERY_TICKS == 0:
+            parts.append(("descendants", self.registry.record_descendants))
+        if tick % DISK_EVERY_TICKS == 0:
+            parts.append(("disks", self._emit_disks))
+        for name, part in parts:
+            try:
+                part()
+            except Exception:  # noqa: BLE001 - the agent must keep streaming
+                print(f"agent: {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------ streams
+
+    def _emit_gpus(self) -> None:
+        gpus = to_dict(self.gpu.sample())
+        self._last_gpus = gpus
+        self.out.send({"type": Event.GPUS, "gpus": gpus, "driver": driver_state(self.gpu)})
+
+    def _emit_jobs(self, force: bool = False) -> None:
+        records = self.registry.list_records()
+        wire = [record.to_wire() for record in records]
+        with self._lock:
+            changed = wire != self._last_jobs
+            self._last_jobs = wire
+            self._sync_files(records)
+        if changed or force or self._jobs_dirty.is_set():
+            self._jobs_dirty.clear()
+            self.out.send({"type": Event.JOBS, "jobs": wire})
+
+    def _sync_files(self, records: list[JobRecord]) -> None:
+        names = set()
+        for record in records:
+            names.add(record.name)
+            files = self._files.get(record.name)
+            if files is None or files.record_id != record.id:
+                from_end = record.name in self._initial_jobs and files is None
+                self._files[record.name] = JobFiles(record, from_end)
+        for name in set(self._files) - names:
+            del self._files[name]
+
+    def _emit_files(self) -> None:
+        with self._lock:
+            items = list(self._files.items())
+        for name, files in items:
+            start = files.metrics.offset
+            records = files.metrics.poll()
+            if records:
+                files.latest = records[-1]
+                self.out.send({"type": Event.METRICS, "job": name, "records": records, "offset": files.metrics.offset, "start_offset": start})
+            stages = files.stages.poll()
+            if stages:
+                self.out.send({"type": Event.STAGES, "job": name, "records": stages, "offset": files.stages.offset})
+
+    def _emit_log(self) -> None:
+        follow = self._followed_log
+        if follow is None:
+            return
+        try:
+            size = os.path.getsize(follow["path"])
+        except OSError:
+            return
+        if size < follow["offset"]:
+            follow["offset"] = 0
+        if size == follow["offset"]:
+            return
+        with open(follow["path"], "rb") as handle:
+            handle.seek(follow["offset"])
+            chunk = handle.read(min(size - follow["offset"], LOG_CHUNK_BYTES))
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return
+        follow["offset"] += end + 1
+        lines = chunk[:end].decode(errors="replace").split("\n")
+        self.out.send({"type": Event.LOG, "job": follow["job"], "stream": follow["stream"], "lines": lines})
+
+    def _emit_externals(self) -> None:
+        for name, watch in list(self._externals.items()):
+            records = watch["reader"].poll()
+            if records:
+                watch["records"].extend(records)
+                del watch["records"][:-HISTORY_LIMIT]
+                watch["count"] += len(records)
+                self.out.send({"type": Event.METRICS, "job": name, "records": records, "offset": watch["count"]})
+
+    def _emit_disks(self) -> None:
+        measure = time.monotonic() - self._dir_sizes_at >= DIR_SIZE_EVERY_S
+        disks = to_dict(disks_for(self.run_dir, self.data_dirs, measure_dirs=measure))
+        if measure:
+            self._dir_sizes_at = time.monotonic()
+        else:
+            previous = {(d["path"], d["label"]): d["dir_bytes"] for d in self._last_disks}
+            for disk in disks:
+                disk["dir_bytes"] = previous.get((disk["path"], disk["label"]))
+        self._last_disks = disks
+        self.out.send({"type": Event.DISK, "disks": disks})
+
+    # ------------------------------------------------------------ requests
+
+    def handle_line(self, line: bytes) -> None:
+        try:
+            message = decode(line)
+        except MalformedMessage as exc:
+            self.out.send(reply_error(_id_of(line), ErrorCode.MALFORMED, str(exc)))
+            return
+        request_id = message.get("id")
+        handler = self._handlers.get(message["type"])
+        if handler is None:
+            known = ", ".join(sorted(self._handlers))
+            self.out.send(reply_error(request_id, ErrorCode.UNKNOWN_REQUEST, f"unknown request type {message['type']!r}; known: {known}"))
+            return
+        if message["type"] in self._inline:
+            self._answer(handler, message)
+        else:
+            self._pool.submit(self._answer, handler, message)
+
+    def _answer(self, handler: Callable[[dict], Any], message: dict[str, Any]) -> None:
+        request_id = message.get("id")
+        try:
+            reply = reply_ok(request_id, handler(message))
+        except BadParams as exc:
+            reply = reply_error(request_id, ErrorCode.BAD_PARAMS, str(exc))
+        except JobError as exc:
+            reply = reply_error(request_id, exc.code, str(exc))
+        except Unavailable as exc:
+            reply = reply_error(request_id, ErrorCode.INTERNAL, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a failing request must not take the agent down
+            print(f"agent: {message['type']} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            reply = reply_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        self.out.send(reply)
+
+    def _names(self, message: dict[str, Any]) -> tuple[list[str] | None, bool]:
+        all_jobs = param(message, "all", bool, False)
+        name = param(message, "name", str, None)
+        if not all_jobs and name is None:
+            raise BadParams("name", "give a job name, or all: true")
+        return ([name] if name and not all_jobs else None), all_jobs
+
+    def _ping(self, message: dict) -> dict:
+        return {"pong": True, "time": time.time()}
+
+    def _snapshot(self, message: dict) -> dict:
+        with self._lock:
+            latest = {name: files.latest for name, files in self._files.items() if files.latest is not None}
+        latest.update({name: watch["records"][-1] for name, watch in self._externals.items() if watch["records"]})
+        return {
+            "hello": to_dict(self.hello()),
+            "gpus": self._last_gpus,
+            "driver": driver_state(self.gpu),
+            "jobs": [record.to_wire() for record in self.registry.list_records()],
+            "metrics": latest,
+            "disks": self._last_disks,
+        }
+
+    def _start_job(self, message: dict) -> dict:
+        info = self.registry.start_job(
+            param(message, "name", str),
+            param(message, "kind", str, "other"),
+            param(message, "argv", list),
+            cwd=param(message, "cwd", str, None),
+            env=param(message, "env", dict, None),
+        )
+        self._jobs_dirty.set()
+        return {"job": self.registry.get(info.name).to_wire()}
+
+    def _foreign_holders(self) -> list[dict]:
+        report = holders_mod.list_holders(self.gpu, owner_lookup=self.registry.owned_pids)
+        return [{"pid": h.pid, "user": h.user, "cmdline": h.cmdline, "used_memory_mib": h.used_memory_mib} for h in report.foreign]
+
+    def _stop_plan(self, message: dict) -> Any:
+        names, all_jobs = self._names(message)
+        return self.registry.stop_plan(names, all_jobs, foreign_holders=self._foreign_holders())
+
+    def _stop_job(self, message: dict) -> dict:
+        names, all_jobs = self._names(message)
+        grace = param(message, "grace", float, 30.0)
+        if grace < 0:
+            raise BadParams("grace", "must be >= 0 seconds")
+        verdicts = self.registry.stop(names, all_jobs, grace=grace, gpu_source=self.gpu)
+        self._jobs_dirty.set()
+        return {"verdicts": verdicts}
+
+    def _adopt_job(self, message: dict) -> dict:
+        info = self.registry.adopt(param(message, "pid", int), param(message, "name", str), param(message, "confirm_pid", int))
+        self._jobs_dirty.set()
+        return {"job": self.registry.get(info.name).to_wire()}
+
+    def _list_jobs(self, message: dict) -> dict:
+        return {"jobs": [record.to_wire() for record in self.registry.list_records()]}
+
+    def _holders(self, message: dict) -> dict:
+        return holders_mod.list_holders(self.gpu, owner_lookup=self.registry.owned_pids).to_dict()
+
+    def _tail_log(self, message: dict) -> dict:
+        record = self.registry.get(param(message, "name", str))
+        stream = param(message, "stream", str, "stdout", choices=("stdout", "stderr"))
+        count = param(message, "lines", int, 100)
+        path = record.info.stdout_path if stream == "stdout" else record.info.stderr_path
+        try:
+            return {"lines": tail_lines(path, count), "path": path}
+        except FileNotFoundError:
+            raise JobError(f"job {record.name!r} has no {stream} log at {path}") from None
+
+    def _metrics_history(self, message: dict) -> dict:
+        name = param(message, "name", str)
+        offset = param(message, "offset", int, 0)
+        if name in self._externals:
+            records = self._externals[name]["records"][offset:]
+            return {"records": records, "offset": offset + len(records), "more": False}
+        record = self.registry.get(name)
+        follower = JsonlFollower(Path(record.info.job_dir) / METRICS_FILENAME, offset)
+        records: list[dict] = []
+        while len(records) < HISTORY_LIMIT:
+            batch = follower.poll()
+            if not batch:
+                break
+            records.extend(batch)
+        return {"records": records, "offset": follower.offset, "bad_lines": follower.bad_lines, "more": len(records) >= HISTORY_LIMIT}
+
+    def _stages_history(self, message: dict) -> dict:
+        record = self.registry.get(param(message, "name", str))
+        return {"records": JsonlFollower(Path(record.info.job_dir) / STAGES_FILENAME).read_all()}
+
+    def _follow_log(self, message: dict) -> dict:
+        name = param(message, "name", str, None)
+        if name is None:
+            self._followed_log = None
+            return {}
+        stream = param(message, "stream", str, "stdout", choices=("stdout", "stderr"))
+        record = self.registry.get(name)
+        path = record.info.stdout_path if stream == "stdout" else record.info.stderr_path
+        offset = os.path.getsize(path) if os.path.exists(path) else 0
+        self._followed_log = {"job": name, "stream": stream, "path": path, "offset": offset}
+        return {"path": path, "offset": offset}
+
+    def _list_checkpoints(self, message: dict) -> dict:
+        record = self.registry.get(param(message, "name", str))
+        return {"checkpoints": list_checkpoints(record.info.job_dir)}
+
+    def _signals(self, message: dict) -> Any:
+        name = param(message, "name", str)
+        module = _optional_module("backend.signals", "grokking/health signals")
+        if name in self._externals:
+            records = self._externals[name]["records"]
+        else:
+            records = JsonlFollower(Path(self.registry.get(name).info.job_dir) / METRICS_FILENAME).read_all()
+        return module.compute_signals(records)
+
+    def _watch_external(self, message: dict) -> dict:
+        name = param(message, "name", str)
+        path = param(message, "path", str)
+        module = _optional_module("backend.external", "watching external runs")
+        try:
+            reader = module.ExternalRunReader(path)
+        except (OSError, ValueError) as exc:
+            raise BadParams("path", f"{path!r} cannot be watched: {exc}") from None
+        job = f"ext:{name}"
+        self._externals[job] = {"reader": reader, "records": [], "count": 0}
+        return {"job": job}
+
+    def _shutdown(self, message: dict) -> dict:
+        self.stopping.set()
+        return {}
+
+
+def _optional_module(name: str, purpose: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name == name:
+            raise Unavailable(f"{name} is not part of this build, so {purpose} are unavailable on this host") from None
+        raise
+
+
+def _id_of(line: bytes) -> Any:
+    """The id of a malformed request when it is a JSON object that has one (null otherwise)."""
+    try:
+        message = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return message.get("id") if isinstance(message, dict) else None
+
+
+def protocol_stdout() -> BinaryIO:
+    """Keep the protocol stream private: fd 1 becomes a copy of stderr so a stray print cannot corrupt it."""
+    stream = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return stream
+
+
+def run_agent(run_dir: str | Path, interval: float = 1.0, data_dirs: list[str] | None = None) -> int:
+    out = protocol_stdout()
+
+    def terminate(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, terminate)
+    agent = Agent(run_dir, interval, data_dirs, out=out)
+    try:
+        return agent.run(sys.stdin.buffer)
+    except (SystemExit, KeyboardInterrupt):
+        return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m backend.agent", description="eagle3 host agent: JSON lines on stdin/stdout")
+    parser.add_argument("--run-dir", required=True, type=Path, help="where jobs.db and job directories live")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between telemetry ticks (default 1.0)")
+    parser.add_argument("--data-dir", action="append", default=[], help="a data directory whose disk room is reported (repeatable)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.interval <= 0:
+        print("agent: --interval must be > 0", file=sys.stderr)
+        return 2
+    return run_agent(args.run_dir, args.interval, args.data_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

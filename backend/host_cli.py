@@ -1,0 +1,324 @@
+"""`eagle3-host gpus | holders | job ... | agent`: the host-side commands for GPUs, GPU holders and owned jobs."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from backend import procs
+from backend.protocol import to_dict
+
+KIND_CHOICES = ("train", "serve", "bench", "chain", "other")
+OK_OUTCOMES = {"exited_on_term", "killed", "already_gone", "stale_not_signalled"}
+
+
+def register(subparsers, parent: argparse.ArgumentParser) -> None:
+    gpus = subparsers.add_parser("gpus", parents=[parent], help="GPU memory, utilization, temperature, power and compute processes")
+    gpus.add_argument("--json", action="store_true", help="print JSON")
+    gpus.set_defaults(handler=cmd_gpus)
+
+    holders = subparsers.add_parser("holders", parents=[parent], help="processes holding a GPU, marked owned (a job's) or foreign")
+    holders.add_argument("--json", action="store_true", help="print JSON")
+    holders.set_defaults(handler=cmd_holders)
+
+    job = subparsers.add_parser("job", help="start, list, plan, stop, adopt and tail owned jobs")
+    actions = job.add_subparsers(dest="job_command", metavar="ACTION", required=True)
+
+    start = actions.add_parser("start", parents=[parent], help="start CMD as a job in its own session")
+    start.add_argument("--name", required=True)
+    start.add_argument("--kind", default="other", choices=KIND_CHOICES)
+    start.add_argument("--cwd", default=None, help="working directory (default: the current one)")
+    start.add_argument("--json", action="store_true")
+    start.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    start.set_defaults(handler=cmd_job_start)
+
+    listing = actions.add_parser("list", parents=[parent], help="all jobs of the run dir with their state")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(handler=cmd_job_list)
+
+    for action, helptext, handler in (
+        ("stop", "SIGTERM, grace period, SIGKILL; only processes proven to be the job's", cmd_job_stop),
+        ("plan", "show exactly what stop would signal, without signalling", cmd_job_plan),
+    ):
+        sub = actions.add_parser(action, parents=[parent], help=helptext)
+        which = sub.add_mutually_exclusive_group(required=True)
+        which.add_argument("--name")
+        which.add_argument("--all", action="store_true", help="every job of this run dir")
+        if action == "stop":
+            sub.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (default 30)")
+        sub.add_argument("--json", action="store_true")
+        sub.set_defaults(handler=handler)
+
+    adopt = actions.add_parser("adopt", parents=[parent], help="register a running process this tool did not start")
+    adopt.add_argument("pid", type=int)
+    adopt.add_argument("--name", required=True)
+    adopt.add_argument("--yes", action="store_true", help="confirm: this PID is yours and may be signalled by job stop")
+    adopt.add_argument("--json", action="store_true")
+    adopt.set_defaults(handler=cmd_job_adopt)
+
+    tail = actions.add_parser("tail", parents=[parent], help="last lines of a job's stdout (or stderr)")
+    tail.add_argument("name")
+    tail.add_argument("--stderr", action="store_true")
+    tail.add_argument("-n", type=int, default=20, help="how many lines (default 20)")
+    tail.set_defaults(handler=cmd_job_tail)
+
+    agent = subparsers.add_parser("agent", parents=[parent], help="run the JSON-lines agent on stdin/stdout (what the console starts over SSH)")
+    agent.add_argument("--interval", type=float, default=1.0)
+    agent.add_argument("--data-dir", action="append", default=[])
+    agent.set_defaults(handler=cmd_agent)
+
+
+# ---------------------------------------------------------------- output helpers
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[str(value) for value in row] for row in rows]
+    widths = [max([len(header)] + [len(row[i]) for row in cells]) for i, header in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def emit_json(data: Any) -> None:
+    print(json.dumps(to_dict(data), indent=2))
+
+
+def fail(message: str, code: int = 1) -> int:
+    print(f"eagle3-host: {message}", file=sys.stderr)
+    return code
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _registry(args):
+    from backend.jobs import JobRegistry
+
+    return JobRegistry(args.run_dir)
+
+
+def _job_errors(handler):
+    """JobError -> message on stderr; exit 2 for bad parameters, 1 for other failures."""
+
+    def wrapped(args) -> int:
+        from backend.jobs import JobBadParams, JobError
+
+        try:
+            return handler(args)
+        except JobBadParams as exc:
+            return fail(str(exc), 2)
+        except JobError as exc:
+            return fail(str(exc), 1)
+
+    wrapped.__name__ = handler.__name__
+    return wrapped
+
+
+# ---------------------------------------------------------------- gpus and holders
+
+
+def cmd_gpus(args) -> int:
+    from backend.gpu import GpuParseError, driver_state, open_gpu_source
+
+    source = open_gpu_source(stream=False)
+    try:
+        samples = source.sample()
+    except (GpuParseError, OSError) as exc:
+        return fail(f"reading GPUs through {source.name} failed: {exc}")
+    finally:
+        source.close()
+    state = driver_state(source)
+    if args.json:
+        emit_json({"gpus": samples, "driver": state})
+        return 0
+    print(f"source: {state['source']}  driver: {state['driver'] or '-'}  ({state['message']})")
+    if not samples:
+        print("no GPUs to show")
+        return 0
+    rows = [
+        [s.index, s.name, f"{_mib(s.memory_used_mib)} / {_mib(s.memory_total_mib)}", _pct(s.utilization_pct), _unit(s.temperature_c, "C"), _unit(s.power_w, "W"),
+         " ".join(f"{p.pid}:{_mib(p.used_memory_mib)}" for p in s.processes) or "-"]
+        for s in samples
+    ]
+    print(table(["GPU", "NAME", "MEM MiB", "UTIL", "TEMP", "POWER", "PROCESSES pid:MiB"], rows))
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}%"
+
+
+def _unit(value: float | None, unit: str) -> str:
+    return "-" if value is None else f"{value:.0f}{unit}"
+
+
+def cmd_holders(args) -> int:
+    from backend.gpu import open_gpu_source
+    from backend.holders import FuserOutputError, list_holders
+
+    registry = _registry(args)
+    source = open_gpu_source(stream=False)
+    try:
+        report = list_holders(source, owner_lookup=registry.owned_pids)
+    except FuserOutputError as exc:
+        return fail(f"fuser output was not PIDs only, nothing reported: {exc}")
+    finally:
+        source.close()
+    if args.json:
+        emit_json(report.to_dict())
+        return 0
+    if report.holders:
+        rows = [
+            [h.pid, f"job {h.job}" if h.owned else "FOREIGN", h.user, ",".join(map(str, h.gpu_indices)) or "-", _mib(h.used_memory_mib), "+".join(h.sources), h.cmdline[:80]]
+            for h in report.holders
+        ]
+        print(table(["PID", "OWNER", "USER", "GPUS", "MiB", "SEEN BY", "COMMAND"], rows))
+    else:
+        print("nobody holds a GPU")
+    print(f"gpu source: {report.gpu_source}; fuser: {report.fuser.state} ({report.fuser.message}; {report.fuser.stderr_lines} stderr lines ignored)")
+    return 0
+
+
+# ---------------------------------------------------------------- jobs
+
+
+@_job_errors
+def cmd_job_start(args) -> int:
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        return fail("job start needs a command after --, e.g. eagle3-host job start --name t -- python3 train.py", 2)
+    info = _registry(args).start_job(args.name, args.kind, cmd, cwd=args.cwd)
+    if args.json:
+        emit_json(info)
+    else:
+        print(f"started job {info.name}: pid {info.pid} (group {info.pgid}); logs {info.stdout_path} and {info.stderr_path}")
+    return 0
+
+
+def _age(started_at: float) -> str:
+    seconds = max(0, int(time.time() - started_at))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+@_job_errors
+def cmd_job_list(args) -> int:
+    records = _registry(args).list_records()
+    if args.json:
+        emit_json([record.to_wire() for record in records])
+        return 0
+    if not records:
+        print(f"no jobs in {args.run_dir}")
+        return 0
+    rows = [
+        [r.name, r.info.kind, r.info.state, r.info.pid, "-" if r.info.exit_code is None else r.info.exit_code, _age(r.info.started_at),
+         " ".join(r.info.argv)[:60], r.detail]
+        for r in records
+    ]
+    print(table(["NAME", "KIND", "STATE", "PID", "EXIT", "AGE", "COMMAND", "DETAIL"], rows))
+    return 0
+
+
+def _plan_foreign(registry) -> list[dict]:
+    from backend.gpu import open_gpu_source
+    from backend.holders import list_holders
+
+    source = open_gpu_source(stream=False)
+    try:
+        report = list_holders(source, owner_lookup=registry.owned_pids)
+    finally:
+        source.close()
+    return [{"pid": h.pid, "user": h.user, "cmdline": h.cmdline, "used_memory_mib": h.used_memory_mib} for h in report.foreign]
+
+
+@_job_errors
+def cmd_job_plan(args) -> int:
+    registry = _registry(args)
+    plan = registry.stop_plan([args.name] if args.name else None, args.all, foreign_holders=_plan_foreign(registry))
+    if args.json:
+        emit_json(plan)
+        return 0
+    print_plan(plan)
+    return 0
+
+
+def print_plan(plan) -> None:
+    if plan.will_signal:
+        print("will signal (SIGTERM to the group, SIGKILL after the grace period):")
+        print(table(["PID", "JOB", "ROLE", "COMMAND"], [[w["pid"], w["job"], w["role"], w["cmdline"][:80]] for w in plan.will_signal]))
+    else:
+        print("nothing to signal")
+    for stale in plan.stale:
+        print(f"stale, NOT signalled: job {stale['job']} pid {stale['pid']}: {stale['reason']}")
+    for holder in plan.foreign_gpu_holders:
+        print(f"foreign GPU holder, left alone: pid {holder['pid']} user {holder['user']} {_mib(holder['used_memory_mib'])} MiB: {holder['cmdline'][:80]}")
+    if plan.checkpoint_first:
+        print("a training job is among them: it writes a checkpoint on SIGTERM, so give it its grace period")
+
+
+@_job_errors
+def cmd_job_stop(args) -> int:
+    from backend.gpu import open_gpu_source
+
+    if args.grace < 0:
+        return fail("--grace must be >= 0 seconds", 2)
+    registry = _registry(args)
+    source = open_gpu_source(stream=False)
+    try:
+        verdicts = registry.stop([args.name] if args.name else None, args.all, grace=args.grace, gpu_source=source)
+    finally:
+        source.close()
+    if args.json:
+        emit_json({"verdicts": verdicts})
+    elif verdicts:
+        print(table(["PID", "ROLE", "OUTCOME", "DETAIL"], [[v.pid, v.role, v.outcome, v.detail] for v in verdicts]))
+    else:
+        print("no job processes to stop")
+    survivors = [v for v in verdicts if v.outcome not in OK_OUTCOMES]
+    if survivors:
+        return fail(f"{len(survivors)} process(es) survived SIGKILL: {', '.join(str(v.pid) for v in survivors)}")
+    return 0
+
+
+@_job_errors
+def cmd_job_adopt(args) -> int:
+    if not args.yes:
+        command = procs.cmdline(args.pid) or "(no such process)"
+        return fail(
+            f"refusing to adopt PID {args.pid} without --yes. Adopting makes `job stop` signal it and its children; "
+            f"check that it is yours ({command[:100]}) and run again with --yes. Nothing was adopted.",
+            2,
+        )
+    info = _registry(args).adopt(args.pid, args.name, confirm_pid=args.pid)
+    if args.json:
+        emit_json(info)
+    else:
+        print(f"adopted PID {info.pid} as job {info.name} (group {info.pgid})")
+    return 0
+
+
+@_job_errors
+def cmd_job_tail(args) -> int:
+    from backend.jobs import tail_lines
+
+    if args.n < 0:
+        return fail("-n must be >= 0", 2)
+    record = _registry(args).get(args.name)
+    path = record.info.stderr_path if args.stderr else record.info.stdout_path
+    try:
+        lines = tail_lines(path, args.n)
+    except FileNotFoundError:
+        return fail(f"job {args.name} has no log at {path}")
+    for line in lines:
+        print(line)
+    return 0
+
+
+def cmd_agent(args) -> int:
+    from backend.agent import run_agent
+
+    if args.interval <= 0:
+        return fail("--interval must be > 0", 2)
+    return run_agent(args.run_dir, args.interval, args.data_dir)

@@ -1,0 +1,838 @@
+"""Owned jobs: the SQLite registry at run_dir/jobs.db, starting through a watcher, reaping, stop plans and identity-checked stops.
+
+How a job runs (why there is a watcher): the agent or CLI spawns `python -m backend.jobs watch JOB_DIR -- CMD...`
+in a new session. The watcher starts CMD in another new session, so CMD is the job's leader (its pid is the
+job pid, pgid and session id), writes leader.json, then waits for CMD and writes its exit status to the
+`exit_code` file (negative = killed by that signal). The watcher is outside the job's process group, so
+stopping the group never kills it, and it outlives the agent and the SSH connection: the exit code is known
+even when whoever started the job has died. The watcher is also a child subreaper, so a descendant whose
+parent died (or that called setsid) stays in the watcher's process tree, where stop finds it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from backend import procs
+from backend.protocol import ErrorCode, JobInfo, ProcessVerdict, StopPlan, to_dict
+
+KINDS = ("train", "serve", "bench", "chain", "other", "adopted")
+TERMINAL = ("exited", "stopped")
+JOB_TOKEN_ENV = "EAGLE3_JOB_TOKEN"  # in the job's environment; inherited by everything it starts
+WATCH_TOKEN_ENV = "EAGLE3_WATCH_TOKEN"  # the watcher's copy, under another name so the watcher never looks like a job process
+EXIT_FILE = "exit_code"
+LEADER_FILE = "leader.json"
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+START_TIMEOUT_S = 30.0
+PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    state TEXT NOT NULL,
+    detail TEXT NOT NULL DEFAULT '',
+    pid INTEGER NOT NULL DEFAULT 0,
+    pgid INTEGER NOT NULL DEFAULT 0,
+    start_time_ticks INTEGER NOT NULL DEFAULT 0,
+    argv TEXT NOT NULL,
+    cwd TEXT,
+    job_dir TEXT NOT NULL,
+    stdout_path TEXT NOT NULL,
+    stderr_path TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    exit_code INTEGER,
+    adopted INTEGER NOT NULL DEFAULT 0,
+    token TEXT,
+    watcher_pid INTEGER,
+    watcher_start INTEGER,
+    stop_requested_at REAL,
+    archived INTEGER NOT NULL DEFAULT 0
+);
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_active_name ON jobs(name) WHERE archived = 0;
+CREATE TABLE IF NOT EXISTS job_procs (
+    job_id INTEGER NOT NULL,
+    pid INTEGER NOT NULL,
+    start_time INTEGER NOT NULL,
+    role TEXT NOT NULL,
+    cmdline TEXT NOT NULL DEFAULT '',
+    seen_at REAL NOT NULL,
+    PRIMARY KEY (job_id, pid, start_time)
+);
+"""
+
+
+class JobError(Exception):
+    code = ErrorCode.INTERNAL
+
+
+class JobConflict(JobError):
+    code = ErrorCode.CONFLICT
+
+
+class JobNotFound(JobError):
+    code = ErrorCode.NOT_FOUND
+
+
+class JobRefused(JobError):
+    code = ErrorCode.REFUSED
+
+
+class JobBadParams(JobError):
+    code = ErrorCode.BAD_PARAMS
+
+
+@dataclass
+class JobRecord:
+    """A jobs.db row: the wire JobInfo plus what only the registry needs."""
+
+    id: int
+    info: JobInfo
+    detail: str
+    cwd: str | None
+    token: str | None
+    watcher_pid: int | None
+    watcher_start: int | None
+    stop_requested_at: float | None
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**to_dict(self.info), "detail": self.detail}
+
+
+@dataclass
+class Target:
+    """A process a stop will signal, pinned by its identity (pid, start time)."""
+
+    pid: int
+    start: int
+    pgid: int
+    role: str  # leader | group | descendant
+    job: str
+    cmdline: str = ""
+
+
+@dataclass
+class JobPlan:
+    record: JobRecord
+    state: str
+    targets: list[Target] = field(default_factory=list)
+    group_signal: bool = False  # killpg(pgid) is safe: the leader is verified and still leads its group
+    stale_reason: str | None = None
+
+
+def resolve_argv(argv: list[str]) -> list[str]:
+    """`eagle3-host ...` runs as this Python's `-m backend`, whether or not the script is on PATH."""
+    if argv and argv[0] == "eagle3-host":
+        return [sys.executable, "-m", "backend", *argv[1:]]
+    return list(argv)
+
+
+def read_exit_file(job_dir: str | Path) -> tuple[int | None, float | None]:
+    path = Path(job_dir) / EXIT_FILE
+    try:
+        return int(path.read_text().strip()), path.stat().st_mtime
+    except (OSError, ValueError):
+        return None, None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def tail_lines(path: str | Path, count: int, block: int = 65536) -> list[str]:
+    """The last `count` lines of a file, reading backwards in blocks (logs can be gigabytes)."""
+    if count <= 0:
+        return []
+    with open(path, "rb") as handle:
+        handle.seek(0, os.SEEK_END)
+        end = handle.tell()
+        data = b""
+        while end > 0 and data.count(b"\n") <= count:
+            step = min(block, end)
+            end -= step
+            handle.seek(end)
+            data = handle.read(step) + data
+    lines = data.decode(errors="replace").splitlines()
+    return lines[-count:]
+
+
+def protected_pids() -> set[int]:
+    """This process and its ancestors: a stop run from inside a job must not cut the branch it sits on."""
+    return {os.getpid(), *procs.ancestors(os.getpid())}
+
+
+class JobRegistry:
+    """All jobs of one run dir. Safe to use from several threads and several processes at once."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir).expanduser().resolve()
+        self.jobs_dir = self.run_dir / "jobs"
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        self.db_path = self.run_dir / "jobs.db"
+        self._local = threading.local()
+        self._watchers: dict[int, subprocess.Popen] = {}  # job id -> watcher we spawned (reaped by refresh)
+        self._watchers_lock = threading.Lock()
+        self._db()
+
+    # ------------------------------------------------------------ database
+
+    def _db(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.db_path, timeout=30.0, isolation_level=None)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA busy_timeout = 30000")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.executescript(SCHEMA)
+            self._local.conn = conn
+        return conn
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, taken up front (BEGIN IMMEDIATE) so check-then-insert is atomic across processes."""
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    @staticmethod
+    def _record(row: sqlite3.Row) -> JobRecord:
+        info = JobInfo(
+            name=row["name"],
+            kind=row["kind"],
+            state=row["state"],
+            pid=row["pid"],
+            pgid=row["pgid"],
+            start_time_ticks=row["start_time_ticks"],
+            argv=json.loads(row["argv"]),
+            job_dir=row["job_dir"],
+            stdout_path=row["stdout_path"],
+            stderr_path=row["stderr_path"],
+            started_at=row["started_at"],
+            ended_at=row["ended_at"],
+            exit_code=row["exit_code"],
+            adopted=bool(row["adopted"]),
+        )
+        return JobRecord(row["id"], info, row["detail"], row["cwd"], row["token"], row["watcher_pid"], row["watcher_start"], row["stop_requested_at"])
+
+    def _active(self, db: sqlite3.Connection | None = None, name: str | None = None) -> list[JobRecord]:
+        db = db or self._db()
+        if name is None:
+            rows = db.execute("SELECT * FROM jobs WHERE archived = 0 ORDER BY started_at, id").fetchall()
+        else:
+            rows = db.execute("SELECT * FROM jobs WHERE archived = 0 AND name = ?", (name,)).fetchall()
+        return [self._record(row) for row in rows]
+
+    def _update(self, db: sqlite3.Connection, job_id: int, **values: Any) -> None:
+        columns = ", ".join(f"{key} = ?" for key in values)
+        db.execute(f"UPDATE jobs SET {columns} WHERE id = ?", (*values.values(), job_id))
+
+    # ------------------------------------------------------------ state
+
+    def _watcher_alive(self, record: JobRecord) -> bool:
+        return bool(record.watcher_pid) and procs.is_alive(record.watcher_pid, record.watcher_start)
+
+    def _evaluate(self, record: JobRecord) -> tuple[str, str, int | None, float | None]:
+        """(state, detail, exit_code, ended_at) from /proc, the exit file and the watcher; terminal states stick."""
+        info = record.info
+        if info.state in TERMINAL:
+            return info.state, record.detail, info.exit_code, info.ended_at
+        if info.pid == 0:
+            if time.time() - info.started_at > START_TIMEOUT_S:
+                return "stale", "the start never completed (no leader PID was recorded)", None, None
+            return "unknown", "starting", None, None
+        stat = procs.read_stat(info.pid)
+        if stat is not None and stat.running and stat.start_time == info.start_time_ticks:
+            return "running", "", None, None
+        exit_code, ended_at = read_exit_file(info.job_dir)
+        if exit_code is not None:
+            state = "stopped" if record.stop_requested_at else "exited"
+            return state, record.detail if state == "stopped" else "", exit_code, ended_at
+        if stat is not None and stat.running:
+            return "stale", (
+                f"PID {info.pid} now belongs to another program (start time {stat.start_time}, "
+                f"recorded {info.start_time_ticks}); never signalled"
+            ), None, None
+        if self._watcher_alive(record):
+            return "running", "leader exiting; waiting for its exit status", None, None
+        if record.stop_requested_at:
+            return "stopped", record.detail or "stopped; exit status not recorded", None, record.stop_requested_at
+        why = "adopted, so its exit status is unknown" if info.adopted else "no exit status was recorded"
+        return "stale", f"process {info.pid} is gone; {why}", None, None
+
+    def _reap_watchers(self) -> None:
+        with self._watchers_lock:
+            for job_id, proc in list(self._watchers.items()):
+                if proc.poll() is not None:
+                    del self._watchers[job_id]
+
+    def refresh(self) -> list[JobRecord]:
+        """Re-check every active job and store what changed; returns the active records."""
+        self._reap_watchers()
+        records = self._active()
+        changed = []
+        for record in records:
+            state, detail, exit_code, ended_at = self._evaluate(record)
+            info = record.info
+            if (state, detail, exit_code, ended_at) != (info.state, record.detail, info.exit_code, info.ended_at):
+                info.state, record.detail, info.exit_code, info.ended_at = state, detail, exit_code, ended_at
+                changed.append(record)
+        if changed:
+            with self._write() as db:
+                for record in changed:
+                    info = record.info
+                    self._update(db, record.id, state=info.state, detail=record.detail, exit_code=info.exit_code, ended_at=info.ended_at)
+        return records
+
+    def list_jobs(self) -> list[JobInfo]:
+        return [record.info for record in self.refresh()]
+
+    def list_records(self) -> list[JobRecord]:
+        return self.refresh()
+
+    def get(self, name: str) -> JobRecord:
+        for record in self.refresh():
+            if record.name == name:
+                return record
+        raise JobNotFound(f"no job named {name!r} in {self.db_path}")
+
+    # ------------------------------------------------------------ start
+
+    def _job_env(self, name: str, job_dir: Path, env: dict[str, str] | None) -> dict[str, str]:
+        merged = dict(os.environ)
+        merged.pop(JOB_TOKEN_ENV, None)
+        merged.update(env or {})
+        merged["EAGLE3_JOB_DIR"] = str(job_dir)
+        merged["EAGLE3_RUN_DIR"] = str(self.run_dir)
+        merged["EAGLE3_JOB_NAME"] = name
+        old_path = merged.get("PYTHONPATH")
+        merged["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + old_path if old_path else "")
+        return merged
+
+    @staticmethod
+    def _check_start_params(name: str, kind: str, argv: Any, cwd: Any, env: Any) -> None:
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise JobBadParams(f"name: {name!r} is not a job name (letters, digits, '.', '_', '-'; at most 64; no '/' or ':')")
+        if kind not in KINDS or kind == "adopted":
+            raise JobBadParams(f"kind: {kind!r} is not one of {', '.join(k for k in KINDS if k != 'adopted')}")
+        if not isinstance(argv, list) or not argv or not all(isinstance(arg, str) for arg in argv):
+            raise JobBadParams("argv: expected a non-empty list of strings")
+        if cwd is not None and not Path(cwd).is_dir():
+            raise JobBadParams(f"cwd: {cwd!r} is not a directory")
+        if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+            raise JobBadParams("env: expected an object of string to string")
+
+    @staticmethod
+    def _check_executable(argv: list[str], env: dict[str, str], cwd: str | None) -> None:
+        program = argv[0]
+        if os.sep in program:
+            path = Path(cwd or ".") / program
+            if not (path.is_file() and os.access(path, os.X_OK)):
+                raise JobBadParams(f"argv: {program!r} is not an executable file; nothing was started")
+        elif shutil.which(program, path=env.get("PATH")) is None:
+            raise JobBadParams(f"argv: {program!r} was not found on PATH; nothing was started")
+
+    def _archive_dir(self, job_dir: Path) -> Path:
+        """Rename a finished job's directory aside (never delete): NAME.YYYYmmdd-HHMMSS[-N]."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = job_dir.with_name(f"{job_dir.name}.{stamp}")
+        counter = 1
+        while target.exists():
+            target = job_dir.with_name(f"{job_dir.name}.{stamp}-{counter}")
+            counter += 1
+        job_dir.rename(target)
+        return target
+
+    def _archive_record(self, db: sqlite3.Connection, record: JobRecord) -> None:
+        old_dir = Path(record.info.job_dir)
+        new_dir = self._archive_dir(old_dir) if old_dir.exists() else old_dir
+
+        def moved(path: str) -> str:
+            return str(new_dir / Path(path).relative_to(old_dir)) if path.startswith(str(old_dir) + os.sep) else path
+
+        self._update(db, record.id, archived=1, job_dir=str(new_dir), stdout_path=moved(record.info.stdout_path), stderr_path=moved(record.info.stderr_path))
+
+    def _claim_name(self, db: sqlite3.Connection, name: str) -> None:
+        """Raise JobConflict if `name` is in use; archive a finished job of that name otherwise."""
+        for record in self._active(db, name):
+            state, detail, _, _ = self._evaluate(record)
+            if state in ("running", "unknown"):
+                raise JobConflict(f"job {name!r} is {state} (pid {record.info.pid}); stop it or pick another name. Nothing was started")
+            leftovers = self._watcher_alive(record) and procs.ProcTable.scan().descendants(record.watcher_pid)
+            if leftovers:
+                raise JobConflict(f"job {name!r} has ended but its processes {leftovers} still run; stop it first. Nothing was started")
+            self._archive_record(db, record)
+        job_dir = self.jobs_dir / name
+        if job_dir.exists():
+            self._archive_dir(job_dir)
+
+    def start_job(self, name: str, kind: str, argv: list[str], cwd: str | None = None, env: dict[str, str] | None = None) -> JobInfo:
+        """Start argv as job `name` in its own session, logs under run_dir/jobs/<name>/; returns once its leader is recorded."""
+        self._check_start_params(name, kind, argv, cwd, env)
+        argv = resolve_argv(argv)
+        job_dir = self.jobs_dir / name
+        job_env = self._job_env(name, job_dir, env)
+        self._check_executable(argv, job_env, cwd)
+        token = secrets.token_hex(16)
+        with self._write() as db:
+            self._claim_name(db, name)
+            job_dir.mkdir(parents=True)
+            cursor = db.execute(
+                "INSERT INTO jobs (name, kind, state, detail, argv, cwd, job_dir, stdout_path, stderr_path, started_at, token)"
+                " VALUES (?, ?, 'unknown', 'starting', ?, ?, ?, ?, ?, ?, ?)",
+                (name, kind, json.dumps(argv), cwd, str(job_dir), str(job_dir / "stdout.log"), str(job_dir / "stderr.log"), time.time(), token),
+            )
+            job_id = cursor.lastrowid
+        leader = self._spawn_watcher(job_id, job_dir, argv, cwd, {**job_env, WATCH_TOKEN_ENV: token})
+        with self._write() as db:
+            if "error" in leader:
+                self._update(db, job_id, state="exited", detail=leader["error"], exit_code=leader.get("exit_code"), ended_at=time.time())
+            else:
+                self._update(
+                    db,
+                    job_id,
+                    state="running",
+                    detail="",
+                    pid=leader["pid"],
+                    pgid=leader["pgid"],
+                    start_time_ticks=leader["start_time_ticks"],
+                    watcher_pid=leader["watcher_pid"],
+                    watcher_start=leader["watcher_start"],
+                )
+        if "error" in leader:
+            raise JobError(f"job {name!r} could not start: {leader['error']} (record kept as exited; see {job_dir / 'stderr.log'})")
+        return self.get(name).info
+
+    def _spawn_watcher(self, job_id: int, job_dir: Path, argv: list[str], cwd: str | None, env: dict[str, str]) -> dict[str, Any]:
+        with open(job_dir / "watcher.log", "ab") as watcher_log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "backend.jobs", "watch", str(job_dir), "--", *argv],
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=watcher_log,
+                start_new_session=True,
+            )
+        with self._watchers_lock:
+            self._watchers[job_id] = proc
+        try:
+            ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+            line = proc.stdout.readline() if ready else b""
+        finally:
+            proc.stdout.close()
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            return {"error": f"the watcher did not report a leader within {START_TIMEOUT_S:.0f}s (see {job_dir / 'watcher.log'})"}
+
+    # ------------------------------------------------------------ adopt
+
+    def adopt(self, pid: int, name: str, confirm_pid: int) -> JobInfo:
+        """Register a process this tool did not start, only when the operator typed its PID a second time."""
+        if confirm_pid != pid:
+            raise JobRefused(f"confirmation PID {confirm_pid} does not match PID {pid}; nothing was adopted")
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise JobBadParams(f"name: {name!r} is not a job name")
+        stat = procs.read_stat(pid)
+        if stat is None or not stat.running:
+            raise JobNotFound(f"no running process with PID {pid}; nothing was adopted")
+        if pid in protected_pids():
+            raise JobRefused(f"PID {pid} is this tool or one of its parents; nothing was adopted")
+        owner = self.owned_pids([pid]).get(pid)
+        if owner is not None:
+            raise JobConflict(f"PID {pid} already belongs to job {owner!r}; nothing was adopted")
+        job_dir = self.jobs_dir / name
+        with self._write() as db:
+            self._claim_name(db, name)
+            job_dir.mkdir(parents=True)
+            db.execute(
+                "INSERT INTO jobs (name, kind, state, pid, pgid, start_time_ticks, argv, job_dir, stdout_path, stderr_path, started_at, adopted)"
+                " VALUES (?, 'adopted', 'running', ?, ?, ?, ?, ?, ?, ?, ?, 1)",
+                (
+                    name, pid, stat.pgid, stat.start_time, json.dumps(procs.cmdline_args(pid)), str(job_dir),
+                    _output_file(pid, 1) or str(job_dir / "stdout.log"), _output_file(pid, 2) or str(job_dir / "stderr.log"), time.time(),
+                ),
+            )
+        return self.get(name).info
+
+    # ------------------------------------------------------------ discovery
+
+    def _recorded(self, job_id: int) -> list[sqlite3.Row]:
+        return self._db().execute("SELECT pid, start_time, role FROM job_procs WHERE job_id = ?", (job_id,)).fetchall()
+
+    def _token_pids(self, table: procs.ProcTable, tokens: set[str]) -> dict[str, list[int]]:
+        """Processes whose start environment carries a job token (same user only; one /proc/PID/environ read each)."""
+        found: dict[str, list[int]] = {}
+        if not tokens:
+            return found
+        my_uid = os.getuid()
+        for pid, stat in table.stats.items():
+            if not stat.running or (my_uid != 0 and procs.uid_of(pid) != my_uid):
+                continue
+            value = procs.environ_value(pid, JOB_TOKEN_ENV)
+            if value in tokens:
+                found.setdefault(value, []).append(pid)
+        return found
+
+    def _plan_job(self, record: JobRecord, table: procs.ProcTable, token_pids: dict[str, list[int]], protected: set[int]) -> JobPlan:
+        state, detail, _, _ = self._evaluate(record)
+        plan = JobPlan(record, state)
+        info = record.info
+        if state in ("stale", "unknown"):
+            plan.stale_reason = detail or state
+            return plan
+        targets: dict[int, Target] = {}
+
+        def add(pid: int, role: str | None = None) -> None:
+            stat = table.stats.get(pid)
+            if pid in targets or pid in protected or pid == record.watcher_pid or stat is None or not stat.running:
+                return
+            role = role or ("group" if stat.pgid == info.pgid else "descendant")
+            targets[pid] = Target(pid, stat.start_time, stat.pgid, role, info.name, procs.cmdline(pid))
+
+        if state == "running" and table.alive(info.pid, info.start_time_ticks):
+            add(info.pid, "leader")
+            leader_pgid = table.stats[info.pid].pgid
+            # An adopted process may share its group with a shell that is not ours: group-signal only a group it leads.
+            plan.group_signal = leader_pgid == info.pgid and (not info.adopted or info.pgid == info.pid)
+            if plan.group_signal:
+                for pid in table.group(info.pgid):
+                    add(pid)
+            for pid in table.descendants(info.pid):
+                add(pid)
+        if record.watcher_pid and table.alive(record.watcher_pid, record.watcher_start):
+            for pid in table.descendants(record.watcher_pid):
+                add(pid)
+        for row in self._recorded(record.id):
+            if table.alive(row["pid"], row["start_time"]):
+                add(row["pid"], row["role"])
+        for pid in token_pids.get(record.token or "", []):
+            add(pid)
+        plan.targets = sorted(targets.values(), key=lambda t: (t.role != "leader", t.pid))
+        return plan
+
+    def _select(self, names: list[str] | None, all_jobs: bool) -> list[JobRecord]:
+        records = self.refresh()
+        if all_jobs:
+            return records
+        by_name = {record.name: record for record in records}
+        missing = [name for name in names or [] if name not in by_name]
+        if missing or not names:
+            raise JobNotFound(f"no job named {', '.join(map(repr, missing)) or '(none given)'}; known: {', '.join(sorted(by_name)) or 'none'}")
+        return [by_name[name] for name in names]
+
+    def _plans(self, names: list[str] | None, all_jobs: bool, table: procs.ProcTable | None = None) -> list[JobPlan]:
+        records = self._select(names, all_jobs)
+        table = table or procs.ProcTable.scan()
+        token_pids = self._token_pids(table, {record.token for record in records if record.token})
+        protected = protected_pids()
+        plans = [self._plan_job(record, table, token_pids, protected) for record in records]
+        if all_jobs:
+            plans = [plan for plan in plans if plan.targets or plan.state in ("stale", "unknown")]
+        return plans
+
+    def owned_pids(self, candidates: Iterable[int] | None = None) -> dict[int, str]:
+        """{pid: job name} for live processes of active jobs; candidates not found in a job tree are checked by token."""
+        table = procs.ProcTable.scan()
+        records = self.refresh()
+        protected: set[int] = set()
+        owners: dict[int, str] = {}
+        for record in records:
+            for target in self._plan_job(record, table, {}, protected).targets:
+                owners.setdefault(target.pid, record.name)
+        tokens = {record.token: record.name for record in records if record.token and record.info.state != "stale"}
+        for pid in candidates or []:
+            if pid not in owners and table.alive(pid):
+                value = procs.environ_value(pid, JOB_TOKEN_ENV)
+                if value in tokens:
+                    owners[pid] = tokens[value]
+        return owners
+
+    def record_descendants(self) -> int:
+        """Store the current processes of running jobs, so a descendant that later loses its parent is still known."""
+        table = procs.ProcTable.scan()
+        protected = protected_pids()
+        now = time.time()
+        rows = []
+        for record in self.refresh():
+            if record.info.state == "running":
+                for target in self._plan_job(record, table, {}, protected).targets:
+                    if target.role != "leader":
+                        rows.append((record.id, target.pid, target.start, target.role, target.cmdline, now))
+        if rows:
+            with self._write() as db:
+                db.executemany("INSERT OR IGNORE INTO job_procs VALUES (?, ?, ?, ?, ?, ?)", rows)
+        return len(rows)
+
+    # ------------------------------------------------------------ stop
+
+    def stop_plan(self, names: list[str] | None = None, all_jobs: bool = False, foreign_holders: list[dict] | None = None) -> StopPlan:
+        """What stop would do, computed without signalling anything."""
+        plans = self._plans(names, all_jobs)
+        return StopPlan(
+            jobs=[plan.record.name for plan in plans],
+            will_signal=[{"pid": t.pid, "job": t.job, "cmdline": t.cmdline, "role": t.role} for plan in plans for t in plan.targets],
+            stale=[{"job": plan.record.name, "pid": plan.record.info.pid, "reason": plan.stale_reason} for plan in plans if plan.stale_reason],
+            foreign_gpu_holders=foreign_holders or [],
+            checkpoint_first=any(plan.record.info.kind == "train" and plan.targets for plan in plans),
+        )
+
+    def stop(
+        self,
+        names: list[str] | None = None,
+        all_jobs: bool = False,
+        grace: float = 30.0,
+        kill_wait: float = 5.0,
+        gpu_source=None,
+        gpu_release_timeout: float = 15.0,
+    ) -> list[ProcessVerdict]:
+        """SIGTERM each job's group, wait `grace`, SIGKILL the group and every descendant, confirm all gone."""
+        plans = self._plans(names, all_jobs)
+        verdicts = [
+            ProcessVerdict(plan.record.info.pid, "leader", "stale_not_signalled", f"job {plan.record.name}: {plan.stale_reason}")
+            for plan in plans
+            if plan.stale_reason
+        ]
+        active = [plan for plan in plans if plan.targets]
+        if not active:
+            return verdicts
+        self._remember(active)
+        now = time.time()
+        with self._write() as db:
+            for plan in active:
+                plan.record.stop_requested_at = now
+                self._update(db, plan.record.id, stop_requested_at=now, detail=f"stopped by operator (grace {grace:g}s)")
+        status: dict[int, str] = {}
+        for plan in active:
+            termed = self._signal_all(plan, plan.targets, signal.SIGTERM)
+            status.update({t.pid: "termed" if t.pid in termed else "already_gone" for t in plan.targets})
+        termed_targets = [t for plan in active for t in plan.targets if status[t.pid] == "termed"]
+        remaining = {t.pid for t in self._wait_gone(termed_targets, grace)}
+        status.update({t.pid: "exited_on_term" for t in termed_targets if t.pid not in remaining})
+        late = {id(plan): self._rediscover(plan) for plan in active}
+        if remaining or any(late.values()):
+            kill_sent = []
+            for plan in active:
+                plan.targets.extend(late[id(plan)])
+                status.update({t.pid: "already_gone" for t in late[id(plan)]})
+                to_kill = [t for t in plan.targets if t.pid in remaining or t in late[id(plan)]]
+                killed = self._signal_all(plan, to_kill, signal.SIGKILL)
+                kill_sent.extend(t for t in to_kill if t.pid in killed)
+            survivors = {t.pid for t in self._wait_gone(kill_sent, kill_wait)}
+            status.update({t.pid: "survived" if t.pid in survivors else "killed" for t in kill_sent})
+            status.update({pid: "exited_on_term" for pid, value in status.items() if value == "termed"})
+        verdicts.extend(self._verdicts(active, status))
+        self._confirm_gpu_released(verdicts, gpu_source, gpu_release_timeout)
+        self._finish_records(active)
+        return verdicts
+
+    def _remember(self, plans: list[JobPlan]) -> None:
+        now = time.time()
+        rows = [(plan.record.id, t.pid, t.start, t.role, t.cmdline, now) for plan in plans for t in plan.targets if t.role != "leader"]
+        if rows:
+            with self._write() as db:
+                db.executemany("INSERT OR IGNORE INTO job_procs VALUES (?, ?, ?, ?, ?, ?)", rows)
+
+    @staticmethod
+    def _signal_all(plan: JobPlan, targets: list[Target], signum: int) -> set[int]:
+        """Signal the group once when it is provably ours, and every target outside it by identity; returns pids reached."""
+        pgid = plan.record.info.pgid
+        alive = {t.pid for t in targets if procs.is_alive(t.pid, t.start)}
+        group_sent = False
+        # A live, identity-checked member keeps the pgid number from being reused, so the group is still ours.
+        if plan.group_signal and any(t.pgid == pgid and t.pid in alive for t in targets):
+            try:
+                os.killpg(pgid, signum)
+                group_sent = True
+            except ProcessLookupError:
+                pass
+        reached = set()
+        for target in targets:
+            if target.pid not in alive:
+                continue
+            if (group_sent and target.pgid == pgid) or procs.send_signal(target.pid, target.start, signum):
+                reached.add(target.pid)
+        return reached
+
+    def _rediscover(self, plan: JobPlan) -> list[Target]:
+        """Walk /proc again just before SIGKILL: anything forked during the grace period is ours too."""
+        table = procs.ProcTable.scan()
+        token_pids = self._token_pids(table, {plan.record.token} if plan.record.token else set())
+        fresh = self._plan_job(plan.record, table, token_pids, protected_pids())
+        known = {t.pid for t in plan.targets}
+        return [t for t in fresh.targets if t.pid not in known]
+
+    @staticmethod
+    def _wait_gone(targets: list[Target], timeout: float) -> list[Target]:
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = [t for t in targets if procs.is_alive(t.pid, t.start)]
+            if not alive or time.monotonic() >= deadline:
+                return alive
+            time.sleep(0.05)
+
+    @staticmethod
+    def _verdicts(plans: list[JobPlan], outcome: dict[int, str]) -> list[ProcessVerdict]:
+        verdicts = []
+        for plan in plans:
+            for target in plan.targets:
+                result = outcome.get(target.pid, "already_gone")
+                detail = f"job {target.job}: {target.cmdline[:120]}"
+                if result == "survived":
+                    stat = procs.read_stat(target.pid)
+                    detail += f" (still alive in state {stat.state if stat else '?'} after SIGKILL)"
+                verdicts.append(ProcessVerdict(target.pid, target.role, result, detail))
+        return verdicts
+
+    @staticmethod
+    def _confirm_gpu_released(verdicts: list[ProcessVerdict], gpu_source, timeout: float) -> None:
+        """When a GPU source is available, wait until no stopped PID is listed as a compute process."""
+        if gpu_source is None or getattr(gpu_source, "name", "none") == "none":
+            return
+        stopped = {v.pid for v in verdicts if v.outcome in ("exited_on_term", "killed", "already_gone")}
+        deadline = time.monotonic() + timeout
+        holding: dict[int, float | None] = {}
+        while True:
+            holding = {p.pid: p.used_memory_mib for s in gpu_source.sample() for p in s.processes if p.pid in stopped}
+            if not holding or time.monotonic() >= deadline:
+                break
+            time.sleep(0.25)
+        for verdict in verdicts:
+            if verdict.pid in holding:
+                verdict.detail += f"; GPU memory NOT released after {timeout:g}s ({holding[verdict.pid]} MiB still listed)"
+            elif verdict.pid in stopped:
+                verdict.detail += "; GPU memory released"
+
+    def _finish_records(self, plans: list[JobPlan]) -> None:
+        """Wait briefly for each watcher's exit file, then store the stopped state."""
+        deadline = time.monotonic() + 3.0
+        for plan in plans:
+            info = plan.record.info
+            exit_code, ended_at = read_exit_file(info.job_dir)
+            while exit_code is None and info.state == "running" and self._watcher_alive(plan.record) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                exit_code, ended_at = read_exit_file(info.job_dir)
+            if info.state == "running":
+                with self._write() as db:
+                    self._update(db, plan.record.id, state="stopped", exit_code=exit_code, ended_at=ended_at or time.time())
+        self.refresh()
+
+
+def _output_file(pid: int, fd: int) -> str | None:
+    """Where an adopted process's stdout/stderr goes, when that is a regular file we can tail."""
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return None
+    return target if target.startswith("/") and os.path.isfile(target) else None
+
+
+# ---------------------------------------------------------------- the watcher process
+
+
+def _become_subreaper() -> None:
+    """Orphaned descendants of the job get re-parented to the watcher instead of init (Linux prctl)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _report_leader(message: dict[str, Any]) -> None:
+    """One JSON line to whoever started us, then stdout goes to /dev/null so a dead starter cannot hurt us."""
+    try:
+        sys.stdout.write(json.dumps(message) + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, OSError):
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
+def watch(job_dir: Path, argv: list[str]) -> int:
+    """Run argv as the job leader, record leader.json and exit_code, reap orphans until none remain."""
+    _become_subreaper()
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_: None)  # a handler, not SIG_IGN: the job must start with default dispositions
+    env = dict(os.environ)
+    env[JOB_TOKEN_ENV] = env.pop(WATCH_TOKEN_ENV, "")
+    with open(job_dir / "stdout.log", "ab") as out, open(job_dir / "stderr.log", "ab") as err:
+        try:
+            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True)
+        except OSError as exc:
+            err.write(f"eagle3 watcher: could not start {argv[0]!r}: {exc}\n".encode())
+            write_atomic(job_dir / EXIT_FILE, "127\n")
+            _report_leader({"error": f"could not start {argv[0]!r}: {exc}", "exit_code": 127})
+            return 127
+    stat = procs.read_stat(child.pid)
+    leader = {
+        "pid": child.pid,
+        "pgid": stat.pgid if stat else child.pid,
+        "start_time_ticks": stat.start_time if stat else 0,
+        "watcher_pid": os.getpid(),
+        "watcher_start": procs.start_time(os.getpid()),
+    }
+    write_atomic(job_dir / LEADER_FILE, json.dumps(leader) + "\n")
+    _report_leader(leader)
+    code = 0
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if pid == child.pid:
+            child.returncode = code = os.waitstatus_to_exitcode(status)
+            write_atomic(job_dir / EXIT_FILE, f"{code}\n")
+    return 128 - code if code < 0 else code
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 4 and argv[0] == "watch" and argv[2] == "--":
+        return watch(Path(argv[1]), argv[3:])
+    print("usage: python -m backend.jobs watch JOB_DIR -- CMD [ARGS...]  (started by JobRegistry.start_job)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
