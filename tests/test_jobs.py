@@ -1,0 +1,259 @@
+"""Owned jobs with real processes: stop kills the job's whole tree and nothing else, stale records are never signalled."""
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backend import procs
+from backend.jobs import JobBadParams, JobConflict, JobError, JobNotFound, JobRefused, JobRegistry
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+SLEEPER = "import time; time.sleep(600)"
+
+
+def cli(run_dir: Path, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    """The real `eagle3-host` command line in a separate process."""
+    command = [PY, "-m", "backend", *args[:2], "--run-dir", str(run_dir), *args[2:]] if args[0] == "job" else [PY, "-m", "backend", args[0], "--run-dir", str(run_dir), *args[1:]]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def read_pid(path: Path) -> int:
+    wait_for(lambda: path.exists() and path.read_text().strip(), what=str(path))
+    return int(path.read_text())
+
+
+@pytest.fixture
+def registry(tmp_path):
+    reg = JobRegistry(tmp_path / "run")
+    yield reg
+    reg.stop(all_jobs=True, grace=1)  # whatever a failed test left behind
+
+
+def test_stop_all_spares_a_decoy_with_the_same_command(tmp_path):
+    run = tmp_path / "run"
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    grandchild = f"import os, time; os.setsid(); open({str(marks / 'grandchild')!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    child = f"import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {grandchild!r}]); open({str(marks / 'child')!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    leader = (
+        "import subprocess, sys, time\n"
+        f"twin = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}])\n"
+        f"open({str(marks / 'twin')!r}, 'w').write(str(twin.pid))\n"
+        f"subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+        "time.sleep(600)\n"
+    )
+    decoy = subprocess.Popen([PY, "-c", SLEEPER], start_new_session=True)  # same user, same command line, not ours
+    try:
+        started = cli(run, "job", "start", "--name", "train1", "--kind", "train", "--json", "--", PY, "-c", leader)
+        assert started.returncode == 0, started.stderr
+        job = json.loads(started.stdout)
+        twin, child_pid, grand_pid = (read_pid(marks / name) for name in ("twin", "child", "grandchild"))
+        assert procs.cmdline_args(twin) == procs.cmdline_args(decoy.pid)
+        ours = {job["pid"]: "leader", twin: "group", child_pid: "group", grand_pid: "descendant"}
+        starts = {pid: procs.start_time(pid) for pid in ours}
+
+        stopped = cli(run, "job", "stop", "--all", "--grace", "10", "--json")
+        assert stopped.returncode == 0, stopped.stderr
+        verdicts = {v["pid"]: v for v in json.loads(stopped.stdout)["verdicts"]}
+        assert set(verdicts) == set(ours)
+        for pid, role in ours.items():
+            assert verdicts[pid]["role"] == role
+            assert verdicts[pid]["outcome"] in ("exited_on_term", "killed")
+            assert not procs.is_alive(pid, starts[pid]), f"{role} {pid} survived"
+        assert decoy.poll() is None and procs.is_alive(decoy.pid), "the decoy was signalled"
+        listed = json.loads(cli(run, "job", "list", "--json").stdout)
+        assert [(j["name"], j["state"], j["exit_code"]) for j in listed] == [("train1", "stopped", -signal.SIGTERM)]
+    finally:
+        decoy.kill()
+        decoy.wait()
+        JobRegistry(run).stop(all_jobs=True, grace=1)
+
+
+def test_record_whose_pid_is_another_program_is_stale_and_never_signalled(registry, tmp_path):
+    info = registry.start_job("old", "train", [PY, "-c", SLEEPER])
+    real_start = info.start_time_ticks
+    try:
+        with sqlite3.connect(registry.db_path) as db:
+            db.execute("UPDATE jobs SET start_time_ticks = start_time_ticks - 1000 WHERE name = 'old'")
+        (job,) = registry.list_records()
+        assert job.info.state == "stale" and "another program" in job.detail
+        plan = registry.stop_plan(all_jobs=True)
+        assert plan.will_signal == [] and [s["pid"] for s in plan.stale] == [info.pid]
+        assert plan.checkpoint_first is False
+        stopped = cli(registry.run_dir, "job", "stop", "--all", "--grace", "1", "--json")
+        assert stopped.returncode == 0, stopped.stderr
+        assert [(v["pid"], v["outcome"]) for v in json.loads(stopped.stdout)["verdicts"]] == [(info.pid, "stale_not_signalled")]
+        time.sleep(0.3)
+        assert procs.is_alive(info.pid, real_start), "a stale record's PID was signalled"
+    finally:
+        os.killpg(info.pgid, signal.SIGKILL)
+
+
+def test_trapped_sigterm_gets_its_grace_period(registry):
+    code = (
+        "import os, signal, sys, time\n"
+        "def checkpoint(*_):\n"
+        "    time.sleep(0.5)\n"
+        "    open(os.path.join(os.environ['EAGLE3_JOB_DIR'], 'checkpointed'), 'w').write('ok')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, checkpoint)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    info = registry.start_job("trap", "train", [PY, "-c", code])
+    wait_for(lambda: "ready" in Path(info.stdout_path).read_text(), what="the handler to be installed")
+    (verdict,) = registry.stop(["trap"], grace=10)
+    assert (verdict.pid, verdict.role, verdict.outcome) == (info.pid, "leader", "exited_on_term")
+    assert (Path(info.job_dir) / "checkpointed").read_text() == "ok"
+    job = registry.get("trap").info
+    assert (job.state, job.exit_code) == ("stopped", 0)
+
+
+def test_ignored_sigterm_is_killed_after_the_grace_period(registry):
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"
+    info = registry.start_job("stubborn", "serve", [PY, "-c", code])
+    wait_for(lambda: "ready" in Path(info.stdout_path).read_text(), what="SIGTERM to be ignored")
+    began = time.monotonic()
+    (verdict,) = registry.stop(["stubborn"], grace=1)
+    assert time.monotonic() - began >= 1.0
+    assert (verdict.pid, verdict.outcome) == (info.pid, "killed")
+    job = registry.get("stubborn").info
+    assert (job.state, job.exit_code) == ("stopped", -signal.SIGKILL)
+
+
+def test_stop_plan_lists_exact_pids_and_signals_nothing(registry, tmp_path):
+    mark = tmp_path / "child"
+    code = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}]); open({str(mark)!r}, 'w').write(str(p.pid)); time.sleep(600)"
+    train = registry.start_job("t", "train", [PY, "-c", code])
+    other = registry.start_job("o", "bench", [PY, "-c", SLEEPER])
+    child = read_pid(mark)
+    plan = registry.stop_plan(all_jobs=True)
+    assert plan.jobs == ["t", "o"] and plan.checkpoint_first is True
+    assert sorted((w["pid"], w["job"], w["role"]) for w in plan.will_signal) == sorted([(train.pid, "t", "leader"), (child, "t", "group"), (other.pid, "o", "leader")])
+    assert registry.stop_plan(["o"]).checkpoint_first is False
+    assert all(procs.is_alive(pid) for pid in (train.pid, child, other.pid))
+    with pytest.raises(JobNotFound):
+        registry.stop_plan(["nope"])
+
+
+def test_exit_code_is_known_after_the_starter_died(tmp_path):
+    run = tmp_path / "run"
+    started = cli(run, "job", "start", "--name", "short", "--", "sh", "-c", "sleep 0.3; echo done; exit 7")
+    assert started.returncode == 0, started.stderr  # the starting process has exited: the job is nobody's child now
+    registry = JobRegistry(run)
+    job = wait_for(lambda: next((j for j in registry.list_jobs() if j.state != "running"), None), what="the job to end")
+    assert (job.state, job.exit_code) == ("exited", 7)
+    assert Path(job.stdout_path).read_text() == "done\n"
+
+
+def test_orphans_stay_in_the_job_tree_and_are_stopped(registry, tmp_path):
+    mark = tmp_path / "orphan"
+    orphan = f"import os, time; os.setsid(); open({str(mark)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    info = registry.start_job("daemonizer", "serve", [PY, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {orphan!r}])"])
+    orphan_pid = read_pid(mark)
+    job = wait_for(lambda: registry.get("daemonizer").info.state == "exited" and registry.get("daemonizer"), what="the leader to exit")
+    assert job.info.exit_code == 0
+    assert procs.ppid_of(orphan_pid) == job.watcher_pid  # the watcher is a subreaper: the orphan did not go to init
+    plan = registry.stop_plan(["daemonizer"])
+    assert [(w["pid"], w["role"]) for w in plan.will_signal] == [(orphan_pid, "descendant")]
+    with pytest.raises(JobConflict, match="still run"):
+        registry.start_job("daemonizer", "serve", [PY, "-c", "pass"])
+    (verdict,) = registry.stop(["daemonizer"], grace=5)
+    assert (verdict.pid, verdict.outcome) == (orphan_pid, "exited_on_term")
+    assert registry.get("daemonizer").info.state == "exited"
+    assert info.pid not in procs.list_pids() or not procs.is_alive(info.pid, info.start_time_ticks)
+
+
+def test_names_conflict_while_running_and_are_reused_after(registry):
+    registry.start_job("busy", "other", [PY, "-c", SLEEPER])
+    with pytest.raises(JobConflict, match="running"):
+        registry.start_job("busy", "other", [PY, "-c", SLEEPER])
+    first = registry.start_job("again", "other", ["sh", "-c", "echo first"])
+    wait_for(lambda: registry.get("again").info.state == "exited", what="the first run to end")
+    second = registry.start_job("again", "other", ["sh", "-c", "echo second"])
+    archived = [p for p in Path(first.job_dir).parent.iterdir() if p.name.startswith("again.")]
+    assert len(archived) == 1 and (archived[0] / "stdout.log").read_text() == "first\n"  # archived, never deleted
+    assert second.job_dir == first.job_dir and second.pid != first.pid
+    with sqlite3.connect(registry.db_path) as db:
+        rows = db.execute("SELECT archived, job_dir FROM jobs WHERE name = 'again' ORDER BY id").fetchall()
+    assert rows == [(1, str(archived[0])), (0, first.job_dir)]
+
+
+def test_concurrent_starts_of_one_name_let_exactly_one_win(tmp_path):
+    run = tmp_path / "run"
+    JobRegistry(run)
+    command = [PY, "-m", "backend", "job", "start", "--run-dir", str(run), "--name", "same", "--", PY, "-c", SLEEPER]
+    racers = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        codes = sorted(racer.wait(timeout=90) for racer in racers)
+        assert codes == [0, 1, 1], [racer.stderr.read() for racer in racers]
+    finally:
+        JobRegistry(run).stop(all_jobs=True, grace=1)
+
+
+def test_job_environment_and_eagle3_host_argv(registry, tmp_path):
+    keys = ["EAGLE3_JOB_DIR", "EAGLE3_RUN_DIR", "EAGLE3_JOB_NAME", "PYTHONPATH", "EAGLE3_JOB_TOKEN", "EXTRA"]
+    show = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))"
+    info = registry.start_job("env", "other", [PY, "-c", show], cwd=str(tmp_path), env={"EXTRA": "1"})
+    wait_for(lambda: registry.get("env").info.state == "exited", what="env job")
+    seen = json.loads(Path(info.stdout_path).read_text())
+    assert seen["EAGLE3_JOB_DIR"] == info.job_dir and seen["EAGLE3_RUN_DIR"] == str(registry.run_dir)
+    assert seen["EAGLE3_JOB_NAME"] == "env" and seen["EXTRA"] == "1" and len(seen["EAGLE3_JOB_TOKEN"]) == 32
+    assert seen["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+    host = registry.start_job("host", "other", ["eagle3-host", "gpus", "--json"], cwd=str(tmp_path))
+    assert host.argv[:3] == [PY, "-m", "backend"]
+    done = wait_for(lambda: registry.get("host").info.state == "exited" and registry.get("host").info, what="eagle3-host job")
+    assert done.exit_code == 0, Path(done.stderr_path).read_text()
+    assert "gpus" in json.loads(Path(done.stdout_path).read_text())
+
+
+def test_adopt_needs_the_pid_typed_again(registry):
+    stranger = subprocess.Popen([PY, "-c", SLEEPER], start_new_session=True)
+    try:
+        with pytest.raises(JobRefused, match="does not match"):
+            registry.adopt(stranger.pid, "mine", confirm_pid=stranger.pid + 1)
+        assert registry.list_jobs() == []
+        info = registry.adopt(stranger.pid, "mine", confirm_pid=stranger.pid)
+        assert (info.kind, info.adopted, info.pid, info.pgid) == ("adopted", True, stranger.pid, stranger.pid)
+        with pytest.raises(JobConflict, match="already belongs"):
+            registry.adopt(stranger.pid, "twice", confirm_pid=stranger.pid)
+        with pytest.raises(JobRefused):
+            registry.adopt(os.getpid(), "me", confirm_pid=os.getpid())
+        (verdict,) = registry.stop(["mine"], grace=5)
+        assert verdict.outcome == "exited_on_term"
+        assert stranger.wait(timeout=10) == -signal.SIGTERM
+        assert registry.get("mine").info.state == "stopped"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_bad_start_parameters_leave_nothing_behind(registry):
+    with pytest.raises(JobBadParams, match="name"):
+        registry.start_job("../escape", "other", ["true"])
+    with pytest.raises(JobBadParams, match="kind"):
+        registry.start_job("k", "adopted", ["true"])
+    with pytest.raises(JobBadParams, match="not found on PATH"):
+        registry.start_job("missing", "other", ["no-such-program-eagle3"])
+    with pytest.raises(JobBadParams, match="cwd"):
+        registry.start_job("cwd", "other", ["true"], cwd="/no/such/dir")
+    assert registry.list_jobs() == [] and list(registry.jobs_dir.iterdir()) == []
+    with pytest.raises(JobError):
+        registry.get("missing")
