@@ -1,0 +1,263 @@
+"""The agent over a real subprocess: hello, telemetry, jobs, metrics streaming, stop while streaming, malformed input, EOF."""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from backend import procs
+from backend.agent import list_checkpoints
+from backend.disk import dir_size, disk_usage
+from backend.jobs import JobRegistry
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+WRITER = """\
+import os, signal, sys, time
+from backend.jsonl import append_record
+job_dir = os.environ["EAGLE3_JOB_DIR"]
+def leave(*_):
+    time.sleep(1.0)  # a short checkpoint: the stop's grace period covers it
+    sys.exit(0)
+signal.signal(signal.SIGTERM, leave)
+append_record(os.path.join(job_dir, "stages.jsonl"), {"stage": "train", "status": "running", "time": time.time()})
+for step in range(100000):
+    append_record(os.path.join(job_dir, "metrics.jsonl"), {"step": step, "split": "train", "loss": 10.0 / (step + 1), "time": time.time()})
+    print(f"step {step}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+class AgentProcess:
+    """`python -m backend.agent` with a reader thread that keeps every stdout line (each must be one JSON object)."""
+
+    def __init__(self, run_dir: Path, interval: float = 0.2):
+        self.proc = subprocess.Popen(
+            [PY, "-m", "backend.agent", "--run-dir", str(run_dir), "--interval", str(interval)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        self.messages: list[dict] = []
+        self.bad_lines: list[bytes] = []
+        self._cond = threading.Condition()
+        self._next_id = 100
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                message = json.loads(line)
+                assert isinstance(message, dict) and "type" in message
+            except (ValueError, AssertionError):
+                self.bad_lines.append(line)
+                continue
+            with self._cond:
+                self.messages.append(message)
+                self._cond.notify_all()
+
+    def wait(self, predicate, timeout: float = 30.0, start: int = 0) -> tuple[int, dict]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            index = start
+            while True:
+                while index < len(self.messages):
+                    if predicate(self.messages[index]):
+                        return index, self.messages[index]
+                    index += 1
+                remaining = deadline - time.monotonic()
+                assert remaining > 0, f"timed out; last messages: {self.messages[-5:]}; stderr: {self.stderr_so_far()}"
+                self._cond.wait(remaining)
+
+    def stderr_so_far(self) -> str:
+        return "" if self.proc.poll() is None else self.proc.stderr.read().decode(errors="replace")
+
+    def send_raw(self, data: bytes) -> int:
+        with self._cond:
+            mark = len(self.messages)
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+        return mark
+
+    def request(self, request_type: str, timeout: float = 30.0, **params) -> tuple[int, dict]:
+        self._next_id += 1
+        request_id = self._next_id
+        mark = self.send_raw((json.dumps({"type": request_type, "id": request_id, **params}) + "\n").encode())
+        return self.wait(lambda m: m["type"] == "reply" and m["id"] == request_id, timeout, mark)
+
+    def ok(self, request_type: str, **params) -> dict:
+        _, reply = self.request(request_type, **params)
+        assert reply["ok"], reply
+        return reply["result"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def agent(tmp_path):
+    process = AgentProcess(tmp_path / "run")
+    yield process
+    process.close()
+    JobRegistry(tmp_path / "run").stop(all_jobs=True, grace=1)
+
+
+def test_round_trip(agent, tmp_path):
+    _, hello = agent.wait(lambda m: m["type"] == "hello")
+    assert hello["protocol"] == 1 and hello["agent_pid"] == agent.proc.pid
+    assert hello["run_dir"] == str((tmp_path / "run").resolve()) and hello["python"]
+    _, gpus = agent.wait(lambda m: m["type"] == "gpus")
+    if hello["gpu_source"] == "none":
+        assert gpus["gpus"] == [] and gpus["driver"]["available"] is False
+        assert "no NVIDIA driver" in gpus["driver"]["message"]
+    _, disk = agent.wait(lambda m: m["type"] == "disk")
+    assert disk["disks"][0]["label"] == "run_dir" and disk["disks"][0]["free_bytes"] > 0
+
+    job = agent.ok("start_job", name="writer", kind="train", argv=[PY, "-c", WRITER])["job"]
+    assert job["state"] == "running" and job["pid"] > 0
+    agent.wait(lambda m: m["type"] == "jobs" and any(j["name"] == "writer" and j["state"] == "running" for j in m["jobs"]))
+    _, stages = agent.wait(lambda m: m["type"] == "stages" and m["job"] == "writer")
+    assert stages["records"][0]["stage"] == "train"
+
+    steps: list[int] = []
+    index = 0
+    while len(steps) < 15:
+        index, event = agent.wait(lambda m: m["type"] == "metrics" and m["job"] == "writer", start=index)
+        steps.extend(record["step"] for record in event["records"])
+        index += 1
+    assert steps == list(range(len(steps))), "metrics lines were lost, repeated or reordered"
+
+    history = agent.ok("metrics_history", name="writer")
+    assert [r["step"] for r in history["records"][: len(steps)]] == steps and history["offset"] > 0
+    resumed = agent.ok("metrics_history", name="writer", offset=history["offset"])
+    assert all(r["step"] >= len(history["records"]) for r in resumed["records"])
+    assert agent.ok("tail_log", name="writer", lines=2)["lines"][-1].startswith("step ")
+    agent.ok("follow_log", name="writer", stream="stdout")
+    _, log = agent.wait(lambda m: m["type"] == "log" and m["job"] == "writer")
+    assert log["stream"] == "stdout" and log["lines"][0].startswith("step ")
+    agent.ok("follow_log", name=None)
+
+    checkpoints = Path(job["job_dir"]) / "checkpoints"
+    for name in ("epoch_0_step_10", "epoch_1_step_20", "epoch_1_step_20.tmp"):
+        (checkpoints / name).mkdir(parents=True)
+    (checkpoints / "latest").write_text("epoch_1_step_20\n")
+    found = agent.ok("list_checkpoints", name="writer")["checkpoints"]
+    assert [(c["epoch"], c["step"], c["latest"]) for c in found] == [(0, 10, False), (1, 20, True)]
+
+    plan = agent.ok("stop_plan", name="writer")
+    assert [w["pid"] for w in plan["will_signal"]] == [job["pid"]] and plan["checkpoint_first"] is True
+
+    mark, _ = agent.request("ping")
+    stop_id = 900
+    agent.send_raw(json.dumps({"type": "stop_job", "id": stop_id, "name": "writer", "grace": 10}).encode() + b"\n")
+    ping_index, _ = agent.request("ping")
+    stop_index, stopped = agent.wait(lambda m: m["type"] == "reply" and m["id"] == stop_id, start=mark)
+    assert ping_index < stop_index, "a stop in its grace period blocked other requests"
+    between = [m for m in agent.messages[mark:stop_index] if m["type"] == "gpus"]
+    assert len(between) >= 2, "telemetry paused during the stop's grace period"
+    assert [(v["pid"], v["outcome"]) for v in stopped["result"]["verdicts"]] == [(job["pid"], "exited_on_term")]
+    agent.wait(lambda m: m["type"] == "jobs" and any(j["name"] == "writer" and j["state"] == "stopped" and j["exit_code"] == 0 for j in m["jobs"]), start=stop_index)
+
+    snapshot = agent.ok("snapshot")
+    assert snapshot["metrics"]["writer"]["step"] >= steps[-1] and snapshot["hello"]["agent_pid"] == agent.proc.pid
+    assert [j["name"] for j in snapshot["jobs"]] == ["writer"]
+    assert agent.bad_lines == []
+
+
+def test_malformed_input_gets_errors_and_the_agent_keeps_answering(agent):
+    agent.wait(lambda m: m["type"] == "hello")
+    cases = [
+        (b"this is not json\n", None, "malformed"),
+        (b"[1, 2, 3]\n", None, "malformed"),
+        (b'{"id": 7, "no": "type"}\n', 7, "malformed"),
+        (b'{"type": "make_coffee", "id": 8}\n', 8, "unknown_request"),
+        (b'{"type": "start_job", "id": 9, "argv": ["true"]}\n', 9, "bad_params"),
+        (b'{"type": "stop_job", "id": 10, "name": "x", "grace": "soon"}\n', 10, "bad_params"),
+        (b'{"type": "tail_log", "id": 11, "name": "nope"}\n', 11, "not_found"),
+        (b'{"type": "adopt_job", "id": 12, "pid": 1, "name": "init", "confirm_pid": 2}\n', 12, "refused"),
+    ]
+    for line, request_id, code in cases:
+        mark = agent.send_raw(line)
+        _, reply = agent.wait(lambda m: m["type"] == "reply" and m["ok"] is False, start=mark)
+        assert (reply["id"], reply["error"]["code"]) == (request_id, code), (line, reply)
+    _, reply = agent.request("start_job", argv=["true"])
+    assert reply["error"]["message"].startswith("name:")
+    _, reply = agent.request("stop_job", name="x", grace="soon")
+    assert reply["error"]["message"].startswith("grace:")
+    assert agent.ok("ping")["pong"] is True
+    assert agent.proc.poll() is None and agent.bad_lines == []
+
+
+def test_optional_modules(agent, tmp_path):
+    agent.wait(lambda m: m["type"] == "hello")
+    agent.ok("start_job", name="quiet", kind="other", argv=["true"])
+    _, reply = agent.request("signals", name="quiet")
+    if importlib.util.find_spec("backend.signals") is None:
+        assert reply["ok"] is False and "not part of this build" in reply["error"]["message"]
+    else:
+        assert reply["ok"] is True and isinstance(reply["result"], dict)
+    _, reply = agent.request("watch_external", name="sf", path=str(tmp_path))
+    if importlib.util.find_spec("backend.external") is None:
+        assert reply["ok"] is False and "not part of this build" in reply["error"]["message"]
+    assert agent.ok("ping")["pong"] is True
+
+
+def test_jobs_outlive_the_agent_and_a_new_agent_resumes(tmp_path):
+    run = tmp_path / "run"
+    first = AgentProcess(run)
+    try:
+        first.wait(lambda m: m["type"] == "hello")
+        job = first.ok("start_job", name="long", kind="train", argv=[PY, "-c", WRITER])["job"]
+        first.wait(lambda m: m["type"] == "metrics" and m["job"] == "long")
+        first.proc.stdin.close()  # the SSH connection went away
+        assert first.proc.wait(timeout=30) == 0
+        assert procs.is_alive(job["pid"], job["start_time_ticks"]), "the job died with the agent"
+
+        second = AgentProcess(run)
+        try:
+            second.wait(lambda m: m["type"] == "hello")
+            snapshot = second.ok("snapshot")
+            assert snapshot["jobs"][0]["state"] == "running" and snapshot["metrics"]["long"]["step"] >= 0
+            index, event = second.wait(lambda m: m["type"] == "metrics" and m["job"] == "long")
+            # It follows from where the file ended when it started: no replay of old lines.
+            assert event["start_offset"] > 0 and event["records"][0]["step"] > 0
+            assert second.ok("shutdown") == {}
+            assert second.proc.wait(timeout=30) == 0
+        finally:
+            second.close()
+        assert procs.is_alive(job["pid"], job["start_time_ticks"])
+    finally:
+        first.close()
+        JobRegistry(run).stop(all_jobs=True, grace=2)
+
+
+def test_sigterm_ends_the_agent_cleanly(tmp_path):
+    agent = AgentProcess(tmp_path / "run")
+    try:
+        agent.wait(lambda m: m["type"] == "hello")
+        agent.proc.send_signal(signal.SIGTERM)
+        assert agent.proc.wait(timeout=30) == 0
+    finally:
+        agent.close()
+
+
+def test_checkpoints_and_disk_helpers(tmp_path):
+    assert list_checkpoints(tmp_path) == []
+    root = tmp_path / "checkpoints"
+    (root / "epoch_2_step_300").mkdir(parents=True)
+    (root / "epoch_10_step_50").mkdir()
+    os.symlink("epoch_2_step_300", root / "latest")
+    assert [(c["epoch"], c["latest"]) for c in list_checkpoints(tmp_path)] == [(2, True), (10, False)]
+    (root / "epoch_2_step_300" / "model.safetensors").write_bytes(b"x" * 10000)
+    size = dir_size(tmp_path)
+    assert size is not None and size >= 10000
+    assert dir_size(tmp_path, max_entries=2) is None  # bounded: no partial number
+    usage = disk_usage(tmp_path / "not-yet-created", "data_dir", measure_dir=True)
+    assert usage.total_bytes > 0 and usage.dir_bytes is None and usage.label == "data_dir"
