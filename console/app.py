@@ -1,0 +1,498 @@
+"""The Textual app: wires the agent client to the state and the screens; guarded actions; command palette.
+
+Built by `build_app()` so tests can hand it a transport (or none) and fixed data. Agent I/O runs in
+async workers; state changes are folded in at once and screen redraws are coalesced (at most one per
+`refresh_throttle` seconds) and held back while a modal is open.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.screen import ModalScreen
+from textual.worker import Worker
+
+from backend.protocol import Request
+from console.client import AgentClient, AgentError
+from console.screens.base import ConsoleScreen
+from console.screens.dashboard import DashboardScreen
+from console.screens.logs import STREAMS, LogsScreen
+from console.screens.modals import AdoptModal, StopModal
+from console.screens.training import TrainingScreen
+from console.state import CONNECTED, FAILED, ConnectionStatus, ConsoleState
+from console.transport import AgentStderr, Transport, TransportError
+
+LOG_TAIL_LINES = 500
+GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)
+QUIT_CONFIRM_S = 10.0
+HISTORY_BATCHES_MAX = 1000
+
+
+@dataclass(frozen=True)
+class ConsoleAction:
+    """One operator action: its key, footer label, palette title and what it needs."""
+
+    name: str
+    key: str
+    label: str
+    help: str
+    needs_connection: bool = False
+    needs_job: bool = False
+    screen: type | None = None  # only on this screen (its own binding)
+
+
+ACTIONS = [
+    ConsoleAction("show_dashboard", "1", "Dashboard", "GPUs, jobs, latest metrics, disks"),
+    ConsoleAction("show_training", "2", "Training", "loss / LR curves and validation accuracy"),
+    ConsoleAction("show_logs", "3", "Logs", "stdout and stderr of the selected job"),
+    ConsoleAction("prev_job", "[", "Prev job", "select the previous job"),
+    ConsoleAction("next_job", "]", "Next job", "select the next job"),
+    ConsoleAction("start_training", "n", "New tiny run", "start a training job with the console's profile", needs_connection=True),
+    ConsoleAction("stop_job", "s", "Stop job", "stop the selected job (shows the PIDs first)", needs_connection=True, needs_job=True),
+    ConsoleAction("adopt", "a", "Adopt PID", "adopt a foreign process as a job (PID typed to confirm)", needs_connection=True),
+    ConsoleAction("resync", "r", "Resync", "re-read everything from the agent", needs_connection=True),
+    ConsoleAction("quit", "q", "Quit", "leave the console (jobs keep running on the host)"),
+    ConsoleAction("toggle_log_step", "x", "Log step", "Training: step axis log10 on/off", screen=TrainingScreen),
+    ConsoleAction("toggle_log_y", "y", "Log y", "Training: loss and LR on a log10 axis on/off", screen=TrainingScreen),
+    ConsoleAction("toggle_ema", "e", "EMA", "Training: EMA smoothing (0.9) on/off", screen=TrainingScreen),
+    ConsoleAction("toggle_follow", "f", "Follow", "Logs: scroll to new lines on/off", screen=LogsScreen),
+    ConsoleAction("switch_stream", "o", "Live stream", "Logs: follow stdout or stderr live", screen=LogsScreen),
+]
+ACTIONS_BY_NAME = {a.name: a for a in ACTIONS}
+
+
+class ConsoleCommands(Provider):
+    """Every console action in the command palette; disabled ones say why."""
+
+    def _entries(self) -> list[tuple[str, str, Callable[[], Any]]]:
+        app: ConsoleApp = self.app  # type: ignore[assignment]
+        entries = []
+        for action in ACTIONS:
+            if action.screen is not None and not isinstance(self.screen, action.screen):
+                continue
+            reason = app.disabled_reason(action.name)
+            help_text = f"[{action.key}] {action.help}" + (f" (disabled: {reason})" if reason else "")
+            entries.append((action.label, help_text, partial(app.run_console_action, action.name, self.screen)))
+        return entries
+
+    async def discover(self) -> Hits:
+        for title, help_text, callback in self._entries():
+            yield DiscoveryHit(title, callback, help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for title, help_text, callback in self._entries():
+            score = max(matcher.match(title), matcher.match(help_text) * 0.5)
+            if score > 0:
+                yield Hit(score, matcher.highlight(title), callback, text=title, help=help_text)
+
+
+class ConsoleApp(App):
+    TITLE = "eagle3-console"
+    CSS_PATH = "console.tcss"
+    MODES = {"dashboard": DashboardScreen, "training": TrainingScreen, "logs": LogsScreen}
+    DEFAULT_MODE = "dashboard"
+    COMMANDS = App.COMMANDS | {ConsoleCommands}
+    BINDINGS = [Binding(a.key, a.name, a.label) for a in ACTIONS if a.screen is None]
+
+    def __init__(
+        self,
+        client: AgentClient | None,
+        state: ConsoleState,
+        *,
+        profile: str = "tiny",
+        refresh_throttle: float = 0.2,
+        poll_interval: float | None = 5.0,
+        stop_grace: float = 30.0,
+        raw_plots: bool = False,
+    ):
+        super().__init__()
+        self.client = client
+        self.state = state
+        self.profile = profile
+        self.refresh_throttle = refresh_throttle
+        self.poll_interval = poll_interval
+        self.stop_grace = stop_grace
+        self.selected_job: str | None = None
+        self.sub_title = state.target
+        self._pending_sections: set[str] = set()
+        self._refresh_scheduled = False
+        self._last_refresh = 0.0
+        self.log_stream = "stdout"  # the stream the agent follows live; the other is re-tailed each poll
+        self.events_seen = 0
+        self._quit_warned_at = float("-inf")
+        self._modes["training"] = partial(TrainingScreen, raw_plots=raw_plots)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def on_mount(self) -> None:
+        if self.client is not None:
+            self.run_worker(self._pump_events(), name="agent events", group="agent", exit_on_error=False)
+        if self.poll_interval:
+            self.set_interval(self.poll_interval, self._poll_tick)
+
+    async def on_unmount(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    async def _pump_events(self) -> None:
+        try:
+            await self.client.start()
+        except TransportError as exc:
+            self.set_connection(ConnectionStatus(state=FAILED, detail=str(exc), since=time.time()))
+            return
+        while True:
+            event = await self.client.next_event()
+            self.events_seen += 1
+            self.handle_event(event)
+
+    def handle_event(self, event: Any) -> None:
+        """Fold one client event into the state and schedule a redraw."""
+        if isinstance(event, ConnectionStatus):
+            self.set_connection(event)
+        elif isinstance(event, AgentStderr):
+            self.state.agent_stderr.append(event.text)
+        elif isinstance(event, dict):
+            changed = self.state.apply(event)
+            self.state_changed(changed)
+            if "metrics_gap" in changed and self.client is not None:
+                self.catch_up_metrics()
+            if event.get("type") == "jobs" and self.selected_job is None:
+                self._select_default_job()
+
+    def set_connection(self, status: ConnectionStatus) -> None:
+        was_connected = self.state.connection.connected
+        self.state_changed(self.state.set_connection(status))
+        self.refresh_bindings()
+        if status.state == CONNECTED and not was_connected:
+            self.resync()
+
+    # -- coalesced redraws ---------------------------------------------------------------------
+
+    def state_changed(self, sections: set[str]) -> None:
+        if not sections:
+            return
+        self._pending_sections |= sections
+        if self._refresh_scheduled:
+            return
+        self._refresh_scheduled = True
+        wait = self.refresh_throttle - (time.monotonic() - self._last_refresh)
+        if wait > 0:
+            self.set_timer(wait, self._redraw)
+        else:
+            self.call_later(self._redraw)
+
+    @property
+    def modal_open(self) -> bool:
+        return isinstance(self.screen, ModalScreen)
+
+    def _redraw(self) -> None:
+        self._refresh_scheduled = False
+        if self.modal_open:
+            return  # kept in _pending_sections; drawn when the modal closes (on_screen_resume)
+        sections, self._pending_sections = self._pending_sections, set()
+        self._last_refresh = time.monotonic()
+        screen = self.screen
+        if isinstance(screen, ConsoleScreen):
+            screen.show_state(sections)
+
+    def redraw_now(self) -> None:
+        """Draw everything at once (tests and the benchmark push data, then call this)."""
+        self._pending_sections = set()
+        if isinstance(self.screen, ConsoleScreen):
+            self.screen.show_state(None)
+
+    # -- selection ------------------------------------------------------------------------------
+
+    def _select_default_job(self) -> None:
+        jobs = list(self.state.jobs.values())
+        if not jobs:
+            return
+        running = [j for j in jobs if j.state == "running"]
+        self.select_job((running or jobs)[-1].name)
+
+    def select_job(self, name: str | None) -> None:
+        if name == self.selected_job:
+            return
+        self.selected_job = name
+        self.refresh_bindings()
+        self.state_changed({"selection"})
+        if name and self.client is not None and self.state.connection.connected:
+            self.load_job(name)
+
+    def _cycle_job(self, step: int) -> None:
+        names = list(reversed(list(self.state.jobs)))  # newest first, as the jobs table shows them
+        if not names:
+            return
+        if self.selected_job not in names:
+            self.select_job(names[0])
+            return
+        self.select_job(names[(names.index(self.selected_job) + step) % len(names)])
+
+    # -- agent conversations (workers) ----------------------------------------------------------
+
+    @work(group="resync", exclusive=True, exit_on_error=False)
+    async def resync(self) -> None:
+        """After (re)connecting: snapshot, holders, and the selected job's metrics and logs."""
+        try:
+            snapshot = await self.client.request(Request.SNAPSHOT)
+            self.state_changed(self.state.apply_snapshot(snapshot))
+            if self.selected_job not in self.state.jobs:
+                self.selected_job = None
+                self._select_default_job()
+            await self._refresh_holders()
+            if self.selected_job:
+                await self._load_job(self.selected_job)
+        except AgentError as exc:
+            self.note(f"resync failed: {exc}")
+
+    @work(group="job", exclusive=True, exit_on_error=False)
+    async def load_job(self, name: str) -> None:
+        try:
+            await self._load_job(name)
+        except AgentError as exc:
+            self.note(f"loading {name} failed: {exc}")
+
+    async def _load_job(self, name: str) -> None:
+        await self._load_metrics(name)
+        await self._follow_logs(name)
+
+    async def _load_metrics(self, name: str) -> None:
+        """metrics_history from our offset (from 0 the first time), in batches while the agent says `more`."""
+        metrics = self.state.job_metrics(name)
+        reset = not metrics.history_loaded
+        offset = 0 if reset else metrics.offset
+        for _ in range(HISTORY_BATCHES_MAX):
+            result = await self.client.request(Request.METRICS_HISTORY, name=name, offset=offset, timeout=120)
+            self.state_changed(self.state.apply_metrics_history(name, result, reset=reset))
+            reset = False
+            new_offset = result.get("offset")
+            if not result.get("more") or not isinstance(new_offset, int) or new_offset <= offset:
+                return
+            offset = new_offset
+
+    @work(group="catchup", exclusive=True, exit_on_error=False)
+    async def catch_up_metrics(self) -> None:
+        for name, metrics in list(self.state.metrics.items()):
+            if metrics.needs_catchup:
+                try:
+                    await self._load_metrics(name)
+                except AgentError as exc:
+                    self.note(f"re-reading metrics of {name} failed: {exc}")
+                    return
+
+    async def _follow_logs(self, name: str) -> None:
+        """Tail both streams, then follow one live (the agent follows one log at a time)."""
+        await self._tail_logs(name, STREAMS)
+        await self.client.request(Request.FOLLOW_LOG, name=name, stream=self.log_stream)
+
+    async def _tail_logs(self, name: str, streams: tuple[str, ...]) -> None:
+        for stream in streams:
+            try:
+                result = await self.client.request(Request.TAIL_LOG, name=name, stream=stream, lines=LOG_TAIL_LINES)
+            except AgentError as exc:
+                if exc.code != "not_found":
+                    raise
+                result = {"lines": []}  # no log file yet
+            self.state.log(name, stream).replace([str(line) for line in result.get("lines") or []])
+        self.state_changed({"logs"})
+
+    async def _refresh_holders(self) -> None:
+        result = await self.client.request(Request.HOLDERS)
+        self.state_changed(self.state.apply_holders(result.get("holders") or []))
+
+    def _poll_tick(self) -> None:
+        """Slow poll of what the agent does not push (GPU holders); paused while a modal is open."""
+        if self.modal_open or self.client is None or not self.state.connection.connected:
+            return
+        self.run_worker(self._poll(), group="poll", exclusive=True, exit_on_error=False)
+        self.state_changed({"connection"})  # keeps "N s ago" in the banner moving
+
+    async def _poll(self) -> None:
+        try:
+            await self._refresh_holders()
+            if isinstance(self.screen, LogsScreen) and self.selected_job:
+                other = tuple(s for s in STREAMS if s != self.log_stream)
+                await self._tail_logs(self.selected_job, other)
+        except AgentError:
+            pass  # the banner shows the disconnect; the next tick tries again
+
+    def set_log_stream(self, stream: str) -> None:
+        """Which stream the agent follows live (Logs screen, key o)."""
+        self.log_stream = stream
+        if self.selected_job and self.client is not None and self.state.connection.connected:
+            self.load_job(self.selected_job)
+
+    # -- guarded actions --------------------------------------------------------------------------
+
+    def disabled_reason(self, action: str) -> str | None:
+        spec = ACTIONS_BY_NAME.get(action)
+        if spec is None:
+            return None
+        if spec.needs_connection and (self.client is None or not self.state.connection.connected):
+            return "disconnected from the host" if self.client is not None else "no host connection"
+        if spec.needs_job and not self.selected_job:
+            return "no job selected"
+        return None
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        return None if self.disabled_reason(action) else True
+
+    def on_key(self, event) -> None:
+        """A key whose action is disabled says why, instead of doing nothing silently."""
+        for action in ACTIONS:
+            if action.key == event.key or (event.character and action.key == event.character):
+                reason = self.disabled_reason(action.name)
+                if reason:
+                    self.note(f"{action.label} is disabled: {reason}")
+                    event.stop()
+                return
+
+    async def run_console_action(self, name: str, screen: Any = None) -> None:
+        """Palette entry point: same guard as the keys (run_action honours check_action)."""
+        reason = self.disabled_reason(name)
+        if reason:
+            self.note(f"{ACTIONS_BY_NAME[name].label} is disabled: {reason}")
+            return
+        spec = ACTIONS_BY_NAME[name]
+        if spec.screen is not None and screen is not None:
+            await self.run_action(name, screen)
+        else:
+            await self.run_action(name)
+
+    def note(self, text: str, *, severity: str = "information") -> None:
+        self.state.note_action(text)
+        self.state_changed({"actions"})
+        self.notify(text, severity=severity, timeout=6)
+
+    async def action_quit(self) -> None:
+        """Quit; with a stop or adopt in flight, the first press only warns (quitting then waits for it)."""
+        in_flight = [k for k in (self.client.pending_kinds() if self.client else []) if k in GUARDED_REQUESTS]
+        now = time.monotonic()
+        if in_flight and now - self._quit_warned_at > QUIT_CONFIRM_S:
+            self._quit_warned_at = now
+            self.note(f"{', '.join(in_flight)} in flight on the host: press q again to quit; quitting waits for it to finish", severity="warning")
+            return
+        self.exit()
+
+    def action_show_dashboard(self) -> None:
+        self.switch_mode("dashboard")
+
+    def action_show_training(self) -> None:
+        self.switch_mode("training")
+
+    def action_show_logs(self) -> None:
+        self.switch_mode("logs")
+
+    def action_next_job(self) -> None:
+        self._cycle_job(+1)
+
+    def action_prev_job(self) -> None:
+        self._cycle_job(-1)
+
+    def action_resync(self) -> None:
+        self.resync()
+
+    @work(group="actions", exit_on_error=False)
+    async def action_start_training(self) -> None:
+        name = f"train-{_short_profile(self.profile)}-{time.strftime('%H%M%S', time.localtime(self.state.clock()))}"
+        argv = ["eagle3-host", "train", "--profile", self.profile]
+        try:
+            result = await self.client.request(Request.START_JOB, name=name, kind="train", argv=argv)
+        except AgentError as exc:
+            self.note(f"start {name} failed: {exc}", severity="error")
+            return
+        job = result.get("job") or {}
+        self.note(f"started {name} (pid {job.get('pid', '?')}): {' '.join(argv)}")
+        self.selected_job = None
+        self.select_job(name)
+
+    @work(group="actions", exit_on_error=False)
+    async def action_stop_job(self) -> None:
+        name = self.selected_job
+        try:
+            plan = await self.client.request(Request.STOP_PLAN, name=name)
+        except AgentError as exc:
+            self.note(f"stop {name}: could not get the stop plan ({exc}); nothing was signalled", severity="error")
+            return
+        if not await self.push_screen_wait(StopModal(name, plan, self.stop_grace)):
+            self.note(f"stop {name} cancelled; nothing was signalled")
+            return
+        if self.disabled_reason("stop_job"):
+            self.note(f"stop {name} not sent: {self.disabled_reason('stop_job')}", severity="error")
+            return
+        try:
+            result = await self.client.request(Request.STOP_JOB, name=name, grace=self.stop_grace, timeout=self.stop_grace + 60)
+        except AgentError as exc:
+            self.note(f"stop {name} failed: {exc}", severity="error")
+            return
+        verdicts = result.get("verdicts") or []
+        summary = ", ".join(f"{v.get('pid')} {v.get('outcome')}" for v in verdicts) or "nothing to signal"
+        self.note(f"stop {name}: {summary}")
+        self.resync()
+
+    @work(group="actions", exit_on_error=False)
+    async def action_adopt(self) -> None:
+        foreign = [h for h in self.state.holders if not h.owned]
+        choice = await self.push_screen_wait(AdoptModal(foreign, foreign[0].pid if len(foreign) == 1 else None))
+        if not choice:
+            self.note("adopt cancelled; nothing adopted")
+            return
+        if self.disabled_reason("adopt"):
+            self.note(f"adopt not sent: {self.disabled_reason('adopt')}", severity="error")
+            return
+        try:
+            result = await self.client.request(Request.ADOPT_JOB, **choice)
+        except AgentError as exc:
+            self.note(f"adopt {choice['pid']} refused: {exc}", severity="error")
+            return
+        self.note(f"adopted pid {choice['pid']} as {(result.get('job') or {}).get('name', choice['name'])}")
+        self.resync()
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker.error is not None and event.worker.group != "agent":
+            self.note(f"{event.worker.name or event.worker.group} failed: {event.worker.error}", severity="error")
+
+
+def _short_profile(profile: str) -> str:
+    stem = profile.rsplit("/", 1)[-1]
+    return stem[:-5] if stem.endswith(".toml") else stem
+
+
+def build_app(
+    transport: Transport | None = None,
+    *,
+    state: ConsoleState | None = None,
+    target: str | None = None,
+    profile: str = "tiny",
+    clock: Callable[[], float] | None = None,
+    refresh_throttle: float = 0.2,
+    poll_interval: float | None = 5.0,
+    request_timeout: float = 30.0,
+    stop_grace: float = 30.0,
+    raw_plots: bool = False,
+) -> ConsoleApp:
+    """The console app: over `transport` when given, else showing only the (fixed) `state` handed in."""
+    state = state or ConsoleState()
+    if target is not None:
+        state.target = target
+    elif transport is not None:
+        state.target = transport.label
+    if clock is not None:
+        state.clock = clock
+    client = AgentClient(transport, timeout=request_timeout) if transport is not None else None
+    return ConsoleApp(
+        client,
+        state,
+        profile=profile,
+        refresh_throttle=refresh_throttle,
+        poll_interval=poll_interval,
+        stop_grace=stop_grace,
+        raw_plots=raw_plots,
+    )

@@ -1,0 +1,171 @@
+"""Curve preparation for the Training screen: EMA smoothing, log10 axes with our own ticks, spike-keeping min/max downsampling.
+
+plotext's own log scale is never used: it re-takes the log of the stored data on every build and
+crashes on resize (plotext#209). Instead the values are transformed here and the ticks labelled
+with the original numbers.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass
+class Curve:
+    """A series ready to plot: x/y already transformed (log10 where asked) and downsampled."""
+
+    xs: list[float]
+    ys: list[float]
+    source_points: int  # points in the raw series
+    hidden_points: int = 0  # points a log axis cannot show (step <= 0, value <= 0)
+
+
+@dataclass
+class Ticks:
+    positions: list[float] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+
+
+def ema(values: Sequence[float], weight: float) -> list[float]:
+    """Debiased exponential moving average (TensorBoard-style smoothing; weight 0 = raw)."""
+    if not 0.0 <= weight < 1.0:
+        raise ValueError(f"EMA weight must be in [0, 1), got {weight}")
+    if weight == 0.0 or not values:
+        return list(values)
+    out = []
+    acc = 0.0
+    correction = 1.0
+    keep = 1.0 - weight
+    for value in values:
+        acc = acc * weight + keep * value
+        correction *= weight
+        out.append(acc / (1.0 - correction))
+    return out
+
+
+def minmax_downsample(xs: Sequence[float], ys: Sequence[float], buckets: int) -> tuple[list[float], list[float]]:
+    """Keep the min and the max of each of `buckets` equal-width x ranges, in x order.
+
+    xs must be sorted ascending. A one-point spike in a bucket is its min or max, so it survives;
+    the first and last points are always kept. Output has at most 2*buckets + 2 points.
+    """
+    n = len(xs)
+    if n != len(ys):
+        raise ValueError(f"xs has {n} points, ys has {len(ys)}")
+    if buckets < 1:
+        raise ValueError(f"buckets must be >= 1, got {buckets}")
+    if n <= 2 * buckets + 2:
+        return list(xs), list(ys)
+    lo, hi = xs[0], xs[-1]
+    if hi <= lo:
+        return _minmax_by_index(xs, ys, buckets)
+    width = (hi - lo) / buckets
+    out_x: list[float] = []
+    out_y: list[float] = []
+    start = 0
+    for b in range(1, buckets + 1):
+        end = n if b == buckets else bisect_left(xs, lo + b * width, start)
+        if end > start:
+            _emit_bucket(xs, ys, start, end, out_x, out_y)
+        start = end
+    _keep_ends(xs, ys, out_x, out_y)
+    return out_x, out_y
+
+
+def _minmax_by_index(xs: Sequence[float], ys: Sequence[float], buckets: int) -> tuple[list[float], list[float]]:
+    n = len(xs)
+    out_x: list[float] = []
+    out_y: list[float] = []
+    for b in range(buckets):
+        start, end = n * b // buckets, n * (b + 1) // buckets
+        if end > start:
+            _emit_bucket(xs, ys, start, end, out_x, out_y)
+    _keep_ends(xs, ys, out_x, out_y)
+    return out_x, out_y
+
+
+def _emit_bucket(xs, ys, start: int, end: int, out_x: list, out_y: list) -> None:
+    segment = ys[start:end]
+    low, high = min(segment), max(segment)
+    i_low, i_high = start + segment.index(low), start + segment.index(high)
+    for i in sorted({i_low, i_high}):
+        out_x.append(xs[i])
+        out_y.append(ys[i])
+
+
+def _keep_ends(xs, ys, out_x: list, out_y: list) -> None:
+    if out_x and out_x[0] != xs[0]:
+        out_x.insert(0, xs[0])
+        out_y.insert(0, ys[0])
+    if out_x and out_x[-1] != xs[-1]:
+        out_x.append(xs[-1])
+        out_y.append(ys[-1])
+
+
+def prepare_curve(
+    steps: Sequence[float],
+    values: Sequence[float],
+    *,
+    buckets: int,
+    log_x: bool = False,
+    log_y: bool = False,
+    ema_weight: float = 0.0,
+) -> Curve:
+    """Raw (step, value) series -> plottable Curve: EMA on the raw values, then log10, then downsample."""
+    ys = ema(values, ema_weight) if ema_weight else list(values)
+    xs = list(steps)
+    hidden = 0
+    if log_x or log_y:
+        keep_x: list[float] = []
+        keep_y: list[float] = []
+        for x, y in zip(xs, ys):
+            if (log_x and x <= 0) or (log_y and y <= 0):
+                hidden += 1
+                continue
+            keep_x.append(math.log10(x) if log_x else x)
+            keep_y.append(math.log10(y) if log_y else y)
+        xs, ys = keep_x, keep_y
+    xs, ys = minmax_downsample(xs, ys, buckets) if xs else (xs, ys)
+    return Curve(xs=xs, ys=ys, source_points=len(steps), hidden_points=hidden)
+
+
+def format_number(value: float, *, si: bool = False) -> str:
+    """Short tick label: 1, 20, 3k, 1.5M for steps (si); 0.3, 1e-4 for values."""
+    if si and abs(value) >= 1000:
+        for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if abs(value) >= scale:
+                return f"{value / scale:g}{suffix}"
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+        mantissa, exponent = f"{value:.0e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    return f"{value:.3g}"
+
+
+def log_ticks(lo: float, hi: float, *, si: bool = False, max_ticks: int = 8) -> Ticks:
+    """Ticks for an axis that holds log10 values lo..hi, labelled with the original numbers."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return Ticks()
+    if hi < lo:
+        lo, hi = hi, lo
+    first, last = math.floor(lo), math.ceil(hi)
+    inside: list[float] = []
+    for mantissas in ((1, 2, 3, 4, 5, 6, 7, 8, 9), (1, 2, 5), (1, 3), (1,)):
+        candidates = [math.log10(m) + e for e in range(first, last + 1) for m in mantissas]
+        inside = [p for p in candidates if lo - 1e-9 <= p <= hi + 1e-9]
+        if len(inside) <= max_ticks:
+            break
+    if len(inside) < 2:
+        inside = sorted({lo, hi})
+    stride = max(1, math.ceil(len(inside) / max_ticks))
+    positions = inside[::stride]
+    return Ticks(positions=positions, labels=[format_number(round(10**p, 12), si=si) for p in positions])
+
+
+def span(curves: Sequence[Curve], axis: str) -> tuple[float, float] | None:
+    """(min, max) of x or y over the plotted points of several curves; None when all are empty."""
+    values = [v for c in curves for v in (c.xs if axis == "x" else c.ys)]
+    if not values:
+        return None
+    return min(values), max(values)

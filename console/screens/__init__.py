@@ -1,0 +1,1 @@
+"""The console's screens: Dashboard, Training, Logs, and the confirmation modals."""

@@ -1,0 +1,36 @@
+"""What every main screen shares: the connection banner, and redrawing from the app's state when shown."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from textual.screen import Screen
+
+from console.widgets.banner import ConnectionBanner
+
+if TYPE_CHECKING:
+    from console.app import ConsoleApp
+
+
+class ConsoleScreen(Screen):
+    """A main screen: `show_state(changed)` redraws the parts whose state sections changed."""
+
+    @property
+    def console(self) -> "ConsoleApp":
+        return self.app  # type: ignore[return-value]
+
+    def on_screen_resume(self) -> None:
+        self.show_state(None)
+
+    def show_state(self, changed: set[str] | None) -> None:
+        """Redraw from `self.console.state`; changed=None means everything."""
+        if not self.is_mounted:
+            return
+        self.query_one(ConnectionBanner).show_state(self.console.state)
+        self.draw(changed)
+
+    def draw(self, changed: set[str] | None) -> None:
+        raise NotImplementedError
+
+
+def touches(changed: set[str] | None, *sections: str) -> bool:
+    return changed is None or bool(changed.intersection(sections))

@@ -1,0 +1,91 @@
+"""Logs: the tail of the selected job's stdout and stderr, following as the agent pushes new lines."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.reactive import reactive
+from textual.widgets import Footer, Header, Log, Static
+
+from console.screens.base import ConsoleScreen, touches
+from console.widgets.banner import ConnectionBanner
+
+STREAMS = ("stdout", "stderr")
+
+
+class LogsScreen(ConsoleScreen):
+    BINDINGS = [
+        Binding("f", "toggle_follow", "Follow"),
+        Binding("o", "switch_stream", "Live stream"),
+    ]
+
+    follow: reactive[bool] = reactive(True, init=False)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._shown: dict[str, tuple[str | None, int, int]] = {}  # stream -> (job, buffer generation, lines shown)
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield ConnectionBanner(id="banner")
+        yield Static(id="logs-title")
+        yield Static("stdout", classes="section-title")
+        yield Log(id="log-stdout", max_lines=2000)
+        yield Static("stderr", classes="section-title")
+        yield Log(id="log-stderr", max_lines=2000)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.show_state(None)
+
+    def action_toggle_follow(self) -> None:
+        self.follow = not self.follow
+
+    def action_switch_stream(self) -> None:
+        self.console.set_log_stream("stderr" if self.console.log_stream == "stdout" else "stdout")
+        self.show_state({"options"})
+
+    def watch_follow(self, follow: bool) -> None:
+        for stream in STREAMS:
+            log = self.query_one(f"#log-{stream}", Log)
+            log.auto_scroll = follow
+            if follow:
+                log.scroll_end(animate=False)
+        self.show_state({"options"})
+
+    def draw(self, changed: set[str] | None) -> None:
+        if not touches(changed, "logs", "selection", "options", "jobs"):
+            return
+        job = self.console.selected_job
+        state = self.console.state
+        info = state.jobs.get(job) if job else None
+        counts = []
+        for stream in STREAMS:
+            buffer = state.logs.get((job, stream)) if job else None
+            counts.append(f"{stream} {buffer.total if buffer else 0} lines")
+            self._draw_stream(stream, job, buffer)
+        if job:
+            where = f" · {info.stdout_path}" if info else ""
+            live = self.console.log_stream
+            title = (
+                f"{job} · {'scrolling' if self.follow else 'paused'} (f) · live: {live}, the other re-read every poll (o) · "
+                f"{' · '.join(counts)}{where}"
+            )
+        else:
+            title = "no job selected (press ] or [ to pick one)"
+        self.query_one("#logs-title", Static).update(Text(title))
+
+    def _draw_stream(self, stream: str, job: str | None, buffer) -> None:
+        log = self.query_one(f"#log-{stream}", Log)
+        shown_job, shown_generation, shown_total = self._shown.get(stream, (None, -1, 0))
+        total = buffer.total if buffer else 0
+        generation = buffer.generation if buffer else -1
+        new = total - shown_total
+        if (shown_job, shown_generation) != (job, generation) or new < 0 or (buffer is not None and new > len(buffer.lines)):
+            log.clear()
+            lines = list(buffer.lines) if buffer else []
+        else:
+            lines = list(buffer.lines)[-new:] if new and buffer else []
+        if lines:
+            log.write_lines(lines)
+        self._shown[stream] = (job, generation, total)

@@ -1,0 +1,337 @@
+"""What the console knows about the host: the latest agent events folded into plain objects the screens read.
+
+No Textual here: the state is built from protocol messages and tested on its own.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from backend.protocol import DiskUsage, Event, GpuHolder, GpuSample, HelloInfo, JobInfo, from_dict
+
+LOG_LINES_KEPT = 2000
+CONNECTED = "connected"
+CONNECTING = "connecting"
+RECONNECTING = "reconnecting"
+FAILED = "failed"
+CLOSED = "closed"
+
+
+@dataclass
+class ConnectionStatus:
+    """Where the link to the agent stands; anything but CONNECTED means the screens show stale data."""
+
+    state: str = CONNECTING
+    detail: str = ""
+    since: float = 0.0
+    attempt: int = 0
+    retry_in: float | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.state == CONNECTED
+
+
+@dataclass
+class Series:
+    """One plotted quantity: steps and finite values; non-finite values are counted, not plotted."""
+
+    steps: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    nonfinite: int = 0
+    version: int = 0
+
+    def append(self, step: Any, value: Any) -> None:
+        if not isinstance(value, (int, float)) or not isinstance(step, (int, float)):
+            return
+        self.version += 1
+        if not math.isfinite(value):
+            self.nonfinite += 1
+            return
+        if self.steps and step < self.steps[-1]:
+            self._insert_sorted(float(step), float(value))
+            return
+        self.steps.append(float(step))
+        self.values.append(float(value))
+
+    def _insert_sorted(self, step: float, value: float) -> None:
+        from bisect import bisect_right
+
+        i = bisect_right(self.steps, step)
+        self.steps.insert(i, step)
+        self.values.insert(i, value)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+@dataclass
+class JobMetrics:
+    """Metrics of one job, from metrics.jsonl records (see backend/protocol.py for the keys)."""
+
+    train_loss: Series = field(default_factory=Series)
+    val_loss: Series = field(default_factory=Series)
+    lr: Series = field(default_factory=Series)
+    val_acc: list[tuple[float, list[float]]] = field(default_factory=list)
+    latest: dict[str, Any] = field(default_factory=dict)
+    latest_train: dict[str, Any] = field(default_factory=dict)
+    latest_val: dict[str, Any] = field(default_factory=dict)
+    offset: int = 0
+    records: int = 0
+    history_loaded: bool = False
+    needs_catchup: bool = False
+
+    def add(self, record: dict[str, Any]) -> None:
+        step = record.get("step")
+        if not isinstance(step, (int, float)):
+            return
+        self.records += 1
+        self.latest = record
+        if record.get("split", "train") == "val":
+            self.latest_val = record
+            self.val_loss.append(step, record.get("loss"))
+            acc = record.get("acc")
+            if isinstance(acc, list):
+                self.val_acc.append((step, [a for a in acc if isinstance(a, (int, float))]))
+        else:
+            self.latest_train = record
+            self.train_loss.append(step, record.get("loss"))
+        if "lr" in record:
+            self.lr.append(step, record.get("lr"))
+
+    @property
+    def version(self) -> int:
+        return self.train_loss.version + self.val_loss.version + self.lr.version
+
+
+@dataclass
+class LogBuffer:
+    """The tail of one job stream; `total` counts every line ever added so a view can append only new ones."""
+
+    lines: deque = field(default_factory=lambda: deque(maxlen=LOG_LINES_KEPT))
+    total: int = 0
+    generation: int = 0  # bumped when the tail is replaced, so views redraw instead of appending
+
+    def extend(self, new_lines: list[str]) -> None:
+        for line in new_lines:
+            self.lines.append(line.rstrip("\n"))
+        self.total += len(new_lines)
+
+    def replace(self, new_lines: list[str]) -> None:
+        self.generation += 1
+        self.lines.clear()
+        self.extend(new_lines)
+
+
+@dataclass
+class ConsoleState:
+    """Everything the screens draw. `apply()` folds one agent message in and says which sections changed."""
+
+    target: str = "local"
+    clock: Callable[[], float] = time.time
+    connection: ConnectionStatus = field(default_factory=ConnectionStatus)
+    hello: HelloInfo | None = None
+    gpus: list[GpuSample] = field(default_factory=list)
+    driver: dict[str, Any] = field(default_factory=dict)
+    holders: list[GpuHolder] = field(default_factory=list)
+    jobs: dict[str, JobInfo] = field(default_factory=dict)
+    job_details: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, JobMetrics] = field(default_factory=dict)
+    stages: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    disks: list[DiskUsage] = field(default_factory=list)
+    logs: dict[tuple[str, str], LogBuffer] = field(default_factory=dict)
+    updated_at: dict[str, float] = field(default_factory=dict)
+    agent_stderr: deque = field(default_factory=lambda: deque(maxlen=200))
+    actions: deque = field(default_factory=lambda: deque(maxlen=50))
+    last_data_at: float | None = None
+
+    @property
+    def stale(self) -> bool:
+        return not self.connection.connected
+
+    @property
+    def no_driver(self) -> bool:
+        """True when the host reported it has no usable NVIDIA driver (a state, not an error)."""
+        if self.gpus:
+            return False
+        if "available" in self.driver:
+            return not self.driver["available"]
+        return bool(self.hello and self.hello.gpu_source == "none")
+
+    @property
+    def gpu_status_text(self) -> str:
+        return str(self.driver.get("message") or (self.hello.nvml if self.hello else "") or "")
+
+    def job_metrics(self, name: str) -> JobMetrics:
+        if name not in self.metrics:
+            self.metrics[name] = JobMetrics()
+        return self.metrics[name]
+
+    def log(self, job: str, stream: str) -> LogBuffer:
+        key = (job, stream)
+        if key not in self.logs:
+            self.logs[key] = LogBuffer()
+        return self.logs[key]
+
+    def note_action(self, text: str) -> None:
+        self.actions.append((self.clock(), text))
+
+    def set_connection(self, status: ConnectionStatus) -> set[str]:
+        self.connection = status
+        return {"connection"}
+
+    # -- folding agent messages -------------------------------------------------------------
+
+    def apply(self, message: dict[str, Any]) -> set[str]:
+        """Fold one event into the state; returns the names of the sections that changed."""
+        kind = message.get("type")
+        handler = _HANDLERS.get(kind)
+        if handler is None:
+            return set()
+        changed = handler(self, message)
+        now = self.clock()
+        self.last_data_at = now
+        for section in changed:
+            self.updated_at[section] = now
+        return changed
+
+    def apply_snapshot(self, result: dict[str, Any]) -> set[str]:
+        """Fold a `snapshot` reply (hello, gpus, jobs, latest metrics per job, disks)."""
+        changed: set[str] = set()
+        if result.get("hello"):
+            changed |= self.apply({"type": Event.HELLO, **result["hello"]})
+        gpus = result.get("gpus")
+        if isinstance(gpus, dict):
+            changed |= self.apply({"type": Event.GPUS, **gpus})
+        elif isinstance(gpus, list):
+            changed |= self.apply({"type": Event.GPUS, "gpus": gpus, "driver": result.get("driver")})
+        if "jobs" in result:
+            changed |= self.apply({"type": Event.JOBS, "jobs": result["jobs"]})
+        if result.get("disks"):  # empty until the agent's first disk tick: keep what the DISK event said
+            changed |= self.apply({"type": Event.DISK, "disks": result["disks"]})
+        for job, record in (result.get("metrics") or {}).items():
+            if isinstance(record, dict):
+                metrics = self.job_metrics(job)
+                if not metrics.latest:
+                    metrics.latest = record
+                    bucket = "latest_val" if record.get("split") == "val" else "latest_train"
+                    setattr(metrics, bucket, record)
+                changed.add("metrics")
+        if "holders" in result:
+            changed |= self.apply_holders(result["holders"])
+        return changed
+
+    def apply_holders(self, holders: list[dict[str, Any]]) -> set[str]:
+        self.holders = [from_dict(GpuHolder, h) for h in holders]
+        self.updated_at["holders"] = self.clock()
+        return {"holders"}
+
+    def apply_metrics_history(self, job: str, result: dict[str, Any], *, reset: bool) -> set[str]:
+        metrics = self.job_metrics(job)
+        if reset:
+            fresh = JobMetrics()
+            self.metrics[job] = metrics = fresh
+        for record in result.get("records") or []:
+            if isinstance(record, dict):
+                metrics.add(record)
+        if isinstance(result.get("offset"), int):
+            metrics.offset = result["offset"]
+        metrics.history_loaded = True
+        metrics.needs_catchup = False
+        return {"metrics"}
+
+    def running_jobs(self) -> list[JobInfo]:
+        return [j for j in self.jobs.values() if j.state == "running"]
+
+    def owned_memory_by_gpu(self) -> dict[int, float]:
+        return self._memory_by_gpu(owned=True)
+
+    def foreign_memory_by_gpu(self) -> dict[int, float]:
+        return self._memory_by_gpu(owned=False)
+
+    def _memory_by_gpu(self, owned: bool) -> dict[int, float]:
+        totals: dict[int, float] = {}
+        for holder in self.holders:
+            if holder.owned != owned or not holder.gpu_indices:
+                continue
+            share = (holder.used_memory_mib or 0.0) / len(holder.gpu_indices)
+            for index in holder.gpu_indices:
+                totals[index] = totals.get(index, 0.0) + share
+        return totals
+
+
+def _on_hello(state: ConsoleState, message: dict[str, Any]) -> set[str]:
+    state.hello = from_dict(HelloInfo, message)
+    return {"hello", "gpus"}
+
+
+def _on_gpus(state: ConsoleState, message: dict[str, Any]) -> set[str]:
+    state.gpus = [from_dict(GpuSample, g) for g in message.get("gpus") or []]
+    driver = message.get("driver")
+    if isinstance(driver, dict):
+        state.driver = driver
+    return {"gpus"}
+
+
+def _on_jobs(state: ConsoleState, message: dict[str, Any]) -> set[str]:
+    raw = [j for j in message.get("jobs") or [] if isinstance(j, dict)]
+    jobs = [from_dict(JobInfo, j) for j in raw]
+    state.jobs = {j.name: j for j in sorted(jobs, key=lambda j: j.started_at)}
+    state.job_details = {str(j.get("name")): str(j.get("detail") or "") for j in raw}
+    return {"jobs"}
+
+
+def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
+    """Append new records; once a job's history is loaded, byte offsets keep it exact (no duplicate, no hole)."""
+    job = message.get("job")
+    if not isinstance(job, str):
+        return set()
+    metrics = state.job_metrics(job)
+    start, end = message.get("start_offset"), message.get("offset")
+    if metrics.history_loaded and isinstance(end, int):
+        if end <= metrics.offset:
+            return set()  # already folded in through metrics_history
+        if isinstance(start, int) and start != metrics.offset:
+            metrics.needs_catchup = True  # a hole or an overlap: re-read from our offset instead
+            return {"metrics_gap"}
+    for record in message.get("records") or []:
+        if isinstance(record, dict):
+            metrics.add(record)
+    if isinstance(end, int):
+        metrics.offset = end
+    return {"metrics"}
+
+
+def _on_stages(state: ConsoleState, message: dict[str, Any]) -> set[str]:
+    job = message.get("job")
+    if not isinstance(job, str):
+        return set()
+    state.stages.setdefault(job, []).extend(r for r in message.get("records") or [] if isinstance(r, dict))
+    return {"stages"}
+
+
+def _on_disk(state: ConsoleState, message: dict[str, Any]) -> set[str]:
+    state.disks = [from_dict(DiskUsage, d) for d in message.get("disks") or []]
+    return {"disks"}
+
+
+def _on_log(state: ConsoleState, message: dict[str, Any]) -> set[str]:
+    job, stream = message.get("job"), message.get("stream")
+    if not isinstance(job, str) or stream not in ("stdout", "stderr"):
+        return set()
+    state.log(job, stream).extend([str(line) for line in message.get("lines") or []])
+    return {"logs"}
+
+
+_HANDLERS: dict[str, Callable[[ConsoleState, dict[str, Any]], set[str]]] = {
+    Event.HELLO: _on_hello,
+    Event.GPUS: _on_gpus,
+    Event.JOBS: _on_jobs,
+    Event.METRICS: _on_metrics,
+    Event.STAGES: _on_stages,
+    Event.DISK: _on_disk,
+    Event.LOG: _on_log,
+}

@@ -1,0 +1,57 @@
+"""The connection banner at the top of every screen: connected, connecting, or disconnected with stale data."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from console.state import CONNECTED, CONNECTING, FAILED, RECONNECTING, ConsoleState
+from console.widgets.format import clock_time, duration
+
+DISABLED_NOTE = "stop / adopt / start are disabled until the connection is back"
+
+
+def banner_text(state: ConsoleState) -> Text:
+    status = state.connection
+    now = state.clock()
+    text = Text()
+    if status.state == CONNECTED:
+        text.append(" ● connected ", style="bold black on green")
+        text.append(f" {state.target}")
+        hello = state.hello
+        if hello:
+            text.append(f" · host {hello.host} · agent pid {hello.agent_pid} · python {hello.python} · run dir {hello.run_dir}")
+            if hello.backend_hash:
+                text.append(f" · backend {hello.backend_hash}")
+        return text
+    if status.state == CONNECTING:
+        text.append(" … connecting ", style="bold black on yellow")
+        text.append(f" {state.target} {status.detail}")
+        return text
+    label = " ▲ DISCONNECTED " if status.state == RECONNECTING else " ✖ NOT CONNECTED "
+    text.append(label, style="bold white on red")
+    if state.last_data_at is not None:
+        text.append(f" STALE: data from {clock_time(state.last_data_at)} ({duration(now - state.last_data_at)} ago)", style="bold")
+    else:
+        text.append(" no data received yet", style="bold")
+    if status.state == RECONNECTING:
+        retry = f", next try in {status.retry_in:.1f}s" if status.retry_in is not None else ""
+        text.append(f" · reconnecting to {state.target} (attempt {status.attempt}{retry})")
+    elif status.state == FAILED:
+        text.append(f" · {state.target}: gave up")
+    if status.detail:
+        text.append(f" · {status.detail}")
+    text.append(f" · {DISABLED_NOTE}", style="italic")
+    return text
+
+
+class ConnectionBanner(Static):
+    """One line (wrapping when long) saying whether what the screen shows is live or stale."""
+
+    DEFAULT_CSS = """
+    ConnectionBanner { height: auto; max-height: 4; padding: 0 1; }
+    ConnectionBanner.-stale { background: $error 20%; }
+    """
+
+    def show_state(self, state: ConsoleState) -> None:
+        self.set_class(state.stale, "-stale")
+        self.update(banner_text(state))

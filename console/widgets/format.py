@@ -1,0 +1,95 @@
+"""Text helpers for the widgets: bars, sizes, durations, percentages, metric numbers."""
+from __future__ import annotations
+
+import math
+import time
+
+from rich.text import Text
+
+BAR_FULL = "█"
+BAR_EMPTY = "░"
+
+
+def segmented_bar(parts: list[tuple[float, str]], total: float, width: int) -> Text:
+    """A bar of `width` cells: each (amount, style) part gets its share of `total`, the rest is empty."""
+    text = Text()
+    if total <= 0 or width <= 0:
+        return Text(BAR_EMPTY * max(width, 0), style="dim")
+    used_cells = 0
+    for amount, style in parts:
+        cells = int(round(max(amount, 0.0) / total * width))
+        cells = min(cells, width - used_cells)
+        if cells > 0:
+            text.append(BAR_FULL * cells, style=style)
+            used_cells += cells
+    text.append(BAR_EMPTY * (width - used_cells), style="dim")
+    return text
+
+
+def mib(value: float | None) -> str:
+    if value is None:
+        return "?"
+    if value >= 1024:
+        return f"{value / 1024:.1f} GiB"
+    return f"{value:.0f} MiB"
+
+
+def size_bytes(value: int | float | None) -> str:
+    if value is None:
+        return "?"
+    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    amount = float(value)
+    for unit in units:
+        if abs(amount) < 1024 or unit == units[-1]:
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    return f"{amount:.1f} PiB"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None or seconds < 0:
+        return "-"
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def clock_time(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return time.strftime("%H:%M:%S", time.localtime(epoch))
+
+
+def number(value: object, digits: int = 4) -> str:
+    """A metric value: NaN/inf shown as such, small/large ones in e-notation."""
+    if not isinstance(value, (int, float)):
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
+        return f"{value:.2e}"
+    return f"{value:.{digits}g}"
+
+
+def percent(value: object) -> str:
+    """Accuracy in [0, 1] (or already in percent when > 1) as a percentage."""
+    if not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value * 100 if value <= 1.0 else value:.1f}%"
+
+
+def count(value: object) -> str:
+    if not isinstance(value, (int, float)):
+        return "-"
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{suffix}"
+    return f"{value:.0f}"

@@ -1,0 +1,94 @@
+"""The console state folds agent messages: jobs, GPUs, no-driver state, metrics with exact offsets, logs."""
+from console.state import CONNECTED, RECONNECTING, ConnectionStatus, ConsoleState
+
+JOB = {
+    "name": "train-1", "kind": "train", "state": "running", "pid": 10, "pgid": 10, "start_time_ticks": 5, "argv": ["x"],
+    "job_dir": "/r/jobs/train-1", "stdout_path": "/r/o", "stderr_path": "/r/e", "started_at": 100.0, "detail": "", "future_field": 1,
+}
+
+
+def test_jobs_event_replaces_the_table_and_keeps_details():
+    state = ConsoleState(clock=lambda: 500.0)
+    changed = state.apply({"type": "jobs", "jobs": [JOB, {**JOB, "name": "old", "started_at": 1.0, "state": "exited", "detail": "exit 0"}]})
+    assert changed == {"jobs"}
+    assert list(state.jobs) == ["old", "train-1"]  # oldest first
+    assert state.job_details["old"] == "exit 0"
+    assert state.updated_at["jobs"] == 500.0
+    state.apply({"type": "jobs", "jobs": []})
+    assert state.jobs == {}
+
+
+def test_no_driver_state_comes_from_the_driver_report():
+    state = ConsoleState()
+    assert not state.no_driver  # nothing known yet
+    state.apply({"type": "gpus", "gpus": [], "driver": {"available": False, "message": "no NVIDIA driver (libnvidia-ml.so not found)"}})
+    assert state.no_driver and "libnvidia-ml" in state.gpu_status_text
+    state.apply({"type": "gpus", "gpus": [{"index": 0, "memory_used_mib": 1.0, "processes": [{"pid": 3}]}], "driver": {"available": True}})
+    assert not state.no_driver and state.gpus[0].processes[0].pid == 3
+
+
+def test_metrics_events_after_history_use_byte_offsets_without_duplicates_or_holes():
+    state = ConsoleState()
+    history = {"records": [{"step": 1, "loss": 5.0, "lr": 1e-3}, {"step": 2, "split": "val", "loss": 6.0, "acc": [0.5, 0.25]}], "offset": 200}
+    state.apply_metrics_history("train-1", history, reset=True)
+    metrics = state.metrics["train-1"]
+    assert len(metrics.train_loss) == 1 and len(metrics.val_loss) == 1 and metrics.val_acc == [(2, [0.5, 0.25])]
+    # an event the history already covered is dropped
+    assert state.apply({"type": "metrics", "job": "train-1", "records": [{"step": 2, "loss": 9}], "start_offset": 100, "offset": 200}) == set()
+    # the next one continues exactly at our offset
+    state.apply({"type": "metrics", "job": "train-1", "records": [{"step": 3, "loss": 4.0}], "start_offset": 200, "offset": 260})
+    assert metrics.train_loss.steps == [1.0, 3.0] and metrics.offset == 260
+    # a hole (we missed 260..300): not applied, flagged for a re-read from our offset
+    assert state.apply({"type": "metrics", "job": "train-1", "records": [{"step": 5, "loss": 3.0}], "start_offset": 300, "offset": 360}) == {"metrics_gap"}
+    assert metrics.needs_catchup and metrics.train_loss.steps == [1.0, 3.0]
+    state.apply_metrics_history("train-1", {"records": [{"step": 4, "loss": 3.5}, {"step": 5, "loss": 3.0}], "offset": 360}, reset=False)
+    assert metrics.train_loss.steps == [1.0, 3.0, 4.0, 5.0] and not metrics.needs_catchup
+
+
+def test_nonfinite_values_are_counted_not_plotted_and_out_of_order_steps_are_sorted():
+    state = ConsoleState()
+    state.apply({"type": "metrics", "job": "j", "records": [{"step": 5, "loss": 1.0}, {"step": 6, "loss": float("nan")}, {"step": 3, "loss": 2.0}], "offset": 10})
+    series = state.metrics["j"].train_loss
+    assert series.steps == [3.0, 5.0] and series.values == [2.0, 1.0] and series.nonfinite == 1
+
+
+def test_snapshot_fills_latest_metrics_and_keeps_disks_until_the_agent_measured_them():
+    state = ConsoleState()
+    state.apply({"type": "disk", "disks": [{"path": "/r", "label": "run_dir", "total_bytes": 10, "used_bytes": 5, "free_bytes": 5}]})
+    state.apply_snapshot({
+        "hello": {"protocol": 1, "host": "h", "python": "3.12", "agent_pid": 1, "run_dir": "/r", "driver": None, "nvml": "no", "gpu_source": "none", "sglang": None},
+        "gpus": [], "driver": {"available": False, "message": "no driver"},
+        "jobs": [JOB], "metrics": {"train-1": {"step": 7, "split": "train", "loss": 2.5}}, "disks": [],
+    })
+    assert state.hello.host == "h" and state.no_driver
+    assert state.metrics["train-1"].latest_train["loss"] == 2.5
+    assert state.disks and state.disks[0].path == "/r"
+
+
+def test_logs_keep_a_bounded_tail_and_a_generation_for_replacements():
+    state = ConsoleState()
+    state.apply({"type": "log", "job": "j", "stream": "stdout", "lines": [f"l{i}" for i in range(2500)]})
+    buffer = state.logs[("j", "stdout")]
+    assert len(buffer.lines) == 2000 and buffer.total == 2500 and buffer.lines[-1] == "l2499"
+    buffer.replace(["fresh"])
+    assert list(buffer.lines) == ["fresh"] and buffer.generation == 1
+    assert state.apply({"type": "log", "job": "j", "stream": "bogus", "lines": ["x"]}) == set()
+
+
+def test_connection_status_decides_staleness():
+    state = ConsoleState()
+    assert state.stale
+    state.set_connection(ConnectionStatus(state=CONNECTED))
+    assert not state.stale
+    state.set_connection(ConnectionStatus(state=RECONNECTING, attempt=2))
+    assert state.stale
+
+
+def test_holders_split_memory_into_ours_and_foreign_per_gpu():
+    state = ConsoleState()
+    state.apply_holders([
+        {"pid": 1, "owned": True, "job": "t", "gpu_indices": [0], "used_memory_mib": 100.0},
+        {"pid": 2, "owned": False, "gpu_indices": [0, 1], "used_memory_mib": 50.0},
+    ])
+    assert state.owned_memory_by_gpu() == {0: 100.0}
+    assert state.foreign_memory_by_gpu() == {0: 25.0, 1: 25.0}
