@@ -1,0 +1,306 @@
+"""Training metrics records: the schema, its validator, the trainer's writer, the tailing reader, series and downsampling.
+
+Standard library only (runs inside the agent on any host Python >= 3.10).
+
+One record per line of <job_dir>/metrics.jsonl (see backend/protocol.py):
+  step (int >= 0, required), split ("train" | "val", required), epoch (number >= 0), loss (number),
+  ploss (list of numbers, one per TTT position), acc (list of fractions in [0, 1], one per TTT position),
+  acceptance_rate (list, SpecForge's expected acceptance per position; optional extension),
+  lr, grad_norm (pre-clip), weight_norm, step_time (seconds) (numbers), weight_norm_modules
+  ({module name: number}), tokens (cumulative int), time (epoch seconds).
+Keys other than these are kept and not checked, so newer writers can add fields.
+
+Non-finite floats are written as the JSON strings "NaN", "Infinity", "-Infinity" (strict JSON, and a
+NaN loss stays distinguishable from a missing one). Readers accept those strings, bare NaN/Infinity
+tokens (Python's json default) and null, and turn all of them into float NaN/inf.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from backend.jsonl import JsonlFollower, append_record
+
+SPLITS = ("train", "val")
+SCALAR_KEYS = ("epoch", "loss", "lr", "grad_norm", "weight_norm", "time", "step_time")
+LIST_KEYS = ("ploss", "acc", "acceptance_rate")
+NONNEGATIVE_KEYS = ("epoch", "lr", "grad_norm", "weight_norm", "step_time")
+PLOSS_DECAY = 0.8  # SpecForge / EAGLE weight of TTT position i: 0.8**i
+
+_NONFINITE_TEXT = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf,
+                   "infinity": math.inf, "+infinity": math.inf, "-infinity": -math.inf}
+
+
+class MetricsRecordError(ValueError):
+    """A metrics record that does not follow the schema; `problems` names each wrong key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("bad metrics record (nothing written): " + "; ".join(problems))
+
+
+def _as_number(value: Any) -> float | int | None:
+    """A real number (or a 0-d tensor/array scalar via .item()), the non-finite strings, or None if not a number."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return value if isinstance(value, int) else float(value)
+    if isinstance(value, str):
+        return _NONFINITE_TEXT.get(value.strip().lower())
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return _as_number(item())
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    return None
+
+
+def _number_problem(key: str, value: Any, nonnegative: bool = False) -> tuple[float | int | None, str | None]:
+    if value is None:
+        return math.nan, None
+    number = _as_number(value)
+    if number is None:
+        return None, f"'{key}' must be a number, got {type(value).__name__} {value!r:.40}"
+    if nonnegative and number < 0:
+        return None, f"'{key}' must be >= 0, got {number}"
+    return number, None
+
+
+def normalize_record(record: Any) -> tuple[dict[str, Any] | None, list[str]]:
+    """Check a record and coerce its values; returns (clean record, []) or (None, problems naming each bad key)."""
+    if not isinstance(record, dict):
+        return None, [f"record must be a JSON object, got {type(record).__name__}"]
+    problems: list[str] = []
+    clean = dict(record)
+    if "step" not in record:
+        problems.append("'step' is missing")
+    else:
+        clean["step"] = _count("step", record["step"], problems)
+    if record.get("split") not in SPLITS:
+        problems.append(f"'split' must be one of {SPLITS}, got {record.get('split')!r:.40}")
+    for key in SCALAR_KEYS:
+        if key in record:
+            clean[key], problem = _number_problem(key, record[key], key in NONNEGATIVE_KEYS)
+            problems += [problem] if problem else []
+    for key in LIST_KEYS:
+        if key in record:
+            clean[key] = _clean_list(key, record[key], problems)
+    if "weight_norm_modules" in record:
+        clean["weight_norm_modules"] = _clean_modules(record["weight_norm_modules"], problems)
+    if "tokens" in record:
+        clean["tokens"] = _count("tokens", record["tokens"], problems)
+    return (None, problems) if problems else (clean, [])
+
+
+def _count(key: str, value: Any, problems: list[str]) -> int | None:
+    number = _as_number(value)
+    if number is None or not math.isfinite(number) or number < 0 or not float(number).is_integer():
+        problems.append(f"'{key}' must be an integer >= 0, got {value!r:.40}")
+        return None
+    return int(number)
+
+
+def _clean_list(key: str, value: Any, problems: list[str]) -> list[float] | None:
+    if not isinstance(value, (list, tuple)):
+        problems.append(f"'{key}' must be a list of numbers (one per TTT position), got {type(value).__name__}")
+        return None
+    out = []
+    for i, item in enumerate(value):
+        number, problem = _number_problem(f"{key}[{i}]", item)
+        if problem:
+            problems.append(problem)
+            return None
+        out.append(float(number))
+    return out
+
+
+def _clean_modules(value: Any, problems: list[str]) -> dict[str, float] | None:
+    if not isinstance(value, dict):
+        problems.append(f"'weight_norm_modules' must be an object {{module: norm}}, got {type(value).__name__}")
+        return None
+    out = {}
+    for name, item in value.items():
+        number, problem = _number_problem(f"weight_norm_modules[{name!r}]", item, nonnegative=True)
+        if problem:
+            problems.append(problem)
+            return None
+        out[str(name)] = float(number)
+    return out
+
+
+def check_record(record: Any) -> list[str]:
+    """Problems with a record (empty when it follows the schema), each naming the key that is wrong."""
+    return normalize_record(record)[1]
+
+
+def validate_record(record: Any) -> dict[str, Any]:
+    """The cleaned record, or MetricsRecordError naming every wrong key."""
+    clean, problems = normalize_record(record)
+    if problems:
+        raise MetricsRecordError(problems)
+    return clean
+
+
+def encode_nonfinite(value: Any) -> Any:
+    """Replace non-finite floats (also inside lists/dicts) by "NaN"/"Infinity"/"-Infinity" for strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: encode_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode_nonfinite(v) for v in value]
+    return value
+
+
+class MetricsWriter:
+    """Appends validated records to a metrics.jsonl; one write() per line, so a reader never sees a torn line of ours.
+
+    Keys whose value is None are left out (optional keys may be absent). `time` is filled with the
+    current epoch seconds when absent. A bad record raises MetricsRecordError and nothing is written.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any] | None = None, /, **fields: Any) -> dict[str, Any]:
+        merged = {k: v for k, v in {**(record or {}), **fields}.items() if v is not None}
+        merged.setdefault("time", time.time())
+        clean = validate_record(merged)
+        append_record(self.path, encode_nonfinite(clean))
+        return clean
+
+
+class MetricsReader:
+    """Follows a metrics.jsonl from a byte offset; returns cleaned records, skips (and describes) bad ones."""
+
+    MAX_PROBLEMS = 20
+
+    def __init__(self, path: str | os.PathLike, offset: int = 0):
+        self.follower = JsonlFollower(path, offset=offset)
+        self.bad_records = 0
+        self.problems: list[str] = []  # the most recent few, for the operator
+
+    @property
+    def offset(self) -> int:
+        return self.follower.offset
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Everything complete since the last poll (a partial last line waits for the next one)."""
+        records = []
+        while True:
+            before = self.follower.offset
+            batch = self.follower.poll()
+            for raw in batch:
+                clean, problems = normalize_record(raw)
+                if clean is None:
+                    self._skip(raw, problems)
+                else:
+                    records.append(clean)
+            if self.follower.offset == before:
+                return records
+
+    def _skip(self, raw: Any, problems: list[str]) -> None:
+        self.bad_records += 1
+        step = raw.get("step") if isinstance(raw, dict) else None
+        self.problems = (self.problems + [f"record at step {step!r}: " + "; ".join(problems)])[-self.MAX_PROBLEMS:]
+
+
+def read_metrics(path: str | os.PathLike, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """Cleaned records from byte `offset` to the last complete line, and the offset to resume from."""
+    reader = MetricsReader(path, offset)
+    records = reader.poll()
+    return records, reader.offset
+
+
+def record_loss(record: dict[str, Any]) -> float | None:
+    """The record's loss, or SpecForge's weighted total sum(0.8**i * ploss[i]) when only ploss was logged."""
+    loss = record.get("loss")
+    if loss is not None:
+        return float(loss)
+    plosses = record.get("ploss")
+    if plosses:
+        return sum(PLOSS_DECAY**i * float(p) for i, p in enumerate(plosses))
+    return None
+
+
+def _pick(record: dict[str, Any], key: str, index: int | str | None) -> float | None:
+    value = record_loss(record) if key == "loss" else record.get(key)
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        if index is None:
+            raise ValueError(f"'{key}' holds one value per module; pass index=<module name>")
+        value = value.get(index)
+    elif isinstance(value, list):
+        if index is None:
+            raise ValueError(f"'{key}' holds one value per TTT position; pass index=<position>")
+        value = value[index] if isinstance(index, int) and -len(value) <= index < len(value) else None
+    number = _as_number(value) if value is not None else None
+    return None if number is None else float(number)
+
+
+def series(records: Iterable[dict[str, Any]], key: str, split: str = "train",
+           index: int | str | None = None) -> tuple[list[int], list[float]]:
+    """(steps, values) of one key for one split, sorted by step; a repeated step keeps its latest record.
+
+    `index` picks acc[i] / ploss[i] / acceptance_rate[i], or a module of weight_norm_modules.
+    "loss" falls back to the weighted ploss sum. Non-finite values are kept (as NaN/inf).
+    """
+    by_step: dict[int, float] = {}
+    for record in records:
+        if record.get("split") != split or not isinstance(record.get("step"), int):
+            continue
+        value = _pick(record, key, index)
+        if value is not None:
+            by_step[record["step"]] = value
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def latest(records: Iterable[dict[str, Any]], split: str, key: str) -> dict[str, Any] | None:
+    """The last record (file order) of a split that has `key`."""
+    found = None
+    for record in records:
+        if record.get("split") == split and record.get(key) is not None:
+            found = record
+    return found
+
+
+def downsample(steps: list[int], values: list[float], max_points: int,
+               log_x: bool = False) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Bucket a series to at most max_points x-buckets: (step, last value, min, max) per bucket.
+
+    Keeps spikes visible (min/max band) instead of sampling at random. Buckets are equal in step,
+    or in log10(step) when log_x (steps <= 0 then share the first bucket).
+    """
+    if max_points <= 0 or not steps:
+        return [], [], [], []
+    if len(steps) <= max_points:
+        return list(steps), list(values), list(values), list(values)
+
+    def position(step: int) -> float:
+        return math.log10(step) if log_x and step > 0 else (float(step) if not log_x else -math.inf)
+
+    positions = [position(s) for s in steps]
+    finite_positions = [p for p in positions if math.isfinite(p)] or [0.0]
+    low, high = min(finite_positions), max(finite_positions)
+    width = (high - low) / max_points or 1.0
+    buckets: dict[int, list[int]] = {}
+    for i, p in enumerate(positions):
+        bucket = 0 if not math.isfinite(p) else min(int((p - low) / width), max_points - 1)
+        buckets.setdefault(bucket, []).append(i)
+    out_steps, out_last, out_min, out_max = [], [], [], []
+    for bucket in sorted(buckets):
+        members = buckets[bucket]
+        finite = [values[i] for i in members if math.isfinite(values[i])] or [values[members[-1]]]
+        out_steps.append(steps[members[-1]])
+        out_last.append(values[members[-1]])
+        out_min.append(min(finite))
+        out_max.append(max(finite))
+    return out_steps, out_last, out_min, out_max
