@@ -61,6 +61,14 @@ class TinyDataSettings:
     generate_batch: int = 64
 
 
+def tiny_data_settings(seq_len: int, train_samples: int | None = None, val_samples: int | None = None, seed: int = 0) -> TinyDataSettings:
+    """Samples of seq_len tokens: a prompt of min(64, seq_len/2) corpus bytes, then the target's continuation."""
+    defaults = TinyDataSettings()
+    train = train_samples or defaults.train_samples
+    return TinyDataSettings(prompt_len=min(64, seq_len // 2), total_len=seq_len, train_samples=train,
+                            val_samples=val_samples or (defaults.val_samples if train_samples is None else max(1, train // 10)), seed=seed)
+
+
 def _windows(corpus: bytes, count: int, length: int, rng: random.Random) -> list[bytes]:
     if len(corpus) < length + 1:
         raise DataError(f"corpus of {len(corpus)} bytes is shorter than one {length}-byte prompt")

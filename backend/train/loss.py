@@ -36,8 +36,26 @@ def make_teacher(target_logits, loss_mask, t2d) -> Teacher:
         return Teacher(probs=torch.softmax(restricted, dim=-1), index=restricted.argmax(-1), valid=valid)
 
 
+def step_masks(teacher: Teacher, ttt_length: int) -> list:
+    """Per TTT step k, the [B, S] positions t whose target position t+1+k is scored (for ttt_forward's loss_positions)."""
+    import torch
+
+    seq_len = teacher.valid.shape[1]
+    masks = []
+    for k in range(ttt_length):
+        mask = torch.zeros_like(teacher.valid)
+        if seq_len - 1 - k > 0:
+            mask[:, : seq_len - 1 - k] = teacher.valid[:, 1 + k :]
+        masks.append(mask)
+    return masks
+
+
 def ttt_loss(step_logits: list, teacher: Teacher, decay: float = PLOSS_DECAY) -> TTTLoss:
-    """Step k's logits at position t are scored against the target at position t+1+k (see draft.ttt_forward)."""
+    """Step k's logits at position t are scored against the target at position t+1+k (see draft.ttt_forward).
+
+    Each entry of step_logits is either [B, S, Vd] (every position) or [N_k, Vd]: only the positions of
+    step_masks(teacher)[k], in row-major order, as ttt_forward returns them when given loss_positions.
+    """
     import torch
 
     seq_len = teacher.valid.shape[1]
@@ -48,15 +66,21 @@ def ttt_loss(step_logits: list, teacher: Teacher, decay: float = PLOSS_DECAY) ->
         if span <= 0:
             break
         mask = teacher.valid[:, 1 + k :]
-        probs = teacher.probs[:, 1 + k :]
-        draft = logits[:, :span]
+        if logits.dim() == 2:
+            probs, index, draft = teacher.probs[:, 1 + k :][mask], teacher.index[:, 1 + k :][mask], logits
+            weights = None
+        else:
+            probs, index, draft = teacher.probs[:, 1 + k :], teacher.index[:, 1 + k :], logits[:, :span]
+            weights = mask
         logp = torch.log_softmax(draft.float(), dim=-1)
         per_position = -(probs * logp).sum(-1)
         count = mask.sum()
         denom = count.clamp(min=1)
-        ploss = (per_position * mask).sum() / denom
+        # With no scored position the sum is a zero that still reaches every parameter (DDP needs the grads).
+        ploss = (per_position if weights is None else per_position * weights).sum() / denom
         with torch.no_grad():
-            acc = ((draft.argmax(-1) == teacher.index[:, 1 + k :]) & mask).sum() / denom
+            hits = draft.argmax(-1) == index
+            acc = (hits if weights is None else hits & weights).sum() / denom
         plosses.append(ploss)
         accs.append(acc)
         counts.append(count)

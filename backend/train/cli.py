@@ -1,0 +1,226 @@
+"""`eagle3-host` training commands: train, extract, export, convert, build-tiny (torch imported inside the handlers)."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def register(subparsers, parent: argparse.ArgumentParser) -> None:
+    _register_train(subparsers, parent)
+    _register_extract(subparsers, parent)
+    export = subparsers.add_parser("export", parents=[parent], help="copy a checkpoint's serving files (config.json + model.safetensors), verifying keys",
+                                   description="Copy config.json and model.safetensors of a checkpoint (or a run dir's latest) into DST, after checking every key and shape.")
+    export.add_argument("checkpoint", type=Path, help="checkpoint dir, or a run dir (its checkpoints/latest is used)")
+    export.add_argument("destination", type=Path, help="new or empty directory for the serving files")
+    export.set_defaults(handler=_export)
+    convert = subparsers.add_parser("convert", parents=[parent], help="convert a foreign draft checkpoint (e.g. layers.0.* keys) to the SGLang layout")
+    convert.add_argument("source", type=Path)
+    convert.add_argument("destination", type=Path)
+    convert.set_defaults(handler=_convert)
+    build = subparsers.add_parser("build-tiny", parents=[parent], help="build (or find) the cached tiny CPU target and print its path")
+    build.set_defaults(handler=_build_tiny)
+
+
+def _register_train(subparsers, parent) -> None:
+    train = subparsers.add_parser("train", parents=[parent], help="train an EAGLE-3 draft (also under torchrun)",
+                                  description="Train an EAGLE-3 draft for a profile's target. SIGTERM/SIGINT: finish the step, write a checkpoint, exit 0.")
+    train.add_argument("--profile", required=True, help="profile name (tiny, llama3.1-8b, kimi-k2.5) or a TOML path")
+    train.add_argument("--out", type=Path, help="output dir (default: $EAGLE3_JOB_DIR, else <run-dir>/runs/train-<timestamp>)")
+    train.add_argument("--max-steps", type=int, help="total optimizer steps (absolute: a resumed run continues up to it)")
+    train.add_argument("--schedule", choices=["cosine", "constant"])
+    train.add_argument("--lr", type=float)
+    train.add_argument("--warmup-steps", type=int)
+    train.add_argument("--weight-decay", type=float)
+    train.add_argument("--grokfast-alpha", type=float, help="enable the Grokfast-EMA gradient filter with this alpha (e.g. 0.98)")
+    train.add_argument("--grokfast-lambda", type=float, help="Grokfast amplification (default from the profile, 2.0)")
+    train.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
+                       help="resume from CKPT (a checkpoint or run dir), or with no value from the newest checkpoint under --out")
+    train.add_argument("--rewarm-steps", type=int, help="linear LR re-warm after a resume (default: half the warmup)")
+    train.add_argument("--data", type=Path, help="offline shards dir written by `extract` (default: run the target online)")
+    train.add_argument("--conversations", type=Path, help="chat JSONL for online HF targets (default <data_dir>/conversations.jsonl)")
+    train.add_argument("--regenerate-tokens", type=int, default=0, help="regenerate assistant turns with the target (max new tokens; 0 = off)")
+    train.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files under <out>/tensorboard")
+    train.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present; LOCAL_RANK under torchrun)")
+    train.add_argument("--batch-size", type=int)
+    train.add_argument("--eval-interval", type=int)
+    train.add_argument("--save-interval", type=int)
+    train.add_argument("--log-interval", type=int)
+    train.add_argument("--max-val-batches", type=int, help="cap validation at this many batches per rank")
+    train.add_argument("--seed", type=int)
+    train.add_argument("--attn-backend", choices=["eager", "sdpa", "flex"], help="TTT attention kernel (default: flex on CUDA, sdpa on CPU)")
+    train.set_defaults(handler=_train)
+
+
+def _register_extract(subparsers, parent) -> None:
+    extract = subparsers.add_parser("extract", parents=[parent], help="write offline training shards (aux hidden states + teacher) with the target",
+                                    description="Run the target over the training data and write safetensors shards. The disk estimate is printed first; "
+                                                "nothing is written when it will not fit.")
+    extract.add_argument("--profile", required=True)
+    extract.add_argument("--out", type=Path, required=True, help="new or empty output directory")
+    extract.add_argument("--samples", type=int, help="training samples (tiny: generated; HF: first N conversations)")
+    extract.add_argument("--val-samples", type=int, help="held-out samples (tiny only; default 1/10 of --samples)")
+    extract.add_argument("--conversations", type=Path, help="chat JSONL for HF targets (default <data_dir>/conversations.jsonl)")
+    extract.add_argument("--regenerate-tokens", type=int, default=0)
+    extract.add_argument("--store", choices=["auto", "logits", "last_hidden"], default="auto",
+                         help="teacher as full logits or the final hidden state (auto: logits up to a 4096 vocab)")
+    extract.add_argument("--batch-size", type=int, default=8)
+    extract.add_argument("--shard-samples", type=int, default=256)
+    extract.add_argument("--keep-free-gb", type=float, default=1.0, help="refuse unless this much disk stays free afterwards")
+    extract.add_argument("--device")
+    extract.set_defaults(handler=_extract)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _known_errors() -> tuple:
+    from backend.profiles import ProfileError
+    from backend.train.checkpoint import CheckpointError
+    from backend.train.data import DataError
+    from backend.train.draft import DraftConfigError, FeatureWidthError
+    from backend.train.target import ExtractError, TargetMismatchError
+    from backend.train.trainer import TrainSetupError
+
+    return (ProfileError, CheckpointError, DataError, DraftConfigError, FeatureWidthError, ExtractError, TargetMismatchError, TrainSetupError)
+
+
+def _train(args) -> int:
+    from backend.profiles import load_profile
+    from backend.train.trainer import TrainOptions, train
+
+    known = _known_errors()
+    try:
+        options = TrainOptions(
+            profile=load_profile(args.profile), out_dir=args.out, run_dir=args.run_dir, max_steps=args.max_steps, schedule=args.schedule,
+            lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, grokfast_alpha=args.grokfast_alpha,
+            grokfast_lambda=args.grokfast_lambda, resume=args.resume, rewarm_steps=args.rewarm_steps, data_dir=args.data,
+            conversations=args.conversations, regenerate_tokens=args.regenerate_tokens, tensorboard=args.tensorboard, device=args.device,
+            batch_size=args.batch_size, eval_interval=args.eval_interval, save_interval=args.save_interval, log_interval=args.log_interval,
+            max_val_batches=args.max_val_batches, seed=args.seed, attn_backend=args.attn_backend,
+        )
+        return train(options)
+    except known as exc:
+        return _fail(str(exc))
+
+
+def _extract(args) -> int:
+    import signal
+
+    from backend.profiles import load_profile
+    from backend.train.data import conversation_samples, tiny_data_settings, tiny_samples
+    from backend.train.target import extract, load_target
+    from backend.train.tiny import is_tiny_target_dir
+
+    stop = {"signal": None}
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: stop.update(signal=signum))
+    try:
+        profile = load_profile(args.profile)
+        device = args.device or ("cuda" if _cuda() else "cpu")
+        target = load_target(profile, device=device)
+        if is_tiny_target_dir(target.path):
+            settings = tiny_data_settings(profile.train.seq_len, args.samples, args.val_samples, seed=profile.train.seed)
+            splits = tiny_samples(target, settings, log=lambda m: print(m, file=sys.stderr, flush=True))
+        else:
+            conversations = args.conversations or Path(profile.paths.data_dir).expanduser() / "conversations.jsonl"
+            splits = conversation_samples(target.tokenizer, conversations, profile.train.seq_len, seed=profile.train.seed,
+                                          limit=args.samples, target=target, regenerate_tokens=args.regenerate_tokens)
+        extract(target, splits, args.out, store=args.store, batch_size=args.batch_size, shard_samples=args.shard_samples,
+                keep_free_bytes=int(args.keep_free_gb * (1 << 30)), should_stop=lambda: stop["signal"] is not None)
+        print(args.out)
+        return 0
+    except _known_errors() as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        print(f"extract: stopped; {args.out} is incomplete (no meta.json) and training will refuse it", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def export_checkpoint(checkpoint: Path, destination: Path) -> Path:
+    """Copy the serving files of a checkpoint into a new dir, verifying the key set and shapes first."""
+    from safetensors import safe_open
+
+    from backend.train.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, latest_checkpoint, read_config, tensor_problems
+    from backend.train.draft import DraftModelConfig
+
+    source = Path(checkpoint).expanduser()
+    if not (source / WEIGHTS_FILE).is_file():
+        found = latest_checkpoint(source)
+        if found is None:
+            raise CheckpointError(f"{source} is neither a checkpoint nor a run dir with checkpoints; nothing was exported")
+        source = found
+    config = DraftModelConfig.from_hf_config(read_config(source))
+    with safe_open(str(source / WEIGHTS_FILE), framework="pt") as handle:
+        shapes = {key: _Shape(handle.get_slice(key)) for key in handle.keys()}
+    problems = tensor_problems(shapes, config)
+    if problems:
+        raise CheckpointError(f"{source} does not match its config.json: {'; '.join(problems)}; nothing was exported")
+    destination = Path(destination).expanduser()
+    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+        raise CheckpointError(f"{destination} exists and is not an empty directory; nothing was exported")
+    staging = destination.parent / f".{destination.name}.export-{os.getpid()}"
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            shutil.copy2(source / name, staging / name)
+            with open(staging / name, "rb") as handle:
+                os.fsync(handle.fileno())
+        if destination.exists():
+            destination.rmdir()
+        os.rename(staging, destination)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return destination
+
+
+class _Shape:
+    """A safetensors slice seen as a tensor by tensor_problems (shape and dtype, no data read)."""
+
+    def __init__(self, tensor_slice):
+        import torch
+
+        self.shape = tuple(tensor_slice.get_shape())
+        names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "BOOL": torch.bool}
+        self.dtype = names.get(tensor_slice.get_dtype(), torch.uint8)
+
+
+def _export(args) -> int:
+    try:
+        path = export_checkpoint(args.checkpoint, args.destination)
+    except _known_errors() as exc:
+        return _fail(str(exc))
+    print(path)
+    return 0
+
+
+def _convert(args) -> int:
+    from backend.train.convert import convert_checkpoint
+
+    try:
+        result = convert_checkpoint(args.source, args.destination)
+    except _known_errors() + (ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    print(result if result is not None else args.destination)
+    return 0
+
+
+def _build_tiny(_args) -> int:
+    from backend.train.tiny import ensure_tiny_target
+
+    print(ensure_tiny_target())
+    return 0

@@ -1,0 +1,583 @@
+"""The EAGLE-3 training loop: TTT unroll, AdamW + clipping, schedules, Grokfast, validation, metrics, checkpoints, SIGTERM, DDP."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from backend.train.data import BatchSampler, OfflineSource, OnlineSource, TinyDataSettings, conversation_samples, eval_batches, tiny_data_settings, tiny_samples
+from backend.train.draft import DraftModelConfig, Eagle3Draft, FeatureWidthError
+from backend.train.loss import make_teacher, step_masks, ttt_loss
+from backend.train.schedule import GrokfastEMA, LRSchedule
+from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
+
+RUN_FILE = "run.json"
+ADAM_BETAS = (0.9, 0.95)  # EAGLE-3 paper
+
+
+class TrainSetupError(ValueError):
+    """Training refused to start: inputs disagree with the profile, a resume checkpoint does not fit, ..."""
+
+
+@dataclass
+class TrainOptions:
+    profile: object
+    out_dir: Path | None = None  # None: $EAGLE3_JOB_DIR, else <run_dir>/runs/train-<timestamp> (decided on rank 0)
+    run_dir: Path = Path("~/.eagle3")
+    max_steps: int | None = None
+    schedule: str | None = None
+    lr: float | None = None
+    weight_decay: float | None = None
+    warmup_steps: int | None = None
+    grokfast_alpha: float | None = None
+    grokfast_lambda: float | None = None
+    resume: str | None = None  # None: fresh run; "latest": newest checkpoint under out_dir; else a checkpoint dir
+    rewarm_steps: int | None = None
+    data_dir: Path | None = None  # offline shards written by `extract`
+    conversations: Path | None = None  # online HF target: chat JSONL
+    regenerate_tokens: int = 0
+    tensorboard: bool = False
+    device: str | None = None
+    batch_size: int | None = None
+    eval_interval: int | None = None
+    save_interval: int | None = None
+    log_interval: int | None = None
+    max_val_batches: int | None = None
+    eval_at_start: bool = True
+    seed: int | None = None
+    attn_backend: str | None = None
+    tiny_data: TinyDataSettings | None = None  # None: tiny_data_settings(profile seq_len)
+
+    def resolved(self) -> dict:
+        train = self.profile.train
+        pick = lambda value, default: default if value is None else value  # noqa: E731
+        warmup = pick(self.warmup_steps, train.warmup_steps)
+        return {
+            "max_steps": pick(self.max_steps, train.max_steps),
+            "schedule": pick(self.schedule, train.schedule),
+            "lr": pick(self.lr, train.learning_rate),
+            "min_lr_ratio": train.min_lr_ratio,
+            "weight_decay": pick(self.weight_decay, train.weight_decay),
+            "warmup_steps": warmup,
+            "rewarm_steps": pick(self.rewarm_steps, max(1, warmup // 2)),
+            "grokfast_alpha": pick(self.grokfast_alpha, train.grokfast_alpha),
+            "grokfast_lambda": pick(self.grokfast_lambda, train.grokfast_lambda),
+            "batch_size": pick(self.batch_size, train.batch_size),
+            "eval_interval": pick(self.eval_interval, train.eval_interval),
+            "save_interval": pick(self.save_interval, train.save_interval),
+            "log_interval": pick(self.log_interval, train.log_interval),
+            "seed": pick(self.seed, train.seed),
+            "ttt_length": train.ttt_length,
+            "grad_clip": train.grad_clip,
+            "seq_len": train.seq_len,
+            "dtype": train.dtype,
+        }
+
+
+def default_out_dir(run_dir: Path) -> Path:
+    job_dir = os.environ.get("EAGLE3_JOB_DIR")
+    if job_dir:
+        return Path(job_dir).expanduser()
+    return Path(run_dir).expanduser() / "runs" / time.strftime("train-%Y%m%d-%H%M%S")
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed context (torchrun: gloo on CPU, nccl on CUDA)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, op=None) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+        return tensor
+
+    def broadcast_object(self, value):
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def init_distributed(device_preference: str | None) -> DistContext:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_preference:
+        device = torch.device(device_preference)
+    else:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        if world > 1:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        # NVLink multicast stays off (see the device notes); harmless where there is none.
+        for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+            os.environ.setdefault(key, value)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistContext(rank, world, local_rank, device)
+
+
+class _TTTModule(torch.nn.Module):
+    """forward() = draft.ttt_forward, so DDP sees the TTT unroll as the module's forward."""
+
+    def __init__(self, draft: Eagle3Draft, ttt_length: int):
+        super().__init__()
+        self.draft = draft
+        self.ttt_length = ttt_length
+
+    def forward(self, aux_hidden, input_ids, loss_positions=None):
+        return self.draft.ttt_forward(aux_hidden, input_ids, self.ttt_length, loss_positions=loss_positions)
+
+
+def module_group(name: str) -> str:
+    """'midlayer.self_attn.q_proj.weight' -> 'midlayer.self_attn'; 'fc.weight' -> 'fc'."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "midlayer" and len(parts) > 2 else parts[0]
+
+
+def weight_norms(draft: torch.nn.Module) -> tuple[float, dict[str, float]]:
+    squares: dict[str, float] = {}
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if param.requires_grad:
+                group = module_group(name)
+                squares[group] = squares.get(group, 0.0) + float(param.detach().float().pow(2).sum())
+    return math.sqrt(sum(squares.values())), {group: math.sqrt(value) for group, value in squares.items()}
+
+
+class _Interval:
+    """On-device sums over the steps between two log records (one host sync when a record is written)."""
+
+    def __init__(self, ttt: int, device):
+        self.ttt, self.device = ttt, device
+        self.reset()
+
+    def reset(self) -> None:
+        # [steps, loss, (unused), ploss x ttt, hits x ttt, counts x ttt]
+        self.sums = torch.zeros(3 + 3 * self.ttt, dtype=torch.float64, device=self.device)
+
+    def add(self, result) -> None:
+        n, ttt = len(result.plosses), self.ttt
+        self.sums[0] += 1
+        self.sums[1] += result.total.detach().double()
+        counts = torch.stack([c.double() for c in result.counts])
+        self.sums[3 : 3 + n] += torch.stack([p.detach().double() for p in result.plosses])
+        self.sums[3 + ttt : 3 + ttt + n] += torch.stack([a.double() for a in result.accs]) * counts
+        self.sums[3 + 2 * ttt : 3 + 2 * ttt + n] += counts
+
+    def reduced(self, ctx: DistContext) -> dict:
+        flat = ctx.all_reduce(self.sums.clone()).tolist()
+        steps, ttt = max(1.0, flat[0]), self.ttt
+        ploss, hits, counts = flat[3 : 3 + ttt], flat[3 + ttt : 3 + 2 * ttt], flat[3 + 2 * ttt :]
+        return {
+            "loss": flat[1] / steps,
+            "ploss": [p / steps for p in ploss],
+            "acc": [h / c if c else 0.0 for h, c in zip(hits, counts)],
+            "steps": int(flat[0]),
+        }
+
+
+class Trainer:
+    def __init__(self, options: TrainOptions):
+        self.options = options
+        self.profile = options.profile
+        self.settings = options.resolved()
+        self.stop_signal: int | None = None
+        self.metrics = None
+        self.tb = None
+        self.latest_val: dict = {}
+        self.tokens = 0
+        self.step = 0
+
+    # --- signals ---------------------------------------------------------------------------------
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.stop_signal is None:
+            self.log(f"received {signal.Signals(signum).name}: finishing the current step, then writing a checkpoint")
+        self.stop_signal = signum
+
+    def _stop_requested(self) -> bool:
+        """Every rank stops after the same step: a signal seen by any rank counts for all."""
+        if not self.ctx.enabled:
+            return self.stop_signal is not None
+        flag = torch.tensor([1.0 if self.stop_signal is not None else 0.0], device=self.ctx.device)
+        self.ctx.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def log(self, message: str) -> None:
+        if getattr(self, "ctx", None) is None or self.ctx.is_main:
+            print(f"[train] {message}", file=sys.stderr, flush=True)
+
+    # --- entry -----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.ctx = init_distributed(self.options.device)
+        try:
+            self._setup()
+            if self.stop_signal is not None:
+                self.log("stopped during setup, before the first step; no checkpoint was written")
+                return 0
+            self._loop()
+            return 0
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.tb is not None:
+                self.tb.close()
+            if self.ctx.enabled and dist.is_initialized():
+                dist.destroy_process_group()
+
+    # --- setup -----------------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        ctx, s = self.ctx, self.settings
+        torch.manual_seed(s["seed"] + ctx.rank)
+        random.seed(s["seed"] + ctx.rank)
+        out = self.options.out_dir or (default_out_dir(self.options.run_dir) if ctx.is_main else None)
+        self.out_dir = Path(ctx.broadcast_object(str(out) if out else None)).expanduser()
+        if ctx.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.log(f"output: {self.out_dir} (world size {ctx.world_size}, device {ctx.device})")
+        resume_dir = self._resume_checkpoint()
+        # Rank 0 builds caches (tiny target, generated data) first; the others then read them.
+        if ctx.is_main:
+            self.source = self._make_source()
+        ctx.barrier()
+        if not ctx.is_main:
+            self.source = self._make_source()
+        self.draft_config = DraftModelConfig.from_profile(self.profile)
+        self._check_widths()
+        if resume_dir is not None:
+            state = self._load_resume(resume_dir)
+        else:
+            state = None
+            self._fresh_draft()
+        self._build_optimizer(state)
+        self._open_outputs(resume_dir)
+
+    def _resume_checkpoint(self) -> Path | None:
+        from backend.train.checkpoint import latest_checkpoint
+
+        resume = self.options.resume
+        if not resume:
+            return None
+        if resume == "latest":
+            found = latest_checkpoint(self.out_dir)
+            if found is None:
+                raise TrainSetupError(f"--resume given without a checkpoint, and {self.out_dir} holds none; nothing was started")
+            return found
+        path = Path(resume).expanduser()
+        found = latest_checkpoint(path) if not (path / "model.safetensors").is_file() else path
+        if found is None:
+            raise TrainSetupError(f"resume checkpoint {path} holds no complete checkpoint; nothing was started")
+        return found
+
+    def _make_source(self):
+        options, profile = self.options, self.profile
+        if options.data_dir is not None:
+            return OfflineSource(options.data_dir, profile, device=self.ctx.device)
+        from backend.train.target import load_target
+
+        from backend.train.tiny import is_tiny_target_dir
+
+        target = load_target(profile, device=self.ctx.device)
+        if is_tiny_target_dir(target.path):
+            settings = options.tiny_data or tiny_data_settings(self.settings["seq_len"], seed=self.settings["seed"])
+            splits = tiny_samples(target, settings, log=self.log)
+        else:
+            conversations = options.conversations or Path(profile.paths.data_dir).expanduser() / "conversations.jsonl"
+            splits = conversation_samples(target.tokenizer, conversations, self.settings["seq_len"], seed=self.settings["seed"],
+                                          target=target, regenerate_tokens=options.regenerate_tokens)
+        return OnlineSource(target, splits)
+
+    def _check_widths(self) -> None:
+        expected = self.draft_config.aux_width
+        found = self.source.first_aux_width() if isinstance(self.source, OfflineSource) else self.source.aux_width
+        if found != expected:
+            hidden = self.draft_config.target_hidden_size
+            hint = " (one layer's hidden state instead of 3 concatenated)" if found == hidden else ""
+            raise FeatureWidthError(
+                f"the training data's aux hidden states are {found} wide{hint}, but the draft's fc expects {expected} "
+                f"(3 layers x target hidden {hidden}); nothing was trained. Re-extract with all 3 aux layers."
+            )
+        if self.source.vocab_size != self.draft_config.vocab_size:
+            raise TrainSetupError(f"the data's vocab is {self.source.vocab_size} but the draft was configured for {self.draft_config.vocab_size}")
+
+    def _vocab_counts(self) -> torch.Tensor:
+        size = self.source.size("train")
+        mine = list(range(self.ctx.rank, size, self.ctx.world_size))
+        counts = count_tokens(self.source.token_batches("train", mine), self.draft_config.vocab_size)
+        return self.ctx.all_reduce(counts.to(self.ctx.device)).cpu()
+
+    def _fresh_draft(self) -> None:
+        counts = self._vocab_counts()
+        d2t, t2d = build_vocab_mapping(counts, self.draft_config.draft_vocab_size)
+        self.log(f"draft vocab: {self.draft_config.draft_vocab_size} of {counts.numel()} ids cover {100 * coverage(counts, t2d):.1f}% of trained tokens")
+        draft = Eagle3Draft(self.draft_config, attn_backend=self.options.attn_backend)
+        draft.load_target_embedding(self.source.embed_weight().float())
+        draft.set_vocab_mapping(d2t, t2d)
+        self.draft = draft.to(self.ctx.device)
+        self.start_step, self.sampler_state = 0, None
+
+    def _load_resume(self, checkpoint: Path) -> dict:
+        """Weights, optimizer and data position from the checkpoint; d2t/t2d come from it, never from the data."""
+        from backend.train.checkpoint import load_checkpoint
+
+        draft, config, meta, state = load_checkpoint(checkpoint, target_embedding=self.source.embed_weight().float())
+        ours = self.draft_config.as_dict()
+        theirs = config.as_dict()
+        differs = [k for k in ours if k not in ("torch_dtype", "ttt_length") and ours[k] != theirs.get(k)]
+        if differs:
+            raise TrainSetupError(f"checkpoint {checkpoint} has a different draft shape ({', '.join(f'{k}: {theirs.get(k)} vs profile {ours[k]}' for k in differs)}); nothing was resumed")
+        draft = draft.float()
+        if self.options.attn_backend:
+            draft.set_attention_backend(self.options.attn_backend)
+        self.draft = draft.to(self.ctx.device)
+        state = state or {}
+        self.start_step = int(state.get("step", meta.get("step", 0)))
+        self.tokens = int(state.get("tokens", 0))
+        self.sampler_state = state.get("sampler")
+        self.latest_val = dict(state.get("latest_val") or {})
+        self.log(f"resumed from {checkpoint} at step {self.start_step}; d2t/t2d taken from the checkpoint")
+        return state
+
+    def _build_optimizer(self, state: dict | None) -> None:
+        s, ctx = self.settings, self.ctx
+        self.draft.train()
+        self.trainable = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW([p for _, p in self.trainable], lr=s["lr"], betas=ADAM_BETAS, weight_decay=s["weight_decay"])
+        resumed = state is not None
+        self.schedule = LRSchedule(s["lr"], s["schedule"], s["warmup_steps"], s["max_steps"], s["min_lr_ratio"],
+                                   rewarm_from=self.start_step if resumed else None, rewarm_steps=s["rewarm_steps"] if resumed else 0)
+        self.grokfast = GrokfastEMA(s["grokfast_alpha"], s["grokfast_lambda"]) if s["grokfast_alpha"] else None
+        if resumed and state.get("optimizer"):
+            self.optimizer.load_state_dict(state["optimizer"])
+        if resumed and self.grokfast and state.get("grokfast"):
+            self.grokfast.load_state_dict(state["grokfast"], device=ctx.device)
+        self.sampler = BatchSampler(self.source.size("train"), s["batch_size"], s["seed"], ctx.rank, ctx.world_size)
+        if self.sampler_state:
+            self.sampler.load_state_dict(self.sampler_state)
+        module = _TTTModule(self.draft, s["ttt_length"])
+        if ctx.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            module = DistributedDataParallel(module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, broadcast_buffers=False)
+        self.model = module
+        self.autocast = ctx.device.type == "cuda" and s["dtype"] == "bfloat16"
+
+    def _open_outputs(self, resume_dir: Path | None) -> None:
+        if not self.ctx.is_main:
+            return
+        try:
+            from backend.metrics import MetricsWriter
+
+            self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl")
+        except ImportError:  # metrics module absent in a partial build: same schema, plain appends
+            self.metrics = _PlainMetrics(self.out_dir / "metrics.jsonl")
+        if self.options.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+        run = {
+            "profile": self.profile.name,
+            "settings": self.settings,
+            "target": self.source.describe_target(),
+            "data": str(self.options.data_dir) if self.options.data_dir else "online",
+            "resumed_from": str(resume_dir) if resume_dir else None,
+            "world_size": self.ctx.world_size,
+            "started": time.time(),
+            "pid": os.getpid(),
+        }
+        (self.out_dir / RUN_FILE).write_text(json.dumps(run, indent=1, default=str) + "\n")
+
+    # --- steps -----------------------------------------------------------------------------------
+
+    def _forward(self, batch, module) -> object:
+        teacher = make_teacher(batch.target_logits, batch.loss_mask, self.draft.t2d)
+        masks = step_masks(teacher, self.settings["ttt_length"])
+        aux = batch.aux_hidden if self.autocast else batch.aux_hidden.float()
+        with torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = module(aux, batch.input_ids, loss_positions=masks)
+        return ttt_loss(logits, teacher)
+
+    def train_step(self, step: int):
+        """One optimizer step; returns (loss result, pre-clip grad norm tensor, lr)."""
+        indices = self.sampler.next()
+        batch = self.source.batch("train", indices, self.ctx.device)
+        result = self._forward(batch, self.model)
+        self.optimizer.zero_grad(set_to_none=True)
+        result.total.backward()
+        if self.grokfast is not None:
+            self.grokfast.apply(self.trainable)
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in self.trainable], self.settings["grad_clip"])
+        lr = self.schedule.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.tokens += batch.input_ids.numel() * self.ctx.world_size
+        return result, grad_norm, lr
+
+    def evaluate(self) -> dict:
+        s, ctx = self.settings, self.ctx
+        limit = None if self.options.max_val_batches is None else self.options.max_val_batches * s["batch_size"] * ctx.world_size
+        interval = _Interval(s["ttt_length"], ctx.device)
+        module = _TTTModule(self.draft, s["ttt_length"])
+        self.draft.eval()
+        with torch.no_grad():
+            for indices in eval_batches(self.source.size("val"), s["batch_size"], ctx.rank, ctx.world_size, limit):
+                interval.add(self._forward(self.source.batch("val", indices, ctx.device), module))
+        self.draft.train()
+        reduced = interval.reduced(ctx)
+        reduced.pop("steps")
+        return reduced
+
+    def _loop(self) -> None:
+        s, ctx = self.settings, self.ctx
+        interval = _Interval(s["ttt_length"], ctx.device)
+        self.step = self.start_step
+        if self.step >= s["max_steps"]:
+            self.log(f"already at step {self.step} >= max steps {s['max_steps']}; nothing to train")
+            return
+        self.log(f"training steps {self.step + 1}..{s['max_steps']}: batch {s['batch_size']} x {ctx.world_size} rank(s), lr {s['lr']} ({s['schedule']}), TTT {s['ttt_length']}")
+        if self.options.eval_at_start and self.step == 0:
+            self._validate()
+        last_saved = last_eval = None
+        timer = time.perf_counter()
+        while self.step < s["max_steps"]:
+            result, grad_norm, lr = self.train_step(self.step)
+            self.step += 1
+            interval.add(result)
+            if self.step % s["log_interval"] == 0 or self.step == s["max_steps"]:
+                values = interval.reduced(ctx)  # host sync: the wall time below covers finished GPU work
+                values["step_time"] = (time.perf_counter() - timer) / max(1, values.pop("steps") // ctx.world_size)
+                self._write_train(values, float(grad_norm), lr)
+                interval.reset()
+                timer = time.perf_counter()
+            if self.step % s["eval_interval"] == 0:
+                self._validate()
+                last_eval = self.step
+            stopping = self._stop_requested()
+            if stopping or self.step % s["save_interval"] == 0:
+                self._save()
+                last_saved = self.step
+            if stopping:
+                self.log(f"stopped by {signal.Signals(self.stop_signal).name if self.stop_signal else 'a signal on another rank'} after step {self.step}; checkpoint written")
+                return
+            if last_eval == self.step or last_saved == self.step:
+                timer = time.perf_counter()  # step_time measures training steps only
+        if last_eval != self.step:
+            self._validate()
+        if last_saved != self.step:
+            self._save()
+        self.log(f"done: {self.step} steps")
+
+    # --- outputs ---------------------------------------------------------------------------------
+
+    def _write_train(self, values: dict, grad_norm: float, lr: float) -> None:
+        if not self.ctx.is_main:
+            return
+        total, modules = weight_norms(self.draft)
+        record = {"step": self.step, "epoch": self.sampler.epoch_progress, "split": "train", **values, "lr": lr,
+                  "grad_norm": grad_norm, "weight_norm": total, "weight_norm_modules": modules, "tokens": self.tokens}
+        self.metrics.write(record)
+        self._tensorboard("train", record)
+        self.log(f"step {self.step}/{self.settings['max_steps']} loss {values['loss']:.4f} acc0 {values['acc'][0]:.3f} lr {lr:.2e} grad {grad_norm:.3f} {values['step_time']:.3f} s/step")
+
+    def _validate(self) -> None:
+        values = self.evaluate()
+        self.latest_val = {"step": self.step, **values}
+        if not self.ctx.is_main:
+            return
+        record = {"step": self.step, "epoch": self.sampler.epoch_progress, "split": "val", **values, "tokens": self.tokens}
+        self.metrics.write(record)
+        self._tensorboard("val", record)
+        self.log(f"validation at step {self.step}: loss {values['loss']:.4f} acc {' '.join(f'{a:.3f}' for a in values['acc'])}")
+
+    def _tensorboard(self, split: str, record: dict) -> None:
+        if self.tb is None:
+            return
+        for key in ("loss", "lr", "grad_norm", "weight_norm"):
+            if key in record:
+                self.tb.add_scalar(f"{split}/{key}", record[key], self.step)
+        for key in ("ploss", "acc"):
+            for index, value in enumerate(record.get(key, [])):
+                self.tb.add_scalar(f"{split}/{key}_{index}", value, self.step)
+        self.tb.flush()
+
+    def training_state(self) -> dict:
+        return {
+            "step": self.step,
+            "epoch": self.sampler.epoch_progress,
+            "tokens": self.tokens,
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "grokfast": self.grokfast.state_dict() if self.grokfast else None,
+            "schedule": self.schedule.describe(),
+            "settings": self.settings,
+            "latest_val": self.latest_val,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "world_size": self.ctx.world_size,
+            "profile": self.profile.name,
+        }
+
+    def _save(self) -> None:
+        from backend.train.checkpoint import save_checkpoint
+
+        if self.ctx.is_main:
+            extra = {
+                "val_acc": self.latest_val.get("acc"),
+                "val_loss": self.latest_val.get("loss"),
+                "val_acc_step": self.latest_val.get("step"),
+                "trained_aux_width": self.draft_config.aux_width,
+                "target": self.source.describe_target(),
+                "profile": self.profile.name,
+                "tokens": self.tokens,
+            }
+            path = save_checkpoint(self.out_dir, self.draft, self.draft_config, epoch=int(self.sampler.epoch_progress),
+                                   step=self.step, training_state=self.training_state(), extra_meta=extra)
+            self.log(f"checkpoint: {path}")
+        self.ctx.barrier()
+
+
+class _PlainMetrics:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        from backend.jsonl import append_record
+
+        append_record(self.path, {**record, "time": record.get("time", time.time())})
+
+
+def train(options: TrainOptions) -> int:
+    return Trainer(options).run()

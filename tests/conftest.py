@@ -1,0 +1,148 @@
+"""Shared fixtures: the cached tiny target, its profile, a short-trained tiny draft run, and a seconds-to-build mini target.
+
+CPU is scarce: the tiny target is built once into the user cache ($EAGLE3_CACHE_DIR, else ~/.cache/eagle3-console),
+and the trained tiny run is cached there too, keyed by a hash of the training code, so it is retrained only when
+that code changes (EAGLE3_TEST_RETRAIN=1 forces a fresh run). Subprocesses run with EAGLE3_TEST_THREADS torch
+threads (default 1: on a shared 2-core box two OpenMP threads fighting another process run several times slower).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINED_TINY_STEPS = 300
+# Everything that decides what `train --profile tiny` produces.
+TRAINING_CODE = ["draft.py", "attention.py", "checkpoint.py", "trainer.py", "loss.py", "data.py", "vocab.py", "schedule.py", "target.py", "tiny.py"]
+
+
+def threads_for_tests() -> str:
+    return os.environ.get("EAGLE3_TEST_THREADS", "1")
+
+
+def subprocess_env(**extra: str) -> dict:
+    """Environment for backend subprocesses: repo on the path, limited threads, no job dir leaking in."""
+    env = dict(os.environ)
+    env.pop("EAGLE3_JOB_DIR", None)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = threads_for_tests()
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def tiny_profile():
+    from backend.profiles import load_profile
+
+    return load_profile("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir() -> Path:
+    """The cached tiny target (built on first use: ~3 min on 2 free cores)."""
+    from backend.train.tiny import ensure_tiny_target
+
+    return ensure_tiny_target()
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_profile, tiny_target_dir):
+    from backend.train.target import load_target
+
+    return load_target(tiny_profile)
+
+
+def _trained_run_key(profile_source: str) -> str:
+    digest = hashlib.sha256()
+    for name in TRAINING_CODE:
+        path = ROOT / "backend" / "train" / name
+        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"") + b"\0")
+    digest.update(Path(profile_source).read_bytes())
+    digest.update(f"steps={TRAINED_TINY_STEPS}".encode())
+    return digest.hexdigest()[:16]
+
+
+def train_tiny(out: Path, *extra: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "backend", "train", "--profile", "tiny", "--out", str(out), *extra]
+    return subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_run(tiny_profile, tiny_target_dir, tmp_path_factory) -> Path:
+    """A run dir (metrics.jsonl, run.json, checkpoints/latest) of `train --profile tiny --max-steps 300` on CPU.
+
+    Each session gets its own copy; the cached original is never handed out.
+    """
+    from backend.train.tiny import cache_root
+
+    cached = cache_root() / "test-runs" / f"trained-tiny-{_trained_run_key(tiny_profile.source)}"
+    if os.environ.get("EAGLE3_TEST_RETRAIN") == "1" and cached.exists():
+        shutil.rmtree(cached)
+    if not (cached / "checkpoints" / "latest").is_file():
+        staging = cached.parent / f".{cached.name}.{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        result = train_tiny(staging, "--max-steps", str(TRAINED_TINY_STEPS))
+        if result.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise AssertionError(f"tiny training failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+        shutil.rmtree(cached, ignore_errors=True)
+        os.rename(staging, cached)
+    copy = tmp_path_factory.mktemp("trained-tiny") / "run"
+    shutil.copytree(cached, copy)
+    return copy
+
+
+# --- the mini target: same recipe as tiny, small enough to build in seconds for fast tests -------------
+
+MINI_SETTINGS = dict(num_layers=4, hidden_size=32, num_heads=2, intermediate_size=64, max_position_embeddings=256,
+                     corpus_bytes=8192, val_corpus_bytes=2048, seq_len=64, batch_size=8, steps=12, warmup_steps=3,
+                     learning_rate=3e-3)
+
+
+def mini_profile_dict(target_dir: Path, **train) -> dict:
+    return {
+        "name": "mini",
+        "target": {"path": str(target_dir), "architecture": "LlamaForCausalLM", "hidden_size": 32, "num_layers": 4,
+                   "vocab_size": 259, "aux_layer_ids": [0, 1, 2], "dtype": "float32"},
+        "draft": {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,
+                  "draft_vocab_size": 128, "max_position_embeddings": 256, "rope_theta": 10000.0},
+        "train": {"learning_rate": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 2, "max_steps": 6, "batch_size": 4, "seq_len": 32,
+                  "eval_interval": 3, "save_interval": 3, "log_interval": 2, "dtype": "float32", **train},
+    }
+
+
+@pytest.fixture(scope="session")
+def mini_cache(tmp_path_factory) -> Path:
+    """A private cache dir for mini targets and their generated data."""
+    return tmp_path_factory.mktemp("mini-cache")
+
+
+@pytest.fixture(scope="session")
+def mini_target_dir(mini_cache) -> Path:
+    from backend.train.tiny import TinySettings, build_tiny_target, tiny_corpus
+
+    settings = TinySettings(**MINI_SETTINGS)
+    return build_tiny_target(mini_cache / "mini-target", settings, tiny_corpus(settings), log=lambda _m: None)
+
+
+@pytest.fixture(scope="session")
+def mini_profile(mini_target_dir):
+    from backend.profiles import parse_profile
+
+    return parse_profile(mini_profile_dict(mini_target_dir), "mini (tests/conftest.py)")
+
+
+@pytest.fixture
+def mini_env(mini_cache, monkeypatch):
+    """Generated mini data lands in the session's mini cache, not the user's."""
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(mini_cache))
+    monkeypatch.delenv("EAGLE3_JOB_DIR", raising=False)
+    return mini_cache

@@ -1,0 +1,113 @@
+"""The EAGLE-3 objective: soft CE against softmax(target[..., t2d]) at t+1+k, masks, accuracies, 0.8^k weights."""
+import math
+
+import pytest
+import torch
+
+from backend.train.loss import eagle3_loss, make_teacher, step_masks, ttt_loss
+
+V, VD, B, S = 12, 6, 2, 9
+
+
+def setup_case(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[[0, 2, 3, 5, 8, 11]] = True
+    target_logits = torch.randn(B, S, V, generator=generator) * 3
+    loss_mask = torch.ones(B, S, dtype=torch.uint8)
+    loss_mask[0, :3] = 0
+    return target_logits, loss_mask, t2d
+
+
+def reference(step_logits, target_logits, loss_mask, t2d):
+    """A direct per-position loop over the definition."""
+    draft_ids = torch.nonzero(t2d).flatten().tolist()
+    plosses, accs = [], []
+    for k, logits in enumerate(step_logits):
+        total, hits, count = 0.0, 0, 0
+        for b in range(B):
+            for t in range(S - 1 - k):
+                p = t + 1 + k
+                if not loss_mask[b, p] or int(target_logits[b, p].argmax()) not in draft_ids:
+                    continue
+                target = torch.softmax(target_logits[b, p, draft_ids], -1)
+                logp = torch.log_softmax(logits[b, t], -1)
+                total += float(-(target * logp).sum())
+                hits += int(logits[b, t].argmax() == target.argmax())
+                count += 1
+        plosses.append(total / max(count, 1))
+        accs.append(hits / max(count, 1))
+    return plosses, accs
+
+
+def test_matches_the_definition_position_by_position():
+    target_logits, loss_mask, t2d = setup_case()
+    step_logits = [torch.randn(B, S, VD, generator=torch.Generator().manual_seed(10 + k)) for k in range(3)]
+    result = eagle3_loss(step_logits, target_logits, loss_mask, t2d)
+    plosses, accs = reference(step_logits, target_logits, loss_mask, t2d)
+    assert [float(p) for p in result.plosses] == pytest.approx(plosses, rel=1e-5)
+    assert [float(a) for a in result.accs] == pytest.approx(accs)
+    assert float(result.total) == pytest.approx(sum(0.8**k * p for k, p in enumerate(plosses)), rel=1e-5)
+
+
+def test_positions_whose_target_argmax_is_outside_the_draft_vocab_are_masked():
+    target_logits, loss_mask, t2d = setup_case()
+    target_logits[:, :, 1] = 100.0  # id 1 is not in the draft vocab: every position's argmax falls outside
+    target_logits[1, 4, 1] = -100.0
+    target_logits[1, 4, 3] = 100.0  # ... except position 4 of row 1
+    teacher = make_teacher(target_logits, loss_mask, t2d)
+    assert teacher.valid.sum() == 1 and bool(teacher.valid[1, 4])
+    step0 = torch.zeros(B, S, VD)
+    step0[1, 3, 2] = 5.0  # position 3 predicts position 4; draft index 2 is target id 3
+    result = ttt_loss([step0], teacher)
+    assert int(result.counts[0]) == 1 and float(result.accs[0]) == 1.0
+
+
+def test_a_draft_equal_to_the_target_scores_the_target_entropy_and_full_accuracy():
+    target_logits, loss_mask, t2d = setup_case()
+    restricted = target_logits[..., t2d]
+    step_logits = [torch.cat([restricted[:, 1 + k :], torch.zeros(B, 1 + k, VD)], dim=1) for k in range(4)]
+    result = eagle3_loss(step_logits, target_logits, loss_mask, t2d)
+    for k in range(4):
+        assert float(result.accs[k]) == 1.0
+        probs = torch.softmax(restricted[:, 1 + k :], -1)
+        valid = make_teacher(target_logits, loss_mask, t2d).valid[:, 1 + k :]
+        entropy = (-(probs * probs.log()).sum(-1) * valid).sum() / valid.sum()
+        assert float(result.plosses[k]) == pytest.approx(float(entropy), rel=1e-5)
+
+
+def test_selected_positions_give_the_same_loss_and_gradient_as_full_logits():
+    target_logits, loss_mask, t2d = setup_case()
+    teacher = make_teacher(target_logits, loss_mask, t2d)
+    full = [torch.randn(B, S, VD, generator=torch.Generator().manual_seed(k), requires_grad=True) for k in range(7)]
+    masks = step_masks(teacher, 7)
+    selected = [f[m] for f, m in zip(full, masks)]
+    a, b = ttt_loss(full, teacher), ttt_loss(selected, teacher)
+    assert a.total.item() == pytest.approx(b.total.item(), rel=1e-6)
+    assert [float(x) for x in a.accs] == [float(x) for x in b.accs]
+    grads_a = torch.autograd.grad(a.total, full)
+    grads_b = torch.autograd.grad(b.total, full)
+    for ga, gb in zip(grads_a, grads_b):
+        assert torch.allclose(ga, gb, atol=1e-7)
+
+
+def test_steps_past_the_sequence_end_score_nothing_but_keep_the_graph():
+    target_logits, loss_mask, t2d = setup_case()
+    teacher = make_teacher(target_logits, loss_mask, t2d)
+    masks = step_masks(teacher, S + 2)
+    assert not masks[S - 1].any()  # t+1+k >= S for every t
+    weight = torch.ones(VD, requires_grad=True)
+    logits = [torch.randn(int(m.sum()), VD) * weight for m in masks[: S - 1]] + [torch.zeros(0, VD) * weight]
+    result = ttt_loss(logits, teacher)
+    assert len(result.plosses) == S - 1  # a step with no position left at all is not scored
+    result.total.backward()
+    assert weight.grad is not None and torch.isfinite(weight.grad).all()
+
+
+def test_decay_weights_are_point_eight_to_the_k():
+    target_logits, loss_mask, t2d = setup_case()
+    teacher = make_teacher(target_logits, loss_mask, t2d)
+    logits = torch.randn(B, S, VD)
+    result = ttt_loss([logits] * 3, teacher)
+    expected = sum(float(p) * 0.8**k for k, p in enumerate(result.plosses))
+    assert math.isclose(float(result.total), expected, rel_tol=1e-6)
