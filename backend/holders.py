@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from backend import procs
-from backend.protocol import GpuHolder, GpuSample
+from backend.protocol import GpuHolder, GpuSample, to_dict
 
 DEVICE_GLOB = "/dev/nvidia*"
 _DEVICE_INDEX = re.compile(r"nvidia(\d+)$")
@@ -140,8 +140,6 @@ class HoldersReport:
     gpu_source: str
 
     def to_dict(self) -> dict:
-        from backend.protocol import to_dict
-
         return {
             "holders": to_dict(self.holders),
             "fuser_stderr_lines": self.fuser.stderr_lines,

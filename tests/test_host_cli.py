@@ -1,4 +1,8 @@
-"""`eagle3-host gpus | holders | job ... | agent` as real subprocesses: output, JSON, and exit codes 0 / 1 (failure) / 2 (usage)."""
+"""`eagle3-host gpus | holders | job ... | agent`: output, JSON, and exit codes 0 / 1 (failure) / 2 (usage).
+
+Most calls go through backend.cli.main in this process (the same code as the console script, minus the
+interpreter start); the agent and one smoke test run as real subprocesses.
+"""
 import json
 import os
 import subprocess
@@ -6,30 +10,49 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from backend import procs
+from backend.cli import main
 from backend.jobs import JobRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def host(run_dir: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+def host_process(run_dir: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "backend", *args], cwd=ROOT, capture_output=True, text=True, timeout=90, input=stdin,
                           env={**os.environ, "EAGLE3_RUN_DIR": str(run_dir)})
 
 
+@pytest.fixture
+def host(capsys):
+    """Run `eagle3-host ARGS` in-process; returns (returncode, stdout, stderr) like a finished process."""
+
+    def run(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+        argv = [*args[:2], "--run-dir", str(run_dir), *args[2:]] if args[0] == "job" else [args[0], "--run-dir", str(run_dir), *args[1:]]
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse usage errors
+            code = exc.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+    return run
+
+
 def test_gpus_reports_the_driver_state(tmp_path):
-    done = host(tmp_path, "gpus", "--json")
+    done = host_process(tmp_path, "gpus", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert set(report) == {"gpus", "driver"} and report["driver"]["source"] in ("nvml", "nvidia-smi", "none")
     if report["driver"]["source"] == "none":
         assert report["gpus"] == [] and "no NVIDIA driver" in report["driver"]["message"]
-        human = host(tmp_path, "gpus")
+        human = host_process(tmp_path, "gpus")
         assert human.returncode == 0 and "no NVIDIA driver" in human.stdout
 
 
-def test_holders_json_and_table(tmp_path):
+def test_holders_json_and_table(host, tmp_path):
     done = host(tmp_path, "holders", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
@@ -38,7 +61,7 @@ def test_holders_json_and_table(tmp_path):
     assert human.returncode == 0 and "fuser:" in human.stdout
 
 
-def test_job_lifecycle_through_the_cli(tmp_path):
+def test_job_lifecycle_through_the_cli(host, tmp_path):
     started = host(tmp_path, "job", "start", "--name", "echoer", "--", PY, "-c", "import sys; print('out'); print('err', file=sys.stderr)")
     assert started.returncode == 0, started.stderr
     assert "started job echoer" in started.stdout
@@ -68,7 +91,7 @@ def test_job_lifecycle_through_the_cli(tmp_path):
         registry.stop(all_jobs=True, grace=1)
 
 
-def test_usage_errors_exit_2_and_failures_exit_1(tmp_path):
+def test_usage_errors_exit_2_and_failures_exit_1(host, tmp_path):
     refused = host(tmp_path, "job", "adopt", "1", "--name", "init")
     assert refused.returncode == 2 and "--yes" in refused.stderr and "Nothing was adopted" in refused.stderr
     assert JobRegistry(tmp_path).list_jobs() == []
@@ -84,7 +107,7 @@ def test_usage_errors_exit_2_and_failures_exit_1(tmp_path):
 
 
 def test_agent_subcommand_speaks_the_protocol(tmp_path):
-    done = host(tmp_path, "agent", "--interval", "0.2", stdin='{"type": "ping", "id": 1}\n')
+    done = host_process(tmp_path, "agent", "--interval", "0.2", stdin='{"type": "ping", "id": 1}\n')
     assert done.returncode == 0, done.stderr
     messages = [json.loads(line) for line in done.stdout.splitlines()]
     assert messages[0]["type"] == "hello"
