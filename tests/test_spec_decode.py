@@ -1,0 +1,234 @@
+"""Reference speculative decoder: output equals plain greedy decoding; acceptance counted as EAGLE/SGLang do."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from backend.serve.spec_decode import SpecDecoder
+from backend.train.draft import DraftModelConfig, Eagle3Draft, FeatureWidthError
+
+HIDDEN, VOCAB, DRAFT_VOCAB = 64, 259, 192
+AUX = [1, 3, 4]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run faster on one thread, and far faster when the CPU is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_target(seed=0, layers=8) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    for param in model.parameters():
+        param.data.normal_(0, 0.3)  # large weights: confident, non-degenerate greedy text
+    return model
+
+
+def draft_config(**overrides) -> DraftModelConfig:
+    values = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=4, head_dim=16, intermediate_size=128,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, vocab_size=VOCAB,
+                  draft_vocab_size=DRAFT_VOCAB, target_hidden_size=HIDDEN, aux_layer_ids=AUX, torch_dtype="float32")
+    values.update(overrides)
+    return DraftModelConfig(**values)
+
+
+def mapping_including(token: int):
+    """A d2t/t2d whose draft vocab holds `token`; for a token beyond Vd the d2t offsets matter."""
+    used = list(range(DRAFT_VOCAB)) if token < DRAFT_VOCAB else list(range(DRAFT_VOCAB - 1)) + [token]
+    d2t = torch.tensor(used) - torch.arange(DRAFT_VOCAB)
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[used] = True
+    return d2t, t2d, used.index(token)
+
+
+def random_draft(target, seed=1) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(draft_config(), init_std=0.3).eval()
+    draft.load_target_embedding(target.get_input_embeddings().weight)
+    d2t, t2d, _ = mapping_including(230)
+    draft.set_vocab_mapping(d2t, t2d)
+    return draft
+
+
+def prompts(count, seed=5):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(length),), generator=generator) for length in torch.randint(3, 20, (count,), generator=generator)]
+
+
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_speculative_output_equals_plain_greedy_token_for_token(num_steps):
+    target = random_target()
+    decoder = SpecDecoder(target, random_draft(target), AUX, num_steps=num_steps)
+    for prompt in prompts(2):
+        plain = decoder.plain_generate(prompt, 32)
+        spec = decoder.generate(prompt, 32)
+        assert spec.output_ids == plain and len(plain) == 32
+        assert spec.completion_tokens == 32
+        assert spec.completion_tokens <= 1 + spec.verify_ct + sum(spec.accepted_per_round)
+        assert spec.accept_length == pytest.approx(32 / spec.verify_ct)
+        assert spec.feature_width == 3 * HIDDEN and spec.fc_applied and spec.feature_source == "aux_layers [1, 3, 4]"
+
+
+class OracleDraft(Eagle3Draft):
+    """The real draft computation, with its logits replaced by the target's known greedy continuation,
+    except at `wrong` sequence indices: makes the decoder's partial-acceptance and cache-crop paths
+    run with a known acceptance pattern."""
+
+    def setup(self, sequence: list[int], wrong: set[int]):
+        self.sequence, self.wrong = sequence, wrong
+        return self
+
+    def _oracle(self, logits, cache):
+        index = cache.length + 1 + len(cache.diag_keys)  # sequence index of the token being proposed
+        token = self.sequence[index] if index not in self.wrong else (self.sequence[index] + 1) % VOCAB
+        forced = torch.full_like(logits, -1e4)
+        forced[..., -1, token] = 1e4
+        return forced
+
+    def extend(self, hidden, next_tokens, cache):
+        out, logits = super().extend(hidden, next_tokens, cache)
+        return out, self._oracle(logits, cache)
+
+    def draft_step(self, prev_hidden, token, cache):
+        out, logits = super().draft_step(prev_hidden, token, cache)
+        return out, self._oracle(logits, cache)
+
+
+def test_partial_acceptance_crops_both_caches_and_still_matches_plain():
+    target = random_target()
+    torch.manual_seed(1)
+    draft = OracleDraft(draft_config(draft_vocab_size=VOCAB), init_std=0.3).eval()  # identity d2t
+    draft.load_target_embedding(target.get_input_embeddings().weight)
+    decoder = SpecDecoder(target, draft, AUX, num_steps=4)
+    prompt = prompts(1, seed=11)[0].tolist()
+    plain = decoder.plain_generate(torch.tensor(prompt), 40)
+    wrong = {len(prompt) + i for i in (3, 4, 9, 16, 17, 18, 19, 25, 31)}
+    draft.setup(prompt + plain, wrong)
+    result = decoder.generate(torch.tensor(prompt), 30)
+    assert result.output_ids == plain[:30]
+    expected, emitted = [], 1
+    while emitted < 30:
+        accepted = 0
+        while accepted < 4 and len(prompt) + emitted + accepted not in wrong:
+            accepted += 1
+        expected.append(accepted)
+        emitted += accepted + 1
+    assert result.accepted_per_round == expected and {0, 4} <= set(expected) and any(0 < a < 4 for a in expected)
+    assert result.verify_ct == len(expected) and result.completion_tokens == 30
+
+
+def test_eos_stops_both_decoders_at_the_same_token():
+    target = random_target()
+    decoder = SpecDecoder(target, random_draft(target), AUX, num_steps=4)
+    prompt = prompts(1, seed=9)[0]
+    plain = decoder.plain_generate(prompt, 30)
+    stop = plain[12]
+    decoder.eos = {stop}
+    expected = plain[: plain.index(stop) + 1]
+    assert decoder.plain_generate(prompt, 30) == expected
+    spec = decoder.generate(prompt, 30)
+    assert spec.output_ids == expected and spec.completion_tokens == len(expected)
+
+
+def constant_target(token: int) -> LlamaForCausalLM:
+    """Every decoder layer is an identity (o_proj, down_proj = 0), embeddings share a large dim 0, and lm_head
+    reads dim 0 only for `token`: greedy decoding emits `token` after any prompt."""
+    target = random_target(seed=3, layers=8)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = target.get_input_embeddings().weight
+        embed.normal_(0, 0.1)
+        embed[:, 0] = 5.0
+        target.model.norm.weight.fill_(1.0)
+        target.lm_head.weight.normal_(0, 0.1)
+        target.lm_head.weight[:, 0] = 0.0
+        target.lm_head.weight[token, 0] = 10.0
+    return target
+
+
+def draft_predicting(target, token: int) -> Eagle3Draft:
+    """A draft whose attention averages the (dim-0 dominated) token embeddings and whose lm_head row for
+    `token` reads dim 0: it proposes `token` at every step, whatever its inputs."""
+    config = draft_config(num_key_value_heads=4)
+    draft = Eagle3Draft(config).eval()
+    draft.load_target_embedding(target.get_input_embeddings().weight)
+    d2t, t2d, draft_id = mapping_including(token)
+    draft.set_vocab_mapping(d2t, t2d)
+    attn, mlp = draft.midlayer.self_attn, draft.midlayer.mlp
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        attn.q_proj.weight.zero_()
+        attn.k_proj.weight.zero_()
+        attn.v_proj.weight.copy_(torch.cat([torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)], dim=1))
+        attn.o_proj.weight.copy_(torch.eye(HIDDEN))
+        mlp.down_proj.weight.zero_()
+        draft.lm_head.weight.normal_(0, 0.1)
+        draft.lm_head.weight[:, 0] = 0.0
+        draft.lm_head.weight[draft_id, 0] = 10.0
+    return draft
+
+
+def test_agreeing_draft_is_accepted_every_step_and_counted_like_sglang():
+    target = constant_target(230)
+    decoder = SpecDecoder(target, draft_predicting(target, 230), AUX, num_steps=5, eos_token_id=-1)
+    prompt = prompts(1)[0]
+    assert decoder.plain_generate(prompt, 25) == [230] * 25
+    result = decoder.generate(prompt, 25)  # 1 prefill token + 4 rounds of 5 accepted drafts + 1 bonus
+    assert result.output_ids == [230] * 25
+    assert (result.completion_tokens, result.verify_ct, result.accepted_per_round) == (25, 4, [5, 5, 5, 5])
+    assert result.accept_length == 25 / 4
+    truncated = decoder.generate(prompt, 10)  # the second round's 6 tokens are cut to the 3 still allowed
+    assert (truncated.completion_tokens, truncated.verify_ct, truncated.accepted_per_round) == (10, 2, [5, 5])
+
+
+def test_disagreeing_draft_accepts_nothing_and_reports_one_plus_one_over_verify_ct():
+    target = constant_target(230)
+    decoder = SpecDecoder(target, draft_predicting(target, 100), AUX, num_steps=3, eos_token_id=-1)
+    result = decoder.generate(prompts(1)[0], 12)
+    assert result.output_ids == [230] * 12
+    assert result.verify_ct == 11 and result.accepted_per_round == [0] * 11
+    assert result.accept_length == pytest.approx(1 + 1 / 11)
+
+
+def test_last_hidden_feed_skips_fc_silently_like_sglang_and_still_decodes_exactly():
+    target = random_target()
+    draft = random_draft(target)
+    decoder = SpecDecoder(target, draft, AUX, num_steps=4, feed="last_hidden")
+    prompt = prompts(1)[0]
+    result = decoder.generate(prompt, 30)
+    assert result.output_ids == decoder.plain_generate(prompt, 30)
+    assert (result.feature_width, result.fc_applied, result.feature_source) == (HIDDEN, False, "final_hidden")
+    # the draft's strict entry point refuses the same feature outright
+    hidden_states = target(prompt.view(1, -1), output_hidden_states=True).hidden_states
+    with pytest.raises(FeatureWidthError, match="width 192 .* got 64 .one layer's hidden state"):
+        draft.project(hidden_states[-1])
+
+
+def test_last_hidden_feed_with_a_wider_target_errors_instead_of_skipping_fc():
+    """When draft H != target H the fc matmul sees the wrong width: SGLang errors, so do we (loudly)."""
+    target = random_target()
+    draft = Eagle3Draft(draft_config(hidden_size=32, head_dim=8)).eval()
+    draft.load_target_embedding(torch.zeros(VOCAB, 32))
+    decoder = SpecDecoder(target, draft, AUX, feed="last_hidden")
+    with pytest.raises(FeatureWidthError, match="width 192 .* got 64"):
+        decoder.generate(prompts(1)[0], 5)
+
+
+def test_bad_arguments_are_refused():
+    target = random_target(layers=4)
+    draft = random_draft(random_target())
+    with pytest.raises(ValueError, match=r"aux layer ids \[4\] are outside 0..2"):
+        SpecDecoder(target, draft, [1, 2, 4])
+    with pytest.raises(ValueError, match="feed 'final'"):
+        SpecDecoder(target, draft, [0, 1, 2], feed="final")
+    decoder = SpecDecoder(target, draft, [0, 1, 2])
+    with pytest.raises(ValueError, match="one non-empty prompt"):
+        decoder.generate(torch.zeros(2, 3, dtype=torch.long), 5)
