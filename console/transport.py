@@ -416,6 +416,7 @@ class SSHTransport(Transport):
         self.connect_timeout = connect_timeout
         self.label = f"{user + '@' if user else ''}{host}{':' + str(port) if port else ''}"
         self.uploads = 0
+        self.upload_method: str | None = None
         self.remote_dir: str | None = None
         self.backend_hash: str | None = None
         self.host_key_added: str | None = None
@@ -540,23 +541,26 @@ class SSHTransport(Transport):
     # -- uploading the backend ------------------------------------------------------------------
 
     async def _ensure_agent(self, conn: Any) -> str:
-        """Upload backend/ + profiles/ to ~/.cache/eagle3-console/agent-<hash>/ unless the marker says it is there."""
+        """Upload backend/ + profiles/ to ~/.cache/eagle3-console/agent-<hash>/ unless the marker there names that hash."""
         files = await asyncio.to_thread(backend_files, self.root, self.extra_files)
         self.backend_hash = content_hash(files)
-        home = (await conn.run('printf %s "$HOME"', check=True)).stdout
-        home = home.decode() if isinstance(home, bytes) else home
+        home = await self._run_text(conn, 'printf %s "$HOME"')
         base = f"{home.rstrip('/')}/{REMOTE_CACHE}"
         target = f"{base}/agent-{self.backend_hash}"
-        async with conn.start_sftp_client() as sftp:
-            if await self._marker_matches(sftp, f"{target}/{COMPLETE_MARKER}", self.backend_hash):
-                self.remote_dir = target
-                return target
-            staging = f"{base}/.upload-{self.backend_hash}-{os.getpid()}-{random.randrange(1 << 30):x}"
-            await sftp.makedirs(staging, exist_ok=True)
-            await self._put_files(sftp, staging, files)
-            async with sftp.open(f"{staging}/{COMPLETE_MARKER}", "wb") as handle:
-                await handle.write(self.backend_hash.encode())
-        q_target, q_staging = shlex.quote(target), shlex.quote(staging)
+        q_target = shlex.quote(target)
+        marker = await self._run_text(conn, f"cat {q_target}/{COMPLETE_MARKER} 2>/dev/null || true")
+        if marker.strip() == self.backend_hash:
+            self.remote_dir = target
+            return target
+        staging = f"{base}/.upload-{self.backend_hash}-{os.getpid()}-{random.randrange(1 << 30):x}"
+        try:
+            await self._upload_sftp(conn, staging, files)
+        except Exception as exc:  # asyncssh.ChannelOpenError/SFTPError: the host has no sftp subsystem
+            if not exc.__class__.__module__.startswith("asyncssh"):
+                raise
+            await self._upload_tar(conn, staging, files)
+        q_staging = shlex.quote(staging)
+        # Publish the complete directory in one rename; a concurrent console that won the race keeps its copy.
         await conn.run(
             f"if [ -f {q_target}/{COMPLETE_MARKER} ]; then rm -rf {q_staging}; "
             f"else rm -rf {q_target} && mv -T {q_staging} {q_target}; fi",
@@ -567,12 +571,34 @@ class SSHTransport(Transport):
         return target
 
     @staticmethod
-    async def _marker_matches(sftp: Any, marker: str, expected: str) -> bool:
-        try:
-            async with sftp.open(marker, "rb") as handle:
-                return (await handle.read()).decode(errors="replace").strip() == expected
-        except Exception:  # asyncssh.SFTPNoSuchFile and friends: not uploaded yet
-            return False
+    async def _run_text(conn: Any, command: str) -> str:
+        result = await conn.run(command, check=True)
+        out = result.stdout
+        return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+    async def _upload_sftp(self, conn: Any, staging: str, files: list[tuple[str, bytes]]) -> None:
+        async with conn.start_sftp_client() as sftp:
+            await sftp.makedirs(staging, exist_ok=True)
+            await self._put_files(sftp, staging, files)
+            async with sftp.open(f"{staging}/{COMPLETE_MARKER}", "wb") as handle:
+                await handle.write(self.backend_hash.encode())
+        self.upload_method = "sftp"
+
+    async def _upload_tar(self, conn: Any, staging: str, files: list[tuple[str, bytes]]) -> None:
+        """Fallback for hosts without an sftp subsystem: one tar stream into `tar -x` over an exec channel."""
+        import io
+        import tarfile
+
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+            for relative, data in [*files, (COMPLETE_MARKER, self.backend_hash.encode())]:
+                info = tarfile.TarInfo(relative)
+                info.size = len(data)
+                info.mode = 0o644
+                archive.addfile(info, io.BytesIO(data))
+        q_staging = shlex.quote(staging)
+        await conn.run(f"mkdir -p {q_staging} && tar -xzf - -C {q_staging}", input=buffer.getvalue(), encoding=None, check=True)
+        self.upload_method = "tar"
 
     @staticmethod
     async def _put_files(sftp: Any, staging: str, files: list[tuple[str, bytes]]) -> None:

@@ -63,8 +63,9 @@ class InProcessSSHServer:
     become killpg, and a closed channel kills the command's process group like sshd's hang-up.
     """
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, *, sftp: bool = True):
         self.root = root
+        self.sftp = sftp
         self.remote_home = root / "remote-home"
         self.remote_home.mkdir(parents=True, exist_ok=True)
         self.host_key = asyncssh.generate_private_key("ssh-ed25519")
@@ -73,6 +74,7 @@ class InProcessSSHServer:
         self.connections: list[asyncssh.SSHServerConnection] = []
         self.commands: list[str] = []
         self._groups: set[int] = set()
+        self._handlers: set[asyncio.Task] = set()
 
     async def start(self, port: int = 0) -> "InProcessSSHServer":
         outer = self
@@ -87,7 +89,7 @@ class InProcessSSHServer:
             server_host_keys=[self.host_key],
             authorized_client_keys=asyncssh.import_authorized_keys(self.client_pub.read_text()),
             process_factory=self._handle,
-            sftp_factory=True,
+            sftp_factory=True if self.sftp else None,
             server_factory=_Server,
             encoding=None,
             allow_scp=False,
@@ -115,10 +117,20 @@ class InProcessSSHServer:
         if self.server:
             self.server.close()
             await self.server.wait_closed()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=10)  # each ends once its command has exited
         for pgid in list(self._groups):
             _killpg(pgid, signal.SIGKILL)
 
     async def _handle(self, process: asyncssh.SSHServerProcess) -> None:
+        task = asyncio.current_task()
+        self._handlers.add(task)
+        try:
+            await self._run_command(process)
+        finally:
+            self._handlers.discard(task)
+
+    async def _run_command(self, process: asyncssh.SSHServerProcess) -> None:
         command = process.command or "true"
         self.commands.append(command)
         env = dict(os.environ, HOME=str(self.remote_home))
@@ -243,6 +255,7 @@ class RealSSHD:
                     "UsePAM no",
                     "StrictModes no",
                     "PermitRootLogin prohibit-password",
+                    "Subsystem sftp internal-sftp",
                     f"SetEnv HOME={self.remote_home}",
                     "LogLevel VERBOSE",
                     "",
@@ -267,9 +280,25 @@ class RealSSHD:
         return SSHEnv(self.port, self.client_key, self.known_hosts, self.remote_home, pub)
 
     def session_pids(self) -> list[int]:
-        """sshd children that serve connections (killing one drops that connection)."""
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
+        """The sshd processes under the listener that serve connections (monitor and session children)."""
+        children: dict[int, list[int]] = {}
+        names: dict[int, str] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            names[int(entry.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+        found, todo = [], list(children.get(self.process.pid, []))
+        while todo:
+            pid = todo.pop()
+            if names.get(pid) == "sshd":
+                found.append(pid)
+                todo.extend(children.get(pid, []))
+        return found
 
     def drop_connections(self) -> int:
         pids = self.session_pids()
