@@ -140,6 +140,16 @@ class JobPlan:
     stale_reason: str | None = None
 
 
+@dataclass
+class Discovery:
+    """What one round of process discovery works from."""
+
+    table: procs.ProcTable
+    token_pids: dict[str, list[int]]
+    protected: set[int]
+    roots: dict[int, int]  # pid of every job's leader and watcher -> job id
+
+
 def resolve_argv(argv: list[str]) -> list[str]:
     """`eagle3-host ...` runs as this Python's `-m backend`, whether or not the script is on PATH."""
     if argv and argv[0] == "eagle3-host":
@@ -394,7 +404,7 @@ class JobRegistry:
             state, detail, _, _ = self._evaluate(record)
             if state in ("running", "unknown"):
                 raise JobConflict(f"job {name!r} is {state} (pid {record.info.pid}); stop it or pick another name. Nothing was started")
-            leftovers = self._watcher_alive(record) and procs.ProcTable.scan().descendants(record.watcher_pid)
+            leftovers = [t.pid for t in self._plan_job(record, self._context(self._active(db))).targets]
             if leftovers:
                 raise JobConflict(f"job {name!r} has ended but its processes {leftovers} still run; stop it first. Nothing was started")
             self._archive_record(db, record)
@@ -460,7 +470,10 @@ class JobRegistry:
         try:
             return json.loads(line)
         except json.JSONDecodeError:
-            return {"error": f"the watcher did not report a leader within {START_TIMEOUT_S:.0f}s (see {job_dir / 'watcher.log'})"}
+            log = job_dir / "watcher.log"
+            why = "exited before reporting a leader" if ready else f"did not report a leader within {START_TIMEOUT_S:.0f}s"
+            tail = " | ".join(tail_lines(log, 3)) if log.exists() else ""
+            return {"error": f"the watcher {why} ({log}: {tail or 'empty'})"}
 
     # ------------------------------------------------------------ adopt
 
@@ -511,18 +524,27 @@ class JobRegistry:
                 found.setdefault(value, []).append(pid)
         return found
 
-    def _plan_job(self, record: JobRecord, table: procs.ProcTable, token_pids: dict[str, list[int]], protected: set[int]) -> JobPlan:
+    def _context(self, records: list[JobRecord], tokens: bool = False) -> Discovery:
+        """One /proc scan plus what every plan needs: token holders, protected pids, every job's leader and watcher."""
+        table = procs.ProcTable.scan()
+        token_pids = self._token_pids(table, {r.token for r in records if r.token}) if tokens else {}
+        roots = {pid: r.id for r in records for pid in (r.info.pid, r.watcher_pid) if pid}
+        return Discovery(table, token_pids, protected_pids(), roots)
+
+    def _plan_job(self, record: JobRecord, ctx: Discovery) -> JobPlan:
+        """Every live process provably belonging to this job; another job's leader or watcher ends a walk."""
         state, detail, _, _ = self._evaluate(record)
         plan = JobPlan(record, state)
-        info = record.info
+        info, table = record.info, ctx.table
         if state in ("stale", "unknown"):
             plan.stale_reason = detail or state
             return plan
+        others = {pid for pid, job_id in ctx.roots.items() if job_id != record.id}
         targets: dict[int, Target] = {}
 
         def add(pid: int, role: str | None = None) -> None:
             stat = table.stats.get(pid)
-            if pid in targets or pid in protected or pid == record.watcher_pid or stat is None or not stat.running:
+            if pid in targets or pid in ctx.protected or pid in others or pid == record.watcher_pid or stat is None or not stat.running:
                 return
             role = role or ("group" if stat.pgid == info.pgid else "descendant")
             targets[pid] = Target(pid, stat.start_time, stat.pgid, role, info.name, procs.cmdline(pid))
@@ -535,51 +557,44 @@ class JobRegistry:
             if plan.group_signal:
                 for pid in table.group(info.pgid):
                     add(pid)
-            for pid in table.descendants(info.pid):
+            for pid in table.descendants(info.pid, prune=others):
                 add(pid)
         if record.watcher_pid and table.alive(record.watcher_pid, record.watcher_start):
-            for pid in table.descendants(record.watcher_pid):
+            for pid in table.descendants(record.watcher_pid, prune=others):
                 add(pid)
         for row in self._recorded(record.id):
             if table.alive(row["pid"], row["start_time"]):
                 add(row["pid"], row["role"])
-        for pid in token_pids.get(record.token or "", []):
+        for pid in ctx.token_pids.get(record.token or "", []):
             add(pid)
         plan.targets = sorted(targets.values(), key=lambda t: (t.role != "leader", t.pid))
         return plan
 
-    def _select(self, names: list[str] | None, all_jobs: bool) -> list[JobRecord]:
+    def _plans(self, names: list[str] | None, all_jobs: bool) -> list[JobPlan]:
         records = self.refresh()
-        if all_jobs:
-            return records
         by_name = {record.name: record for record in records}
-        missing = [name for name in names or [] if name not in by_name]
-        if missing or not names:
-            raise JobNotFound(f"no job named {', '.join(map(repr, missing)) or '(none given)'}; known: {', '.join(sorted(by_name)) or 'none'}")
-        return [by_name[name] for name in names]
-
-    def _plans(self, names: list[str] | None, all_jobs: bool, table: procs.ProcTable | None = None) -> list[JobPlan]:
-        records = self._select(names, all_jobs)
-        table = table or procs.ProcTable.scan()
-        token_pids = self._token_pids(table, {record.token for record in records if record.token})
-        protected = protected_pids()
-        plans = [self._plan_job(record, table, token_pids, protected) for record in records]
+        if not all_jobs:
+            missing = [name for name in names or [] if name not in by_name]
+            if missing or not names:
+                raise JobNotFound(f"no job named {', '.join(map(repr, missing)) or '(none given)'}; known: {', '.join(sorted(by_name)) or 'none'}")
+        selected = records if all_jobs else [by_name[name] for name in names]
+        ctx = self._context(records, tokens=True)
+        plans = [self._plan_job(record, ctx) for record in selected]
         if all_jobs:
             plans = [plan for plan in plans if plan.targets or plan.state in ("stale", "unknown")]
         return plans
 
     def owned_pids(self, candidates: Iterable[int] | None = None) -> dict[int, str]:
         """{pid: job name} for live processes of active jobs; candidates not found in a job tree are checked by token."""
-        table = procs.ProcTable.scan()
         records = self.refresh()
-        protected: set[int] = set()
+        ctx = self._context(records)
         owners: dict[int, str] = {}
         for record in records:
-            for target in self._plan_job(record, table, {}, protected).targets:
+            for target in self._plan_job(record, ctx).targets:
                 owners.setdefault(target.pid, record.name)
         tokens = {record.token: record.name for record in records if record.token and record.info.state != "stale"}
         for pid in candidates or []:
-            if pid not in owners and table.alive(pid):
+            if pid not in owners and ctx.table.alive(pid):
                 value = procs.environ_value(pid, JOB_TOKEN_ENV)
                 if value in tokens:
                     owners[pid] = tokens[value]
@@ -587,15 +602,16 @@ class JobRegistry:
 
     def record_descendants(self) -> int:
         """Store the current processes of running jobs, so a descendant that later loses its parent is still known."""
-        table = procs.ProcTable.scan()
-        protected = protected_pids()
+        records = self.refresh()
+        ctx = self._context(records)
         now = time.time()
-        rows = []
-        for record in self.refresh():
-            if record.info.state == "running":
-                for target in self._plan_job(record, table, {}, protected).targets:
-                    if target.role != "leader":
-                        rows.append((record.id, target.pid, target.start, target.role, target.cmdline, now))
+        rows = [
+            (record.id, target.pid, target.start, target.role, target.cmdline, now)
+            for record in records
+            if record.info.state == "running"
+            for target in self._plan_job(record, ctx).targets
+            if target.role != "leader"
+        ]
         if rows:
             with self._write() as db:
                 db.executemany("INSERT OR IGNORE INTO job_procs VALUES (?, ?, ?, ?, ?, ?)", rows)
@@ -677,7 +693,7 @@ class JobRegistry:
         alive = {t.pid for t in targets if procs.is_alive(t.pid, t.start)}
         group_sent = False
         # A live, identity-checked member keeps the pgid number from being reused, so the group is still ours.
-        if plan.group_signal and any(t.pgid == pgid and t.pid in alive for t in targets):
+        if plan.group_signal and any(t.pid in alive and procs.pgid_of(t.pid) == pgid for t in targets):
             try:
                 os.killpg(pgid, signum)
                 group_sent = True
@@ -693,9 +709,7 @@ class JobRegistry:
 
     def _rediscover(self, plan: JobPlan) -> list[Target]:
         """Walk /proc again just before SIGKILL: anything forked during the grace period is ours too."""
-        table = procs.ProcTable.scan()
-        token_pids = self._token_pids(table, {plan.record.token} if plan.record.token else set())
-        fresh = self._plan_job(plan.record, table, token_pids, protected_pids())
+        fresh = self._plan_job(plan.record, self._context(self._active(), tokens=True))
         known = {t.pid for t in plan.targets}
         return [t for t in fresh.targets if t.pid not in known]
 

@@ -177,13 +177,16 @@ class ProcTable:
         stat = self.stats.get(pid)
         return stat is not None and stat.running and (start is None or stat.start_time == start)
 
-    def descendants(self, pid: int) -> list[int]:
-        """Every process below pid in the ppid tree (a child that called setsid is still a child)."""
+    def descendants(self, pid: int, prune: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Every process below pid in the ppid tree (a child that called setsid is still a child).
+
+        A pid in `prune` is neither listed nor walked into.
+        """
         found: set[int] = set()
         stack = list(self.children.get(pid, []))
         while stack:
             child = stack.pop()
-            if child in found or child == pid:
+            if child in found or child == pid or child in prune:
                 continue
             found.add(child)
             stack.extend(self.children.get(child, []))

@@ -181,6 +181,21 @@ def test_orphans_stay_in_the_job_tree_and_are_stopped(registry, tmp_path):
     assert info.pid not in procs.list_pids() or not procs.is_alive(info.pid, info.start_time_ticks)
 
 
+def test_a_job_started_by_another_job_is_not_part_of_it(registry):
+    starter = f"import subprocess, sys, time; subprocess.run([sys.executable, '-m', 'backend', 'job', 'start', '--name', 'sub', '--', sys.executable, '-c', {SLEEPER!r}], check=True); time.sleep(600)"
+    chain = registry.start_job("chain", "chain", [PY, "-c", starter])
+    sub = wait_for(lambda: next((r for r in registry.list_records() if r.name == "sub" and r.info.state == "running"), None), timeout=30, what="the sub-job")
+    chain_watcher = registry.get("chain").watcher_pid
+    # The CLI that started it has exited, so the sub-job's watcher now hangs under the chain's subreaper watcher.
+    wait_for(lambda: procs.ppid_of(sub.watcher_pid) == chain_watcher, what="re-parenting to the chain watcher")
+    assert registry.owned_pids([sub.info.pid])[sub.info.pid] == "sub"
+    assert [w["pid"] for w in registry.stop_plan(["chain"]).will_signal] == [chain.pid]
+    registry.stop(["chain"], grace=5)
+    assert procs.is_alive(sub.info.pid, sub.info.start_time_ticks) and procs.is_alive(sub.watcher_pid, sub.watcher_start)
+    registry.stop(["sub"], grace=5)
+    assert registry.get("sub").info.exit_code == -signal.SIGTERM  # its watcher survived to record it
+
+
 def test_names_conflict_while_running_and_are_reused_after(registry):
     registry.start_job("busy", "other", [PY, "-c", SLEEPER])
     with pytest.raises(JobConflict, match="running"):
