@@ -26,6 +26,8 @@ def register(subparsers, parent) -> None:
     parser.add_argument("--prompts", type=Path, help="JSONL with {prompt}|{text}|{conversations} per line (default: shipped set)")
     parser.add_argument("--tag", help="only prompts with this tag from the prompt file (the shipped set has chat, code)")
     parser.add_argument("--num-prompts", type=int, help="use only the first N prompts")
+    parser.add_argument("--chat-template", metavar="MODEL_DIR",
+                        help="wrap each prompt in this tokenizer's chat template (as the draft saw chats in training)")
     parser.add_argument("--concurrency", type=_levels, default=[1, 4, 16], help="levels, e.g. 1,4,16 (default)")
     parser.add_argument("--baseline-url", help="a non-speculative server of the same target, for the speedup")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -38,6 +40,8 @@ async def run(args) -> dict:
     from backend.bench import client, results
 
     prompts = client.load_prompts(args.prompts, tag=args.tag, limit=args.num_prompts)
+    if args.chat_template:
+        prompts = client.templated(prompts, args.chat_template)
     started = time.time()
     url = args.url.rstrip("/")
     info, levels = await client.run_server(url, prompts.prompts, args.concurrency, args.max_new_tokens)
@@ -56,7 +60,7 @@ def handle_bench(args) -> int:
 
     try:
         document = asyncio.run(run(args))
-    except client.PromptFileError as exc:
+    except (client.PromptFileError, client.TemplateError) as exc:
         print(f"bench: {exc}. Nothing was sent.", file=sys.stderr)
         return 2
     except ConnectionError as exc:

@@ -78,6 +78,24 @@ def load_prompts(path: str | Path | None = None, tag: str | None = None, limit: 
     return PromptSet(prompts, str(source) + (f" [tag {tag}]" if tag else ""), digest)
 
 
+class TemplateError(ValueError):
+    """The --chat-template tokenizer could not be loaded or has no chat template."""
+
+
+def templated(prompts: PromptSet, model_dir: str) -> PromptSet:
+    """Wrap each prompt as one user turn in the tokenizer's chat template (generation prompt appended)."""
+    try:
+        from backend.train.target import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir)
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                 for p in prompts.prompts]
+    except Exception as exc:  # missing files, no template, no transformers
+        raise TemplateError(f"cannot apply the chat template of {model_dir}: {type(exc).__name__}: {exc}") from None
+    digest = hashlib.sha256(json.dumps(texts).encode()).hexdigest()
+    return PromptSet(texts, f"{prompts.source} [chat template {model_dir}]", digest)
+
+
 @dataclass
 class RequestResult:
     index: int

@@ -137,7 +137,7 @@ def feature_mismatch(features: dict[str, Any]) -> str | None:
     problems = []
     if width is not None and expected is not None and width != expected:
         problems.append(f"width {width}, expected {expected}")
-    if features.get("feature_source") not in (None, "aux"):
+    if not str(features.get("feature_source") or "aux").startswith("aux"):
         problems.append(f"source {features['feature_source']!r} instead of the 3 aux layers")
     if features.get("fc_applied") is False:
         problems.append("fc skipped")

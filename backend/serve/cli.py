@@ -27,6 +27,7 @@ def register(subparsers, parent) -> None:
     serve.add_argument("--draft", required=True, type=Path)
     serve.add_argument("--engine", choices=["sglang", "reference"], help="default: the profile's [serve].engine")
     serve.add_argument("--port", type=int, help="default: the profile's port (sglang) or a free port (reference)")
+    serve.add_argument("--host", default="127.0.0.1", help="address the server binds (default 127.0.0.1)")
     serve.add_argument("--feed", choices=["aux", "last_hidden"], default="aux",
                        help="reference engine only: last_hidden reproduces SGLang's silent 1 x H failure")
     serve.add_argument("--target-config", help="target config.json for preflight (default: from the profile)")
@@ -85,14 +86,14 @@ def handle_serve(args) -> int:
     if args.dry_run:
         draft = str(resolve_draft_dir(args.draft.expanduser()))
         port = args.port or profile.serve.port
-        argv = launch_mod.build_argv(profile, draft, engine, port, feed=args.feed)
+        argv = launch_mod.build_argv(profile, draft, engine, port, feed=args.feed, host=args.host)
         report = run_preflight(draft, launch_mod.target_config_for(profile, args.target_config),
-                               serving_argv=build_sglang_argv(profile, draft, port=port))
+                               serving_argv=build_sglang_argv(profile, draft, port=port, host=args.host))
         print(json.dumps({"argv": argv, "preflight": report.to_dict()}, indent=1))
         return EXIT_OK if report.ok else EXIT_PROBLEMS
     result = launch_mod.launch(
         profile, args.draft, engine=engine, port=args.port, run_dir=args.run_dir, job_name=args.job_name,
-        feed=args.feed, force=args.force, target_config=args.target_config, max_new_tokens=args.max_new_tokens,
+        feed=args.feed, force=args.force, target_config=args.target_config, max_new_tokens=args.max_new_tokens, host=args.host,
         run_canary=not args.no_canary)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))

@@ -110,7 +110,19 @@ def canary_prompts(profile: Profile, count: int = 4) -> list[str]:
         return [w.decode("utf-8", errors="ignore") for w in windows]
     from backend.bench.client import load_prompts
 
-    return load_prompts(tag="chat", limit=count).prompts
+    return apply_chat_template(profile, load_prompts(tag="chat", limit=count).prompts)
+
+
+def apply_chat_template(profile: Profile, prompts: list[str]) -> list[str]:
+    """Chat-format prompts with the target's tokenizer (drafts are trained on templated chats); raw when unavailable."""
+    try:
+        from backend.train.target import load_tokenizer
+
+        tokenizer = load_tokenizer(os.path.expanduser(profile.target.path), profile.serve.trust_remote_code)
+        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                for p in prompts]
+    except Exception:  # no tokenizer files, no template, no transformers: the raw prompts still exercise the draft
+        return prompts
 
 
 # --------------------------------------------------------------------------- waiting
@@ -192,7 +204,7 @@ def launch(
         raise ValueError(f"engine must be one of {ENGINES} and feed one of {FEEDS}; got {engine!r}, {feed!r}")
     draft = str(resolve_draft_dir(Path(draft_dir).expanduser()))
     port = port or (http.free_port(host) if engine == "reference" else profile.serve.port)
-    url = http.base_url(host, port)
+    url = http.base_url("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
     argv = build_argv(profile, draft, engine, port, feed=feed, host=host)
     result = LaunchResult(ok=False, state="refused", message="", engine=engine, url=url, argv=argv, forced=force)
 
