@@ -397,6 +397,17 @@ def query_apps(smi: str) -> list[ComputeApp]:
     return parse_query_apps(_run_smi(smi, "--query-compute-apps=" + ",".join(QUERY_APPS_FIELDS), "--format=csv,noheader,nounits"))
 
 
+def smi_driver(smi: str) -> str | None:
+    """Driver version from /proc, else from one nvidia-smi call (done once, when a source opens)."""
+    version = _kernel_driver()
+    if version is None:
+        try:
+            version = _run_smi(smi, "--query-gpu=driver_version", "--format=csv,noheader").split("\n")[0].strip() or None
+        except (GpuParseError, OSError, subprocess.TimeoutExpired):
+            version = None
+    return version
+
+
 def query_gpus(smi: str) -> list[GpuSample]:
     return parse_query_gpu(_run_smi(smi, "--query-gpu=" + ",".join(QUERY_GPU_FIELDS), "--format=csv,noheader,nounits"))
 
@@ -409,8 +420,8 @@ class SmiOneshotSource:
     def __init__(self, smi: str, nvml_status: str):
         self.smi = smi
         self.nvml = nvml_status
-        self.driver = _kernel_driver()
-        self.message = f"nvidia-smi ({nvml_status})"
+        self.driver = smi_driver(smi)
+        self.message = f"nvidia-smi, one call per sample (NVML unavailable: {nvml_status})"
 
     def sample(self) -> list[GpuSample]:
         return attach_apps(query_gpus(self.smi), query_apps(self.smi))
@@ -431,7 +442,7 @@ class SmiStreamSource:
     def __init__(self, smi: str, nvml_status: str, interval_s: float = 1.0, apps_every_s: float = 10.0, restart_every_s: float = 5.0):
         self.smi = smi
         self.nvml = nvml_status
-        self.driver = _kernel_driver()
+        self.driver = smi_driver(smi)
         self.interval_ms = max(100, int(interval_s * 1000))
         self.apps_every_s = apps_every_s
         self.restart_every_s = restart_every_s
@@ -448,6 +459,7 @@ class SmiStreamSource:
         self._line_event = threading.Condition(self._lock)
         self._proc: subprocess.Popen | None = None
         self._start()
+        self.wait_for_line(after=0, timeout=5.0)  # so the first tick does not report "no GPUs" while nvidia-smi starts
 
     @property
     def command(self) -> list[str]:
@@ -458,7 +470,7 @@ class SmiStreamSource:
     def message(self) -> str:
         alive = self._proc is not None and self._proc.poll() is None
         state = f"pid {self._proc.pid}" if alive else "stream stopped: " + " | ".join(self.stderr_tail)
-        return f"nvidia-smi -lms {self.interval_ms} ({state}; {self.nvml})"
+        return f"nvidia-smi -lms {self.interval_ms} ({state}; NVML unavailable: {self.nvml})"
 
     def _start(self) -> None:
         self._started_at = time.monotonic()

@@ -184,6 +184,9 @@ args = sys.argv[1:]
 if any(a.startswith("--query-compute-apps") for a in args):
     sys.stdout.write(open({apps!r}).read())
     sys.exit(0)
+if "--query-gpu=driver_version" in args:
+    print("580.159.04")
+    sys.exit(0)
 lines = open({gpus!r}).read().splitlines()
 if "-lms" in args:
     period = int(args[args.index("-lms") + 1]) / 1000
@@ -213,6 +216,8 @@ def test_stream_source_is_one_long_lived_process(tmp_path):
         assert len([c for c in calls if "-lms 100" in c]) == 1, calls  # never one spawn per tick
         assert len([c for c in calls if "query-compute-apps" in c]) == 1, calls  # apps at a much lower rate
         assert source.bad_lines == 0
+        if not gpu.DRIVER_PROC_FILE.exists():
+            assert source.driver == "580.159.04"
         stream_pid = source._proc.pid
     finally:
         source.close()
