@@ -230,3 +230,19 @@ def test_vocab_mapping_from_counts_and_its_checks():
     with pytest.raises(ValueError, match="disagree"):
         draft.set_vocab_mapping(d2t, torch.roll(t2d, 1))
     assert draft.d2t.tolist() == d2t.tolist()  # a refused mapping leaves the installed one
+
+
+def test_bf16_autocast_forward_and_backward_run_and_track_fp32():
+    """The trainer runs ttt_forward under bf16 autocast with fp32 weights."""
+    config = small_config()
+    aux, ids = random_batch(config)
+    draft = make_draft(config, backend="sdpa")
+    with torch.no_grad():
+        reference = draft.ttt_forward(aux, ids, ttt_length=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = draft.ttt_forward(aux, ids, ttt_length=3, loss_positions=[ids > 5] * 3)
+    assert logits[0].dtype == torch.bfloat16 and logits[2].shape == (int((ids > 5).sum()), config.draft_vocab_size)
+    sum(step.float().logsumexp(-1).mean() for step in logits).backward()
+    assert draft.midlayer.self_attn.q_proj.weight.grad.dtype == torch.float32
+    scale = reference[2].abs().max()
+    assert (logits[2].float() - reference[2][ids > 5]).abs().max() < 0.05 * scale

@@ -218,9 +218,12 @@ class _FusedWeights:
 
     def __init__(self, layer: DraftDecoderLayer):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0)
+        weight = attn.q_proj.weight
+        # under autocast, cast once here rather than at each of the TTT steps' matmuls
+        dtype = torch.get_autocast_dtype(weight.device.type) if torch.is_autocast_enabled(weight.device.type) else weight.dtype
+        self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0).to(dtype)
         self.split = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0)
+        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0).to(dtype)
 
 
 def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
@@ -413,6 +416,7 @@ class Eagle3Draft(nn.Module):
         positions = torch.arange(seq, device=input_ids.device)
         backend = self._backend(hidden.device)
         fused = _FusedWeights(self.midlayer)
+        selections = _selections(loss_positions, ttt_length, batch * seq)
         key0 = value0 = None
         diag_keys, diag_values, outputs = [], [], []
         for step in range(ttt_length):
@@ -425,7 +429,8 @@ class Eagle3Draft(nn.Module):
                 diag_values.append(value)
             attn_out = ttt_attention(query, key0, value0, diag_keys, diag_values, backend)
             hidden = self._finish(hidden, attn_out, fused)
-            outputs.append(self.logits(_select(hidden, loss_positions, step)))
+            selected = hidden if selections is None else hidden.reshape(batch * seq, -1).index_select(0, selections[step])
+            outputs.append(self.logits(selected))
         return outputs
 
     # --- decoding (incremental) ----------------------------------------------------------------------
@@ -464,11 +469,19 @@ class Eagle3Draft(nn.Module):
         return out, self.logits(out)
 
 
-def _select(hidden: torch.Tensor, loss_positions, step: int) -> torch.Tensor:
+def _selections(loss_positions, steps: int, rows: int) -> list[torch.Tensor] | None:
+    """Row indices (into the flattened [B*S]) per step, found with one device sync for all steps."""
     if loss_positions is None:
-        return hidden
-    mask = loss_positions[step] if isinstance(loss_positions, (list, tuple)) else loss_positions
-    return hidden[mask.bool()]
+        return None
+    masks = list(loss_positions) if isinstance(loss_positions, (list, tuple)) else [loss_positions] * steps
+    if len(masks) < steps:
+        raise ValueError(f"loss_positions holds {len(masks)} masks for {steps} TTT steps")
+    stacked = torch.stack([mask.reshape(-1).bool() for mask in masks[:steps]])
+    if stacked.shape[1] != rows:
+        raise ValueError(f"loss_positions masks have {stacked.shape[1]} positions, the batch has {rows}")
+    flat = torch.nonzero(stacked.reshape(-1)).flatten()
+    counts = stacked.sum(1).tolist()
+    return [indices - step * rows for step, indices in enumerate(flat.split(counts))]
 
 
 def _attend_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_query_pos: int) -> torch.Tensor:
