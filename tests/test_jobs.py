@@ -12,6 +12,7 @@ import pytest
 
 from backend import procs
 from backend.jobs import JobBadParams, JobConflict, JobError, JobNotFound, JobRefused, JobRegistry
+from backend.protocol import GpuProcess, GpuSample
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -272,3 +273,27 @@ def test_bad_start_parameters_leave_nothing_behind(registry):
     assert registry.list_jobs() == [] and list(registry.jobs_dir.iterdir()) == []
     with pytest.raises(JobError):
         registry.get("missing")
+
+
+class ReplayGpu:
+    """Stands in for the absent GPU: lists `pid` as a compute process while it runs, or forever when `sticky`."""
+
+    name = "nvidia-smi"
+
+    def __init__(self, pid: int, sticky: bool):
+        self.pid, self.sticky = pid, sticky
+
+    def sample(self) -> list[GpuSample]:
+        holding = self.sticky or procs.is_alive(self.pid)
+        return [GpuSample(0, "NVIDIA H200", processes=[GpuProcess(self.pid, 21446.0)] if holding else [])]
+
+
+@pytest.mark.parametrize("sticky", [False, True])
+def test_stop_confirms_gpu_memory_is_released(registry, sticky):
+    info = registry.start_job("gpu", "train", [PY, "-c", SLEEPER])
+    (verdict,) = registry.stop(["gpu"], grace=5, gpu_source=ReplayGpu(info.pid, sticky), gpu_release_timeout=0.5)
+    assert verdict.outcome == "exited_on_term"
+    if sticky:
+        assert "GPU memory NOT released after 0.5s (21446.0 MiB still listed)" in verdict.detail
+    else:
+        assert verdict.detail.endswith("; GPU memory released")
