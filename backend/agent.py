@@ -191,6 +191,8 @@ class Agent:
             Request.LIST_CHECKPOINTS: self._list_checkpoints,
             Request.SIGNALS: self._signals,
             Request.WATCH_EXTERNAL: self._watch_external,
+            Request.DATA_SCALING: self._data_scaling,
+            Request.RESULTS: self._results,
             Request.SHUTDOWN: self._shutdown,
         }
         self._inline = {Request.PING, Request.SHUTDOWN, Request.FOLLOW_LOG}
@@ -505,6 +507,20 @@ class Agent:
         job = f"ext:{name}"
         self._externals[job] = {"reader": reader, "records": [], "count": 0}
         return {"job": job}
+
+    def _data_scaling(self, message: dict) -> dict:
+        from backend.datascale import data_scaling
+
+        shape = param(message, "shape", dict, None)
+        try:
+            return data_scaling(param(message, "data_dir", str), shape)
+        except (OSError, ValueError, KeyError) as exc:
+            raise BadParams("data_dir", str(exc)) from None
+
+    def _results(self, message: dict) -> dict:
+        from backend.chain import list_results
+
+        return {"results": list_results(self.registry.get(param(message, "name", str)).info.job_dir)}
 
     def _shutdown(self, message: dict) -> dict:
         self.stopping.set()

@@ -128,11 +128,12 @@ def handle_grok(args) -> int:
 
 
 def handle_data_scaling(args) -> int:
-    from backend.datascale import data_scaling
+    from backend.datascale import data_scaling, profile_shape
     from backend.profiles import ProfileError, load_profile
 
     try:
-        report = data_scaling(args.data, load_profile(args.profile))
+        profile = load_profile(args.profile)
+        report = data_scaling(args.data or profile.paths.data_dir, profile_shape(profile))
     except (ProfileError, ValueError, OSError, json.JSONDecodeError) as exc:
         print(f"data-scaling: {exc}", file=sys.stderr)
         return 2

@@ -39,18 +39,25 @@ def measured(data_dir: str | os.PathLike, keep_free_bytes: int = KEEP_FREE_BYTES
     return _summary(directory, "measured", samples, tokens, total, seconds, keep_free_bytes)
 
 
-def estimated(profile: Any, data_dir: str | os.PathLike, samples_per_second: float | None = None,
-              keep_free_bytes: int = KEEP_FREE_BYTES) -> dict[str, Any]:
+def profile_shape(profile: Any) -> dict[str, int]:
+    """What one offline sample holds per token for a profile: aux features, teacher, dtype, sequence length."""
+    target = profile.target
+    return {
+        "aux_width": len(target.aux_layer_ids) * target.hidden_size,
+        # small vocabularies store teacher logits; large ones the final hidden state (lm_head applied at train time)
+        "teacher_width": target.vocab_size if target.vocab_size <= 4096 else target.hidden_size,
+        "dtype_bytes": DTYPE_BYTES.get(target.dtype, 2),
+        "seq_len": profile.train.seq_len,
+    }
+
+
+def estimated(shape: dict[str, int], data_dir: str | os.PathLike, keep_free_bytes: int = KEEP_FREE_BYTES) -> dict[str, Any]:
     """Numbers for an online run (no shards on disk): what one offline sample of seq_len tokens would take."""
-    target, train = profile.target, profile.train
-    width = len(target.aux_layer_ids) * target.hidden_size
-    teacher = target.vocab_size if target.vocab_size <= 4096 else target.hidden_size
-    per_token = (width + teacher) * DTYPE_BYTES.get(target.dtype, 2) + 8 + 1
-    per_sample = per_token * train.seq_len
-    seconds = 1.0 / samples_per_second if samples_per_second else None
-    summary = _summary(Path(data_dir).expanduser(), "estimated", 1, train.seq_len, per_sample, seconds, keep_free_bytes)
-    summary["samples"] = 0
-    summary["note"] = "no extracted shards: bytes per sample estimated from the profile's shapes"
+    per_token = (shape["aux_width"] + shape["teacher_width"]) * shape["dtype_bytes"] + 8 + 1  # + int64 id + mask byte
+    per_sample = per_token * shape["seq_len"]
+    summary = _summary(Path(data_dir).expanduser(), "estimated", 1, shape["seq_len"], per_sample, None, keep_free_bytes)
+    summary.update(samples=0, tokens=0, bytes=0, fit_multiple_of_current=None, shape=shape,
+                   note="no extracted shards here: bytes per sample estimated from the profile's shapes")
     return summary
 
 
@@ -77,10 +84,10 @@ def _summary(directory: Path, kind: str, samples: int, tokens: int, total_bytes:
     }
 
 
-def data_scaling(data_dir: str | os.PathLike | None, profile: Any = None) -> dict[str, Any]:
-    """Measured when data_dir holds an extraction; estimated from the profile otherwise."""
+def data_scaling(data_dir: str | os.PathLike | None, shape: dict[str, int] | None = None) -> dict[str, Any]:
+    """Measured when data_dir holds an extraction; estimated from a profile shape otherwise."""
     if data_dir and (Path(data_dir).expanduser() / META_FILE).is_file():
         return measured(data_dir)
-    if profile is None:
-        raise ValueError(f"{data_dir} holds no {META_FILE} (not an `eagle3-host extract` output) and no profile was given to estimate from")
-    return estimated(profile, data_dir or profile.paths.data_dir)
+    if shape is None:
+        raise ValueError(f"{data_dir} holds no {META_FILE} (not an `eagle3-host extract` output) and no profile shape was given to estimate from")
+    return estimated(shape, data_dir or ".")

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from backend.datascale import data_scaling, estimated
+from backend.datascale import data_scaling, estimated, profile_shape
 from backend.profiles import load_profile
 
 
@@ -37,7 +37,7 @@ def test_measured_from_extraction(tmp_path):
 
 def test_estimated_for_online_run(tmp_path):
     kimi = load_profile("kimi-k2.5")
-    report = estimated(kimi, tmp_path / "not-yet")
+    report = estimated(profile_shape(kimi), tmp_path / "not-yet")
     per_token = (3 * 7168 + 7168) * 2 + 8 + 1
     assert report["kind"] == "estimated" and report["bytes_per_sample"] == per_token * kimi.train.seq_len
     assert report["free_bytes"] == shutil.disk_usage(tmp_path).free

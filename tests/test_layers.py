@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-AGENT_PATH_MODULES = ["backend.agent", "backend.protocol", "backend.jsonl", "backend.gpu", "backend.jobs", "backend.holders", "backend.metrics", "backend.signals", "backend.external"]
+AGENT_PATH_MODULES = ["backend.agent", "backend.protocol", "backend.jsonl", "backend.gpu", "backend.jobs", "backend.holders", "backend.metrics", "backend.signals", "backend.external", "backend.datascale", "backend.chain"]
 
 
 def imported_names(path: Path) -> set[str]:
