@@ -232,3 +232,7 @@ def test_bad_arguments_are_refused():
     decoder = SpecDecoder(target, draft, [0, 1, 2])
     with pytest.raises(ValueError, match="one non-empty prompt"):
         decoder.generate(torch.zeros(2, 3, dtype=torch.long), 5)
+    plain_only = SpecDecoder(target, None, [0, 1, 2])
+    assert plain_only.plain_generate(torch.tensor([1, 2, 3]), 4) == decoder.plain_generate(torch.tensor([1, 2, 3]), 4)
+    with pytest.raises(ValueError, match="without a draft"):
+        plain_only.generate(torch.tensor([1, 2, 3]), 4)

@@ -80,9 +80,10 @@ class SpecDecoder:
     feed="aux": the draft reads the concatenated outputs of `aux_layer_ids` (hf hidden_states[L + 1]).
     feed="last_hidden": reproduces SGLang's silent failure: the target's final normed hidden state goes to
     the draft, and fc is skipped when its width equals the draft hidden size (llama_eagle3.py's check).
+    draft=None (with aux_layer_ids given) builds a decoder that only runs plain_generate.
     """
 
-    def __init__(self, target_model, draft: Eagle3Draft, aux_layer_ids: list[int] | None = None, num_steps: int = 5,
+    def __init__(self, target_model, draft: Eagle3Draft | None, aux_layer_ids: list[int] | None = None, num_steps: int = 5,
                  feed: str = "aux", eos_token_id: int | list[int] | None = None):
         if feed not in FEEDS:
             raise ValueError(f"feed {feed!r} is unknown; choose one of {', '.join(FEEDS)}")
@@ -90,6 +91,8 @@ class SpecDecoder:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.target = TargetRunner(target_model)
         self.draft = draft
+        if aux_layer_ids is None and draft is None:
+            raise ValueError("aux_layer_ids is required when no draft is given")
         self.aux_layer_ids = list(aux_layer_ids if aux_layer_ids is not None else draft.config.aux_layer_ids)
         last = self.target.num_layers - 2  # hidden_states[N] is already final-normed
         bad = [layer for layer in self.aux_layer_ids if not 0 <= layer <= last]
@@ -143,6 +146,8 @@ class SpecDecoder:
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int) -> GenerateResult:
         """Speculative greedy decoding; the output equals plain_generate token for token."""
+        if self.draft is None:
+            raise ValueError("this decoder was built without a draft: only plain_generate is available")
         ids = self._prompt(input_ids)
         logits, hidden_states, cache = self.target.forward(ids, None)
         features = self.features(hidden_states)
