@@ -79,7 +79,7 @@ def test_one_layer_hidden_state_is_refused_naming_both_widths():
         draft.ttt_forward(one_layer, torch.zeros(1, 5, dtype=torch.long), ttt_length=2)
     message = str(info.value)
     assert "384" in message and "3 layers x target hidden 128" in message and "got 128" in message
-    assert "one layer's hidden state instead of 3 concatenated" in message and "nothing was computed" in message
+    assert "one layer's hidden state instead of three concatenated" in message and "nothing was computed" in message
     with pytest.raises(FeatureWidthError, match="width 384 .* got 256"):
         draft.project(torch.randn(1, 5, 256))
 

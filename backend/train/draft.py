@@ -337,7 +337,8 @@ class Eagle3Draft(nn.Module):
             f"({layers} layers x target hidden {config.target_hidden_size}) but got {width}"
         )
         if width == config.target_hidden_size:
-            message += f" (one layer's hidden state instead of {layers} concatenated)"
+            count = {2: "two", 3: "three", 4: "four"}.get(layers, str(layers))
+            message += f" (one layer's hidden state instead of {count} concatenated)"
         return message
 
     def input_hidden(self, features: torch.Tensor, sglang_width_check: bool = False) -> torch.Tensor:
