@@ -1,4 +1,4 @@
-"""Read-only watching of runs this tool did not start: TensorBoard event files and SpecForge console logs -> metrics records.
+"""Read-only watching of runs this tool did not start: TensorBoard event files and SpecForge logs -> records.
 
 Standard library only. Nothing here writes to the watched run. `ExternalRunReader(path).poll()` returns
 new records in the schema of backend/metrics.py each time, resuming by byte offset per file:

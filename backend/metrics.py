@@ -1,4 +1,4 @@
-"""Training metrics records: the schema, its validator, the trainer's writer, the tailing reader, series and downsampling.
+"""Training metrics records: schema and validator, the trainer's writer, the tailing reader, series, downsampling.
 
 Standard library only (runs inside the agent on any host Python >= 3.10).
 
@@ -241,6 +241,8 @@ def _pick(record: dict[str, Any], key: str, index: int | str | None) -> float | 
         if index is None:
             raise ValueError(f"'{key}' holds one value per TTT position; pass index=<position>")
         value = value[index] if isinstance(index, int) and -len(value) <= index < len(value) else None
+    if type(value) is float or type(value) is int:  # the common case; _as_number's ABC checks are slow
+        return float(value)
     number = _as_number(value) if value is not None else None
     return None if number is None else float(number)
 

@@ -20,6 +20,9 @@ LR_FLOOR_WARNING = "a cosine run that decayed to ~0 LR cannot grok; resume with 
 
 
 def is_finite(value: Any) -> bool:
+    kind = type(value)
+    if kind is float or kind is int:
+        return math.isfinite(value)
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -185,7 +188,9 @@ def clip_fraction(grad_norms: Sequence[float], clip: float, window: int = 50) ->
 
 def relative_change(steps: Sequence[int], values: Sequence[float], lag_steps: int | None = None,
                     lag_points: int = 8) -> tuple[float | None, int | None]:
-    """r = (N_t - N_{t-K}) / N_{t-K}; K = lag_steps, or the span of the last `lag_points` points. Returns (r, K used)."""
+    """r = (N_t - N_{t-K}) / N_{t-K}; K = lag_steps, or the span of the last `lag_points` points.
+
+    Returns (r, K used), or (None, None) with fewer than 2 finite points or N_{t-K} = 0."""
     steps, values = finite_points(steps, values)
     if len(steps) < 2:
         return None, None
@@ -283,18 +288,45 @@ class EvalPoint:
     memorized: bool
 
 
-def _ema_series(records: list[dict[str, Any]], key: str, split: str, beta: float,
-                index: int | None = None) -> tuple[list[int], list[float]]:
-    steps, values = series(records, key, split=split, index=index)
-    return finite_points(steps, debiased_ema(values, beta))
+class RunView:
+    """Records split once by split, with memoized series (compute_signals asks for the same ones repeatedly)."""
+
+    def __init__(self, records: Iterable[dict[str, Any]]):
+        self.records = [r for r in records if isinstance(r, dict)]
+        self.by_split = {split: [r for r in self.records if r.get("split") == split] for split in ("train", "val")}
+        self._cache: dict[tuple[str, str, Any], tuple[list[int], list[float]]] = {}
+
+    def series(self, key: str, split: str = "train", index: int | str | None = None) -> tuple[list[int], list[float]]:
+        cache_key = (key, split, index)
+        if cache_key not in self._cache:
+            self._cache[cache_key] = series(self.by_split.get(split, []), key, split=split, index=index)
+        return self._cache[cache_key]
+
+    def positions(self, key: str, split: str) -> list[tuple[list[int], list[float]]]:
+        """series(key, split, index=k) for every TTT position k, in one pass."""
+        by_k: list[dict[int, float]] = []
+        for record in self.by_split.get(split, []):
+            values, step = record.get(key), record.get("step")
+            if not isinstance(values, list) or not isinstance(step, int):
+                continue
+            while len(by_k) < len(values):
+                by_k.append({})
+            for k, value in enumerate(values):
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    by_k[k][step] = float(value)
+        return [(sorted(d), [d[s] for s in sorted(d)]) for d in by_k]
+
+    def ema(self, key: str, split: str, beta: float, index: int | None = None) -> tuple[list[int], list[float]]:
+        steps, values = self.series(key, split, index)
+        return finite_points(steps, debiased_ema(values, beta))
 
 
-def join_evals(records: list[dict[str, Any]], cfg: GrokConfig) -> list[EvalPoint]:
+def join_evals(view: RunView, cfg: GrokConfig) -> list[EvalPoint]:
     """Val evals with V̂, L̂ at the same step, gaps and the memorization flag M (§3.9 items 2-3)."""
-    val_steps, val_ema = _ema_series(records, "loss", "val", cfg.val_beta)
-    tr_steps, tr_ema = _ema_series(records, "loss", "train", cfg.train_beta)
-    tra_steps, tra_ema = _ema_series(records, "acc", "train", cfg.train_beta, index=0)
-    va_steps, va_ema = _ema_series(records, "acc", "val", cfg.val_beta, index=0)
+    val_steps, val_ema = view.ema("loss", "val", cfg.val_beta)
+    tr_steps, tr_ema = view.ema("loss", "train", cfg.train_beta)
+    tra_steps, tra_ema = view.ema("acc", "train", cfg.train_beta, index=0)
+    va_steps, va_ema = view.ema("acc", "val", cfg.val_beta, index=0)
     points = []
     for step, val in zip(val_steps, val_ema):
         train = value_at(tr_steps, tr_ema, step)
@@ -343,7 +375,8 @@ def detect_onset(points: list[EvalPoint], window: int, cfg: GrokConfig) -> dict[
     and V̂ is at least min_drop below its median while memorized (the last two guard against noise:
     with ~100 windows a run, z < -3 alone fires on a flat noisy curve).
     Regression: after onset, on `persist` consecutive evals the val slope has z > +3 and the window's median
-    V̂ is min_drop above the best window median since the onset; or (any time) val acc[0] fell more than acc_drop below its running max.
+    V̂ is min_drop above the best window median since the onset; or (any time) val acc[0] fell more than
+    acc_drop below its running max.
     """
     onset: dict[str, Any] = {"detected": False, "step": None, "z": None, "memorized_since": None}
     regression: dict[str, Any] = {"detected": False, "step": None, "reason": None}
@@ -373,7 +406,7 @@ def detect_onset(points: list[EvalPoint], window: int, cfg: GrokConfig) -> dict[
                     f"vs best {best_val:.3g})"))
             continue
         held = _onset_conditions(points, end, window, val_slope, cfg)
-        streak = streak + 1 if held else 0
+        streak = streak + 1 if held is not None else 0
         if streak >= cfg.persist:
             onset.update(detected=True, step=point.step, z=val_slope.z, memorized_since=held)
     return {"onset": onset, "regression": regression}
@@ -424,39 +457,41 @@ def _latest_list(records: list[dict[str, Any]], split: str, key: str) -> tuple[i
     return None, None
 
 
-def _tokens_past(records: list[dict[str, Any]], start_step: int | None) -> int | None:
-    steps, tokens = series(records, "tokens", split="train")
-    steps, tokens = finite_points(steps, tokens)
+def _tokens_past(view: RunView, start_step: int | None) -> int | None:
+    steps, tokens = finite_points(*view.series("tokens", "train"))
     if start_step is None or not tokens:
         return None
     at_start = value_at(steps, tokens, start_step)
     return int(tokens[-1] - (at_start if at_start is not None else 0))
 
 
-def _weight_norms(records: list[dict[str, Any]], window: int) -> dict[str, Any]:
-    split = "train" if series(records, "weight_norm", "train")[0] else "val"
-    steps, norms = series(records, "weight_norm", split=split)
+def _weight_norms(view: RunView, window: int) -> dict[str, Any]:
+    split = "train" if view.series("weight_norm", "train")[0] else "val"
+    steps, norms = view.series("weight_norm", split)
     change, lag = relative_change(steps, norms, lag_points=window)
     modules: dict[str, Any] = {}
-    names = sorted({name for r in records for name in (r.get("weight_norm_modules") or {})})
+    names = sorted({name for r in view.records if isinstance(r.get("weight_norm_modules"), dict)
+                    for name in r["weight_norm_modules"]})
     for name in names:
-        m_steps, m_norms = finite_points(*series(records, "weight_norm_modules", split=split, index=name))
+        m_steps, m_norms = finite_points(*view.series("weight_norm_modules", split, name))
         if not m_steps:
-            m_steps, m_norms = finite_points(*series(records, "weight_norm_modules", split="val", index=name))
+            m_steps, m_norms = finite_points(*view.series("weight_norm_modules", "val", name))
         m_change, _ = relative_change(m_steps, m_norms, lag_points=window)
         modules[name] = {"latest": _last(m_norms), "relative_change": m_change}
     return {"latest": _last(finite_points(steps, norms)[1]), "relative_change": change, "lag_steps": lag,
             "modules": modules}
 
 
-def _per_position(records: list[dict[str, Any]], cfg: GrokConfig) -> list[dict[str, Any]]:
-    depth = max((len(r.get(key) or []) for r in records for key in ("ploss", "acc")), default=0)
+def _per_position(view: RunView, cfg: GrokConfig) -> list[dict[str, Any]]:
+    columns = {(key, split): view.positions(key, split) for key in ("ploss", "acc") for split in ("train", "val")}
+    depth = max((len(c) for c in columns.values()), default=0)
     rows = []
     for k in range(depth):
         row: dict[str, Any] = {"k": k}
-        for key in ("ploss", "acc"):
-            for split, beta in (("train", cfg.train_beta), ("val", cfg.val_beta)):
-                row[f"{split}_{key}"] = _last(_ema_series(records, key, split, beta, index=k)[1])
+        for (key, split), per_k in columns.items():
+            beta = cfg.train_beta if split == "train" else cfg.val_beta
+            steps, values = per_k[k] if k < len(per_k) else ([], [])
+            row[f"{split}_{key}"] = _last(finite_points(steps, debiased_ema(values, beta))[1])
         row["ploss_gap"] = (row["val_ploss"] - row["train_ploss"]
                             if row["val_ploss"] is not None and row["train_ploss"] is not None else None)
         rows.append(row)
@@ -471,12 +506,13 @@ def compute_signals(records: Iterable[dict[str, Any]], *, window: int = 8, clip:
     grad-clip threshold; num_steps: served chain length for τ̂ (None: every TTT position).
     """
     cfg = config or GrokConfig()
-    records = [r for r in records if isinstance(r, dict)]
-    tr_steps, tr_raw = series(records, "loss", split="train")
+    view = RunView(records)
+    records = view.records
+    tr_steps, tr_raw = view.series("loss", "train")
     tr_ema = debiased_ema(tr_raw, cfg.train_beta)
-    val_steps, val_raw = series(records, "loss", split="val")
+    val_steps, val_raw = view.series("loss", "val")
     val_ema = debiased_ema(val_raw, cfg.val_beta)
-    points = join_evals(records, cfg)
+    points = join_evals(view, cfg)
     last_point = _last(points)
     recent_val = points[-window:]
     val_slope = log_step_slope([p.step for p in recent_val], [p.val for p in recent_val])
@@ -486,13 +522,13 @@ def compute_signals(records: Iterable[dict[str, Any]], *, window: int = 8, clip:
     train_slope = log_step_slope(*log_thin([s for s, _ in tr_window], [v for _, v in tr_window]))
     plateau = detect_plateau(tr_steps, tr_ema, window=cfg.plateau_window, abs_eps=cfg.plateau_abs_eps,
                              rel_eps=cfg.plateau_rel_eps)
-    plateau["tokens_past"] = _tokens_past(records, plateau["start_step"])
+    plateau["tokens_past"] = _tokens_past(view, plateau["start_step"])
     detected = detect_onset(points, window, cfg)
     bump = _val_bump(points, plateau["active"], cfg)
-    lr_steps, lrs = series(records, "lr", split="train")
+    lr_steps, lrs = view.series("lr", "train")
     floor = lr_floor(lr_steps, lrs, window=max(3, window), floor_fraction=cfg.lr_floor_fraction,
                      abs_floor=cfg.lr_abs_floor)
-    gn_steps, gns = series(records, "grad_norm", split="train")
+    gn_steps, gns = view.series("grad_norm", "train")
     tau_step, val_acc = _latest_list(records, "val", "acc")
     _, val_accept = _latest_list(records, "val", "acceptance_rate")
     all_steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
@@ -526,11 +562,11 @@ def compute_signals(records: Iterable[dict[str, Any]], *, window: int = 8, clip:
         "lr_floor": floor, "lr_floor_warning": floor["warning"],
         "tau_hat": estimate_tau(val_acc, num_steps), "tau_hat_step": tau_step,
         "tau_hat_acceptance": estimate_tau(val_accept, num_steps),
-        "weight_norm": _weight_norms(records, window),
+        "weight_norm": _weight_norms(view, window),
         "grad_norm": {"latest": _last(finite_points(gn_steps, gns)[1]),
                       "ema": _last(finite_points(gn_steps, debiased_ema(gns, cfg.train_beta))[1]),
                       "clip": clip, "clip_fraction": clip_fraction(gns, clip, cfg.clip_window)},
-        "per_position": _per_position(records, cfg),
+        "per_position": _per_position(view, cfg),
     }
     signals["warnings"] = _warnings(signals, records, tr_raw, val_raw, cfg)
     return _jsonable(signals)
@@ -565,9 +601,10 @@ def _warnings(s: dict[str, Any], records: list[dict[str, Any]], tr_raw: list[flo
         out.append(f"Val loss is {s['val_bump']['amount']:.3g} above its minimum (step {s['val_bump']['min_step']}) "
                    "while train loss is flat: a bump that can precede a second descent, not a reason to stop.")
     val_slope, train_slope = s["val_slope"], s["train_slope"]
-    if (val_slope and is_finite(val_slope["z"]) and val_slope["z"] > cfg.z_threshold and train_slope
-            and train_slope["slope"] < 0 and not s["plateau"]["active"]):
-        out.append(f"Val loss rising (z=+{val_slope['z']:.1f}) while train loss still falls: overfitting the train set.")
+    if (val_slope and val_slope["z"] > cfg.z_threshold and train_slope and train_slope["slope"] < 0
+            and not s["plateau"]["active"]):
+        out.append(f"Val loss rising (z=+{val_slope['z']:.1f}) while train loss still falls: "
+                   "overfitting the train set.")
     fraction = s["grad_norm"]["clip_fraction"]
     if fraction is not None and fraction > 0.5:
         out.append(f"{fraction:.0%} of recent steps had grad norm above the clip {s['grad_norm']['clip']}: "

@@ -287,3 +287,21 @@ def test_specforge_log_old_epoch_format(tmp_path):
     assert list(got) == [("train", 500), ("val", 500), ("val", 1000)]  # step = epochs done * 500 batches
     assert got[("train", 500)]["acc"] == [0.5, 0.3] and got[("train", 500)]["epoch"] == 0
     assert got[("val", 1000)]["ploss"] == [2.1] and got[("val", 1000)]["epoch"] == 1
+
+
+def test_watched_tensorboard_run_feeds_the_grokking_signals(tmp_path):
+    from backend.signals import compute_signals
+
+    writer = SummaryWriter(str(tmp_path / "runs"))
+    for step in range(10, 210, 10):
+        log_specforge_step(writer, step, base=2.0 - step / 200)
+        if step % 50 == 0:
+            log_specforge_step(writer, step, mode="eval", base=2.5 - step / 400)
+    writer.close()
+    records = poll_until_quiet(ExternalRunReader(tmp_path))
+    assert len(records) == 20 + 4
+    signals = compute_signals(records, num_steps=TTT)
+    acc = [0.75, 0.65, 0.55]  # float32 round trip, so compare approximately
+    assert signals["tau_hat"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2], rel=1e-6)
+    assert signals["tau_hat_step"] == 200 and signals["gap"] > 0
+    assert signals["latest"]["lr"] == pytest.approx(1e-4 / 3, rel=1e-6)
