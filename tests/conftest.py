@@ -113,7 +113,7 @@ def mini_profile_dict(target_dir: Path, **train) -> dict:
         "target": {"path": str(target_dir), "architecture": "LlamaForCausalLM", "hidden_size": 32, "num_layers": 4,
                    "vocab_size": 259, "aux_layer_ids": [0, 1, 2], "dtype": "float32"},
         "draft": {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,
-                  "draft_vocab_size": 128, "max_position_embeddings": 256, "rope_theta": 10000.0},
+                  "draft_vocab_size": 48, "max_position_embeddings": 256, "rope_theta": 10000.0},
         "train": {"learning_rate": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 2, "max_steps": 6, "batch_size": 4, "seq_len": 32,
                   "eval_interval": 3, "save_interval": 3, "log_interval": 2, "dtype": "float32", **train},
     }

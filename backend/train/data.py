@@ -17,6 +17,19 @@ class DataError(ValueError):
     """Training data that is missing, malformed, or does not fit the profile."""
 
 
+def check_feature_width(found: int, num_aux: int, target_hidden: int) -> None:
+    """The draft's fc takes num_aux concatenated target layers; anything else is refused naming both widths."""
+    from backend.train.draft import FeatureWidthError
+
+    expected = num_aux * target_hidden
+    if found != expected:
+        hint = f" (one layer's hidden state instead of {num_aux} concatenated)" if found == target_hidden else ""
+        raise FeatureWidthError(
+            f"the training data's aux hidden states are {found} wide{hint}, but the draft's fc expects {expected} "
+            f"({num_aux} layers x target hidden {target_hidden}); nothing was trained. Re-extract with all {num_aux} aux layers."
+        )
+
+
 @dataclass
 class Sample:
     input_ids: "object"  # [S] int64
@@ -281,7 +294,8 @@ class OfflineShards:
         for shard in self.meta["splits"][split]["shards"]:
             if not (self.directory / split / shard["file"]).is_file():
                 raise DataError(f"{self.directory}: shard {split}/{shard['file']} listed in {SHARD_META} is missing")
-            self.index.extend((shard["file"], f"s{len(self.index) + i}") for i in range(shard["samples"]))
+            first = len(self.index)
+            self.index.extend([(shard["file"], f"s{first + i}") for i in range(shard["samples"])])
         self._handles: dict[str, object] = {}
         self.teacher_key = "target_logits" if self.meta["store"] == "logits" else "last_hidden_states"
 
@@ -333,6 +347,7 @@ class OfflineSource:
 
     def _check_profile(self, profile) -> None:
         expected = profile.target
+        check_feature_width(self.first_aux_width(), len(expected.aux_layer_ids), expected.hidden_size)
         if self.hidden_size != expected.hidden_size or self.vocab_size != expected.vocab_size:
             raise DataError(
                 f"{self.directory} was extracted from a target with hidden {self.hidden_size}, vocab {self.vocab_size}; "

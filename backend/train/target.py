@@ -123,20 +123,22 @@ def _output_cache(output):
 class TargetModel:
     """A frozen target that produces the draft's inputs: aux hidden states, teacher logits, greedy continuations."""
 
-    def __init__(self, model, tokenizer, profile, path: str):
+    def __init__(self, model, tokenizer, profile, path: str, aux_layer_ids: list[int] | None = None):
         self.model = model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
         self.tokenizer = tokenizer
         self.profile = profile
         self.path = path
-        self.aux_layer_ids = list(profile.target.aux_layer_ids)
+        # aux_layer_ids overrides the profile's only for diagnostics (e.g. extracting a deliberately wrong feed).
+        self.aux_layer_ids = list(aux_layer_ids if aux_layer_ids is not None else profile.target.aux_layer_ids)
         self._layers = _decoder_layers(model)
         self._cache_kwarg = _cache_kwarg(model)
         text = _text_config(model.config)
         self.hidden_size = text.hidden_size
         self.num_layers = text.num_hidden_layers
         self.vocab_size = text.vocab_size
+        check_aux_layer_ids(self.aux_layer_ids, self.num_layers)
 
     @property
     def aux_width(self) -> int:
@@ -227,7 +229,7 @@ class TargetModel:
         return torch.stack(generated, dim=1)
 
 
-def load_target(profile, device="cpu", dtype: str | None = None, device_map=None) -> TargetModel:
+def load_target(profile, device="cpu", dtype: str | None = None, device_map=None, aux_layer_ids: list[int] | None = None) -> TargetModel:
     """Load the profile's target ('builtin:tiny' builds/uses the cached tiny target) and check it against the profile."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -241,7 +243,7 @@ def load_target(profile, device="cpu", dtype: str | None = None, device_map=None
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if device_map is None:
         model = model.to(device)
-    return TargetModel(model, load_tokenizer(path, trust), profile, path)
+    return TargetModel(model, load_tokenizer(path, trust), profile, path, aux_layer_ids)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -288,6 +288,30 @@ def is_complete(directory: Path) -> bool:
     return all((directory / name).is_file() for name in ("config.json", "model.safetensors", TOKENIZER_FILE, BUILD_FILE))
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_staging(root: Path) -> list[Path]:
+    """Staging dirs of builds that were killed (their builder pid is gone); a live build's dir is left alone."""
+    removed = []
+    for staging in root.glob(".building-*"):
+        try:
+            pid = int(staging.name.rsplit("-", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(staging)
+    return removed
+
+
 @contextlib.contextmanager
 def _build_lock(path: Path):
     """One builder per cache entry across processes (pytest workers, DDP ranks); others wait and reuse."""
@@ -315,9 +339,7 @@ def ensure_tiny_target(settings: TinySettings = TinySettings(), cache_dir: Path 
         if destination.exists():
             # An incomplete directory under the final name was not written by us (we rename complete dirs only).
             raise RuntimeError(f"{destination} exists but is incomplete; it was left untouched. Remove it and run `eagle3-host build-tiny` again.")
-        # We hold the lock, so staging dirs of this key belong to builds that were killed.
-        for stale in root.glob(f".building-{destination.name}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_stale_staging(root)
         log(f"building the tiny target (8-layer byte Llama, {settings.steps} CPU steps, cached afterwards) into {destination}")
         return build_tiny_target(destination, settings, corpus, log)
 

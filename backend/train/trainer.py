@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from backend.train.data import BatchSampler, OfflineSource, OnlineSource, TinyDataSettings, conversation_samples, eval_batches, tiny_data_settings, tiny_samples
-from backend.train.draft import DraftModelConfig, Eagle3Draft, FeatureWidthError
+from backend.train.data import (BatchSampler, OfflineSource, OnlineSource, TinyDataSettings, check_feature_width, conversation_samples, eval_batches,
+                                tiny_data_settings, tiny_samples)
+from backend.train.draft import DraftModelConfig, Eagle3Draft
 from backend.train.loss import make_teacher, step_masks, ttt_loss
 from backend.train.schedule import GrokfastEMA, LRSchedule
 from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
@@ -321,15 +322,8 @@ class Trainer:
         return OnlineSource(target, splits)
 
     def _check_widths(self) -> None:
-        expected = self.draft_config.aux_width
         found = self.source.first_aux_width() if isinstance(self.source, OfflineSource) else self.source.aux_width
-        if found != expected:
-            hidden = self.draft_config.target_hidden_size
-            hint = " (one layer's hidden state instead of 3 concatenated)" if found == hidden else ""
-            raise FeatureWidthError(
-                f"the training data's aux hidden states are {found} wide{hint}, but the draft's fc expects {expected} "
-                f"(3 layers x target hidden {hidden}); nothing was trained. Re-extract with all 3 aux layers."
-            )
+        check_feature_width(found, len(self.draft_config.aux_layer_ids), self.draft_config.target_hidden_size)
         if self.source.vocab_size != self.draft_config.vocab_size:
             raise TrainSetupError(f"the data's vocab is {self.source.vocab_size} but the draft was configured for {self.draft_config.vocab_size}")
 

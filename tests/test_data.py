@@ -1,0 +1,176 @@
+"""Draft training data: target-generated tiny samples, chat templates with assistant masks, offline shards, rank sharding."""
+import json
+
+import pytest
+import torch
+
+from backend.train.data import (
+    BatchSampler,
+    DataError,
+    OfflineSource,
+    OnlineSource,
+    Sample,
+    TinyDataSettings,
+    collate,
+    conversation_samples,
+    eval_batches,
+    read_conversations,
+    tiny_samples,
+    tokenize_conversation,
+)
+from backend.train.target import extract, load_target
+from backend.train.tiny import read_corpus
+
+
+@pytest.fixture(scope="module")
+def mini_target(mini_profile):
+    return load_target(mini_profile)
+
+
+def test_collate_right_pads_and_masks():
+    batch = collate([Sample(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1])), Sample(torch.tensor([4]), torch.tensor([1]))], pad_id=9)
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_ranks_take_disjoint_slices_of_every_global_batch():
+    samplers = [BatchSampler(50, batch_size=4, seed=1, rank=r, world_size=3) for r in range(3)]
+    assert samplers[0].batches_per_epoch == 4
+    epoch = [[s.next() for _ in range(4)] for s in samplers]
+    flat = [i for rank in epoch for batch in rank for i in batch]
+    assert len(flat) == len(set(flat)) == 48
+    assert samplers[0].epoch_progress == 1.0
+    nxt = samplers[0].next()  # epoch 1: a new shuffle
+    assert samplers[0].epoch == 1 and nxt != epoch[0][0]
+
+
+def test_sampler_state_resumes_the_same_sequence():
+    sampler = BatchSampler(40, batch_size=3, seed=7)
+    for _ in range(17):
+        sampler.next()
+    state = sampler.state_dict()
+    expected = [sampler.next() for _ in range(10)]
+    resumed = BatchSampler(40, batch_size=3, seed=7)
+    resumed.load_state_dict(state)
+    assert [resumed.next() for _ in range(10)] == expected
+    other = BatchSampler(41, batch_size=3, seed=7)
+    other.load_state_dict(state)  # different data: same epoch, fresh start within it
+    assert (other.epoch, other.cursor) == (state["epoch"], 0)
+
+
+def test_sampler_refuses_data_smaller_than_one_global_batch():
+    with pytest.raises(DataError, match="cannot fill one global batch"):
+        BatchSampler(7, batch_size=4, world_size=2)
+
+
+def test_eval_batches_split_the_validation_set_between_ranks():
+    shares = [eval_batches(10, 3, rank=r, world_size=2) for r in range(2)]
+    assert sorted(i for share in shares for batch in share for i in batch) == list(range(10))
+    assert eval_batches(10, 3, limit=4) == [[0, 1, 2], [3]]
+
+
+def test_tiny_samples_are_corpus_prompts_plus_greedy_continuations(mini_target, mini_env):
+    settings = TinyDataSettings(prompt_len=16, total_len=40, train_samples=12, val_samples=4)
+    splits = tiny_samples(mini_target, settings)
+    assert len(splits["train"]) == 12 and len(splits["val"]) == 4
+    train_corpus, val_corpus = read_corpus(mini_target.path, "train"), read_corpus(mini_target.path, "val")
+    for split, corpus in (("train", train_corpus), ("val", val_corpus)):
+        for sample in splits[split]:
+            assert sample.loss_mask.tolist() == [0] * 16 + [1] * 24
+            assert bytes(sample.input_ids[:16].tolist()) in corpus
+            continuation = mini_target.greedy_generate(sample.input_ids[None, :16], 24)[0]
+            assert torch.equal(continuation, sample.input_ids[16:])
+    cached = list(mini_env.glob("tiny-data-*.safetensors"))
+    assert len(cached) == 1
+    again = tiny_samples(mini_target, settings)
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(again["train"], splits["train"]))
+
+
+def chat_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "[PAD]", "<|user|>", "<|assistant|>", "<|end|>", "hello", "there", "how", "are", "you", "fine", "thanks", "bye", "?", "!"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]",
+                                        additional_special_tokens=["<|user|>", "<|assistant|>", "<|end|>"])
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
+    return tokenizer
+
+
+def test_chat_template_masks_exactly_the_assistant_turns():
+    tokenizer = chat_tokenizer()
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "how are you ?"},
+                {"role": "user", "content": "fine thanks"}, {"role": "assistant", "content": "bye !"}]
+    sample = tokenize_conversation(tokenizer, messages, max_len=100)
+    tokens = tokenizer.convert_ids_to_tokens(sample.input_ids.tolist())
+    trained = [t for t, m in zip(tokens, sample.loss_mask.tolist()) if m]
+    assert trained == ["how", "are", "you", "?", "<|end|>", "bye", "!", "<|end|>"]
+    truncated = tokenize_conversation(tokenizer, messages, max_len=6)
+    assert len(truncated.input_ids) == 6
+    assert tokenize_conversation(tokenizer, messages[:1], max_len=100) is None  # nothing to train on
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_conversation_file_errors_name_the_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"conversations": [{"role": "user", "content": "hi"}]}\n{"conversations": [{"role": "user"}]}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: each turn needs string 'role' and 'content'"):
+        read_conversations(bad)
+    (tmp_path / "notjson.jsonl").write_text("{oops\n")
+    with pytest.raises(DataError, match=r"notjson.jsonl:1: not JSON"):
+        read_conversations(tmp_path / "notjson.jsonl")
+    with pytest.raises(DataError, match="does not exist"):
+        read_conversations(tmp_path / "missing.jsonl")
+
+
+def test_conversations_split_into_train_and_held_out_validation(tmp_path):
+    records = [{"conversations": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine " * (i + 1)}]} for i in range(20)]
+    splits = conversation_samples(chat_tokenizer(), write_jsonl(tmp_path / "c.jsonl", records), max_len=64, val_fraction=0.1)
+    assert len(splits["train"]) == 18 and len(splits["val"]) == 2
+    train_ids = {tuple(s.input_ids.tolist()) for s in splits["train"]}
+    assert not train_ids & {tuple(s.input_ids.tolist()) for s in splits["val"]}
+
+
+@pytest.mark.parametrize("store", ["logits", "last_hidden"])
+def test_offline_shards_feed_the_same_batches_as_the_online_target(mini_target, mini_profile, tmp_path, store):
+    ids = torch.randint(0, 256, (6, 14), generator=torch.Generator().manual_seed(5))
+    splits = {"train": [Sample(ids[i], torch.ones(14, dtype=torch.uint8)) for i in range(4)],
+              "val": [Sample(ids[i, : 6 + i], torch.ones(6 + i, dtype=torch.uint8)) for i in range(4, 6)]}
+    extract(mini_target, splits, tmp_path / "shards", store=store, batch_size=3)
+    offline, online = OfflineSource(tmp_path / "shards", mini_profile), OnlineSource(mini_target, splits)
+    assert offline.size("train") == 4 and offline.size("val") == 2
+    # extraction sorts by length, so compare sample by sample through the stored ids
+    for split in ("train", "val"):
+        for index in range(offline.size(split)):
+            stored = offline.batch(split, [index], "cpu")
+            match = [i for i, s in enumerate(splits[split]) if torch.equal(s.input_ids, stored.input_ids[0])]
+            live = online.batch(split, match[:1], "cpu")
+            assert torch.allclose(stored.aux_hidden, live.aux_hidden, atol=1e-5)
+            assert torch.allclose(stored.target_logits, live.target_logits, atol=1e-4)
+    assert torch.equal(offline.embed_weight(), mini_target.embed_weight())
+    padded = offline.batch("val", [0, 1], "cpu")
+    assert padded.input_ids.shape == (2, 11) and padded.loss_mask[0, 10] == 0
+
+
+def test_offline_shards_of_other_aux_layers_are_refused(mini_profile, tmp_path):
+    target = load_target(mini_profile, aux_layer_ids=[0, 1, 1])
+    ids = torch.randint(0, 256, (3, 8))
+    extract(target, {"train": [Sample(i, torch.ones(8, dtype=torch.uint8)) for i in ids], "val": [Sample(ids[0], torch.ones(8, dtype=torch.uint8))]}, tmp_path / "s")
+    with pytest.raises(DataError, match=r"holds aux layers \[0, 1, 1\] but profile 'mini' trains on \[0, 1, 2\]"):
+        OfflineSource(tmp_path / "s", mini_profile)
+
+
+def test_an_unfinished_extraction_is_refused(tmp_path, mini_profile):
+    (tmp_path / "train").mkdir()
+    with pytest.raises(DataError, match="did not finish"):
+        OfflineSource(tmp_path, mini_profile)

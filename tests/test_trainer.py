@@ -1,0 +1,299 @@
+"""The trainer: schedules, Grokfast, metrics, checkpoints, resume (d2t/t2d kept), width refusal, SIGTERM, torchrun, tiny run."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from backend.cli import main as cli_main
+from backend.metrics import validate_record
+from backend.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from backend.train.data import OnlineSource, Sample, TinyDataSettings, tiny_data_settings, tiny_samples
+from backend.train.draft import FeatureWidthError
+from backend.train.loss import make_teacher, ttt_loss
+from backend.train.schedule import GrokfastEMA, LRSchedule
+from backend.train.target import extract, load_target
+from backend.train.trainer import TrainOptions, Trainer, module_group, train
+from backend.train.tiny import read_corpus
+from backend.train.vocab import build_vocab_mapping, count_tokens
+from conftest import ROOT, mini_profile_dict, subprocess_env, threads_for_tests, train_tiny
+
+MINI_DATA = TinyDataSettings(prompt_len=12, total_len=32, train_samples=24, val_samples=8)
+
+
+@pytest.fixture(autouse=True)
+def limited_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(threads_for_tests()))
+    yield
+    torch.set_num_threads(before)
+
+
+def read_records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- schedules and Grokfast ---------------------------------------------------------------------------
+
+def test_cosine_warms_up_then_decays_to_the_floor():
+    schedule = LRSchedule(1e-3, "cosine", warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert schedule.lr_at(0) == pytest.approx(1e-4)
+    assert schedule.lr_at(9) == pytest.approx(1e-3)
+    assert schedule.lr_at(60) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
+    assert schedule.lr_at(110) == pytest.approx(1e-4) and schedule.lr_at(500) == pytest.approx(1e-4)
+    lrs = [schedule.lr_at(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_constant_schedule_stays_at_the_peak_for_grokking_runs():
+    schedule = LRSchedule(3e-4, "constant", warmup_steps=5, total_steps=100)
+    assert schedule.lr_at(2) < 3e-4 and schedule.lr_at(5) == schedule.lr_at(10_000) == 3e-4
+
+
+def test_resume_rewarms_linearly_from_the_checkpoint_step():
+    base = LRSchedule(1e-3, "cosine", 10, 1000, 0.1)
+    rewarmed = LRSchedule(1e-3, "cosine", 10, 1000, 0.1, rewarm_from=400, rewarm_steps=20)
+    assert rewarmed.lr_at(400) == pytest.approx(base.lr_at(400) / 20)
+    assert rewarmed.lr_at(409) == pytest.approx(base.lr_at(409) * 10 / 20)
+    assert rewarmed.lr_at(420) == base.lr_at(420) and rewarmed.lr_at(399) == base.lr_at(399)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        LRSchedule(1e-3, "linear", 0, 10)
+
+
+def test_grokfast_adds_lambda_times_the_gradient_ema():
+    param = torch.nn.Parameter(torch.zeros(3))
+    grokfast = GrokfastEMA(alpha=0.5, lamb=2.0)
+    param.grad = torch.tensor([1.0, 2.0, 3.0])
+    grokfast.apply([("w", param)])  # mu = g: g + 2g
+    assert param.grad.tolist() == [3.0, 6.0, 9.0]
+    param.grad = torch.tensor([3.0, 0.0, -1.0])
+    grokfast.apply([("w", param)])  # mu = 0.5*[1,2,3] + 0.5*g = [2, 1, 1]
+    assert param.grad.tolist() == [7.0, 2.0, 1.0]
+    restored = GrokfastEMA(0.5, 2.0)
+    restored.load_state_dict(grokfast.state_dict())
+    assert torch.equal(restored.ema["w"], grokfast.ema["w"])
+
+
+def test_weight_norm_modules_group_by_sglang_module():
+    assert module_group("midlayer.self_attn.q_proj.weight") == "midlayer.self_attn"
+    assert module_group("midlayer.mlp.down_proj.weight") == "midlayer.mlp"
+    assert module_group("fc.weight") == "fc" and module_group("lm_head.weight") == "lm_head"
+
+
+# --- short real runs on the mini target -------------------------------------------------------------------
+
+def mini_options(profile, out, **overrides):
+    return TrainOptions(profile=profile, out_dir=out, tiny_data=overrides.pop("tiny_data", MINI_DATA), **overrides)
+
+
+@pytest.fixture(scope="module")
+def mini_run(mini_profile, mini_cache, tmp_path_factory):
+    """6 steps (log every 2, eval/save every 3), TensorBoard on."""
+    out = tmp_path_factory.mktemp("mini-run")
+    before = os.environ.get("EAGLE3_CACHE_DIR")
+    os.environ["EAGLE3_CACHE_DIR"] = str(mini_cache)
+    try:
+        assert train(mini_options(mini_profile, out, tensorboard=True)) == 0
+    finally:
+        os.environ.pop("EAGLE3_CACHE_DIR") if before is None else os.environ.__setitem__("EAGLE3_CACHE_DIR", before)
+    return out
+
+
+def test_metrics_follow_the_schema_and_cover_every_ttt_step(mini_run):
+    records = read_records(mini_run)
+    for record in records:
+        validate_record(record)
+    train_records = [r for r in records if r["split"] == "train"]
+    val_records = [r for r in records if r["split"] == "val"]
+    assert [r["step"] for r in train_records] == [2, 4, 6]
+    assert [r["step"] for r in val_records] == [0, 3, 6]
+    last = train_records[-1]
+    assert len(last["ploss"]) == len(last["acc"]) == 7
+    assert last["loss"] == pytest.approx(sum(0.8**k * p for k, p in enumerate(last["ploss"])), rel=1e-6)
+    assert set(last["weight_norm_modules"]) >= {"fc", "midlayer.self_attn", "midlayer.mlp", "lm_head", "norm"}
+    assert last["weight_norm"] == pytest.approx(math.sqrt(sum(v * v for v in last["weight_norm_modules"].values())))
+    assert last["tokens"] == 6 * 4 * 32 and last["grad_norm"] > 0 and last["step_time"] > 0
+    assert last["lr"] < 3e-3 and 0 < last["epoch"] <= 6 * 4 / 24
+    assert list((mini_run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_checkpoints_carry_validation_accuracy_aux_width_and_target(mini_run, mini_profile):
+    assert [p.name for p in list_checkpoints(mini_run)] == ["epoch_0_step_3", "epoch_1_step_6"]
+    latest = latest_checkpoint(mini_run)
+    config = json.loads((latest / "config.json").read_text())
+    meta = config["eagle3_console"]
+    val = [r for r in read_records(mini_run) if r["split"] == "val"][-1]
+    assert meta["val_acc"] == val["acc"] and meta["val_acc_step"] == 6
+    assert meta["trained_aux_width"] == 96 and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert meta["target"]["resolved_path"] == mini_profile.target.path
+    assert meta["target"]["architecture"] == "LlamaForCausalLM" and meta["target"]["hidden_size"] == 32
+    state = torch.load(latest / "training_state.pt", weights_only=False)
+    assert state["step"] == 6 and "optimizer" in state and state["sampler"]["num_samples"] == 24
+    assert json.loads((mini_run / "run.json").read_text())["profile"] == "mini"
+
+
+def test_resume_keeps_the_checkpoints_vocab_mapping_even_when_the_data_disagrees(mini_run, mini_profile, mini_env, tmp_path):
+    first = load_file(str(latest_checkpoint(mini_run) / "model.safetensors"))
+    # Other data: corpus text trained everywhere, a token mix unlike the target's own continuations.
+    corpus = read_corpus(mini_profile.target.path, "train")
+    windows = [torch.tensor(list(corpus[i * 32 : (i + 1) * 32])) for i in range(32)]
+    splits = {"train": [Sample(w, torch.ones(32, dtype=torch.uint8)) for w in windows[:24]],
+              "val": [Sample(w, torch.ones(32, dtype=torch.uint8)) for w in windows[24:]]}
+    extract(load_target(mini_profile), splits, tmp_path / "shards")
+    counts = count_tokens(((s.input_ids, s.loss_mask) for s in splits["train"]), 259)
+    assert not torch.equal(build_vocab_mapping(counts, 48)[1], first["t2d"]), "precondition: the new data implies another mapping"
+    out = tmp_path / "resumed"
+    options = mini_options(mini_profile, out, data_dir=tmp_path / "shards", resume=str(mini_run), max_steps=8,
+                           rewarm_steps=4, log_interval=1, eval_at_start=False)
+    assert train(options) == 0
+    resumed = load_file(str(latest_checkpoint(out) / "model.safetensors"))
+    assert latest_checkpoint(out).name.endswith("_step_8")
+    assert torch.equal(resumed["d2t"], first["d2t"]) and torch.equal(resumed["t2d"], first["t2d"])
+    records = [r for r in read_records(out) if r["split"] == "train"]
+    assert [r["step"] for r in records] == [7, 8]  # continued from step 6
+    base = LRSchedule(3e-3, "cosine", 2, 8, 0.1)
+    assert records[0]["lr"] == pytest.approx(base.lr_at(6) / 4) and records[1]["lr"] == pytest.approx(base.lr_at(7) / 2)
+
+
+def test_one_layer_features_are_refused_at_load_naming_both_widths(mini_profile, mini_env, tmp_path, capsys):
+    single_layer = load_target(mini_profile, aux_layer_ids=[2])
+    splits = tiny_samples(single_layer, MINI_DATA)
+    extract(single_layer, splits, tmp_path / "shards")
+    with pytest.raises(FeatureWidthError, match=r"32 wide \(one layer's hidden state.*expects 96"):
+        Trainer(mini_options(mini_profile, tmp_path / "run", data_dir=tmp_path / "shards")).run()
+    assert not list((tmp_path / "run").glob("checkpoints/*"))
+    profile_file = tmp_path / "mini.toml"
+    profile_file.write_text(toml_of(mini_profile_dict(Path(mini_profile.target.path))))
+    code = cli_main(["train", "--profile", str(profile_file), "--data", str(tmp_path / "shards"), "--out", str(tmp_path / "cli")])
+    err = capsys.readouterr().err
+    assert code == 2 and "error:" in err and "32" in err and "96" in err
+
+
+def test_offline_shards_train_like_the_online_target(mini_profile, mini_env, tmp_path):
+    target = load_target(mini_profile)
+    extract(target, tiny_samples(target, MINI_DATA), tmp_path / "shards")
+    assert train(mini_options(mini_profile, tmp_path / "run", data_dir=tmp_path / "shards", max_steps=2, eval_at_start=False)) == 0
+    assert latest_checkpoint(tmp_path / "run").name == "epoch_0_step_2"
+
+
+def toml_of(data: dict) -> str:
+    lines = []
+    for key, value in data.items():
+        if not isinstance(value, dict):
+            lines.append(f"{key} = {json.dumps(value)}")
+    for section, table in data.items():
+        if isinstance(table, dict):
+            lines.append(f"[{section}]")
+            lines.extend(f"{k} = {json.dumps(v)}" for k, v in table.items())
+    return "\n".join(lines) + "\n"
+
+
+# --- the real tiny run (slow; shared with the serving tests through conftest) ------------------------------
+
+TINY_KEYS = {  # reference sglang-eagle3.md 2.3 at the tiny shape: H = Ht = 128, 4 x 32 heads, I 512, V 259, Vd 192
+    "fc.weight": [128, 384], "midlayer.self_attn.q_proj.weight": [128, 256], "midlayer.self_attn.k_proj.weight": [128, 256],
+    "midlayer.self_attn.v_proj.weight": [128, 256], "midlayer.self_attn.o_proj.weight": [128, 128],
+    "midlayer.mlp.gate_proj.weight": [512, 128], "midlayer.mlp.up_proj.weight": [512, 128], "midlayer.mlp.down_proj.weight": [128, 512],
+    "midlayer.input_layernorm.weight": [128], "midlayer.hidden_norm.weight": [128], "midlayer.post_attention_layernorm.weight": [128],
+    "norm.weight": [128], "lm_head.weight": [192, 128], "d2t": [192], "t2d": [259],
+}
+
+
+@pytest.mark.slow
+def test_tiny_training_lowers_the_loss_and_learns_far_above_chance(trained_tiny_run):
+    records = read_records(trained_tiny_run)
+    train_records = [r for r in records if r["split"] == "train"]
+    val_records = [r for r in records if r["split"] == "val"]
+    assert train_records[-1]["step"] == 300
+    early = sum(r["loss"] for r in train_records[:3]) / 3
+    late = sum(r["loss"] for r in train_records[-3:]) / 3
+    assert late < 0.5 * early, (early, late)
+    assert val_records[0]["step"] == 0 and val_records[-1]["step"] == 300
+    assert val_records[-1]["acc"][0] > 0.4  # chance is 1/192; the feasibility run reached 0.82
+    assert val_records[-1]["acc"][0] > val_records[0]["acc"][0] + 0.3
+    assert val_records[-1]["loss"] < val_records[0]["loss"]
+
+
+@pytest.mark.slow
+def test_tiny_checkpoint_has_exactly_the_sglang_keys_and_loads_back_bit_exact(trained_tiny_run, tiny_profile, tiny_target):
+    latest = latest_checkpoint(trained_tiny_run)
+    stored = load_file(str(latest / "model.safetensors"))
+    assert {k: list(v.shape) for k, v in stored.items()} == TINY_KEYS
+    assert stored["d2t"].dtype == torch.int64 and stored["t2d"].dtype == torch.bool
+    draft, config, meta, state = load_checkpoint(latest, target_embedding=tiny_target.embed_weight())
+    for name, tensor in draft.state_dict().items():
+        if name != "embed_tokens.weight":
+            assert torch.equal(tensor, stored[name]), name
+    # The reloaded weights reproduce the validation accuracy the run recorded at its last step.
+    settings = tiny_data_settings(tiny_profile.train.seq_len, seed=tiny_profile.train.seed)
+    source = OnlineSource(tiny_target, tiny_samples(tiny_target, settings))
+    hits, counts = [0.0] * 7, [0.0] * 7
+    draft.eval()
+    with torch.no_grad():
+        for start in range(0, source.size("val"), tiny_profile.train.batch_size):
+            batch = source.batch("val", list(range(start, min(start + tiny_profile.train.batch_size, source.size("val")))), "cpu")
+            result = ttt_loss(draft.ttt_forward(batch.aux_hidden, batch.input_ids, 7), make_teacher(batch.target_logits, batch.loss_mask, draft.t2d))
+            for k in range(7):
+                hits[k] += float(result.accs[k]) * float(result.counts[k])
+                counts[k] += float(result.counts[k])
+    assert [h / c for h, c in zip(hits, counts)] == pytest.approx(meta["val_acc"], abs=1e-6)
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_writes_a_complete_checkpoint_and_exits_zero(tiny_target_dir, tiny_profile, tiny_target, tmp_path):
+    tiny_samples(tiny_target, tiny_data_settings(tiny_profile.train.seq_len, seed=tiny_profile.train.seed))  # data cached first
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "backend", "train", "--profile", "tiny", "--out", str(out), "--max-steps", "100000",
+            "--log-interval", "1", "--eval-interval", "100000", "--save-interval", "100000"]
+    process = subprocess.Popen(argv, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").is_file() and sum(1 for r in read_records(out) if r["split"] == "train") >= 2, 600, "two training steps")
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err[-3000:]
+    assert "received SIGTERM" in err
+    latest = latest_checkpoint(out)
+    step = int(latest.name.rsplit("_", 1)[1])
+    last_logged = max(r["step"] for r in read_records(out) if r["split"] == "train")
+    assert step == last_logged  # the step in flight was finished, logged, and saved
+    draft, config, meta, state = load_checkpoint(latest)
+    assert state["step"] == step and meta["step"] == step
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_two_process_torchrun_on_cpu_trains_and_writes_one_checkpoint(tiny_target_dir, tiny_profile, tiny_target, tmp_path):
+    tiny_samples(tiny_target, tiny_data_settings(tiny_profile.train.seq_len, seed=tiny_profile.train.seed))
+    out = tmp_path / "ddp"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "backend", "train",
+            "--profile", "tiny", "--out", str(out), "--max-steps", "4", "--log-interval", "2", "--eval-interval", "100000",
+            "--save-interval", "100000", "--max-val-batches", "1"]
+    result = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert [p.name for p in list_checkpoints(out)] == ["epoch_0_step_4"]
+    records = read_records(out)
+    train_records = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train_records] == [2, 4]  # rank 0 alone writes metrics
+    assert train_records[-1]["tokens"] == 4 * 2 * tiny_profile.train.batch_size * tiny_profile.train.seq_len
+    assert json.loads((out / "run.json").read_text())["world_size"] == 2
+    draft, config, meta, state = load_checkpoint(latest_checkpoint(out))
+    assert state["world_size"] == 2 and state["step"] == 4
