@@ -198,7 +198,7 @@ class StopAndBench:
         self.summary["checkpoint"] = str(path)
         self.summary["val_acc"] = meta.get("val_acc")
         return f"latest checkpoint {path.name}", {"path": str(path), "val_acc": meta.get("val_acc"),
-                                                  "val_step": meta.get("val_step")}
+                                                  "val_acc_step": meta.get("val_acc_step")}
 
     def preflight(self) -> tuple[str, Any]:
         from backend.serve.launch import target_config_for

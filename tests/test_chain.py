@@ -1,0 +1,109 @@
+"""Stop-and-benchmark, headless: a real tiny training job is stopped with a checkpoint, served, canaried, benchmarked."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backend.chain import STAGES, list_results, profile_from_argv
+from backend.jobs import JobRegistry
+from backend.protocol import METRICS_FILENAME, STAGES_FILENAME
+from tests.conftest import ROOT, subprocess_env
+
+
+def run_chain(run_dir: Path, job: str, *extra: str, timeout: float = 600) -> tuple[int, list[dict]]:
+    argv = [sys.executable, "-m", "backend", "stop-and-bench", "--run-dir", str(run_dir), "--job", job, "--json", *extra]
+    done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return done.returncode, lines
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_profile_is_read_from_the_recorded_command_line():
+    assert profile_from_argv(["python", "-m", "backend", "train", "--profile", "tiny"]) == "tiny"
+    assert profile_from_argv(["x", "--profile=kimi-k2.5"]) == "kimi-k2.5"
+    assert profile_from_argv(["x", "--profile"]) is None
+
+
+def test_unknown_job_stops_the_chain_before_anything_is_touched(tmp_path):
+    stages_file = tmp_path / "stages.jsonl"
+    code, lines = run_chain(tmp_path / "run", "no-such-job", "--stages-file", str(stages_file))
+    assert code == 1
+    summary = lines[-1]
+    assert summary["type"] == "summary" and summary["ok"] is False and summary["failed_stage"] == "stop"
+    assert "no job named 'no-such-job'" in summary["reason"]
+    recorded = [json.loads(line) for line in stages_file.read_text().splitlines()]
+    final = {r["stage"]: r["status"] for r in recorded}
+    assert final == {"stop": "failed", **{stage: "skipped" for stage in STAGES[1:]}}
+
+
+def test_a_finished_job_without_checkpoint_launches_nothing(tmp_path):
+    registry = JobRegistry(tmp_path)
+    registry.start_job("short", "train", [sys.executable, "-c", "pass", "--profile", "tiny"])
+    deadline = time.monotonic() + 30
+    while registry.get("short").info.state == "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    code, lines = run_chain(tmp_path, "short")
+    summary = lines[-1]
+    assert code == 1 and summary["failed_stage"] == "checkpoint", summary
+    assert "no complete checkpoint" in summary["reason"]
+    assert [job.name for job in registry.list_jobs()] == ["short"], "no server job may have been started"
+
+
+def wait_for_training(job_dir: Path, after_step: int, timeout: float = 300) -> None:
+    metrics = job_dir / METRICS_FILENAME
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists():
+            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
+            if steps and max(steps) > after_step:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"training never got past step {after_step}: {job_dir}")
+
+
+@pytest.mark.slow
+def test_stop_and_bench_end_to_end_on_tiny(trained_tiny_run, tmp_path):
+    run_dir = tmp_path / "run"
+    registry = JobRegistry(run_dir)
+    checkpoint = (trained_tiny_run / "checkpoints" / (trained_tiny_run / "checkpoints" / "latest").read_text().strip())
+    argv = ["eagle3-host", "train", "--profile", "tiny", "--resume", str(checkpoint), "--max-steps", "100000",
+            "--save-interval", "100000", "--eval-interval", "100000"]
+    job = registry.start_job("train-demo", "train", argv, env={"OMP_NUM_THREADS": "1"})
+    wait_for_training(Path(job.job_dir), after_step=300)
+
+    code, lines = run_chain(run_dir, "train-demo", "--stop-server-after", "--concurrency", "1", "--num-prompts", "3")
+    summary = lines[-1]
+    stages = {r["stage"]: r for r in lines if r.get("status") in ("ok", "failed")}
+    assert code == 0, json.dumps(summary, indent=1, default=str)[-3000:]
+    assert [s for s in STAGES if stages[s]["status"] == "ok"] == list(STAGES)
+
+    result = summary["result"]
+    assert result["verdict"] == "green"
+    assert result["accept_length"] > 1.5
+    assert result["tau_hat"] is not None and result["ratio_to_tau_hat"] > 0.6
+    assert result["throughput"][0]["output_tok_per_s"] > 0
+    new_checkpoint = Path(result["checkpoint"])
+    assert new_checkpoint.parent == Path(job.job_dir) / "checkpoints", "served the checkpoint written at the stop"
+    assert int(new_checkpoint.name.split("_step_")[1]) > 300
+
+    saved = list_results(job.job_dir)
+    assert len(saved) == 1 and saved[0]["verdict"] == "green"
+    assert (Path(job.job_dir) / "results").is_dir()
+
+    jobs = {info.name: info for info in registry.list_jobs()}
+    assert set(jobs) == {"train-demo", "serve-train-demo"}
+    assert all(info.state != "running" for info in jobs.values()), {n: i.state for n, i in jobs.items()}
+    assert not any(alive(info.pid) for info in jobs.values()), "a process of the run was left behind"
