@@ -7,6 +7,7 @@ threads (default 1: on a shared 2-core box two OpenMP threads fighting another p
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -85,16 +86,18 @@ def trained_tiny_run(tiny_profile, tiny_target_dir, tmp_path_factory) -> Path:
     cached = cache_root() / "test-runs" / f"trained-tiny-{_trained_run_key(tiny_profile.source)}"
     if os.environ.get("EAGLE3_TEST_RETRAIN") == "1" and cached.exists():
         shutil.rmtree(cached)
-    if not (cached / "checkpoints" / "latest").is_file():
-        staging = cached.parent / f".{cached.name}.{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.parent.mkdir(parents=True, exist_ok=True)
-        result = train_tiny(staging, "--max-steps", str(TRAINED_TINY_STEPS))
-        if result.returncode != 0:
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.parent / f".{cached.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent sessions wait for one training run instead of each doing it
+        if not (cached / "checkpoints" / "latest").is_file():
+            staging = cached.parent / f".{cached.name}.{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)
-            raise AssertionError(f"tiny training failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
-        shutil.rmtree(cached, ignore_errors=True)
-        os.rename(staging, cached)
+            result = train_tiny(staging, "--max-steps", str(TRAINED_TINY_STEPS))
+            if result.returncode != 0:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise AssertionError(f"tiny training failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+            shutil.rmtree(cached, ignore_errors=True)
+            os.rename(staging, cached)
     copy = tmp_path_factory.mktemp("trained-tiny") / "run"
     shutil.copytree(cached, copy)
     return copy

@@ -286,6 +286,16 @@ class Trainer:
         self._build_optimizer(state)
         self._open_outputs(resume_dir)
 
+    def attach(self, ctx: DistContext, source, draft: Eagle3Draft) -> None:
+        """Train a prepared draft on a prepared source (benchmarks): width checks, optimizer, DDP; writes no files."""
+        self.ctx = ctx
+        self.source = source
+        self.draft_config = draft.config
+        self._check_widths()
+        self.draft = draft.to(ctx.device)
+        self.start_step, self.sampler_state = 0, None
+        self._build_optimizer(None)
+
     def _resume_checkpoint(self) -> Path | None:
         from backend.train.checkpoint import latest_checkpoint
 
