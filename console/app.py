@@ -31,6 +31,7 @@ from console.transport import AgentStderr, Transport, TransportError
 LOG_TAIL_LINES = 500
 GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)
 QUIT_CONFIRM_S = 10.0
+REDRAW_SHARE = 4.0
 HISTORY_BATCHES_MAX = 1000
 
 
@@ -124,6 +125,9 @@ class ConsoleApp(App):
         self._pending_sections: set[str] = set()
         self._refresh_scheduled = False
         self._last_refresh = 0.0
+        self._redraw_cost = 0.0  # seconds the last redraw took (state -> widgets, plus plot paint)
+        self._paint_cost = 0.0
+        self._state_cost = 0.0
         self.log_stream = "stdout"  # the stream the agent follows live; the other is re-tailed each poll
         self.events_seen = 0
         self._quit_warned_at = float("-inf")
@@ -143,10 +147,13 @@ class ConsoleApp(App):
 
     async def _pump_events(self) -> None:
         try:
-            await self.client.start()
+            await self.client.start(retry=True)
         except TransportError as exc:
             self.set_connection(ConnectionStatus(state=FAILED, detail=str(exc), since=time.time()))
             return
+        added = getattr(self.client.transport, "host_key_added", None)
+        if added:
+            self.note(added)
         while True:
             event = await self.client.next_event()
             self.events_seen += 1
@@ -182,7 +189,9 @@ class ConsoleApp(App):
         if self._refresh_scheduled:
             return
         self._refresh_scheduled = True
-        wait = self.refresh_throttle - (time.monotonic() - self._last_refresh)
+        # Redraws may take at most ~1/REDRAW_SHARE of the time: a 150 ms plot frame waits >= 600 ms.
+        spacing = max(self.refresh_throttle, REDRAW_SHARE * self._redraw_cost) if self.refresh_throttle else 0.0
+        wait = spacing - (time.monotonic() - self._last_refresh)
         if wait > 0:
             self.set_timer(wait, self._redraw)
         else:
@@ -197,10 +206,19 @@ class ConsoleApp(App):
         if self.modal_open:
             return  # kept in _pending_sections; drawn when the modal closes (on_screen_resume)
         sections, self._pending_sections = self._pending_sections, set()
-        self._last_refresh = time.monotonic()
+        started = time.perf_counter()
+        self._paint_cost = 0.0
         screen = self.screen
         if isinstance(screen, ConsoleScreen):
             screen.show_state(sections)
+        self._state_cost = time.perf_counter() - started
+        self._redraw_cost = self._state_cost
+        self._last_refresh = time.monotonic()
+
+    def note_paint_cost(self, seconds: float) -> None:
+        """Plots report their render time (it happens at paint, after _redraw) so the next wait accounts for it."""
+        self._paint_cost += seconds
+        self._redraw_cost = self._state_cost + self._paint_cost
 
     def redraw_now(self) -> None:
         """Draw everything at once (tests and the benchmark push data, then call this)."""
@@ -297,9 +315,9 @@ class ConsoleApp(App):
             try:
                 result = await self.client.request(Request.TAIL_LOG, name=name, stream=stream, lines=LOG_TAIL_LINES)
             except AgentError as exc:
-                if exc.code != "not_found":
+                if exc.code in ("disconnected", "timeout"):
                     raise
-                result = {"lines": []}  # no log file yet
+                result = {"lines": [f"(no {stream} to show: {exc.message})"]}  # e.g. an adopted process's log
             self.state.log(name, stream).replace([str(line) for line in result.get("lines") or []])
         self.state_changed({"logs"})
 
@@ -342,6 +360,8 @@ class ConsoleApp(App):
         return None
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ACTIONS_BY_NAME and self.modal_open:
+            return False  # the modal's own keys only: a second "s" must not stack another stop
         return None if self.disabled_reason(action) else True
 
     def on_key(self, event) -> None:

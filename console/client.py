@@ -48,11 +48,11 @@ class AgentClient:
     def label(self) -> str:
         return self.transport.label
 
-    async def start(self) -> None:
-        """Connect (raises TransportError with the reason when the first connect fails)."""
+    async def start(self, *, retry: bool = False) -> None:
+        """Connect (raises TransportError with the reason when the first connect fails; see Transport.start)."""
         self._reader = asyncio.create_task(self._read_loop(), name="agent client reader")
         try:
-            await self.transport.start()
+            await self.transport.start(retry=retry)
         except BaseException:
             self._reader.cancel()
             raise

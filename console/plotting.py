@@ -113,9 +113,12 @@ def prepare_curve(
     log_y: bool = False,
     ema_weight: float = 0.0,
 ) -> Curve:
-    """Raw (step, value) series -> plottable Curve: EMA on the raw values, then log10, then downsample."""
-    ys = ema(values, ema_weight) if ema_weight else list(values)
-    xs = list(steps)
+    """Raw (step, value) series -> plottable Curve: EMA on the raw values, then log10, then downsample.
+
+    The raw lists are only read (no copy) unless smoothing or a log axis needs new values.
+    """
+    ys: Sequence[float] = ema(values, ema_weight) if ema_weight else values
+    xs: Sequence[float] = steps
     hidden = 0
     if log_x or log_y:
         keep_x: list[float] = []
@@ -127,8 +130,8 @@ def prepare_curve(
             keep_x.append(math.log10(x) if log_x else x)
             keep_y.append(math.log10(y) if log_y else y)
         xs, ys = keep_x, keep_y
-    xs, ys = minmax_downsample(xs, ys, buckets) if xs else (xs, ys)
-    return Curve(xs=xs, ys=ys, source_points=len(steps), hidden_points=hidden)
+    out_x, out_y = minmax_downsample(xs, ys, buckets) if xs else ([], [])
+    return Curve(xs=out_x, ys=out_y, source_points=len(steps), hidden_points=hidden)
 
 
 def format_number(value: float, *, si: bool = False) -> str:

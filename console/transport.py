@@ -106,13 +106,27 @@ class Transport:
         self._supervisor: asyncio.Task | None = None
         self._pumps: list[asyncio.Task] = []
         self._closing = False
+        self._last_failure: str | None = None
 
     # -- public -----------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Open the first session; raises TransportError (with a clear message) when it cannot."""
+    async def start(self, *, retry: bool = False) -> None:
+        """Open the first session; raises TransportError (with a clear message) when it cannot.
+
+        With retry, a failure that retrying can fix (host down, network) is retried with backoff like a
+        dropped link; only a FatalTransportError (a refused host key) is raised.
+        """
         self._emit(CONNECTING, f"connecting to {self.label}")
-        session = await self._open_checked()
+        try:
+            session = await self._open_checked()
+        except FatalTransportError:
+            raise
+        except (TransportError, OSError, asyncio.TimeoutError) as exc:
+            if not retry:
+                raise
+            session = await self._reconnect(f"first connect failed: {exc}")
+            if session is None:
+                raise FatalTransportError(self._last_failure or f"cannot connect to {self.label}") from None
         self._supervisor = asyncio.create_task(self._supervise(session), name=f"transport {self.label}")
 
     async def send(self, message: dict[str, Any]) -> None:
@@ -225,7 +239,7 @@ class Transport:
     async def _reconnect(self, reason: str) -> Session | None:
         delay = self.backoff_initial
         attempt = 0
-        detail = f"connection lost ({reason})"
+        detail = reason if reason.startswith("first connect") else f"connection lost ({reason})"
         while not self._closing:
             attempt += 1
             wait = delay * random.uniform(0.8, 1.2)
@@ -234,6 +248,7 @@ class Transport:
             try:
                 return await self._open_checked()
             except FatalTransportError as exc:
+                self._last_failure = str(exc)
                 self._emit(FAILED, str(exc), attempt=attempt)
                 return None
             except (TransportError, OSError, asyncio.TimeoutError) as exc:

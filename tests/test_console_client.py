@@ -123,3 +123,23 @@ async def test_an_agent_that_cannot_start_is_reported_clearly(tmp_path):
     with pytest.raises(TransportError) as exited:
         await LocalTransport(tmp_path / "run", python=str(script)).start()
     assert "exited before its hello" in str(exited.value) and "cannot import backend" in str(exited.value)
+
+
+async def test_first_connect_is_retried_with_backoff_when_asked(tmp_path):
+    marker = tmp_path / "failed-once"
+    script = tmp_path / "flaky-python"
+    script.write_text(f"#!/bin/sh\nif [ ! -e {marker} ]; then touch {marker}; echo 'host still booting' >&2; exit 1; fi\nexec {sys.executable} \"$@\"\n")
+    script.chmod(0o755)
+    transport = LocalTransport(tmp_path / "run", python=str(script), backoff_initial=0.1)
+    client = AgentClient(transport)
+    recorder = None
+    try:
+        await client.start(retry=True)
+        recorder = Recorder(client)
+        await wait_until(lambda: client.status.connected, what="the second attempt")
+        assert marker.exists() and (await client.ping())["pong"]
+        assert transport.sessions_opened == 1 and RECONNECTING in recorder.statuses()
+    finally:
+        if recorder:
+            recorder.stop()
+        await client.close()

@@ -255,7 +255,6 @@ async def test_real_sshd_host_key_mismatch_is_refused(real_sshd, tmp_path):
 
 @needs_sshd
 @pytest.mark.sshd
-@pytest.mark.slow
 async def test_real_sshd_upload_once_reconnect_reattach_and_stop(real_sshd, tmp_path, started_pgids):
     env = real_sshd.env()
     env.pin_host_key()

@@ -23,9 +23,12 @@ class ConsoleScreen(Screen):
 
     def show_state(self, changed: set[str] | None) -> None:
         """Redraw from `self.console.state`; changed=None means everything."""
-        if not self.is_mounted:
-            return
-        self.query_one(ConnectionBanner).show_state(self.console.state)
+        banners = self.query(ConnectionBanner)
+        if not self.is_mounted or not banners:
+            return  # not composed yet: on_mount draws everything
+        state = self.console.state
+        banners.first().show_state(state)
+        self.set_class(state.stale, "-stale")  # the tcss dims what is no longer live
         self.draw(changed)
 
     def draw(self, changed: set[str] | None) -> None:

@@ -81,5 +81,8 @@ class DashboardScreen(ConsoleScreen):
             table.move_cursor(row=table.get_row_index(selected), animate=False)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        if event.data_table.id == "jobs" and event.row_key is not None and event.row_key.value:
-            self.console.select_job(event.row_key.value)
+        if event.data_table.id != "jobs" or event.row_key is None or not event.row_key.value:
+            return
+        if event.cursor_row != event.data_table.cursor_row:
+            return  # stale: posted by a rebuild before the cursor was put back on the selected job
+        self.console.select_job(event.row_key.value)

@@ -59,10 +59,10 @@ def disks_text(state: ConsoleState) -> Text:
         style = "red" if share > 0.9 else "yellow" if share > 0.75 else "green"
         text.append(f"{disk.label:<9} ", style="bold")
         text.append_text(segmented_bar([(disk.used_bytes, style)], disk.total_bytes, 14))
-        text.append(f" {size_bytes(disk.free_bytes)} free of {size_bytes(disk.total_bytes)}")
-        if disk.dir_bytes is not None:
-            text.append(f", dir {size_bytes(disk.dir_bytes)}")
+        text.append(f" {size_bytes(disk.free_bytes)} free / {size_bytes(disk.total_bytes)}")
         text.append(f"\n          {disk.path}", style="dim")
+        if disk.dir_bytes is not None:
+            text.append(f" holds {size_bytes(disk.dir_bytes)}", style="dim")
     return text
 
 

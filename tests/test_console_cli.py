@@ -1,0 +1,83 @@
+"""`eagle3-console --snapshot` as a subprocess: embedded default (local agent) and over SSH to a real sshd."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from console.cli import build_parser
+from ssh_fixtures import RealSSHD, free_port, sshd_available
+
+ROOT = Path(__file__).resolve().parent.parent
+SNAPSHOT_KEYS = {"hello", "gpus", "jobs", "metrics", "disks"}
+
+
+def console_command() -> list[str]:
+    script = Path(sys.executable).with_name("eagle3-console")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "console.cli"]
+
+
+def run_console(args: list[str], home: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}
+    env["HOME"] = str(home)
+    home.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(console_command() + args, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_snapshot_on_the_embedded_default_runs_the_local_agent(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_console(["--snapshot", "--run-dir", str(run_dir)], tmp_path / "home")
+    assert result.returncode == 0, result.stderr
+    snapshot = json.loads(result.stdout)
+    assert SNAPSHOT_KEYS <= set(snapshot)
+    assert snapshot["hello"]["run_dir"] == str(run_dir) and snapshot["jobs"] == []
+    assert snapshot["disks"] and snapshot["disks"][0]["label"] == "run_dir"
+    if not snapshot["gpus"]:
+        assert snapshot["driver"]["available"] is False and snapshot["driver"]["message"]
+
+
+def test_snapshot_that_cannot_connect_exits_nonzero_with_a_reason(tmp_path):
+    port = free_port()  # nothing listens there
+    result = run_console(["--host", "127.0.0.1", "--port", str(port), "--snapshot", "--known-hosts", str(tmp_path / "kh")], tmp_path / "home")
+    assert result.returncode == 2 and result.stdout == ""
+    assert f"cannot take a snapshot of 127.0.0.1:{port}" in result.stderr and "cannot reach" in result.stderr
+
+
+def test_unknown_profile_is_refused_before_anything_starts(tmp_path):
+    result = run_console(["--profile", "no-such-profile", "--snapshot", "--run-dir", str(tmp_path / "run")], tmp_path / "home")
+    assert result.returncode == 2 and "no-such-profile" in result.stderr and "nothing was started" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_parser_defaults_to_the_local_agent_and_tiny_profile():
+    args = build_parser().parse_args([])
+    assert args.host == "local" and args.profile == "tiny" and not args.accept_new_host_key
+
+
+@pytest.mark.skipif(not sshd_available(), reason="OpenSSH sshd not installed (/usr/sbin/sshd); CI installs openssh-server")
+@pytest.mark.sshd
+def test_snapshot_over_ssh_to_a_real_sshd(tmp_path):
+    server = RealSSHD(tmp_path / "sshd").start()
+    try:
+        env = server.env()
+        common = [
+            "--host", "127.0.0.1", "--port", str(env.port), "--user", env.user, "--identity", str(env.client_key),
+            "--known-hosts", str(env.known_hosts), "--python", sys.executable, "--run-dir", str(tmp_path / "host-run"), "--snapshot",
+        ]
+        refused = run_console(common, tmp_path / "home")
+        assert refused.returncode == 2 and "not in known_hosts" in refused.stderr and "--accept-new-host-key" in refused.stderr
+
+        accepted = run_console(common + ["--accept-new-host-key"], tmp_path / "home")
+        assert accepted.returncode == 0, accepted.stderr
+        snapshot = json.loads(accepted.stdout)
+        assert SNAPSHOT_KEYS <= set(snapshot) and snapshot["hello"]["run_dir"] == str(tmp_path / "host-run")
+        assert snapshot["hello"]["backend_hash"]  # the uploaded copy ran, not the checkout
+        assert "added [127.0.0.1]" in accepted.stderr
+        assert env.known_hosts.read_text().strip() == f"[127.0.0.1]:{env.port} {env.host_public_key}"
+
+        again = run_console(common, tmp_path / "home")
+        assert again.returncode == 0 and json.loads(again.stdout)["hello"]["backend_hash"] == snapshot["hello"]["backend_hash"]
+    finally:
+        server.stop()

@@ -1,0 +1,255 @@
+"""Pilot tests: keys, screens, the command palette, guarded actions and their modals, against the real local agent."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from textual.command import CommandList, CommandPalette
+from textual.widgets import DataTable, Input
+
+from backend.protocol import Request
+from console.app import ACTIONS, build_app
+from console.screens.dashboard import DashboardScreen
+from console.screens.logs import LogsScreen
+from console.screens.modals import AdoptModal, StopModal
+from console.screens.training import TrainingScreen
+from console.transport import LocalTransport
+from ssh_fixtures import job_argv, pid_alive, wait_until
+from test_console_snapshots import STOP_PLAN, frozen_state
+
+SIZE = (150, 45)
+
+
+def frozen_app():
+    return build_app(state=frozen_state(), poll_interval=None, refresh_throttle=0)
+
+
+def live_app(tmp_path, **kwargs):
+    transport = LocalTransport(tmp_path / "run", backoff_initial=kwargs.pop("backoff", 0.2), backoff_max=kwargs.pop("backoff_max", 1.0))
+    return build_app(transport, poll_interval=None, refresh_throttle=0, stop_grace=5, **kwargs)
+
+
+@pytest.fixture
+def own_processes():
+    """Processes a test spawns itself; killed at the end if still there."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def connected(app):
+    await wait_until(lambda: app.state.connection.connected and app.state.hello, what="the local agent")
+
+
+async def stop_everything(app):
+    for job in (await app.client.request(Request.LIST_JOBS))["jobs"]:
+        if job["state"] == "running":
+            await app.client.request(Request.STOP_JOB, name=job["name"], grace=2, timeout=60)
+
+
+def banner_text(app) -> str:
+    return str(app.screen.query_one("#banner").render())
+
+
+# -- frozen data, no host ------------------------------------------------------------------------
+
+
+async def test_keys_switch_screens_and_toggle_the_plot_options():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        assert isinstance(app.screen, DashboardScreen)
+        table = app.screen.query_one("#jobs", DataTable)
+        assert table.row_count == 2 and table.get_row_at(table.cursor_row)[0] == "train-kimi"
+        await pilot.press("2")
+        assert isinstance(app.screen, TrainingScreen)
+        plot = app.screen.query_one("#loss-plot")
+        assert not plot.options.log_x
+        await pilot.press("x", "y", "e")
+        await pilot.pause()
+        assert plot.options.log_x and plot.options.log_y and plot.options.ema_weight == 0.9
+        train = plot.curve(plot.specs[0])
+        assert train.source_points == 400 and max(train.xs) == pytest.approx(3.602, abs=1e-3)  # log10(4000)
+        assert "log step on (x)" in str(app.screen.query_one("#training-title").render())
+        await pilot.press("3")
+        assert isinstance(app.screen, LogsScreen)
+        assert app.screen.query_one("#log-stdout").line_count == 40
+        await pilot.press("f")
+        assert not app.screen.query_one("#log-stdout").auto_scroll
+        await pilot.press("1")
+        assert isinstance(app.screen, DashboardScreen)
+
+
+async def test_job_selection_follows_the_jobs_table_and_the_bracket_keys():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        await pilot.press("]")
+        assert app.selected_job == "bench-old"
+        await pilot.press("[")
+        assert app.selected_job == "train-kimi"
+        table = app.screen.query_one("#jobs", DataTable)
+        table.focus()
+        await pilot.press("down")
+        await pilot.pause()
+        assert app.selected_job == "bench-old"
+        assert "bench-old" in str(app.screen.query_one("#latest").render())
+
+
+async def test_redraws_wait_while_a_modal_is_open():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        table = app.screen.query_one("#jobs", DataTable)
+        app.push_screen(StopModal("train-kimi", STOP_PLAN, 30.0))
+        await pilot.pause()
+        await pilot.press("2", "s")  # app keys are off while the modal is up
+        assert isinstance(app.screen, StopModal) and len(app.screen_stack) == 2
+        app.handle_event({"type": "jobs", "jobs": []})
+        await pilot.pause()
+        assert table.row_count == 2  # frozen behind the modal
+        await pilot.press("escape")
+        await pilot.pause()
+        assert table.row_count == 0
+
+
+async def test_without_a_host_guarded_actions_are_disabled_and_say_why():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        for action in ("stop_job", "adopt", "start_training"):
+            assert app.check_action(action, ()) is None
+        await pilot.press("s")
+        await pilot.pause()
+        assert not isinstance(app.screen, StopModal)
+        assert app.state.actions[-1][1] == "Stop job is disabled: no host connection"
+
+
+async def test_command_palette_lists_every_action_and_runs_them_through_the_guard():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.press("2")
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        assert isinstance(app.screen, CommandPalette)
+        await wait_until(lambda: app.screen.query_one(CommandList).option_count > 0, what="palette entries")
+        prompts = [str(app.screen.query_one(CommandList).get_option_at_index(i).prompt) for i in range(app.screen.query_one(CommandList).option_count)]
+        joined = "\n".join(prompts)
+        for action in ACTIONS:
+            if action.screen in (None, TrainingScreen):
+                assert action.label in joined, action.label
+        assert "disabled: no host connection" in joined
+        await pilot.press(*"log step")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_until(lambda: isinstance(app.screen, TrainingScreen) and app.screen.log_step, what="palette toggled log step")
+        await pilot.press("ctrl+p")
+        await pilot.press(*"stop job")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_until(lambda: app.state.actions[-1][1] == "Stop job is disabled: no host connection", what="the guard's message")
+
+
+# -- the real agent ------------------------------------------------------------------------------
+
+
+async def test_stop_modal_lists_the_pids_and_stop_really_ends_the_job(tmp_path):
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        job = (await app.client.request(Request.START_JOB, name="victim", kind="train", argv=job_argv(sys.executable)))["job"]
+        await wait_until(lambda: "victim" in app.state.jobs, what="the job listed")
+        app.select_job("victim")
+        await pilot.pause()
+
+        await pilot.press("s")
+        modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopModal) else None, what="the stop modal")
+        assert modal.pids == [job["pid"]]
+        text = str(modal.query_one("#stop-plan").render())
+        assert str(job["pid"]) in text and "Checkpoint first: YES" in text and "Foreign GPU holders, left alone" in text
+        await pilot.press("escape")
+        await wait_until(lambda: "cancelled" in app.state.actions[-1][1], what="cancel noted")
+        assert pid_alive(job["pid"])
+
+        await pilot.press("s")
+        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal again")
+        await pilot.press("y")
+        await wait_until(lambda: app.state.actions[-1][1].startswith("stop victim:"), timeout=60, what="the stop verdicts")
+        assert f"{job['pid']} exited_on_term" in app.state.actions[-1][1]
+        assert not pid_alive(job["pid"])
+        await wait_until(lambda: app.state.jobs["victim"].state != "running", what="the job table to show the stop")
+
+
+async def test_adopt_refuses_a_mistyped_pid_and_adopts_the_confirmed_one(tmp_path, own_processes):
+    foreign = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    own_processes.append(foreign)
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        await pilot.press("a")
+        modal = await wait_until(lambda: app.screen if isinstance(app.screen, AdoptModal) else None, what="the adopt modal")
+        modal.query_one("#adopt-pid", Input).value = str(foreign.pid)
+        modal.query_one("#adopt-confirm", Input).value = str(foreign.pid + 1)
+        modal.query_one("#adopt-confirm", Input).focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen is modal  # still open
+        assert "must match. Nothing adopted." in str(modal.query_one("#adopt-error").render())
+        assert (await app.client.request(Request.LIST_JOBS))["jobs"] == []
+
+        modal.query_one("#adopt-confirm", Input).value = str(foreign.pid)
+        await pilot.press("enter")
+        await wait_until(lambda: any("adopt" in text for _, text in app.state.actions), what="the adoption")
+        assert [t for _, t in app.state.actions if "adopt" in t] == [f"adopted pid {foreign.pid} as adopted-{foreign.pid}"]
+        jobs = {j["name"]: j for j in (await app.client.request(Request.LIST_JOBS))["jobs"]}
+        assert jobs[f"adopted-{foreign.pid}"]["adopted"] is True and jobs[f"adopted-{foreign.pid}"]["pid"] == foreign.pid
+        await stop_everything(app)
+        assert not pid_alive(foreign.pid) or foreign.poll() is not None
+
+
+async def test_new_run_key_starts_eagle3_host_train_with_the_profile(tmp_path):
+    app = live_app(tmp_path, profile="no-such-profile")  # fails fast instead of training on a shared CPU
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        await pilot.press("n")
+        await wait_until(lambda: app.state.actions and app.state.actions[-1][1].startswith("started train-no-such-profile-"), what="the start")
+        name = app.selected_job
+        job = await wait_until(lambda: app.state.jobs.get(name), what="the new job listed")
+        assert job.kind == "train" and job.argv[1:] == ["-m", "backend", "train", "--profile", "no-such-profile"]
+        await wait_until(lambda: app.state.jobs[name].state == "exited", timeout=60, what="the failing run to exit")
+        await stop_everything(app)
+
+
+async def test_actions_are_disabled_while_disconnected_and_come_back(tmp_path):
+    app = live_app(tmp_path, backoff=1.5, backoff_max=1.5)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        job = (await app.client.request(Request.START_JOB, name="keeps-running", kind="other", argv=job_argv(sys.executable)))["job"]
+        app.select_job("keeps-running")
+        agent_pid = app.state.hello.agent_pid
+        os.kill(agent_pid, signal.SIGKILL)  # the console's own agent child: the link drops
+        await wait_until(lambda: app.state.stale, what="the drop")
+        await pilot.pause()
+        for action in ("stop_job", "adopt", "start_training", "resync"):
+            assert app.check_action(action, ()) is None
+        assert "stop / adopt / start are disabled" in banner_text(app)
+        await pilot.press("s")
+        await pilot.pause()
+        assert not isinstance(app.screen, StopModal)
+        assert app.state.actions[-1][1] == "Stop job is disabled: disconnected from the host"
+
+        await wait_until(lambda: app.state.connection.connected and app.state.hello.agent_pid != agent_pid, what="the reconnect")
+        await wait_until(lambda: app.state.jobs.get("keeps-running") and app.state.jobs["keeps-running"].state == "running", what="re-attached")
+        assert pid_alive(job["pid"]) and app.check_action("stop_job", ()) is True
+        await pilot.pause()
+        assert "connected" in banner_text(app)
+        await stop_everything(app)
