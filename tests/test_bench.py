@@ -1,10 +1,20 @@
 """Benchmark: prompt files, statistics, result documents; the slow test benchmarks real reference servers on 127.0.0.1."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from backend.bench import client, results
-from backend.bench.client import LevelResult, PromptFileError, load_prompts, percentile
+from backend.bench.client import PromptFileError, load_prompts, percentile
+from backend.jobs import JobRegistry
+from backend.serve import http
+from backend.serve.launch import reference_argv, wait_ready
+from backend.serve.preflight import resolve_draft_dir
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_shipped_prompts_load_with_tags():
@@ -76,3 +86,55 @@ def test_summarize_and_document(tmp_path):
     assert "texts" not in results.load(path)["levels"][0]
     assert "speedup at concurrency 1: 2.50x" in results.table(doc)
     assert [p.name for p in (tmp_path / "deep").iterdir()] == ["r.json"]  # no temp file left
+
+
+def start_server(registry, name, argv):
+    registry.start_job(name, "serve", argv, cwd=str(ROOT), env={"OMP_NUM_THREADS": os.environ.get("EAGLE3_TEST_THREADS", "1")})
+    url = http.base_url("127.0.0.1", int(argv[argv.index("--port") + 1]))
+    return url
+
+
+def wait(registry, name, url):
+    def exit_code():
+        info = registry.get(name).info
+        return None if info.state in ("running", "unknown") else info.exit_code
+
+    state, code = wait_ready(url, exit_code, 300, lambda line: None)
+    assert state == "ready", (name, state, code)
+
+
+@pytest.mark.slow
+def test_bench_against_reference_servers_with_baseline(tmp_path, tiny_profile, trained_tiny_run):
+    registry = JobRegistry(tmp_path / "run")
+    spec = start_server(registry, "spec", reference_argv(tiny_profile, str(trained_tiny_run), http.free_port()))
+    base = start_server(registry, "base", reference_argv(tiny_profile, str(trained_tiny_run), http.free_port(), speculative=False))
+    try:
+        wait(registry, "spec", spec)
+        wait(registry, "base", base)
+        out_file = tmp_path / "result.json"
+        out = subprocess.run(
+            [sys.executable, "-m", "backend", "bench", "--url", spec, "--baseline-url", base, "--tag", "code",
+             "--num-prompts", "4", "--concurrency", "1,2", "--max-new-tokens", "48", "--out", str(out_file), "--json",
+             "--run-dir", str(tmp_path / "run")],
+            cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        assert results.load(out_file)["levels"] == doc["levels"]
+        assert doc["url"] == spec and doc["baseline"]["url"] == base
+        assert doc["server"]["speculative_algorithm"] == "EAGLE3" and doc["baseline"]["server"]["speculative_algorithm"] is None
+        assert doc["checkpoint"].endswith(resolve_draft_dir(trained_tiny_run).name)
+        assert doc["prompts"]["count"] == 4 and len(doc["prompts"]["sha256"]) == 64
+        assert doc["concurrency"] == [1, 2] and doc["max_new_tokens"] == 48
+        for level in doc["levels"]:
+            assert level["failed"] == 0 and level["output_tokens"] == 4 * 48
+            assert level["accept_length"] > 1.5 and level["server_avg_accept_length"] > 1.5
+            for key in ("output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s"):
+                assert level[key] > 0, key
+        for level in doc["baseline"]["levels"]:
+            assert level["failed"] == 0 and level["accept_length"] is None
+        assert [row["concurrency"] for row in doc["speedup"]] == [1, 2]
+        assert all(row["speedup"] > 0 for row in doc["speedup"])
+        assert doc["outputs_equal"]["equal"] == doc["outputs_equal"]["compared"] == 4
+        print("\n" + results.table(doc))
+    finally:
+        registry.stop(["spec", "base"], grace=15)

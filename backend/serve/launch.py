@@ -198,6 +198,7 @@ def launch(
     max_new_tokens: int = 128,
     ready_timeout_s: float | None = None,
     run_canary: bool = True,
+    env: dict[str, str] | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> LaunchResult:
     if engine not in ENGINES or feed not in FEEDS:
@@ -225,7 +226,7 @@ def launch(
     job_name = job_name or f"serve-{profile.name}-{engine}"
     registry = JobRegistry(Path(run_dir or "~/.eagle3").expanduser())
     try:
-        info = registry.start_job(job_name, "serve", argv, cwd=str(REPO_ROOT))
+        info = registry.start_job(job_name, "serve", argv, cwd=str(REPO_ROOT), env=env)
     except Exception as exc:  # JobConflict (name in use), JobBadParams, spawn failures: nothing else was started
         result.state = "start_failed"
         result.message = f"could not start job {job_name!r}: {exc}"
@@ -247,7 +248,7 @@ def launch(
             result.message = f"server job {job_name!r} exited with code {exit_code} before answering /health_generate"
         else:
             result.message = (f"server job {job_name!r} did not answer /health_generate with 200 within {timeout:.0f} s; "
-                              f"it is still running (stop it with `eagle3-host job stop {job_name}`)")
+                              f"it is still running (stop it with `eagle3-host job stop --name {job_name}`)")
         return result
 
     info_reply = http.get(f"{url}/get_server_info", timeout=60)
@@ -272,7 +273,8 @@ def launch(
     if result.server_check:
         result.message += f"; server runs other settings than asked: {'; '.join(result.server_check)}"
     if not result.ok:
-        result.message += f". The server is still running as job {job_name!r}."
+        result.message += (f". The server is still running as job {job_name!r} "
+                           f"(stop it with `eagle3-host job stop --name {job_name}`).")
     return result
 
 
