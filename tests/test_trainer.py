@@ -162,6 +162,19 @@ def test_resume_keeps_the_checkpoints_vocab_mapping_even_when_the_data_disagrees
     assert records[0]["lr"] == pytest.approx(base.lr_at(6) / 4) and records[1]["lr"] == pytest.approx(base.lr_at(7) / 2)
 
 
+def test_grok_style_resume_runs_past_the_plan_with_its_own_lr_and_weight_decay(mini_run, mini_profile, mini_env, tmp_path):
+    out = tmp_path / "grok"
+    options = mini_options(mini_profile, out, resume=str(mini_run), schedule="constant", lr=1e-3, weight_decay=0.1,
+                           eval_at_start=False, log_interval=3)
+    assert train(options) == 0  # no --max-steps, checkpoint at the profile's 6: another 6 steps
+    latest = latest_checkpoint(out)
+    assert latest.name.endswith("_step_12")
+    state = torch.load(latest / "training_state.pt", weights_only=False)
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.1]
+    records = [r for r in read_records(out) if r["split"] == "train"]
+    assert [r["step"] for r in records] == [9, 12] and records[-1]["lr"] == pytest.approx(1e-3)
+
+
 def test_one_layer_features_are_refused_at_load_naming_both_widths(mini_profile, mini_env, tmp_path, capsys):
     single_layer = load_target(mini_profile, aux_layer_ids=[2])
     splits = tiny_samples(single_layer, MINI_DATA)

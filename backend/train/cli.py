@@ -16,10 +16,9 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
     export.add_argument("checkpoint", type=Path, help="checkpoint dir, or a run dir (its checkpoints/latest is used)")
     export.add_argument("destination", type=Path, help="new or empty directory for the serving files")
     export.set_defaults(handler=_export)
-    convert = subparsers.add_parser("convert", parents=[parent], help="convert a foreign draft checkpoint (e.g. layers.0.* keys) to the SGLang layout")
-    convert.add_argument("source", type=Path)
-    convert.add_argument("destination", type=Path)
-    convert.set_defaults(handler=_convert)
+    from backend.train.convert import register_convert  # standard library only at import time
+
+    register_convert(subparsers, parent)
     build = subparsers.add_parser("build-tiny", parents=[parent], help="build (or find) the cached tiny CPU target and print its path")
     build.set_defaults(handler=_build_tiny)
 
@@ -205,17 +204,6 @@ def _export(args) -> int:
     except _known_errors() as exc:
         return _fail(str(exc))
     print(path)
-    return 0
-
-
-def _convert(args) -> int:
-    from backend.train.convert import convert_checkpoint
-
-    try:
-        result = convert_checkpoint(args.source, args.destination)
-    except _known_errors() + (ValueError, FileNotFoundError) as exc:
-        return _fail(str(exc))
-    print(result if result is not None else args.destination)
     return 0
 
 

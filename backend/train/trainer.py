@@ -373,6 +373,10 @@ class Trainer:
         self.sampler_state = state.get("sampler")
         self.latest_val = dict(state.get("latest_val") or {})
         self.log(f"resumed from {checkpoint} at step {self.start_step}; d2t/t2d taken from the checkpoint")
+        if self.options.max_steps is None and self.start_step >= self.settings["max_steps"]:
+            # Past the profile's plan and no --max-steps: continue for another profile's worth of steps.
+            self.settings["max_steps"] = self.start_step + self.profile.train.max_steps
+            self.log(f"no --max-steps given and the checkpoint is past the profile's {self.profile.train.max_steps}: training to step {self.settings['max_steps']}")
         return state
 
     def _build_optimizer(self, state: dict | None) -> None:
@@ -386,6 +390,8 @@ class Trainer:
         self.grokfast = GrokfastEMA(s["grokfast_alpha"], s["grokfast_lambda"]) if s["grokfast_alpha"] else None
         if resumed and state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
+            for group in self.optimizer.param_groups:  # this run's settings win over the saved ones (e.g. grok's weight decay)
+                group.update(lr=s["lr"], betas=ADAM_BETAS, weight_decay=s["weight_decay"])
         if resumed and self.grokfast and state.get("grokfast"):
             self.grokfast.load_state_dict(state["grokfast"], device=ctx.device)
         self.sampler = BatchSampler(self.source.size("train"), s["batch_size"], s["seed"], ctx.rank, ctx.world_size)
