@@ -204,7 +204,8 @@ def bench_training_frame(points: int, reps: int) -> dict:
 JOB = "import time; time.sleep(3600)"
 
 
-async def e2e_delays(transport, lines: int) -> list[float]:
+async def e2e_delays(transport, lines: int) -> tuple[list[float], list[float]]:
+    """(delays of `lines` metrics lines from file append to the client, ping round trips) over one transport."""
     client = AgentClient(transport, timeout=60)
     await client.start()
     received: dict[int, float] = {}
@@ -235,16 +236,21 @@ async def e2e_delays(transport, lines: int) -> list[float]:
                 await asyncio.sleep(0.002)
             await asyncio.sleep(rng.uniform(0.0, 1.0))  # spread writes over the phases of the agent's 1 s tick
         await client.request(Request.STOP_JOB, name="bench-e2e", grace=2, timeout=60)
+        round_trips = []
+        for _ in range(lines):
+            start = time.perf_counter()
+            await client.request(Request.PING)
+            round_trips.append(time.perf_counter() - start)
     finally:
         listener.cancel()
         await client.close()
     missing = [s for s in written if s not in received]
     if missing:
         raise RuntimeError(f"{len(missing)} metrics lines never reached the console: {missing[:5]}")
-    return [received[s] - written[s] for s in sorted(written)]
+    return [received[s] - written[s] for s in sorted(written)], round_trips
 
 
-async def e2e_over_inprocess_ssh(tmp: Path, lines: int) -> list[float]:
+async def e2e_over_inprocess_ssh(tmp: Path, lines: int) -> tuple[list[float], list[float]]:
     from ssh_fixtures import InProcessSSHServer
 
     server = await InProcessSSHServer(tmp / "ssh").start()
@@ -258,7 +264,7 @@ async def e2e_over_inprocess_ssh(tmp: Path, lines: int) -> list[float]:
         await server.stop()
 
 
-async def e2e_over_real_sshd(tmp: Path, lines: int) -> list[float]:
+async def e2e_over_real_sshd(tmp: Path, lines: int) -> tuple[list[float], list[float]]:
     from ssh_fixtures import RealSSHD
 
     server = RealSSHD(tmp / "sshd").start()
@@ -277,18 +283,28 @@ def bench_e2e(lines: int) -> dict:
 
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
+        saved = {key: os.environ.get(key) for key in ("HOME", "SSH_AUTH_SOCK")}
         os.environ["HOME"] = str(tmp / "home")  # keep asyncssh away from the real ~/.ssh
         os.environ.pop("SSH_AUTH_SOCK", None)
-        result = {
-            "local_subprocess_s": summary(asyncio.run(e2e_delays(LocalTransport(tmp / "run-local"), lines))),
-            "inprocess_asyncssh_s": summary(asyncio.run(e2e_over_inprocess_ssh(tmp, lines))),
-        }
-        if sshd_available():
-            result["openssh_sshd_s"] = summary(asyncio.run(e2e_over_real_sshd(tmp, lines)))
-    base = result["local_subprocess_s"]["median"]
-    for key, ratio in (("inprocess_asyncssh_s", "inprocess_asyncssh_over_local"), ("openssh_sshd_s", "openssh_sshd_over_local")):
-        if key in result:
-            result[ratio] = result[key]["median"] / base
+        try:
+            runs = {"local_subprocess": asyncio.run(e2e_delays(LocalTransport(tmp / "run-local"), lines)),
+                    "inprocess_asyncssh": asyncio.run(e2e_over_inprocess_ssh(tmp, lines))}
+            if sshd_available():
+                runs["openssh_sshd"] = asyncio.run(e2e_over_real_sshd(tmp, lines))
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    result = {}
+    for name, (delays, round_trips) in runs.items():
+        result[f"{name}_metrics_delay_s"] = summary(delays)
+        result[f"{name}_ping_rtt_s"] = summary(round_trips)
+    for name in runs:
+        if name != "local_subprocess":
+            for what in ("metrics_delay", "ping_rtt"):
+                result[f"{name}_{what}_over_local"] = result[f"{name}_{what}_s"]["median"] / result[f"local_subprocess_{what}_s"]["median"]
     return result
 
 
@@ -299,11 +315,11 @@ def show(title: str, values: dict) -> None:
     print(f"\n== {title}")
     for key, value in values.items():
         if isinstance(value, dict):
-            print(f"  {key:<32} median {value['median'] * 1000:9.1f} ms   p95 {value['p95'] * 1000:9.1f} ms   (n={value['n']})")
+            print(f"  {key:<46} median {value['median'] * 1000:9.1f} ms   p95 {value['p95'] * 1000:9.1f} ms   (n={value['n']})")
         elif isinstance(value, float):
-            print(f"  {key:<32} {value:9.2f}x")
+            print(f"  {key:<46} {value:9.2f}x")
         else:
-            print(f"  {key:<32} {value}")
+            print(f"  {key:<46} {value}")
 
 
 def main() -> int:

@@ -24,7 +24,6 @@ from console.screens.base import ConsoleScreen
 from console.screens.dashboard import DashboardScreen
 from console.screens.logs import STREAMS, LogsScreen
 from console.screens.modals import AdoptModal, StopModal
-from console.screens.training import TrainingScreen
 from console.state import CONNECTED, FAILED, ConnectionStatus, ConsoleState
 from console.transport import AgentStderr, Transport, TransportError
 
@@ -45,7 +44,7 @@ class ConsoleAction:
     help: str
     needs_connection: bool = False
     needs_job: bool = False
-    screen: type | None = None  # only on this screen (its own binding)
+    screen: str | None = None  # only on the screen of this mode (its own binding)
 
 
 ACTIONS = [
@@ -59,11 +58,11 @@ ACTIONS = [
     ConsoleAction("adopt", "a", "Adopt PID", "adopt a foreign process as a job (PID typed to confirm)", needs_connection=True),
     ConsoleAction("resync", "r", "Resync", "re-read everything from the agent", needs_connection=True),
     ConsoleAction("quit", "q", "Quit", "leave the console (jobs keep running on the host)"),
-    ConsoleAction("toggle_log_step", "x", "Log step", "Training: step axis log10 on/off", screen=TrainingScreen),
-    ConsoleAction("toggle_log_y", "y", "Log y", "Training: loss and LR on a log10 axis on/off", screen=TrainingScreen),
-    ConsoleAction("toggle_ema", "e", "EMA", "Training: EMA smoothing (0.9) on/off", screen=TrainingScreen),
-    ConsoleAction("toggle_follow", "f", "Follow", "Logs: scroll to new lines on/off", screen=LogsScreen),
-    ConsoleAction("switch_stream", "o", "Live stream", "Logs: follow stdout or stderr live", screen=LogsScreen),
+    ConsoleAction("toggle_log_step", "x", "Log step", "Training: step axis log10 on/off", screen="training"),
+    ConsoleAction("toggle_log_y", "y", "Log y", "Training: loss and LR on a log10 axis on/off", screen="training"),
+    ConsoleAction("toggle_ema", "e", "EMA", "Training: EMA smoothing (0.9) on/off", screen="training"),
+    ConsoleAction("toggle_follow", "f", "Follow", "Logs: scroll to new lines on/off", screen="logs"),
+    ConsoleAction("switch_stream", "o", "Live stream", "Logs: follow stdout or stderr live", screen="logs"),
 ]
 ACTIONS_BY_NAME = {a.name: a for a in ACTIONS}
 
@@ -75,7 +74,7 @@ class ConsoleCommands(Provider):
         app: ConsoleApp = self.app  # type: ignore[assignment]
         entries = []
         for action in ACTIONS:
-            if action.screen is not None and not isinstance(self.screen, action.screen):
+            if action.screen is not None and getattr(self.screen, "MODE", None) != action.screen:
                 continue
             reason = app.disabled_reason(action.name)
             help_text = f"[{action.key}] {action.help}" + (f" (disabled: {reason})" if reason else "")
@@ -97,7 +96,7 @@ class ConsoleCommands(Provider):
 class ConsoleApp(App):
     TITLE = "eagle3-console"
     CSS_PATH = "console.tcss"
-    MODES = {"dashboard": DashboardScreen, "training": TrainingScreen, "logs": LogsScreen}
+    MODES = {"dashboard": DashboardScreen, "logs": LogsScreen}  # "training" is added per instance
     DEFAULT_MODE = "dashboard"
     COMMANDS = App.COMMANDS | {ConsoleCommands}
     BINDINGS = [Binding(a.key, a.name, a.label) for a in ACTIONS if a.screen is None]
@@ -131,7 +130,7 @@ class ConsoleApp(App):
         self.log_stream = "stdout"  # the stream the agent follows live; the other is re-tailed each poll
         self.events_seen = 0
         self._quit_warned_at = float("-inf")
-        self._modes["training"] = partial(TrainingScreen, raw_plots=raw_plots)
+        self._modes["training"] = partial(_training_screen, raw_plots=raw_plots)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -478,6 +477,13 @@ class ConsoleApp(App):
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker.error is not None and event.worker.group != "agent":
             self.note(f"{event.worker.name or event.worker.group} failed: {event.worker.error}", severity="error")
+
+
+def _training_screen(**kwargs: Any) -> ConsoleScreen:
+    """Imported on first use: plotext costs ~0.15 s at start-up, before the first frame."""
+    from console.screens.training import TrainingScreen
+
+    return TrainingScreen(**kwargs)
 
 
 def _short_profile(profile: str) -> str:

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 class ConsoleScreen(Screen):
     """A main screen: `show_state(changed)` redraws the parts whose state sections changed."""
 
+    MODE = ""  # the app mode that shows this screen
+
     @property
     def console(self) -> "ConsoleApp":
         return self.app  # type: ignore[return-value]

@@ -17,6 +17,8 @@ STATE_STYLES = {"running": "green", "exited": "dim", "stopped": "yellow", "stale
 
 
 class DashboardScreen(ConsoleScreen):
+    MODE = "dashboard"
+
     def compose(self) -> ComposeResult:
         yield Header()
         yield ConnectionBanner(id="banner")

@@ -14,6 +14,8 @@ STREAMS = ("stdout", "stderr")
 
 
 class LogsScreen(ConsoleScreen):
+    MODE = "logs"
+
     BINDINGS = [
         Binding("f", "toggle_follow", "Follow"),
         Binding("o", "switch_stream", "Live stream"),

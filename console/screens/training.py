@@ -18,6 +18,8 @@ ACC_ROWS = 8
 
 
 class TrainingScreen(ConsoleScreen):
+    MODE = "training"
+
     BINDINGS = [
         Binding("x", "toggle_log_step", "Log step"),
         Binding("y", "toggle_log_y", "Log y"),
