@@ -135,9 +135,10 @@ def test_the_real_tiny_target_memorises_its_corpus(tiny_target_dir, tiny_profile
     # Run C of the feasibility notes: ~0.7 nats/byte on the memorised 64 KB corpus, worse on held-out files.
     assert build["corpus_loss"] < 1.1, build
     assert build["held_out_loss"] > build["corpus_loss"]
-    corpus = read_corpus(tiny_target_dir, "train")
-    starts = [1000, 17000, 33000, 49000]
-    prompts = torch.tensor([list(corpus[s : s + 64]) for s in starts])
-    generated = tiny_target.greedy_generate(prompts, 32)
-    truth = torch.tensor([list(corpus[s + 64 : s + 96]) for s in starts])
-    assert (generated == truth).float().mean() > 0.5
+    accuracy = {}
+    for split in ("train", "val"):  # teacher-forced next-byte accuracy
+        ids = torch.tensor(list(read_corpus(tiny_target_dir, split)[: 32 * 128])).view(32, 128)
+        with torch.no_grad():
+            logits = tiny_target.model(input_ids=ids).logits
+        accuracy[split] = float((logits[:, :-1].argmax(-1) == ids[:, 1:]).float().mean())
+    assert accuracy["train"] > 0.65 and accuracy["train"] > accuracy["val"] + 0.1, accuracy

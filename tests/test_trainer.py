@@ -310,3 +310,25 @@ def test_two_process_torchrun_on_cpu_trains_and_writes_one_checkpoint(tiny_targe
     assert json.loads((out / "run.json").read_text())["world_size"] == 2
     draft, config, meta, state = load_checkpoint(latest_checkpoint(out))
     assert state["world_size"] == 2 and state["step"] == 4
+
+
+def test_export_copies_the_serving_files_after_checking_keys(mini_run, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    assert cli_main(["export", str(mini_run), str(tmp_path / "serve")]) == 0
+    assert sorted(p.name for p in (tmp_path / "serve").iterdir()) == ["config.json", "model.safetensors"]
+    latest = latest_checkpoint(mini_run)
+    assert (tmp_path / "serve" / "model.safetensors").read_bytes() == (latest / "model.safetensors").read_bytes()
+    assert cli_main(["export", str(mini_run), str(tmp_path / "serve")]) == 2  # not empty: refused
+    assert "not an empty directory" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(latest, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors["layers.0.mlp.up_proj.weight"] = tensors.pop("midlayer.mlp.up_proj.weight")
+    save_file(tensors, str(broken / "model.safetensors"))
+    assert cli_main(["export", str(broken), str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert "missing keys: midlayer.mlp.up_proj.weight" in err and "unexpected keys: layers.0.mlp.up_proj.weight" in err
+    assert not (tmp_path / "never").exists()
