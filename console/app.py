@@ -6,6 +6,7 @@ async workers; state changes are folded in at once and screen redraws are coales
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -130,6 +131,7 @@ class ConsoleApp(App):
         self.log_stream = "stdout"  # the stream the agent follows live; the other is re-tailed each poll
         self.events_seen = 0
         self._quit_warned_at = float("-inf")
+        self._metrics_locks: dict[str, asyncio.Lock] = {}
         self._modes["training"] = partial(_training_screen, raw_plots=raw_plots)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -281,18 +283,29 @@ class ConsoleApp(App):
         await self._follow_logs(name)
 
     async def _load_metrics(self, name: str) -> None:
-        """metrics_history from our offset (from 0 the first time), in batches while the agent says `more`."""
-        metrics = self.state.job_metrics(name)
-        reset = not metrics.history_loaded
-        offset = 0 if reset else metrics.offset
-        for _ in range(HISTORY_BATCHES_MAX):
-            result = await self.client.request(Request.METRICS_HISTORY, name=name, offset=offset, timeout=120)
-            self.state_changed(self.state.apply_metrics_history(name, result, reset=reset))
-            reset = False
-            new_offset = result.get("offset")
-            if not result.get("more") or not isinstance(new_offset, int) or new_offset <= offset:
-                return
-            offset = new_offset
+        """metrics_history from our offset (from 0 the first time), in batches while the agent says `more`.
+
+        One load per job at a time; events that arrive meanwhile are held back and anything they
+        reported beyond the reply is read in the next round, so no record is lost or doubled.
+        """
+        lock = self._metrics_locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            metrics = self.state.job_metrics(name)
+            metrics.loading, metrics.seen_end = True, 0
+            try:
+                for _ in range(HISTORY_BATCHES_MAX):
+                    metrics = self.state.job_metrics(name)
+                    reset = not metrics.history_loaded
+                    offset = 0 if reset else metrics.offset
+                    result = await self.client.request(Request.METRICS_HISTORY, name=name, offset=offset, timeout=120)
+                    self.state_changed(self.state.apply_metrics_history(name, result, reset=reset))
+                    metrics = self.state.job_metrics(name)
+                    if not result.get("more") and not metrics.needs_catchup:
+                        return
+                    if result.get("offset") == offset and not result.get("records"):
+                        return
+            finally:
+                self.state.job_metrics(name).loading = False
 
     @work(group="catchup", exclusive=True, exit_on_error=False)
     async def catch_up_metrics(self) -> None:

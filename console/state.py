@@ -83,6 +83,8 @@ class JobMetrics:
     records: int = 0
     history_loaded: bool = False
     needs_catchup: bool = False
+    loading: bool = False  # a metrics_history request is in flight: events wait for it (see _on_metrics)
+    seen_end: int = 0  # the furthest offset an event reported while loading
 
     def add(self, record: dict[str, Any]) -> None:
         step = record.get("step")
@@ -232,7 +234,7 @@ class ConsoleState:
     def apply_metrics_history(self, job: str, result: dict[str, Any], *, reset: bool) -> set[str]:
         metrics = self.job_metrics(job)
         if reset:
-            fresh = JobMetrics()
+            fresh = JobMetrics(loading=metrics.loading, seen_end=metrics.seen_end)
             self.metrics[job] = metrics = fresh
         for record in result.get("records") or []:
             if isinstance(record, dict):
@@ -240,7 +242,7 @@ class ConsoleState:
         if isinstance(result.get("offset"), int):
             metrics.offset = result["offset"]
         metrics.history_loaded = True
-        metrics.needs_catchup = False
+        metrics.needs_catchup = metrics.seen_end > metrics.offset
         return {"metrics"}
 
     def running_jobs(self) -> list[JobInfo]:
@@ -291,6 +293,10 @@ def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
         return set()
     metrics = state.job_metrics(job)
     start, end = message.get("start_offset"), message.get("offset")
+    if metrics.loading and isinstance(end, int):
+        # The reply in flight covers part of this; whatever lies beyond it is re-read right after.
+        metrics.seen_end = max(metrics.seen_end, end)
+        return set()
     if metrics.history_loaded and isinstance(end, int):
         if end <= metrics.offset:
             return set()  # already folded in through metrics_history

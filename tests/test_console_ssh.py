@@ -5,6 +5,7 @@ Against an in-process asyncssh server running real subprocesses, and against a r
 under tmp_path; the real ~/.ssh is never read or written.
 """
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -206,14 +207,21 @@ async def test_dropped_connection_reconnects_and_the_app_shows_running_jobs_agai
     app = build_app(transport_for(env, tmp_path), poll_interval=None, refresh_throttle=0)
     async with app.run_test(size=(140, 40)) as pilot:
         await wait_until(lambda: app.state.connection.connected and app.state.hello, what="connected app")
-        job = (await app.client.request(Request.START_JOB, name="long-run", kind="train", argv=job_argv(sys.executable)))["job"]
+        job = (await app.client.request(Request.START_JOB, name="long-run", kind="train", argv=job_argv(sys.executable, steps=3)))["job"]
         started_pgids.append(job["pgid"])
         await wait_until(lambda: "long-run" in app.state.jobs, what="the job in the jobs table")
+        app.select_job("long-run")
+        steps = lambda: app.state.metrics["long-run"].train_loss.steps  # noqa: E731
+        await wait_until(lambda: "long-run" in app.state.metrics and steps() == [1.0, 2.0, 3.0], what="the first metrics")
         first_agent = app.state.hello.agent_pid
 
         assert inproc.drop_connections() == 1
         await wait_until(lambda: app.state.connection.state == RECONNECTING, what="the drop")
         assert app.state.stale
+        metrics_file = Path(job["job_dir"]) / "metrics.jsonl"
+        with open(metrics_file, "a") as handle:  # the run goes on while the console is away
+            for step in (4, 5):
+                handle.write(json.dumps({"step": step, "split": "train", "loss": 1.0 / step}) + "\n")
         await pilot.pause()
         assert "DISCONNECTED" in str(app.screen.query_one("#banner").render())
         assert app.check_action("stop_job", ()) is None  # guarded actions off while disconnected
@@ -221,6 +229,10 @@ async def test_dropped_connection_reconnects_and_the_app_shows_running_jobs_agai
         await wait_until(lambda: app.state.connection.connected and app.state.hello.agent_pid != first_agent, what="reconnect")
         await wait_until(lambda: app.state.jobs.get("long-run") and app.state.jobs["long-run"].state == "running", what="re-attached job")
         assert app.state.jobs["long-run"].pid == job["pid"] and pid_alive(job["pid"])
+        with open(metrics_file, "a") as handle:
+            handle.write(json.dumps({"step": 6, "split": "train", "loss": 1.0 / 6}) + "\n")
+        await wait_until(lambda: steps()[-1] == 6.0, what="metrics after the reconnect")
+        assert steps() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # nothing lost while away, nothing doubled
         assert not app.state.stale and app.check_action("stop_job", ()) is True
         await app.client.request(Request.STOP_JOB, name="long-run", grace=5, timeout=60)
 

@@ -92,3 +92,17 @@ def test_holders_split_memory_into_ours_and_foreign_per_gpu():
     ])
     assert state.owned_memory_by_gpu() == {0: 100.0}
     assert state.foreign_memory_by_gpu() == {0: 25.0, 1: 25.0}
+
+
+def test_events_during_a_history_load_are_held_and_what_lies_beyond_is_flagged():
+    state = ConsoleState()
+    metrics = state.job_metrics("j")
+    metrics.loading = True
+    # the agent's tick emits lines the in-flight history reply may or may not contain
+    assert state.apply({"type": "metrics", "job": "j", "records": [{"step": 1, "loss": 1.0}], "start_offset": 0, "offset": 50}) == set()
+    assert state.apply({"type": "metrics", "job": "j", "records": [{"step": 2, "loss": 1.0}], "start_offset": 50, "offset": 100}) == set()
+    state.apply_metrics_history("j", {"records": [{"step": 1, "loss": 1.0}], "offset": 50}, reset=True)
+    metrics = state.metrics["j"]
+    assert metrics.train_loss.steps == [1.0] and metrics.needs_catchup  # 50..100 still to read
+    state.apply_metrics_history("j", {"records": [{"step": 2, "loss": 1.0}], "offset": 100}, reset=False)
+    assert metrics.train_loss.steps == [1.0, 2.0] and not metrics.needs_catchup
