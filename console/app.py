@@ -166,6 +166,7 @@ class ConsoleApp(App):
             self.set_connection(event)
         elif isinstance(event, AgentStderr):
             self.state.agent_stderr.append(event.text)
+            self.state_changed({"agent_stderr"})
         elif isinstance(event, dict):
             changed = self.state.apply(event)
             self.state_changed(changed)

@@ -60,6 +60,7 @@ def frozen_state(points: int = 400, *, gpus: bool = True) -> ConsoleState:
                                              "free_bytes": int(0.4 * 1024**4), "dir_bytes": 300 * 1024**3}]})
     state.apply({"type": "log", "job": "train-kimi", "stream": "stdout", "lines": [f"step {i * 10} loss {6 - i * 0.01:.3f}" for i in range(40)]})
     state.apply({"type": "log", "job": "train-kimi", "stream": "stderr", "lines": ["UserWarning: an example warning"]})
+    state.agent_stderr.append("agent: disks failed: PermissionError: [Errno 13] Permission denied: '/data/shards'")
     state.note_action("started train-kimi (pid 1234): eagle3-host train --profile kimi-k2.5")
     state.last_data_at = NOW - 5
     return state

@@ -270,7 +270,8 @@ async def test_real_sshd_host_key_mismatch_is_refused(real_sshd, tmp_path):
 async def test_real_sshd_upload_once_reconnect_reattach_and_stop(real_sshd, tmp_path, started_pgids):
     env = real_sshd.env()
     env.pin_host_key()
-    first = transport_for(env, tmp_path)
+    root = copy_backend(tmp_path / "checkout")
+    first = transport_for(env, tmp_path, root=root)
     client = await connected_client(first)
     assert first.uploads == 1 and Path(first.remote_dir).parent == env.remote_home / ".cache" / "eagle3-console"
     job = (await client.request(Request.START_JOB, name="sshd-job", kind="train", argv=job_argv(sys.executable)))["job"]
@@ -299,7 +300,13 @@ async def test_real_sshd_upload_once_reconnect_reattach_and_stop(real_sshd, tmp_
     assert not pid_alive(job["pid"])
     await client.close()
 
-    second = transport_for(env, tmp_path)
+    second = transport_for(env, tmp_path, root=root)
     client = await connected_client(second)
     assert second.uploads == 0 and second.remote_dir == first.remote_dir
+    await client.close()
+
+    (root / "profiles" / "tiny.toml").write_text((root / "profiles" / "tiny.toml").read_text() + "\n# edited\n")
+    third = transport_for(env, tmp_path, root=root)
+    client = await connected_client(third)
+    assert third.uploads == 1 and third.remote_dir != first.remote_dir and client.hello["backend_hash"] == third.backend_hash
     await client.close()

@@ -11,6 +11,7 @@ from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 
 STREAMS = ("stdout", "stderr")
+AGENT_LINES = 4
 
 
 class LogsScreen(ConsoleScreen):
@@ -35,6 +36,8 @@ class LogsScreen(ConsoleScreen):
         yield Log(id="log-stdout", max_lines=2000)
         yield Static("stderr", classes="section-title")
         yield Log(id="log-stderr", max_lines=2000)
+        yield Static("agent diagnostics (the agent's own stderr)", classes="section-title")
+        yield Static(id="agent-stderr")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -56,6 +59,9 @@ class LogsScreen(ConsoleScreen):
         self.show_state({"options"})
 
     def draw(self, changed: set[str] | None) -> None:
+        if touches(changed, "agent_stderr"):
+            lines = list(self.console.state.agent_stderr)[-AGENT_LINES:]
+            self.query_one("#agent-stderr", Static).update(Text("\n".join(lines) if lines else "(nothing)", style="dim"))
         if not touches(changed, "logs", "selection", "options", "jobs"):
             return
         job = self.console.selected_job
