@@ -95,7 +95,7 @@ class SyntheticOffline:
         in_draft = torch.rand(seq, generator=rank_gen) < 0.95
         tokens = torch.where(in_draft, self.selected[torch.randint(0, draft_vocab, (seq,), generator=rank_gen)],
                              torch.randint(0, vocab, (seq,), generator=rank_gen))
-        rows = self.lm_head.float().cpu()[tokens]
+        rows = self.lm_head[tokens.to(device)].float().cpu()
         # A hidden state aligned with the chosen token's lm_head row makes that token the teacher's argmax.
         last = 15.0 * rows / rows.square().sum(-1, keepdim=True) + 0.1 * torch.randn(seq, hidden, generator=rank_gen)
         self.last_hidden = last[None].to(device, dtype)
