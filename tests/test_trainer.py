@@ -332,3 +332,48 @@ def test_export_copies_the_serving_files_after_checking_keys(mini_run, tmp_path,
     err = capsys.readouterr().err
     assert "missing keys: midlayer.mlp.up_proj.weight" in err and "unexpected keys: layers.0.mlp.up_proj.weight" in err
     assert not (tmp_path / "never").exists()
+
+
+def test_benchmark_smoke_on_cpu_and_the_anchor_flop_count(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_trainer
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    flops = bench_trainer.analytic_flops(4096, 14336, 32, 8, 128, 128256, 32000, 2048, 7)
+    assert flops["train_step_total"] / 1e12 == pytest.approx(36.21, abs=0.005)  # the anchor's count at the 8B draft shape
+    out = tmp_path / "bench.json"
+    assert bench_trainer.main(["--small", "--device", "cpu", "--warmup", "1", "--steps", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["losses_first_50"]) == 50 and result["finite"]
+    assert result["losses_first_50"][-1] < result["losses_first_50"][0]
+    assert result["timed_steps"] == 2 and result["tokens_per_s"] > 0 and 0 < result["mfu"]
+    assert set(result["ratios"]) == set(bench_trainer.SPECFORGE_ANCHOR)
+
+
+def test_a_hugging_face_target_trains_online_on_regenerated_chat_conversations(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from backend.profiles import parse_profile
+    from test_data import chat_tokenizer, write_jsonl
+
+    tokenizer = chat_tokenizer()
+    tokenizer.eos_token = "<|end|>"
+    target_dir = tmp_path / "target"
+    tokenizer.save_pretrained(target_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                         num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(target_dir)
+    raw = mini_profile_dict(target_dir, max_steps=2, batch_size=2, log_interval=1)
+    raw["target"]["vocab_size"] = len(tokenizer)
+    raw["draft"]["draft_vocab_size"] = 8
+    profile = parse_profile(raw, "hf-mini")
+    words = ["hello there", "how are you ?", "fine thanks", "bye !"]
+    records = [{"conversations": [{"role": "user", "content": words[i % 4]}, {"role": "assistant", "content": words[(i + 1) % 4]}]} for i in range(12)]
+    conversations = write_jsonl(tmp_path / "chat.jsonl", records)
+    out = tmp_path / "run"
+    assert train(TrainOptions(profile=profile, out_dir=out, conversations=conversations, regenerate_tokens=3)) == 0
+    assert latest_checkpoint(out).name.endswith("_step_2")
+    meta = json.loads((latest_checkpoint(out) / "config.json").read_text())["eagle3_console"]
+    assert meta["target"]["resolved_path"] == str(target_dir) and len(meta["val_acc"]) == 7
