@@ -23,7 +23,7 @@ from backend.train.target import extract, load_target
 from backend.train.trainer import TrainOptions, Trainer, module_group, train
 from backend.train.tiny import read_corpus
 from backend.train.vocab import build_vocab_mapping, count_tokens
-from conftest import ROOT, mini_profile_dict, subprocess_env, threads_for_tests, train_tiny
+from conftest import ROOT, mini_profile_dict, subprocess_env, threads_for_tests
 
 MINI_DATA = TinyDataSettings(prompt_len=12, total_len=32, train_samples=24, val_samples=8)
 
