@@ -19,7 +19,7 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.screen import ModalScreen
 from textual.worker import Worker
 
-from backend.protocol import Request
+from backend.protocol import PROTOCOL_VERSION, Request
 from console.client import AgentClient, AgentError
 from console.screens.base import ConsoleScreen
 from console.screens.dashboard import DashboardScreen
@@ -168,6 +168,8 @@ class ConsoleApp(App):
             self.state.agent_stderr.append(event.text)
             self.state_changed({"agent_stderr"})
         elif isinstance(event, dict):
+            if event.get("type") == "hello" and event.get("protocol") != PROTOCOL_VERSION:
+                self.note(f"the agent speaks protocol {event.get('protocol')}, this console {PROTOCOL_VERSION}: some views may be empty", severity="warning")
             changed = self.state.apply(event)
             self.state_changed(changed)
             if "metrics_gap" in changed and self.client is not None:

@@ -48,7 +48,7 @@ class ConnectionBanner(Static):
     """One line (wrapping when long) saying whether what the screen shows is live or stale."""
 
     DEFAULT_CSS = """
-    ConnectionBanner { height: auto; max-height: 4; padding: 0 1; }
+    ConnectionBanner { height: auto; max-height: 6; padding: 0 1; }
     ConnectionBanner.-stale { background: $error 20%; }
     """
 
