@@ -318,7 +318,6 @@ class Trainer:
         if options.data_dir is not None:
             return OfflineSource(options.data_dir, profile, device=self.ctx.device)
         from backend.train.target import load_target
-
         from backend.train.tiny import is_tiny_target_dir
 
         target = load_target(profile, device=self.ctx.device)
