@@ -136,8 +136,8 @@ def init_distributed(device_preference: str | None) -> DistContext:
     else:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
-        if world > 1:
-            device = torch.device("cuda", local_rank)
+        # torch 2.11 refuses set_device("cuda") without an index: always name the GPU.
+        device = torch.device("cuda", local_rank if world > 1 else (device.index or 0))
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         # NVLink multicast stays off (see the device notes); harmless where there is none.
