@@ -93,9 +93,11 @@ def trained_tiny_run(tiny_profile, tiny_target_dir, tmp_path_factory) -> Path:
             staging = cached.parent / f".{cached.name}.{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)
             result = train_tiny(staging, "--max-steps", str(TRAINED_TINY_STEPS))
-            if result.returncode != 0:
+            latest = staging / "checkpoints" / "latest"
+            finished = latest.is_file() and latest.read_text().strip().endswith(f"_step_{TRAINED_TINY_STEPS}")
+            if result.returncode != 0 or not finished:  # exit 0 after a SIGTERM is a stopped run, not a cacheable one
                 shutil.rmtree(staging, ignore_errors=True)
-                raise AssertionError(f"tiny training failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+                raise AssertionError(f"tiny training did not finish {TRAINED_TINY_STEPS} steps (exit {result.returncode}):\n{result.stderr[-4000:]}")
             shutil.rmtree(cached, ignore_errors=True)
             os.rename(staging, cached)
     copy = tmp_path_factory.mktemp("trained-tiny") / "run"

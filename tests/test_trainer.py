@@ -191,9 +191,15 @@ def test_one_layer_features_are_refused_at_load_naming_both_widths(mini_profile,
 
 def test_offline_shards_train_like_the_online_target(mini_profile, mini_env, tmp_path):
     target = load_target(mini_profile)
-    extract(target, tiny_samples(target, MINI_DATA), tmp_path / "shards")
-    assert train(mini_options(mini_profile, tmp_path / "run", data_dir=tmp_path / "shards", max_steps=2, eval_at_start=False)) == 0
-    assert latest_checkpoint(tmp_path / "run").name == "epoch_0_step_2"
+    extract(target, tiny_samples(target, MINI_DATA), tmp_path / "shards")  # equal lengths: extraction keeps the order
+    common = dict(max_steps=3, log_interval=1, eval_at_start=False)
+    assert train(mini_options(mini_profile, tmp_path / "offline", data_dir=tmp_path / "shards", **common)) == 0
+    assert train(mini_options(mini_profile, tmp_path / "online", **common)) == 0
+    offline = [r for r in read_records(tmp_path / "offline") if r["split"] == "train"]
+    online = [r for r in read_records(tmp_path / "online") if r["split"] == "train"]
+    assert [r["loss"] for r in offline] == pytest.approx([r["loss"] for r in online], rel=1e-4)
+    state = torch.load(latest_checkpoint(tmp_path / "offline") / "training_state.pt", weights_only=False)
+    assert (state["sampler"]["epoch"], state["sampler"]["cursor"]) == (0, 3)  # the batch read ahead is not skipped on resume
 
 
 def toml_of(data: dict) -> str:

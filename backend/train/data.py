@@ -375,25 +375,38 @@ class OfflineSource:
         """Width of the stored aux features as found in the first sample (not as the metadata claims)."""
         return int(self.splits["train"].get(0, ("aux_hidden_states",))["aux_hidden_states"].shape[-1])
 
-    def batch(self, split: str, indices: list[int], device) -> TrainBatch:
+    def load(self, split: str, indices: list[int]) -> dict:
+        """Host side of a batch: read and right-pad the samples (pinned when CUDA is present). Safe in a worker thread."""
         import torch
 
         shards = self.splits[split]
         rows = [shards.get(i, ("input_ids", "loss_mask", "aux_hidden_states", shards.teacher_key)) for i in indices]
         length = max(row["input_ids"].shape[0] for row in rows)
+        pin = torch.cuda.is_available()
 
         def stack(key, fill=0):
             first = rows[0][key]
             out = torch.full((len(rows), length, *first.shape[1:]), fill, dtype=first.dtype)
             for r, row in enumerate(rows):
                 out[r, : row[key].shape[0]] = row[key]
-            return out.to(device)
+            return out.pin_memory() if pin else out
 
-        teacher = stack(shards.teacher_key)
+        keys = {"input_ids": self.pad_id, "loss_mask": 0, "aux_hidden_states": 0, shards.teacher_key: 0}
+        return {key: stack(key, fill) for key, fill in keys.items()} | {"teacher_key": shards.teacher_key}
+
+    def to_batch(self, loaded: dict, device) -> TrainBatch:
+        """Device side: copy, and turn a stored last hidden state into teacher logits with the target's lm_head."""
+        import torch
+
+        move = {key: value.to(device, non_blocking=True) for key, value in loaded.items() if key != "teacher_key"}
+        teacher = move[loaded["teacher_key"]]
         if self._lm_head is not None:
             with torch.no_grad():
                 teacher = torch.nn.functional.linear(teacher.to(self._lm_head.dtype), self._lm_head)
-        return TrainBatch(stack("input_ids", self.pad_id), stack("loss_mask"), stack("aux_hidden_states"), teacher)
+        return TrainBatch(move["input_ids"], move["loss_mask"], move["aux_hidden_states"], teacher)
+
+    def batch(self, split: str, indices: list[int], device) -> TrainBatch:
+        return self.to_batch(self.load(split, indices), device)
 
     def embed_weight(self):
         return self._embed

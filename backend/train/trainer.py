@@ -207,6 +207,35 @@ class _Interval:
         }
 
 
+class _Prefetcher:
+    """Reads the next training batch on a worker thread while the current step runs (offline shards)."""
+
+    def __init__(self, source, sampler: BatchSampler):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.source, self.sampler = source, sampler
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-prefetch")
+        self.pending = None  # (sampler state before drawing the prefetched batch, future)
+
+    def _submit(self):
+        before = self.sampler.state_dict()
+        return before, self.pool.submit(self.source.load, "train", self.sampler.next())
+
+    def next(self) -> dict:
+        if self.pending is None:
+            self.pending = self._submit()
+        loaded = self.pending[1].result()
+        self.pending = self._submit()
+        return loaded
+
+    def consumed_state(self) -> dict:
+        """Sampler state after the last batch handed out; the one read ahead is not counted."""
+        return dict(self.pending[0]) if self.pending else self.sampler.state_dict()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 class Trainer:
     def __init__(self, options: TrainOptions):
         self.options = options
@@ -218,6 +247,7 @@ class Trainer:
         self.latest_val: dict = {}
         self.tokens = 0
         self.step = 0
+        self.prefetcher: _Prefetcher | None = None
 
     # --- signals ---------------------------------------------------------------------------------
 
@@ -255,6 +285,8 @@ class Trainer:
                 signal.signal(sig, handler)
             if self.tb is not None:
                 self.tb.close()
+            if self.prefetcher is not None:
+                self.prefetcher.close()
             if self.ctx.enabled and dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -396,6 +428,8 @@ class Trainer:
         self.sampler = BatchSampler(self.source.size("train"), s["batch_size"], s["seed"], ctx.rank, ctx.world_size)
         if self.sampler_state:
             self.sampler.load_state_dict(self.sampler_state)
+        if hasattr(self.source, "load"):  # host-side reads can overlap the GPU step
+            self.prefetcher = _Prefetcher(self.source, self.sampler)
         module = _TTTModule(self.draft, s["ttt_length"])
         if ctx.enabled:
             from torch.nn.parallel import DistributedDataParallel
@@ -441,8 +475,10 @@ class Trainer:
 
     def train_step(self, step: int):
         """One optimizer step; returns (loss result, pre-clip grad norm tensor, lr)."""
-        indices = self.sampler.next()
-        batch = self.source.batch("train", indices, self.ctx.device)
+        if self.prefetcher is not None:
+            batch = self.source.to_batch(self.prefetcher.next(), self.ctx.device)
+        else:
+            batch = self.source.batch("train", self.sampler.next(), self.ctx.device)
         result = self._forward(batch, self.model)
         self.optimizer.zero_grad(set_to_none=True)
         result.total.backward()
@@ -455,6 +491,15 @@ class Trainer:
         self.optimizer.step()
         self.tokens += batch.input_ids.numel() * self.ctx.world_size
         return result, grad_norm, lr
+
+    def data_state(self) -> dict:
+        """Where the next training batch comes from (what a resume continues with)."""
+        return self.prefetcher.consumed_state() if self.prefetcher is not None else self.sampler.state_dict()
+
+    @property
+    def epoch_progress(self) -> float:
+        state = self.data_state()
+        return state["epoch"] + state["cursor"] / self.sampler.batches_per_epoch
 
     def evaluate(self) -> dict:
         s, ctx = self.settings, self.ctx
@@ -516,7 +561,7 @@ class Trainer:
         if not self.ctx.is_main:
             return
         total, modules = weight_norms(self.draft)
-        record = {"step": self.step, "epoch": self.sampler.epoch_progress, "split": "train", **values, "lr": lr,
+        record = {"step": self.step, "epoch": self.epoch_progress, "split": "train", **values, "lr": lr,
                   "grad_norm": grad_norm, "weight_norm": total, "weight_norm_modules": modules, "tokens": self.tokens}
         self.metrics.write(record)
         self._tensorboard("train", record)
@@ -527,7 +572,7 @@ class Trainer:
         self.latest_val = {"step": self.step, **values}
         if not self.ctx.is_main:
             return
-        record = {"step": self.step, "epoch": self.sampler.epoch_progress, "split": "val", **values, "tokens": self.tokens}
+        record = {"step": self.step, "epoch": self.epoch_progress, "split": "val", **values, "tokens": self.tokens}
         self.metrics.write(record)
         self._tensorboard("val", record)
         self.log(f"validation at step {self.step}: loss {values['loss']:.4f} acc {' '.join(f'{a:.3f}' for a in values['acc'])}")
@@ -546,10 +591,10 @@ class Trainer:
     def training_state(self) -> dict:
         return {
             "step": self.step,
-            "epoch": self.sampler.epoch_progress,
+            "epoch": self.epoch_progress,
             "tokens": self.tokens,
             "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.data_state(),
             "grokfast": self.grokfast.state_dict() if self.grokfast else None,
             "schedule": self.schedule.describe(),
             "settings": self.settings,
@@ -572,7 +617,7 @@ class Trainer:
                 "profile": self.profile.name,
                 "tokens": self.tokens,
             }
-            path = save_checkpoint(self.out_dir, self.draft, self.draft_config, epoch=int(self.sampler.epoch_progress),
+            path = save_checkpoint(self.out_dir, self.draft, self.draft_config, epoch=int(self.epoch_progress),
                                    step=self.step, training_state=self.training_state(), extra_meta=extra)
             self.log(f"checkpoint: {path}")
         self.ctx.barrier()
