@@ -215,6 +215,8 @@ class Agent:
 
     def run(self, stdin: BinaryIO) -> int:
         """Serve until EOF on stdin, a shutdown request or a closed stdout. Jobs keep running afterwards."""
+        with self._lock:  # so a snapshot asked right after hello already knows each job's latest metrics
+            self._sync_files(self.registry.list_records())
         self.out.send({"type": Event.HELLO, **to_dict(self.hello())})
         ticker = threading.Thread(target=self._tick_loop, name="agent-ticker", daemon=True)
         ticker.start()
