@@ -10,8 +10,7 @@ import pytest
 from backend.bench import client, results
 from backend.bench.client import PromptFileError, load_prompts, percentile
 from backend.jobs import JobRegistry
-from backend.serve import http
-from backend.serve.launch import reference_argv, wait_ready
+from backend.serve.launch import launch
 from backend.serve.preflight import resolve_draft_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,29 +87,18 @@ def test_summarize_and_document(tmp_path):
     assert [p.name for p in (tmp_path / "deep").iterdir()] == ["r.json"]  # no temp file left
 
 
-def start_server(registry, name, argv):
-    registry.start_job(name, "serve", argv, cwd=str(ROOT), env={"OMP_NUM_THREADS": os.environ.get("EAGLE3_TEST_THREADS", "1")})
-    url = http.base_url("127.0.0.1", int(argv[argv.index("--port") + 1]))
-    return url
-
-
-def wait(registry, name, url):
-    def exit_code():
-        info = registry.get(name).info
-        return None if info.state in ("running", "unknown") else info.exit_code
-
-    state, code = wait_ready(url, exit_code, 300, lambda line: None)
-    assert state == "ready", (name, state, code)
-
-
 @pytest.mark.slow
 def test_bench_against_reference_servers_with_baseline(tmp_path, tiny_profile, trained_tiny_run):
-    registry = JobRegistry(tmp_path / "run")
-    spec = start_server(registry, "spec", reference_argv(tiny_profile, str(trained_tiny_run), http.free_port()))
-    base = start_server(registry, "base", reference_argv(tiny_profile, str(trained_tiny_run), http.free_port(), speculative=False))
+    """Both servers come up through launch(): the speculative one (canary skipped) and the --baseline one."""
+    run_dir = tmp_path / "run"
+    common = dict(engine="reference", run_dir=run_dir, env={"OMP_NUM_THREADS": os.environ.get("EAGLE3_TEST_THREADS", "1")},
+                  log=lambda line: None)
+    started = [launch(tiny_profile, trained_tiny_run, job_name="spec", run_canary=False, **common),
+               launch(tiny_profile, None, job_name="base", speculative=False, **common)]
     try:
-        wait(registry, "spec", spec)
-        wait(registry, "base", base)
+        assert [r.state for r in started] == ["ready", "ready"] and all(r.ok for r in started), [r.message for r in started]
+        assert started[1].server_info["speculative_algorithm"] is None and started[1].preflight is None
+        spec, base = (r.url for r in started)
         out_file = tmp_path / "result.json"
         out = subprocess.run(
             [sys.executable, "-m", "backend", "bench", "--url", spec, "--baseline-url", base, "--tag", "code",
@@ -137,4 +125,4 @@ def test_bench_against_reference_servers_with_baseline(tmp_path, tiny_profile, t
         assert doc["outputs_equal"]["equal"] == doc["outputs_equal"]["compared"] == 4
         print("\n" + results.table(doc))
     finally:
-        registry.stop(["spec", "base"], grace=15)
+        JobRegistry(run_dir).stop([r.job_name for r in started if r.job_name], grace=15)

@@ -112,3 +112,14 @@ def test_serve_dry_run_prints_argv_and_preflight(tmp_path, tiny_profile, trained
     body = json.loads(out.stdout)
     assert out.returncode == 1 and body["argv"][1:3] == ["-m", "sglang.launch_server"]
     assert "fc_shape" in [p["code"] for p in body["preflight"]["problems"]]  # a tiny draft for an 8B target
+
+
+def test_serve_baseline_dry_run_needs_no_draft(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "backend", "serve", "--profile", "llama3.1-8b", "--baseline", "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    argv = json.loads(out.stdout)["argv"]
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and not [a for a in argv if a.startswith("--speculative")]
+    out = subprocess.run([sys.executable, "-m", "backend", "serve", "--profile", "tiny"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "--draft is required" in out.stderr

@@ -55,6 +55,13 @@ def test_extra_args_come_last_and_are_caught():
     assert any("EAGLE3" in problem for problem in argv_inconsistencies(argv, profile, DRAFT))
 
 
+def test_baseline_argv_drops_only_the_speculative_flags():
+    profile = load_profile("kimi-k2.5")
+    flags = parse_flag_values(build_sglang_argv(profile, None, speculative=False))
+    assert not [flag for flag in flags if flag.startswith("--speculative")]
+    assert flags["--dtype"] == "bfloat16" and flags["--tp-size"] == "8" and flags["--trust-remote-code"] is True
+
+
 def test_flag_parsing_forms():
     flags = parse_flag_values(["--tp=4", "--model", "m", "--speculative-draft-model", "d", "--enable-metrics"])
     assert flags == {"--tp-size": "4", "--model-path": "m", "--speculative-draft-model-path": "d", "--enable-metrics": True}
@@ -75,3 +82,5 @@ def test_argv_parses_with_sglang_server_args(name):
     assert args.dtype == "bfloat16" and args.tp_size == profile.serve.tp_size
     assert args.mem_fraction_static == profile.serve.mem_fraction_static
     assert args.trust_remote_code is profile.serve.trust_remote_code
+    baseline = server_args.ServerArgs.from_cli_args(parser.parse_args(server_args_part(build_sglang_argv(profile, None, speculative=False))))
+    assert baseline.speculative_algorithm is None and baseline.model_path == profile.target.path

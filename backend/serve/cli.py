@@ -26,7 +26,9 @@ def register(subparsers, parent) -> None:
         "serve", parents=[parent], help="preflight, launch a speculative server as an owned job, run the canary",
         description="Refuses to launch when preflight finds problems (unless --force). Exit 0 on a green canary.")
     serve.add_argument("--profile", required=True)
-    serve.add_argument("--draft", required=True, type=Path)
+    serve.add_argument("--draft", type=Path, help="draft checkpoint (or run) dir; required unless --baseline")
+    serve.add_argument("--baseline", action="store_true",
+                       help="start the same target WITHOUT speculation (for `bench --baseline-url`): no preflight, no canary")
     serve.add_argument("--engine", choices=["sglang", "reference"], help="default: the profile's [serve].engine")
     serve.add_argument("--port", type=int, help="default: the profile's port (sglang) or a free port (reference)")
     serve.add_argument("--host", default="127.0.0.1", help="address the server binds (default 127.0.0.1)")
@@ -82,9 +84,16 @@ def handle_serve(args) -> int:
     if profile is None:
         return EXIT_USAGE
     engine = args.engine or profile.serve.engine
+    if args.draft is None and not args.baseline:
+        print("error: --draft is required (or --baseline for a non-speculative server). Nothing was started.", file=sys.stderr)
+        return EXIT_USAGE
     if args.feed != "aux" and engine != "reference":
         print("error: --feed last_hidden exists only with --engine reference. Nothing was started.", file=sys.stderr)
         return EXIT_USAGE
+    if args.dry_run and args.baseline:
+        argv = launch_mod.build_argv(profile, None, engine, args.port or profile.serve.port, host=args.host, speculative=False)
+        print(json.dumps({"argv": argv, "preflight": None}, indent=1))
+        return EXIT_OK
     if args.dry_run:
         draft = str(resolve_draft_dir(args.draft.expanduser()))
         port = args.port or profile.serve.port
@@ -96,7 +105,7 @@ def handle_serve(args) -> int:
     result = launch_mod.launch(
         profile, args.draft, engine=engine, port=args.port, run_dir=args.run_dir, job_name=args.job_name,
         feed=args.feed, force=args.force, target_config=args.target_config, max_new_tokens=args.max_new_tokens, host=args.host,
-        run_canary=not args.no_canary)
+        run_canary=not args.no_canary, speculative=not args.baseline)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

@@ -80,14 +80,14 @@ def reference_argv(profile: Profile, draft_dir: str, port: int, *, host: str = "
     return argv
 
 
-def build_argv(profile: Profile, draft_dir: str, engine: str, port: int, *, feed: str = "aux",
+def build_argv(profile: Profile, draft_dir: str | None, engine: str, port: int, *, feed: str = "aux",
                host: str = "127.0.0.1", speculative: bool = True) -> list[str]:
     if engine == "reference":
         return reference_argv(profile, draft_dir, port, host=host, feed=feed, speculative=speculative)
     if feed != "aux":
         raise ValueError("--feed last_hidden exists only on the reference engine (SGLang feeds what its target captures)")
     target = target_dir(profile) if profile.target.path.startswith("builtin:") else profile.target.path
-    return build_sglang_argv(profile, draft_dir, target_path=target, port=port, host=host)
+    return build_sglang_argv(profile, draft_dir, target_path=target, port=port, host=host, speculative=speculative)
 
 
 def draft_val_acc(draft_dir: str) -> list[float] | None:
@@ -149,14 +149,10 @@ def wait_ready(url: str, job_exit: Callable[[], int | None], timeout_s: float, l
         delay = min(delay * 1.5, 5.0)
 
 
-def server_mismatches(info: dict[str, Any], expected: dict[str, int]) -> list[str]:
-    problems = []
-    if info.get("speculative_algorithm") != "EAGLE3":
-        problems.append(f"speculative_algorithm is {info.get('speculative_algorithm')!r}, expected 'EAGLE3'")
-    for key, want in expected.items():
-        if info.get(key) != want:
-            problems.append(f"{key} is {info.get(key)!r}, expected {want}")
-    return problems
+def server_mismatches(info: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """What the server reports vs. what was asked; speculative_algorithm must be EAGLE3 unless expected says otherwise."""
+    want_all = {"speculative_algorithm": "EAGLE3", **expected}
+    return [f"{key} is {info.get(key)!r}, expected {want!r}" for key, want in want_all.items() if info.get(key) != want]
 
 
 def gpu_release_check(pids: list[int]) -> dict[str, Any]:
@@ -184,7 +180,7 @@ def gpu_release_check(pids: list[int]) -> dict[str, Any]:
 
 def launch(
     profile: Profile,
-    draft_dir: str | os.PathLike,
+    draft_dir: str | os.PathLike | None,
     *,
     engine: str = "sglang",
     port: int | None = None,
@@ -199,15 +195,22 @@ def launch(
     ready_timeout_s: float | None = None,
     run_canary: bool = True,
     env: dict[str, str] | None = None,
+    speculative: bool = True,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> LaunchResult:
+    """speculative=False starts the same target without a draft (the benchmark baseline): no preflight, no canary."""
     if engine not in ENGINES or feed not in FEEDS:
         raise ValueError(f"engine must be one of {ENGINES} and feed one of {FEEDS}; got {engine!r}, {feed!r}")
-    draft = str(resolve_draft_dir(Path(draft_dir).expanduser()))
+    if speculative and draft_dir is None:
+        raise ValueError("a speculative launch needs the draft checkpoint directory")
+    draft = str(resolve_draft_dir(Path(draft_dir).expanduser())) if speculative else None
     port = port or (http.free_port(host) if engine == "reference" else profile.serve.port)
     url = http.base_url("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
-    argv = build_argv(profile, draft, engine, port, feed=feed, host=host)
+    argv = build_argv(profile, draft, engine, port, feed=feed, host=host, speculative=speculative)
     result = LaunchResult(ok=False, state="refused", message="", engine=engine, url=url, argv=argv, forced=force)
+    if not speculative:
+        return _start_and_wait(result, profile, argv, url, run_dir, job_name or f"serve-{profile.name}-{engine}-baseline",
+                               env, ready_timeout_s, log, expected={"speculative_algorithm": None})
 
     started = time.monotonic()
     sglang_argv = build_sglang_argv(profile, draft, port=port, host=host)
@@ -221,9 +224,38 @@ def launch(
     if not report.ok:
         log(f"preflight problems {report.codes()} ignored because of --force")
 
+    _start_and_wait(result, profile, argv, url, run_dir, job_name or f"serve-{profile.name}-{engine}", env,
+                    ready_timeout_s, log, expected=expected_spec_settings(profile))
+    if result.state != "ready":
+        return result
+    if not run_canary:
+        result.ok = not result.server_check
+        result.message = "server ready (canary skipped)" + (f"; {result.server_check}" if result.server_check else "")
+        return result
+
+    canary_started = time.monotonic()
+    outcome = canary_mod.run_canary(
+        url, prompts or canary_prompts(profile), num_steps=int(result.server_info.get("speculative_num_steps") or profile.serve.num_steps),
+        val_acc=draft_val_acc(draft), max_new_tokens=max_new_tokens, preflight_codes=report.codes())
+    result.timings["canary_s"] = time.monotonic() - canary_started
+    result.canary = outcome.to_dict()
+    result.verdict, result.causes = outcome.verdict, outcome.causes
+    result.ok = outcome.verdict == canary_mod.GREEN and not result.server_check
+    result.message = f"{outcome.verdict}: {outcome.headline}"
+    if result.server_check:
+        result.message += f"; server runs other settings than asked: {'; '.join(result.server_check)}"
+    if not result.ok:
+        result.message += (f". The server is still running as job {result.job_name!r} "
+                           f"(stop it with `eagle3-host job stop --name {result.job_name}`).")
+    return result
+
+
+def _start_and_wait(result: LaunchResult, profile: Profile, argv: list[str], url: str, run_dir: Any, job_name: str,
+                    env: dict[str, str] | None, ready_timeout_s: float | None, log: Callable[[str], None],
+                    expected: dict[str, Any]) -> LaunchResult:
+    """Start the owned job, wait for health, read and check the server info; fills `result` in place."""
     from backend.jobs import JobRegistry
 
-    job_name = job_name or f"serve-{profile.name}-{engine}"
     registry = JobRegistry(Path(run_dir or "~/.eagle3").expanduser())
     try:
         info = registry.start_job(job_name, "serve", argv, cwd=str(REPO_ROOT), env=env)
@@ -250,31 +282,12 @@ def launch(
             result.message = (f"server job {job_name!r} did not answer /health_generate with 200 within {timeout:.0f} s; "
                               f"it is still running (stop it with `eagle3-host job stop --name {job_name}`)")
         return result
-
     info_reply = http.get(f"{url}/get_server_info", timeout=60)
     result.server_info = _server_summary(info_reply.body if isinstance(info_reply.body, dict) else {})
-    expected = expected_spec_settings(profile)
     result.server_check = server_mismatches(result.server_info, expected)
     result.state = "ready"
-    if not run_canary:
-        result.ok = not result.server_check
-        result.message = "server ready (canary skipped)" + (f"; {result.server_check}" if result.server_check else "")
-        return result
-
-    canary_started = time.monotonic()
-    outcome = canary_mod.run_canary(
-        url, prompts or canary_prompts(profile), num_steps=int(result.server_info.get("speculative_num_steps") or profile.serve.num_steps),
-        val_acc=draft_val_acc(draft), max_new_tokens=max_new_tokens, preflight_codes=report.codes())
-    result.timings["canary_s"] = time.monotonic() - canary_started
-    result.canary = outcome.to_dict()
-    result.verdict, result.causes = outcome.verdict, outcome.causes
-    result.ok = outcome.verdict == canary_mod.GREEN and not result.server_check
-    result.message = f"{outcome.verdict}: {outcome.headline}"
-    if result.server_check:
-        result.message += f"; server runs other settings than asked: {'; '.join(result.server_check)}"
-    if not result.ok:
-        result.message += (f". The server is still running as job {job_name!r} "
-                           f"(stop it with `eagle3-host job stop --name {job_name}`).")
+    result.ok = not result.server_check
+    result.message = f"server ready as job {job_name!r}" + (f"; {'; '.join(result.server_check)}" if result.server_check else "")
     return result
 
 

@@ -37,23 +37,29 @@ def sglang_python() -> str:
 
 def build_sglang_argv(
     profile: Profile,
-    draft_path: str,
+    draft_path: str | None,
     *,
     target_path: str | None = None,
     port: int | None = None,
     host: str = "127.0.0.1",
     python: str | None = None,
+    speculative: bool = True,
 ) -> list[str]:
-    """[python, -m, sglang.launch_server, ...]: every section-1 flag explicit; profile extra_args last."""
+    """[python, -m, sglang.launch_server, ...]: every section-1 flag explicit; profile extra_args last.
+
+    speculative=False gives the same server without the five speculative flags (the benchmark baseline).
+    """
     serve = profile.serve
-    argv = [
-        python or sglang_python(), "-m", "sglang.launch_server",
-        "--model-path", target_path or profile.target.path,
-        "--speculative-algorithm", "EAGLE3",
-        "--speculative-draft-model-path", str(draft_path),
-        "--speculative-num-steps", str(serve.num_steps),
-        "--speculative-eagle-topk", str(serve.eagle_topk),
-        "--speculative-num-draft-tokens", str(serve.num_draft_tokens),
+    argv = [python or sglang_python(), "-m", "sglang.launch_server", "--model-path", target_path or profile.target.path]
+    if speculative:
+        argv += [
+            "--speculative-algorithm", "EAGLE3",
+            "--speculative-draft-model-path", str(draft_path),
+            "--speculative-num-steps", str(serve.num_steps),
+            "--speculative-eagle-topk", str(serve.eagle_topk),
+            "--speculative-num-draft-tokens", str(serve.num_draft_tokens),
+        ]
+    argv += [
         "--dtype", serve.dtype,
         "--tp-size", str(serve.tp_size),
         "--mem-fraction-static", str(serve.mem_fraction_static),
