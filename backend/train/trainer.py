@@ -236,6 +236,10 @@ class _Prefetcher:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+class _StoppedDuringSetup(Exception):
+    """SIGTERM/SIGINT arrived before the first training step."""
+
+
 class Trainer:
     def __init__(self, options: TrainOptions):
         self.options = options
@@ -248,10 +252,16 @@ class Trainer:
         self.tokens = 0
         self.step = 0
         self.prefetcher: _Prefetcher | None = None
+        self.in_loop = False
 
     # --- signals ---------------------------------------------------------------------------------
 
     def _on_signal(self, signum, _frame) -> None:
+        if not self.in_loop and not getattr(getattr(self, "ctx", None), "enabled", True):
+            # Building the tiny target or generating data: nothing to checkpoint yet, and those caches are
+            # written atomically, so stop now rather than after minutes of setup.
+            self.stop_signal = signum
+            raise _StoppedDuringSetup(signal.Signals(signum).name)
         if self.stop_signal is None:
             self.log(f"received {signal.Signals(signum).name}: finishing the current step, then writing a checkpoint")
         self.stop_signal = signum
@@ -274,10 +284,15 @@ class Trainer:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         self.ctx = init_distributed(self.options.device)
         try:
-            self._setup()
+            try:
+                self._setup()
+            except _StoppedDuringSetup as stopped:
+                self.log(f"received {stopped} during setup, before the first step; no checkpoint was written")
+                return 0
             if self.stop_signal is not None:
                 self.log("stopped during setup, before the first step; no checkpoint was written")
                 return 0
+            self.in_loop = True
             self._loop()
             return 0
         finally:
