@@ -21,11 +21,15 @@ from textual.worker import Worker
 
 from backend.protocol import PROTOCOL_VERSION, Request
 from console.client import AgentClient, AgentError
+from console.host_commands import (CHAIN_CONCURRENCY_DEFAULT, CHAIN_GRACE_DEFAULT_S, CHAIN_PROMPTS_DEFAULT, ProfileFacts,
+                                   chain_argv, chain_job_name, chain_training_job, job_profile, option_value, profile_facts)
 from console.screens.base import ConsoleScreen
+from console.screens.chain import CHAIN_STAGES, ChainScreen
 from console.screens.dashboard import DashboardScreen
+from console.screens.grok_modal import GrokModal
 from console.screens.logs import STREAMS, LogsScreen
-from console.screens.modals import AdoptModal, StopModal
-from console.state import CONNECTED, FAILED, ConnectionStatus, ConsoleState
+from console.screens.modals import AdoptModal, StopAndBenchModal, StopModal, WatchModal, bench_plan_text
+from console.state import CONNECTED, EXTERNAL_PREFIX, FAILED, ConnectionStatus, ConsoleState
 from console.transport import AgentStderr, Transport, TransportError
 
 LOG_TAIL_LINES = 500
@@ -33,6 +37,9 @@ GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)
 QUIT_CONFIRM_S = 10.0
 REDRAW_SHARE = 4.0
 HISTORY_BATCHES_MAX = 1000
+SIGNALS_INTERVAL_S = 5.0  # at most one `signals` request per job this often (the host computes them on request)
+DATA_SCALING_EVERY_S = 60.0
+GROK_WEIGHT_DECAY = 0.1  # `eagle3-host grok --weight-decay` default
 
 
 @dataclass(frozen=True)
@@ -46,16 +53,25 @@ class ConsoleAction:
     needs_connection: bool = False
     needs_job: bool = False
     screen: str | None = None  # only on the screen of this mode (its own binding)
+    owned_job: bool = False  # refused on external (watched, read-only) runs
+    job_kinds: tuple[str, ...] = ()  # the selected job must be one of these kinds
 
 
 ACTIONS = [
     ConsoleAction("show_dashboard", "1", "Dashboard", "GPUs, jobs, latest metrics, disks"),
     ConsoleAction("show_training", "2", "Training", "loss / LR curves and validation accuracy"),
     ConsoleAction("show_logs", "3", "Logs", "stdout and stderr of the selected job"),
+    ConsoleAction("show_grokking", "4", "Grokking", "log-step loss, gap, val slope, norms, tau, LR floor, data scaling"),
+    ConsoleAction("show_chain", "5", "Bench result", "stages and result of the latest stop-and-bench run"),
     ConsoleAction("prev_job", "[", "Prev job", "select the previous job"),
     ConsoleAction("next_job", "]", "Next job", "select the next job"),
     ConsoleAction("start_training", "n", "New tiny run", "start a training job with the console's profile", needs_connection=True),
-    ConsoleAction("stop_job", "s", "Stop job", "stop the selected job (shows the PIDs first)", needs_connection=True, needs_job=True),
+    ConsoleAction("stop_job", "s", "Stop job", "stop the selected job (shows the PIDs first)", needs_connection=True, needs_job=True, owned_job=True),
+    ConsoleAction("stop_and_bench", "b", "Stop & bench", "stop training with a checkpoint, serve it, canary, benchmark (shows the plan first)",
+                  needs_connection=True, needs_job=True, owned_job=True, job_kinds=("train",)),
+    ConsoleAction("grok", "g", "Grok run", "resume a checkpoint with a constant LR, weight decay, optional Grokfast",
+                  needs_connection=True, needs_job=True, owned_job=True, job_kinds=("train",)),
+    ConsoleAction("watch_external", "w", "Watch run", "watch a TensorBoard dir or SpecForge log read-only as ext:<name>", needs_connection=True),
     ConsoleAction("adopt", "a", "Adopt PID", "adopt a foreign process as a job (PID typed to confirm)", needs_connection=True),
     ConsoleAction("resync", "r", "Resync", "re-read everything from the agent", needs_connection=True),
     ConsoleAction("quit", "q", "Quit", "leave the console (jobs keep running on the host)"),
@@ -66,6 +82,10 @@ ACTIONS = [
     ConsoleAction("switch_stream", "o", "Live stream", "Logs: follow stdout or stderr live", screen="logs"),
 ]
 ACTIONS_BY_NAME = {a.name: a for a in ACTIONS}
+_SCREENS = Binding.Group("Screens", compact=True)  # the footer shows "12345 Screens": room for every action key
+_JOBS = Binding.Group("Prev/next job", compact=True)
+FOOTER_GROUPS = {"show_dashboard": _SCREENS, "show_training": _SCREENS, "show_logs": _SCREENS, "show_grokking": _SCREENS,
+                 "show_chain": _SCREENS, "prev_job": _JOBS, "next_job": _JOBS}
 
 
 class ConsoleCommands(Provider):
@@ -97,10 +117,10 @@ class ConsoleCommands(Provider):
 class ConsoleApp(App):
     TITLE = "eagle3-console"
     CSS_PATH = "console.tcss"
-    MODES = {"dashboard": DashboardScreen, "logs": LogsScreen}  # "training" is added per instance
+    MODES = {"dashboard": DashboardScreen, "logs": LogsScreen, "chain": ChainScreen}  # "training", "grokking" added per instance
     DEFAULT_MODE = "dashboard"
     COMMANDS = App.COMMANDS | {ConsoleCommands}
-    BINDINGS = [Binding(a.key, a.name, a.label) for a in ACTIONS if a.screen is None]
+    BINDINGS = [Binding(a.key, a.name, a.label, group=FOOTER_GROUPS.get(a.name)) for a in ACTIONS if a.screen is None]
 
     def __init__(
         self,
@@ -112,6 +132,8 @@ class ConsoleApp(App):
         poll_interval: float | None = 5.0,
         stop_grace: float = 30.0,
         raw_plots: bool = False,
+        chain_args: list[str] | tuple[str, ...] = (),
+        signals_interval: float = SIGNALS_INTERVAL_S,
     ):
         super().__init__()
         self.client = client
@@ -133,6 +155,16 @@ class ConsoleApp(App):
         self._quit_warned_at = float("-inf")
         self._metrics_locks: dict[str, asyncio.Lock] = {}
         self._modes["training"] = partial(_training_screen, raw_plots=raw_plots)
+        self._modes["grokking"] = _grokking_screen
+        self.chain_args = list(chain_args)  # extra `stop-and-bench` options (tests: --stop-server-after, --port ...)
+        self.chain_job: str | None = None  # the chain the `b` key started last
+        self.signals_interval = signals_interval
+        self.signals_fetches = 0
+        self._signals_next: dict[str, float] = {}
+        self._signals_timer: Any = None
+        self._data_scaling_at: dict[str, float] = {}
+        self._profiles: dict[str, ProfileFacts] = {}
+        self._externals_agent: int | None = None  # agent pid the external watches were registered with
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -174,6 +206,10 @@ class ConsoleApp(App):
             self.state_changed(changed)
             if "metrics_gap" in changed and self.client is not None:
                 self.catch_up_metrics()
+            if event.get("type") == "metrics" and event.get("job") == self.selected_job:
+                self.request_signals(self.selected_job)
+            if event.get("type") == "stages" and "stages" in changed:
+                self._on_chain_progress(str(event.get("job")))
             if event.get("type") == "jobs" and self.selected_job is None:
                 self._select_default_job()
 
@@ -245,8 +281,12 @@ class ConsoleApp(App):
         self.selected_job = name
         self.refresh_bindings()
         self.state_changed({"selection"})
+        if self._signals_timer is not None:  # it was scheduled for the previous job
+            self._signals_timer.stop()
+            self._signals_timer = None
         if name and self.client is not None and self.state.connection.connected:
             self.load_job(name)
+            self.grokking_shown()
 
     def _cycle_job(self, step: int) -> None:
         names = list(reversed(list(self.state.jobs)))  # newest first, as the jobs table shows them
@@ -265,12 +305,16 @@ class ConsoleApp(App):
         try:
             snapshot = await self.client.request(Request.SNAPSHOT)
             self.state_changed(self.state.apply_snapshot(snapshot))
+            await self._rewatch_externals()
             if self.selected_job not in self.state.jobs:
                 self.selected_job = None
                 self._select_default_job()
             await self._refresh_holders()
             if self.selected_job:
                 await self._load_job(self.selected_job)
+            if isinstance(self.screen, ChainScreen):
+                self.attach_chain(self.current_chain_job())
+            self.grokking_shown(force=True)
         except AgentError as exc:
             self.note(f"resync failed: {exc}")
 
@@ -283,7 +327,8 @@ class ConsoleApp(App):
 
     async def _load_job(self, name: str) -> None:
         await self._load_metrics(name)
-        await self._follow_logs(name)
+        if not self.state.is_external(name):  # a watched run has no logs of ours
+            await self._follow_logs(name)
 
     async def _load_metrics(self, name: str) -> None:
         """metrics_history from our offset (from 0 the first time), in batches while the agent says `more`.
@@ -372,6 +417,14 @@ class ConsoleApp(App):
             return "disconnected from the host" if self.client is not None else "no host connection"
         if spec.needs_job and not self.selected_job:
             return "no job selected"
+        job = self.selected_job
+        if spec.owned_job and self.state.is_external(job):
+            return f"{job} is an external run, watched read-only"
+        if spec.job_kinds and job:
+            info = self.state.jobs.get(job)
+            kind = info.kind if info else "unknown"
+            if kind not in spec.job_kinds:
+                return f"{job} is a {kind} job; select a training job"
         return None
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -424,6 +477,12 @@ class ConsoleApp(App):
 
     def action_show_logs(self) -> None:
         self.switch_mode("logs")
+
+    def action_show_grokking(self) -> None:
+        self.switch_mode("grokking")
+
+    def action_show_chain(self) -> None:
+        self.switch_mode("chain")
 
     def action_next_job(self) -> None:
         self._cycle_job(+1)
@@ -490,6 +549,243 @@ class ConsoleApp(App):
         self.note(f"adopted pid {choice['pid']} as {(result.get('job') or {}).get('name', choice['name'])}")
         self.resync()
 
+    # -- grokking signals and data scaling (computed on the host, on request) ------------------------
+
+    def profile_of(self, job: str | None) -> str:
+        info = self.state.jobs.get(job) if job else None
+        return job_profile(info.argv, self.profile) if info and info.argv else self.profile
+
+    def profile_facts(self, name: str) -> ProfileFacts:
+        if name not in self._profiles:
+            self._profiles[name] = profile_facts(name)
+        return self._profiles[name]
+
+    def _grokking_active(self) -> bool:
+        return getattr(self.screen, "MODE", None) == "grokking"
+
+    def _can_ask(self) -> bool:
+        return self.client is not None and self.state.connection.connected
+
+    def grokking_shown(self, force: bool = False) -> None:
+        """The Grokking screen came up (or its job changed): signals now (throttled), data scaling when old."""
+        job = self.selected_job
+        if not job or not self._grokking_active() or not self._can_ask():
+            return
+        self.request_signals(job)
+        last = self._data_scaling_at.get(job)
+        if force or last is None or time.monotonic() - last > DATA_SCALING_EVERY_S:
+            self._data_scaling_at[job] = time.monotonic()
+            self.fetch_data_scaling(job)
+
+    def request_signals(self, job: str | None) -> None:
+        """Ask for signals of the selected job at most once per `signals_interval`; later asks are folded into one timer."""
+        if not job or job != self.selected_job or not self._grokking_active() or not self._can_ask():
+            return
+        if self._signals_timer is not None:
+            return  # one fetch is already scheduled: it will see these metrics too
+        wait = self._signals_next.get(job, 0.0) - time.monotonic()
+        if wait <= 0:
+            self.fetch_signals(job)
+        else:
+            self._signals_timer = self.set_timer(wait, self._signals_timer_fired)
+
+    def _signals_timer_fired(self) -> None:
+        self._signals_timer = None
+        self.request_signals(self.selected_job)
+
+    @work(group="signals", exclusive=True, exit_on_error=False)
+    async def fetch_signals(self, job: str) -> None:
+        self._signals_next[job] = time.monotonic() + self.signals_interval
+        self.signals_fetches += 1
+        try:
+            result = await self.client.request(Request.SIGNALS, name=job, timeout=120)
+        except AgentError as exc:
+            if exc.code not in ("disconnected", "timeout"):
+                self.note(f"signals of {job}: {exc}", severity="warning")
+            return
+        self.state.signals[job] = result
+        self.state.signals_at[job] = self.state.clock()
+        self.state_changed({"signals"})
+
+    @work(group="data_scaling", exclusive=True, exit_on_error=False)
+    async def fetch_data_scaling(self, job: str) -> None:
+        """Measured from the run's --data dir; else estimated from the profile's shapes (the agent says which)."""
+        info = self.state.jobs.get(job)
+        data_dir = option_value(info.argv, "--data") if info and info.argv else None
+        params: dict[str, Any] = {"data_dir": data_dir} if data_dir else {}
+        if not data_dir:
+            facts = self.profile_facts(self.profile_of(job))
+            if facts.error:
+                self.state.data_scaling[job] = {"error": f"{job} has no --data dir and its profile cannot be read here: {facts.error}"}
+                self.state_changed({"data_scaling"})
+                return
+            params = {"data_dir": facts.data_dir, "shape": facts.shape}
+        try:
+            result = await self.client.request(Request.DATA_SCALING, **params, timeout=60)
+        except AgentError as exc:
+            if exc.code in ("disconnected", "timeout"):
+                return
+            result = {"error": exc.message}
+        self.state.data_scaling[job] = result
+        self.state_changed({"data_scaling"})
+
+    # -- stop & bench ----------------------------------------------------------------------------
+
+    def current_chain_job(self) -> str | None:
+        """The selected job when it is a chain, else the chain `b` started last, else the newest chain job."""
+        info = self.state.jobs.get(self.selected_job) if self.selected_job else None
+        if info is not None and info.kind == "chain":
+            return info.name
+        if self.chain_job:
+            return self.chain_job
+        chains = [j.name for j in self.state.jobs.values() if j.kind == "chain"]
+        return chains[-1] if chains else None
+
+    def _train_job_of_chain(self, chain: str) -> str:
+        info = self.state.jobs.get(chain)
+        return chain_training_job(info.argv if info else [], chain)
+
+    @work(group="chain", exclusive=True, exit_on_error=False)
+    async def attach_chain(self, chain: str | None) -> None:
+        """(Re)attach to a chain job: its full stage history, then the saved results of its training run."""
+        if not chain or not self._can_ask():
+            return
+        try:
+            history = await self.client.request(Request.STAGES_HISTORY, name=chain)
+        except AgentError as exc:
+            if exc.code not in ("disconnected", "timeout"):
+                self.note(f"stages of {chain}: {exc}", severity="warning")
+            return
+        self.state_changed(self.state.apply_stages_history(chain, history.get("records") or []))
+        await self._load_results(self._train_job_of_chain(chain))
+
+    def _on_chain_progress(self, chain: str) -> None:
+        """A chain stage changed; when the chain has ended, fetch the run's saved results for comparison."""
+        ended = any(r.get("status") == "failed" or (r.get("stage") == CHAIN_STAGES[-1] and r.get("status") == "ok")
+                    for r in self.state.stages.get(chain, []))
+        if ended and self._can_ask():
+            self.load_results(self._train_job_of_chain(chain))
+
+    @work(group="results", exclusive=True, exit_on_error=False)
+    async def load_results(self, train_job: str) -> None:
+        await self._load_results(train_job)
+
+    async def _load_results(self, train_job: str) -> None:
+        try:
+            result = await self.client.request(Request.RESULTS, name=train_job)
+        except AgentError as exc:
+            if exc.code not in ("disconnected", "timeout", "not_found"):
+                self.note(f"results of {train_job}: {exc}", severity="warning")
+            return
+        self.state.results[train_job] = [r for r in result.get("results") or [] if isinstance(r, dict)]
+        self.state_changed({"results"})
+
+    @work(group="actions", exit_on_error=False)
+    async def action_stop_and_bench(self) -> None:
+        job = self.selected_job
+        info = self.state.jobs.get(job)
+        try:
+            plan = await self.client.request(Request.STOP_PLAN, name=job)
+            checkpoints = (await self.client.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
+        except AgentError as exc:
+            self.note(f"stop & bench {job}: could not get the plan ({exc}); nothing was stopped", severity="error")
+            return
+        running = bool(info and info.state == "running")
+        argv = chain_argv(job, self.chain_args)
+        profile = option_value(self.chain_args, "--profile") or self.profile_of(job)
+        facts = self.profile_facts(profile)
+        engine = option_value(self.chain_args, "--engine")
+        source = "--engine" if engine else f"serve.engine of profile {facts.name}"
+        if not engine:
+            engine = facts.engine or "the profile's serve.engine"
+            if facts.error:
+                source = f"profile {profile} cannot be read here: {facts.error}"
+        text = bench_plan_text(job, plan, checkpoints, running, engine, source,
+                               float(option_value(self.chain_args, "--grace") or CHAIN_GRACE_DEFAULT_S),
+                               option_value(self.chain_args, "--concurrency") or CHAIN_CONCURRENCY_DEFAULT,
+                               int(option_value(self.chain_args, "--num-prompts") or CHAIN_PROMPTS_DEFAULT), argv)
+        if not await self.push_screen_wait(StopAndBenchModal(job, text, can_start=running or bool(checkpoints))):
+            self.note(f"stop & bench {job} cancelled; nothing was stopped")
+            return
+        if self.disabled_reason("stop_and_bench"):
+            self.note(f"stop & bench {job} not started: {self.disabled_reason('stop_and_bench')}", severity="error")
+            return
+        name = chain_job_name(job)
+        self.state.stages.pop(name, None)  # stages of an earlier chain of that name belong to its archived run
+        try:
+            result = await self.client.request(Request.START_JOB, name=name, kind="chain", argv=argv)
+        except AgentError as exc:
+            self.note(f"stop & bench {job} not started: {exc}", severity="error")
+            return
+        self.chain_job = name
+        self.note(f"started {name} (pid {(result.get('job') or {}).get('pid', '?')}): {' '.join(argv)}")
+        self.switch_mode("chain")
+        self.state_changed({"chain"})
+
+    # -- grokking runs and external runs ----------------------------------------------------------
+
+    @work(group="actions", exit_on_error=False)
+    async def action_grok(self) -> None:
+        job = self.selected_job
+        try:
+            checkpoints = (await self.client.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
+        except AgentError as exc:
+            self.note(f"grok run from {job}: could not list its checkpoints ({exc}); nothing was started", severity="error")
+            return
+        profile = self.profile_of(job)
+        modal = GrokModal(job, profile, checkpoints, lr=self.profile_facts(profile).learning_rate, weight_decay=GROK_WEIGHT_DECAY)
+        params = await self.push_screen_wait(modal)
+        if not params:
+            self.note(f"grok run from {job} cancelled; nothing was started")
+            return
+        if self.disabled_reason("grok"):
+            self.note(f"grok run not started: {self.disabled_reason('grok')}", severity="error")
+            return
+        try:
+            result = await self.client.request(Request.START_JOB, name=params["name"], kind="train", argv=params["argv"])
+        except AgentError as exc:
+            self.note(f"grok run {params['name']} not started: {exc}", severity="error")
+            return
+        self.note(f"started {params['name']} (pid {(result.get('job') or {}).get('pid', '?')}): {' '.join(params['argv'])}")
+        self.selected_job = None
+        self.select_job(params["name"])
+
+    @work(group="actions", exit_on_error=False)
+    async def action_watch_external(self) -> None:
+        choice = await self.push_screen_wait(WatchModal())
+        if not choice:
+            self.note("watch cancelled; nothing is watched")
+            return
+        if self.disabled_reason("watch_external"):
+            self.note(f"watch not sent: {self.disabled_reason('watch_external')}", severity="error")
+            return
+        try:
+            result = await self.client.request(Request.WATCH_EXTERNAL, name=choice["name"], path=choice["path"])
+        except AgentError as exc:
+            self.note(f"cannot watch {choice['path']}: {exc}", severity="error")
+            return
+        job = str(result.get("job") or EXTERNAL_PREFIX + choice["name"])
+        self.state.metrics.pop(job, None)  # the agent's reader starts from the beginning of the run
+        self.state.signals.pop(job, None)
+        self._externals_agent = self.state.hello.agent_pid if self.state.hello else None
+        self.state_changed(self.state.add_external(job, choice["path"]))
+        self.note(f"watching {choice['path']} as {job} (read-only: no stop or adopt)")
+        self.selected_job = None
+        self.select_job(job)
+
+    async def _rewatch_externals(self) -> None:
+        """A new agent (after a reconnect) knows no watches: register them again; their records restart from 0."""
+        agent = self.state.hello.agent_pid if self.state.hello else None
+        if not self.state.externals or agent == self._externals_agent:
+            return
+        for job, path in list(self.state.externals.items()):
+            try:
+                await self.client.request(Request.WATCH_EXTERNAL, name=job.removeprefix(EXTERNAL_PREFIX), path=path)
+            except AgentError as exc:
+                self.note(f"re-watching {path} as {job} failed: {exc}", severity="warning")
+            self.state.metrics.pop(job, None)
+        self._externals_agent = agent
+
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker.error is not None and event.worker.group != "agent":
             self.note(f"{event.worker.name or event.worker.group} failed: {event.worker.error}", severity="error")
@@ -500,6 +796,12 @@ def _training_screen(**kwargs: Any) -> ConsoleScreen:
     from console.screens.training import TrainingScreen
 
     return TrainingScreen(**kwargs)
+
+
+def _grokking_screen() -> ConsoleScreen:
+    from console.screens.grokking import GrokkingScreen
+
+    return GrokkingScreen()
 
 
 def _short_profile(profile: str) -> str:
@@ -519,6 +821,8 @@ def build_app(
     request_timeout: float = 30.0,
     stop_grace: float = 30.0,
     raw_plots: bool = False,
+    chain_args: list[str] | tuple[str, ...] = (),
+    signals_interval: float = SIGNALS_INTERVAL_S,
 ) -> ConsoleApp:
     """The console app: over `transport` when given, else showing only the (fixed) `state` handed in."""
     state = state or ConsoleState()
@@ -537,4 +841,6 @@ def build_app(
         poll_interval=poll_interval,
         stop_grace=stop_grace,
         raw_plots=raw_plots,
+        chain_args=chain_args,
+        signals_interval=signals_interval,
     )

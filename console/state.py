@@ -13,6 +13,7 @@ from typing import Any, Callable
 from backend.protocol import DiskUsage, Event, GpuHolder, GpuSample, HelloInfo, JobInfo, from_dict
 
 LOG_LINES_KEPT = 2000
+EXTERNAL_PREFIX = "ext:"
 CONNECTED = "connected"
 CONNECTING = "connecting"
 RECONNECTING = "reconnecting"
@@ -75,6 +76,9 @@ class JobMetrics:
     train_loss: Series = field(default_factory=Series)
     val_loss: Series = field(default_factory=Series)
     lr: Series = field(default_factory=Series)
+    grad_norm: Series = field(default_factory=Series)
+    weight_norm: Series = field(default_factory=Series)
+    weight_norm_modules: dict[str, Series] = field(default_factory=dict)
     val_acc: list[tuple[float, list[float]]] = field(default_factory=list)
     latest: dict[str, Any] = field(default_factory=dict)
     latest_train: dict[str, Any] = field(default_factory=dict)
@@ -101,8 +105,19 @@ class JobMetrics:
         else:
             self.latest_train = record
             self.train_loss.append(step, record.get("loss"))
+            self._add_norms(step, record)
         if "lr" in record:
             self.lr.append(step, record.get("lr"))
+
+    def _add_norms(self, step: float, record: dict[str, Any]) -> None:
+        if "grad_norm" in record:
+            self.grad_norm.append(step, record.get("grad_norm"))
+        if "weight_norm" in record:
+            self.weight_norm.append(step, record.get("weight_norm"))
+        modules = record.get("weight_norm_modules")
+        if isinstance(modules, dict):
+            for module, norm in modules.items():
+                self.weight_norm_modules.setdefault(str(module), Series()).append(step, norm)
 
     @property
     def version(self) -> int:
@@ -143,6 +158,11 @@ class ConsoleState:
     job_details: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, JobMetrics] = field(default_factory=dict)
     stages: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    signals: dict[str, dict[str, Any]] = field(default_factory=dict)  # job -> the agent's `signals` reply
+    signals_at: dict[str, float] = field(default_factory=dict)
+    data_scaling: dict[str, dict[str, Any]] = field(default_factory=dict)  # job -> `data_scaling` reply (or {"error"})
+    results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # training job -> saved stop-and-bench results
+    externals: dict[str, str] = field(default_factory=dict)  # "ext:<name>" -> watched path (read-only runs)
     disks: list[DiskUsage] = field(default_factory=list)
     logs: dict[tuple[str, str], LogBuffer] = field(default_factory=dict)
     updated_at: dict[str, float] = field(default_factory=dict)
@@ -245,6 +265,26 @@ class ConsoleState:
         metrics.needs_catchup = metrics.seen_end > metrics.offset
         return {"metrics"}
 
+    def apply_stages_history(self, job: str, records: list[dict[str, Any]]) -> set[str]:
+        """Replace a chain job's stage records with the agent's full history (on (re)attach)."""
+        received = {_stage_key(r): r.get("_received") for r in self.stages.get(job, [])}
+        fresh = []
+        for record in records:
+            if isinstance(record, dict):
+                fresh.append({**record, "_received": received.get(_stage_key(record))})
+        self.stages[job] = fresh
+        return {"stages"}
+
+    def add_external(self, job: str, path: str) -> set[str]:
+        """A run this tool did not start, watched read-only: listed as a job of kind "external"."""
+        self.externals[job] = path
+        self.jobs[job] = _external_info(job, path, self.clock())
+        self.job_details[job] = f"watching {path} (read-only)"
+        return {"jobs"}
+
+    def is_external(self, job: str | None) -> bool:
+        return bool(job) and (job in self.externals or str(job).startswith(EXTERNAL_PREFIX))
+
     def running_jobs(self) -> list[JobInfo]:
         return [j for j in self.jobs.values() if j.state == "running"]
 
@@ -281,9 +321,20 @@ def _on_gpus(state: ConsoleState, message: dict[str, Any]) -> set[str]:
 def _on_jobs(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     raw = [j for j in message.get("jobs") or [] if isinstance(j, dict)]
     jobs = [from_dict(JobInfo, j) for j in raw]
-    state.jobs = {j.name: j for j in sorted(jobs, key=lambda j: j.started_at)}
+    watched = {name: state.jobs.get(name) or _external_info(name, path, state.clock()) for name, path in state.externals.items()}
+    state.jobs = {j.name: j for j in sorted([*jobs, *watched.values()], key=lambda j: j.started_at)}
     state.job_details = {str(j.get("name")): str(j.get("detail") or "") for j in raw}
+    state.job_details.update({name: f"watching {path} (read-only)" for name, path in state.externals.items()})
     return {"jobs"}
+
+
+def _external_info(job: str, path: str, now: float) -> JobInfo:
+    return JobInfo(name=job, kind="external", state="watching", pid=0, pgid=0, start_time_ticks=0, argv=[],
+                   job_dir=path, stdout_path="", stderr_path="", started_at=now)
+
+
+def _stage_key(record: dict[str, Any]) -> tuple:
+    return (record.get("stage"), record.get("status"), record.get("time"))
 
 
 def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
@@ -315,7 +366,13 @@ def _on_stages(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     job = message.get("job")
     if not isinstance(job, str):
         return set()
-    state.stages.setdefault(job, []).extend(r for r in message.get("records") or [] if isinstance(r, dict))
+    known = state.stages.setdefault(job, [])
+    seen = {_stage_key(r) for r in known}
+    now = state.clock()
+    for record in message.get("records") or []:
+        if isinstance(record, dict) and _stage_key(record) not in seen:  # also delivered by stages_history
+            known.append({**record, "_received": now})
+            seen.add(_stage_key(record))
     return {"stages"}
 
 

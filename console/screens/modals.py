@@ -1,5 +1,7 @@
-"""Confirmation modals for guarded actions: stop (shows the agent's stop plan) and adopt (needs the PID typed)."""
+"""Confirmation modals for guarded actions: stop and stop-and-bench (show the plan), adopt (PID typed), watch a run."""
 from __future__ import annotations
+
+import re
 
 from typing import Any
 
@@ -143,3 +145,130 @@ class AdoptModal(ModalScreen[dict | None]):
             return
         pid = int(raw_pid)
         self.dismiss({"pid": pid, "name": name or f"adopted-{pid}", "confirm_pid": int(confirm)})
+
+
+def bench_plan_text(job: str, plan: dict[str, Any], checkpoints: list[dict[str, Any]], job_running: bool,
+                    engine: str, engine_source: str, grace: float, levels: str, prompts: int, argv: list[str]) -> Text:
+    """The stop-and-bench plan, stage by stage: what gets signalled, which checkpoint, which engine, what is measured."""
+    text = Text()
+    text.append("1. Stop ", style="bold")
+    if job_running:
+        text.append(f"{job}: graceful and checkpoint-aware.\n")
+        text.append_text(stop_plan_text(plan, grace))
+        text.append("\n")
+    else:
+        text.append(f"{job} is not running: nothing is signalled; its last checkpoint is used.\n")
+    text.append("2. Release: ", style="bold")
+    text.append("wait until no process of our jobs holds GPU memory (foreign holders are left untouched).\n")
+    latest = next((c for c in reversed(checkpoints) if c.get("latest")), checkpoints[-1] if checkpoints else None)
+    text.append("3. Checkpoint to preflight: ", style="bold")
+    if job_running and plan.get("checkpoint_first"):
+        text.append("the one the trainer writes at the stop (the new `latest`)")
+        text.append(f"; latest now: {latest['path']}\n" if latest else "; none written yet\n")
+    elif latest:
+        text.append(f"{latest['path']}\n")
+    else:
+        text.append("NONE: this job has no complete checkpoint, so the chain would stop here.\n", style="bold red")
+    text.append("4. Preflight: ", style="bold")
+    text.append("check the checkpoint against the target config (the failures SGLang does not report)\n")
+    text.append("5. Launch ", style="bold")
+    text.append(f"engine {engine}", style="bold cyan")
+    text.append(f" ({engine_source}), wait until ready\n")
+    text.append("6. Canary: ", style="bold")
+    text.append("greedy requests; accept length vs τ̂ from validation accuracy → green / red with likely causes\n")
+    text.append("7. Benchmark: ", style="bold")
+    text.append(f"concurrency {levels}, {prompts} prompts; the result is saved with the training run\n")
+    text.append("runs on the host as: ", style="dim")
+    text.append(" ".join(argv), style="dim")
+    return text
+
+
+class StopAndBenchModal(ModalScreen[bool]):
+    """Shows the whole stop-and-bench plan; returns True only when the operator confirms."""
+
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel"),
+        Binding("y", "confirm", "Start the chain"),
+    ]
+
+    def __init__(self, job: str, plan_text: Text, can_start: bool):
+        super().__init__()
+        self.job = job
+        self.plan_text = plan_text
+        self.can_start = can_start
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="modal-dialog"):
+            yield Static(f"Stop & bench {self.job}?", classes="modal-title")
+            with VerticalScroll(id="bench-plan-scroll"):
+                yield Static(self.plan_text, id="bench-plan")
+            with Horizontal(classes="modal-buttons"):
+                yield Button("Stop & bench (y)", id="confirm", variant="error", disabled=not self.can_start)
+                yield Button("Cancel (esc)", id="cancel", variant="primary")
+
+    def on_mount(self) -> None:
+        self.query_one("#cancel", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "confirm" and self.can_start)
+
+    def action_cancel(self) -> None:
+        self.dismiss(False)
+
+    def action_confirm(self) -> None:
+        if self.can_start:
+            self.dismiss(True)
+
+
+class WatchModal(ModalScreen[dict | None]):
+    """Watch a run this tool did not start (TensorBoard dir/event file or SpecForge console log), read-only."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="modal-dialog"):
+            yield Static("Watch an external run (read-only: nothing is started, stopped or written there)", classes="modal-title")
+            yield Static("A TensorBoard directory or event file, or a SpecForge console log (stdout+stderr saved to a file), "
+                         "as a path on the host.", id="watch-help")
+            yield Input(placeholder="path on the host", id="watch-path")
+            yield Input(placeholder="name (shown as ext:<name>)", id="watch-name")
+            yield Static("", id="watch-error")
+            with Horizontal(classes="modal-buttons"):
+                yield Button("Watch (enter)", id="confirm", variant="primary")
+                yield Button("Cancel (esc)", id="cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#watch-path", Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.submit()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "confirm":
+            self.submit()
+        else:
+            self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+    def submit(self) -> None:
+        path = self.query_one("#watch-path", Input).value.strip()
+        name = self.query_one("#watch-name", Input).value.strip() or _default_watch_name(path)
+        error = self.query_one("#watch-error", Static)
+        if not path:
+            error.update(Text("Give the path to watch; nothing is watched yet.", style="bold red"))
+            return
+        if not WATCH_NAME.match(name):
+            error.update(Text(f"'{name}' is not a usable name (letters, digits, '.', '_', '-'); nothing is watched yet.", style="bold red"))
+            return
+        self.dismiss({"name": name, "path": path})
+
+
+WATCH_NAME = re.compile(r"^[A-Za-z0-9._-]{1,56}$")
+
+
+def _default_watch_name(path: str) -> str:
+    parts = [p for p in path.replace("\\", "/").split("/") if p and p not in (".", "..", "runs", "tensorboard")]
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", parts[-1] if parts else "run")
+    return name[:56] or "run"

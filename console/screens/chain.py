@@ -1,0 +1,235 @@
+"""Stop & bench: the chain job's stages as they run (status, elapsed), then the result panel and earlier results of the run."""
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import DataTable, Footer, Header, Static
+
+from console.host_commands import chain_training_job
+from console.screens.base import ConsoleScreen, touches
+from console.widgets.banner import ConnectionBanner
+from console.widgets.format import duration, number
+
+# The chain's stages in order (backend/chain.py STAGES; the console may not import it).
+CHAIN_STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
+STAGE_TITLES = {
+    "stop": "stop training (checkpoint first)", "release": "GPU memory released", "checkpoint": "latest checkpoint",
+    "preflight": "preflight", "launch": "launch server", "canary": "canary", "bench": "benchmark", "result": "result saved",
+}
+STATUS_STYLES = {"running": "bold yellow", "ok": "green", "failed": "bold red", "skipped": "dim", "pending": "dim"}
+TICK_S = 1.0
+
+
+def latest_by_stage(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The newest record of each stage (a stage goes running -> ok|failed|skipped)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for record in records:
+        stage = record.get("stage")
+        if isinstance(stage, str):
+            latest[stage] = record
+    return latest
+
+
+def stage_elapsed(record: dict[str, Any] | None, now: float) -> float | None:
+    """Seconds a stage took; for the running one, how long it has run so far (from when the console saw it start)."""
+    if record is None:
+        return None
+    if record.get("status") == "running":
+        started = record.get("_received") or record.get("time")
+        return max(0.0, now - started) if isinstance(started, (int, float)) else None
+    elapsed = record.get("elapsed")
+    return float(elapsed) if isinstance(elapsed, (int, float)) else None
+
+
+def chain_outcome(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """{"state": waiting|running|ok|failed, "failed_stage", "reason", "result", "saved_to", "canary"}."""
+    latest = latest_by_stage(records)
+    failed = next((latest[s] for s in CHAIN_STAGES if latest.get(s, {}).get("status") == "failed"), None)
+    result_record = latest.get("result")
+    canary = (latest.get("canary") or {}).get("result")
+    outcome: dict[str, Any] = {"state": "waiting", "failed_stage": None, "reason": None, "result": None, "saved_to": None,
+                               "canary": canary if isinstance(canary, dict) else None}
+    if failed is not None:
+        outcome.update(state="failed", failed_stage=failed.get("stage"), reason=str(failed.get("detail") or ""))
+    elif result_record is not None and result_record.get("status") == "ok":
+        detail = str(result_record.get("detail") or "")
+        outcome.update(state="ok", result=result_record.get("result") if isinstance(result_record.get("result"), dict) else {},
+                       saved_to=detail.removeprefix("saved ").strip() or None)
+    elif latest:
+        outcome["state"] = "running"
+    return outcome
+
+
+def _verdict_badge(text: Text, verdict: str | None) -> None:
+    if verdict == "green":
+        text.append(" VERDICT GREEN ", style="bold black on green")
+    elif verdict == "red":
+        text.append(" VERDICT RED ", style="bold white on red")
+    else:
+        text.append(f" VERDICT {verdict or '?'} ", style="bold black on yellow")
+
+
+def _accept_line(text: Text, data: dict[str, Any]) -> None:
+    ratio = data.get("ratio_to_tau_hat")
+    text.append(f"  accept length {number(data.get('accept_length'), 3)}", style="bold")
+    text.append(f"  vs τ̂ {number(data.get('tau_hat'), 3)} (from validation accuracy)")
+    text.append(f"  ratio {number(ratio, 2)}", style="bold" if isinstance(ratio, (int, float)) else "")
+
+
+def _causes_from_reason(reason: str) -> tuple[str, list[str], str]:
+    """Split 'HEADLINE. Likely causes, in order: a; b; c. The server job ... was stopped.' into its three parts."""
+    marker = "Likely causes, in order:"
+    if marker not in reason:
+        return reason, [], ""
+    head, tail = reason.split(marker, 1)
+    after = ""
+    cleanup = tail.find(" The server job ")  # the chain's own note on the server it started
+    if cleanup >= 0:
+        tail, after = tail[:cleanup], tail[cleanup:].strip()
+    causes = [c.strip().rstrip(".") for c in tail.split("; ") if c.strip()]
+    return head.strip(), causes, after
+
+
+def result_panel_text(records: list[dict[str, Any]]) -> Text:
+    """What the chain ended with: verdict, accept length next to τ̂, throughput, checkpoint and flags; or what failed."""
+    outcome = chain_outcome(records)
+    text = Text()
+    if outcome["state"] == "failed":
+        _verdict_badge(text, "red")
+        stage = outcome["failed_stage"]
+        text.append(f"  FAILED at stage '{stage}' ({STAGE_TITLES.get(stage, stage)})\n", style="bold red")
+        head, causes, after = _causes_from_reason(outcome["reason"] or "")
+        text.append(head + "\n")
+        if causes:
+            text.append("Likely causes, most likely first:\n", style="bold")
+            for index, cause in enumerate(causes, 1):
+                text.append(f"  {index}. {cause}\n")
+        if after:
+            text.append(after + "\n", style="dim")
+        return text
+    if outcome["state"] != "ok":
+        text.append("no result yet: " + ("the chain is running" if outcome["state"] == "running" else "waiting for the first stage"),
+                    style="dim")
+        return text
+    result = outcome["result"] or {}
+    canary = outcome["canary"] or {}
+    _verdict_badge(text, result.get("verdict"))
+    _accept_line(text, result)
+    text.append("\n")
+    if canary.get("headline"):
+        text.append(f"canary: {canary['headline']}\n", style="green" if result.get("verdict") == "green" else "red")
+    text.append("throughput per concurrency:\n", style="bold")
+    for row in result.get("throughput") or []:
+        text.append(f"  {row.get('concurrency', '?'):>4} concurrent  {number(row.get('output_tok_per_s'), 4):>8} tok/s"
+                    f"  accept length {number(row.get('accept_length'), 3)}\n")
+    text.append("checkpoint: ", style="bold")
+    text.append(f"{result.get('checkpoint') or '?'}\n")
+    text.append("engine: ", style="bold")
+    text.append(f"{result.get('engine') or '?'}   server job: {result.get('server_job') or '-'}: {result.get('server') or '?'}\n")
+    argv = result.get("argv") or []
+    text.append("flags: ", style="bold")
+    text.append((" ".join(str(a) for a in argv) if argv else "?") + "\n", style="dim")
+    if outcome["saved_to"]:
+        text.append(f"saved with the run: {outcome['saved_to']}", style="dim")
+    return text
+
+
+def best_throughput(result: dict[str, Any]) -> float | None:
+    rates = [row.get("output_tok_per_s") for row in result.get("throughput") or [] if isinstance(row.get("output_tok_per_s"), (int, float))]
+    return max(rates) if rates else None
+
+
+class ChainScreen(ConsoleScreen):
+    """Follows one chain job: the current one the `b` key started, else the selected or newest chain job."""
+
+    MODE = "chain"
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield ConnectionBanner(id="banner")
+        yield Static(id="chain-title")
+        yield DataTable(id="stages", cursor_type="none", zebra_stripes=True)
+        with VerticalScroll(id="chain-result-scroll"):
+            yield Static(id="chain-result")
+        yield Static("Earlier results of this training run (newest first)", classes="section-title", id="results-title")
+        yield DataTable(id="results-table", cursor_type="none", zebra_stripes=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#stages", DataTable).add_columns("stage", "what", "status", "elapsed", "detail")
+        self.query_one("#results-table", DataTable).add_columns("saved", "verdict", "accept", "τ̂", "ratio", "best tok/s", "checkpoint", "engine")
+        self._ticker = self.set_interval(TICK_S, self._tick, pause=True)
+        self.show_state(None)
+
+    def on_screen_resume(self) -> None:
+        super().on_screen_resume()
+        self.console.attach_chain(self.console.current_chain_job())
+
+    def _tick(self) -> None:
+        self.show_state({"tick"})
+
+    def draw(self, changed: set[str] | None) -> None:
+        if not touches(changed, "stages", "jobs", "selection", "results", "tick", "chain"):
+            return
+        console = self.console
+        job = console.current_chain_job()
+        records = console.state.stages.get(job, []) if job else []
+        info = console.state.jobs.get(job) if job else None
+        train_job = chain_training_job(info.argv, job) if info and job else None
+        running = any(r.get("status") == "running" for r in latest_by_stage(records).values())
+        if running:  # the running stage's elapsed time ticks; nothing runs a timer otherwise
+            self._ticker.resume()
+        else:
+            self._ticker.pause()
+        self.query_one("#chain-title", Static).update(self._title(job, info, train_job, records))
+        self._draw_stages(records)
+        if touches(changed, "stages", "jobs", "selection", "chain"):
+            self.query_one("#chain-result", Static).update(result_panel_text(records) if job else Text(""))
+        if touches(changed, "results", "jobs", "selection", "chain", "stages"):
+            self._draw_results(train_job, chain_outcome(records).get("saved_to"))
+
+    def _title(self, job: str | None, info, train_job: str | None, records: list[dict[str, Any]]) -> Text:
+        if not job:
+            return Text("no stop-and-bench run yet: select a training job and press b (Stop & bench)", style="dim")
+        outcome = chain_outcome(records)
+        state = info.state if info else "?"
+        text = Text()
+        text.append(job, style="bold")
+        text.append(f" · stop-and-bench of {train_job} · job {state}")
+        if info and info.exit_code is not None:
+            text.append(f" (exit {info.exit_code})")
+        label = {"ok": ("finished", "green"), "failed": (f"failed at {outcome['failed_stage']}", "bold red"),
+                 "running": ("running", "yellow"), "waiting": ("starting", "dim")}[outcome["state"]]
+        text.append(" · ")
+        text.append(label[0], style=label[1])
+        return text
+
+    def _draw_stages(self, records: list[dict[str, Any]]) -> None:
+        table = self.query_one("#stages", DataTable)
+        table.clear()
+        latest = latest_by_stage(records)
+        now = self.console.state.clock()
+        for stage in CHAIN_STAGES:
+            record = latest.get(stage)
+            status = record.get("status", "pending") if record else "pending"
+            elapsed = stage_elapsed(record, now)
+            detail = str(record.get("detail") or "") if record else ""
+            table.add_row(stage, STAGE_TITLES[stage], Text(status, style=STATUS_STYLES.get(status, "")),
+                          "-" if elapsed is None else f"{elapsed:.1f}s" if elapsed < 60 else duration(elapsed),
+                          Text(detail.splitlines()[0][:110] if detail else "", style="red" if status == "failed" else ""))
+
+    def _draw_results(self, train_job: str | None, current: str | None) -> None:
+        table = self.query_one("#results-table", DataTable)
+        table.clear()
+        rows = list(reversed(self.console.state.results.get(train_job, []))) if train_job else []
+        for row in rows:
+            name = PurePosixPath(str(row.get("path", ""))).name.removeprefix("stop-and-bench-").removesuffix(".json")
+            mark = " (this run)" if current and row.get("path") == current else ""
+            verdict = str(row.get("verdict") or "?")
+            table.add_row(name + mark, Text(verdict, style="green" if verdict == "green" else "bold red"),
+                          number(row.get("accept_length"), 3), number(row.get("tau_hat"), 3), number(row.get("ratio_to_tau_hat"), 2),
+                          number(best_throughput(row), 4), PurePosixPath(str(row.get("checkpoint") or "?")).name, str(row.get("engine") or "?"))

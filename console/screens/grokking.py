@@ -1,0 +1,130 @@
+"""Grokking: loss (EMA) on a log-step axis, weight and grad norms, LR; the host's grokking signals and the data-scaling numbers."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal, VerticalScroll
+from textual.widgets import Footer, Header, Static
+
+from console.plotting import ema
+from console.screens.base import ConsoleScreen, touches
+from console.state import JobMetrics, Series
+from console.widgets.banner import ConnectionBanner
+from console.widgets.curve_plot import CurveOptions, CurvePlot, SeriesSpec
+from console.widgets.format import clock_time
+from console.widgets.grok_panels import acceptance_text, alerts_text, data_scaling_text, norms_text, signals_text
+
+TRAIN_EMA = 0.9  # the host's signals use the same weights (docs/grokking.md)
+VAL_EMA = 0.3
+MODULE_COLORS = ("green", "magenta", "orange", "blue", "red", "gold")
+
+
+class SmoothedSeries:
+    """A debiased-EMA copy of a Series, recomputed only when the source changed."""
+
+    def __init__(self, weight: float):
+        self.weight = weight
+        self.series = Series()
+        self._key: tuple | None = None
+
+    def of(self, source: Series) -> Series:
+        key = (id(source), source.version, len(source))
+        if key != self._key:
+            self._key = key
+            self.series = Series(steps=list(source.steps), values=ema(source.values, self.weight), version=source.version)
+        return self.series
+
+
+class GrokkingScreen(ConsoleScreen):
+    MODE = "grokking"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._train_ema = SmoothedSeries(TRAIN_EMA)
+        self._val_ema = SmoothedSeries(VAL_EMA)
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield ConnectionBanner(id="banner")
+        yield Static(id="grok-title")
+        yield Static(id="grok-alerts")
+        with Horizontal(id="grok-plots"):
+            yield CurvePlot("loss, EMA", id="grok-loss")
+            yield CurvePlot("weight norm", id="grok-weight")
+            yield CurvePlot("grad norm (pre-clip)", id="grok-grad")
+            yield CurvePlot("learning rate", id="grok-lr")
+        with Horizontal(id="grok-panels"):
+            with VerticalScroll(classes="grok-panel"):
+                yield Static("Signals", classes="section-title")
+                yield Static(id="grok-signals")
+            with VerticalScroll(classes="grok-panel"):
+                yield Static("Acceptance per TTT position", classes="section-title")
+                yield Static(id="grok-acceptance")
+            with VerticalScroll(classes="grok-panel"):
+                yield Static("Weights & gradients", classes="section-title")
+                yield Static(id="grok-norms")
+            with VerticalScroll(classes="grok-panel"):
+                yield Static("Data scaling", classes="section-title")
+                yield Static(id="grok-data")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.show_state(None)
+
+    def on_screen_resume(self) -> None:
+        super().on_screen_resume()
+        self.console.grokking_shown()
+
+    def draw(self, changed: set[str] | None) -> None:
+        console = self.console
+        job = console.selected_job
+        state = console.state
+        metrics = state.metrics.get(job) if job else None
+        signals = state.signals.get(job) if job else None
+        if touches(changed, "metrics", "selection", "jobs", "signals", "data_scaling"):
+            self.query_one("#grok-title", Static).update(self._title(job, metrics, signals))
+        if touches(changed, "metrics", "selection", "jobs"):
+            self._draw_plots(metrics)
+        if touches(changed, "signals", "selection", "jobs"):
+            self.query_one("#grok-alerts", Static).update(alerts_text(signals))
+            self.query_one("#grok-signals", Static).update(signals_text(signals))
+            self.query_one("#grok-acceptance", Static).update(acceptance_text(signals))
+            self.query_one("#grok-norms", Static).update(norms_text(signals))
+        if touches(changed, "data_scaling", "selection", "jobs"):
+            report = state.data_scaling.get(job) if job else None
+            self.query_one("#grok-data", Static).update(data_scaling_text(report, console.profile_of(job) if job else None))
+
+    def _title(self, job: str | None, metrics: JobMetrics | None, signals: dict | None) -> Text:
+        if not job:
+            return Text("no job selected (press ] or [ to pick one)")
+        text = Text()
+        text.append(job, style="bold")
+        if self.console.state.is_external(job):
+            text.append(" (external, read-only)", style="yellow")
+        points = f"{len(metrics.train_loss)} train / {len(metrics.val_loss)} val points" if metrics else "no metrics yet"
+        text.append(f" · {points} · log step axis · EMA train {TRAIN_EMA} / val {VAL_EMA}")
+        at = self.console.state.signals_at.get(job)
+        if signals is not None and at is not None:
+            text.append(f" · signals from the host at {clock_time(at)} ({signals.get('n_records', '?')} records)")
+        else:
+            text.append(" · signals: waiting for the host", style="dim")
+        return text
+
+    def _draw_plots(self, metrics: JobMetrics | None) -> None:
+        log_x = CurveOptions(log_x=True)
+        plots = {name: self.query_one(f"#grok-{name}", CurvePlot) for name in ("loss", "weight", "grad", "lr")}
+        if metrics is None:
+            for plot in plots.values():
+                plot.set_data([], log_x)
+            return
+        plots["loss"].set_data([
+            SeriesSpec("train raw", metrics.train_loss, "gray"),
+            SeriesSpec("train EMA", self._train_ema.of(metrics.train_loss), "cyan"),
+            SeriesSpec("val EMA", self._val_ema.of(metrics.val_loss), "orange"),
+        ], log_x)
+        weights = [SeriesSpec("total", metrics.weight_norm, "cyan")]
+        for index, (module, series) in enumerate(sorted(metrics.weight_norm_modules.items())):
+            weights.append(SeriesSpec(module, series, MODULE_COLORS[index % len(MODULE_COLORS)]))
+        plots["weight"].set_data(weights, log_x)
+        plots["grad"].set_data([SeriesSpec("grad", metrics.grad_norm, "red")], log_x)
+        plots["lr"].set_data([SeriesSpec("lr", metrics.lr, "green")], CurveOptions(log_x=True, log_y=True))

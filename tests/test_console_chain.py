@@ -1,0 +1,351 @@
+"""The Stop & bench key: its plan modal, the chain screen (stages, result panel, earlier results), and the tiny run end to end."""
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backend.protocol import Request
+from console.app import build_app
+from console.host_commands import chain_argv
+from console.screens.chain import ChainScreen, chain_outcome, stage_elapsed
+from console.screens.modals import StopAndBenchModal, bench_plan_text
+from console.transport import LocalTransport
+from ssh_fixtures import job_argv, pid_alive, wait_until
+from test_console_snapshots import NOW, STOP_PLAN, frozen_state
+from tests.conftest import threads_for_tests
+
+SIZE = (160, 48)
+CHAIN = "chain-train-kimi"
+CHECKPOINT = "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_2_step_4012"
+SERVER_ARGV = ["python", "-m", "backend.serve.reference_server", "--model", "builtin:tiny", "--draft", CHECKPOINT,
+               "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "5", "--port", "30123"]
+RESULT = {
+    "verdict": "green", "accept_length": 2.71, "tau_hat": 3.12, "ratio_to_tau_hat": 0.869,
+    "throughput": [{"concurrency": 1, "output_tok_per_s": 151.3, "accept_length": 2.69},
+                   {"concurrency": 4, "output_tok_per_s": 402.8, "accept_length": 2.74}],
+    "checkpoint": CHECKPOINT, "engine": "reference", "argv": SERVER_ARGV, "server_job": "serve-train-kimi",
+    "server": "stopped after the benchmark (--stop-server-after)",
+}
+SAVED = "/root/.eagle3/jobs/train-kimi/results/stop-and-bench-20251009-084500.json"
+EARLIER = {"path": "/root/.eagle3/jobs/train-kimi/results/stop-and-bench-20251008-120000.json", "verdict": "red",
+           "accept_length": 1.0, "tau_hat": 2.9, "ratio_to_tau_hat": 0.345, "throughput": [{"concurrency": 1, "output_tok_per_s": 80.0}],
+           "checkpoint": "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_1_step_2000", "engine": "sglang"}
+CANARY_RED = ("canary RED: accept length 1.00 is at the zero-acceptance ceiling (1.03): the draft accepted nothing. "
+              "Likely causes, in order: --speculative-algorithm EAGLE (or NEXTN) instead of EAGLE3: the target never captures the "
+              "aux layers, hands the draft 1 x H and fc is skipped (sglang PR #21272); layers.0.* (or other unknown) weight names "
+              "silently dropped by SGLang < 0.5.14: a random decoder layer; d2t missing or wrong while the draft vocab is smaller: "
+              "draft ids are read as target ids. The server job 'serve-train-kimi' this chain started was stopped (exited_on_term).")
+STAGE_DETAILS = {
+    "stop": "stopped 'train-kimi': 2 process(es), leader exited_on_term",
+    "release": "our GPU memory is released; 1 foreign holder(s) left untouched",
+    "checkpoint": "latest checkpoint epoch_2_step_4012",
+    "preflight": "no problems",
+    "launch": "reference ready at http://127.0.0.1:30123 as job 'serve-train-kimi' in 41.2s",
+    "canary": "green: accept length 2.71 (tau-hat 3.12, ratio 0.87)",
+    "bench": "402.8 tok/s at concurrency 4, accept length 2.74",
+    "result": f"saved {SAVED}",
+}
+ELAPSED = {"stop": 14.2, "release": 2.1, "checkpoint": 0.0, "preflight": 1.3, "launch": 41.2, "canary": 6.4, "bench": 22.9, "result": 0.1}
+
+
+def chain_records(until: str | None = None, fail: tuple[str, str] | None = None) -> list[dict]:
+    """Stage records as the chain writes them: running then ok for each stage, up to `until` (left running), or a failure."""
+    records, t = [], NOW - 200
+    for stage, detail in STAGE_DETAILS.items():
+        records.append({"stage": stage, "status": "running", "time": t, "elapsed": 0.0, "detail": ""})
+        if stage == until:
+            return records
+        if fail and stage == fail[0]:
+            records.append({"stage": stage, "status": "failed", "time": t + 1, "elapsed": 1.0, "detail": fail[1]})
+            skipping = False
+            for later in STAGE_DETAILS:
+                skipping = skipping or later == stage
+                if skipping and later != stage:
+                    records.append({"stage": later, "status": "skipped", "time": t + 1, "elapsed": 0.0, "detail": f"not run: {stage} failed"})
+            return records
+        t += ELAPSED[stage]
+        record = {"stage": stage, "status": "ok", "time": t, "elapsed": ELAPSED[stage], "detail": detail}
+        if stage == "canary":
+            record["result"] = {"verdict": "green", "headline": "accept length 2.71 (tau-hat 3.12, ratio 0.87)", "causes": []}
+        if stage == "result":
+            record["result"] = RESULT
+        records.append(record)
+    return records
+
+
+def chain_state(records: list[dict], *, clock=None):
+    state = frozen_state()
+    jobs = [{"name": j.name, "kind": j.kind, "state": j.state, "pid": j.pid, "pgid": j.pgid, "start_time_ticks": 1, "argv": j.argv,
+             "job_dir": j.job_dir, "stdout_path": j.stdout_path, "stderr_path": j.stderr_path, "started_at": j.started_at,
+             "ended_at": j.ended_at, "exit_code": j.exit_code} for j in state.jobs.values()]
+    done = chain_outcome(records)["state"] in ("ok", "failed")
+    jobs.append({"name": CHAIN, "kind": "chain", "state": "exited" if done else "running", "pid": 3456, "pgid": 3456, "start_time_ticks": 1,
+                 "argv": ["python", "-m", "backend", *chain_argv("train-kimi")[1:]], "job_dir": f"/root/.eagle3/jobs/{CHAIN}",
+                 "stdout_path": "o", "stderr_path": "e", "started_at": NOW - 200, "ended_at": NOW - 10 if done else None,
+                 "exit_code": (0 if chain_outcome(records)["state"] == "ok" else 1) if done else None})
+    state.apply({"type": "jobs", "jobs": jobs})
+    if clock is not None:
+        state.clock = clock
+    state.apply({"type": "stages", "job": CHAIN, "records": records})
+    if done:
+        state.results["train-kimi"] = [EARLIER, {"path": SAVED, **RESULT}] if chain_outcome(records)["state"] == "ok" else [EARLIER]
+    return state
+
+
+def frozen_app(state):
+    return build_app(state=state, poll_interval=None, refresh_throttle=0)
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+async def show_chain(pilot) -> None:
+    pilot.app.select_job("train-kimi")
+    await pilot.pause()
+    await pilot.press("5")
+    await pilot.pause()
+    pilot.app.redraw_now()
+    await pilot.pause()
+
+
+def text_of(app, selector: str) -> str:
+    return str(app.screen.query_one(selector).render())
+
+
+# -- frozen data, no host ------------------------------------------------------------------------
+
+
+def test_outcome_and_elapsed_of_stage_records():
+    assert chain_outcome([])["state"] == "waiting"
+    assert chain_outcome(chain_records(until="launch"))["state"] == "running"
+    done = chain_outcome(chain_records())
+    assert done["state"] == "ok" and done["result"]["verdict"] == "green" and done["saved_to"] == SAVED
+    failed = chain_outcome(chain_records(fail=("canary", CANARY_RED)))
+    assert failed["state"] == "failed" and failed["failed_stage"] == "canary" and failed["reason"] == CANARY_RED
+    assert stage_elapsed({"status": "running", "time": 100.0, "_received": 103.0}, now=110.0) == 7.0  # from when it was seen
+    assert stage_elapsed({"status": "ok", "elapsed": 2.5, "time": 1.0}, now=1e9) == 2.5
+    assert stage_elapsed(None, now=1.0) is None
+
+
+async def test_result_panel_shows_verdict_accept_length_next_to_tau_hat_throughput_and_flags():
+    app = frozen_app(chain_state(chain_records()))
+    async with app.run_test(size=SIZE) as pilot:
+        await show_chain(pilot)
+        assert isinstance(app.screen, ChainScreen)
+        panel = text_of(app, "#chain-result")
+        assert "VERDICT GREEN" in panel and "accept length 2.71" in panel and "vs τ̂ 3.12" in panel and "ratio 0.87" in panel
+        assert "151.3 tok/s" in panel and "402.8 tok/s" in panel
+        assert f"checkpoint: {CHECKPOINT}" in panel and "--speculative-algorithm EAGLE3" in panel and "engine: reference" in panel
+        assert "finished" in text_of(app, "#chain-title")
+        stages = app.screen.query_one("#stages")
+        assert [str(stages.get_row_at(i)[2]) for i in range(stages.row_count)] == ["ok"] * 8
+        results = app.screen.query_one("#results-table")
+        assert results.row_count == 2 and "(this run)" in str(results.get_row_at(0)[0]) and str(results.get_row_at(1)[1]) == "red"
+
+
+async def test_a_failure_shows_the_stage_and_why_with_the_likely_causes():
+    app = frozen_app(chain_state(chain_records(fail=("canary", CANARY_RED))))
+    async with app.run_test(size=SIZE) as pilot:
+        await show_chain(pilot)
+        panel = text_of(app, "#chain-result")
+        assert "VERDICT RED" in panel and "FAILED at stage 'canary'" in panel and "zero-acceptance ceiling" in panel
+        assert "1. --speculative-algorithm EAGLE" in panel and "3. d2t missing" in panel
+        assert "The server job 'serve-train-kimi' this chain started was stopped" in panel
+        stages = app.screen.query_one("#stages")
+        statuses = {str(stages.get_row_at(i)[0]): str(stages.get_row_at(i)[2]) for i in range(stages.row_count)}
+        assert statuses["canary"] == "failed" and statuses["bench"] == statuses["result"] == "skipped" and statuses["launch"] == "ok"
+        assert "failed at canary" in text_of(app, "#chain-title")
+
+
+async def test_the_running_stage_ticks():
+    now = [NOW]
+    records = chain_records(until="bench")
+    app = frozen_app(chain_state(records, clock=lambda: now[0]))
+    async with app.run_test(size=SIZE) as pilot:
+        await show_chain(pilot)
+        stages = app.screen.query_one("#stages")
+        row = next(i for i in range(stages.row_count) if str(stages.get_row_at(i)[0]) == "bench")
+        first = str(stages.get_row_at(row)[3])
+        assert str(stages.get_row_at(row)[2]) == "running" and first == "0.0s"
+        now[0] += 7
+        await wait_until(lambda: str(stages.get_row_at(row)[3]) == "7.0s", timeout=5, what="the running stage's elapsed to tick")
+        assert "no result yet" in text_of(app, "#chain-result")
+
+
+def test_chain_result_snapshot(snap_compare):
+    assert snap_compare(frozen_app(chain_state(chain_records())), terminal_size=SIZE, run_before=show_chain)
+
+
+def test_chain_failure_snapshot(snap_compare):
+    assert snap_compare(frozen_app(chain_state(chain_records(fail=("canary", CANARY_RED)))), terminal_size=SIZE, run_before=show_chain)
+
+
+def test_stop_and_bench_modal_snapshot(snap_compare):
+    checkpoints = [{"path": "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_1_step_3000", "epoch": 1, "step": 3000, "latest": True}]
+    text = bench_plan_text("train-kimi", STOP_PLAN, checkpoints, True, "sglang", "serve.engine of profile kimi-k2.5", 120.0, "1,4", 8,
+                           chain_argv("train-kimi"))
+
+    async def run_before(pilot):
+        pilot.app.select_job("train-kimi")
+        await pilot.pause()
+        pilot.app.push_screen(StopAndBenchModal("train-kimi", text, can_start=True))
+        await pilot.pause()
+
+    assert snap_compare(frozen_app(frozen_state()), terminal_size=SIZE, run_before=run_before)
+
+
+async def test_stop_and_bench_is_disabled_without_a_host_or_on_a_job_that_is_not_training():
+    app = frozen_app(chain_state(chain_records()))
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        assert app.check_action("stop_and_bench", ()) is None
+        await pilot.press("b")
+        await pilot.pause()
+        assert not isinstance(app.screen, StopAndBenchModal)
+        assert app.state.actions[-1][1] == "Stop & bench is disabled: no host connection"
+
+
+# -- the real agent ------------------------------------------------------------------------------
+
+
+def live_app(tmp_path, **kwargs):
+    transport = LocalTransport(tmp_path / "run", backoff_initial=kwargs.pop("backoff", 0.2), backoff_max=kwargs.pop("backoff_max", 1.0))
+    return build_app(transport, poll_interval=None, refresh_throttle=0, stop_grace=5, **kwargs)
+
+
+async def connected(app):
+    await wait_until(lambda: app.state.connection.connected and app.state.hello, what="the local agent")
+
+
+async def stop_everything(app):
+    for job in (await app.client.request(Request.LIST_JOBS))["jobs"]:
+        if job["state"] == "running":
+            await app.client.request(Request.STOP_JOB, name=job["name"], grace=5, timeout=120)
+
+
+def fake_training(python: str) -> list[str]:
+    return [*job_argv(python), "--profile", "tiny"]
+
+
+def add_checkpoints(job_dir: str, *names: str) -> Path:
+    root = Path(job_dir) / "checkpoints"
+    for name in names:
+        (root / name).mkdir(parents=True)
+    (root / "latest").write_text(names[-1] + "\n")
+    return root
+
+
+async def test_stop_and_bench_modal_lists_the_plan_and_cancel_touches_nothing(tmp_path):
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        job = (await app.client.request(Request.START_JOB, name="train-x", kind="train", argv=fake_training(sys.executable)))["job"]
+        add_checkpoints(job["job_dir"], "epoch_0_step_100", "epoch_0_step_200")
+        await wait_until(lambda: "train-x" in app.state.jobs, what="the job listed")
+        app.select_job("train-x")
+        await pilot.pause()
+        await pilot.press("b")
+        modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopAndBenchModal) else None, what="the plan modal")
+        plan = str(modal.query_one("#bench-plan").render())
+        assert f"{job['pid']}" in plan and "graceful and checkpoint-aware" in plan and "Checkpoint first: YES" in plan
+        assert "Foreign GPU holders, left alone" in plan and "foreign holders are left untouched" in plan
+        assert f"latest now: {Path(job['job_dir']) / 'checkpoints' / 'epoch_0_step_200'}" in plan
+        assert "engine reference" in plan and "serve.engine of profile tiny" in plan
+        assert "Canary" in plan and "Benchmark: concurrency 1,4, 8 prompts" in plan
+        assert "eagle3-host stop-and-bench --job train-x --json" in plan
+        await pilot.press("escape")
+        await wait_until(lambda: "cancelled" in app.state.actions[-1][1], what="cancel noted")
+        assert app.state.actions[-1][1] == "stop & bench train-x cancelled; nothing was stopped"
+        assert pid_alive(job["pid"])
+        assert [j["name"] for j in (await app.client.request(Request.LIST_JOBS))["jobs"]] == ["train-x"]
+        await stop_everything(app)
+
+
+async def test_stop_and_bench_grok_and_watch_are_disabled_while_disconnected(tmp_path):
+    app = live_app(tmp_path, backoff=1.5, backoff_max=1.5)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        job = (await app.client.request(Request.START_JOB, name="train-y", kind="train", argv=fake_training(sys.executable)))["job"]
+        await wait_until(lambda: "train-y" in app.state.jobs, what="the job listed")
+        app.select_job("train-y")
+        assert app.check_action("stop_and_bench", ()) is True and app.check_action("grok", ()) is True
+        agent_pid = app.state.hello.agent_pid
+        os.kill(agent_pid, signal.SIGKILL)  # the console's own agent child: the link drops
+        await wait_until(lambda: app.state.stale, what="the drop")
+        for action in ("stop_and_bench", "grok", "watch_external"):
+            assert app.check_action(action, ()) is None
+        for key, label in (("b", "Stop & bench"), ("g", "Grok run"), ("w", "Watch run")):
+            await pilot.press(key)
+            await pilot.pause()
+            assert not isinstance(app.screen, StopAndBenchModal)
+            assert app.state.actions[-1][1] == f"{label} is disabled: disconnected from the host"
+        await wait_until(lambda: app.state.connection.connected and app.state.hello.agent_pid != agent_pid, what="the reconnect")
+        assert pid_alive(job["pid"])
+        await stop_everything(app)
+        assert not pid_alive(job["pid"])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+async def test_stop_and_bench_key_end_to_end_on_tiny(trained_tiny_run, tmp_path, monkeypatch):
+    """b on a live tiny training job: stopped with a checkpoint, reference engine served, canary green, benchmark shown, nothing left."""
+    monkeypatch.setenv("OMP_NUM_THREADS", threads_for_tests())  # the agent, and the chain and server it starts, inherit it
+    chain_args = ["--stop-server-after", "--port", str(free_port()), "--concurrency", "1", "--num-prompts", "3"]
+    app = live_app(tmp_path, chain_args=chain_args, request_timeout=60)
+    checkpoints = trained_tiny_run / "checkpoints"
+    resume = checkpoints / (checkpoints / "latest").read_text().strip()
+    argv = ["eagle3-host", "train", "--profile", "tiny", "--resume", str(resume), "--max-steps", "100000",
+            "--save-interval", "100000", "--eval-interval", "100000"]
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        try:
+            train = (await app.client.request(Request.START_JOB, name="train-demo", kind="train", argv=argv,
+                                              env={"OMP_NUM_THREADS": threads_for_tests()}))["job"]
+            await wait_until(lambda: "train-demo" in app.state.jobs, what="the training job listed")
+            app.select_job("train-demo")
+            await wait_until(lambda: (m := app.state.metrics.get("train-demo")) and m.latest_train.get("step", 0) > 300,
+                             timeout=300, what="the resumed training to pass step 300")
+
+            await pilot.press("b")
+            modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopAndBenchModal) else None, what="the plan modal")
+            plan = str(modal.query_one("#bench-plan").render())
+            assert str(train["pid"]) in plan and "engine reference" in plan
+            await pilot.press("y")
+            await wait_until(lambda: isinstance(app.screen, ChainScreen), what="the chain screen")
+            await wait_until(lambda: chain_outcome(app.state.stages.get("chain-train-demo", []))["state"] in ("ok", "failed"),
+                             timeout=600, step=0.5, what="the chain to finish")
+            outcome = chain_outcome(app.state.stages["chain-train-demo"])
+            assert outcome["state"] == "ok", outcome
+            await wait_until(lambda: "VERDICT GREEN" in text_of(app, "#chain-result"), what="the result panel")
+            panel = text_of(app, "#chain-result")
+            assert "accept length" in panel and outcome["result"]["accept_length"] > 1.5
+            assert f"{outcome['result']['accept_length']:.3g}" in panel
+            new_checkpoint = Path(outcome["result"]["checkpoint"])
+            assert new_checkpoint.parent == Path(train["job_dir"]) / "checkpoints" and int(new_checkpoint.name.split("_step_")[1]) > 300
+            await wait_until(lambda: app.screen.query_one("#results-table").row_count == 1, what="the saved result listed")
+
+            await wait_until(lambda: app.state.jobs.get("chain-train-demo") and app.state.jobs["chain-train-demo"].state != "running",
+                             timeout=60, what="the chain job to end")
+            jobs = {j["name"]: j for j in (await app.client.request(Request.LIST_JOBS))["jobs"]}
+            assert set(jobs) == {"train-demo", "serve-train-demo", "chain-train-demo"}
+            assert jobs["chain-train-demo"]["exit_code"] == 0
+            for job in jobs.values():
+                assert job["state"] != "running" and not pid_alive(job["pid"]), f"{job['name']} (pid {job['pid']}) was left behind"
+        finally:
+            await stop_everything(app)

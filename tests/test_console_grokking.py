@@ -1,0 +1,351 @@
+"""The Grokking screen (host-side signals, data scaling), the grok-run modal's argv, and watching an external run."""
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from textual.widgets import Input, OptionList
+
+from backend.chain_cli import grok_argv as host_grok_argv
+from backend.datascale import profile_shape as host_profile_shape
+from backend.profiles import available_profiles, load_profile
+from backend.protocol import Request
+from backend.signals import compute_signals
+from console.app import build_app
+from console.host_commands import grok_argv, grok_job_name, profile_facts
+from console.screens.grok_modal import GrokModal, GrokParamError, parse_grok_params
+from console.screens.modals import WatchModal
+from console.widgets.grok_panels import data_scaling_text
+from ssh_fixtures import job_argv, pid_alive, wait_until
+from test_console_snapshots import NOW, frozen_state
+
+SIZE = (160, 48)
+GROK_JOB = "train-grok"
+
+
+def grok_records(end: int = 30000, seed: int = 0) -> list[dict]:
+    """A run that memorizes by step 1000 (train loss ~0.01, train acc ~1, val flat ~4) and groks from step 12000;
+    cosine LR decays to its floor; weight norm falls during the plateau (weight decay on)."""
+    rng = random.Random(seed)
+    records, tokens = [], 0
+    for step in range(20, end + 1, 20):
+        f = max(0.0, 1 - math.log10(step) / 3)
+        tokens += 20 * 4096
+        lr = 1e-6 + 1e-3 * 0.5 * (1 + math.cos(math.pi * min(step, 20000) / 20000))
+        norm = 120.0 - 10.0 * math.log10(step)
+        records.append({"step": step, "epoch": step // 5000, "split": "train", "loss": (0.01 + 5 * f * f) * (1 + 0.03 * rng.gauss(0, 1)),
+                        "acc": [min(0.999, 1 - 0.99 * f), min(0.99, 0.95 - 0.9 * f)], "ploss": [0.01 + 5 * f * f, 0.02 + 6 * f * f],
+                        "lr": lr, "tokens": tokens, "grad_norm": 0.3 + 0.4 * rng.random(), "weight_norm": norm,
+                        "weight_norm_modules": {"fc": norm * 0.4, "midlayer": norm * 0.5, "lm_head": 12.0 + 0.0001 * step}})
+        if step % 500:
+            continue
+        val, acc = (6 - 2 * step / 1000, 0.2) if step < 1000 else (4.0, 0.2)
+        if step >= 12000:
+            frac = min(1.0, math.log10(step / 12000) / 0.25)
+            val, acc = 4.0 - 3.5 * frac, 0.2 + 0.7 * frac
+        records.append({"step": step, "epoch": step // 5000, "split": "val", "loss": val * (1 + 0.03 * rng.gauss(0, 1)),
+                        "acc": [acc, acc * 0.8, acc * 0.6], "ploss": [val, val * 1.3, val * 1.6]})
+    return records
+
+
+DATA_SCALING_ESTIMATE = {
+    "kind": "estimated", "path": "/root/.eagle3/data", "samples": 0, "tokens": 0, "bytes": 0, "bytes_per_sample": 199808.0,
+    "free_bytes": 412 * 1024**3, "keep_free_bytes": 1024**3, "more_samples_fit": 2_208_000, "fit_multiple_of_current": None,
+    "seconds_per_sample": None, "estimated_seconds_for_fit": None,
+    "shape": {"aux_width": 384, "teacher_width": 259, "dtype_bytes": 4, "seq_len": 128},
+    "note": "no extracted shards here: bytes per sample estimated from the profile's shapes",
+}
+DATA_SCALING_MEASURED = {
+    "kind": "measured", "path": "/data/shards", "samples": 12000, "tokens": 24_000_000, "bytes": 12000 * 2_400_000,
+    "bytes_per_sample": 2_400_000.0, "free_bytes": 400 * 1024**3, "keep_free_bytes": 1024**3, "more_samples_fit": 178_500,
+    "fit_multiple_of_current": 14.875, "seconds_per_sample": 0.25, "estimated_seconds_for_fit": 44625.0,
+}
+
+
+def grok_state():
+    """frozen_state() plus a grokking run with host-side signals and a data-scaling estimate."""
+    state = frozen_state()
+    jobs = [{"name": j.name, "kind": j.kind, "state": j.state, "pid": j.pid, "pgid": j.pgid, "start_time_ticks": 1, "argv": j.argv,
+             "job_dir": j.job_dir, "stdout_path": j.stdout_path, "stderr_path": j.stderr_path, "started_at": j.started_at,
+             "ended_at": j.ended_at, "exit_code": j.exit_code} for j in state.jobs.values()]
+    jobs.append({"name": GROK_JOB, "kind": "train", "state": "running", "pid": 2345, "pgid": 2345, "start_time_ticks": 1,
+                 "argv": ["python", "-m", "backend", "train", "--profile", "tiny"], "job_dir": f"/root/.eagle3/jobs/{GROK_JOB}",
+                 "stdout_path": "o", "stderr_path": "e", "started_at": NOW - 600})
+    state.apply({"type": "jobs", "jobs": jobs})
+    records = grok_records()
+    state.apply_metrics_history(GROK_JOB, {"records": records, "offset": 99}, reset=True)
+    state.signals[GROK_JOB] = json.loads(json.dumps(compute_signals(records)))
+    state.signals_at[GROK_JOB] = NOW - 2
+    state.data_scaling[GROK_JOB] = DATA_SCALING_ESTIMATE
+    return state
+
+
+def frozen_app(state=None):
+    return build_app(state=state or grok_state(), poll_interval=None, refresh_throttle=0)
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+# -- pure parts ----------------------------------------------------------------------------------
+
+
+def test_grok_argv_is_the_one_eagle3_host_grok_builds():
+    checkpoint = "/root/.eagle3/jobs/train-1/checkpoints/epoch_0_step_300"
+    for lr, wd, alpha in [(1e-4, 0.1, None), (0.003, 0.0, 0.98), (3e-05, 1.0, 0.5)]:
+        assert grok_argv("tiny", checkpoint, lr, wd, alpha) == host_grok_argv("tiny", Path(checkpoint), lr, wd, alpha, None)
+    assert grok_job_name(checkpoint) == "grok-epoch-0-step-300"
+
+
+def test_grok_params_are_checked_field_by_field():
+    assert parse_grok_params("1e-4", "0.1", "") == (1e-4, 0.1, None)
+    assert parse_grok_params(" 3e-4 ", "0", "0.98") == (3e-4, 0.0, 0.98)
+    for args, field in [(("0", "0.1", ""), "learning rate"), (("x", "0.1", ""), "learning rate"), (("1e-4", "-1", ""), "weight decay"),
+                        (("1e-4", "0.1", "1.5"), "Grokfast alpha"), (("nan", "0.1", ""), "learning rate")]:
+        with pytest.raises(GrokParamError, match=field):
+            parse_grok_params(*args)
+
+
+def test_profile_shape_matches_the_backend_rule():
+    for name in available_profiles():
+        assert profile_facts(name).shape == host_profile_shape(load_profile(name)), name
+
+
+def test_data_scaling_panel_says_estimate_or_measured():
+    estimate = str(data_scaling_text(DATA_SCALING_ESTIMATE, "tiny"))
+    assert "ESTIMATE" in estimate and "profile tiny" in estimate and "2,208,000" in estimate and "unknown until" in estimate
+    measured = str(data_scaling_text(DATA_SCALING_MEASURED, "tiny"))
+    assert "MEASURED" in measured and "12.0k samples" in measured and "178,500" in measured and "12h23m" in measured
+    assert "unavailable" in str(data_scaling_text({"error": "no such dir"}))
+
+
+# -- frozen data, no host ------------------------------------------------------------------------
+
+
+async def test_grokking_screen_draws_host_signals_and_log_step_curves():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job(GROK_JOB)
+        await pilot.press("4")
+        await pilot.pause()
+        screen = app.screen
+        assert screen.MODE == "grokking"
+        loss = screen.query_one("#grok-loss")
+        assert loss.options.log_x and [s.label for s in loss.specs] == ["train raw", "train EMA", "val EMA"]
+        assert max(loss.curve(loss.specs[0]).xs) == pytest.approx(math.log10(30000))
+        weight = screen.query_one("#grok-weight")
+        assert [s.label for s in weight.specs] == ["total", "fc", "lm_head", "midlayer"]
+        alerts = str(screen.query_one("#grok-alerts").render())
+        assert "GROKKING ONSET" in alerts and "LR AT ITS FLOOR" in alerts
+        signals = str(screen.query_one("#grok-signals").render())
+        assert "val slope" in signals and "z " in signals and "plateau since step" in signals and "tokens past it" in signals
+        assert "τ̂" in str(screen.query_one("#grok-acceptance").render())
+        assert "lm_head" in str(screen.query_one("#grok-norms").render())
+        assert "ESTIMATE" in str(screen.query_one("#grok-data").render())
+        assert app.signals_fetches == 0  # no host: nothing asked
+
+
+def test_grokking_screen_snapshot(snap_compare):
+    async def run_before(pilot):
+        pilot.app.select_job(GROK_JOB)
+        await pilot.pause()
+        await pilot.press("4")
+        await pilot.pause()
+        pilot.app.redraw_now()
+        await pilot.pause()
+
+    assert snap_compare(frozen_app(), terminal_size=SIZE, run_before=run_before)
+
+
+async def test_grok_modal_builds_the_exact_argv_and_refuses_bad_fields():
+    checkpoints = [{"path": "/r/jobs/t/checkpoints/epoch_0_step_100", "epoch": 0, "step": 100, "latest": False},
+                   {"path": "/r/jobs/t/checkpoints/epoch_0_step_300", "epoch": 0, "step": 300, "latest": True},
+                   {"path": "/r/jobs/t/checkpoints/epoch_1_step_400", "epoch": 1, "step": 400, "latest": False}]
+    app = frozen_app()
+    results = []
+    async with app.run_test(size=SIZE) as pilot:
+        modal = GrokModal("t", "tiny", checkpoints, lr=0.003, weight_decay=0.1)
+        app.push_screen(modal, results.append)
+        await pilot.pause()
+        assert modal.query_one("#grok-checkpoints", OptionList).highlighted == 1  # the latest one
+        modal.query_one("#grok-lr", Input).value = "1e-4"
+        modal.query_one("#grok-alpha", Input).value = "2"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert "Grokfast alpha" in str(modal.query_one("#grok-error").render()) and not results
+        modal.query_one("#grok-alpha", Input).value = "0.98"
+        modal.query_one("#grok-checkpoints", OptionList).highlighted = 0
+        await pilot.pause()
+        assert "--grokfast-alpha 0.98" in str(modal.query_one("#grok-argv").render())
+        modal.query_one("#grok-lr", Input).focus()
+        await pilot.press("enter")
+        await pilot.pause()
+    assert results == [{"name": "grok-epoch-0-step-100", "checkpoint": checkpoints[0]["path"],
+                        "argv": host_grok_argv("tiny", Path(checkpoints[0]["path"]), 1e-4, 0.1, 0.98, None)}]
+
+
+async def test_grok_and_watch_are_disabled_without_a_host():
+    state = grok_state()
+    state.add_external("ext:specforge", "/runs/specforge/train.log")
+    app = frozen_app(state)
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job(GROK_JOB)
+        await pilot.pause()
+        for action in ("grok", "watch_external", "stop_and_bench"):
+            assert app.check_action(action, ()) is None
+        await pilot.press("g")
+        await pilot.pause()
+        assert not isinstance(app.screen, GrokModal)
+        assert app.state.actions[-1][1] == "Grok run is disabled: no host connection"
+        app.select_job("ext:specforge")
+        await pilot.press("s")
+        await pilot.pause()
+        assert app.state.actions[-1][1] == "Stop job is disabled: no host connection"
+
+
+# -- the real agent ------------------------------------------------------------------------------
+
+
+def live_app(tmp_path, **kwargs):
+    from console.transport import LocalTransport
+
+    transport = LocalTransport(tmp_path / "run", backoff_initial=0.2, backoff_max=1.0)
+    return build_app(transport, poll_interval=None, refresh_throttle=0, stop_grace=5, **kwargs)
+
+
+async def connected(app):
+    await wait_until(lambda: app.state.connection.connected and app.state.hello, what="the local agent")
+
+
+async def stop_everything(app):
+    for job in (await app.client.request(Request.LIST_JOBS))["jobs"]:
+        if job["state"] == "running":
+            await app.client.request(Request.STOP_JOB, name=job["name"], grace=2, timeout=60)
+
+
+WRITER = (
+    "import json, os, time\n"
+    "path = os.path.join(os.environ['EAGLE3_JOB_DIR'], 'metrics.jsonl')\n"
+    "for step in range(1, {steps} + 1):\n"
+    "    with open(path, 'a') as f:\n"
+    "        f.write(json.dumps({{'step': step * 10, 'split': 'train', 'loss': 5.0 / step, 'lr': 1e-3, 'grad_norm': 0.4,"
+    " 'weight_norm': 100.0 - step, 'tokens': step * 1000}}) + '\\n')\n"
+    "        if step % 5 == 0:\n"
+    "            f.write(json.dumps({{'step': step * 10, 'split': 'val', 'loss': 6.0 / step, 'acc': [0.5, 0.3]}}) + '\\n')\n"
+    "    time.sleep({pause})\n"
+    "print('done', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+async def test_signals_follow_new_metrics_at_a_modest_rate_and_data_scaling_is_estimated(tmp_path):
+    app = live_app(tmp_path, signals_interval=2.0)
+    events = []
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        steps = 40
+        argv = [sys.executable, "-c", WRITER.format(steps=steps, pause=0.1), "--profile", "tiny"]
+        job = (await app.client.request(Request.START_JOB, name="writer", kind="train", argv=argv))["job"]
+        app.select_job("writer")
+        await pilot.press("4")
+        original = app.handle_event
+
+        def counting(event):
+            if isinstance(event, dict) and event.get("type") == "metrics" and event.get("job") == "writer":
+                events.append(len(event.get("records") or []))
+            original(event)
+
+        app.handle_event = counting
+        total = steps + steps // 5
+        await wait_until(lambda: app.state.signals.get("writer", {}).get("n_records") == total, timeout=60,
+                         what="signals computed over every record")
+        assert 1 <= app.signals_fetches < len(events) + 2
+        assert app.signals_fetches <= 2 + 6.0 / 2.0 + len(events) // 2  # throttled: never one request per event
+        signals = app.state.signals["writer"]
+        assert signals["latest"]["tokens"] == steps * 1000 and signals["tau_hat"] == pytest.approx(1 + 0.5 + 0.15)
+        report = await wait_until(lambda: app.state.data_scaling.get("writer"), what="data scaling")
+        assert report["kind"] == "estimated" and report["shape"] == host_profile_shape(load_profile("tiny"))
+        assert report["more_samples_fit"] > 0 and report["bytes_per_sample"] == pytest.approx((384 + 259) * 4 * 128 + 9 * 128)
+        assert "ESTIMATE" in str(app.screen.query_one("#grok-data").render())
+        await pilot.pause(2.5)  # a request scheduled by the last metrics event runs now
+        fetched = app.signals_fetches
+        await pilot.pause(2.5)
+        assert app.signals_fetches == fetched, "no new metrics: no new request"
+        await stop_everything(app)
+        assert not pid_alive(job["pid"])
+
+
+SPECFORGE_LOG = "".join(
+    f"03/16/2026 10:00:{i:02d} - INFO - specforge.utils - Eval - Step {step} [{step + 1}/10], position {k},  Acc: {acc:.2f}\n"
+    + f"03/16/2026 10:00:{i:02d} - INFO - specforge.utils - Eval - Step {step} [{step + 1}/10], position {k}, pLoss: {2.0 / (i + 1) + k:.3f}\n"
+    for i, step in enumerate(range(50, 550, 50)) for k, acc in enumerate([0.5 + i * 0.02, 0.3 + i * 0.02])
+)
+
+
+async def test_watch_an_external_run_read_only_on_the_training_and_grokking_screens(tmp_path):
+    log = tmp_path / "specforge-train.log"
+    log.write_text(SPECFORGE_LOG)
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        await pilot.press("w")
+        modal = await wait_until(lambda: app.screen if isinstance(app.screen, WatchModal) else None, what="the watch modal")
+        modal.query_one("#watch-path", Input).value = str(log)
+        modal.query_one("#watch-name", Input).value = "sf"
+        modal.query_one("#watch-path", Input).focus()
+        await pilot.press("enter")
+        await wait_until(lambda: app.selected_job == "ext:sf", what="the external run selected")
+        metrics = await wait_until(lambda: (m := app.state.metrics.get("ext:sf")) and len(m.train_loss) >= 9 and m, timeout=30,
+                                   what="external metrics")
+        assert app.state.jobs["ext:sf"].kind == "external"
+        await pilot.press("2")
+        await pilot.pause()
+        assert len(app.screen.query_one("#loss-plot").specs[0].series) >= 9
+        await pilot.press("4")
+        await wait_until(lambda: app.state.signals.get("ext:sf"), what="signals of the external run")
+        assert "(external, read-only)" in str(app.screen.query_one("#grok-title").render())
+        for key, label in (("s", "Stop job"), ("b", "Stop & bench"), ("g", "Grok run")):
+            await pilot.press(key)
+            await pilot.pause()
+            assert app.state.actions[-1][1] == f"{label} is disabled: ext:sf is an external run, watched read-only"
+        assert (await app.client.request(Request.LIST_JOBS))["jobs"] == []  # nothing was started or adopted
+        assert log.read_text() == SPECFORGE_LOG  # nothing written there
+
+
+async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
+    app = live_app(tmp_path, profile="no-such-profile")  # the started run fails fast instead of training on a shared CPU
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        base = (await app.client.request(Request.START_JOB, name="base", kind="train",
+                                         argv=[*job_argv(sys.executable), "--profile", "no-such-profile"]))["job"]
+        checkpoints = Path(base["job_dir"]) / "checkpoints"
+        for name in ("epoch_0_step_100", "epoch_0_step_200"):
+            (checkpoints / name).mkdir(parents=True)
+        (checkpoints / "latest").write_text("epoch_0_step_200\n")
+        await wait_until(lambda: "base" in app.state.jobs, what="the base job listed")
+        app.select_job("base")
+        await pilot.press("g")
+        modal = await wait_until(lambda: app.screen if isinstance(app.screen, GrokModal) else None, what="the grok modal")
+        await pilot.pause()
+        modal.query_one("#grok-lr", Input).value = "2e-4"
+        modal.query_one("#grok-wd", Input).value = "0.5"
+        modal.query_one("#grok-alpha", Input).value = "0.9"
+        modal.query_one("#grok-lr", Input).focus()
+        await pilot.press("enter")
+        name = "grok-epoch-0-step-200"
+        job = await wait_until(lambda: app.state.jobs.get(name), what="the grok run listed")
+        expected = host_grok_argv("no-such-profile", checkpoints / "epoch_0_step_200", 2e-4, 0.5, 0.9, None)
+        assert job.kind == "train" and job.argv[1:] == ["-m", "backend", *expected[1:]]
+        assert app.selected_job == name
+        await wait_until(lambda: app.state.jobs[name].state == "exited", timeout=60, what="the failing run to exit")
+        await stop_everything(app)
+        assert not pid_alive(base["pid"])
