@@ -1,20 +1,11 @@
 """`eagle3-host stop-and-bench`, `grok`, `data-scaling`, `results`: the chains the console's keys run, headless."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-
-def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers like 1,4") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: levels must be >= 1")
-    return levels
+from backend.bench.cli import concurrency_levels
 
 
 def register(subparsers, parent) -> None:
@@ -29,7 +20,7 @@ def register(subparsers, parent) -> None:
     chain.add_argument("--port", type=int)
     chain.add_argument("--keep-on-red", action="store_true", help="keep the server running when the canary is red")
     chain.add_argument("--stop-server-after", action="store_true", help="stop the server once the benchmark is saved")
-    chain.add_argument("--concurrency", type=_levels, default=[1, 4])
+    chain.add_argument("--concurrency", type=concurrency_levels, default=[1, 4])
     chain.add_argument("--num-prompts", type=int, default=8)
     chain.add_argument("--max-new-tokens", type=int, default=64)
     chain.add_argument("--stages-file", type=Path, help="default: $EAGLE3_JOB_DIR/stages.jsonl when run as a job")

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 
-def _levels(text: str) -> list[int]:
+def concurrency_levels(text: str) -> list[int]:
+    """argparse type for --concurrency: comma-separated positive integers."""
     try:
         levels = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -28,7 +29,7 @@ def register(subparsers, parent) -> None:
     parser.add_argument("--num-prompts", type=int, help="use only the first N prompts")
     parser.add_argument("--chat-template", metavar="MODEL_DIR",
                         help="wrap each prompt in this tokenizer's chat template (as the draft saw chats in training)")
-    parser.add_argument("--concurrency", type=_levels, default=[1, 4, 16], help="levels, e.g. 1,4,16 (default)")
+    parser.add_argument("--concurrency", type=concurrency_levels, default=[1, 4, 16], help="levels, e.g. 1,4,16 (default)")
     parser.add_argument("--baseline-url", help="a non-speculative server of the same target, for the speedup")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, help="result file (default: RUN_DIR/benchmarks/bench-<time>.json)")
