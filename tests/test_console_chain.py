@@ -296,6 +296,41 @@ async def test_stop_and_bench_grok_and_watch_are_disabled_while_disconnected(tmp
         assert not pid_alive(job["pid"])
 
 
+STAGE_WRITER = (
+    "import json, os, time\n"
+    "path = os.path.join(os.environ['EAGLE3_JOB_DIR'], 'stages.jsonl')\n"
+    "for stage in {stages!r}:\n"
+    "    for status in ('running', 'ok'):\n"
+    "        with open(path, 'a') as f:\n"
+    "            f.write(json.dumps({{'stage': stage, 'status': status, 'time': time.time(), 'elapsed': 0.4, 'detail': stage}}) + '\\n')\n"
+    "        time.sleep(0.4)\n"
+    "time.sleep(600)\n"
+)
+
+
+async def test_chain_stages_survive_a_reconnect_without_gaps_or_duplicates(tmp_path):
+    """Records written while the link is down reach the screen through stages_history on re-attach, each once."""
+    from console.screens.chain import CHAIN_STAGES
+
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        argv = [sys.executable, "-c", STAGE_WRITER.format(stages=CHAIN_STAGES), "--job", "train-z"]
+        job = (await app.client.request(Request.START_JOB, name="chain-train-z", kind="chain", argv=argv))["job"]
+        await wait_until(lambda: "chain-train-z" in app.state.jobs, what="the chain job listed")
+        await pilot.press("5")
+        await wait_until(lambda: len(app.state.stages.get("chain-train-z", [])) >= 3, what="the first stages")
+        agent_pid = app.state.hello.agent_pid
+        os.kill(agent_pid, signal.SIGKILL)
+        await wait_until(lambda: app.state.connection.connected and app.state.hello.agent_pid != agent_pid, what="the reconnect")
+        await wait_until(lambda: chain_outcome(app.state.stages["chain-train-z"])["state"] == "ok", timeout=30, what="the last stage")
+        seen = [(r["stage"], r["status"]) for r in app.state.stages["chain-train-z"]]
+        assert seen == [(stage, status) for stage in CHAIN_STAGES for status in ("running", "ok")]
+        assert "finished" in text_of(app, "#chain-title")
+        await stop_everything(app)
+        assert not pid_alive(job["pid"])
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -284,6 +284,29 @@ async def test_signals_follow_new_metrics_at_a_modest_rate_and_data_scaling_is_e
         assert not pid_alive(job["pid"])
 
 
+async def test_data_scaling_is_measured_from_the_runs_data_dir(tmp_path):
+    data = tmp_path / "shards"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"created": time.time() - 50, "splits": {"train": {"samples": 40, "tokens": 5120},
+                                                                                         "val": {"samples": 10, "tokens": 1280}}}))
+    (data / "train-00000.safetensors").write_bytes(b"\0" * 40_000)
+    (data / "val-00000.safetensors").write_bytes(b"\0" * 10_000)
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        argv = [*job_argv(sys.executable), "--profile", "tiny", "--data", str(data)]
+        job = (await app.client.request(Request.START_JOB, name="offline", kind="train", argv=argv))["job"]
+        await wait_until(lambda: "offline" in app.state.jobs, what="the job listed")
+        app.select_job("offline")
+        await pilot.press("4")
+        report = await wait_until(lambda: app.state.data_scaling.get("offline"), what="data scaling")
+        assert report["kind"] == "measured" and report["path"] == str(data) and report["bytes_per_sample"] == 1000.0
+        panel = str(app.screen.query_one("#grok-data").render())
+        assert "MEASURED" in panel and "50 samples" in panel and "1000 B" in panel and "at the measured" in panel
+        await stop_everything(app)
+        assert not pid_alive(job["pid"])
+
+
 SPECFORGE_LOG = "".join(
     f"03/16/2026 10:00:{i:02d} - INFO - specforge.utils - Eval - Step {step} [{step + 1}/10], position {k},  Acc: {acc:.2f}\n"
     + f"03/16/2026 10:00:{i:02d} - INFO - specforge.utils - Eval - Step {step} [{step + 1}/10], position {k}, pLoss: {2.0 / (i + 1) + k:.3f}\n"
@@ -304,8 +327,7 @@ async def test_watch_an_external_run_read_only_on_the_training_and_grokking_scre
         modal.query_one("#watch-path", Input).focus()
         await pilot.press("enter")
         await wait_until(lambda: app.selected_job == "ext:sf", what="the external run selected")
-        metrics = await wait_until(lambda: (m := app.state.metrics.get("ext:sf")) and len(m.train_loss) >= 9 and m, timeout=30,
-                                   what="external metrics")
+        await wait_until(lambda: (m := app.state.metrics.get("ext:sf")) and len(m.train_loss) >= 9, timeout=30, what="external metrics")
         assert app.state.jobs["ext:sf"].kind == "external"
         await pilot.press("2")
         await pilot.pause()
@@ -345,7 +367,8 @@ async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
         job = await wait_until(lambda: app.state.jobs.get(name), what="the grok run listed")
         expected = host_grok_argv("no-such-profile", checkpoints / "epoch_0_step_200", 2e-4, 0.5, 0.9, None)
         assert job.kind == "train" and job.argv[1:] == ["-m", "backend", *expected[1:]]
-        assert app.selected_job == name
+        await wait_until(lambda: app.selected_job == name, what="the grok run selected")
+        assert app.state.actions[-1][1].startswith(f"started {name} (pid ")
         await wait_until(lambda: app.state.jobs[name].state == "exited", timeout=60, what="the failing run to exit")
         await stop_everything(app)
         assert not pid_alive(base["pid"])

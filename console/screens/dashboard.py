@@ -85,6 +85,7 @@ class DashboardScreen(ConsoleScreen):
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         if event.data_table.id != "jobs" or event.row_key is None or not event.row_key.value:
             return
-        if event.cursor_row != event.data_table.cursor_row:
-            return  # stale: posted by a rebuild before the cursor was put back on the selected job
+        table = event.data_table
+        if event.cursor_row != table.cursor_row or event.row_key not in table.rows or table.get_row_index(event.row_key) != table.cursor_row:
+            return  # stale: posted by a rebuild before the cursor was put back on the selected job (row or key moved since)
         self.console.select_job(event.row_key.value)

@@ -1,0 +1,296 @@
+"""Actions on runs beyond start/stop, mixed into ConsoleApp: stop & bench, grokking signals, data scaling, grok runs, watches.
+
+Everything goes through agent requests (signals, data_scaling, stages_history, results, start_job,
+list_checkpoints, watch_external); the host computes, the console shows. Each guarded action asks for
+confirmation in a modal and re-checks its guard before it sends anything.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from textual import work
+
+from backend.protocol import JobInfo, Request, from_dict
+from console.client import AgentError
+from console.host_commands import (CHAIN_CONCURRENCY_DEFAULT, CHAIN_GRACE_DEFAULT_S, CHAIN_PROMPTS_DEFAULT, ProfileFacts,
+                                   chain_argv, chain_job_name, chain_training_job, job_profile, option_value, profile_facts)
+from console.screens.chain import CHAIN_STAGES
+from console.screens.grok_modal import GrokModal
+from console.screens.modals import StopAndBenchModal, WatchModal, bench_plan_text
+from console.state import EXTERNAL_PREFIX
+
+SIGNALS_INTERVAL_S = 5.0  # at most one `signals` request per job this often (the host computes them on request)
+DATA_SCALING_EVERY_S = 60.0
+GROK_WEIGHT_DECAY = 0.1  # `eagle3-host grok --weight-decay` default
+
+if TYPE_CHECKING:
+    from console.app import ConsoleApp
+
+    _Base = ConsoleApp
+else:
+    _Base = object
+
+
+class RunActions(_Base):
+    """The mixin; ConsoleApp supplies client, state, selected_job, note(), state_changed() and the screens."""
+
+    def _init_run_actions(self, chain_args: list[str] | tuple[str, ...], signals_interval: float) -> None:
+        self.chain_args = list(chain_args)  # extra `stop-and-bench` options (tests: --stop-server-after, --port ...)
+        self.chain_job: str | None = None  # the chain the `b` key started last
+        self.signals_interval = signals_interval
+        self.signals_fetches = 0
+        self._signals_next: dict[str, float] = {}
+        self._signals_timer: Any = None
+        self._data_scaling_at: dict[str, float] = {}
+        self._profiles: dict[str, ProfileFacts] = {}
+        self._externals_agent: int | None = None  # agent pid the external watches were registered with
+
+    def select_started_job(self, name: str, wire: dict[str, Any] | None) -> None:
+        """Select a job the console just started: listed and drawn at once, so a jobs-table highlight that a redraw
+        posted for the previous selection (the agent's jobs event races with the reply) cannot take it back."""
+        if name not in self.state.jobs and isinstance(wire, dict):
+            self.state.jobs[name] = from_dict(JobInfo, wire)
+        self.selected_job = None
+        self.select_job(name)
+        self.redraw_now()
+
+    def _cancel_signals_timer(self) -> None:
+        if self._signals_timer is not None:  # it was scheduled for the previously selected job
+            self._signals_timer.stop()
+            self._signals_timer = None
+
+    # -- grokking signals and data scaling (computed on the host, on request) ------------------------
+
+    def profile_of(self, job: str | None) -> str:
+        info = self.state.jobs.get(job) if job else None
+        return job_profile(info.argv, self.profile) if info and info.argv else self.profile
+
+    def profile_facts(self, name: str) -> ProfileFacts:
+        if name not in self._profiles:
+            self._profiles[name] = profile_facts(name)
+        return self._profiles[name]
+
+    def _grokking_active(self) -> bool:
+        return getattr(self.screen, "MODE", None) == "grokking"
+
+    def _can_ask(self) -> bool:
+        return self.client is not None and self.state.connection.connected
+
+    def grokking_shown(self, force: bool = False) -> None:
+        """The Grokking screen came up (or its job changed): signals now (throttled), data scaling when old."""
+        job = self.selected_job
+        if not job or not self._grokking_active() or not self._can_ask():
+            return
+        self.request_signals(job)
+        last = self._data_scaling_at.get(job)
+        if force or last is None or time.monotonic() - last > DATA_SCALING_EVERY_S:
+            self._data_scaling_at[job] = time.monotonic()
+            self.fetch_data_scaling(job)
+
+    def request_signals(self, job: str | None) -> None:
+        """Ask for signals of the selected job at most once per `signals_interval`; later asks are folded into one timer."""
+        if not job or job != self.selected_job or not self._grokking_active() or not self._can_ask():
+            return
+        if self._signals_timer is not None:
+            return  # one fetch is already scheduled: it will see these metrics too
+        wait = self._signals_next.get(job, 0.0) - time.monotonic()
+        if wait <= 0:
+            self.fetch_signals(job)
+        else:
+            self._signals_timer = self.set_timer(wait, self._signals_timer_fired)
+
+    def _signals_timer_fired(self) -> None:
+        self._signals_timer = None
+        self.request_signals(self.selected_job)
+
+    @work(group="signals", exclusive=True, exit_on_error=False)
+    async def fetch_signals(self, job: str) -> None:
+        self._signals_next[job] = time.monotonic() + self.signals_interval
+        self.signals_fetches += 1
+        try:
+            result = await self.client.request(Request.SIGNALS, name=job, timeout=120)
+        except AgentError as exc:
+            if exc.code not in ("disconnected", "timeout"):
+                self.note(f"signals of {job}: {exc}", severity="warning")
+            return
+        self.state.signals[job] = result
+        self.state.signals_at[job] = self.state.clock()
+        self.state_changed({"signals"})
+
+    @work(group="data_scaling", exclusive=True, exit_on_error=False)
+    async def fetch_data_scaling(self, job: str) -> None:
+        """Measured from the run's --data dir; else estimated from the profile's shapes (the agent says which)."""
+        info = self.state.jobs.get(job)
+        data_dir = option_value(info.argv, "--data") if info and info.argv else None
+        params: dict[str, Any] = {"data_dir": data_dir} if data_dir else {}
+        if not data_dir:
+            facts = self.profile_facts(self.profile_of(job))
+            if facts.error:
+                self.state.data_scaling[job] = {"error": f"{job} has no --data dir and its profile cannot be read here: {facts.error}"}
+                self.state_changed({"data_scaling"})
+                return
+            params = {"data_dir": facts.data_dir, "shape": facts.shape}
+        try:
+            result = await self.client.request(Request.DATA_SCALING, **params, timeout=60)
+        except AgentError as exc:
+            if exc.code in ("disconnected", "timeout"):
+                return
+            result = {"error": exc.message}
+        self.state.data_scaling[job] = result
+        self.state_changed({"data_scaling"})
+
+    # -- stop & bench ----------------------------------------------------------------------------
+
+    def current_chain_job(self) -> str | None:
+        """The selected job when it is a chain, else the chain `b` started last, else the newest chain job."""
+        info = self.state.jobs.get(self.selected_job) if self.selected_job else None
+        if info is not None and info.kind == "chain":
+            return info.name
+        if self.chain_job:
+            return self.chain_job
+        chains = [j.name for j in self.state.jobs.values() if j.kind == "chain"]
+        return chains[-1] if chains else None
+
+    def _train_job_of_chain(self, chain: str) -> str:
+        info = self.state.jobs.get(chain)
+        return chain_training_job(info.argv if info else [], chain)
+
+    @work(group="chain", exclusive=True, exit_on_error=False)
+    async def attach_chain(self, chain: str | None) -> None:
+        """(Re)attach to a chain job: its full stage history, then the saved results of its training run."""
+        if not chain or not self._can_ask():
+            return
+        try:
+            history = await self.client.request(Request.STAGES_HISTORY, name=chain)
+        except AgentError as exc:
+            if exc.code not in ("disconnected", "timeout"):
+                self.note(f"stages of {chain}: {exc}", severity="warning")
+            return
+        self.state_changed(self.state.apply_stages_history(chain, history.get("records") or []))
+        await self._load_results(self._train_job_of_chain(chain))
+
+    def _on_chain_progress(self, chain: str) -> None:
+        """A chain stage changed; when the chain has ended, fetch the run's saved results for comparison."""
+        ended = any(r.get("status") == "failed" or (r.get("stage") == CHAIN_STAGES[-1] and r.get("status") == "ok")
+                    for r in self.state.stages.get(chain, []))
+        if ended and self._can_ask():
+            self.load_results(self._train_job_of_chain(chain))
+
+    @work(group="results", exclusive=True, exit_on_error=False)
+    async def load_results(self, train_job: str) -> None:
+        await self._load_results(train_job)
+
+    async def _load_results(self, train_job: str) -> None:
+        try:
+            result = await self.client.request(Request.RESULTS, name=train_job)
+        except AgentError as exc:
+            if exc.code not in ("disconnected", "timeout", "not_found"):
+                self.note(f"results of {train_job}: {exc}", severity="warning")
+            return
+        self.state.results[train_job] = [r for r in result.get("results") or [] if isinstance(r, dict)]
+        self.state_changed({"results"})
+
+    @work(group="actions", exit_on_error=False)
+    async def action_stop_and_bench(self) -> None:
+        job = self.selected_job
+        info = self.state.jobs.get(job)
+        try:
+            plan = await self.client.request(Request.STOP_PLAN, name=job)
+            checkpoints = (await self.client.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
+        except AgentError as exc:
+            self.note(f"stop & bench {job}: could not get the plan ({exc}); nothing was stopped", severity="error")
+            return
+        running = bool(info and info.state == "running")
+        argv = chain_argv(job, self.chain_args)
+        profile = option_value(self.chain_args, "--profile") or self.profile_of(job)
+        facts = self.profile_facts(profile)
+        engine = option_value(self.chain_args, "--engine")
+        source = "--engine" if engine else f"serve.engine of profile {facts.name}"
+        if not engine:
+            engine = facts.engine or "the profile's serve.engine"
+            if facts.error:
+                source = f"profile {profile} cannot be read here: {facts.error}"
+        text = bench_plan_text(job, plan, checkpoints, running, engine, source,
+                               float(option_value(self.chain_args, "--grace") or CHAIN_GRACE_DEFAULT_S),
+                               option_value(self.chain_args, "--concurrency") or CHAIN_CONCURRENCY_DEFAULT,
+                               int(option_value(self.chain_args, "--num-prompts") or CHAIN_PROMPTS_DEFAULT), argv)
+        if not await self.push_screen_wait(StopAndBenchModal(job, text, can_start=running or bool(checkpoints))):
+            self.note(f"stop & bench {job} cancelled; nothing was stopped")
+            return
+        if self.disabled_reason("stop_and_bench"):
+            self.note(f"stop & bench {job} not started: {self.disabled_reason('stop_and_bench')}", severity="error")
+            return
+        name = chain_job_name(job)
+        self.state.stages.pop(name, None)  # stages of an earlier chain of that name belong to its archived run
+        try:
+            result = await self.client.request(Request.START_JOB, name=name, kind="chain", argv=argv)
+        except AgentError as exc:
+            self.note(f"stop & bench {job} not started: {exc}", severity="error")
+            return
+        self.chain_job = name
+        self.note(f"started {name} (pid {(result.get('job') or {}).get('pid', '?')}): {' '.join(argv)}")
+        self.switch_mode("chain")
+        self.state_changed({"chain"})
+
+    # -- grokking runs and external runs ----------------------------------------------------------
+
+    @work(group="actions", exit_on_error=False)
+    async def action_grok(self) -> None:
+        job = self.selected_job
+        try:
+            checkpoints = (await self.client.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
+        except AgentError as exc:
+            self.note(f"grok run from {job}: could not list its checkpoints ({exc}); nothing was started", severity="error")
+            return
+        profile = self.profile_of(job)
+        modal = GrokModal(job, profile, checkpoints, lr=self.profile_facts(profile).learning_rate, weight_decay=GROK_WEIGHT_DECAY)
+        params = await self.push_screen_wait(modal)
+        if not params:
+            self.note(f"grok run from {job} cancelled; nothing was started")
+            return
+        if self.disabled_reason("grok"):
+            self.note(f"grok run not started: {self.disabled_reason('grok')}", severity="error")
+            return
+        try:
+            result = await self.client.request(Request.START_JOB, name=params["name"], kind="train", argv=params["argv"])
+        except AgentError as exc:
+            self.note(f"grok run {params['name']} not started: {exc}", severity="error")
+            return
+        self.note(f"started {params['name']} (pid {(result.get('job') or {}).get('pid', '?')}): {' '.join(params['argv'])}")
+        self.select_started_job(params["name"], result.get("job"))
+
+    @work(group="actions", exit_on_error=False)
+    async def action_watch_external(self) -> None:
+        choice = await self.push_screen_wait(WatchModal())
+        if not choice:
+            self.note("watch cancelled; nothing is watched")
+            return
+        if self.disabled_reason("watch_external"):
+            self.note(f"watch not sent: {self.disabled_reason('watch_external')}", severity="error")
+            return
+        try:
+            result = await self.client.request(Request.WATCH_EXTERNAL, name=choice["name"], path=choice["path"])
+        except AgentError as exc:
+            self.note(f"cannot watch {choice['path']}: {exc}", severity="error")
+            return
+        job = str(result.get("job") or EXTERNAL_PREFIX + choice["name"])
+        self.state.metrics.pop(job, None)  # the agent's reader starts from the beginning of the run
+        self.state.signals.pop(job, None)
+        self._externals_agent = self.state.hello.agent_pid if self.state.hello else None
+        self.state_changed(self.state.add_external(job, choice["path"]))
+        self.note(f"watching {choice['path']} as {job} (read-only: no stop or adopt)")
+        self.select_started_job(job, None)
+
+    async def _rewatch_externals(self) -> None:
+        """A new agent (after a reconnect) knows no watches: register them again; their records restart from 0."""
+        agent = self.state.hello.agent_pid if self.state.hello else None
+        if not self.state.externals or agent == self._externals_agent:
+            return
+        for job, path in list(self.state.externals.items()):
+            try:
+                await self.client.request(Request.WATCH_EXTERNAL, name=job.removeprefix(EXTERNAL_PREFIX), path=path)
+            except AgentError as exc:
+                self.note(f"re-watching {path} as {job} failed: {exc}", severity="warning")
+            self.state.metrics.pop(job, None)
+        self._externals_agent = agent
