@@ -241,7 +241,7 @@ async def test_actions_are_disabled_while_disconnected_and_come_back(tmp_path):
         await pilot.pause()
         for action in ("stop_job", "adopt", "start_training", "resync"):
             assert app.check_action(action, ()) is None
-        assert "stop / adopt / start are disabled" in banner_text(app)
+        assert "stop, stop & bench, grok, adopt and start are disabled" in banner_text(app)
         await pilot.press("s")
         await pilot.pause()
         assert not isinstance(app.screen, StopModal)
