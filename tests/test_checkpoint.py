@@ -22,7 +22,8 @@ from backend.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from backend.train.draft import DraftModelConfig, Eagle3Draft, build_vocab_mapping
+from backend.train.draft import DraftModelConfig, Eagle3Draft
+from backend.train.vocab import build_vocab_mapping
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,8 @@ from backend.train.draft import (
     DraftModelConfig,
     Eagle3Draft,
     FeatureWidthError,
-    build_vocab_mapping,
 )
+from backend.train.vocab import build_vocab_mapping
 
 
 @pytest.fixture(autouse=True)

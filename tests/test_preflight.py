@@ -370,7 +370,8 @@ def test_checkpoint_from_the_trainer_passes(tmp_path):
     from backend.profiles import load_profile
     from backend.serve.sglang_args import build_sglang_argv
     from backend.train.checkpoint import save_checkpoint
-    from backend.train.draft import DraftModelConfig, Eagle3Draft, build_vocab_mapping
+    from backend.train.draft import DraftModelConfig, Eagle3Draft
+    from backend.train.vocab import build_vocab_mapping
 
     profile = load_profile("tiny")
     config = DraftModelConfig.from_profile(profile)

@@ -152,24 +152,6 @@ class DraftModelConfig:
         return asdict(self)
 
 
-def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """SpecForge's d2t/t2d from target-token counts [V]: the Vd most frequent ids (ties: lower id first), ascending.
-
-    d2t[i] = used[i] - i (an offset, int64), t2d[v] = v is in the draft vocab (bool).
-    """
-    counts = torch.as_tensor(token_counts).to(torch.float64).flatten()
-    vocab = counts.numel()
-    if draft_vocab_size > vocab:
-        raise ValueError(f"draft_vocab_size ({draft_vocab_size}) exceeds the vocabulary the counts cover ({vocab})")
-    # stable sort by descending count keeps lower ids first among equal counts
-    order = torch.sort(-counts, stable=True).indices[:draft_vocab_size]
-    used = torch.sort(order).values.to(torch.int64)
-    d2t = used - torch.arange(draft_vocab_size)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[used] = True
-    return d2t, t2d
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
