@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from backend.train.draft import CONSOLE_BLOCK, DraftModelConfig, Eagle3Draft
+from backend.train.fsutil import fsync_path, pid_alive
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -99,14 +100,6 @@ def _unwrap(draft):
 
 # --- durable file operations -----------------------------------------------------------------------
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json_durably(path: Path, data: dict) -> None:
     with open(path, "w") as handle:
         json.dump(data, handle, indent=2)
@@ -126,22 +119,12 @@ def _owner_pid(temp_name: str) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale_temps(checkpoints_dir: Path) -> list[Path]:
     """Remove temp dirs/files left by saves whose process is gone (e.g. SIGKILLed mid-save)."""
     removed = []
     for entry in checkpoints_dir.glob(f"{TEMP_PREFIX}*"):
         pid = _owner_pid(entry.name)
-        if pid is not None and _alive(pid) and pid != os.getpid():
+        if pid is not None and pid_alive(pid) and pid != os.getpid():
             continue  # another live process is saving right now
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from backend.train.fsutil import fsync_path, pid_alive
+
 BYTE_VOCAB = 256
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 TINY_VOCAB_SIZE = 259
@@ -229,13 +231,8 @@ def _held_out_loss(model, text: bytes, seq_len: int) -> float:
 def _fsync_tree(directory: Path) -> None:
     for path in directory.iterdir():
         if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_path(path)
+    fsync_path(directory)
 
 
 def build_tiny_target(destination: Path, settings: TinySettings, corpus: TinyCorpus, log: Callable[[str], None] = _stderr) -> Path:
@@ -288,16 +285,6 @@ def is_complete(directory: Path) -> bool:
     return all((directory / name).is_file() for name in ("config.json", "model.safetensors", TOKENIZER_FILE, BUILD_FILE))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_staging(root: Path) -> list[Path]:
     """Staging dirs of builds that were killed (their builder pid is gone); a live build's dir is left alone."""
     removed = []
@@ -306,7 +293,7 @@ def remove_stale_staging(root: Path) -> list[Path]:
             pid = int(staging.name.rsplit("-", 1)[1])
         except (IndexError, ValueError):
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(staging, ignore_errors=True)
             removed.append(staging)
     return removed
