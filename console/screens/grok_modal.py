@@ -9,11 +9,11 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.screen import ModalScreen
 from textual.widgets import Button, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
 from console.host_commands import grok_argv, grok_job_name
+from console.screens.modals import FormModal
 
 
 class GrokParamError(ValueError):
@@ -45,7 +45,7 @@ def parse_grok_params(lr: str, weight_decay: str, alpha: str) -> tuple[float, fl
     return lr_value, wd_value, alpha_value
 
 
-class GrokModal(ModalScreen[dict | None]):
+class GrokModal(FormModal):
     """Returns {"name", "argv", "checkpoint"} for start_job (kind train), or None when cancelled."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
@@ -119,18 +119,6 @@ class GrokModal(ModalScreen[dict | None]):
 
     def on_option_list_option_highlighted(self, event: OptionList.OptionHighlighted) -> None:
         self._preview()
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        self.submit()
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "confirm":
-            self.submit()
-        else:
-            self.dismiss(None)
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
 
     def submit(self) -> None:
         try:

@@ -16,6 +16,22 @@ from backend.protocol import GpuHolder
 from console.widgets.format import mib
 
 
+class FormModal(ModalScreen[dict | None]):
+    """A modal with input fields: enter or the #confirm button calls the subclass's submit(); any other button or esc dismisses None."""
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.submit()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "confirm":
+            self.submit()
+        else:
+            self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
 def stop_plan_text(plan: dict[str, Any], grace: float) -> Text:
     """The stop plan as the operator reads it: who gets signalled, who is left alone, checkpoint or not."""
     text = Text()
@@ -86,7 +102,7 @@ class StopModal(ModalScreen[bool]):
             self.dismiss(True)
 
 
-class AdoptModal(ModalScreen[dict | None]):
+class AdoptModal(FormModal):
     """Adopt a foreign process as a job: the PID must be typed twice; returns adopt_job params or None."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
@@ -118,18 +134,6 @@ class AdoptModal(ModalScreen[dict | None]):
         for holder in self.candidates:
             text.append(f"  {holder.pid:>7}  {holder.user or '?'}  {holder.cmdline[:50]}  {mib(holder.used_memory_mib)}\n")
         return text
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        self.submit()
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "confirm":
-            self.submit()
-        else:
-            self.dismiss(None)
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
 
     def submit(self) -> None:
         raw_pid = self.query_one("#adopt-pid", Input).value.strip()
@@ -220,7 +224,7 @@ class StopAndBenchModal(ModalScreen[bool]):
             self.dismiss(True)
 
 
-class WatchModal(ModalScreen[dict | None]):
+class WatchModal(FormModal):
     """Watch a run this tool did not start (TensorBoard dir/event file or SpecForge console log), read-only."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
@@ -239,18 +243,6 @@ class WatchModal(ModalScreen[dict | None]):
 
     def on_mount(self) -> None:
         self.query_one("#watch-path", Input).focus()
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        self.submit()
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "confirm":
-            self.submit()
-        else:
-            self.dismiss(None)
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
 
     def submit(self) -> None:
         path = self.query_one("#watch-path", Input).value.strip()
