@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -445,4 +446,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A request thread may still be inside a torch op after shutdown; a normal interpreter exit then
+    # aborts in C++ ("terminate called without an active exception", exit -6). Everything is flushed
+    # and the socket closed, so end the process directly with the real exit code.
+    os._exit(code)
