@@ -651,10 +651,11 @@ class JobRegistry:
             return verdicts
         self._remember(active)
         now = time.time()
+        stop_detail = f"stopped by operator (grace {grace:g}s)"
         with self._write() as db:
             for plan in active:
                 plan.record.stop_requested_at = now
-                self._update(db, plan.record.id, stop_requested_at=now, detail=f"stopped by operator (grace {grace:g}s)")
+                self._update(db, plan.record.id, stop_requested_at=now, detail=stop_detail)
         status: dict[int, str] = {}
         for plan in active:
             termed = self._signal_all(plan, plan.targets, signal.SIGTERM)
@@ -676,7 +677,7 @@ class JobRegistry:
             status.update({pid: "exited_on_term" for pid, value in status.items() if value == "termed"})
         verdicts.extend(self._verdicts(active, status))
         self._confirm_gpu_released(verdicts, gpu_source, gpu_release_timeout)
-        self._finish_records(active)
+        self._finish_records(active, stop_detail)
         return verdicts
 
     def _remember(self, plans: list[JobPlan]) -> None:
@@ -754,7 +755,7 @@ class JobRegistry:
             elif verdict.pid in stopped:
                 verdict.detail += "; GPU memory released"
 
-    def _finish_records(self, plans: list[JobPlan]) -> None:
+    def _finish_records(self, plans: list[JobPlan], detail: str) -> None:
         """Wait briefly for each watcher's exit file, then store the stopped state."""
         deadline = time.monotonic() + 3.0
         for plan in plans:
@@ -765,7 +766,9 @@ class JobRegistry:
                 exit_code, ended_at = read_exit_file(info.job_dir)
             if info.state == "running":
                 with self._write() as db:
-                    self._update(db, plan.record.id, state="stopped", exit_code=exit_code, ended_at=ended_at or time.time())
+                    # detail again: a refresh from another process may have written a transient one meanwhile
+                    self._update(db, plan.record.id, state="stopped", detail=detail, exit_code=exit_code,
+                                 ended_at=ended_at or time.time())
         self.refresh()
 
 
