@@ -220,7 +220,12 @@ def time_backend(backend: str, *, shape: dict, device: str, dtype: torch.dtype, 
             total = total + ttt_attention(query, key0, value0, diag_keys[:step], diag_values[:step], backend).float().sum()
         total.backward()
 
-    for _ in range(3):
+    return median_ms(run, device, repeats)
+
+
+def median_ms(run, device, repeats: int, warmup: int = 3) -> float:
+    """Median wall milliseconds of run() after warm-up, synchronizing the device around each call."""
+    for _ in range(warmup):
         run()
     times = []
     for _ in range(repeats):
@@ -264,16 +269,7 @@ def time_draft_step(backend: str, *, device: str, seq: int = 2048, ttt_length: i
         loss.backward()
         draft.zero_grad(set_to_none=True)
 
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1000)
-    return sorted(times)[len(times) // 2]
+    return median_ms(run, device, repeats)
 
 
 def check_draft_backends(device: str) -> list[dict]:
