@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from backend.jsonl import read_complete_lines
 from backend.metrics import PLOSS_DECAY
 
 # ---------------------------------------------------------------- CRC32C (Castagnoli), for TFRecord framing
@@ -415,22 +416,12 @@ class SpecForgeLogSource:
         self.pending_lr: float | None = None
 
     def poll(self) -> list[dict[str, Any]]:
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
+        size, data, self.offset = read_complete_lines(self.path, self.offset, self.max_bytes_per_poll, b"\n\r")
+        if size is None:
             return []
-        if size < self.offset:
-            self.offset = 0
         records: list[dict[str, Any]] = []
-        if size > self.offset:
-            with open(self.path, "rb") as handle:
-                handle.seek(self.offset)
-                chunk = handle.read(min(size - self.offset, self.max_bytes_per_poll))
-            end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
-            if end >= 0:
-                self.offset += end + 1
-                for line in re.split(rb"[\r\n]", chunk[: end + 1]):
-                    records += self._line(line.decode("utf-8", "replace"))
+        for line in re.split(rb"[\r\n]", data):
+            records += self._line(line.decode("utf-8", "replace"))
         if size == self.last_size:
             records += self.assembler.flush()  # quiet: the file did not grow since the last poll
         self.last_size = size

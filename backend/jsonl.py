@@ -17,6 +17,29 @@ def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
+def read_complete_lines(path: Path, offset: int, max_bytes: int, line_ends: bytes = b"\n") -> tuple[int | None, bytes, int]:
+    """(file size or None when missing, the complete new lines after offset, the offset after them).
+
+    A partial last line stays unread; a file that shrank (rotated or truncated) is read from the start.
+    `line_ends` lists the bytes that end a line (b"\n", or b"\n\r" for logs that redraw with \r).
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None, b"", offset
+    if size < offset:
+        offset = 0
+    if size == offset:
+        return size, b"", offset
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        chunk = handle.read(min(size - offset, max_bytes))
+    end = max(chunk.rfind(bytes([byte])) for byte in line_ends)
+    if end < 0:
+        return size, b"", offset
+    return size, chunk[: end + 1], offset + end + 1
+
+
 class JsonlFollower:
     """Reads new complete lines of a growing file from a byte offset.
 
@@ -32,22 +55,8 @@ class JsonlFollower:
         self.max_bytes_per_poll = max_bytes_per_poll
 
     def poll(self) -> list[dict[str, Any]]:
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return []
-        if size < self.offset:
-            self.offset = 0
-        if size == self.offset:
-            return []
-        with open(self.path, "rb") as handle:
-            handle.seek(self.offset)
-            chunk = handle.read(min(size - self.offset, self.max_bytes_per_poll))
-        end = chunk.rfind(b"\n")
-        if end < 0:
-            return []
-        self.offset += end + 1
-        return self._parse(chunk[: end + 1])
+        _size, data, self.offset = read_complete_lines(self.path, self.offset, self.max_bytes_per_poll)
+        return self._parse(data) if data else []
 
     def _parse(self, data: bytes) -> list[dict[str, Any]]:
         records = []
