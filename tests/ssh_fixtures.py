@@ -365,3 +365,17 @@ async def wait_until(predicate, timeout: float = 30.0, step: float = 0.05, what:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         await asyncio.sleep(step)
+
+
+async def connected(app):
+    """Wait until the app's agent said hello."""
+    await wait_until(lambda: app.state.connection.connected and app.state.hello, what="the local agent")
+
+
+async def stop_everything(app, grace: float = 2, timeout: float = 60):
+    """Stop every running job through the app's agent (test cleanup)."""
+    from backend.protocol import Request
+
+    for job in (await app.client.request(Request.LIST_JOBS))["jobs"]:
+        if job["state"] == "running":
+            await app.client.request(Request.STOP_JOB, name=job["name"], grace=grace, timeout=timeout)

@@ -14,7 +14,7 @@ from console.host_commands import chain_argv
 from console.screens.chain import ChainScreen, chain_outcome, stage_elapsed
 from console.screens.modals import StopAndBenchModal, bench_plan_text
 from console.transport import LocalTransport
-from ssh_fixtures import job_argv, pid_alive, wait_until
+from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
 from test_console_snapshots import NOW, STOP_PLAN, frozen_state
 from tests.conftest import threads_for_tests
 
@@ -224,16 +224,6 @@ def live_app(tmp_path, **kwargs):
     return build_app(transport, poll_interval=None, refresh_throttle=0, stop_grace=5, **kwargs)
 
 
-async def connected(app):
-    await wait_until(lambda: app.state.connection.connected and app.state.hello, what="the local agent")
-
-
-async def stop_everything(app):
-    for job in (await app.client.request(Request.LIST_JOBS))["jobs"]:
-        if job["state"] == "running":
-            await app.client.request(Request.STOP_JOB, name=job["name"], grace=5, timeout=120)
-
-
 def fake_training(python: str) -> list[str]:
     return [*job_argv(python), "--profile", "tiny"]
 
@@ -269,7 +259,7 @@ async def test_stop_and_bench_modal_lists_the_plan_and_cancel_touches_nothing(tm
         assert app.state.actions[-1][1] == "stop & bench train-x cancelled; nothing was stopped"
         assert pid_alive(job["pid"])
         assert [j["name"] for j in (await app.client.request(Request.LIST_JOBS))["jobs"]] == ["train-x"]
-        await stop_everything(app)
+        await stop_everything(app, grace=5, timeout=120)
 
 
 async def test_stop_and_bench_grok_and_watch_are_disabled_while_disconnected(tmp_path):
@@ -292,7 +282,7 @@ async def test_stop_and_bench_grok_and_watch_are_disabled_while_disconnected(tmp
             assert app.state.actions[-1][1] == f"{label} is disabled: disconnected from the host"
         await wait_until(lambda: app.state.connection.connected and app.state.hello.agent_pid != agent_pid, what="the reconnect")
         assert pid_alive(job["pid"])
-        await stop_everything(app)
+        await stop_everything(app, grace=5, timeout=120)
         assert not pid_alive(job["pid"])
 
 
@@ -327,7 +317,7 @@ async def test_chain_stages_survive_a_reconnect_without_gaps_or_duplicates(tmp_p
         seen = [(r["stage"], r["status"]) for r in app.state.stages["chain-train-z"]]
         assert seen == [(stage, status) for stage in CHAIN_STAGES for status in ("running", "ok")]
         assert "finished" in text_of(app, "#chain-title")
-        await stop_everything(app)
+        await stop_everything(app, grace=5, timeout=120)
         assert not pid_alive(job["pid"])
 
 
@@ -383,4 +373,4 @@ async def test_stop_and_bench_key_end_to_end_on_tiny(trained_tiny_run, tmp_path,
             for job in jobs.values():
                 assert job["state"] != "running" and not pid_alive(job["pid"]), f"{job['name']} (pid {job['pid']}) was left behind"
         finally:
-            await stop_everything(app)
+            await stop_everything(app, grace=5, timeout=120)

@@ -19,7 +19,7 @@ from console.host_commands import grok_argv, grok_job_name, profile_facts
 from console.screens.grok_modal import GrokModal, GrokParamError, parse_grok_params
 from console.screens.modals import WatchModal
 from console.widgets.grok_panels import data_scaling_text
-from ssh_fixtures import job_argv, pid_alive, wait_until
+from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
 from test_console_snapshots import NOW, frozen_state
 
 SIZE = (160, 48)
@@ -220,16 +220,6 @@ def live_app(tmp_path, **kwargs):
 
     transport = LocalTransport(tmp_path / "run", backoff_initial=0.2, backoff_max=1.0)
     return build_app(transport, poll_interval=None, refresh_throttle=0, stop_grace=5, **kwargs)
-
-
-async def connected(app):
-    await wait_until(lambda: app.state.connection.connected and app.state.hello, what="the local agent")
-
-
-async def stop_everything(app):
-    for job in (await app.client.request(Request.LIST_JOBS))["jobs"]:
-        if job["state"] == "running":
-            await app.client.request(Request.STOP_JOB, name=job["name"], grace=2, timeout=60)
 
 
 WRITER = (

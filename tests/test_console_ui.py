@@ -15,7 +15,7 @@ from console.screens.logs import LogsScreen
 from console.screens.modals import AdoptModal, StopModal
 from console.screens.training import TrainingScreen
 from console.transport import LocalTransport
-from ssh_fixtures import job_argv, pid_alive, wait_until
+from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
 from test_console_snapshots import STOP_PLAN, frozen_state
 
 SIZE = (150, 45)
@@ -39,16 +39,6 @@ def own_processes():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-async def connected(app):
-    await wait_until(lambda: app.state.connection.connected and app.state.hello, what="the local agent")
-
-
-async def stop_everything(app):
-    for job in (await app.client.request(Request.LIST_JOBS))["jobs"]:
-        if job["state"] == "running":
-            await app.client.request(Request.STOP_JOB, name=job["name"], grace=2, timeout=60)
 
 
 def banner_text(app) -> str:
