@@ -4,6 +4,7 @@ CPU is scarce: the tiny target is built once into the user cache ($EAGLE3_CACHE_
 and the trained tiny run is cached there too, keyed by a hash of the training code, so it is retrained only when
 that code changes (EAGLE3_TEST_RETRAIN=1 forces a fresh run). Subprocesses run with EAGLE3_TEST_THREADS torch
 threads (default 1: on a shared 2-core box two OpenMP threads fighting another process run several times slower).
+A test that requests one of the tiny-build fixtures without @pytest.mark.slow fails at setup, before anything is built.
 """
 from __future__ import annotations
 
@@ -18,13 +19,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"  # the shared/ checkout beside this one (real H200 captures, references)
 TRAINED_TINY_STEPS = 300
+# Session fixtures that build the tiny target (and train a draft on it): tens of CPU minutes, so slow tests only.
+TINY_BUILD_FIXTURES = ("trained_tiny_run", "tiny_target_dir", "tiny_target")
 # Everything that decides what `train --profile tiny` produces.
 TRAINING_CODE = ["draft.py", "attention.py", "checkpoint.py", "trainer.py", "loss.py", "data.py", "vocab.py", "schedule.py", "target.py", "tiny.py"]
 
 
 def threads_for_tests() -> str:
     return os.environ.get("EAGLE3_TEST_THREADS", "1")
+
+
+def needs_shared(relative: str):
+    """Skip mark for tests that read ../shared/<relative>, saying where it was looked for."""
+    path = SHARED / relative
+    return pytest.mark.skipif(not path.exists(), reason=f"needs ../shared beside the checkout (shared/{relative}); not found at {path}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Fail, before any fixture runs, a test that reaches the tiny build without the slow mark (the fast suite never trains)."""
+    heavy = sorted(set(getattr(item, "fixturenames", ())) & set(TINY_BUILD_FIXTURES))
+    if heavy and item.get_closest_marker("slow") is None:
+        pytest.fail(f"{item.nodeid} requests {', '.join(heavy)} (building the tiny target, and training a draft on it, takes "
+                    "minutes): mark the test @pytest.mark.slow so that `-m \"not slow\"` never runs it", pytrace=False)
 
 
 def subprocess_env(**extra: str) -> dict:

@@ -9,10 +9,11 @@ import pytest
 
 from backend import gpu
 from backend.holders import FuserOutputError, parse_fuser_pids
+from conftest import needs_shared
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 FIXTURES = SHARED / "fixtures"
-needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real H200 captures not found at {FIXTURES} (the shared/ checkout is absent)")
+needs_fixtures = needs_shared("fixtures")  # real H200 captures
 
 H200_UUID = "GPU-493f06b3-7f9b-2754-0c40-9463d7a56064"
 X2_UUIDS = ["GPU-00305e01-35c7-4ba9-89b5-8caeba953379", "GPU-86dae54b-5286-7365-9e58-45a3db949f0e"]

@@ -10,9 +10,10 @@ import pytest
 from backend import holders
 from backend.gpu import attach_apps, parse_query_apps, parse_query_gpu
 from backend.jobs import JobRegistry
+from conftest import needs_shared
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real H200 captures not found at {FIXTURES} (the shared/ checkout is absent)")
+needs_fixtures = needs_shared("fixtures")  # real H200 captures
 needs_fuser = pytest.mark.skipif(shutil.which("fuser") is None, reason="fuser (psmisc) is not installed; .ci/run installs it")
 
 

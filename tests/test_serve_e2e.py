@@ -75,6 +75,7 @@ def layers0_copy(run, destination):
     return destination
 
 
+@pytest.mark.slow
 def test_launch_refuses_on_preflight_problems(tmp_path, tiny_profile, trained_tiny_run):
     draft = layers0_copy(trained_tiny_run, tmp_path / "layers0")
     result, registry = run_launch(tmp_path, tiny_profile, draft, "refused")
@@ -98,6 +99,7 @@ def test_server_that_dies_is_reported_with_exit_code_and_log(tmp_path, tiny_prof
     assert registry.get("dies").info.state == "exited"
 
 
+@pytest.mark.slow
 def test_serve_dry_run_prints_argv_and_preflight(tmp_path, tiny_profile, trained_tiny_run):
     out = subprocess.run([sys.executable, "-m", "backend", "serve", "--profile", "tiny", "--draft", str(trained_tiny_run),
                           "--engine", "reference", "--dry-run", "--run-dir", str(tmp_path / "run")],

@@ -4,9 +4,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import ROOT, subprocess_env
 
 
+@pytest.mark.slow  # spawns `train --profile tiny`, which starts building the tiny target
 def test_sigterm_during_the_tiny_target_build_exits_promptly_and_leaves_no_cache(tmp_path):
     cache = tmp_path / "cache"
     argv = [sys.executable, "-m", "backend", "train", "--profile", "tiny", "--out", str(tmp_path / "run")]
