@@ -7,10 +7,20 @@ job pid, pgid and session id), writes leader.json, then waits for CMD and writes
 stopping the group never kills it, and it outlives the agent and the SSH connection: the exit code is known
 even when whoever started the job has died. The watcher is also a child subreaper, so a descendant whose
 parent died (or that called setsid) stays in the watcher's process tree, where stop finds it.
+
+Where cgroup v2 is writable, the leader is moved into a cgroup of its own before it runs (procs.create_job_cgroup),
+so everything it forks is in that cgroup, and the watcher moves itself out of the way (to the parent eagle3-jobs
+cgroup). A stop then ends like systemd's KillMode=control-group: SIGTERM, grace, freeze the cgroup, cgroup.kill.
+Elsewhere, or when the stopping process itself sits inside the job, the tree is frozen by SIGSTOP until a fresh
+walk of /proc finds nothing new, then SIGKILLed, so nothing can fork its way out during the kill. The stopping
+process and its ancestors are never signalled, and a stop never needs a write to succeed: signals go first,
+records after, and what could not be recorded is reported (JobRegistry.unrecorded()).
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
 import re
 import secrets
@@ -25,7 +35,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
+from urllib.parse import quote
 
 from backend import procs
 from backend.protocol import ErrorCode, JobInfo, ProcessVerdict, StopPlan, to_dict
@@ -38,6 +49,10 @@ EXIT_FILE = "exit_code"
 LEADER_FILE = "leader.json"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 START_TIMEOUT_S = 30.0
+MAX_GRACE_S = 86400.0
+FREEZE_TIMEOUT_S = 5.0
+PRIVATE_FILE = 0o600  # argv and logs may carry tokens
+PRIVATE_DIR = 0o700
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 SCHEMA = """
@@ -63,7 +78,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     watcher_pid INTEGER,
     watcher_start INTEGER,
     stop_requested_at REAL,
-    archived INTEGER NOT NULL DEFAULT 0
+    archived INTEGER NOT NULL DEFAULT 0,
+    cgroup TEXT
 );
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_active_name ON jobs(name) WHERE archived = 0;
 CREATE TABLE IF NOT EXISTS job_procs (
@@ -98,6 +114,9 @@ class JobBadParams(JobError):
     code = ErrorCode.BAD_PARAMS
 
 
+WRITE_ERRORS = (sqlite3.Error, OSError)  # a full disk, a read-only file system or a locked database
+
+
 @dataclass
 class JobRecord:
     """A jobs.db row: the wire JobInfo plus what only the registry needs."""
@@ -110,6 +129,7 @@ class JobRecord:
     watcher_pid: int | None
     watcher_start: int | None
     stop_requested_at: float | None
+    cgroup: str | None = None
 
     @property
     def name(self) -> str:
@@ -138,6 +158,7 @@ class JobPlan:
     targets: list[Target] = field(default_factory=list)
     group_signal: bool = False  # killpg(pgid) is safe: the leader is verified and still leads its group
     stale_reason: str | None = None
+    protected: list[Target] = field(default_factory=list)  # the job's processes that are this stop's own process or its ancestors
 
 
 @dataclass
@@ -148,6 +169,7 @@ class Discovery:
     token_pids: dict[str, list[int]]
     protected: set[int]
     roots: dict[int, int]  # pid of every job's leader and watcher -> job id
+    cgroup_pids: dict[int, list[int]] = field(default_factory=dict)  # job id -> members of its cgroup
 
 
 def resolve_argv(argv: list[str]) -> list[str]:
@@ -165,9 +187,14 @@ def read_exit_file(job_dir: str | Path) -> tuple[int | None, float | None]:
         return None, None
 
 
+def private_opener(path: str, flags: int) -> int:
+    """open(..., opener=private_opener) creates the file 0600."""
+    return os.open(path, flags, PRIVATE_FILE)
+
+
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as handle:
+    with open(tmp, "w", opener=private_opener) as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
@@ -196,17 +223,46 @@ def protected_pids() -> set[int]:
     return {os.getpid(), *procs.ancestors(os.getpid())}
 
 
+def check_stop_seconds(**values: float) -> None:
+    """grace and friends must be finite, >= 0 and at most a day: NaN never compares past a deadline."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= MAX_GRACE_S:
+            raise JobBadParams(f"{name}: {value!r} is not a number of seconds between 0 and {MAX_GRACE_S:g}; nothing was signalled")
+
+
+def _make_private_file(path: Path) -> None:
+    """Create path 0600 if missing, tighten it if wider (best effort: a full or read-only disk must not stop a stop)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, PRIVATE_FILE))
+        if path.stat().st_mode & 0o077:
+            path.chmod(PRIVATE_FILE)
+    except OSError:
+        pass
+
+
+def _make_private_dir(path: Path) -> None:
+    path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    try:
+        if path.stat().st_mode & 0o077:
+            path.chmod(PRIVATE_DIR)
+    except OSError:
+        pass
+
+
 class JobRegistry:
     """All jobs of one run dir. Safe to use from several threads and several processes at once."""
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.jobs_dir = self.run_dir / "jobs"
-        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+        _make_private_dir(self.jobs_dir)
         self.db_path = self.run_dir / "jobs.db"
         self._local = threading.local()
         self._watchers: dict[int, subprocess.Popen] = {}  # job id -> watcher we spawned (reaped by refresh)
         self._watchers_lock = threading.Lock()
+        self._stop_lock = threading.Lock()  # flock is per open file: threads of one process need this too
+        self._stopping: set[int] = set()
         self._db()
 
     # ------------------------------------------------------------ database
@@ -214,14 +270,47 @@ class JobRegistry:
     def _db(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
+            conn = self._connect()
+            self._local.conn = conn
+        return conn
+
+    def _connect(self) -> sqlite3.Connection:
+        """Read-write when possible; on a full or read-only disk a read-only view, so a stop can still find its targets."""
+        _make_private_file(self.db_path)
+        conn = None
+        try:
             conn = sqlite3.connect(self.db_path, timeout=30.0, isolation_level=None)
             conn.row_factory = sqlite3.Row
             conn.execute("PRAGMA busy_timeout = 30000")
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.executescript(SCHEMA)
-            self._local.conn = conn
-        return conn
+            self._migrate(conn)
+            return conn
+        except sqlite3.Error as exc:
+            if conn is not None:
+                conn.close()
+            return self._connect_read_only(exc)
+
+    def _connect_read_only(self, why: Exception) -> sqlite3.Connection:
+        self._note_unrecorded(f"{self.db_path} opened read-only ({why})")
+        for mode in ("mode=ro", "immutable=1"):
+            conn = None
+            try:
+                conn = sqlite3.connect(f"file:{quote(str(self.db_path))}?{mode}", uri=True, timeout=30.0, isolation_level=None)
+                conn.row_factory = sqlite3.Row
+                conn.execute("SELECT count(*) FROM jobs").fetchone()
+                return conn
+            except sqlite3.Error:
+                if conn is not None:
+                    conn.close()
+        raise JobError(f"cannot open {self.db_path}: {why}. Nothing was done; free disk space or fix its permissions and retry")
+
+    @staticmethod
+    def _migrate(conn: sqlite3.Connection) -> None:
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(jobs)")}
+        if "cgroup" not in columns:
+            conn.execute("ALTER TABLE jobs ADD COLUMN cgroup TEXT")
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
@@ -231,9 +320,39 @@ class JobRegistry:
         try:
             yield db
         except BaseException:
-            db.execute("ROLLBACK")
+            try:
+                db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # a failed COMMIT/statement may already have ended the transaction
             raise
-        db.execute("COMMIT")
+        try:
+            db.execute("COMMIT")
+        except BaseException:
+            try:
+                db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            raise
+
+    def _try_write(self, what: str, action: Callable[[sqlite3.Connection], None]) -> bool:
+        """A write that may fail (full disk, read-only file system) without stopping the caller; failures are noted."""
+        try:
+            with self._write() as db:
+                action(db)
+            return True
+        except WRITE_ERRORS as exc:
+            self._note_unrecorded(f"{what}: {exc}")
+            return False
+
+    def _note_unrecorded(self, message: str) -> None:
+        notes = getattr(self._local, "unrecorded", None)
+        if notes is None:
+            notes = self._local.unrecorded = []
+        notes.append(message)
+
+    def unrecorded(self) -> list[str]:
+        """What this thread's last stop could not write to jobs.db (empty when everything was recorded)."""
+        return list(getattr(self._local, "unrecorded", None) or [])
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -259,7 +378,8 @@ class JobRegistry:
             exit_code=row["exit_code"],
             adopted=bool(row["adopted"]),
         )
-        return JobRecord(row["id"], info, row["detail"], row["cwd"], row["token"], row["watcher_pid"], row["watcher_start"], row["stop_requested_at"])
+        cgroup = row["cgroup"] if "cgroup" in row.keys() else None
+        return JobRecord(row["id"], info, row["detail"], row["cwd"], row["token"], row["watcher_pid"], row["watcher_start"], row["stop_requested_at"], cgroup)
 
     def _active(self, db: sqlite3.Connection | None = None, name: str | None = None) -> list[JobRecord]:
         db = db or self._db()
@@ -324,11 +444,13 @@ class JobRegistry:
                 info.state, record.detail, info.exit_code, info.ended_at = state, detail, exit_code, ended_at
                 changed.append(record)
         if changed:
-            with self._write() as db:
-                for record in changed:
-                    info = record.info
-                    self._update(db, record.id, state=info.state, detail=record.detail, exit_code=info.exit_code, ended_at=info.ended_at)
+            self._try_write("job states", lambda db: self._store_states(db, changed))
         return records
+
+    def _store_states(self, db: sqlite3.Connection, records: list[JobRecord]) -> None:
+        for record in records:
+            info = record.info
+            self._update(db, record.id, state=info.state, detail=record.detail, exit_code=info.exit_code, ended_at=info.ended_at)
 
     def list_jobs(self) -> list[JobInfo]:
         return [record.info for record in self.refresh()]
@@ -363,10 +485,22 @@ class JobRegistry:
             raise JobBadParams(f"kind: {kind!r} is not one of {', '.join(k for k in KINDS if k != 'adopted')}")
         if not isinstance(argv, list) or not argv or not all(isinstance(arg, str) for arg in argv):
             raise JobBadParams("argv: expected a non-empty list of strings")
-        if cwd is not None and not Path(cwd).is_dir():
+        if any("\0" in arg for arg in argv):
+            raise JobBadParams("argv: an argument contains a NUL byte, which no program can receive; nothing was started")
+        if cwd is not None and (not isinstance(cwd, str) or "\0" in cwd or not Path(cwd).is_dir()):
             raise JobBadParams(f"cwd: {cwd!r} is not a directory")
-        if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        if env is not None:
+            JobRegistry._check_env(env)
+
+    @staticmethod
+    def _check_env(env: Any) -> None:
+        if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
             raise JobBadParams("env: expected an object of string to string")
+        for key, value in env.items():
+            if not key or "=" in key or "\0" in key:
+                raise JobBadParams(f"env: {key!r} is not a variable name (empty, or holds '=' or a NUL byte); nothing was started")
+            if "\0" in value:
+                raise JobBadParams(f"env: the value of {key} contains a NUL byte, which no environment can hold; nothing was started")
 
     @staticmethod
     def _check_executable(argv: list[str], env: dict[str, str], cwd: str | None) -> None:
@@ -422,14 +556,17 @@ class JobRegistry:
         token = secrets.token_hex(16)
         with self._write() as db:
             self._claim_name(db, name)
-            job_dir.mkdir(parents=True)
+            job_dir.mkdir(mode=PRIVATE_DIR, parents=True)
             cursor = db.execute(
                 "INSERT INTO jobs (name, kind, state, detail, argv, cwd, job_dir, stdout_path, stderr_path, started_at, token)"
                 " VALUES (?, ?, 'unknown', 'starting', ?, ?, ?, ?, ?, ?, ?)",
                 (name, kind, json.dumps(argv), cwd, str(job_dir), str(job_dir / "stdout.log"), str(job_dir / "stderr.log"), time.time(), token),
             )
             job_id = cursor.lastrowid
-        leader = self._spawn_watcher(job_id, job_dir, argv, cwd, {**job_env, WATCH_TOKEN_ENV: token})
+        try:
+            leader = self._spawn_watcher(job_id, job_dir, argv, cwd, {**job_env, WATCH_TOKEN_ENV: token})
+        except Exception as exc:  # the record exists: end it instead of leaving it "starting"
+            leader = {"error": f"the watcher could not be started: {exc}", "exit_code": 127}
         with self._write() as db:
             if "error" in leader:
                 self._update(db, job_id, state="exited", detail=leader["error"], exit_code=leader.get("exit_code"), ended_at=time.time())
@@ -444,13 +581,14 @@ class JobRegistry:
                     start_time_ticks=leader["start_time_ticks"],
                     watcher_pid=leader["watcher_pid"],
                     watcher_start=leader["watcher_start"],
+                    cgroup=leader.get("cgroup"),
                 )
         if "error" in leader:
             raise JobError(f"job {name!r} could not start: {leader['error']} (record kept as exited; see {job_dir / 'stderr.log'})")
         return self.get(name).info
 
     def _spawn_watcher(self, job_id: int, job_dir: Path, argv: list[str], cwd: str | None, env: dict[str, str]) -> dict[str, Any]:
-        with open(job_dir / "watcher.log", "ab") as watcher_log:
+        with open(job_dir / "watcher.log", "ab", opener=private_opener) as watcher_log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "backend.jobs", "watch", str(job_dir), "--", *argv],
                 cwd=cwd,
@@ -477,8 +615,14 @@ class JobRegistry:
 
     # ------------------------------------------------------------ adopt
 
-    def adopt(self, pid: int, name: str, confirm_pid: int) -> JobInfo:
-        """Register a process this tool did not start, only when the operator typed its PID a second time."""
+    def adopt(self, pid: int, name: str, confirm_pid: int, other_user: bool = False) -> JobInfo:
+        """Register a process this tool did not start, only when the operator typed its PID a second time.
+
+        Never a kernel thread, PID 1, this process or its ancestors; another user's process only when we are
+        root and `other_user` confirms it.
+        """
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            raise JobBadParams(f"pid: {pid!r} is not a process ID; nothing was adopted")
         if confirm_pid != pid:
             raise JobRefused(f"confirmation PID {confirm_pid} does not match PID {pid}; nothing was adopted")
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
@@ -486,15 +630,14 @@ class JobRegistry:
         stat = procs.read_stat(pid)
         if stat is None or not stat.running:
             raise JobNotFound(f"no running process with PID {pid}; nothing was adopted")
-        if pid in protected_pids():
-            raise JobRefused(f"PID {pid} is this tool or one of its parents; nothing was adopted")
+        self._check_adoptable(stat, other_user)
         owner = self.owned_pids([pid]).get(pid)
         if owner is not None:
             raise JobConflict(f"PID {pid} already belongs to job {owner!r}; nothing was adopted")
         job_dir = self.jobs_dir / name
         with self._write() as db:
             self._claim_name(db, name)
-            job_dir.mkdir(parents=True)
+            job_dir.mkdir(mode=PRIVATE_DIR, parents=True)
             db.execute(
                 "INSERT INTO jobs (name, kind, state, pid, pgid, start_time_ticks, argv, job_dir, stdout_path, stderr_path, started_at, adopted)"
                 " VALUES (?, 'adopted', 'running', ?, ?, ?, ?, ?, ?, ?, ?, 1)",
@@ -504,6 +647,20 @@ class JobRegistry:
                 ),
             )
         return self.get(name).info
+
+    @staticmethod
+    def _check_adoptable(stat: procs.ProcStat, other_user: bool) -> None:
+        pid = stat.pid
+        if pid == 1:
+            raise JobRefused("PID 1 is the init process: stopping it would take the host down. Nothing was adopted")
+        if stat.kernel_thread:
+            raise JobRefused(f"PID {pid} [{stat.comm}] is a kernel thread, not a program: it cannot be stopped. Nothing was adopted")
+        if pid in protected_pids():
+            raise JobRefused(f"PID {pid} is this tool or one of its parents; nothing was adopted")
+        uid, my_uid = procs.uid_of(pid), os.getuid()
+        if uid != my_uid and not (other_user and my_uid == 0):
+            how = "confirm with --other-user (root only)" if my_uid == 0 else "run as root with --other-user"
+            raise JobRefused(f"PID {pid} belongs to user {procs.user_name(uid) or '?'}, not {procs.user_name(my_uid)}; to adopt it anyway {how}. Nothing was adopted")
 
     # ------------------------------------------------------------ discovery
 
@@ -525,11 +682,12 @@ class JobRegistry:
         return found
 
     def _context(self, records: list[JobRecord], tokens: bool = False) -> Discovery:
-        """One /proc scan plus what every plan needs: token holders, protected pids, every job's leader and watcher."""
+        """One /proc scan plus what every plan needs: token holders, cgroup members, protected pids, every job's leader and watcher."""
         table = procs.ProcTable.scan()
         token_pids = self._token_pids(table, {r.token for r in records if r.token}) if tokens else {}
+        cgroup_pids = {r.id: procs.cgroup_pids(r.cgroup) for r in records if procs.is_job_cgroup(r.cgroup)}
         roots = {pid: r.id for r in records for pid in (r.info.pid, r.watcher_pid) if pid}
-        return Discovery(table, token_pids, protected_pids(), roots)
+        return Discovery(table, token_pids, protected_pids(), roots, cgroup_pids)
 
     def _plan_job(self, record: JobRecord, ctx: Discovery) -> JobPlan:
         """Every live process provably belonging to this job; another job's leader or watcher ends a walk."""
@@ -541,19 +699,21 @@ class JobRegistry:
             return plan
         others = {pid for pid, job_id in ctx.roots.items() if job_id != record.id}
         targets: dict[int, Target] = {}
+        protected: dict[int, Target] = {}
 
         def add(pid: int, role: str | None = None) -> None:
             stat = table.stats.get(pid)
-            if pid in targets or pid in ctx.protected or pid in others or pid == record.watcher_pid or stat is None or not stat.running:
+            if pid in targets or pid in protected or pid in others or pid == record.watcher_pid or not _signallable(stat):
                 return
             role = role or ("group" if stat.pgid == info.pgid else "descendant")
-            targets[pid] = Target(pid, stat.start_time, stat.pgid, role, info.name, procs.cmdline(pid))
+            target = Target(pid, stat.start_time, stat.pgid, role, info.name, procs.cmdline(pid))
+            (protected if pid in ctx.protected else targets)[pid] = target
 
         if state == "running" and table.alive(info.pid, info.start_time_ticks):
             add(info.pid, "leader")
             leader_pgid = table.stats[info.pid].pgid
             # An adopted process may share its group with a shell that is not ours: group-signal only a group it leads.
-            plan.group_signal = leader_pgid == info.pgid and (not info.adopted or info.pgid == info.pid)
+            plan.group_signal = leader_pgid == info.pgid > 1 and (not info.adopted or info.pgid == info.pid)
             if plan.group_signal:
                 for pid in table.group(info.pgid):
                     add(pid)
@@ -565,23 +725,28 @@ class JobRegistry:
         for row in self._recorded(record.id):
             if table.alive(row["pid"], row["start_time"]):
                 add(row["pid"], row["role"])
-        for pid in ctx.token_pids.get(record.token or "", []):
+        for pid in ctx.token_pids.get(record.token or "", []) + ctx.cgroup_pids.get(record.id, []):
             add(pid)
         plan.targets = sorted(targets.values(), key=lambda t: (t.role != "leader", t.pid))
+        plan.protected = sorted(protected.values(), key=lambda t: t.pid)
         return plan
+
+    def _select(self, records: list[JobRecord], names: list[str] | None, all_jobs: bool) -> list[JobRecord]:
+        if all_jobs:
+            return records
+        by_name = {record.name: record for record in records}
+        missing = [name for name in names or [] if name not in by_name]
+        if missing or not names:
+            raise JobNotFound(f"no job named {', '.join(map(repr, missing)) or '(none given)'}; known: {', '.join(sorted(by_name)) or 'none'}")
+        return [by_name[name] for name in dict.fromkeys(names)]  # a name given twice is stopped once
 
     def _plans(self, names: list[str] | None, all_jobs: bool) -> list[JobPlan]:
         records = self.refresh()
-        by_name = {record.name: record for record in records}
-        if not all_jobs:
-            missing = [name for name in names or [] if name not in by_name]
-            if missing or not names:
-                raise JobNotFound(f"no job named {', '.join(map(repr, missing)) or '(none given)'}; known: {', '.join(sorted(by_name)) or 'none'}")
-        selected = records if all_jobs else [by_name[name] for name in names]
+        selected = self._select(records, names, all_jobs)
         ctx = self._context(records, tokens=True)
         plans = [self._plan_job(record, ctx) for record in selected]
         if all_jobs:
-            plans = [plan for plan in plans if plan.targets or plan.state in ("stale", "unknown")]
+            plans = [plan for plan in plans if plan.targets or plan.protected or plan.state in ("stale", "unknown")]
         return plans
 
     def owned_pids(self, candidates: Iterable[int] | None = None) -> dict[int, str]:
@@ -613,8 +778,7 @@ class JobRegistry:
             if target.role != "leader"
         ]
         if rows:
-            with self._write() as db:
-                db.executemany("INSERT OR IGNORE INTO job_procs VALUES (?, ?, ?, ?, ?, ?)", rows)
+            self._try_write("job processes", lambda db: db.executemany("INSERT OR IGNORE INTO job_procs VALUES (?, ?, ?, ?, ?, ?)", rows))
         return len(rows)
 
     # ------------------------------------------------------------ stop
@@ -639,53 +803,159 @@ class JobRegistry:
         gpu_source=None,
         gpu_release_timeout: float = 15.0,
     ) -> list[ProcessVerdict]:
-        """SIGTERM each job's group, wait `grace`, SIGKILL the group and every descendant, confirm all gone."""
-        plans = self._plans(names, all_jobs)
+        """SIGTERM each job, wait `grace`, freeze what is left, SIGKILL all of it, confirm all gone.
+
+        One stop per job at a time (a lock on its directory): a concurrent stop waits for it, then finds what is
+        left, so no process gets SIGTERM twice. Writes are best effort and come after the signals they describe.
+        """
+        check_stop_seconds(grace=grace, kill_wait=kill_wait, gpu_release_timeout=gpu_release_timeout)
+        self._local.unrecorded = []
+        selected = self._select(self.refresh(), names, all_jobs)
+        with self._job_locks(selected, timeout=grace + kill_wait + gpu_release_timeout + 60):
+            plans = [plan for plan in self._plans(names, all_jobs) if plan.record.id in {r.id for r in selected}]
+            verdicts = self._stop_plans(plans, grace, kill_wait)
+            self._confirm_gpu_released(verdicts, gpu_source, gpu_release_timeout)
+            self._finish_records([plan for plan in plans if plan.targets or plan.protected], f"stopped by operator (grace {grace:g}s)", verdicts)
+        self._mention_unrecorded(verdicts)
+        return verdicts
+
+    def _stop_plans(self, plans: list[JobPlan], grace: float, kill_wait: float) -> list[ProcessVerdict]:
         verdicts = [
             ProcessVerdict(plan.record.info.pid, "leader", "stale_not_signalled", f"job {plan.record.name}: {plan.stale_reason}")
             for plan in plans
             if plan.stale_reason
         ]
-        active = [plan for plan in plans if plan.targets]
+        active = [plan for plan in plans if plan.targets or plan.protected]
         if not active:
             return verdicts
-        self._remember(active)
+        status = self._terminate(active, grace, f"stopped by operator (grace {grace:g}s)")
+        self._kill_rest(active, status, kill_wait)
+        return verdicts + self._verdicts(active, status)
+
+    def _terminate(self, active: list[JobPlan], grace: float, detail: str) -> dict[int, str]:
+        """SIGTERM every target, record the stop (best effort), wait up to `grace` for the targets to go."""
         now = time.time()
-        stop_detail = f"stopped by operator (grace {grace:g}s)"
-        with self._write() as db:
-            for plan in active:
-                plan.record.stop_requested_at = now
-                self._update(db, plan.record.id, stop_requested_at=now, detail=stop_detail)
         status: dict[int, str] = {}
         for plan in active:
+            plan.record.stop_requested_at = now  # in memory first: discovery must not call a job we are stopping stale
             termed = self._signal_all(plan, plan.targets, signal.SIGTERM)
             status.update({t.pid: "termed" if t.pid in termed else "already_gone" for t in plan.targets})
+        self._remember(active)
+        self._try_write("stop request", lambda db: [self._update(db, plan.record.id, stop_requested_at=now, detail=detail) for plan in active])
         termed_targets = [t for plan in active for t in plan.targets if status[t.pid] == "termed"]
-        remaining = {t.pid for t in self._wait_gone(termed_targets, grace)}
-        status.update({t.pid: "exited_on_term" for t in termed_targets if t.pid not in remaining})
-        late = {id(plan): self._rediscover(plan) for plan in active}
-        if remaining or any(late.values()):
-            kill_sent = []
-            for plan in active:
-                plan.targets.extend(late[id(plan)])
-                status.update({t.pid: "already_gone" for t in late[id(plan)]})
-                to_kill = [t for t in plan.targets if t.pid in remaining or t in late[id(plan)]]
-                killed = self._signal_all(plan, to_kill, signal.SIGKILL)
-                kill_sent.extend(t for t in to_kill if t.pid in killed)
-            survivors = {t.pid for t in self._wait_gone(kill_sent, kill_wait)}
-            status.update({t.pid: "survived" if t.pid in survivors else "killed" for t in kill_sent})
-            status.update({pid: "exited_on_term" for pid, value in status.items() if value == "termed"})
-        verdicts.extend(self._verdicts(active, status))
-        self._confirm_gpu_released(verdicts, gpu_source, gpu_release_timeout)
-        self._finish_records(active, stop_detail)
-        return verdicts
+        self._wait_gone(termed_targets, grace)
+        return status
+
+    def _kill_rest(self, active: list[JobPlan], status: dict[int, str], kill_wait: float) -> None:
+        """Freeze and SIGKILL whatever of each job is still alive, forked during the grace period included."""
+        records = self._active()
+        sent = [target for plan in active for target in self._freeze_and_kill(plan, records, kill_wait)]
+        survivors = {t.pid for t in self._wait_gone(sent, kill_wait)}
+        status.update({t.pid: "survived" if t.pid in survivors else "killed" for t in sent})
+        status.update({pid: "exited_on_term" for pid, value in status.items() if value == "termed"})
+
+    def _freeze_and_kill(self, plan: JobPlan, records: list[JobRecord], kill_wait: float) -> list[Target]:
+        """Freeze the job (its cgroup, else SIGSTOP until a fresh walk finds nothing new), then SIGKILL it; returns what was killed."""
+        cgroup = self._usable_cgroup(plan)
+        frozen_cgroup = cgroup is not None and procs.cgroup_freeze(cgroup)
+        inside: set[int] = set()
+        found: dict[int, Target] = {}
+
+        def discover() -> dict[int, int]:
+            inside.clear()
+            inside.update(procs.cgroup_pids(cgroup) if frozen_cgroup else ())
+            fresh = {t.pid: t for t in self._plan_job(plan.record, self._context(records, tokens=True)).targets}
+            found.update(fresh)
+            return {pid: t.start for pid, t in fresh.items() if pid not in inside}
+
+        procs.freeze(discover, FREEZE_TIMEOUT_S)
+        if frozen_cgroup:
+            found.update(self._cgroup_targets(plan, cgroup))  # complete: nothing in a frozen cgroup can fork
+        self._add_late_targets(plan, found.values())
+        sent = [t for t in found.values() if t.pid not in inside and procs.send_signal(t.pid, t.start, signal.SIGKILL)]
+        if frozen_cgroup:
+            procs.cgroup_kill(cgroup, kill_wait)
+            sent += [t for t in found.values() if t.pid in inside]
+            procs.remove_cgroup(cgroup)
+        return sent
+
+    def _usable_cgroup(self, plan: JobPlan) -> Path | None:
+        """The job's cgroup, unless it is gone or holds this process or an ancestor (freezing it would freeze us)."""
+        path = plan.record.cgroup
+        if not procs.is_job_cgroup(path) or set(procs.cgroup_pids(path)) & protected_pids():
+            return None
+        return Path(path)
+
+    @staticmethod
+    def _cgroup_targets(plan: JobPlan, cgroup: Path) -> dict[int, Target]:
+        info = plan.record.info
+        targets = {}
+        for pid in procs.cgroup_pids(cgroup):
+            stat = procs.read_stat(pid)
+            if _signallable(stat):
+                leader = pid == info.pid and stat.start_time == info.start_time_ticks
+                role = "leader" if leader else "group" if stat.pgid == info.pgid else "descendant"
+                targets[pid] = Target(pid, stat.start_time, stat.pgid, role, info.name, procs.cmdline(pid))
+        return targets
+
+    @staticmethod
+    def _add_late_targets(plan: JobPlan, found: Iterable[Target]) -> None:
+        known = {(t.pid, t.start) for t in plan.targets}
+        plan.targets.extend(t for t in found if (t.pid, t.start) not in known)
+
+    @contextmanager
+    def _job_locks(self, records: list[JobRecord], timeout: float) -> Iterator[None]:
+        """Hold every selected job's stop lock (in job id order, so two stops of overlapping sets cannot deadlock)."""
+        deadline = time.monotonic() + timeout
+        releases: list[Callable[[], None]] = []
+        try:
+            for record in sorted(records, key=lambda r: r.id):
+                releases.append(self._lock_job(record, deadline))
+            yield
+        finally:
+            for release in reversed(releases):
+                release()
+
+    def _lock_job(self, record: JobRecord, deadline: float) -> Callable[[], None]:
+        """This thread's claim on the job, then an flock on its directory for other processes; flock dies with its holder."""
+        while not self._claim_in_process(record.id):
+            self._wait_for_other_stop(record, deadline)
+        fd = None
+        try:
+            fd = os.open(record.info.job_dir, os.O_RDONLY | os.O_DIRECTORY)
+            while not _try_flock(fd):
+                self._wait_for_other_stop(record, deadline)
+        except FileNotFoundError:
+            pass  # no directory to lock (removed by hand): the in-process claim is all there is
+        except BaseException:
+            self._release_job(record.id, fd)
+            raise
+        return lambda: self._release_job(record.id, fd)
+
+    def _claim_in_process(self, job_id: int) -> bool:
+        with self._stop_lock:
+            if job_id in self._stopping:
+                return False
+            self._stopping.add(job_id)
+            return True
+
+    def _release_job(self, job_id: int, fd: int | None) -> None:
+        if fd is not None:
+            os.close(fd)
+        with self._stop_lock:
+            self._stopping.discard(job_id)
+
+    @staticmethod
+    def _wait_for_other_stop(record: JobRecord, deadline: float) -> None:
+        if time.monotonic() >= deadline:
+            raise JobConflict(f"job {record.name!r} is being stopped by another stop that has not finished; this one signalled nothing. Try again when it ends")
+        time.sleep(0.05)
 
     def _remember(self, plans: list[JobPlan]) -> None:
         now = time.time()
         rows = [(plan.record.id, t.pid, t.start, t.role, t.cmdline, now) for plan in plans for t in plan.targets if t.role != "leader"]
         if rows:
-            with self._write() as db:
-                db.executemany("INSERT OR IGNORE INTO job_procs VALUES (?, ?, ?, ?, ?, ?)", rows)
+            self._try_write("job processes", lambda db: db.executemany("INSERT OR IGNORE INTO job_procs VALUES (?, ?, ?, ?, ?, ?)", rows))
 
     @staticmethod
     def _signal_all(plan: JobPlan, targets: list[Target], signum: int) -> set[int]:
@@ -694,7 +964,8 @@ class JobRegistry:
         alive = {t.pid for t in targets if procs.is_alive(t.pid, t.start)}
         group_sent = False
         # A live, identity-checked member keeps the pgid number from being reused, so the group is still ours.
-        if plan.group_signal and any(t.pid in alive and procs.pgid_of(t.pid) == pgid for t in targets):
+        # killpg would also reach a stopper that runs inside the group: then every member is signalled one by one.
+        if plan.group_signal and not _group_holds_protected(pgid) and any(t.pid in alive and procs.pgid_of(t.pid) == pgid for t in targets):
             try:
                 os.killpg(pgid, signum)
                 group_sent = True
@@ -707,12 +978,6 @@ class JobRegistry:
             if (group_sent and target.pgid == pgid) or procs.send_signal(target.pid, target.start, signum):
                 reached.add(target.pid)
         return reached
-
-    def _rediscover(self, plan: JobPlan) -> list[Target]:
-        """Walk /proc again just before SIGKILL: anything forked during the grace period is ours too."""
-        fresh = self._plan_job(plan.record, self._context(self._active(), tokens=True))
-        known = {t.pid for t in plan.targets}
-        return [t for t in fresh.targets if t.pid not in known]
 
     @staticmethod
     def _wait_gone(targets: list[Target], timeout: float) -> list[Target]:
@@ -734,6 +999,11 @@ class JobRegistry:
                     stat = procs.read_stat(target.pid)
                     detail += f" (still alive in state {stat.state if stat else '?'} after SIGKILL)"
                 verdicts.append(ProcessVerdict(target.pid, target.role, result, detail))
+            for target in plan.protected:
+                alive = procs.is_alive(target.pid, target.start)
+                detail = (f"job {target.job}: NOT signalled: it is this stop's own process or one of its parents; "
+                          f"stop the job from outside it to end it ({target.cmdline[:120]})")
+                verdicts.append(ProcessVerdict(target.pid, target.role, "survived" if alive else "already_gone", detail))
         return verdicts
 
     @staticmethod
@@ -755,21 +1025,49 @@ class JobRegistry:
             elif verdict.pid in stopped:
                 verdict.detail += "; GPU memory released"
 
-    def _finish_records(self, plans: list[JobPlan], detail: str) -> None:
-        """Wait briefly for each watcher's exit file, then store the stopped state."""
+    def _finish_records(self, plans: list[JobPlan], detail: str, verdicts: list[ProcessVerdict]) -> None:
+        """Wait briefly for each watcher's exit file, then store the stopped state, or what survived (best effort)."""
+        survived = {v.pid for v in verdicts if v.outcome == "survived"}
         deadline = time.monotonic() + 3.0
         for plan in plans:
+            left = sorted(t.pid for t in plan.targets + plan.protected if t.pid in survived)
+            if left:
+                note = f"stop incomplete: PID {', '.join(map(str, left))} still alive"
+                self._try_write("stop result", lambda db: self._update(db, plan.record.id, detail=note))
+                continue
             info = plan.record.info
             exit_code, ended_at = read_exit_file(info.job_dir)
             while exit_code is None and info.state == "running" and self._watcher_alive(plan.record) and time.monotonic() < deadline:
                 time.sleep(0.02)
                 exit_code, ended_at = read_exit_file(info.job_dir)
             if info.state == "running":
-                with self._write() as db:
-                    # detail again: a refresh from another process may have written a transient one meanwhile
-                    self._update(db, plan.record.id, state="stopped", detail=detail, exit_code=exit_code,
-                                 ended_at=ended_at or time.time())
+                # detail again: a refresh from another process may have written a transient one meanwhile
+                values = dict(state="stopped", detail=detail, exit_code=exit_code, ended_at=ended_at or time.time(), stop_requested_at=plan.record.stop_requested_at)
+                self._try_write("stopped state", lambda db: self._update(db, plan.record.id, **values))
         self.refresh()
+
+    def _mention_unrecorded(self, verdicts: list[ProcessVerdict]) -> None:
+        notes = self.unrecorded()
+        if notes:
+            for verdict in verdicts:
+                verdict.detail += f"; NOT recorded in jobs.db ({notes[-1][:160]})"
+
+
+def _signallable(stat: procs.ProcStat | None) -> bool:
+    """A live process that a stop may ever signal: never PID 1, never a kernel thread."""
+    return stat is not None and stat.running and stat.pid > 1 and not stat.kernel_thread
+
+
+def _group_holds_protected(pgid: int) -> bool:
+    return pgid <= 1 or any(procs.pgid_of(pid) == pgid for pid in protected_pids())
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def _output_file(pid: int, fd: int) -> str | None:
@@ -807,6 +1105,36 @@ def _report_leader(message: dict[str, Any]) -> None:
     os.close(devnull)
 
 
+def _watcher_cgroup(job_dir: Path, token: str) -> Path | None:
+    """The job's own cgroup (None where cgroup v2 is not writable); the watcher itself moves beside it, out of any job's."""
+    cgroup = procs.create_job_cgroup(f"{job_dir.name}-{(token or str(os.getpid()))[:12]}")
+    if cgroup is not None:
+        procs.enter_cgroup(cgroup.parent)  # started from inside another job: stopping that job must not kill this watcher
+    return cgroup
+
+
+def _spawn_leader(argv: list[str], out, err, env: dict[str, str], cgroup: Path | None) -> tuple[subprocess.Popen, Path | None]:
+    """Start argv in a new session, inside the cgroup when one is given (moved before exec, so before it can fork)."""
+    def enter() -> None:
+        if not procs.enter_cgroup(cgroup):
+            raise OSError("could not enter the job cgroup")
+
+    common = dict(stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True)
+    if cgroup is not None:
+        try:
+            return subprocess.Popen(argv, preexec_fn=enter, **common), cgroup
+        except subprocess.SubprocessError:
+            procs.remove_cgroup(cgroup)  # could not enter it: run without a cgroup, the freeze-walk stop still holds
+    return subprocess.Popen(argv, **common), None
+
+
+def _write_exit_code(job_dir: Path, code: int) -> None:
+    try:
+        write_atomic(job_dir / EXIT_FILE, f"{code}\n")
+    except OSError as exc:  # a full disk must not end the watcher: it still reaps the job's orphans
+        print(f"eagle3 watcher: could not record exit code {code}: {exc}", file=sys.stderr, flush=True)
+
+
 def watch(job_dir: Path, argv: list[str]) -> int:
     """Run argv as the job leader, record leader.json and exit_code, reap orphans until none remain."""
     _become_subreaper()
@@ -814,12 +1142,15 @@ def watch(job_dir: Path, argv: list[str]) -> int:
         signal.signal(signum, lambda *_: None)  # a handler, not SIG_IGN: the job must start with default dispositions
     env = dict(os.environ)
     env[JOB_TOKEN_ENV] = env.pop(WATCH_TOKEN_ENV, "")
-    with open(job_dir / "stdout.log", "ab") as out, open(job_dir / "stderr.log", "ab") as err:
+    cgroup = _watcher_cgroup(job_dir, env[JOB_TOKEN_ENV])
+    with open(job_dir / "stdout.log", "ab", opener=private_opener) as out, open(job_dir / "stderr.log", "ab", opener=private_opener) as err:
         try:
-            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True)
+            child, cgroup = _spawn_leader(argv, out, err, env, cgroup)
         except OSError as exc:
             err.write(f"eagle3 watcher: could not start {argv[0]!r}: {exc}\n".encode())
-            write_atomic(job_dir / EXIT_FILE, "127\n")
+            _write_exit_code(job_dir, 127)
+            if cgroup is not None:
+                procs.remove_cgroup(cgroup)
             _report_leader({"error": f"could not start {argv[0]!r}: {exc}", "exit_code": 127})
             return 127
     stat = procs.read_stat(child.pid)
@@ -829,19 +1160,30 @@ def watch(job_dir: Path, argv: list[str]) -> int:
         "start_time_ticks": stat.start_time if stat else 0,
         "watcher_pid": os.getpid(),
         "watcher_start": procs.start_time(os.getpid()),
+        "cgroup": str(cgroup) if cgroup else None,
     }
-    write_atomic(job_dir / LEADER_FILE, json.dumps(leader) + "\n")
+    try:
+        write_atomic(job_dir / LEADER_FILE, json.dumps(leader) + "\n")
+    except OSError:
+        pass  # the starter gets the same facts on stdout
     _report_leader(leader)
+    code = _reap_all(child, job_dir)
+    if cgroup is not None:
+        procs.remove_cgroup(cgroup)
+    return 128 - code if code < 0 else code
+
+
+def _reap_all(child: subprocess.Popen, job_dir: Path) -> int:
+    """Wait for the leader (recording its exit code) and every orphan handed to us; returns the leader's code."""
     code = 0
     while True:
         try:
             pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
-            break
+            return code
         if pid == child.pid:
             child.returncode = code = os.waitstatus_to_exitcode(status)
-            write_atomic(job_dir / EXIT_FILE, f"{code}\n")
-    return 128 - code if code < 0 else code
+            _write_exit_code(job_dir, code)
 
 
 def main(argv: list[str]) -> int:

@@ -1,14 +1,21 @@
-"""Reading /proc: process identity (pid + start time), parents, groups, owners, command lines and process trees."""
+"""Reading /proc (process identity, parents, groups, owners, command lines, trees), identity-checked signals and job cgroups (v2)."""
 from __future__ import annotations
 
 import os
 import pwd
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable
 
 PROC = Path("/proc")
 GONE_STATES = frozenset("ZX")  # zombie or dead: the process no longer runs, whatever /proc still shows
+STOPPED_STATES = frozenset("tT")  # stopped by a signal (or traced): it cannot fork until continued
+PF_KTHREAD = 0x00200000  # /proc/PID/stat flags bit of a kernel thread
+CGROUP_DIR_NAME = "eagle3-jobs"  # the cgroup under which every job gets its own cgroup
+CGROUP_PREFIX = "job-"
+CGROUPS_ENV = "EAGLE3_CGROUPS"  # "0" turns job cgroups off (the freeze-walk stop is used instead)
 
 
 @dataclass(frozen=True)
@@ -22,10 +29,19 @@ class ProcStat:
     pgid: int
     sid: int
     start_time: int  # field 22, clock ticks since boot: with pid, the identity of a process
+    flags: int = 0  # field 9, the kernel's PF_* flags
 
     @property
     def running(self) -> bool:
         return self.state not in GONE_STATES
+
+    @property
+    def stopped(self) -> bool:
+        return self.state in STOPPED_STATES
+
+    @property
+    def kernel_thread(self) -> bool:
+        return bool(self.flags & PF_KTHREAD) or self.pid == 2 or self.ppid == 2
 
 
 def parse_stat(text: str) -> ProcStat:
@@ -44,6 +60,7 @@ def parse_stat(text: str) -> ProcStat:
         pgid=int(rest[2]),
         sid=int(rest[3]),
         start_time=int(rest[19]),
+        flags=int(rest[6]),
     )
 
 
@@ -229,3 +246,191 @@ def send_signal(pid: int, start: int, signum: int) -> bool:
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+def is_stopped(pid: int, start: int) -> bool:
+    """True when the process started at `start` is stopped (or gone): it can no longer fork."""
+    stat = read_stat(pid)
+    return stat is None or stat.start_time != start or not stat.running or stat.stopped
+
+
+def freeze(discover: Callable[[], dict[int, int]], timeout: float = 5.0) -> tuple[dict[int, int], bool]:
+    """SIGSTOP every process discover() lists ({pid: start time}) until a fresh look finds none still moving.
+
+    A stopped process cannot fork, so once a round finds nothing new and nothing running, the set is complete.
+    SIGSTOP is sent again to one that was continued meanwhile. Returns (every process seen, settled in time).
+    """
+    seen: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while True:
+        found = discover()
+        seen.update(found)
+        moving = {pid: start for pid, start in found.items() if not is_stopped(pid, start)}
+        for pid, start in moving.items():
+            send_signal(pid, start, signal.SIGSTOP)
+        if not moving:
+            return seen, True
+        if time.monotonic() >= deadline:
+            return seen, False
+        _wait_until_stopped(moving, min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def _wait_until_stopped(pids: dict[int, int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(not is_stopped(pid, start) for pid, start in pids.items()) and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+# ---------------------------------------------------------------- job cgroups (cgroup v2)
+
+
+def cgroup2_mount() -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or /sys/fs/cgroup/unified on hybrid hosts)."""
+    try:
+        lines = (PROC / "self" / "mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        if right.split(" ", 1)[0] == "cgroup2":
+            return Path(left.split()[4].encode().decode("unicode_escape"))
+    return None
+
+
+def cgroup_of(pid: int) -> str | None:
+    """The v2 cgroup path of a process ('/a/b'), from its '0::' line of /proc/PID/cgroup."""
+    try:
+        lines = (PROC / str(pid) / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("0::"):
+            return line[3:].removesuffix(" (deleted)")
+    return None
+
+
+def job_cgroup_base() -> Path | None:
+    """The cgroup that holds job cgroups: eagle3-jobs under our own cgroup (or the one we already sit under)."""
+    if os.environ.get(CGROUPS_ENV) == "0":
+        return None
+    mount, own = cgroup2_mount(), cgroup_of(os.getpid())
+    if mount is None or own is None:
+        return None
+    parts = [part for part in own.split("/") if part]
+    if CGROUP_DIR_NAME in parts:  # started from inside a job: job cgroups are siblings, never nested in another job's
+        parts = parts[: parts.index(CGROUP_DIR_NAME)]
+    return mount.joinpath(*parts, CGROUP_DIR_NAME)
+
+
+def create_job_cgroup(key: str) -> Path | None:
+    """A fresh cgroup for one job, or None where cgroup v2 is missing, read-only or too old for cgroup.kill."""
+    base = job_cgroup_base()
+    if base is None:
+        return None
+    path = base / f"{CGROUP_PREFIX}{key}"
+    try:
+        base.mkdir(mode=0o755, exist_ok=True)
+        path.mkdir(mode=0o755)
+    except OSError:
+        return None
+    if all((path / name).exists() for name in ("cgroup.procs", "cgroup.freeze", "cgroup.kill", "cgroup.events")):
+        return path
+    remove_cgroup(path)
+    return None
+
+
+def is_job_cgroup(path: str | Path | None) -> bool:
+    """A path this module could have made: a job-* cgroup directly under an eagle3-jobs cgroup."""
+    if not path:
+        return False
+    path = Path(path)
+    return path.name.startswith(CGROUP_PREFIX) and path.parent.name == CGROUP_DIR_NAME and (path / "cgroup.kill").exists()
+
+
+def enter_cgroup(path: str | Path, pid: int = 0) -> bool:
+    """Move pid (0: the caller) into the cgroup. Safe to call between fork and exec."""
+    try:
+        fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY)
+        try:
+            os.write(fd, str(pid).encode())
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _cgroup_write(path: Path, name: str, value: str) -> bool:
+    try:
+        (path / name).write_text(value)
+        return True
+    except OSError:
+        return False
+
+
+def _cgroup_events(path: Path) -> dict[str, int]:
+    try:
+        lines = (path / "cgroup.events").read_text().splitlines()
+    except OSError:
+        return {}
+    return {key: int(value) for key, value in (line.split() for line in lines if len(line.split()) == 2)}
+
+
+def cgroup_pids(path: str | Path) -> list[int]:
+    """Every process in the cgroup and the cgroups below it."""
+    pids: set[int] = set()
+    for directory, _, _ in os.walk(path):
+        try:
+            pids.update(int(line) for line in Path(directory, "cgroup.procs").read_text().split())
+        except (OSError, ValueError):
+            continue
+    return sorted(pids)
+
+
+def cgroup_populated(path: str | Path) -> bool:
+    return _cgroup_events(Path(path)).get("populated", 0) == 1
+
+
+def cgroup_freeze(path: str | Path, timeout: float = 2.0) -> bool:
+    """Freeze every process of the cgroup (none can fork afterwards); True once the kernel reports it frozen."""
+    path = Path(path)
+    if not _cgroup_write(path, "cgroup.freeze", "1"):
+        return False
+    deadline = time.monotonic() + timeout
+    while _cgroup_events(path).get("frozen") != 1:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def cgroup_kill(path: str | Path, timeout: float = 5.0) -> bool:
+    """SIGKILL every process of the cgroup at once (frozen ones too); True once it is empty."""
+    path = Path(path)
+    if not _cgroup_write(path, "cgroup.kill", "1"):
+        return False
+    deadline = time.monotonic() + timeout
+    while cgroup_populated(path):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def remove_cgroup(path: str | Path) -> bool:
+    """rmdir the cgroup and any empty cgroups below it; False while a process is still inside."""
+    removed = True
+    for directory, _, _ in sorted(os.walk(path), key=lambda entry: -len(entry[0])):
+        try:
+            os.rmdir(directory)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            removed = False
+    return removed
+
+
+def in_cgroup(pids: Iterable[int], path: str | Path) -> list[int]:
+    """Those of pids that are members of the cgroup (or one below it)."""
+    members = set(cgroup_pids(path))
+    return [pid for pid in pids if pid in members]
