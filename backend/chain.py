@@ -2,7 +2,9 @@
 
 Each stage appends a record to a stages.jsonl file (the console follows it through the agent) and reports to a
 callback; a failure stops the chain, says why, and leaves no half-state: a server whose canary is red is stopped
-unless the operator asked to keep it. The result is saved beside the training run so runs can be compared.
+unless the operator asked to keep it. An amber canary (the draft has not learned enough for a verdict) is no failure:
+the server stays up, the benchmark runs, and the result says amber. The result is saved beside the training run so
+runs can be compared.
 """
 from __future__ import annotations
 
@@ -245,10 +247,10 @@ class StopAndBench:
         canary = outcome.to_dict()
         canary.pop("requests", None)
         self.summary["canary"] = canary
-        if outcome.verdict != canary_mod.GREEN:
+        if outcome.verdict not in (canary_mod.GREEN, canary_mod.AMBER):
             causes = "; ".join(c.get("cause", str(c)) if isinstance(c, dict) else str(c) for c in outcome.causes[:3])
             raise ChainFailed(f"canary RED: {outcome.headline}. Likely causes, in order: {causes}.")
-        return f"green: {outcome.headline}", canary
+        return f"{outcome.verdict}: {outcome.headline}", canary
 
     def bench(self) -> tuple[str, Any]:
         import asyncio
@@ -288,6 +290,8 @@ class StopAndBench:
         rows = self.summary.get("bench") or []
         return {
             "verdict": canary.get("verdict"),
+            "verdict_headline": canary.get("headline"),
+            "verdict_reasons": canary.get("reasons") or [],
             "accept_length": canary.get("accept_length"),
             "tau_hat": canary.get("tau_hat"),
             "ratio_to_tau_hat": canary.get("ratio_to_tau_hat"),

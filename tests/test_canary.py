@@ -1,9 +1,12 @@
-"""Canary arithmetic and verdicts: tau-hat, the zero-acceptance ceiling, red/green, causes in order."""
+"""Canary arithmetic and verdicts: tau-hat, the zero-acceptance ceiling, red/amber/green, causes in order."""
 import pytest
 
 from backend.serve.canary import (
+    AMBER,
+    BROKEN_FEED_ACCEPT_LENGTHS,
     CAUSES,
     GREEN,
+    MIN_TAU_HAT,
     RED,
     REPRODUCE_RATIO,
     feature_mismatch,
@@ -86,3 +89,42 @@ def test_wrong_algorithm_reported_by_server():
 def test_no_verify_steps_is_red():
     color, headline, _, _ = verdict(None, verify=0)
     assert color == RED and "no speculative verify steps" in headline
+
+
+# --- amber: a draft that has not learned yet cannot show that serving works ------------------------------------
+
+UNTRAINED_TAU = tau_hat([0.002] * 7, 5)  # the 13-step draft of issue 12: val acc 0.2 %
+
+
+def test_untrained_draft_is_amber_not_green_even_at_a_broken_feed_accept_length():
+    color, headline, reasons, causes = verdict(1.41, tau=UNTRAINED_TAU, features=GOOD_FEATURES)
+    assert color == AMBER and causes == []
+    assert headline.startswith("inconclusive: the draft has not learned yet") and "tau-hat 1.00" in headline
+    assert "1.25-1.44" in reasons[0] and "train longer" in reasons[1]
+
+
+def test_untrained_draft_accepting_nothing_is_amber_not_red():
+    color, headline, reasons, _ = verdict(1.0 + 4 / 200, tau=UNTRAINED_TAU)
+    assert color == AMBER and "zero-acceptance line" in reasons[0]
+
+
+def test_threshold_keeps_green_out_of_the_broken_feed_range_and_the_calibrated_draft_above_it():
+    assert MIN_TAU_HAT == pytest.approx(max(BROKEN_FEED_ACCEPT_LENGTHS) / REPRODUCE_RATIO, abs=0.01)
+    assert REPRODUCE_RATIO * MIN_TAU_HAT >= max(BROKEN_FEED_ACCEPT_LENGTHS)
+    assert tau_hat([0.825] * 7, 5) > MIN_TAU_HAT  # the 300-step tiny draft the ratio was calibrated on (tau-hat 3.94)
+    assert verdict(REPRODUCE_RATIO * MIN_TAU_HAT + 0.05, tau=MIN_TAU_HAT)[0] == GREEN
+    assert verdict(3.0, tau=MIN_TAU_HAT - 0.01)[0] == AMBER
+
+
+def test_evidence_of_broken_serving_stays_red_for_a_weak_draft():
+    broken = {"feature_width": 128, "expected_feature_width": 384, "feature_source": "last_hidden", "fc_applied": False}
+    assert verdict(1.41, tau=UNTRAINED_TAU, features=broken)[0] == RED
+    assert verdict(1.41, tau=UNTRAINED_TAU, info={"speculative_algorithm": "EAGLE"})[0] == RED
+    assert verdict(None, tau=UNTRAINED_TAU, verify=0)[0] == RED
+    assert verdict(1.0, tau=2.2)[1].startswith("zero acceptance")  # it predicted 1.76+ and got nothing
+    assert verdict(1.2, tau=2.2)[1].startswith("serving does not reproduce training")
+
+
+def test_zero_acceptance_with_few_verify_steps_is_never_green():
+    # 4 requests, 8 verify steps: the ceiling (1.52) lies above 0.6 x tau-hat (1.5); accepting nothing is still red.
+    assert verdict(1.2, tau=2.5, verify=8)[0] == RED

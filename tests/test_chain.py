@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.chain import STAGES, list_results, profile_from_argv
+from backend.chain import STAGES, ChainOptions, StopAndBench, list_results, profile_from_argv
 from backend.jobs import JobRegistry
 from backend.protocol import METRICS_FILENAME, STAGES_FILENAME
 from tests.conftest import ROOT, subprocess_env
@@ -60,6 +60,75 @@ def test_a_finished_job_without_checkpoint_launches_nothing(tmp_path):
     assert code == 1 and summary["failed_stage"] == "checkpoint", summary
     assert "no complete checkpoint" in summary["reason"]
     assert [job.name for job in registry.list_jobs()] == ["short"], "no server job may have been started"
+
+
+# --- the canary stage's verdicts, with every other stage stubbed (no process, no server) ------------------------
+
+def stubbed_chain(tmp_path: Path, monkeypatch, accept_length: float, val_acc: list[float]) -> tuple[StopAndBench, list]:
+    """A chain whose stages before the canary only fill the summary; the canary judges `accept_length` for real."""
+    from backend.profiles import load_profile
+    from backend.serve import canary as canary_mod
+    from backend.serve import launch as launch_mod
+
+    chain = StopAndBench(ChainOptions(job="train-x", run_dir=tmp_path / "run", stages_path=tmp_path / STAGES_FILENAME))
+    chain.profile = load_profile("tiny")
+    stopped: list = []
+    monkeypatch.setattr(chain.registry, "stop", lambda names, **_: stopped.append(list(names)) or [])
+    monkeypatch.setattr(launch_mod, "canary_prompts", lambda profile, count=4: ["prompt"] * count)
+    monkeypatch.setattr(canary_mod, "run_canary", lambda url, prompts, *, num_steps, val_acc, **_: judged_canary(
+        canary_mod, accept_length, canary_mod.tau_hat(val_acc, num_steps)))
+
+    def launched():
+        chain.server_job = "serve-train-x"
+        chain.summary.update(url="http://127.0.0.1:9", server_info={"speculative_num_steps": 5})
+        return "ready", None
+
+    chain.stop_training = lambda: (chain.summary.update(train_job_dir=str(tmp_path / "job")), ("stopped", None))[1]
+    chain.confirm_release = lambda: ("released", None)
+    chain.pick_checkpoint = lambda: (chain.summary.update(checkpoint=str(tmp_path / "ckpt"), val_acc=val_acc), ("ckpt", None))[1]
+    chain.preflight = lambda: ("no problems", None)
+    chain.launch = launched
+    chain.bench = lambda: (chain.summary.update(bench=[{"concurrency": 1, "output_tok_per_s": 10.0}]), ("10 tok/s", None))[1]
+    return chain, stopped
+
+
+def judged_canary(canary_mod, accept_length: float, tau: float | None):
+    verify = 200
+    verdict, headline, reasons, causes = canary_mod.judge(
+        accept_length=accept_length, requests=4, sum_verify_ct=verify, tau=tau, features={},
+        server_info={"speculative_algorithm": "EAGLE3"})
+    return canary_mod.CanaryResult(
+        verdict=verdict, headline=headline, reasons=reasons, causes=causes, accept_length=accept_length,
+        server_avg_accept_length=accept_length, tau_hat=tau, ratio_to_tau_hat=accept_length / tau if tau else None,
+        threshold_ratio=canary_mod.REPRODUCE_RATIO, zero_acceptance_ceiling=canary_mod.zero_acceptance_ceiling(4, verify),
+        num_steps=5, sum_completion_tokens=round(accept_length * verify), sum_verify_ct=verify, features={})
+
+
+def stage_records(tmp_path: Path) -> dict[str, dict]:
+    return {r["stage"]: r for r in map(json.loads, (tmp_path / STAGES_FILENAME).read_text().splitlines())}
+
+
+def test_an_amber_canary_keeps_the_server_runs_the_bench_and_reports_amber(tmp_path, monkeypatch):
+    chain, stopped = stubbed_chain(tmp_path, monkeypatch, accept_length=1.41, val_acc=[0.002] * 7)  # issue 12's 13-step draft
+    summary = chain.run()
+    assert summary["ok"] is True and stopped == [], "amber must not stop the server the way red does"
+    canary = stage_records(tmp_path)["canary"]
+    assert canary["status"] == "ok" and canary["detail"].startswith("amber: inconclusive: the draft has not learned yet")
+    assert canary["result"]["verdict"] == "amber" and canary["result"]["reasons"]
+    assert stage_records(tmp_path)["bench"]["status"] == "ok"
+    result = summary["result"]
+    assert result["verdict"] == "amber" and result["verdict_headline"].startswith("inconclusive")
+    assert result["server"] == "running" and list_results(tmp_path / "job")[0]["verdict"] == "amber"
+
+
+def test_a_green_canary_says_green_and_a_red_one_stops_the_server(tmp_path, monkeypatch):
+    green, _ = stubbed_chain(tmp_path / "g", monkeypatch, accept_length=3.6, val_acc=[0.825] * 7)
+    assert green.run()["result"]["verdict"] == "green"
+    assert stage_records(tmp_path / "g")["canary"]["detail"].startswith("green: accept length 3.60")
+    red, stopped = stubbed_chain(tmp_path / "r", monkeypatch, accept_length=1.44, val_acc=[0.825] * 7)
+    summary = red.run()
+    assert summary["ok"] is False and summary["failed_stage"] == "canary" and summary["reason"].startswith("canary RED")
+    assert stopped == [["serve-train-x"]] and stage_records(tmp_path / "r")["bench"]["status"] == "skipped"
 
 
 def wait_for_training(job_dir: Path, after_step: int, timeout: float = 300) -> None:
