@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -55,6 +56,7 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
     adopt.add_argument("pid", type=int)
     adopt.add_argument("--name", required=True)
     adopt.add_argument("--yes", action="store_true", help="confirm: this PID is yours and may be signalled by job stop")
+    adopt.add_argument("--other-user", action="store_true", help="root only: confirm adopting a process of another user")
     adopt.add_argument("--json", action="store_true")
     adopt.set_defaults(handler=cmd_job_adopt)
 
@@ -262,8 +264,8 @@ def print_plan(plan) -> None:
 def cmd_job_stop(args) -> int:
     from backend.gpu import open_gpu_source
 
-    if args.grace < 0:
-        return fail("--grace must be >= 0 seconds", 2)
+    if not math.isfinite(args.grace) or args.grace < 0:
+        return fail(f"--grace {args.grace}: expected a finite number of seconds >= 0; nothing was signalled", 2)
     registry = _registry(args)
     source = open_gpu_source(stream=False)
     try:
@@ -271,14 +273,17 @@ def cmd_job_stop(args) -> int:
     finally:
         source.close()
     if args.json:
-        emit_json({"verdicts": verdicts})
+        emit_json({"verdicts": verdicts, "unrecorded": registry.unrecorded()})
     elif verdicts:
         print(table(["PID", "ROLE", "OUTCOME", "DETAIL"], [[v.pid, v.role, v.outcome, v.detail] for v in verdicts]))
     else:
         print("no job processes to stop")
+    for note in registry.unrecorded():
+        print(f"eagle3-host: warning: signals were sent but not recorded: {note}", file=sys.stderr)
     survivors = [v for v in verdicts if v.outcome not in OK_OUTCOMES]
     if survivors:
-        return fail(f"{len(survivors)} process(es) survived SIGKILL: {', '.join(str(v.pid) for v in survivors)}")
+        return fail(f"{len(survivors)} owned process(es) still alive after the stop: PID {', '.join(str(v.pid) for v in survivors)} "
+                    "(see OUTCOME/DETAIL above)")
     return 0
 
 
@@ -291,7 +296,7 @@ def cmd_job_adopt(args) -> int:
             f"check that it is yours ({command[:100]}) and run again with --yes. Nothing was adopted.",
             2,
         )
-    info = _registry(args).adopt(args.pid, args.name, confirm_pid=args.pid)
+    info = _registry(args).adopt(args.pid, args.name, confirm_pid=args.pid, other_user=args.other_user)
     if args.json:
         emit_json(info)
     else:

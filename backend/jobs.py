@@ -341,8 +341,15 @@ class JobRegistry:
                 action(db)
             return True
         except WRITE_ERRORS as exc:
-            self._note_unrecorded(f"{what}: {exc}")
+            self._note_unrecorded(f"{what}: {exc}{self._free_space_note()}")
             return False
+
+    def _free_space_note(self) -> str:
+        try:
+            free = shutil.disk_usage(self.run_dir).free
+        except OSError:
+            return ""
+        return f" ({free} bytes free on the disk of {self.run_dir}{': disk full' if free < 65536 else ''})"
 
     def _note_unrecorded(self, message: str) -> None:
         notes = getattr(self._local, "unrecorded", None)
@@ -1132,7 +1139,10 @@ def _write_exit_code(job_dir: Path, code: int) -> None:
     try:
         write_atomic(job_dir / EXIT_FILE, f"{code}\n")
     except OSError as exc:  # a full disk must not end the watcher: it still reaps the job's orphans
-        print(f"eagle3 watcher: could not record exit code {code}: {exc}", file=sys.stderr, flush=True)
+        try:
+            print(f"eagle3 watcher: could not record exit code {code}: {exc}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
 
 
 def watch(job_dir: Path, argv: list[str]) -> int:
