@@ -1,76 +1,228 @@
-"""Reference engine: an HTTP server speaking SGLang's wire format over the project's own speculative decoder.
+"""Reference engine: an HTTP server speaking SGLang 0.5.23's wire format over the project's own speculative decoder.
 
 python -m backend.serve.reference_server --profile P --draft DIR --port N [--host 127.0.0.1]
-       [--feed aux|last_hidden] [--num-steps K] [--no-speculation]
+       [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--max-body-bytes B] [--request-timeout S]
 
-Greedy only (temperature 0). One generation at a time (a lock around the model); HTTP handling is threaded so
-/health and /get_server_info answer while a generation runs. Outputs equal plain greedy decoding of the target.
+Native routes (/generate, /flush_cache, /health*, /get_server_info, /get_model_info) and the OpenAI ones
+(/v1/models, /v1/completions, /v1/chat/completions; see openai_api.py). Greedy only (temperature 0). One
+generation at a time (a lock around the model); HTTP handling is threaded so /health and /get_server_info answer
+while a generation runs. Outputs equal plain greedy decoding of the target. Every malformed request gets a 4xx
+with a reason; sockets time out, bodies are bounded. Deliberate differences from SGLang: docs/serving.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import signal
 import sys
 import threading
 import time
 import traceback
 import uuid
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from backend.serve import openai_api
+from backend.serve.openai_api import OpenAIRequestError
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+GREEDY_TEMPERATURE = 1e-6  # SGLang decodes greedily below this temperature
+WEIGHT_VERSION = "default"
+FLUSH_BODY = ("Cache flushed.\nPlease check backend logs for more details. "
+              "(When there are running or waiting requests, the operation will not be performed.)\n")
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
 # Sampling parameters that would change greedy output; refused unless left at their neutral value.
 NEUTRAL_SAMPLING = {"top_k": (-1, 1, None), "top_p": (1.0, 1, None), "min_p": (0.0, 0, None),
                     "repetition_penalty": (1.0, 1, None), "frequency_penalty": (0.0, 0, None),
-                    "presence_penalty": (0.0, 0, None), "n": (1, None), "stop": (None, [], ""),
-                    "stop_token_ids": (None, []), "min_new_tokens": (0, None)}
-IGNORED_SAMPLING = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+                    "presence_penalty": (0.0, 0, None), "n": (1, None), "min_new_tokens": (0, None),
+                    "stop_regex": (None, [], ""), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
+                    "structural_tag": (None,), "logit_bias": (None, {})}
+IGNORED_SAMPLING = ("spaces_between_special_tokens", "sampling_seed", "custom_params")
+HANDLED_SAMPLING = ("temperature", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "no_stop_trim",
+                    "skip_special_tokens")
+UNSUPPORTED_GENERATE = ("input_embeds", "image_data", "audio_data", "video_data", "lora_path", "session_params",
+                        "return_hidden_states", "custom_logit_processor")
 
 
 class RequestError(ValueError):
-    """A /generate body this engine will not serve; the message goes back with HTTP 400."""
+    """A /generate body this engine will not serve: 400 with SGLang's {"error": {"message"}} body."""
+
+
+class HttpError(Exception):
+    """A request refused before it reaches a route handler (framing, JSON, routing, loading)."""
+
+    def __init__(self, status: int, message: str = "", *, payload: Any = None, close: bool = False, drain: int = 0,
+                 err_type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = int(status)
+        self.payload = payload if payload is not None else error_body(status, message, err_type)
+        self.close = close
+        self.drain = drain  # bytes of unread body to drop after replying
+        self.headers = headers
+
+
+class ClientGone(Exception):
+    """The client stopped reading a streamed reply; the generation is abandoned."""
+
+
+def error_body(status: int, message: str, err_type: str | None = None) -> dict[str, Any]:
+    """SGLang's ErrorResponse shape (what its RequestValidationError and HTTPException handlers send)."""
+    return {"object": "error", "message": message, "type": err_type or HTTPStatus(status).phrase, "param": None,
+            "code": int(status)}
 
 
 def log(message: str) -> None:
     print(f"[reference_server {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+# --------------------------------------------------------------------------- one request, as the engine sees it
+
+@dataclass
+class GenerationSpec:
+    input_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]  # eos ∪ sampling_params.stop_token_ids; empty with ignore_eos
+    stop_strings: tuple[str, ...] = ()
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+
+
+@dataclass
+class NativeRequest:
+    spec: GenerationSpec
+    rid: str
+    stream: bool
+
+
+@dataclass
+class Generation:
+    """The state of one request as it decodes: what a streamed chunk or the final reply reports."""
+
+    spec: GenerationSpec
+    rid: str
+    started: float
+    output_ids: list[int] = field(default_factory=list)
+    verify_ct: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    output_logprobs: list[list] = field(default_factory=list)
+    output_top_logprobs: list[list] = field(default_factory=list)
+    input_logprobs: list[list] = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    latency: float | None = None
+
+
+def finish_reason(spec: GenerationSpec, output_ids: list[int], stop_string: str | None) -> dict[str, Any] | None:
+    """SGLang's order: length first, then a matched stop token (eos included), then a matched stop string."""
+    if len(output_ids) >= spec.max_new_tokens:
+        return {"type": "length", "length": spec.max_new_tokens}
+    if output_ids and output_ids[-1] in spec.stop_token_ids:
+        return {"type": "stop", "matched": output_ids[-1]}
+    if stop_string is not None:
+        return {"type": "stop", "matched": stop_string}
+    return None
+
+
+def correct_drafts_histogram(accepted_per_round: list[int]) -> list[int]:
+    """Index = drafts accepted in one verify step, value = how many steps accepted that many (grows as needed)."""
+    histogram = [0] * (max(accepted_per_round) + 1) if accepted_per_round else []
+    for accepted in accepted_per_round:
+        histogram[accepted] += 1
+    return histogram
+
+
 # --------------------------------------------------------------------------- the engine
 
 def streaming_decoder_class():
-    """SpecDecoder that reports each verify round's emitted tokens to a per-call callback (for SSE streaming)."""
+    """SpecDecoder whose stop rules (stop ids, stop strings) are set per request and which reports each emission."""
     import torch
 
-    from backend.serve.spec_decode import SpecDecoder
+    from backend.serve.spec_decode import GenerateResult, SpecDecoder
 
     class StreamingDecoder(SpecDecoder):
-        on_tokens: Callable[[list[int]], None] | None = None
+        on_emit: Callable[[Any], None] | None = None
+        stop_string_hit: Callable[[list[int]], bool] | None = None
 
         def _emit(self, result, tokens, max_new_tokens=None):
             before = len(result.output_ids)
             super()._emit(result, tokens, max_new_tokens)
-            if self.on_tokens is not None and len(result.output_ids) > before:
-                self.on_tokens(result.output_ids[before:])
+            if self.on_emit is not None and len(result.output_ids) > before:
+                self.on_emit(result)
+
+        def _done(self, result, max_new_tokens: int) -> bool:
+            if super()._done(result, max_new_tokens):
+                return True
+            return bool(result.output_ids) and self.stop_string_hit is not None and self.stop_string_hit(result.output_ids)
 
         @torch.no_grad()
-        def stream_plain(self, input_ids, max_new_tokens: int, on_tokens: Callable[[list[int]], None]) -> list[int]:
-            """Plain greedy decoding, one callback per token (the same loop as plain_generate)."""
+        def plain(self, input_ids, max_new_tokens: int):
+            """Plain greedy decoding of the target under the same stop rules, one emission per token."""
             ids = self._prompt(input_ids)
             logits, _, cache = self.target.forward(ids, None, hidden_states=False)
-            output: list[int] = []
-            while len(output) < max_new_tokens:
+            result = GenerateResult(output_ids=[], completion_tokens=0, verify_ct=0)
+            while not self._done(result, max_new_tokens):
                 token = int(logits[0, -1].argmax())
-                output.append(token)
-                on_tokens([token])
-                if token in self.eos or len(output) == max_new_tokens:
+                self._emit(result, [token], max_new_tokens)
+                if self._done(result, max_new_tokens):
                     break
                 logits, _, cache = self.target.forward(torch.tensor([[token]], device=ids.device), cache, hidden_states=False)
-            return output
+            return result
 
     return StreamingDecoder
+
+
+class LogprobTracker:
+    """Log-probabilities of prompt and emitted tokens from a separate KV-cached target pass (greedy output is unchanged)."""
+
+    def __init__(self, runner, prompt_ids: list[int], top_n: int, label: Callable[[int], str | None]):
+        import torch
+
+        self.torch, self.runner, self.top_n, self.label = torch, runner, top_n, label
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=runner.device)
+        logits, _, self.cache = runner.forward(ids, None, hidden_states=False)
+        self.prompt_rows = torch.log_softmax(logits[0].float(), dim=-1)  # row i predicts token i + 1
+        self.last_row = self.prompt_rows[-1]
+
+    def entry(self, row, token: int) -> list:
+        value = float(row[token]) if row is not None else None
+        return [_finite(value), int(token), self.label(token)]
+
+    def top(self, row) -> list | None:
+        if row is None or self.top_n <= 0:
+            return None if row is None else []
+        values, indices = row.topk(min(self.top_n, row.numel()))
+        return [[_finite(float(v)), int(i), self.label(int(i))] for v, i in zip(values, indices)]
+
+    def prompt(self, prompt_ids: list[int], start: int) -> tuple[list, list]:
+        rows = [None if pos == 0 else self.prompt_rows[pos - 1] for pos in range(len(prompt_ids))]
+        picked = range(max(start, 0), len(prompt_ids))
+        return [self.entry(rows[p], prompt_ids[p]) for p in picked], [self.top(rows[p]) for p in picked]
+
+    def extend(self, tokens: list[int]) -> tuple[list, list]:
+        ids = self.torch.tensor([tokens], dtype=self.torch.long, device=self.runner.device)
+        logits, _, self.cache = self.runner.forward(ids, self.cache, hidden_states=False)
+        new_rows = self.torch.log_softmax(logits[0].float(), dim=-1)
+        rows = [self.last_row] + list(new_rows[:-1])
+        self.last_row = new_rows[-1]
+        return [self.entry(r, t) for r, t in zip(rows, tokens)], [self.top(r) for r in rows]
+
+
+def _finite(value: float | None) -> float | None:
+    if value is None or math.isfinite(value):
+        return value
+    return -1e30 if value < 0 else 1e30  # JSON has no infinities
 
 
 class Engine:
@@ -102,16 +254,35 @@ class Engine:
         self.decoder = streaming_decoder_class()(self.target.model, draft, aux_layer_ids=aux_ids,
                                                  num_steps=self.num_steps, feed=feed,
                                                  eos_token_id=getattr(self.tokenizer, "eos_token_id", None))
+        self.eos_ids = frozenset(self.decoder.eos)
         self.lock = threading.Lock()
         self.counters_lock = threading.Lock()
         self.last_features: dict[str, Any] = {}
         self.flush()
+
+    @property
+    def context_len(self) -> int:
+        return self.profile.draft.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
 
     def flush(self) -> None:
         with self.counters_lock:
             self.verify_tokens = 0  # tokens emitted by verify rounds (accepted drafts + the bonus token)
             self.verify_ct = 0
             self.requests = 0
+
+    def try_flush(self) -> bool:
+        """Reset the counters unless a generation is running (SGLang flushes only when idle)."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self.flush()
+        finally:
+            self.lock.release()
+        return True
 
     def avg_accept_length(self) -> float | None:
         with self.counters_lock:
@@ -120,36 +291,128 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def generate(self, input_ids: list[int], max_new_tokens: int,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> dict[str, Any]:
-        """Greedy continuation; on_tokens(new_ids) is called as tokens are produced (per verify round)."""
+    def chat_prompt(self, messages: list[dict[str, str]]) -> dict[str, Any]:
+        """The tokenizer's chat template when it has one; otherwise a plain "role: content" transcript."""
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return {"input_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
+        return {"text": "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "}
+
+    # --- generation ----------------------------------------------------------------------------------
+
+    def run(self, spec: GenerationSpec, rid: str, on_progress: Callable[[Generation], None] | None = None) -> Generation:
+        """Greedy continuation; on_progress(generation) after every emission (one verify round, or one plain token)."""
+        gen = Generation(spec=spec, rid=rid, started=time.perf_counter())
         with self.lock:
-            if not self.speculative:
-                if on_tokens is None:
-                    output = self.decoder.plain_generate(input_ids, max_new_tokens)
-                else:
-                    output = self.decoder.stream_plain(input_ids, max_new_tokens, on_tokens)
-                with self.counters_lock:
-                    self.requests += 1
-                return {"output_ids": [int(t) for t in output], "verify_ct": 0}
-            self.decoder.on_tokens = on_tokens
-            try:
-                result = self.decoder.generate(input_ids, max_new_tokens)
-            finally:
-                self.decoder.on_tokens = None
+            tracker = self._tracker(spec, gen)
+
+            def emitted(result) -> None:
+                self._update(gen, result, tracker)
+                if on_progress is not None:
+                    on_progress(gen)
+
+            result = self._decode(spec, emitted)
+            self._update(gen, result, tracker)
+        gen.finish = gen.finish or {"type": "length", "length": spec.max_new_tokens}
+        gen.latency = gen.latency if gen.latency is not None else time.perf_counter() - gen.started
         self._count(result)
-        return {"output_ids": [int(t) for t in result.output_ids], "verify_ct": result.verify_ct}
+        return gen
+
+    def _decode(self, spec: GenerationSpec, emitted: Callable[[Any], None]):
+        decoder = self.decoder
+        decoder.eos, decoder.on_emit = set(spec.stop_token_ids), emitted
+        decoder.stop_string_hit = (lambda ids: self._stop_string(spec, ids) is not None) if spec.stop_strings else None
+        try:
+            if self.speculative:
+                return decoder.generate(spec.input_ids, spec.max_new_tokens)
+            return decoder.plain(spec.input_ids, spec.max_new_tokens)
+        finally:
+            decoder.eos, decoder.on_emit, decoder.stop_string_hit = set(self.eos_ids), None, None
+
+    def _tracker(self, spec: GenerationSpec, gen: Generation) -> LogprobTracker | None:
+        if not spec.return_logprob:
+            return None
+        label = (lambda token: self.decode([token], skip_special_tokens=False)) if spec.return_text_in_logprobs else (lambda token: None)
+        tracker = LogprobTracker(self.decoder.target, spec.input_ids, spec.top_logprobs_num, label)
+        if spec.logprob_start_len >= 0:
+            gen.input_logprobs, gen.input_top_logprobs = tracker.prompt(spec.input_ids, spec.logprob_start_len)
+        return tracker
+
+    def _update(self, gen: Generation, result, tracker: LogprobTracker | None) -> None:
+        new = [int(t) for t in result.output_ids[len(gen.output_ids):]]
+        if tracker is not None and new:
+            entries, tops = tracker.extend(new)
+            gen.output_logprobs += entries
+            gen.output_top_logprobs += tops
+        gen.output_ids += new
+        gen.verify_ct = result.verify_ct
+        gen.accepted_per_round = [int(a) for a in result.accepted_per_round]
+        gen.finish = finish_reason(gen.spec, gen.output_ids, self._stop_string(gen.spec, gen.output_ids))
+        if gen.finish is not None and gen.latency is None:
+            gen.latency = time.perf_counter() - gen.started
+
+    def _stop_string(self, spec: GenerationSpec, output_ids: list[int]) -> str | None:
+        if not spec.stop_strings or not output_ids:
+            return None
+        longest = max(len(s) for s in spec.stop_strings)
+        tail = self.decode(output_ids[-(longest + 1):], spec.skip_special_tokens)
+        return next((s for s in spec.stop_strings if s in tail), None)
 
     def _count(self, result) -> None:
         with self.counters_lock:
             self.requests += 1
+            if not self.speculative:
+                return
             self.verify_ct += result.verify_ct
             self.verify_tokens += sum(int(a) + 1 for a in result.accepted_per_round)
             self.last_features = {"feature_width": result.feature_width, "fc_applied": result.fc_applied,
                                   "feature_detail": result.feature_source}
+
+    # --- what the wire reports -----------------------------------------------------------------------
+
+    def output(self, gen: Generation) -> dict[str, Any]:
+        """SGLang's /generate object: {text, output_ids, meta_info}; cumulative while streaming."""
+        return {"text": self.output_text(gen), "output_ids": list(gen.output_ids), "meta_info": self.meta_info(gen)}
+
+    def output_text(self, gen: Generation) -> str:
+        ids, finish, spec = gen.output_ids, gen.finish, gen.spec
+        matched = finish.get("matched") if finish else None
+        if isinstance(matched, int) and not spec.no_stop_trim:
+            ids = ids[:-1]
+        text = self.decode(ids, spec.skip_special_tokens)
+        if isinstance(matched, str) and not spec.no_stop_trim and matched in text:
+            text = text[:text.index(matched)]
+        # An unfinished multi-byte character decodes to U+FFFD; hold it back until its last byte arrives.
+        return text if finish else text.rstrip("\ufffd")
+
+    def meta_info(self, gen: Generation) -> dict[str, Any]:
+        meta: dict[str, Any] = {"id": gen.rid, "finish_reason": gen.finish, "prompt_tokens": len(gen.spec.input_ids),
+                                "weight_version": WEIGHT_VERSION, "completion_tokens": len(gen.output_ids),
+                                "cached_tokens": 0}
+        meta.update(self.spec_meta(gen))
+        if gen.spec.return_logprob:
+            meta.update(input_token_logprobs=gen.input_logprobs, output_token_logprobs=gen.output_logprobs)
+            if gen.spec.top_logprobs_num > 0:
+                meta.update(input_top_logprobs=gen.input_top_logprobs, output_top_logprobs=gen.output_top_logprobs)
+        if gen.latency is not None:
+            meta["e2e_latency"] = gen.latency
+        return meta
+
+    def spec_meta(self, gen: Generation) -> dict[str, Any]:
+        """SGLang's per-request speculative fields; present once at least one verify step ran."""
+        if not self.speculative or gen.verify_ct == 0:
+            return {}
+        correct = sum(gen.accepted_per_round)
+        proposed = gen.verify_ct * self.num_steps  # verify_ct x (num_draft_tokens - 1); topk 1 chains
+        histogram = correct_drafts_histogram(gen.accepted_per_round)
+        return {"spec_verify_ct": gen.verify_ct, "spec_accept_length": len(gen.output_ids) / gen.verify_ct,
+                "spec_accept_rate": correct / proposed, "spec_num_correct_drafts": correct,
+                "spec_num_proposed_drafts": proposed, "spec_correct_drafts_histogram": histogram,
+                # SGLang still sends these older names beside the new ones
+                "spec_accepted_drafts": correct, "spec_proposed_drafts": proposed, "spec_accept_histogram": histogram}
 
     def internal_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"engine": "reference", "requests_since_flush": self.requests}
@@ -163,12 +426,24 @@ class Engine:
             state["expected_feature_width"] = self.expected_feature_width
         return state
 
+    def log_generation(self, gen: Generation) -> None:
+        meta = self.spec_meta(gen)
+        spec = f", verify {gen.verify_ct}, accept len {meta.get('spec_accept_length', 0):.2f}" if self.speculative else ""
+        log(f"generate {gen.rid}: prompt {len(gen.spec.input_ids)} tokens, completion {len(gen.output_ids)}"
+            f"{spec}, {gen.latency or 0:.2f} s")
+
 
 # --------------------------------------------------------------------------- request parsing
 
-def parse_generate(body: Any, engine: Engine) -> tuple[list[int], int, bool]:
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _prompt_ids(body: dict[str, Any], engine: Engine) -> list[int]:
     text, input_ids = body.get("text"), body.get("input_ids")
     if isinstance(text, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)):
         raise RequestError("batched requests are not served by the reference engine; send one prompt per request")
@@ -179,179 +454,509 @@ def parse_generate(body: Any, engine: Engine) -> tuple[list[int], int, bool]:
             raise RequestError("'text' must be a string")
         ids = engine.encode(text)
     else:
-        if not isinstance(input_ids, list) or not all(isinstance(i, int) for i in input_ids):
+        if not isinstance(input_ids, list) or not all(_is_int(i) for i in input_ids):
             raise RequestError("'input_ids' must be a list of ints")
-        vocab = engine.target.vocab_size
-        if any(not 0 <= i < vocab for i in input_ids):
-            raise RequestError(f"'input_ids' holds ids outside the target vocab 0..{vocab - 1}")
-        ids = list(input_ids)
+        ids = _checked_ids(input_ids, engine, "input_ids")
     if not ids:
         raise RequestError("the prompt is empty")
-    params = body.get("sampling_params") or {}
-    if not isinstance(params, dict):
-        raise RequestError("'sampling_params' must be an object")
+    return ids
+
+
+def _checked_ids(ids: list[int], engine: Engine, name: str) -> list[int]:
+    vocab = engine.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise RequestError(f"'{name}' holds ids outside the target vocab 0..{vocab - 1}")
+    return list(ids)
+
+
+def _rid(body: dict[str, Any]) -> str:
+    rid = body.get("rid")
+    if rid is None:
+        return uuid.uuid4().hex
+    if isinstance(rid, list):
+        raise RequestError("batched requests are not served by the reference engine; 'rid' must be one string")
+    if not isinstance(rid, str) or not rid:
+        raise RequestError("'rid' must be a non-empty string")
+    return rid
+
+
+def _check_sampling_keys(params: dict[str, Any]) -> None:
     temperature = params.get("temperature", 1.0)  # SGLang's default is 1.0, i.e. sampling
-    if temperature != 0:
+    if not _is_number(temperature) or not 0 <= temperature < GREEDY_TEMPERATURE:
         raise RequestError(f"sampling_params.temperature is {temperature!r}: the reference engine decodes greedily only; "
                            "send temperature 0")
     for key, value in params.items():
         if key in NEUTRAL_SAMPLING and value not in NEUTRAL_SAMPLING[key]:
             raise RequestError(f"sampling_params.{key}={value!r} is not supported by the reference engine (greedy only)")
-        if key not in NEUTRAL_SAMPLING and key not in IGNORED_SAMPLING and key not in ("temperature", "max_new_tokens"):
+        if key not in NEUTRAL_SAMPLING and key not in IGNORED_SAMPLING and key not in HANDLED_SAMPLING:
             raise RequestError(f"sampling_params.{key} is not supported by the reference engine")
+
+
+def _max_new_tokens(params: dict[str, Any], prompt_len: int, context_len: int) -> int:
     max_new = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    if not isinstance(max_new, int) or max_new < 1:
-        raise RequestError(f"sampling_params.max_new_tokens must be a positive int, got {max_new!r}")
-    limit = engine.profile.draft.max_position_embeddings
-    if len(ids) + max_new > limit:
-        raise RequestError(f"prompt ({len(ids)}) + max_new_tokens ({max_new}) exceeds the context length {limit}")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("'stream' must be true or false")
-    return ids, max_new, stream
+    if max_new is None:  # SGLang: up to the context length
+        max_new = context_len - prompt_len
+    if not _is_int(max_new) or max_new < 0:
+        raise RequestError(f"sampling_params.max_new_tokens must be a non-negative int, got {max_new!r}")
+    if prompt_len + max_new > context_len:
+        raise RequestError(f"prompt ({prompt_len}) + max_new_tokens ({max_new}) exceeds the context length {context_len}")
+    return max_new
+
+
+def _stop_strings(params: dict[str, Any]) -> tuple[str, ...]:
+    stop = params.get("stop")
+    if stop in (None, "", []):
+        return ()
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("sampling_params.stop must be a string or a list of non-empty strings")
+    return tuple(stop)
+
+
+def _flag(mapping: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    value = mapping.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{where}{key} must be true or false, got {value!r}")
+    return value
+
+
+def _stop_token_ids(params: dict[str, Any], engine: Engine) -> frozenset[int]:
+    if _flag(params, "ignore_eos", False, "sampling_params."):
+        return frozenset()  # SGLang's ignore_eos skips the stop-token check entirely
+    extra = params.get("stop_token_ids") or []
+    if not isinstance(extra, list) or not all(_is_int(i) for i in extra):
+        raise RequestError("sampling_params.stop_token_ids must be a list of ints")
+    return engine.eos_ids | frozenset(_checked_ids(extra, engine, "stop_token_ids"))
+
+
+def _logprob_options(body: dict[str, Any], engine: Engine) -> dict[str, Any]:
+    top = body.get("top_logprobs_num", 0) or 0
+    start = body.get("logprob_start_len", -1)
+    if not _is_int(top) or not 0 <= top <= engine.vocab_size:
+        raise RequestError(f"top_logprobs_num must be an int in 0..{engine.vocab_size}, got {top!r}")
+    if start is None:
+        start = -1
+    if not _is_int(start) or start < -1:
+        raise RequestError(f"logprob_start_len must be an int >= -1, got {start!r}")
+    return {"return_logprob": _flag(body, "return_logprob", False, ""), "top_logprobs_num": top,
+            "logprob_start_len": start, "return_text_in_logprobs": _flag(body, "return_text_in_logprobs", False, "")}
+
+
+def parse_generate(body: Any, engine: Engine) -> NativeRequest:
+    """A /generate body (SGLang's GenerateReqInput, one prompt) -> what the engine runs."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    for key in UNSUPPORTED_GENERATE:
+        if body.get(key) not in (None, False, [], {}):
+            raise RequestError(f"'{key}' is not supported by the reference engine")
+    ids = _prompt_ids(body, engine)
+    rid = _rid(body)
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise RequestError("'sampling_params' must be an object")
+    _check_sampling_keys(params)
+    spec = GenerationSpec(
+        input_ids=ids, max_new_tokens=_max_new_tokens(params, len(ids), engine.context_len),
+        stop_token_ids=_stop_token_ids(params, engine), stop_strings=_stop_strings(params),
+        no_stop_trim=_flag(params, "no_stop_trim", False, "sampling_params."),
+        skip_special_tokens=_flag(params, "skip_special_tokens", True, "sampling_params."),
+        **_logprob_options(body, engine))
+    return NativeRequest(spec=spec, rid=rid, stream=_flag(body, "stream", False, ""))
+
+
+# --------------------------------------------------------------------------- request bodies
+
+def parse_content_length(values: list[str]) -> int:
+    texts = {value.strip() for value in values}
+    if len(texts) != 1:
+        raise HttpError(400, f"conflicting Content-Length headers {sorted(texts)}", close=True)
+    text = texts.pop()
+    if not re.fullmatch(r"[0-9]{1,19}", text):
+        raise HttpError(400, f"Content-Length {text[:40]!r} is not a non-negative integer", close=True)
+    return int(text)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> Any:
+    if not raw.strip():
+        raise HttpError(400, "the body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HttpError(400, f"the body is not UTF-8 (byte {exc.start}: {exc.reason})") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise HttpError(400, "the body nests JSON arrays or objects too deeply") from None
+    except json.JSONDecodeError as exc:
+        raise HttpError(400, f"the body is not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except ValueError as exc:  # an integer of more than 4300 digits, NaN, Infinity
+        raise HttpError(400, f"the body is not acceptable JSON: {exc}") from None
 
 
 # --------------------------------------------------------------------------- HTTP
 
+ROUTES = {
+    "/health": {"GET": "health"}, "/health_generate": {"GET": "health"},
+    "/get_server_info": {"GET": "server_info"}, "/server_info": {"GET": "server_info"},
+    "/get_model_info": {"GET": "model_info"}, "/model_info": {"GET": "model_info"},
+    "/flush_cache": {"GET": "flush_cache", "POST": "flush_cache"},
+    "/generate": {"POST": "generate", "PUT": "generate"},
+    "/v1/models": {"GET": "models"},
+    "/v1/completions": {"POST": "completions"},
+    "/v1/chat/completions": {"POST": "chat"},
+}
+NOT_FOUND = {"detail": "Not Found"}  # FastAPI's bodies for unknown routes and methods
+METHOD_NOT_ALLOWED = {"detail": "Method Not Allowed"}
+
+
 class ReferenceHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # benchmark clients open many connections at once
 
-    def __init__(self, address, info: dict[str, Any]):
+    def __init__(self, address, info: dict[str, Any], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S):
         super().__init__(address, Handler)
         self.engine: Engine | None = None
         self.info = info
         self.loading = True
+        self.max_body_bytes = max_body_bytes
+        self.request_timeout = request_timeout
 
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: ReferenceHTTPServer
+    responded = False
+
+    def setup(self) -> None:
+        self.timeout = self.server.request_timeout  # every socket read and write; a stalled client frees its thread
+        super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass  # one line per request would drown the job log; generate() logs its own summary
 
-    def _send_json(self, status: int, payload: Any) -> None:
-        data = json.dumps(payload).encode()
+    # --- sending ---------------------------------------------------------------------------------------
+
+    def _send_bytes(self, status: int, data: bytes, content_type: str | None, close: bool = False,
+                    headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        if content_type:
+            self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if close or self.close_connection:
+            self.close_connection = True
+            self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        self.responded = True
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _send_json(self, status: int, payload: Any, close: bool = False, headers: dict[str, str] | None = None) -> None:
+        self._send_bytes(status, json.dumps(payload).encode(), "application/json", close, headers)
 
     def _send_empty(self, status: int) -> None:
-        self.send_response(status)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+        self._send_bytes(status, b"", None)
 
-    def _error(self, status: int, message: str) -> None:
-        self._send_json(status, {"error": {"message": message, "code": status}})
-
-    def _read_body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        if not raw:
-            return {}
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The stdlib calls this for a bad request line, oversized headers or an unknown method: answer in JSON."""
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.1"  # so a status line goes out even for a garbled request line
+        reason = message or HTTPStatus(code).phrase
         try:
-            return json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"the body is not JSON: {exc.msg}") from None
+            self._send_json(code, error_body(code, f"{reason}: {explain}" if explain else reason), close=True)
+        except OSError:
+            self.close_connection = True
 
-    def do_GET(self) -> None:  # noqa: N802 - stdlib name
-        path = self.path.split("?")[0]
-        engine = self.server.engine
-        if path in ("/health", "/health_generate"):
-            self._send_empty(HTTPStatus.OK if engine is not None else HTTPStatus.SERVICE_UNAVAILABLE)
-        elif path in ("/get_server_info", "/server_info"):
-            info = dict(self.server.info)
-            info["status"] = "ready" if engine is not None else "loading"
-            info["internal_states"] = [engine.internal_state()] if engine is not None else []
-            self._send_json(HTTPStatus.OK, info)
-        elif path in ("/get_model_info", "/model_info"):
-            self._send_json(HTTPStatus.OK, {"model_path": self.server.info["model_path"], "is_generation": True,
-                                            "architectures": [self.server.info["architecture"]]})
-        else:
-            self._error(HTTPStatus.NOT_FOUND, f"no route GET {path}")
-
-    def do_POST(self) -> None:  # noqa: N802 - stdlib name
-        path = self.path.split("?")[0]
-        engine = self.server.engine
-        try:
-            body = self._read_body()
-        except RequestError as exc:
-            self._error(HTTPStatus.BAD_REQUEST, str(exc))
-            return
-        if path not in ("/generate", "/flush_cache"):
-            self._error(HTTPStatus.NOT_FOUND, f"no route POST {path}")
-        elif engine is None:
-            self._error(HTTPStatus.SERVICE_UNAVAILABLE, "the model is still loading")
-        elif path == "/flush_cache":
-            engine.flush()
-            self._send_json(HTTPStatus.OK, {"success": True, "message": "counters reset"})
-        else:
-            self._generate(engine, body)
-
-    def _generate(self, engine: Engine, body: Any) -> None:
-        try:
-            ids, max_new, stream = parse_generate(body, engine)
-        except RequestError as exc:
-            self._error(HTTPStatus.BAD_REQUEST, str(exc))
-            return
-        rid = uuid.uuid4().hex
-        if stream:
-            self._generate_stream(engine, rid, ids, max_new)
-            return
-        started = time.perf_counter()
-        result = engine.generate(ids, max_new)
-        self._send_json(HTTPStatus.OK, self._response(engine, rid, ids, result, max_new, started))
-
-    def _response(self, engine: Engine, rid: str, ids: list[int], result: dict[str, Any], max_new: int,
-                  started: float) -> dict[str, Any]:
-        output = result["output_ids"]
-        meta: dict[str, Any] = {
-            "id": rid, "prompt_tokens": len(ids), "completion_tokens": len(output),
-            "e2e_latency": time.perf_counter() - started,
-            "finish_reason": {"type": "length", "length": len(output)} if len(output) >= max_new else {"type": "stop"},
-        }
-        if engine.speculative:
-            verify = result["verify_ct"]
-            meta["spec_verify_ct"] = verify
-            meta["spec_accept_length"] = len(output) / verify if verify else None
-        log(f"generate: prompt {len(ids)} tokens, completion {len(output)}"
-            + (f", verify {meta['spec_verify_ct']}, accept len {meta['spec_accept_length'] or 0:.2f}" if engine.speculative else "")
-            + f", {meta['e2e_latency']:.2f} s")
-        return {"text": engine.decode(output), "output_ids": output, "meta_info": meta}
-
-    def _generate_stream(self, engine: Engine, rid: str, ids: list[int], max_new: int) -> None:
+    def _start_sse(self) -> None:
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        produced: list[int] = []
-        started = time.perf_counter()
+        self.responded = True
 
-        def send(payload: str) -> None:
-            data = payload.encode()
+    def _write_chunk(self, data: bytes) -> None:
+        try:
             self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             self.wfile.flush()
+        except OSError as exc:  # broken pipe, reset, or a client that stopped reading past the socket timeout
+            raise ClientGone(str(exc)) from None
 
-        def on_tokens(new_ids: list[int]) -> None:
-            produced.extend(int(i) for i in new_ids)
-            meta = {"id": rid, "prompt_tokens": len(ids), "completion_tokens": len(produced)}
-            chunk = {"text": engine.decode(produced), "output_ids": list(produced), "meta_info": meta}
-            send(f"data: {json.dumps(chunk)}\n\n")
+    def _send_event(self, payload: Any) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        self._write_chunk(f"data: {data}\n\n".encode())
+
+    def _end_sse(self) -> None:
+        self._send_event("[DONE]")
+        self._write_chunk(b"")  # the zero-length chunk ends the chunked body
+
+    # --- reading ---------------------------------------------------------------------------------------
+
+    def _read_body(self) -> bytes:
+        encoding = self.headers.get("Transfer-Encoding")
+        lengths = self.headers.get_all("Content-Length") or []
+        if encoding is not None:
+            if lengths:
+                raise HttpError(400, "both Transfer-Encoding and Content-Length are set; send one", close=True)
+            if encoding.strip().lower() != "chunked":
+                raise HttpError(400, f"Transfer-Encoding {encoding[:40]!r} is not supported; send chunked or a Content-Length", close=True)
+            return self._read_chunked()
+        if not lengths:
+            return b""
+        length = parse_content_length(lengths)
+        limit = self.server.max_body_bytes
+        if length > limit:
+            raise HttpError(413, f"the body ({length} bytes) is larger than this server's limit of {limit} bytes",
+                            close=True, drain=length)
+        return self._read_exact(length, time.monotonic() + self.server.request_timeout)
+
+    def _read_exact(self, length: int, deadline: float) -> bytes:
+        data = bytearray()
+        while len(data) < length:
+            if time.monotonic() > deadline:
+                raise self._timeout(len(data), length)
+            try:
+                chunk = self.rfile.read1(min(length - len(data), 1 << 16))
+            except TimeoutError:
+                raise self._timeout(len(data), length) from None
+            if not chunk:
+                raise HttpError(400, f"the connection ended after {len(data)} of {length} body bytes", close=True)
+            data += chunk
+        return bytes(data)
+
+    def _timeout(self, received: int, expected: int | str) -> HttpError:
+        return HttpError(408, f"the body did not arrive within {self.server.request_timeout:g} s "
+                              f"({received} of {expected} bytes received)", close=True)
+
+    def _read_chunked(self) -> bytes:
+        deadline = time.monotonic() + self.server.request_timeout
+        body = bytearray()
+        while True:
+            size = self._chunk_size(len(body))
+            if size == 0:
+                break
+            if len(body) + size > self.server.max_body_bytes:
+                raise HttpError(413, f"the chunked body exceeds this server's limit of {self.server.max_body_bytes} bytes", close=True)
+            body += self._read_exact(size, deadline)
+            if self._readline(len(body)) not in (b"\r\n", b"\n"):
+                raise HttpError(400, "a chunk of the body is not followed by CRLF", close=True)
+        for _ in range(64):  # trailer fields, ignored, up to the blank line
+            if self._readline(len(body)) in (b"\r\n", b"\n", b""):
+                break
+        return bytes(body)
+
+    def _readline(self, received: int) -> bytes:
+        try:
+            return self.rfile.readline(1026)
+        except TimeoutError:
+            raise self._timeout(received, "chunked") from None
+
+    def _chunk_size(self, received: int) -> int:
+        line = self._readline(received)
+        size = line.split(b";")[0].strip()
+        if not line.endswith(b"\n") or not re.fullmatch(rb"[0-9a-fA-F]{1,15}", size):
+            raise HttpError(400, f"malformed chunk size line {line[:40]!r}", close=True)
+        return int(size, 16)
+
+    def _drain(self, length: int) -> None:
+        """Read and drop an unread body (bounded) so closing does not reset the connection before the client reads the reply."""
+        remaining, deadline = min(length, DRAIN_LIMIT_BYTES), time.monotonic() + 2.0
+        try:
+            self.connection.settimeout(1.0)
+            while remaining > 0 and time.monotonic() < deadline:
+                chunk = self.rfile.read1(min(remaining, 1 << 16))
+                if not chunk:
+                    break
+                remaining -= len(chunk)
+        except OSError:
+            pass
+
+    # --- dispatch --------------------------------------------------------------------------------------
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        self._dispatch()
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET  # noqa: N815 - stdlib names
+
+    def _dispatch(self) -> None:
+        self.responded = False
+        try:
+            raw = self._read_body()
+            self._route(urlsplit(self.path).path)(raw)
+        except HttpError as exc:
+            self._refuse(exc)
+        except ClientGone as exc:
+            log(f"{self.command} {self.path}: the client went away mid-stream ({exc})")
+            self.close_connection = True
+        except Exception:  # a bug must cost one request, never the server
+            log(f"{self.command} {self.path} failed:\n{traceback.format_exc()}")
+            self._refuse(HttpError(500, "internal error in the reference engine (traceback in its log)",
+                                   err_type="InternalServerError", close=True))
+
+    def _refuse(self, exc: HttpError) -> None:
+        if self.responded:  # mid-stream: the status line is gone, only closing is left
+            self.close_connection = True
+            return
+        try:
+            self._send_json(exc.status, exc.payload, close=exc.close, headers=exc.headers)
+        except OSError:
+            self.close_connection = True
+            return
+        if exc.drain:
+            self._drain(exc.drain)
+
+    def _route(self, path: str) -> Callable[[bytes], None]:
+        methods = ROUTES.get(path) or ({"GET": "model"} if path.startswith("/v1/models/") else None)
+        if methods is None:
+            raise HttpError(404, payload=dict(NOT_FOUND))
+        name = methods.get(self.command)
+        if name is None:
+            raise HttpError(405, payload=dict(METHOD_NOT_ALLOWED), headers={"Allow": ", ".join(methods)})
+        return getattr(self, f"route_{name}")
+
+    def _engine(self) -> Engine:
+        engine = self.server.engine
+        if engine is None:
+            raise HttpError(503, "the model is still loading; retry when /health_generate answers 200")
+        return engine
+
+    # --- native routes ---------------------------------------------------------------------------------
+
+    def route_health(self, _raw: bytes) -> None:
+        self._send_empty(HTTPStatus.OK if self.server.engine is not None else HTTPStatus.SERVICE_UNAVAILABLE)
+
+    def route_server_info(self, _raw: bytes) -> None:
+        engine = self.server.engine
+        info = dict(self.server.info)
+        info["status"] = "ready" if engine is not None else "loading"
+        info["internal_states"] = [engine.internal_state()] if engine is not None else []
+        self._send_json(HTTPStatus.OK, info)
+
+    def route_model_info(self, _raw: bytes) -> None:
+        info, engine = self.server.info, self.server.engine
+        model_type = getattr(getattr(engine.target.model, "config", None), "model_type", None) if engine else None
+        self._send_json(HTTPStatus.OK, {
+            "model_path": info["model_path"], "tokenizer_path": info["model_path"], "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": WEIGHT_VERSION, "has_image_understanding": False,
+            "has_audio_understanding": False, "model_type": model_type, "architectures": [info["architecture"]],
+            "served_model_name": info["served_model_name"]})
+
+    def route_flush_cache(self, _raw: bytes) -> None:
+        flushed = self._engine().try_flush()
+        self._send_bytes(HTTPStatus.OK if flushed else HTTPStatus.BAD_REQUEST, FLUSH_BODY.encode(), "text/plain; charset=utf-8")
+
+    def route_generate(self, raw: bytes) -> None:
+        engine = self._engine()
+        body = parse_json(raw)
+        try:
+            request = parse_generate(body, engine)
+        except RequestError as exc:
+            self._send_json(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}})
+            return
+        if request.stream:
+            self._stream(engine, request, lambda out: [out], native_errors=True)
+            return
+        gen = self._run(engine, request)
+        self._send_json(HTTPStatus.OK, engine.output(gen))
+
+    def _run(self, engine: Engine, request: NativeRequest, on_progress=None) -> Generation:
+        gen = engine.run(request.spec, request.rid, on_progress)
+        engine.log_generation(gen)
+        return gen
+
+    def _stream(self, engine: Engine, request: NativeRequest, to_events: Callable[[dict], list],
+                trailer: Callable[[], list] = list, native_errors: bool = False) -> None:
+        """SSE: one event group per emission, the final state exactly once, then [DONE]."""
+        self._start_sse()
+        sent_final = False
+
+        def on_progress(gen: Generation) -> None:
+            nonlocal sent_final
+            for event in to_events(engine.output(gen)):
+                self._send_event(event)
+            sent_final = gen.finish is not None
 
         try:
-            result = engine.generate(ids, max_new, on_tokens=on_tokens)
-            final = self._response(engine, rid, ids, result, max_new, started)
-            send(f"data: {json.dumps(final)}\n\n")
-            send("data: [DONE]\n\n")
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            log(f"generate {rid}: the client went away mid-stream")
-            self.close_connection = True
+            gen = self._run(engine, request, on_progress)
+            if not sent_final:  # nothing was emitted (max_new_tokens 0): the final state still goes out once
+                on_progress(gen)
+            for event in trailer():
+                self._send_event(event)
+        except ClientGone:
+            raise
+        except Exception as exc:  # mid-stream there is no status code left: SGLang sends an error event
+            log(f"generate {request.rid} failed mid-stream:\n{traceback.format_exc()}")
+            message = str(exc) or type(exc).__name__
+            self._send_event({"error": {"message": message}} if native_errors else error_body(500, message, "InternalServerError"))
+        self._end_sse()
+
+    # --- OpenAI routes ---------------------------------------------------------------------------------
+
+    def _openai_body(self, raw: bytes) -> Any:
+        media_type = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            raise HttpError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+        return parse_json(raw)
+
+    def _openai_request(self, engine: Engine, convert: Callable[[], tuple[dict, dict]]) -> tuple[NativeRequest, dict] | None:
+        try:
+            native, options = convert()
+            return parse_generate(native, engine), options
+        except OpenAIRequestError as exc:
+            self._send_json(HTTPStatus.BAD_REQUEST, error_body(400, str(exc), exc.err_type))
+        except RequestError as exc:
+            self._send_json(HTTPStatus.BAD_REQUEST, error_body(400, str(exc), "BadRequestError"))
+        return None
+
+    def route_models(self, _raw: bytes) -> None:
+        engine = self._engine()
+        self._send_json(HTTPStatus.OK, openai_api.model_list(self.server.info["served_model_name"], engine.context_len))
+
+    def route_model(self, _raw: bytes) -> None:
+        engine, name = self._engine(), self.server.info["served_model_name"]
+        wanted = urlsplit(self.path).path[len("/v1/models/"):]
+        if wanted != name:
+            self._send_json(HTTPStatus.NOT_FOUND, openai_api.model_not_found(wanted))
+            return
+        self._send_json(HTTPStatus.OK, openai_api.model_card(name, engine.context_len))
+
+    def route_completions(self, raw: bytes) -> None:
+        engine = self._engine()
+        body = self._openai_body(raw)
+        parsed = self._openai_request(engine, lambda: openai_api.completion_to_native(body))
+        if parsed is None:
+            return
+        request, options = parsed
+        echo = engine.decode(request.spec.input_ids) if options["echo"] else ""
+        if request.stream:
+            formatter = openai_api.StreamFormatter(options, chat=False, echo_text=echo)
+            self._stream(engine, request, formatter.chunks, lambda: [c for c in [formatter.usage_chunk()] if c])
+            return
+        gen = self._run(engine, request)
+        self._send_json(HTTPStatus.OK, openai_api.completion_response(engine.output(gen), options, echo))
+
+    def route_chat(self, raw: bytes) -> None:
+        engine = self._engine()
+        body = self._openai_body(raw)
+        parsed = self._openai_request(engine, lambda: openai_api.chat_to_native(body, engine.chat_prompt))
+        if parsed is None:
+            return
+        request, options = parsed
+        if request.stream:
+            formatter = openai_api.StreamFormatter(options, chat=True)
+            self._stream(engine, request, formatter.chunks, lambda: [c for c in [formatter.usage_chunk()] if c])
+            return
+        gen = self._run(engine, request)
+        self._send_json(HTTPStatus.OK, openai_api.chat_response(engine.output(gen), options))
 
 
 # --------------------------------------------------------------------------- main
@@ -362,6 +967,7 @@ def server_info(profile, args, engine_path: str) -> dict[str, Any]:
     return {
         "engine": "reference",
         "model_path": profile.target.path,
+        "served_model_name": profile.target.path,  # SGLang's default: the model path
         "resolved_model_path": engine_path,
         "architecture": profile.target.architecture,
         "speculative_algorithm": "EAGLE3" if speculative else None,
@@ -374,6 +980,9 @@ def server_info(profile, args, engine_path: str) -> dict[str, Any]:
         "tp_size": 1,
         "host": args.host,
         "port": args.port,
+        "weight_version": WEIGHT_VERSION,
+        "max_body_bytes": args.max_body_bytes,
+        "request_timeout": args.request_timeout,
         "version": "eagle3-console-reference",
     }
 
@@ -389,9 +998,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="last_hidden: hand the draft the final hidden state and skip fc, as SGLang's silent failure does")
     parser.add_argument("--num-steps", type=int, help="draft steps per verify (default: the profile's)")
     parser.add_argument("--no-speculation", action="store_true", help="plain target decoding (benchmark baseline)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies are refused with 413 (default %(default)s)")
+    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                        help="seconds a client may stall while sending a request or reading a reply (default %(default)s)")
     args = parser.parse_args(argv)
     if not args.no_speculation and not args.draft:
         parser.error("--draft is required unless --no-speculation is given")
+    if args.max_body_bytes < 1 or not 0 < args.request_timeout < 86400:
+        parser.error("--max-body-bytes must be >= 1 and --request-timeout in (0, 86400)")
     return args
 
 
@@ -409,7 +1024,8 @@ def main(argv: list[str] | None = None) -> int:
         from pathlib import Path
 
         args.draft = str(resolve_draft_dir(Path(args.draft).expanduser()))
-    server = ReferenceHTTPServer((args.host, args.port), server_info(profile, args, profile.target.path))
+    server = ReferenceHTTPServer((args.host, args.port), server_info(profile, args, profile.target.path),
+                                 max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout)
     outcome = {"code": 0}
 
     def stop(signum, _frame) -> None:
