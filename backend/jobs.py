@@ -51,6 +51,7 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 START_TIMEOUT_S = 30.0
 MAX_GRACE_S = 86400.0
 FREEZE_TIMEOUT_S = 5.0
+STOP_INCOMPLETE = "stop incomplete"
 PRIVATE_FILE = 0o600  # argv and logs may carry tokens
 PRIVATE_DIR = 0o700
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
@@ -416,7 +417,7 @@ class JobRegistry:
             return "unknown", "starting", None, None
         stat = procs.read_stat(info.pid)
         if stat is not None and stat.running and stat.start_time == info.start_time_ticks:
-            return "running", "", None, None
+            return "running", record.detail if record.detail.startswith(STOP_INCOMPLETE) else "", None, None
         exit_code, ended_at = read_exit_file(info.job_dir)
         if exit_code is not None:
             state = "stopped" if record.stop_requested_at else "exited"
@@ -1039,7 +1040,7 @@ class JobRegistry:
         for plan in plans:
             left = sorted(t.pid for t in plan.targets + plan.protected if t.pid in survived)
             if left:
-                note = f"stop incomplete: PID {', '.join(map(str, left))} still alive"
+                note = f"{STOP_INCOMPLETE}: PID {', '.join(map(str, left))} still alive"
                 self._try_write("stop result", lambda db: self._update(db, plan.record.id, detail=note))
                 continue
             info = plan.record.info
