@@ -21,14 +21,17 @@ from typing import Any, BinaryIO, Callable
 from backend import holders as holders_mod
 from backend.disk import disks_for
 from backend.gpu import driver_state, open_gpu_source
-from backend.jobs import JobError, JobRecord, JobRegistry, tail_lines
+from backend.jobs import JobError, JobNotFound, JobRecord, JobRegistry, tail_lines
 from backend.jsonl import JsonlFollower
+from backend.metrics_index import MetricsFeed, MetricsIndex
 from backend.protocol import (
+    INDEX_FILENAME,
     METRICS_FILENAME,
     PROTOCOL_VERSION,
     STAGES_FILENAME,
     ErrorCode,
     Event,
+    MAX_LINE_BYTES,
     HelloInfo,
     MalformedMessage,
     Request,
@@ -43,7 +46,14 @@ JOBS_EVERY_TICKS = 5
 DESCENDANTS_EVERY_TICKS = 5
 DISK_EVERY_TICKS = 10
 DIR_SIZE_EVERY_S = 60.0
-HISTORY_LIMIT = 100_000
+HISTORY_LIMIT = 20_000
+LIVE_POLL_S = 0.05  # metrics and stages files are checked this often (a stat each when nothing changed)
+PROGRESS_EVERY_S = 0.5
+SIDECAR_SAVE_EVERY_S = 60.0
+SERIES_POINTS_MAX = 4096
+WINDOW_RECORDS_MAX = 5000
+SERIES_KEYS_MAX = 64
+GRACE_MAX_S = 3600.0
 LOG_CHUNK_BYTES = 1 << 20
 CHECKPOINT_DIR = re.compile(r"^epoch_(\d+)_step_(\d+)$")
 
@@ -138,14 +148,18 @@ def last_record(path: Path) -> dict[str, Any] | None:
 
 
 class JobFiles:
-    """Followers of one job's metrics.jsonl and stages.jsonl."""
+    """One job's metrics feed (live records + the whole-history index) and its stages.jsonl follower."""
 
     def __init__(self, record: JobRecord, from_end: bool):
         job_dir = Path(record.info.job_dir)
         self.record_id = record.id
-        self.metrics = JsonlFollower(job_dir / METRICS_FILENAME, self._size(job_dir / METRICS_FILENAME) if from_end else 0)
+        self.metrics = MetricsFeed(job_dir / METRICS_FILENAME, job_dir / INDEX_FILENAME, live_from_end=from_end)
         self.stages = JsonlFollower(job_dir / STAGES_FILENAME, self._size(job_dir / STAGES_FILENAME) if from_end else 0)
         self.latest = last_record(job_dir / METRICS_FILENAME) if from_end else None
+        self.progress_sent_at = float("-inf")
+        self.had_backlog = False
+        self.saved_at = time.monotonic()
+        self.cache: dict[str, Any] = {}  # "signals": (index version, signals)
 
     @staticmethod
     def _size(path: Path) -> int:
@@ -186,6 +200,8 @@ class Agent:
             Request.HOLDERS: self._holders,
             Request.TAIL_LOG: self._tail_log,
             Request.METRICS_HISTORY: self._metrics_history,
+            Request.METRICS_SERIES: self._metrics_series,
+            Request.METRICS_WINDOW: self._metrics_window,
             Request.STAGES_HISTORY: self._stages_history,
             Request.FOLLOW_LOG: self._follow_log,
             Request.LIST_CHECKPOINTS: self._list_checkpoints,
@@ -220,6 +236,10 @@ class Agent:
         self.out.send({"type": Event.HELLO, **to_dict(self.hello())})
         ticker = threading.Thread(target=self._tick_loop, name="agent-ticker", daemon=True)
         ticker.start()
+        live = threading.Thread(target=self._live_loop, name="agent-live", daemon=True)
+        live.start()
+        indexer = threading.Thread(target=self._index_loop, name="agent-indexer", daemon=True)
+        indexer.start()
         try:
             while not self.stopping.is_set() and not self.out.closed.is_set():
                 line = stdin.readline()
@@ -231,6 +251,9 @@ class Agent:
             self.stopping.set()
             self._pool.shutdown(wait=True)  # a stop in its grace period finishes: no job is left half-stopped
             ticker.join(timeout=max(5.0, 3 * self.interval))
+            live.join(timeout=5.0)
+            indexer.join(timeout=5.0)
+            self._save_sidecars(force=True)
             self.gpu.close()
             self.registry.close()
         return 0
@@ -248,7 +271,6 @@ class Agent:
         parts = [
             ("gpus", self._emit_gpus),
             ("jobs", lambda: self._emit_jobs(force=tick % JOBS_EVERY_TICKS == 0)),
-            ("files", self._emit_files),
             ("log", self._emit_log),
             ("external", self._emit_externals),
         ]
@@ -291,18 +313,71 @@ class Agent:
         for name in set(self._files) - names:
             del self._files[name]
 
+    def _live_loop(self) -> None:
+        """New metrics and stage lines reach the console within ~LIVE_POLL_S: one stat per file when idle."""
+        while not self.stopping.is_set() and not self.out.closed.is_set():
+            try:
+                self._emit_files()
+            except Exception:  # noqa: BLE001 - the agent must keep streaming
+                print(f"agent: live files failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            self.stopping.wait(LIVE_POLL_S)
+
     def _emit_files(self) -> None:
         with self._lock:
             items = list(self._files.items())
         for name, files in items:
-            start = files.metrics.offset
-            records = files.metrics.poll()
+            records, start, end = files.metrics.poll_live()
             if records:
                 files.latest = records[-1]
-                self.out.send({"type": Event.METRICS, "job": name, "records": records, "offset": files.metrics.offset, "start_offset": start})
+            if end != start:
+                self.out.send({"type": Event.METRICS, "job": name, "records": records, "offset": end, "start_offset": start})
             stages = files.stages.poll()
             if stages:
                 self.out.send({"type": Event.STAGES, "job": name, "records": stages, "offset": files.stages.offset})
+
+    def _index_loop(self) -> None:
+        """Scan backlogs (files the agent never saw whole) in chunks, report progress, save the sidecars."""
+        while not self.stopping.is_set() and not self.out.closed.is_set():
+            busy = False
+            with self._lock:
+                items = list(self._files.items())
+            for name, files in items:
+                if self.stopping.is_set():
+                    return
+                try:
+                    more = files.metrics.index_step()
+                except OSError as exc:
+                    print(f"agent: indexing {name} failed: {exc}", file=sys.stderr, flush=True)
+                    continue
+                busy = busy or more
+                self._report_progress(name, files, done=not more)
+            self._save_sidecars()
+            if not busy:
+                self.stopping.wait(self.interval)
+
+    def _report_progress(self, name: str, files: JobFiles, done: bool) -> None:
+        """INDEX_PROGRESS while a backlog is scanned (at most every PROGRESS_EVERY_S), and once when it is done."""
+        now = time.monotonic()
+        if not done:
+            files.had_backlog = True
+            if now - files.progress_sent_at < PROGRESS_EVERY_S:
+                return
+        elif not files.had_backlog:
+            return
+        else:
+            files.had_backlog = False
+            files.metrics.save_sidecar()
+        files.progress_sent_at = now
+        self.out.send({"type": Event.INDEX_PROGRESS, "job": name, **files.metrics.progress()})
+
+    def _save_sidecars(self, force: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            items = list(self._files.values())
+        for files in items:
+            if files.metrics.caught_up and (force or now - files.saved_at >= SIDECAR_SAVE_EVERY_S):
+                files.saved_at = now
+                files.metrics.save_sidecar()
 
     def _emit_log(self) -> None:
         follow = self._followed_log
@@ -330,6 +405,7 @@ class Agent:
         for name, watch in list(self._externals.items()):
             records = watch["reader"].poll()
             if records:
+                watch["index"].fold_records(records)
                 watch["records"].extend(records)
                 del watch["records"][:-HISTORY_LIMIT]
                 watch["count"] += len(records)
@@ -351,7 +427,7 @@ class Agent:
 
     def handle_line(self, line: bytes) -> None:
         try:
-            message = decode(line)
+            message = decode(line, max_bytes=MAX_LINE_BYTES)
         except MalformedMessage as exc:
             self.out.send(reply_error(_id_of(line), ErrorCode.MALFORMED, str(exc)))
             return
@@ -426,8 +502,8 @@ class Agent:
     def _stop_job(self, message: dict) -> dict:
         names, all_jobs = self._names(message)
         grace = param(message, "grace", float, 30.0)
-        if grace < 0:
-            raise BadParams("grace", "must be >= 0 seconds")
+        if not 0 <= grace <= GRACE_MAX_S:  # also refuses NaN
+            raise BadParams("grace", f"must be a number of seconds in 0..{GRACE_MAX_S:g}, got {grace!r}")
         verdicts = self.registry.stop(names, all_jobs, grace=grace, gpu_source=self.gpu)
         self._jobs_dirty.set()
         return {"verdicts": verdicts}
@@ -454,20 +530,90 @@ class Agent:
             raise JobError(f"job {record.name!r} has no {stream} log at {path}") from None
 
     def _metrics_history(self, message: dict) -> dict:
+        """Raw records from a byte offset, a bounded page at a time (small runs; long ones use metrics_series)."""
         name = param(message, "name", str)
         offset = param(message, "offset", int, 0)
+        if offset < 0:
+            raise BadParams("offset", "must be >= 0")
         if name in self._externals:
             records = self._externals[name]["records"][offset:]
             return {"records": records, "offset": offset + len(records), "more": False}
         record = self.registry.get(name)
-        follower = JsonlFollower(Path(record.info.job_dir) / METRICS_FILENAME, offset)
+        from backend.metrics import MetricsReader
+
+        reader = MetricsReader(Path(record.info.job_dir) / METRICS_FILENAME, offset)
         records: list[dict] = []
         while len(records) < HISTORY_LIMIT:
-            batch = follower.poll()
+            batch = reader.poll()
             if not batch:
                 break
             records.extend(batch)
-        return {"records": records, "offset": follower.offset, "bad_lines": follower.bad_lines, "more": len(records) >= HISTORY_LIMIT}
+        return {"records": records, "offset": reader.offset, "bad_lines": reader.bad_records + reader.follower.bad_lines,
+                "more": len(records) >= HISTORY_LIMIT}
+
+    def _index_of(self, name: str) -> tuple[MetricsIndex, dict[str, Any]]:
+        """The whole-history index of a job or watched run, and its progress."""
+        if name in self._externals:
+            watch = self._externals[name]
+            reader = watch["reader"]
+            return watch["index"], {"indexed_bytes": getattr(reader, "bytes_read", None), "file_bytes": getattr(reader, "bytes_total", None),
+                                    "caught_up": True, "total_records": watch["index"].total_records}
+        self.registry.get(name)  # NOT_FOUND for an unknown job
+        with self._lock:
+            files = self._files.get(name)
+        if files is None:
+            raise JobNotFound(f"job {name!r} has no metrics feed yet; try again in a second")
+        return files.metrics.index, files.metrics.progress()
+
+    def _metrics_series(self, message: dict) -> dict:
+        name = param(message, "name", str)
+        keys = param(message, "keys", list, None)
+        points = param(message, "points", int, 200)
+        step_from = param(message, "from", int, None)
+        step_to = param(message, "to", int, None)
+        log_x = param(message, "log_x", bool, False)
+        if not 1 <= points <= SERIES_POINTS_MAX:
+            raise BadParams("points", f"must be 1..{SERIES_POINTS_MAX}")
+        if keys is not None and (len(keys) > SERIES_KEYS_MAX or not all(isinstance(k, str) for k in keys)):
+            raise BadParams("keys", f"a list of at most {SERIES_KEYS_MAX} series names")
+        if step_from is not None and step_to is not None and step_to < step_from:
+            raise BadParams("to", "must be >= from")
+        index, progress = self._index_of(name)
+        feed_lock = self._feed_lock(name)
+        with feed_lock:
+            wanted = index.keys() if keys is None else keys
+            series = {key: index.buckets(key, step_from, step_to, points, log_x) for key in wanted}
+            span = index.step_range()
+            nonfinite = {key: sum(b["nonfinite"] for b in buckets) for key, buckets in series.items()}
+            return {"job": name, "series": series, "keys": index.keys(), "step_range": list(span) if span else None,
+                    "points": points, "log_x": log_x, "from": step_from, "to": step_to, "nonfinite": nonfinite,
+                    "version": index.version, **progress}
+
+    def _feed_lock(self, name: str):
+        with self._lock:
+            files = self._files.get(name)
+        return files.metrics.lock if files is not None else threading.RLock()
+
+    def _metrics_window(self, message: dict) -> dict:
+        """The last `last` records and the last `val` val records, for the live tail and the accuracy table."""
+        name = param(message, "name", str)
+        last = param(message, "last", int, 1000)
+        val = param(message, "val", int, 8)
+        if not 0 <= last <= WINDOW_RECORDS_MAX or not 0 <= val <= WINDOW_RECORDS_MAX:
+            raise BadParams("last", f"last and val must be 0..{WINDOW_RECORDS_MAX}")
+        if name in self._externals:
+            watch = self._externals[name]
+            records = watch["records"][-last:] if last else []
+            return {"records": records, "val": watch["index"].latest_val(val) if val else [], "offset": watch["count"]}
+        index, _progress = self._index_of(name)
+        with self._lock:
+            files = self._files[name]
+        feed = files.metrics
+        with feed.lock:
+            offset = feed.live_offset
+        records = feed.tail_records(last) if last else []
+        vals = index.latest_val(val) if feed.caught_up else feed.tail_records(val, split="val")
+        return {"records": records, "val": vals if val else [], "offset": offset}
 
     def _stages_history(self, message: dict) -> dict:
         record = self.registry.get(param(message, "name", str))
@@ -490,13 +636,22 @@ class Agent:
         return {"checkpoints": list_checkpoints(record.info.job_dir)}
 
     def _signals(self, message: dict) -> Any:
+        """Grokking signals from the run's index (no re-read of metrics.jsonl), recomputed only when it changed."""
         name = param(message, "name", str)
         module = _optional_module("backend.signals", "grokking/health signals")
-        if name in self._externals:
-            records = self._externals[name]["records"]
-        else:
-            records = JsonlFollower(Path(self.registry.get(name).info.job_dir) / METRICS_FILENAME).read_all()
-        return module.compute_signals(records)
+        index, _progress = self._index_of(name)
+        cache = self._externals[name] if name in self._externals else self._files[name].cache
+        cached = cache.get("signals")
+        if cached is not None and cached[0] == index.version:
+            return cached[1]
+        with self._feed_lock(name):
+            version = index.version
+            records = index.signal_records()
+            total = index.total_records
+        signals = module.compute_signals(records)
+        signals["n_records"] = total
+        cache["signals"] = (version, signals)
+        return signals
 
     def _watch_external(self, message: dict) -> dict:
         name = param(message, "name", str)
@@ -507,7 +662,7 @@ class Agent:
         except (OSError, ValueError) as exc:
             raise BadParams("path", f"{path!r} cannot be watched: {exc}") from None
         job = f"ext:{name}"
-        self._externals[job] = {"reader": reader, "records": [], "count": 0}
+        self._externals[job] = {"reader": reader, "records": [], "count": 0, "index": MetricsIndex(), "signals": None}
         return {"job": job}
 
     def _data_scaling(self, message: dict) -> dict:

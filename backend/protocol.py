@@ -2,7 +2,9 @@
 
 Standard library only: the console uploads this file with the agent to any host Python >= 3.10.
 
-Framing: one JSON object per line, UTF-8, "\n"-terminated. Every message has a "type".
+Framing: one JSON object per line, UTF-8, "\n"-terminated. Every message has a "type". Non-finite
+floats travel as the bare tokens NaN / Infinity / -Infinity (Python's json on both ends); metrics records
+are already decoded from the file's encoding by backend.metrics.normalize_record before they are sent.
 - console -> agent: requests, {"type": <Request kind>, "id": <int>, ...params}
 - agent -> console: events (no id, pushed on their own schedule) and replies
   ({"type": "reply", "id": <request id>, "ok": true, "result": {...}} or
@@ -15,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Event:
@@ -24,7 +26,8 @@ class Event:
     HELLO = "hello"  # once at start: HelloInfo
     GPUS = "gpus"  # every tick: {"gpus": [GpuSample...], "driver": {...}}
     JOBS = "jobs"  # when the job table changes, and every few ticks: {"jobs": [JobInfo...]}
-    METRICS = "metrics"  # new metrics.jsonl lines: {"job": name, "records": [...], "offset": int}
+    METRICS = "metrics"  # new metrics.jsonl records (cleaned): {"job", "records": [...], "start_offset": int, "offset": int}
+    INDEX_PROGRESS = "index_progress"  # a backlog being indexed: {"job", "indexed_bytes", "file_bytes", "caught_up", ...}
     STAGES = "stages"  # new stages.jsonl lines of a chain job: {"job": name, "records": [...]}
     DISK = "disk"  # every few ticks: {"disks": [DiskUsage...]}
     LOG = "log"  # lines of a followed log: {"job": name, "stream": "stdout"|"stderr", "lines": [...]}
@@ -43,7 +46,9 @@ class Request:
     LIST_JOBS = "list_jobs"  # {} -> {"jobs": [JobInfo...]}
     HOLDERS = "holders"  # {} -> {"holders": [GpuHolder...], "fuser_stderr_lines": int}
     TAIL_LOG = "tail_log"  # {"name", "stream": "stdout"|"stderr", "lines": int} -> {"lines": [...]}
-    METRICS_HISTORY = "metrics_history"  # {"name", "offset"?: int} -> {"records": [...], "offset": int}
+    METRICS_HISTORY = "metrics_history"  # {"name", "offset"?: int} -> {"records": [...], "offset": int, "more": bool} (bounded pages)
+    METRICS_SERIES = "metrics_series"  # {"name", "keys": [...], "from"?, "to"?, "points", "log_x"?} -> whole-history buckets per key
+    METRICS_WINDOW = "metrics_window"  # {"name", "last": N, "val": K} -> {"records": last N, "val": last K val records, "offset"}
     STAGES_HISTORY = "stages_history"  # {"name"} -> {"records": [...]}
     FOLLOW_LOG = "follow_log"  # {"name"?, "stream"} -> {} ; then LOG events; name null stops following
     LIST_CHECKPOINTS = "list_checkpoints"  # {"name"} -> {"checkpoints": [{"path","epoch","step","latest"}]}
@@ -187,17 +192,28 @@ class MalformedMessage(ValueError):
     pass
 
 
-def decode(line: bytes | str) -> dict[str, Any]:
-    """One line -> one message; raises MalformedMessage saying what was wrong."""
+MAX_LINE_BYTES = 4 << 20  # requests are small; replies may be larger (the console raises its own limit)
+
+
+def decode(line: bytes | str, max_bytes: int | None = None) -> dict[str, Any]:
+    """One line -> one message; raises MalformedMessage saying what was wrong (never anything else)."""
+    if max_bytes is not None and len(line) > max_bytes:
+        raise MalformedMessage(f"line of {len(line)} bytes is longer than the {max_bytes}-byte limit")
     if isinstance(line, bytes):
         try:
             line = line.decode()
         except UnicodeDecodeError as exc:
             raise MalformedMessage(f"not UTF-8: {exc}") from None
+    if "\x00" in line:
+        raise MalformedMessage("line holds a NUL byte")
     try:
         message = json.loads(line)
     except json.JSONDecodeError as exc:
         raise MalformedMessage(f"not JSON ({exc.msg} at column {exc.colno}): {line[:80]!r}") from None
+    except RecursionError:
+        raise MalformedMessage("JSON nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer over Python's digit limit
+        raise MalformedMessage(f"not JSON: {str(exc)[:120]}") from None
     if not isinstance(message, dict):
         raise MalformedMessage(f"expected a JSON object, got {type(message).__name__}")
     if not isinstance(message.get("type"), str):
@@ -221,3 +237,5 @@ METRICS_FILENAME = "metrics.jsonl"
 # Stage records of a chain job (stop-and-bench): <job_dir>/stages.jsonl, one JSON object per line:
 # {"stage", "status": "running"|"ok"|"failed"|"skipped", "time", "elapsed", "detail", "result"?}
 STAGES_FILENAME = "stages.jsonl"
+# The rebuildable whole-history summary of metrics.jsonl (backend/metrics_index.py), beside it.
+INDEX_FILENAME = "metrics.index"

@@ -14,6 +14,7 @@ import pytest
 from backend import procs
 from backend.agent import list_checkpoints
 from backend.disk import dir_size, disk_usage
+from backend.protocol import PROTOCOL_VERSION
 from backend.jobs import JobRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def agent(tmp_path):
 
 def test_round_trip(agent, tmp_path):
     _, hello = agent.wait(lambda m: m["type"] == "hello")
-    assert hello["protocol"] == 1 and hello["agent_pid"] == agent.proc.pid
+    assert hello["protocol"] == PROTOCOL_VERSION and hello["agent_pid"] == agent.proc.pid
     assert hello["run_dir"] == str((tmp_path / "run").resolve()) and hello["python"]
     _, gpus = agent.wait(lambda m: m["type"] == "gpus")
     if hello["gpu_source"] == "none":

@@ -1,0 +1,265 @@
+"""Which series a metrics record feeds, and a fast exact scan of metrics.jsonl bytes into those series' columns.
+
+Standard library only. The scan learns the shape of the trainer's train lines (key order, list and module
+names) and reads a whole chunk with one regular expression, converting only the values the index keeps;
+every line that does not fit a learned shape (val records, other writers, odd values) goes through
+json.loads and backend.metrics.normalize_record, the one decoder of the file's encoding. Both paths give
+the same points, which tests/test_series_index.py checks against a plain pass.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.metrics import NONNEGATIVE_KEYS, normalize_record, record_loss
+
+# Train records: the scalars the screens plot, acc[0] for the train/val accuracy gap, per-module weight norms.
+TRAIN_SCALARS = {"loss": "train.loss", "lr": "lr", "grad_norm": "grad_norm", "weight_norm": "weight_norm",
+                 "step_time": "step_time", "tokens": "tokens"}
+TRAIN_FIRST_OF_LIST = {"acc": "train.acc.0"}
+MODULE_PREFIX = "weight_norm."
+MAX_SHAPES = 4
+
+_NONFINITE_STRINGS = ((b'"NaN"', b"NaN"), (b'"-Infinity"', b"-Infinity"), (b'"Infinity"', b"Infinity"),
+                      (b'"+Infinity"', b"Infinity"), (b'"inf"', b"Infinity"), (b'"-inf"', b"-Infinity"),
+                      (b'"nan"', b"NaN"))
+# Captures are permissive (up to the next delimiter): float()/int() then reject anything that is not a number.
+_SCALAR = rb"([^,{}\[\]\"\n]+)"
+_SKIP_BY_TYPE = {
+    str: rb'"(?:[^"\\\n]|\\.)*"',
+    list: rb"\[[^\[\]{}\n]*\]",
+    dict: rb"\{[^\[\]{}\n]*\}",
+}
+_SKIP_SCALAR = rb"[^,{}\[\]\"\n]+"
+
+
+def record_points(record: dict[str, Any]) -> list[tuple[str, float]]:
+    """(series key, value) pairs of one cleaned record (backend.metrics.normalize_record's output)."""
+    split = record.get("split")
+    out: list[tuple[str, float]] = []
+    loss = record_loss(record)
+    if loss is not None:
+        out.append((f"{split}.loss", loss))
+    lr = record.get("lr")
+    if lr is not None:
+        out.append(("lr", float(lr)))
+    if split == "train":
+        for key in ("grad_norm", "weight_norm", "step_time", "tokens"):
+            if record.get(key) is not None:
+                out.append((TRAIN_SCALARS[key], float(record[key])))
+        acc = record.get("acc")
+        if acc:
+            out.append(("train.acc.0", float(acc[0])))
+        modules = record.get("weight_norm_modules")
+        if isinstance(modules, dict):
+            out.extend((MODULE_PREFIX + name, float(value)) for name, value in modules.items())
+    else:
+        for key in ("acc", "ploss", "acceptance_rate"):
+            for k, value in enumerate(record.get(key) or []):
+                out.append((f"val.{key}.{k}", float(value)))
+    return out
+
+
+@dataclass
+class ScanResult:
+    """Points of a chunk by series key (steps ascending within each shape part), and the records of slow lines."""
+
+    columns: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    slow_records: list[dict[str, Any]] = field(default_factory=list)  # cleaned records, file order
+    records: int = 0
+    fast_records: int = 0
+    bad_lines: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def add_column(self, key: str, steps: list[int], values: list[float]) -> None:
+        if key in self.columns:
+            old_steps, old_values = self.columns[key]
+            self.columns[key] = (old_steps + steps, old_values + values)
+        else:
+            self.columns[key] = (steps, values)
+
+
+@dataclass
+class Shape:
+    """One learned line shape: a compiled regex and, per capture group, the series it feeds."""
+
+    regex: re.Pattern
+    targets: list[str]  # group i+2 (after the whole-line group) -> "step", a series key, or "acc0:<key>"
+    nonnegative: set[str]
+
+
+def normalize_nonfinite(chunk: bytes) -> bytes:
+    """The writer's quoted non-finite strings as bare tokens float() reads; cheap when there are none."""
+    if not any(quoted in chunk for quoted, _ in _NONFINITE_STRINGS):
+        return chunk
+    for quoted, bare in _NONFINITE_STRINGS:
+        chunk = chunk.replace(b":" + quoted, b":" + bare).replace(b"," + quoted, b"," + bare).replace(b"[" + quoted, b"[" + bare)
+    return chunk
+
+
+def learn_shape(line: bytes) -> Shape | None:
+    """A Shape for a compact train line of the trainer's writer, or None when the line is not one."""
+    try:
+        record = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict) or record.get("split") != "train" or not isinstance(record.get("step"), int):
+        return None
+    if "loss" not in record and "ploss" in record:
+        return None  # the loss would be derived from ploss: the slow path does that
+    parts: list[bytes] = []
+    targets: list[str] = []
+    for key, value in record.items():
+        name = re.escape(json.dumps(key).encode()) + b":"
+        part, keys = _part_for(key, value)
+        if part is None:
+            return None
+        parts.append(name + part)
+        targets.extend(keys)
+    regex = re.compile(rb"^(?:(\{" + b",".join(parts) + rb"\})|(.*))$", re.M)
+    nonnegative = {TRAIN_SCALARS[k] for k in NONNEGATIVE_KEYS if k in TRAIN_SCALARS}
+    nonnegative |= {t for t in targets if t.startswith(MODULE_PREFIX)}
+    return Shape(regex, targets, nonnegative)
+
+
+def _part_for(key: str, value: Any) -> tuple[bytes | None, list[str]]:
+    if key == "step":
+        return rb"(\d+)", ["step"]
+    if key == "split":
+        return rb'"train"', []
+    if key in TRAIN_SCALARS:
+        return _SCALAR, [TRAIN_SCALARS[key]]
+    if key == "tokens":
+        return rb"(\d+)", ["tokens"]
+    if key in TRAIN_FIRST_OF_LIST and isinstance(value, list) and value:
+        return rb"\[" + _SCALAR + rb"[^\[\]{}\"\n]*\]", [TRAIN_FIRST_OF_LIST[key]]
+    if key == "weight_norm_modules" and isinstance(value, dict) and value:
+        inner = b",".join(re.escape(json.dumps(name).encode()) + b":" + _SCALAR for name in value)
+        return rb"\{" + inner + rb"\}", [MODULE_PREFIX + str(name) for name in value]
+    if isinstance(value, (str, list, dict)):
+        return _SKIP_BY_TYPE[type(value)], []
+    if value is None or isinstance(value, (int, float)):
+        return _SKIP_SCALAR, []
+    return None, []
+
+
+class ChunkScanner:
+    """Scans chunks of complete lines; keeps the shapes it learned for the next chunk."""
+
+    def __init__(self) -> None:
+        self.shapes: list[Shape] = []
+
+    def scan(self, chunk: bytes) -> ScanResult:
+        result = ScanResult()
+        rest = [normalize_nonfinite(chunk)]
+        for shape in list(self.shapes):
+            rest = self._apply(shape, rest, result)
+        while rest and len(self.shapes) < MAX_SHAPES:
+            shape = next((s for s in map(learn_shape, _first_lines(rest, 20)) if s is not None), None)
+            if shape is None:
+                break
+            self.shapes.append(shape)
+            rest = self._apply(shape, rest, result)
+        for part in rest:
+            for line in part.split(b"\n"):
+                self._slow_line(line, result)
+        return result
+
+    def _apply(self, shape: Shape, rest: list[bytes], result: ScanResult) -> list[bytes]:
+        """Read every line that fits `shape`; returns the lines that did not."""
+        text = rest[0] if len(rest) == 1 else b"\n".join(rest)
+        matches = shape.regex.findall(text.rstrip(b"\n"))
+        columns = list(zip(*matches))
+        if not columns:
+            return rest
+        whole, other = columns[0], columns[-1]
+        leftovers = [line for line in other if line.strip()] if any(other) else []
+        values = columns[1:-1]
+        if b"" in whole:
+            fitting = [i for i, line in enumerate(whole) if line]
+            values = [[col[i] for i in fitting] for col in values]
+        if values and values[0] and not self._fold_columns(shape, values, result):
+            leftovers.extend(line for line in whole if line)
+        return leftovers
+
+    def _fold_columns(self, shape: Shape, columns: list, result: ScanResult) -> bool:
+        """Convert and keep the shape's columns; False (nothing kept) when a value needs the slow path."""
+        try:
+            converted = {target: _floats(col) for target, col in zip(shape.targets, columns) if target not in ("step", "tokens")}
+            steps = list(map(int, columns[shape.targets.index("step")]))
+            if "tokens" in shape.targets:
+                converted["tokens"] = [float(t) for t in map(int, columns[shape.targets.index("tokens")])]
+        except ValueError:
+            return False
+        if any(_has_negative(converted[target]) for target in shape.nonnegative & converted.keys()):
+            return False
+        order = None if steps == sorted(steps) else sorted(range(len(steps)), key=steps.__getitem__)
+        if order is not None:
+            steps = [steps[i] for i in order]
+        for target, column in converted.items():
+            result.add_column(target, steps, column if order is None else [column[i] for i in order])
+        result.records += len(steps)
+        result.fast_records += len(steps)
+        return True
+
+    @staticmethod
+    def _slow_line(line: bytes, result: ScanResult) -> None:
+        if not line.strip():
+            return
+        try:
+            raw = json.loads(line)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            result.bad_lines += 1
+            return
+        clean, problems = normalize_record(raw)
+        if clean is None:
+            result.bad_lines += 1
+            result.problems = (result.problems + [f"step {raw.get('step') if isinstance(raw, dict) else None!r}: " + "; ".join(problems)])[-5:]
+            return
+        result.records += 1
+        result.slow_records.append(clean)
+
+
+def _first_lines(parts: list[bytes], count: int) -> list[bytes]:
+    lines: list[bytes] = []
+    for part in parts:
+        lines.extend(part.split(b"\n", count)[:count])
+        if len(lines) >= count:
+            break
+    return lines[:count]
+
+
+def _has_negative(column: list[float]) -> bool:
+    if not column:
+        return False
+    total = sum(column)
+    return min(column) < 0 if total - total == 0.0 else any(v < 0 for v in column)
+
+
+def _floats(column) -> list[float]:
+    try:
+        return list(map(float, column))
+    except ValueError:
+        out = []
+        for text in column:
+            if text == b"null":
+                out.append(float("nan"))
+            else:
+                out.append(float(text))  # raises: the caller falls back to the slow path
+        return out
+
+
+def points_of_records(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """Series columns of cleaned records, each sorted by step (stable, so ties keep file order)."""
+    by_key: dict[str, list[tuple[int, float]]] = {}
+    for record in records:
+        step = record["step"]
+        for key, value in record_points(record):
+            by_key.setdefault(key, []).append((step, value))
+    out = {}
+    for key, pairs in by_key.items():
+        pairs.sort(key=lambda p: p[0])
+        out[key] = ([s for s, _ in pairs], [v for _, v in pairs])
+    return out
