@@ -274,6 +274,8 @@ MALFORMED = [
     ("too large", post_raw(f"Content-Length: {MAX_BODY_BYTES + 1}\r\n", b"{"), 413, "limit"),
     ("gigantic", post_raw("Content-Length: 99999999999\r\n"), 413, "limit"),
     ("garbage request line", b"HELLO THERE FRIEND OF MINE\r\n\r\n", 400, "Bad request"),
+    ("HTTP/2.0", b"GET /health HTTP/2.0\r\n\r\n", 400, "HTTP/1.1"),
+    ("binary junk", bytes(range(256)) * 4 + b"\r\n\r\n", 400, "Bad request"),
     ("long header", post_raw("X-Pad: " + "a" * 70_000 + "\r\n"), 431, "too long"),
     ("body not an object", post_body(b"[]"), 400, "JSON object"),
 ]
@@ -287,6 +289,13 @@ def test_malformed_requests_get_a_4xx_with_a_reason(mini_servers, name, payload,
         assert code == 400 and reason in json.loads(body)["error"]["message"]
     else:
         refused(server.port, payload, status, reason, half_close=True)
+    assert_serving(server)
+
+
+def test_unknown_method_is_405(mini_servers):
+    server = mini_servers["spec"]
+    code, _, body = parse_raw_response(raw_exchange(server.port, b"BREW /generate HTTP/1.1\r\nHost: x\r\n\r\n"))
+    assert code == 405 and json.loads(body) == {"detail": "Method Not Allowed"}
     assert_serving(server)
 
 

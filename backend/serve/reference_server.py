@@ -667,12 +667,17 @@ class Handler(BaseHTTPRequestHandler):
         self._send_bytes(status, b"", None)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """The stdlib calls this for a bad request line, oversized headers or an unknown method: answer in JSON."""
+        """The stdlib calls this for a bad request line, oversized headers or an unknown method: answer in JSON, 4xx."""
         if self.request_version == "HTTP/0.9":
             self.request_version = "HTTP/1.1"  # so a status line goes out even for a garbled request line
         reason = message or HTTPStatus(code).phrase
+        payload = error_body(code, f"{reason}: {explain}" if explain else reason)
+        if code == HTTPStatus.NOT_IMPLEMENTED:  # an unknown method: what FastAPI answers for one
+            code, payload = HTTPStatus.METHOD_NOT_ALLOWED, dict(METHOD_NOT_ALLOWED)
+        elif code == HTTPStatus.HTTP_VERSION_NOT_SUPPORTED:  # the client's mistake, so a 4xx
+            code, payload = HTTPStatus.BAD_REQUEST, error_body(400, f"{reason}: send HTTP/1.0 or HTTP/1.1")
         try:
-            self._send_json(code, error_body(code, f"{reason}: {explain}" if explain else reason), close=True)
+            self._send_json(code, payload, close=True)
         except OSError:
             self.close_connection = True
 
