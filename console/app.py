@@ -93,7 +93,9 @@ class ConsoleCommands(Provider):
             if action.screen is not None and getattr(self.screen, "MODE", None) != action.screen:
                 continue
             reason = app.disabled_reason(action.name)
-            help_text = f"[{action.key}] {action.help}" + (f" (disabled: {reason})" if reason else "")
+            # The palette parses help as markup: "[n]" would vanish as a tag, so every "[" is escaped, and the key is
+            # shown bare ("key [ · ...") because a bracketed "[[]" reads as noise.
+            help_text = (f"key {action.key} · {action.help}" + (f" (disabled: {reason})" if reason else "")).replace("[", r"\[")
             entries.append((action.label, help_text, partial(app.run_console_action, action.name, self.screen)))
         return entries
 

@@ -11,7 +11,7 @@ import pytest
 from backend.protocol import Request
 from console.app import build_app
 from console.host_commands import chain_argv
-from console.screens.chain import ChainScreen, chain_outcome, stage_elapsed
+from console.screens.chain import ChainScreen, chain_outcome, result_panel_text, stage_elapsed
 from console.screens.modals import StopAndBenchModal, bench_plan_text
 from console.transport import LocalTransport
 from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
@@ -75,6 +75,31 @@ def chain_records(until: str | None = None, fail: tuple[str, str] | None = None)
             record["result"] = RESULT
         records.append(record)
     return records
+
+
+AMBER_HEADLINE = "inconclusive: the draft has not learned yet (tau-hat 1.00 < 2.40)"
+AMBER_REASONS = ["accept length 1.41; tau-hat 1.00 is too close to 1 for a verdict: green would need only accept length >= 0.60, "
+                 "and a broken aux feed reached 1.25-1.44 on the calibration runs (docs/serving.md)",
+                 "train longer (a verdict needs tau-hat >= 2.40), then run the canary again"]
+
+
+def amber_records() -> list[dict]:
+    """A finished chain whose canary was amber (issue 12's 13-step draft): it went on to the benchmark."""
+    records = chain_records()
+    for record in records:
+        if record["stage"] == "canary" and record["status"] == "ok":
+            record["detail"] = f"amber: {AMBER_HEADLINE}"
+            record["result"] = {"verdict": "amber", "headline": AMBER_HEADLINE, "reasons": AMBER_REASONS, "causes": []}
+        if record["stage"] == "result" and record["status"] == "ok":
+            record["result"] = {**RESULT, "verdict": "amber", "accept_length": 1.41, "tau_hat": 1.0, "ratio_to_tau_hat": 1.41,
+                                "verdict_headline": AMBER_HEADLINE, "verdict_reasons": AMBER_REASONS}
+    return records
+
+
+def span_style(text, fragment: str) -> str:
+    """The style of the span that holds `fragment` in a rich Text."""
+    start = text.plain.index(fragment)
+    return next(str(span.style) for span in text.spans if span.start <= start < span.end)
 
 
 def chain_state(records: list[dict], *, clock=None):
@@ -182,6 +207,32 @@ async def test_the_running_stage_ticks():
         assert "no result yet" in text_of(app, "#chain-result")
 
 
+async def test_an_amber_canary_shows_in_yellow_with_its_reasons_and_the_bench_still_ran():
+    records = amber_records()
+    panel = result_panel_text(records)
+    assert "VERDICT AMBER" in panel.plain and span_style(panel, " VERDICT AMBER ") == "bold black on yellow"
+    assert span_style(panel, f"canary: {AMBER_HEADLINE}") == "yellow"
+    assert span_style(panel, AMBER_REASONS[0]) == span_style(panel, AMBER_REASONS[1]) == "yellow"
+    assert "402.8 tok/s" in panel.plain
+    state = chain_state(records)
+    state.results["train-kimi"] = [EARLIER, {"path": SAVED, **records[-1]["result"]}]
+    app = frozen_app(state)
+    async with app.run_test(size=SIZE) as pilot:
+        await show_chain(pilot)
+        assert "VERDICT AMBER" in text_of(app, "#chain-result") and "train longer" in text_of(app, "#chain-result")
+        stages = app.screen.query_one("#stages")
+        canary = next(stages.get_row_at(i) for i in range(stages.row_count) if str(stages.get_row_at(i)[0]) == "canary")
+        assert str(canary[4]).startswith("amber: inconclusive") and canary[4].style == "yellow"
+        verdict = app.screen.query_one("#results-table").get_row_at(0)[1]
+        assert str(verdict) == "amber" and verdict.style == "yellow"
+
+
+def test_chain_amber_snapshot(snap_compare):
+    state = chain_state(amber_records())
+    state.results["train-kimi"] = [EARLIER, {"path": SAVED, **amber_records()[-1]["result"]}]
+    assert snap_compare(frozen_app(state), terminal_size=SIZE, run_before=show_chain)
+
+
 def test_chain_result_snapshot(snap_compare):
     assert snap_compare(frozen_app(chain_state(chain_records())), terminal_size=SIZE, run_before=show_chain)
 
@@ -248,7 +299,8 @@ async def test_stop_and_bench_modal_lists_the_plan_and_cancel_touches_nothing(tm
         await pilot.press("b")
         modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopAndBenchModal) else None, what="the plan modal")
         plan = str(modal.query_one("#bench-plan").render())
-        assert f"{job['pid']}" in plan and "graceful and checkpoint-aware" in plan and "Checkpoint first: YES" in plan
+        assert f"{job['pid']}" in plan and "graceful and checkpoint-aware" in plan
+        assert "Checkpoint first: only if training steps have begun" in plan  # the plan is built without the job's metrics
         assert "Foreign GPU holders, left alone" in plan and "foreign holders are left untouched" in plan
         assert f"latest now: {Path(job['job_dir']) / 'checkpoints' / 'epoch_0_step_200'}" in plan
         assert "engine reference" in plan and "serve.engine of profile tiny" in plan
@@ -374,3 +426,11 @@ async def test_stop_and_bench_key_end_to_end_on_tiny(trained_tiny_run, tmp_path,
                 assert job["state"] != "running" and not pid_alive(job["pid"]), f"{job['name']} (pid {job['pid']}) was left behind"
         finally:
             await stop_everything(app, grace=5, timeout=120)
+
+
+def test_the_bench_plan_passes_the_training_phase_on_to_its_checkpoint_line():
+    checkpoints = [{"path": "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_1_step_3000", "epoch": 1, "step": 3000, "latest": True}]
+    args = ("train-kimi", STOP_PLAN, checkpoints, True, "sglang", "profile", 120.0, "1,4", 8, chain_argv("train-kimi"))
+    assert "Checkpoint first: NO" in str(bench_plan_text(*args, phases={"train-kimi": False}))
+    assert "Checkpoint first: YES" in str(bench_plan_text(*args, phases={"train-kimi": True}))
+    assert "green / amber (τ̂ too low to tell) / red" in str(bench_plan_text(*args))

@@ -1,4 +1,5 @@
 """Pilot tests: keys, screens, the command palette, guarded actions and their modals, against the real local agent."""
+import dataclasses
 import os
 import signal
 import subprocess
@@ -9,10 +10,10 @@ from textual.command import CommandList, CommandPalette
 from textual.widgets import DataTable, Input
 
 from backend.protocol import Request
-from console.app import ACTIONS, build_app
+from console.app import ACTIONS, LOG_TAIL_LINES, build_app
 from console.screens.dashboard import DashboardScreen
-from console.screens.logs import LogsScreen
-from console.screens.modals import AdoptModal, StopModal
+from console.screens.logs import TAIL_LINES, LogsScreen, lines_label
+from console.screens.modals import AdoptModal, StopModal, checkpoint_line, pids_phrase, stop_plan_text, training_phases
 from console.screens.training import TrainingScreen
 from console.transport import LocalTransport
 from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
@@ -159,7 +160,7 @@ async def test_stop_modal_lists_the_pids_and_stop_really_ends_the_job(tmp_path):
         job = (await app.client.request(Request.START_JOB, name="victim", kind="train", argv=job_argv(sys.executable)))["job"]
         await wait_until(lambda: "victim" in app.state.jobs, what="the job listed")
         app.select_job("victim")
-        await pilot.pause()
+        await wait_until(lambda: app.state.metrics.get("victim") and app.state.metrics["victim"].records, what="its steps logged")
 
         await pilot.press("s")
         modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopModal) else None, what="the stop modal")
@@ -242,4 +243,99 @@ async def test_actions_are_disabled_while_disconnected_and_come_back(tmp_path):
         assert pid_alive(job["pid"]) and app.check_action("stop_job", ()) is True
         await pilot.pause()
         assert "connected" in banner_text(app)
+        await stop_everything(app)
+
+
+# -- screens that say only what is true (issue 12) -------------------------------------------------
+
+
+def one_pid_plan(job: str) -> dict:
+    return {"jobs": [job], "will_signal": [{"pid": 1234, "job": job, "cmdline": "python -m backend train", "role": "leader"}],
+            "stale": [], "foreign_gpu_holders": [], "checkpoint_first": True}
+
+
+def state_with_a_job_in_setup():
+    """The frozen host plus `train-setup`: a training job whose (loaded) metrics hold no record yet."""
+    state = frozen_state()
+    state.jobs["train-setup"] = dataclasses.replace(state.jobs["train-kimi"], name="train-setup", pid=1300, pgid=1300)
+    state.apply_metrics_history("train-setup", {"records": [], "offset": 0}, reset=True)
+    return state
+
+
+def test_the_pid_count_agrees_with_its_noun():
+    assert [pids_phrase(n) for n in (0, 1, 2)] == ["No PID gets", "This PID gets", "These 2 PIDs get"]
+    assert str(stop_plan_text(one_pid_plan("t"), 30.0)).startswith("This PID gets SIGTERM, then SIGKILL")
+    assert str(stop_plan_text(STOP_PLAN, 30.0)).startswith("These 2 PIDs get SIGTERM")
+
+
+def test_checkpoint_first_says_what_the_trainer_will_really_do():
+    state = state_with_a_job_in_setup()
+    assert training_phases(state, ["train-kimi", "train-setup", "bench-old", "gone"]) == {"train-kimi": True, "train-setup": False}
+    del state.metrics["train-setup"]
+    assert training_phases(state, ["train-setup"]) == {"train-setup": None}  # metrics not loaded yet: not known
+    assert str(checkpoint_line(STOP_PLAN, {"train-kimi": True})).startswith("Checkpoint first: YES")
+    setup = str(checkpoint_line(STOP_PLAN, {"train-setup": False}))
+    assert setup.startswith("Checkpoint first: NO") and "WITHOUT a checkpoint" in setup and "YES" not in setup
+    unknown = str(checkpoint_line(STOP_PLAN, {"train-setup": None}))
+    assert unknown.startswith("Checkpoint first: only if training steps have begun") and "during setup" in unknown
+    assert str(checkpoint_line(STOP_PLAN, None)) == unknown  # callers without the console state (the bench plan)
+    assert str(checkpoint_line({**STOP_PLAN, "checkpoint_first": False}, None)).startswith("Checkpoint first: no")
+
+
+async def test_stop_modal_for_a_job_in_setup_promises_no_checkpoint_and_counts_one_pid():
+    app = build_app(state=state_with_a_job_in_setup(), poll_interval=None, refresh_throttle=0)
+    async with app.run_test(size=SIZE) as pilot:
+        app.push_screen(StopModal("train-setup", one_pid_plan("train-setup"), 30.0))
+        await pilot.pause()
+        text = str(app.screen.query_one("#stop-plan").render())
+        assert "This PID gets SIGTERM" in text and "1 PIDs" not in text
+        assert "Checkpoint first: NO" in text and "Checkpoint first: YES" not in text
+        assert str(app.screen.query_one("#confirm").label) == "Stop 1 PID (y)"
+
+
+async def test_logs_title_counts_the_lines_shown_not_every_poll_that_re_read_them():
+    assert TAIL_LINES == LOG_TAIL_LINES
+    state = frozen_state()
+    for _ in range(8):  # the stream that is not followed live is re-read on every poll
+        state.log("train-kimi", "stderr").replace(["a", "b", "c", "d"])
+    app = build_app(state=state, poll_interval=None, refresh_throttle=0)
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.press("3")
+        await pilot.pause()
+        title = str(app.screen.query_one("#logs-title").render())
+        assert "stderr 4 lines" in title and "stdout 40 lines" in title and "32" not in title
+        assert app.screen.query_one("#log-stderr").line_count == 4
+    assert lines_label("stdout", None) == "stdout 0 lines"
+
+
+async def test_palette_hints_show_each_key_once_and_plainly():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.press("ctrl+p")
+        palette = await wait_until(lambda: app.screen if isinstance(app.screen, CommandPalette) else None, what="the palette")
+        await wait_until(lambda: palette.query_one(CommandList).option_count > 0, what="palette entries")
+        options = palette.query_one(CommandList)
+        shown = "\n".join(str(options.get_option_at_index(i).prompt) for i in range(options.option_count))
+        assert "key [ · select the previous job" in shown and "key ] · select the next job" in shown
+        assert "key n · start a training job" in shown and "key s · stop the selected job" in shown
+        assert "[[]" not in shown and "[]]" not in shown
+
+
+async def test_stop_modal_of_a_real_training_job_still_in_setup_says_no_checkpoint(tmp_path):
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        setup = [sys.executable, "-c", "import time; time.sleep(600)"]  # a trainer that has not reached its first step
+        await app.client.request(Request.START_JOB, name="in-setup", kind="train", argv=setup)
+        await wait_until(lambda: "in-setup" in app.state.jobs, what="the job listed")
+        app.select_job("in-setup")
+        await wait_until(lambda: app.state.metrics.get("in-setup") and app.state.metrics["in-setup"].history_loaded,
+                         what="its (empty) metrics loaded")
+        await pilot.press("s")
+        modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopModal) else None, what="the stop modal")
+        text = str(modal.query_one("#stop-plan").render())
+        assert "This PID gets SIGTERM" in text and "Checkpoint first: NO" in text and "in-setup has logged no training step" in text
+        await pilot.press("escape")
         await stop_everything(app)

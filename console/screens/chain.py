@@ -21,6 +21,9 @@ STAGE_TITLES = {
     "preflight": "preflight", "launch": "launch server", "canary": "canary", "bench": "benchmark", "result": "result saved",
 }
 STATUS_STYLES = {"running": "bold yellow", "ok": "green", "failed": "bold red", "skipped": "dim", "pending": "dim"}
+# Canary verdicts (backend/serve/canary.py): amber is "inconclusive", neither a pass nor a failure.
+VERDICT_STYLES = {"green": "green", "amber": "yellow", "red": "bold red"}
+VERDICT_BADGES = {"green": "bold black on green", "amber": "bold black on yellow", "red": "bold white on red"}
 TICK_S = 1.0
 
 
@@ -65,12 +68,21 @@ def chain_outcome(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _verdict_badge(text: Text, verdict: str | None) -> None:
-    if verdict == "green":
-        text.append(" VERDICT GREEN ", style="bold black on green")
-    elif verdict == "red":
-        text.append(" VERDICT RED ", style="bold white on red")
-    else:
-        text.append(f" VERDICT {verdict or '?'} ", style="bold black on yellow")
+    text.append(f" VERDICT {(verdict or '?').upper()} ", style=VERDICT_BADGES.get(verdict or "", "bold black on yellow"))
+
+
+def verdict_style(verdict: str | None) -> str:
+    return VERDICT_STYLES.get(verdict or "", "bold red")
+
+
+def _canary_lines(text: Text, verdict: str | None, canary: dict[str, Any], result: dict[str, Any]) -> None:
+    """The canary's headline in the verdict's colour; for amber also why, and what to do."""
+    headline = canary.get("headline") or result.get("verdict_headline")
+    if headline:
+        text.append(f"canary: {headline}\n", style=verdict_style(verdict))
+    if verdict == "amber":
+        for reason in canary.get("reasons") or result.get("verdict_reasons") or []:
+            text.append(f"  {reason}\n", style="yellow")
 
 
 def _accept_line(text: Text, data: dict[str, Any]) -> None:
@@ -120,8 +132,7 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
     _verdict_badge(text, result.get("verdict"))
     _accept_line(text, result)
     text.append("\n")
-    if canary.get("headline"):
-        text.append(f"canary: {canary['headline']}\n", style="green" if result.get("verdict") == "green" else "red")
+    _canary_lines(text, result.get("verdict"), canary, result)
     text.append("throughput per concurrency:\n", style="bold")
     for row in result.get("throughput") or []:
         text.append(f"  {row.get('concurrency', '?'):>4} concurrent  {number(row.get('output_tok_per_s'), 4):>8} tok/s"
@@ -136,6 +147,12 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
     if outcome["saved_to"]:
         text.append(f"saved with the run: {outcome['saved_to']}", style="dim")
     return text
+
+
+def detail_style(status: str, detail: str) -> str:
+    if status == "failed":
+        return "red"
+    return "yellow" if detail.startswith("amber:") else ""
 
 
 def best_throughput(result: dict[str, Any]) -> float | None:
@@ -220,7 +237,7 @@ class ChainScreen(ConsoleScreen):
             detail = str(record.get("detail") or "") if record else ""
             table.add_row(stage, STAGE_TITLES[stage], Text(status, style=STATUS_STYLES.get(status, "")),
                           "-" if elapsed is None else f"{elapsed:.1f}s" if elapsed < 60 else duration(elapsed),
-                          Text(detail.splitlines()[0][:110] if detail else "", style="red" if status == "failed" else ""))
+                          Text(detail.splitlines()[0][:110] if detail else "", style=detail_style(status, detail)))
 
     def _draw_results(self, train_job: str | None, current: str | None) -> None:
         table = self.query_one("#results-table", DataTable)
@@ -230,6 +247,6 @@ class ChainScreen(ConsoleScreen):
             name = PurePosixPath(str(row.get("path", ""))).name.removeprefix("stop-and-bench-").removesuffix(".json")
             mark = " (this run)" if current and row.get("path") == current else ""
             verdict = str(row.get("verdict") or "?")
-            table.add_row(name + mark, Text(verdict, style="green" if verdict == "green" else "bold red"),
+            table.add_row(name + mark, Text(verdict, style=verdict_style(verdict)),
                           number(row.get("accept_length"), 3), number(row.get("tau_hat"), 3), number(row.get("ratio_to_tau_hat"), 2),
                           number(best_throughput(row), 4), PurePosixPath(str(row.get("checkpoint") or "?")).name, str(row.get("engine") or "?"))

@@ -12,6 +12,15 @@ from console.widgets.banner import ConnectionBanner
 
 STREAMS = ("stdout", "stderr")
 AGENT_LINES = 4
+TAIL_LINES = 500  # what console/app.py (LOG_TAIL_LINES) asks the agent for: a tail this long may be cut
+
+
+def lines_label(stream: str, buffer) -> str:
+    """How many lines of the stream are shown: the buffer's own lines, not `total` (every poll's re-read adds to that)."""
+    shown = len(buffer.lines) if buffer else 0
+    if shown >= TAIL_LINES:
+        return f"{stream} last {shown} lines"
+    return f"{stream} {shown} line" + ("" if shown == 1 else "s")
 
 
 class LogsScreen(ConsoleScreen):
@@ -70,7 +79,7 @@ class LogsScreen(ConsoleScreen):
         counts = []
         for stream in STREAMS:
             buffer = state.logs.get((job, stream)) if job else None
-            counts.append(f"{stream} {buffer.total if buffer else 0} lines")
+            counts.append(lines_label(stream, buffer))
             self._draw_stream(stream, job, buffer)
         if job:
             where = f" · {info.stdout_path}" if info else ""

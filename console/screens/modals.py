@@ -32,11 +32,58 @@ class FormModal(ModalScreen[dict | None]):
         self.dismiss(None)
 
 
-def stop_plan_text(plan: dict[str, Any], grace: float) -> Text:
-    """The stop plan as the operator reads it: who gets signalled, who is left alone, checkpoint or not."""
+def pids_phrase(count: int) -> str:
+    """'This PID gets' / 'These 3 PIDs get': the subject of the signal line, in agreement with the count."""
+    if count == 0:
+        return "No PID gets"
+    return "This PID gets" if count == 1 else f"These {count} PIDs get"
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def training_phases(state: Any, jobs: list[str]) -> dict[str, bool | None]:
+    """For each training job in `jobs`: True once it logged a metrics record (its trainer is in the step loop), False when
+    its loaded metrics hold none (still in setup: building the target or data), None when the console does not know yet."""
+    phases: dict[str, bool | None] = {}
+    for name in jobs:
+        info = state.jobs.get(name) if state is not None else None
+        if info is None or info.kind != "train":
+            continue
+        metrics = state.metrics.get(name)
+        if metrics is not None and metrics.records > 0:
+            phases[name] = True
+        elif metrics is not None and metrics.history_loaded and not metrics.loading:
+            phases[name] = False
+        else:
+            phases[name] = None
+    return phases
+
+
+def checkpoint_line(plan: dict[str, Any], phases: dict[str, bool | None] | None) -> Text:
+    """What a stop really does about checkpoints: the trainer writes one on SIGTERM only once it runs training steps."""
+    if not plan.get("checkpoint_first"):
+        return Text("Checkpoint first: no (no training job in this stop).", style="bold")
+    in_setup = [name for name, started in (phases or {}).items() if started is False]
+    if in_setup:
+        return Text(f"Checkpoint first: NO. {', '.join(in_setup)} has logged no training step yet: it is still setting up "
+                    "(building the target or its data), and a stop during setup ends it at once WITHOUT a checkpoint.",
+                    style="bold yellow")
+    if phases and all(phases.values()):
+        return Text("Checkpoint first: YES, the trainer writes a checkpoint on SIGTERM before it exits.", style="bold green")
+    return Text("Checkpoint first: only if training steps have begun: the trainer then finishes the step and writes a "
+                "checkpoint before it exits; a stop during setup (building the target or its data) writes none.", style="bold")
+
+
+def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | None] | None = None) -> Text:
+    """The stop plan as the operator reads it: who gets signalled, who is left alone, checkpoint or not.
+
+    `phases` (training_phases) says which training jobs are past setup; without it the checkpoint line is conditional.
+    """
     text = Text()
     will = plan.get("will_signal") or []
-    text.append(f"These {len(will)} PIDs get SIGTERM, then SIGKILL if still alive after {grace:g}s:\n", style="bold")
+    text.append(f"{pids_phrase(len(will))} SIGTERM, then SIGKILL if still alive after {grace:g}s:\n", style="bold")
     if not will:
         text.append("  (none: nothing of this job is running)\n", style="dim")
     for entry in will:
@@ -54,10 +101,7 @@ def stop_plan_text(plan: dict[str, Any], grace: float) -> Text:
     for entry in foreign:
         text.append(f"  {entry.get('pid', '?'):>7}", style="yellow")
         text.append(f"  {entry.get('user', '')}  {str(entry.get('cmdline', ''))[:50]}  {mib(entry.get('used_memory_mib'))}\n")
-    if plan.get("checkpoint_first"):
-        text.append("Checkpoint first: YES, the trainer writes a checkpoint on SIGTERM before it exits.", style="bold green")
-    else:
-        text.append("Checkpoint first: no (no training job in this stop).", style="bold")
+    text.append_text(checkpoint_line(plan, phases))
     return text
 
 
@@ -83,9 +127,10 @@ class StopModal(ModalScreen[bool]):
         with Vertical(id="dialog", classes="modal-dialog"):
             yield Static(f"Stop job {self.job}?", classes="modal-title")
             with VerticalScroll(id="stop-plan-scroll"):
-                yield Static(stop_plan_text(self.plan, self.grace), id="stop-plan")
+                phases = training_phases(getattr(self.app, "state", None), self.plan.get("jobs") or [self.job])
+                yield Static(stop_plan_text(self.plan, self.grace, phases), id="stop-plan")
             with Horizontal(classes="modal-buttons"):
-                yield Button(f"Stop {len(self.pids)} PIDs (y)", id="confirm", variant="error", disabled=not self.pids)
+                yield Button(f"Stop {plural(len(self.pids), 'PID')} (y)", id="confirm", variant="error", disabled=not self.pids)
                 yield Button("Cancel (esc)", id="cancel", variant="primary")
 
     def on_mount(self) -> None:
@@ -152,13 +197,14 @@ class AdoptModal(FormModal):
 
 
 def bench_plan_text(job: str, plan: dict[str, Any], checkpoints: list[dict[str, Any]], job_running: bool,
-                    engine: str, engine_source: str, grace: float, levels: str, prompts: int, argv: list[str]) -> Text:
+                    engine: str, engine_source: str, grace: float, levels: str, prompts: int, argv: list[str],
+                    phases: dict[str, bool | None] | None = None) -> Text:
     """The stop-and-bench plan, stage by stage: what gets signalled, which checkpoint, which engine, what is measured."""
     text = Text()
     text.append("1. Stop ", style="bold")
     if job_running:
         text.append(f"{job}: graceful and checkpoint-aware.\n")
-        text.append_text(stop_plan_text(plan, grace))
+        text.append_text(stop_plan_text(plan, grace, phases))
         text.append("\n")
     else:
         text.append(f"{job} is not running: nothing is signalled; its last checkpoint is used.\n")
@@ -167,8 +213,9 @@ def bench_plan_text(job: str, plan: dict[str, Any], checkpoints: list[dict[str, 
     latest = next((c for c in reversed(checkpoints) if c.get("latest")), checkpoints[-1] if checkpoints else None)
     text.append("3. Checkpoint to preflight: ", style="bold")
     if job_running and plan.get("checkpoint_first"):
-        text.append("the one the trainer writes at the stop (the new `latest`)")
-        text.append(f"; latest now: {latest['path']}\n" if latest else "; none written yet\n")
+        text.append("the one the trainer writes at the stop (the new `latest`), if training steps have begun")
+        text.append(f"; latest now: {latest['path']}\n" if latest else
+                    "; none written yet, so a stop during setup leaves none and the chain would stop here\n")
     elif latest:
         text.append(f"{latest['path']}\n")
     else:
@@ -179,7 +226,8 @@ def bench_plan_text(job: str, plan: dict[str, Any], checkpoints: list[dict[str, 
     text.append(f"engine {engine}", style="bold cyan")
     text.append(f" ({engine_source}), wait until ready\n")
     text.append("6. Canary: ", style="bold")
-    text.append("greedy requests; accept length vs τ̂ from validation accuracy → green / red with likely causes\n")
+    text.append("greedy requests; accept length vs τ̂ from validation accuracy → green / amber (τ̂ too low to tell) / "
+                "red with likely causes\n")
     text.append("7. Benchmark: ", style="bold")
     text.append(f"concurrency {levels}, {prompts} prompts; the result is saved with the training run\n")
     text.append("runs on the host as: ", style="dim")
