@@ -1,30 +1,35 @@
 """Read-only watching of runs this tool did not start: TensorBoard event files and SpecForge logs -> records.
 
 Standard library only. Nothing here writes to the watched run. `ExternalRunReader(path).poll()` returns
-new records in the schema of backend/metrics.py each time, resuming by byte offset per file:
+new cleaned records (backend.metrics.normalize_record) each time, resuming by byte offset per file:
 - a directory: every *tfevents* file under it (new files are picked up on later polls);
 - a file named *tfevents*: that event file;
-- any other file: a SpecForge console log (stdout/stderr of scripts/train_eagle3*.py).
+- any other file: a SpecForge console log (stdout/stderr of its trainer, `step S: {...}` lines, or the
+  older `Eval - Step S ..., position i, Acc: a` lines).
+One poll reads at most MAX_BYTES_PER_POLL bytes in bounded chunks and stops early after POLL_SECONDS, so a
+1 GiB file is caught up over several polls; `bytes_read` / `bytes_total` tell how far it got.
 
-Values of one step arrive as several events or lines. A (split, step) group is handed out when a later
-step shows up in the same source, or when a poll finds the source has not grown since the previous poll:
-the newest step of a quiet run comes one poll late. If values of an already handed-out group arrive
-after that (a writer that paused mid-step), the group is handed out again, complete; series() in
-backend/metrics.py keeps the latest record per step.
+A `step S: {...}` line is whole records and is handed out at once. Otherwise values of one step arrive as
+several events or lines. A (split, step) group is handed out when a later step shows up in the same source,
+or when a poll has read to the end of a source that has not grown since the previous poll: the newest step
+of a quiet run comes one poll late. If values of an already handed-out group arrive after that (a writer
+that paused mid-step), the group is handed out again, complete; series() in backend/metrics.py keeps the
+latest record per step.
 """
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import re
 import struct
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from backend.jsonl import read_complete_lines
-from backend.metrics import PLOSS_DECAY
+from backend.metrics import LIST_KEYS, NONNEGATIVE_KEYS, PLOSS_DECAY, SCALAR_KEYS, SPLITS, normalize_record
 
 # ---------------------------------------------------------------- CRC32C (Castagnoli), for TFRecord framing
 
@@ -60,6 +65,7 @@ class TFRecordFollower:
     A record not fully written yet (or whose CRC fails at the very end of the file: a torn write) is left
     for the next poll. A bad record with data after it is skipped: a bad data CRC skips that record; a bad
     length CRC resynchronizes at the next offset where a whole valid record starts. `skipped` counts them.
+    `at_end` tells whether the last poll read up to the end of the file (nothing complete is left unread).
     """
 
     HEADER = 12
@@ -70,31 +76,45 @@ class TFRecordFollower:
         self.skipped = 0
         self.max_bytes_per_poll = max_bytes_per_poll
         self.last_size = -1
+        self.at_end = False
         self._stuck: tuple[int, int] | None = None  # (offset, size) where the last poll made no progress
 
-    def poll(self) -> list[bytes]:
+    def poll(self, max_bytes: int | None = None) -> list[bytes]:
+        """Complete records after the offset, reading at most max_bytes (default: max_bytes_per_poll).
+
+        One record larger than max_bytes_per_poll is read whole; one that only exceeds a smaller max_bytes
+        waits for a later poll.
+        """
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
+            self.at_end = True
             return []
         if size < self.offset:  # truncated or replaced: start over
             self.offset = 0
         self.last_size = size
+        self.at_end = True
         if size == self.offset or self._stuck == (self.offset, size):
             return []
-        budget = self.max_bytes_per_poll
+        limit = self.max_bytes_per_poll if max_bytes is None else min(max_bytes, self.max_bytes_per_poll)
+        records, consumed, chunk = self._read(size, limit)
+        self.at_end = self.offset + len(chunk) >= size
+        self.offset += consumed
+        cut_short = limit < self.max_bytes_per_poll and not self.at_end
+        self._stuck = (self.offset, size) if not consumed and not cut_short else None
+        return records
+
+    def _read(self, size: int, limit: int) -> tuple[list[bytes], int, bytes]:
+        budget = limit
         with open(self.path, "rb") as handle:
             while True:
                 handle.seek(self.offset)
                 chunk = handle.read(min(size - self.offset, budget))
                 records, consumed = self._parse(chunk, at_eof=self.offset + len(chunk) >= size)
                 need = self._record_size(chunk) if not consumed else 0
-                if consumed or need <= len(chunk) or self.offset + need > size:
-                    break
+                if consumed or need <= len(chunk) or self.offset + need > size or need <= self.max_bytes_per_poll:
+                    return records, consumed, chunk
                 budget = need  # one record larger than the per-poll budget: read it whole
-        self.offset += consumed
-        self._stuck = (self.offset, size) if not consumed else None
-        return records
 
     def _record_size(self, chunk: bytes) -> int:
         if len(chunk) < self.HEADER or self._record_at(chunk, 0)[0] == "bad_header":
@@ -230,6 +250,9 @@ def _tensor_scalar(buf: bytes) -> float | None:
 
 def parse_event(buf: bytes) -> tuple[float | None, int, list[tuple[str, float]]]:
     """Event{wall_time=1, step=2, summary=5{value=1{tag=1, simple_value=2, tensor=8}}} -> (wall_time, step, scalars)."""
+    simple = _simple_scalar_event(buf)
+    if simple is not None:
+        return simple
     wall_time, step, scalars = None, 0, []
     for number, wire, value in iter_fields(buf):
         if number == 1 and wire == 1:
@@ -239,6 +262,29 @@ def parse_event(buf: bytes) -> tuple[float | None, int, list[tuple[str, float]]]
         elif number == 5 and wire == 2:
             scalars += _summary_scalars(value)
     return wall_time, step, scalars
+
+
+def _simple_scalar_event(buf: bytes) -> tuple[float, int, list[tuple[str, float]]] | None:
+    """The event SummaryWriter.add_scalar writes, read directly (the general decoder is ~3x slower); None otherwise.
+
+    Bytes: 09 <wall_time f64> 10 <step varint> 2a <len> 0a <len> 0a <tag len> <tag> 15 <simple_value f32>.
+    """
+    size = len(buf)
+    if size < 16 or buf[0] != 0x09 or buf[9] != 0x10:
+        return None
+    step, pos = _varint(buf, 10)
+    if pos >= size or buf[pos] != 0x2A or step >= 1 << 63:
+        return None
+    for _ in range(2):  # summary, then its one value: each must run to the end of the event
+        length, pos = _varint(buf, pos + 1)
+        if pos + length != size or pos >= size or buf[pos] != 0x0A:
+            return None
+    tag_length, pos = _varint(buf, pos + 1)
+    tag_end = pos + tag_length
+    if tag_end + 5 != size or buf[tag_end] != 0x15:
+        return None
+    tag = buf[pos:tag_end].decode("utf-8", "replace")
+    return struct.unpack_from("<d", buf, 1)[0], step, [(tag, struct.unpack_from("<f", buf, tag_end + 1)[0])]
 
 
 def _summary_scalars(buf: bytes) -> list[tuple[str, float]]:
@@ -262,28 +308,46 @@ def _summary_scalars(buf: bytes) -> list[tuple[str, float]]:
 # ---------------------------------------------------------------- tag names -> our keys
 
 _SPLIT_PREFIXES = {"train": "train", "eval": "val", "val": "val", "valid": "val", "validation": "val", "test": "val"}
-_LIST_NAME = re.compile(r"^(?:step_|epoch_?)?(ploss|acc|acceptance_rate)_(\d+)$")
+# "acc_3", older "epochacc_3" / "step_ploss_1", and "per_position_acc_3"
+_INDEXED_NAME = re.compile(r"^(?:step_|epoch_?|per_position_)?(ploss|acc|acceptance_rate)_(\d+)$")
+# list metrics a tracker expands to "<name>/<i>" (SpecForge: eval/per_position_acc/<i>)
+_LIST_NAMES = {"acc": "acc", "acces": "acc", "per_position_acc": "acc",
+               "ploss": "ploss", "plosses": "ploss", "per_position_ploss": "ploss",
+               "acceptance_rate": "acceptance_rate", "acceptance_rates": "acceptance_rate",
+               "per_position_acceptance_rate": "acceptance_rate"}
 _SCALAR_NAMES = {"lr": "lr", "learning_rate": "lr", "grad_norm": "grad_norm", "loss": "loss", "ploss": "loss",
-                 "weight_norm": "weight_norm", "epoch": "epoch", "tokens": "tokens", "step_time": "step_time"}
+                 "avg_loss": "loss", "weight_norm": "weight_norm", "epoch": "epoch", "tokens": "tokens",
+                 "step_time": "step_time", "perf/optimizer_step_time_s": "step_time"}
 
 
 @functools.lru_cache(maxsize=4096)
 def map_tag(tag: str) -> tuple[str, str, int | None] | None:
-    """SpecForge tag -> (split, key, index): "eval/acc_3" -> ("val", "acc", 3); "train/lr" -> ("train", "lr", None).
+    """SpecForge tag -> (split, key, index): "eval/per_position_acc/3" -> ("val", "acc", 3), "train/lr" -> lr.
 
-    Tags without a mode prefix count as train; old names (epochacc_i, step_ploss_i) map like the new ones.
-    Unknown tags -> None.
+    Tags without a mode prefix count as train; old names (eval/acc_i, epochacc_i, step_ploss_i) map like the
+    new ones. Tags with no home in the record schema (train/acc and train/acceptance_rate, which are means over
+    positions; eval/avg_acc, eval/simulated_acc_len, most perf/*) and unknown tags -> None.
     """
-    head, _, name = tag.strip().rpartition("/")
-    split = _SPLIT_PREFIXES.get(head.lower().split("/")[-1]) if head else "train"
-    if split is None:
-        return None
-    name = name.lower()
-    match = _LIST_NAME.match(name)
+    parts = tag.strip().lower().split("/")
+    index = int(parts.pop()) if len(parts) > 1 and parts[-1].isdigit() else None
+    split, name = _split_and_name(parts)
+    if index is not None:
+        key = _LIST_NAMES.get(name)
+        return (split, key, index) if key else None
+    match = _INDEXED_NAME.match(name)
     if match:
         return split, match.group(1), int(match.group(2))
     key = _SCALAR_NAMES.get(name)
     return (split, key, None) if key else None
+
+
+def _split_and_name(parts: list[str]) -> tuple[str, str]:
+    """The first mode component ("train", "eval", ...) gives the split; what follows it is the metric name."""
+    for i, part in enumerate(parts[:-1]):
+        split = _SPLIT_PREFIXES.get(part)
+        if split:
+            return split, "/".join(parts[i + 1:])
+    return "train", "/".join(parts)
 
 
 # ---------------------------------------------------------------- grouping values into records
@@ -302,20 +366,30 @@ class _Assembler:
 
     def add(self, split: str, step: int, key: str, index: int | None, value: float, **extra: Any) -> list[dict]:
         """Add one value; returns the records closed by it (groups of earlier steps)."""
+        return self.add_values(split, step, [(key, index, value)], **extra)
+
+    def add_values(self, split: str, step: int, values: list[tuple[str, int | None, float]],
+                   **extra: Any) -> list[dict]:
+        """Add (key, index, value) triples of one (split, step); returns the records closed by them."""
         done = self.close_before(step)
-        if (split, step) not in self.groups and (split, step) in self.flushed:
-            old = self.flushed.pop((split, step))
-            self.groups[(split, step)] = {**old, "lists": {k: dict(v) for k, v in old["lists"].items()}}
-        group = self.groups.setdefault((split, step), {"split": split, "step": step, "lists": {}})
-        if index is None:
-            group[key] = value
-        else:
-            group["lists"].setdefault(key, {})[index] = value
+        group = self._group(split, step)
+        lists = group["lists"]
+        for key, index, value in values:
+            if index is None:
+                group[key] = value
+            else:
+                lists.setdefault(key, {})[index] = value
         for name, item in extra.items():
             if item is not None:
                 group[name] = max(group.get(name, item), item) if name == "time" else item
         self.last_step = step
         return done
+
+    def _group(self, split: str, step: int) -> dict[str, Any]:
+        if (split, step) not in self.groups and (split, step) in self.flushed:
+            old = self.flushed.pop((split, step))
+            self.groups[(split, step)] = {**old, "lists": {k: dict(v) for k, v in old["lists"].items()}}
+        return self.groups.setdefault((split, step), {"split": split, "step": step, "lists": {}})
 
     def close_before(self, step: int) -> list[dict[str, Any]]:
         if self.last_step is None or step == self.last_step:
@@ -337,29 +411,88 @@ class _Assembler:
         record = {k: v for k, v in group.items() if k != "lists"}
         for key, by_index in group["lists"].items():
             record[key] = [by_index.get(i, math.nan) for i in range(max(by_index) + 1)]
-        if "loss" not in record and record.get("ploss"):
-            record["loss"] = sum(PLOSS_DECAY**i * p for i, p in enumerate(record["ploss"]))
-        if "tokens" in record:
-            record["tokens"] = int(record["tokens"]) if math.isfinite(record["tokens"]) else None
-        if "epoch" in record and not math.isfinite(record["epoch"]):
-            record.pop("epoch")
-        return {k: v for k, v in record.items() if v is not None}
+        return _finished(record)
 
 
-class TensorBoardSource:
-    """One tfevents file -> records."""
+def _finished(record: dict[str, Any]) -> dict[str, Any]:
+    """Derived and coerced fields: loss from the plosses when only they were logged, integer tokens."""
+    if "loss" not in record and record.get("ploss"):
+        record["loss"] = sum(PLOSS_DECAY**i * p for i, p in enumerate(record["ploss"]))
+    if "tokens" in record:
+        record["tokens"] = int(record["tokens"]) if math.isfinite(record["tokens"]) else None
+    if "epoch" in record and not math.isfinite(record["epoch"]):
+        record.pop("epoch")
+    return {k: v for k, v in record.items() if v is not None}
+
+
+# ---------------------------------------------------------------- sources: one file each, read in bounded chunks
+
+MAX_BYTES_PER_POLL = 8 << 20
+POLL_SECONDS = 0.5  # a poll stops after the chunk that crosses this, so the agent's 1 s tick stays on time
+
+
+class _Budget:
+    """What one reader poll may still read: bytes left and a deadline."""
+
+    def __init__(self, max_bytes: int = MAX_BYTES_PER_POLL, seconds: float = POLL_SECONDS):
+        self.bytes_left = max_bytes
+        self.deadline = time.monotonic() + seconds
+
+    def spend(self, count: int) -> None:
+        self.bytes_left -= max(0, count)
+
+    @property
+    def spent(self) -> bool:
+        return self.bytes_left <= 0 or time.monotonic() >= self.deadline
+
+
+class _ChunkedSource:
+    """Reads one growing file chunk by chunk within a budget; subclasses parse a chunk into records.
+
+    Subclasses provide `offset`, `size` (-1 before the first look), `at_end` and `_read_chunk`.
+    """
+
+    CHUNK_BYTES = 1 << 20
 
     def __init__(self, path: Path):
         self.path = path
-        self.follower = TFRecordFollower(path)
         self.assembler = _Assembler()
+
+    def poll(self, budget: _Budget | None = None) -> list[dict[str, Any]]:
+        budget = budget or _Budget()
+        size_before = self.size
+        records: list[dict[str, Any]] = []
+        while True:
+            before = self.offset
+            records += self._read_chunk(min(self.CHUNK_BYTES, budget.bytes_left))
+            budget.spend(self.offset - before)
+            if self.at_end or self.offset == before or budget.spent:
+                break
+        if self.at_end and self.size == size_before:
+            records += self.assembler.flush()  # quiet: read to the end, and the file did not grow since the last poll
+        return records
+
+    def _read_chunk(self, max_bytes: int) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+
+class TensorBoardSource(_ChunkedSource):
+    """One tfevents file -> records."""
+
+    CHUNK_BYTES = 256 << 10  # events parse at a few MiB/s in pure Python: small chunks keep a poll near its deadline
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.follower = TFRecordFollower(path, max_bytes_per_poll=self.CHUNK_BYTES)
         self.bad_events = 0
 
-    def poll(self) -> list[dict[str, Any]]:
-        size_before = self.follower.last_size
+    offset = property(lambda self: self.follower.offset)
+    size = property(lambda self: self.follower.last_size)
+    at_end = property(lambda self: self.follower.at_end)
+
+    def _read_chunk(self, max_bytes: int) -> list[dict[str, Any]]:
         records: list[dict[str, Any]] = []
-        payloads = self.follower.poll()
-        for payload in payloads:
+        for payload in self.follower.poll(max_bytes):
             try:
                 wall_time, step, scalars = parse_event(payload)
             except (ProtobufError, struct.error, UnicodeDecodeError):
@@ -370,13 +503,15 @@ class TensorBoardSource:
                 if mapped is not None and step >= 0:
                     split, key, index = mapped
                     records += self.assembler.add(split, step, key, index, value, time=wall_time)
-        if self.follower.last_size == size_before:
-            records += self.assembler.flush()  # quiet: the file did not grow since the last poll
         return records
 
 
 # ---------------------------------------------------------------- SpecForge console logs
 
+# SpecForge's trainer prints every tracker dict as `step {S}: {dict repr}`: Python repr (single quotes, bare
+# nan/inf), values floats or lists of floats; keys "train/..."/"eval/..." (a tracker is set) or bare (none is).
+_STEP_DICT_LINE = re.compile(r"(?<![\w/.-])step (\d+): (\{.*\})")
+_DICT_ITEM = re.compile(r"""(?:'((?:[^'\\]|\\.)*)'|"((?:[^"\\]|\\.)*)")\s*:\s*(\[[^\[\]{}]*\]|[^,\[\]{}]+)""")
 _NUM = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf|-inf))"
 # scripts/train_eagle3.py (2025-2026): "Eval - Step {s} [{s+1}/{epochs}], position {i},  Acc: {a:.2f}"
 # (printed for both modes: train first, then eval at the same step), "... pLoss: {p}", "... Acceptance Rate: {r}".
@@ -391,22 +526,62 @@ _ASCTIME = re.compile(r"^\s*(\d{2}/\d{2}/\d{4} \d{2}:\d{2}:\d{2})")
 _KEYS = {"acc": "acc", "ploss": "ploss", "acceptance rate": "acceptance_rate"}
 
 
-class SpecForgeLogSource:
+def parse_step_dict(text: str) -> dict[str, Any]:
+    """`{'train/acc_0': 0.5, 'eval/per_position_acc': [0.7, nan]}` -> {key: value as read}.
+
+    Reads Python reprs and JSON alike without evaluating anything. Fast path: a repr of str keys and finite
+    numbers is JSON once its quotes are swapped (values then are whatever JSON holds; callers keep the
+    numbers). Otherwise a regex scan takes quoted keys, numbers (bare nan/inf too) and flat lists of numbers
+    (an item that is not a number is NaN), and skips the rest.
+    """
+    try:
+        parsed = json.loads(text.replace("'", '"'))
+    except (ValueError, RecursionError):  # RecursionError: absurdly nested brackets
+        parsed = None
+    return parsed if isinstance(parsed, dict) else _scan_step_dict(text)
+
+
+def _scan_step_dict(text: str) -> dict[str, Any]:
+    items: dict[str, Any] = {}
+    for single, double, raw in _DICT_ITEM.findall(text):
+        if raw.startswith("["):
+            value: float | list[float] | None = [_number(item, math.nan) for item in raw[1:-1].split(",")
+                                                 if item.strip()]
+        else:
+            value = _number(raw, None)
+        if value is not None:
+            items[single or double] = value
+    return items
+
+
+def _number(text: str, default: float | None) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return default
+
+
+class SpecForgeLogSource(_ChunkedSource):
     """A SpecForge training console log -> records.
 
-    Mode of the "Eval - Step S [..]" lines (SpecForge prints that prefix for train and eval alike): eval
-    when a tqdm "Evaluating Epoch" line came since the previous block, or when a train block of step S was
-    already seen; train otherwise. Epoch-summary lines ("Train Epoch [E/N]") get step = E * steps per epoch
-    when a tqdm "Training Epoch e: ... n/M" line told M, else step = E. An "lr=<x>" on any other line (e.g.
-    "Restored optimizer/scheduler state: ... lr=...") goes into the next train block. The logging prefix "%m/%d/%Y %H:%M:%S" gives `time` (local time).
+    Current SpecForge prints `step S: {...}` for each train log interval and each evaluation; the keys say
+    the split, and each line becomes its records at once. Older logs: mode of the "Eval - Step S [..]" lines
+    (SpecForge printed that prefix for train and eval alike): eval when a tqdm "Evaluating Epoch" line came
+    since the previous block, or when a train block of step S was already seen; train otherwise.
+    Epoch-summary lines ("Train Epoch [E/N]") get step = E * steps per epoch when a tqdm "Training Epoch e:
+    ... n/M" line told M, else step = E. An "lr=<x>" on any other line (e.g. "Restored optimizer/scheduler
+    state: ... lr=...") goes into the next train block. The
+    logging prefix "%m/%d/%Y %H:%M:%S" gives `time` (local time).
     """
 
-    def __init__(self, path: Path, max_bytes_per_poll: int = 2 << 20):
-        self.path = path
+    CHUNK_BYTES = 1 << 20
+
+    def __init__(self, path: Path):
+        super().__init__(path)
         self.offset = 0
-        self.last_size = -1
-        self.max_bytes_per_poll = max_bytes_per_poll
-        self.assembler = _Assembler()
+        self.size = -1
+        self.at_end = False
+        self.skipped_bytes = 0
         self.block: tuple[str, int] | None = None  # (split, step) of the block being read
         self.block_keys: set[tuple[str, int]] = set()  # (key, position) values already in the block
         self.last_train_step: int | None = None
@@ -415,23 +590,63 @@ class SpecForgeLogSource:
         self.steps_per_epoch: int | None = None
         self.pending_lr: float | None = None
 
-    def poll(self) -> list[dict[str, Any]]:
-        size, data, self.offset = read_complete_lines(self.path, self.offset, self.max_bytes_per_poll, b"\n\r")
+    def _read_chunk(self, max_bytes: int) -> list[dict[str, Any]]:
+        start = self.offset
+        size, data, self.offset = read_complete_lines(self.path, self.offset, max_bytes, b"\n\r")
         if size is None:
+            self.at_end = True
+            return []
+        start = start if size >= start else 0  # a shrunk file is read again from its start
+        self.size = size
+        self.at_end = size - start <= max_bytes
+        if not data and not self.at_end and max_bytes >= self.CHUNK_BYTES:
+            self.offset = start + max_bytes  # a whole chunk without a line end holds no log line we read
+            self.skipped_bytes += max_bytes
             return []
         records: list[dict[str, Any]] = []
-        for line in re.split(rb"[\r\n]", data):
-            records += self._line(line.decode("utf-8", "replace"))
-        if size == self.last_size:
-            records += self.assembler.flush()  # quiet: the file did not grow since the last poll
-        self.last_size = size
+        for line in data.decode("utf-8", "replace").splitlines():
+            records += self._line(line)
         return records
 
     def _line(self, line: str) -> list[dict[str, Any]]:
-        if not line.strip():
-            return []
-        stamp = _ASCTIME.match(line)
-        when = _parse_asctime(stamp.group(1)) if stamp else None
+        if ": {" in line:
+            match = _STEP_DICT_LINE.search(line)
+            if match:
+                return self._step_dict(int(match.group(1)), match.group(2), self._asctime(line))
+        if "position" in line:
+            return self._position_line(line)
+        if line.strip():
+            self._side_info(line)
+        return []
+
+    @staticmethod
+    def _asctime(line: str) -> float | None:
+        stamp = _ASCTIME.match(line) if line[:1].isdigit() else None
+        return _parse_asctime(stamp.group(1)) if stamp else None
+
+    @staticmethod
+    def _step_dict(step: int, text: str, when: float | None) -> list[dict[str, Any]]:
+        """One `step S: {...}` line is whole (split, step) records: handed out at once, not grouped."""
+        parsed = parse_step_dict(text)
+        values = list(parsed.values())
+        records = []
+        for split, scalars, lists in _layout_of(tuple(parsed), values).fields:
+            record: dict[str, Any] = {"split": split, "step": step}
+            for name, pos in scalars:
+                value = values[pos]
+                if type(value) is float or (type(value) is int and abs(value) < 1 << 53):  # not bool, str, None...
+                    record[name] = value
+            for name, slots in lists:
+                record[name] = [_as_float(values[pos] if i < 0 else values[pos][i]) if pos >= 0 else math.nan
+                                for pos, i in slots]
+            if when is not None:
+                record["time"] = when
+            if len(record) > 2:
+                records.append(_finished(record))
+        return records
+
+    def _position_line(self, line: str) -> list[dict[str, Any]]:
+        when = self._asctime(line)
         match = _STEP_LINE.search(line)
         if match:
             step, bracket, index, name, value = match.groups()
@@ -484,6 +699,66 @@ class SpecForgeLogSource:
         return self.assembler.add(self.block[0], step, key, index, float(text), **extra)
 
 
+class _Layout(NamedTuple):
+    """Where each record field sits in a step dict: per split, scalar fields (name, item position) and list
+    fields (name, per TTT position (item position, list index, or -1 for a scalar item; (-1, -1) when absent)).
+    `shape` holds (item position, length) of the list items the layout was worked out for."""
+
+    shape: tuple[tuple[int, int], ...]
+    fields: tuple[tuple[str, tuple[tuple[str, int], ...], tuple[tuple[str, tuple[tuple[int, int], ...]], ...]], ...]
+
+    def fits(self, values: list[Any]) -> bool:
+        return all(type(values[pos]) is list and len(values[pos]) == length for pos, length in self.shape)
+
+
+_LAYOUTS: dict[tuple[str, ...], _Layout] = {}
+
+
+def _layout_of(keys: tuple[str, ...], values: list[Any]) -> _Layout:
+    """SpecForge logs the same keys every time, so a layout is worked out once per kind of line and reused."""
+    layout = _LAYOUTS.get(keys)
+    if layout is None or not layout.fits(values):
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        shape = tuple((pos, len(value)) for pos, value in enumerate(values) if type(value) is list)
+        layout = _LAYOUTS[keys] = _layout(keys, shape)
+    return layout
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(keys: tuple[str, ...], shape: tuple[tuple[int, int], ...]) -> _Layout:
+    """A list value stands for the tracker's "<key>/<i>" scalars."""
+    lengths = dict(shape)
+    scalars: dict[str, dict[str, int]] = {}
+    lists: dict[str, dict[str, dict[int, tuple[int, int]]]] = {}
+    for pos, key in enumerate(keys):
+        tags = [(f"{key}/{i}", i) for i in range(lengths[pos])] if pos in lengths else [(key, -1)]
+        for tag, item in tags:
+            mapped = map_tag(tag)
+            if mapped is None:
+                continue
+            split, name, index = mapped
+            if index is None:
+                scalars.setdefault(split, {})[name] = pos
+            else:
+                lists.setdefault(split, {}).setdefault(name, {})[index] = (pos, item)
+    fields = []
+    for split in dict.fromkeys([*scalars, *lists]):
+        list_fields = tuple((name, tuple(slots.get(i, (-1, -1)) for i in range(max(slots) + 1)))
+                            for name, slots in lists.get(split, {}).items())
+        fields.append((split, tuple(scalars.get(split, {}).items()), list_fields))
+    return _Layout(shape, tuple(fields))
+
+
+def _as_float(value: Any) -> float:
+    if type(value) is float:
+        return value
+    try:
+        return float(value) if type(value) is int else math.nan
+    except OverflowError:
+        return math.nan
+
+
 def _parse_asctime(text: str) -> float | None:
     try:
         return time.mktime(time.strptime(text, "%m/%d/%Y %H:%M:%S"))
@@ -498,20 +773,41 @@ def _is_event_file(path: Path) -> bool:
 
 
 class ExternalRunReader:
-    """Follows a foreign run read-only; `poll()` returns the new records (metrics schema) since the last poll.
+    """Follows a foreign run read-only; `poll()` returns the new cleaned records (metrics schema) since the last poll.
 
     path: a directory (all *tfevents* files below it, up to 4 levels, new ones included), a tfevents file,
-    or a SpecForge console log file. Raises FileNotFoundError when the path does not exist.
+    or a SpecForge console log file. Raises FileNotFoundError when the path does not exist. One poll reads at
+    most MAX_BYTES_PER_POLL bytes over all files (older event files first) and stops after POLL_SECONDS;
+    `bytes_read` / `bytes_total` say how far the reader got. Records that fail normalize_record are counted in
+    `bad_records` and left out.
     """
 
     MAX_DEPTH = 4
+    MAX_PROBLEMS = 20
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, max_bytes_per_poll: int = MAX_BYTES_PER_POLL,
+                 poll_seconds: float = POLL_SECONDS):
         self.path = Path(path)
         if not self.path.exists():
             raise FileNotFoundError(f"nothing to watch at {self.path} (no such file or directory); nothing was read")
         self.sources: dict[Path, TensorBoardSource | SpecForgeLogSource] = {}
         self.kind = "tensorboard" if self.path.is_dir() or _is_event_file(self.path) else "log"
+        if max_bytes_per_poll < SpecForgeLogSource.CHUNK_BYTES:
+            raise ValueError(f"max_bytes_per_poll must be at least {SpecForgeLogSource.CHUNK_BYTES} (one log chunk)")
+        self.max_bytes_per_poll = max_bytes_per_poll
+        self.poll_seconds = poll_seconds
+        self.bad_records = 0
+        self.problems: list[str] = []
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes consumed so far, over all followed files."""
+        return sum(source.offset for source in self.sources.values())
+
+    @property
+    def bytes_total(self) -> int:
+        """Sizes of the followed files when last looked at."""
+        return sum(max(source.size, source.offset) for source in self.sources.values())
 
     def _discover(self) -> None:
         if self.path.is_file():
@@ -531,23 +827,69 @@ class ExternalRunReader:
 
     def poll(self) -> list[dict[str, Any]]:
         self._discover()
+        budget = _Budget(self.max_bytes_per_poll, self.poll_seconds)
         records: list[dict[str, Any]] = []
         for path in sorted(self.sources, key=_event_file_order):
-            records += self.sources[path].poll()
-        return records
+            if budget.spent:
+                break  # the rest waits for the next poll; older files come first, as a resumed run wrote them
+            records += self.sources[path].poll(budget)
+        return self._cleaned(records)
+
+    def _cleaned(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for record in records:
+            if plainly_clean(record):
+                out.append(record)
+                continue
+            clean, problems = normalize_record(record)
+            if clean is None:
+                self.bad_records += 1
+                note = f"step {record.get('step')!r} ({record.get('split')}): " + "; ".join(problems)
+                self.problems = (self.problems + [note])[-self.MAX_PROBLEMS:]
+            else:
+                out.append(clean)
+        return out
 
     def status(self) -> dict[str, Any]:
         """What is being followed and what was skipped, for the operator."""
         files = []
         for path, source in self.sources.items():
-            entry: dict[str, Any] = {"path": str(path), "kind": "tensorboard" if isinstance(source, TensorBoardSource) else "log"}
+            entry: dict[str, Any] = {"path": str(path), "offset": source.offset, "size": max(source.size, 0)}
             if isinstance(source, TensorBoardSource):
-                entry.update(offset=source.follower.offset, skipped_records=source.follower.skipped,
-                             bad_events=source.bad_events)
+                entry.update(kind="tensorboard", skipped_records=source.follower.skipped, bad_events=source.bad_events)
             else:
-                entry.update(offset=source.offset)
+                entry.update(kind="log", skipped_bytes=source.skipped_bytes)
             files.append(entry)
-        return {"path": str(self.path), "kind": self.kind, "files": files}
+        return {"path": str(self.path), "kind": self.kind, "files": files, "bytes_read": self.bytes_read,
+                "bytes_total": self.bytes_total, "bad_records": self.bad_records, "problems": list(self.problems)}
+
+
+def plainly_clean(record: dict[str, Any]) -> bool:
+    """True only when normalize_record would accept the record and hand it back unchanged.
+
+    A cheap check of exact builtin types (int/float, lists of float) in the schema's shapes; anything else
+    (other keys, other types) answers False and goes through normalize_record, which costs ~50x more per record.
+    """
+    step = record.get("step")
+    if type(step) is not int or step < 0 or record.get("split") not in SPLITS:
+        return False
+    for key, value in record.items():
+        if key in _SCALAR_KEY_SET:
+            if (type(value) is not float and type(value) is not int) or (key in _NONNEGATIVE_KEY_SET and value < 0):
+                return False
+        elif key in _LIST_KEY_SET:
+            if type(value) is not list or not all(type(item) is float for item in value):
+                return False
+        elif key == "tokens":
+            if type(value) is not int or value < 0:
+                return False
+        elif key != "step" and key != "split":
+            return False
+    return True
+
+
+_SCALAR_KEY_SET, _LIST_KEY_SET = frozenset(SCALAR_KEYS), frozenset(LIST_KEYS)
+_NONNEGATIVE_KEY_SET = frozenset(NONNEGATIVE_KEYS)
 
 
 def _event_file_order(path: Path) -> tuple[float, str]:

@@ -8,20 +8,76 @@ from tensorboard.compat.proto import summary_pb2, tensor_pb2, types_pb2
 from tensorboard.compat.tensorflow_stub import pywrap_tensorflow as tb_crc
 from torch.utils.tensorboard import SummaryWriter
 
-from backend.external import (ExternalRunReader, TFRecordFollower, crc32c, map_tag, masked_crc32c, parse_event)
-from backend.metrics import check_record
+from backend.external import (ExternalRunReader, TFRecordFollower, crc32c, map_tag, masked_crc32c, parse_event,
+                              parse_step_dict, plainly_clean)
+from backend.metrics import check_record, normalize_record
+from backend.signals import estimate_tau
 
 TTT = 3
+VAL_ACC = [0.75, 0.5, 0.25]  # exact in float32, so TensorBoard values compare exactly
 
 
 def log_specforge_step(writer, step, mode="train", base=1.0):
-    """What SpecForge's record_metrcs hands tracker.log: per-position ploss/acc, lr and grad_norm for train."""
+    """Old SpecForge tag names (scripts/train_eagle3.py, 2025): per-position acc_i/ploss_i under train/ and eval/."""
     if mode == "train":
         writer.add_scalar("train/lr", 1e-4 / (1 + step / 100), step)
         writer.add_scalar("train/grad_norm", 0.25 + step / 1000, step)
     for i in range(TTT):
         writer.add_scalar(f"{mode}/acc_{i}", 0.75 - 0.1 * i, step)
         writer.add_scalar(f"{mode}/ploss_{i}", base + i, step)
+
+
+# SpecForge 0.2/0.3 (specforge/training/controller.py, specforge/eval/evaluator.py) hands its logger these dicts;
+# the helpers below build them from their documented shape, with our own values.
+
+def specforge_train_metrics(step, base=1.0):
+    """What TrainerController logs every log_interval optimizer steps (EAGLE-3 strategy): bare names."""
+    metrics = {f"acc_{i}": 0.875 - 0.125 * i for i in range(TTT)}
+    metrics.update({f"ploss_{i}": base + i for i in range(TTT)})
+    metrics["acc"] = sum(metrics[f"acc_{i}"] for i in range(TTT)) / TTT
+    metrics["loss"] = sum(0.8**i * (base + i) for i in range(TTT))
+    metrics.update({f"acceptance_rate_{i}": 0.625 - 0.125 * i for i in range(TTT)})
+    metrics["acceptance_rate"] = 0.5
+    metrics["grad_norm"] = 0.25 + step / 1000
+    metrics["lr"] = 1e-4 / (1 + step / 100)
+    metrics.update({"perf/optimizer_steps_per_hour": 3600.0, "perf/optimizer_step_time_s": 1.5,
+                    "perf/data_wait_time_s": 0.125, "perf/train_compute_time_s": 1.25,
+                    "perf/durable_ack_time_s": 0.0, "perf/global_samples_per_second": 8.0})
+    return metrics
+
+
+def specforge_eval_metrics(step, acc=VAL_ACC, base=2.0):
+    """What the Evaluator returns after an eval pass (already eval/ prefixed; per_position_acc is a list)."""
+    tau_minus_one, product = 0.0, 1.0
+    for a in acc:
+        product *= a
+        tau_minus_one += product
+    metrics = {"eval/avg_loss": sum(0.8**i * (base + i) for i in range(len(acc))), "eval/avg_acc": acc[0],
+               "eval/per_position_acc": list(acc), "eval/simulated_acc_len": tau_minus_one}
+    metrics.update({f"eval/acceptance_rate_{i}": 0.5 - 0.125 * i for i in range(len(acc))})
+    metrics.update({f"eval/ploss_{i}": base + i for i in range(len(acc))})
+    return metrics
+
+
+def tracked(metrics):
+    """The names an external tracker gets: lists expanded to <name>/<i>, bare names put under train/."""
+    flat = {}
+    for key, value in metrics.items():
+        items = [(f"{key}/{i}", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+        for name, item in items:
+            flat[name if name.startswith(("train/", "eval/")) else f"train/{name}"] = float(item)
+    return flat
+
+
+def write_specforge_step(writer, step, metrics):
+    """SpecForge's TensorboardTracker: one add_scalar per tracked key, at the optimizer step."""
+    for key, value in tracked(metrics).items():
+        writer.add_scalar(key, value, global_step=step)
+
+
+def console_line(step, metrics):
+    """SpecForge's console logger: `step S: {dict repr}`, lists kept as lists."""
+    return f"step {step}: {metrics}\n"
 
 
 def poll_until_quiet(reader, limit=10):
@@ -67,6 +123,21 @@ def test_map_tag():
     assert map_tag("train/something_else") is None and map_tag("images/x/acc_0") is None
 
 
+def test_map_tag_current_specforge_names():
+    assert map_tag("eval/per_position_acc/0") == ("val", "acc", 0)
+    assert map_tag("eval/per_position_acc/6") == ("val", "acc", 6)
+    assert map_tag("eval/avg_loss") == ("val", "loss", None)
+    assert map_tag("eval/acceptance_rate_2") == ("val", "acceptance_rate", 2)
+    assert map_tag("train/loss") == ("train", "loss", None)
+    assert map_tag("train/perf/optimizer_step_time_s") == ("train", "step_time", None)
+    assert map_tag("perf/optimizer_step_time_s") == ("train", "step_time", None)  # console log without a tracker
+    assert map_tag("train/plosses/1") == ("train", "ploss", 1)
+    # means over positions and derived values have no home in a record (acc and acceptance_rate are lists there)
+    for tag in ("train/acc", "train/acceptance_rate", "eval/avg_acc", "eval/simulated_acc_len",
+                "train/perf/global_samples_per_second", "eval/per_position_acc", "train/loss/0"):
+        assert map_tag(tag) is None, tag
+
+
 # ---------------------------------------------------------------- tensorboard event files
 
 def test_reads_specforge_tags_incrementally_from_a_directory(tmp_path):
@@ -100,6 +171,34 @@ def test_reads_specforge_tags_incrementally_from_a_directory(tmp_path):
     assert [(r["split"], r["step"]) for r in more] == [("train", 40), ("train", 50)]
     assert reader.poll() == []
     writer.close()
+
+
+def test_current_specforge_tensorboard_run_fills_the_accuracy_table_and_tau(tmp_path):
+    writer = SummaryWriter(str(tmp_path / "out" / "runs"))  # TensorboardTracker: <output_dir>/runs
+    for step in (50, 100, 150, 200):
+        write_specforge_step(writer, step, specforge_train_metrics(step, base=2.0 - step / 400))
+        if step % 100 == 0:
+            write_specforge_step(writer, step, specforge_eval_metrics(step, base=2.5 - step / 400))
+    writer.close()
+    records = poll_until_quiet(ExternalRunReader(tmp_path / "out"))
+    got = keyed(records)
+    assert list(got) == [("train", 50), ("train", 100), ("val", 100), ("train", 150), ("train", 200), ("val", 200)]
+    for record in records:
+        assert check_record(record) == [], record
+    val = got[("val", 200)]
+    assert val["acc"] == VAL_ACC  # the per-step accuracy table's source: acc[i] of val records
+    assert val["acceptance_rate"] == [0.5, 0.375, 0.25]
+    assert val["ploss"] == pytest.approx([2.0, 3.0, 4.0]) and val["loss"] == pytest.approx(2.0 + 0.8 * 3 + 0.64 * 4)
+    assert set(val) == {"split", "step", "time", "acc", "acceptance_rate", "ploss", "loss"}
+    train = got[("train", 200)]
+    assert train["acc"] == [0.875, 0.75, 0.625] and train["acceptance_rate"] == [0.625, 0.5, 0.375]
+    assert train["ploss"] == pytest.approx([1.5, 2.5, 3.5])
+    assert train["loss"] == pytest.approx(1.5 + 0.8 * 2.5 + 0.64 * 3.5)
+    assert train["lr"] == pytest.approx(1e-4 / 3, rel=1e-6) and train["grad_norm"] == pytest.approx(0.45)
+    assert train["step_time"] == 1.5
+    latest_val = [r for r in records if r["split"] == "val"][-1]
+    simulated_acc_len = specforge_eval_metrics(200)["eval/simulated_acc_len"]
+    assert estimate_tau(latest_val["acc"]) == pytest.approx(1 + simulated_acc_len)  # SpecForge's number + bonus token
 
 
 def test_newest_step_waits_one_quiet_poll(tmp_path):
@@ -141,6 +240,24 @@ def test_tensor_encoded_scalars_and_unprefixed_tags(tmp_path):
     assert record["split"] == "train" and record["step"] == 7
     assert record["acc"] == pytest.approx([0.5, 0.25]) and record["ploss"] == [1.25]
     assert record["grad_norm"] == 0.375 and record["lr"] == pytest.approx(3e-5)
+
+
+def test_parse_event_agrees_with_tensorboards_protobuf(tmp_path):
+    from tensorboard.compat.proto import event_pb2
+
+    writer = SummaryWriter(str(tmp_path))
+    for step in (0, 1, 300, 2**40):  # step 0 is left out of the event; a large step takes a long varint
+        write_specforge_step(writer, step, specforge_eval_metrics(step))
+    writer.add_scalar("train/ploss_0", 1.25, 9, new_style=True)
+    writer.close()
+    follower = TFRecordFollower(event_files(tmp_path)[0])
+    payloads = follower.poll()
+    assert len(payloads) == 1 + 4 * 12 + 1
+    for payload in payloads[1:]:
+        event = event_pb2.Event.FromString(payload)
+        (value,) = event.summary.value
+        expected = value.simple_value if value.HasField("simple_value") else value.tensor.float_val[0]
+        assert parse_event(payload) == (event.wall_time, event.step, [(value.tag, expected)])
 
 
 def written_run(tmp_path, steps=5):
@@ -257,6 +374,123 @@ def test_specforge_log_train_and_eval_blocks(tmp_path):
     assert got[("train", 150)]["lr"] == 0.00005 and "lr" not in got[("train", 100)]
     assert got[("val", 150)]["ploss"] == [1.8, 2.6]
     assert got[("train", 100)]["time"] - first["time"] == 1.0
+
+
+def test_parse_step_dict_reads_reprs_and_json_without_evaluating():
+    text = ("{'train/acc_0': 0.5, 'lr': 1e-05, 'x': nan, 'y': -inf, \"z\": Infinity, "
+            "'eval/per_position_acc': [0.7, 0.25, nan]}")
+    items = parse_step_dict(text)
+    assert items["train/acc_0"] == 0.5 and items["lr"] == 1e-05 and math.isnan(items["x"]) and items["y"] == -math.inf
+    assert items["z"] == math.inf and items["eval/per_position_acc"][:2] == [0.7, 0.25]
+    assert math.isnan(items["eval/per_position_acc"][2])
+    assert parse_step_dict("{'acc_0': 0.5, 'lr': 2e-05}") == {"acc_0": 0.5, "lr": 2e-05}  # the JSON fast path
+    hostile = "{'acc_0': __import__('os').system('false'), 'note': 'text', 'ok': None, 'acc_1': 0.5}"
+    assert parse_step_dict(hostile) == {"acc_1": 0.5}
+    assert parse_step_dict("{'a': " + "[" * 100000 + "]" * 100000 + ", 'acc_0': 0.5}") == {"acc_0": 0.5}
+
+
+def test_step_lines_keep_only_numbers(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text('step 3: {"train/lr": "high", "train/acc_0": 0.5, "train/acc_1": true, "train/grad_norm": null, '
+                   '"eval/per_position_acc": [0.5, "x", 0.25]}\n'  # JSON: read by the fast path
+                   "step 4: {'note': 'nothing we keep', 'train/lr': None}\n"
+                   "step 5: {'eval/per_position_acc': [0.5, 0.25, 0.125, 0.0625], 'train/acc_0': True}\n"
+                   "step 6: {'train/acc_0': " + "9" * 400 + "}\n")  # an int no float holds: NaN
+    train, val, later, huge = poll_until_quiet(ExternalRunReader(log))
+    assert set(train) == {"split", "step", "acc"} and train["acc"][0] == 0.5 and math.isnan(train["acc"][1])
+    assert val["acc"][0] == 0.5 and math.isnan(val["acc"][1]) and val["acc"][2] == 0.25
+    assert (later["split"], later["step"], later["acc"]) == ("val", 5, [0.5, 0.25, 0.125, 0.0625])  # a new layout
+    assert huge["step"] == 6 and math.isnan(huge["acc"][0])
+
+
+def test_current_specforge_console_log_with_and_without_a_tracker(tmp_path):
+    for name, shape in (("no_tracker", lambda m: m), ("tensorboard", tracked)):
+        log = tmp_path / f"{name}.log"
+        text = "[rank0]: loading target...\n"
+        for step in (50, 100, 150):
+            text += console_line(step, shape(specforge_train_metrics(step)))
+            if step == 100:
+                text += console_line(step, shape(specforge_eval_metrics(step, acc=[0.8, 0.6, 0.4])))
+        text += "Training:  50%|#####     | 150/300 [01:00<01:00,  2.50step/s]\r"  # a tqdm redraw, no newline
+        text += console_line(200, shape(specforge_eval_metrics(200)))
+        log.write_text(text)
+        records = poll_until_quiet(ExternalRunReader(log))
+        got = keyed(records)
+        assert list(got) == [("train", 50), ("train", 100), ("val", 100), ("train", 150), ("val", 200)], name
+        for record in records:
+            assert check_record(record) == [], record
+        assert got[("val", 100)]["acc"] == [0.8, 0.6, 0.4] and got[("val", 200)]["acc"] == VAL_ACC
+        assert got[("val", 200)]["loss"] == pytest.approx(2.0 + 0.8 * 3 + 0.64 * 4)
+        train = got[("train", 100)]
+        assert train["acc"] == [0.875, 0.75, 0.625] and train["ploss"] == [1.0, 2.0, 3.0]
+        assert train["lr"] == 1e-4 / 2 and train["grad_norm"] == 0.35 and train["step_time"] == 1.5
+        assert estimate_tau(got[("val", 200)]["acc"]) == 1 + 0.75 + 0.75 * 0.5 + 0.75 * 0.5 * 0.25
+
+
+def test_console_log_non_finite_values_pass_the_schema(tmp_path):
+    log = tmp_path / "train.log"
+    metrics = specforge_train_metrics(10)
+    metrics.update(loss=math.nan, grad_norm=math.inf, ploss_1=math.nan)
+    log.write_text(console_line(10, metrics) + console_line(10, specforge_eval_metrics(10)))
+    got = keyed(poll_until_quiet(ExternalRunReader(log)))
+    train = got[("train", 10)]
+    assert math.isnan(train["loss"]) and train["grad_norm"] == math.inf and math.isnan(train["ploss"][1])
+    assert got[("val", 10)]["acc"] == VAL_ACC
+
+
+def test_plainly_clean_records_are_exactly_what_normalize_record_returns():
+    good = [{"step": 0, "split": "val"},
+            {"step": 5, "split": "train", "acc": [0.5, math.nan], "ploss": [1.0], "acceptance_rate": [],
+             "loss": math.nan, "lr": 0.0, "grad_norm": math.inf, "step_time": 1.5, "epoch": 2, "time": 1.0e9,
+             "weight_norm": 3, "tokens": 10}]
+    bad_or_coerced = [{"step": -1, "split": "train"}, {"step": 1.0, "split": "train"}, {"step": 1, "split": "eval"},
+                      {"step": 1, "split": "val", "lr": -1e-4}, {"step": 1, "split": "val", "grad_norm": -math.inf},
+                      {"step": 1, "split": "val", "acc": [1]}, {"step": 1, "split": "val", "acc": (0.5,)},
+                      {"step": 1, "split": "val", "loss": "NaN"}, {"step": 1, "split": "val", "loss": True},
+                      {"step": 1, "split": "val", "tokens": 1.0}, {"step": 1, "split": "val", "other": 1},
+                      {"step": 1, "split": "val", "weight_norm_modules": {"fc": 1.0}}]
+    for record in good:
+        assert plainly_clean(record) and normalize_record(record) == (record, []), record
+    for record in bad_or_coerced:
+        assert not plainly_clean(record), record
+
+
+def test_big_console_log_is_read_in_bounded_polls(tmp_path):
+    log = tmp_path / "train.log"
+    steps = 0
+    with open(log, "w") as handle:
+        while handle.tell() < 5 * (1 << 20) + 12345:  # a bit over 5 MiB
+            steps += 1
+            handle.write(console_line(steps, tracked(specforge_train_metrics(steps))))
+            if steps % 10 == 0:
+                handle.write(console_line(steps, specforge_eval_metrics(steps)))
+    size = log.stat().st_size
+    reader = ExternalRunReader(log, max_bytes_per_poll=2 << 20)
+    records, read_before = [], 0
+    for _ in range(20):
+        records += reader.poll()
+        assert reader.bytes_read - read_before <= 2 << 20 and reader.bytes_total == size
+        read_before = reader.bytes_read
+        if reader.bytes_read == size:
+            break
+    assert reader.bytes_read == size
+    records += poll_until_quiet(reader)
+    pairs = [(r["split"], r["step"]) for r in records]
+    assert len(pairs) == len(set(pairs)) == steps + steps // 10  # catching up hands nothing out twice
+    assert [r["step"] for r in records if r["split"] == "val"][-1] == steps - steps % 10
+
+
+def test_big_event_file_is_read_in_bounded_polls(tmp_path):
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(1, 1001):
+        write_specforge_step(writer, step, specforge_train_metrics(step))
+    writer.close()
+    size = event_files(tmp_path)[0].stat().st_size
+    reader = ExternalRunReader(tmp_path, max_bytes_per_poll=1 << 20)
+    first = reader.poll()
+    assert 0 < reader.bytes_read <= 1 << 20 < size == reader.bytes_total
+    records = first + poll_until_quiet(reader, limit=20)
+    assert reader.bytes_read == size and [r["step"] for r in records] == list(range(1, 1001))
 
 
 def test_specforge_log_partial_lines_and_growth(tmp_path):
