@@ -561,6 +561,9 @@ class Agent:
         self.registry.get(name)  # NOT_FOUND for an unknown job
         with self._lock:
             files = self._files.get(name)
+            if files is None:  # started a moment ago, before the next tick listed it
+                self._sync_files(self.registry.list_records())
+                files = self._files.get(name)
         if files is None:
             raise JobNotFound(f"job {name!r} has no metrics feed yet; try again in a second")
         return files.metrics.index, files.metrics.progress()

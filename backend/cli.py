@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "backend.serve.cli",  # preflight, serve
     "backend.bench.cli",  # bench
     "backend.chain_cli",  # stop-and-bench, grok
+    "backend.metrics_cli",  # metrics series
 ]
 
 
@@ -24,17 +25,16 @@ def default_run_dir() -> Path:
 
 def common_parent() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument(
-        "--run-dir",
-        type=Path,
-        default=default_run_dir(),
-        help="where jobs.db, job logs and runs live (default: $EAGLE3_RUN_DIR, else ~/.eagle3)",
-    )
+    parent.add_argument("--run-dir", type=Path, default=None, help=RUN_DIR_HELP)
     return parent
+
+
+RUN_DIR_HELP = "where jobs.db, job logs and runs live (default: $EAGLE3_RUN_DIR, else ~/.eagle3); before or after the command"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3-host", description="EAGLE-3 host tools: GPUs, owned jobs, training, serving, benchmarks")
+    parser.add_argument("--run-dir", dest="global_run_dir", type=Path, default=None, help=RUN_DIR_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     parent = common_parent()
     for module_name in COMMAND_MODULES:
@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if hasattr(args, "run_dir") or args.global_run_dir is not None:
+        args.run_dir = getattr(args, "run_dir", None) or args.global_run_dir or default_run_dir()
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:

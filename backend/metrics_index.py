@@ -302,6 +302,8 @@ class MetricsFeed:
         block = 1 << 20
         pos = end
         carry = b""
+        if not end or not self.path.exists():
+            return []
         with open(self.path, "rb") as handle:
             while pos > 0 and len(found) < count and end - pos < max_scan_bytes:
                 start = max(0, pos - block)

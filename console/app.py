@@ -27,7 +27,7 @@ from console.screens.chain import ChainScreen
 from console.screens.dashboard import DashboardScreen
 from console.screens.logs import STREAMS, LogsScreen
 from console.screens.modals import AdoptModal, StopModal
-from console.state import CONNECTED, FAILED, ConnectionStatus, ConsoleState
+from console.state import CONNECTED, FAILED, SUMMARY_KEYS, ConnectionStatus, ConsoleState
 from console.transport import AgentStderr, Transport, TransportError
 
 LOG_TAIL_LINES = 500
@@ -35,6 +35,10 @@ GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)
 QUIT_CONFIRM_S = 10.0
 REDRAW_SHARE = 4.0
 HISTORY_BATCHES_MAX = 1000
+SUMMARY_POINTS = 512  # whole-history buckets per series (a wide terminal's plot is ~250 columns)
+TAIL_RECORDS = 2000  # raw records fetched for the live tail on attach
+VAL_ROWS = 8
+SUMMARY_REFRESH_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,8 @@ class ConsoleApp(RunActions, App):
         self.events_seen = 0
         self._quit_warned_at = float("-inf")
         self._metrics_locks: dict[str, asyncio.Lock] = {}
+        self._summary_at: dict[tuple[str, bool], float] = {}
+        self._module_keys: dict[str, list[str]] = {}
         self._modes["training"] = partial(_training_screen, raw_plots=raw_plots)
         self._modes["grokking"] = _grokking_screen
         self._init_run_actions(chain_args, signals_interval)
@@ -197,10 +203,25 @@ class ConsoleApp(RunActions, App):
                 self.catch_up_metrics()
             if event.get("type") == "metrics" and event.get("job") == self.selected_job:
                 self.request_signals(self.selected_job)
+                self._history_grew()
+            if event.get("type") == "index_progress" and event.get("job") == self.selected_job:
+                self._summary_at.clear()  # the index grew by a chunk (or finished): redraw from it
+                self._history_grew()
             if event.get("type") == "stages" and "stages" in changed:
                 self._on_chain_progress(str(event.get("job")))
             if event.get("type") == "jobs" and self.selected_job is None:
                 self._select_default_job()
+
+    def _history_grew(self) -> None:
+        """New records for the selected job: keep its whole-history buckets fresh and a following zoom on the newest step."""
+        screen = self.screen
+        log_x = bool(getattr(screen, "view_is_log", lambda: False)())
+        self.ensure_summary(self.selected_job, log_x=False)
+        if log_x:
+            self.ensure_summary(self.selected_job, log_x=True)
+        follow = getattr(screen, "follow_run", None)
+        if follow is not None:
+            follow()
 
     def set_connection(self, status: ConnectionStatus) -> None:
         was_connected = self.state.connection.connected
@@ -318,29 +339,92 @@ class ConsoleApp(RunActions, App):
             await self._follow_logs(name)
 
     async def _load_metrics(self, name: str) -> None:
-        """metrics_history from our offset (from 0 the first time), in batches while the agent says `more`.
-
-        One load per job at a time; events that arrive meanwhile are held back and anything they
-        reported beyond the reply is read in the next round, so no record is lost or doubled.
+        """The whole-history summary from the host's index, then the live tail (the last records) and the latest
+        val records; never the whole file. One load per job at a time; events that arrive meanwhile are held
+        back and anything they reported beyond the tail is read right after, so no record is lost or doubled.
         """
         lock = self._metrics_locks.setdefault(name, asyncio.Lock())
         async with lock:
             metrics = self.state.job_metrics(name)
             metrics.loading, metrics.seen_end = True, 0
             try:
-                for _ in range(HISTORY_BATCHES_MAX):
-                    metrics = self.state.job_metrics(name)
-                    reset = not metrics.history_loaded
-                    offset = 0 if reset else metrics.offset
-                    result = await self.client.request(Request.METRICS_HISTORY, name=name, offset=offset, timeout=120)
-                    self.state_changed(self.state.apply_metrics_history(name, result, reset=reset))
-                    metrics = self.state.job_metrics(name)
-                    if not result.get("more") and not metrics.needs_catchup:
-                        return
-                    if result.get("offset") == offset and not result.get("records"):
-                        return
+                try:
+                    await self._fetch_summary(name, log_x=False)
+                    window = await self.client.request(Request.METRICS_WINDOW, name=name, last=TAIL_RECORDS, val=VAL_ROWS, timeout=60)
+                except AgentError as exc:
+                    if exc.code != "unknown_request":
+                        raise
+                    await self._load_history_pages(name)  # an agent of protocol 1
+                    return
+                self.state_changed(self.state.apply_window(name, window))
+                if self.state.job_metrics(name).needs_catchup:
+                    await self._load_history_pages(name)
+                if isinstance(self.screen, ConsoleScreen) and getattr(self.screen, "LOG_X_DEFAULT", False):
+                    await self._fetch_summary(name, log_x=True)
             finally:
                 self.state.job_metrics(name).loading = False
+
+    async def _fetch_summary(self, name: str, *, log_x: bool) -> None:
+        metrics = self.state.job_metrics(name)
+        known = metrics.summary(False)
+        modules = [k for k in (known.buckets if known else {}) if k.startswith("weight_norm.")]
+        keys = [*SUMMARY_KEYS, *(modules or self._module_keys.get(name, []))]
+        result = await self.client.request(Request.METRICS_SERIES, name=name, keys=keys, points=SUMMARY_POINTS, log_x=log_x, timeout=60)
+        self._module_keys[name] = [k for k in result.get("keys") or [] if k.startswith("weight_norm.")]
+        missing = [k for k in self._module_keys[name] if k not in keys]
+        if missing:  # the first reply named the per-module norms: ask for them too
+            more = await self.client.request(Request.METRICS_SERIES, name=name, keys=[*keys, *missing], points=SUMMARY_POINTS, log_x=log_x, timeout=60)
+            result = more
+        self._summary_at[(name, log_x)] = time.monotonic()
+        self.state_changed(self.state.apply_series(name, result))
+
+    @work(group="summary", exclusive=True, exit_on_error=False)
+    async def refresh_summary(self, name: str, log_x: bool) -> None:
+        try:
+            await self._fetch_summary(name, log_x=log_x)
+        except AgentError as exc:
+            if exc.code not in ("disconnected", "timeout", "unknown_request"):
+                self.note(f"history of {name}: {exc}", severity="warning")
+
+    def ensure_summary(self, name: str | None, *, log_x: bool) -> None:
+        """Ask for the whole-history buckets of `name` (log-spaced or not) when missing or older than SUMMARY_REFRESH_S."""
+        if not name or self.client is None or not self.state.connection.connected:
+            return
+        metrics = self.state.metrics.get(name)
+        if metrics is not None and metrics.loading:
+            return
+        at = self._summary_at.get((name, log_x))
+        if at is None or time.monotonic() - at >= SUMMARY_REFRESH_S:
+            self._summary_at[(name, log_x)] = time.monotonic()
+            self.refresh_summary(name, log_x)
+
+    @work(group="zoom", exclusive=True, exit_on_error=False)
+    async def request_zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None:
+        """Buckets of the zoomed range (the plot's width of them), for every series the screens plot."""
+        keys = [*SUMMARY_KEYS, *self._module_keys.get(name, [])]
+        try:
+            result = await self.client.request(Request.METRICS_SERIES, name=name, keys=keys, points=max(16, min(points, 1024)),
+                                               log_x=log_x, timeout=60, **{"from": step_from, "to": step_to})
+        except AgentError as exc:
+            self.note(f"zoom into {name}: {exc}", severity="warning")
+            return
+        if self.selected_job == name:
+            self.state_changed(self.state.apply_series(name, result, zoom=True))
+
+    async def _load_history_pages(self, name: str) -> None:
+        """metrics_history pages from our offset (from 0 the first time) while the agent says `more`: the catch-up
+        after a gap in the live events, and the whole load from an agent that predates metrics_series."""
+        for _ in range(HISTORY_BATCHES_MAX):
+            metrics = self.state.job_metrics(name)
+            reset = not metrics.history_loaded
+            offset = 0 if reset else metrics.offset
+            result = await self.client.request(Request.METRICS_HISTORY, name=name, offset=offset, timeout=120)
+            self.state_changed(self.state.apply_metrics_history(name, result, reset=reset))
+            metrics = self.state.job_metrics(name)
+            if not result.get("more") and not metrics.needs_catchup:
+                return
+            if result.get("offset") == offset and not result.get("records"):
+                return
 
     @work(group="catchup", exclusive=True, exit_on_error=False)
     async def catch_up_metrics(self) -> None:

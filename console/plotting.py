@@ -134,6 +134,45 @@ def prepare_curve(
     return Curve(xs=out_x, ys=out_y, source_points=len(steps), hidden_points=hidden)
 
 
+def bucket_points(buckets: Sequence[dict], *, mean: bool = False) -> tuple[list[float], list[float]]:
+    """The host's buckets as points: (mid, min) and (mid, max) of each, so a one-step spike stays visible;
+    (mid, mean) when the curve is smoothed. Buckets with no finite value are left out (they carry markers)."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for bucket in buckets:
+        if not bucket.get("count"):
+            continue
+        mid = (bucket["step_lo"] + bucket["step_hi"]) / 2
+        if mean or bucket["count"] == 1 or bucket["min"] == bucket["max"]:
+            xs.append(mid)
+            ys.append(bucket["mean"] if mean and bucket.get("mean") is not None else bucket["last"])
+        else:
+            xs += [mid, mid]
+            ys += [bucket["min"], bucket["max"]]
+    return xs, ys
+
+
+def history_points(buckets: Sequence[dict] | None, tail_steps: Sequence[float], tail_values: Sequence[float],
+                   end_step: float | None, *, mean: bool = False, step_from: float | None = None,
+                   step_to: float | None = None) -> tuple[list[float], list[float]]:
+    """Whole-history buckets, then the live tail's raw points after the buckets' last step (or the tail alone)."""
+    if buckets is None:
+        xs, ys = list(tail_steps), list(tail_values)
+        end_step = None
+    else:
+        xs, ys = bucket_points(buckets, mean=mean)
+    if end_step is not None:
+        start = bisect_left(tail_steps, end_step + 1)
+        xs += tail_steps[start:]
+        ys += tail_values[start:]
+    if step_from is not None or step_to is not None:
+        lo = -math.inf if step_from is None else step_from
+        hi = math.inf if step_to is None else step_to
+        pairs = [(x, y) for x, y in zip(xs, ys) if lo <= x <= hi]
+        xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+    return xs, ys
+
+
 def format_number(value: float, *, si: bool = False) -> str:
     """Short tick label: 1, 20, 3k, 1.5M for steps (si); 0.3, 1e-4 for values."""
     if si and abs(value) >= 1000:

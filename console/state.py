@@ -13,6 +13,10 @@ from typing import Any, Callable
 from backend.protocol import DiskUsage, Event, GpuHolder, GpuSample, HelloInfo, JobInfo, from_dict
 
 LOG_LINES_KEPT = 2000
+TAIL_POINTS_MAX = 20_000  # raw points kept per series; the rest of the history is the host's index (buckets)
+NONFINITE_STEPS_KEPT = 1000
+VAL_ACC_ROWS_KEPT = 64
+SUMMARY_KEYS = ("train.loss", "val.loss", "lr", "grad_norm", "weight_norm")
 EXTERNAL_PREFIX = "ext:"
 CONNECTED = "connected"
 CONNECTING = "connecting"
@@ -38,25 +42,34 @@ class ConnectionStatus:
 
 @dataclass
 class Series:
-    """One plotted quantity: steps and finite values; non-finite values are counted, not plotted."""
+    """Raw points of one quantity (the live tail): finite values plotted, non-finite ones counted with their steps.
+
+    At most TAIL_POINTS_MAX points are kept: older ones are dropped from the front (the host's index has them).
+    """
 
     steps: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
     nonfinite: int = 0
+    nonfinite_steps: list[float] = field(default_factory=list)
     version: int = 0
 
     def append(self, step: Any, value: Any) -> None:
-        if not isinstance(value, (int, float)) or not isinstance(step, (int, float)):
+        if not isinstance(value, (int, float)) or not isinstance(step, (int, float)) or isinstance(value, bool):
             return
         self.version += 1
         if not math.isfinite(value):
             self.nonfinite += 1
+            self.nonfinite_steps.append(float(step))
+            del self.nonfinite_steps[:-NONFINITE_STEPS_KEPT]
             return
         if self.steps and step < self.steps[-1]:
             self._insert_sorted(float(step), float(value))
-            return
-        self.steps.append(float(step))
-        self.values.append(float(value))
+        else:
+            self.steps.append(float(step))
+            self.values.append(float(value))
+        if len(self.steps) > TAIL_POINTS_MAX:
+            drop = len(self.steps) - TAIL_POINTS_MAX * 9 // 10
+            del self.steps[:drop], self.values[:drop]
 
     def _insert_sorted(self, step: float, value: float) -> None:
         from bisect import bisect_right
@@ -65,8 +78,38 @@ class Series:
         self.steps.insert(i, step)
         self.values.insert(i, value)
 
+    def nonfinite_after(self, step: float | None) -> list[float]:
+        return [s for s in self.nonfinite_steps if step is None or s > step]
+
     def __len__(self) -> int:
         return len(self.steps)
+
+
+@dataclass
+class Summary:
+    """Buckets of several series over one step range, from the host's index (`metrics_series`)."""
+
+    buckets: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    step_range: tuple[int, int] | None = None  # of the whole run, when asked
+    step_from: int | None = None
+    step_to: int | None = None
+    log_x: bool = False
+    points: int = 0
+    version: int = 0  # the host index's version it was computed from
+    received: int = 0  # bumped on every reply (plot caches key on it)
+
+    @property
+    def end_step(self) -> int | None:
+        """The last step these buckets cover (live points after it are drawn from the tail)."""
+        if self.step_to is not None:
+            return self.step_to
+        return self.step_range[1] if self.step_range else None
+
+    def nonfinite(self, key: str) -> int:
+        return sum(int(b.get("nonfinite") or 0) for b in self.buckets.get(key, []))
+
+    def nonfinite_steps(self, key: str) -> list[float]:
+        return [(b["step_lo"] + b["step_hi"]) / 2 for b in self.buckets.get(key, []) if b.get("nonfinite")]
 
 
 @dataclass
@@ -89,6 +132,10 @@ class JobMetrics:
     needs_catchup: bool = False
     loading: bool = False  # a metrics_history request is in flight: events wait for it (see _on_metrics)
     seen_end: int = 0  # the furthest offset an event reported while loading
+    summaries: dict[bool, Summary] = field(default_factory=dict)  # whole history, keyed by log_x
+    zoom: Summary | None = None  # a zoomed step range (Training / Grokking, keys + - , . 0)
+    progress: dict[str, Any] = field(default_factory=dict)  # the host's indexing progress (a backlog being scanned)
+    total_records: int | None = None  # records in the whole history, as the host's index counts them
 
     def add(self, record: dict[str, Any]) -> None:
         step = record.get("step")
@@ -102,6 +149,7 @@ class JobMetrics:
             acc = record.get("acc")
             if isinstance(acc, list):
                 self.val_acc.append((step, [a for a in acc if isinstance(a, (int, float))]))
+                del self.val_acc[:-VAL_ACC_ROWS_KEPT]
         else:
             self.latest_train = record
             self.train_loss.append(step, record.get("loss"))
@@ -122,6 +170,22 @@ class JobMetrics:
     @property
     def version(self) -> int:
         return self.train_loss.version + self.val_loss.version + self.lr.version
+
+    def summary(self, log_x: bool) -> Summary | None:
+        return self.summaries.get(log_x) or self.summaries.get(not log_x)
+
+    def nonfinite_count(self, key: str, tail: Series) -> int:
+        """NaN/inf values of a series over the whole history: the host's buckets, plus live ones after them."""
+        summary = self.summaries.get(False) or self.summaries.get(True)
+        if summary is None or key not in summary.buckets:
+            return tail.nonfinite
+        return summary.nonfinite(key) + len(tail.nonfinite_after(summary.end_step))
+
+    def history_points(self, key: str) -> int | None:
+        summary = self.summaries.get(False) or self.summaries.get(True)
+        if summary is None or key not in summary.buckets:
+            return None
+        return sum(int(b.get("count") or 0) + int(b.get("nonfinite") or 0) for b in summary.buckets[key])
 
 
 @dataclass
@@ -265,6 +329,57 @@ class ConsoleState:
         metrics.needs_catchup = metrics.seen_end > metrics.offset
         return {"metrics"}
 
+    def apply_series(self, job: str, result: dict[str, Any], *, zoom: bool = False) -> set[str]:
+        """Fold a `metrics_series` reply: the whole history (per log_x) or a zoomed range."""
+        metrics = self.job_metrics(job)
+        span = result.get("step_range")
+        previous = metrics.zoom if zoom else metrics.summaries.get(bool(result.get("log_x")))
+        summary = Summary(
+            buckets={k: v for k, v in (result.get("series") or {}).items() if isinstance(v, list)},
+            step_range=(int(span[0]), int(span[1])) if isinstance(span, list) and len(span) == 2 else None,
+            step_from=result.get("from"), step_to=result.get("to"), log_x=bool(result.get("log_x")),
+            points=int(result.get("points") or 0), version=int(result.get("version") or 0),
+            received=(previous.received + 1) if previous else 1,
+        )
+        if zoom:
+            metrics.zoom = summary
+        else:
+            metrics.summaries[summary.log_x] = summary
+            metrics.total_records = result.get("total_records")
+        self._fold_progress(metrics, result)
+        return {"metrics"}
+
+    def apply_window(self, job: str, result: dict[str, Any]) -> set[str]:
+        """Fold a `metrics_window` reply: the live tail (the last records) and the latest val records."""
+        metrics = self.job_metrics(job)
+        fresh = JobMetrics(loading=metrics.loading, seen_end=metrics.seen_end, summaries=metrics.summaries,
+                           zoom=metrics.zoom, progress=metrics.progress, total_records=metrics.total_records)
+        self.metrics[job] = fresh
+        tail_steps = set()
+        for record in result.get("records") or []:
+            if isinstance(record, dict):
+                fresh.add(record)
+                if record.get("split") == "val":
+                    tail_steps.add(record.get("step"))
+        older_vals = [r for r in result.get("val") or [] if isinstance(r, dict) and r.get("step") not in tail_steps]
+        for record in older_vals:
+            acc = record.get("acc")
+            if isinstance(acc, list):
+                fresh.val_acc.append((record.get("step"), [a for a in acc if isinstance(a, (int, float))]))
+        fresh.val_acc.sort(key=lambda row: row[0])
+        if older_vals and not fresh.latest_val:
+            fresh.latest_val = older_vals[-1]
+        if isinstance(result.get("offset"), int):
+            fresh.offset = result["offset"]
+        fresh.history_loaded = True
+        fresh.needs_catchup = fresh.seen_end > fresh.offset
+        return {"metrics"}
+
+    @staticmethod
+    def _fold_progress(metrics: JobMetrics, result: dict[str, Any]) -> None:
+        keys = ("indexed_bytes", "file_bytes", "backlog_bytes", "caught_up", "total_records", "bad_lines", "sidecar")
+        metrics.progress = {k: result[k] for k in keys if k in result}
+
     def apply_stages_history(self, job: str, records: list[dict[str, Any]]) -> set[str]:
         """Replace a chain job's stage records with the agent's full history (on (re)attach)."""
         received = {_stage_key(r): r.get("_received") for r in self.stages.get(job, [])}
@@ -362,6 +477,14 @@ def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     return {"metrics"}
 
 
+def _on_index_progress(state: ConsoleState, message: dict[str, Any]) -> set[str]:
+    job = message.get("job")
+    if not isinstance(job, str):
+        return set()
+    state._fold_progress(state.job_metrics(job), message)
+    return {"metrics_progress"}
+
+
 def _on_stages(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     job = message.get("job")
     if not isinstance(job, str):
@@ -395,6 +518,7 @@ _HANDLERS: dict[str, Callable[[ConsoleState, dict[str, Any]], set[str]]] = {
     Event.JOBS: _on_jobs,
     Event.METRICS: _on_metrics,
     Event.STAGES: _on_stages,
+    Event.INDEX_PROGRESS: _on_index_progress,
     Event.DISK: _on_disk,
     Event.LOG: _on_log,
 }

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from backend.protocol import Request
+from backend.protocol import PROTOCOL_VERSION, Request
 from console.client import AgentClient, AgentError
 from console.state import CONNECTED, RECONNECTING, ConnectionStatus
 from console.transport import LocalTransport, TransportError
@@ -66,7 +66,7 @@ async def test_requests_return_results_or_raise_agent_errors(local):
         await client.request(Request.HOLDERS, timeout=0.0001)
     assert slow.value.code == "timeout" and "may still take effect" in slow.value.message
     hello = recorder.of_type("hello")[0]
-    assert hello["agent_pid"] != os.getpid() and hello["protocol"] == 1
+    assert hello["agent_pid"] != os.getpid() and hello["protocol"] == PROTOCOL_VERSION
     assert client.malformed_lines == 0
 
 

@@ -6,42 +6,24 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Header, Static
 
-from console.plotting import ema
-from console.screens.base import ConsoleScreen, touches
-from console.state import JobMetrics, Series
+from console.screens.base import touches
+from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
+from console.state import JobMetrics
 from console.widgets.banner import ConnectionBanner
-from console.widgets.curve_plot import CurveOptions, CurvePlot, SeriesSpec
+from console.widgets.curve_plot import CurveOptions, CurvePlot
 from console.widgets.format import clock_time
 from console.widgets.grok_panels import acceptance_text, alerts_text, data_scaling_text, norms_text, signals_text
+from console.widgets.history import history_spec, history_text, indexing_text
 
 TRAIN_EMA = 0.9  # the host's signals use the same weights (docs/grokking.md)
 VAL_EMA = 0.3
 MODULE_COLORS = ("green", "magenta", "orange", "blue", "red", "gold")
 
 
-class SmoothedSeries:
-    """A debiased-EMA copy of a Series, recomputed only when the source changed."""
-
-    def __init__(self, weight: float):
-        self.weight = weight
-        self.series = Series()
-        self._key: tuple | None = None
-
-    def of(self, source: Series) -> Series:
-        key = (id(source), source.version, len(source))
-        if key != self._key:
-            self._key = key
-            self.series = Series(steps=list(source.steps), values=ema(source.values, self.weight), version=source.version)
-        return self.series
-
-
-class GrokkingScreen(ConsoleScreen):
+class GrokkingScreen(ZoomableScreen):
     MODE = "grokking"
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self._train_ema = SmoothedSeries(TRAIN_EMA)
-        self._val_ema = SmoothedSeries(VAL_EMA)
+    LOG_X_DEFAULT = True
+    BINDINGS = ZOOM_BINDINGS
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -74,6 +56,7 @@ class GrokkingScreen(ConsoleScreen):
     def on_screen_resume(self) -> None:
         super().on_screen_resume()
         self.console.grokking_shown()
+        self.console.ensure_summary(self.console.selected_job, log_x=True)
 
     def draw(self, changed: set[str] | None) -> None:
         console = self.console
@@ -81,9 +64,11 @@ class GrokkingScreen(ConsoleScreen):
         state = console.state
         metrics = state.metrics.get(job) if job else None
         signals = state.signals.get(job) if job else None
-        if touches(changed, "metrics", "selection", "jobs", "signals", "data_scaling"):
+        if touches(changed, "selection"):
+            self.view = None
+        if touches(changed, "metrics", "selection", "jobs", "signals", "data_scaling", "metrics_progress", "options"):
             self.query_one("#grok-title", Static).update(self._title(job, metrics, signals))
-        if touches(changed, "metrics", "selection", "jobs"):
+        if touches(changed, "metrics", "selection", "jobs", "options"):
             self._draw_plots(metrics)
         if touches(changed, "signals", "selection", "jobs"):
             self.query_one("#grok-alerts", Static).update(alerts_text(signals))
@@ -101,8 +86,10 @@ class GrokkingScreen(ConsoleScreen):
         text.append(job, style="bold")
         if self.console.state.is_external(job):
             text.append(" (external, read-only)", style="yellow")
-        points = f"{len(metrics.train_loss)} train / {len(metrics.val_loss)} val points" if metrics else "no metrics yet"
-        text.append(f" · {points} · log step axis · EMA train {TRAIN_EMA} / val {VAL_EMA}")
+        text.append(f" · {history_text(metrics)} · log step axis · {self.view_text()} (+ - , . 0) · EMA train {TRAIN_EMA} / val {VAL_EMA}")
+        indexing = indexing_text(metrics)
+        if indexing:
+            text.append(f" · {indexing}", style="yellow")
         at = self.console.state.signals_at.get(job)
         if signals is not None and at is not None:
             text.append(f" · signals from the host at {clock_time(at)} ({signals.get('n_records', '?')} records)")
@@ -117,14 +104,17 @@ class GrokkingScreen(ConsoleScreen):
             for plot in plots.values():
                 plot.set_data([], log_x)
             return
+        log, view = True, self.view
         plots["loss"].set_data([
-            SeriesSpec("train raw", metrics.train_loss, "gray"),
-            SeriesSpec("train EMA", self._train_ema.of(metrics.train_loss), "cyan"),
-            SeriesSpec("val EMA", self._val_ema.of(metrics.val_loss), "orange"),
+            history_spec("train raw", metrics, "train.loss", metrics.train_loss, "gray", log_x=log, view=view),
+            history_spec("train EMA", metrics, "train.loss", metrics.train_loss, "cyan", log_x=log, view=view, ema_weight=TRAIN_EMA),
+            history_spec("val EMA", metrics, "val.loss", metrics.val_loss, "orange", log_x=log, view=view, ema_weight=VAL_EMA),
         ], log_x)
-        weights = [SeriesSpec("total", metrics.weight_norm, "cyan")]
+        weights = [history_spec("total", metrics, "weight_norm", metrics.weight_norm, "cyan", log_x=log, view=view)]
         for index, (module, series) in enumerate(sorted(metrics.weight_norm_modules.items())):
-            weights.append(SeriesSpec(module, series, MODULE_COLORS[index % len(MODULE_COLORS)]))
+            color = MODULE_COLORS[index % len(MODULE_COLORS)]
+            weights.append(history_spec(module, metrics, f"weight_norm.{module}", series, color, log_x=log, view=view))
         plots["weight"].set_data(weights, log_x)
-        plots["grad"].set_data([SeriesSpec("grad", metrics.grad_norm, "red")], log_x)
-        plots["lr"].set_data([SeriesSpec("lr", metrics.lr, "green")], CurveOptions(log_x=True, log_y=True))
+        plots["grad"].set_data([history_spec("grad", metrics, "grad_norm", metrics.grad_norm, "red", log_x=log, view=view)], log_x)
+        plots["lr"].set_data([history_spec("lr", metrics, "lr", metrics.lr, "green", log_x=log, view=view)],
+                             CurveOptions(log_x=True, log_y=True))

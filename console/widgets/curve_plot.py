@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from textual_plotext import PlotextPlot
 
-from console.plotting import Curve, log_ticks, prepare_curve, span
+import math
+
+from console.plotting import Curve, history_points, log_ticks, prepare_curve, span
 from console.state import Series
 
 
@@ -19,9 +21,18 @@ class CurveOptions:
 
 @dataclass
 class SeriesSpec:
+    """One curve: the live tail `series`, drawn after the host's `buckets` (whole history or a zoomed range) when given."""
+
     label: str
     series: Series
     color: str
+    buckets: list[dict] | None = None
+    end_step: float | None = None  # the last step the buckets cover
+    step_from: float | None = None  # a zoomed view's range
+    step_to: float | None = None
+    markers: list[float] = field(default_factory=list)  # steps of NaN/inf values, drawn as red x at the top
+    total: int | None = None  # points in the whole history (label), when known
+    ema_weight: float | None = None  # this curve's own smoothing (None: the plot's options)
 
 
 class CurvePlot(PlotextPlot):
@@ -62,18 +73,26 @@ class CurvePlot(PlotextPlot):
 
     def curve(self, spec: SeriesSpec) -> Curve:
         options = self.options
+        if spec.ema_weight is not None:
+            options = CurveOptions(options.log_x, options.log_y, spec.ema_weight)
         if self.raw:
             return prepare_curve(spec.series.steps, spec.series.values, buckets=10**9, log_x=options.log_x, log_y=options.log_y, ema_weight=options.ema_weight)
-        key = (id(spec.series), spec.series.version, len(spec.series), self.buckets(), options)
+        key = (id(spec.series), spec.series.version, len(spec.series), id(spec.buckets), spec.end_step, spec.step_from,
+               spec.step_to, self.buckets(), options)
         cached = self._cache.get(spec.label)
         if cached is not None and cached[0] == key:
             return cached[1]
-        curve = prepare_curve(spec.series.steps, spec.series.values, buckets=self.buckets(), log_x=options.log_x, log_y=options.log_y, ema_weight=options.ema_weight)
+        steps, values = history_points(spec.buckets, spec.series.steps, spec.series.values, spec.end_step,
+                                       mean=options.ema_weight > 0, step_from=spec.step_from, step_to=spec.step_to)
+        curve = prepare_curve(steps, values, buckets=self.buckets(), log_x=options.log_x, log_y=options.log_y, ema_weight=options.ema_weight)
+        if spec.total is not None:
+            curve.source_points = spec.total
         self._cache[spec.label] = (key, curve)
         return curve
 
     def replot(self) -> None:
-        key = (tuple((s.label, id(s.series), s.series.version) for s in self.specs), self.options, self.size.width, self.size.height)
+        key = (tuple((s.label, id(s.series), s.series.version, id(s.buckets), s.step_from, s.step_to, len(s.markers)) for s in self.specs),
+               self.options, self.size.width, self.size.height)
         if key == self._drawn_key and not self.raw:
             return
         self._drawn_key = key
@@ -93,9 +112,20 @@ class CurvePlot(PlotextPlot):
             return
         for spec, curve in drawn:
             plt.plot(curve.xs, curve.ys, label=f"{spec.label} ({curve.source_points})", color=spec.color, marker="hd")
+        self._draw_markers([c for _, c in drawn])
         self._set_ticks([c for _, c in drawn])
         plt.xlabel("step (log)" if self.options.log_x else "step")
         self.refresh()
+
+    def _draw_markers(self, curves: list[Curve]) -> None:
+        """NaN/inf values as red x along the top edge, at their steps (they have no y of their own)."""
+        steps = sorted({m for spec in self.specs for m in spec.markers})
+        if self.options.log_x:
+            steps = [math.log10(m) for m in steps if m > 0]
+        y_span = span(curves, "y")
+        if not steps or y_span is None:
+            return
+        self.plt.scatter(steps, [y_span[1]] * len(steps), marker="x", color="red", label=f"NaN/inf ({len(steps)})")
 
     def _set_ticks(self, curves: list[Curve]) -> None:
         plt = self.plt

@@ -1,0 +1,106 @@
+"""Curves of a job's whole history: the host's buckets (the whole run, or a zoomed step range) joined to the live tail, with NaN/inf markers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from console.state import JobMetrics, Series, Summary
+from console.widgets.curve_plot import SeriesSpec
+
+MIN_VIEW_STEPS = 16
+
+
+@dataclass(frozen=True)
+class StepView:
+    """A zoomed step range [lo, hi]; `follow` keeps its right edge on the newest step as the run grows."""
+
+    lo: int
+    hi: int
+    follow: bool = False
+
+
+def view_summary(metrics: JobMetrics, log_x: bool, view: StepView | None) -> Summary | None:
+    """The buckets to draw: the zoom reply when it matches the view, else the whole-history summary."""
+    zoom = metrics.zoom
+    if view is not None and zoom is not None and zoom.log_x == log_x and (zoom.step_from, zoom.step_to) == (view.lo, view.hi):
+        return zoom
+    return metrics.summary(log_x)
+
+
+def history_spec(label: str, metrics: JobMetrics, key: str, tail: Series, color: str, *, log_x: bool,
+                 view: StepView | None, ema_weight: float | None = None) -> SeriesSpec:
+    summary = view_summary(metrics, log_x, view)
+    buckets = summary.buckets.get(key) if summary is not None else None
+    end = summary.end_step if summary is not None and buckets is not None else None
+    markers = (summary.nonfinite_steps(key) if buckets is not None else []) + tail.nonfinite_after(end)
+    if view is not None:
+        markers = [m for m in markers if view.lo <= m <= view.hi]
+    return SeriesSpec(label, tail, color, buckets=buckets, end_step=end,
+                      step_from=view.lo if view else None, step_to=view.hi if view else None,
+                      markers=markers, total=metrics.history_points(key), ema_weight=ema_weight)
+
+
+def run_span(metrics: JobMetrics | None) -> tuple[int, int] | None:
+    """First and last step of the run: the host's index, stretched by the live tail."""
+    if metrics is None:
+        return None
+    summary = metrics.summary(False)
+    lo, hi = (summary.step_range if summary is not None and summary.step_range else (None, None))
+    steps = [s for series in (metrics.train_loss, metrics.val_loss) for s in (series.steps[:1] + series.steps[-1:])]
+    if steps:
+        lo = min([lo, *steps]) if lo is not None else min(steps)
+        hi = max([hi, *steps]) if hi is not None else max(steps)
+    return (int(lo), int(hi)) if lo is not None else None
+
+
+def zoomed(view: StepView | None, span: tuple[int, int], factor: float) -> StepView | None:
+    """Zoom in (factor < 1) or out (> 1) keeping the right edge; None once it covers the whole run."""
+    lo, hi = (view.lo, view.hi) if view else span
+    follow = view.follow if view else True
+    width = max(MIN_VIEW_STEPS, int((hi - lo) * factor))
+    new_lo = max(span[0], hi - width)
+    if new_lo <= span[0] and hi >= span[1]:
+        return None
+    return StepView(new_lo, hi, follow)
+
+
+def panned(view: StepView | None, span: tuple[int, int], fraction: float) -> StepView | None:
+    """Move the view by a fraction of its width, clamped to the run; reaching the end follows the run again."""
+    if view is None:
+        return None
+    width = view.hi - view.lo
+    lo = min(max(span[0], view.lo + int(width * fraction)), max(span[0], span[1] - width))
+    hi = lo + width
+    return StepView(lo, hi, follow=hi >= span[1])
+
+
+def followed(view: StepView | None, span: tuple[int, int] | None) -> StepView | None:
+    """A following view moved so its right edge is the newest step."""
+    if view is None or not view.follow or span is None or view.hi >= span[1]:
+        return view
+    width = view.hi - view.lo
+    return StepView(span[1] - width, span[1], True)
+
+
+def view_label(view: StepView | None) -> str:
+    if view is None:
+        return "whole run"
+    return f"steps {view.lo}–{view.hi}" + (" (following)" if view.follow else "")
+
+
+def history_text(metrics) -> str:
+    """How much of the run is known: the host's record count, or the points held here."""
+    if metrics is None:
+        return "no metrics yet"
+    if metrics.total_records is not None:
+        return f"{metrics.total_records:,} records"
+    return f"{len(metrics.train_loss)} train / {len(metrics.val_loss)} val points"
+
+
+def indexing_text(metrics) -> str:
+    """'indexing 35% (120/340 MiB)' while the host scans a history it had not seen; empty once caught up."""
+    progress = metrics.progress if metrics else {}
+    if not progress or progress.get("caught_up", True):
+        return ""
+    done, total = progress.get("indexed_bytes") or 0, progress.get("file_bytes") or 0
+    percent_done = f"{100 * done / total:.0f}%" if total else "?"
+    return f"indexing the history {percent_done} ({done / 2**20:.0f}/{total / 2**20:.0f} MiB), newest records shown meanwhile"
