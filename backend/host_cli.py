@@ -40,7 +40,7 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
     listing.set_defaults(handler=cmd_job_list)
 
     for action, helptext, handler in (
-        ("stop", "SIGTERM, grace period, SIGKILL; only processes proven to be the job's", cmd_job_stop),
+        ("stop", "SIGTERM, grace period, freeze, SIGKILL; only processes proven to be the job's; exit 1 naming any that survive", cmd_job_stop),
         ("plan", "show exactly what stop would signal, without signalling", cmd_job_plan),
     ):
         sub = actions.add_parser(action, parents=[parent], help=helptext)

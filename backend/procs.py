@@ -7,7 +7,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 PROC = Path("/proc")
 GONE_STATES = frozenset("ZX")  # zombie or dead: the process no longer runs, whatever /proc still shows
@@ -429,8 +429,3 @@ def remove_cgroup(path: str | Path) -> bool:
             removed = False
     return removed
 
-
-def in_cgroup(pids: Iterable[int], path: str | Path) -> list[int]:
-    """Those of pids that are members of the cgroup (or one below it)."""
-    members = set(cgroup_pids(path))
-    return [pid for pid in pids if pid in members]
