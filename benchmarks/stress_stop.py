@@ -79,10 +79,15 @@ def spawn(node):
         os._exit(0)
 
 def refork(node):
-    for _ in range(node["forks"]):
+    forks = 0
+    while node["forks"] is None or forks < node["forks"]:
         if os.fork() == 0:
             os.setsid()
-            sleep_forever()
+            if node["life"] is None:
+                sleep_forever()
+            time.sleep(node["life"])
+            os._exit(0)
+        forks += 1
         time.sleep(node["every"])
 
 def stop_self(node):
@@ -142,8 +147,10 @@ def random_node(rng: random.Random, depth: int) -> dict:
     node: dict = {"kind": kind, "setsid": rng.random() < 0.35, "double": rng.random() < 0.25}
     if kind == "trapper":
         node["delay"] = rng.choice([0.0, 0.05, 0.3, 5.0])  # 5 s: outlives any grace here, so it must be killed
-    if kind == "reforker":
-        node.update(forks=rng.randint(5, 25), every=rng.uniform(0.005, 0.05))
+    if kind == "reforker" and rng.random() < 0.5:  # forks a fixed number of immortal setsid children
+        node.update(forks=rng.randint(5, 25), every=rng.uniform(0.005, 0.05), life=None)
+    elif kind == "reforker":  # forks forever, every few ms, children that live a while: the population keeps changing
+        node.update(forks=None, every=rng.uniform(0.002, 0.02), life=rng.uniform(0.2, 1.5))
     if depth < 2:
         node["children"] = [random_node(rng, depth + 1) for _ in range(rng.randint(0, 3 - depth))]
     return node
@@ -179,6 +186,20 @@ def kill_all(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def clean_up(marker: str) -> None:
+    """Whatever a failed stop left, including a re-forker's newborns (a few rounds)."""
+    for _ in range(50):
+        left = marked(marker)
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        kill_all(left)
 
 
 def start_decoy(argv: list[str], log: Path) -> subprocess.Popen:
@@ -269,7 +290,6 @@ def run_trial(index: int, rng: random.Random, mode: str, base: Path, totals: Tot
         counts["wrong"] += int((stopped.returncode != 0) != bool(left))
         if stopped.returncode not in (0, 1) or (left and verbose):
             print(f"  trial {index}: stop exit {stopped.returncode}, left {left}: {stopped.stderr[-500:]}", flush=True)
-        kill_all(left)
         totals.job_procs += seen
     finally:
         for proc, log, start, role in decoys:
@@ -279,7 +299,7 @@ def run_trial(index: int, rng: random.Random, mode: str, base: Path, totals: Tot
             proc.wait()
         if registry is not None:
             registry.close()
-        kill_all(marked(marker))
+        clean_up(marker)
         shutil.rmtree(run_dir, ignore_errors=True)
     elapsed = time.monotonic() - began
     tally(totals, mode, inside, decoys, counts, elapsed)
