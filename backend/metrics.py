@@ -19,9 +19,11 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import sys
 import time
+from collections import deque
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from backend.jsonl import JsonlFollower, append_record
 
@@ -45,6 +47,9 @@ class MetricsRecordError(ValueError):
 
 def _as_number(value: Any) -> float | int | None:
     """A real number (or a 0-d tensor/array scalar via .item()), the non-finite strings, or None if not a number."""
+    kind = type(value)
+    if kind is float or kind is int:  # the common case, before the slower ABC checks below
+        return value
     if isinstance(value, bool):
         return None
     if isinstance(value, numbers.Real):
@@ -158,22 +163,81 @@ def encode_nonfinite(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends validated records to a metrics.jsonl; one write() per line, so a reader never sees a torn line of ours.
+    """Appends validated records to a metrics.jsonl; one write() per line, never glued onto a torn line.
 
     Keys whose value is None are left out (optional keys may be absent). `time` is filled with the
     current epoch seconds when absent. A bad record raises MetricsRecordError and nothing is written.
+
+    A write the disk refuses (full, quota, I/O error) never raises: the record is held in memory, in
+    order, and written before the next one (or by `flush()`), so a full disk costs a training run no
+    metrics once room comes back. At most `max_pending` records are held; older ones beyond that are
+    dropped and counted in `lost_records`. `on_error` (default: a line on stderr) hears once when writes
+    start failing, once when one is dropped, and once when the held records reach the file again.
+    Counters: `written` (records in the file), `pending` (held), `lost_records`, `failed_writes`,
+    `last_error` (the AppendError while writes are failing, else None).
     """
 
-    def __init__(self, path: str | os.PathLike):
+    MAX_PENDING = 100_000
+
+    def __init__(self, path: str | os.PathLike, on_error: Callable[[str], Any] | None = None,
+                 max_pending: int = MAX_PENDING):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.on_error = on_error or _warn
+        self.max_pending = max(1, int(max_pending))
+        self.held: deque[dict[str, Any]] = deque()
+        self.written = 0
+        self.lost_records = 0
+        self.failed_writes = 0
+        self.last_error: OSError | None = None
+
+    @property
+    def pending(self) -> int:
+        return len(self.held)
 
     def write(self, record: dict[str, Any] | None = None, /, **fields: Any) -> dict[str, Any]:
         merged = {k: v for k, v in {**(record or {}), **fields}.items() if v is not None}
         merged.setdefault("time", time.time())
         clean = validate_record(merged)
-        append_record(self.path, encode_nonfinite(clean))
+        self.held.append(encode_nonfinite(clean))
+        if len(self.held) > self.max_pending:
+            self.held.popleft()
+            self.lost_records += 1
+            if self.lost_records == 1:
+                self._tell(f"metrics: more than {self.max_pending} records held in memory while {self.path} "
+                           "is not writable; dropping the oldest (counted in lost_records)")
+        self.flush()
         return clean
+
+    def flush(self) -> bool:
+        """Write the held records, oldest first; True when none is left held."""
+        while self.held:
+            try:
+                append_record(self.path, self.held[0])
+            except OSError as exc:
+                self.failed_writes += 1
+                if self.last_error is None:
+                    self._tell(f"metrics: {exc}. Keeping the record in memory ({len(self.held)} held) and "
+                               "retrying before the next one; free space to let them through.")
+                self.last_error = exc
+                return False
+            self.held.popleft()
+            self.written += 1
+        if self.last_error is not None:
+            self.last_error = None
+            lost = f"; {self.lost_records} record(s) were dropped while it was not" if self.lost_records else ""
+            self._tell(f"metrics: {self.path} is writable again; the held records are written{lost}")
+        return True
+
+    def _tell(self, message: str) -> None:
+        try:
+            self.on_error(message)
+        except OSError:  # the log itself may sit on the full disk
+            pass
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 class MetricsReader:

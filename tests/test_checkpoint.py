@@ -1,4 +1,6 @@
-"""SGLang-format checkpoints: exact key set and shapes, bit-exact round trip, strict load, atomic save under SIGKILL."""
+"""SGLang-format checkpoints: exact key set and shapes, bit-exact round trip, strict load, atomic save under SIGKILL,
+disk full (refused up front and mid-save) with `latest` intact, weights_only resume, the re-save window closed."""
+import errno
 import json
 import os
 import random
@@ -226,3 +228,163 @@ def test_sigkill_during_saves_never_leaves_latest_pointing_at_an_incomplete_chec
 
 def expected_config():
     return expected_draft(0).config
+
+
+# --- full disk, weights_only resume, the re-save window --------------------------------------------------
+
+def adam_state(draft):
+    """What the trainer saves: a real AdamW state after one step, both RNG states, a Path, numpy numbers."""
+    import numpy
+
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-3, betas=(0.9, 0.95))
+    for param in draft.parameters():
+        if param.requires_grad:
+            param.grad = torch.ones_like(param)
+    optimizer.step()
+    return {"step": 7, "epoch": 0.5, "optimizer": optimizer.state_dict(), "sampler": {"epoch": 0, "cursor": 3},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "latest_val": {"acc": [0.5, 0.25]},
+            "settings": {"out": Path("/x/run"), "lr": numpy.float64(1e-3), "dtype": torch.float32}, "grokfast": None}
+
+
+def test_resume_state_loads_with_weights_only(tmp_path):
+    draft, config = tiny_draft()
+    state = adam_state(draft)
+    path = save_checkpoint(tmp_path, draft, config, epoch=0, step=7, training_state=state)
+    raw = torch.load(path / "training_state.pt", weights_only=True)  # what resume does: no arbitrary unpickling
+    _, _, _, loaded = load_checkpoint(path)
+    assert loaded.keys() == raw.keys() == state.keys()
+    assert loaded["settings"] == {"out": "/x/run", "lr": 1e-3, "dtype": "torch.float32"} and type(loaded["settings"]["lr"]) is float
+    random.setstate(loaded["rng"]["python"])  # tuples stay tuples, as random.setstate needs
+    assert torch.equal(loaded["rng"]["torch"], state["rng"]["torch"])
+    resumed = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-3)
+    resumed.load_state_dict(loaded["optimizer"])
+    assert torch.equal(resumed.state_dict()["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+
+
+def test_save_refuses_state_that_weights_only_cannot_load_and_load_refuses_pickles(tmp_path):
+    draft, config = tiny_draft()
+    with pytest.raises(CheckpointError, match=r"training_state\['sampler'\]\['hook'\] is a builtins.builtin_function_or_method.*Nothing was saved"):
+        save_checkpoint(tmp_path, draft, config, epoch=0, step=1, training_state={"sampler": {"hook": print}})
+    assert not [p for p in (tmp_path / "checkpoints").iterdir()]
+    path = save_checkpoint(tmp_path, draft, config, epoch=0, step=2, training_state={})
+    torch.save({"step": 2, "when": __import__("datetime").date(2024, 1, 1)}, path / "training_state.pt")  # an old-style pickle
+    with pytest.raises(CheckpointError, match=r"training_state.pt holds objects other than tensors.*not unpickled, nothing was loaded"):
+        load_checkpoint(path)
+
+
+def test_estimate_covers_what_a_save_writes(tmp_path):
+    from backend.train.checkpoint import draft_tensors, estimate_checkpoint_bytes, plain_state
+
+    draft, config = tiny_draft()
+    state = adam_state(draft)
+    path = save_checkpoint(tmp_path, draft, config, epoch=0, step=1, training_state=state)
+    used = sum(f.stat().st_blocks * 512 for f in path.iterdir())
+    estimate = estimate_checkpoint_bytes(draft_tensors(draft), plain_state(state), (path / "config.json").stat().st_size)
+    assert used <= estimate <= used * 1.05 + 64 * 1024
+
+
+def assert_latest_intact(run, name, state_step):
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == name
+    assert not [p.name for p in checkpoints.iterdir() if p.name.startswith(".tmp-")]
+    _, _, meta, state = load_checkpoint(checkpoints / name)
+    assert meta["step"] == state["step"] == state_step
+
+
+def test_disk_full_is_refused_before_writing_and_latest_stays(tmp_path):
+    from test_jsonl import mounted_tmpfs
+
+    from backend.train.checkpoint import CheckpointDiskFullError
+
+    draft, config = tiny_draft()  # ~1.5 MB of tensors: one fits in 2 MiB, two do not
+    with mounted_tmpfs(tmp_path, "2m") as disk:
+        run = disk / "run"
+        save_checkpoint(run, draft, config, epoch=0, step=1, training_state={"step": 1})
+        with pytest.raises(CheckpointDiskFullError) as full:
+            save_checkpoint(run, draft, config, epoch=0, step=2, training_state={"step": 2})
+        error = full.value
+        assert error.errno == errno.ENOSPC and error.needed > error.free
+        assert str(error).startswith(f"disk full: {error.needed} bytes needed, {error.free} free in {run / 'checkpoints'}")
+        assert "epoch_0_step_2 was not saved (nothing was written)" in str(error) and "`latest` still names epoch_0_step_1" in str(error)
+        assert_latest_intact(run, "epoch_0_step_1", 1)
+        assert not (run / "checkpoints" / "epoch_0_step_2").exists()
+
+
+@pytest.mark.parametrize("room", ["weights", "state"])
+def test_disk_full_mid_save_removes_the_partial_dir_and_latest_stays(tmp_path, room):
+    """The disk fills between the space check and the write (another job's data, say): safetensors says
+    'os error 28', torch.save only 'unexpected pos'; both come out as disk full, naming the sizes."""
+    from test_jsonl import fill_up, mounted_tmpfs
+
+    from backend.train.checkpoint import CheckpointDiskFullError
+
+    small, config = tiny_draft()
+    with mounted_tmpfs(tmp_path, "6m") as disk:
+        run = disk / "run"
+        save_checkpoint(run, small, config, epoch=0, step=1, training_state={"step": 1})
+        filler = fill_up(disk)
+        # leave room for config.json and (in the "state" case) the weights, not for the rest
+        leave = 64 * 1024 + (1_600_000 if room == "state" else 0)
+        os.truncate(filler, max(0, filler.stat().st_size - leave))
+        blob = {"step": 2, "blob": torch.zeros(300_000)}
+        with pytest.raises(CheckpointDiskFullError) as full:
+            save_checkpoint(run, small, config, epoch=0, step=2, training_state=blob, check_space=False)
+        message = str(full.value)
+        assert message.startswith(f"disk full: {full.value.needed} bytes needed, {full.value.free} free")
+        assert "the partial checkpoint was removed" in message and "`latest` still names epoch_0_step_1" in message
+        cause = repr(full.value.__cause__)
+        assert ("os error 28" in cause) if room == "weights" else ("RuntimeError" in cause)
+        assert_latest_intact(run, "epoch_0_step_1", 1)
+        filler.unlink()
+        save_checkpoint(run, small, config, epoch=0, step=2, training_state=blob)
+        assert_latest_intact(run, "epoch_0_step_2", 2)
+
+
+def test_resaving_the_same_step_never_leaves_latest_naming_a_missing_dir(tmp_path):
+    """A reader polls `latest` while another process re-saves that same step. strace delays every rename
+    by 0.2 s (fault injection on the real syscalls), which widens a window of microseconds into one the
+    reader cannot miss: moving the old dir aside before renaming the new one in fails this test."""
+    import shutil
+
+    if shutil.which("strace") is None or subprocess.run(["strace", "-qq", "-o", "/dev/null", "true"]).returncode != 0:
+        pytest.skip("needs strace (with ptrace permitted) to stretch the rename window: apt-get install strace")
+    script = tmp_path / "resaver.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, sys.argv[2])
+        from test_checkpoint import tiny_draft
+        from backend.train.checkpoint import save_checkpoint
+        torch.set_num_threads(1)
+        draft, config = tiny_draft()
+        for n in range(int(sys.argv[3])):
+            save_checkpoint(sys.argv[1], draft, config, epoch=0, step=5, training_state={"n": n})
+    """))
+    run = tmp_path / "run"
+    draft, config = tiny_draft()
+    save_checkpoint(run, draft, config, epoch=0, step=5, training_state={"n": -1})
+    renames = "rename,renameat,renameat2"
+    proc = subprocess.Popen(["strace", "-f", "--seccomp-bpf", "-qq", "-o", "/dev/null", "-e", f"trace={renames}", "-e", f"inject={renames}:delay_exit=200000",
+                             sys.executable, str(script), str(run), str(ROOT / "tests"), "3"], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    checkpoints, polls, missing = run / "checkpoints", 0, 0
+    while proc.poll() is None:
+        name = (checkpoints / "latest").read_text().strip()
+        missing += not (checkpoints / name / "model.safetensors").is_file()
+        polls += 1
+        time.sleep(0.0005)  # leave the saver a core on a small machine
+    assert proc.returncode == 0, proc.stderr.read()
+    assert polls > 100 and missing == 0
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_0_step_5", "latest"]
+    assert load_checkpoint(checkpoints / "epoch_0_step_5")[3] == {"n": 2}
+
+
+@pytest.mark.slow
+def test_kill_checkpoint_benchmark_ci_size():
+    """benchmarks/kill_checkpoint.py --trials 10: SIGKILLed saves (mid-save too) on disk and on a 2 MiB tmpfs that fills up."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kill_checkpoint.py"), "--trials", "10", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    result = json.loads(done.stdout)
+    assert done.returncode == 0, (result["problems"], done.stderr[-2000:])
+    assert result["unreadable_latest"] == 0 and result["lost_metrics_records"] == 0 and result["saver_errors"] == 0
+    assert result["trials"] == 10 and result["checkpoints_saved"] > 0 and result["kills_mid_save"] > 0

@@ -1,8 +1,15 @@
-"""JSON-lines writer and follower: partial last lines wait, bad lines are skipped, offsets resume."""
+"""JSON-lines writer and follower: partial last lines wait, bad lines are skipped, offsets resume, a full disk glues nothing."""
+import contextlib
+import errno
 import json
 import multiprocessing
+import os
+import subprocess
+from pathlib import Path
 
-from backend.jsonl import JsonlFollower, append_record
+import pytest
+
+from backend.jsonl import AppendError, JsonlFollower, append_record, free_bytes
 
 
 def test_partial_last_line_is_left_for_next_poll(tmp_path):
@@ -59,3 +66,78 @@ def test_concurrent_writers_never_tear_lines(tmp_path):
     seen.extend(follower.poll())
     assert follower.bad_lines == 0
     assert sorted(r["step"] for r in seen) == sorted(s for k in range(3) for s in range(k * 1000, k * 1000 + 300))
+
+
+# --- full disk: real tmpfs mounts (root only; skipped with the reason otherwise) ----------------------------
+
+@contextlib.contextmanager
+def mounted_tmpfs(base: Path, size: str):
+    """A real tmpfs of `size` at base/tmpfs, unmounted on exit; skips the test where mounting is not permitted."""
+    mount = base / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"needs a small real tmpfs to fill up (`mount -t tmpfs` as root); mount said: "
+                    f"{done.stderr.strip() or done.returncode}")
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def fill_up(directory: Path) -> Path:
+    """Write a filler file until the filesystem refuses another byte; returns it (delete it to free the space)."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for chunk in (1 << 16, 1 << 12, 1):
+            while True:
+                try:
+                    if os.write(fd, b"\0" * chunk) < chunk:
+                        break
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC, exc
+                    break
+    finally:
+        os.close(fd)
+    assert free_bytes(directory) == 0
+    return filler
+
+
+def test_a_line_torn_by_a_killed_writer_is_terminated_not_glued(tmp_path):
+    path = tmp_path / "m.jsonl"
+    append_record(path, {"step": 1})
+    with open(path, "ab") as handle:
+        handle.write(b'{"step": 2, "lo')  # a writer that died mid-line
+    append_record(path, {"step": 3})
+    append_record(path, {"step": 4})
+    follower = JsonlFollower(path)
+    assert [r["step"] for r in follower.read_all()] == [1, 3, 4]
+    assert follower.bad_lines == 1
+
+
+def test_short_write_on_a_full_disk_raises_and_the_next_record_is_not_glued(tmp_path):
+    with mounted_tmpfs(tmp_path, "64k") as disk:
+        path = disk / "metrics.jsonl"
+        append_record(path, {"step": 1})
+        append_record(path, {"step": 2})
+        filler = fill_up(disk)
+        before = path.stat().st_size
+        with pytest.raises(AppendError) as short:
+            append_record(path, {"step": 3, "pad": "x" * 6000})  # only the rest of the file's last page fits
+        error = short.value
+        assert error.errno == errno.ENOSPC and 0 < error.written < error.needed
+        assert path.stat().st_size == before + error.written  # a torn line is on disk
+        assert str(path) in str(error) and f"disk full: {error.needed} bytes needed, 0 free" in str(error)
+        with pytest.raises(AppendError, match=r"disk full: \d+ bytes needed, 0 free; nothing was written") as refused:
+            append_record(path, {"step": 4})
+        assert isinstance(refused.value, OSError) and refused.value.written == 0
+        filler.unlink()
+        append_record(path, {"step": 5})
+        append_record(path, {"step": 6})
+        follower = JsonlFollower(path)
+        assert [r["step"] for r in follower.read_all()] == [1, 2, 5, 6]
+        assert follower.bad_lines == 1  # just the torn line
+        assert path.read_bytes().endswith(b'{"step":6}\n')

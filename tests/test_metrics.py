@@ -1,4 +1,5 @@
 """Metrics schema: validator names the wrong key, writer encodes non-finite floats, reader resumes, series splits."""
+import errno
 import json
 import math
 
@@ -160,3 +161,42 @@ def test_downsample_keeps_spikes_and_bounds_points():
     assert len(log_steps) <= 40 and log_steps[0] < 10  # log buckets keep the early steps resolved
     assert downsample([], [], 10) == ([], [], [], [])
     assert downsample([1, 2], [3.0, 4.0], 10)[0] == [1, 2]
+
+
+def test_writer_holds_records_on_a_full_disk_and_loses_none(tmp_path):
+    from test_jsonl import fill_up, mounted_tmpfs
+
+    told = []
+    with mounted_tmpfs(tmp_path, "64k") as disk:
+        path = disk / "run" / "metrics.jsonl"
+        writer = MetricsWriter(path, on_error=told.append)
+        writer.write(step=0, split="train", loss=1.0)
+        filler = fill_up(disk)
+        for step in range(1, 40):  # the rest of the file's last page takes ~10; the next is cut short; none raises
+            writer.write(step=step, split="train", loss=1.0, note="z" * 300)
+        assert writer.written + writer.pending == 40 and writer.pending >= 20 and writer.lost_records == 0
+        assert writer.failed_writes == writer.pending  # each later write retried the oldest held record once
+        assert writer.last_error is not None and writer.last_error.errno == errno.ENOSPC
+        assert len(told) == 1 and str(path) in told[0] and "disk full" in told[0] and "1 held" in told[0]
+        filler.unlink()
+        writer.write(step=40, split="train", loss=1.0)
+        assert writer.written == 41 and writer.pending == 0 and writer.last_error is None
+        assert "writable again" in told[-1] and len(told) == 2
+        reader = MetricsReader(path)
+        assert [r["step"] for r in reader.poll()] == list(range(41))
+        assert reader.follower.bad_lines <= 1  # at most the one torn line
+
+
+def test_writer_drops_the_oldest_beyond_max_pending_and_counts_them(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.mkdir()  # a real unwritable target: open() fails with EISDIR
+    told = []
+    writer = MetricsWriter(path, on_error=told.append, max_pending=3)
+    for step in range(5):
+        writer.write(step=step, split="train", loss=1.0)
+    assert writer.pending == 3 and writer.lost_records == 2 and writer.written == 0
+    assert any("dropping the oldest" in line for line in told)
+    path.rmdir()
+    assert writer.flush() is True
+    assert [r["step"] for r in read_metrics(path)[0]] == [2, 3, 4]
+    assert "2 record(s) were dropped" in told[-1]

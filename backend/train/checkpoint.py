@@ -1,17 +1,26 @@
-"""SGLang-format draft checkpoints: atomic save (temp dir, fsync, rename, `latest` pointer), listing, strict load."""
+"""SGLang-format draft checkpoints: atomic save (temp dir, fsync, rename or swap, `latest` pointer), listing, strict load.
+
+A save checks the free space against an estimate of what it writes first and says "disk full: N bytes
+needed, M free" (before writing, or when a write fails mid-save); a failed save removes its temp dir
+and leaves `latest` as it was. training_state.pt holds only tensors, dicts, lists, tuples, numbers,
+strings and None, and is loaded with torch.load(weights_only=True).
+"""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import re
 import secrets
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from backend.train.draft import CONSOLE_BLOCK, DraftModelConfig, Eagle3Draft
-from backend.train.fsutil import fsync_path, pid_alive
+from backend.train.fsutil import exchange_paths, free_bytes, fsync_path, pid_alive, tree_bytes
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -25,6 +34,17 @@ NOT_SAVED = ("embed_tokens.weight",)  # loaded from the target, as SGLang does
 
 class CheckpointError(ValueError):
     """A checkpoint directory is missing files, or its tensors do not match its config."""
+
+
+class CheckpointDiskFullError(OSError):
+    """A save refused (or cut short) for lack of space: `needed` bytes (estimated), `free` bytes at that moment."""
+
+    def __init__(self, directory: Path, needed: int, free: int | None, message: str):
+        super().__init__(errno.ENOSPC, message, str(directory))
+        self.directory, self.needed, self.free, self.message = directory, needed, free, message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def checkpoint_name(epoch: int, step: int) -> str:
@@ -98,12 +118,91 @@ def _unwrap(draft):
     return draft
 
 
+# --- what training_state.pt may hold ---------------------------------------------------------------
+
+def plain_state(value, where: str = "training_state"):
+    """A copy of `value` that torch.load(weights_only=True) reads back: tensors (detached), dicts, lists,
+    tuples, bool/int/float/str/None. Paths become strings, numpy scalars numbers, numpy arrays tensors,
+    dtypes and devices strings; anything else raises CheckpointError naming where it sits."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return _plain_leaf(value)
+    if isinstance(value, Mapping):
+        plain = {}
+        for key, item in value.items():
+            if not (key is None or isinstance(key, (bool, int, float, str))):
+                raise CheckpointError(f"{where}: key {key!r} is a {type(key).__name__}; keys must be strings or numbers. "
+                                      "Nothing was saved.")
+            plain[_plain_leaf(key)] = plain_state(item, f"{where}[{key!r}]")
+        return plain
+    if isinstance(value, (list, tuple)):
+        items = [plain_state(item, f"{where}[{index}]") for index, item in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.item() if getattr(value, "ndim", 0) == 0 else torch.from_numpy(value.copy())
+    raise CheckpointError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}; training_state.pt holds only "
+                          "tensors, dicts, lists, tuples, numbers, strings and None (it is loaded with weights_only=True). "
+                          "Nothing was saved.")
+
+
+def _plain_leaf(value):
+    for kind in (bool, int, float, str):  # numpy.float64 is a float subclass: save the builtin
+        if isinstance(value, kind):
+            return kind(value)
+    return value
+
+
+def _state_parts(value, tensors: list[torch.Tensor]) -> int:
+    """Collect the tensors of a plain state and return a generous byte estimate of everything else in it."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return 64
+    if isinstance(value, dict):
+        return 16 + sum(_state_parts(k, tensors) + _state_parts(v, tensors) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return 16 + sum(_state_parts(item, tensors) for item in value)
+    return 16 + len(repr(value))
+
+
+BLOCK = 4096
+
+
+def _blocks(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK
+
+
+def estimate_checkpoint_bytes(tensors: dict[str, torch.Tensor], state, config_bytes: int) -> int:
+    """Upper estimate of the disk a save takes: config.json, model.safetensors, training_state.pt, `latest`,
+    each rounded up to 4 KiB blocks, plus a few blocks for directory entries."""
+    weights = 8 + 256 + sum(t.numel() * t.element_size() + len(name) + 96 for name, t in tensors.items())
+    held: list[torch.Tensor] = []
+    other = _state_parts(state, held)
+    storages: dict[tuple, int] = {}
+    for tensor in held:  # torch.save writes each storage once, whole (a view saves its base)
+        storage = tensor.untyped_storage()
+        storages[(tensor.device.type, storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    state_bytes = 8192 + other + sum(nbytes + 256 for nbytes in storages.values())
+    return _blocks(config_bytes) + _blocks(weights) + _blocks(state_bytes) + 4 * BLOCK
+
+
 # --- durable file operations -----------------------------------------------------------------------
 
 def write_json_durably(path: Path, data: dict) -> None:
-    with open(path, "w") as handle:
-        json.dump(data, handle, indent=2)
-        handle.write("\n")
+    write_bytes_durably(path, _json_bytes(data))
+
+
+def _json_bytes(data: dict) -> bytes:
+    return (json.dumps(data, indent=2) + "\n").encode()
+
+
+def write_bytes_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -136,12 +235,21 @@ def clean_stale_temps(checkpoints_dir: Path) -> list[Path]:
 
 def _write_latest(checkpoints_dir: Path, name: str) -> None:
     temp = checkpoints_dir / _temp_name("latest")
-    with open(temp, "w") as handle:
-        handle.write(name + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, checkpoints_dir / LATEST_FILE)
+    try:
+        write_bytes_durably(temp, (name + "\n").encode())
+        os.replace(temp, checkpoints_dir / LATEST_FILE)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
     fsync_path(checkpoints_dir)
+
+
+def _latest_name(checkpoints_dir: Path) -> str | None:
+    try:
+        name = (checkpoints_dir / LATEST_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name or None
 
 
 # --- save ----------------------------------------------------------------------------------------
@@ -155,12 +263,18 @@ def save_checkpoint(
     step: int,
     training_state: dict | None,
     extra_meta: dict | None = None,
+    check_space: bool = True,
 ) -> Path:
     """Write run_out_dir/checkpoints/epoch_E_step_S/ atomically and point checkpoints/latest at it.
 
-    Files go into a temp dir beside it, each is fsynced, then the dir, then it is renamed into place
-    and `latest` is replaced the same way. A kill at any moment leaves `latest` naming a complete
-    checkpoint (or absent, before the first save). extra_meta lands in config.json's eagle3_console block.
+    Files go into a temp dir beside it, each is fsynced, then the dir, then it is renamed into place (or,
+    when that step was saved before, swapped with the old dir in one atomic exchange) and `latest` is
+    replaced the same way. A kill at any moment leaves `latest` naming a complete checkpoint (or absent,
+    before the first save). Free space is checked against an estimate first; on a full disk (then or
+    mid-save) CheckpointDiskFullError says "disk full: N bytes needed, M free", the temp dir is removed and
+    `latest` is left as it was. training_state must hold only tensors, dicts, lists, tuples, numbers,
+    strings and None (see plain_state). check_space=False skips the up-front check (tests of the
+    mid-save path). extra_meta lands in config.json's eagle3_console block.
     """
     from safetensors.torch import save_file
 
@@ -172,37 +286,91 @@ def save_checkpoint(
     problems = tensor_problems(tensors, config)
     if problems:
         raise CheckpointError(f"draft does not match its config ({'; '.join(problems)}); nothing was saved")
+    state = plain_state(training_state if training_state is not None else {})
+    meta = {"epoch": epoch, "step": step, **(extra_meta or {})}
+    config_bytes = _json_bytes(config.to_hf_config(meta))
+    needed = estimate_checkpoint_bytes(tensors, state, len(config_bytes))
+    free = free_bytes(checkpoints_dir)
+    if check_space and free is not None and free < needed:
+        raise CheckpointDiskFullError(checkpoints_dir, needed, free, _full_message(
+            checkpoints_dir, name, needed, free, "nothing was written"))
     temp = checkpoints_dir / _temp_name(name)
     temp.mkdir()
+    placed = False
     try:
-        meta = {"epoch": epoch, "step": step, **(extra_meta or {})}
-        write_json_durably(temp / CONFIG_FILE, config.to_hf_config(meta))
+        write_bytes_durably(temp / CONFIG_FILE, config_bytes)
         save_file(tensors, str(temp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "eagle3-console"})
         fsync_path(temp / WEIGHTS_FILE)
         with open(temp / STATE_FILE, "wb") as handle:
-            torch.save(training_state if training_state is not None else {}, handle)
+            torch.save(state, handle)
             handle.flush()
             os.fsync(handle.fileno())
         fsync_path(temp)
         _move_into_place(temp, checkpoints_dir / name)
+        placed = True
         _write_latest(checkpoints_dir, name)
-    except BaseException:
+    except BaseException as exc:
+        free_then = free_bytes(checkpoints_dir)
+        remaining = needed - tree_bytes(temp)
         shutil.rmtree(temp, ignore_errors=True)
+        if isinstance(exc, Exception) and _is_disk_full(exc, free_then, remaining):
+            done = (f"{name} is complete but `latest` could not be updated" if placed
+                    else "the partial checkpoint was removed")
+            raise CheckpointDiskFullError(checkpoints_dir, needed, free_then, _full_message(
+                checkpoints_dir, name, needed, free_then, done)) from exc
         raise
     clean_stale_temps(checkpoints_dir)
     return checkpoints_dir / name
 
 
+def _full_message(checkpoints_dir: Path, name: str, needed: int, free: int | None, done: str) -> str:
+    latest = _latest_name(checkpoints_dir)
+    return (f"disk full: {needed} bytes needed, {'unknown' if free is None else free} free in {checkpoints_dir}; "
+            f"checkpoint {name} was not saved ({done}); `latest` still names "
+            f"{latest if latest else 'no checkpoint (none saved yet)'}. Free space there (old checkpoints, "
+            "extracted data) and save again.")
+
+
+_FULL_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+
+
+def _is_disk_full(exc: BaseException, free_then: int | None, remaining: int) -> bool:
+    """ENOSPC/EDQUOT anywhere in the chain, the Rust-side texts of safetensors, or (torch.save's opaque
+    'unexpected pos' errors) less room left than the rest of the save needed."""
+    seen = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(error) for text in _FULL_TEXT):
+            return True
+        error = error.__cause__ or error.__context__
+    return free_then is not None and free_then < max(remaining, BLOCK)
+
+
 def _move_into_place(temp: Path, final: Path) -> None:
-    """Rename temp -> final; an existing final (same epoch/step saved again) is moved aside first."""
-    replaced = None
+    """Rename temp -> final. When final exists (the same epoch/step saved again) the two are swapped in
+    one atomic exchange, so `latest` never names a missing dir; the old content (now under the temp
+    name) is removed. Without RENAME_EXCHANGE, `latest` is first pointed at another complete checkpoint
+    (when there is one) before the old dir is moved aside."""
     if final.exists():
+        if exchange_paths(temp, final):
+            fsync_path(final.parent)
+            shutil.rmtree(temp, ignore_errors=True)
+            return
+        if _latest_name(final.parent) == final.name:
+            others = [c for c in list_checkpoints(final.parent) if c.name != final.name]
+            if others:
+                _write_latest(final.parent, others[-1].name)
         replaced = final.parent / _temp_name(f"replaced-{final.name}")
         os.rename(final, replaced)
+        os.rename(temp, final)
+        fsync_path(final.parent)
+        shutil.rmtree(replaced, ignore_errors=True)
+        return
     os.rename(temp, final)
     fsync_path(final.parent)
-    if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
 
 
 # --- find ----------------------------------------------------------------------------------------
@@ -286,6 +454,24 @@ def load_checkpoint(
     if target_embedding is not None:
         draft.load_target_embedding(target_embedding.to(draft.fc.weight.dtype))
     draft.to(map_location)
-    state_path = ckpt_dir / STATE_FILE
-    training_state = torch.load(state_path, map_location=map_location, weights_only=False) if state_path.is_file() else None
+    training_state = load_training_state(ckpt_dir / STATE_FILE, map_location)
     return draft, config, dict(hf_config.get(CONSOLE_BLOCK) or {}), training_state
+
+
+def load_training_state(path: Path, map_location: str | torch.device = "cpu") -> dict | None:
+    """training_state.pt read with weights_only=True (no arbitrary unpickling); None when absent."""
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain containers ({first}); it was not unpickled, "
+            "nothing was loaded. Re-save it with this version's trainer, or load it yourself with "
+            "torch.load(weights_only=False) if you trust where it came from.") from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise CheckpointError(f"{path} is unreadable ({exc}); nothing was loaded") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a dict; nothing was loaded")
+    return state
