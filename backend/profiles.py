@@ -1,4 +1,9 @@
-"""Profiles: TOML files naming the target model, draft shape, training and serving settings, as typed objects."""
+"""Profiles: TOML files naming the target model, draft shape, training and serving settings, as typed objects.
+
+Validation is strict (a number written as a string, or a float where an integer belongs, is refused, never
+coerced; no NaN or infinity) and cross-field (draft vocab within the target vocab, a seq_len the draft's
+positions cover and at most 1<<20). Every error names the file, the field, the value and what was expected.
+"""
 from __future__ import annotations
 
 import sys
@@ -19,8 +24,16 @@ class ProfileError(ValueError):
     """A profile file is missing, unreadable, or has a wrong or missing field."""
 
 
+MAX_SEQ_LEN = 1 << 20
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+def _field_error(name: str, value, expectation: str) -> ValueError:
+    """A cross-field error; `name` is relative to the model raising it ('@' marks it for _describe)."""
+    return ValueError(f"@{name} = {value!r}: expected {expectation}")
 
 
 class TargetConfig(_Strict):
@@ -34,13 +47,15 @@ class TargetConfig(_Strict):
 
     @model_validator(mode="after")
     def _aux_ids_in_range(self) -> "TargetConfig":
-        if len(self.aux_layer_ids) != 3:
-            raise ValueError(f"aux_layer_ids must hold 3 layer ids, got {self.aux_layer_ids}")
-        for layer in self.aux_layer_ids:
+        ids = self.aux_layer_ids
+        if len(ids) != 3:
+            raise _field_error("aux_layer_ids", ids, f"3 layer ids, got {len(ids)}")
+        for layer in ids:
             if not 0 <= layer < self.num_layers:
-                raise ValueError(f"aux layer id {layer} is outside 0..{self.num_layers - 1} (num_layers={self.num_layers})")
-        if sorted(set(self.aux_layer_ids)) != list(self.aux_layer_ids):
-            raise ValueError(f"aux_layer_ids must be strictly increasing, got {self.aux_layer_ids}")
+                raise _field_error("aux_layer_ids", ids, f"ids within 0..{self.num_layers - 1}: aux layer id {layer} is "
+                                   f"outside 0..{self.num_layers - 1} (num_layers={self.num_layers})")
+        if sorted(set(ids)) != list(ids):
+            raise _field_error("aux_layer_ids", ids, "strictly increasing layer ids")
         return self
 
     @property
@@ -60,19 +75,18 @@ class DraftConfig(_Strict):
     head_dim: int | None = Field(default=None, gt=0)
     intermediate_size: int = Field(gt=0)
     draft_vocab_size: int = Field(gt=0)
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 500000.0
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    rope_theta: float = Field(default=500000.0, gt=0)
     max_position_embeddings: int = Field(default=4096, gt=0)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "DraftConfig":
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+            raise _field_error("num_attention_heads", self.num_attention_heads,
+                               f"a multiple of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must divide by num_attention_heads ({self.num_attention_heads}) when head_dim is unset")
+            raise _field_error("hidden_size", self.hidden_size,
+                               f"a multiple of num_attention_heads ({self.num_attention_heads}) when head_dim is unset")
         return self
 
 
@@ -126,6 +140,19 @@ class Profile(_Strict):
     paths: PathsConfig = PathsConfig()
     source: str = Field(default="", description="file the profile was loaded from")
 
+    @model_validator(mode="after")
+    def _fields_agree(self) -> "Profile":
+        draft, target, train = self.draft, self.target, self.train
+        if draft.draft_vocab_size > target.vocab_size:
+            raise _field_error("draft.draft_vocab_size", draft.draft_vocab_size,
+                               f"at most target.vocab_size ({target.vocab_size}): the draft predicts a subset of the target's tokens")
+        if train.seq_len > draft.max_position_embeddings:
+            raise _field_error("train.seq_len", train.seq_len,
+                               f"at most draft.max_position_embeddings ({draft.max_position_embeddings})")
+        if train.seq_len > MAX_SEQ_LEN:
+            raise _field_error("train.seq_len", train.seq_len, f"at most {MAX_SEQ_LEN} (1<<20) tokens")
+        return self
+
 
 def _describe(error: dict, raw: dict) -> str:
     loc = ".".join(str(part) for part in error["loc"]) or "(top level)"
@@ -134,7 +161,14 @@ def _describe(error: dict, raw: dict) -> str:
     value = error.get("input")
     if error["type"] == "extra_forbidden":
         return f"field '{loc}' = {value!r} is not a known field"
-    return f"field '{loc}' = {value!r}: expected {error['msg'][0].lower() + error['msg'][1:]}"
+    message = error["msg"]
+    if error["type"] == "value_error" and "@" in message:
+        relative, rest = message.split("@", 1)[1].split(" = ", 1)
+        return f"field '{loc + '.' if error['loc'] else ''}{relative}' = {rest}"
+    expectation = message[0].lower() + message[1:]
+    if isinstance(value, str) and error["type"] in ("int_type", "float_type", "bool_type"):
+        expectation += " (a TOML number or boolean, not a quoted string)"
+    return f"field '{loc}' = {value!r}: expected {expectation}"
 
 
 def parse_profile(raw: dict, source: str) -> Profile:
