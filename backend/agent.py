@@ -351,6 +351,7 @@ class Agent:
                     continue
                 busy = busy or more
                 self._report_progress(name, files, done=not more)
+                time.sleep(0.001)  # let request threads take the GIL between chunks
             self._save_sidecars()
             if not busy:
                 self.stopping.wait(self.interval)

@@ -28,6 +28,7 @@ from backend.series_index import Level, Series, query
 INDEX_FORMAT = 3
 HEAD_BYTES = 4096
 SCAN_CHUNK_BYTES = 8 << 20
+INDEX_STEP_BYTES = 2 << 20  # one backlog step holds the GIL for ~tens of ms: requests answer between steps
 VAL_KEPT = 20_000
 RECENT_TRAIN_KEPT = 2048
 TAIL_BYTES_FOR_RECENT = 4 << 20
@@ -263,7 +264,7 @@ class MetricsFeed:
 
     # -- backlog ----------------------------------------------------------------------------------
 
-    def index_step(self, max_bytes: int = SCAN_CHUNK_BYTES) -> bool:
+    def index_step(self, max_bytes: int = INDEX_STEP_BYTES) -> bool:
         """Scan up to max_bytes of the backlog; True while backlog remains."""
         with self.lock:
             start, stop = self.indexed_offset, self.live_offset
@@ -280,26 +281,18 @@ class MetricsFeed:
 
     def _fill_recent_from_tail(self) -> None:
         """The last train records for the signals' recent window while the backlog is still being scanned."""
-        start = max(0, self.live_offset - TAIL_BYTES_FOR_RECENT)
         try:
-            with open(self.path, "rb") as handle:
-                handle.seek(start)
-                data = handle.read(self.live_offset - start)
+            records = self.tail_records(RECENT_TRAIN_KEPT, split="train", max_scan_bytes=TAIL_BYTES_FOR_RECENT)
         except OSError:
             return
-        if start:
-            data = data[data.find(b"\n") + 1:]
-        data = data[: data.rfind(b"\n") + 1]
-        for record in self._decode(data, count_bad=False):
-            if record.get("split") != "val":
-                self.index.recent_train.append(record)
+        self.index.recent_train.extend(records)
 
     def tail_records(self, count: int, split: str | None = None, max_scan_bytes: int = 64 << 20) -> list[dict[str, Any]]:
         """The last `count` cleaned records (of `split`) before live_offset, read backwards from there."""
         with self.lock:
             end = self.live_offset
         found: list[dict[str, Any]] = []
-        block = 1 << 20
+        block = 256 << 10
         pos = end
         carry = b""
         if not end or not self.path.exists():

@@ -92,8 +92,8 @@ class Shape:
 
 def normalize_nonfinite(chunk: bytes) -> bytes:
     """The writer's quoted non-finite strings as bare tokens float() reads; cheap when there are none."""
-    if not any(quoted in chunk for quoted, _ in _NONFINITE_STRINGS):
-        return chunk
+    if b"NaN" not in chunk and b"Inf" not in chunk and b'nan"' not in chunk and b'inf"' not in chunk:
+        return chunk  # every quoted non-finite string contains one of these
     for quoted, bare in _NONFINITE_STRINGS:
         chunk = chunk.replace(b":" + quoted, b":" + bare).replace(b"," + quoted, b"," + bare).replace(b"[" + quoted, b"[" + bare)
     return chunk
@@ -150,10 +150,20 @@ class ChunkScanner:
 
     def __init__(self) -> None:
         self.shapes: list[Shape] = []
+        self.tokens: TokenShape | None = None
 
     def scan(self, chunk: bytes) -> ScanResult:
         result = ScanResult()
-        rest = [normalize_nonfinite(chunk)]
+        chunk = normalize_nonfinite(chunk)
+        if self.tokens is None:
+            self.tokens = next((t for t in map(TokenShape.learn, _first_lines([chunk], 5)) if t is not None), None)
+        if self.tokens is not None:
+            handled = self.tokens.scan(chunk, result, self._fold_columns)
+            if handled is not None:
+                for line in handled:
+                    self._slow_line(line, result)
+                return result
+        rest = [chunk]
         for shape in list(self.shapes):
             rest = self._apply(shape, rest, result)
         while rest and len(self.shapes) < MAX_SHAPES:
@@ -177,9 +187,12 @@ class ChunkScanner:
         whole, other = columns[0], columns[-1]
         leftovers = [line for line in other if line.strip()] if any(other) else []
         values = columns[1:-1]
-        if b"" in whole:
-            fitting = [i for i, line in enumerate(whole) if line]
-            values = [[col[i] for i in fitting] for col in values]
+        if b"" in whole:  # rows of lines that did not fit: few, so delete them in place
+            misfits = [i for i, line in enumerate(whole) if not line]
+            values = [list(col) for col in values]
+            for col in values:
+                for i in reversed(misfits):
+                    del col[i]
         if values and values[0] and not self._fold_columns(shape, values, result):
             leftovers.extend(line for line in whole if line)
         return leftovers
@@ -222,6 +235,98 @@ class ChunkScanner:
         result.slow_records.append(clean)
 
 
+_TOKEN_DELETE = b"[]{}"
+_TOKEN_TABLE = bytes.maketrans(b":", b",")  # keys keep both quotes: '"loss"'
+
+
+class TokenShape:
+    """The fastest path, for chunks whose train lines all have one shape (the trainer's own writer).
+
+    With brackets and braces deleted and `":` turned into `,`, a line of that shape splits on `,` into the
+    same n tokens every time (keys and values at fixed places), and a chunk of L such lines into L*(n-1)+1
+    tokens (each line's last token runs into the next line's first). Every key is checked at its place in
+    every line (list.count) before any value is used; val lines are cut out first and go to the decoder.
+    """
+
+    def __init__(self, roles: list[tuple[str, Any]], shape: Shape):
+        self.width = len(roles)
+        self.checks = [(j, value) for j, (role, value) in enumerate(roles) if role == "key" and j > 0]
+        self.values = [(j, value) for j, (role, value) in enumerate(roles) if role == "value"]
+        self.shape = shape  # its targets and non-negative set; columns are fed in the same order
+
+    @classmethod
+    def learn(cls, line: bytes) -> "TokenShape | None":
+        shape = learn_shape(line)
+        if shape is None:
+            return None
+        record = json.loads(line)
+        roles: list[tuple[str, Any]] = []
+        for key, value in record.items():
+            roles.append(("key", json.dumps(key).encode()))
+            if key == "step" or key in TRAIN_SCALARS:
+                roles.append(("value", TRAIN_SCALARS.get(key, "step")))
+            elif key in TRAIN_FIRST_OF_LIST and isinstance(value, list) and value:
+                roles += [("value", TRAIN_FIRST_OF_LIST[key])] + [("skip", None)] * (len(value) - 1)
+            elif key == "weight_norm_modules" and isinstance(value, dict) and value:
+                for name in value:
+                    roles += [("key", json.dumps(str(name)).encode()), ("value", MODULE_PREFIX + str(name))]
+            elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+                roles += [("skip", None)] * len(value)
+            elif key == "split":
+                roles.append(("key", b'"train"'))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                roles.append(("skip", None))
+            else:
+                return None  # strings, nulls, empty or nested containers: the regex path handles those
+        tokens = line.rstrip(b"\n").translate(_TOKEN_TABLE, _TOKEN_DELETE).split(b",")
+        if len(tokens) != len(roles) or any(role == "key" and tokens[j] != value for j, (role, value) in enumerate(roles)):
+            return None
+        if roles[-1][0] == "value":
+            return None  # the last value runs into the next line's first token
+        targets = [target for role, target in roles if role == "value"]
+        return cls(roles, Shape(shape.regex, targets, shape.nonnegative))
+
+    def scan(self, chunk: bytes, result: ScanResult, fold) -> list[bytes] | None:
+        """Fold the chunk's train lines and return its other lines; None when the chunk does not fit (nothing folded)."""
+        others: list[bytes] = []
+        if b'"split":"train"' not in chunk:
+            return None
+        chunk, others = _cut_lines(chunk, b'"split":"val"')
+        lines = chunk.count(b"\n")
+        if not lines:
+            return others if not chunk.strip() else None
+        tokens = chunk.translate(_TOKEN_TABLE, _TOKEN_DELETE).split(b",")
+        period = self.width - 1
+        if len(tokens) != lines * period + 1:
+            return None
+        for j, key in self.checks:
+            if tokens[j::period].count(key) != lines:
+                return None
+        if not tokens[0].endswith(b'"step"') or not fold(self.shape, [tokens[j::period] for j, _ in self.values], result):
+            return None
+        return others
+
+
+def _cut_lines(chunk: bytes, marker: bytes) -> tuple[bytes, list[bytes]]:
+    """(chunk without the lines holding marker, those lines)."""
+    if marker not in chunk:
+        return chunk, []
+    kept: list[bytes] = []
+    cut: list[bytes] = []
+    start = 0
+    at = chunk.find(marker)
+    while at >= 0:
+        line_start = chunk.rfind(b"\n", 0, at) + 1
+        line_end = chunk.find(b"\n", at)
+        line_end = len(chunk) if line_end < 0 else line_end + 1
+        kept.append(chunk[start:line_start])
+        cut.append(chunk[line_start:line_end].rstrip(b"\n"))
+        start = line_end
+        at = chunk.find(marker, start)
+    kept.append(chunk[start:])
+    return b"".join(kept), cut
+
+
 def _first_lines(parts: list[bytes], count: int) -> list[bytes]:
     lines: list[bytes] = []
     for part in parts:
@@ -240,6 +345,9 @@ def _has_negative(column: list[float]) -> bool:
 
 def _floats(column) -> list[float]:
     try:
+        if len(column) > 64 and column[0] == column[-1] == column[len(column) // 2]:
+            distinct = {text: float(text) for text in set(column)}  # a constant LR: one conversion per value
+            return list(map(distinct.__getitem__, column))
         return list(map(float, column))
     except ValueError:
         out = []

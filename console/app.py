@@ -36,7 +36,7 @@ QUIT_CONFIRM_S = 10.0
 REDRAW_SHARE = 4.0
 HISTORY_BATCHES_MAX = 1000
 SUMMARY_POINTS = 512  # whole-history buckets per series (a wide terminal's plot is ~250 columns)
-TAIL_RECORDS = 2000  # raw records fetched for the live tail on attach
+TAIL_RECORDS = 500  # raw records fetched for the live tail on attach (the buckets hold the rest)
 VAL_ROWS = 8
 SUMMARY_REFRESH_S = 5.0
 

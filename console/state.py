@@ -382,11 +382,15 @@ class ConsoleState:
 
     def apply_stages_history(self, job: str, records: list[dict[str, Any]]) -> set[str]:
         """Replace a chain job's stage records with the agent's full history (on (re)attach)."""
-        received = {_stage_key(r): r.get("_received") for r in self.stages.get(job, [])}
+        known = self.stages.get(job, [])
+        received = {_stage_key(r): r.get("_received") for r in known}
         fresh = []
         for record in records:
             if isinstance(record, dict):
                 fresh.append({**record, "_received": received.get(_stage_key(record))})
+        # Events can overtake this reply: records they brought that the history did not yet hold stay, after it.
+        in_history = {_stage_key(r) for r in fresh}
+        fresh += [r for r in known if _stage_key(r) not in in_history]
         self.stages[job] = fresh
         return {"stages"}
 

@@ -1,0 +1,414 @@
+"""Long runs: a grokking-length metrics history, each number next to a peer measured in the same run.
+
+1. Cold index (a history the agent never saw): MiB/s of CPU time on one core, vs json.loads of every line,
+   and vs the agent's previous read path (json.loads + normalize_record per record) on a sample.
+2. Warm query: `eagle3-host metrics series --points 200 --json` (a new process reading the saved index),
+   vs `grep '"val"' metrics.jsonl | tail` on the same file.
+3. Attach over loopback SSH (OpenSSH sshd when /usr/sbin/sshd exists, else an in-process asyncssh server):
+   warm: select the job -> whole-history curve drawn on the Training screen; cold: select -> newest records
+   shown (metrics_window) and -> the whole history indexed, with the progress events counted.
+4. Training-screen frame with 1M points per series x 3 series: the host's buckets (what the console draws
+   now) vs downsampling 1M raw points per frame (what it did before).
+5. Live lag (file append on the host -> console client) p50/p99 at 10 lines/s over the same SSH link,
+   and the agent's CPU (percent of one core) idle and under that load.
+6. Peak RSS of the console process and of the agent with the history attached, vs holding the history
+   as records (measured on a 100k-record sample, scaled).
+
+    python benchmarks/bench_long_run.py [--size-mib 1024] [--dir /tmp/eagle3-long-run] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from backend.jobs import JobRegistry  # noqa: E402
+from backend.metrics import normalize_record  # noqa: E402
+from backend.metrics_index import MetricsFeed  # noqa: E402
+from backend.protocol import INDEX_FILENAME, METRICS_FILENAME, Request  # noqa: E402
+from backend.series_index import Series, query  # noqa: E402
+from bench_console import show, summary  # noqa: E402
+
+SIZE = (160, 48)
+MODULES = ("fc", "midlayer", "norm", "lm_head")
+SLEEPER = "import time; time.sleep(3600)"
+
+
+# -- the history ----------------------------------------------------------------------------------
+
+
+def generate(path: Path, size_bytes: int, seed: int = 0) -> int:
+    """A metrics.jsonl shaped like the trainer's (train every step, val every 1000), with NaN losses and spikes."""
+    rng = random.Random(seed)
+    step = 0
+    with open(path, "w") as handle:
+        while handle.tell() < size_bytes:
+            lines = []
+            for _ in range(1000):
+                step += 1
+                loss = 3.0 * math.exp(-step / 3e5) + rng.random() * 0.05
+                loss = "NaN" if step % 250_000 == 0 else (loss * 20 if step % 99_991 == 0 else loss)
+                lines.append(json.dumps({
+                    "step": step, "epoch": step / 50_000, "split": "train", "loss": loss,
+                    "ploss": [round(rng.random(), 6) for _ in range(7)], "acc": [round(rng.random(), 6) for _ in range(7)],
+                    "step_time": 0.11 + rng.random() * 0.01, "lr": 1e-4, "grad_norm": rng.random(), "weight_norm": 120 + step * 1e-6,
+                    "weight_norm_modules": {m: rng.random() for m in MODULES}, "tokens": step * 2048, "time": 1.79e9 + step * 0.11,
+                }, separators=(",", ":")))
+            lines.append(json.dumps({"step": step, "epoch": step / 50_000, "split": "val", "loss": 3.3 * math.exp(-step / 3e5),
+                                     "ploss": [rng.random() for _ in range(7)], "acc": [rng.random() for _ in range(7)],
+                                     "tokens": step * 2048, "time": 1.79e9 + step * 0.11}, separators=(",", ":")))
+            handle.write("\n".join(lines) + "\n")
+    return step
+
+
+def history_file(directory: Path, size_mib: int) -> Path:
+    path = directory / f"history-{size_mib}mib.jsonl"
+    if not path.exists() or path.stat().st_size < size_mib << 20:
+        print(f"generating {size_mib} MiB of metrics at {path} ...", flush=True)
+        generate(path.with_suffix(".tmp"), size_mib << 20)
+        path.with_suffix(".tmp").replace(path)
+    return path
+
+
+# -- 1. cold index ---------------------------------------------------------------------------------
+
+
+def bench_cold_index(path: Path, sidecar: Path) -> dict:
+    mib = path.stat().st_size / 2**20
+    sidecar.unlink(missing_ok=True)
+    started, cpu = time.perf_counter(), time.process_time()
+    feed = MetricsFeed(path, sidecar, live_from_end=True)
+    while feed.index_step():
+        pass
+    ours_cpu, ours_wall = time.process_time() - cpu, time.perf_counter() - started
+    started = time.perf_counter()
+    feed.save_sidecar()
+    save_s = time.perf_counter() - started
+
+    cpu = time.process_time()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(8 << 20), b""):
+            for line in block.split(b"\n"):
+                if line.strip().startswith(b"{") and line.endswith(b"}"):
+                    json.loads(line)
+    peer_cpu = time.process_time() - cpu
+
+    sample = 64 << 20
+    cpu = time.process_time()
+    with open(path, "rb") as handle:
+        data = handle.read(sample)
+    for line in data[: data.rfind(b"\n")].split(b"\n"):
+        normalize_record(json.loads(line))
+    old_cpu = (time.process_time() - cpu) * (path.stat().st_size / sample)
+    return {
+        "file_mib": round(mib, 1), "records": feed.index.total_records,
+        "ours_cpu_s": ours_cpu, "ours_wall_s": ours_wall, "ours_mib_per_cpu_s": mib / ours_cpu,
+        "peer_json_loads_cpu_s": peer_cpu, "peer_json_loads_mib_per_cpu_s": mib / peer_cpu,
+        "old_path_json_loads_normalize_cpu_s_scaled": old_cpu,
+        "ours_over_json_loads": peer_cpu / ours_cpu, "ours_over_old_path": old_cpu / ours_cpu,
+        "sidecar_mib": round(sidecar.stat().st_size / 2**20, 2), "sidecar_save_s": save_s,
+    }
+
+
+# -- 2. warm query ---------------------------------------------------------------------------------
+
+
+def timed(argv: list[str], shell: bool = False) -> tuple[float, str]:
+    started = time.perf_counter()
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, shell=shell, check=True).stdout
+    return time.perf_counter() - started, out
+
+
+def bench_warm_query(path: Path, reps: int = 5) -> dict:
+    ours = [timed([sys.executable, "-m", "backend", "metrics", "series", "--file", str(path), "--points", "200", "--json"])[0] for _ in range(reps)]
+    peer = [timed(f"grep '\"val\"' {path} | tail -n 5", shell=True)[0] for _ in range(reps)]
+    _, out = timed([sys.executable, "-m", "backend", "metrics", "series", "--file", str(path), "--points", "200", "--json"])
+    document = json.loads(out)
+    return {"ours_metrics_series_s": summary(ours), "peer_grep_val_tail_s": summary(peer),
+            "ours_over_peer": summary(ours)["median"] / summary(peer)["median"],
+            "buckets": len(document["buckets"]), "nonfinite_in_buckets": sum(b["nonfinite"] for b in document["buckets"])}
+
+
+# -- 3 + 5 + 6. over SSH -------------------------------------------------------------------------------
+
+
+def ssh_server(tmp: Path, run_dir: Path):
+    """(kind, a transport factory to call inside the event loop, stop): OpenSSH's sshd on 127.0.0.1, else the local subprocess."""
+    from console.transport import LocalTransport, SSHTransport
+    from ssh_fixtures import RealSSHD, sshd_available
+
+    if not sshd_available():
+        return "local_subprocess (no /usr/sbin/sshd)", lambda: LocalTransport(run_dir), lambda: None
+    server = RealSSHD(tmp / "sshd").start()
+    env = server.env()
+    env.pin_host_key()
+
+    def make():
+        return SSHTransport("127.0.0.1", port=env.port, user=env.user, identity=str(env.client_key), known_hosts=str(env.known_hosts),
+                            python=sys.executable, run_dir=str(run_dir), config=None)
+
+    return "openssh_sshd", make, server.stop
+
+
+def agent_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def agent_peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+async def wait_for(predicate, timeout: float, what: str) -> float:
+    started = time.perf_counter()
+    while not predicate():
+        if time.perf_counter() - started > timeout:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(0.005)
+    return time.perf_counter() - started
+
+
+async def attach(make_transport, records: int, live_lines: int) -> dict:
+    from console.app import build_app
+
+    app = build_app(make_transport(), poll_interval=None, refresh_throttle=0)
+    result: dict = {}
+    progress_events = []
+    original = app.handle_event
+
+    def counting(event):
+        if isinstance(event, dict) and event.get("type") == "index_progress":
+            progress_events.append(event)
+        original(event)
+
+    app.handle_event = counting
+    async with app.run_test(size=SIZE) as pilot:
+        try:
+            await wait_for(lambda: app.state.connection.connected and app.state.hello, 60, "the agent")
+        except TimeoutError:
+            raise RuntimeError(f"no agent over SSH: {app.state.connection} {list(app.state.agent_stderr)[-5:]}") from None
+        agent_pid = app.state.hello.agent_pid
+        await pilot.press("2")
+        await asyncio.sleep(1.0)
+
+        started = time.perf_counter()
+        app.select_job("warm")
+        metrics = lambda: app.state.metrics.get("warm")  # noqa: E731
+        await wait_for(lambda: metrics() and metrics().summary(False) and metrics().history_loaded, 60, "the warm history")
+        app.redraw_now()
+        plot = app.screen.query_one("#loss-plot")
+        plot.render()
+        result["warm_attach_to_curve_s"] = time.perf_counter() - started
+        result["warm_curve_points_drawn"] = sum(len(b) for b in metrics().summary(False).buckets.values())
+
+        started = time.perf_counter()
+        app.select_job("cold")
+        cold = lambda: app.state.metrics.get("cold")  # noqa: E731
+        result["cold_attach_to_newest_records_s"] = await wait_for(lambda: cold() and cold().history_loaded and len(cold().train_loss) > 0,
+                                                                   60, "the newest records")
+        await wait_for(lambda: progress_events and progress_events[-1].get("caught_up"), 1800, "the cold index")
+        result["cold_attach_to_indexed_s"] = time.perf_counter() - started
+        result["cold_progress_events"] = len(progress_events)
+        await wait_for(lambda: cold().total_records == records, 60, "the refreshed summary")
+        result["console_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        result["agent_peak_rss_mib"] = agent_peak_rss_mib(agent_pid)
+        await asyncio.sleep(2.0)
+        cpu_before, t0 = agent_cpu_s(agent_pid), time.monotonic()
+        await asyncio.sleep(10.0)
+        result["agent_cpu_idle_pct_of_core"] = 100 * (agent_cpu_s(agent_pid) - cpu_before) / (time.monotonic() - t0)
+
+        lag, cpu_load = await live_lag(app, agent_pid, live_lines)
+        result["live_lag_s"] = lag
+        result["agent_cpu_at_10_lines_per_s_pct_of_core"] = cpu_load
+        await app.client.request(Request.STOP_JOB, all=True, grace=2, timeout=60)
+    return result
+
+
+async def live_lag(app, agent_pid: int, lines: int) -> tuple[dict, float]:
+    job = (await app.client.request(Request.START_JOB, name="live", kind="other", argv=[sys.executable, "-c", SLEEPER]))["job"]
+    path = Path(job["job_dir"]) / METRICS_FILENAME
+    received: dict[int, float] = {}
+    original = app.handle_event
+
+    def stamping(event):
+        if isinstance(event, dict) and event.get("type") == "metrics" and event.get("job") == "live":
+            now = time.time()
+            for record in event.get("records") or []:
+                received.setdefault(record["step"], now)
+        original(event)
+
+    app.handle_event = stamping
+    await asyncio.sleep(1.0)
+    written: dict[int, float] = {}
+    cpu_before, t0 = agent_cpu_s(agent_pid), time.monotonic()
+    for step in range(lines):
+        written[step] = time.time()
+        with open(path, "a") as handle:
+            handle.write(json.dumps({"step": step, "split": "train", "loss": 1.0, "time": written[step]}) + "\n")
+        await asyncio.sleep(max(0.0, t0 + (step + 1) * 0.1 - time.monotonic()))
+    await asyncio.sleep(1.0)
+    cpu = 100 * (agent_cpu_s(agent_pid) - cpu_before) / (time.monotonic() - t0)
+    missing = [s for s in written if s not in received]
+    if missing:
+        raise RuntimeError(f"{len(missing)} live lines never reached the console")
+    delays = sorted(received[s] - written[s] for s in written)
+    lag = summary(delays)
+    lag["p99"] = delays[min(len(delays) - 1, int(round(0.99 * (len(delays) - 1))))]
+    return lag, cpu
+
+
+def bench_attach(path: Path, records: int, live_lines: int) -> dict:
+    with tempfile.TemporaryDirectory(dir=path.parent) as name:
+        tmp = Path(name)
+        run_dir = tmp / "run"
+        registry = JobRegistry(run_dir)
+        for job, sidecar in (("warm", True), ("cold", False)):
+            info = registry.start_job(job, "train", [sys.executable, "-c", SLEEPER])
+            os.link(path, Path(info.job_dir) / METRICS_FILENAME)
+            if sidecar:
+                shutil.copy(path.with_name(INDEX_FILENAME), Path(info.job_dir) / INDEX_FILENAME)
+        saved = {key: os.environ.get(key) for key in ("HOME", "SSH_AUTH_SOCK")}
+        os.environ["HOME"] = str(tmp / "home")
+        os.environ.pop("SSH_AUTH_SOCK", None)
+        kind, make_transport, stop = ssh_server(tmp, run_dir)
+        try:
+            result = {"transport": kind, **asyncio.run(attach(make_transport, records, live_lines))}
+        finally:
+            stop()
+            registry.stop(all_jobs=True, grace=1)
+            for key, value in saved.items():
+                os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    return result
+
+
+# -- 4. frame time ------------------------------------------------------------------------------
+
+
+def frame_states(points: int):
+    from console.state import CONNECTED, ConnectionStatus, ConsoleState
+
+    rng = random.Random(0)
+    steps = list(range(1, points + 1))
+    values = {"train.loss": [6.0 / (1 + s / 5000) + rng.gauss(0, 0.05) for s in steps],
+              "val.loss": [6.3 / (1 + s / 5000) for s in steps], "lr": [3e-4 * (1 - s / (points + 1)) + 1e-7 for s in steps]}
+    ours = ConsoleState(target="bench", clock=lambda: 0.0)
+    ours.set_connection(ConnectionStatus(state=CONNECTED))
+    series = {}
+    for key, column in values.items():
+        series[key] = Series()
+        series[key].add(steps, column)
+    reply = {"series": {k: query(s, 1, points, 512) for k, s in series.items()}, "step_range": [1, points], "points": 512, "log_x": False,
+             "total_records": points}
+    ours.apply_series("run", reply)
+    ours.apply_window("run", {"records": [{"step": s, "split": "train", "loss": 1.0, "lr": 1e-7} for s in steps[-2000:]], "offset": 1})
+    raw = ConsoleState(target="bench", clock=lambda: 0.0)
+    raw.set_connection(ConnectionStatus(state=CONNECTED))
+    metrics = raw.job_metrics("run")
+    metrics.train_loss.steps, metrics.train_loss.values = [float(s) for s in steps], values["train.loss"]
+    metrics.val_loss.steps, metrics.val_loss.values = [float(s) for s in steps], values["val.loss"]
+    metrics.lr.steps, metrics.lr.values = [float(s) for s in steps], values["lr"]
+    metrics.history_loaded = True
+    return ours, raw
+
+
+async def frame_times(state, reps: int) -> list[float]:
+    from console.app import build_app
+
+    app = build_app(state=state, poll_interval=None, refresh_throttle=0)
+    times = []
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("run")
+        await pilot.press("2")
+        await pilot.pause()
+        screen = app.screen
+        plots = [screen.query_one("#loss-plot"), screen.query_one("#lr-plot")]
+        metrics = state.metrics["run"]
+        for _ in range(reps):
+            step = (metrics.train_loss.steps[-1] if metrics.train_loss.steps else 0) + 1
+            metrics.add({"step": step, "split": "train", "loss": 1.0, "lr": 1e-7})  # a new point: caches are stale
+            started = time.perf_counter()
+            screen.show_state({"metrics"})
+            for plot in plots:
+                plot.render()
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def bench_frame(points: int, reps: int = 7) -> dict:
+    ours_state, raw_state = frame_states(points)
+    ours = asyncio.run(frame_times(ours_state, reps))
+    raw = asyncio.run(frame_times(raw_state, max(3, reps // 2)))
+    return {"points_per_series": points, "series": 3, "ours_buckets_frame_s": summary(ours), "peer_raw_points_frame_s": summary(raw),
+            "peer_over_ours": summary(raw)["median"] / summary(ours)["median"]}
+
+
+def records_memory_mib(path: Path, records: int, sample: int = 100_000) -> float:
+    """What holding the whole history as cleaned records (dicts) would take, scaled from a sample."""
+    tracemalloc.start()
+    kept = []
+    with open(path, "rb") as handle:
+        for _, line in zip(range(sample), handle):
+            kept.append(normalize_record(json.loads(line))[0])
+    used = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return used / 2**20 * records / len(kept)
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--attach-child"]:
+        path, records, lines = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+        print(json.dumps(bench_attach(path, records, lines)))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=int, default=1024, help="size of the generated metrics.jsonl (default 1024)")
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "eagle3-long-run", help="where the history is generated (kept for reruns)")
+    parser.add_argument("--frame-points", type=int, default=1_000_000)
+    parser.add_argument("--live-lines", type=int, default=200, help="lines written at 10/s for the live lag")
+    parser.add_argument("--skip-attach", action="store_true")
+    parser.add_argument("--json", help="also write the numbers to this file")
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    path = history_file(args.dir, args.size_mib)
+    results: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}}
+    results["cold_index"] = cold = bench_cold_index(path, path.with_name(INDEX_FILENAME))
+    show("cold index of a never-seen history (CPU time on one core)", cold)
+    results["warm_query"] = bench_warm_query(path)
+    show("warm `metrics series --points 200` (new process) vs grep '\"val\"' | tail", results["warm_query"])
+    results["frame"] = bench_frame(args.frame_points)
+    show(f"Training frame, {args.frame_points} points x 3 series", results["frame"])
+    results["records_as_dicts_mib"] = records_memory_mib(path, cold["records"])
+    if not args.skip_attach:  # in a fresh process, so its peak RSS is the console's, not this script's
+        child = subprocess.run([sys.executable, __file__, "--attach-child", str(path), str(cold["records"]), str(args.live_lines)],
+                               cwd=ROOT, capture_output=True, text=True)
+        if child.returncode != 0:
+            raise RuntimeError(f"the attach run failed:\n{child.stderr[-3000:]}")
+        results["attach"] = json.loads(child.stdout.strip().splitlines()[-1])
+        show("attach over loopback SSH, live lag, CPU, memory", results["attach"])
+    results["machine"]["loadavg_at_end"] = os.getloadavg()
+    print(f"\n(holding the whole history as records would take ~{results['records_as_dicts_mib']:.0f} MiB in the console)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
