@@ -385,3 +385,81 @@ def test_checkpoint_from_the_trainer_passes(tmp_path):
     report = run_preflight(path, target, serving_argv=build_sglang_argv(profile, str(path)), check_sglang=False)
     assert report.ok, report.problems
     assert run_preflight(tmp_path / "run", target, check_sglang=False).draft == str(path)  # run dir -> latest
+
+
+# --- hostile files: deep nesting, huge integers, wrong types -> `corrupt`, exit 1, never a traceback -----------
+
+def nested(depth):
+    return "[" * depth + "]" * depth
+
+
+def cli_json(draft, target):
+    out = run_cli("preflight", str(draft), "--target-config", str(target), "--json")
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 1, (out.returncode, out.stdout[-500:], out.stderr[-500:])
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("depth", [1_000, 100_000])
+def test_deeply_nested_draft_config_is_corrupt_not_a_traceback(tmp_path, depth):
+    draft = write_draft(tmp_path)
+    (draft / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"], "x": ' + nested(depth) + "}")
+    report = check(tmp_path, draft)
+    assert only_codes(report) == ["corrupt"]
+    assert f"{draft / 'config.json'} is nested too deeply to read" in report.problems[0].message
+    if depth == 1_000:
+        body = cli_json(draft, target_config(tmp_path))
+        assert body["ok"] is False and [p["code"] for p in body["problems"]] == ["corrupt"]
+        assert "nested too deeply" in body["problems"][0]["message"] and body["problems"][0]["hint"]
+
+
+def test_integer_over_4300_digits_in_draft_config_is_corrupt_not_a_traceback(tmp_path):
+    draft = write_draft(tmp_path)
+    text = json.dumps(good_config())
+    (draft / "config.json").write_text(text[:-1] + ', "hidden_size": ' + "7" * 4301 + "}")
+    report = check(tmp_path, draft)
+    assert only_codes(report) == ["corrupt"]
+    message = report.problems[0].message
+    assert f"{draft / 'config.json'} holds a number too long to read" in message and "4301 digits" in message
+    body = cli_json(draft, target_config(tmp_path))
+    assert [p["code"] for p in body["problems"]] == ["corrupt"] and "number too long" in body["problems"][0]["message"]
+
+
+def test_hostile_target_config_header_and_index_are_corrupt(tmp_path):
+    draft = write_draft(tmp_path)
+    target = tmp_path / "hostile_target.json"
+    target.write_text('{"hidden_size": ' + "1" * 5000 + "}")
+    report = run_preflight(draft, target, check_sglang=False)
+    assert only_codes(report) == ["corrupt"] and "number too long" in report.problems[0].message
+    target.write_text(nested(5_000))
+    assert "nested too deeply" in run_preflight(draft, target, check_sglang=False).problems[0].message
+    header = ('{"x": ' + nested(3_000) + "}").encode()
+    (draft / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    report = check(tmp_path, draft)
+    assert only_codes(report) == ["corrupt"] and "header is nested too deeply" in report.problems[0].message
+    (draft / "model.safetensors").unlink()
+    (draft / "model.safetensors.index.json").write_text('{"weight_map": ' + nested(2_000) + "}")
+    report = check(tmp_path, draft)
+    assert only_codes(report) == ["corrupt"] and "index.json is nested too deeply" in report.problems[0].message
+
+
+@pytest.mark.parametrize("field, value, check_name", [
+    ("hidden_size", "abc", "fc shape"),
+    ("draft_vocab_size", 1e400, "vocab"),  # json writes Infinity
+    ("eagle_config", {"eagle_aux_hidden_state_layer_ids": [[1], {"a": 1}, None]}, None),
+])
+def test_config_values_of_the_wrong_type_are_corrupt_not_a_traceback(tmp_path, field, value, check_name):
+    draft = write_draft(tmp_path, config=good_config(**{field: value}))
+    report = check(tmp_path, draft)
+    assert not report.ok
+    if check_name:
+        assert any(p.code == "corrupt" and f"the {check_name} check reads has the wrong type" in p.message for p in report.problems)
+    cli_json(draft, target_config(tmp_path))
+
+
+def test_target_config_values_of_the_wrong_type_are_corrupt(tmp_path):
+    draft = write_draft(tmp_path)
+    for bad in ("4096", 16.5, True, -16, [16]):
+        report = run_preflight(draft, target_config(tmp_path, hidden_size=bad), check_sglang=False)
+        assert only_codes(report) == ["corrupt"]
+        assert f"hidden_size = {bad!r}, expected a positive integer" in report.problems[0].message

@@ -125,9 +125,10 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     except OSError as exc:
         raise HeaderError(f"cannot read {path}: {exc}") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise HeaderError(f"{path}: header is not JSON ({exc})") from None
+    header = parse_json(text, f"{path}: header")
     if not isinstance(header, dict):
         raise HeaderError(f"{path}: header is a {type(header).__name__}, not a JSON object")
     data_start = 8 + header_len
@@ -181,7 +182,14 @@ def draft_weight_files(draft_dir: Path) -> list[Path]:
         return [single]
     index = draft_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        try:
+            text = index.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise HeaderError(f"{index} is unreadable: {exc}") from None
+        data = parse_json(text, str(index))
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise HeaderError(f"{index} has no weight_map of tensor name -> file name")
         return [draft_dir / name for name in sorted(set(weight_map.values()))]
     shards = sorted(draft_dir.glob("*.safetensors"))
     return shards
@@ -201,13 +209,29 @@ def read_draft_header(draft_dir: Path) -> dict[str, TensorEntry]:
 
 # --------------------------------------------------------------------------- configs
 
+def parse_json(text: str, what: str) -> Any:
+    """json.loads that turns every way a hostile or broken file fails into one HeaderError naming it:
+    invalid JSON, nesting deeper than the parser's recursion limit, integers over Python's digit limit."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise HeaderError(f"{what} is nested too deeply to read (arrays/objects more than about "
+                          f"{sys.getrecursionlimit()} levels deep; a real config has a handful)") from None
+    except json.JSONDecodeError as exc:
+        raise HeaderError(f"{what} is not valid JSON ({exc})") from None
+    except ValueError as exc:  # an integer literal over sys.get_int_max_str_digits() digits
+        detail = str(exc).split(";")[0]
+        raise HeaderError(f"{what} holds a number too long to read ({detail}; a real config's numbers have a few digits)") from None
+
+
 def load_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise HeaderError(f"{what} {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise HeaderError(f"{what} {path} is unreadable: {exc}") from None
+    data = parse_json(text, f"{what} {path}")
     if not isinstance(data, dict):
         raise HeaderError(f"{what} {path} holds a {type(data).__name__}, not a JSON object")
     return data
@@ -233,13 +257,26 @@ def target_facts(config: dict[str, Any]) -> TargetFacts:
     missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if pick(k) is None]
     if missing:
         raise HeaderError(f"target config lacks {', '.join(missing)}")
+    sizes = {}
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
+        value = pick(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise HeaderError(f"target config has {key} = {_short(repr(value))}, expected a positive integer")
+        sizes[key] = value
+    architectures = config.get("architectures") or []
     return TargetFacts(
-        architectures=list(config.get("architectures") or []),
-        hidden_size=int(pick("hidden_size")),
-        num_layers=int(pick("num_hidden_layers")),
-        vocab_size=int(pick("vocab_size")),
+        architectures=[str(a) for a in architectures] if isinstance(architectures, list) else [str(architectures)],
+        hidden_size=sizes["hidden_size"],
+        num_layers=sizes["num_hidden_layers"],
+        vocab_size=sizes["vocab_size"],
         dtype=_dtype_name(pick("torch_dtype") or pick("dtype")),
     )
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr(value), or str(value) for a string, cut to `limit` characters (a 4,000-digit number stays readable)."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _dtype_name(value: Any) -> str | None:
@@ -627,10 +664,36 @@ def run_preflight(
 ) -> PreflightReport:
     """All checks. serving_argv (from sglang_args) drives the algorithm and dtype checks when given."""
     out = _Collector()
-    draft_dir = resolve_draft_dir(Path(draft).expanduser())
+    draft_dir = Path(draft).expanduser()
     target_label = "(profile)" if isinstance(target_config, dict) else str(target_config)
     report = lambda: PreflightReport(ok=not out.problems, problems=out.problems, notes=out.notes,  # noqa: E731
                                      draft=str(draft_dir), target_config=target_label)
+    try:
+        draft_dir = resolve_draft_dir(draft_dir)
+        _run_checks(draft_dir, target_config, serving_argv, serving_dtype, resolve_class, check_sglang, out)
+    except Exception as exc:  # noqa: BLE001 - a file no check foresaw: a problem to report, never a traceback
+        out.add(CORRUPT, f"preflight could not finish on {draft_dir}: {type(exc).__name__}: {_short(str(exc), 300)}.",
+                "Check the draft's config.json and model.safetensors (re-export or copy them again); if they look "
+                "right, report this as a preflight bug.")
+    return report()
+
+
+_VALUE_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError)
+
+
+def _guarded(out: _Collector, what: str, check: Callable[..., Any], *args: Any) -> Any:
+    """Run one check; a config value of the wrong type or size becomes a `corrupt` problem naming the check."""
+    try:
+        return check(*args)
+    except _VALUE_ERRORS as exc:
+        out.add(CORRUPT, f"draft config.json: a value the {what} check reads has the wrong type or size "
+                         f"({type(exc).__name__}: {_short(str(exc), 200)}).",
+                "Fix that value in the draft's config.json (compare with one the trainer writes) or re-export the draft.")
+        return None
+
+
+def _run_checks(draft_dir: Path, target_config, serving_argv, serving_dtype, resolve_class, check_sglang,
+                out: _Collector) -> None:
     if serving_argv is not None:
         check_serving_argv(serving_argv, out)
         from backend.serve.sglang_args import parse_flag_values
@@ -640,29 +703,28 @@ def run_preflight(
         target = target_facts(target_raw)
     except HeaderError as exc:
         out.add(CORRUPT, f"target config: {exc}.", "Pass the target model's config.json with --target-config.")
-        return report()
+        return
     try:
         draft_cfg = load_json(draft_dir / "config.json", "draft config")
     except HeaderError as exc:
         out.add(CORRUPT, f"{exc}.", "Point at a checkpoint directory holding config.json and model.safetensors.")
-        return report()
-    arch = check_architecture(draft_cfg, out)
-    check_aux(draft_cfg, target, out)
-    check_dtype(draft_cfg, target, serving_dtype, out)
+        return
+    arch = _guarded(out, "architecture", check_architecture, draft_cfg, out)
+    _guarded(out, "aux layers", check_aux, draft_cfg, target, out)
+    _guarded(out, "dtype", check_dtype, draft_cfg, target, serving_dtype, out)
     try:
         entries = read_draft_header(draft_dir)
-    except (HeaderError, OSError, json.JSONDecodeError) as exc:
+    except (HeaderError, OSError) as exc:
         out.add(CORRUPT, f"draft weights unreadable: {exc}.",
                 "Copy the checkpoint again (a partial copy truncates model.safetensors) or re-export it.")
-        return report()
-    check_keys(entries, arch, out)
-    check_fc(draft_cfg, entries, target, out)
-    check_layer_shapes(draft_cfg, entries, arch, out)
-    check_vocab(draft_cfg, entries, target, out)
+        return
+    _guarded(out, "key", check_keys, entries, arch, out)
+    _guarded(out, "fc shape", check_fc, draft_cfg, entries, target, out)
+    _guarded(out, "layer shape", check_layer_shapes, draft_cfg, entries, arch, out)
+    _guarded(out, "vocab", check_vocab, draft_cfg, entries, target, out)
     if check_sglang:
         check_target_support(target, out, resolve_class)
     out.notes.append(f"target: {target.architectures} hidden {target.hidden_size}, {target.num_layers} layers, vocab {target.vocab_size}")
-    return report()
 
 
 def problems_text(report: PreflightReport) -> Iterable[str]:
