@@ -47,6 +47,7 @@ DESCENDANTS_EVERY_TICKS = 5
 DISK_EVERY_TICKS = 10
 DIR_SIZE_EVERY_S = 60.0
 HISTORY_LIMIT = 20_000
+BACKLOG_BYTES = 4 << 20
 LIVE_POLL_S = 0.05  # metrics and stages files are checked this often (a stat each when nothing changed)
 PROGRESS_EVERY_S = 0.5
 SIDECAR_SAVE_EVERY_S = 60.0
@@ -153,7 +154,10 @@ class JobFiles:
     def __init__(self, record: JobRecord, from_end: bool):
         job_dir = Path(record.info.job_dir)
         self.record_id = record.id
-        self.metrics = MetricsFeed(job_dir / METRICS_FILENAME, job_dir / INDEX_FILENAME, live_from_end=from_end)
+        # A file already large when first met (an adopted job, a restarted agent) is a backlog for the indexer,
+        # not megabytes of live events.
+        backlog = self._size(job_dir / METRICS_FILENAME) > BACKLOG_BYTES
+        self.metrics = MetricsFeed(job_dir / METRICS_FILENAME, job_dir / INDEX_FILENAME, live_from_end=from_end or backlog)
         self.stages = JsonlFollower(job_dir / STAGES_FILENAME, self._size(job_dir / STAGES_FILENAME) if from_end else 0)
         self.latest = last_record(job_dir / METRICS_FILENAME) if from_end else None
         self.progress_sent_at = float("-inf")
@@ -242,10 +246,12 @@ class Agent:
         indexer.start()
         try:
             while not self.stopping.is_set() and not self.out.closed.is_set():
-                line = stdin.readline()
+                line = stdin.readline(MAX_LINE_BYTES + 1)
                 if not line:
                     break
-                if line.strip():
+                if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                    self._refuse_long_line(stdin, len(line))
+                elif line.strip():
                     self.handle_line(line)
         finally:
             self.stopping.set()
@@ -257,6 +263,15 @@ class Agent:
             self.gpu.close()
             self.registry.close()
         return 0
+
+    def _refuse_long_line(self, stdin: BinaryIO, read: int) -> None:
+        """Skip the rest of an over-long request line (never held whole in memory) and say so."""
+        while True:
+            rest = stdin.readline(1 << 20)
+            read += len(rest)
+            if not rest or rest.endswith(b"\n"):
+                break
+        self.out.send(reply_error(None, ErrorCode.MALFORMED, f"request line of {read} bytes is longer than the {MAX_LINE_BYTES}-byte limit; skipped"))
 
     def _tick_loop(self) -> None:
         started = time.monotonic()
@@ -699,9 +714,11 @@ def _optional_module(name: str, purpose: str):
 
 def _id_of(line: bytes) -> Any:
     """The id of a malformed request when it is a JSON object that has one (null otherwise)."""
+    if len(line) > 4096:
+        return None  # not worth parsing twice
     try:
         message = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     return message.get("id") if isinstance(message, dict) else None
 

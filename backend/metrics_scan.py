@@ -76,7 +76,11 @@ class ScanResult:
     def add_column(self, key: str, steps: list[int], values: list[float]) -> None:
         if key in self.columns:
             old_steps, old_values = self.columns[key]
-            self.columns[key] = (old_steps + steps, old_values + values)
+            if steps and old_steps and steps[0] < old_steps[-1]:  # another shape's lines: keep steps ascending (stable)
+                pairs = sorted(zip(old_steps + steps, old_values + values), key=lambda p: p[0])
+                self.columns[key] = ([s for s, _ in pairs], [v for _, v in pairs])
+            else:
+                self.columns[key] = (old_steps + steps, old_values + values)
         else:
             self.columns[key] = (steps, values)
 

@@ -266,3 +266,50 @@ def test_checkpoints_and_disk_helpers(tmp_path):
     assert dir_size(tmp_path, max_entries=2) is None  # bounded: no partial number
     usage = disk_usage(tmp_path / "not-yet-created", "data_dir", measure_dir=True)
     assert usage.total_bytes > 0 and usage.dir_bytes is None and usage.label == "data_dir"
+
+
+def test_metrics_series_and_window_answer_from_the_index(tmp_path):
+    from test_series_index import write_run
+
+    registry = JobRegistry(tmp_path / "run")
+    info = registry.start_job("long", "train", [PY, "-c", "import time; time.sleep(60)"])
+    write_run(Path(info.job_dir) / "metrics.jsonl", 6_000, nans={4_000})  # a history this agent never saw
+    agent = AgentProcess(tmp_path / "run")
+    try:
+        _check_series_answers(agent, Path(info.job_dir))
+    finally:
+        agent.close()
+        registry.stop(all_jobs=True, grace=1)
+
+
+def _check_series_answers(agent, job_dir: Path) -> None:
+    _, progress = agent.wait(lambda m: m["type"] == "index_progress" and m["job"] == "long" and m["caught_up"], timeout=60)
+    assert progress["indexed_bytes"] == progress["file_bytes"] > 0
+    result = agent.ok("metrics_series", name="long", keys=["train.loss", "val.loss", "nope"], points=50)
+    assert len(result["series"]["train.loss"]) == 50 and result["series"]["nope"] == []
+    assert result["step_range"] == [1, 6_000] and result["nonfinite"]["train.loss"] == 1
+    assert "val.acc.0" in result["keys"] and result["total_records"] == 6_024
+    zoom = agent.ok("metrics_series", name="long", keys=["train.loss"], points=10, **{"from": 5_000, "to": 5_999}, log_x=True)
+    buckets = zoom["series"]["train.loss"]  # ranges resolve to fine buckets (1/64 octave here, 128 steps past 8192)
+    assert buckets[0]["step_lo"] >= 5_000 and buckets[-1]["step_hi"] <= 5_999 + 128
+    window = agent.ok("metrics_window", name="long", last=30, val=3)
+    assert [r["step"] for r in window["records"]][-1] == 6_000 and len(window["records"]) == 30
+    assert [r["step"] for r in window["val"]] == [5_500, 5_750, 6_000]
+    signals = agent.ok("signals", name="long")
+    assert signals["n_records"] == 6_024 and signals["n_val"] == 24
+    for bad in ({"points": 0}, {"points": 10**6}, {"keys": "train.loss"}, {"from": 10, "to": 5}):
+        _, reply = agent.request("metrics_series", name="long", **bad)
+        assert not reply["ok"] and reply["error"]["code"] == "bad_params"
+    assert (job_dir / "metrics.index").exists()
+
+
+def test_the_agent_answers_every_hostile_line(agent):
+    agent.wait(lambda m: m["type"] == "hello")
+    hostile = [b"[" * 5000 + b"\n", b'{"type":"ping","id":' + b"9" * 5000 + b"}\n", b'{"type":"ping","id":1,"x":"\x00"}\n',
+               b"\xff\xfe not utf-8\n", b'{"type":"ping","id":2,"pad":"' + b"x" * (5 << 20) + b'"}\n',
+               b'{"type":"stop_job","id":3,"name":"x","grace":NaN}\n', b'{"type":"stop_job","id":4,"name":"x","grace":1e9}\n']
+    for line in hostile:
+        mark = agent.send_raw(line)
+        _, reply = agent.wait(lambda m: m["type"] == "reply", start=mark)
+        assert reply["ok"] is False and reply["error"]["code"] in ("malformed", "bad_params"), reply
+    assert agent.ok("ping")["pong"] is True

@@ -271,3 +271,31 @@ def test_cli_series_prints_the_documented_json(run_file, tmp_path):
     assert (path.parent / "metrics.index").exists()  # the next call reads the saved index
     missing = subprocess.run([*command[:-3], "--key", "val.nope", "--json"], cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 1 and "no series 'val.nope'" in json.loads(missing.stdout)["error"]
+
+
+def test_the_token_path_reads_the_trainers_lines_and_agrees_with_the_decoder(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    write_run(path, 5_000, spikes={1_234}, nans={4_321})
+    scanner = ChunkScanner()
+    data = path.read_bytes()
+    folded = MetricsIndex()
+    start = 0
+    while start < len(data):  # 256 KiB chunks: val lines are cut out of most of them
+        end = data.rfind(b"\n", start, start + (256 << 10)) + 1
+        folded.fold_scan(scanner.scan(data[start:end]))
+        start = end
+    assert scanner.tokens is not None and not scanner.shapes, "every chunk took the token path"
+    assert_index_matches(folded, brute_points(path))
+
+
+def test_a_line_that_breaks_the_token_shape_sends_its_chunk_down_the_regex_path(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    write_run(path, 400)
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines.insert(200, b'{"step":150,"epoch":0.03,"split":"train","loss":9.5,"ploss":[1,2],"acc":[0.5],"lr":0.001}\n')
+    path.write_bytes(b"".join(lines))
+    scanner = ChunkScanner()
+    index = MetricsIndex()
+    index.fold_scan(scanner.scan(path.read_bytes()))
+    assert scanner.shapes, "the mixed chunk fell back to the per-shape regex"
+    assert_index_matches(index, brute_points(path))
