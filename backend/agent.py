@@ -7,7 +7,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
 import signal
 import socket
 import sys
@@ -23,6 +22,7 @@ from backend.disk import disks_for
 from backend.gpu import driver_state, open_gpu_source
 from backend.jobs import JobError, JobNotFound, JobRecord, JobRegistry, tail_lines
 from backend.jsonl import JsonlFollower
+from backend.layout import checkpoint_listing, list_results
 from backend.metrics_index import MetricsFeed, MetricsIndex
 from backend.protocol import (
     INDEX_FILENAME,
@@ -56,7 +56,6 @@ WINDOW_RECORDS_MAX = 5000
 SERIES_KEYS_MAX = 64
 GRACE_MAX_S = 3600.0
 LOG_CHUNK_BYTES = 1 << 20
-CHECKPOINT_DIR = re.compile(r"^epoch_(\d+)_step_(\d+)$")
 
 
 class BadParams(Exception):
@@ -112,24 +111,6 @@ def sglang_version() -> str | None:
         return importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def list_checkpoints(job_dir: str | Path) -> list[dict[str, Any]]:
-    """<job_dir>/checkpoints/epoch_E_step_S/ directories, oldest first, with the one the `latest` pointer names marked."""
-    root = Path(job_dir) / "checkpoints"
-    pointer = root / "latest"
-    latest = None
-    if pointer.is_symlink():
-        latest = Path(os.readlink(pointer)).name
-    elif pointer.is_file():
-        latest = Path(pointer.read_text().strip()).name or None
-    found = []
-    if root.is_dir():
-        for entry in root.iterdir():
-            match = CHECKPOINT_DIR.match(entry.name)
-            if match and entry.is_dir() and not entry.is_symlink():
-                found.append({"path": str(entry), "epoch": int(match.group(1)), "step": int(match.group(2)), "latest": entry.name == latest})
-    return sorted(found, key=lambda c: (c["epoch"], c["step"]))
 
 
 def last_record(path: Path) -> dict[str, Any] | None:
@@ -522,10 +503,11 @@ class Agent:
             raise BadParams("grace", f"must be a number of seconds in 0..{GRACE_MAX_S:g}, got {grace!r}")
         verdicts = self.registry.stop(names, all_jobs, grace=grace, gpu_source=self.gpu)
         self._jobs_dirty.set()
-        return {"verdicts": verdicts}
+        return {"verdicts": verdicts, "unrecorded": self.registry.unrecorded()}
 
     def _adopt_job(self, message: dict) -> dict:
-        info = self.registry.adopt(param(message, "pid", int), param(message, "name", str), param(message, "confirm_pid", int))
+        info = self.registry.adopt(param(message, "pid", int), param(message, "name", str), param(message, "confirm_pid", int),
+                                   other_user=param(message, "other_user", bool, False))
         self._jobs_dirty.set()
         return {"job": self.registry.get(info.name).to_wire()}
 
@@ -652,7 +634,7 @@ class Agent:
 
     def _list_checkpoints(self, message: dict) -> dict:
         record = self.registry.get(param(message, "name", str))
-        return {"checkpoints": list_checkpoints(record.info.job_dir)}
+        return {"checkpoints": checkpoint_listing(record.info.job_dir)}
 
     def _signals(self, message: dict) -> Any:
         """Grokking signals from the run's index (no re-read of metrics.jsonl), recomputed only when it changed."""
@@ -694,8 +676,6 @@ class Agent:
             raise BadParams("data_dir", str(exc)) from None
 
     def _results(self, message: dict) -> dict:
-        from backend.chain import list_results
-
         return {"results": list_results(self.registry.get(param(message, "name", str)).info.job_dir)}
 
     def _shutdown(self, message: dict) -> dict:

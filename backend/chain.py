@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from backend.jsonl import append_record
-from backend.protocol import STAGES_FILENAME
+from backend.layout import RESULTS_DIRNAME, STAGES_FILENAME, list_results  # noqa: F401 - list_results re-exported for chain_cli
 
 STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
-RESULTS_DIRNAME = "results"
 
 
 class ChainFailed(Exception):
@@ -319,14 +318,3 @@ class StopAndBench:
         return open_gpu_source(stream=False)
 
 
-def list_results(train_job_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Saved stop-and-bench results of a training run, oldest first, for comparison."""
-    directory = Path(train_job_dir) / RESULTS_DIRNAME
-    results = []
-    for path in sorted(directory.glob("stop-and-bench-*.json")):
-        try:
-            document = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        results.append({"path": str(path), **(document.get("result") or {})})
-    return results

@@ -124,7 +124,7 @@ class JobInfo:
 class ProcessVerdict:
     pid: int
     role: str  # leader | group | descendant
-    outcome: str  # exited_on_term | killed | already_gone | stale_not_signalled | survived
+    outcome: str  # exited_on_term | killed | already_gone | stale_not_signalled | survived (incl. "not signalled: the stopper or its parents")
     detail: str = ""
 
 
@@ -229,13 +229,6 @@ def reply_error(request_id: Any, code: str, message: str) -> dict[str, Any]:
     return {"type": Event.REPLY, "id": request_id, "ok": False, "error": {"code": code, "message": message}}
 
 
-# Metrics records (one JSON object per line of <job_dir>/metrics.jsonl), written by the trainer
-# and read by backend/metrics.py. Keys: step, epoch, split ("train"|"val"), loss, ploss (list per
-# TTT step), acc (list per TTT step), lr, grad_norm, weight_norm, weight_norm_modules (dict),
-# tokens, time (epoch seconds), step_time (s). Optional keys may be absent; readers tolerate that.
-METRICS_FILENAME = "metrics.jsonl"
-# Stage records of a chain job (stop-and-bench): <job_dir>/stages.jsonl, one JSON object per line:
-# {"stage", "status": "running"|"ok"|"failed"|"skipped", "time", "elapsed", "detail", "result"?}
-STAGES_FILENAME = "stages.jsonl"
-# The rebuildable whole-history summary of metrics.jsonl (backend/metrics_index.py), beside it.
-INDEX_FILENAME = "metrics.index"
+# Metrics records (one JSON object per line of <job_dir>/metrics.jsonl) and chain stage records
+# (<job_dir>/stages.jsonl): their file names live in backend/layout.py with the rest of the run-dir layout.
+from backend.layout import INDEX_FILENAME, METRICS_FILENAME, STAGES_FILENAME  # noqa: E402,F401 - re-exported

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from backend import procs
-from backend.agent import list_checkpoints
+from backend.layout import checkpoint_listing as list_checkpoints
 from backend.disk import dir_size, disk_usage
 from backend.protocol import PROTOCOL_VERSION
 from backend.jobs import JobRegistry
@@ -148,6 +148,8 @@ def test_round_trip(agent, tmp_path):
     checkpoints = Path(job["job_dir"]) / "checkpoints"
     for name in ("epoch_0_step_10", "epoch_1_step_20", "epoch_1_step_20.tmp"):
         (checkpoints / name).mkdir(parents=True)
+        (checkpoints / name / "config.json").write_text("{}")
+        (checkpoints / name / "model.safetensors").write_bytes(b"")
     (checkpoints / "latest").write_text("epoch_1_step_20\n")
     found = agent.ok("list_checkpoints", name="writer")["checkpoints"]
     assert [(c["epoch"], c["step"], c["latest"]) for c in found] == [(0, 10, False), (1, 20, True)]
@@ -256,8 +258,11 @@ def test_sigterm_ends_the_agent_cleanly(tmp_path):
 def test_checkpoints_and_disk_helpers(tmp_path):
     assert list_checkpoints(tmp_path) == []
     root = tmp_path / "checkpoints"
-    (root / "epoch_2_step_300").mkdir(parents=True)
-    (root / "epoch_10_step_50").mkdir()
+    for name in ("epoch_2_step_300", "epoch_10_step_50"):
+        (root / name).mkdir(parents=True)
+        (root / name / "config.json").write_text("{}")
+        (root / name / "model.safetensors").write_bytes(b"")
+    (root / "epoch_11_step_60").mkdir()  # incomplete (a save in progress): never listed
     os.symlink("epoch_2_step_300", root / "latest")
     assert [(c["epoch"], c["latest"]) for c in list_checkpoints(tmp_path)] == [(2, True), (10, False)]
     (root / "epoch_2_step_300" / "model.safetensors").write_bytes(b"x" * 10000)

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from backend.layout import latest_checkpoint
+
 NOTHING_CHANGED = "Nothing was changed."
 
 # Stable problem codes (documented in docs/serving.md; the console keys on them).
@@ -292,28 +294,10 @@ def trained_block(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve_draft_dir(path: Path) -> Path:
-    """A checkpoint dir as given; a run dir (or its checkpoints/) resolves to the checkpoint `latest` names,
-    else the newest epoch_E_step_S (the trainer's layout, read without importing torch)."""
+    """A checkpoint dir as given; a run dir (or its checkpoints/) resolves to its latest checkpoint (backend/layout.py)."""
     if (path / "config.json").exists():
         return path
-    checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    latest = checkpoints / "latest"
-    if latest.is_symlink() or latest.is_dir():
-        return latest.resolve()
-    if latest.is_file():
-        named = checkpoints / latest.read_text().strip()
-        if (named / "config.json").is_file():
-            return named
-    candidates = [p for p in checkpoints.glob("epoch_*_step_*") if (p / "config.json").is_file()]
-
-    def order(p: Path) -> tuple[int, int]:
-        parts = p.name.split("_")
-        try:
-            return int(parts[1]), int(parts[3])
-        except (IndexError, ValueError):
-            return (-1, -1)
-
-    return max(candidates, key=order) if candidates else path
+    return latest_checkpoint(path) or path
 
 
 # --------------------------------------------------------------------------- the checks

@@ -11,7 +11,6 @@ import errno
 import json
 import os
 import pickle
-import re
 import secrets
 import shutil
 from collections.abc import Mapping
@@ -19,16 +18,24 @@ from pathlib import Path
 
 import torch
 
+from backend.layout import (  # noqa: F401 - the layout's names, re-exported for the trainer and tests
+    CHECKPOINT_NAME,
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    LATEST_FILE,
+    STATE_FILE,
+    WEIGHTS_FILE,
+    checkpoint_name,
+    checkpoints_dir_of,
+    is_complete,
+    latest_checkpoint,
+    list_checkpoints,
+)
 from backend.train.draft import CONSOLE_BLOCK, DraftModelConfig, Eagle3Draft
 from backend.train.fsutil import exchange_paths, free_bytes, fsync_path, pid_alive, tree_bytes
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-STATE_FILE = "training_state.pt"
-LATEST_FILE = "latest"
-CHECKPOINTS_DIR = "checkpoints"
 TEMP_PREFIX = ".tmp-"
-NAME_PATTERN = re.compile(r"^epoch_(\d+)_step_(\d+)$")
+NAME_PATTERN = CHECKPOINT_NAME
 NOT_SAVED = ("embed_tokens.weight",)  # loaded from the target, as SGLang does
 
 
@@ -45,10 +52,6 @@ class CheckpointDiskFullError(OSError):
 
     def __str__(self) -> str:
         return self.message
-
-
-def checkpoint_name(epoch: int, step: int) -> str:
-    return f"epoch_{epoch}_step_{step}"
 
 
 def expected_tensors(config: DraftModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -374,43 +377,6 @@ def _move_into_place(temp: Path, final: Path) -> None:
 
 
 # --- find ----------------------------------------------------------------------------------------
-
-def checkpoints_dir_of(path: str | Path) -> Path:
-    """Accept a run output dir (holding checkpoints/) or the checkpoints dir itself."""
-    path = Path(path)
-    return path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
-
-
-def is_complete(checkpoint_dir: Path) -> bool:
-    return (checkpoint_dir / CONFIG_FILE).is_file() and (checkpoint_dir / WEIGHTS_FILE).is_file()
-
-
-def list_checkpoints(path: str | Path) -> list[Path]:
-    """Complete epoch_E_step_S dirs, oldest first by (epoch, step); temp dirs are never listed."""
-    directory = checkpoints_dir_of(path)
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        match = NAME_PATTERN.match(entry.name)
-        if match and entry.is_dir() and is_complete(entry):
-            found.append(((int(match[1]), int(match[2])), entry))
-    return [entry for _, entry in sorted(found)]
-
-
-def latest_checkpoint(path: str | Path) -> Path | None:
-    """The checkpoint `latest` names; if that is absent or incomplete, the newest complete one; else None."""
-    directory = checkpoints_dir_of(path)
-    try:
-        name = (directory / LATEST_FILE).read_text().strip()
-    except (FileNotFoundError, NotADirectoryError):
-        name = ""
-    candidate = directory / name
-    if name and NAME_PATTERN.match(name) and is_complete(candidate):
-        return candidate
-    listed = list_checkpoints(directory)
-    return listed[-1] if listed else None
-
 
 # --- load ----------------------------------------------------------------------------------------
 
