@@ -21,7 +21,7 @@ from backend import holders as holders_mod
 from backend.disk import disks_for
 from backend.gpu import driver_state, open_gpu_source
 from backend.jobs import JobError, JobNotFound, JobRecord, JobRegistry, tail_lines
-from backend.jsonl import JsonlFollower
+from backend.jsonl import JsonlFollower, read_complete_lines
 from backend.layout import checkpoint_listing, list_results
 from backend.metrics_index import MetricsFeed, MetricsIndex
 from backend.protocol import (
@@ -56,6 +56,8 @@ WINDOW_RECORDS_MAX = 5000
 SERIES_KEYS_MAX = 64
 GRACE_MAX_S = 3600.0
 LOG_CHUNK_BYTES = 1 << 20
+LOG_LINE_SHOWN = 4096
+TAIL_LINES_MAX = 10_000
 
 
 class BadParams(Exception):
@@ -377,26 +379,25 @@ class Agent:
                 files.metrics.save_sidecar()
 
     def _emit_log(self) -> None:
+        """New lines of the followed log; `\r` ends a line too, and a line longer than a chunk is shown cut, never stalls."""
         follow = self._followed_log
         if follow is None:
             return
-        try:
-            size = os.path.getsize(follow["path"])
-        except OSError:
+        size, data, end = read_complete_lines(Path(follow["path"]), follow["offset"], LOG_CHUNK_BYTES, line_ends=b"\n\r")
+        if size is None:
             return
-        if size < follow["offset"]:
-            follow["offset"] = 0
-        if size == follow["offset"]:
-            return
-        with open(follow["path"], "rb") as handle:
-            handle.seek(follow["offset"])
-            chunk = handle.read(min(size - follow["offset"], LOG_CHUNK_BYTES))
-        end = chunk.rfind(b"\n")
-        if end < 0:
-            return
-        follow["offset"] += end + 1
-        lines = chunk[:end].decode(errors="replace").split("\n")
-        self.out.send({"type": Event.LOG, "job": follow["job"], "stream": follow["stream"], "lines": lines})
+        if not data and size - end >= LOG_CHUNK_BYTES:  # one line longer than a whole chunk
+            with open(follow["path"], "rb") as handle:
+                handle.seek(end)
+                data = handle.read(LOG_CHUNK_BYTES)
+            follow["offset"] = end + len(data)
+            lines = [data[:LOG_LINE_SHOWN].decode(errors="replace") + f" … (a line over {LOG_CHUNK_BYTES} bytes, cut)"]
+        else:
+            follow["offset"] = end
+            text = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").decode(errors="replace")
+            lines = [line[:LOG_LINE_SHOWN] for line in text.split("\n")[:-1] if line]
+        if lines:
+            self.out.send({"type": Event.LOG, "job": follow["job"], "stream": follow["stream"], "lines": lines})
 
     def _emit_externals(self) -> None:
         for name, watch in list(self._externals.items()):
@@ -521,6 +522,8 @@ class Agent:
         record = self.registry.get(param(message, "name", str))
         stream = param(message, "stream", str, "stdout", choices=("stdout", "stderr"))
         count = param(message, "lines", int, 100)
+        if not 0 <= count <= TAIL_LINES_MAX:
+            raise BadParams("lines", f"must be 0..{TAIL_LINES_MAX}")
         path = record.info.stdout_path if stream == "stdout" else record.info.stderr_path
         try:
             return {"lines": tail_lines(path, count), "path": path}

@@ -202,21 +202,38 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def tail_lines(path: str | Path, count: int, block: int = 65536) -> list[str]:
-    """The last `count` lines of a file, reading backwards in blocks (logs can be gigabytes)."""
+TAIL_MAX_BYTES = 16 << 20  # a tail never reads more than this, however long its lines
+TAIL_LINE_SHOWN = 4096  # characters kept of one line (a progress bar redrawn with \r for hours is one "line")
+
+
+def tail_lines(path: str | Path, count: int, block: int = 65536, max_bytes: int = TAIL_MAX_BYTES) -> list[str]:
+    """The last `count` lines of a file, reading backwards in blocks: linear in what it reads, at most max_bytes.
+
+    `\r` ends a line as `\n` does (progress bars redraw with it); longer lines are cut to TAIL_LINE_SHOWN.
+    """
     if count <= 0:
         return []
+    blocks: list[bytes] = []
+    ends = 0
     with open(path, "rb") as handle:
         handle.seek(0, os.SEEK_END)
         end = handle.tell()
-        data = b""
-        while end > 0 and data.count(b"\n") <= count:
-            step = min(block, end)
+        read = 0
+        while end > 0 and ends <= count and read < max_bytes:
+            step = min(block, end, max_bytes - read)
             end -= step
             handle.seek(end)
-            data = handle.read(step) + data
-    lines = data.decode(errors="replace").splitlines()
-    return lines[-count:]
+            data = handle.read(step)
+            blocks.append(data)
+            read += step
+            ends += data.count(b"\n") + data.count(b"\r")
+    text = b"".join(reversed(blocks)).replace(b"\r\n", b"\n").replace(b"\r", b"\n").decode(errors="replace")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if end > 0 and lines:
+        lines = lines[1:]  # the first one is cut by the read window
+    return [line if len(line) <= TAIL_LINE_SHOWN else line[:TAIL_LINE_SHOWN] + f" … ({len(line)} characters)" for line in lines[-count:]]
 
 
 def protected_pids() -> set[int]:

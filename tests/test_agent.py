@@ -318,3 +318,23 @@ def test_the_agent_answers_every_hostile_line(agent):
         _, reply = agent.wait(lambda m: m["type"] == "reply", start=mark)
         assert reply["ok"] is False and reply["error"]["code"] in ("malformed", "bad_params"), reply
     assert agent.ok("ping")["pong"] is True
+
+
+def test_log_following_survives_a_line_longer_than_a_chunk(agent, tmp_path):
+    script = ("import sys, time\nsys.stdout.write('x' * (3 << 20)); sys.stdout.flush(); time.sleep(0.5)\n"
+              "for i in range(3):\n    sys.stdout.write(f'\\rprogress {i}'); sys.stdout.flush(); time.sleep(0.2)\n"
+              "print(); print('after', flush=True); time.sleep(60)\n")
+    agent.ok("start_job", name="bar", kind="other", argv=[PY, "-c", script])
+    agent.ok("follow_log", name="bar", stream="stdout")
+    seen: list[str] = []
+
+    def got_after(message) -> bool:
+        if message["type"] == "log" and message["job"] == "bar":
+            seen.extend(message["lines"])
+        return "after" in seen
+
+    agent.wait(got_after, timeout=30)
+    assert any(line.endswith("cut)") and len(line) < 5000 for line in seen)
+    assert any(line.startswith("progress") for line in seen)
+    _, reply = agent.request("tail_log", name="bar", lines=10**9)
+    assert reply["ok"] is False and reply["error"]["code"] == "bad_params"

@@ -297,3 +297,20 @@ def test_stop_confirms_gpu_memory_is_released(registry, sticky):
         assert "GPU memory NOT released after 0.5s (21446.0 MiB still listed)" in verdict.detail
     else:
         assert verdict.detail.endswith("; GPU memory released")
+
+
+def test_tail_lines_is_bounded_and_treats_carriage_returns_as_line_ends(tmp_path):
+    from backend.jobs import TAIL_LINE_SHOWN, tail_lines
+
+    log = tmp_path / "progress.log"
+    with open(log, "wb") as handle:
+        handle.write(b"start\n")
+        for i in range(200_000):  # a progress bar redrawn with \r: 3 MB, one "line" to a \n reader
+            handle.write(f"\r{i:>8} it".encode())
+        handle.write(b"\n" + b"x" * (3 << 20) + b"\ndone\n")
+    started = time.monotonic()
+    lines = tail_lines(log, 3)
+    assert time.monotonic() - started < 5
+    assert lines[-1] == "done" and lines[-2].startswith("x" * 100) and lines[-2].endswith(f"({3 << 20} characters)")
+    assert len(lines[-2]) < TAIL_LINE_SHOWN + 40 and lines[-3] == "  199999 it"
+    assert tail_lines(log, 5, max_bytes=1 << 20)[-1] == "done"  # a capped read still ends at the end
