@@ -41,6 +41,7 @@ SPECFORGE_ANCHOR = {
     "specforge sdpa+FSDP": {"step_ms": 162.45, "tokens_per_s": 12616, "peak_gib": 18.77},
 }
 LOSS_STEPS = 50
+SHAPES = {"llama": "llama3.1-8b", "kimi": "kimi-k2.5"}  # --shape: the profile whose draft/target shape is benchmarked
 
 
 def analytic_flops(hidden, intermediate, heads, kv_heads, head_dim, vocab, draft_vocab, seq, ttt) -> dict:
@@ -68,7 +69,7 @@ def profile_for(args):
     from backend.profiles import load_profile, parse_profile
 
     if not args.small:
-        return load_profile("llama3.1-8b")
+        return load_profile(SHAPES[args.shape])
     return parse_profile({
         "name": "bench-small",
         "target": {"path": "synthetic", "architecture": "LlamaForCausalLM", "hidden_size": 128, "num_layers": 8,
@@ -186,7 +187,8 @@ def run(args):
     draft = Eagle3Draft(config, attn_backend=args.attn_backend)
     draft.load_target_embedding(source.embed_weight())
     draft.set_vocab_mapping(*source.vocab_mapping())
-    trainer = Trainer(TrainOptions(profile=profile, attn_backend=args.attn_backend, max_steps=100_000))
+    extra = {} if args.compile is None else {"compile": bool(args.compile)}  # the pre-compile trainer (--code-root) has no such option
+    trainer = Trainer(TrainOptions(profile=profile, attn_backend=args.attn_backend, max_steps=100_000, **extra))
     trainer.attach(ctx, source, draft)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -221,7 +223,7 @@ def run(args):
     }
     per_rank = _gather(ctx, mine)
     result = {
-        "shape": "small" if args.small else "llama3.1-8b draft",
+        "shape": "small" if args.small else f"{SHAPES[args.shape]} draft",
         "world_size": ctx.world_size,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -244,9 +246,70 @@ def run(args):
         "finite": all(v == v and abs(v) != float("inf") for v in loss_values),
         "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")},
     }
+    result["code_root"] = str(args.code_root) if args.code_root else "this checkout"
+    result["compile"] = getattr(trainer, "compiled", None)
+    result["mixed_bf16_master_weights"] = getattr(trainer, "mixed", None)
+    result["shape_name"] = args.shape if not args.small else "small"
+    if args.profile and ctx.world_size == 1:
+        result["profile"] = profile_steps(trainer, total_steps, device, steps=2)
     if args.flop_counter and ctx.world_size == 1:
         result["flops_counter_total"] = count_flops(trainer)
     return ctx, result
+
+
+KERNEL_GROUPS = (  # (group, substrings of the kernel name), first match wins
+    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_")),
+    ("attention (flex/flash)", ("flex", "flash", "fmha", "triton_tem")),
+    ("triton fused (inductor)", ("triton_",)),
+    ("optimizer, clip, master copies", ("adam", "fusedoptimizer", "multi_tensor", "foreach")),
+    ("softmax/logsumexp/reductions", ("softmax", "logsumexp", "reduce", "norm")),
+    ("copies/casts", ("copy", "cast", "convert", "cat", "index", "gather", "scatter")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+ANNOTATIONS = ("#", "ProfilerStep", "Optimizer.")  # record_function ranges, not kernels: their device time is their kernels'
+
+
+def group_kernels(kernels: list[dict]) -> dict[str, float]:
+    groups: dict[str, float] = {}
+    for row in kernels:
+        lowered = row["name"].lower()
+        group = next((name for name, keys in KERNEL_GROUPS if any(key in lowered for key in keys)), "other")
+        groups[group] = groups.get(group, 0.0) + row["device_ms"]
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
+def profile_steps(trainer, first_step: int, device, steps: int = 2) -> dict:
+    """torch.profiler over `steps` training steps: top kernels by device time, time by kernel group, GPU busy share."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for index in range(steps):
+            trainer.train_step(first_step + index)
+        sync(device)
+    wall = time.perf_counter() - start
+    rows = []
+    for event in prof.key_averages():
+        self_device = getattr(event, "self_device_time_total", None)
+        if self_device is None:
+            self_device = getattr(event, "self_cuda_time_total", 0)
+        if getattr(event, "device_type", None) == DeviceType.CUDA or (self_device and getattr(event, "device_type", None) != DeviceType.CPU):
+            rows.append({"name": event.key[:160], "count": event.count, "device_ms": self_device / 1e3 / steps})
+    kernels = sorted((r for r in rows if r["device_ms"] > 0 and not any(a in r["name"] for a in ANNOTATIONS)), key=lambda r: -r["device_ms"])
+    groups = group_kernels(kernels)
+    busy = sum(r["device_ms"] for r in kernels)
+    sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=sort_key, row_limit=40, max_name_column_width=90)
+    except Exception as exc:  # noqa: BLE001 - older/newer profilers name the column differently
+        table = f"(table unavailable: {exc!r})"
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "gpu_busy_ms_per_step": busy,
+            "gpu_idle_share": max(0.0, 1 - busy / (wall * 1e3 / steps)) if wall else None,
+            "groups_ms_per_step": groups, "top_kernels": kernels[:40], "table": table}
 
 
 def _gather(ctx, mine: dict) -> list[dict]:
@@ -322,8 +385,17 @@ def main(argv=None) -> int:
     parser.add_argument("--flop-counter", action="store_true", help="also count FLOPs of one step with FlopCounterMode")
     parser.add_argument("--specforge-json", type=Path, action="append", default=[], help="specforge_bench.py output(s) to compare against")
     parser.add_argument("--baseline-json", type=Path, help="this script's 1-GPU JSON: report scaling efficiency")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama", help="llama: Llama-3.1-8B draft (default); kimi: Kimi-K2.5 draft")
+    parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the layer functions (default: the trainer's, on for CUDA)")
+    parser.add_argument("--profile", action="store_true", help="also run 2 steps under torch.profiler; kernel table and groups go in the JSON")
+    parser.add_argument("--code-root", type=Path, help="import backend/ from this tree instead (e.g. an export of an older commit, "
+                        "to measure it beside this one in the same process setup)")
+    parser.add_argument("--label", help="a name for this run in the JSON")
     args = parser.parse_args(argv)
+    if args.code_root:
+        sys.path.insert(0, str(args.code_root.resolve()))
     ctx, result = run(args)
+    result["label"] = args.label
     if ctx.is_main:
         lines = compare(result, args.specforge_json, args.baseline_json)
         print(f"ours ({result['shape']}, {result['attn_backend']}, {result['world_size']} x {result['device_name']}): "
@@ -339,6 +411,10 @@ def main(argv=None) -> int:
                   "the trainer skips the draft lm_head where no target is scored)")
         print("\n".join(lines))
         print(f"  losses (first {len(result['losses_first_50'])} steps): {' '.join(f'{v:.3f}' for v in result['losses_first_50'][:10])} ...")
+        if "profile" in result:
+            prof = result["profile"]
+            print(f"  profile: {prof['wall_ms_per_step']:.1f} ms/step wall, GPU busy {prof['gpu_busy_ms_per_step']:.1f} ms; "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in prof["groups_ms_per_step"].items()))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -246,3 +246,17 @@ def test_bf16_autocast_forward_and_backward_run_and_track_fp32():
     assert draft.midlayer.self_attn.q_proj.weight.grad.dtype == torch.float32
     scale = reference[2].abs().max()
     assert (logits[2].float() - reference[2][ids > 5]).abs().max() < 0.05 * scale
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_ttt_hidden_is_ttt_forward_without_the_lm_head(backend):
+    """The trainer's path (ttt_hidden, then lm_head inside the fused loss) computes the same logits as ttt_forward."""
+    config = small_config()
+    draft = make_draft(config, backend=backend)
+    aux, ids = random_batch(config)
+    with torch.no_grad():
+        logits = draft.ttt_forward(aux, ids, ttt_length=4)
+        states = draft.ttt_hidden(aux, ids, ttt_length=4)
+    assert states.shape == (4, 2, 12, config.hidden_size)
+    for step, step_logits in enumerate(logits):
+        assert torch.allclose(draft.lm_head(states[step]), step_logits, rtol=1e-5, atol=1e-6)

@@ -111,3 +111,68 @@ def test_decay_weights_are_point_eight_to_the_k():
     result = ttt_loss([logits] * 3, teacher)
     expected = sum(float(p) * 0.8**k for k, p in enumerate(result.plosses))
     assert math.isclose(float(result.total), expected, rel_tol=1e-6)
+
+
+# --- the trainer's fused lm_head + loss ------------------------------------------------------------------
+
+def fused_case(seed=0, steps=3, hidden=8):
+    from backend.train.loss import fused_ttt_loss  # noqa: F401
+
+    target_logits, loss_mask, t2d = setup_case(seed)
+    generator = torch.Generator().manual_seed(seed + 100)
+    states = torch.randn(steps, B, S, hidden, generator=generator, requires_grad=True)
+    head = (torch.randn(VD, hidden, generator=generator) * 0.7).requires_grad_(True)
+    return target_logits, loss_mask, t2d, states, head
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 5, 1000])
+def test_fused_loss_matches_ttt_loss_values_and_gradients(chunk_rows):
+    """fused_ttt_loss(states, lm_head) == ttt_loss(lm_head(states)): loss, plosses, accs, counts, and both gradients (fp32, rel 1e-5)."""
+    from backend.train.loss import fused_ttt_loss
+
+    target_logits, loss_mask, t2d, states, head = fused_case(steps=4)
+    teacher = make_teacher(target_logits, loss_mask, t2d)
+    reference = ttt_loss([s @ head.t() for s in states], teacher)
+    reference.total.backward()
+    ref_states, ref_head = states.grad.clone(), head.grad.clone()
+    states.grad = head.grad = None
+    fused = fused_ttt_loss(states, head, teacher, chunk_rows=chunk_rows)
+    fused.total.backward()
+    assert float(fused.total) == pytest.approx(float(reference.total), rel=1e-5)
+    assert [float(p) for p in fused.plosses] == pytest.approx([float(p) for p in reference.plosses], rel=1e-5)
+    assert [float(a) for a in fused.accs] == [float(a) for a in reference.accs]
+    assert [int(c) for c in fused.counts] == [int(c) for c in reference.counts]
+    assert torch.allclose(states.grad, ref_states, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(head.grad, ref_head, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_loss_scales_its_precomputed_gradient_by_the_upstream_gradient():
+    from backend.train.loss import fused_ttt_loss
+
+    target_logits, loss_mask, t2d, states, head = fused_case()
+    teacher = make_teacher(target_logits, loss_mask, t2d)
+    (fused_ttt_loss(states, head, teacher).total * 3.0).backward()
+    tripled = states.grad.clone()
+    states.grad = head.grad = None
+    fused_ttt_loss(states, head, teacher).total.backward()
+    assert torch.allclose(tripled, 3.0 * states.grad, rtol=1e-6)
+
+
+def test_fused_loss_skips_steps_past_the_sequence_end_and_runs_without_grad():
+    from backend.train.loss import fused_ttt_loss
+
+    target_logits, loss_mask, t2d, states, head = fused_case(steps=S + 2)
+    teacher = make_teacher(target_logits, loss_mask, t2d)
+    result = fused_ttt_loss(states, head, teacher)
+    assert len(result.plosses) == S - 1
+    with torch.no_grad():
+        again = fused_ttt_loss(states, head, teacher)
+    assert float(again.total) == pytest.approx(float(result.total), rel=1e-6) and not again.total.requires_grad
+
+
+def test_bf16_teacher_probabilities_stay_within_rounding_of_fp32():
+    target_logits, loss_mask, t2d = setup_case()
+    fp32 = make_teacher(target_logits, loss_mask, t2d)
+    bf16 = make_teacher(target_logits, loss_mask, t2d, draft_ids=torch.nonzero(t2d).flatten(), probs_dtype=torch.bfloat16)
+    assert bf16.probs.dtype == torch.bfloat16 and torch.equal(bf16.valid, fp32.valid) and torch.equal(bf16.index, fp32.index)
+    assert (bf16.probs.float() - fp32.probs).abs().max() <= 2**-8 * fp32.probs.max()

@@ -383,3 +383,74 @@ def test_a_hugging_face_target_trains_online_on_regenerated_chat_conversations(t
     assert latest_checkpoint(out).name.endswith("_step_2")
     meta = json.loads((latest_checkpoint(out) / "config.json").read_text())["eagle3_console"]
     assert meta["target"]["resolved_path"] == str(target_dir) and len(meta["val_acc"]) == 7
+
+
+# --- the optimised step against a plain reference step ------------------------------------------------------
+
+def small_bench_trainer(**options):
+    """The CPU benchmark shape (H 128, V 1024, Vd 256, seq 128, TTT 7): a Trainer attached to the synthetic offline source."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_trainer
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from backend.train.draft import DraftModelConfig, Eagle3Draft
+    from backend.train.trainer import DistContext
+
+    profile = bench_trainer.profile_for(type("Args", (), {"small": True, "shape": "llama"})())
+    source = bench_trainer.SyntheticOffline(profile, torch.device("cpu"), 0, 1, torch.float32)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftModelConfig.from_profile(profile), attn_backend="sdpa")
+    draft.load_target_embedding(source.embed_weight())
+    draft.set_vocab_mapping(*source.vocab_mapping())
+    trainer = Trainer(TrainOptions(profile=profile, max_steps=1000, **options))
+    trainer.attach(DistContext(), source, draft)
+    return trainer, source
+
+
+def test_optimised_step_gives_the_plain_steps_loss_and_gradients():
+    """trainer._forward (ttt_hidden + fused chunked lm_head/soft-CE, all rows weighted, no sync) against ttt_forward +
+    ttt_loss with autograd over every step's logits: same loss (rel 1e-5) and same gradient of every weight (rel 1e-4 of its max)."""
+    trainer, source = small_bench_trainer()
+    batch = source.batch("train", [0], "cpu")
+    draft = trainer.draft
+    reference = ttt_loss(draft.ttt_forward(batch.aux_hidden, batch.input_ids, 7), make_teacher(batch.target_logits, batch.loss_mask, draft.t2d))
+    reference.total.backward()
+    ref_grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+    draft.zero_grad(set_to_none=True)
+    fused = trainer._forward(source.batch("train", [0], "cpu"), trainer.model)
+    fused.total.backward()
+    assert float(fused.total) == pytest.approx(float(reference.total), rel=1e-5)
+    assert [float(p) for p in fused.plosses] == pytest.approx([float(p) for p in reference.plosses], rel=1e-5)
+    for name, param in draft.named_parameters():
+        if param.requires_grad:
+            scale = ref_grads[name].abs().max()
+            assert (param.grad - ref_grads[name]).abs().max() <= 1e-4 * scale, name
+
+
+def test_master_weights_keep_fp32_checkpoints_and_the_fp32_loss_curve(tmp_path):
+    """bf16 weights + fp32 masters (the CUDA layout, forced here on CPU): the checkpoint view holds the fp32 masters under
+    the same keys, shapes and dtypes as an fp32 run, and the first 10 losses stay within 2 % of the fp32 run's."""
+    losses = {}
+    for mixed in (False, True):
+        trainer, _source = small_bench_trainer(master_weights=mixed)
+        losses[mixed] = [float(trainer.train_step(step)[0].total) for step in range(10)]
+        if mixed:
+            assert trainer.draft.fc.weight.dtype == torch.bfloat16 and trainer.draft.embed_tokens.weight.dtype == torch.bfloat16
+            state = trainer.checkpoint_module().state_dict()
+            masters = dict(trainer.master_named)
+            assert all(state[name].dtype == torch.float32 for name in masters)
+            # the bf16 weights are the masters rounded
+            assert torch.equal(trainer.draft.fc.weight, masters["fc.weight"].to(torch.bfloat16))
+        else:
+            fp32_state = trainer.draft.state_dict()
+    assert {k: (tuple(v.shape), v.dtype) for k, v in state.items() if k != "embed_tokens.weight"} == \
+        {k: (tuple(v.shape), v.dtype) for k, v in fp32_state.items() if k != "embed_tokens.weight"}
+    assert losses[True] == pytest.approx(losses[False], rel=0.02)
+    assert losses[True][-1] < losses[True][0]
+
+
+def test_train_records_report_speed_mfu_and_peak_memory(mini_run):
+    record = [r for r in read_records(mini_run) if r["split"] == "train"][-1]
+    assert record["tokens_per_s"] > 0 and record["peak_mem_gib"] > 0
+    assert record["mfu"] is None or 0 < record["mfu"] < 1.5

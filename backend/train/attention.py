@@ -38,6 +38,7 @@ def ttt_attention(
     diag_keys: list[torch.Tensor],
     diag_values: list[torch.Tensor],
     backend: str = "eager",
+    compiled_merge: bool = False,
 ) -> torch.Tensor:
     """Attention of one TTT step.
 
@@ -50,7 +51,7 @@ def ttt_attention(
     if backend == "sdpa":
         return _sdpa(query, key0, value0, diag_keys, diag_values)
     if backend == "flex":
-        return _flex(query, key0, value0, diag_keys, diag_values)
+        return _flex(query, key0, value0, diag_keys, diag_values, compiled_merge)
     raise AttentionBackendError(f"attention backend {backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
 
 
@@ -147,12 +148,20 @@ def _flex_causal_with_lse(query, key0, value0):
     return out, aux.lse
 
 
-def _flex(query, key0, value0, diag_keys, diag_values):
+def _flex(query, key0, value0, diag_keys, diag_values, compiled_merge: bool = False):
     out, lse = _flex_causal_with_lse(query, key0, value0)
     if not diag_keys:
         return out
+    if compiled_merge:
+        from backend.train.draft import compiled
+
+        return compiled(_merge_diagonal)(out, lse, query, key0.shape[1], diag_keys, diag_values)
+    return _merge_diagonal(out, lse, query, key0.shape[1], diag_keys, diag_values)
+
+
+def _merge_diagonal(out, lse, query, num_kv: int, diag_keys, diag_values):
+    """Fold the k diagonal keys/values into the causal result through its log-sum-exp (exact softmax merge)."""
     batch, heads, seq, dim = query.shape
-    num_kv = key0.shape[1]
     grouped = _group(query, num_kv).float()
     diag = _diagonal_scores(grouped, [key.float() for key in diag_keys], 1.0 / math.sqrt(dim))
     lse = lse.float().view(batch, num_kv, heads // num_kv, seq)

@@ -213,6 +213,60 @@ def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
+# --- the decoder layer as pure functions of (activations, weights): the TTT training path runs them
+# through torch.compile on CUDA (one compiled graph each, reused by all 7 steps), so RMSNorm, RoPE and
+# SwiGLU become a few fused kernels that save only what their backward needs.
+
+def _rms(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm.forward as a function: normalise in fp32, round to the input dtype, scale."""
+    dtype = hidden.dtype
+    hidden = hidden.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(dtype)
+
+
+def _pre_attention(embeds, hidden, w_input, w_hidden, qkv_weight, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """q, k, v [B, n, S, d] (RoPE applied) from concat(input_layernorm(embeds), hidden_norm(hidden))."""
+    batch, seq, _ = hidden.shape
+    joined = torch.cat([_rms(embeds, w_input, eps), _rms(hidden, w_hidden, eps)], dim=-1)
+    qkv = torch.nn.functional.linear(joined, qkv_weight)
+    query, key, value = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    query = query.view(batch, seq, heads, head_dim).transpose(1, 2)
+    key = key.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+    value = value.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+    query = query * cos + rotate_half(query) * sin
+    key = key * cos + rotate_half(key) * sin
+    return query, key, value
+
+
+def _post_attention(hidden, attn_out, o_weight, w_post, gate_weight, up_weight, down_weight, w_norm, eps: float):
+    """(pre-norm output state, norm(output state)): residual + o_proj, post-norm SwiGLU MLP + residual, final norm."""
+    batch, _, seq, _ = attn_out.shape
+    attn_out = attn_out.transpose(1, 2).reshape(batch, seq, -1)
+    hidden = hidden + torch.nn.functional.linear(attn_out, o_weight)
+    normed = _rms(hidden, w_post, eps)
+    gate = torch.nn.functional.linear(normed, gate_weight)
+    up = torch.nn.functional.linear(normed, up_weight)
+    hidden = hidden + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_weight)
+    return hidden, _rms(hidden, w_norm, eps)
+
+
+_COMPILED: dict = {}
+
+
+def compiled(function):
+    """torch.compile(function), built once per process (CUDA training path; see Eagle3Draft.compile_regions)."""
+    found = _COMPILED.get(function)
+    if found is None:
+        import torch._dynamo.config as dynamo_config
+
+        for name in ("recompile_limit", "cache_size_limit"):  # the diagonal merge compiles once per TTT step count
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+        found = _COMPILED[function] = torch.compile(function, dynamic=False)
+    return found
+
+
 class DraftKVCache:
     """Decoding state of the draft: step-0 K/V of committed positions plus this round's diagonal K/V."""
 
@@ -251,6 +305,7 @@ class Eagle3Draft(nn.Module):
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
         self.attn_backend = attn_backend
+        self.compile_regions = False  # trainer: True on CUDA (torch.compile of the per-step layer functions)
         self.embedding_loaded = False
         self._init_weights(init_std)
 
@@ -415,6 +470,45 @@ class Eagle3Draft(nn.Module):
             selected = hidden if selections is None else hidden.reshape(batch * seq, -1).index_select(0, selections[step])
             outputs.append(self.logits(selected))
         return outputs
+
+    def ttt_hidden(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, ttt_length: int, pad_token_id: int = 0) -> torch.Tensor:
+        """norm(output state) of every TTT step at every position, stacked: [ttt_length, B, S, H].
+
+        The same computation as ttt_forward without the lm_head: the trainer applies lm_head and the soft
+        cross-entropy of all steps in one chunked, fused pass (loss.fused_ttt_loss), so no [S, Vd] logits
+        of any step are kept. With compile_regions the layer runs as compiled functions (one graph each).
+        """
+        batch, seq = input_ids.shape
+        if aux_hidden.shape[:2] != (batch, seq):
+            raise ValueError(f"aux_hidden is {tuple(aux_hidden.shape)} but input_ids is {tuple(input_ids.shape)}; batch and sequence must match")
+        layer, config = self.midlayer, self.config
+        hidden = self.project(aux_hidden.to(self.fc.weight.dtype))
+        padded = torch.nn.functional.pad(input_ids, (0, ttt_length), value=pad_token_id)
+        positions = torch.arange(seq, device=input_ids.device)
+        backend = self._backend(hidden.device)
+        use_compiled = self.compile_regions and hidden.device.type == "cuda"
+        pre = compiled(_pre_attention) if use_compiled else _pre_attention
+        post = compiled(_post_attention) if use_compiled else _post_attention
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0)
+        eps = config.rms_norm_eps
+        key0 = value0 = None
+        diag_keys, diag_values, states = [], [], []
+        for step in range(ttt_length):
+            embeds = self._embed(padded[:, 1 + step : 1 + step + seq])
+            cos, sin = self._rope(positions + step, hidden.dtype)
+            query, key, value = pre(embeds, hidden, layer.input_layernorm.weight, layer.hidden_norm.weight, qkv_weight, cos, sin,
+                                    eps, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+            if step == 0:
+                key0, value0 = key, value
+            else:
+                diag_keys.append(key)
+                diag_values.append(value)
+            attn_out = ttt_attention(query, key0, value0, diag_keys, diag_values, backend, compiled_merge=use_compiled)
+            hidden, normed = post(hidden, attn_out, attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
+                                  mlp.up_proj.weight, mlp.down_proj.weight, self.norm.weight, eps)
+            states.append(normed)
+        return torch.stack(states)
 
     # --- decoding (incremental) ----------------------------------------------------------------------
 

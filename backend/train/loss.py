@@ -23,17 +23,27 @@ class Teacher:
     valid: "object"  # [B, S] bool: loss_mask and the target argmax lies in the draft vocab
 
 
-def make_teacher(target_logits, loss_mask, t2d) -> Teacher:
-    """Target distribution restricted to the draft vocab; positions whose argmax is outside it are masked."""
+def make_teacher(target_logits, loss_mask, t2d, draft_ids=None, probs_dtype=None) -> Teacher:
+    """Target distribution restricted to the draft vocab; positions whose argmax is outside it are masked.
+
+    draft_ids: the target ids of the draft vocab, ascending (d2t + arange(Vd)); given, no device sync is
+    needed to find them. probs_dtype: store the probabilities in this dtype (the trainer keeps them in
+    bf16 on the GPU: computed once per batch in fp32, then rounded, half the bytes of fp32).
+    """
     import torch
 
     with torch.no_grad():
         t2d = t2d.to(target_logits.device)
-        draft_ids = torch.nonzero(t2d, as_tuple=False).squeeze(-1)
-        restricted = target_logits.index_select(-1, draft_ids).float()
+        if draft_ids is None:
+            draft_ids = torch.nonzero(t2d, as_tuple=False).squeeze(-1)
+        restricted = target_logits.index_select(-1, draft_ids.to(target_logits.device))
         in_draft = t2d[target_logits.argmax(-1)]
         valid = loss_mask.to(target_logits.device).bool() & in_draft
-        return Teacher(probs=torch.softmax(restricted, dim=-1), index=restricted.argmax(-1), valid=valid)
+        index = restricted.argmax(-1)
+        probs = torch.softmax(restricted.float(), dim=-1)
+        if probs_dtype is not None:
+            probs = probs.to(probs_dtype)
+        return Teacher(probs=probs, index=index, valid=valid)
 
 
 def step_masks(teacher: Teacher, ttt_length: int) -> list:
@@ -93,3 +103,123 @@ def ttt_loss(step_logits: list, teacher: Teacher, decay: float = PLOSS_DECAY) ->
 def eagle3_loss(step_logits: list, target_logits, loss_mask, t2d, decay: float = PLOSS_DECAY) -> TTTLoss:
     """total = sum_k decay^k * ploss_k, ploss_k = masked mean of -sum_v p_target(v) log p_draft(v)."""
     return ttt_loss(step_logits, make_teacher(target_logits, loss_mask, t2d), decay)
+
+
+# --- the trainer's loss: lm_head + soft cross-entropy of every TTT step, fused and chunked -----------------
+#
+# ttt_loss above takes each step's logits [N, Vd]; kept for autograd, they cost 7 x (bf16 logits + fp32
+# log-softmax) of memory and a dozen passes over [S, Vd] per step. fused_ttt_loss takes the normed states
+# of all steps at once ([K, B, S, H], draft.ttt_hidden) and the lm_head weight, and walks the K*B*S rows in
+# chunks: logits of one chunk -> loss, accuracy and the gradient of the loss w.r.t. those logits ->
+# grad of the states (one matmul) and of the weight (accumulated, one matmul). The gradients are computed
+# in the forward pass (the loss is a sum of these rows, so backward only scales them by the incoming
+# scalar), so no logits outlive their chunk and none are recomputed. Every row is computed (rows with no
+# target get weight 0): no boolean indexing, no device sync.
+
+def _chunk_math(logits, probs, weight, index, need_grad: bool):
+    """Per row: soft CE -sum p log softmax(logits), argmax hit, and (weight x) d CE / d logits."""
+    import torch
+
+    logp = logits.float()
+    lse = torch.logsumexp(logp, dim=-1, keepdim=True)
+    logp = logp - lse
+    p = probs.float()
+    ce = -(p * logp).sum(-1)
+    hit = logits.argmax(-1) == index
+    if not need_grad:
+        return ce, hit, None
+    grad = (torch.exp(logp) * p.sum(-1, keepdim=True) - p) * weight[:, None]
+    return ce, hit, grad.to(logits.dtype)
+
+
+def _fused_function():
+    import torch
+
+    class FusedHeadSoftCE(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, states, head, probs, teacher_rows, row_weight, index, chunk, math):
+            need_states, need_head = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            need_grad = need_states or need_head
+            rows = states.shape[0]
+            ce = torch.empty(rows, dtype=torch.float32, device=states.device)
+            hits = torch.empty(rows, dtype=torch.bool, device=states.device)
+            grad_states = torch.empty_like(states) if need_states else None
+            grad_head = torch.zeros_like(head) if need_head else None
+            for start in range(0, rows, chunk):
+                end = min(rows, start + chunk)
+                block = states[start:end]
+                logits = block @ head.t()
+                target = probs.index_select(0, teacher_rows[start:end])
+                ce[start:end], hits[start:end], grad = math(logits, target, row_weight[start:end], index[start:end], need_grad)
+                if need_states:
+                    torch.mm(grad, head, out=grad_states[start:end])
+                if need_head:
+                    grad_head.addmm_(grad.t(), block)
+            loss = (ce * row_weight).sum()
+            ctx.save_for_backward(grad_states, grad_head)
+            ctx.mark_non_differentiable(ce, hits)
+            return loss, ce, hits
+
+        @staticmethod
+        def backward(ctx, grad_loss, _grad_ce, _grad_hits):
+            grad_states, grad_head = ctx.saved_tensors
+            scale = grad_loss.to(torch.float32)
+            if grad_states is not None:
+                grad_states = grad_states.mul_(scale.to(grad_states.dtype))
+            if grad_head is not None:
+                grad_head = grad_head.mul_(scale.to(grad_head.dtype))
+            return grad_states, grad_head, None, None, None, None, None, None
+
+    return FusedHeadSoftCE
+
+
+_FUSED = {}
+
+
+def fused_ttt_loss(states, head_weight, teacher: Teacher, decay: float = PLOSS_DECAY, chunk_rows: int | None = None,
+                   compiled: bool = False) -> TTTLoss:
+    """ttt_loss(lm_head(states[k]) for each k, teacher) without keeping any logits: see the note above.
+
+    states: [K, B, S, H], norm(output state) of TTT step k at position t (draft.ttt_hidden); step k at t is
+    scored against the teacher at t+1+k, as in ttt_loss. Steps with no position left (k >= S-1) are not
+    scored. chunk_rows: rows per chunk (default B*S, one step). compiled: torch.compile the per-chunk math.
+    Returns the same TTTLoss; only `total` carries a gradient.
+    """
+    import torch
+
+    if "function" not in _FUSED:
+        _FUSED["function"] = _fused_function()
+    steps, batch, seq, hidden = states.shape
+    scored = min(steps, seq - 1)
+    if scored <= 0:
+        raise ValueError(f"sequence length {seq} leaves no position to score; need at least 2 tokens")
+    device = states.device
+    positions = torch.arange(seq, device=device)
+    offsets = (torch.arange(batch, device=device) * seq)[:, None]
+    valid = teacher.valid.to(device)
+    rows, masks = [], []
+    for k in range(scored):
+        shifted = positions + 1 + k
+        rows.append((shifted.clamp(max=seq - 1)[None, :] + offsets).reshape(-1))
+        masks.append((valid[:, shifted.clamp(max=seq - 1)] & (shifted < seq)[None, :]).reshape(-1))
+    teacher_rows = torch.stack(rows)  # [K, B*S] rows of the flattened teacher
+    mask = torch.stack(masks)  # [K, B*S]
+    counts = mask.sum(-1)
+    denom = counts.clamp(min=1).to(torch.float32)
+    decays = torch.tensor([decay**k for k in range(scored)], dtype=torch.float32, device=device)
+    row_weight = (mask.to(torch.float32) * (decays / denom)[:, None]).reshape(-1)
+    index = teacher.index.reshape(-1).index_select(0, teacher_rows.reshape(-1))
+    probs = teacher.probs.reshape(batch * seq, -1)
+    flat = states[:scored].reshape(scored * batch * seq, hidden)
+    math = _chunk_math
+    if compiled and states.device.type == "cuda":
+        from backend.train.draft import compiled as compile_once
+
+        math = compile_once(_chunk_math)
+    total, ce, hits = _FUSED["function"].apply(flat, head_weight, probs, teacher_rows.reshape(-1), row_weight, index,
+                                               chunk_rows or batch * seq, math)
+    with torch.no_grad():
+        maskf = mask.to(torch.float32)
+        plosses = (ce.view(scored, -1) * maskf).sum(-1) / denom
+        accs = (hits.view(scored, -1) & mask).sum(-1).to(torch.float32) / denom
+    return TTTLoss(total=total, plosses=list(plosses.unbind()), accs=list(accs.unbind()), counts=list(counts.unbind()))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from backend.train.data import (BatchSampler, OfflineSource, OnlineSource, TinyDataSettings, check_feature_width, conversation_samples, eval_batches,
                                 tiny_data_settings, tiny_samples)
 from backend.train.draft import DraftModelConfig, Eagle3Draft
-from backend.train.loss import make_teacher, step_masks, ttt_loss
+from backend.train.loss import fused_ttt_loss, make_teacher
 from backend.train.schedule import GrokfastEMA, LRSchedule
 from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
 
@@ -56,6 +56,8 @@ class TrainOptions:
     eval_at_start: bool = True
     seed: int | None = None
     attn_backend: str | None = None
+    compile: bool | None = None  # torch.compile the layer's per-step functions; None: on CUDA unless EAGLE3_COMPILE=0
+    master_weights: bool | None = None  # bf16 weights + fp32 masters in the optimizer; None: on CUDA when dtype is bfloat16
     tiny_data: TinyDataSettings | None = None  # None: tiny_data_settings(profile seq_len)
 
     def resolved(self) -> dict:
@@ -148,15 +150,79 @@ def init_distributed(device_preference: str | None) -> DistContext:
 
 
 class _TTTModule(torch.nn.Module):
-    """forward() = draft.ttt_forward, so DDP sees the TTT unroll as the module's forward."""
+    """forward() = the TTT unroll and the fused lm_head + loss, so DDP sees every parameter used in its forward.
 
-    def __init__(self, draft: Eagle3Draft, ttt_length: int):
+    Returns (total loss, per-row CE, per-row hits) as tensors; fused_ttt_loss builds the TTTLoss from them.
+    """
+
+    def __init__(self, draft: Eagle3Draft, ttt_length: int, compiled: bool = False):
         super().__init__()
         self.draft = draft
         self.ttt_length = ttt_length
+        self.compiled = compiled
 
-    def forward(self, aux_hidden, input_ids, loss_positions=None):
-        return self.draft.ttt_forward(aux_hidden, input_ids, self.ttt_length, loss_positions=loss_positions)
+    def forward(self, aux_hidden, input_ids, teacher):
+        states = self.draft.ttt_hidden(aux_hidden, input_ids, self.ttt_length)
+        result = fused_ttt_loss(states, self.draft.lm_head.weight, teacher, compiled=self.compiled)
+        return result.total, result
+
+
+class _MasterView(torch.nn.Module):
+    """The draft as a checkpoint sees it: its state_dict with the fp32 master weights in place of the bf16 ones.
+
+    Checkpoints keep the dtype they always had (fp32 weights) and the optimizer's exact values, not bf16 copies.
+    """
+
+    def __init__(self, draft: Eagle3Draft, masters: list[tuple[str, torch.Tensor]]):
+        super().__init__()
+        self._draft = [draft]  # a list, so the draft is not registered as a submodule
+        self._masters = masters
+
+    def state_dict(self, *args, **kwargs):
+        state = self._draft[0].state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")
+        for name, master in self._masters:
+            state[prefix + name] = master.detach()
+        return state
+
+    def named_parameters(self, *args, **kwargs):
+        return iter(self._masters)
+
+
+def step_flops(config, seq: int, ttt: int) -> float:
+    """Matmul FLOPs of one training step on one sequence of `seq` tokens, counted as the SpecForge anchor counts them.
+
+    Per TTT step forward: q/k/v from the 2H input, o_proj, SwiGLU MLP, draft lm_head, dense S x S attention and
+    the per-position products with earlier steps; backward = 2 x forward; fc forward + weight grad; the frozen
+    teacher head forward (36.21 TFLOP at the Llama-3.1-8B draft shape, seq 2048, TTT 7).
+    """
+    hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_step = (2 * seq * 2 * hidden * (heads + 2 * kv_heads) * head_dim + 2 * seq * heads * head_dim * hidden
+                + 6 * seq * hidden * config.intermediate_size + 2 * seq * hidden * config.draft_vocab_size + 4 * seq * seq * head_dim * heads)
+    forward = sum(per_step + 4 * seq * head_dim * heads * k for k in range(ttt))
+    return 3 * forward + 2 * 2 * seq * config.aux_width * hidden + 2 * seq * config.target_hidden_size * config.vocab_size
+
+
+def matmul_peak_rate(device: torch.device) -> float | None:
+    """FLOP/s of one large matmul measured here (bf16 8192^3 on CUDA, fp32 512^3 on CPU): the MFU denominator."""
+    try:
+        size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        times = []
+        for repeat in range(8):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            torch.mm(a, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if repeat >= 3:
+                times.append(time.perf_counter() - start)
+        del a, b
+        return 2 * size**3 / sorted(times)[len(times) // 2]
+    except Exception:  # noqa: BLE001 - an estimate only; never stop training for it
+        return None
 
 
 def module_group(name: str) -> str:
@@ -426,10 +492,36 @@ class Trainer:
         return state
 
     def _build_optimizer(self, state: dict | None) -> None:
+        """AdamW; on CUDA with dtype bfloat16: bf16 weights in the model, fp32 master weights only in the optimizer.
+
+        Mixed mode (SpecForge's BF16Optimizer layout, with torch's fused AdamW): the draft's parameters, its
+        frozen embedding and its gradients are bf16; the optimizer owns fp32 copies of the trainable weights
+        and its moments. Each step casts the bf16 grads onto the masters, filters (Grokfast) and clips them
+        there in fp32, steps, and copies the masters back into the bf16 weights. Otherwise (CPU, fp32
+        profiles) the fp32 parameters are the optimizer's own, as before.
+        """
         s, ctx = self.settings, self.ctx
         self.draft.train()
-        self.trainable = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW([p for _, p in self.trainable], lr=s["lr"], betas=ADAM_BETAS, weight_decay=s["weight_decay"])
+        self.mixed = self.options.master_weights
+        if self.mixed is None:
+            self.mixed = ctx.device.type == "cuda" and s["dtype"] == "bfloat16"
+        named = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
+        if self.mixed:
+            masters = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named]  # before the cast: the exact fp32 values
+            self.draft.to(torch.bfloat16)
+            named = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
+            self.master_named = [(n, m) for (n, _), m in zip(named, masters)]
+        else:
+            self.master_named = named
+        self.trainable = named
+        fused = {"fused": True} if self.mixed and ctx.device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW([p for _, p in self.master_named], lr=s["lr"], betas=ADAM_BETAS, weight_decay=s["weight_decay"], **fused)
+        self.draft_ids = (self.draft.d2t + torch.arange(self.draft.d2t.numel(), device=self.draft.d2t.device)).detach()
+        use_compile = self.options.compile
+        if use_compile is None:
+            use_compile = ctx.device.type == "cuda" and os.environ.get("EAGLE3_COMPILE", "1") != "0"
+        self.compiled = bool(use_compile) and ctx.device.type == "cuda"
+        self.draft.compile_regions = self.compiled
         resumed = state is not None
         self.schedule = LRSchedule(s["lr"], s["schedule"], s["warmup_steps"], s["max_steps"], s["min_lr_ratio"],
                                    rewarm_from=self.start_step if resumed else None, rewarm_steps=s["rewarm_steps"] if resumed else 0)
@@ -437,7 +529,7 @@ class Trainer:
         if resumed and state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
             for group in self.optimizer.param_groups:  # this run's settings win over the saved ones (e.g. grok's weight decay)
-                group.update(lr=s["lr"], betas=ADAM_BETAS, weight_decay=s["weight_decay"])
+                group.update(lr=s["lr"], betas=ADAM_BETAS, weight_decay=s["weight_decay"], **fused)
         if resumed and self.grokfast and state.get("grokfast"):
             self.grokfast.load_state_dict(state["grokfast"], device=ctx.device)
         self.sampler = BatchSampler(self.source.size("train"), s["batch_size"], s["seed"], ctx.rank, ctx.world_size)
@@ -445,13 +537,14 @@ class Trainer:
             self.sampler.load_state_dict(self.sampler_state)
         if hasattr(self.source, "load"):  # host-side reads can overlap the GPU step
             self.prefetcher = _Prefetcher(self.source, self.sampler)
-        module = _TTTModule(self.draft, s["ttt_length"])
+        module = _TTTModule(self.draft, s["ttt_length"], self.compiled)
         if ctx.enabled:
             from torch.nn.parallel import DistributedDataParallel
 
             module = DistributedDataParallel(module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, broadcast_buffers=False)
         self.model = module
-        self.autocast = ctx.device.type == "cuda" and s["dtype"] == "bfloat16"
+        # bf16 weights need no autocast; an fp32 model on CUDA with dtype bfloat16 is not built any more
+        self.autocast = False
 
     def _open_outputs(self, resume_dir: Path | None) -> None:
         if not self.ctx.is_main:
@@ -481,12 +574,14 @@ class Trainer:
     # --- steps -----------------------------------------------------------------------------------
 
     def _forward(self, batch, module) -> object:
-        teacher = make_teacher(batch.target_logits, batch.loss_mask, self.draft.t2d)
-        masks = step_masks(teacher, self.settings["ttt_length"])
-        aux = batch.aux_hidden if self.autocast else batch.aux_hidden.float()
-        with torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            logits = module(aux, batch.input_ids, loss_positions=masks)
-        return ttt_loss(logits, teacher)
+        """Teacher (once per batch; bf16 probabilities in mixed mode), TTT unroll, fused lm_head + loss. No host sync."""
+        probs_dtype = torch.bfloat16 if self.mixed else None
+        teacher = make_teacher(batch.target_logits, batch.loss_mask, self.draft.t2d, draft_ids=self.draft_ids, probs_dtype=probs_dtype)
+        if hasattr(batch, "__dataclass_fields__") and not getattr(batch, "__dataclass_params__").frozen:
+            batch.target_logits = None  # [B, S, V]: not needed past the teacher; free it before the unroll
+        aux = batch.aux_hidden.to(self.draft.fc.weight.dtype)
+        _total, result = module(aux, batch.input_ids, teacher)
+        return result
 
     def train_step(self, step: int):
         """One optimizer step; returns (loss result, pre-clip grad norm tensor, lr)."""
@@ -494,18 +589,42 @@ class Trainer:
             batch = self.source.to_batch(self.prefetcher.next(), self.ctx.device)
         else:
             batch = self.source.batch("train", self.sampler.next(), self.ctx.device)
-        result = self._forward(batch, self.model)
+        tokens = batch.input_ids.numel()
+        rows, seq = batch.input_ids.shape
+        self.last_step_flops = rows * step_flops(self.draft_config, seq, self.settings["ttt_length"])
         self.optimizer.zero_grad(set_to_none=True)
+        result = self._forward(batch, self.model)
+        del batch
         result.total.backward()
+        grad_norm, lr = self._optimizer_step(step)
+        self.tokens += tokens * self.ctx.world_size
+        return result, grad_norm, lr
+
+    def _optimizer_step(self, step: int):
+        """Grokfast, clip (pre-clip norm returned as a tensor: no sync), AdamW; in mixed mode on the fp32 masters."""
+        masters = [p for _, p in self.master_named]
+        if self.mixed:
+            with torch.no_grad():
+                for (_, param), master in zip(self.trainable, masters):
+                    master.grad = param.grad.float() if param.grad is not None else torch.zeros_like(master)
+                    param.grad = None
         if self.grokfast is not None:
-            self.grokfast.apply(self.trainable)
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in self.trainable], self.settings["grad_clip"])
+            self.grokfast.apply(self.master_named)
+        grad_norm = torch.nn.utils.clip_grad_norm_(masters, self.settings["grad_clip"], foreach=True)
         lr = self.schedule.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        self.tokens += batch.input_ids.numel() * self.ctx.world_size
-        return result, grad_norm, lr
+        if self.mixed:
+            with torch.no_grad():
+                torch._foreach_copy_([p for _, p in self.trainable], masters)
+                for master in masters:
+                    master.grad = None
+        return grad_norm, lr
+
+    def checkpoint_module(self) -> torch.nn.Module:
+        """What checkpoints and weight norms read: the draft, with fp32 master weights in mixed mode."""
+        return _MasterView(self.draft, self.master_named) if self.mixed else self.draft
 
     def data_state(self) -> dict:
         """Where the next training batch comes from (what a resume continues with)."""
@@ -520,7 +639,7 @@ class Trainer:
         s, ctx = self.settings, self.ctx
         limit = None if self.options.max_val_batches is None else self.options.max_val_batches * s["batch_size"] * ctx.world_size
         interval = _Interval(s["ttt_length"], ctx.device)
-        module = _TTTModule(self.draft, s["ttt_length"])
+        module = _TTTModule(self.draft, s["ttt_length"], self.compiled)
         self.draft.eval()
         with torch.no_grad():
             for indices in eval_batches(self.source.size("val"), s["batch_size"], ctx.rank, ctx.world_size, limit):
@@ -541,16 +660,26 @@ class Trainer:
         if self.options.eval_at_start and self.step == 0:
             self._validate()
         last_saved = last_eval = None
+        self.peak_rate = matmul_peak_rate(ctx.device)
+        if ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(ctx.device)
         timer = time.perf_counter()
+        interval_tokens = interval_flops = 0
         while self.step < s["max_steps"]:
+            tokens_before = self.tokens
             result, grad_norm, lr = self.train_step(self.step)
             self.step += 1
             interval.add(result)
+            interval_tokens += self.tokens - tokens_before
+            interval_flops += self.last_step_flops
             if self.step % s["log_interval"] == 0 or self.step == s["max_steps"]:
                 values = interval.reduced(ctx)  # host sync: the wall time below covers finished GPU work
-                values["step_time"] = (time.perf_counter() - timer) / max(1, values.pop("steps") // ctx.world_size)
+                elapsed = time.perf_counter() - timer
+                values["step_time"] = elapsed / max(1, values.pop("steps") // ctx.world_size)
+                values.update(self._speed(elapsed, interval_tokens, interval_flops))
                 self._write_train(values, float(grad_norm), lr)
                 interval.reset()
+                interval_tokens = interval_flops = 0
                 timer = time.perf_counter()
             if self.step % s["eval_interval"] == 0:
                 self._validate()
@@ -564,6 +693,7 @@ class Trainer:
                 return
             if last_eval == self.step or last_saved == self.step:
                 timer = time.perf_counter()  # step_time measures training steps only
+                interval_tokens = interval_flops = 0
         if last_eval != self.step:
             self._validate()
         if last_saved != self.step:
@@ -572,10 +702,21 @@ class Trainer:
 
     # --- outputs ---------------------------------------------------------------------------------
 
+    def _speed(self, elapsed: float, tokens: int, flops: float) -> dict:
+        """tokens_per_s (all ranks), mfu (this rank's analytic matmul FLOPs / time / measured peak), peak_mem_gib (this rank)."""
+        elapsed = max(elapsed, 1e-9)
+        if self.ctx.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.ctx.device) / 2**30
+        else:
+            import resource
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # process max RSS (KiB on Linux)
+        return {"tokens_per_s": tokens / elapsed, "mfu": flops / elapsed / self.peak_rate if self.peak_rate else None, "peak_mem_gib": peak}
+
     def _write_train(self, values: dict, grad_norm: float, lr: float) -> None:
         if not self.ctx.is_main:
             return
-        total, modules = weight_norms(self.draft)
+        total, modules = weight_norms(self.checkpoint_module())
         record = {"step": self.step, "epoch": self.epoch_progress, "split": "train", **values, "lr": lr,
                   "grad_norm": grad_norm, "weight_norm": total, "weight_norm_modules": modules, "tokens": self.tokens}
         self.metrics.write(record)
@@ -632,7 +773,7 @@ class Trainer:
                 "profile": self.profile.name,
                 "tokens": self.tokens,
             }
-            path = save_checkpoint(self.out_dir, self.draft, self.draft_config, epoch=int(self.epoch_progress),
+            path = save_checkpoint(self.out_dir, self.checkpoint_module(), self.draft_config, epoch=int(self.epoch_progress),
                                    step=self.step, training_state=self.training_state(), extra_meta=extra)
             self.log(f"checkpoint: {path}")
         self.ctx.barrier()
