@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 
 from backend.bench.cli import concurrency_levels
+from backend.commands import (CHAIN_CONCURRENCY_DEFAULT, CHAIN_GRACE_DEFAULT_S, CHAIN_MAX_NEW_TOKENS_DEFAULT, CHAIN_PROMPTS_DEFAULT,
+                              GROK_WEIGHT_DECAY_DEFAULT, grok_argv, grok_job_name)
 
 
 def register(subparsers, parent) -> None:
@@ -16,13 +18,13 @@ def register(subparsers, parent) -> None:
     chain.add_argument("--job", required=True, help="name of the owned training job")
     chain.add_argument("--profile", help="profile (default: the --profile of the job's command line)")
     chain.add_argument("--engine", choices=["sglang", "reference"], help="default: the profile's serve.engine")
-    chain.add_argument("--grace", type=float, default=120.0, help="seconds the trainer gets to checkpoint and exit")
+    chain.add_argument("--grace", type=float, default=CHAIN_GRACE_DEFAULT_S, help="seconds the trainer gets to checkpoint and exit")
     chain.add_argument("--port", type=int)
     chain.add_argument("--keep-on-red", action="store_true", help="keep the server running when the canary is red")
     chain.add_argument("--stop-server-after", action="store_true", help="stop the server once the benchmark is saved")
-    chain.add_argument("--concurrency", type=concurrency_levels, default=[1, 4])
-    chain.add_argument("--num-prompts", type=int, default=8)
-    chain.add_argument("--max-new-tokens", type=int, default=64)
+    chain.add_argument("--concurrency", type=concurrency_levels, default=concurrency_levels(CHAIN_CONCURRENCY_DEFAULT))
+    chain.add_argument("--num-prompts", type=int, default=CHAIN_PROMPTS_DEFAULT)
+    chain.add_argument("--max-new-tokens", type=int, default=CHAIN_MAX_NEW_TOKENS_DEFAULT)
     chain.add_argument("--stages-file", type=Path, help="default: $EAGLE3_JOB_DIR/stages.jsonl when run as a job")
     chain.add_argument("--json", action="store_true", help="print each stage and the result as JSON lines")
     chain.set_defaults(handler=handle_stop_and_bench)
@@ -35,7 +37,7 @@ def register(subparsers, parent) -> None:
     grok.add_argument("--from", dest="checkpoint", required=True, type=Path, help="checkpoint dir, or a run dir (uses latest)")
     grok.add_argument("--name", help="job name (default: grok-<checkpoint name>)")
     grok.add_argument("--lr", type=float, required=True, help="constant learning rate (not decayed)")
-    grok.add_argument("--weight-decay", type=float, default=0.1)
+    grok.add_argument("--weight-decay", type=float, default=GROK_WEIGHT_DECAY_DEFAULT)
     grok.add_argument("--grokfast-alpha", type=float, help="enable Grokfast-EMA with this alpha (e.g. 0.98)")
     grok.add_argument("--max-steps", type=int)
     grok.add_argument("--json", action="store_true")
@@ -83,17 +85,6 @@ def handle_stop_and_bench(args) -> int:
     return 0 if summary.get("ok") else 1
 
 
-def grok_argv(profile: str, checkpoint: Path, lr: float, weight_decay: float, grokfast_alpha: float | None,
-              max_steps: int | None) -> list[str]:
-    argv = ["eagle3-host", "train", "--profile", profile, "--resume", str(checkpoint), "--schedule", "constant",
-            "--lr", repr(lr), "--weight-decay", repr(weight_decay)]
-    if grokfast_alpha is not None:
-        argv += ["--grokfast-alpha", repr(grokfast_alpha)]
-    if max_steps is not None:
-        argv += ["--max-steps", str(max_steps)]
-    return argv
-
-
 def handle_grok(args) -> int:
     from backend.jobs import JobError, JobRegistry
     from backend.serve.preflight import resolve_draft_dir
@@ -103,7 +94,7 @@ def handle_grok(args) -> int:
         print(f"grok: {args.checkpoint} is not a checkpoint (no config.json, no checkpoints/latest). Nothing was started.",
               file=sys.stderr)
         return 2
-    name = args.name or f"grok-{checkpoint.name}".replace("_", "-")
+    name = args.name or grok_job_name(str(checkpoint))
     argv = grok_argv(args.profile, checkpoint, args.lr, args.weight_decay, args.grokfast_alpha, args.max_steps)
     try:
         job = JobRegistry(Path(args.run_dir).expanduser()).start_job(name, "train", argv)
@@ -119,7 +110,8 @@ def handle_grok(args) -> int:
 
 
 def handle_data_scaling(args) -> int:
-    from backend.datascale import data_scaling, profile_shape
+    from backend.commands import profile_shape
+    from backend.datascale import data_scaling
     from backend.profiles import ProfileError, load_profile
 
     try:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 META_FILE = "meta.json"
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 KEEP_FREE_BYTES = 1 << 30
 
 
@@ -37,18 +36,6 @@ def measured(data_dir: str | os.PathLike, keep_free_bytes: int = KEEP_FREE_BYTES
     total = _shard_bytes(directory)
     seconds = max(meta_path.stat().st_mtime - float(meta.get("created", meta_path.stat().st_mtime)), 0.0)
     return _summary(directory, "measured", samples, tokens, total, seconds, keep_free_bytes)
-
-
-def profile_shape(profile: Any) -> dict[str, int]:
-    """What one offline sample holds per token for a profile: aux features, teacher, dtype, sequence length."""
-    target = profile.target
-    return {
-        "aux_width": len(target.aux_layer_ids) * target.hidden_size,
-        # small vocabularies store teacher logits; large ones the final hidden state (lm_head applied at train time)
-        "teacher_width": target.vocab_size if target.vocab_size <= 4096 else target.hidden_size,
-        "dtype_bytes": DTYPE_BYTES.get(target.dtype, 2),
-        "seq_len": profile.train.seq_len,
-    }
 
 
 def estimated(shape: dict[str, int], data_dir: str | os.PathLike, keep_free_bytes: int = KEEP_FREE_BYTES) -> dict[str, Any]:

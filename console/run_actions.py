@@ -13,7 +13,7 @@ from textual import work
 
 from backend.protocol import JobInfo, Request, from_dict
 from console.client import AgentError
-from console.host_commands import (CHAIN_CONCURRENCY_DEFAULT, CHAIN_GRACE_DEFAULT_S, CHAIN_PROMPTS_DEFAULT, ProfileFacts,
+from backend.commands import (CHAIN_CONCURRENCY_DEFAULT, CHAIN_GRACE_DEFAULT_S, CHAIN_PROMPTS_DEFAULT, GROK_WEIGHT_DECAY_DEFAULT, ProfileFacts,
                                    chain_argv, chain_job_name, chain_training_job, job_profile, option_value, profile_facts)
 from console.screens.chain import CHAIN_STAGES
 from console.screens.grok_modal import GrokModal
@@ -22,7 +22,6 @@ from console.state import EXTERNAL_PREFIX
 
 SIGNALS_INTERVAL_S = 5.0  # at most one `signals` request per job this often (the host computes them on request)
 DATA_SCALING_EVERY_S = 60.0
-GROK_WEIGHT_DECAY = 0.1  # `eagle3-host grok --weight-decay` default
 
 if TYPE_CHECKING:
     from console.app import ConsoleApp
@@ -244,7 +243,7 @@ class RunActions(_Base):
             self.note(f"grok run from {job}: could not list its checkpoints ({exc}); nothing was started", severity="error")
             return
         profile = self.profile_of(job)
-        modal = GrokModal(job, profile, checkpoints, lr=self.profile_facts(profile).learning_rate, weight_decay=GROK_WEIGHT_DECAY)
+        modal = GrokModal(job, profile, checkpoints, lr=self.profile_facts(profile).learning_rate, weight_decay=GROK_WEIGHT_DECAY_DEFAULT)
         params = await self.push_screen_wait(modal)
         if not params:
             self.note(f"grok run from {job} cancelled; nothing was started")

@@ -10,7 +10,7 @@ import pytest
 
 from backend.protocol import Request
 from console.app import build_app
-from console.host_commands import chain_argv
+from backend.commands import chain_argv
 from console.screens.chain import ChainScreen, chain_outcome, result_panel_text, stage_elapsed
 from console.screens.modals import StopAndBenchModal, bench_plan_text
 from console.transport import LocalTransport
@@ -283,6 +283,8 @@ def add_checkpoints(job_dir: str, *names: str) -> Path:
     root = Path(job_dir) / "checkpoints"
     for name in names:
         (root / name).mkdir(parents=True)
+        (root / name / "config.json").write_text("{}")  # complete as far as the layout checks
+        (root / name / "model.safetensors").write_bytes(b"")
     (root / "latest").write_text(names[-1] + "\n")
     return root
 

@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, OptionList
 
-from backend.chain_cli import grok_argv as host_grok_argv
-from backend.datascale import profile_shape as host_profile_shape
-from backend.profiles import available_profiles, load_profile
+from backend.commands import profile_shape as host_profile_shape
+from backend.profiles import load_profile
 from backend.protocol import Request
 from backend.signals import compute_signals
 from console.app import build_app
-from console.host_commands import grok_argv, grok_job_name, profile_facts
+from backend.commands import grok_argv, grok_job_name
 from console.screens.grok_modal import GrokModal, GrokParamError, parse_grok_params
 from console.screens.modals import WatchModal
 from console.widgets.grok_panels import data_scaling_text
@@ -99,10 +98,11 @@ def utc(monkeypatch):
 # -- pure parts ----------------------------------------------------------------------------------
 
 
-def test_grok_argv_is_the_one_eagle3_host_grok_builds():
+def test_grok_argv_and_job_name():
     checkpoint = "/root/.eagle3/jobs/train-1/checkpoints/epoch_0_step_300"
-    for lr, wd, alpha in [(1e-4, 0.1, None), (0.003, 0.0, 0.98), (3e-05, 1.0, 0.5)]:
-        assert grok_argv("tiny", checkpoint, lr, wd, alpha) == host_grok_argv("tiny", Path(checkpoint), lr, wd, alpha, None)
+    assert grok_argv("tiny", checkpoint, 1e-4, 0.1, 0.98, 50) == [
+        "eagle3-host", "train", "--profile", "tiny", "--resume", checkpoint, "--schedule", "constant", "--lr", "0.0001",
+        "--weight-decay", "0.1", "--grokfast-alpha", "0.98", "--max-steps", "50"]
     assert grok_job_name(checkpoint) == "grok-epoch-0-step-300"
 
 
@@ -113,11 +113,6 @@ def test_grok_params_are_checked_field_by_field():
                         (("1e-4", "0.1", "1.5"), "Grokfast alpha"), (("nan", "0.1", ""), "learning rate")]:
         with pytest.raises(GrokParamError, match=field):
             parse_grok_params(*args)
-
-
-def test_profile_shape_matches_the_backend_rule():
-    for name in available_profiles():
-        assert profile_facts(name).shape == host_profile_shape(load_profile(name)), name
 
 
 def test_data_scaling_panel_says_estimate_or_measured():
@@ -190,7 +185,7 @@ async def test_grok_modal_builds_the_exact_argv_and_refuses_bad_fields():
         await pilot.press("enter")
         await pilot.pause()
     assert results == [{"name": "grok-epoch-0-step-100", "checkpoint": checkpoints[0]["path"],
-                        "argv": host_grok_argv("tiny", Path(checkpoints[0]["path"]), 1e-4, 0.1, 0.98, None)}]
+                        "argv": grok_argv("tiny", checkpoints[0]["path"], 1e-4, 0.1, 0.98)}]
 
 
 async def test_grok_and_watch_are_disabled_without_a_host():
@@ -342,6 +337,8 @@ async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
         checkpoints = Path(base["job_dir"]) / "checkpoints"
         for name in ("epoch_0_step_100", "epoch_0_step_200"):
             (checkpoints / name).mkdir(parents=True)
+            (checkpoints / name / "config.json").write_text("{}")  # complete as far as the layout checks
+            (checkpoints / name / "model.safetensors").write_bytes(b"")
         (checkpoints / "latest").write_text("epoch_0_step_200\n")
         await wait_until(lambda: "base" in app.state.jobs, what="the base job listed")
         app.select_job("base")
@@ -355,7 +352,7 @@ async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
         await pilot.press("enter")
         name = "grok-epoch-0-step-200"
         job = await wait_until(lambda: app.state.jobs.get(name), what="the grok run listed")
-        expected = host_grok_argv("no-such-profile", checkpoints / "epoch_0_step_200", 2e-4, 0.5, 0.9, None)
+        expected = grok_argv("no-such-profile", str(checkpoints / "epoch_0_step_200"), 2e-4, 0.5, 0.9)
         assert job.kind == "train" and job.argv[1:] == ["-m", "backend", *expected[1:]]
         await wait_until(lambda: app.selected_job == name, what="the grok run selected")
         assert app.state.actions[-1][1].startswith(f"started {name} (pid ")

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from backend.datascale import data_scaling, estimated, profile_shape
+from backend.commands import profile_shape
+from backend.datascale import data_scaling, estimated
 from backend.profiles import load_profile
 
 

@@ -5,7 +5,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-AGENT_PATH_MODULES = ["backend.agent", "backend.protocol", "backend.jsonl", "backend.gpu", "backend.jobs", "backend.holders", "backend.metrics", "backend.signals", "backend.external", "backend.datascale", "backend.chain"]
+AGENT_PATH_MODULES = ["backend.agent", "backend.protocol", "backend.layout", "backend.jsonl", "backend.gpu", "backend.jobs", "backend.holders",
+                      "backend.metrics", "backend.metrics_scan", "backend.metrics_index", "backend.series_index", "backend.signals",
+                      "backend.external", "backend.datascale", "backend.chain"]
+CONSOLE_MAY_IMPORT = {"backend.protocol", "backend.layout", "backend.commands", "backend.profiles", "backend"}
 
 
 def imported_names(path: Path) -> set[str]:
@@ -28,8 +31,8 @@ def test_backend_never_imports_console_or_textual():
     assert not offenders, offenders
 
 
-def test_console_reaches_backend_only_through_protocol():
-    allowed = {"backend.protocol", "backend.profiles", "backend"}
+def test_console_reaches_backend_only_through_the_contract_modules():
+    allowed = CONSOLE_MAY_IMPORT
     offenders = []
     for path in (ROOT / "console").rglob("*.py"):
         for name in imported_names(path):
@@ -50,3 +53,10 @@ def test_agent_path_imports_only_the_standard_library():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"agent path imported non-stdlib modules: {out.stdout}"
+
+
+def test_the_agent_loads_no_chain_training_or_serving_code():
+    code = ("import sys, backend.agent\n"
+            "print(sorted(m for m in sys.modules if m == 'backend.chain' or m.startswith(('backend.train', 'backend.serve', 'backend.bench'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"the agent imported: {out.stdout}"

@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Footer, Header, Static
 
-from console.host_commands import chain_training_job
+from backend.commands import chain_training_job
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 from console.widgets.format import duration, number

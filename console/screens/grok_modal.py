@@ -12,7 +12,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
-from console.host_commands import grok_argv, grok_job_name
+from backend.commands import grok_argv, grok_job_name
 from console.screens.modals import FormModal
 
 

@@ -1,7 +1,7 @@
-"""The host command lines the console's keys start as owned jobs (stop-and-bench chain, grokking run), and profile facts.
+"""The host command lines both sides build (stop-and-bench chain, grokking run), their defaults, and profile facts.
 
-The argv match what `eagle3-host` itself builds (backend/chain_cli.py); the console may not import that module
-(it reaches the host only through the agent protocol), so tests compare the two.
+One home: `eagle3-host` (backend/chain_cli.py) reads its argparse defaults and builds its argv here, and the
+console imports this module (with backend/protocol.py and backend/layout.py, the only backend modules it may).
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CHAIN_GRACE_DEFAULT_S = 120.0  # `stop-and-bench --grace` default
 CHAIN_CONCURRENCY_DEFAULT = "1,4"
 CHAIN_PROMPTS_DEFAULT = 8
+CHAIN_MAX_NEW_TOKENS_DEFAULT = 64
+GROK_WEIGHT_DECAY_DEFAULT = 0.1
 
 
 def option_value(argv: list[str], option: str) -> str | None:
@@ -43,12 +45,15 @@ def chain_training_job(argv: list[str], chain_name: str) -> str:
     return option_value(argv, "--job") or chain_name.removeprefix(CHAIN_PREFIX)
 
 
-def grok_argv(profile: str, checkpoint: str, lr: float, weight_decay: float, grokfast_alpha: float | None) -> list[str]:
-    """Resume CKPT with a constant LR: the same argv as `eagle3-host grok` starts (backend/chain_cli.grok_argv)."""
+def grok_argv(profile: str, checkpoint: str, lr: float, weight_decay: float, grokfast_alpha: float | None,
+              max_steps: int | None = None) -> list[str]:
+    """Resume CKPT with a constant LR as a new training job: what `eagle3-host grok` and the `g` key start."""
     argv = ["eagle3-host", "train", "--profile", profile, "--resume", str(PurePosixPath(checkpoint)), "--schedule", "constant",
             "--lr", repr(lr), "--weight-decay", repr(weight_decay)]
     if grokfast_alpha is not None:
         argv += ["--grokfast-alpha", repr(grokfast_alpha)]
+    if max_steps is not None:
+        argv += ["--max-steps", str(max_steps)]
     return argv
 
 
@@ -88,10 +93,11 @@ def profile_facts(name: str) -> ProfileFacts:
 
 
 def profile_shape(profile: Any) -> dict[str, int]:
-    """Per-token contents of one offline sample (the agent's data_scaling estimate; same rule as backend/datascale.py)."""
+    """What one offline sample holds per token for a profile: aux features, teacher, dtype, sequence length."""
     target = profile.target
     return {
         "aux_width": len(target.aux_layer_ids) * target.hidden_size,
+        # small vocabularies store teacher logits; large ones the final hidden state (lm_head applied at train time)
         "teacher_width": target.vocab_size if target.vocab_size <= 4096 else target.hidden_size,
         "dtype_bytes": DTYPE_BYTES.get(target.dtype, 2),
         "seq_len": profile.train.seq_len,
