@@ -13,6 +13,7 @@ from backend.protocol import Request
 from console.screens.grokking import GrokkingScreen
 from console.screens.training import TrainingScreen
 from console.widgets.curve_plot import CurvePlot
+from console.widgets.panels import latest_metrics_text
 from ssh_fixtures import connected, stop_everything, wait_until
 from test_console_ui import live_app
 from test_series_index import trainer_record, val_record
@@ -51,6 +52,7 @@ async def test_nan_loss_from_the_trainers_writer_is_counted_and_marked(tmp_path)
         title = str(app.screen.query_one("#training-title").render())
         assert "3 NaN/inf loss values" in title
         assert loss_markers(app) == [17.0, 23.0, 31.0]
+        assert "3 NaN/inf loss values in the run" in str(latest_metrics_text(app.state, "nan-run"))  # the Dashboard's panel
         await stop_everything(app)
 
 

@@ -36,9 +36,9 @@ def latest_metrics_text(state: ConsoleState, job: str | None) -> Text:
     step_time = train.get("step_time")
     if tokens is not None or step_time is not None:
         text.append(f"\ntokens {count(tokens)}   step time {number(step_time, 3)}s")
-    hidden = metrics.train_loss.nonfinite + metrics.val_loss.nonfinite
+    hidden = metrics.nonfinite_count("train.loss", metrics.train_loss) + metrics.nonfinite_count("val.loss", metrics.val_loss)
     if hidden:
-        text.append(f"\n{hidden} NaN/inf loss values (not plotted)", style="bold red")
+        text.append(f"\n{hidden} NaN/inf loss values in the run (red x on Training)", style="bold red")
     return text
 
 
