@@ -401,13 +401,22 @@ class Agent:
 
     def _emit_externals(self) -> None:
         for name, watch in list(self._externals.items()):
-            records = watch["reader"].poll()
+            reader = watch["reader"]
+            start = watch["count"]
+            records = reader.poll()
             if records:
                 watch["index"].fold_records(records)
                 watch["records"].extend(records)
-                del watch["records"][:-HISTORY_LIMIT]
+                del watch["records"][:-WINDOW_RECORDS_MAX]
                 watch["count"] += len(records)
-                self.out.send({"type": Event.METRICS, "job": name, "records": records, "offset": watch["count"]})
+            behind = getattr(reader, "bytes_read", 0) < getattr(reader, "bytes_total", 0)
+            if behind or watch.get("catching_up"):  # a big backlog: progress and the index, not megabytes of events
+                watch["catching_up"] = behind
+                self.out.send({"type": Event.INDEX_PROGRESS, "job": name, "indexed_bytes": reader.bytes_read,
+                               "file_bytes": reader.bytes_total, "caught_up": not behind,
+                               "total_records": watch["index"].total_records})
+            elif records:
+                self.out.send({"type": Event.METRICS, "job": name, "records": records, "offset": watch["count"], "start_offset": start})
 
     def _emit_disks(self) -> None:
         measure = time.monotonic() - self._dir_sizes_at >= DIR_SIZE_EVERY_S
@@ -558,7 +567,7 @@ class Agent:
             watch = self._externals[name]
             reader = watch["reader"]
             return watch["index"], {"indexed_bytes": getattr(reader, "bytes_read", None), "file_bytes": getattr(reader, "bytes_total", None),
-                                    "caught_up": True, "total_records": watch["index"].total_records}
+                                    "caught_up": not watch.get("catching_up"), "total_records": watch["index"].total_records}
         self.registry.get(name)  # NOT_FOUND for an unknown job
         with self._lock:
             files = self._files.get(name)

@@ -106,3 +106,14 @@ def test_events_during_a_history_load_are_held_and_what_lies_beyond_is_flagged()
     assert metrics.train_loss.steps == [1.0] and metrics.needs_catchup  # 50..100 still to read
     state.apply_metrics_history("j", {"records": [{"step": 2, "loss": 1.0}], "offset": 100}, reset=False)
     assert metrics.train_loss.steps == [1.0, 2.0] and not metrics.needs_catchup
+
+
+def test_latest_metrics_panel_shows_the_trainers_own_speed_and_memory():
+    from console.widgets.panels import latest_metrics_text
+
+    state = ConsoleState()
+    state.apply({"type": "metrics", "job": "t", "records": [
+        {"step": 10, "split": "train", "loss": 2.0, "tokens": 20480, "step_time": 0.073, "tokens_per_s": 28080.0, "mfu": 0.65, "peak_mem_gib": 11.13}],
+        "offset": 100, "start_offset": 0})
+    text = str(latest_metrics_text(state, "t"))
+    assert "tok/s" in text and "MFU 65" in text and "peak 11.1 GiB" in text

@@ -313,6 +313,7 @@ class Trainer:
         self.settings = options.resolved()
         self.stop_signal: int | None = None
         self.metrics = None
+        self.last_save_ok = True
         self.tb = None
         self.latest_val: dict = {}
         self.tokens = 0
@@ -360,7 +361,7 @@ class Trainer:
                 return 0
             self.in_loop = True
             self._loop()
-            return 0
+            return 0 if self.last_save_ok else 1
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -549,12 +550,10 @@ class Trainer:
     def _open_outputs(self, resume_dir: Path | None) -> None:
         if not self.ctx.is_main:
             return
-        try:
-            from backend.metrics import MetricsWriter
+        from backend.metrics import MetricsWriter
 
-            self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl")
-        except ImportError:  # metrics module absent in a partial build: same schema, plain appends
-            self.metrics = _PlainMetrics(self.out_dir / "metrics.jsonl")
+        # On a full disk the writer keeps records in memory and retries; the job log says when it fails and recovers.
+        self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", on_error=self.log)
         if self.options.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -689,7 +688,10 @@ class Trainer:
                 self._save()
                 last_saved = self.step
             if stopping:
-                self.log(f"stopped by {signal.Signals(self.stop_signal).name if self.stop_signal else 'a signal on another rank'} after step {self.step}; checkpoint written")
+                by = signal.Signals(self.stop_signal).name if self.stop_signal else "a signal on another rank"
+                outcome = "checkpoint written" if self.last_save_ok else "the checkpoint could NOT be written (see above)"
+                self.log(f"stopped by {by} after step {self.step}; {outcome}")
+                self._flush_metrics()
                 return
             if last_eval == self.step or last_saved == self.step:
                 timer = time.perf_counter()  # step_time measures training steps only
@@ -698,7 +700,15 @@ class Trainer:
             self._validate()
         if last_saved != self.step:
             self._save()
-        self.log(f"done: {self.step} steps")
+        self._flush_metrics()
+        self.log(f"done: {self.step} steps" + ("" if self.last_save_ok else "; the final checkpoint was NOT saved"))
+
+    def _flush_metrics(self) -> None:
+        if self.metrics is None or not hasattr(self.metrics, "flush"):
+            return
+        self.metrics.flush()
+        if self.metrics.pending or self.metrics.lost_records:
+            self.log(f"metrics: {self.metrics.pending} records could not be written, {self.metrics.lost_records} dropped")
 
     # --- outputs ---------------------------------------------------------------------------------
 
@@ -761,8 +771,10 @@ class Trainer:
         }
 
     def _save(self) -> None:
-        from backend.train.checkpoint import save_checkpoint
+        """Checkpoint; on a full disk say so and keep training (the next save retries), `latest` left as it was."""
+        from backend.train.checkpoint import CheckpointDiskFullError, save_checkpoint
 
+        self.last_save_ok = True
         if self.ctx.is_main:
             extra = {
                 "val_acc": self.latest_val.get("acc"),
@@ -773,20 +785,14 @@ class Trainer:
                 "profile": self.profile.name,
                 "tokens": self.tokens,
             }
-            path = save_checkpoint(self.out_dir, self.checkpoint_module(), self.draft_config, epoch=int(self.epoch_progress),
-                                   step=self.step, training_state=self.training_state(), extra_meta=extra)
-            self.log(f"checkpoint: {path}")
+            try:
+                path = save_checkpoint(self.out_dir, self.checkpoint_module(), self.draft_config, epoch=int(self.epoch_progress),
+                                       step=self.step, training_state=self.training_state(), extra_meta=extra)
+                self.log(f"checkpoint: {path}")
+            except CheckpointDiskFullError as exc:
+                self.last_save_ok = False
+                self.log(f"checkpoint at step {self.step} NOT saved: {exc}")
         self.ctx.barrier()
-
-
-class _PlainMetrics:
-    def __init__(self, path: Path):
-        self.path = path
-
-    def write(self, record: dict) -> None:
-        from backend.jsonl import append_record
-
-        append_record(self.path, {**record, "time": record.get("time", time.time())})
 
 
 def train(options: TrainOptions) -> int:

@@ -36,6 +36,11 @@ def latest_metrics_text(state: ConsoleState, job: str | None) -> Text:
     step_time = train.get("step_time")
     if tokens is not None or step_time is not None:
         text.append(f"\ntokens {count(tokens)}   step time {number(step_time, 3)}s")
+    speed = [f"{count(train['tokens_per_s'])} tok/s" if train.get("tokens_per_s") is not None else "",
+             f"MFU {percent(train['mfu'])}" if train.get("mfu") is not None else "",
+             f"peak {number(train['peak_mem_gib'], 3)} GiB" if train.get("peak_mem_gib") is not None else ""]
+    if any(speed):
+        text.append("\n" + "   ".join(part for part in speed if part))
     hidden = metrics.nonfinite_count("train.loss", metrics.train_loss) + metrics.nonfinite_count("val.loss", metrics.val_loss)
     if hidden:
         text.append(f"\n{hidden} NaN/inf loss values in the run (red x on Training)", style="bold red")
