@@ -102,10 +102,13 @@ def bench_cold_index(path: Path, sidecar: Path) -> dict:
     save_s = time.perf_counter() - started
 
     cpu = time.process_time()
+    carry = b""
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(8 << 20), b""):
-            for line in block.split(b"\n"):
-                if line.strip().startswith(b"{") and line.endswith(b"}"):
+            lines = (carry + block).split(b"\n")
+            carry = lines.pop()
+            for line in lines:
+                if line:
                     json.loads(line)
     peer_cpu = time.process_time() - cpu
 
