@@ -338,3 +338,10 @@ def test_log_following_survives_a_line_longer_than_a_chunk(agent, tmp_path):
     assert any(line.startswith("progress") for line in seen)
     _, reply = agent.request("tail_log", name="bar", lines=10**9)
     assert reply["ok"] is False and reply["error"]["code"] == "bad_params"
+
+
+def test_fuzzed_request_stream_is_answered_line_for_line():
+    """benchmarks/fuzz_agent.py at CI size: every line gets a reply, the agent never dies."""
+    out = subprocess.run([PY, "benchmarks/fuzz_agent.py", "--lines", "1500", "--seed", "7"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = json.loads(out.stdout)
+    assert out.returncode == 0 and result["crashes"] == 0 and result["unanswered"] == 0 and result["answered"] == 1500, result
