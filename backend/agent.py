@@ -279,7 +279,7 @@ class Agent:
         for name, part in parts:
             try:
                 part()
-            except Exception:  # noqa: BLE001 - the agent must keep streaming
+            except Exception:
                 print(f"agent: {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------ streams
@@ -316,7 +316,7 @@ class Agent:
         while not self.stopping.is_set() and not self.out.closed.is_set():
             try:
                 self._emit_files()
-            except Exception:  # noqa: BLE001 - the agent must keep streaming
+            except Exception:
                 print(f"agent: live files failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             self.stopping.wait(LIVE_POLL_S)
 
@@ -459,7 +459,7 @@ class Agent:
             reply = reply_error(request_id, exc.code, str(exc))
         except Unavailable as exc:
             reply = reply_error(request_id, ErrorCode.INTERNAL, str(exc))
-        except Exception as exc:  # noqa: BLE001 - a failing request must not take the agent down
+        except Exception as exc:
             print(f"agent: {message['type']} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             reply = reply_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         self.out.send(reply)

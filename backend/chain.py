@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from backend.jsonl import append_record
-from backend.layout import RESULTS_DIRNAME, STAGES_FILENAME, list_results  # noqa: F401 - list_results re-exported for chain_cli
+from backend.layout import RESULTS_DIRNAME, STAGES_FILENAME
 
 STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
 

@@ -134,7 +134,7 @@ def handle_data_scaling(args) -> int:
 
 
 def handle_results(args) -> int:
-    from backend.chain import list_results
+    from backend.layout import list_results
     from backend.jobs import JobNotFound, JobRegistry
 
     try:

@@ -305,7 +305,7 @@ def _kernel_driver() -> str | None:
 def probe_nvml() -> tuple[Any, str]:
     """(initialised pynvml module or None, status). Status is 'ok', 'no NVIDIA driver (...)' or 'NVML error: ...'."""
     try:
-        import pynvml  # noqa: PLC0415  (optional: the agent path must run on a bare Python)
+        import pynvml
     except ImportError:
         driver = _kernel_driver()
         if driver is None:

@@ -147,7 +147,7 @@ class JsonlFollower:
 
     def read_all(self) -> list[dict[str, Any]]:
         """Everything complete up to now (loops over poll until caught up)."""
-        records = []
+        records: list[dict[str, Any]] = []
         while True:
             batch = self.poll()
             if not batch:

@@ -86,6 +86,7 @@ def checkpoint_listing(job_dir: str | Path) -> list[dict[str, Any]]:
     out = []
     for entry in list_checkpoints(job_dir):
         match = CHECKPOINT_NAME.match(entry.name)
+        assert match is not None  # list_checkpoints lists only names that match
         out.append({"path": str(entry), "epoch": int(match[1]), "step": int(match[2]), "latest": entry == current})
     return out
 

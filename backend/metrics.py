@@ -120,7 +120,7 @@ def _clean_list(key: str, value: Any, problems: list[str]) -> list[float] | None
         if problem:
             problems.append(problem)
             return None
-        out.append(float(number))
+        out.append(float(number))  # type: ignore[arg-type]  # a number whenever there is no problem
     return out
 
 
@@ -134,7 +134,7 @@ def _clean_modules(value: Any, problems: list[str]) -> dict[str, float] | None:
         if problem:
             problems.append(problem)
             return None
-        out[str(name)] = float(number)
+        out[str(name)] = float(number)  # type: ignore[arg-type]  # a number whenever there is no problem
     return out
 
 
@@ -146,7 +146,7 @@ def check_record(record: Any) -> list[str]:
 def validate_record(record: Any) -> dict[str, Any]:
     """The cleaned record, or MetricsRecordError naming every wrong key."""
     clean, problems = normalize_record(record)
-    if problems:
+    if clean is None:
         raise MetricsRecordError(problems)
     return clean
 

@@ -79,8 +79,7 @@ class MetricsIndex:
         return sorted(self.series)
 
     def step_range(self) -> tuple[int, int] | None:
-        spans = [s.span() for s in self.series.values()]
-        spans = [s for s in spans if s is not None]
+        spans = [span for span in (s.span() for s in self.series.values()) if span is not None]
         if not spans:
             return None
         return min(lo for lo, _ in spans), max(hi for _, hi in spans)

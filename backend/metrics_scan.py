@@ -171,11 +171,11 @@ class ChunkScanner:
         for shape in list(self.shapes):
             rest = self._apply(shape, rest, result)
         while rest and len(self.shapes) < MAX_SHAPES:
-            shape = next((s for s in map(learn_shape, _first_lines(rest, 20)) if s is not None), None)
-            if shape is None:
+            learned = next((s for s in map(learn_shape, _first_lines(rest, 20)) if s is not None), None)
+            if learned is None:
                 break
-            self.shapes.append(shape)
-            rest = self._apply(shape, rest, result)
+            self.shapes.append(learned)
+            rest = self._apply(learned, rest, result)
         for part in rest:
             for line in part.split(b"\n"):
                 self._slow_line(line, result)
@@ -190,10 +190,9 @@ class ChunkScanner:
             return rest
         whole, other = columns[0], columns[-1]
         leftovers = [line for line in other if line.strip()] if any(other) else []
-        values = columns[1:-1]
+        values: list[list[bytes]] = [list(col) for col in columns[1:-1]]
         if b"" in whole:  # rows of lines that did not fit: few, so delete them in place
             misfits = [i for i, line in enumerate(whole) if not line]
-            values = [list(col) for col in values]
             for col in values:
                 for i in reversed(misfits):
                     del col[i]

@@ -231,4 +231,6 @@ def reply_error(request_id: Any, code: str, message: str) -> dict[str, Any]:
 
 # Metrics records (one JSON object per line of <job_dir>/metrics.jsonl) and chain stage records
 # (<job_dir>/stages.jsonl): their file names live in backend/layout.py with the rest of the run-dir layout.
-from backend.layout import INDEX_FILENAME, METRICS_FILENAME, STAGES_FILENAME  # noqa: E402,F401 - re-exported
+from backend.layout import INDEX_FILENAME as INDEX_FILENAME  # noqa: E402
+from backend.layout import METRICS_FILENAME as METRICS_FILENAME  # noqa: E402
+from backend.layout import STAGES_FILENAME as STAGES_FILENAME  # noqa: E402

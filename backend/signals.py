@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
-from backend.metrics import record_loss, series
+from backend.metrics import series
 
 LR_FLOOR_WARNING = "a cosine run that decayed to ~0 LR cannot grok; resume with a constant LR"
 

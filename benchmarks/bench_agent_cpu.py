@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend.jobs import JobRegistry  # noqa: E402
-from backend.procs import PROC  # noqa: E402
+from backend.jobs import JobRegistry
+from backend.procs import PROC
 
 TICKS = os.sysconf("SC_CLK_TCK")
 WRITER = """\

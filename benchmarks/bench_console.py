@@ -33,14 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from textual.app import App  # noqa: E402
-from textual.widgets import Footer, Header, Static  # noqa: E402
+from textual.app import App
+from textual.widgets import Footer, Header, Static
 
-from backend.protocol import Request  # noqa: E402
-from console.app import build_app  # noqa: E402
-from console.client import AgentClient  # noqa: E402
-from console.state import CONNECTED, ConnectionStatus, ConsoleState  # noqa: E402
-from console.transport import LocalTransport, SSHTransport  # noqa: E402
+from backend.protocol import Request
+from console.app import build_app
+from console.client import AgentClient
+from console.state import CONNECTED, ConnectionStatus, ConsoleState
+from console.transport import LocalTransport, SSHTransport
 
 SIZE = (160, 48)
 PEER_APP = '''

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend import gpu  # noqa: E402
+from backend import gpu
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -38,12 +38,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from backend.jobs import JobRegistry  # noqa: E402
-from backend.metrics import normalize_record  # noqa: E402
-from backend.metrics_index import MetricsFeed  # noqa: E402
-from backend.protocol import INDEX_FILENAME, METRICS_FILENAME, Request  # noqa: E402
-from backend.series_index import Series, query  # noqa: E402
-from bench_console import show, summary  # noqa: E402
+from backend.jobs import JobRegistry
+from backend.metrics import normalize_record
+from backend.metrics_index import MetricsFeed
+from backend.protocol import INDEX_FILENAME, METRICS_FILENAME, Request
+from backend.series_index import Series, query
+from bench_console import show, summary
 
 SIZE = (160, 48)
 MODULES = ("fc", "midlayer", "norm", "lm_head")
@@ -215,7 +215,7 @@ async def attach(make_transport, records: int, live_lines: int) -> dict:
 
         started = time.perf_counter()
         app.select_job("warm")
-        metrics = lambda: app.state.metrics.get("warm")  # noqa: E731
+        metrics = lambda: app.state.metrics.get("warm")
         await wait_for(lambda: metrics() and metrics().summary(False) and metrics().history_loaded, 60, "the warm history")
         app.redraw_now()
         plot = app.screen.query_one("#loss-plot")
@@ -225,7 +225,7 @@ async def attach(make_transport, records: int, live_lines: int) -> dict:
 
         started = time.perf_counter()
         app.select_job("cold")
-        cold = lambda: app.state.metrics.get("cold")  # noqa: E731
+        cold = lambda: app.state.metrics.get("cold")
         result["cold_attach_to_newest_records_s"] = await wait_for(lambda: cold() and cold().history_loaded and len(cold().train_loss) > 0,
                                                                    60, "the newest records")
         await wait_for(lambda: progress_events and progress_events[-1].get("caught_up"), 1800, "the cold index")

@@ -25,12 +25,12 @@ import os
 for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_key, _value)
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -280,7 +280,6 @@ def group_kernels(kernels: list[dict]) -> dict[str, float]:
 
 def profile_steps(trainer, first_step: int, device, steps: int = 2) -> dict:
     """torch.profiler over `steps` training steps: top kernels by device time, time by kernel group, GPU busy share."""
-    import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -305,7 +304,7 @@ def profile_steps(trainer, first_step: int, device, steps: int = 2) -> dict:
     sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     try:
         table = prof.key_averages().table(sort_by=sort_key, row_limit=40, max_name_column_width=90)
-    except Exception as exc:  # noqa: BLE001 - older/newer profilers name the column differently
+    except Exception as exc:
         table = f"(table unavailable: {exc!r})"
     return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "gpu_busy_ms_per_step": busy,
             "gpu_idle_share": max(0.0, 1 - busy / (wall * 1e3 / steps)) if wall else None,

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend.protocol import Request  # noqa: E402
+from backend.protocol import Request
 
 KINDS = [v for k, v in vars(Request).items() if k.isupper() and v not in (Request.SHUTDOWN, Request.START_JOB, Request.ADOPT_JOB, Request.WATCH_EXTERNAL)]
 PARAMS = ["name", "offset", "grace", "lines", "stream", "points", "keys", "from", "to", "log_x", "last", "val", "all", "pid", "path",

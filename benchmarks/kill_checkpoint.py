@@ -40,12 +40,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from backend.metrics import MetricsReader, MetricsWriter  # noqa: E402
-from backend.train.checkpoint import (CheckpointDiskFullError, list_checkpoints, load_checkpoint,  # noqa: E402
+from backend.metrics import MetricsReader, MetricsWriter
+from backend.train.checkpoint import (CheckpointDiskFullError, list_checkpoints, load_checkpoint,
                                       save_checkpoint)
-from backend.train.draft import DraftModelConfig, Eagle3Draft  # noqa: E402
+from backend.train.draft import DraftModelConfig, Eagle3Draft
 
 SERIES = 5  # trials sharing one run dir
 STEP_BASE = 1_000_000  # metrics step = trial * STEP_BASE + k: unique across a series
@@ -161,7 +161,7 @@ def verify_latest(run: Path, expected_cache: dict) -> str | None:
         return f"`latest` unreadable: {exc}"
     try:
         draft, _, meta, state = load_checkpoint(checkpoints / name)
-    except Exception as exc:  # noqa: BLE001 - any failure to load is what we count
+    except Exception as exc:
         return f"`latest` names {name!r}, which does not load: {exc}"
     step = meta.get("step")
     if state is None or state.get("step") != step or name != f"epoch_0_step_{step}":
@@ -188,10 +188,10 @@ def run_trial(run: Path, trial: int, optimizer: dict, on_tmpfs: bool, acked: set
             torch.set_num_threads(1)
             out = os.fdopen(write_fd, "w", buffering=1)
             saver(run, trial, start_step, optimizer, on_tmpfs, lambda line: out.write(line + "\n"))
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             try:
                 out.write(f"e {type(exc).__name__}: {str(exc)[:300]}\n".replace("\n", " ") + "\n")
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
             code = 1
         finally:

@@ -35,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend import procs  # noqa: E402
-from backend.jobs import JobRegistry  # noqa: E402
+from backend import procs
+from backend.jobs import JobRegistry
 
 PY = sys.executable
 MARK = "STRESS_TRIAL"

@@ -274,7 +274,7 @@ class ConsoleState:
     def apply(self, message: dict[str, Any]) -> set[str]:
         """Fold one event into the state; returns the names of the sections that changed."""
         kind = message.get("type")
-        handler = _HANDLERS.get(kind)
+        handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
         if handler is None:
             return set()
         changed = handler(self, message)
@@ -363,9 +363,9 @@ class ConsoleState:
                     tail_steps.add(record.get("step"))
         older_vals = [r for r in result.get("val") or [] if isinstance(r, dict) and r.get("step") not in tail_steps]
         for record in older_vals:
-            acc = record.get("acc")
-            if isinstance(acc, list):
-                fresh.val_acc.append((record.get("step"), [a for a in acc if isinstance(a, (int, float))]))
+            acc, step = record.get("acc"), record.get("step")
+            if isinstance(acc, list) and isinstance(step, (int, float)):
+                fresh.val_acc.append((step, [a for a in acc if isinstance(a, (int, float))]))
         fresh.val_acc.sort(key=lambda row: row[0])
         if older_vals and not fresh.latest_val:
             fresh.latest_val = older_vals[-1]

@@ -211,7 +211,7 @@ async def test_dropped_connection_reconnects_and_the_app_shows_running_jobs_agai
         started_pgids.append(job["pgid"])
         await wait_until(lambda: "long-run" in app.state.jobs, what="the job in the jobs table")
         app.select_job("long-run")
-        steps = lambda: app.state.metrics["long-run"].train_loss.steps  # noqa: E731
+        steps = lambda: app.state.metrics["long-run"].train_loss.steps
         await wait_until(lambda: "long-run" in app.state.metrics and steps() == [1.0, 2.0, 3.0], what="the first metrics")
         first_agent = app.state.hello.agent_pid
 

@@ -116,7 +116,6 @@ def test_decay_weights_are_point_eight_to_the_k():
 # --- the trainer's fused lm_head + loss ------------------------------------------------------------------
 
 def fused_case(seed=0, steps=3, hidden=8):
-    from backend.train.loss import fused_ttt_loss  # noqa: F401
 
     target_logits, loss_mask, t2d = setup_case(seed)
     generator = torch.Generator().manual_seed(seed + 100)

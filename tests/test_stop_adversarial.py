@@ -219,7 +219,7 @@ def test_nul_bytes_in_env_or_argv_are_refused_before_anything_is_recorded(regist
 def test_jobs_db_and_job_dirs_are_private(registry, tmp_path):
     info = registry.start_job("secret", "other", [PY, "-c", "print('token')"])
     wait_for(lambda: registry.get("secret").info.state == "exited", what="the job to end")
-    mode = lambda path: Path(path).stat().st_mode & 0o777  # noqa: E731
+    mode = lambda path: Path(path).stat().st_mode & 0o777
     assert mode(registry.db_path) == 0o600 and mode(registry.jobs_dir) == 0o700 and mode(info.job_dir) == 0o700
     assert {p.name: mode(p) for p in Path(info.job_dir).iterdir()} == dict.fromkeys(["stdout.log", "stderr.log", "watcher.log", "leader.json", "exit_code"], 0o600)
     old = tmp_path / "old"

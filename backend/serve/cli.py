@@ -1,7 +1,6 @@
 """`eagle3-host preflight` and `eagle3-host serve`: static draft checks, and launching a checked server."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path

@@ -650,12 +650,12 @@ def run_preflight(
     out = _Collector()
     draft_dir = Path(draft).expanduser()
     target_label = "(profile)" if isinstance(target_config, dict) else str(target_config)
-    report = lambda: PreflightReport(ok=not out.problems, problems=out.problems, notes=out.notes,  # noqa: E731
+    report = lambda: PreflightReport(ok=not out.problems, problems=out.problems, notes=out.notes,
                                      draft=str(draft_dir), target_config=target_label)
     try:
         draft_dir = resolve_draft_dir(draft_dir)
         _run_checks(draft_dir, target_config, serving_argv, serving_dtype, resolve_class, check_sglang, out)
-    except Exception as exc:  # noqa: BLE001 - a file no check foresaw: a problem to report, never a traceback
+    except Exception as exc:
         out.add(CORRUPT, f"preflight could not finish on {draft_dir}: {type(exc).__name__}: {_short(str(exc), 300)}.",
                 "Check the draft's config.json and model.safetensors (re-export or copy them again); if they look "
                 "right, report this as a preflight bug.")

@@ -639,7 +639,7 @@ class Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.request_timeout  # every socket read and write; a stalled client frees its thread
         super().setup()
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request would drown the job log; generate() logs its own summary
 
     # --- sending ---------------------------------------------------------------------------------------
@@ -787,10 +787,10 @@ class Handler(BaseHTTPRequestHandler):
 
     # --- dispatch --------------------------------------------------------------------------------------
 
-    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+    def do_GET(self) -> None:
         self._dispatch()
 
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET  # noqa: N815 - stdlib names
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET
 
     def _dispatch(self) -> None:
         self.responded = False

@@ -111,7 +111,7 @@ def _sdpa(query, key0, value0, diag_keys, diag_values):
 
 def flex_available() -> bool:
     try:
-        import torch.nn.attention.flex_attention  # noqa: F401
+        import torch.nn.attention.flex_attention  # noqa: F401  # imported only to see whether it is there
     except ImportError:
         return False
     return True

@@ -18,18 +18,18 @@ from pathlib import Path
 
 import torch
 
-from backend.layout import (  # noqa: F401 - the layout's names, re-exported for the trainer and tests
-    CHECKPOINT_NAME,
-    CHECKPOINTS_DIR,
-    CONFIG_FILE,
-    LATEST_FILE,
-    STATE_FILE,
-    WEIGHTS_FILE,
-    checkpoint_name,
-    checkpoints_dir_of,
-    is_complete,
-    latest_checkpoint,
-    list_checkpoints,
+from backend.layout import (  # the layout's names, re-exported for the trainer and tests
+    CHECKPOINT_NAME as CHECKPOINT_NAME,
+    CHECKPOINTS_DIR as CHECKPOINTS_DIR,
+    CONFIG_FILE as CONFIG_FILE,
+    LATEST_FILE as LATEST_FILE,
+    STATE_FILE as STATE_FILE,
+    WEIGHTS_FILE as WEIGHTS_FILE,
+    checkpoint_name as checkpoint_name,
+    checkpoints_dir_of as checkpoints_dir_of,
+    is_complete as is_complete,
+    latest_checkpoint as latest_checkpoint,
+    list_checkpoints as list_checkpoints,
 )
 from backend.train.draft import CONSOLE_BLOCK, DraftModelConfig, Eagle3Draft
 from backend.train.fsutil import exchange_paths, free_bytes, fsync_path, pid_alive, tree_bytes

@@ -6,7 +6,7 @@ import errno
 import os
 from pathlib import Path
 
-from backend.jsonl import free_bytes  # noqa: F401  (re-exported: bytes an unprivileged writer may still use)
+from backend.jsonl import free_bytes as free_bytes  # re-exported for checkpoint.py
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100

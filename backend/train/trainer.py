@@ -62,7 +62,7 @@ class TrainOptions:
 
     def resolved(self) -> dict:
         train = self.profile.train
-        pick = lambda value, default: default if value is None else value  # noqa: E731
+        pick = lambda value, default: default if value is None else value
         warmup = pick(self.warmup_steps, train.warmup_steps)
         return {
             "max_steps": pick(self.max_steps, train.max_steps),
@@ -221,7 +221,7 @@ def matmul_peak_rate(device: torch.device) -> float | None:
                 times.append(time.perf_counter() - start)
         del a, b
         return 2 * size**3 / sorted(times)[len(times) // 2]
-    except Exception:  # noqa: BLE001 - an estimate only; never stop training for it
+    except Exception:
         return None
 
 

@@ -106,7 +106,7 @@ class TrainingScreen(ZoomableScreen):
     def _title(self, job: str | None, metrics) -> Text:
         if not job:
             return Text("no job selected (press ] or [ to pick one)")
-        on = lambda flag: "on" if flag else "off"  # noqa: E731
+        on = lambda flag: "on" if flag else "off"
         text = Text(f"{job} · {history_text(metrics)} · {self.view_text()} (+ - , . 0) · log step {on(self.log_step)} (x) · "
                     f"log y {on(self.log_y)} (y) · EMA {'0.9' if self.smooth else 'off'} (e)")
         indexing = indexing_text(metrics)

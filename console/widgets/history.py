@@ -31,7 +31,7 @@ def history_spec(label: str, metrics: JobMetrics, key: str, tail: Series, color:
     summary = view_summary(metrics, log_x, view)
     buckets = summary.buckets.get(key) if summary is not None else None
     end = summary.end_step if summary is not None and buckets is not None else None
-    markers = (summary.nonfinite_steps(key) if buckets is not None else []) + tail.nonfinite_after(end)
+    markers = (summary.nonfinite_steps(key) if summary is not None and buckets is not None else []) + tail.nonfinite_after(end)
     if view is not None:
         markers = [m for m in markers if view.lo <= m <= view.hi]
     return SeriesSpec(label, tail, color, buckets=buckets, end_step=end,
@@ -44,12 +44,9 @@ def run_span(metrics: JobMetrics | None) -> tuple[int, int] | None:
     if metrics is None:
         return None
     summary = metrics.summary(False)
-    lo, hi = (summary.step_range if summary is not None and summary.step_range else (None, None))
-    steps = [s for series in (metrics.train_loss, metrics.val_loss) for s in (series.steps[:1] + series.steps[-1:])]
-    if steps:
-        lo = min([lo, *steps]) if lo is not None else min(steps)
-        hi = max([hi, *steps]) if hi is not None else max(steps)
-    return (int(lo), int(hi)) if lo is not None else None
+    ends: list[float] = list(summary.step_range) if summary is not None and summary.step_range else []
+    ends += [s for series in (metrics.train_loss, metrics.val_loss) for s in (series.steps[:1] + series.steps[-1:])]
+    return (int(min(ends)), int(max(ends))) if ends else None
 
 
 def zoomed(view: StepView | None, span: tuple[int, int], factor: float) -> StepView | None:
