@@ -1,5 +1,8 @@
 """Draft training data: target-generated tiny samples, chat templates with assistant masks, offline shards, rank sharding."""
+import fcntl
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from backend.train.data import (
     conversation_samples,
     eval_batches,
     read_conversations,
+    tiny_data_cache_path,
     tiny_samples,
     tokenize_conversation,
 )
@@ -73,8 +77,11 @@ def test_eval_batches_split_the_validation_set_between_ranks():
 def test_tiny_samples_are_corpus_prompts_plus_greedy_continuations(mini_target, mini_env):
     settings = TinyDataSettings(prompt_len=16, total_len=40, train_samples=12, val_samples=4)
     before = set(mini_env.glob("tiny-data-*.safetensors"))
-    splits = tiny_samples(mini_target, settings)
+    messages = []
+    splits = tiny_samples(mini_target, settings, log=messages.append)
     assert len(splits["train"]) == 12 and len(splits["val"]) == 4
+    bars = [m for m in messages if m.startswith("tiny data [")]  # the job log's (and the Logs screen's) progress bar
+    assert bars[0].startswith("tiny data [--------------------]  0/16 samples   0%") and "16/16 samples 100%" in bars[-1]
     train_corpus, val_corpus = read_corpus(mini_target.path, "train"), read_corpus(mini_target.path, "val")
     for split, corpus in (("train", train_corpus), ("val", val_corpus)):
         for sample in splits[split]:
@@ -85,6 +92,29 @@ def test_tiny_samples_are_corpus_prompts_plus_greedy_continuations(mini_target, 
     assert len(set(mini_env.glob("tiny-data-*.safetensors")) - before) == 1
     again = tiny_samples(mini_target, settings)
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(again["train"], splits["train"]))
+
+
+def test_a_second_generator_waits_for_the_first_says_so_and_reads_its_cache(mini_target, mini_env):
+    settings = TinyDataSettings(prompt_len=8, total_len=16, train_samples=4, val_samples=2, seed=3)
+    cache = tiny_data_cache_path(mini_target, settings)
+    assert cache.parent == mini_env and not cache.exists()
+    messages, result = [], {}
+    with open(cache.with_name(f".{cache.name}.lock"), "a+") as held:  # the other process's lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4243\n")
+        held.flush()
+        waiter = threading.Thread(target=lambda: result.update(splits=tiny_samples(mini_target, settings, log=messages.append)))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while not messages and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert messages and messages[0].startswith(f"waiting for another process building the tiny draft data {cache.name} (pid 4243)"), messages
+        produced = tiny_samples(mini_target, settings, cache_dir=mini_env / "elsewhere")  # what the other process generates
+        (mini_env / "elsewhere" / cache.name).rename(cache)
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiter.join(timeout=60)
+    assert not any(m.startswith("generating the tiny draft data") for m in messages), "the waiter must read the cache, not generate again"
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(result["splits"]["train"], produced["train"]))
 
 
 def chat_tokenizer():

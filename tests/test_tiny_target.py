@@ -1,8 +1,11 @@
 """The built-in tiny target: byte tokenizer, deterministic corpus, atomic cached build, and (slow) the real memorising build."""
+import fcntl
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -14,7 +17,10 @@ from backend.train.tiny import (
     PAD_ID,
     ByteTokenizer,
     TinySettings,
+    build_tiny_target,
+    cache_lock,
     cache_root,
+    progress_line,
     ensure_tiny_target,
     is_complete,
     read_corpus,
@@ -83,11 +89,81 @@ def test_ensure_builds_once_then_reuses_the_cache(tmp_path):
     assert read_corpus(path, "train") == tiny_corpus(settings).train
     build = json.loads((path / "build.json").read_text())
     assert build["settings"]["steps"] == settings.steps and build["corpus_loss"] < 5.6  # below uniform (ln 259)
+    bars = [m for m in messages if m.startswith("tiny target [")]  # the job log's (and the Logs screen's) progress bar
+    assert len(bars) == settings.steps + 1 and bars[0].startswith("tiny target [--------------------]  0/12 steps   0%")
+    assert f"{settings.steps}/{settings.steps} steps 100%" in bars[-1] and "nats/byte" in bars[-1]
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     messages.clear()
     assert ensure_tiny_target(settings, cache_dir=tmp_path, log=messages.append) == path
     assert messages == [] and (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert not list(tmp_path.glob(".building-*"))
+
+
+def test_progress_line_is_a_bar_with_counts_percent_and_time_left():
+    started = time.monotonic() - 10
+    line = progress_line("tiny data", 64, 256, started, unit="samples", extra="x")
+    assert line.startswith("tiny data [#####---------------]  64/256 samples  25%  x  10 s, ~30 s left")
+    assert progress_line("tiny data", 256, 256, started, unit="samples").endswith("256/256 samples 100%  10 s")
+
+
+def test_a_second_builder_waits_for_the_first_says_so_and_reuses_its_build(tmp_path):
+    settings = TinySettings(**dict(MINI_SETTINGS, steps=3))
+    corpus = tiny_corpus(settings)
+    destination = tmp_path / f"tiny-target-{tiny_key(settings, corpus)}"
+    lock = tmp_path / f".{destination.name}.lock"
+    messages, result = [], {}
+    with open(lock, "a+") as held:  # another process's lock: flock conflicts between open file descriptions
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242\n")
+        held.flush()
+        waiter = threading.Thread(target=lambda: result.update(path=ensure_tiny_target(settings, cache_dir=tmp_path, log=messages.append)))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while not messages and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert messages and messages[0].startswith(f"waiting for another process building the tiny target {destination.name} (pid 4242)"), messages
+        assert waiter.is_alive()
+        build_tiny_target(destination, settings, corpus, log=lambda _m: None)  # what the other process was doing
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiter.join(timeout=60)
+    assert result["path"] == destination
+    assert not any(m.startswith("building the tiny target") for m in messages), "the waiter must reuse, not rebuild"
+    assert "the other build of" in messages[-1]
+
+
+def test_the_lock_holder_writes_its_pid_and_a_killed_holder_frees_the_lock(tmp_path):
+    lock = tmp_path / ".x.lock"
+    with cache_lock(lock, "x", log=None):
+        assert lock.read_text().strip() == str(os.getpid())
+    holder = subprocess.Popen([sys.executable, "-c", f"from backend.train.tiny import cache_lock\nimport time\n"
+                               f"with cache_lock(__import__('pathlib').Path({str(lock)!r}), 'x', log=None):\n    print('held', flush=True); time.sleep(600)"],
+                              cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        messages = []
+        threading.Timer(1.0, holder.kill).start()
+        with cache_lock(lock, "the thing", log=messages.append):
+            pass
+        assert messages[0].startswith(f"waiting for another process building the thing (pid {holder.pid})")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("environ, load, expected", [
+    ({}, 0.1, 2),                                # idle 2-core box: both cores
+    ({}, 1.4, 1),                                # another process keeps a core busy: one thread
+    ({}, 9.0, 1),
+    ({"EAGLE3_THREADS": "3"}, 0.0, 3),
+    ({"OMP_NUM_THREADS": "1"}, 0.0, None),       # the tests' 1 thread per process (conftest): torch keeps it
+    ({"LOCAL_WORLD_SIZE": "2"}, 0.0, 1),         # torchrun: the host's cores shared between its processes
+])
+def test_torch_threads_are_chosen_for_the_machine(environ, load, expected):
+    from backend.train.cli import choose_threads
+
+    assert choose_threads(environ=environ, load=load, cores=2)[0] == expected
+    assert choose_threads(environ={}, load=0.0, cores=16)[0] == 4
+    assert choose_threads(5, environ=environ, load=load, cores=2)[0] == 5
 
 
 KILLED_BUILD = """
@@ -129,8 +205,8 @@ def test_the_real_tiny_target_memorises_its_corpus(tiny_target_dir, tiny_profile
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]) == (8, 128, 4, 512)
     assert config["vocab_size"] == tiny_profile.target.vocab_size == 259
     build = json.loads((tiny_target_dir / "build.json").read_text())
-    # Run C of the feasibility notes: ~0.7 nats/byte on the memorised 64 KB corpus, worse on held-out files.
-    assert build["corpus_loss"] < 1.1, build
+    # The 3-minute recipe (320 steps x 4 x 128 bytes of an 8 KB corpus): ~1.05 nats/byte, worse on held-out files.
+    assert build["corpus_loss"] < 1.4, build
     assert build["held_out_loss"] > build["corpus_loss"]
     accuracy = {}
     for split in ("train", "val"):  # teacher-forced next-byte accuracy
@@ -138,4 +214,4 @@ def test_the_real_tiny_target_memorises_its_corpus(tiny_target_dir, tiny_profile
         with torch.no_grad():
             logits = tiny_target.model(input_ids=ids).logits
         accuracy[split] = float((logits[:, :-1].argmax(-1) == ids[:, 1:]).float().mean())
-    assert accuracy["train"] > 0.65 and accuracy["train"] > accuracy["val"] + 0.1, accuracy
+    assert accuracy["train"] > 0.55 and accuracy["train"] > accuracy["val"] + 0.1, accuracy  # measured: 0.64 vs ~0.4

@@ -20,7 +20,70 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
 
     register_convert(subparsers, parent)
     build = subparsers.add_parser("build-tiny", parents=[parent], help="build (or find) the cached tiny CPU target and print its path")
+    _add_threads(build)
     build.set_defaults(handler=_build_tiny)
+
+
+THREADS_HELP = ("torch CPU threads (default: $EAGLE3_THREADS, else $OMP_NUM_THREADS when set, else min(physical cores, 4) "
+                "less the cores other processes keep busy, at least 1)")
+
+
+def _add_threads(parser) -> None:
+    parser.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (SMT siblings counted once); the logical count where topology is unknown."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        allowed = set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in allowed:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add((topology.joinpath("physical_package_id").read_text().strip(), topology.joinpath("core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
+def choose_threads(explicit: int | None = None, environ=None, load: float | None = None, cores: int | None = None) -> tuple[int | None, str]:
+    """(torch threads to set or None to keep torch's choice, why). Several OpenMP threads competing with other
+    busy processes for the same cores run several times slower than one, so cores that others keep busy
+    (the 1-minute load average) are left to them; torchrun's processes on one host share the cores."""
+    environ = os.environ if environ is None else environ
+    if explicit:
+        return max(1, explicit), "--threads"
+    if environ.get("EAGLE3_THREADS", "").strip().isdigit() and int(environ["EAGLE3_THREADS"]) > 0:
+        return int(environ["EAGLE3_THREADS"]), "$EAGLE3_THREADS"
+    if environ.get("OMP_NUM_THREADS", "").strip():
+        return None, f"$OMP_NUM_THREADS={environ['OMP_NUM_THREADS'].strip()}"
+    cores = physical_cores() if cores is None else cores
+    per_host = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    share = max(1, cores // per_host)
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+    free = max(1, int(cores - load + 0.5)) if per_host == 1 else share
+    threads = max(1, min(4, share, free))
+    return threads, f"{cores} physical core(s), load {load:.1f}{f', {per_host} processes on this host' if per_host > 1 else ''}"
+
+
+def apply_threads(explicit: int | None = None, log=None) -> int:
+    """Set torch's intra-op threads for this command (see choose_threads) and say so; returns the count in use."""
+    import torch
+
+    threads, why = choose_threads(explicit)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    used = torch.get_num_threads()
+    if log is None:
+        log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"torch threads: {used} ({why}; set --threads or $EAGLE3_THREADS to change)")
+    return used
 
 
 def _register_train(subparsers, parent) -> None:
@@ -50,6 +113,7 @@ def _register_train(subparsers, parent) -> None:
     train.add_argument("--max-val-batches", type=int, help="cap validation at this many batches per rank")
     train.add_argument("--seed", type=int)
     train.add_argument("--attn-backend", choices=["eager", "sdpa", "flex"], help="TTT attention kernel (default: flex on CUDA, sdpa on CPU)")
+    _add_threads(train)
     train.set_defaults(handler=_train)
 
 
@@ -69,6 +133,7 @@ def _register_extract(subparsers, parent) -> None:
     extract.add_argument("--shard-samples", type=int, default=256)
     extract.add_argument("--keep-free-gb", type=float, default=1.0, help="refuse unless this much disk stays free afterwards")
     extract.add_argument("--device")
+    _add_threads(extract)
     extract.set_defaults(handler=_extract)
 
 
@@ -93,6 +158,10 @@ def _train(args) -> int:
     from backend.train.trainer import TrainOptions, train
 
     known = _known_errors()
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        apply_threads(getattr(args, "threads", None), log=lambda m: print(f"[train] {m}", file=sys.stderr, flush=True))
+    else:
+        apply_threads(getattr(args, "threads", None), log=lambda _m: None)
     try:
         options = TrainOptions(
             profile=load_profile(args.profile), out_dir=args.out, run_dir=args.run_dir, max_steps=args.max_steps, schedule=args.schedule,
@@ -115,6 +184,7 @@ def _extract(args) -> int:
     from backend.train.target import extract, load_target
     from backend.train.tiny import is_tiny_target_dir
 
+    apply_threads(getattr(args, "threads", None))
     stop = {"signal": None}
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: stop.update(signal=signum))
     try:
@@ -207,8 +277,9 @@ def _export(args) -> int:
     return 0
 
 
-def _build_tiny(_args) -> int:
+def _build_tiny(args) -> int:
     from backend.train.tiny import ensure_tiny_target
 
+    apply_threads(getattr(args, "threads", None))
     print(ensure_tiny_target())
     return 0
