@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from backend.profiles import ProfileError, load_profile
 
 CHAIN_PREFIX = "chain-"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -77,6 +76,8 @@ class ProfileFacts:
 
 
 def profile_facts(name: str) -> ProfileFacts:
+    from backend.profiles import ProfileError, load_profile  # pydantic: only when a profile is read
+
     try:
         profile = load_profile(name)
     except (ProfileError, OSError, ValueError) as exc:

@@ -25,7 +25,7 @@ from backend.metrics import normalize_record
 from backend.metrics_scan import ChunkScanner, ScanResult, points_of_records
 from backend.series_index import Level, Series, query
 
-INDEX_FORMAT = 3
+INDEX_FORMAT = 4
 HEAD_BYTES = 4096
 SCAN_CHUNK_BYTES = 8 << 20
 INDEX_STEP_BYTES = 2 << 20  # one backlog step holds the GIL for ~tens of ms: requests answer between steps
@@ -40,12 +40,21 @@ class MetricsIndex:
 
     def __init__(self) -> None:
         self.series: dict[str, Series] = {}
-        self.val_records: deque = deque(maxlen=VAL_KEPT)
+        self._val_records: deque = deque(maxlen=VAL_KEPT)
+        self._val_bytes = b""
         self.recent_train: deque = deque(maxlen=RECENT_TRAIN_KEPT)
         self.total_records = 0
         self.bad_lines = 0
         self.problems: list[str] = []
         self.version = 0
+
+    @property
+    def val_records(self) -> deque:
+        if self._val_bytes:
+            loaded = deque((json.loads(line) for line in self._val_bytes.splitlines()), maxlen=VAL_KEPT)
+            loaded.extend(self._val_records)
+            self._val_records, self._val_bytes = loaded, b""
+        return self._val_records
 
     def fold_records(self, records: Iterable[dict[str, Any]]) -> None:
         """Cleaned records (file order) into the series, the val list and the recent window."""
@@ -129,11 +138,13 @@ class MetricsIndex:
     # -- the sidecar -------------------------------------------------------------------------------
 
     def to_bytes(self, header: dict[str, Any]) -> bytes:
+        for series in self.series.values():
+            series.level(0)  # rebuild the coarser levels now, so they are saved and never rebuilt on load
         meta = dict(header, format=INDEX_FORMAT, total_records=self.total_records, bad_lines=self.bad_lines,
-                    series=[[key, len(s.fine)] for key, s in sorted(self.series.items())])
+                    series=[[key, [len(level) for level in s.levels]] for key, s in sorted(self.series.items())])
         parts = [MAGIC, json.dumps(meta).encode() + b"\n"]
         for _, series in sorted(self.series.items()):
-            parts.append(series.fine.to_bytes())
+            parts.extend(level.to_bytes() for level in series.levels)
         vals = b"".join(json.dumps(r, allow_nan=True).encode() + b"\n" for r in self.val_records)
         parts.append(struct.pack("<Q", len(vals)) + vals)
         return b"".join(parts)
@@ -150,13 +161,15 @@ class MetricsIndex:
         pos = end + 1
         probe = Level()
         row_bytes = probe.ids.itemsize + sum(col.itemsize for col in probe.cols)
-        for key, count in meta["series"]:
-            size = count * row_bytes
-            index.series[key] = Series(Level.from_bytes(data[pos:pos + size], count))
-            pos += size
+        for key, counts in meta["series"]:
+            levels = []
+            for count in counts:
+                size = count * row_bytes
+                levels.append(Level.from_bytes(data[pos:pos + size], count))
+                pos += size
+            index.series[key] = Series(levels[0], levels[1:])
         (vals_size,) = struct.unpack("<Q", data[pos:pos + 8])
-        for line in data[pos + 8:pos + 8 + vals_size].splitlines():
-            index.val_records.append(json.loads(line))
+        index._val_bytes = data[pos + 8:pos + 8 + vals_size]  # decoded on first use (a query of series needs none)
         index.total_records = int(meta["total_records"])
         index.bad_lines = int(meta["bad_lines"])
         return index, meta

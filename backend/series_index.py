@@ -149,9 +149,9 @@ class Level:
 class Series:
     """One series: fine buckets (level 0) and lazily rebuilt coarser levels."""
 
-    def __init__(self, fine: Level | None = None) -> None:
-        self.levels = [fine or Level()]
-        self.dirty_from: int | None = 0
+    def __init__(self, fine: Level | None = None, coarser: list[Level] | None = None) -> None:
+        self.levels = [fine or Level(), *(coarser or [])]
+        self.dirty_from: int | None = None if coarser else 0
 
     @property
     def fine(self) -> Level:
@@ -192,9 +192,7 @@ class Series:
             parent = self.levels[number]
             first_parent = dirty >> (LEVEL_FANOUT_BITS * number)
             parent.truncate(parent.find(first_parent))
-            ids, cols = child.ids, child.cols
-            for i in range(child.find(first_parent << LEVEL_FANOUT_BITS), len(child)):
-                parent.merge(ids[i] >> LEVEL_FANOUT_BITS, tuple(col[i] for col in cols))
+            _merge_up(child, child.find(first_parent << LEVEL_FANOUT_BITS), parent)
         while len(self.levels) > 1 and len(self.levels[-1]) == 0:
             self.levels.pop()
 
@@ -228,6 +226,24 @@ class Series:
         if not len(fine):
             return None
         return int(min(fine.cols[LO])), int(fine.cols[HI][-1] if fine.cols[HI] else 0)
+
+
+def _merge_up(child: Level, start: int, parent: Level) -> None:
+    """Append to `parent` the merge of child buckets from position `start` on (ids ascending, so parents are too)."""
+    ids, cols = child.ids, child.cols
+    if start >= len(child):
+        return
+    current = ids[start] >> LEVEL_FANOUT_BITS
+    row = tuple(col[start] for col in cols)
+    for i in range(start + 1, len(child)):
+        bucket = ids[i] >> LEVEL_FANOUT_BITS
+        found = tuple(col[i] for col in cols)
+        if bucket == current:
+            row = merge_rows(row, found)
+        else:
+            parent.merge(current, row)
+            current, row = bucket, found
+    parent.merge(current, row)
 
 
 def edges(step_from: int, step_to: int, points: int, log_x: bool) -> list[int]:

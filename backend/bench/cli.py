@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -57,6 +56,8 @@ async def run(args) -> dict:
 
 
 def handle_bench(args) -> int:
+    import asyncio  # here, not at the top: every `eagle3-host` command builds this parser
+
     from backend.bench import client, results
 
     try:
