@@ -336,37 +336,3 @@ def latest(records: Iterable[dict[str, Any]], split: str, key: str) -> dict[str,
         if record.get("split") == split and record.get(key) is not None:
             found = record
     return found
-
-
-def downsample(steps: list[int], values: list[float], max_points: int,
-               log_x: bool = False) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Bucket a series to at most max_points x-buckets: (step, last value, min, max) per bucket.
-
-    Keeps spikes visible (min/max band) instead of sampling at random. Buckets are equal in step,
-    or in log10(step) when log_x (steps <= 0 then share the first bucket).
-    """
-    if max_points <= 0 or not steps:
-        return [], [], [], []
-    if len(steps) <= max_points:
-        return list(steps), list(values), list(values), list(values)
-
-    def position(step: int) -> float:
-        return math.log10(step) if log_x and step > 0 else (float(step) if not log_x else -math.inf)
-
-    positions = [position(s) for s in steps]
-    finite_positions = [p for p in positions if math.isfinite(p)] or [0.0]
-    low, high = min(finite_positions), max(finite_positions)
-    width = (high - low) / max_points or 1.0
-    buckets: dict[int, list[int]] = {}
-    for i, p in enumerate(positions):
-        bucket = 0 if not math.isfinite(p) else min(int((p - low) / width), max_points - 1)
-        buckets.setdefault(bucket, []).append(i)
-    out_steps, out_last, out_min, out_max = [], [], [], []
-    for bucket in sorted(buckets):
-        members = buckets[bucket]
-        finite = [values[i] for i in members if math.isfinite(values[i])] or [values[members[-1]]]
-        out_steps.append(steps[members[-1]])
-        out_last.append(values[members[-1]])
-        out_min.append(min(finite))
-        out_max.append(max(finite))
-    return out_steps, out_last, out_min, out_max

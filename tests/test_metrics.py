@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from backend.metrics import (MetricsReader, MetricsRecordError, MetricsWriter, check_record, downsample,
+from backend.metrics import (MetricsReader, MetricsRecordError, MetricsWriter, check_record,
                              read_metrics, record_loss, series, validate_record)
 
 
@@ -148,19 +148,6 @@ def test_record_loss_prefers_logged_loss():
 def test_validate_record_returns_clean_copy():
     clean = validate_record({"step": 4.0, "split": "val", "acc": ["NaN", 0.5]})
     assert clean["step"] == 4 and isinstance(clean["step"], int) and math.isnan(clean["acc"][0])
-
-
-def test_downsample_keeps_spikes_and_bounds_points():
-    steps = list(range(1, 10001))
-    values = [1.0] * 10000
-    values[5000] = 50.0
-    out_steps, last, lows, highs = downsample(steps, values, 100)
-    assert len(out_steps) <= 100 and max(highs) == 50.0 and min(lows) == 1.0
-    assert out_steps[-1] == 10000
-    log_steps, *_ = downsample(steps, values, 40, log_x=True)
-    assert len(log_steps) <= 40 and log_steps[0] < 10  # log buckets keep the early steps resolved
-    assert downsample([], [], 10) == ([], [], [], [])
-    assert downsample([1, 2], [3.0, 4.0], 10)[0] == [1, 2]
 
 
 def test_writer_holds_records_on_a_full_disk_and_loses_none(tmp_path):
