@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from backend import holders as holders_mod
-from backend.disk import disks_for
+from backend.disk import dir_size, disks_for
 from backend.gpu import driver_state, open_gpu_source
 from backend.jobs import JobError, JobNotFound, JobRecord, JobRegistry, tail_lines
 from backend.jsonl import JsonlFollower, read_complete_lines
-from backend.layout import checkpoint_listing, list_results
+from backend.layout import checkpoint_listing, latest_checkpoint, list_results
 from backend.metrics_index import MetricsFeed, MetricsIndex
 from backend.protocol import (
     INDEX_FILENAME,
@@ -173,6 +173,7 @@ class Agent:
         self._last_jobs: list[dict] | None = None
         self._last_disks: list[dict] = []
         self._dir_sizes_at = float("-inf")
+        self._checkpoint_bytes: int | None = None
         self._jobs_dirty = threading.Event()
         self._followed_log: dict[str, Any] | None = None
         self._externals: dict[str, dict[str, Any]] = {}
@@ -423,12 +424,27 @@ class Agent:
         disks = to_dict(disks_for(self.run_dir, self.data_dirs, measure_dirs=measure))
         if measure:
             self._dir_sizes_at = time.monotonic()
+            self._checkpoint_bytes = self._running_checkpoint_bytes()
         else:
             previous = {(d["path"], d["label"]): d["dir_bytes"] for d in self._last_disks}
             for disk in disks:
                 disk["dir_bytes"] = previous.get((disk["path"], disk["label"]))
+        for disk in disks:
+            if disk["label"] == "run_dir":
+                disk["checkpoint_bytes"] = self._checkpoint_bytes
         self._last_disks = disks
         self.out.send({"type": Event.DISK, "disks": disks})
+
+    def _running_checkpoint_bytes(self) -> int | None:
+        """Size of the largest latest checkpoint among running training jobs: what their next save needs on the run dir's disk."""
+        sizes = []
+        for record in self.registry.list_records():
+            if record.info.kind == "train" and record.info.state == "running":
+                latest = latest_checkpoint(record.info.job_dir)
+                size = dir_size(latest) if latest is not None else None
+                if size:
+                    sizes.append(size)
+        return max(sizes) if sizes else None
 
     # ------------------------------------------------------------ requests
 

@@ -147,6 +147,7 @@ class DiskUsage:
     used_bytes: int
     free_bytes: int
     dir_bytes: int | None = None  # bytes under path itself, when measured
+    checkpoint_bytes: int | None = None  # run_dir: the largest latest checkpoint of a running training job (what a save needs)
 
 
 @dataclass

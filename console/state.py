@@ -251,6 +251,16 @@ class ConsoleState:
     def gpu_status_text(self) -> str:
         return str(self.driver.get("message") or (self.hello.nvml if self.hello else "") or "")
 
+    @property
+    def disk_warning(self) -> str | None:
+        """Red before a checkpoint fails: the run dir's disk has less than two of the running jobs' checkpoints free."""
+        for disk in self.disks:
+            need = disk.checkpoint_bytes
+            if need and disk.free_bytes < 2 * need:
+                return (f"disk nearly full: {disk.free_bytes / 2**30:.1f} GiB free on {disk.path}, a checkpoint needs "
+                        f"~{need / 2**30:.1f} GiB: the next save may fail (the previous checkpoint stays); free space now")
+        return None
+
     def job_metrics(self, name: str) -> JobMetrics:
         if name not in self.metrics:
             self.metrics[name] = JobMetrics()

@@ -345,3 +345,21 @@ def test_fuzzed_request_stream_is_answered_line_for_line():
     out = subprocess.run([PY, "benchmarks/fuzz_agent.py", "--lines", "1500", "--seed", "7"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     result = json.loads(out.stdout)
     assert out.returncode == 0 and result["crashes"] == 0 and result["unanswered"] == 0 and result["answered"] == 1500, result
+
+
+def test_disk_events_carry_what_the_next_checkpoint_needs(tmp_path):
+    registry = JobRegistry(tmp_path / "run")
+    info = registry.start_job("train-ck", "train", [PY, "-c", "import time; time.sleep(60)"])
+    checkpoint = Path(info.job_dir) / "checkpoints" / "epoch_0_step_5"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+    (checkpoint.parent / "latest").write_text("epoch_0_step_5\n")
+    agent = AgentProcess(tmp_path / "run")
+    try:
+        _, event = agent.wait(lambda m: m["type"] == "disk")
+        run_disk = next(d for d in event["disks"] if d["label"] == "run_dir")
+        assert run_disk["checkpoint_bytes"] >= 1 << 20
+    finally:
+        agent.close()
+        registry.stop(all_jobs=True, grace=1)

@@ -117,3 +117,12 @@ def test_latest_metrics_panel_shows_the_trainers_own_speed_and_memory():
         "offset": 100, "start_offset": 0})
     text = str(latest_metrics_text(state, "t"))
     assert "tok/s" in text and "MFU 65" in text and "peak 11.1 GiB" in text
+
+
+def test_disk_warning_fires_below_two_checkpoints_of_free_space():
+    state = ConsoleState()
+    disk = {"path": "/runs", "label": "run_dir", "total_bytes": 100 << 30, "used_bytes": 95 << 30, "free_bytes": 5 << 30}
+    state.apply({"type": "disk", "disks": [{**disk, "checkpoint_bytes": 2 << 30}]})
+    assert state.disk_warning is None
+    state.apply({"type": "disk", "disks": [{**disk, "checkpoint_bytes": 3 << 30}]})
+    assert state.disk_warning.startswith("disk nearly full: 5.0 GiB free on /runs, a checkpoint needs ~3.0 GiB")
