@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from backend.durable import write_atomic
 from backend.jsonl import append_record
 from backend.layout import RESULTS_DIRNAME, STAGES_FILENAME
 
@@ -80,6 +81,18 @@ def default_stages_path(options: ChainOptions) -> Path | None:
         return options.stages_path
     job_dir = os.environ.get("EAGLE3_JOB_DIR")
     return Path(job_dir) / STAGES_FILENAME if job_dir else None
+
+
+def acceptance_summary(acceptance: Any, val_acc: Any) -> dict[str, Any] | None:
+    """The canary's acceptance report as saved with the result: both definitions, per position, the first break."""
+    if not isinstance(acceptance, dict) or not acceptance:
+        return None
+    keys = ("pooled", "pooled_label", "mean_of_request_means", "mean_of_request_means_label", "sum_verify_ct",
+            "per_position", "val_acc", "tau_hat", "break", "break_line", "tolerance", "notes")
+    summary = {k: acceptance.get(k) for k in keys}
+    if summary["val_acc"] is None and isinstance(val_acc, list):
+        summary["val_acc"] = val_acc
+    return summary
 
 
 class StopAndBench:
@@ -273,9 +286,7 @@ class StopAndBench:
         directory = Path(self.summary["train_job_dir"]) / RESULTS_DIRNAME
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"stop-and-bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        temp = path.with_suffix(".tmp")
-        temp.write_text(json.dumps({**self.summary, "result": result}, indent=1, default=str))
-        os.replace(temp, path)
+        write_atomic(path, json.dumps({**self.summary, "result": result}, indent=1, default=str))
         self.summary["result"] = result
         self.summary["saved_to"] = str(path)
         if self.options.stop_server_after and self.server_job:
@@ -291,11 +302,16 @@ class StopAndBench:
             "verdict": canary.get("verdict"),
             "verdict_headline": canary.get("headline"),
             "verdict_reasons": canary.get("reasons") or [],
-            "accept_length": canary.get("accept_length"),
+            "accept_length": canary.get("accept_length"),  # pooled over verify steps (SGLang, vLLM)
+            "accept_length_mean_of_request_means": canary.get("accept_length_mean_of_request_means"),  # SpecForge
             "tau_hat": canary.get("tau_hat"),
             "ratio_to_tau_hat": canary.get("ratio_to_tau_hat"),
+            # the canary's served acceptance per draft position next to val acc_k, and the first break
+            "acceptance": acceptance_summary(canary.get("acceptance"), self.summary.get("val_acc")),
             "throughput": [{"concurrency": r.get("concurrency"), "output_tok_per_s": r.get("output_tok_per_s"),
-                            "accept_length": r.get("accept_length")} for r in rows],
+                            "accept_length": r.get("accept_length"),
+                            "accept_length_mean_of_request_means": r.get("accept_length_mean_of_request_means")}
+                           for r in rows],
             "checkpoint": self.summary.get("checkpoint"),
             "engine": self.summary.get("engine"),
             "argv": self.summary.get("argv"),

@@ -128,3 +128,182 @@ def test_evidence_of_broken_serving_stays_red_for_a_weak_draft():
 def test_zero_acceptance_with_few_verify_steps_is_never_green():
     # 4 requests, 8 verify steps: the ceiling (1.52) lies above 0.6 x tau-hat (1.5); accepting nothing is still red.
     assert verdict(1.2, tau=2.5, verify=8)[0] == RED
+
+
+# --- per-position acceptance from spec_correct_drafts_histogram -------------------------------------------------
+
+from backend.serve.canary import (  # noqa: E402
+    BREAK_ABS_TOL,
+    MIN_STEPS_AT_POSITION,
+    acceptance_lines,
+    acceptance_report,
+    break_tolerance,
+    compare_with_validation,
+    histogram_from_meta,
+    mean_of_request_means,
+    merge_histograms,
+    per_position_acceptance,
+)
+
+
+def test_per_position_reached_and_conditional_from_a_hand_made_histogram():
+    # 10 verify steps: 2 accepted 0 drafts, 3 accepted 1, 1 accepted 2, 4 accepted 3 (K = 3).
+    rows = per_position_acceptance([2, 3, 1, 4], num_steps=3)
+    assert [r["position"] for r in rows] == [0, 1, 2]
+    assert [r["reached"] for r in rows] == pytest.approx([8 / 10, 5 / 10, 4 / 10])
+    assert [r["conditional"] for r in rows] == pytest.approx([8 / 10, 5 / 8, 4 / 5])
+    assert [r["steps_at_position"] for r in rows] == [10, 8, 5]
+    assert [r["steps_accepted"] for r in rows] == [8, 5, 4]
+    # 1 + sum(reached) is the accept length per verify step: (10 + 0*2 + 1*3 + 2*1 + 3*4) / 10
+    assert 1 + sum(r["reached"] for r in rows) == pytest.approx((10 + 3 + 2 + 12) / 10)
+
+
+def test_per_position_pads_a_short_histogram_and_handles_nothing_reached():
+    rows = per_position_acceptance([5, 5], num_steps=4)  # the server grows its histogram only as far as seen
+    assert [r["reached"] for r in rows] == pytest.approx([0.5, 0.0, 0.0, 0.0])
+    assert [r["conditional"] for r in rows] == [0.5, 0.0, None, None]  # nobody reached positions 2 and 3
+    assert per_position_acceptance([7], num_steps=3)[0] == {"position": 0, "reached": 0.0, "conditional": 0.0,
+                                                           "steps_at_position": 7, "steps_accepted": 0}
+    assert per_position_acceptance([], num_steps=3) == [] and per_position_acceptance([0, 0], 2) == []
+    assert len(per_position_acceptance([1, 2, 3])) == 2  # K from the histogram when the server's steps are unknown
+
+
+def test_merge_histograms_pools_verify_steps():
+    assert merge_histograms([[1, 2], [0, 0, 3], []]) == [1, 2, 3]
+    assert merge_histograms([]) == []
+
+
+def test_both_accept_length_definitions_differ_as_they_should():
+    # a short request that accepted a lot and a long one that accepted little
+    pairs = [(10, 2), (100, 80)]
+    assert mean_of_request_means(pairs) == pytest.approx((5.0 + 1.25) / 2)
+    report = acceptance_report([(10, 2, [0, 0, 0, 0, 2]), (100, 80, [60, 20])], num_steps=4)
+    assert report["pooled"] == pytest.approx(110 / 82) and report["mean_of_request_means"] == pytest.approx(3.125)
+    assert "pooled over verify steps" in report["pooled_label"] and "SpecForge" in report["mean_of_request_means_label"]
+    assert mean_of_request_means([(5, 0)]) is None
+
+
+def test_histogram_from_meta_checks_it_against_the_counts_beside_it():
+    meta = {"spec_verify_ct": 3, "spec_num_correct_drafts": 4, "spec_correct_drafts_histogram": [1, 1, 0, 1, 0]}
+    assert histogram_from_meta(meta) == ([1, 1, 0, 1, 0], None)
+    legacy = {"spec_verify_ct": 2, "spec_accepted_drafts": 1, "spec_accept_histogram": [1, 1]}
+    assert histogram_from_meta(legacy) == ([1, 1], None)
+    for bad, words in [({"spec_verify_ct": 4}, "reports no spec_correct_drafts_histogram"),
+                       ({**meta, "spec_verify_ct": 5}, "sums to 3"),
+                       ({**meta, "spec_num_correct_drafts": 9}, "counts 4 accepted drafts"),
+                       ({**meta, "spec_correct_drafts_histogram": [1, -1]}, "non-negative"),
+                       ({**meta, "spec_correct_drafts_histogram": "1,2"}, "non-negative")]:
+        histogram, note = histogram_from_meta(bad)
+        assert histogram is None and words in note
+
+
+def test_first_break_is_named_with_served_and_predicted():
+    # 400 steps; positions 0 and 1 as validation predicts (0.9, 0.8), position 2 collapses (0.3 vs 0.75).
+    n0 = 400
+    n1 = round(n0 * 0.9)  # 360 reached position 1
+    n2 = round(n1 * 0.8)  # 288 reached position 2
+    n3 = round(n2 * 0.3)  # 86 accepted position 2
+    histogram = [n0 - n1, n1 - n2, n2 - n3, n3]
+    report = acceptance_report([(sum(i * h for i, h in enumerate(histogram)) + n0, n0, histogram)], num_steps=3,
+                               val_acc=[0.9, 0.8, 0.75, 0.7])
+    first = report["break"]
+    assert first["position"] == 2 and first["served"] == pytest.approx(86 / 288) and first["predicted"] == 0.75
+    assert report["break_line"].startswith("served acceptance breaks at position 2: 0.30 served vs 0.75 predicted")
+    rows = report["per_position"]
+    assert [r["broken"] for r in rows] == [False, False, True]
+    assert [r["predicted_reached"] for r in rows] == pytest.approx([0.9, 0.72, 0.54])
+    assert report["tau_hat"] == pytest.approx(1 + 0.9 + 0.72 + 0.54)
+    text = "\n".join(acceptance_lines(report))
+    assert "pooled over verify steps" in text and "mean of per-request means" in text and "<- break" in text
+
+
+def test_tolerance_absorbs_small_shortfalls_and_sampling_noise():
+    assert break_tolerance(0.8, 10_000) == BREAK_ABS_TOL  # many steps: the absolute floor
+    assert break_tolerance(0.5, 25) == pytest.approx(2 * (0.25 / 25) ** 0.5)  # few steps: two standard errors
+    rows = per_position_acceptance([10, 90], num_steps=1)  # served 0.90 vs predicted 0.95: within 0.10
+    assert compare_with_validation(rows, [0.95])[1] is None
+    rows = per_position_acceptance([30, 70], num_steps=1)  # served 0.70 vs 0.95: a break
+    assert compare_with_validation(rows, [0.95])[1]["position"] == 0
+
+
+def test_positions_reached_by_too_few_steps_are_not_judged():
+    # 208 steps: 203 reached position 1, 3 of them went on to position 2 (3 < MIN_STEPS_AT_POSITION).
+    rows, first = compare_with_validation(per_position_acceptance([5, 200, 0, 3], num_steps=3), [0.97, 0.9, 0.9])
+    assert rows[0]["judged"] and rows[1]["judged"] and not rows[2]["judged"]
+    assert rows[2]["steps_at_position"] == 3 < MIN_STEPS_AT_POSITION and not rows[2]["broken"]
+    assert first["position"] == 1  # 3/203 at position 1 against 0.9
+    few = per_position_acceptance([MIN_STEPS_AT_POSITION - 1], num_steps=1)  # accepted nothing, but too few steps
+    assert compare_with_validation(few, [0.9])[1] is None
+
+
+def test_without_histogram_the_report_degrades_to_the_pooled_number_with_a_note():
+    report = acceptance_report([(64, 30, None), (64, 32, None)], num_steps=5, val_acc=[0.8] * 7,
+                               histogram_notes=["the server reports no spec_correct_drafts_histogram (SGLang before 0.5.14, or another engine)"] * 2)
+    assert report["pooled"] == pytest.approx(128 / 62) and report["per_position"] == [] and report["break"] is None
+    assert report["histogram"] is None and len(report["notes"]) == 2
+    assert "reports no spec_correct_drafts_histogram" in report["notes"][0] and "pooled accept length only" in report["notes"][1]
+    lines = acceptance_lines(report)
+    assert any("pooled over verify steps" in line for line in lines) and lines[-1].startswith("note:")
+    empty = acceptance_report([], num_steps=5)
+    assert empty["pooled"] is None and empty["mean_of_request_means"] is None and acceptance_lines(empty)
+
+
+def test_no_validation_accuracy_still_shows_served_positions():
+    report = acceptance_report([(30, 10, [2, 3, 1, 4])], num_steps=3)
+    assert [r["predicted"] for r in report["per_position"]] == [None, None, None] and report["break"] is None
+    assert report["break_line"].startswith("no validation accuracy recorded")
+
+
+# --- the canary itself: against a fake server without the histogram, and against the mini reference server --------
+
+from backend.serve import canary as canary_mod  # noqa: E402
+from backend.serve import http  # noqa: E402
+from tests.reference_fixtures import mini_servers  # noqa: E402,F401  # pytest fixture
+
+
+def fake_sglang(monkeypatch, meta: dict) -> None:
+    """An SGLang-like server whose /generate meta_info is `meta` (e.g. an older version without the histogram)."""
+    def post_json(url, payload=None, timeout=600.0):
+        if url.endswith("/generate"):
+            return http.HttpReply(200, {"text": "x", "meta_info": meta}, "")
+        return http.HttpReply(200, "Cache flushed.", "")
+    monkeypatch.setattr(canary_mod.http, "post_json", post_json)
+    monkeypatch.setattr(canary_mod.http, "get", lambda url, timeout=30.0: http.HttpReply(
+        200, {"speculative_algorithm": "EAGLE3", "internal_states": [{"avg_spec_accept_length": 3.0}]}, ""))
+
+
+def test_canary_without_histogram_reports_the_pooled_number_and_a_note(monkeypatch):
+    fake_sglang(monkeypatch, {"completion_tokens": 120, "spec_verify_ct": 40})  # SGLang 0.5.9-like: no histogram
+    result = canary_mod.run_canary("http://127.0.0.1:9", ["a", "b"], num_steps=3, val_acc=[0.8, 0.7, 0.6])
+    assert result.accept_length == pytest.approx(3.0) and result.accept_length_mean_of_request_means == pytest.approx(3.0)
+    acceptance = result.acceptance
+    assert acceptance["pooled"] == pytest.approx(3.0) and acceptance["per_position"] == [] and acceptance["break"] is None
+    assert any("no spec_correct_drafts_histogram" in note for note in acceptance["notes"])
+    assert result.verdict == GREEN  # the verdict stands on the pooled number alone
+    assert result.to_dict()["acceptance"]["notes"]
+
+
+def test_canary_with_a_histogram_names_the_break(monkeypatch):
+    # 40 steps per request: 4 accepted nothing, 36 accepted one draft, none went further: position 1 breaks.
+    fake_sglang(monkeypatch, {"completion_tokens": 77, "spec_verify_ct": 40, "spec_num_correct_drafts": 36,
+                              "spec_correct_drafts_histogram": [4, 36]})
+    result = canary_mod.run_canary("http://127.0.0.1:9", ["a", "b"], num_steps=3, val_acc=[0.9, 0.8, 0.7])
+    acceptance = result.acceptance
+    assert acceptance["histogram"] == [8, 72] and [r["reached"] for r in acceptance["per_position"]] == pytest.approx([0.9, 0, 0])
+    assert acceptance["break"]["position"] == 1
+    assert acceptance["break_line"].startswith("served acceptance breaks at position 1: 0.00 served vs 0.80 predicted")
+
+
+def test_canary_reads_the_reference_engines_histogram(mini_servers):
+    """The mini target with an untrained draft: the histogram is there, consistent, and turned into positions."""
+    steps = mini_servers["profile"].serve.num_steps
+    result = canary_mod.run_canary(mini_servers["spec"].url, ["def f(x):\n    return", "import os\n"], num_steps=steps,
+                                   val_acc=[0.9] * 7, max_new_tokens=24)
+    acceptance = result.acceptance
+    assert all(r.histogram is not None and sum(r.histogram) == r.verify_ct for r in result.requests)
+    assert sum(acceptance["histogram"]) == result.sum_verify_ct and acceptance["notes"] == []
+    assert [r["position"] for r in acceptance["per_position"]] == list(range(steps))
+    assert acceptance["pooled"] == pytest.approx(result.accept_length)
+    assert acceptance["mean_of_request_means"] == pytest.approx(
+        sum(r.completion_tokens / r.verify_ct for r in result.requests) / len(result.requests))
+    assert acceptance["break_line"]  # an untrained draft against 0.9: a break, or too few steps to judge

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from backend.serve import http
+from backend.serve.canary import acceptance_report, histogram_from_meta
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 
@@ -107,6 +108,8 @@ class RequestResult:
     latency_s: float = 0.0
     chunk_gaps_s: list[float] = field(default_factory=list)  # time between streamed chunks after the first
     text: str = ""
+    histogram: list[int] | None = None  # spec_correct_drafts_histogram of the last event (cumulative per request)
+    histogram_note: str | None = None  # why histogram is None
 
 
 async def stream_generate(client: httpx.AsyncClient, url: str, prompt: str, index: int, max_new_tokens: int) -> RequestResult:
@@ -132,6 +135,8 @@ async def stream_generate(client: httpx.AsyncClient, url: str, prompt: str, inde
                     last_chunk = now
                     result.completion_tokens = tokens
                 result.verify_ct = int(meta.get("spec_verify_ct") or result.verify_ct)
+                if meta.get("spec_verify_ct"):
+                    result.histogram, result.histogram_note = histogram_from_meta(meta)
                 result.text = event.get("text", result.text)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
@@ -162,7 +167,7 @@ class LevelResult:
     output_tokens: int
     output_tok_per_s: float
     request_per_s: float
-    accept_length: float | None  # sum(completion_tokens) / sum(spec_verify_ct)
+    accept_length: float | None  # pooled over verify steps (SGLang, vLLM): sum(completion_tokens) / sum(spec_verify_ct)
     server_avg_accept_length: float | None
     ttft_p50_s: float | None
     ttft_p99_s: float | None
@@ -174,6 +179,9 @@ class LevelResult:
     latency_p99_s: float | None
     errors: list[str] = field(default_factory=list)
     texts: list[str] = field(default_factory=list, repr=False)
+    accept_length_mean_of_request_means: float | None = None  # SpecForge's benchmark: mean of completion/verify_ct
+    # canary.acceptance_report without validation: both definitions labelled, served acceptance per draft position
+    acceptance: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self, with_texts: bool = False) -> dict[str, Any]:
         data = asdict(self)
@@ -212,6 +220,10 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float, s
     states = server_info.get("internal_states") or [{}]
     server_avg = states[0].get("avg_spec_accept_length") if states and isinstance(states[0], dict) else None
     by_index = sorted(results, key=lambda r: r.index)
+    steps = server_info.get("speculative_num_steps")
+    acceptance = acceptance_report([(r.completion_tokens, r.verify_ct, r.histogram) for r in done],
+                                   steps if isinstance(steps, int) and steps > 0 else None,
+                                   histogram_notes=[r.histogram_note for r in done if r.histogram_note])
     return LevelResult(
         concurrency=concurrency, requests=len(results), failed=len(results) - len(done), duration_s=duration,
         output_tokens=tokens, output_tok_per_s=tokens / duration if duration > 0 else 0.0,
@@ -223,6 +235,7 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float, s
         latency_p50_s=percentile(latencies, 50), latency_p99_s=percentile(latencies, 99),
         errors=[f"prompt {r.index}: {r.error}" for r in results if not r.ok][:10],
         texts=[r.text for r in by_index],
+        accept_length_mean_of_request_means=acceptance["mean_of_request_means"], acceptance=acceptance,
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.bench.client import LevelResult, PromptSet
+from backend.serve.canary import acceptance_lines, break_line, compare_with_validation, tau_hat
 
 SCHEMA = 1
 SERVER_INFO_KEYS = (
@@ -54,6 +55,32 @@ def outputs_equal(spec: list[LevelResult], baseline: list[LevelResult]) -> dict[
     return {"concurrency": level.concurrency, "compared": len(pairs), "equal": equal, "first_different_prompt": first_diff}
 
 
+def checkpoint_val_acc(path: Any) -> list[float] | None:
+    """The per-step validation accuracy a checkpoint recorded (config.json eagle3_console.val_acc), if readable here."""
+    if not isinstance(path, str) or not path:
+        return None
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    acc = (config.get("eagle3_console") or {}).get("val_acc") if isinstance(config, dict) else None
+    if not isinstance(acc, list) or not acc or not all(isinstance(a, (int, float)) for a in acc):
+        return None
+    return [float(a) for a in acc]
+
+
+def with_validation(level: dict[str, Any], val_acc: list[float] | None, num_steps: Any) -> dict[str, Any]:
+    """A level's acceptance block with val acc_k, tau-hat and the first break added (unchanged without val_acc)."""
+    acceptance = dict(level.get("acceptance") or {})
+    if not val_acc or not acceptance:
+        return level
+    rows, first = compare_with_validation(acceptance.get("per_position") or [], val_acc)
+    steps = num_steps if isinstance(num_steps, int) and num_steps > 0 else len(rows) or len(val_acc)
+    acceptance.update(per_position=rows, val_acc=list(val_acc), tau_hat=tau_hat(val_acc, steps), **{"break": first},
+                      break_line=break_line(first, rows) if rows else None)
+    return {**level, "acceptance": acceptance}
+
+
 def build_document(
     *,
     url: str,
@@ -66,7 +93,12 @@ def build_document(
     baseline_info: dict[str, Any] | None = None,
     baseline_levels: list[LevelResult] | None = None,
     started_at: float | None = None,
+    val_acc: list[float] | None = None,
 ) -> dict[str, Any]:
+    """val_acc: the served checkpoint's per-step validation accuracy; read from its config.json when not given."""
+    if val_acc is None:
+        val_acc = checkpoint_val_acc(server_info.get("speculative_draft_model_path"))
+    steps = server_info.get("speculative_num_steps")
     document: dict[str, Any] = {
         "schema": SCHEMA,
         "kind": "eagle3-bench",
@@ -84,7 +116,8 @@ def build_document(
         "max_new_tokens": max_new_tokens,
         "temperature": 0,
         "concurrency": concurrency,
-        "levels": [level.to_dict() for level in levels],
+        "levels": [with_validation(level.to_dict(), val_acc, steps) for level in levels],
+        "validation": {"val_acc": val_acc, "tau_hat": tau_hat(val_acc, steps) if val_acc and isinstance(steps, int) else None},
     }
     if baseline_url is not None and baseline_levels is not None:
         document["baseline"] = {"url": baseline_url, "server": server_summary(baseline_info or {}),
@@ -130,11 +163,13 @@ def table(document: dict[str, Any]) -> str:
     lines = [f"benchmark of {document['url']}  ({document['flags'].get('speculative_algorithm')}, "
              f"steps {document['flags'].get('speculative_num_steps')}, prompts {document['prompts']['count']}, "
              f"max_new_tokens {document['max_new_tokens']})",
-             f"{'conc':>4} {'tok/s':>9} {'accept':>7} {'srv_acc':>7} {'ttft50':>8} {'ttft99':>8} "
-             f"{'itl50':>7} {'itl99':>7} {'tpot50':>7} {'fail':>4}   (times in ms)"]
+             f"{'conc':>4} {'tok/s':>9} {'pooled':>7} {'req_mean':>8} {'srv_acc':>7} {'ttft50':>8} {'ttft99':>8} "
+             f"{'itl50':>7} {'itl99':>7} {'tpot50':>7} {'fail':>4}   (times in ms)",
+             "  accept length: pooled = over verify steps (SGLang, vLLM: sum completion / sum verify_ct); "
+             "req_mean = mean of per-request means (SpecForge benchmark)"]
     for level in document["levels"]:
         lines.append(f"{level['concurrency']:>4} {level['output_tok_per_s']:>9.1f} {_fmt(level['accept_length']):>7} "
-                     f"{_fmt(level['server_avg_accept_length']):>7} {_fmt(level['ttft_p50_s'], 1000, 1):>8} "
+                     f"{_fmt(level.get('accept_length_mean_of_request_means')):>8} {_fmt(level['server_avg_accept_length']):>7} {_fmt(level['ttft_p50_s'], 1000, 1):>8} "
                      f"{_fmt(level['ttft_p99_s'], 1000, 1):>8} {_fmt(level['itl_p50_s'], 1000, 1):>7} "
                      f"{_fmt(level['itl_p99_s'], 1000, 1):>7} {_fmt(level['tpot_p50_s'], 1000, 1):>7} {level['failed']:>4}")
     for row in document.get("speedup", []):
@@ -143,4 +178,12 @@ def table(document: dict[str, Any]) -> str:
     if "outputs_equal" in document:
         eq = document["outputs_equal"]
         lines.append(f"outputs equal to baseline: {eq['equal']}/{eq['compared']}")
+    validation = document.get("validation") or {}
+    if validation.get("val_acc"):
+        lines.append(f"validation: tau-hat {_fmt(validation.get('tau_hat'))}, val acc "
+                     + " ".join(f"{a:.2f}" for a in validation["val_acc"]))
+    for level in document["levels"]:
+        if level.get("acceptance"):
+            lines.append(f"concurrency {level['concurrency']}:")
+            lines += [f"  {line}" for line in acceptance_lines(level["acceptance"])]
     return "\n".join(lines)
