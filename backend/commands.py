@@ -56,6 +56,16 @@ def grok_argv(profile: str, checkpoint: str, lr: float, weight_decay: float, gro
     return argv
 
 
+def resume_argv(profile: str, checkpoint: str) -> list[str]:
+    """Resume CKPT as a new training job with the profile's own schedule: what the console's resume key starts."""
+    return ["eagle3-host", "train", "--profile", profile, "--resume", str(PurePosixPath(checkpoint))]
+
+
+def resume_job_name(checkpoint: str) -> str:
+    """resume-<checkpoint dir name>, e.g. resume-epoch-0-step-300."""
+    return f"resume-{PurePosixPath(checkpoint).name}".replace("_", "-")
+
+
 def grok_job_name(checkpoint: str) -> str:
     """grok-<checkpoint dir name>, as `eagle3-host grok` names it."""
     return f"grok-{PurePosixPath(checkpoint).name}".replace("_", "-")

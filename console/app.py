@@ -54,6 +54,8 @@ class ConsoleAction:
     screen: str | None = None  # only on the screen of this mode (its own binding)
     owned_job: bool = False  # refused on external (watched, read-only) runs
     job_kinds: tuple[str, ...] = ()  # the selected job must be one of these kinds
+    destructive: bool = False  # starts, stops or takes over a process: disabled and hidden under --readonly
+    short: str = ""  # footer label on a narrow terminal
 
 
 ACTIONS = [
@@ -64,16 +66,24 @@ ACTIONS = [
     ConsoleAction("show_chain", "5", "Bench result", "stages and result of the latest stop-and-bench run"),
     ConsoleAction("prev_job", "[", "Prev job", "select the previous job"),
     ConsoleAction("next_job", "]", "Next job", "select the next job"),
-    ConsoleAction("start_training", "n", "New tiny run", "start a training job with the console's profile", needs_connection=True),
-    ConsoleAction("stop_job", "s", "Stop job", "stop the selected job (shows the PIDs first)", needs_connection=True, needs_job=True, owned_job=True),
+    ConsoleAction("start_training", "n", "New tiny run", "start a training job with the console's profile", needs_connection=True,
+                  destructive=True, short="New"),
+    ConsoleAction("stop_job", "s", "Stop job", "stop the selected job (shows the PIDs first)", needs_connection=True, needs_job=True, owned_job=True,
+                  destructive=True, short="Stop"),
     ConsoleAction("stop_and_bench", "b", "Stop & bench", "stop training with a checkpoint, serve it, canary, benchmark (shows the plan first)",
-                  needs_connection=True, needs_job=True, owned_job=True, job_kinds=("train",)),
+                  needs_connection=True, needs_job=True, owned_job=True, job_kinds=("train",), destructive=True, short="Bench"),
+    ConsoleAction("resume", "c", "Resume ckpt", "resume training from the checkpoint the last stop wrote, as a new job (shows the command first)",
+                  needs_connection=True, destructive=True, short="Resume"),
     ConsoleAction("grok", "g", "Grok run", "resume a checkpoint with a constant LR, weight decay, optional Grokfast",
-                  needs_connection=True, needs_job=True, owned_job=True, job_kinds=("train",)),
-    ConsoleAction("watch_external", "w", "Watch run", "watch a TensorBoard dir or SpecForge log read-only as ext:<name>", needs_connection=True),
-    ConsoleAction("adopt", "a", "Adopt PID", "adopt a foreign process as a job (PID typed to confirm)", needs_connection=True),
-    ConsoleAction("resync", "r", "Resync", "re-read everything from the agent", needs_connection=True),
+                  needs_connection=True, needs_job=True, owned_job=True, job_kinds=("train",), destructive=True, short="Grok"),
+    ConsoleAction("watch_external", "w", "Watch run", "watch a TensorBoard dir or SpecForge log read-only as ext:<name>", needs_connection=True,
+                  short="Watch"),
+    ConsoleAction("adopt", "a", "Adopt PID", "adopt a foreign process as a job (PID typed to confirm)", needs_connection=True, destructive=True,
+                  short="Adopt"),
+    ConsoleAction("resync", "r", "Resync", "re-read everything from the agent", needs_connection=True, short="Sync"),
     ConsoleAction("quit", "q", "Quit", "leave the console (jobs keep running on the host)"),
+    ConsoleAction("toggle_workers", "h", "Workers", "Dashboard: show / hide each job's helper processes under its GPU holder row",
+                  screen="dashboard"),
     ConsoleAction("toggle_log_step", "x", "Log step", "Training: step axis log10 on/off", screen="training"),
     ConsoleAction("toggle_log_y", "y", "Log y", "Training: loss and LR on a log10 axis on/off", screen="training"),
     ConsoleAction("toggle_ema", "e", "EMA", "Training: EMA smoothing (0.9) on/off", screen="training"),
@@ -96,6 +106,8 @@ class ConsoleCommands(Provider):
         for action in ACTIONS:
             if action.screen is not None and getattr(self.screen, "MODE", None) != action.screen:
                 continue
+            if action.destructive and app.readonly:
+                continue  # --readonly: not offered at all
             reason = app.disabled_reason(action.name)
             # The palette parses help as markup: "[n]" would vanish as a tag, so every "[" is escaped, and the key is
             # shown bare ("key [ · ...") because a bracketed "[[]" reads as noise.
@@ -135,8 +147,13 @@ class ConsoleApp(RunActions, App):
         raw_plots: bool = False,
         chain_args: list[str] | tuple[str, ...] = (),
         signals_interval: float = SIGNALS_INTERVAL_S,
+        readonly: bool = False,
+        notify_terminal: bool = False,
     ):
         super().__init__()
+        self.readonly = readonly
+        self.notify_terminal = notify_terminal  # --notify: bell + OSC 9 / OSC 777 desktop notifications on alerts
+        self.holders_expanded = False
         self.client = client
         self.state = state
         self.profile = profile
@@ -235,6 +252,7 @@ class ConsoleApp(RunActions, App):
     def state_changed(self, sections: set[str]) -> None:
         if not sections:
             return
+        self.check_alerts(sections)
         self._pending_sections |= sections
         if self._refresh_scheduled:
             return
@@ -484,10 +502,14 @@ class ConsoleApp(RunActions, App):
         spec = ACTIONS_BY_NAME.get(action)
         if spec is None:
             return None
+        if spec.destructive and self.readonly:
+            return "read-only console (--readonly)"
         if spec.needs_connection and (self.client is None or not self.state.connection.connected):
             return "disconnected from the host" if self.client is not None else "no host connection"
         if spec.needs_job and not self.selected_job:
             return "no job selected"
+        if spec.name == "resume" and self.resume_target is None:
+            return "no stop has written a checkpoint yet"
         job = self.selected_job
         if spec.owned_job and self.state.is_external(job):
             return f"{job} is an external run, watched read-only"
@@ -501,6 +523,9 @@ class ConsoleApp(RunActions, App):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ACTIONS_BY_NAME and self.modal_open:
             return False  # the modal's own keys only: a second "s" must not stack another stop
+        spec = ACTIONS_BY_NAME.get(action)
+        if spec is not None and spec.destructive and self.readonly:
+            return False  # hidden from the footer, not merely greyed
         return None if self.disabled_reason(action) else True
 
     def on_key(self, event) -> None:
@@ -585,6 +610,7 @@ class ConsoleApp(RunActions, App):
         except AgentError as exc:
             self.note(f"stop {name}: could not get the stop plan ({exc}); nothing was signalled", severity="error")
             return
+        before = await self.checkpoint_before_stop(name, plan)
         if not await self.push_screen_wait(StopModal(name, plan, self.stop_grace)):
             self.note(f"stop {name} cancelled; nothing was signalled")
             return
@@ -598,7 +624,7 @@ class ConsoleApp(RunActions, App):
             return
         verdicts = result.get("verdicts") or []
         summary = ", ".join(f"{v.get('pid')} {v.get('outcome')}" for v in verdicts) or "nothing to signal"
-        self.note(f"stop {name}: {summary}")
+        self.note(f"stop {name}: {summary}{await self.offer_resume(name, before)}")
         self.resync()
 
     @work(group="actions", exit_on_error=False)
@@ -656,6 +682,8 @@ def build_app(
     raw_plots: bool = False,
     chain_args: list[str] | tuple[str, ...] = (),
     signals_interval: float = SIGNALS_INTERVAL_S,
+    readonly: bool = False,
+    notify_terminal: bool = False,
 ) -> ConsoleApp:
     """The console app: over `transport` when given, else showing only the (fixed) `state` handed in."""
     state = state or ConsoleState()
@@ -676,4 +704,6 @@ def build_app(
         raw_plots=raw_plots,
         chain_args=chain_args,
         signals_interval=signals_interval,
+        readonly=readonly,
+        notify_terminal=notify_terminal,
     )

@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--identity", help="SSH private key file (default: ssh config / agent / ~/.ssh/id_*)")
     parser.add_argument("--known-hosts", help="known_hosts file (default: ssh config's UserKnownHostsFile, else ~/.ssh/known_hosts)")
     parser.add_argument("--python", help="Python on the host that runs the agent (default: python3; locally: this Python)")
+    parser.add_argument("--readonly", action="store_true",
+                        help="look, never touch: start, stop, stop & bench, resume, grok and adopt are disabled and hidden (the banner says READ-ONLY)")
+    parser.add_argument("--notify", action="store_true",
+                        help="ring the terminal bell and send a desktop notification (OSC 9 and OSC 777) when a job exits, a canary turns red, "
+                        "grokking onset is detected or a disk runs low (off by default)")
     return parser
 
 
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_snapshot(transport)
     from console.app import build_app
 
-    app = build_app(transport, profile=profile_arg)
+    app = build_app(transport, profile=profile_arg, readonly=args.readonly, notify_terminal=args.notify)
     app.run()
     status = app.state.connection
     if not status.connected and status.detail and app.state.last_data_at is None:

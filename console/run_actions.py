@@ -14,14 +14,24 @@ from textual import work
 from backend.protocol import JobInfo, Request, from_dict
 from console.client import AgentError
 from backend.commands import (CHAIN_CONCURRENCY_DEFAULT, CHAIN_GRACE_DEFAULT_S, CHAIN_PROMPTS_DEFAULT, GROK_WEIGHT_DECAY_DEFAULT, ProfileFacts,
-                                   chain_argv, chain_job_name, chain_training_job, job_profile, option_value, profile_facts)
+                              chain_argv, chain_job_name, chain_training_job, job_profile, option_value, profile_facts, resume_argv,
+                              resume_job_name)
 from console.screens.chain import CHAIN_STAGES
 from console.screens.grok_modal import GrokModal
-from console.screens.modals import StopAndBenchModal, WatchModal, bench_plan_text
+from console.screens.modals import ResumeModal, StopAndBenchModal, WatchModal, bench_plan_text
 from console.state import EXTERNAL_PREFIX
 
 SIGNALS_INTERVAL_S = 5.0  # at most one `signals` request per job this often (the host computes them on request)
 DATA_SCALING_EVERY_S = 60.0
+DISK_LOW_SHARE = 0.9  # used share at which the Dashboard draws a disk red: the "disk runs low" alert
+ENDED_STATES = ("exited", "stopped", "stale", "unknown")
+
+
+def terminal_notification(text: str) -> str:
+    """Bell, then the same line as an OSC 9 (iTerm2, WezTerm, kitty, Windows Terminal) and an OSC 777 (VTE, foot,
+    urxvt) desktop notification. Control characters are dropped; ';' would end OSC 777's fields."""
+    clean = "".join(ch if ch.isprintable() else " " for ch in text)[:240]
+    return f"\a\x1b]9;eagle3: {clean}\x07\x1b]777;notify;eagle3-console;{clean.replace(';', ',')}\x07"
 
 if TYPE_CHECKING:
     from console.app import ConsoleApp
@@ -44,6 +54,10 @@ class RunActions(_Base):
         self._data_scaling_at: dict[str, float] = {}
         self._profiles: dict[str, ProfileFacts] = {}
         self._externals_agent: int | None = None  # agent pid the external watches were registered with
+        self.resume_target: dict[str, str] | None = None  # {"job", "checkpoint", "profile"}: what the last stop wrote
+        self.terminal_writes: list[str] = []  # notifications sent to the terminal (--notify), newest last
+        self._job_states: dict[str, str] | None = None
+        self._alerted: set[tuple] = set()
 
     def select_started_job(self, name: str, wire: dict[str, Any] | None) -> None:
         """Select a job the console just started: listed and drawn at once, so a jobs-table highlight that a redraw
@@ -293,3 +307,127 @@ class RunActions(_Base):
                 self.note(f"re-watching {path} as {job} failed: {exc}", severity="warning")
             self.state.metrics.pop(job, None)
         self._externals_agent = agent
+
+    # -- alerts: job exits, a red canary, grokking onset, a disk running low --------------------------
+
+    def check_alerts(self, sections: set[str]) -> None:
+        """Called with each state change: an alert is noted once (Actions and a toast); with --notify also on the terminal."""
+        if "jobs" in sections:
+            self._alert_job_exits()
+        if "stages" in sections:
+            self._alert_canaries()
+        if "signals" in sections:
+            self._alert_onsets()
+        if "disks" in sections:
+            self._alert_disks()
+
+    def _alert_job_exits(self) -> None:
+        states = {name: job.state for name, job in self.state.jobs.items()}
+        before, self._job_states = self._job_states, states
+        if before is None:
+            return  # the first list: jobs that ended before the console came are not news
+        for name, state in states.items():
+            if before.get(name) == "running" and state in ENDED_STATES:
+                job = self.state.jobs[name]
+                code = f" with exit code {job.exit_code}" if job.exit_code is not None else ""
+                self.alert(f"job {name} {state}{code}", severity="error" if job.exit_code not in (None, 0) else "warning")
+
+    def _alert_canaries(self) -> None:
+        for job, records in self.state.stages.items():
+            for record in records:
+                if record.get("stage") != "canary" or record.get("_received") is None:
+                    continue  # only what arrived live: a history re-read on attach is not news
+                result = record.get("result") if isinstance(record.get("result"), dict) else {}
+                if record.get("status") == "failed" or result.get("verdict") == "red":
+                    key = ("canary", job, record.get("time"))
+                    if key not in self._alerted:
+                        self._alerted.add(key)
+                        self.alert(f"canary RED in {job}: {str(record.get('detail') or result.get('headline') or '')[:120]}", severity="error")
+
+    def _alert_onsets(self) -> None:
+        for job, signals in self.state.signals.items():
+            onset = signals.get("onset") if isinstance(signals, dict) else None
+            if isinstance(onset, dict) and onset.get("detected") and ("onset", job) not in self._alerted:
+                self._alerted.add(("onset", job))
+                self.alert(f"grokking onset in {job} at step {onset.get('step')}")
+
+    def _alert_disks(self) -> None:
+        for disk in self.state.disks:
+            share = disk.used_bytes / disk.total_bytes if disk.total_bytes else 0.0
+            no_room = disk.checkpoint_bytes is not None and disk.free_bytes < disk.checkpoint_bytes
+            key = ("disk", disk.path)
+            if share > DISK_LOW_SHARE or no_room:
+                if key not in self._alerted:
+                    self._alerted.add(key)
+                    why = "less free than a checkpoint needs" if no_room else f"{share:.0%} used"
+                    self.alert(f"disk low: {disk.label} {disk.path} ({why})", severity="error")
+            else:
+                self._alerted.discard(key)  # recovered: alert again if it runs low again
+
+    def alert(self, text: str, *, severity: str = "warning") -> None:
+        self.note(text, severity=severity)
+        if self.notify_terminal:
+            self.write_terminal(terminal_notification(text))
+
+    def write_terminal(self, data: str) -> None:
+        self.terminal_writes.append(data)
+        driver = getattr(self, "_driver", None)
+        if driver is not None:
+            driver.write(data)
+            driver.flush()
+
+    # -- resume from the checkpoint a stop wrote ------------------------------------------------------
+
+    async def _latest_checkpoint(self, job: str) -> str | None:
+        listing = (await self.client.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
+        entries = [c for c in listing if isinstance(c, dict) and c.get("path")]
+        latest = next((c for c in entries if c.get("latest")), entries[-1] if entries else None)
+        return str(latest["path"]) if latest else None
+
+    async def checkpoint_before_stop(self, job: str, plan: dict[str, Any]) -> str | None:
+        """The job's latest checkpoint before the stop ("" for none); None when the stop writes none (not training)."""
+        info = self.state.jobs.get(job)
+        if info is None or info.kind != "train" or not plan.get("checkpoint_first"):
+            return None
+        try:
+            return await self._latest_checkpoint(job) or ""
+        except AgentError:
+            return None
+
+    async def offer_resume(self, job: str, before: str | None) -> str:
+        """After a stop: when it wrote a new checkpoint, remember it so one key (c) resumes from it; says so (a suffix)."""
+        if before is None:
+            return ""
+        try:
+            after = await self._latest_checkpoint(job)
+        except AgentError as exc:
+            return f"; its checkpoints could not be listed ({exc})"
+        if not after or after == before:
+            return "; no new checkpoint was written" + (f" (the latest is still {after})" if after else "")
+        self.resume_target = {"job": job, "checkpoint": after, "profile": self.profile_of(job)}
+        self.refresh_bindings()
+        return f"; it wrote {after}: press c to resume from it"
+
+    @work(group="actions", exit_on_error=False)
+    async def action_resume(self) -> None:
+        target = self.resume_target
+        if target is None:
+            return
+        argv = resume_argv(target["profile"], target["checkpoint"])
+        base = name = resume_job_name(target["checkpoint"])
+        number = 2
+        while name in self.state.jobs:
+            name, number = f"{base}-{number}", number + 1
+        if not await self.push_screen_wait(ResumeModal(target["job"], target["checkpoint"], name, argv)):
+            self.note(f"resume of {target['job']} cancelled; nothing was started")
+            return
+        if self.disabled_reason("resume"):
+            self.note(f"resume not started: {self.disabled_reason('resume')}", severity="error")
+            return
+        try:
+            result = await self.client.request(Request.START_JOB, name=name, kind="train", argv=argv)
+        except AgentError as exc:
+            self.note(f"resume {name} not started: {exc}", severity="error")
+            return
+        self.note(f"started {name} (pid {(result.get('job') or {}).get('pid', '?')}): {' '.join(argv)}")
+        self.select_started_job(name, result.get("job"))

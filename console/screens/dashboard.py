@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Footer, Header, Static
 
@@ -18,6 +19,13 @@ STATE_STYLES = {"running": "green", "exited": "dim", "stopped": "yellow", "stale
 
 class DashboardScreen(ConsoleScreen):
     MODE = "dashboard"
+
+    BINDINGS = [Binding("h", "toggle_workers", "Workers")]
+
+    def action_toggle_workers(self) -> None:
+        """Show or hide each job's helper processes (compile workers...) under its GPU holder row."""
+        self.console.holders_expanded = not self.console.holders_expanded
+        self.query_one(GpuPanel).show_state(self.console.state, self.console.holders_expanded)
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -44,8 +52,8 @@ class DashboardScreen(ConsoleScreen):
 
     def draw(self, changed: set[str] | None) -> None:
         state = self.console.state
-        if touches(changed, "gpus", "holders", "hello"):
-            self.query_one(GpuPanel).show_state(state)
+        if touches(changed, "gpus", "holders", "hello", "jobs"):
+            self.query_one(GpuPanel).show_state(state, self.console.holders_expanded)
         if touches(changed, "jobs", "metrics", "selection", "connection"):
             self._draw_jobs()
         if touches(changed, "metrics", "jobs", "selection"):

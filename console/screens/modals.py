@@ -312,3 +312,53 @@ def _default_watch_name(path: str) -> str:
     parts = [p for p in path.replace("\\", "/").split("/") if p and p not in (".", "..", "runs", "tensorboard")]
     name = re.sub(r"[^A-Za-z0-9._-]", "-", parts[-1] if parts else "run")
     return name[:56] or "run"
+
+
+class ResumeModal(ModalScreen[bool]):
+    """Resume training from the checkpoint a stop just wrote: shows the exact command; True only on confirm."""
+
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel"),
+        Binding("y", "confirm", "Start it"),
+    ]
+
+    def __init__(self, stopped_job: str, checkpoint: str, name: str, argv: list[str]):
+        super().__init__()
+        self.stopped_job = stopped_job
+        self.checkpoint = checkpoint
+        self.job_name = name
+        self.argv = argv
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="modal-dialog"):
+            yield Static(f"Resume {self.stopped_job} from its checkpoint?", classes="modal-title")
+            yield Static(resume_text(self.stopped_job, self.checkpoint, self.job_name, self.argv), id="resume-plan")
+            with Horizontal(classes="modal-buttons"):
+                yield Button("Start (y)", id="confirm", variant="warning")
+                yield Button("Cancel (esc)", id="cancel", variant="primary")
+
+    def on_mount(self) -> None:
+        self.query_one("#cancel", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "confirm")
+
+    def action_cancel(self) -> None:
+        self.dismiss(False)
+
+    def action_confirm(self) -> None:
+        self.dismiss(True)
+
+
+def resume_text(stopped_job: str, checkpoint: str, name: str, argv: list[str]) -> Text:
+    text = Text()
+    text.append("checkpoint  ", style="bold")
+    text.append(f"{checkpoint}\n")
+    text.append("written by  ", style="bold")
+    text.append(f"the stop of {stopped_job}\n")
+    text.append("new job     ", style="bold")
+    text.append(f"{name} (kind train, owned: s stops it)\n\n")
+    text.append("runs on the host as:\n", style="bold")
+    text.append(" ".join(argv), style="bold cyan")
+    text.append("\n\nNothing else is started or stopped.", style="dim")
+    return text

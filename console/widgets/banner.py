@@ -10,7 +10,19 @@ from console.widgets.format import clock_time, duration
 DISABLED_NOTE = "stop, stop & bench, grok, adopt and start are disabled until the connection is back"
 
 
-def banner_text(state: ConsoleState) -> Text:
+READONLY_NOTE = "start, stop, stop & bench, resume, grok and adopt are off"
+
+
+def banner_text(state: ConsoleState, readonly: bool = False) -> Text:
+    text = Text()
+    if readonly:
+        text.append(" READ-ONLY ", style="bold black on cyan")
+        text.append(f" {READONLY_NOTE} · ", style="italic")
+    text.append_text(_connection_text(state, readonly))
+    return text
+
+
+def _connection_text(state: ConsoleState, readonly: bool) -> Text:
     status = state.connection
     now = state.clock()
     text = Text()
@@ -40,7 +52,8 @@ def banner_text(state: ConsoleState) -> Text:
         text.append(f" · {state.target}: gave up")
     if status.detail:
         text.append(f" · {status.detail}")
-    text.append(f" · {DISABLED_NOTE}", style="italic")
+    if not readonly:
+        text.append(f" · {DISABLED_NOTE}", style="italic")
     return text
 
 
@@ -54,4 +67,4 @@ class ConnectionBanner(Static):
 
     def show_state(self, state: ConsoleState) -> None:
         self.set_class(state.stale, "-stale")
-        self.update(banner_text(state))
+        self.update(banner_text(state, bool(getattr(self.app, "readonly", False))))

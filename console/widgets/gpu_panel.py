@@ -14,7 +14,7 @@ OTHER_STYLE = "grey50"
 BAR_WIDTH = 20
 
 
-def gpu_text(state: ConsoleState) -> Text:
+def gpu_text(state: ConsoleState, expanded: bool = False) -> Text:
     if state.no_driver:
         text = Text("No NVIDIA driver on this host: GPU telemetry is off.", style="bold yellow")
         detail = state.gpu_status_text
@@ -25,6 +25,7 @@ def gpu_text(state: ConsoleState) -> Text:
     if not state.gpus:
         return Text("waiting for GPU telemetry…", style="dim")
     owned = state.owned_memory_by_gpu()
+    leaders = {job.name: job.pid for job in state.jobs.values()}
     foreign = state.foreign_memory_by_gpu()
     text = Text()
     for i, gpu in enumerate(state.gpus):
@@ -32,7 +33,7 @@ def gpu_text(state: ConsoleState) -> Text:
             text.append("\n")
         text.append_text(_gpu_line(gpu, owned.get(gpu.index, 0.0), foreign.get(gpu.index, 0.0)))
         holders = [h for h in state.holders if gpu.index in h.gpu_indices]
-        text.append_text(_holder_lines(holders, gpu))
+        text.append_text(_holder_lines(holders, gpu, leaders, expanded))
     text.append("\n")
     text.append("█ ours ", style=OWNED_STYLE)
     text.append("█ foreign ", style=FOREIGN_STYLE)
@@ -66,27 +67,69 @@ def _gib(value: float | None) -> str:
     return "?" if value is None else f"{value / 1024:.1f}"
 
 
-def _holder_lines(holders: list[GpuHolder], gpu: GpuSample) -> Text:
+def _holder_lines(holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, int] | None = None, expanded: bool = False) -> Text:
     text = Text()
     if not holders:
         pids = [p.pid for p in gpu.processes]
         if pids:
             text.append(f"\n      processes (not yet attributed): {', '.join(map(str, pids))}", style="dim")
         return text
-    for holder in sorted(holders, key=lambda h: (not h.owned, h.pid)):
+    for main, helpers in group_holders(holders, leaders or {}):
         text.append("\n      ")
-        if holder.owned:
+        if main.owned:
             text.append("ours    ", style=OWNED_STYLE)
-            text.append(f"{holder.job or '?'} pid {holder.pid}")
+            text.append(f"{main.job or '?'} pid {main.pid}")
         else:
             text.append("foreign ", style=FOREIGN_STYLE)
-            text.append(f"{holder.user or '?'} pid {holder.pid} {holder.cmdline[:40]}")
+            text.append(f"{main.user or '?'} pid {main.pid} {main.cmdline[:40]}")
             text.append(" (left alone)", style="dim")
-        if holder.used_memory_mib is not None:
-            text.append(f"  {mib(holder.used_memory_mib)}")
+        text.append_text(_memory_note(main))
+        if helpers:
+            noun = "worker" if main.owned else "same command"
+            text.append(f"  (+{len(helpers)} {noun}{'s' if main.owned and len(helpers) != 1 else ''}", style="bold")
+            text.append_text(_helpers_memory(helpers))
+            text.append(")" if expanded else "; h shows them)", style="bold" if expanded else "dim")
+            if expanded:
+                for helper in helpers:
+                    text.append(f"\n          └ pid {helper.pid} ")
+                    text.append(helper.cmdline[:48], style="dim")
+                    text.append_text(_memory_note(helper))
     return text
 
 
+def group_holders(holders: list[GpuHolder], leaders: dict[str, int]) -> list[tuple[GpuHolder, list[GpuHolder]]]:
+    """One row per job (its leader, else its holder with the most memory) with the job's other holders (compile
+    workers, dataloaders...) under it; foreign holders of one user running one command line are grouped the same way."""
+    groups: dict[tuple, list[GpuHolder]] = {}
+    for holder in holders:
+        key = ("ours", holder.job or f"pid {holder.pid}") if holder.owned else ("foreign", holder.user, holder.cmdline)
+        groups.setdefault(key, []).append(holder)
+    rows = []
+    for key, members in groups.items():
+        leader = leaders.get(str(key[1])) if key[0] == "ours" else None
+        members.sort(key=lambda h: (h.pid != leader, -(h.used_memory_mib or 0.0), h.pid))
+        rows.append((members[0], sorted(members[1:], key=lambda h: h.pid)))
+    rows.sort(key=lambda row: (not row[0].owned, row[0].pid))
+    return rows
+
+
+def uses_memory(holder: GpuHolder) -> bool:
+    return bool(holder.used_memory_mib)
+
+
+def _memory_note(holder: GpuHolder) -> Text:
+    if uses_memory(holder):
+        return Text(f"  {mib(holder.used_memory_mib)}", style="bold")
+    return Text("  no GPU memory (device file open)", style="dim")
+
+
+def _helpers_memory(helpers: list[GpuHolder]) -> Text:
+    using = [h for h in helpers if uses_memory(h)]
+    if not using:
+        return Text(", none uses GPU memory", style="dim")
+    return Text(f", {len(using)} use{'s' if len(using) == 1 else ''} {mib(sum(h.used_memory_mib or 0.0 for h in using))}", style="bold")
+
+
 class GpuPanel(Static):
-    def show_state(self, state: ConsoleState) -> None:
-        self.update(gpu_text(state))
+    def show_state(self, state: ConsoleState, expanded: bool = False) -> None:
+        self.update(gpu_text(state, expanded))
