@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import quote
 
-from backend import procs
+from backend import durable, procs
 from backend.protocol import ErrorCode, JobInfo, ProcessVerdict, StopPlan, to_dict
 
 KINDS = ("train", "serve", "bench", "chain", "other", "adopted")
@@ -194,12 +194,7 @@ def private_opener(path: str, flags: int) -> int:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", opener=private_opener) as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    durable.write_atomic(path, text, mode=PRIVATE_FILE)
 
 
 TAIL_MAX_BYTES = 16 << 20  # a tail never reads more than this, however long its lines

@@ -20,6 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterable
 
+from backend.durable import write_atomic
 from backend.jsonl import read_complete_lines
 from backend.metrics import normalize_record
 from backend.metrics_scan import ChunkScanner, ScanResult, points_of_records
@@ -363,14 +364,10 @@ class MetricsFeed:
                       "source": str(self.path), "saved_at": time.time()}
             data = self.index.to_bytes(header)
             version = self.index.version
-        temp = self.sidecar.with_name(f".{self.sidecar.name}.{os.getpid()}.tmp")
         try:
-            with open(temp, "wb") as handle:
-                handle.write(data)
-            os.replace(temp, self.sidecar)
+            write_atomic(self.sidecar, data)
         except OSError as exc:
             self.sidecar_note = f"not saved: {exc}"
-            temp.unlink(missing_ok=True)
             return False
         self.saved_version = version
         return True

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.chain import STAGES, ChainOptions, StopAndBench, list_results, profile_from_argv
+from backend.chain import STAGES, ChainOptions, StopAndBench, profile_from_argv
+from backend.layout import list_results
 from backend.jobs import JobRegistry
 from backend.protocol import METRICS_FILENAME, STAGES_FILENAME
 from tests.conftest import ROOT, subprocess_env
@@ -176,3 +177,33 @@ def test_stop_and_bench_end_to_end_on_tiny(trained_tiny_run, tmp_path):
     assert set(jobs) == {"train-demo", "serve-train-demo"}
     assert all(info.state != "running" for info in jobs.values()), {n: i.state for n, i in jobs.items()}
     assert not any(alive(info.pid) for info in jobs.values()), "a process of the run was left behind"
+
+
+def test_the_saved_result_carries_per_position_acceptance_and_the_first_break(tmp_path, monkeypatch):
+    from backend.serve import canary as canary_mod
+
+    chain, _ = stubbed_chain(tmp_path, monkeypatch, accept_length=3.6, val_acc=[0.825] * 7)
+    real = canary_mod.run_canary
+
+    def with_histogram(url, prompts, *, num_steps, val_acc, **kw):
+        outcome = real(url, prompts, num_steps=num_steps, val_acc=val_acc, **kw)  # the stub: a judged accept length
+        # 200 steps: positions 0-1 as validation predicts, position 2 collapses
+        outcome.acceptance = canary_mod.acceptance_report([(720, 200, [35, 29, 110, 26])], num_steps, val_acc)
+        outcome.accept_length_mean_of_request_means = outcome.acceptance["mean_of_request_means"]
+        return outcome
+
+    monkeypatch.setattr(canary_mod, "run_canary", with_histogram)
+    summary = chain.run()
+    result = summary["result"]
+    acceptance = result["acceptance"]
+    assert acceptance["break"]["position"] == 2 and acceptance["break_line"].startswith("served acceptance breaks at position 2")
+    assert acceptance["val_acc"] == [0.825] * 7 and len(acceptance["per_position"]) == 5
+    assert "pooled over verify steps" in acceptance["pooled_label"] and "SpecForge" in acceptance["mean_of_request_means_label"]
+    assert result["accept_length_mean_of_request_means"] == pytest.approx(3.6)
+    assert list_results(tmp_path / "job")[0]["acceptance"]["break"]["position"] == 2
+
+
+def test_a_result_without_histogram_has_no_positions_and_does_not_fail(tmp_path, monkeypatch):
+    chain, _ = stubbed_chain(tmp_path, monkeypatch, accept_length=3.6, val_acc=[0.825] * 7)
+    summary = chain.run()
+    assert summary["ok"] is True and summary["result"]["acceptance"] is None

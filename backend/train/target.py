@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from backend.durable import write_atomic
+
 BUILTIN_TINY = "builtin:tiny"
 SHARD_META = "meta.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
@@ -347,11 +349,7 @@ def _write_safetensors_atomic(tensors: dict, path: Path, metadata: dict | None =
 
 
 def _write_json_atomic(data: dict, path: Path) -> None:
-    temp = path.with_name(path.name + ".tmp")
-    temp.write_text(json.dumps(data, indent=1) + "\n")
-    with open(temp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.rename(temp, path)
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def _batches_by_length(samples: list, batch_size: int) -> Iterable[list[int]]:
