@@ -12,6 +12,7 @@ from backend.bench.client import PromptFileError, load_prompts, percentile
 from backend.jobs import JobRegistry
 from backend.serve.launch import launch
 from backend.serve.preflight import resolve_draft_dir
+from tests.reference_fixtures import mini_servers  # noqa: F401  # pytest fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,3 +127,55 @@ def test_bench_against_reference_servers_with_baseline(tmp_path, tiny_profile, t
         print("\n" + results.table(doc))
     finally:
         JobRegistry(run_dir).stop([r.job_name for r in started if r.job_name], grace=15)
+
+
+def histogram_result(index, tokens, verify, histogram):
+    result = stream_result(index, tokens, verify, 0.1, 1.0, [], "t")
+    result.histogram = histogram
+    return result
+
+
+def test_levels_report_both_definitions_and_positions_and_the_document_compares_with_validation(tmp_path):
+    # request 0: 2 steps, both accepted 3 drafts (short, accepts a lot); request 1: 8 steps, 2 of them accepted 1.
+    level = client.summarize(1, [histogram_result(0, 9, 2, [0, 0, 0, 2]), histogram_result(1, 11, 8, [6, 2])], 2.0,
+                             {"speculative_num_steps": 3})
+    assert level.accept_length == pytest.approx(20 / 10)  # pooled over verify steps
+    assert level.accept_length_mean_of_request_means == pytest.approx((9 / 2 + 11 / 8) / 2)
+    acceptance = level.acceptance
+    assert acceptance["histogram"] == [6, 2, 0, 2]
+    assert [r["reached"] for r in acceptance["per_position"]] == pytest.approx([0.4, 0.2, 0.2])
+    assert [r["conditional"] for r in acceptance["per_position"]] == pytest.approx([0.4, 0.5, 1.0])
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"eagle3_console": {"val_acc": [0.9, 0.9, 0.9]}}))
+    doc = results.build_document(url="u", server_info={"speculative_draft_model_path": str(checkpoint), "speculative_num_steps": 3},
+                                 levels=[level], prompts=load_prompts(limit=2), max_new_tokens=16, concurrency=[1])
+    assert doc["validation"]["val_acc"] == [0.9, 0.9, 0.9] and doc["validation"]["tau_hat"] == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+    saved = doc["levels"][0]["acceptance"]
+    # 10 steps reached position 0: below MIN_STEPS_AT_POSITION, so nothing is judged
+    assert saved["break"] is None and saved["break_line"].startswith("too few verify steps")
+    assert [r["predicted"] for r in saved["per_position"]] == [0.9, 0.9, 0.9]
+    text = results.table(doc)
+    assert "pooled over verify steps" in text and "mean of per-request means" in text and "val acc 0.90 0.90 0.90" in text
+
+
+def test_a_server_without_histogram_gives_the_pooled_number_and_a_note():
+    result = stream_result(0, 30, 10, 0.1, 1.0, [], "t")
+    result.histogram_note = "the server reports no spec_correct_drafts_histogram (SGLang before 0.5.14, or another engine)"
+    level = client.summarize(1, [result], 1.0, {"speculative_num_steps": 3})
+    assert level.accept_length == pytest.approx(3.0) and level.acceptance["per_position"] == []
+    assert any("no spec_correct_drafts_histogram" in n for n in level.acceptance["notes"])
+    doc = results.build_document(url="u", server_info={"speculative_draft_model_path": "/nonexistent"}, levels=[level],
+                                 prompts=load_prompts(limit=1), max_new_tokens=16, concurrency=[1], val_acc=[0.8])
+    assert doc["levels"][0]["acceptance"]["break"] is None and "note:" in results.table(doc)
+
+
+async def test_streamed_histogram_from_the_reference_engine(mini_servers):
+    url = mini_servers["spec"].url
+    level = await client.run_level(url, ["def f(x):\n", "import sys\n"], 2, 16)
+    assert level.failed == 0
+    acceptance = level.acceptance
+    assert acceptance["notes"] == [] and sum(acceptance["histogram"]) == acceptance["sum_verify_ct"] > 0
+    assert len(acceptance["per_position"]) == mini_servers["profile"].serve.num_steps
+    assert acceptance["pooled"] == pytest.approx(level.accept_length)
+    assert level.accept_length_mean_of_request_means is not None
