@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from backend.protocol import Request
+from backend.serve.canary import acceptance_report
 from console.app import build_app
 from backend.commands import chain_argv
 from console.screens.chain import ChainScreen, chain_outcome, result_panel_text, stage_elapsed
@@ -23,10 +24,17 @@ CHAIN = "chain-train-kimi"
 CHECKPOINT = "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_2_step_4012"
 SERVER_ARGV = ["python", "-m", "backend.serve.reference_server", "--model", "builtin:tiny", "--draft", CHECKPOINT,
                "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "5", "--port", "30123"]
+# The canary's 412 verify steps: positions 0-1 as validation predicts, position 2 collapses (0.31 served vs 0.68).
+VAL_ACC = [0.80, 0.72, 0.68, 0.66, 0.62, 0.60, 0.58]
+ACCEPTANCE = {**acceptance_report([(1120, 412, [87, 84, 166, 33, 21, 21])], 5, VAL_ACC), "mean_of_request_means": 2.64}
+BREAK_LINE = "served acceptance breaks at position 2: 0.31 served vs 0.68 predicted"
+NO_HISTOGRAM = acceptance_report([(260, 184, None)], 5, [0.002] * 7, histogram_notes=[
+    "the server reports no spec_correct_drafts_histogram (SGLang before 0.5.14, or another engine)"])
 RESULT = {
     "verdict": "green", "accept_length": 2.71, "tau_hat": 3.12, "ratio_to_tau_hat": 0.869,
-    "throughput": [{"concurrency": 1, "output_tok_per_s": 151.3, "accept_length": 2.69},
-                   {"concurrency": 4, "output_tok_per_s": 402.8, "accept_length": 2.74}],
+    "accept_length_mean_of_request_means": 2.64, "acceptance": ACCEPTANCE,
+    "throughput": [{"concurrency": 1, "output_tok_per_s": 151.3, "accept_length": 2.69, "accept_length_mean_of_request_means": 2.61},
+                   {"concurrency": 4, "output_tok_per_s": 402.8, "accept_length": 2.74, "accept_length_mean_of_request_means": 2.66}],
     "checkpoint": CHECKPOINT, "engine": "reference", "argv": SERVER_ARGV, "server_job": "serve-train-kimi",
     "server": "stopped after the benchmark (--stop-server-after)",
 }
@@ -92,7 +100,8 @@ def amber_records() -> list[dict]:
             record["result"] = {"verdict": "amber", "headline": AMBER_HEADLINE, "reasons": AMBER_REASONS, "causes": []}
         if record["stage"] == "result" and record["status"] == "ok":
             record["result"] = {**RESULT, "verdict": "amber", "accept_length": 1.41, "tau_hat": 1.0, "ratio_to_tau_hat": 1.41,
-                                "verdict_headline": AMBER_HEADLINE, "verdict_reasons": AMBER_REASONS}
+                                "verdict_headline": AMBER_HEADLINE, "verdict_reasons": AMBER_REASONS,
+                                "accept_length_mean_of_request_means": 1.43, "acceptance": NO_HISTOGRAM}
     return records
 
 
@@ -176,6 +185,29 @@ async def test_result_panel_shows_verdict_accept_length_next_to_tau_hat_throughp
         assert [str(stages.get_row_at(i)[2]) for i in range(stages.row_count)] == ["ok"] * 8
         results = app.screen.query_one("#results-table")
         assert results.row_count == 2 and "(this run)" in str(results.get_row_at(0)[0]) and str(results.get_row_at(1)[1]) == "red"
+
+
+def test_result_panel_shows_served_acceptance_per_position_next_to_validation_and_the_first_break():
+    assert ACCEPTANCE["break_line"].startswith(BREAK_LINE)
+    panel = result_panel_text(chain_records())
+    plain = panel.plain
+    assert "2.71 pooled over verify steps (SGLang, vLLM)" in plain and "2.64 mean of per-request means (SpecForge)" in plain
+    assert "served acceptance per draft position (canary, 412 verify steps) next to validation accuracy" in plain
+    lines = [line for line in plain.splitlines() if line.strip()[:1].isdigit() and "concurrent" not in line][:5]
+    assert [line.split()[:3] for line in lines] == [["0", "0.80", "0.79"], ["1", "0.72", "0.74"], ["2", "0.68", "0.31"],
+                                                   ["3", "0.66", "0.56"], ["4", "0.62", "0.50"]]
+    assert [("← break" in line) for line in lines] == [False, False, True, False, False]
+    assert span_style(panel, lines[2].strip()) == "bold red" and span_style(panel, BREAK_LINE) == "bold red"
+    assert "2.69 pooled / 2.61 per-request mean" in plain
+
+
+def test_without_histogram_the_panel_shows_the_pooled_number_and_the_note():
+    panel = result_panel_text(amber_records())
+    assert "1.41 pooled over verify steps" in panel.plain and "served acceptance per draft position" not in panel.plain
+    assert span_style(panel, "note: the server reports no spec_correct_drafts_histogram") == "yellow"
+    legacy = chain_records()  # a result saved before this field existed
+    legacy[-1]["result"] = {k: v for k, v in RESULT.items() if k not in ("acceptance", "accept_length_mean_of_request_means")}
+    assert "2.71 pooled over verify steps" in result_panel_text(legacy).plain
 
 
 async def test_a_failure_shows_the_stage_and_why_with_the_likely_causes():

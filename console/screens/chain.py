@@ -92,6 +92,37 @@ def _accept_line(text: Text, data: dict[str, Any]) -> None:
     text.append(f"  ratio {number(ratio, 2)}", style="bold" if isinstance(ratio, (int, float)) else "")
 
 
+def _acceptance_lines(text: Text, data: dict[str, Any]) -> None:
+    """Both accept-length definitions, labelled; served acceptance per draft position next to val acc_k; the first break."""
+    acceptance = data.get("acceptance") if isinstance(data.get("acceptance"), dict) else {}
+    mean_of_means = data.get("accept_length_mean_of_request_means", acceptance.get("mean_of_request_means"))
+    text.append("  accept length ")
+    text.append(number(data.get("accept_length"), 3), style="bold")
+    text.append(" pooled over verify steps (SGLang, vLLM)   ")
+    text.append(number(mean_of_means, 3), style="bold")
+    text.append(" mean of per-request means (SpecForge)\n")
+    rows = acceptance.get("per_position") or []
+    if rows:
+        text.append(f"served acceptance per draft position (canary, {acceptance.get('sum_verify_ct', '?')} verify steps) "
+                    "next to validation accuracy:\n", style="bold")
+        text.append("   pos  val acc  served|k   pred reach  served reach  steps\n", style="dim")
+        for row in rows:
+            broken = bool(row.get("broken"))
+            line = (f"  {row.get('position', '?'):>4}  {_rate(row.get('predicted')):>7}  {_rate(row.get('conditional')):>8}"
+                    f"   {_rate(row.get('predicted_reached')):>10}  {_rate(row.get('reached')):>12}  {row.get('steps_at_position', '?'):>5}")
+            text.append(line + ("  ← break" if broken else "") + "\n",
+                        style="bold red" if broken else "" if row.get("judged") else "dim")
+    line = acceptance.get("break_line")
+    if line:
+        text.append(f"  {line}\n", style="bold red" if acceptance.get("break") else "green" if line.startswith("no break") else "dim")
+    for note in acceptance.get("notes") or []:
+        text.append(f"  note: {note}\n", style="yellow")
+
+
+def _rate(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "-"
+
+
 def _causes_from_reason(reason: str) -> tuple[str, list[str], str]:
     """Split 'HEADLINE. Likely causes, in order: a; b; c. The server job ... was stopped.' into its three parts."""
     marker = "Likely causes, in order:"
@@ -133,10 +164,12 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
     _accept_line(text, result)
     text.append("\n")
     _canary_lines(text, result.get("verdict"), canary, result)
+    _acceptance_lines(text, result)
     text.append("throughput per concurrency:\n", style="bold")
     for row in result.get("throughput") or []:
         text.append(f"  {row.get('concurrency', '?'):>4} concurrent  {number(row.get('output_tok_per_s'), 4):>8} tok/s"
-                    f"  accept length {number(row.get('accept_length'), 3)}\n")
+                    f"  accept length {number(row.get('accept_length'), 3)} pooled"
+                    f" / {number(row.get('accept_length_mean_of_request_means'), 3)} per-request mean\n")
     text.append("checkpoint: ", style="bold")
     text.append(f"{result.get('checkpoint') or '?'}\n")
     text.append("engine: ", style="bold")
