@@ -17,6 +17,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.screen import ModalScreen
+from textual.widgets import Footer
 from textual.worker import Worker
 
 from backend.protocol import PROTOCOL_VERSION, Request
@@ -29,6 +30,7 @@ from console.screens.logs import STREAMS, LogsScreen
 from console.screens.modals import AdoptModal, StopModal
 from console.state import CONNECTED, FAILED, SUMMARY_KEYS, ConnectionStatus, ConsoleState
 from console.transport import AgentStderr, Transport, TransportError
+from console.widgets.panels import ConsoleFooter
 
 LOG_TAIL_LINES = 500
 GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)
@@ -127,10 +129,22 @@ class ConsoleCommands(Provider):
                 yield Hit(score, matcher.highlight(title), callback, text=title, help=help_text)
 
 
+def _with_console_footer(cls: type[ConsoleScreen]) -> type[ConsoleScreen]:
+    """`cls` with its stock Footer replaced by the ConsoleFooter (it wraps and abbreviates instead of cutting keys off)."""
+
+    class WithConsoleFooter(cls):  # type: ignore[valid-type, misc]
+        def compose(self):  # type: ignore[no-untyped-def]
+            for widget in super().compose():
+                yield ConsoleFooter() if type(widget) is Footer else widget
+
+    WithConsoleFooter.__name__ = WithConsoleFooter.__qualname__ = cls.__name__
+    return WithConsoleFooter
+
+
 class ConsoleApp(RunActions, App):
     TITLE = "eagle3-console"
     CSS_PATH = "console.tcss"
-    MODES = {"dashboard": DashboardScreen, "logs": LogsScreen, "chain": ChainScreen}  # "training", "grokking" added per instance
+    MODES = {"dashboard": DashboardScreen, "logs": LogsScreen, "chain": _with_console_footer(ChainScreen)}  # "training", "grokking" added per instance
     DEFAULT_MODE = "dashboard"
     COMMANDS = App.COMMANDS | {ConsoleCommands}
     BINDINGS = [Binding(a.key, a.name, a.label, group=FOOTER_GROUPS.get(a.name)) for a in ACTIONS if a.screen is None]
@@ -520,6 +534,10 @@ class ConsoleApp(RunActions, App):
                 return f"{job} is a {kind} job; select a training job"
         return None
 
+    def footer_short_label(self, action: str) -> str | None:
+        spec = ACTIONS_BY_NAME.get(action)
+        return spec.short or None if spec else None
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ACTIONS_BY_NAME and self.modal_open:
             return False  # the modal's own keys only: a second "s" must not stack another stop
@@ -654,13 +672,13 @@ def _training_screen(**kwargs: Any) -> ConsoleScreen:
     """Imported on first use: plotext costs ~0.15 s at start-up, before the first frame."""
     from console.screens.training import TrainingScreen
 
-    return TrainingScreen(**kwargs)
+    return _with_console_footer(TrainingScreen)(**kwargs)
 
 
 def _grokking_screen() -> ConsoleScreen:
     from console.screens.grokking import GrokkingScreen
 
-    return GrokkingScreen()
+    return _with_console_footer(GrokkingScreen)()
 
 
 def _short_profile(profile: str) -> str:

@@ -5,10 +5,11 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.widgets import DataTable, Footer, Header, Static
+from textual.widgets import DataTable, Header, Static
 
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
+from console.widgets.panels import ConsoleFooter
 from console.widgets.format import duration, number
 from console.widgets.gpu_panel import GpuPanel
 from console.widgets.panels import ActionLog, DiskPanel, LatestMetrics
@@ -43,7 +44,7 @@ class DashboardScreen(ConsoleScreen):
                 yield DiskPanel(id="disks")
                 yield Static("Actions", classes="section-title")
                 yield ActionLog(id="actions")
-        yield Footer()
+        yield ConsoleFooter()
 
     def on_mount(self) -> None:
         table = self.query_one("#jobs", DataTable)

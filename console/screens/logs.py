@@ -5,10 +5,11 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.reactive import reactive
-from textual.widgets import Footer, Header, Log, Static
+from textual.widgets import Header, Log, Static
 
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
+from console.widgets.panels import ConsoleFooter
 
 STREAMS = ("stdout", "stderr")
 AGENT_LINES = 4
@@ -47,7 +48,7 @@ class LogsScreen(ConsoleScreen):
         yield Log(id="log-stderr", max_lines=2000)
         yield Static("agent diagnostics (the agent's own stderr)", classes="section-title")
         yield Static(id="agent-stderr")
-        yield Footer()
+        yield ConsoleFooter()
 
     def on_mount(self) -> None:
         self.show_state(None)

@@ -14,7 +14,10 @@ OTHER_STYLE = "grey50"
 BAR_WIDTH = 20
 
 
-def gpu_text(state: ConsoleState, expanded: bool = False) -> Text:
+NARROW = 90  # below this many columns a GPU's util/temperature go on their own line and command lines are cut shorter
+
+
+def gpu_text(state: ConsoleState, expanded: bool = False, width: int = 120) -> Text:
     if state.no_driver:
         text = Text("No NVIDIA driver on this host: GPU telemetry is off.", style="bold yellow")
         detail = state.gpu_status_text
@@ -31,9 +34,9 @@ def gpu_text(state: ConsoleState, expanded: bool = False) -> Text:
     for i, gpu in enumerate(state.gpus):
         if i:
             text.append("\n")
-        text.append_text(_gpu_line(gpu, owned.get(gpu.index, 0.0), foreign.get(gpu.index, 0.0)))
+        text.append_text(_gpu_line(gpu, owned.get(gpu.index, 0.0), foreign.get(gpu.index, 0.0), narrow=width < NARROW))
         holders = [h for h in state.holders if gpu.index in h.gpu_indices]
-        text.append_text(_holder_lines(holders, gpu, leaders, expanded))
+        text.append_text(_holder_lines(holders, gpu, leaders, expanded, narrow=width < NARROW))
     text.append("\n")
     text.append("█ ours ", style=OWNED_STYLE)
     text.append("█ foreign ", style=FOREIGN_STYLE)
@@ -42,7 +45,7 @@ def gpu_text(state: ConsoleState, expanded: bool = False) -> Text:
     return text
 
 
-def _gpu_line(gpu: GpuSample, owned: float, foreign: float) -> Text:
+def _gpu_line(gpu: GpuSample, owned: float, foreign: float, narrow: bool = False) -> Text:
     text = Text()
     text.append(f"GPU{gpu.index:<2} ", style="bold")
     text.append(f"{(gpu.name or '?').replace('NVIDIA ', '')[:12]:<12} ")
@@ -51,7 +54,7 @@ def _gpu_line(gpu: GpuSample, owned: float, foreign: float) -> Text:
     other = max(used - owned - foreign, 0.0)
     text.append("mem ")
     text.append_text(segmented_bar([(owned, OWNED_STYLE), (foreign, FOREIGN_STYLE), (other, OTHER_STYLE)], total, BAR_WIDTH))
-    text.append(f" {_gib(gpu.memory_used_mib)}/{_gib(gpu.memory_total_mib)} GiB  ")
+    text.append(f" {_gib(gpu.memory_used_mib)}/{_gib(gpu.memory_total_mib)} GiB" + ("\n     " if narrow else "  "))
     util = gpu.utilization_pct
     text.append("util ")
     text.append_text(segmented_bar([(util or 0.0, "cyan")], 100.0, 8))
@@ -67,7 +70,9 @@ def _gib(value: float | None) -> str:
     return "?" if value is None else f"{value / 1024:.1f}"
 
 
-def _holder_lines(holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, int] | None = None, expanded: bool = False) -> Text:
+def _holder_lines(holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, int] | None = None, expanded: bool = False,
+                  narrow: bool = False) -> Text:
+    indent, cmd = ("\n  ", 12) if narrow else ("\n      ", 40)
     text = Text()
     if not holders:
         pids = [p.pid for p in gpu.processes]
@@ -75,13 +80,13 @@ def _holder_lines(holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, i
             text.append(f"\n      processes (not yet attributed): {', '.join(map(str, pids))}", style="dim")
         return text
     for main, helpers in group_holders(holders, leaders or {}):
-        text.append("\n      ")
+        text.append(indent)
         if main.owned:
             text.append("ours    ", style=OWNED_STYLE)
             text.append(f"{main.job or '?'} pid {main.pid}")
         else:
             text.append("foreign ", style=FOREIGN_STYLE)
-            text.append(f"{main.user or '?'} pid {main.pid} {main.cmdline[:40]}")
+            text.append(f"{main.user or '?'} pid {main.pid} {main.cmdline[:cmd]}")
             text.append(" (left alone)", style="dim")
         text.append_text(_memory_note(main))
         if helpers:
@@ -91,7 +96,7 @@ def _holder_lines(holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, i
             text.append(")" if expanded else "; h shows them)", style="bold" if expanded else "dim")
             if expanded:
                 for helper in helpers:
-                    text.append(f"\n          └ pid {helper.pid} ")
+                    text.append(f"{indent}    └ pid {helper.pid} ")
                     text.append(helper.cmdline[:48], style="dim")
                     text.append_text(_memory_note(helper))
     return text
@@ -132,4 +137,9 @@ def _helpers_memory(helpers: list[GpuHolder]) -> Text:
 
 class GpuPanel(Static):
     def show_state(self, state: ConsoleState, expanded: bool = False) -> None:
-        self.update(gpu_text(state, expanded))
+        self.update(gpu_text(state, expanded, self.size.width or 120))
+
+    def on_resize(self) -> None:
+        app = self.app
+        if hasattr(app, "state"):
+            self.show_state(app.state, bool(getattr(app, "holders_expanded", False)))

@@ -1,8 +1,17 @@
-"""Small read-only panels of the Dashboard: latest metrics of the selected job, disks, recent actions."""
+"""Small read-only panels of the Dashboard (latest metrics of the selected job, disks, recent actions) and the footer
+every screen shows (it wraps onto a second row, then abbreviates, so no key is lost on a narrow terminal)."""
 from __future__ import annotations
 
+from collections import defaultdict
+from itertools import groupby
+from typing import Any, Iterator
+
 from rich.text import Text
-from textual.widgets import Static
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import HorizontalGroup
+from textual.widgets import Footer, Static
+from textual.widgets._footer import FooterKey, FooterLabel, KeyGroup
 
 from console.state import ConsoleState
 from console.widgets.format import clock_time, count, number, percent, segmented_bar, size_bytes
@@ -96,3 +105,108 @@ class DiskPanel(Static):
 class ActionLog(Static):
     def show_state(self, state: ConsoleState) -> None:
         self.update(actions_text(state))
+
+
+FOOTER_ROWS_MAX = 2
+PALETTE_WIDTH = 15  # " ^p palette " and its border, docked right
+SHORT_LABELS = {"Log step": "log x", "Log y": "log y", "Live stream": "Stream", "Prev/next job": "Job", "Zoom/pan": "Zoom",
+                "Screens": "Scr", "Workers": "Wkrs", "Follow": "Follow"}
+
+
+class ConsoleFooter(Footer):
+    """The stock footer's keys, packed into rows as wide as the terminal (at most FOOTER_ROWS_MAX); when they do not fit,
+    the labels get shorter (the app's `short` labels, SHORT_LABELS): every key stays on screen at 100 columns. The full
+    description of each key is its tooltip and its command palette entry."""
+
+    DEFAULT_CSS = """
+    ConsoleFooter {
+        layout: vertical;
+        height: auto;
+        max-height: 2;
+        .footer-row { width: 1fr; height: 1; }
+    }
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._packed_for = 0
+
+    def _items(self) -> list[tuple[Any, list[tuple[Binding, bool, str]]]]:
+        """(group or None, bindings) per footer item, in the stock footer's order and grouping."""
+        by_action: defaultdict[str, list[tuple[Binding, bool, str]]] = defaultdict(list)
+        for _, binding, enabled, tooltip in self.screen.active_bindings.values():
+            if binding.show:
+                by_action[binding.action].append((binding, enabled, tooltip))
+        items: list[tuple[Any, list[tuple[Binding, bool, str]]]] = []
+        for group, members in groupby(by_action.values(), lambda multi: multi[0][0].group):
+            multis = list(members)
+            if group is not None and len(multis) > 1:
+                items.append((group, [m[0] for m in multis]))
+            else:
+                items.extend((None, [m[0]]) for m in multis)
+        return items
+
+    def _label(self, binding: Binding, short: bool) -> str:
+        if not short:
+            return binding.description
+        spec = getattr(self.app, "footer_short_label", None)
+        label = spec(binding.action) if spec else None
+        return label or SHORT_LABELS.get(binding.description, binding.description)
+
+    def _width(self, item: tuple[Any, list[tuple[Binding, bool, str]]], short: bool) -> int:
+        group, bindings = item
+        keys = sum(len(self.app.get_key_display(b)) for b, _, _ in bindings)
+        if group is not None:
+            label = SHORT_LABELS.get(group.description, group.description) if short else group.description
+            return 1 + keys + 1 + len(label) + 1  # padding, keys, margin, label, its margin
+        return 1 + keys + 1 + len(self._label(bindings[0][0], short)) + 1  # " key " then "label "
+
+    def _rows(self, width: int) -> tuple[list[list[Any]], bool]:
+        items = self._items()
+        for short in (False, True):
+            rows: list[list[Any]] = [[]]
+            used = 0
+            for item in items:
+                room = width - PALETTE_WIDTH  # the docked palette key narrows every row
+                need = self._width(item, short)
+                if rows[-1] and used + need > room:
+                    rows.append([])
+                    used = 0
+                rows[-1].append(item)
+                used += need
+            if len(rows) <= FOOTER_ROWS_MAX:
+                return rows, short
+        return rows, True
+
+    def compose(self) -> ComposeResult:
+        if not self._bindings_ready:
+            return
+        width = self.size.width or self.app.size.width
+        self._packed_for = width
+        rows, short = self._rows(width)
+        for row in rows:
+            with HorizontalGroup(classes="footer-row"):
+                yield from self._row_widgets(row, short)
+        if self.show_command_palette and self.app.ENABLE_COMMAND_PALETTE:
+            found = self.screen.active_bindings.get(self.app.COMMAND_PALETTE_BINDING)
+            if found is not None:
+                _, binding, enabled, tooltip = found
+                yield FooterKey(binding.key, self.app.get_key_display(binding), binding.description, binding.action,
+                                classes="-command-palette", disabled=not enabled, tooltip=binding.tooltip or binding.description)
+
+    def _row_widgets(self, row: list[Any], short: bool) -> Iterator[Any]:
+        for group, bindings in row:
+            if group is not None:
+                with KeyGroup(classes="-compact" if group.compact else ""):
+                    for binding, enabled, tooltip in bindings:
+                        yield FooterKey(binding.key, self.app.get_key_display(binding), "", binding.action, disabled=not enabled,
+                                        tooltip=tooltip or binding.description, classes="-grouped").data_bind(compact=Footer.compact)
+                yield FooterLabel(SHORT_LABELS.get(group.description, group.description) if short else group.description)
+            else:
+                binding, enabled, tooltip = bindings[0]
+                yield FooterKey(binding.key, self.app.get_key_display(binding), self._label(binding, short), binding.action,
+                                disabled=not enabled, tooltip=tooltip or binding.description).data_bind(compact=Footer.compact)
+
+    def on_resize(self) -> None:
+        if self._bindings_ready and self.size.width != self._packed_for:
+            self.call_after_refresh(self.recompose)

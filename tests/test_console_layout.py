@@ -1,0 +1,114 @@
+"""Layout at 100x30 and 170x45: every key of every screen is on screen in the footer, tables keep their key columns,
+and snapshots of Dashboard, Training, Logs, Grokking and Bench result at both sizes (frozen data and time)."""
+import time
+
+import pytest
+from textual.widgets import DataTable, Footer
+from textual.widgets._footer import FooterKey
+
+from console.app import ACTIONS, build_app
+from test_console_chain import chain_records, chain_state
+from test_console_grokking import GROK_JOB, grok_state
+from test_console_snapshots import frozen_state
+
+SIZES = [(100, 30), (170, 45)]
+SCREENS = {"1": "dashboard", "2": "training", "3": "logs", "4": "grokking", "5": "chain"}
+SCREEN_KEYS = {"dashboard": {"h"}, "training": {"x", "y", "e", "+", "-", ",", ".", "0"}, "logs": {"f", "o"},
+               "grokking": {"+", "-", ",", ".", "0"}, "chain": set()}
+APP_KEYS = {a.key for a in ACTIONS if a.screen is None}
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def app_for(screen: str, **kwargs):
+    state = grok_state() if screen == "grokking" else chain_state(chain_records()) if screen == "chain" else frozen_state()
+    return build_app(state=state, poll_interval=None, refresh_throttle=0, **kwargs)
+
+
+def job_for(screen: str) -> str:
+    return GROK_JOB if screen == "grokking" else "train-kimi"
+
+
+async def show(pilot, key: str) -> None:
+    app = pilot.app
+    app.select_job(job_for(SCREENS[key]))
+    await pilot.pause()
+    await pilot.press(key)
+    await pilot.pause()
+    app.redraw_now()
+    await pilot.pause()
+    await pilot.pause()
+
+
+def visible_footer_keys(app) -> set[str]:
+    """Keys whose footer entry lies wholly inside the terminal and is not covered by the docked palette key."""
+    footer = app.screen.query_one(Footer)
+    width = app.screen.size.width
+    palette = [k.region for k in footer.query(FooterKey) if k.has_class("-command-palette")]
+    shown = set()
+    for key in footer.query(FooterKey):
+        region = key.region
+        if key.has_class("-command-palette") or region.width == 0 or region.right > width:
+            continue
+        if any(region.overlaps(p) for p in palette):
+            continue
+        shown.add(key.key_display)
+    return shown
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("key", list(SCREENS))
+async def test_every_key_is_in_the_footer(size, key):
+    app = app_for(SCREENS[key])
+    async with app.run_test(size=size) as pilot:
+        await show(pilot, key)
+        assert getattr(app.screen, "MODE", None) == SCREENS[key]
+        shown = visible_footer_keys(app)
+        missing = (APP_KEYS | SCREEN_KEYS[SCREENS[key]]) - shown
+        assert not missing, f"{SCREENS[key]} at {size}: keys not on screen: {sorted(missing)} (shown {sorted(shown)})"
+        footer = app.screen.query_one(Footer)
+        assert footer.region.height <= 2 and footer.region.bottom == size[1]
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+async def test_the_jobs_table_keeps_its_key_columns(size):
+    app = app_for("dashboard")
+    async with app.run_test(size=size) as pilot:
+        await show(pilot, "1")
+        table = app.screen.query_one("#jobs", DataTable)
+        right = table.region.right
+        x = table.region.x
+        for column in table.ordered_columns:
+            label = str(column.label)
+            if label in ("job", "state", "pid"):
+                assert x + column.get_render_width(table) <= right, f"{label} column cut at {size}"
+            x += column.get_render_width(table)
+
+
+async def test_readonly_hides_every_destructive_key_from_the_footer():
+    app = app_for("dashboard", readonly=True)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await show(pilot, "1")
+        shown = visible_footer_keys(app)
+        destructive = {a.key for a in ACTIONS if a.destructive}
+        assert destructive == {"n", "s", "b", "c", "g", "a"}
+        assert not shown & destructive and {"1", "w", "r", "q", "h"} <= shown
+
+
+# -- snapshots: each screen at both sizes ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("key", list(SCREENS), ids=lambda k: SCREENS[k])
+def test_screen_snapshot(snap_compare, key, size):
+    async def run_before(pilot):
+        await show(pilot, key)
+
+    assert snap_compare(app_for(SCREENS[key]), terminal_size=size, run_before=run_before)
