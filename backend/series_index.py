@@ -278,15 +278,56 @@ def to_bucket(row: Sequence[float]) -> dict[str, Any]:
     }
 
 
+def query_plan(series: Series, step_from: int, step_to: int, points: int, log_x: bool = False) -> tuple[int, list[int]]:
+    """(level, cuts): the coarsest level whose buckets are no wider than half the narrowest interval, and the
+    interval edges as fine-bucket ids snapped to that level's boundaries (so every bucket falls in one interval)."""
+    fine_cuts = sorted({first_bucket_from(edge) for edge in edges(step_from, step_to, points, log_x)})
+    widths = [b - a for a, b in zip(fine_cuts, fine_cuts[1:])]
+    narrowest = min(widths) if widths else 1
+    number = 0
+    series.level(0)  # rebuild coarser levels if needed
+    while number + 1 < len(series.levels) and (1 << (LEVEL_FANOUT_BITS * (number + 1))) * 2 <= narrowest:
+        number += 1
+    shift = LEVEL_FANOUT_BITS * number
+    last = ((fine_cuts[-1] + (1 << shift) - 1) >> shift) << shift  # the end rounds up, the other edges down
+    snapped = sorted({(cut >> shift) << shift for cut in fine_cuts[:-1]} | {last})
+    return number, snapped
+
+
+def query_cuts(series: Series, step_from: int, step_to: int, points: int, log_x: bool = False) -> list[int]:
+    """The interval edges (as steps) a query of these arguments uses: what a brute-force check must use too."""
+    return [bucket_start(cut) for cut in query_plan(series, step_from, step_to, points, log_x)[1]]
+
+
 def query(series: Series, step_from: int, step_to: int, points: int, log_x: bool = False) -> list[dict[str, Any]]:
-    """Buckets of `series` over [step_from, step_to] at most `points` of them (empty intervals left out)."""
-    cuts = edges(step_from, step_to, points, log_x)
+    """Buckets of `series` over [step_from, step_to], at most `points` of them (empty intervals left out).
+
+    One level is read with array slices per interval (min/max/sum in C), never point by point.
+    """
+    number, cuts = query_plan(series, step_from, step_to, points, log_x)
+    level = series.level(number)
+    shift = LEVEL_FANOUT_BITS * number
+    ids, cols = level.ids, level.cols
     out = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        row = series.interval(lo, hi)
-        if row is not None:
-            out.append(to_bucket(row))
+    start = bisect_left(ids, cuts[0] >> shift)
+    for cut in cuts[1:]:
+        end = bisect_left(ids, cut >> shift, start)
+        if end > start:
+            out.append(to_bucket(_slice_row(cols, start, end)))
+        start = end
     return out
+
+
+def _slice_row(cols: list[array], start: int, end: int) -> tuple:
+    """The merged row of buckets start..end-1 of one level, by whole-slice reductions."""
+    first_steps = cols[FIRST_STEP][start:end]
+    last_steps = cols[LAST_STEP][start:end]
+    first_at = start + first_steps.index(min(first_steps))
+    latest = max(last_steps)
+    last_at = end - 1 - last_steps[::-1].index(latest)  # ties: the later bucket (later in file order)
+    return (min(cols[LO][start:end]), max(cols[HI][start:end]), cols[FIRST_STEP][first_at], cols[FIRST][first_at],
+            latest, cols[LAST][last_at], min(cols[MIN][start:end]), max(cols[MAX][start:end]),
+            sum(cols[SUM][start:end]), sum(cols[COUNT][start:end]), sum(cols[NONFINITE][start:end]))
 
 
 def brute_force_buckets(points: Sequence[tuple[int, float]], cuts: Sequence[int]) -> list[dict[str, Any]]:

@@ -212,6 +212,8 @@ async def attach(make_transport, records: int, live_lines: int) -> dict:
         agent_pid = app.state.hello.agent_pid
         await pilot.press("2")
         await asyncio.sleep(1.0)
+        rss = lambda: round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # noqa: E731
+        result["console_rss_mib_connected"] = rss()
 
         started = time.perf_counter()
         app.select_job("warm")
@@ -222,6 +224,7 @@ async def attach(make_transport, records: int, live_lines: int) -> dict:
         plot.render()
         result["warm_attach_to_curve_s"] = time.perf_counter() - started
         result["warm_curve_points_drawn"] = sum(len(b) for b in metrics().summary(False).buckets.values())
+        result["console_rss_mib_warm_attached"] = rss()
 
         started = time.perf_counter()
         app.select_job("cold")
@@ -231,6 +234,7 @@ async def attach(make_transport, records: int, live_lines: int) -> dict:
         await wait_for(lambda: progress_events and progress_events[-1].get("caught_up"), 1800, "the cold index")
         result["cold_attach_to_indexed_s"] = time.perf_counter() - started
         result["cold_progress_events"] = len(progress_events)
+        result["console_rss_mib_cold_indexed"] = rss()
         await wait_for(lambda: cold().total_records == records, 60, "the refreshed summary")
         result["console_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         result["agent_peak_rss_mib"] = agent_peak_rss_mib(agent_pid)

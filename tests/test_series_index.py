@@ -12,7 +12,7 @@ import pytest
 from backend.metrics import MetricsWriter, normalize_record
 from backend.metrics_index import INDEX_FORMAT, MetricsFeed, MetricsIndex
 from backend.metrics_scan import ChunkScanner, points_of_records
-from backend.series_index import Series, brute_force_buckets, edges, query
+from backend.series_index import Series, brute_force_buckets, query, query_cuts
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"fc": 1.0, "midlayer": 2.0, "norm": 0.5, "lm_head": 3.0}
@@ -81,7 +81,7 @@ def assert_index_matches(index: MetricsIndex, truth: dict[str, list[tuple[int, f
         lo, hi = min(s for s, _ in points), max(s for s, _ in points)
         for step_from, step_to, count, log_x in [(lo, hi, 200, False), (lo, hi, 64, True), (lo + 7, lo + 900, 33, False), (hi - 300, hi, 10, True)]:
             got = query(index.series[key], step_from, step_to, count, log_x)
-            expected = brute_force_buckets(points, edges(step_from, step_to, count, log_x))
+            expected = brute_force_buckets(points, query_cuts(index.series[key], step_from, step_to, count, log_x))
             assert len(got) == len(expected), key
             bad = [(g, e) for g, e in zip(got, expected) if not same(g, e)]
             assert not bad, f"{key} {step_from}..{step_to} log={log_x}: {bad[:2]}"
@@ -114,7 +114,7 @@ def test_buckets_equal_a_brute_force_pass_with_spikes_and_nans():
         series.add([s for s, _ in part], [v for _, v in part])
     for step_from, step_to, count, log_x in [(0, 200_000, 300, False), (0, 200_000, 300, True), (99_000, 101_000, 50, False), (5, 300, 40, True)]:
         got = query(series, step_from, step_to, count, log_x)
-        expected = brute_force_buckets(points, edges(step_from, step_to, count, log_x))
+        expected = brute_force_buckets(points, query_cuts(series, step_from, step_to, count, log_x))
         assert [same(g, e) for g, e in zip(got, expected)] == [True] * len(expected) and len(got) == len(expected)
     whole = query(series, 0, 200_000, 1)
     assert whole[0]["max"] == 1e6 and whole[0]["min"] == -5.0
