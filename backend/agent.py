@@ -610,7 +610,7 @@ class Agent:
         index, progress = self._index_of(name)
         feed_lock = self._feed_lock(name)
         with feed_lock:
-            wanted = index.keys() if keys is None else keys
+            wanted = index.keys() if keys is None else expand_keys(keys, index.keys())
             series = {key: index.buckets(key, step_from, step_to, points, log_x) for key in wanted}
             span = index.step_range()
             nonfinite = {key: sum(b["nonfinite"] for b in buckets) for key, buckets in series.items()}
@@ -709,6 +709,15 @@ class Agent:
     def _shutdown(self, message: dict) -> dict:
         self.stopping.set()
         return {}
+
+
+def expand_keys(keys: list[str], known: list[str]) -> list[str]:
+    """Series names as asked; "prefix.*" stands for every known series under that prefix (e.g. weight_norm.*)."""
+    out: list[str] = []
+    for key in keys:
+        matches = [k for k in known if k.startswith(key[:-1])] if key.endswith(".*") else [key]
+        out += [k for k in matches if k not in out]
+    return out
 
 
 def _optional_module(name: str, purpose: str):

@@ -47,7 +47,7 @@ class Request:
     HOLDERS = "holders"  # {} -> {"holders": [GpuHolder...], "fuser_stderr_lines": int}
     TAIL_LOG = "tail_log"  # {"name", "stream": "stdout"|"stderr", "lines": int} -> {"lines": [...]}
     METRICS_HISTORY = "metrics_history"  # {"name", "offset"?: int} -> {"records": [...], "offset": int, "more": bool} (bounded pages)
-    METRICS_SERIES = "metrics_series"  # {"name", "keys": [...], "from"?, "to"?, "points", "log_x"?} -> whole-history buckets per key
+    METRICS_SERIES = "metrics_series"  # {"name", "keys": [... "weight_norm.*"], "from"?, "to"?, "points", "log_x"?} -> buckets per key
     METRICS_WINDOW = "metrics_window"  # {"name", "last": N, "val": K} -> {"records": last N, "val": last K val records, "offset"}
     STAGES_HISTORY = "stages_history"  # {"name"} -> {"records": [...]}
     FOLLOW_LOG = "follow_log"  # {"name"?, "stream"} -> {} ; then LOG events; name null stops following

@@ -187,7 +187,6 @@ class ConsoleApp(RunActions, App):
         self._quit_warned_at = float("-inf")
         self._metrics_locks: dict[str, asyncio.Lock] = {}
         self._summary_at: dict[tuple[str, bool], float] = {}
-        self._module_keys: dict[str, list[str]] = {}
         self._modes["training"] = partial(_training_screen, raw_plots=raw_plots)
         self._modes["grokking"] = _grokking_screen
         self._init_run_actions(chain_args, signals_interval)
@@ -397,16 +396,8 @@ class ConsoleApp(RunActions, App):
                 self.state.job_metrics(name).loading = False
 
     async def _fetch_summary(self, name: str, *, log_x: bool) -> None:
-        metrics = self.state.job_metrics(name)
-        known = metrics.summary(False)
-        modules = [k for k in (known.buckets if known else {}) if k.startswith("weight_norm.")]
-        keys = [*SUMMARY_KEYS, *(modules or self._module_keys.get(name, []))]
-        result = await self.client.request(Request.METRICS_SERIES, name=name, keys=keys, points=SUMMARY_POINTS, log_x=log_x, timeout=60)
-        self._module_keys[name] = [k for k in result.get("keys") or [] if k.startswith("weight_norm.")]
-        missing = [k for k in self._module_keys[name] if k not in keys]
-        if missing:  # the first reply named the per-module norms: ask for them too
-            more = await self.client.request(Request.METRICS_SERIES, name=name, keys=[*keys, *missing], points=SUMMARY_POINTS, log_x=log_x, timeout=60)
-            result = more
+        result = await self.client.request(Request.METRICS_SERIES, name=name, keys=[*SUMMARY_KEYS, "weight_norm.*"], points=SUMMARY_POINTS,
+                                           log_x=log_x, timeout=60)
         self._summary_at[(name, log_x)] = time.monotonic()
         self.state_changed(self.state.apply_series(name, result))
 
@@ -433,7 +424,7 @@ class ConsoleApp(RunActions, App):
     @work(group="zoom", exclusive=True, exit_on_error=False)
     async def request_zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None:
         """Buckets of the zoomed range (the plot's width of them), for every series the screens plot."""
-        keys = [*SUMMARY_KEYS, *self._module_keys.get(name, [])]
+        keys = [*SUMMARY_KEYS, "weight_norm.*"]
         try:
             result = await self.client.request(Request.METRICS_SERIES, name=name, keys=keys, points=max(16, min(points, 1024)),
                                                log_x=log_x, timeout=60, **{"from": step_from, "to": step_to})
