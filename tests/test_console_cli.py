@@ -54,6 +54,28 @@ def test_unknown_profile_is_refused_before_anything_starts(tmp_path):
 def test_parser_defaults_to_the_local_agent_and_tiny_profile():
     args = build_parser().parse_args([])
     assert args.host == "local" and args.profile == "tiny" and not args.accept_new_host_key
+    assert not args.readonly and not args.notify  # both off by default
+
+
+def test_readonly_and_notify_flags_reach_the_app(monkeypatch):
+    from console import cli
+    import console.app
+
+    built = {}
+
+    class FakeApp:
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+
+        def run(self):
+            return None
+
+    monkeypatch.setattr(console.app, "build_app", lambda transport, **kwargs: FakeApp(**kwargs))
+    monkeypatch.setattr(cli, "make_transport", lambda args: (object(), args.profile))
+    monkeypatch.setattr(FakeApp, "state", type("S", (), {"connection": type("C", (), {"connected": True, "detail": ""})(), "last_data_at": 1.0})(),
+                        raising=False)
+    assert cli.main(["--readonly", "--notify"]) == 0
+    assert built == {"profile": "tiny", "readonly": True, "notify_terminal": True}
 
 
 @pytest.mark.skipif(not sshd_available(), reason="OpenSSH sshd not installed (/usr/sbin/sshd); CI installs openssh-server")

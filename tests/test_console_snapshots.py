@@ -10,7 +10,7 @@ import pytest
 from textual.widgets import Input
 
 from console.app import build_app
-from console.screens.modals import AdoptModal, StopModal
+from console.screens.modals import AdoptModal, ResumeModal, StopModal
 from console.state import CONNECTED, RECONNECTING, ConnectionStatus, ConsoleState
 from backend.protocol import GpuHolder
 
@@ -157,6 +157,47 @@ def test_adopt_modal_with_a_mistyped_pid(snap_compare):
         for widget in pilot.app.screen.query(Input):
             widget.cursor_blink = False
         await pilot.press("4", "4", "9", "enter")
+        await pilot.pause()
+
+    assert snap_compare(frozen_app(), terminal_size=SIZE, run_before=run_before)
+
+
+def compile_workers_state(count: int = 17) -> ConsoleState:
+    """An H200 host where one tiny training job holds /dev/nvidia* from its leader and `count` torch compile workers."""
+    state = frozen_state()
+    holders = [{"pid": 1234, "owned": True, "job": "train-kimi", "user": "root", "cmdline": "python -m backend train", "gpu_indices": [0],
+                "used_memory_mib": 61440.0, "sources": ["nvml", "fuser"]}]
+    for i in range(count):
+        holders.append({"pid": 1300 + i, "owned": True, "job": "train-kimi", "user": "root", "gpu_indices": [0], "sources": ["fuser"],
+                        "cmdline": "python -c from torch._inductor.compile_worker import ...", "used_memory_mib": 512.0 if i == 0 else None})
+    holders.append({"pid": 448, "owned": False, "user": "bob", "cmdline": "python3 serve.py --port 8000", "gpu_indices": [0, 1],
+                    "used_memory_mib": 40960.0})
+    state.apply_holders(holders)
+    return state
+
+
+def test_dashboard_groups_a_jobs_compile_workers_under_its_row(snap_compare):
+    assert snap_compare(frozen_app(compile_workers_state()), terminal_size=SIZE, run_before=select_and_draw)
+
+
+def test_dashboard_workers_expanded(snap_compare):
+    async def run_before(pilot):
+        await select_and_draw(pilot, "h")
+
+    assert snap_compare(frozen_app(compile_workers_state(3)), terminal_size=SIZE, run_before=run_before)
+
+
+def test_dashboard_readonly(snap_compare):
+    app = build_app(state=frozen_state(), poll_interval=None, refresh_throttle=0, readonly=True)
+    assert snap_compare(app, terminal_size=SIZE, run_before=select_and_draw)
+
+
+def test_resume_modal(snap_compare):
+    async def run_before(pilot):
+        await select_and_draw(pilot)
+        checkpoint = "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_2_step_4012"
+        pilot.app.push_screen(ResumeModal("train-kimi", checkpoint, "resume-epoch-2-step-4012",
+                                          ["eagle3-host", "train", "--profile", "kimi-k2.5", "--resume", checkpoint]))
         await pilot.pause()
 
     assert snap_compare(frozen_app(), terminal_size=SIZE, run_before=run_before)

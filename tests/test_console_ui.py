@@ -13,7 +13,7 @@ from backend.protocol import Request
 from console.app import ACTIONS, LOG_TAIL_LINES, build_app
 from console.screens.dashboard import DashboardScreen
 from console.screens.logs import TAIL_LINES, LogsScreen, lines_label
-from console.screens.modals import AdoptModal, StopModal, checkpoint_line, pids_phrase, stop_plan_text, training_phases
+from console.screens.modals import AdoptModal, ResumeModal, StopModal, checkpoint_line, pids_phrase, stop_plan_text, training_phases
 from console.screens.training import TrainingScreen
 from console.transport import LocalTransport
 from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
@@ -339,3 +339,197 @@ async def test_stop_modal_of_a_real_training_job_still_in_setup_says_no_checkpoi
         assert "This PID gets SIGTERM" in text and "Checkpoint first: NO" in text and "in-setup has logged no training step" in text
         await pilot.press("escape")
         await stop_everything(app)
+
+
+# -- operator conventions: --readonly, resume from the stop's checkpoint, --notify; holders grouped per job ----------
+
+
+class FakeClient:
+    """Answers the requests a stop and a resume make, as the agent would; records what was sent."""
+
+    def __init__(self, checkpoints_after: list[dict]):
+        self.sent: list[tuple[str, dict]] = []
+        self.listings = [[{"path": "/r/jobs/train-kimi/checkpoints/epoch_1_step_2000", "epoch": 1, "step": 2000, "latest": True}],
+                         checkpoints_after]
+
+    async def request(self, kind, /, timeout=None, **params):
+        self.sent.append((kind, params))
+        if kind == Request.STOP_PLAN:
+            return STOP_PLAN
+        if kind == Request.LIST_CHECKPOINTS:
+            return {"checkpoints": self.listings.pop(0) if len(self.listings) > 1 else self.listings[0]}
+        if kind == Request.STOP_JOB:
+            return {"verdicts": [{"pid": 1234, "outcome": "exited_on_term"}]}
+        if kind == Request.START_JOB:
+            return {"job": {"name": params["name"], "kind": "train", "state": "running", "pid": 777, "pgid": 777, "start_time_ticks": 1,
+                            "argv": params["argv"], "job_dir": "/r/jobs/x", "stdout_path": "o", "stderr_path": "e", "started_at": 1.0}}
+        if kind == Request.SNAPSHOT:
+            return {}
+        if kind == Request.HOLDERS:
+            return {"holders": []}
+        return {}
+
+    def pending_kinds(self):
+        return []
+
+    async def close(self):
+        return None
+
+
+NEW_CKPT = "/r/jobs/train-kimi/checkpoints/epoch_2_step_4012"
+
+
+async def test_a_stop_that_wrote_a_checkpoint_offers_one_key_to_resume_from_it():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        client = FakeClient([{"path": "/r/jobs/train-kimi/checkpoints/epoch_1_step_2000", "epoch": 1, "step": 2000, "latest": False},
+                             {"path": NEW_CKPT, "epoch": 2, "step": 4012, "latest": True}])
+        app.client = client
+        assert app.disabled_reason("resume") == "no stop has written a checkpoint yet"
+        await pilot.press("s")
+        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal")
+        await pilot.press("y")
+        await wait_until(lambda: app.resume_target is not None, what="the checkpoint the stop wrote")
+        assert any(line == f"stop train-kimi: 1234 exited_on_term; it wrote {NEW_CKPT}: press c to resume from it"
+                   for _, line in app.state.actions)
+        assert app.disabled_reason("resume") is None
+        await pilot.press("c")
+        await wait_until(lambda: isinstance(app.screen, ResumeModal), what="the resume modal")
+        argv = ["eagle3-host", "train", "--profile", "tiny", "--resume", NEW_CKPT]
+        assert app.screen.argv == argv and " ".join(argv) in str(app.screen.query_one("#resume-plan").render())
+        await pilot.press("y")
+        await wait_until(lambda: any(kind == Request.START_JOB for kind, _ in client.sent), what="start_job")
+        start = next(params for kind, params in client.sent if kind == Request.START_JOB)
+        assert start == {"name": "resume-epoch-2-step-4012", "kind": "train", "argv": argv}
+        await wait_until(lambda: app.selected_job == "resume-epoch-2-step-4012", what="the new job selected")
+
+
+async def test_a_stop_without_a_new_checkpoint_offers_no_resume():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        app.client = FakeClient([{"path": "/r/jobs/train-kimi/checkpoints/epoch_1_step_2000", "epoch": 1, "step": 2000, "latest": True}])
+        await pilot.press("s")
+        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal")
+        await pilot.press("y")
+        await wait_until(lambda: app.state.actions[-1][1].startswith("stop train-kimi:"), what="the stop verdicts")
+        assert "no new checkpoint was written (the latest is still" in app.state.actions[-1][1]
+        assert app.resume_target is None
+        await pilot.press("c")
+        await pilot.pause()
+        assert not isinstance(app.screen, ResumeModal)
+        assert "Resume ckpt is disabled: no stop has written a checkpoint yet" in app.state.actions[-1][1]
+
+
+def test_resume_argv_lives_beside_grok_argv():
+    from backend.commands import resume_argv, resume_job_name
+
+    assert resume_argv("kimi-k2.5", "/x/checkpoints/epoch_0_step_300/") == [
+        "eagle3-host", "train", "--profile", "kimi-k2.5", "--resume", "/x/checkpoints/epoch_0_step_300"]
+    assert resume_job_name("/x/checkpoints/epoch_0_step_300") == "resume-epoch-0-step-300"
+
+
+async def test_readonly_disables_and_hides_every_destructive_action():
+    app = build_app(state=frozen_state(), poll_interval=None, refresh_throttle=0, readonly=True)
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        assert "READ-ONLY" in banner_text(app)
+        destructive = [a for a in ACTIONS if a.destructive]
+        assert {a.name for a in destructive} == {"start_training", "stop_job", "stop_and_bench", "resume", "grok", "adopt"}
+        for action in destructive:
+            assert app.check_action(action.name, ()) is False  # hidden, not greyed
+            assert app.disabled_reason(action.name) == "read-only console (--readonly)"
+        await pilot.press("s")
+        await pilot.pause()
+        assert not isinstance(app.screen, StopModal)
+        assert "Stop job is disabled: read-only console (--readonly)" in app.state.actions[-1][1]
+        await app.run_console_action("adopt")  # the palette's entry point refuses too
+        assert not isinstance(app.screen, AdoptModal)
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        palette = app.screen
+        assert isinstance(palette, CommandPalette)
+        await pilot.pause(0.3)
+        titles = [str(option.prompt) for option in palette.query_one(CommandList).options]
+        joined = "\n".join(titles)
+        for action in destructive:
+            assert action.label not in joined
+        assert "Resync" in joined and "Watch run" in joined
+
+
+def job_wire(name: str, state: str, exit_code=None) -> dict:
+    return {"name": name, "kind": "train", "state": state, "pid": 1234, "pgid": 1234, "start_time_ticks": 1, "argv": ["eagle3-host", "train"],
+            "job_dir": "/x", "stdout_path": "o", "stderr_path": "e", "started_at": 1.0, "exit_code": exit_code}
+
+
+async def test_notify_sends_bell_and_osc_9_and_777_on_each_alert_once():
+    app = build_app(state=frozen_state(), poll_interval=None, refresh_throttle=0, notify_terminal=True)
+    async with app.run_test(size=SIZE) as pilot:
+        app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "running")]})  # the first list: no news
+        app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "running")]})
+        assert app.terminal_writes == []
+        app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "exited", 1)]})
+        assert len(app.terminal_writes) == 1
+        sent = app.terminal_writes[0]
+        assert sent.startswith("\a") and "\x1b]9;eagle3: job train-a exited with exit code 1\x07" in sent
+        assert "\x1b]777;notify;eagle3-console;job train-a exited with exit code 1\x07" in sent
+        app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "exited", 1)]})
+        assert len(app.terminal_writes) == 1
+
+        app.handle_event({"type": "stages", "job": "chain-train-a", "records": [
+            {"stage": "canary", "status": "failed", "time": 5.0, "elapsed": 1.0, "detail": "canary RED: accept length 1.00; zero acceptance"}]})
+        assert "canary RED in chain-train-a" in app.terminal_writes[-1] and len(app.terminal_writes) == 2
+
+        app.state.signals["train-a"] = {"onset": {"detected": True, "step": 14000}}
+        app.state_changed({"signals"})
+        app.state_changed({"signals"})
+        assert "grokking onset in train-a at step 14000" in app.terminal_writes[-1] and len(app.terminal_writes) == 3
+
+        disk = {"path": "/root/.eagle3", "label": "run_dir", "total_bytes": 100, "used_bytes": 95, "free_bytes": 5}
+        app.handle_event({"type": "disk", "disks": [disk]})
+        app.handle_event({"type": "disk", "disks": [disk]})
+        assert "disk low: run_dir /root/.eagle3 (95% used)" in app.terminal_writes[-1] and len(app.terminal_writes) == 4
+        await pilot.pause()
+
+
+async def test_without_notify_alerts_stay_in_the_console():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "running")]})
+        app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "stopped")]})
+        await pilot.pause()
+        assert app.terminal_writes == [] and "job train-a stopped" in app.state.actions[-1][1]
+
+
+def test_an_h200_training_job_with_17_compile_workers_is_one_holder_row():
+    from console.widgets.gpu_panel import gpu_text
+    from test_console_snapshots import compile_workers_state
+
+    state = compile_workers_state(17)
+    collapsed = gpu_text(state).plain
+    assert collapsed.count("train-kimi pid 1234") == 1 and "pid 1305" not in collapsed
+    assert "(+17 workers, 1 uses 512 MiB; h shows them)" in collapsed
+    assert "60.0 GiB" in collapsed
+    expanded = gpu_text(state, expanded=True).plain
+    assert expanded.count("└ pid ") == 17 and "└ pid 1300 " in expanded
+    lines = [line for line in expanded.splitlines() if "└ pid 1301 " in line]
+    assert lines and lines[0].endswith("no GPU memory")
+
+
+async def test_h_expands_and_collapses_the_workers_on_the_dashboard():
+    from test_console_snapshots import compile_workers_state
+
+    app = build_app(state=compile_workers_state(5), poll_interval=None, refresh_throttle=0)
+    async with app.run_test(size=SIZE) as pilot:
+        panel = app.screen.query_one("#gpus")
+        assert "└ pid" not in str(panel.render())
+        await pilot.press("h")
+        await pilot.pause()
+        assert str(panel.render()).count("└ pid") == 5
+        await pilot.press("h")
+        await pilot.pause()
+        assert "└ pid" not in str(panel.render())

@@ -125,7 +125,7 @@ def uses_memory(holder: GpuHolder) -> bool:
 def _memory_note(holder: GpuHolder) -> Text:
     if uses_memory(holder):
         return Text(f"  {mib(holder.used_memory_mib)}", style="bold")
-    return Text("  no GPU memory (device file open)", style="dim")
+    return Text("  no GPU memory", style="dim")
 
 
 def _helpers_memory(helpers: list[GpuHolder]) -> Text:
