@@ -24,7 +24,6 @@ import json
 import math
 import os
 import random
-import resource
 import shutil
 import subprocess
 import sys
@@ -43,7 +42,7 @@ from backend.metrics import normalize_record
 from backend.metrics_index import MetricsFeed
 from backend.protocol import INDEX_FILENAME, METRICS_FILENAME, Request
 from backend.series_index import Series, query
-from bench_console import show, summary
+from bench_console import show, summary, training_frame_times  # noqa: E402
 
 SIZE = (160, 48)
 MODULES = ("fc", "midlayer", "norm", "lm_head")
@@ -174,7 +173,7 @@ def agent_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def agent_peak_rss_mib(pid: int) -> float:
+def peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
@@ -212,7 +211,7 @@ async def attach(make_transport, records: int, live_lines: int) -> dict:
         agent_pid = app.state.hello.agent_pid
         await pilot.press("2")
         await asyncio.sleep(1.0)
-        rss = lambda: round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # noqa: E731
+        rss = lambda: round(peak_rss_mib(os.getpid()), 1)  # noqa: E731 - VmHWM: ru_maxrss would carry the parent's peak across exec
         result["console_rss_mib_connected"] = rss()
 
         started = time.perf_counter()
@@ -236,8 +235,8 @@ async def attach(make_transport, records: int, live_lines: int) -> dict:
         result["cold_progress_events"] = len(progress_events)
         result["console_rss_mib_cold_indexed"] = rss()
         await wait_for(lambda: cold().total_records == records, 60, "the refreshed summary")
-        result["console_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        result["agent_peak_rss_mib"] = agent_peak_rss_mib(agent_pid)
+        result["console_peak_rss_mib"] = rss()
+        result["agent_peak_rss_mib"] = peak_rss_mib(agent_pid)
         await asyncio.sleep(2.0)
         cpu_before, t0 = agent_cpu_s(agent_pid), time.monotonic()
         await asyncio.sleep(10.0)
@@ -337,33 +336,10 @@ def frame_states(points: int):
     return ours, raw
 
 
-async def frame_times(state, reps: int) -> list[float]:
-    from console.app import build_app
-
-    app = build_app(state=state, poll_interval=None, refresh_throttle=0)
-    times = []
-    async with app.run_test(size=SIZE) as pilot:
-        app.select_job("run")
-        await pilot.press("2")
-        await pilot.pause()
-        screen = app.screen
-        plots = [screen.query_one("#loss-plot"), screen.query_one("#lr-plot")]
-        metrics = state.metrics["run"]
-        for _ in range(reps):
-            step = (metrics.train_loss.steps[-1] if metrics.train_loss.steps else 0) + 1
-            metrics.add({"step": step, "split": "train", "loss": 1.0, "lr": 1e-7})  # a new point: caches are stale
-            started = time.perf_counter()
-            screen.show_state({"metrics"})
-            for plot in plots:
-                plot.render()
-            times.append(time.perf_counter() - started)
-    return times
-
-
 def bench_frame(points: int, reps: int = 7) -> dict:
     ours_state, raw_state = frame_states(points)
-    ours = asyncio.run(frame_times(ours_state, reps))
-    raw = asyncio.run(frame_times(raw_state, max(3, reps // 2)))
+    ours = asyncio.run(training_frame_times(ours_state, raw=False, reps=reps))
+    raw = asyncio.run(training_frame_times(raw_state, raw=False, reps=max(3, reps // 2)))
     return {"points_per_series": points, "series": 3, "ours_buckets_frame_s": summary(ours), "peer_raw_points_frame_s": summary(raw),
             "peer_over_ours": summary(raw)["median"] / summary(ours)["median"]}
 
