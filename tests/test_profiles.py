@@ -117,7 +117,7 @@ def test_sizes_must_be_positive(tmp_path):
                              ("draft.intermediate_size", "intermediate_size = 512", "intermediate_size = -1"),
                              ("draft.rms_norm_eps", "rms_norm_eps = 1e-6", "rms_norm_eps = 0.0"),
                              ("draft.rope_theta", "rope_theta = 10000.0", "rope_theta = -1.0"),
-                             ("train.batch_size", "batch_size = 16", "batch_size = 0")]:
+                             ("train.batch_size", "batch_size = 4", "batch_size = 0")]:
         message = message_for(tmp_path, **{good: bad})
         assert f"field '{field}' = " in message and "greater than 0" in message, message
 
