@@ -187,6 +187,7 @@ class ConsoleApp(RunActions, App):
         self._quit_warned_at = float("-inf")
         self._metrics_locks: dict[str, asyncio.Lock] = {}
         self._summary_at: dict[tuple[str, bool], float] = {}
+        self._summary_pending: set[tuple[str, bool]] = set()
         self._modes["training"] = partial(_training_screen, raw_plots=raw_plots)
         self._modes["grokking"] = _grokking_screen
         self._init_run_actions(chain_args, signals_interval)
@@ -394,6 +395,9 @@ class ConsoleApp(RunActions, App):
                     await self._fetch_summary(name, log_x=True)
             finally:
                 self.state.job_metrics(name).loading = False
+            for pending in [p for p in self._summary_pending if p[0] == name]:
+                self._summary_pending.discard(pending)
+                self.refresh_summary(*pending)
 
     async def _fetch_summary(self, name: str, *, log_x: bool) -> None:
         result = await self.client.request(Request.METRICS_SERIES, name=name, keys=[*SUMMARY_KEYS, "weight_norm.*"], points=SUMMARY_POINTS,
@@ -401,7 +405,7 @@ class ConsoleApp(RunActions, App):
         self._summary_at[(name, log_x)] = time.monotonic()
         self.state_changed(self.state.apply_series(name, result))
 
-    @work(group="summary", exclusive=True, exit_on_error=False)
+    @work(group="summary", exit_on_error=False)
     async def refresh_summary(self, name: str, log_x: bool) -> None:
         try:
             await self._fetch_summary(name, log_x=log_x)
@@ -415,6 +419,7 @@ class ConsoleApp(RunActions, App):
             return
         metrics = self.state.metrics.get(name)
         if metrics is not None and metrics.loading:
+            self._summary_pending.add((name, log_x))  # asked again once the load in flight is done
             return
         at = self._summary_at.get((name, log_x))
         if at is None or time.monotonic() - at >= SUMMARY_REFRESH_S:
