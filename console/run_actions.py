@@ -56,6 +56,7 @@ class RunActions(_Base):
         self._externals_agent: int | None = None  # agent pid the external watches were registered with
         self.resume_target: dict[str, str] | None = None  # {"job", "checkpoint", "profile"}: what the last stop wrote
         self.terminal_writes: list[str] = []  # notifications sent to the terminal (--notify), newest last
+        self.alerts: list[str] = []  # every alert raised, newest last
         self._job_states: dict[str, str] | None = None
         self._alerted: set[tuple] = set()
 
@@ -311,7 +312,7 @@ class RunActions(_Base):
     # -- alerts: job exits, a red canary, grokking onset, a disk running low --------------------------
 
     def check_alerts(self, sections: set[str]) -> None:
-        """Called with each state change: an alert is noted once (Actions and a toast); with --notify also on the terminal."""
+        """Called with each state change: each alert is raised once (a toast); with --notify also on the terminal."""
         if "jobs" in sections:
             self._alert_job_exits()
         if "stages" in sections:
@@ -365,7 +366,9 @@ class RunActions(_Base):
                 self._alerted.discard(key)  # recovered: alert again if it runs low again
 
     def alert(self, text: str, *, severity: str = "warning") -> None:
-        self.note(text, severity=severity)
+        """A toast (not an Actions line: those are the operator's actions and their outcomes); with --notify also the terminal."""
+        self.alerts.append(text)
+        self.notify(text, severity=severity, timeout=10)
         if self.notify_terminal:
             self.write_terminal(terminal_notification(text))
 

@@ -232,7 +232,7 @@ async def test_actions_are_disabled_while_disconnected_and_come_back(tmp_path):
         await pilot.pause()
         for action in ("stop_job", "adopt", "start_training", "resync"):
             assert app.check_action(action, ()) is None
-        assert "stop, stop & bench, grok, adopt and start are disabled" in banner_text(app)
+        assert "stop, stop & bench, resume, grok, adopt and start are disabled" in banner_text(app)
         await pilot.press("s")
         await pilot.pause()
         assert not isinstance(app.screen, StopModal)
@@ -502,7 +502,7 @@ async def test_without_notify_alerts_stay_in_the_console():
         app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "running")]})
         app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "stopped")]})
         await pilot.pause()
-        assert app.terminal_writes == [] and "job train-a stopped" in app.state.actions[-1][1]
+        assert app.terminal_writes == [] and app.alerts == ["job train-a stopped"]
 
 
 def test_an_h200_training_job_with_17_compile_workers_is_one_holder_row():

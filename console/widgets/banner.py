@@ -7,7 +7,7 @@ from textual.widgets import Static
 from console.state import CONNECTED, CONNECTING, FAILED, RECONNECTING, ConsoleState
 from console.widgets.format import clock_time, duration
 
-DISABLED_NOTE = "stop, stop & bench, grok, adopt and start are disabled until the connection is back"
+DISABLED_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled until the connection is back"
 
 
 READONLY_NOTE = "start, stop, stop & bench, resume, grok and adopt are off"
