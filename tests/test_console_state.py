@@ -126,3 +126,6 @@ def test_disk_warning_fires_below_two_checkpoints_of_free_space():
     assert state.disk_warning is None
     state.apply({"type": "disk", "disks": [{**disk, "checkpoint_bytes": 3 << 30}]})
     assert state.disk_warning.startswith("disk nearly full: 5.0 GiB free on /runs, a checkpoint needs ~3.0 GiB")
+    from console.widgets.banner import banner_text
+
+    assert "DISK  disk nearly full" in str(banner_text(state))

@@ -19,6 +19,11 @@ def banner_text(state: ConsoleState, readonly: bool = False) -> Text:
         text.append(" READ-ONLY ", style="bold black on cyan")
         text.append(f" {READONLY_NOTE} · ", style="italic")
     text.append_text(_connection_text(state, readonly))
+    warning = state.disk_warning
+    if warning:
+        text.append("\n")
+        text.append(" DISK ", style="bold white on red")
+        text.append(f" {warning}", style="bold red")
     return text
 
 
