@@ -688,7 +688,7 @@ class Agent:
         module = _optional_module("backend.external", "watching external runs")
         try:
             reader = module.ExternalRunReader(path)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RuntimeError) as exc:
             raise BadParams("path", f"{path!r} cannot be watched: {exc}") from None
         job = f"ext:{name}"
         self._externals[job] = {"reader": reader, "records": [], "count": 0, "index": MetricsIndex(), "signals": None}
@@ -700,7 +700,7 @@ class Agent:
         shape = param(message, "shape", dict, None)
         try:
             return data_scaling(param(message, "data_dir", str), shape)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: "~user" with no such user
             raise BadParams("data_dir", str(exc)) from None
 
     def _results(self, message: dict) -> dict:

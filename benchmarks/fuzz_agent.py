@@ -91,10 +91,12 @@ def hostile_line(rng: random.Random, request_id: int) -> bytes:
 
 class Agent:
     def __init__(self, run_dir: Path):
+        self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-m", "backend.agent", "--run-dir", str(run_dir), "--interval", "1"],
-                                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr)
         self.replies = 0
         self.codes: Counter = Counter()
+        self.internal: list[str] = []
         self.cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -104,7 +106,10 @@ class Agent:
             if message.get("type") == "reply":
                 with self.cond:
                     self.replies += 1
-                    self.codes["ok" if message.get("ok") else message["error"]["code"]] += 1
+                    code = "ok" if message.get("ok") else message["error"]["code"]
+                    self.codes[code] += 1
+                    if code == "internal":
+                        self.internal.append(message["error"]["message"][:300])
                     self.cond.notify_all()
 
     def send(self, line: bytes) -> None:
@@ -135,6 +140,7 @@ def main() -> int:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     crashes, unanswered, slowest = 0, 0, 0.0
+    failures: list[str] = []
     codes: Counter = Counter()
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,12 +153,16 @@ def main() -> int:
                 agent.send(line)
             except BrokenPipeError:
                 pass
+            if not line.strip():
+                continue  # a blank line is no request: the agent skips it without a reply
             sent_total += 1
             if not agent.wait_replies(sent_total, timeout=60):
                 if agent.proc.poll() is not None:
                     crashes += 1
                 else:
                     unanswered += 1
+                failures.append(f"line {i} {'crashed the agent' if agent.proc.poll() is not None else 'got no reply'}: {line[:300]!r}")
+                failures += agent.internal
                 codes.update(agent.codes)
                 agent.close()
                 agent = Agent(Path(tmp) / "run")
@@ -160,15 +170,17 @@ def main() -> int:
                 continue
             slowest = max(slowest, time.monotonic() - sent_at)
         codes.update(agent.codes)
+        failures += agent.internal
         alive = agent.proc.poll() is None
         agent.close()
     result = {"lines": args.lines, "seed": args.seed, "seconds": round(time.monotonic() - started, 1), "crashes": crashes,
               "unanswered": unanswered, "answered": sum(codes.values()), "replies_by_code": dict(codes),
-              "slowest_answer_s": round(slowest, 3), "agent_alive_at_end": alive}
+              "slowest_answer_s": round(slowest, 3), "agent_alive_at_end": alive,
+              "failures": failures[:20]}
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0 if crashes == 0 and unanswered == 0 else 1
+    return 0 if crashes == 0 and unanswered == 0 and not codes.get("internal") else 1
 
 
 if __name__ == "__main__":

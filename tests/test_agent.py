@@ -363,3 +363,9 @@ def test_disk_events_carry_what_the_next_checkpoint_needs(tmp_path):
     finally:
         agent.close()
         registry.stop(all_jobs=True, grace=1)
+
+
+def test_a_path_naming_an_unknown_user_is_a_bad_param_not_an_internal_error(agent):
+    agent.wait(lambda m: m["type"] == "hello")
+    _, reply = agent.request("data_scaling", data_dir="~no-such-user-xyz/data")
+    assert reply["ok"] is False and reply["error"]["code"] == "bad_params", reply
