@@ -601,6 +601,7 @@ class ConsoleApp(RunActions, App):
         self._cycle_job(-1)
 
     def action_resync(self) -> None:
+        self.note("resyncing: snapshot, holders, the selected job's history and logs")
         self.resync()
 
     @work(group="actions", exit_on_error=False)

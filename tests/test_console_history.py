@@ -53,6 +53,8 @@ async def test_nan_loss_from_the_trainers_writer_is_counted_and_marked(tmp_path)
         assert "3 NaN/inf loss values" in title
         assert loss_markers(app) == [17.0, 23.0, 31.0]
         assert "3 NaN/inf loss values in the run" in str(latest_metrics_text(app.state, "nan-run"))  # the Dashboard's panel
+        await pilot.press("r")
+        assert app.state.actions[-1][1].startswith("resyncing")  # the key says what it does
         await stop_everything(app)
 
 

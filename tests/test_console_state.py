@@ -129,3 +129,13 @@ def test_disk_warning_fires_below_two_checkpoints_of_free_space():
     from console.widgets.banner import banner_text
 
     assert "DISK  disk nearly full" in str(banner_text(state))
+
+
+def test_banner_after_giving_up_does_not_promise_a_reconnect():
+    from console.state import FAILED, ConnectionStatus
+    from console.widgets.banner import banner_text
+
+    state = ConsoleState(target="gpu-box")
+    state.set_connection(ConnectionStatus(state=FAILED, detail="host key for gpu-box changed: refused"))
+    text = str(banner_text(state))
+    assert "will not retry" in text and "until the connection is back" not in text

@@ -8,6 +8,7 @@ from console.state import CONNECTED, CONNECTING, FAILED, RECONNECTING, ConsoleSt
 from console.widgets.format import clock_time, duration
 
 DISABLED_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled until the connection is back"
+GAVE_UP_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled: this console will not retry; fix the cause and start it again"
 
 
 READONLY_NOTE = "start, stop, stop & bench, resume, grok and adopt are off"
@@ -58,7 +59,8 @@ def _connection_text(state: ConsoleState, readonly: bool) -> Text:
     if status.detail:
         text.append(f" · {status.detail}")
     if not readonly:
-        text.append(f" · {DISABLED_NOTE}", style="italic")
+        note = DISABLED_NOTE if status.state != FAILED else GAVE_UP_NOTE
+        text.append(f" · {note}", style="italic")
     return text
 
 
