@@ -170,3 +170,15 @@ def mini_env(mini_cache, monkeypatch):
     monkeypatch.setenv("EAGLE3_CACHE_DIR", str(mini_cache))
     monkeypatch.delenv("EAGLE3_JOB_DIR", raising=False)
     return mini_cache
+
+
+@pytest.fixture
+def utc(monkeypatch):
+    """Local time is UTC for the test (snapshots print clock times)."""
+    import time
+
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()

@@ -3,7 +3,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -134,13 +133,7 @@ def frozen_app(state):
     return build_app(state=state, poll_interval=None, refresh_throttle=0)
 
 
-@pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")  # snapshot clocks read in UTC (tests/conftest.py)
 
 
 async def show_chain(pilot) -> None:

@@ -86,13 +86,7 @@ def frozen_app(state=None):
     return build_app(state=state or grok_state(), poll_interval=None, refresh_throttle=0)
 
 
-@pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")  # snapshot clocks read in UTC (tests/conftest.py)
 
 
 # -- pure parts ----------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Layout at 100x30 and 170x45: every key of every screen is on screen in the footer, tables keep their key columns,
 and snapshots of Dashboard, Training, Logs, Grokking and Bench result at both sizes (frozen data and time)."""
-import time
 
 import pytest
 from textual.widgets import DataTable, Footer
@@ -18,13 +17,7 @@ SCREEN_KEYS = {"dashboard": {"h"}, "training": {"x", "y", "e", "+", "-", ",", ".
 APP_KEYS = {a.key for a in ACTIONS if a.screen is None}
 
 
-@pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")  # snapshot clocks read in UTC (tests/conftest.py)
 
 
 def app_for(screen: str, **kwargs):

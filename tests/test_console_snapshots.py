@@ -4,7 +4,6 @@ Regenerate the baselines with `pytest tests/test_console_snapshots.py --snapshot
 tests/__snapshots__/test_console_snapshots/*.svg.
 """
 import math
-import time
 
 import pytest
 from textual.widgets import Input
@@ -83,13 +82,7 @@ def frozen_app(state: ConsoleState | None = None):
     return app
 
 
-@pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")  # snapshot clocks read in UTC (tests/conftest.py)
 
 
 async def select_and_draw(pilot, *keys: str) -> None:

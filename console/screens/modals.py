@@ -16,6 +16,19 @@ from backend.protocol import GpuHolder
 from console.widgets.format import mib
 
 
+class ConfirmModal(ModalScreen[bool]):
+    """A yes/no modal: Cancel has the focus; y (or the confirm button) answers True, esc (or Cancel) False."""
+
+    def on_mount(self) -> None:
+        self.query_one("#cancel", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "confirm")
+
+    def action_cancel(self) -> None:
+        self.dismiss(False)
+
+
 class FormModal(ModalScreen[dict | None]):
     """A modal with input fields: enter or the #confirm button calls the subclass's submit(); any other button or esc dismisses None."""
 
@@ -105,7 +118,7 @@ def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | 
     return text
 
 
-class StopModal(ModalScreen[bool]):
+class StopModal(ConfirmModal):
     """Shows exactly what stop_job will do; returns True only when the operator confirms."""
 
     BINDINGS = [
@@ -132,15 +145,6 @@ class StopModal(ModalScreen[bool]):
             with Horizontal(classes="modal-buttons"):
                 yield Button(f"Stop {plural(len(self.pids), 'PID')} (y)", id="confirm", variant="error", disabled=not self.pids)
                 yield Button("Cancel (esc)", id="cancel", variant="primary")
-
-    def on_mount(self) -> None:
-        self.query_one("#cancel", Button).focus()
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id == "confirm")
-
-    def action_cancel(self) -> None:
-        self.dismiss(False)
 
     def action_confirm(self) -> None:
         if self.pids:
@@ -235,7 +239,7 @@ def bench_plan_text(job: str, plan: dict[str, Any], checkpoints: list[dict[str, 
     return text
 
 
-class StopAndBenchModal(ModalScreen[bool]):
+class StopAndBenchModal(ConfirmModal):
     """Shows the whole stop-and-bench plan; returns True only when the operator confirms."""
 
     BINDINGS = [
@@ -258,14 +262,8 @@ class StopAndBenchModal(ModalScreen[bool]):
                 yield Button("Stop & bench (y)", id="confirm", variant="error", disabled=not self.can_start)
                 yield Button("Cancel (esc)", id="cancel", variant="primary")
 
-    def on_mount(self) -> None:
-        self.query_one("#cancel", Button).focus()
-
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "confirm" and self.can_start)
-
-    def action_cancel(self) -> None:
-        self.dismiss(False)
 
     def action_confirm(self) -> None:
         if self.can_start:
@@ -314,7 +312,7 @@ def _default_watch_name(path: str) -> str:
     return name[:56] or "run"
 
 
-class ResumeModal(ModalScreen[bool]):
+class ResumeModal(ConfirmModal):
     """Resume training from the checkpoint a stop just wrote: shows the exact command; True only on confirm."""
 
     BINDINGS = [
@@ -336,15 +334,6 @@ class ResumeModal(ModalScreen[bool]):
             with Horizontal(classes="modal-buttons"):
                 yield Button("Start (y)", id="confirm", variant="warning")
                 yield Button("Cancel (esc)", id="cancel", variant="primary")
-
-    def on_mount(self) -> None:
-        self.query_one("#cancel", Button).focus()
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id == "confirm")
-
-    def action_cancel(self) -> None:
-        self.dismiss(False)
 
     def action_confirm(self) -> None:
         self.dismiss(True)
