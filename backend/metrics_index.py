@@ -43,7 +43,6 @@ class MetricsIndex:
         self.series: dict[str, Series] = {}
         self._val_records: deque = deque(maxlen=VAL_KEPT)
         self._val_bytes = b""
-        self._span_cache: tuple[int, tuple[int, int] | None] | None = None
         self.recent_train: deque = deque(maxlen=RECENT_TRAIN_KEPT)
         self.total_records = 0
         self.bad_lines = 0
@@ -90,13 +89,9 @@ class MetricsIndex:
         return sorted(self.series)
 
     def step_range(self) -> tuple[int, int] | None:
-        """First and last step of any series (cached until the next fold)."""
-        if self._span_cache is not None and self._span_cache[0] == self.version:
-            return self._span_cache[1]
+        """First and last step of any series."""
         spans = [span for span in (s.span() for s in self.series.values()) if span is not None]
-        found = (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else None
-        self._span_cache = (self.version, found)
-        return found
+        return (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else None
 
     def buckets(self, key: str, step_from: int | None, step_to: int | None, points: int, log_x: bool = False) -> list[dict]:
         series = self.series.get(key)

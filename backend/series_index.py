@@ -4,8 +4,9 @@ Standard library only. A series is one plotted quantity ("train.loss", "val.acc.
 lands in one fine bucket of its step: BUCKETS_PER_OCTAVE log-spaced buckets per octave below FINE_LINEAR_FROM
 (so a log-step plot of a long run still has points in its first decades), FINE_WIDTH-step buckets above.
 Level L merges LEVEL_FANOUT**L neighbouring fine buckets; levels are rebuilt lazily from the first changed
-fine bucket. A query ("steps [a, b] at N buckets", linear or log-spaced) covers each output interval with
-the coarsest aligned blocks that fit in it, so a million-step history answers in milliseconds.
+fine bucket. A query ("steps [a, b] at N buckets", linear or log-spaced) reads the coarsest level whose
+buckets fit the narrowest interval, with array slices per interval (its edges snap to that level's buckets),
+so a million-step history answers in milliseconds.
 
 Bucket semantics (what a brute-force pass over the records gives): `count` finite values, `nonfinite`
 NaN/inf values (never in min/max/sum), `min`/`max`, `first`/`last` the finite value at the lowest/highest
@@ -26,7 +27,6 @@ MAX_LEVELS = 12
 MAX_QUERY_POINTS = 4096
 FIELDS = ("step_lo", "step_hi", "first_step", "first", "last_step", "last", "min", "max", "sum", "count", "nonfinite")
 LO, HI, FIRST_STEP, FIRST, LAST_STEP, LAST, MIN, MAX, SUM, COUNT, NONFINITE = range(len(FIELDS))
-EMPTY_ROW = (math.inf, -math.inf, math.inf, math.nan, -math.inf, math.nan, math.inf, -math.inf, 0.0, 0.0, 0.0)
 
 
 def _log_starts() -> list[int]:
@@ -196,36 +196,12 @@ class Series:
         while len(self.levels) > 1 and len(self.levels[-1]) == 0:
             self.levels.pop()
 
-    def interval(self, step_from: int, step_to: int) -> tuple | None:
-        """The merged row of every bucket whose start lies in [step_from, step_to), or None when empty."""
-        self._rebuild()
-        lo, hi = self._next_data(first_bucket_from(step_from)), first_bucket_from(step_to)
-        row = None
-        while lo < hi:
-            number = 0
-            while (number + 1 < len(self.levels) and lo % (1 << (LEVEL_FANOUT_BITS * (number + 1))) == 0
-                   and lo + (1 << (LEVEL_FANOUT_BITS * (number + 1))) <= hi):
-                number += 1
-            level = self.levels[number]
-            block = lo >> (LEVEL_FANOUT_BITS * number)
-            i = level.find(block)
-            if i < len(level) and level.ids[i] == block:
-                found = level.row(i)
-                row = found if row is None else merge_rows(row, found)
-            lo = self._next_data(lo + (1 << (LEVEL_FANOUT_BITS * number)))
-        return row
-
-    def _next_data(self, bucket: int) -> int:
-        """The first fine bucket id >= bucket that holds data (a large number past the end)."""
-        fine = self.fine
-        i = fine.find(bucket)
-        return fine.ids[i] if i < len(fine) else 1 << 62
-
     def span(self) -> tuple[int, int] | None:
+        """First and last step with a value: fine buckets are in step order, so the first and the last bucket hold them."""
         fine = self.fine
         if not len(fine):
             return None
-        return int(min(fine.cols[LO])), int(fine.cols[HI][-1] if fine.cols[HI] else 0)
+        return int(fine.cols[LO][0]), int(fine.cols[HI][-1])
 
 
 def _merge_up(child: Level, start: int, parent: Level) -> None:
@@ -328,17 +304,3 @@ def _slice_row(cols: list[array], start: int, end: int) -> tuple:
     return (min(cols[LO][start:end]), max(cols[HI][start:end]), cols[FIRST_STEP][first_at], cols[FIRST][first_at],
             latest, cols[LAST][last_at], min(cols[MIN][start:end]), max(cols[MAX][start:end]),
             sum(cols[SUM][start:end]), sum(cols[COUNT][start:end]), sum(cols[NONFINITE][start:end]))
-
-
-def brute_force_buckets(points: Sequence[tuple[int, float]], cuts: Sequence[int]) -> list[dict[str, Any]]:
-    """The same answer computed by a plain pass over (step, value) points in file order (the tests' reference)."""
-    out = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        start, end = bucket_start(first_bucket_from(lo)), bucket_start(first_bucket_from(hi))
-        inside = [(s, v) for s, v in points if start <= s < end]
-        if not inside:
-            continue
-        ordered = sorted(inside, key=lambda p: p[0])  # stable: ties keep file order
-        row = row_of([s for s, _ in ordered], [v for _, v in ordered])
-        out.append(to_bucket(row))
-    return out

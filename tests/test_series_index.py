@@ -6,16 +6,31 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Sequence
 
 import pytest
 
 from backend.metrics import MetricsWriter, normalize_record
 from backend.metrics_index import INDEX_FORMAT, MetricsFeed, MetricsIndex
 from backend.metrics_scan import ChunkScanner, points_of_records
-from backend.series_index import Series, brute_force_buckets, query, query_cuts
+from backend.series_index import Series, bucket_start, first_bucket_from, query, query_cuts, row_of, to_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"fc": 1.0, "midlayer": 2.0, "norm": 0.5, "lm_head": 3.0}
+
+
+def brute_force_buckets(points: Sequence[tuple[int, float]], cuts: Sequence[int]) -> list[dict[str, Any]]:
+    """What query() must answer, by a plain pass over (step, value) points in file order."""
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        start, end = bucket_start(first_bucket_from(lo)), bucket_start(first_bucket_from(hi))
+        inside = [(s, v) for s, v in points if start <= s < end]
+        if not inside:
+            continue
+        ordered = sorted(inside, key=lambda p: p[0])  # stable: ties keep file order
+        row = row_of([s for s, _ in ordered], [v for _, v in ordered])
+        out.append(to_bucket(row))
+    return out
 
 
 def trainer_record(step: int, rng: random.Random, loss: float | None = None) -> dict:
