@@ -111,8 +111,7 @@ class MetricsIndex:
         """Records for backend.signals: older train history as bucket means (log-spaced), then the recent raw train
         records and every kept val record, in step order."""
         recent = list(self.recent_train)
-        before = recent[0]["step"] - 1 if recent else None
-        synthetic = self._coarse_train(before, coarse_points) if before is None or before >= 0 else []
+        synthetic = self._coarse_train(recent[0]["step"] - 1 if recent else None, coarse_points)
         return sorted([*synthetic, *recent, *self.val_records], key=lambda r: r["step"])
 
     def _coarse_train(self, step_to: int | None, points: int) -> list[dict[str, Any]]:

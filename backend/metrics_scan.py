@@ -1,9 +1,10 @@
 """Which series a metrics record feeds, and a fast exact scan of metrics.jsonl bytes into those series' columns.
 
 Standard library only. The scan learns the shape of the trainer's train lines (key order, list and module
-names) and reads a whole chunk with one regular expression, converting only the values the index keeps;
-every line that does not fit a learned shape (val records, other writers, odd values) goes through
-json.loads and backend.metrics.normalize_record, the one decoder of the file's encoding. Both paths give
+names) and reads a chunk either by splitting it into tokens (every line of one shape: TokenShape) or with one
+regular expression per learned shape, converting only the values the index keeps; every line that fits no
+shape (val records, other writers, odd values) goes through json.loads and backend.metrics.normalize_record,
+the one decoder of the file's encoding. Both paths give
 the same points, which tests/test_series_index.py checks against a plain pass.
 """
 from __future__ import annotations
@@ -46,9 +47,9 @@ def record_points(record: dict[str, Any]) -> list[tuple[str, float]]:
     if lr is not None:
         out.append(("lr", float(lr)))
     if split == "train":
-        for key in ("grad_norm", "weight_norm", "step_time", "tokens"):
-            if record.get(key) is not None:
-                out.append((TRAIN_SCALARS[key], float(record[key])))
+        for key, series_key in TRAIN_SCALARS.items():
+            if key not in ("loss", "lr") and record.get(key) is not None:
+                out.append((series_key, float(record[key])))
         acc = record.get("acc")
         if acc:
             out.append(("train.acc.0", float(acc[0])))
@@ -134,9 +135,7 @@ def _part_for(key: str, value: Any) -> tuple[bytes | None, list[str]]:
     if key == "split":
         return rb'"train"', []
     if key in TRAIN_SCALARS:
-        return _SCALAR, [TRAIN_SCALARS[key]]
-    if key == "tokens":
-        return rb"(\d+)", ["tokens"]
+        return _SCALAR, [TRAIN_SCALARS[key]]  # tokens too: _fold_columns reads them with int()
     if key in TRAIN_FIRST_OF_LIST and isinstance(value, list) and value:
         return rb"\[" + _SCALAR + rb"[^\[\]{}\"\n]*\]", [TRAIN_FIRST_OF_LIST[key]]
     if key == "weight_norm_modules" and isinstance(value, dict) and value:
