@@ -15,7 +15,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, NamedTuple
 
 from backend import holders as holders_mod
 from backend.disk import dir_size, disks_for
@@ -23,6 +23,7 @@ from backend.gpu import driver_state, open_gpu_source
 from backend.jobs import JobError, JobNotFound, JobRecord, JobRegistry, tail_lines
 from backend.jsonl import JsonlFollower, read_complete_lines
 from backend.layout import checkpoint_listing, latest_checkpoint, list_results
+from backend.metrics import MetricsReader
 from backend.metrics_index import MetricsFeed, MetricsIndex
 from backend.protocol import (
     INDEX_FILENAME,
@@ -129,6 +130,16 @@ def last_record(path: Path) -> dict[str, Any] | None:
         if isinstance(record, dict):
             return record
     return None
+
+
+class MetricsSource(NamedTuple):
+    """What a metrics request reads: a job's feed (None for a watched run), its index, lock, progress and cache."""
+
+    index: MetricsIndex
+    lock: Any
+    progress: dict[str, Any]
+    cache: dict[str, Any]
+    feed: MetricsFeed | None
 
 
 class JobFiles:
@@ -406,10 +417,11 @@ class Agent:
             start = watch["count"]
             records = reader.poll()
             if records:
-                watch["index"].fold_records(records)
-                watch["records"].extend(records)
-                del watch["records"][:-WINDOW_RECORDS_MAX]
-                watch["count"] += len(records)
+                with watch["lock"]:  # requests read the same index and records
+                    watch["index"].fold_records(records)
+                    watch["records"].extend(records)
+                    del watch["records"][:-WINDOW_RECORDS_MAX]
+                    watch["count"] += len(records)
             behind = getattr(reader, "bytes_read", 0) < getattr(reader, "bytes_total", 0)
             if behind or watch.get("catching_up"):  # a big backlog: progress and the index, not megabytes of events
                 watch["catching_up"] = behind
@@ -565,8 +577,6 @@ class Agent:
             records = self._externals[name]["records"][offset:]
             return {"records": records, "offset": offset + len(records), "more": False}
         record = self.registry.get(name)
-        from backend.metrics import MetricsReader
-
         reader = MetricsReader(Path(record.info.job_dir) / METRICS_FILENAME, offset)
         records: list[dict] = []
         while len(records) < HISTORY_LIMIT:
@@ -577,13 +587,14 @@ class Agent:
         return {"records": records, "offset": reader.offset, "bad_lines": reader.bad_records + reader.follower.bad_lines,
                 "more": len(records) >= HISTORY_LIMIT}
 
-    def _index_of(self, name: str) -> tuple[MetricsIndex, dict[str, Any]]:
-        """The whole-history index of a job or watched run, and its progress."""
+    def _source(self, name: str) -> MetricsSource:
+        """The whole-history index of a job or watched run, with its lock, progress and cache (one lookup)."""
         if name in self._externals:
             watch = self._externals[name]
             reader = watch["reader"]
-            return watch["index"], {"indexed_bytes": getattr(reader, "bytes_read", None), "file_bytes": getattr(reader, "bytes_total", None),
-                                    "caught_up": not watch.get("catching_up"), "total_records": watch["index"].total_records}
+            progress = {"indexed_bytes": getattr(reader, "bytes_read", None), "file_bytes": getattr(reader, "bytes_total", None),
+                        "caught_up": not watch.get("catching_up"), "total_records": watch["index"].total_records}
+            return MetricsSource(watch["index"], watch["lock"], progress, watch["cache"], None)
         self.registry.get(name)  # NOT_FOUND for an unknown job
         with self._lock:
             files = self._files.get(name)
@@ -592,7 +603,7 @@ class Agent:
                 files = self._files.get(name)
         if files is None:
             raise JobNotFound(f"job {name!r} has no metrics feed yet; try again in a second")
-        return files.metrics.index, files.metrics.progress()
+        return MetricsSource(files.metrics.index, files.metrics.lock, files.metrics.progress(), files.cache, files.metrics)
 
     def _metrics_series(self, message: dict) -> dict:
         name = param(message, "name", str)
@@ -607,21 +618,17 @@ class Agent:
             raise BadParams("keys", f"a list of at most {SERIES_KEYS_MAX} series names")
         if step_from is not None and step_to is not None and step_to < step_from:
             raise BadParams("to", "must be >= from")
-        index, progress = self._index_of(name)
-        feed_lock = self._feed_lock(name)
-        with feed_lock:
-            wanted = index.keys() if keys is None else expand_keys(keys, index.keys())
+        source = self._source(name)
+        index = source.index
+        with source.lock:
+            known = index.keys()
+            wanted = known if keys is None else expand_keys(keys, known)
             series = {key: index.buckets(key, step_from, step_to, points, log_x) for key in wanted}
             span = index.step_range()
             nonfinite = {key: sum(b["nonfinite"] for b in buckets) for key, buckets in series.items()}
-            return {"job": name, "series": series, "keys": index.keys(), "step_range": list(span) if span else None,
+            return {"job": name, "series": series, "keys": known, "step_range": list(span) if span else None,
                     "points": points, "log_x": log_x, "from": step_from, "to": step_to, "nonfinite": nonfinite,
-                    "version": index.version, **progress}
-
-    def _feed_lock(self, name: str):
-        with self._lock:
-            files = self._files.get(name)
-        return files.metrics.lock if files is not None else threading.RLock()
+                    "version": index.version, **source.progress}
 
     def _metrics_window(self, message: dict) -> dict:
         """The last `last` records and the last `val` val records, for the live tail and the accuracy table."""
@@ -630,18 +637,17 @@ class Agent:
         val = param(message, "val", int, 8)
         if not 0 <= last <= WINDOW_RECORDS_MAX or not 0 <= val <= WINDOW_RECORDS_MAX:
             raise BadParams("last", f"last and val must be 0..{WINDOW_RECORDS_MAX}")
-        if name in self._externals:
+        source = self._source(name)
+        feed = source.feed
+        if feed is None:  # a watched run: its reader's records, kept in memory
             watch = self._externals[name]
-            records = watch["records"][-last:] if last else []
-            return {"records": records, "val": watch["index"].latest_val(val) if val else [], "offset": watch["count"]}
-        index, _progress = self._index_of(name)
-        with self._lock:
-            files = self._files[name]
-        feed = files.metrics
+            with source.lock:
+                records = watch["records"][-last:] if last else []
+                return {"records": records, "val": source.index.latest_val(val) if val else [], "offset": watch["count"]}
         with feed.lock:
             offset = feed.live_offset
         records = feed.tail_records(last) if last else []
-        vals = index.latest_val(val) if feed.caught_up else feed.tail_records(val, split="val")
+        vals = source.index.latest_val(val) if feed.caught_up else feed.tail_records(val, split="val")
         return {"records": records, "val": vals if val else [], "offset": offset}
 
     def _stages_history(self, message: dict) -> dict:
@@ -668,18 +674,17 @@ class Agent:
         """Grokking signals from the run's index (no re-read of metrics.jsonl), recomputed only when it changed."""
         name = param(message, "name", str)
         module = _optional_module("backend.signals", "grokking/health signals")
-        index, _progress = self._index_of(name)
-        cache = self._externals[name] if name in self._externals else self._files[name].cache
-        cached = cache.get("signals")
-        if cached is not None and cached[0] == index.version:
+        source = self._source(name)
+        cached = source.cache.get("signals")
+        if cached is not None and cached[0] == source.index.version:
             return cached[1]
-        with self._feed_lock(name):
-            version = index.version
-            records = index.signal_records()
-            total = index.total_records
+        with source.lock:
+            version = source.index.version
+            records = source.index.signal_records()
+            total = source.index.total_records
         signals = module.compute_signals(records)
         signals["n_records"] = total
-        cache["signals"] = (version, signals)
+        source.cache["signals"] = (version, signals)
         return signals
 
     def _watch_external(self, message: dict) -> dict:
@@ -691,7 +696,8 @@ class Agent:
         except (OSError, ValueError, RuntimeError) as exc:
             raise BadParams("path", f"{path!r} cannot be watched: {exc}") from None
         job = f"ext:{name}"
-        self._externals[job] = {"reader": reader, "records": [], "count": 0, "index": MetricsIndex(), "signals": None}
+        self._externals[job] = {"reader": reader, "records": [], "count": 0, "index": MetricsIndex(), "lock": threading.RLock(),
+                                "cache": {}}
         return {"job": job}
 
     def _data_scaling(self, message: dict) -> dict:
