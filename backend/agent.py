@@ -20,7 +20,7 @@ from typing import Any, BinaryIO, Callable, NamedTuple
 from backend import holders as holders_mod
 from backend.disk import dir_size, disks_for
 from backend.gpu import driver_state, open_gpu_source
-from backend.jobs import JobError, JobNotFound, JobRecord, JobRegistry, tail_lines
+from backend.jobs import TAIL_LINE_SHOWN, JobError, JobNotFound, JobRecord, JobRegistry, display_lines, tail_lines
 from backend.jsonl import JsonlFollower, read_complete_lines
 from backend.layout import checkpoint_listing, latest_checkpoint, list_results
 from backend.metrics import MetricsReader
@@ -57,7 +57,6 @@ WINDOW_RECORDS_MAX = 5000
 SERIES_KEYS_MAX = 64
 GRACE_MAX_S = 3600.0
 LOG_CHUNK_BYTES = 1 << 20
-LOG_LINE_SHOWN = 4096
 TAIL_LINES_MAX = 10_000
 
 
@@ -403,11 +402,10 @@ class Agent:
                 handle.seek(end)
                 data = handle.read(LOG_CHUNK_BYTES)
             follow["offset"] = end + len(data)
-            lines = [data[:LOG_LINE_SHOWN].decode(errors="replace") + f" … (a line over {LOG_CHUNK_BYTES} bytes, cut)"]
+            lines = [data[:TAIL_LINE_SHOWN].decode(errors="replace") + f" … (a line over {LOG_CHUNK_BYTES} bytes, cut)"]
         else:
             follow["offset"] = end
-            text = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").decode(errors="replace")
-            lines = [line[:LOG_LINE_SHOWN] for line in text.split("\n")[:-1] if line]
+            lines = [line for line in display_lines(data)[:-1] if line]
         if lines:
             self.out.send({"type": Event.LOG, "job": follow["job"], "stream": follow["stream"], "lines": lines})
 

@@ -222,13 +222,18 @@ def tail_lines(path: str | Path, count: int, block: int = 65536, max_bytes: int 
             blocks.append(data)
             read += step
             ends += data.count(b"\n") + data.count(b"\r")
-    text = b"".join(reversed(blocks)).replace(b"\r\n", b"\n").replace(b"\r", b"\n").decode(errors="replace")
-    lines = text.split("\n")
+    lines = display_lines(b"".join(reversed(blocks)))
     if lines and lines[-1] == "":
         lines.pop()
     if end > 0 and lines:
         lines = lines[1:]  # the first one is cut by the read window
-    return [line if len(line) <= TAIL_LINE_SHOWN else line[:TAIL_LINE_SHOWN] + f" … ({len(line)} characters)" for line in lines[-count:]]
+    return lines[-count:]
+
+
+def display_lines(data: bytes) -> list[str]:
+    """Log bytes as lines to show: `\r` ends a line as `\n` does, a line over TAIL_LINE_SHOWN characters is cut (and says so)."""
+    text = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").decode(errors="replace")
+    return [line if len(line) <= TAIL_LINE_SHOWN else line[:TAIL_LINE_SHOWN] + f" … ({len(line)} characters)" for line in text.split("\n")]
 
 
 def protected_pids() -> set[int]:
