@@ -94,9 +94,6 @@ class Summary:
     step_from: int | None = None
     step_to: int | None = None
     log_x: bool = False
-    points: int = 0
-    version: int = 0  # the host index's version it was computed from
-    received: int = 0  # bumped on every reply (plot caches key on it)
 
     @property
     def end_step(self) -> int | None:
@@ -148,7 +145,7 @@ class JobMetrics:
             self.val_loss.append(step, record.get("loss"))
             acc = record.get("acc")
             if isinstance(acc, list):
-                self.val_acc.append((step, [a for a in acc if isinstance(a, (int, float))]))
+                self.val_acc.append((step, _acc_row(acc)))
                 del self.val_acc[:-VAL_ACC_ROWS_KEPT]
         else:
             self.latest_train = record
@@ -176,13 +173,13 @@ class JobMetrics:
 
     def nonfinite_count(self, key: str, tail: Series) -> int:
         """NaN/inf values of a series over the whole history: the host's buckets, plus live ones after them."""
-        summary = self.summaries.get(False) or self.summaries.get(True)
+        summary = self.summary(False)
         if summary is None or key not in summary.buckets:
             return tail.nonfinite
         return summary.nonfinite(key) + len(tail.nonfinite_after(summary.end_step))
 
     def history_points(self, key: str) -> int | None:
-        summary = self.summaries.get(False) or self.summaries.get(True)
+        summary = self.summary(False)
         if summary is None or key not in summary.buckets:
             return None
         return sum(int(b.get("count") or 0) + int(b.get("nonfinite") or 0) for b in summary.buckets[key])
@@ -343,13 +340,10 @@ class ConsoleState:
         """Fold a `metrics_series` reply: the whole history (per log_x) or a zoomed range."""
         metrics = self.job_metrics(job)
         span = result.get("step_range")
-        previous = metrics.zoom if zoom else metrics.summaries.get(bool(result.get("log_x")))
         summary = Summary(
             buckets={k: v for k, v in (result.get("series") or {}).items() if isinstance(v, list)},
             step_range=(int(span[0]), int(span[1])) if isinstance(span, list) and len(span) == 2 else None,
             step_from=result.get("from"), step_to=result.get("to"), log_x=bool(result.get("log_x")),
-            points=int(result.get("points") or 0), version=int(result.get("version") or 0),
-            received=(previous.received + 1) if previous else 1,
         )
         if zoom:
             metrics.zoom = summary
@@ -375,7 +369,7 @@ class ConsoleState:
         for record in older_vals:
             acc, step = record.get("acc"), record.get("step")
             if isinstance(acc, list) and isinstance(step, (int, float)):
-                fresh.val_acc.append((step, [a for a in acc if isinstance(a, (int, float))]))
+                fresh.val_acc.append((step, _acc_row(acc)))
         fresh.val_acc.sort(key=lambda row: row[0])
         if older_vals and not fresh.latest_val:
             fresh.latest_val = older_vals[-1]
@@ -489,6 +483,11 @@ def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     if isinstance(end, int):
         metrics.offset = end
     return {"metrics"}
+
+
+def _acc_row(acc: list[Any]) -> list[float]:
+    """A val record's per-step accuracies, numbers only (the accuracy table's row)."""
+    return [a for a in acc if isinstance(a, (int, float))]
 
 
 def _on_index_progress(state: ConsoleState, message: dict[str, Any]) -> set[str]:

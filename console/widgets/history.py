@@ -29,9 +29,10 @@ def view_summary(metrics: JobMetrics, log_x: bool, view: StepView | None) -> Sum
 def history_spec(label: str, metrics: JobMetrics, key: str, tail: Series, color: str, *, log_x: bool,
                  view: StepView | None, ema_weight: float | None = None) -> SeriesSpec:
     summary = view_summary(metrics, log_x, view)
-    buckets = summary.buckets.get(key) if summary is not None else None
-    end = summary.end_step if summary is not None and buckets is not None else None
-    markers = (summary.nonfinite_steps(key) if summary is not None and buckets is not None else []) + tail.nonfinite_after(end)
+    buckets, end, markers = None, None, []
+    if summary is not None and key in summary.buckets:
+        buckets, end, markers = summary.buckets[key], summary.end_step, summary.nonfinite_steps(key)
+    markers += tail.nonfinite_after(end)
     if view is not None:
         markers = [m for m in markers if view.lo <= m <= view.hi]
     return SeriesSpec(label, tail, color, buckets=buckets, end_step=end,
