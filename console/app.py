@@ -400,7 +400,7 @@ class ConsoleApp(RunActions, App):
                 self.refresh_summary(*pending)
 
     async def _fetch_summary(self, name: str, *, log_x: bool) -> None:
-        result = await self.client.request(Request.METRICS_SERIES, name=name, keys=[*SUMMARY_KEYS, "weight_norm.*"], points=SUMMARY_POINTS,
+        result = await self.client.request(Request.METRICS_SERIES, name=name, keys=SUMMARY_KEYS, points=SUMMARY_POINTS,
                                            log_x=log_x, timeout=60)
         self._summary_at[(name, log_x)] = time.monotonic()
         self.state_changed(self.state.apply_series(name, result))
@@ -429,9 +429,8 @@ class ConsoleApp(RunActions, App):
     @work(group="zoom", exclusive=True, exit_on_error=False)
     async def request_zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None:
         """Buckets of the zoomed range (the plot's width of them), for every series the screens plot."""
-        keys = [*SUMMARY_KEYS, "weight_norm.*"]
         try:
-            result = await self.client.request(Request.METRICS_SERIES, name=name, keys=keys, points=max(16, min(points, 1024)),
+            result = await self.client.request(Request.METRICS_SERIES, name=name, keys=SUMMARY_KEYS, points=max(16, min(points, 1024)),
                                                log_x=log_x, timeout=60, **{"from": step_from, "to": step_to})
         except AgentError as exc:
             self.note(f"zoom into {name}: {exc}", severity="warning")
