@@ -22,8 +22,7 @@ from typing import Any, Iterable
 
 from backend.durable import write_atomic
 from backend.jsonl import read_complete_lines
-from backend.metrics import normalize_record
-from backend.metrics_scan import ChunkScanner, ScanResult, points_of_records
+from backend.metrics_scan import ChunkScanner, ScanResult, decode_line, points_of_records
 from backend.series_index import Level, Series, query
 
 INDEX_FORMAT = 4
@@ -256,21 +255,15 @@ class MetricsFeed:
             return records, start, end
 
     def _decode(self, data: bytes, count_bad: bool = True) -> list[dict[str, Any]]:
+        """Cleaned records of complete lines; bad ones are counted in the index when count_bad."""
         records = []
         for line in data.splitlines():
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-            except (ValueError, UnicodeDecodeError, RecursionError):
-                self.index.bad_lines += count_bad
-                continue
-            clean, problems = normalize_record(raw)
-            if clean is None and count_bad:
-                self.index.bad_lines += 1
-                self.index.problems = (self.index.problems + ["; ".join(problems)])[-5:]
-            elif clean is not None:
+            clean, problem = decode_line(line)
+            if clean is not None:
                 records.append(clean)
+            elif problem is not None and count_bad:
+                self.index.bad_lines += 1
+                self.index.problems = (self.index.problems + [problem])[-5:]
         return records
 
     # -- backlog ----------------------------------------------------------------------------------

@@ -63,6 +63,21 @@ def record_points(record: dict[str, Any]) -> list[tuple[str, float]]:
     return out
 
 
+def decode_line(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """One metrics.jsonl line through the one decoder: (cleaned record, None), (None, why it is bad), or
+    (None, None) for a blank line."""
+    if not line.strip():
+        return None, None
+    try:
+        raw = json.loads(line)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        return None, f"not JSON: {str(exc)[:80]}"
+    clean, problems = normalize_record(raw)
+    if clean is None:
+        return None, f"step {raw.get('step') if isinstance(raw, dict) else None!r}: " + "; ".join(problems)
+    return clean, None
+
+
 @dataclass
 class ScanResult:
     """Points of a chunk by series key (steps ascending within each shape part), and the records of slow lines."""
@@ -221,20 +236,13 @@ class ChunkScanner:
 
     @staticmethod
     def _slow_line(line: bytes, result: ScanResult) -> None:
-        if not line.strip():
-            return
-        try:
-            raw = json.loads(line)
-        except (ValueError, UnicodeDecodeError, RecursionError):
+        clean, problem = decode_line(line)
+        if problem is not None:
             result.bad_lines += 1
-            return
-        clean, problems = normalize_record(raw)
-        if clean is None:
-            result.bad_lines += 1
-            result.problems = (result.problems + [f"step {raw.get('step') if isinstance(raw, dict) else None!r}: " + "; ".join(problems)])[-5:]
-            return
-        result.records += 1
-        result.slow_records.append(clean)
+            result.problems = (result.problems + [problem])[-5:]
+        elif clean is not None:
+            result.records += 1
+            result.slow_records.append(clean)
 
 
 _TOKEN_DELETE = b"[]{}"
