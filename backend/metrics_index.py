@@ -196,11 +196,9 @@ class MetricsFeed:
         self.saved_version = -1
         self.head_length = 0
         self.head_hash = ""
-        self._load_sidecar()
-        self.live_offset = self._file_size() if live_from_end else 0
-        if self.live_offset < self.indexed_offset:  # the file shrank under a sidecar that passed its checks: rebuild
-            self._reset("the file is shorter than the index says")
-        self.live_offset = max(self.live_offset, self.indexed_offset) if not live_from_end else self.live_offset
+        self._load_sidecar()  # trusted only when the file still holds at least what it indexed
+        # Live from the end (an agent meeting a run), else from where the index stops (what it holds is not re-sent).
+        self.live_offset = self._file_size() if live_from_end else self.indexed_offset
         if live_from_end and self.backlog_bytes() and self.indexed_offset == 0:
             self._fill_recent_from_tail()
 
