@@ -20,27 +20,24 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer
 from textual.worker import Worker
 
-from backend.protocol import PROTOCOL_VERSION, Request
+from backend.protocol import Request
 from console.client import AgentClient, AgentError
 from console.run_actions import SIGNALS_INTERVAL_S, RunActions
 from console.screens.base import ConsoleScreen
 from console.screens.chain import ChainScreen
 from console.screens.dashboard import DashboardScreen
-from console.screens.logs import STREAMS, LogsScreen
+from console.screens.logs import LogsScreen
 from console.screens.modals import AdoptModal, StopModal
-from console.state import CONNECTED, FAILED, SUMMARY_KEYS, ConnectionStatus, ConsoleState
-from console.transport import AgentStderr, Transport, TransportError
+from console.session import STREAMS, HostSession
+from console.state import CONNECTED, ConnectionStatus, ConsoleState
+from console.transport import Transport
 from console.widgets.panels import ConsoleFooter
 
-LOG_TAIL_LINES = 500
 GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)
 QUIT_CONFIRM_S = 10.0
 REDRAW_SHARE = 4.0
-HISTORY_BATCHES_MAX = 1000
-SUMMARY_POINTS = 512  # whole-history buckets per series (a wide terminal's plot is ~250 columns)
-TAIL_RECORDS = 500  # raw records fetched for the live tail on attach (the buckets hold the rest)
-VAL_ROWS = 8
-SUMMARY_REFRESH_S = 5.0
+# What a host other than the active one may redraw: its row in the Hosts view and its jobs in the jobs table.
+CROSS_HOST_SECTIONS = frozenset({"connection", "hello", "gpus", "holders", "jobs", "disks", "hosts"})
 
 
 @dataclass(frozen=True)
@@ -151,8 +148,7 @@ class ConsoleApp(RunActions, App):
 
     def __init__(
         self,
-        client: AgentClient | None,
-        state: ConsoleState,
+        hosts: list[tuple[AgentClient | None, ConsoleState]],
         *,
         profile: str = "tiny",
         refresh_throttle: float = 0.2,
@@ -168,14 +164,14 @@ class ConsoleApp(RunActions, App):
         self.readonly = readonly
         self.notify_terminal = notify_terminal  # --notify: bell + OSC 9 / OSC 777 desktop notifications on alerts
         self.holders_expanded = False
-        self.client = client
-        self.state = state
+        self.sessions = [HostSession(client, state, self) for client, state in hosts]
+        self.active = self.sessions[0]
         self.profile = profile
         self.refresh_throttle = refresh_throttle
         self.poll_interval = poll_interval
         self.stop_grace = stop_grace
         self.selected_job: str | None = None
-        self.sub_title = state.target
+        self.sub_title = self.active.name
         self._pending_sections: set[str] = set()
         self._refresh_scheduled = False
         self._last_refresh = 0.0
@@ -183,65 +179,100 @@ class ConsoleApp(RunActions, App):
         self._paint_cost = 0.0
         self._state_cost = 0.0
         self.log_stream = "stdout"  # the stream the agent follows live; the other is re-tailed each poll
-        self.events_seen = 0
         self._quit_warned_at = float("-inf")
-        self._metrics_locks: dict[str, asyncio.Lock] = {}
-        self._summary_at: dict[tuple[str, bool], float] = {}
-        self._summary_pending: set[tuple[str, bool]] = set()
         self._modes["training"] = partial(_training_screen, raw_plots=raw_plots)
         self._modes["grokking"] = _grokking_screen
         self._init_run_actions(chain_args, signals_interval)
 
+    # -- hosts and their sessions ------------------------------------------------------------------
+
+    @property
+    def state(self) -> ConsoleState:
+        """The active host's state: what the screens draw (the selected job's host)."""
+        return self.active.state
+
+    @property
+    def client(self) -> AgentClient | None:
+        return self.active.client
+
+    @client.setter
+    def client(self, client: AgentClient | None) -> None:
+        self.active.client = client
+
+    @property
+    def multi_host(self) -> bool:
+        return len(self.sessions) > 1
+
+    @property
+    def events_seen(self) -> int:
+        return sum(session.events_seen for session in self.sessions)
+
+    def session_named(self, host: str | None) -> HostSession:
+        return next((s for s in self.sessions if s.name == host), self.active)
+
+    def set_active(self, session: HostSession) -> None:
+        if session is self.active:
+            return
+        self.active = session
+        self.sub_title = session.name
+        self.refresh_bindings()
+        self.state_changed({"hosts", "selection", "gpus", "holders", "disks", "jobs", "connection", "metrics", "logs", "hello"})
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     def on_mount(self) -> None:
-        if self.client is not None:
-            self.run_worker(self._pump_events(), name="agent events", group="agent", exit_on_error=False)
+        for session in self.sessions:
+            if session.client is not None:
+                self.run_worker(session.run(), name=f"agent events {session.name}", group=f"agent:{session.name}", exit_on_error=False)
         if self.poll_interval:
             self.set_interval(self.poll_interval, self._poll_tick)
 
     async def on_unmount(self) -> None:
-        if self.client is not None:
-            await self.client.close()
+        await asyncio.gather(*(session.close() for session in self.sessions), return_exceptions=True)
 
-    async def _pump_events(self) -> None:
-        try:
-            await self.client.start(retry=True)
-        except TransportError as exc:
-            self.set_connection(ConnectionStatus(state=FAILED, detail=str(exc), since=time.time()))
+    # SessionListener: what a host's session reports
+
+    def session_changed(self, session: HostSession, sections: set[str]) -> None:
+        if session is not self.active:
+            self.check_alerts(sections, session)
+            sections = {s for s in sections if s in CROSS_HOST_SECTIONS}  # other hosts only feed the Hosts view and the jobs table
+            if not sections:
+                return
+            sections = sections | {"hosts"}
+            self._pending_sections |= sections
+            if not self._refresh_scheduled:
+                self.state_changed({"hosts"})
             return
-        added = getattr(self.client.transport, "host_key_added", None)
-        if added:
-            self.note(added)
-        while True:
-            event = await self.client.next_event()
-            self.events_seen += 1
-            self.handle_event(event)
+        self.state_changed(sections | ({"hosts"} if self.multi_host else set()))
 
-    def handle_event(self, event: Any) -> None:
-        """Fold one client event into the state and schedule a redraw."""
+    def session_note(self, session: HostSession, text: str, severity: str) -> None:
+        self.note(text, severity=severity)
+
+    def session_event(self, session: HostSession, event: Any, changed: set[str]) -> None:
         if isinstance(event, ConnectionStatus):
-            self.set_connection(event)
-        elif isinstance(event, AgentStderr):
-            self.state.agent_stderr.append(event.text)
-            self.state_changed({"agent_stderr"})
-        elif isinstance(event, dict):
-            if event.get("type") == "hello" and event.get("protocol") != PROTOCOL_VERSION:
-                self.note(f"the agent speaks protocol {event.get('protocol')}, this console {PROTOCOL_VERSION}: some views may be empty", severity="warning")
-            changed = self.state.apply(event)
-            self.state_changed(changed)
-            if "metrics_gap" in changed and self.client is not None:
-                self.catch_up_metrics()
-            if event.get("type") == "metrics" and event.get("job") == self.selected_job:
-                self.request_signals(self.selected_job)
-                self._history_grew()
-            if event.get("type") == "index_progress" and event.get("job") == self.selected_job:
-                self._summary_at.clear()  # the index grew by a chunk (or finished): redraw from it
-                self._history_grew()
-            if event.get("type") == "stages" and "stages" in changed:
-                self._on_chain_progress(str(event.get("job")))
-            if event.get("type") == "jobs" and self.selected_job is None:
-                self._select_default_job()
+            self._connection_changed(session, event)
+            return
+        if not isinstance(event, dict):
+            return
+        if "metrics_gap" in changed and session.client is not None:
+            self.catch_up_metrics(session)
+        if session is not self.active:
+            return
+        kind, job = event.get("type"), event.get("job")
+        if kind == "metrics" and job == self.selected_job:
+            self.request_signals(self.selected_job)
+            self._history_grew()
+        if kind == "index_progress" and job == self.selected_job:
+            session.summary_at.clear()  # the index grew by a chunk (or finished): redraw from it
+            self._history_grew()
+        if kind == "stages" and "stages" in changed:
+            self._on_chain_progress(str(job))
+        if kind == "jobs" and self.selected_job is None:
+            self._select_default_job()
+
+    def handle_event(self, event: Any, host: str | None = None) -> None:
+        """Fold one client event into a host's state (the active host's by default) and schedule a redraw."""
+        self.session_named(host).fold(event)
 
     def _history_grew(self) -> None:
         """New records for the selected job: keep its whole-history buckets fresh and a following zoom on the newest step."""
@@ -254,19 +285,20 @@ class ConsoleApp(RunActions, App):
         if follow is not None:
             follow()
 
-    def set_connection(self, status: ConnectionStatus) -> None:
-        was_connected = self.state.connection.connected
-        self.state_changed(self.state.set_connection(status))
+    def set_connection(self, status: ConnectionStatus, host: str | None = None) -> None:
+        self.session_named(host).fold(status)
+
+    def _connection_changed(self, session: HostSession, status: ConnectionStatus) -> None:
         self.refresh_bindings()
-        if status.state == CONNECTED and not was_connected:
-            self.resync()
+        if status.state == CONNECTED and session.client is not None:
+            self.resync(session)
 
     # -- coalesced redraws ---------------------------------------------------------------------
 
     def state_changed(self, sections: set[str]) -> None:
         if not sections:
             return
-        self.check_alerts(sections)
+        self.check_alerts(sections, self.active)
         self._pending_sections |= sections
         if self._refresh_scheduled:
             return
@@ -317,185 +349,139 @@ class ConsoleApp(RunActions, App):
         running = [j for j in jobs if j.state == "running"]
         self.select_job((running or jobs)[-1].name)
 
-    def select_job(self, name: str | None) -> None:
-        if name == self.selected_job:
+    def select_job(self, name: str | None, host: str | None = None) -> None:
+        """Select a job (on `host`, which becomes the active host; the active host when None)."""
+        session = self.session_named(host) if host is not None else self.active
+        if name == self.selected_job and session is self.active:
             return
+        self.set_active(session)
         self.selected_job = name
         self.refresh_bindings()
         self.state_changed({"selection"})
         self._cancel_signals_timer()
-        if name and self.client is not None and self.state.connection.connected:
+        if name and session.connected:
             self.load_job(name)
             self.grokking_shown()
 
+    def select_host(self, host: str) -> None:
+        """Make `host` the active one (the Hosts view): its GPUs and holders on the Dashboard, its newest job selected."""
+        session = self.session_named(host)
+        if session is self.active:
+            return
+        self.set_active(session)
+        self.selected_job = None
+        self._select_default_job()
+
+    def job_rows(self) -> list[tuple[HostSession, str]]:
+        """Every host's jobs, newest first per host, hosts in the order given (the jobs table's order)."""
+        return [(session, name) for session in self.sessions for name in reversed(list(session.state.jobs))]
+
     def _cycle_job(self, step: int) -> None:
-        names = list(reversed(list(self.state.jobs)))  # newest first, as the jobs table shows them
-        if not names:
+        rows = self.job_rows()
+        if not rows:
             return
-        if self.selected_job not in names:
-            self.select_job(names[0])
+        current = (self.active, self.selected_job)
+        if current not in rows:
+            self.select_job(rows[0][1], rows[0][0].name)
             return
-        self.select_job(names[(names.index(self.selected_job) + step) % len(names)])
+        session, name = rows[(rows.index(current) + step) % len(rows)]
+        self.select_job(name, session.name)
 
-    # -- agent conversations (workers) ----------------------------------------------------------
+    # -- agent conversations (workers; one group per host so one host's work never cancels another's) ------------
 
-    @work(group="resync", exclusive=True, exit_on_error=False)
-    async def resync(self) -> None:
-        """After (re)connecting: snapshot, holders, and the selected job's metrics and logs."""
+    def resync(self, session: HostSession | None = None) -> None:
+        session = session or self.active
+        self.run_worker(self._resync(session), name=f"resync {session.name}", group=f"resync:{session.name}", exclusive=True,
+                        exit_on_error=False)
+
+    async def _resync(self, session: HostSession) -> None:
+        """After (re)connecting: snapshot, watched runs, holders, and (on the active host) the selected job's metrics and logs."""
         try:
-            snapshot = await self.client.request(Request.SNAPSHOT)
-            self.state_changed(self.state.apply_snapshot(snapshot))
-            await self._rewatch_externals()
+            await session.resync()
+            if session is not self.active:
+                return
             if self.selected_job not in self.state.jobs:
                 self.selected_job = None
                 self._select_default_job()
-            await self._refresh_holders()
             if self.selected_job:
                 await self._load_job(self.selected_job)
             if isinstance(self.screen, ChainScreen):
                 self.attach_chain(self.current_chain_job())
             self.grokking_shown(force=True)
         except AgentError as exc:
-            self.note(f"resync failed: {exc}")
+            self.note(f"resync of {session.name} failed: {exc}")
 
-    @work(group="job", exclusive=True, exit_on_error=False)
-    async def load_job(self, name: str) -> None:
+    def load_job(self, name: str) -> None:
+        session = self.active
+        self.run_worker(self._load_job_reporting(session, name), name=f"load {name}", group=f"job:{session.name}", exclusive=True,
+                        exit_on_error=False)
+
+    async def _load_job_reporting(self, session: HostSession, name: str) -> None:
         try:
-            await self._load_job(name)
+            await self._load_job(name, session)
         except AgentError as exc:
             self.note(f"loading {name} failed: {exc}")
 
-    async def _load_job(self, name: str) -> None:
-        await self._load_metrics(name)
-        if not self.state.is_external(name):  # a watched run has no logs of ours
-            await self._follow_logs(name)
+    async def _load_job(self, name: str, session: HostSession | None = None) -> None:
+        session = session or self.active
+        log_x_too = isinstance(self.screen, ConsoleScreen) and bool(getattr(self.screen, "LOG_X_DEFAULT", False))
+        for pending in await session.load_metrics(name, log_x_too=log_x_too):
+            self.refresh_summary(*pending)
+        if not session.state.is_external(name):  # a watched run has no logs of ours
+            await session.follow_logs(name, self.log_stream)
 
-    async def _load_metrics(self, name: str) -> None:
-        """The whole-history summary from the host's index, then the live tail (the last records) and the latest
-        val records; never the whole file. One load per job at a time; events that arrive meanwhile are held
-        back and anything they reported beyond the tail is read right after, so no record is lost or doubled.
-        """
-        lock = self._metrics_locks.setdefault(name, asyncio.Lock())
-        async with lock:
-            metrics = self.state.job_metrics(name)
-            metrics.loading, metrics.seen_end = True, 0
-            try:
-                try:
-                    await self._fetch_summary(name, log_x=False)
-                    window = await self.client.request(Request.METRICS_WINDOW, name=name, last=TAIL_RECORDS, val=VAL_ROWS, timeout=60)
-                except AgentError as exc:
-                    if exc.code != "unknown_request":
-                        raise
-                    await self._load_history_pages(name)  # an agent of protocol 1
-                    return
-                self.state_changed(self.state.apply_window(name, window))
-                if self.state.job_metrics(name).needs_catchup:
-                    await self._load_history_pages(name)
-                if isinstance(self.screen, ConsoleScreen) and getattr(self.screen, "LOG_X_DEFAULT", False):
-                    await self._fetch_summary(name, log_x=True)
-            finally:
-                self.state.job_metrics(name).loading = False
-            for pending in [p for p in self._summary_pending if p[0] == name]:
-                self._summary_pending.discard(pending)
-                self.refresh_summary(*pending)
+    def refresh_summary(self, name: str, log_x: bool) -> None:
+        session = self.active
+        self.run_worker(self._refresh_summary(session, name, log_x), name=f"summary {name}", group=f"summary:{session.name}",
+                        exit_on_error=False)
 
-    async def _fetch_summary(self, name: str, *, log_x: bool) -> None:
-        result = await self.client.request(Request.METRICS_SERIES, name=name, keys=SUMMARY_KEYS, points=SUMMARY_POINTS,
-                                           log_x=log_x, timeout=60)
-        self._summary_at[(name, log_x)] = time.monotonic()
-        self.state_changed(self.state.apply_series(name, result))
-
-    @work(group="summary", exit_on_error=False)
-    async def refresh_summary(self, name: str, log_x: bool) -> None:
+    async def _refresh_summary(self, session: HostSession, name: str, log_x: bool) -> None:
         try:
-            await self._fetch_summary(name, log_x=log_x)
+            await session.fetch_summary(name, log_x=log_x)
         except AgentError as exc:
             if exc.code not in ("disconnected", "timeout", "unknown_request"):
                 self.note(f"history of {name}: {exc}", severity="warning")
 
     def ensure_summary(self, name: str | None, *, log_x: bool) -> None:
         """Ask for the whole-history buckets of `name` (log-spaced or not) when missing or older than SUMMARY_REFRESH_S."""
-        if not name or self.client is None or not self.state.connection.connected:
-            return
-        metrics = self.state.metrics.get(name)
-        if metrics is not None and metrics.loading:
-            self._summary_pending.add((name, log_x))  # asked again once the load in flight is done
-            return
-        at = self._summary_at.get((name, log_x))
-        if at is None or time.monotonic() - at >= SUMMARY_REFRESH_S:
-            self._summary_at[(name, log_x)] = time.monotonic()
+        if name and self.active.summary_due(name, log_x=log_x):
             self.refresh_summary(name, log_x)
 
-    @work(group="zoom", exclusive=True, exit_on_error=False)
-    async def request_zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None:
+    def request_zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None:
         """Buckets of the zoomed range (the plot's width of them), for every series the screens plot."""
+        session = self.active
+        self.run_worker(self._zoom(session, name, step_from, step_to, points, log_x), name=f"zoom {name}",
+                        group=f"zoom:{session.name}", exclusive=True, exit_on_error=False)
+
+    async def _zoom(self, session: HostSession, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None:
         try:
-            result = await self.client.request(Request.METRICS_SERIES, name=name, keys=SUMMARY_KEYS, points=max(16, min(points, 1024)),
-                                               log_x=log_x, timeout=60, **{"from": step_from, "to": step_to})
+            result = await session.zoom(name, step_from, step_to, points, log_x)
         except AgentError as exc:
             self.note(f"zoom into {name}: {exc}", severity="warning")
             return
-        if self.selected_job == name:
-            self.state_changed(self.state.apply_series(name, result, zoom=True))
+        if self.selected_job == name and session is self.active:
+            self.state_changed(session.state.apply_series(name, result, zoom=True))
 
-    async def _load_history_pages(self, name: str) -> None:
-        """metrics_history pages from our offset (from 0 the first time) while the agent says `more`: the catch-up
-        after a gap in the live events, and the whole load from an agent that predates metrics_series."""
-        for _ in range(HISTORY_BATCHES_MAX):
-            metrics = self.state.job_metrics(name)
-            reset = not metrics.history_loaded
-            offset = 0 if reset else metrics.offset
-            result = await self.client.request(Request.METRICS_HISTORY, name=name, offset=offset, timeout=120)
-            self.state_changed(self.state.apply_metrics_history(name, result, reset=reset))
-            metrics = self.state.job_metrics(name)
-            if not result.get("more") and not metrics.needs_catchup:
-                return
-            if result.get("offset") == offset and not result.get("records"):
-                return
-
-    @work(group="catchup", exclusive=True, exit_on_error=False)
-    async def catch_up_metrics(self) -> None:
-        for name, metrics in list(self.state.metrics.items()):
-            if metrics.needs_catchup:
-                try:
-                    await self._load_metrics(name)
-                except AgentError as exc:
-                    self.note(f"re-reading metrics of {name} failed: {exc}")
-                    return
-
-    async def _follow_logs(self, name: str) -> None:
-        """Tail both streams, then follow one live (the agent follows one log at a time)."""
-        await self._tail_logs(name, STREAMS)
-        await self.client.request(Request.FOLLOW_LOG, name=name, stream=self.log_stream)
-
-    async def _tail_logs(self, name: str, streams: tuple[str, ...]) -> None:
-        for stream in streams:
-            try:
-                result = await self.client.request(Request.TAIL_LOG, name=name, stream=stream, lines=LOG_TAIL_LINES)
-            except AgentError as exc:
-                if exc.code in ("disconnected", "timeout"):
-                    raise
-                result = {"lines": [f"(no {stream} to show: {exc.message})"]}  # e.g. an adopted process's log
-            self.state.log(name, stream).replace([str(line) for line in result.get("lines") or []])
-        self.state_changed({"logs"})
-
-    async def _refresh_holders(self) -> None:
-        result = await self.client.request(Request.HOLDERS)
-        self.state_changed(self.state.apply_holders(result.get("holders") or []))
+    def catch_up_metrics(self, session: HostSession | None = None) -> None:
+        session = session or self.active
+        self.run_worker(session.catch_up_metrics(), name=f"catch up {session.name}", group=f"catchup:{session.name}", exclusive=True,
+                        exit_on_error=False)
 
     def _poll_tick(self) -> None:
-        """Slow poll of what the agent does not push (GPU holders); paused while a modal is open."""
-        if self.modal_open or self.client is None or not self.state.connection.connected:
+        """Slow poll of what the agents do not push (GPU holders), every connected host; paused while a modal is open."""
+        if self.modal_open:
             return
-        self.run_worker(self._poll(), group="poll", exclusive=True, exit_on_error=False)
-        self.state_changed({"connection"})  # keeps "N s ago" in the banner moving
+        for session in self.sessions:
+            if session.connected:
+                self.run_worker(self._poll(session), group=f"poll:{session.name}", exclusive=True, exit_on_error=False)
+        self.state_changed({"connection", "hosts"})  # keeps "N s ago" in the banners moving
 
-    async def _poll(self) -> None:
+    async def _poll(self, session: HostSession) -> None:
         try:
-            await self._refresh_holders()
-            if isinstance(self.screen, LogsScreen) and self.selected_job:
+            await session.refresh_holders()
+            if session is self.active and isinstance(self.screen, LogsScreen) and self.selected_job:
                 other = tuple(s for s in STREAMS if s != self.log_stream)
-                await self._tail_logs(self.selected_job, other)
+                await session.tail_logs(self.selected_job, other)
         except AgentError:
             pass  # the banner shows the disconnect; the next tick tries again
 
@@ -683,9 +669,9 @@ def _short_profile(profile: str) -> str:
 
 
 def build_app(
-    transport: Transport | None = None,
+    transport: Transport | list[Transport] | None = None,
     *,
-    state: ConsoleState | None = None,
+    state: ConsoleState | list[ConsoleState] | None = None,
     target: str | None = None,
     profile: str = "tiny",
     clock: Callable[[], float] | None = None,
@@ -699,18 +685,32 @@ def build_app(
     readonly: bool = False,
     notify_terminal: bool = False,
 ) -> ConsoleApp:
-    """The console app: over `transport` when given, else showing only the (fixed) `state` handed in."""
-    state = state or ConsoleState()
+    """The console app over one transport per host (a list for several hosts), else showing only the (fixed) state(s)
+    handed in. Hosts are told apart by their transport's label, which must be unique."""
+    transports: list[Transport | None] = list(transport) if isinstance(transport, list) else [transport]
+    if isinstance(state, list):
+        states = state
+        if transports == [None]:
+            transports = [None] * len(states)
+    else:
+        states = [state] if state is not None else [ConsoleState() for _ in transports]
+    if len(states) != len(transports):
+        raise ValueError(f"{len(transports)} transports but {len(states)} states")
+    hosts: list[tuple[AgentClient | None, ConsoleState]] = []
+    for one_transport, one_state in zip(transports, states):
+        if one_transport is not None:
+            one_state.target = one_transport.label
+        if clock is not None:
+            one_state.clock = clock
+        client = AgentClient(one_transport, timeout=request_timeout) if one_transport is not None else None
+        hosts.append((client, one_state))
     if target is not None:
-        state.target = target
-    elif transport is not None:
-        state.target = transport.label
-    if clock is not None:
-        state.clock = clock
-    client = AgentClient(transport, timeout=request_timeout) if transport is not None else None
+        hosts[0][1].target = target
+    labels = [s.target for _, s in hosts]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"two hosts share a name: {labels}; give each --host once")
     return ConsoleApp(
-        client,
-        state,
+        hosts,
         profile=profile,
         refresh_throttle=refresh_throttle,
         poll_interval=poll_interval,

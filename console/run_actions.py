@@ -19,7 +19,7 @@ from backend.commands import (CHAIN_CONCURRENCY_DEFAULT, CHAIN_GRACE_DEFAULT_S, 
 from console.screens.chain import CHAIN_STAGES
 from console.screens.grok_modal import GrokModal
 from console.screens.modals import ResumeModal, StopAndBenchModal, WatchModal, bench_plan_text
-from console.state import EXTERNAL_PREFIX
+from console.state import EXTERNAL_PREFIX, ConsoleState
 
 SIGNALS_INTERVAL_S = 5.0  # at most one `signals` request per job this often (the host computes them on request)
 DATA_SCALING_EVERY_S = 60.0
@@ -35,6 +35,7 @@ def terminal_notification(text: str) -> str:
 
 if TYPE_CHECKING:
     from console.app import ConsoleApp
+    from console.session import HostSession
 
     _Base = ConsoleApp
 else:
@@ -53,11 +54,10 @@ class RunActions(_Base):
         self._signals_timer: Any = None
         self._data_scaling_at: dict[str, float] = {}
         self._profiles: dict[str, ProfileFacts] = {}
-        self._externals_agent: int | None = None  # agent pid the external watches were registered with
         self.resume_target: dict[str, str] | None = None  # {"job", "checkpoint", "profile"}: what the last stop wrote
         self.terminal_writes: list[str] = []  # notifications sent to the terminal (--notify), newest last
         self.alerts: list[str] = []  # every alert raised, newest last
-        self._job_states: dict[str, str] | None = None
+        self._job_states: dict[str, dict[str, str]] = {}  # per host (its label, "" with one host): job -> state last seen
         self._alerted: set[tuple] = set()
 
     def select_started_job(self, name: str, wire: dict[str, Any] | None) -> None:
@@ -291,77 +291,67 @@ class RunActions(_Base):
         job = str(result.get("job") or EXTERNAL_PREFIX + choice["name"])
         self.state.metrics.pop(job, None)  # the agent's reader starts from the beginning of the run
         self.state.signals.pop(job, None)
-        self._externals_agent = self.state.hello.agent_pid if self.state.hello else None
+        self.active.externals_agent = self.state.hello.agent_pid if self.state.hello else None
         self.state_changed(self.state.add_external(job, choice["path"]))
         self.note(f"watching {choice['path']} as {job} (read-only: no stop or adopt)")
         self.select_started_job(job, None)
 
-    async def _rewatch_externals(self) -> None:
-        """A new agent (after a reconnect) knows no watches: register them again; their records restart from 0."""
-        agent = self.state.hello.agent_pid if self.state.hello else None
-        if not self.state.externals or agent == self._externals_agent:
-            return
-        for job, path in list(self.state.externals.items()):
-            try:
-                await self.client.request(Request.WATCH_EXTERNAL, name=job.removeprefix(EXTERNAL_PREFIX), path=path)
-            except AgentError as exc:
-                self.note(f"re-watching {path} as {job} failed: {exc}", severity="warning")
-            self.state.metrics.pop(job, None)
-        self._externals_agent = agent
-
     # -- alerts: job exits, a red canary, grokking onset, a disk running low --------------------------
 
-    def check_alerts(self, sections: set[str]) -> None:
-        """Called with each state change: each alert is raised once (a toast); with --notify also on the terminal."""
+    def check_alerts(self, sections: set[str], session: HostSession) -> None:
+        """Called with each state change of a host: each alert is raised once (a toast); with --notify also on the terminal."""
+        state = session.state
+        where = f" on {session.name}" if self.multi_host else ""
         if "jobs" in sections:
-            self._alert_job_exits()
+            self._alert_job_exits(state, where)
         if "stages" in sections:
-            self._alert_canaries()
+            self._alert_canaries(state, where)
         if "signals" in sections:
-            self._alert_onsets()
+            self._alert_onsets(state, where)
         if "disks" in sections:
-            self._alert_disks()
+            self._alert_disks(state, where)
 
-    def _alert_job_exits(self) -> None:
-        states = {name: job.state for name, job in self.state.jobs.items()}
-        before, self._job_states = self._job_states, states
+    def _alert_job_exits(self, state: ConsoleState, where: str) -> None:
+        states = {name: job.state for name, job in state.jobs.items()}
+        before, self._job_states[where] = self._job_states.get(where), states
         if before is None:
             return  # the first list: jobs that ended before the console came are not news
-        for name, state in states.items():
-            if before.get(name) == "running" and state in ENDED_STATES:
-                job = self.state.jobs[name]
+        for name, job_state in states.items():
+            if before.get(name) == "running" and job_state in ENDED_STATES:
+                job = state.jobs[name]
                 code = f" with exit code {job.exit_code}" if job.exit_code is not None else ""
-                self.alert(f"job {name} {state}{code}", severity="error" if job.exit_code not in (None, 0) else "warning")
+                self.alert(f"job {name}{where} {job_state}{code}", severity="error" if job.exit_code not in (None, 0) else "warning")
 
-    def _alert_canaries(self) -> None:
-        for job, records in self.state.stages.items():
+    def _alert_canaries(self, state: ConsoleState, where: str) -> None:
+        for job, records in state.stages.items():
             for record in records:
                 if record.get("stage") != "canary" or record.get("_received") is None:
                     continue  # only what arrived live: a history re-read on attach is not news
                 result = record.get("result") if isinstance(record.get("result"), dict) else {}
                 if record.get("status") == "failed" or result.get("verdict") == "red":
-                    key = ("canary", job, record.get("time"))
+                    key = ("canary", where, job, record.get("time"))
                     if key not in self._alerted:
                         self._alerted.add(key)
-                        self.alert(f"canary RED in {job}: {str(record.get('detail') or result.get('headline') or '')[:120]}", severity="error")
+                        self.alert(f"canary RED in {job}{where}: {str(record.get('detail') or result.get('headline') or '')[:120]}",
+                                   severity="error")
 
-    def _alert_onsets(self) -> None:
-        for job, signals in self.state.signals.items():
+    def _alert_onsets(self, state: ConsoleState, where: str) -> None:
+        for job, signals in state.signals.items():
             onset = signals.get("onset") if isinstance(signals, dict) else None
-            if isinstance(onset, dict) and onset.get("detected") and ("onset", job) not in self._alerted:
-                self._alerted.add(("onset", job))
-                self.alert(f"grokking onset in {job} at step {onset.get('step')}")
+            if isinstance(onset, dict) and onset.get("detected") and ("onset", where, job) not in self._alerted:
+                self._alerted.add(("onset", where, job))
+                self.alert(f"grokking onset in {job}{where} at step {onset.get('step')}")
 
-    def _alert_disks(self) -> None:
-        for disk in self.state.disks:
+    def _alert_disks(self, state: ConsoleState, where: str) -> None:
+        for disk in state.disks:
             share = disk.used_bytes / disk.total_bytes if disk.total_bytes else 0.0
             no_room = disk.checkpoint_bytes is not None and disk.free_bytes < disk.checkpoint_bytes
-            key = ("disk", disk.path)
+            key = ("disk", where, disk.path)
             if share > DISK_LOW_SHARE or no_room:
                 if key not in self._alerted:
                     self._alerted.add(key)
                     why = "less free than a checkpoint needs" if no_room else f"{share:.0%} used"
-                    self.alert(f"disk low: {disk.label} {disk.path} ({why})", severity="error")
+                    self.alert(f"disk low{where}: {disk.label} {disk.path} ({why})", severity="error")
             else:
                 self._alerted.discard(key)  # recovered: alert again if it runs low again
 

@@ -10,7 +10,8 @@ from textual.command import CommandList, CommandPalette
 from textual.widgets import DataTable, Input
 
 from backend.protocol import Request
-from console.app import ACTIONS, LOG_TAIL_LINES, build_app
+from console.app import ACTIONS, build_app
+from console.session import LOG_TAIL_LINES
 from console.screens.dashboard import DashboardScreen
 from console.screens.logs import TAIL_LINES, LogsScreen, lines_label
 from console.screens.modals import AdoptModal, ResumeModal, StopModal, checkpoint_line, pids_phrase, stop_plan_text, training_phases

@@ -10,10 +10,10 @@ from textual.widgets import Header, Log, Static
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 from console.widgets.panels import ConsoleFooter
+from console.session import LOG_TAIL_LINES, STREAMS
 
-STREAMS = ("stdout", "stderr")
 AGENT_LINES = 4
-TAIL_LINES = 500  # what console/app.py (LOG_TAIL_LINES) asks the agent for: a tail this long may be cut
+TAIL_LINES = LOG_TAIL_LINES  # what the session asks the agent for: a tail this long may be cut
 
 
 def lines_label(stream: str, buffer) -> str:

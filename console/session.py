@@ -1,0 +1,233 @@
+"""One host's agent conversation without Textual: connect, fold events into that host's ConsoleState, resync, load a
+job's metrics and logs, poll holders, re-register watched runs.
+
+The app composes one HostSession per host and tells it nothing about screens; the session tells its listener which
+state sections changed and what the operator should read (notes). Tests drive it over a real agent with no UI.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Protocol
+
+from backend.protocol import PROTOCOL_VERSION, Request
+from console.client import AgentClient, AgentError
+from console.state import EXTERNAL_PREFIX, FAILED, SUMMARY_KEYS, ConnectionStatus, ConsoleState
+from console.transport import AgentStderr, TransportError
+
+LOG_TAIL_LINES = 500
+HISTORY_BATCHES_MAX = 1000
+SUMMARY_POINTS = 512  # whole-history buckets per series (a wide terminal's plot is ~250 columns)
+TAIL_RECORDS = 500  # raw records fetched for the live tail on attach (the buckets hold the rest)
+VAL_ROWS = 8
+SUMMARY_REFRESH_S = 5.0
+STREAMS = ("stdout", "stderr")
+
+
+class SessionListener(Protocol):
+    """What a session reports to whoever shows it (the app, or a test)."""
+
+    def session_changed(self, session: "HostSession", sections: set[str]) -> None: ...
+
+    def session_event(self, session: "HostSession", event: Any, sections: set[str]) -> None: ...
+
+    def session_note(self, session: "HostSession", text: str, severity: str) -> None: ...
+
+
+class HostSession:
+    """The conversation with one host's agent and the state it fills."""
+
+    def __init__(self, client: AgentClient | None, state: ConsoleState, listener: SessionListener):
+        self.client = client
+        self.state = state
+        self.listener = listener
+        self.events_seen = 0
+        self.externals_agent: int | None = None  # agent pid the external watches were registered with
+        self._metrics_locks: dict[str, asyncio.Lock] = {}
+        self.summary_at: dict[tuple[str, bool], float] = {}
+        self.summary_pending: set[tuple[str, bool]] = set()
+
+    @property
+    def name(self) -> str:
+        """The host as the operator named it (the transport's label)."""
+        return self.state.target
+
+    @property
+    def connected(self) -> bool:
+        return self.client is not None and self.state.connection.connected
+
+    def changed(self, sections: set[str]) -> None:
+        if sections:
+            self.listener.session_changed(self, sections)
+
+    def note(self, text: str, severity: str = "information") -> None:
+        self.listener.session_note(self, text, severity)
+
+    # -- the event pump ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connect (retrying), then fold every event into the state for as long as the app lives."""
+        assert self.client is not None
+        try:
+            await self.client.start(retry=True)
+        except TransportError as exc:
+            self.fold(ConnectionStatus(state=FAILED, detail=str(exc), since=time.time()))
+            return
+        added = getattr(self.client.transport, "host_key_added", None)
+        if added:
+            self.note(added)
+        while True:
+            event = await self.client.next_event()
+            self.fold(event)
+
+    def fold(self, event: Any) -> set[str]:
+        """One client event into the state; the listener hears the sections that changed and the event itself."""
+        self.events_seen += 1
+        if isinstance(event, ConnectionStatus):
+            changed = self.state.set_connection(event)
+        elif isinstance(event, AgentStderr):
+            self.state.agent_stderr.append(event.text)
+            changed = {"agent_stderr"}
+        elif isinstance(event, dict):
+            if event.get("type") == "hello" and event.get("protocol") != PROTOCOL_VERSION:
+                self.note(f"the agent on {self.name} speaks protocol {event.get('protocol')}, this console {PROTOCOL_VERSION}: "
+                          "some views may be empty", "warning")
+            changed = self.state.apply(event)
+        else:
+            return set()
+        self.changed(changed)
+        self.listener.session_event(self, event, changed)
+        return changed
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    async def request(self, kind: str, /, **params: Any) -> dict[str, Any]:
+        if self.client is None:
+            raise AgentError("disconnected", f"no host connection; '{kind}' was not sent")
+        return await self.client.request(kind, **params)
+
+    async def resync(self) -> None:
+        """After (re)connecting: the snapshot, the watched runs again (a new agent knows none), the GPU holders."""
+        snapshot = await self.request(Request.SNAPSHOT)
+        self.changed(self.state.apply_snapshot(snapshot))
+        await self.rewatch_externals()
+        await self.refresh_holders()
+
+    async def refresh_holders(self) -> None:
+        result = await self.request(Request.HOLDERS)
+        self.changed(self.state.apply_holders(result.get("holders") or []))
+
+    async def rewatch_externals(self) -> None:
+        """A new agent (after a reconnect) knows no watches: register them again; their records restart from 0."""
+        agent = self.state.hello.agent_pid if self.state.hello else None
+        if not self.state.externals or agent == self.externals_agent:
+            return
+        for job, path in list(self.state.externals.items()):
+            try:
+                await self.request(Request.WATCH_EXTERNAL, name=job.removeprefix(EXTERNAL_PREFIX), path=path)
+            except AgentError as exc:
+                self.note(f"re-watching {path} as {job} failed: {exc}", "warning")
+            self.state.metrics.pop(job, None)
+        self.externals_agent = agent
+
+    # -- a job's metrics: whole-history buckets, the live tail, catch-up after a gap -------------------
+
+    async def load_metrics(self, name: str, *, log_x_too: bool = False) -> list[tuple[str, bool]]:
+        """The whole-history summary from the host's index, then the live tail (the last records) and the latest
+        val records; never the whole file. One load per job at a time; events that arrive meanwhile are held
+        back and anything they reported beyond the tail is read right after, so no record is lost or doubled.
+        Returns the summary refreshes asked for while it loaded (the caller runs them)."""
+        lock = self._metrics_locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            metrics = self.state.job_metrics(name)
+            metrics.loading, metrics.seen_end = True, 0
+            try:
+                try:
+                    await self.fetch_summary(name, log_x=False)
+                    window = await self.request(Request.METRICS_WINDOW, name=name, last=TAIL_RECORDS, val=VAL_ROWS, timeout=60)
+                except AgentError as exc:
+                    if exc.code != "unknown_request":
+                        raise
+                    await self.load_history_pages(name)  # an agent of protocol 1
+                    return []
+                self.changed(self.state.apply_window(name, window))
+                if self.state.job_metrics(name).needs_catchup:
+                    await self.load_history_pages(name)
+                if log_x_too:
+                    await self.fetch_summary(name, log_x=True)
+            finally:
+                self.state.job_metrics(name).loading = False
+            pending = [p for p in self.summary_pending if p[0] == name]
+            self.summary_pending.difference_update(pending)
+            return pending
+
+    async def fetch_summary(self, name: str, *, log_x: bool) -> None:
+        result = await self.request(Request.METRICS_SERIES, name=name, keys=SUMMARY_KEYS, points=SUMMARY_POINTS,
+                                    log_x=log_x, timeout=60)
+        self.summary_at[(name, log_x)] = time.monotonic()
+        self.changed(self.state.apply_series(name, result))
+
+    def summary_due(self, name: str, *, log_x: bool) -> bool:
+        """Whether the whole-history buckets of `name` should be asked for now (missing or older than SUMMARY_REFRESH_S);
+        while a load of `name` is in flight the ask is remembered and answered after it."""
+        if not self.connected:
+            return False
+        metrics = self.state.metrics.get(name)
+        if metrics is not None and metrics.loading:
+            self.summary_pending.add((name, log_x))
+            return False
+        at = self.summary_at.get((name, log_x))
+        if at is None or time.monotonic() - at >= SUMMARY_REFRESH_S:
+            self.summary_at[(name, log_x)] = time.monotonic()
+            return True
+        return False
+
+    async def zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> dict[str, Any]:
+        return await self.request(Request.METRICS_SERIES, name=name, keys=SUMMARY_KEYS, points=max(16, min(points, 1024)),
+                                  log_x=log_x, timeout=60, **{"from": step_from, "to": step_to})
+
+    async def load_history_pages(self, name: str) -> None:
+        """metrics_history pages from our offset (from 0 the first time) while the agent says `more`: the catch-up
+        after a gap in the live events, and the whole load from an agent that predates metrics_series."""
+        for _ in range(HISTORY_BATCHES_MAX):
+            metrics = self.state.job_metrics(name)
+            reset = not metrics.history_loaded
+            offset = 0 if reset else metrics.offset
+            result = await self.request(Request.METRICS_HISTORY, name=name, offset=offset, timeout=120)
+            self.changed(self.state.apply_metrics_history(name, result, reset=reset))
+            metrics = self.state.job_metrics(name)
+            if not result.get("more") and not metrics.needs_catchup:
+                return
+            if result.get("offset") == offset and not result.get("records"):
+                return
+
+    async def catch_up_metrics(self) -> None:
+        for name, metrics in list(self.state.metrics.items()):
+            if metrics.needs_catchup:
+                try:
+                    await self.load_metrics(name)
+                except AgentError as exc:
+                    self.note(f"re-reading metrics of {name} on {self.name} failed: {exc}")
+                    return
+
+    # -- logs -----------------------------------------------------------------------------------------
+
+    async def follow_logs(self, name: str, live_stream: str) -> None:
+        """Tail both streams, then follow one live (the agent follows one log at a time)."""
+        await self.tail_logs(name, STREAMS)
+        await self.request(Request.FOLLOW_LOG, name=name, stream=live_stream)
+
+    async def tail_logs(self, name: str, streams: tuple[str, ...]) -> None:
+        for stream in streams:
+            try:
+                result = await self.request(Request.TAIL_LOG, name=name, stream=stream, lines=LOG_TAIL_LINES)
+            except AgentError as exc:
+                if exc.code in ("disconnected", "timeout"):
+                    raise
+                result = {"lines": [f"(no {stream} to show: {exc.message})"]}  # e.g. an adopted process's log
+            self.state.log(name, stream).replace([str(line) for line in result.get("lines") or []])
+        self.changed({"logs"})
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
