@@ -1,4 +1,4 @@
-"""GPU telemetry: NVML (lazy pynvml) or one long-lived `nvidia-smi -lms` stream, a clean no-driver state, and parsers for nvidia-smi's outputs."""
+"""GPU telemetry behind one GpuSource protocol: NVML (lazy pynvml), an `nvidia-smi -lms` stream, one-shot nvidia-smi calls, or none."""
 from __future__ import annotations
 
 import re
@@ -6,11 +6,10 @@ import shutil
 import subprocess
 import threading
 import time
-import xml.etree.ElementTree as ET
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from backend.protocol import GpuProcess, GpuSample
 
@@ -34,6 +33,30 @@ DRIVER_PROC_FILE = Path("/proc/driver/nvidia/version")
 
 class GpuParseError(ValueError):
     """An nvidia-smi / NVML text that does not have the expected shape."""
+
+
+class GpuSource(Protocol):
+    """Where GPU samples come from; the agent, `eagle3-host gpus`/`holders`, the stop and the chain read GPUs only through this."""
+
+    @property
+    def name(self) -> str: ...  # "nvml" | "nvidia-smi" | "none" (HelloInfo.gpu_source)
+
+    @property
+    def driver(self) -> str | None: ...  # driver version, None when unknown
+
+    @property
+    def nvml(self) -> str: ...  # "ok", or why NVML is not used
+
+    @property
+    def message(self) -> str: ...  # one line for the operator: what samples and how
+
+    def sample(self) -> list[GpuSample]:
+        """Every visible GPU now, ordered by index, with its compute processes; [] without a driver."""
+        ...
+
+    def close(self) -> None:
+        """Release what the source holds (NVML, the nvidia-smi stream process); idempotent."""
+        ...
 
 
 # ---------------------------------------------------------------- value and CSV parsers
@@ -78,14 +101,6 @@ def parse_query_gpu(text: str, fields: tuple[str, ...] = QUERY_GPU_FIELDS) -> li
     return [parse_query_gpu_line(line, fields) for line in text.splitlines() if line.strip()]
 
 
-def latest_by_index(samples: list[GpuSample]) -> list[GpuSample]:
-    """Collapse a stream to the last sample of each GPU, ordered by index."""
-    latest: dict[int, GpuSample] = {}
-    for sample in samples:
-        latest[sample.index] = sample
-    return [latest[index] for index in sorted(latest)]
-
-
 @dataclass
 class ComputeApp:
     pid: int
@@ -114,176 +129,6 @@ def attach_apps(samples: list[GpuSample], apps: list[ComputeApp]) -> list[GpuSam
     for app in apps:
         by_uuid.setdefault(app.gpu_uuid, []).append(GpuProcess(app.pid, app.used_memory_mib))
     return [replace(sample, processes=by_uuid.get(sample.uuid, [])) for sample in samples]
-
-
-# ---------------------------------------------------------------- nvidia-smi table, XML, NVML dump, topology
-
-
-@dataclass
-class SmiReport:
-    driver: str | None
-    cuda: str | None
-    gpus: list[GpuSample] = field(default_factory=list)
-
-
-_TABLE_VERSIONS = re.compile(r"Driver Version:\s*(\S+)\s+CUDA Version:\s*(\S+)")
-_TABLE_GPU = re.compile(r"^\|\s+(\d+)\s+(.+?)\s+(?:On|Off)\s+\|\s+[0-9A-Fa-f]+:[0-9A-Fa-f:.]+\s+\S+\s+\|")
-_TABLE_STATS = re.compile(
-    r"^\|\s*\S+\s+(?P<temp>\d+|N/A)C?\s+\S+\s+(?P<power>\d+|N/A)W?\s*/\s*(?:\d+|N/A)W?\s*\|"
-    r"\s*(?P<used>\d+)MiB\s*/\s*(?P<total>\d+)MiB\s*\|\s*(?P<util>\d+|N/A)%?"
-)
-_TABLE_PROC = re.compile(r"^\|\s+(?P<gpu>\d+)\s+\S+\s+\S+\s+(?P<pid>\d+)\s+\S+\s+.+?\s+(?P<mem>\d+|N/A)(?:MiB)?\s*\|$")
-
-
-def _num_or_none(text: str) -> float | None:
-    return None if text == "N/A" else float(text)
-
-
-def parse_smi_table(text: str) -> SmiReport:
-    """Plain `nvidia-smi` output: per-GPU memory, utilization, temperature, power and the Processes table."""
-    versions = _TABLE_VERSIONS.search(text)
-    report = SmiReport(versions.group(1) if versions else None, versions.group(2) if versions else None)
-    by_index: dict[int, GpuSample] = {}
-    lines = text.splitlines()
-    in_processes = False
-    for number, line in enumerate(lines):
-        if line.startswith("| Processes:"):
-            in_processes = True
-            continue
-        if in_processes:
-            proc = _TABLE_PROC.match(line)
-            if proc and int(proc.group("gpu")) in by_index:
-                by_index[int(proc.group("gpu"))].processes.append(GpuProcess(int(proc.group("pid")), _num_or_none(proc.group("mem"))))
-            continue
-        gpu = _TABLE_GPU.match(line)
-        if not gpu:
-            continue
-        stats = _TABLE_STATS.match(lines[number + 1]) if number + 1 < len(lines) else None
-        if not stats:
-            raise GpuParseError(f"GPU {gpu.group(1)} line is not followed by a stats line: {lines[number + 1:number + 2]!r}")
-        sample = GpuSample(
-            index=int(gpu.group(1)),
-            name=gpu.group(2).strip(),
-            memory_used_mib=float(stats.group("used")),
-            memory_total_mib=float(stats.group("total")),
-            utilization_pct=_num_or_none(stats.group("util")),
-            temperature_c=_num_or_none(stats.group("temp")),
-            power_w=_num_or_none(stats.group("power")),
-        )
-        by_index[sample.index] = sample
-        report.gpus.append(sample)
-    if not report.gpus:
-        raise GpuParseError("no GPU rows found in the nvidia-smi table")
-    return report
-
-
-def _xml_number(node: ET.Element | None, path: str) -> float | None:
-    found = node.find(path) if node is not None else None
-    return parse_number(found.text or "") if found is not None else None
-
-
-def parse_smi_xml(text: str) -> SmiReport:
-    """`nvidia-smi -q -x`: GPUs in document order (= nvidia-smi index) with their compute processes."""
-    try:
-        root = ET.fromstring(text)
-    except ET.ParseError as exc:
-        raise GpuParseError(f"nvidia-smi XML does not parse: {exc}") from None
-    report = SmiReport(root.findtext("driver_version"), root.findtext("cuda_version"))
-    for index, gpu in enumerate(root.findall("gpu")):
-        power = gpu.find("gpu_power_readings")
-        power_w = None
-        for tag in ("power_draw", "average_power_draw", "instant_power_draw"):
-            power_w = _xml_number(power, tag)
-            if power_w is not None:
-                break
-        sample = GpuSample(
-            index=index,
-            name=gpu.findtext("product_name", ""),
-            uuid=gpu.findtext("uuid", ""),
-            memory_used_mib=_xml_number(gpu, "fb_memory_usage/used"),
-            memory_total_mib=_xml_number(gpu, "fb_memory_usage/total"),
-            utilization_pct=_xml_number(gpu, "utilization/gpu_util"),
-            temperature_c=_xml_number(gpu, "temperature/gpu_temp"),
-            power_w=power_w,
-        )
-        for info in gpu.findall("processes/process_info"):
-            sample.processes.append(GpuProcess(int(info.findtext("pid", "0")), _xml_number(info, "used_memory")))
-        report.gpus.append(sample)
-    return report
-
-
-@dataclass
-class NvmlDump:
-    """What a small pynvml script printed (fixtures' nvml_dump.txt): bytes converted to MiB."""
-
-    driver: str | None = None
-    nvml: str | None = None
-    count: int | None = None
-    gpus: list[GpuSample] = field(default_factory=list)
-    timings_ms: dict[str, float] = field(default_factory=dict)
-
-
-_DUMP_GPU = re.compile(r"^(\d+)\s+(.+?)\s+mem\s+(\d+)\s+(\d+)(.*)$")
-_DUMP_PAIR = re.compile(r"\((\d+),\s*(\d+)\)")
-
-
-def parse_nvml_dump(text: str) -> NvmlDump:
-    dump = NvmlDump()
-    current: GpuSample | None = None
-    for line in text.splitlines():
-        words = line.split()
-        if not words:
-            continue
-        if words[0] == "driver":
-            dump.driver = words[1]
-            dump.nvml = words[3] if len(words) > 3 and words[2] == "nvml" else None
-        elif words[0] == "count":
-            dump.count = int(words[1])
-        elif words[0] == "proc" and current is not None:
-            current.processes.append(GpuProcess(int(words[1]), int(words[2]) / MIB))
-        elif words[0].endswith("_ms"):
-            dump.timings_ms[words[0]] = float(words[2] if words[1] == "median" else words[1])
-        elif match := _DUMP_GPU.match(line):
-            current = GpuSample(int(match.group(1)), match.group(2), memory_used_mib=int(match.group(3)) / MIB, memory_total_mib=int(match.group(4)) / MIB)
-            _dump_extras(current, match.group(5))
-            dump.gpus.append(current)
-        else:
-            raise GpuParseError(f"unrecognised NVML dump line: {line!r}")
-    return dump
-
-
-def _dump_extras(sample: GpuSample, tail: str) -> None:
-    words = tail.split()
-    for key, width in (("util", 2), ("temp", 1), ("power_mW", 1)):
-        if key in words:
-            values = words[words.index(key) + 1 : words.index(key) + 1 + width]
-            if key == "util":
-                sample.utilization_pct = float(values[0])
-            elif key == "temp":
-                sample.temperature_c = float(values[0])
-            else:
-                sample.power_w = float(values[0]) / 1000
-    sample.processes.extend(GpuProcess(int(pid), int(used) / MIB) for pid, used in _DUMP_PAIR.findall(tail))
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def parse_topo(text: str) -> dict[str, dict[str, str]]:
-    """`nvidia-smi topo -m`: {"GPU0": {"GPU1": "NV18", "CPU Affinity": "0-31", ...}, ...}."""
-    lines = [_ANSI.sub("", line) for line in text.splitlines()]
-    header = [cell.strip() for cell in lines[0].split("\t")][1:]
-    matrix: dict[str, dict[str, str]] = {}
-    for line in lines[1:]:
-        if not line.strip():
-            break
-        # nvidia-smi pads some columns with two tabs: empty cells carry no value.
-        cells = [cell.strip() for cell in line.split("\t")]
-        values = [cell for cell in cells[1:] if cell]
-        matrix[cells[0]] = {column: value for column, value in zip(header, values) if column}
-    if not matrix:
-        raise GpuParseError("no rows in the topology matrix")
-    return matrix
 
 
 def parse_driver_proc(text: str) -> str | None:
@@ -340,13 +185,13 @@ class NvmlSource:
         self._memory_v2 = hasattr(nvml, "nvmlMemory_v2")
         self.message = f"NVML, driver {self.driver}, {len(self._handles)} GPU(s)"
 
-    def _try(self, call, *args):
+    def _try(self, call: Callable[..., Any], *args: Any) -> Any:
         try:
             return call(*args)
         except self._nv.NVMLError:
             return None
 
-    def _memory(self, handle):
+    def _memory(self, handle: Any) -> Any:
         # v2 reports "used" without the driver-reserved memory, as nvidia-smi does (v1 adds it).
         if self._memory_v2:
             try:
@@ -355,7 +200,7 @@ class NvmlSource:
                 self._memory_v2 = False
         return self._try(self._nv.nvmlDeviceGetMemoryInfo, handle)
 
-    def _processes(self, handle) -> list[GpuProcess]:
+    def _processes(self, handle: Any) -> list[GpuProcess]:
         found = self._try(self._nv.nvmlDeviceGetComputeRunningProcesses, handle) or []
         processes = []
         for proc in found:
@@ -468,8 +313,8 @@ class SmiStreamSource:
 
     @property
     def message(self) -> str:
-        alive = self._proc is not None and self._proc.poll() is None
-        state = f"pid {self._proc.pid}" if alive else "stream stopped: " + " | ".join(self.stderr_tail)
+        proc = self._proc
+        state = f"pid {proc.pid}" if proc is not None and proc.poll() is None else "stream stopped: " + " | ".join(self.stderr_tail)
         return f"nvidia-smi -lms {self.interval_ms} ({state}; NVML unavailable: {self.nvml})"
 
     def _start(self) -> None:
@@ -480,7 +325,7 @@ class SmiStreamSource:
         threading.Thread(target=self._read_stderr, args=(proc,), name="nvidia-smi-stderr", daemon=True).start()
 
     def _read_stdout(self, proc: subprocess.Popen) -> None:
-        for raw in proc.stdout:
+        for raw in proc.stdout or ():
             line = raw.decode(errors="replace").strip()
             if not line:
                 continue
@@ -495,7 +340,7 @@ class SmiStreamSource:
                 self._line_event.notify_all()
 
     def _read_stderr(self, proc: subprocess.Popen) -> None:
-        for raw in proc.stderr:
+        for raw in proc.stderr or ():
             self.stderr_tail.append(raw.decode(errors="replace").strip())
 
     def wait_for_line(self, after: int, timeout: float) -> bool:
@@ -552,7 +397,7 @@ class NoGpuSource:
         pass
 
 
-def open_gpu_source(stream: bool = True, interval_s: float = 1.0, smi: str | None = None, use_nvml: bool = True):
+def open_gpu_source(stream: bool = True, interval_s: float = 1.0, smi: str | None = None, use_nvml: bool = True) -> GpuSource:
     """NVML when it initialises, else nvidia-smi (a -lms stream, or one-shot spawns when stream=False), else NoGpuSource."""
     nvml, status = probe_nvml() if use_nvml else (None, "NVML not tried")
     if nvml is not None:
@@ -572,7 +417,7 @@ def open_gpu_source(stream: bool = True, interval_s: float = 1.0, smi: str | Non
     return NoGpuSource(status, message)
 
 
-def driver_state(source) -> dict[str, Any]:
+def driver_state(source: GpuSource) -> dict[str, Any]:
     """What the GPUS event and `eagle3-host gpus` say about where the numbers come from."""
     return {
         "available": source.name != "none",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import gpu_parsers
 from backend import gpu
 from backend.holders import FuserOutputError, parse_fuser_pids
 from conftest import needs_shared
@@ -36,13 +37,13 @@ def parse_fixture(path: Path):
     if name.startswith("query-apps_"):
         return gpu.parse_query_apps(text)
     if name.endswith(".xml"):
-        return gpu.parse_smi_xml(text)
+        return gpu_parsers.parse_smi_xml(text)
     if name.startswith("nvidia-smi_"):
-        return gpu.parse_smi_table(text)
+        return gpu_parsers.parse_smi_table(text)
     if name == "nvml_dump.txt":
-        return gpu.parse_nvml_dump(text)
+        return gpu_parsers.parse_nvml_dump(text)
     if name == "topo.txt":
-        return gpu.parse_topo(text)
+        return gpu_parsers.parse_topo(text)
     if name.startswith("fuser") and name.endswith("stdout.txt"):
         return parse_fuser_pids(text)
     if name.startswith("fuser") and name.endswith("stderr.txt"):
@@ -103,28 +104,28 @@ def test_compute_apps_attach_to_gpus_by_uuid():
 def test_lms_stream_collapses_to_latest_per_gpu():
     lines = gpu.parse_query_gpu(read("h200x2/query-gpu_lms500_stream.csv"), ("index", "memory.used", "utilization.gpu"))
     assert len(lines) == 12 and [s.index for s in lines[:4]] == [0, 1, 0, 1]
-    latest = gpu.latest_by_index(lines)
+    latest = gpu_parsers.latest_by_index(lines)
     assert [(s.index, s.memory_used_mib, s.utilization_pct) for s in latest] == [(0, 10767, 0), (1, 15887, 0)]
 
 
 @needs_fixtures
 def test_smi_table_busy_and_idle():
-    busy = gpu.parse_smi_table(read("h200/nvidia-smi_busy.txt"))
+    busy = gpu_parsers.parse_smi_table(read("h200/nvidia-smi_busy.txt"))
     assert (busy.driver, busy.cuda) == ("580.159.04", "13.0")
     (sample,) = busy.gpus
     assert (sample.memory_used_mib, sample.memory_total_mib, sample.utilization_pct) == (21455, 143771, 96)
     assert (sample.temperature_c, sample.power_w) == (58, 692)
     assert [(p.pid, p.used_memory_mib) for p in sample.processes] == [(448, 21446)]
-    idle = gpu.parse_smi_table(read("h200/nvidia-smi_idle.txt"))
+    idle = gpu_parsers.parse_smi_table(read("h200/nvidia-smi_idle.txt"))
     assert idle.gpus[0].memory_used_mib == 0 and idle.gpus[0].processes == []
-    two = gpu.parse_smi_table(read("h200x2/nvidia-smi_busy.txt"))
+    two = gpu_parsers.parse_smi_table(read("h200x2/nvidia-smi_busy.txt"))
     assert [[p.pid for p in s.processes] for s in two.gpus] == [[565], [566]]
     assert [s.memory_used_mib for s in two.gpus] == [10767, 15887]
 
 
 @needs_fixtures
 def test_smi_xml():
-    report = gpu.parse_smi_xml(read("h200/nvidia-smi_q_x_busy.xml"))
+    report = gpu_parsers.parse_smi_xml(read("h200/nvidia-smi_q_x_busy.xml"))
     assert (report.driver, report.cuda) == ("580.159.04", "13.0")
     (sample,) = report.gpus
     assert (sample.uuid, sample.name) == (H200_UUID, "NVIDIA H200")
@@ -135,7 +136,7 @@ def test_smi_xml():
 
 @needs_fixtures
 def test_nvml_dump_matches_nvidia_smi():
-    dump = gpu.parse_nvml_dump(read("h200/nvml_dump.txt"))
+    dump = gpu_parsers.parse_nvml_dump(read("h200/nvml_dump.txt"))
     assert (dump.driver, dump.count) == ("580.159.04", 1)
     (sample,) = dump.gpus
     assert [(p.pid, p.used_memory_mib) for p in sample.processes] == [(448, 21446.0)]  # bytes -> exactly nvidia-smi's MiB
@@ -143,13 +144,13 @@ def test_nvml_dump_matches_nvidia_smi():
     assert abs(sample.memory_used_mib - (21455 + 616)) < 2
     assert (sample.utilization_pct, sample.temperature_c, sample.power_w) == (95, 59, 698.029)
     assert dump.timings_ms["nvml_poll_ms"] < 1 < dump.timings_ms["nvidia_smi_poll_ms"]
-    two = gpu.parse_nvml_dump(read("h200x2/nvml_dump.txt"))
+    two = gpu_parsers.parse_nvml_dump(read("h200x2/nvml_dump.txt"))
     assert [[(p.pid, round(p.used_memory_mib)) for p in s.processes] for s in two.gpus] == [[(565, 10758)], [(566, 15878)]]
 
 
 @needs_fixtures
 def test_topology():
-    matrix = gpu.parse_topo(read("h200x2/topo.txt"))
+    matrix = gpu_parsers.parse_topo(read("h200x2/topo.txt"))
     assert matrix["GPU0"]["GPU1"] == "NV18" and matrix["GPU1"]["GPU0"] == "NV18"
     assert matrix["GPU0"]["CPU Affinity"] == "0-31"
 
