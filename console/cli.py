@@ -23,12 +23,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Operations console for EAGLE-3 draft training and serving. Without --host it runs the agent "
         "locally (a laptop without a GPU works) with the 'tiny' profile.",
     )
-    parser.add_argument("--host", default="local", help="SSH host (a name from ~/.ssh/config works), or 'local' (default)")
-    parser.add_argument("--port", type=int, help="SSH port (default: from ssh config, else 22)")
+    parser.add_argument("--host", action="append", dest="hosts", metavar="HOST",
+                        help="SSH host as [user@]name[:port] (a name from ~/.ssh/config works), or 'local' (default); "
+                        "repeat it to watch several hosts in one console")
+    parser.add_argument("--hosts-file", help="a file naming more hosts, one [user@]name[:port] per line ('#' starts a comment)")
+    parser.add_argument("--port", type=int, help="SSH port for hosts that name none (default: from ssh config, else 22)")
     parser.add_argument("--user", help="SSH user (default: from ssh config, else your login name)")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="profile name (tiny, llama3.1-8b, kimi-k2.5) or path to a TOML file")
     parser.add_argument("--run-dir", help="run directory on the host (default: the profile's paths.run_dir, ~/.eagle3)")
-    parser.add_argument("--snapshot", action="store_true", help="print one JSON object (hello, gpus, jobs, latest metrics, disks) and exit")
+    parser.add_argument("--snapshot", action="store_true",
+                        help="print one JSON object (hello, gpus, jobs, latest metrics, disks) and exit; with several hosts, "
+                        '{"hosts": {name: that object or {"error": why}}}')
     parser.add_argument("--accept-new-host-key", action="store_true", help="trust an UNKNOWN host key and append it to known_hosts (a CHANGED key is always refused)")
     parser.add_argument("--identity", help="SSH private key file (default: ssh config / agent / ~/.ssh/id_*)")
     parser.add_argument("--known-hosts", help="known_hosts file (default: ssh config's UserKnownHostsFile, else ~/.ssh/known_hosts)")
@@ -41,11 +46,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_transport(args: argparse.Namespace) -> tuple[Transport, str]:
-    """The transport the arguments ask for, and the profile argument jobs get; raises ProfileError."""
+class HostListError(ValueError):
+    """--host / --hosts-file named a host badly (empty, a bad port, twice)."""
+
+
+def host_list(args: argparse.Namespace) -> list[str]:
+    """The hosts to connect to, in order: every --host, then the hosts file's lines; ["local"] when none is named."""
+    hosts = list(args.hosts or [])
+    if args.hosts_file:
+        path = Path(args.hosts_file).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise HostListError(f"cannot read the hosts file {path}: {exc.strerror or exc}") from None
+        hosts += [entry for entry in (line.split("#", 1)[0].strip() for line in lines) if entry]
+    if not hosts:
+        return ["local"]
+    for host in hosts:
+        split_host(host, None)  # raises on a bad entry before anything connects
+    labels = [_canonical(host, args.port) for host in hosts]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise HostListError(f"host named twice: {', '.join(twice)}")
+    return hosts
+
+
+def split_host(entry: str, default_port: int | None) -> tuple[str | None, str, int | None]:
+    """'[user@]name[:port]' -> (user, name, port)."""
+    user, _, rest = entry.rpartition("@")
+    name, colon, port_text = rest.partition(":") if rest.count(":") == 1 else (rest, "", "")
+    if not name or any(ch.isspace() for ch in entry):
+        raise HostListError(f"bad host {entry!r}: expected [user@]name[:port]")
+    port = default_port
+    if colon:
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise HostListError(f"bad port in host {entry!r}: {port_text!r}")
+        port = int(port_text)
+    return user or None, name, port
+
+
+def _canonical(entry: str, default_port: int | None) -> str:
+    user, name, port = split_host(entry, default_port)
+    return f"{user + '@' if user else ''}{name}{':' + str(port) if port else ''}"
+
+
+def make_transports(args: argparse.Namespace) -> tuple[list[Transport], str]:
+    """One transport per host the arguments name, and the profile argument jobs get; raises ProfileError, HostListError."""
+    transports = []
+    profile_arg = args.profile
+    for host in host_list(args):
+        transport, profile_arg = make_transport(args, host)
+        transports.append(transport)
+    return transports, profile_arg
+
+
+def make_transport(args: argparse.Namespace, host: str = "local") -> tuple[Transport, str]:
+    """The transport to one host, and the profile argument jobs get; raises ProfileError."""
     profile = load_profile(args.profile)
     run_dir = args.run_dir or profile.paths.run_dir
-    if args.host == "local":
+    if host == "local":
         transport = LocalTransport(run_dir, python=args.python or sys.executable)
         return transport, args.profile
     extra = []
@@ -54,10 +113,11 @@ def make_transport(args: argparse.Namespace) -> tuple[Transport, str]:
     if path.suffix == ".toml" and Path(args.profile).expanduser().exists():
         extra.append((f"profiles/{path.name}", path))  # a custom profile file travels with the backend
         profile_arg = path.stem
+    user, name, port = split_host(host, args.port)
     transport = SSHTransport(
-        args.host,
-        port=args.port,
-        user=args.user,
+        name,
+        port=port,
+        user=user or args.user,
         identity=args.identity,
         known_hosts=args.known_hosts,
         accept_new_host_key=args.accept_new_host_key,
@@ -105,41 +165,62 @@ async def _first_telemetry(client, wait_s: float = FIRST_TICK_WAIT_S) -> None:
             raise TransportError(event.detail)
 
 
-def run_snapshot(transport: Transport) -> int:
+async def snapshots(transports: list[Transport]) -> list[dict | BaseException]:
+    """One snapshot per host, taken at once; a host that fails gives its exception instead."""
+    return list(await asyncio.gather(*(snapshot(t) for t in transports), return_exceptions=True))
+
+
+def _snapshot_error(transport: Transport, exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"{transport.label} did not answer within {SNAPSHOT_TIMEOUT_S:g}s"
+    return f"cannot take a snapshot of {transport.label}: {exc}"
+
+
+def run_snapshot(transports: list[Transport]) -> int:
+    """Print the snapshot (one host: its object; several: {"hosts": {name: object or {"error"}}}); 2 when any host failed."""
     from console.client import AgentError
 
-    try:
-        result = asyncio.run(snapshot(transport))
-    except (TransportError, AgentError) as exc:
-        print(f"eagle3-console: cannot take a snapshot of {transport.label}: {exc}", file=sys.stderr)
-        return 2
-    except asyncio.TimeoutError:
-        print(f"eagle3-console: {transport.label} did not answer within {SNAPSHOT_TIMEOUT_S:g}s", file=sys.stderr)
-        return 2
-    if getattr(transport, "host_key_added", None):
-        print(f"eagle3-console: {transport.host_key_added}", file=sys.stderr)
-    print(json.dumps(result, indent=2, sort_keys=True))
-    return 0
+    results = asyncio.run(snapshots(transports))
+    failed = False
+    by_host: dict[str, dict] = {}
+    for transport, result in zip(transports, results):
+        if isinstance(result, (TransportError, AgentError, asyncio.TimeoutError)):
+            failed = True
+            print(f"eagle3-console: {_snapshot_error(transport, result)}", file=sys.stderr)
+            by_host[transport.label] = {"error": _snapshot_error(transport, result)}
+            continue
+        if isinstance(result, BaseException):
+            raise result
+        if getattr(transport, "host_key_added", None):
+            print(f"eagle3-console: {transport.host_key_added}", file=sys.stderr)
+        by_host[transport.label] = result
+    if len(transports) == 1:
+        if failed:
+            return 2
+        print(json.dumps(by_host[transports[0].label], indent=2, sort_keys=True))
+        return 0
+    print(json.dumps({"hosts": by_host}, indent=2, sort_keys=True))
+    return 2 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        transport, profile_arg = make_transport(args)
-    except ProfileError as exc:
+        transports, profile_arg = make_transports(args)
+    except (ProfileError, HostListError) as exc:
         print(f"eagle3-console: {exc}; nothing was started", file=sys.stderr)
         return 2
     if args.snapshot:
-        return run_snapshot(transport)
+        return run_snapshot(transports)
     from console.app import build_app
 
-    app = build_app(transport, profile=profile_arg, readonly=args.readonly, notify_terminal=args.notify)
+    app = build_app(transports if len(transports) > 1 else transports[0], profile=profile_arg, readonly=args.readonly,
+                    notify_terminal=args.notify)
     app.run()
-    status = app.state.connection
-    if not status.connected and status.detail and app.state.last_data_at is None:
-        print(f"eagle3-console: {status.detail}", file=sys.stderr)
-        return 1
-    return 0
+    failed = [s for s in app.sessions if not s.state.connection.connected and s.state.connection.detail and s.state.last_data_at is None]
+    for session in failed:
+        print(f"eagle3-console: {session.state.connection.detail}", file=sys.stderr)
+    return 1 if failed and len(failed) == len(app.sessions) else 0
 
 
 if __name__ == "__main__":
