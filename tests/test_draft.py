@@ -1,15 +1,30 @@
 """The EAGLE-3 draft: config mapping, width refusal, TTT semantics, attention backends, incremental decoding."""
+import ast
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from backend.profiles import load_profile
-from backend.train.attention import compare_backends
 from backend.train.draft import (
     DraftModelConfig,
     Eagle3Draft,
     FeatureWidthError,
 )
 from backend.train.vocab import build_vocab_mapping
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def bench_attention():
+    """benchmarks/bench_attention.py, where the backend comparison and the timing CLI live."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_attention
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return bench_attention
 
 
 @pytest.fixture(autouse=True)
@@ -175,10 +190,18 @@ def test_flex_forward_matches_eager_on_cpu():
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_attention_kernels_match_eager(backend):
     shape = dict(batch=2, heads=4, kv_heads=2, seq=40, dim=16, steps=3)
-    result = compare_backends(backend, shape=shape, device="cpu", dtype=torch.float32, backward=backend != "flex")
+    result = bench_attention().compare_backends(backend, shape=shape, device="cpu", dtype=torch.float32, backward=backend != "flex")
     assert result["out_max_abs_diff"] < 1e-5
     if backend != "flex":
         assert result["grad_max_abs_diff"] < 1e-5
+
+
+def test_attention_benchmark_small_checks_run_on_cpu(capsys):
+    """`benchmarks/bench_attention.py --device cpu --small`: every backend against eager, alone and through the draft."""
+    assert bench_attention().main(["--device", "cpu", "--small"]) == 0
+    rows = [ast.literal_eval(line) for line in capsys.readouterr().out.splitlines()]  # the CLI prints one dict per line
+    assert [row["backend"] for row in rows] == ["sdpa", "flex", "sdpa", "flex"]
+    assert all(row.get("out_max_abs_diff", 0) < 1e-5 and row.get("logits_max_abs_diff", 0) < 1e-4 for row in rows)
 
 
 def test_loss_positions_select_rows_per_step():
