@@ -22,7 +22,8 @@ from backend.train.data import (
     tiny_samples,
     tokenize_conversation,
 )
-from backend.train.target import extract, load_target
+from backend.train.extract import extract
+from backend.train.target import load_target
 from backend.train.tiny import read_corpus
 
 

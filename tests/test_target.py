@@ -8,17 +8,8 @@ from safetensors import safe_open
 
 from backend.profiles import parse_profile
 from backend.train.data import Sample
-from backend.train.target import (
-    ExtractError,
-    ProgressBar,
-    TargetMismatchError,
-    TargetModel,
-    bytes_per_token,
-    check_aux_layer_ids,
-    extract,
-    hf_layer_index,
-    load_target,
-)
+from backend.train.extract import ExtractError, ProgressBar, bytes_per_token, extract
+from backend.train.target import TargetMismatchError, TargetModel, check_aux_layer_ids, hf_layer_index, load_target
 from conftest import mini_profile_dict
 
 

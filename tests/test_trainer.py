@@ -19,7 +19,8 @@ from backend.train.data import OnlineSource, Sample, TinyDataSettings, tiny_data
 from backend.train.draft import FeatureWidthError
 from backend.train.loss import make_teacher, ttt_loss
 from backend.train.schedule import GrokfastEMA, LRSchedule
-from backend.train.target import extract, load_target
+from backend.train.extract import extract
+from backend.train.target import load_target
 from backend.train.trainer import TrainOptions, Trainer, module_group, train
 from backend.train.tiny import read_corpus
 from backend.train.vocab import build_vocab_mapping, count_tokens

@@ -147,7 +147,8 @@ def _known_errors() -> tuple:
     from backend.train.checkpoint import CheckpointError
     from backend.train.data import DataError
     from backend.train.draft import DraftConfigError, FeatureWidthError
-    from backend.train.target import ExtractError, TargetMismatchError
+    from backend.train.extract import ExtractError
+    from backend.train.target import TargetMismatchError
     from backend.train.trainer import TrainSetupError
 
     return (ProfileError, CheckpointError, DataError, DraftConfigError, FeatureWidthError, ExtractError, TargetMismatchError, TrainSetupError)
@@ -181,7 +182,8 @@ def _extract(args) -> int:
 
     from backend.profiles import load_profile
     from backend.train.data import conversation_samples, tiny_data_settings, tiny_samples
-    from backend.train.target import extract, load_target
+    from backend.train.extract import extract
+    from backend.train.target import load_target
     from backend.train.tiny import is_tiny_target_dir
 
     apply_threads(getattr(args, "threads", None))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from backend.train.target import SHARD_FORMAT, SHARD_META
+from backend.train.extract import SHARD_FORMAT, SHARD_META
 
 
 class DataError(ValueError):
