@@ -22,7 +22,7 @@ from backend.disk import dir_size, disks_for
 from backend.gpu import driver_state, open_gpu_source
 from backend.jobs import TAIL_LINE_SHOWN, JobError, JobNotFound, JobRecord, JobRegistry, display_lines, tail_lines
 from backend.jsonl import JsonlFollower, read_complete_lines
-from backend.layout import checkpoint_listing, latest_checkpoint, list_results
+from backend.layout import STALL_AFTER_S, checkpoint_listing, default_data_dir, latest_checkpoint, list_results
 from backend.metrics import MetricsReader
 from backend.metrics_index import MetricsFeed, MetricsIndex
 from backend.protocol import (
@@ -58,6 +58,7 @@ SERIES_KEYS_MAX = 64
 GRACE_MAX_S = 3600.0
 LOG_CHUNK_BYTES = 1 << 20
 TAIL_LINES_MAX = 10_000
+STALL_AFTER_MAX_S = 86400.0
 
 
 class BadParams(Exception):
@@ -167,10 +168,12 @@ class JobFiles:
 
 
 class Agent:
-    def __init__(self, run_dir: str | Path, interval: float = 1.0, data_dirs: list[str] | None = None, out: BinaryIO | None = None, gpu_source=None):
+    def __init__(self, run_dir: str | Path, interval: float = 1.0, data_dirs: list[str] | None = None, out: BinaryIO | None = None, gpu_source=None,
+                 stall_after: float = STALL_AFTER_S):
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.interval = interval
-        self.data_dirs = list(data_dirs or [])
+        self.data_dirs = list(data_dirs or [])  # given explicitly: always reported
+        self.stall_after = stall_after
         self.registry = JobRegistry(self.run_dir)
         self.gpu = gpu_source if gpu_source is not None else open_gpu_source(stream=True, interval_s=interval)
         self.out = Output(out if out is not None else sys.stdout.buffer)
@@ -302,10 +305,12 @@ class Agent:
 
     def _emit_jobs(self, force: bool = False) -> None:
         records = self.registry.list_records()
-        wire = [record.to_wire() for record in records]
+        wire = [record.to_wire(self.stall_after) for record in records]
+        # Heartbeat ages change every second: they ride along with the forced event; a new stalled rank is a change.
+        steady = [{key: value for key, value in job.items() if key != "ranks"} for job in wire]
         with self._lock:
-            changed = wire != self._last_jobs
-            self._last_jobs = wire
+            changed = steady != self._last_jobs
+            self._last_jobs = steady
             self._sync_files(records)
         if changed or force or self._jobs_dirty.is_set():
             self._jobs_dirty.clear()
@@ -429,9 +434,16 @@ class Agent:
             elif records:
                 self.out.send({"type": Event.METRICS, "job": name, "records": records, "offset": watch["count"], "start_offset": start})
 
+    def reported_data_dirs(self) -> list[str]:
+        """The data dirs whose disks are reported: those given, else <run_dir>/data when it is on another filesystem."""
+        if self.data_dirs:
+            return self.data_dirs
+        default = default_data_dir(self.run_dir)
+        return [str(default)] if _filesystem(default) != _filesystem(self.run_dir) else []
+
     def _emit_disks(self) -> None:
         measure = time.monotonic() - self._dir_sizes_at >= DIR_SIZE_EVERY_S
-        disks = to_dict(disks_for(self.run_dir, self.data_dirs, measure_dirs=measure))
+        disks = to_dict(disks_for(self.run_dir, self.reported_data_dirs(), measure_dirs=measure))
         if measure:
             self._dir_sizes_at = time.monotonic()
             self._checkpoint_bytes = self._running_checkpoint_bytes()
@@ -508,10 +520,16 @@ class Agent:
             "hello": to_dict(self.hello()),
             "gpus": self._last_gpus,
             "driver": driver_state(self.gpu),
-            "jobs": [record.to_wire() for record in self.registry.list_records()],
+            "jobs": [record.to_wire(self._stall_after(message)) for record in self.registry.list_records()],
             "metrics": latest,
             "disks": self._last_disks,
         }
+
+    def _stall_after(self, message: dict) -> float:
+        value = param(message, "stall_after_s", float, self.stall_after)
+        if not 0 < value <= STALL_AFTER_MAX_S:  # also refuses NaN
+            raise BadParams("stall_after_s", f"must be a number of seconds in (0, {STALL_AFTER_MAX_S:g}], got {value!r}")
+        return value
 
     def _start_job(self, message: dict) -> dict:
         info = self.registry.start_job(
@@ -520,9 +538,10 @@ class Agent:
             param(message, "argv", list),
             cwd=param(message, "cwd", str, None),
             env=param(message, "env", dict, None),
+            node=param(message, "node", dict, None),
         )
         self._jobs_dirty.set()
-        return {"job": self.registry.get(info.name).to_wire()}
+        return {"job": self.registry.get(info.name).to_wire(self.stall_after)}
 
     def _foreign_holders(self) -> list[dict]:
         report = holders_mod.list_holders(self.gpu, owner_lookup=self.registry.owned_pids)
@@ -545,10 +564,11 @@ class Agent:
         info = self.registry.adopt(param(message, "pid", int), param(message, "name", str), param(message, "confirm_pid", int),
                                    other_user=param(message, "other_user", bool, False))
         self._jobs_dirty.set()
-        return {"job": self.registry.get(info.name).to_wire()}
+        return {"job": self.registry.get(info.name).to_wire(self.stall_after)}
 
     def _list_jobs(self, message: dict) -> dict:
-        return {"jobs": [record.to_wire() for record in self.registry.list_records()]}
+        stall_after = self._stall_after(message)
+        return {"jobs": [record.to_wire(stall_after) for record in self.registry.list_records()]}
 
     def _holders(self, message: dict) -> dict:
         return holders_mod.list_holders(self.gpu, owner_lookup=self.registry.owned_pids).to_dict()
@@ -724,6 +744,17 @@ def expand_keys(keys: list[str], known: list[str]) -> list[str]:
     return out
 
 
+def _filesystem(path: Path) -> int | None:
+    """The device number of the filesystem holding path (its nearest existing parent), None when unreadable."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return path.stat().st_dev
+    except OSError:
+        return None
+
+
 def _optional_module(name: str, purpose: str):
     try:
         return importlib.import_module(name)
@@ -752,14 +783,14 @@ def protocol_stdout() -> BinaryIO:
     return stream
 
 
-def run_agent(run_dir: str | Path, interval: float = 1.0, data_dirs: list[str] | None = None) -> int:
+def run_agent(run_dir: str | Path, interval: float = 1.0, data_dirs: list[str] | None = None, stall_after: float = STALL_AFTER_S) -> int:
     out = protocol_stdout()
 
     def terminate(signum, frame):
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, terminate)
-    agent = Agent(run_dir, interval, data_dirs, out=out)
+    agent = Agent(run_dir, interval, data_dirs, out=out, stall_after=stall_after)
     try:
         return agent.run(sys.stdin.buffer)
     except (SystemExit, KeyboardInterrupt):
@@ -770,7 +801,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m backend.agent", description="eagle3 host agent: JSON lines on stdin/stdout")
     parser.add_argument("--run-dir", required=True, type=Path, help="where jobs.db and job directories live")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between telemetry ticks (default 1.0)")
-    parser.add_argument("--data-dir", action="append", default=[], help="a data directory whose disk room is reported (repeatable)")
+    parser.add_argument("--data-dir", action="append", default=[],
+                        help="a data directory whose disk room is reported (repeatable; default: <run-dir>/data when it is on another filesystem)")
+    parser.add_argument("--stall-after", type=float, default=STALL_AFTER_S, metavar="S",
+                        help=f"a running job's rank whose heartbeat is older than S seconds is stalled (default {STALL_AFTER_S:g})")
     return parser
 
 
@@ -779,7 +813,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.interval <= 0:
         print("agent: --interval must be > 0", file=sys.stderr)
         return 2
-    return run_agent(args.run_dir, args.interval, args.data_dir)
+    if not 0 < args.stall_after <= STALL_AFTER_MAX_S:
+        print(f"agent: --stall-after must be in (0, {STALL_AFTER_MAX_S:g}] seconds", file=sys.stderr)
+        return 2
+    return run_agent(args.run_dir, args.interval, args.data_dir, args.stall_after)
 
 
 if __name__ == "__main__":

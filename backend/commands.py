@@ -1,13 +1,14 @@
-"""The host command lines both sides build (stop-and-bench chain, grokking run), their defaults, and profile facts.
+"""The host command lines both sides build (training, multi-node torchrun, stop-and-bench chain, grokking run, the agent), their defaults, and profile facts.
 
 One home: `eagle3-host` (backend/chain_cli.py) reads its argparse defaults and builds its argv here, and the
 console imports this module (with backend/protocol.py and backend/layout.py, the only backend modules it may).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from pathlib import PurePosixPath
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, Sequence
 
 
 CHAIN_PREFIX = "chain-"
@@ -17,6 +18,18 @@ CHAIN_CONCURRENCY_DEFAULT = "1,4"
 CHAIN_PROMPTS_DEFAULT = 8
 CHAIN_MAX_NEW_TOKENS_DEFAULT = 64
 GROK_WEIGHT_DECAY_DEFAULT = 0.1
+
+# NVLink multicast stays off for every distributed job (the device notes: NVLS/multicast hangs or fails on the
+# shared H200 hosts); the trainer sets them before init_process_group too, so a bare torchrun keeps them.
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# torchrun SIGKILLs its workers this long after forwarding a SIGTERM (its default, 30 s, can cut rank 0's
+# checkpoint short); the stop's own grace (<= 3600 s) is what bounds a stop. Read by torch >= 2.11's launcher.
+TORCHRUN_SHUTDOWN_TIMEOUT_S = 3600
+NODE_ENV = {**NVLINK_MULTICAST_OFF, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(TORCHRUN_SHUTDOWN_TIMEOUT_S)}
+NODE_KEYS = ("run_id", "node_rank", "nnodes", "rdzv_endpoint")
+NNODES_MAX = 1024
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+HOST_PATTERN = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252})$")
 
 
 def option_value(argv: list[str], option: str) -> str | None:
@@ -28,6 +41,103 @@ def option_value(argv: list[str], option: str) -> str | None:
         elif arg.startswith(option + "="):
             found = arg.split("=", 1)[1]
     return found
+
+
+def train_argv(profile: str, extra: Sequence[str] = ()) -> list[str]:
+    """`eagle3-host train --profile P [extra...]`: what the console's `n` key starts."""
+    return ["eagle3-host", "train", "--profile", profile, *extra]
+
+
+def check_node(node: Any) -> dict[str, Any]:
+    """A start_job `node` object, checked: {"run_id", "node_rank", "nnodes", "rdzv_endpoint"}; ValueError names the bad field."""
+    if not isinstance(node, dict):
+        raise ValueError(f"node: expected an object with {', '.join(NODE_KEYS)}, got {type(node).__name__}")
+    unknown = sorted(set(node) - set(NODE_KEYS))
+    if unknown:
+        raise ValueError(f"node: unknown field(s) {', '.join(unknown)}; expected {', '.join(NODE_KEYS)}")
+    run_id, node_rank, nnodes, endpoint = (node.get(key) for key in NODE_KEYS)
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id):
+        raise ValueError(f"node.run_id: {run_id!r} is not a run id (letters, digits, '.', '_', '-'; at most 64)")
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or not 1 <= nnodes <= NNODES_MAX:
+        raise ValueError(f"node.nnodes: {nnodes!r} is not a node count in 1..{NNODES_MAX}")
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node.node_rank: {node_rank!r} is not in 0..{nnodes - 1} (nnodes {nnodes})")
+    parse_endpoint(endpoint)
+    return {"run_id": run_id, "node_rank": node_rank, "nnodes": nnodes, "rdzv_endpoint": endpoint}
+
+
+def parse_endpoint(endpoint: Any) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets) -> (host, port); ValueError naming node.rdzv_endpoint otherwise."""
+    host, _, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")
+    if not host or not HOST_PATTERN.match(host) or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"node.rdzv_endpoint: {endpoint!r} is not HOST:PORT (a host name or address of the first node, a port 1..65535)")
+    return host, int(port)
+
+
+def node_spec(run_id: str, node_rank: int, nnodes: int, rdzv_endpoint: str) -> dict[str, Any]:
+    """The `node` object for start_job on one host of a multi-node run (checked)."""
+    return check_node({"run_id": run_id, "node_rank": node_rank, "nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint})
+
+
+def torchrun_train_argv(train: Sequence[str], *, run_id: str, node_rank: int, nnodes: int, rdzv_endpoint: str,
+                        nproc_per_node: int | str = 1) -> list[str]:
+    """Node `node_rank` of `nnodes` running an `eagle3-host train ...` command line under torchrun.
+
+    The same train arguments run on every node. Static rendezvous on the first node's endpoint (node 0's torchrun
+    hosts the TCP store): global ranks are node_rank * nproc_per_node + local rank, so rank 0, the only rank that
+    writes metrics and checkpoints, is on node 0. (torch's c10d backend ignores --node-rank and orders nodes by
+    host name and pid, which would put the checkpoint on any node.) --max-restarts 0: a failed rank ends the run;
+    the other nodes' ranks then fail in their next collective and their torchruns exit too. A leading "python"
+    is the agent's own interpreter (backend.jobs.resolve_argv), as "eagle3-host" is.
+    """
+    train = list(train)
+    if train[:2] != ["eagle3-host", "train"]:
+        raise ValueError(f"train: expected an `eagle3-host train ...` command line, got {' '.join(train[:3])!r}")
+    node = node_spec(run_id, node_rank, nnodes, rdzv_endpoint)
+    if not (isinstance(nproc_per_node, int) and not isinstance(nproc_per_node, bool) and nproc_per_node >= 1) \
+            and nproc_per_node not in ("gpu", "cpu", "auto"):
+        raise ValueError(f"nproc_per_node: {nproc_per_node!r} is not a positive count or one of gpu, cpu, auto")
+    return ["python", "-m", "torch.distributed.run", "--nnodes", str(node["nnodes"]), "--node-rank", str(node["node_rank"]),
+            "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "static", "--rdzv-endpoint", node["rdzv_endpoint"],
+            "--rdzv-id", node["run_id"], "--max-restarts", "0", "-m", "backend", *train[1:]]
+
+
+def node_argv_conflicts(argv: Sequence[str], node: dict[str, Any]) -> list[str]:
+    """Where a torchrun command line disagrees with its `node` object (empty when it agrees or names none of them)."""
+    flags = {"--nnodes": node["nnodes"], "--node-rank": node["node_rank"], "--node_rank": node["node_rank"],
+             "--rdzv-endpoint": node["rdzv_endpoint"], "--rdzv_endpoint": node["rdzv_endpoint"],
+             "--rdzv-id": node["run_id"], "--rdzv_id": node["run_id"]}
+    head = list(argv)[: list(argv).index("-m", 3)] if "-m" in list(argv)[3:] else list(argv)  # torchrun's own flags only
+    return [f"{flag} {value} vs node {expected}" for flag, expected in flags.items()
+            if (value := option_value(head, flag)) is not None and value != str(expected)]
+
+
+def data_dir_for(profile_data_dir: str, profile_run_dir: str, run_dir: str | Path | None) -> str:
+    """The data dir a run uses: the profile's, moved with the run dir when it sits under the profile's run dir.
+
+    tiny/llama: data_dir ~/.eagle3/data under run_dir ~/.eagle3, so --run-dir /scratch/e3 gives /scratch/e3/data;
+    a data dir elsewhere (kimi: /data/eagle3) is explicit and kept.
+    """
+    if run_dir is None:
+        return profile_data_dir
+    data, home = _absolute(profile_data_dir), _absolute(profile_run_dir)
+    if data != home and home not in data.parents:
+        return profile_data_dir
+    moved = _absolute(run_dir) / data.relative_to(home)
+    return str(moved)
+
+
+def _absolute(path: str | Path) -> Path:
+    expanded = Path(path).expanduser()
+    return Path(str(expanded.absolute()).rstrip("/") or "/")
+
+
+def agent_args(run_dir: str, data_dirs: Sequence[str] = ()) -> list[str]:
+    """The agent's arguments after the interpreter: -m backend.agent --run-dir D [--data-dir X ...]."""
+    argv = ["-m", "backend.agent", "--run-dir", str(run_dir)]
+    for data_dir in data_dirs:
+        argv += ["--data-dir", str(data_dir)]
+    return argv
 
 
 def chain_job_name(train_job: str) -> str:
@@ -85,7 +195,8 @@ class ProfileFacts:
     error: str | None = None
 
 
-def profile_facts(name: str) -> ProfileFacts:
+def profile_facts(name: str, run_dir: str | None = None) -> ProfileFacts:
+    """The profile's facts; its data dir moved with `run_dir` (data_dir_for) when one is given."""
     from backend.profiles import ProfileError, load_profile  # pydantic: only when a profile is read
 
     try:
@@ -96,7 +207,7 @@ def profile_facts(name: str) -> ProfileFacts:
         name=profile.name,
         engine=profile.serve.engine,
         port=profile.serve.port,
-        data_dir=profile.paths.data_dir,
+        data_dir=data_dir_for(profile.paths.data_dir, profile.paths.run_dir, run_dir),
         learning_rate=profile.train.learning_rate,
         weight_decay=profile.train.weight_decay,
         shape=profile_shape(profile),

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from backend import procs
+from backend.layout import STALL_AFTER_S
 from backend.protocol import to_dict
 
 KIND_CHOICES = ("train", "serve", "bench", "chain", "other")
@@ -31,6 +32,8 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
     start.add_argument("--name", required=True)
     start.add_argument("--kind", default="other", choices=KIND_CHOICES)
     start.add_argument("--cwd", default=None, help="working directory (default: the current one)")
+    start.add_argument("--node", nargs=4, metavar=("RUN_ID", "NODE_RANK", "NNODES", "HOST:PORT"),
+                       help="this host's part of a multi-node torchrun run (see eagle3-host torchrun-argv)")
     start.add_argument("--json", action="store_true")
     start.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     start.set_defaults(handler=cmd_job_start)
@@ -68,8 +71,20 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
 
     agent = subparsers.add_parser("agent", parents=[parent], help="run the JSON-lines agent on stdin/stdout (what the console starts over SSH)")
     agent.add_argument("--interval", type=float, default=1.0)
-    agent.add_argument("--data-dir", action="append", default=[])
+    agent.add_argument("--data-dir", action="append", default=[], help="a data dir whose disk is reported (default: <run-dir>/data on another filesystem)")
+    agent.add_argument("--stall-after", type=float, default=STALL_AFTER_S, metavar="S", help=f"a rank silent this long is stalled (default {STALL_AFTER_S:g} s)")
     agent.set_defaults(handler=cmd_agent)
+
+    node = subparsers.add_parser("torchrun-argv", help="print the command line one node of a multi-node training run starts (JSON list)",
+                                 description="The torchrun command line for node NODE_RANK of NNODES running `eagle3-host train ARGS...`: "
+                                             "static rendezvous on the first node's HOST:PORT, so global rank 0 (metrics, checkpoints) is on node 0.")
+    node.add_argument("--run-id", required=True)
+    node.add_argument("--node-rank", type=int, required=True)
+    node.add_argument("--nnodes", type=int, required=True)
+    node.add_argument("--rdzv-endpoint", required=True, metavar="HOST:PORT")
+    node.add_argument("--nproc-per-node", default="1", help="ranks on this node: a count, or gpu/cpu/auto (default 1)")
+    node.add_argument("train", nargs=argparse.REMAINDER, help="-- train ARGS... (e.g. -- --profile tiny --max-steps 100)")
+    node.set_defaults(handler=cmd_torchrun_argv)
 
 
 # ---------------------------------------------------------------- output helpers
@@ -187,12 +202,38 @@ def cmd_holders(args) -> int:
 # ---------------------------------------------------------------- jobs
 
 
+def cmd_torchrun_argv(args) -> int:
+    from backend.commands import torchrun_train_argv
+
+    rest = args.train[1:] if args.train[:1] == ["--"] else args.train
+    rest = rest[1:] if rest[:1] == ["train"] else rest
+    nproc = int(args.nproc_per_node) if args.nproc_per_node.isdigit() else args.nproc_per_node
+    try:
+        argv = torchrun_train_argv(["eagle3-host", "train", *rest], run_id=args.run_id, node_rank=args.node_rank, nnodes=args.nnodes,
+                                   rdzv_endpoint=args.rdzv_endpoint, nproc_per_node=nproc)
+    except ValueError as exc:
+        return fail(str(exc), 2)
+    print(json.dumps(argv))
+    return 0
+
+
+def _node_arg(values: list[str] | None) -> dict[str, Any] | None:
+    if values is None:
+        return None
+    run_id, node_rank, nnodes, endpoint = values
+    from backend.jobs import JobBadParams
+
+    if not (node_rank.isdigit() and nnodes.isdigit()):
+        raise JobBadParams(f"--node: NODE_RANK {node_rank!r} and NNODES {nnodes!r} must be whole numbers; nothing was started")
+    return {"run_id": run_id, "node_rank": int(node_rank), "nnodes": int(nnodes), "rdzv_endpoint": endpoint}
+
+
 @_job_errors
 def cmd_job_start(args) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         return fail("job start needs a command after --, e.g. eagle3-host job start --name t -- python3 train.py", 2)
-    info = _registry(args).start_job(args.name, args.kind, cmd, cwd=args.cwd)
+    info = _registry(args).start_job(args.name, args.kind, cmd, cwd=args.cwd, node=_node_arg(args.node))
     if args.json:
         emit_json(info)
     else:
@@ -209,18 +250,27 @@ def _age(started_at: float) -> str:
 def cmd_job_list(args) -> int:
     records = _registry(args).list_records()
     if args.json:
-        emit_json([record.to_wire() for record in records])
+        emit_json([record.to_wire(STALL_AFTER_S) for record in records])
         return 0
     if not records:
         print(f"no jobs in {args.run_dir}")
         return 0
     rows = [
         [r.name, r.info.kind, r.info.state, r.info.pid, "-" if r.info.exit_code is None else r.info.exit_code, _age(r.info.started_at),
-         " ".join(r.info.argv)[:60], r.detail]
+         _node_column(r), " ".join(r.info.argv)[:60], r.detail]
         for r in records
     ]
-    print(table(["NAME", "KIND", "STATE", "PID", "EXIT", "AGE", "COMMAND", "DETAIL"], rows))
+    print(table(["NAME", "KIND", "STATE", "PID", "EXIT", "AGE", "NODE", "COMMAND", "DETAIL"], rows))
     return 0
+
+
+def _node_column(record) -> str:
+    """run-id node R/N, and which of this host's ranks are stalled; "-" for an ordinary job."""
+    info = record.info
+    if info.run_id is None:
+        return "-"
+    stalled = record.to_wire(STALL_AFTER_S)["stalled_ranks"]
+    return f"{info.run_id} {info.node_rank}/{info.nnodes}" + (f" STALLED rank {','.join(map(str, stalled))}" if stalled else "")
 
 
 def _plan_foreign(registry) -> list[dict]:
@@ -326,4 +376,6 @@ def cmd_agent(args) -> int:
 
     if args.interval <= 0:
         return fail("--interval must be > 0", 2)
-    return run_agent(args.run_dir, args.interval, args.data_dir)
+    if not 0 < args.stall_after <= 86400:
+        return fail("--stall-after must be in (0, 86400] seconds", 2)
+    return run_agent(args.run_dir, args.interval, args.data_dir, args.stall_after)

@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import quote
 
 from backend import durable, procs
+from backend.commands import NODE_ENV, check_node, node_argv_conflicts
+from backend.layout import rank_heartbeats
 from backend.protocol import ErrorCode, JobInfo, ProcessVerdict, StopPlan, to_dict
 
 KINDS = ("train", "serve", "bench", "chain", "other", "adopted")
@@ -52,6 +54,8 @@ START_TIMEOUT_S = 30.0
 MAX_GRACE_S = 86400.0
 FREEZE_TIMEOUT_S = 5.0
 STOP_INCOMPLETE = "stop incomplete"
+NODE_COLUMNS = ("run_id", "node_rank", "nnodes", "rdzv_endpoint")  # a multi-node job's part on this host
+FAILURE_TAIL_LINES = 400  # stderr lines read for torchrun's failure summary when a distributed job fails
 PRIVATE_FILE = 0o600  # argv and logs may carry tokens
 PRIVATE_DIR = 0o700
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
@@ -80,7 +84,11 @@ CREATE TABLE IF NOT EXISTS jobs (
     watcher_start INTEGER,
     stop_requested_at REAL,
     archived INTEGER NOT NULL DEFAULT 0,
-    cgroup TEXT
+    cgroup TEXT,
+    run_id TEXT,
+    node_rank INTEGER,
+    nnodes INTEGER,
+    rdzv_endpoint TEXT
 );
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_active_name ON jobs(name) WHERE archived = 0;
 CREATE TABLE IF NOT EXISTS job_procs (
@@ -136,8 +144,12 @@ class JobRecord:
     def name(self) -> str:
         return self.info.name
 
-    def to_wire(self) -> dict[str, Any]:
-        return {**to_dict(self.info), "detail": self.detail}
+    def to_wire(self, stall_after: float | None = None) -> dict[str, Any]:
+        """The record as the agent sends it; with `stall_after`, this host's ranks' heartbeats and the stalled ones filled in."""
+        wire = {**to_dict(self.info), "detail": self.detail}
+        if stall_after is not None:
+            wire["ranks"], wire["stalled_ranks"] = rank_heartbeats(self.info.job_dir, self.info.state == "running", stall_after=stall_after)
+        return wire
 
 
 @dataclass
@@ -174,10 +186,47 @@ class Discovery:
 
 
 def resolve_argv(argv: list[str]) -> list[str]:
-    """`eagle3-host ...` runs as this Python's `-m backend`, whether or not the script is on PATH."""
+    """`eagle3-host ...` runs as this Python's `-m backend`, whether or not the script is on PATH; a bare `python`
+    (the torchrun command lines of backend/commands.py) is this Python too: the host's interpreter that has torch."""
     if argv and argv[0] == "eagle3-host":
         return [sys.executable, "-m", "backend", *argv[1:]]
+    if argv and argv[0] == "python":
+        return [sys.executable, *argv[1:]]
     return list(argv)
+
+
+ROOT_CAUSE = "Root Cause (first observed failure)"
+_FAILURE_FIELDS = re.compile(r"^\s*(rank|exitcode|traceback|host)\s*:\s*(.*?)\s*$")
+_RANK_FIELD = re.compile(r"^(\d+) \(local_rank: (\d+)\)")
+_EXIT_FIELD = re.compile(r"^(-?\d+) \(pid: (\d+)\)\s*(?:\((SIG\w+)\))?")
+_RANK_ERROR = re.compile(r"^\[rank(\d+)\]: ((?:[\w.]+)(?:Error|Exception|Interrupt)\b.*)$")
+
+
+def torchrun_failure(lines: list[str]) -> str | None:
+    """What torchrun's failure summary (its "Root Cause" block) says about the first rank that failed, with that
+    rank's own last exception line when its traceback is in the log; None when the log holds no summary."""
+    starts = [index for index, line in enumerate(lines) if ROOT_CAUSE in line]
+    if not starts:
+        return None
+    fields: dict[str, str] = {}
+    for line in lines[starts[-1] + 1 : starts[-1] + 12]:
+        match = _FAILURE_FIELDS.match(line)
+        if match:
+            fields.setdefault(match[1], match[2])
+    rank = _RANK_FIELD.match(fields.get("rank", ""))
+    exit_match = _EXIT_FIELD.match(fields.get("exitcode", ""))
+    who = f"rank {rank[1]} (local rank {rank[2]}" if rank else "a rank ("
+    who += f"{', ' if rank else ''}pid {exit_match[2]})" if exit_match else ")"
+    how = f"exited {exit_match[1]}{f' ({exit_match[3]})' if exit_match and exit_match[3] else ''}" if exit_match else "failed"
+    why = fields.get("traceback", "")
+    if rank:
+        errors = [m[2] for m in map(_RANK_ERROR.match, lines[: starts[-1]]) if m and m[1] == rank[1]]
+        if errors:
+            why = errors[-1]
+    if why.startswith("To enable traceback"):
+        why = ""
+    detail = f"torchrun: {who} {how}{': ' + why if why else ''}"
+    return detail if len(detail) <= 400 else detail[:399] + "…"
 
 
 def read_exit_file(job_dir: str | Path) -> tuple[int | None, float | None]:
@@ -327,8 +376,9 @@ class JobRegistry:
     @staticmethod
     def _migrate(conn: sqlite3.Connection) -> None:
         columns = {row[1] for row in conn.execute("PRAGMA table_info(jobs)")}
-        if "cgroup" not in columns:
-            conn.execute("ALTER TABLE jobs ADD COLUMN cgroup TEXT")
+        for column, kind in (("cgroup", "TEXT"), ("run_id", "TEXT"), ("node_rank", "INTEGER"), ("nnodes", "INTEGER"), ("rdzv_endpoint", "TEXT")):
+            if column not in columns:
+                conn.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
@@ -387,6 +437,8 @@ class JobRegistry:
 
     @staticmethod
     def _record(row: sqlite3.Row) -> JobRecord:
+        keys = row.keys()  # a read-only view of an older jobs.db may lack the newer columns
+        node = {column: row[column] for column in NODE_COLUMNS if column in keys}
         info = JobInfo(
             name=row["name"],
             kind=row["kind"],
@@ -402,8 +454,9 @@ class JobRegistry:
             ended_at=row["ended_at"],
             exit_code=row["exit_code"],
             adopted=bool(row["adopted"]),
+            **node,
         )
-        cgroup = row["cgroup"] if "cgroup" in row.keys() else None
+        cgroup = row["cgroup"] if "cgroup" in keys else None
         return JobRecord(row["id"], info, row["detail"], row["cwd"], row["token"], row["watcher_pid"], row["watcher_start"], row["stop_requested_at"], cgroup)
 
     def _active(self, db: sqlite3.Connection | None = None, name: str | None = None) -> list[JobRecord]:
@@ -438,7 +491,9 @@ class JobRegistry:
         exit_code, ended_at = read_exit_file(info.job_dir)
         if exit_code is not None:
             state = "stopped" if record.stop_requested_at else "exited"
-            return state, record.detail if state == "stopped" else "", exit_code, ended_at
+            if state == "exited":
+                return state, self._failure_detail(record, exit_code), exit_code, ended_at
+            return state, record.detail, exit_code, ended_at
         if stat is not None and stat.running:
             return "stale", (
                 f"PID {info.pid} now belongs to another program (start time {stat.start_time}, "
@@ -450,6 +505,19 @@ class JobRegistry:
             return "stopped", record.detail or "stopped; exit status not recorded", None, record.stop_requested_at
         why = "adopted, so its exit status is unknown" if info.adopted else "no exit status was recorded"
         return "stale", f"process {info.pid} is gone; {why}", None, None
+
+    @staticmethod
+    def _failure_detail(record: JobRecord, exit_code: int) -> str:
+        """Why a distributed job failed, from torchrun's summary in its stderr (a node's part of a multi-node run
+        says which rank failed first and how); empty for a clean exit or an ordinary job."""
+        info = record.info
+        if exit_code == 0 or not (info.run_id or any("torch.distributed.run" in arg for arg in info.argv[:3])):
+            return ""
+        try:
+            found = torchrun_failure(tail_lines(info.stderr_path, FAILURE_TAIL_LINES))
+        except OSError:
+            found = None
+        return found or f"exited {exit_code}; torchrun's failure summary is not in {info.stderr_path}"
 
     def _reap_watchers(self) -> None:
         with self._watchers_lock:
@@ -518,6 +586,17 @@ class JobRegistry:
             JobRegistry._check_env(env)
 
     @staticmethod
+    def _check_node(node: Any, argv: list[str]) -> dict[str, Any]:
+        try:
+            checked = check_node(node)
+        except ValueError as exc:
+            raise JobBadParams(f"{exc}; nothing was started") from None
+        conflicts = node_argv_conflicts(argv, checked)
+        if conflicts:
+            raise JobBadParams(f"node: the command line disagrees with it ({'; '.join(conflicts)}); nothing was started")
+        return checked
+
+    @staticmethod
     def _check_env(env: Any) -> None:
         if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
             raise JobBadParams("env: expected an object of string to string")
@@ -571,9 +650,19 @@ class JobRegistry:
         if job_dir.exists():
             self._archive_dir(job_dir)
 
-    def start_job(self, name: str, kind: str, argv: list[str], cwd: str | None = None, env: dict[str, str] | None = None) -> JobInfo:
-        """Start argv as job `name` in its own session, logs under run_dir/jobs/<name>/; returns once its leader is recorded."""
+    def start_job(self, name: str, kind: str, argv: list[str], cwd: str | None = None, env: dict[str, str] | None = None,
+                  node: dict[str, Any] | None = None) -> JobInfo:
+        """Start argv as job `name` in its own session, logs under run_dir/jobs/<name>/; returns once its leader is recorded.
+
+        `node` ({"run_id", "node_rank", "nnodes", "rdzv_endpoint"}) makes it this host's part of a multi-node run:
+        stored with the record, and the job's environment gains EAGLE3_RUN_ID/NODE_RANK/NNODES and commands.NODE_ENV
+        (what `env` names wins).
+        """
         self._check_start_params(name, kind, argv, cwd, env)
+        if node is not None:
+            node = self._check_node(node, argv)
+            env = {**NODE_ENV, "EAGLE3_RUN_ID": node["run_id"], "EAGLE3_NODE_RANK": str(node["node_rank"]),
+                   "EAGLE3_NNODES": str(node["nnodes"]), **(env or {})}
         argv = resolve_argv(argv)
         job_dir = self.jobs_dir / name
         job_env = self._job_env(name, job_dir, env)
@@ -582,10 +671,12 @@ class JobRegistry:
         with self._write() as db:
             self._claim_name(db, name)
             job_dir.mkdir(mode=PRIVATE_DIR, parents=True)
+            node_values = tuple((node or {}).get(column) for column in NODE_COLUMNS)
             cursor = db.execute(
-                "INSERT INTO jobs (name, kind, state, detail, argv, cwd, job_dir, stdout_path, stderr_path, started_at, token)"
-                " VALUES (?, ?, 'unknown', 'starting', ?, ?, ?, ?, ?, ?, ?)",
-                (name, kind, json.dumps(argv), cwd, str(job_dir), str(job_dir / "stdout.log"), str(job_dir / "stderr.log"), time.time(), token),
+                "INSERT INTO jobs (name, kind, state, detail, argv, cwd, job_dir, stdout_path, stderr_path, started_at, token,"
+                " run_id, node_rank, nnodes, rdzv_endpoint) VALUES (?, ?, 'unknown', 'starting', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (name, kind, json.dumps(argv), cwd, str(job_dir), str(job_dir / "stdout.log"), str(job_dir / "stderr.log"), time.time(), token,
+                 *node_values),
             )
             job_id = cursor.lastrowid
         try:

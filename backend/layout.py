@@ -10,11 +10,16 @@ Standard library only (the agent imports it on any host Python >= 3.10).
         checkpoints/epoch_E_step_S/                   config.json, model.safetensors, training_state.pt
         checkpoints/latest                            a file naming the current checkpoint directory
         results/stop-and-bench-*.json                 saved stop-and-bench results
+        heartbeat/rank<R>.json                        each local training rank's liveness and step (trainer writes, agent reads)
+    <run_dir>/data/                                   the default data dir (a profile's data dir under its run dir moves with --run-dir)
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,68 @@ STATE_FILE = "training_state.pt"
 RESULTS_DIRNAME = "results"
 RESULTS_GLOB = "stop-and-bench-*.json"
 CHECKPOINT_NAME = re.compile(r"^epoch_(\d+)_step_(\d+)$")
+HEARTBEAT_DIR = "heartbeat"
+HEARTBEAT_NAME = re.compile(r"^rank(\d+)\.json$")
+HEARTBEAT_EVERY_S = 1.0  # how often each rank rewrites its heartbeat
+STALL_AFTER_S = 30.0  # a running job's rank whose heartbeat is older than this is stalled (agent --stall-after changes it)
+HEARTBEAT_DONE_PHASES = ("done", "stopped", "failed")  # a rank that said it ended is never stalled
+DATA_DIRNAME = "data"
+
+
+def default_data_dir(run_dir: str | Path) -> Path:
+    """<run_dir>/data: where data lives when nothing names another place."""
+    return Path(run_dir).expanduser() / DATA_DIRNAME
+
+
+def heartbeat_path(job_dir: str | Path, rank: int) -> Path:
+    return Path(job_dir) / HEARTBEAT_DIR / f"rank{int(rank)}.json"
+
+
+def read_heartbeats(job_dir: str | Path) -> list[dict[str, Any]]:
+    """Every rank<R>.json under <job_dir>/heartbeat that parses (a file being replaced is skipped, never an error), by rank."""
+    directory = Path(job_dir) / HEARTBEAT_DIR
+    try:
+        names = [entry.name for entry in os.scandir(directory) if HEARTBEAT_NAME.match(entry.name)]
+    except OSError:
+        return []
+    beats = []
+    for name in names:
+        try:
+            record = json.loads((directory / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("rank"), int) and not isinstance(record.get("rank"), bool):
+            beats.append(record)
+    return sorted(beats, key=lambda beat: beat["rank"])
+
+
+def rank_heartbeats(job_dir: str | Path, running: bool, now: float | None = None,
+                    stall_after: float = STALL_AFTER_S) -> tuple[list[dict[str, Any]], list[int]]:
+    """(ranks, stalled ranks) of one job on this host, ages from this host's clock (the writers share it).
+
+    age_s: since the rank's last heartbeat (written by a thread, so it stops only when the process is stopped or
+    gone); step_age_s: since its step last advanced (a rank waiting in a collective beats on without advancing).
+    Stalled: the job runs, the rank has not said it ended, and its heartbeat is older than stall_after.
+    """
+    now = time.time() if now is None else now
+    ranks, stalled = [], []
+    for beat in read_heartbeats(job_dir):
+        wrote = _number(beat.get("time"))
+        stepped = _number(beat.get("step_time"))
+        age = None if wrote is None else round(max(0.0, now - wrote), 1)
+        step_age = None if stepped is None else round(max(0.0, now - stepped), 1)
+        phase = beat.get("phase") if isinstance(beat.get("phase"), str) else None
+        ranks.append({"rank": beat["rank"], "local_rank": beat.get("local_rank"), "node_rank": beat.get("node_rank"),
+                      "step": beat.get("step"), "age_s": age, "step_age_s": step_age, "pid": beat.get("pid"), "phase": phase})
+        if running and phase not in HEARTBEAT_DONE_PHASES and (age is None or age > stall_after):
+            stalled.append(beat["rank"])
+    return ranks, stalled
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def checkpoint_name(epoch: int, step: int) -> str:

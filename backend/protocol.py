@@ -38,12 +38,13 @@ class Request:
     """Types of requests the console sends. Params are listed beside each."""
 
     PING = "ping"  # {} -> {"pong": true, "time": float}
-    SNAPSHOT = "snapshot"  # {} -> {"hello", "gpus", "jobs", "metrics": {job: latest record}, "disks"}
-    START_JOB = "start_job"  # {"name", "kind", "argv": [...], "cwd"?, "env"?} -> {"job": JobInfo}
+    SNAPSHOT = "snapshot"  # {"stall_after_s"?} -> {"hello", "gpus", "jobs", "metrics": {job: latest record}, "disks"}
+    # node: one host's part of a multi-node torchrun job (backend/commands.py torchrun_train_argv, check_node)
+    START_JOB = "start_job"  # {"name", "kind", "argv": [...], "cwd"?, "env"?, "node"?: {"run_id", "node_rank", "nnodes", "rdzv_endpoint"}} -> {"job": JobInfo}
     STOP_PLAN = "stop_plan"  # {"name"? | "all": bool} -> StopPlan
     STOP_JOB = "stop_job"  # {"name"? | "all": bool, "grace": float} -> {"verdicts": [ProcessVerdict...]}
     ADOPT_JOB = "adopt_job"  # {"pid", "name", "confirm_pid": same pid typed by the operator} -> {"job": JobInfo}
-    LIST_JOBS = "list_jobs"  # {} -> {"jobs": [JobInfo...]}
+    LIST_JOBS = "list_jobs"  # {"stall_after_s"?: seconds (default: the agent's --stall-after)} -> {"jobs": [JobInfo...]}
     HOLDERS = "holders"  # {} -> {"holders": [GpuHolder...], "fuser_stderr_lines": int}
     TAIL_LOG = "tail_log"  # {"name", "stream": "stdout"|"stderr", "lines": int} -> {"lines": [...]}
     METRICS_HISTORY = "metrics_history"  # {"name", "offset"?: int} -> {"records": [...], "offset": int, "more": bool} (bounded pages)
@@ -118,6 +119,15 @@ class JobInfo:
     ended_at: float | None = None
     exit_code: int | None = None
     adopted: bool = False
+    # One host's part of a multi-node job (None for an ordinary job): the same run_id on every host.
+    run_id: str | None = None
+    node_rank: int | None = None
+    nnodes: int | None = None
+    rdzv_endpoint: str | None = None
+    # This host's training ranks from their heartbeat files (backend/layout.py rank_heartbeats), ages from the
+    # agent's clock: [{"rank", "local_rank", "node_rank", "step", "age_s", "step_age_s", "pid", "phase"}]
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    stalled_ranks: list[int] = field(default_factory=list)  # running, heartbeat older than the agent's threshold
 
 
 @dataclass

@@ -102,7 +102,8 @@ def _register_train(subparsers, parent) -> None:
                        help="resume from CKPT (a checkpoint or run dir), or with no value from the newest checkpoint under --out")
     train.add_argument("--rewarm-steps", type=int, help="linear LR re-warm after a resume (default: half the warmup)")
     train.add_argument("--data", type=Path, help="offline shards dir written by `extract` (default: run the target online)")
-    train.add_argument("--conversations", type=Path, help="chat JSONL for online HF targets (default <data_dir>/conversations.jsonl)")
+    train.add_argument("--conversations", type=Path, help="chat JSONL for online HF targets (default <data_dir>/conversations.jsonl; "
+                       "a profile data dir under its run dir moves with --run-dir)")
     train.add_argument("--regenerate-tokens", type=int, default=0, help="regenerate assistant turns with the target (max new tokens; 0 = off)")
     train.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files under <out>/tensorboard")
     train.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present; LOCAL_RANK under torchrun)")
@@ -180,6 +181,7 @@ def _train(args) -> int:
 def _extract(args) -> int:
     import signal
 
+    from backend.commands import data_dir_for
     from backend.profiles import load_profile
     from backend.train.data import conversation_samples, tiny_data_settings, tiny_samples
     from backend.train.extract import extract
@@ -197,7 +199,8 @@ def _extract(args) -> int:
             settings = tiny_data_settings(profile.train.seq_len, args.samples, args.val_samples, seed=profile.train.seed)
             splits = tiny_samples(target, settings, log=lambda m: print(m, file=sys.stderr, flush=True))
         else:
-            conversations = args.conversations or Path(profile.paths.data_dir).expanduser() / "conversations.jsonl"
+            data_dir = data_dir_for(profile.paths.data_dir, profile.paths.run_dir, args.run_dir)  # moves with --run-dir
+            conversations = args.conversations or Path(data_dir).expanduser() / "conversations.jsonl"
             splits = conversation_samples(target.tokenizer, conversations, profile.train.seq_len, seed=profile.train.seed,
                                           limit=args.samples, target=target, regenerate_tokens=args.regenerate_tokens)
         extract(target, splits, args.out, store=args.store, batch_size=args.batch_size, shard_samples=args.shard_samples,

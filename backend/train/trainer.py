@@ -1,4 +1,4 @@
-"""The EAGLE-3 training loop: TTT unroll, AdamW + clipping, schedules, Grokfast, validation, metrics, checkpoints, SIGTERM, DDP."""
+"""The EAGLE-3 training loop: TTT unroll, AdamW + clipping, schedules, Grokfast, validation, metrics, checkpoints, SIGTERM, DDP, per-rank heartbeats."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from backend.commands import NVLINK_MULTICAST_OFF, data_dir_for
+from backend.layout import HEARTBEAT_EVERY_S, heartbeat_path
 from backend.train.data import (BatchSampler, OfflineSource, OnlineSource, TinyDataSettings, check_feature_width, conversation_samples, eval_batches,
                                 tiny_data_settings, tiny_samples)
 from backend.train.draft import DraftModelConfig, Eagle3Draft
@@ -143,10 +146,83 @@ def init_distributed(device_preference: str | None) -> DistContext:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         # NVLink multicast stays off (see the device notes); harmless where there is none.
-        for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        for key, value in NVLINK_MULTICAST_OFF.items():
             os.environ.setdefault(key, value)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return DistContext(rank, world, local_rank, device)
+
+
+class Heartbeat:
+    """This rank's <job dir>/heartbeat/rank<R>.json (backend/layout.py), rewritten by a thread every HEARTBEAT_EVERY_S.
+
+    Every rank writes its own, on its own host (the job dir of that host's agent, $EAGLE3_JOB_DIR), so the agent
+    there reads them with its own clock. The thread keeps beating while the rank waits in a collective, so a stale
+    heartbeat means a stopped, dead or GIL-starved process; `step_time` says when the step last advanced. A small
+    JSON replaced atomically; a write that fails (a full disk) is said once in the log and retried, never raised.
+    """
+
+    def __init__(self, job_dir: Path, ctx: DistContext, step: int = 0, every: float = HEARTBEAT_EVERY_S, log=None):
+        self.path = heartbeat_path(job_dir, ctx.rank)
+        self.every = every
+        self.log = log or (lambda _message: None)
+        self.fixed = {
+            "rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size,
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
+            "node_rank": _env_int("EAGLE3_NODE_RANK", _env_int("GROUP_RANK", 0)), "run_id": os.environ.get("EAGLE3_RUN_ID"),
+            "pid": os.getpid(),
+        }
+        self.step, self.step_time, self.phase = step, time.time(), "setup"
+        self.failing = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self.write()
+        self._thread.start()
+
+    def beat(self, step: int, phase: str | None = None) -> None:
+        """The loop's progress: no file I/O here (the thread writes)."""
+        if step != self.step:
+            self.step, self.step_time = step, time.time()
+        if phase is not None:
+            self.phase = phase
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.write()
+
+    def write(self) -> bool:
+        record = {**self.fixed, "step": self.step, "step_time": self.step_time, "phase": self.phase, "time": time.time()}
+        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            if not self.path.parent.is_dir():
+                if not self.path.parent.parent.is_dir():  # another host's output dir (no agent job dir here): nowhere to beat
+                    return False
+                self.path.parent.mkdir(exist_ok=True)
+            temporary.write_text(json.dumps(record) + "\n")
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            if not self.failing:
+                self.log(f"heartbeat {self.path} not written ({exc}); retrying every {self.every:g} s")
+            self.failing = True
+            try:
+                temporary.unlink()
+            except OSError:
+                pass
+            return False
+        if self.failing:
+            self.log(f"heartbeat {self.path} written again")
+        self.failing = False
+        return True
+
+    def close(self, phase: str) -> None:
+        self.phase = phase
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self.write()
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip().isdigit() else default
 
 
 class _TTTModule(torch.nn.Module):
@@ -320,6 +396,8 @@ class Trainer:
         self.step = 0
         self.prefetcher: _Prefetcher | None = None
         self.in_loop = False
+        self.heartbeat: Heartbeat | None = None
+        self.stopped = False
 
     # --- signals ---------------------------------------------------------------------------------
 
@@ -345,24 +423,35 @@ class Trainer:
         if getattr(self, "ctx", None) is None or self.ctx.is_main:
             print(f"[train] {message}", file=sys.stderr, flush=True)
 
+    def _log_any_rank(self, message: str) -> None:
+        """A rank's own trouble (its heartbeat file), logged by that rank whichever it is."""
+        rank = getattr(getattr(self, "ctx", None), "rank", 0)
+        print(f"[train rank {rank}] {message}", file=sys.stderr, flush=True)
+
     # --- entry -----------------------------------------------------------------------------------
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         self.ctx = init_distributed(self.options.device)
+        phase = "failed"
         try:
             try:
                 self._setup()
             except _StoppedDuringSetup as stopped:
                 self.log(f"received {stopped} during setup, before the first step; no checkpoint was written")
+                phase = "stopped"
                 return 0
             if self.stop_signal is not None:
                 self.log("stopped during setup, before the first step; no checkpoint was written")
+                phase = "stopped"
                 return 0
             self.in_loop = True
             self._loop()
+            phase = "stopped" if self.stopped else "done"
             return 0 if self.last_save_ok else 1
         finally:
+            if self.heartbeat is not None:
+                self.heartbeat.close(phase)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.tb is not None:
@@ -382,6 +471,9 @@ class Trainer:
         self.out_dir = Path(ctx.broadcast_object(str(out) if out else None)).expanduser()
         if ctx.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+        # Every rank beats into its own host's job dir (its agent reads it); the output dir only when run by hand.
+        job_dir = os.environ.get("EAGLE3_JOB_DIR")
+        self.heartbeat = Heartbeat(Path(job_dir).expanduser() if job_dir else self.out_dir, ctx, log=self._log_any_rank)
         self.log(f"output: {self.out_dir} (world size {ctx.world_size}, device {ctx.device})")
         resume_dir = self._resume_checkpoint()
         # Rank 0 builds caches (tiny target, generated data) first; the others then read them.
@@ -439,7 +531,8 @@ class Trainer:
             settings = options.tiny_data or tiny_data_settings(self.settings["seq_len"], seed=self.settings["seed"])
             splits = tiny_samples(target, settings, log=self.log)
         else:
-            conversations = options.conversations or Path(profile.paths.data_dir).expanduser() / "conversations.jsonl"
+            data_dir = data_dir_for(profile.paths.data_dir, profile.paths.run_dir, options.run_dir)  # moves with --run-dir
+            conversations = options.conversations or Path(data_dir).expanduser() / "conversations.jsonl"
             splits = conversation_samples(target.tokenizer, conversations, self.settings["seq_len"], seed=self.settings["seed"],
                                           target=target, regenerate_tokens=options.regenerate_tokens)
         return OnlineSource(target, splits)
@@ -656,6 +749,7 @@ class Trainer:
             self.log(f"already at step {self.step} >= max steps {s['max_steps']}; nothing to train")
             return
         self.log(f"training steps {self.step + 1}..{s['max_steps']}: batch {s['batch_size']} x {ctx.world_size} rank(s), lr {s['lr']} ({s['schedule']}), TTT {s['ttt_length']}")
+        self._beat("train")
         if self.options.eval_at_start and self.step == 0:
             self._validate()
         last_saved = last_eval = None
@@ -668,6 +762,7 @@ class Trainer:
             tokens_before = self.tokens
             result, grad_norm, lr = self.train_step(self.step)
             self.step += 1
+            self._beat()
             interval.add(result)
             interval_tokens += self.tokens - tokens_before
             interval_flops += self.last_step_flops
@@ -688,6 +783,7 @@ class Trainer:
                 self._save()
                 last_saved = self.step
             if stopping:
+                self.stopped = True
                 by = signal.Signals(self.stop_signal).name if self.stop_signal else "a signal on another rank"
                 outcome = "checkpoint written" if self.last_save_ok else "the checkpoint could NOT be written (see above)"
                 self.log(f"stopped by {by} after step {self.step}; {outcome}")
@@ -702,6 +798,10 @@ class Trainer:
             self._save()
         self._flush_metrics()
         self.log(f"done: {self.step} steps" + ("" if self.last_save_ok else "; the final checkpoint was NOT saved"))
+
+    def _beat(self, phase: str | None = None) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.beat(self.step, phase)
 
     def _flush_metrics(self) -> None:
         if self.metrics is None or not hasattr(self.metrics, "flush"):
@@ -734,7 +834,9 @@ class Trainer:
         self.log(f"step {self.step}/{self.settings['max_steps']} loss {values['loss']:.4f} acc0 {values['acc'][0]:.3f} lr {lr:.2e} grad {grad_norm:.3f} {values['step_time']:.3f} s/step")
 
     def _validate(self) -> None:
+        self._beat("validate")
         values = self.evaluate()
+        self._beat("train")
         self.latest_val = {"step": self.step, **values}
         if not self.ctx.is_main:
             return
@@ -775,6 +877,7 @@ class Trainer:
         from backend.train.checkpoint import CheckpointDiskFullError, save_checkpoint
 
         self.last_save_ok = True
+        self._beat("checkpoint")
         if self.ctx.is_main:
             extra = {
                 "val_acc": self.latest_val.get("acc"),
@@ -793,6 +896,7 @@ class Trainer:
                 self.last_save_ok = False
                 self.log(f"checkpoint at step {self.step} NOT saved: {exc}")
         self.ctx.barrier()
+        self._beat("train")
 
 
 def train(options: TrainOptions) -> int:
