@@ -15,38 +15,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
 from backend.metrics import series
+from backend.smoothing import debiased_ema, is_finite
 
 LR_FLOOR_WARNING = "a cosine run that decayed to ~0 LR cannot grok; resume with a constant LR"
 
 
-def is_finite(value: Any) -> bool:
-    kind = type(value)
-    if kind is float or kind is int:
-        return math.isfinite(value)
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-# ---------------------------------------------------------------- smoothing, slopes, lookups
-
-def debiased_ema(values: Sequence[float], beta: float) -> list[float]:
-    """TensorBoard classic smoothing: m_n = beta*m_{n-1} + (1-beta)*x_n, m_0 = 0, x̂_n = m_n / (1 - beta^n).
-
-    n counts finite points only; non-finite points pass through unchanged; a constant series is returned as is.
-    """
-    values = list(values)
-    if not values or all(v == values[0] for v in values):
-        return [float(v) if isinstance(v, (int, float)) else math.nan for v in values]
-    out, mean, count = [], 0.0, 0
-    for value in values:
-        if not is_finite(value):
-            out.append(float(value) if isinstance(value, (int, float)) else math.nan)
-            continue
-        mean = beta * mean + (1.0 - beta) * value
-        count += 1
-        debias = 1.0 - beta**count if beta != 1.0 else 1.0
-        out.append(mean / debias if debias else mean)
-    return out
-
+# ---------------------------------------------------------------- slopes, lookups (smoothing: backend/smoothing.py)
 
 @dataclass
 class Slope:

@@ -1,4 +1,4 @@
-"""Curve preparation for the Training screen: EMA smoothing, log10 axes with our own ticks, spike-keeping min/max downsampling.
+"""Curve preparation for the Training screen: EMA smoothing (backend/smoothing.py), log10 axes with our own ticks, spike-keeping min/max downsampling.
 
 plotext's own log scale is never used: it re-takes the log of the stored data on every build and
 crashes on resize (plotext#209). Instead the values are transformed here and the ticks labelled
@@ -10,6 +10,8 @@ import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from backend.smoothing import debiased_ema
 
 
 @dataclass
@@ -26,23 +28,6 @@ class Curve:
 class Ticks:
     positions: list[float] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
-
-
-def ema(values: Sequence[float], weight: float) -> list[float]:
-    """Debiased exponential moving average (TensorBoard-style smoothing; weight 0 = raw)."""
-    if not 0.0 <= weight < 1.0:
-        raise ValueError(f"EMA weight must be in [0, 1), got {weight}")
-    if weight == 0.0 or not values:
-        return list(values)
-    out = []
-    acc = 0.0
-    correction = 1.0
-    keep = 1.0 - weight
-    for value in values:
-        acc = acc * weight + keep * value
-        correction *= weight
-        out.append(acc / (1.0 - correction))
-    return out
 
 
 def minmax_downsample(xs: Sequence[float], ys: Sequence[float], buckets: int) -> tuple[list[float], list[float]]:
@@ -117,7 +102,7 @@ def prepare_curve(
 
     The raw lists are only read (no copy) unless smoothing or a log axis needs new values.
     """
-    ys: Sequence[float] = ema(values, ema_weight) if ema_weight else values
+    ys: Sequence[float] = debiased_ema(values, ema_weight) if ema_weight else values
     xs: Sequence[float] = steps
     hidden = 0
     if log_x or log_y:

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from console.plotting import Curve, ema, format_number, log_ticks, minmax_downsample, prepare_curve, span
+from console.plotting import Curve, format_number, log_ticks, minmax_downsample, prepare_curve, span
 
 
 def test_downsample_keeps_a_single_point_spike_and_bounds_the_output():
@@ -42,15 +42,6 @@ def test_downsample_of_identical_x_falls_back_to_index_buckets():
     ys = [float(i % 7) for i in range(1000)]
     out_x, out_y = minmax_downsample(xs, ys, 10)
     assert len(out_x) <= 22 and min(out_y) == 0.0 and max(out_y) == 6.0
-
-
-def test_ema_is_debiased_and_weight_zero_is_identity():
-    assert ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # no pull towards 0 at the start
-    smoothed = ema([0.0] * 10 + [10.0], 0.9)
-    assert 0.0 < smoothed[-1] < 10.0
-    assert ema([1.0, 5.0], 0.0) == [1.0, 5.0]
-    with pytest.raises(ValueError, match="EMA weight"):
-        ema([1.0], 1.0)
 
 
 def test_prepare_curve_takes_log10_and_counts_points_a_log_axis_cannot_show():

@@ -6,9 +6,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_PATH_MODULES = ["backend.agent", "backend.protocol", "backend.layout", "backend.jsonl", "backend.gpu", "backend.jobs", "backend.holders",
-                      "backend.metrics", "backend.metrics_scan", "backend.metrics_index", "backend.series_index", "backend.signals",
+                      "backend.metrics", "backend.metrics_scan", "backend.metrics_index", "backend.series_index", "backend.signals", "backend.smoothing",
                       "backend.external", "backend.datascale", "backend.chain"]
-CONSOLE_MAY_IMPORT = {"backend.protocol", "backend.layout", "backend.commands", "backend.profiles", "backend"}
+# backend.smoothing: the one EMA, so a curve the console smooths and a signal the agent computes agree (stdlib, no state).
+CONSOLE_MAY_IMPORT = {"backend.protocol", "backend.layout", "backend.commands", "backend.profiles", "backend.smoothing", "backend"}
 
 
 def imported_names(path: Path) -> set[str]:

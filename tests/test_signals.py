@@ -5,8 +5,9 @@ import random
 
 import pytest
 
-from backend.signals import (LR_FLOOR_WARNING, GrokConfig, clip_fraction, compute_signals, debiased_ema,
-                             detect_plateau, estimate_tau, log_step_slope, lr_floor, ols_slope, relative_change)
+from backend.signals import (LR_FLOOR_WARNING, GrokConfig, clip_fraction, compute_signals, detect_plateau, estimate_tau, log_step_slope,
+                             lr_floor, ols_slope, relative_change)
+from backend.smoothing import debiased_ema
 
 PLATEAU_STEP = 1000  # train loss reaches its floor here
 ONSET_STEP = 20000  # val loss starts its second descent here (linear in log10 step over 0.2 decades)
@@ -50,6 +51,10 @@ def test_debiased_ema_matches_hand_computation():
     assert debiased_ema([], 0.9) == [] and debiased_ema([7.0], 0.9) == [7.0]
     assert debiased_ema([2.0, 2.0, 2.0], 0.9) == [2.0, 2.0, 2.0]
     assert debiased_ema([1.0, 3.0], 0.0) == [1.0, 3.0]
+    smoothed = debiased_ema([0.0] * 10 + [10.0], 0.9)  # the console's curves: a jump is followed, not copied
+    assert 0.0 < smoothed[-1] < 10.0
+    with pytest.raises(ValueError, match=r"EMA factor must be in \[0, 1\), got 1.0"):
+        debiased_ema([1.0, 2.0], 1.0)
 
 
 def test_ols_slope_on_exact_lines_and_hand_computed_noise():
