@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -20,22 +21,26 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer
 from textual.worker import Worker
 
+from backend.commands import node_spec, torchrun_train_argv, train_argv
 from backend.protocol import Request
 from console.client import AgentClient, AgentError
 from console.run_actions import SIGNALS_INTERVAL_S, RunActions
 from console.screens.base import ConsoleScreen
 from console.screens.chain import ChainScreen
 from console.screens.dashboard import DashboardScreen
+from console.screens.hosts import HostsScreen
 from console.screens.logs import LogsScreen
-from console.screens.modals import AdoptModal, StopModal
+from console.screens.modals import AdoptModal, MultiNodeModal, StopModal
 from console.session import STREAMS, HostSession
 from console.state import CONNECTED, ConnectionStatus, ConsoleState
 from console.transport import Transport
+from console.widgets.hosts import Node, nodes_of
 from console.widgets.panels import ConsoleFooter
 
 GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)
 QUIT_CONFIRM_S = 10.0
 REDRAW_SHARE = 4.0
+MULTI_HOST_ACTIONS = ("show_hosts", "start_multinode")  # offered only when the console holds several hosts
 # What a host other than the active one may redraw: its row in the Hosts view and its jobs in the jobs table.
 CROSS_HOST_SECTIONS = frozenset({"connection", "hello", "gpus", "holders", "jobs", "disks", "hosts"})
 
@@ -63,10 +68,13 @@ ACTIONS = [
     ConsoleAction("show_logs", "3", "Logs", "stdout and stderr of the selected job"),
     ConsoleAction("show_grokking", "4", "Grokking", "log-step loss, gap, val slope, norms, tau, LR floor, data scaling"),
     ConsoleAction("show_chain", "5", "Bench result", "stages and result of the latest stop-and-bench run"),
+    ConsoleAction("show_hosts", "6", "Hosts", "every host at a glance; pick the one the other screens show; nodes of a multi-node job"),
     ConsoleAction("prev_job", "[", "Prev job", "select the previous job"),
     ConsoleAction("next_job", "]", "Next job", "select the next job"),
     ConsoleAction("start_training", "n", "New tiny run", "start a training job with the console's profile", needs_connection=True,
                   destructive=True, short="New"),
+    ConsoleAction("start_multinode", "m", "Multi-node run", "start one training job across every connected host (torchrun; shows each "
+                  "node's command first)", needs_connection=True, destructive=True, short="Nodes"),
     ConsoleAction("stop_job", "s", "Stop job", "stop the selected job (shows the PIDs first)", needs_connection=True, needs_job=True, owned_job=True,
                   destructive=True, short="Stop"),
     ConsoleAction("stop_and_bench", "b", "Stop & bench", "stop training with a checkpoint, serve it, canary, benchmark (shows the plan first)",
@@ -93,7 +101,7 @@ ACTIONS_BY_NAME = {a.name: a for a in ACTIONS}
 _SCREENS = Binding.Group("Screens", compact=True)  # the footer shows "12345 Screens": room for every action key
 _JOBS = Binding.Group("Prev/next job", compact=True)
 FOOTER_GROUPS = {"show_dashboard": _SCREENS, "show_training": _SCREENS, "show_logs": _SCREENS, "show_grokking": _SCREENS,
-                 "show_chain": _SCREENS, "prev_job": _JOBS, "next_job": _JOBS}
+                 "show_chain": _SCREENS, "show_hosts": _SCREENS, "prev_job": _JOBS, "next_job": _JOBS}
 
 
 class ConsoleCommands(Provider):
@@ -105,8 +113,8 @@ class ConsoleCommands(Provider):
         for action in ACTIONS:
             if action.screen is not None and getattr(self.screen, "MODE", None) != action.screen:
                 continue
-            if action.destructive and app.readonly:
-                continue  # --readonly: not offered at all
+            if (action.destructive and app.readonly) or (action.name in MULTI_HOST_ACTIONS and not app.multi_host):
+                continue  # --readonly, or one host: not offered at all
             reason = app.disabled_reason(action.name)
             # The palette parses help as markup: "[n]" would vanish as a tag, so every "[" is escaped, and the key is
             # shown bare ("key [ · ...") because a bracketed "[[]" reads as noise.
@@ -141,7 +149,7 @@ def _with_console_footer(cls: type[ConsoleScreen]) -> type[ConsoleScreen]:
 class ConsoleApp(RunActions, App):
     TITLE = "eagle3-console"
     CSS_PATH = "console.tcss"
-    MODES = {"dashboard": DashboardScreen, "logs": LogsScreen, "chain": _with_console_footer(ChainScreen)}  # "training", "grokking" added per instance
+    MODES = {"dashboard": DashboardScreen, "logs": LogsScreen, "chain": _with_console_footer(ChainScreen), "hosts": HostsScreen}  # "training", "grokking" added per instance
     DEFAULT_MODE = "dashboard"
     COMMANDS = App.COMMANDS | {ConsoleCommands}
     BINDINGS = [Binding(a.key, a.name, a.label, group=FOOTER_GROUPS.get(a.name)) for a in ACTIONS if a.screen is None]
@@ -159,8 +167,10 @@ class ConsoleApp(RunActions, App):
         signals_interval: float = SIGNALS_INTERVAL_S,
         readonly: bool = False,
         notify_terminal: bool = False,
+        rdzv_endpoint: str | None = None,
     ):
         super().__init__()
+        self.rdzv_endpoint = rdzv_endpoint  # HOST:PORT of a multi-node run's rendezvous (default: the first host, a port from the run id)
         self.readonly = readonly
         self.notify_terminal = notify_terminal  # --notify: bell + OSC 9 / OSC 777 desktop notifications on alerts
         self.holders_expanded = False
@@ -372,6 +382,10 @@ class ConsoleApp(RunActions, App):
         self.selected_job = None
         self._select_default_job()
 
+    def nodes_of(self, name: str | None) -> list[Node]:
+        """The nodes of the active host's job `name` across every host (one for a one-node job)."""
+        return nodes_of(self.sessions, self.active.name, name)
+
     def job_rows(self) -> list[tuple[HostSession, str]]:
         """Every host's jobs, newest first per host, hosts in the order given (the jobs table's order)."""
         return [(session, name) for session in self.sessions for name in reversed(list(session.state.jobs))]
@@ -499,10 +513,14 @@ class ConsoleApp(RunActions, App):
             return None
         if spec.destructive and self.readonly:
             return "read-only console (--readonly)"
+        if spec.name in MULTI_HOST_ACTIONS and not self.multi_host:
+            return "this console holds one host (give --host once per host)"
         if spec.needs_connection and (self.client is None or not self.state.connection.connected):
             return "disconnected from the host" if self.client is not None else "no host connection"
         if spec.needs_job and not self.selected_job:
             return "no job selected"
+        if spec.name == "start_multinode" and sum(s.connected for s in self.sessions) < 2:
+            return "needs two or more connected hosts (give --host once per host)"
         if spec.name == "resume" and self.resume_target is None:
             return "no stop has written a checkpoint yet"
         job = self.selected_job
@@ -525,6 +543,8 @@ class ConsoleApp(RunActions, App):
         spec = ACTIONS_BY_NAME.get(action)
         if spec is not None and spec.destructive and self.readonly:
             return False  # hidden from the footer, not merely greyed
+        if action in MULTI_HOST_ACTIONS and not self.multi_host:
+            return False  # one host: no Hosts view, no multi-node run
         return None if self.disabled_reason(action) else True
 
     def on_key(self, event) -> None:
@@ -579,6 +599,9 @@ class ConsoleApp(RunActions, App):
     def action_show_chain(self) -> None:
         self.switch_mode("chain")
 
+    def action_show_hosts(self) -> None:
+        self.switch_mode("hosts")
+
     def action_next_job(self) -> None:
         self._cycle_job(+1)
 
@@ -592,7 +615,7 @@ class ConsoleApp(RunActions, App):
     @work(group="actions", exit_on_error=False)
     async def action_start_training(self) -> None:
         name = f"train-{_short_profile(self.profile)}-{time.strftime('%H%M%S', time.localtime(self.state.clock()))}"
-        argv = ["eagle3-host", "train", "--profile", self.profile]
+        argv = train_argv(self.profile)
         try:
             result = await self.client.request(Request.START_JOB, name=name, kind="train", argv=argv)
         except AgentError as exc:
@@ -605,6 +628,10 @@ class ConsoleApp(RunActions, App):
     @work(group="actions", exit_on_error=False)
     async def action_stop_job(self) -> None:
         name = self.selected_job
+        nodes = self.nodes_of(name)
+        if len(nodes) > 1:
+            await self._stop_nodes(name, nodes)
+            return
         try:
             plan = await self.client.request(Request.STOP_PLAN, name=name)
         except AgentError as exc:
@@ -622,10 +649,72 @@ class ConsoleApp(RunActions, App):
         except AgentError as exc:
             self.note(f"stop {name} failed: {exc}", severity="error")
             return
-        verdicts = result.get("verdicts") or []
-        summary = ", ".join(f"{v.get('pid')} {v.get('outcome')}" for v in verdicts) or "nothing to signal"
-        self.note(f"stop {name}: {summary}{await self.offer_resume(name, before)}")
+        self.note(f"stop {name}: {verdicts_phrase(result)}{await self.offer_resume(name, before)}")
         self.resync()
+
+    async def _stop_nodes(self, name: str, nodes: list[Node]) -> None:
+        """A multi-node job: one plan from every node's host, one confirmation, then stop_job on every host at once
+        (rank 0 checkpoints first: every rank hears the stop and they agree on it at the step's end); a verdict per node."""
+        unreachable = [n for n in nodes if not n.session.connected]
+        if unreachable:
+            self.note(f"stop {name}: node {unreachable[0].rank} ({unreachable[0].host}) is not connected; nothing was signalled on any "
+                      "node (a partial stop would leave the others waiting in a collective)", severity="error")
+            return
+        try:
+            plans = await asyncio.gather(*(n.session.request(Request.STOP_PLAN, name=n.job.name) for n in nodes))
+        except AgentError as exc:
+            self.note(f"stop {name}: could not get every node's stop plan ({exc}); nothing was signalled", severity="error")
+            return
+        merged = merge_stop_plans(name, nodes, plans)
+        before = await self.checkpoint_before_stop(name, merged)
+        if not await self.push_screen_wait(StopModal(f"{name} on {len(nodes)} nodes", merged, self.stop_grace)):
+            self.note(f"stop {name} cancelled; nothing was signalled on any node")
+            return
+        if any(not n.session.connected for n in nodes) or self.disabled_reason("stop_job"):
+            self.note(f"stop {name} not sent: a node's host disconnected meanwhile", severity="error")
+            return
+        results = await asyncio.gather(*(n.session.request(Request.STOP_JOB, name=n.job.name, grace=self.stop_grace,
+                                                            timeout=self.stop_grace + 60) for n in nodes), return_exceptions=True)
+        parts = []
+        for node, result in zip(nodes, results):
+            outcome = f"failed: {result}" if isinstance(result, BaseException) else verdicts_phrase(result)
+            parts.append(f"node {node.rank} ({node.host}): {outcome}")
+        self.note(f"stop {name}: " + "; ".join(parts) + await self.offer_resume(name, before),
+                  severity="error" if any(isinstance(r, BaseException) for r in results) else "information")
+        for node in nodes:
+            self.resync(node.session)
+
+    @work(group="actions", exit_on_error=False)
+    async def action_start_multinode(self) -> None:
+        sessions = [s for s in self.sessions if s.connected]
+        run_id = f"mn-{_short_profile(self.profile)}-{time.strftime('%H%M%S', time.localtime(self.state.clock()))}"
+        endpoint = self.rdzv_endpoint or f"{rendezvous_host(sessions[0])}:{rendezvous_port(run_id)}"
+        base = train_argv(self.profile)
+        try:
+            plan = [(s, torchrun_train_argv(base, run_id=run_id, node_rank=rank, nnodes=len(sessions), rdzv_endpoint=endpoint),
+                     node_spec(run_id, rank, len(sessions), endpoint)) for rank, s in enumerate(sessions)]
+        except ValueError as exc:
+            self.note(f"multi-node run not started: {exc}", severity="error")
+            return
+        if not await self.push_screen_wait(MultiNodeModal(run_id, endpoint, [(s.name, argv) for s, argv, _ in plan])):
+            self.note(f"multi-node run {run_id} cancelled; nothing was started")
+            return
+        if self.disabled_reason("start_multinode") or any(not s.connected for s, _, _ in plan):
+            self.note(f"multi-node run {run_id} not started: a host disconnected meanwhile", severity="error")
+            return
+        results = await asyncio.gather(*(s.request(Request.START_JOB, name=run_id, kind="train", argv=argv, node=node)
+                                         for s, argv, node in plan), return_exceptions=True)
+        failed = [(s, r) for (s, _, _), r in zip(plan, results) if isinstance(r, BaseException)]
+        if failed:
+            started = [s for (s, _, _), r in zip(plan, results) if not isinstance(r, BaseException)]
+            self.note(f"multi-node run {run_id}: {failed[0][0].name} refused it ({failed[0][1]}); "
+                      f"{len(started)} node(s) started and will wait for it at the rendezvous: stop them with s", severity="error")
+        else:
+            self.note(f"started {run_id} on {len(plan)} nodes ({', '.join(s.name for s, _, _ in plan)}), rendezvous {endpoint}")
+        lead = plan[0][0]
+        if not isinstance(results[0], BaseException):
+            self.set_active(lead)
+            self.select_started_job(run_id, results[0].get("job"))
 
     @work(group="actions", exit_on_error=False)
     async def action_adopt(self) -> None:
@@ -648,6 +737,34 @@ class ConsoleApp(RunActions, App):
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker.error is not None and event.worker.group != "agent":
             self.note(f"{event.worker.name or event.worker.group} failed: {event.worker.error}", severity="error")
+
+
+def verdicts_phrase(result: dict[str, Any]) -> str:
+    verdicts = result.get("verdicts") or []
+    return ", ".join(f"{v.get('pid')} {v.get('outcome')}" for v in verdicts) or "nothing to signal"
+
+
+def merge_stop_plans(name: str, nodes: list[Node], plans: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every node's stop plan as one: each PID and stale record names its host; checkpoint first when node 0's says so."""
+    merged: dict[str, Any] = {"jobs": [name], "will_signal": [], "stale": [], "foreign_gpu_holders": [],
+                              "checkpoint_first": bool(plans[0].get("checkpoint_first"))}
+    for node, plan in zip(nodes, plans):
+        where = f"node {node.rank} {node.host}"
+        merged["will_signal"] += [{**e, "job": f"{e.get('job', '')} ({where})"} for e in plan.get("will_signal") or []]
+        merged["stale"] += [{**e, "job": f"{e.get('job', '')} ({where})"} for e in plan.get("stale") or []]
+        merged["foreign_gpu_holders"] += [{**e, "user": f"{e.get('user', '')}@{node.host}"} for e in plan.get("foreign_gpu_holders") or []]
+    return merged
+
+
+def rendezvous_host(session: HostSession) -> str:
+    """How the other nodes reach the first host: its SSH host name (as this laptop resolves it), 127.0.0.1 for the local agent."""
+    transport = session.client.transport if session.client is not None else None
+    return str(getattr(transport, "host", None) or "127.0.0.1")
+
+
+def rendezvous_port(run_id: str) -> int:
+    """A port in 29400-29999 picked from the run id, so two runs started the same second by two consoles rarely collide."""
+    return 29400 + zlib.crc32(run_id.encode()) % 600
 
 
 def _training_screen(**kwargs: Any) -> ConsoleScreen:
@@ -684,6 +801,7 @@ def build_app(
     signals_interval: float = SIGNALS_INTERVAL_S,
     readonly: bool = False,
     notify_terminal: bool = False,
+    rdzv_endpoint: str | None = None,
 ) -> ConsoleApp:
     """The console app over one transport per host (a list for several hosts), else showing only the (fixed) state(s)
     handed in. Hosts are told apart by their transport's label, which must be unique."""
@@ -720,4 +838,5 @@ def build_app(
         signals_interval=signals_interval,
         readonly=readonly,
         notify_terminal=notify_terminal,
+        rdzv_endpoint=rdzv_endpoint,
     )

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--identity", help="SSH private key file (default: ssh config / agent / ~/.ssh/id_*)")
     parser.add_argument("--known-hosts", help="known_hosts file (default: ssh config's UserKnownHostsFile, else ~/.ssh/known_hosts)")
     parser.add_argument("--python", help="Python on the host that runs the agent (default: python3; locally: this Python)")
+    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                        help="rendezvous of a multi-node run (key m): an address of the FIRST host that every other host can reach "
+                        "(default: the first --host's name and a port in 29400-29999 chosen from the run id)")
     parser.add_argument("--readonly", action="store_true",
                         help="look, never touch: start, stop, stop & bench, resume, grok and adopt are disabled and hidden (the banner says READ-ONLY)")
     parser.add_argument("--notify", action="store_true",
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     from console.app import build_app
 
     app = build_app(transports if len(transports) > 1 else transports[0], profile=profile_arg, readonly=args.readonly,
-                    notify_terminal=args.notify)
+                    notify_terminal=args.notify, rdzv_endpoint=args.rdzv_endpoint)
     app.run()
     failed = [s for s in app.sessions if not s.state.connection.connected and s.state.connection.detail and s.state.last_data_at is None]
     for session in failed:

@@ -304,6 +304,7 @@ class RunActions(_Base):
         where = f" on {session.name}" if self.multi_host else ""
         if "jobs" in sections:
             self._alert_job_exits(state, where)
+            self._alert_stalled_ranks(state, where)
         if "stages" in sections:
             self._alert_canaries(state, where)
         if "signals" in sections:
@@ -321,6 +322,21 @@ class RunActions(_Base):
                 job = state.jobs[name]
                 code = f" with exit code {job.exit_code}" if job.exit_code is not None else ""
                 self.alert(f"job {name}{where} {job_state}{code}", severity="error" if job.exit_code not in (None, 0) else "warning")
+
+    def _alert_stalled_ranks(self, state: ConsoleState, where: str) -> None:
+        """A rank of a running job whose heartbeat the agent has not seen for its threshold: once, until it reports again."""
+        for job in state.jobs.values():
+            stalled = set(job.stalled_ranks) if job.state == "running" else set()
+            for rank in job.ranks:
+                number = rank.get("rank")
+                key = ("stalled", where, job.name, number)
+                if number in stalled and key not in self._alerted:
+                    self._alerted.add(key)
+                    node = f"node {job.node_rank} " if job.node_rank is not None else ""
+                    self.alert(f"{job.name}: {node}rank {number}{where} not reporting for {float(rank.get('age_s') or 0):.0f} s "
+                               f"(last step {rank.get('step', '?')})", severity="error")
+                elif number not in stalled:
+                    self._alerted.discard(key)
 
     def _alert_canaries(self, state: ConsoleState, where: str) -> None:
         for job, records in state.stages.items():

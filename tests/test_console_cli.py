@@ -75,7 +75,7 @@ def test_readonly_and_notify_flags_reach_the_app(monkeypatch):
     monkeypatch.setattr(cli, "make_transports", lambda args: ([object()], args.profile))
     monkeypatch.setattr(FakeApp, "sessions", [], raising=False)
     assert cli.main(["--readonly", "--notify"]) == 0
-    assert built == {"profile": "tiny", "readonly": True, "notify_terminal": True}
+    assert built == {"profile": "tiny", "readonly": True, "notify_terminal": True, "rdzv_endpoint": None}
 
 
 def test_hosts_come_from_every_host_flag_then_the_hosts_file(tmp_path):

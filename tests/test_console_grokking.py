@@ -236,14 +236,14 @@ async def test_signals_follow_new_metrics_at_a_modest_rate_and_data_scaling_is_e
         job = (await app.client.request(Request.START_JOB, name="writer", kind="train", argv=argv))["job"]
         app.select_job("writer")
         await pilot.press("4")
-        original = app.handle_event
+        original = app.session_event
 
-        def counting(event):
+        def counting(session, event, changed):
             if isinstance(event, dict) and event.get("type") == "metrics" and event.get("job") == "writer":
                 events.append(len(event.get("records") or []))
-            original(event)
+            original(session, event, changed)
 
-        app.handle_event = counting
+        app.session_event = counting
         total = steps + steps // 5
         await wait_until(lambda: app.state.signals.get("writer", {}).get("n_records") == total, timeout=60,
                          what="signals computed over every record")

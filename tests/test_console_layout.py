@@ -5,16 +5,19 @@ import pytest
 from textual.widgets import DataTable, Footer
 from textual.widgets._footer import FooterKey
 
-from console.app import ACTIONS, build_app
+from console.app import ACTIONS, MULTI_HOST_ACTIONS, build_app
 from test_console_chain import chain_records, chain_state
 from test_console_grokking import GROK_JOB, grok_state
+from test_console_hosts import multinode_states
 from test_console_snapshots import frozen_state
 
 SIZES = [(100, 30), (170, 45)]
 SCREENS = {"1": "dashboard", "2": "training", "3": "logs", "4": "grokking", "5": "chain"}
 SCREEN_KEYS = {"dashboard": {"h"}, "training": {"x", "y", "e", "+", "-", ",", ".", "0"}, "logs": {"f", "o"},
                "grokking": {"+", "-", ",", ".", "0"}, "chain": set()}
-APP_KEYS = {a.key for a in ACTIONS if a.screen is None}
+APP_KEYS = {a.key for a in ACTIONS if a.screen is None and a.name not in MULTI_HOST_ACTIONS}  # a one-host console's keys
+MULTI_HOST_KEYS = {a.key for a in ACTIONS if a.name in MULTI_HOST_ACTIONS}
+MULTI_HOST_SCREENS = {"1": "dashboard", "6": "hosts"}
 
 
 pytestmark = pytest.mark.usefixtures("utc")  # snapshot clocks read in UTC (tests/conftest.py)
@@ -96,7 +99,7 @@ async def test_readonly_hides_every_destructive_key_from_the_footer():
         await show(pilot, "1")
         shown = visible_footer_keys(app)
         destructive = {a.key for a in ACTIONS if a.destructive}
-        assert destructive == {"n", "s", "b", "c", "g", "a"}
+        assert destructive == {"n", "m", "s", "b", "c", "g", "a"}
         assert not shown & destructive and {"1", "w", "r", "q", "h"} <= shown
 
 
@@ -118,3 +121,39 @@ def test_screen_snapshot(snap_compare, key, size):
         await show(pilot, key)
 
     assert snap_compare(app_for(SCREENS[key]), terminal_size=size, run_before=run_before)
+
+
+# -- several hosts: the Hosts view and the Dashboard with a host column and a multi-node job ---------------------------
+
+
+def multi_host_app():
+    return build_app(state=multinode_states(stalled=True), poll_interval=None, refresh_throttle=0)
+
+
+async def show_multi_host(pilot, key: str) -> None:
+    pilot.app.select_job("mn-1", "gpu-a")
+    await pilot.pause()
+    await pilot.press(key)
+    await pilot.pause()
+    pilot.app.redraw_now()
+    await pilot.pause()
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("key", list(MULTI_HOST_SCREENS))
+async def test_a_multi_host_console_shows_every_key_too(size, key):
+    app = multi_host_app()
+    async with app.run_test(size=size) as pilot:
+        await show_multi_host(pilot, key)
+        assert getattr(app.screen, "MODE", None) == MULTI_HOST_SCREENS[key]
+        missing = (APP_KEYS | MULTI_HOST_KEYS | SCREEN_KEYS.get(MULTI_HOST_SCREENS[key], set())) - visible_footer_keys(app)
+        assert not missing, f"{MULTI_HOST_SCREENS[key]} at {size}: keys not on screen: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("key,size", [(k, s) for k in MULTI_HOST_SCREENS for s in SIZES],
+                         ids=[f"{MULTI_HOST_SCREENS[k]}-{s[0]}x{s[1]}" for k in MULTI_HOST_SCREENS for s in SIZES])
+def test_multi_host_snapshot(snap_compare, key, size):
+    async def run_before(pilot):
+        await show_multi_host(pilot, key)
+
+    assert snap_compare(multi_host_app(), terminal_size=size, run_before=run_before)

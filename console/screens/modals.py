@@ -351,3 +351,45 @@ def resume_text(stopped_job: str, checkpoint: str, name: str, argv: list[str]) -
     text.append(" ".join(argv), style="bold cyan")
     text.append("\n\nNothing else is started or stopped.", style="dim")
     return text
+
+
+class MultiNodeModal(ConfirmModal):
+    """Start one training job across several hosts: shows each node's host and exact command; True only on confirm."""
+
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel"),
+        Binding("y", "confirm", "Start on every node"),
+    ]
+
+    def __init__(self, run_id: str, endpoint: str, nodes: list[tuple[str, list[str]]]):
+        super().__init__()
+        self.run_id = run_id
+        self.endpoint = endpoint
+        self.nodes = nodes  # (host, argv) in node-rank order
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="modal-dialog"):
+            yield Static(f"Start {self.run_id} on {plural(len(self.nodes), 'node')}?", classes="modal-title")
+            with VerticalScroll(id="stop-plan-scroll"):
+                yield Static(multinode_text(self.run_id, self.endpoint, self.nodes), id="multinode-plan")
+            with Horizontal(classes="modal-buttons"):
+                yield Button(f"Start {plural(len(self.nodes), 'node')} (y)", id="confirm", variant="warning")
+                yield Button("Cancel (esc)", id="cancel", variant="primary")
+
+    def action_confirm(self) -> None:
+        self.dismiss(True)
+
+
+def multinode_text(run_id: str, endpoint: str, nodes: list[tuple[str, list[str]]]) -> Text:
+    text = Text()
+    text.append("job         ", style="bold")
+    text.append(f"{run_id} on every node (kind train, owned: s stops every node)\n")
+    text.append("rendezvous  ", style="bold")
+    text.append(f"{endpoint} (node 0 hosts it; every other node must reach it)\n")
+    text.append("rank 0      ", style="bold")
+    text.append("node 0 writes the metrics and the checkpoints\n")
+    for rank, (host, argv) in enumerate(nodes):
+        text.append(f"\nnode {rank} on {host}:\n", style="bold")
+        text.append(" ".join(argv), style="bold cyan")
+    text.append("\n\nNothing else is started or stopped.", style="dim")
+    return text

@@ -74,4 +74,25 @@ class ConnectionBanner(Static):
 
     def show_state(self, state: ConsoleState) -> None:
         self.set_class(state.stale, "-stale")
-        self.update(banner_text(state, bool(getattr(self.app, "readonly", False))))
+        text = banner_text(state, bool(getattr(self.app, "readonly", False)))
+        sessions = getattr(self.app, "sessions", [])
+        if len(sessions) > 1:
+            text.append("\n")
+            text.append_text(hosts_text([s.state for s in sessions], state))
+        self.update(text)
+
+
+def hosts_text(states: list[ConsoleState], active: ConsoleState) -> Text:
+    """Every host's link in one line, the one shown underlined: 'hosts  a ●  b ▲ STALE 12s  c ✖'."""
+    text = Text("hosts ", style="bold")
+    for state in states:
+        if state.connection.state == CONNECTED:
+            mark, style = "●", "green"
+        elif state.last_data_at is not None:
+            mark, style = f"▲ STALE {duration(state.clock() - state.last_data_at)}", "bold red"
+        else:
+            mark, style = "✖", "bold red"
+        text.append(f" {state.target}", style="bold underline" if state is active else "")
+        text.append(f" {mark} ", style=style)
+    text.append(" (6: Hosts)", style="dim")
+    return text

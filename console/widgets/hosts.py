@@ -1,0 +1,189 @@
+"""Rows across hosts: the jobs table (a host column; a multi-node job as one row), the Hosts view, the nodes panel."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rich.text import Text
+
+from backend.protocol import JobInfo
+from console.state import CONNECTED, ConsoleState
+from console.widgets.format import duration, number, size_bytes
+
+if TYPE_CHECKING:
+    from console.session import HostSession
+
+JOB_COLUMNS = ("job", "kind", "state", "pid", "pgid", "runtime", "exit", "step", "loss", "detail")
+HOST_COLUMNS = ("host", "link", "GPUs", "GPU memory", "util", "holders owned/foreign", "jobs running", "run dir free", "agent")
+STATE_STYLES = {"running": "green", "exited": "dim", "stopped": "yellow", "stale": "red", "unknown": "red"}
+ROW_KEY_SEP = "\x1f"  # host and job name in a row key: neither may contain it
+
+
+def row_key(host: str, name: str) -> str:
+    return f"{host}{ROW_KEY_SEP}{name}"
+
+
+@dataclass
+class Node:
+    """One node of a job: the host it runs on and that host's record of it."""
+
+    session: "HostSession"
+    job: JobInfo
+
+    @property
+    def host(self) -> str:
+        return self.session.name
+
+    @property
+    def rank(self) -> int:
+        return self.job.node_rank if self.job.node_rank is not None else 0
+
+    @property
+    def host_stale(self) -> bool:
+        return self.session.state.connection.state != CONNECTED
+
+
+@dataclass
+class JobRow:
+    key: str
+    cells: tuple[Any, ...]  # host first; the one-host table drops it
+
+
+def nodes_of(sessions: list["HostSession"], host: str, name: str | None) -> list[Node]:
+    """Every host's node of the job `name` on `host` (the same run id), node rank order; [] when it is not there."""
+    session = next((s for s in sessions if s.name == host), None)
+    job = session.state.jobs.get(name) if session and name else None
+    if session is None or job is None:
+        return []
+    if not job.run_id or not job.nnodes or job.nnodes < 2:
+        return [Node(session, job)]
+    nodes = []
+    for other in sessions:
+        same = [j for j in other.state.jobs.values() if j.run_id == job.run_id]
+        if same:
+            nodes.append(Node(other, max(same, key=lambda j: j.started_at)))
+    return sorted(nodes, key=lambda n: n.rank)
+
+
+def job_table_rows(console: Any) -> list[JobRow]:
+    """The jobs table: every host's jobs newest first; the nodes of a multi-node job folded into one row at its first node."""
+    rows: list[JobRow] = []
+    folded: set[tuple[str, str]] = set()
+    for session, name in console.job_rows():
+        if (session.name, name) in folded:
+            continue
+        nodes = nodes_of(console.sessions, session.name, name)
+        if len(nodes) > 1:
+            folded.update((n.host, n.job.name) for n in nodes)
+            lead = nodes[0]
+            rows.append(JobRow(row_key(lead.host, lead.job.name), _job_cells(lead.session.state, lead.job, nodes)))
+        else:
+            rows.append(JobRow(row_key(session.name, name), _job_cells(session.state, session.state.jobs[name], [])))
+    return rows
+
+
+def _job_cells(state: ConsoleState, job: JobInfo, nodes: list[Node]) -> tuple[Any, ...]:
+    latest = state.metrics.get(job.name)
+    record = (latest.latest_train or latest.latest) if latest else {}
+    end = job.ended_at if job.ended_at else state.clock()
+    host = "+".join(n.host for n in nodes) if nodes else state.target
+    detail = state.job_details.get(job.name, "")
+    status = Text(job.state, style=STATE_STYLES.get(job.state, ""))
+    if nodes:
+        running = sum(n.job.state == "running" and not n.host_stale for n in nodes)
+        status = Text(f"{job.state} {running}/{len(nodes)}", style=STATE_STYLES.get(job.state, "") if running == len(nodes) else "bold red")
+        detail = nodes_problem(nodes) or f"{len(nodes)} nodes, all ranks reporting"
+    return (
+        host,
+        job.name,
+        job.kind + (" (adopted)" if job.adopted else ""),
+        status,
+        str(job.pid),
+        str(job.pgid),
+        duration(end - job.started_at),
+        "-" if job.exit_code is None else str(job.exit_code),
+        str(record.get("step", "-")),
+        number(record.get("loss")),
+        detail[:60] if nodes else detail[:40],
+    )
+
+
+def nodes_problem(nodes: list[Node]) -> str | None:
+    """The first thing wrong with a multi-node job, in words: a host not answering, a node ended, a rank not reporting."""
+    for node in nodes:
+        if node.host_stale:
+            return f"node {node.rank} ({node.host}): host not answering"
+    for node in nodes:
+        if node.job.state != "running":
+            return f"node {node.rank} ({node.host}) {node.job.state}"
+    for node in nodes:
+        stalled = [r for r in node.job.ranks if r.get("rank") in node.job.stalled_ranks]
+        if stalled:
+            age = max(float(r.get("age_s") or 0.0) for r in stalled)
+            return f"node {node.rank} ({node.host}) not reporting for {age:.0f} s"
+    return None
+
+
+def slowest_rank(nodes: list[Node]) -> tuple[str, int] | None:
+    """(host, rank) of the rank with the lowest step, when the ranks disagree."""
+    ranks = [(int(r.get("step") or 0), node.host, int(r.get("rank") or 0)) for node in nodes for r in node.job.ranks]
+    if len({step for step, _, _ in ranks}) < 2:
+        return None
+    _, host, rank = min(ranks)
+    return host, rank
+
+
+def nodes_text(nodes: list[Node]) -> Text:
+    """Per node: host, state, pid; per rank: step and how long ago it last reported (the agent's clock), slowest marked."""
+    text = Text()
+    slow = slowest_rank(nodes)
+    problem = nodes_problem(nodes)
+    if problem:
+        text.append(f"⚠ {problem}\n", style="bold red")
+    for node in nodes:
+        style = "red" if node.host_stale or node.job.state != "running" else ""
+        state = "host not answering" if node.host_stale else node.job.state
+        text.append(f"node {node.rank} · {node.host} · {state} · pid {node.job.pid}\n", style=style)
+        for rank in sorted(node.job.ranks, key=lambda r: int(r.get("rank") or 0)):
+            number_ = int(rank.get("rank") or 0)
+            stalled = number_ in node.job.stalled_ranks
+            line = f"└ rank {number_}: step {rank.get('step', '-')}, {float(rank.get('age_s') or 0.0):.1f} s ago"
+            if stalled:
+                text.append(line + "  NOT REPORTING\n", style="bold red")
+            elif slow == (node.host, number_):
+                text.append(line + "  slowest\n", style="bold yellow")
+            else:
+                text.append(line + "\n")
+        if not node.job.ranks:
+            text.append("└ no rank has reported yet\n", style="dim")
+    return text
+
+
+def host_cells(session: "HostSession") -> tuple[Any, ...]:
+    """One Hosts-view row: link, GPUs at a glance, holders owned/foreign, running jobs, run-dir free space, agent."""
+    state = session.state
+    now = state.clock()
+    if state.connection.state == CONNECTED:
+        link = Text("● connected", style="green")
+    elif state.last_data_at is not None:
+        link = Text(f"▲ STALE {duration(now - state.last_data_at)}", style="bold red")
+    else:
+        link = Text(f"✖ {state.connection.state}", style="bold red")
+    used = sum(g.memory_used_mib or 0.0 for g in state.gpus)
+    total = sum(g.memory_total_mib or 0.0 for g in state.gpus)
+    utils = [g.utilization_pct for g in state.gpus if g.utilization_pct is not None]
+    memory = f"{used / 1024:.1f}/{total / 1024:.0f} GiB" if total else ("no GPU" if state.no_driver else "-")
+    owned = sum(h.owned for h in state.holders)
+    run_dir = next((d for d in state.disks if d.label == "run_dir"), None)
+    hello = state.hello
+    return (
+        session.name,
+        link,
+        str(len(state.gpus)),
+        memory,
+        f"{sum(utils) / len(utils):.0f}%" if utils else "-",
+        f"{owned}/{len(state.holders) - owned}",
+        str(len(state.running_jobs())),
+        size_bytes(run_dir.free_bytes) if run_dir else "-",
+        f"pid {hello.agent_pid} · {hello.host}" if hello else "-",
+    )

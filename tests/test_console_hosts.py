@@ -1,0 +1,167 @@
+"""Several hosts in one console: real loopback OpenSSH servers stand in for GPU hosts (each its own port, HOME and run
+dir); the Hosts view, the jobs table across hosts, actions on the selected job's host, one host going STALE alone; and a
+multi-node job shown as one row whose nodes and ranks say which one stopped reporting."""
+import asyncio
+import sys
+
+import pytest
+from textual.widgets import DataTable
+
+from backend.protocol import JobInfo, Request
+from console.app import build_app, merge_stop_plans
+from console.screens.hosts import HostsScreen
+from console.screens.modals import StopModal
+from console.state import CONNECTED, RECONNECTING, ConnectionStatus, ConsoleState
+from console.transport import SSHTransport
+from console.widgets.hosts import nodes_of
+from ssh_fixtures import RealSSHD, job_argv, pid_alive, sshd_available, wait_until
+
+needs_sshd = pytest.mark.skipif(not sshd_available(), reason="OpenSSH sshd not installed (/usr/sbin/sshd); CI installs openssh-server")
+NOW = 1_800_000_000.0
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    return home
+
+
+@pytest.fixture
+def three_hosts(tmp_path):
+    """Three sshd on 127.0.0.1 that accept one client key; known_hosts pins all three host keys."""
+    servers = [RealSSHD(tmp_path / f"sshd-{i}").start() for i in range(3)]
+    for server in servers[1:]:
+        (server.root / "authorized_keys").write_text(servers[0].client_pub.read_text())
+    known = tmp_path / "known_hosts"
+    known.write_text("".join(f"[127.0.0.1]:{s.port} {s.env().host_public_key}\n" for s in servers))
+    yield servers, known
+    for server in servers:
+        server.stop()
+
+
+def transports(servers, known, tmp_path) -> list[SSHTransport]:
+    env = servers[0].env()
+    return [SSHTransport("127.0.0.1", port=s.port, user=env.user, identity=str(env.client_key), known_hosts=str(known),
+                         python=sys.executable, run_dir=str(tmp_path / f"host-run-{i}"), backoff_initial=0.2, backoff_max=1.0)
+            for i, s in enumerate(servers)]
+
+
+def table_rows(app, selector: str) -> list[list[str]]:
+    table = app.screen.query_one(selector, DataTable)
+    return [[str(cell) for cell in table.get_row_at(i)] for i in range(table.row_count)]
+
+
+@needs_sshd
+@pytest.mark.sshd
+async def test_three_hosts_one_console_actions_follow_the_selected_jobs_host_and_one_dead_host_goes_stale_alone(three_hosts, tmp_path):
+    servers, known = three_hosts
+    app = build_app(transports(servers, known, tmp_path), poll_interval=1.0, refresh_throttle=0, stop_grace=5)
+    a, b, c = app.sessions
+    async with app.run_test(size=(170, 45)) as pilot:
+        await wait_until(lambda: all(s.connected and s.state.hello for s in app.sessions), timeout=60, what="three agents over sshd")
+        assert len({s.state.hello.agent_pid for s in app.sessions}) == 3
+        assert [s.state.hello.run_dir for s in app.sessions] == [str(tmp_path / f"host-run-{i}") for i in range(3)]
+        job = (await b.request(Request.START_JOB, name="on-b", kind="train", argv=job_argv(sys.executable)))["job"]
+        await wait_until(lambda: "on-b" in b.state.jobs, what="b's jobs event")
+
+        await pilot.press("6")
+        await wait_until(lambda: isinstance(app.screen, HostsScreen), what="the Hosts view")
+        app.redraw_now()
+        await pilot.pause()
+        rows = table_rows(app, "#hosts")
+        assert [r[0] for r in rows] == [a.name, b.name, c.name]
+        assert all("connected" in r[1] for r in rows) and [r[6] for r in rows] == ["0", "1", "0"]
+
+        await pilot.press("1")
+        app.select_job("on-b", b.name)
+        await wait_until(lambda: app.active is b and app.state.metrics.get("on-b") and app.state.metrics["on-b"].records == 3,
+                         what="b active and on-b's metrics loaded")
+        app.redraw_now()
+        await pilot.pause()
+        jobs = table_rows(app, "#jobs")
+        assert [(r[0], r[1]) for r in jobs] == [(b.name, "on-b")]  # one table across hosts, with the host column
+
+        await pilot.press("s")  # the stop goes to the selected job's host
+        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal")
+        assert app.screen.pids == [job["pid"]]
+        await pilot.press("y")
+        await wait_until(lambda: any(line.startswith("stop on-b:") for _, line in app.state.actions), what="the verdicts", timeout=60)
+        assert not pid_alive(job["pid"])
+
+        servers[2].stop()  # host c's sshd and its sessions die
+        await wait_until(lambda: c.state.connection.state == RECONNECTING, timeout=30, what="c disconnected")
+        await asyncio.sleep(2.5)  # a few keepalive/poll rounds: a and b must stay live
+        assert a.state.connection.state == CONNECTED and b.state.connection.state == CONNECTED
+        await pilot.press("6")
+        await wait_until(lambda: isinstance(app.screen, HostsScreen), what="the Hosts view again")
+        app.redraw_now()
+        await pilot.pause()
+        rows = table_rows(app, "#hosts")
+        assert "STALE" in rows[2][1] and "connected" in rows[0][1] and "connected" in rows[1][1]
+        banner = str(app.screen.query_one("#banner").render())
+        assert "STALE" in banner.splitlines()[-1] and "● connected" in banner  # b (the active host) is live; c is stale
+
+
+def multinode_states(stalled: bool) -> list[ConsoleState]:
+    """Two hosts each holding its node of run mn-1 (rank 0 on a, rank 1 on b), as their agents list them."""
+    states = []
+    for rank, host in enumerate(("gpu-a", "gpu-b")):
+        state = ConsoleState(target=host, clock=lambda: NOW)
+        state.set_connection(ConnectionStatus(state=CONNECTED, since=NOW - 60))
+        beat = {"rank": rank, "local_rank": 0, "node_rank": rank, "step": 120 - 40 * rank, "pid": 4000 + rank,
+                "age_s": 42.0 if (stalled and rank == 1) else 0.4, "step_age_s": 42.0 if (stalled and rank == 1) else 0.4}
+        state.jobs["mn-1"] = JobInfo(name="mn-1", kind="train", state="running", pid=3000 + rank, pgid=3000 + rank, start_time_ticks=1,
+                                     argv=["python", "-m", "torch.distributed.run"], job_dir="/r/jobs/mn-1", stdout_path="", stderr_path="",
+                                     started_at=NOW - 300, run_id="mn-1", node_rank=rank, nnodes=2, rdzv_endpoint="gpu-a:29500",
+                                     ranks=[beat], stalled_ranks=[1] if (stalled and rank == 1) else [])
+        state.jobs["solo"] = JobInfo(name="solo", kind="serve", state="running", pid=5000 + rank, pgid=5000 + rank, start_time_ticks=1,
+                                     argv=["x"], job_dir="/r/jobs/solo", stdout_path="", stderr_path="", started_at=NOW - 30)
+        states.append(state)
+    return states
+
+
+async def test_a_multinode_job_is_one_row_and_the_rank_that_stopped_reporting_is_named():
+    app = build_app(state=multinode_states(stalled=True), poll_interval=None, refresh_throttle=0)
+    async with app.run_test(size=(170, 45)) as pilot:
+        app.select_job("mn-1", "gpu-a")
+        app.check_alerts({"jobs"}, app.sessions[1])
+        await pilot.pause()
+        app.redraw_now()
+        await pilot.pause()
+        rows = table_rows(app, "#jobs")
+        mn = [r for r in rows if r[1] == "mn-1"]
+        assert len(mn) == 1 and mn[0][0] == "gpu-a+gpu-b" and mn[0][3] == "running 2/2"
+        assert "node 1 (gpu-b) not reporting for 42 s" in mn[0][10]
+        assert sorted(r[0] for r in rows if r[1] == "solo") == ["gpu-a", "gpu-b"]  # one-node jobs stay one row per host
+        nodes = str(app.screen.query_one("#nodes").render())
+        assert "└ rank 1: step 80, 42.0 s ago  NOT REPORTING" in nodes and "node 0 · gpu-a · running" in nodes
+        assert any("mn-1: node 1 rank 1 on gpu-b not reporting for 42 s (last step 80)" in a for a in app.alerts)
+
+
+async def test_ranks_that_disagree_mark_the_slowest_and_a_one_node_job_shows_no_nodes_panel():
+    app = build_app(state=multinode_states(stalled=False), poll_interval=None, refresh_throttle=0)
+    async with app.run_test(size=(170, 45)) as pilot:
+        app.select_job("mn-1", "gpu-b")  # either node's row selects the run
+        await pilot.pause()
+        app.redraw_now()
+        nodes = str(app.screen.query_one("#nodes").render())
+        assert "└ rank 1: step 80, 0.4 s ago  slowest" in nodes and "NOT REPORTING" not in nodes
+        assert not app.alerts
+        app.select_job("solo", "gpu-a")
+        await pilot.pause()
+        app.redraw_now()
+        assert not app.screen.query_one("#nodes").display
+
+
+def test_a_multinode_stop_plan_names_every_nodes_host():
+    states = multinode_states(stalled=False)
+    app = build_app(state=states, poll_interval=None, refresh_throttle=0)
+    nodes = nodes_of(app.sessions, "gpu-a", "mn-1")
+    plans = [{"jobs": ["mn-1"], "will_signal": [{"pid": 3000 + i, "job": "mn-1", "role": "leader", "cmdline": "torchrun"}],
+              "stale": [], "foreign_gpu_holders": [], "checkpoint_first": i == 0} for i in range(2)]
+    merged = merge_stop_plans("mn-1", nodes, plans)
+    assert [e["job"] for e in merged["will_signal"]] == ["mn-1 (node 0 gpu-a)", "mn-1 (node 1 gpu-b)"]
+    assert merged["checkpoint_first"] is True and merged["jobs"] == ["mn-1"]
