@@ -200,13 +200,24 @@ _FAILURE_FIELDS = re.compile(r"^\s*(rank|exitcode|traceback|host)\s*:\s*(.*?)\s*
 _RANK_FIELD = re.compile(r"^(\d+) \(local_rank: (\d+)\)")
 _EXIT_FIELD = re.compile(r"^(-?\d+) \(pid: (\d+)\)\s*(?:\((SIG\w+)\))?")
 _RANK_ERROR = re.compile(r"^\[rank(\d+)\]: ((?:[\w.]+)(?:Error|Exception|Interrupt)\b.*)$")
+_SOURCE_PREFIX = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp):\d+\] ")  # gloo/NCCL's "[/__w/.../pair.cc:537] "
+_TORCHRUN_SIGNALLED = re.compile(r"SignalException: Process (\d+) got signal: (\d+)")
 
 
 def torchrun_failure(lines: list[str]) -> str | None:
     """What torchrun's failure summary (its "Root Cause" block) says about the first rank that failed, with that
-    rank's own last exception line when its traceback is in the log; None when the log holds no summary."""
+    rank's own last exception line when its traceback is in the log; or that torchrun itself was signalled (it
+    forwards the signal to its workers); None when the log says neither."""
     starts = [index for index, line in enumerate(lines) if ROOT_CAUSE in line]
     if not starts:
+        signalled = [match for match in map(_TORCHRUN_SIGNALLED.search, lines) if match]
+        if signalled:
+            number = int(signalled[-1][2])
+            try:
+                name = signal.Signals(number).name
+            except ValueError:
+                name = f"signal {number}"
+            return f"torchrun (pid {signalled[-1][1]}) got {name} and passed it to its workers"
         return None
     fields: dict[str, str] = {}
     for line in lines[starts[-1] + 1 : starts[-1] + 12]:
@@ -225,6 +236,7 @@ def torchrun_failure(lines: list[str]) -> str | None:
             why = errors[-1]
     if why.startswith("To enable traceback"):
         why = ""
+    why = _SOURCE_PREFIX.sub("", why)
     detail = f"torchrun: {who} {how}{': ' + why if why else ''}"
     return detail if len(detail) <= 400 else detail[:399] + "…"
 

@@ -39,10 +39,10 @@ for step in range(100000):
 class AgentProcess:
     """`python -m backend.agent` with a reader thread that keeps every stdout line (each must be one JSON object)."""
 
-    def __init__(self, run_dir: Path, interval: float = 0.2):
+    def __init__(self, run_dir: Path, interval: float = 0.2, args: tuple[str, ...] = (), env: dict | None = None):
         self.proc = subprocess.Popen(
-            [PY, "-m", "backend.agent", "--run-dir", str(run_dir), "--interval", str(interval)],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [PY, "-m", "backend.agent", "--run-dir", str(run_dir), "--interval", str(interval), *args],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
         )
         self.messages: list[dict] = []
         self.bad_lines: list[bytes] = []
