@@ -3,6 +3,7 @@ dir); the Hosts view, the jobs table across hosts, actions on the selected job's
 multi-node job shown as one row whose nodes and ranks say which one stopped reporting."""
 import asyncio
 import sys
+from pathlib import Path
 
 import pytest
 from textual.widgets import DataTable
@@ -10,11 +11,11 @@ from textual.widgets import DataTable
 from backend.protocol import JobInfo, Request
 from console.app import build_app, merge_stop_plans
 from console.screens.hosts import HostsScreen
-from console.screens.modals import StopModal
+from console.screens.modals import MultiNodeModal, StopModal
 from console.state import CONNECTED, RECONNECTING, ConnectionStatus, ConsoleState
 from console.transport import SSHTransport
 from console.widgets.hosts import nodes_of
-from ssh_fixtures import RealSSHD, job_argv, pid_alive, sshd_available, wait_until
+from ssh_fixtures import RealSSHD, free_port, job_argv, pid_alive, sshd_available, wait_until
 
 needs_sshd = pytest.mark.skipif(not sshd_available(), reason="OpenSSH sshd not installed (/usr/sbin/sshd); CI installs openssh-server")
 NOW = 1_800_000_000.0
@@ -165,3 +166,73 @@ def test_a_multinode_stop_plan_names_every_nodes_host():
     merged = merge_stop_plans("mn-1", nodes, plans)
     assert [e["job"] for e in merged["will_signal"]] == ["mn-1 (node 0 gpu-a)", "mn-1 (node 1 gpu-b)"]
     assert merged["checkpoint_first"] is True and merged["jobs"] == ["mn-1"]
+
+
+@pytest.fixture
+def console_profile(mini_target_dir, tmp_path):
+    """The mini profile as a file the console uploads with the backend; it trains until stopped, checkpointing only then."""
+    from conftest import mini_profile_dict
+    from reference_fixtures import toml_text
+
+    path = tmp_path / "mini-nodes.toml"
+    path.write_text(toml_text(mini_profile_dict(mini_target_dir, max_steps=100000, save_interval=100000, eval_interval=100000,
+                                                log_interval=1, warmup_steps=2)))
+    return path
+
+
+@needs_sshd
+@pytest.mark.sshd
+@pytest.mark.slow
+async def test_m_trains_one_job_across_two_sshd_hosts_and_s_stops_every_node_with_one_checkpoint(three_hosts, tmp_path, console_profile,
+                                                                                                  mini_target_dir):
+    from backend.layout import list_checkpoints
+    from backend.serve.preflight import run_preflight
+
+    servers, known = three_hosts
+    servers[2].stop()  # two hosts are enough here
+    hosts = transports(servers[:2], known, tmp_path)
+    for transport in hosts:
+        transport.extra_files = [(f"profiles/{console_profile.name}", console_profile)]
+    port = free_port()
+    app = build_app(hosts, profile=console_profile.stem, poll_interval=1.0, refresh_throttle=0, stop_grace=90,
+                    rdzv_endpoint=f"127.0.0.1:{port}")
+    a, b = app.sessions
+    async with app.run_test(size=(170, 45)) as pilot:
+        await wait_until(lambda: a.connected and b.connected, timeout=60, what="two agents over sshd")
+        await pilot.press("m")
+        await wait_until(lambda: isinstance(app.screen, MultiNodeModal), what="the multi-node plan")
+        assert [host for host, _ in app.screen.nodes] == [a.name, b.name]
+        assert all(f"127.0.0.1:{port}" in argv and "--node-rank" in argv for _, argv in app.screen.nodes)
+        await pilot.press("y")
+        run = await wait_until(lambda: next((n for n in a.state.jobs if n.startswith("mn-")), None), what="the run on host a")
+        await wait_until(lambda: run in b.state.jobs, what="the same run on host b")
+
+        def both_ranks_past(step: int) -> bool:
+            nodes = app.nodes_of(run)
+            ranks = [r for n in nodes for r in n.job.ranks]
+            return len(nodes) == 2 and len(ranks) == 2 and all((r.get("step") or 0) > step for r in ranks)
+
+        await wait_until(lambda: both_ranks_past(2), timeout=240, what="both ranks training across the two hosts")
+        assert app.selected_job == run and app.active is a
+        app.redraw_now()
+        await pilot.pause()
+        row = next(r for r in table_rows(app, "#jobs") if r[1] == run)
+        assert row[0] == f"{a.name}+{b.name}" and row[3] == "running 2/2"
+        dirs = [Path(s.state.jobs[run].job_dir) for s in (a, b)]
+        assert dirs[0].is_relative_to(tmp_path / "host-run-0") and dirs[1].is_relative_to(tmp_path / "host-run-1")
+        assert (dirs[0] / "metrics.jsonl").exists() and not (dirs[1] / "metrics.jsonl").exists()  # only rank 0 writes metrics
+
+        await pilot.press("s")
+        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop plan of both nodes")
+        plan = app.screen.plan
+        assert {e["job"].rsplit("(", 1)[1] for e in plan["will_signal"]} == {f"node 0 {a.name})", f"node 1 {b.name})"}
+        pids = app.screen.pids
+        await pilot.press("y")
+        verdict = await wait_until(lambda: next((line for _, line in app.state.actions if line.startswith(f"stop {run}: node 0")), None),
+                                   timeout=180, what="a verdict per node")
+        assert f"node 1 ({b.name}):" in verdict and "failed" not in verdict
+        assert not [pid for pid in pids if pid_alive(pid)], "a process of the stopped run is still alive"
+        checkpoints = list_checkpoints(dirs[0])
+        assert len(checkpoints) == 1 and not list_checkpoints(dirs[1])
+        report = run_preflight(checkpoints[0], Path(mini_target_dir) / "config.json", check_sglang=False)
+        assert report.ok, report.problems
