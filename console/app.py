@@ -653,35 +653,34 @@ class ConsoleApp(RunActions, App):
         self.resync()
 
     async def _stop_nodes(self, name: str, nodes: list[Node]) -> None:
-        """A multi-node job: one plan from every node's host, one confirmation, then stop_job on every host at once
-        (rank 0 checkpoints first: every rank hears the stop and they agree on it at the step's end); a verdict per node."""
-        unreachable = [n for n in nodes if not n.session.connected]
-        if unreachable:
-            self.note(f"stop {name}: node {unreachable[0].rank} ({unreachable[0].host}) is not connected; nothing was signalled on any "
-                      "node (a partial stop would leave the others waiting in a collective)", severity="error")
+        """A multi-node job: one plan from every reachable node's host, one confirmation, then stop_job on those hosts at
+        once (rank 0 checkpoints first: every rank hears the stop and they agree on it at the step's end); a verdict per
+        node. A node whose host does not answer is named and left alone: its ranks end when their next collective finds
+        the others gone, or stop it once its host is back."""
+        reachable = [n for n in nodes if n.session.connected]
+        if not reachable:
+            self.note(f"stop {name}: no node's host is connected; nothing was signalled", severity="error")
             return
         try:
-            plans = await asyncio.gather(*(n.session.request(Request.STOP_PLAN, name=n.job.name) for n in nodes))
+            plans = await asyncio.gather(*(n.session.request(Request.STOP_PLAN, name=n.job.name) for n in reachable))
         except AgentError as exc:
             self.note(f"stop {name}: could not get every node's stop plan ({exc}); nothing was signalled", severity="error")
             return
-        merged = merge_stop_plans(name, nodes, plans)
-        before = await self.checkpoint_before_stop(name, merged)
+        merged = merge_stop_plans(name, reachable, plans, unreachable=[n for n in nodes if n not in reachable])
+        before = await self.checkpoint_before_stop(name, merged) if reachable[0].rank == 0 else None
         if not await self.push_screen_wait(StopModal(f"{name} on {len(nodes)} nodes", merged, self.stop_grace)):
             self.note(f"stop {name} cancelled; nothing was signalled on any node")
             return
-        if any(not n.session.connected for n in nodes) or self.disabled_reason("stop_job"):
-            self.note(f"stop {name} not sent: a node's host disconnected meanwhile", severity="error")
+        if any(not n.session.connected for n in reachable) or self.disabled_reason("stop_job"):
+            self.note(f"stop {name} not sent: a node's host disconnected meanwhile; nothing was signalled", severity="error")
             return
         results = await asyncio.gather(*(n.session.request(Request.STOP_JOB, name=n.job.name, grace=self.stop_grace,
-                                                            timeout=self.stop_grace + 60) for n in nodes), return_exceptions=True)
-        parts = []
-        for node, result in zip(nodes, results):
-            outcome = f"failed: {result}" if isinstance(result, BaseException) else verdicts_phrase(result)
-            parts.append(f"node {node.rank} ({node.host}): {outcome}")
-        self.note(f"stop {name}: " + "; ".join(parts) + await self.offer_resume(name, before),
-                  severity="error" if any(isinstance(r, BaseException) for r in results) else "information")
-        for node in nodes:
+                                                            timeout=self.stop_grace + 60) for n in reachable), return_exceptions=True)
+        outcomes = {n.rank: (f"failed: {r}" if isinstance(r, BaseException) else verdicts_phrase(r)) for n, r in zip(reachable, results)}
+        parts = [f"node {n.rank} ({n.host}): {outcomes.get(n.rank, 'NOT signalled, its host is not connected')}" for n in nodes]
+        trouble = len(reachable) < len(nodes) or any(isinstance(r, BaseException) for r in results)
+        self.note(f"stop {name}: " + "; ".join(parts) + await self.offer_resume(name, before), severity="error" if trouble else "information")
+        for node in reachable:
             self.resync(node.session)
 
     @work(group="actions", exit_on_error=False)
@@ -744,15 +743,17 @@ def verdicts_phrase(result: dict[str, Any]) -> str:
     return ", ".join(f"{v.get('pid')} {v.get('outcome')}" for v in verdicts) or "nothing to signal"
 
 
-def merge_stop_plans(name: str, nodes: list[Node], plans: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every node's stop plan as one: each PID and stale record names its host; checkpoint first when node 0's says so."""
+def merge_stop_plans(name: str, nodes: list[Node], plans: list[dict[str, Any]], unreachable: list[Node] = ()) -> dict[str, Any]:
+    """Every reachable node's stop plan as one: each PID and stale record names its host; checkpoint first when node 0's
+    says so; a node whose host is not connected is listed as not signalled, with what happens to it."""
     merged: dict[str, Any] = {"jobs": [name], "will_signal": [], "stale": [], "foreign_gpu_holders": [],
-                              "checkpoint_first": bool(plans[0].get("checkpoint_first"))}
+                              "checkpoint_first": any(n.rank == 0 and p.get("checkpoint_first") for n, p in zip(nodes, plans))}
     for node, plan in zip(nodes, plans):
         where = f"node {node.rank} {node.host}"
         merged["will_signal"] += [{**e, "job": f"{e.get('job', '')} ({where})"} for e in plan.get("will_signal") or []]
         merged["stale"] += [{**e, "job": f"{e.get('job', '')} ({where})"} for e in plan.get("stale") or []]
         merged["foreign_gpu_holders"] += [{**e, "user": f"{e.get('user', '')}@{node.host}"} for e in plan.get("foreign_gpu_holders") or []]
+    merged["unreachable"] = [{"pid": n.job.pid, "job": n.job.name, "node": n.rank, "host": n.host} for n in unreachable]
     return merged
 
 

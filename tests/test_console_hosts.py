@@ -2,6 +2,8 @@
 dir); the Hosts view, the jobs table across hosts, actions on the selected job's host, one host going STALE alone; and a
 multi-node job shown as one row whose nodes and ranks say which one stopped reporting."""
 import asyncio
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from backend.protocol import JobInfo, Request
 from console.app import build_app, merge_stop_plans
 from console.screens.hosts import HostsScreen
 from console.screens.modals import MultiNodeModal, StopModal
-from console.state import CONNECTED, RECONNECTING, ConnectionStatus, ConsoleState
+from console.state import CONNECTED, FAILED, RECONNECTING, ConnectionStatus, ConsoleState
 from console.transport import SSHTransport
 from console.widgets.hosts import nodes_of
 from ssh_fixtures import RealSSHD, free_port, job_argv, pid_alive, sshd_available, wait_until
@@ -104,6 +106,59 @@ async def test_three_hosts_one_console_actions_follow_the_selected_jobs_host_and
         assert "STALE" in rows[2][1] and "connected" in rows[0][1] and "connected" in rows[1][1]
         banner = str(app.screen.query_one("#banner").render())
         assert "STALE" in banner.splitlines()[-1] and "● connected" in banner  # b (the active host) is live; c is stale
+
+
+SLEEPER = "import time; time.sleep(600)"
+
+
+@needs_sshd
+@pytest.mark.sshd
+async def test_a_node_whose_host_is_unreachable_is_named_and_left_alone_while_the_others_stop(three_hosts, tmp_path):
+    """Decided: a stop of a multi-node job whose host went away stops the reachable nodes (their peers' next collective
+    fails, so the lost node's ranks end too) and says which node was NOT signalled; nothing is retried behind the operator."""
+    servers, known = three_hosts
+    app = build_app(transports(servers[:2], known, tmp_path), poll_interval=1.0, refresh_throttle=0, stop_grace=5)
+    a, b = app.sessions
+    async with app.run_test(size=(170, 45)) as pilot:
+        await wait_until(lambda: a.connected and b.connected, timeout=60, what="two agents")
+        jobs = [(await s.request(Request.START_JOB, name="mn-x", kind="train", argv=[sys.executable, "-c", SLEEPER],
+                                 node={"run_id": "mn-x", "node_rank": rank, "nnodes": 2, "rdzv_endpoint": "127.0.0.1:1"}))["job"]
+                for rank, s in enumerate((a, b))]
+        await wait_until(lambda: "mn-x" in a.state.jobs and "mn-x" in b.state.jobs, what="both nodes listed")
+        app.select_job("mn-x", a.name)
+        servers[1].stop()
+        await wait_until(lambda: not b.connected, timeout=30, what="host b gone")
+        app.redraw_now()
+        await pilot.pause()
+        assert "node 1 (" + b.name + "): host not answering" in table_rows(app, "#jobs")[0][10]
+        await pilot.press("s")
+        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop plan")
+        assert app.screen.pids == [jobs[0]["pid"]]
+        assert "NOT signalled" in str(app.screen.query_one("#stop-plan").render())
+        await pilot.press("y")
+        verdict = await wait_until(lambda: next((line for _, line in app.state.actions if line.startswith("stop mn-x:")), None),
+                                   timeout=60, what="the verdicts")
+        assert f"node 1 ({b.name}): NOT signalled, its host is not connected" in verdict
+        assert not pid_alive(jobs[0]["pid"]) and pid_alive(jobs[1]["pid"])  # b's node was not ours to reach
+        os.killpg(jobs[1]["pgid"], signal.SIGKILL)
+
+
+@needs_sshd
+@pytest.mark.sshd
+async def test_a_changed_host_key_on_one_host_refuses_only_that_host(three_hosts, tmp_path):
+    from ssh_fixtures import other_host_public_key
+
+    servers, known = three_hosts
+    lines = known.read_text().splitlines()
+    lines[1] = f"[127.0.0.1]:{servers[1].port} {other_host_public_key()}"
+    known.write_text("\n".join(lines) + "\n")
+    app = build_app(transports(servers, known, tmp_path), poll_interval=None, refresh_throttle=0)
+    a, b, c = app.sessions
+    async with app.run_test(size=(170, 45)):
+        await wait_until(lambda: a.connected and c.connected and b.state.connection.state == FAILED, timeout=60,
+                         what="a and c connected, b refused")
+        assert "CHANGED" in b.state.connection.detail.upper() or "mismatch" in b.state.connection.detail.lower()
+        assert app.disabled_reason("start_multinode") is None  # two hosts are still connected
 
 
 def multinode_states(stalled: bool) -> list[ConsoleState]:

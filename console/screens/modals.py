@@ -107,6 +107,12 @@ def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | 
         text.append("Stale records, NOT signalled (the PID is gone or belongs to another process now):\n", style="bold")
         for entry in stale:
             text.append(f"  {entry.get('pid', '?'):>7}  {entry.get('job', '')}  {entry.get('reason', '')}\n", style="dim")
+    unreachable = plan.get("unreachable") or []
+    if unreachable:
+        text.append("Nodes whose host is not connected, NOT signalled (their ranks end when the next collective finds the others "
+                    "gone; or stop them once the host is back):\n", style="bold yellow")
+        for entry in unreachable:
+            text.append(f"  {entry.get('pid', '?'):>7}  node {entry.get('node')} on {entry.get('host')}  {entry.get('job', '')}\n")
     foreign = plan.get("foreign_gpu_holders") or []
     text.append("Foreign GPU holders, left alone:\n", style="bold")
     if not foreign:
