@@ -75,7 +75,7 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
     agent.add_argument("--stall-after", type=float, default=STALL_AFTER_S, metavar="S", help=f"a rank silent this long is stalled (default {STALL_AFTER_S:g} s)")
     agent.set_defaults(handler=cmd_agent)
 
-    node = subparsers.add_parser("torchrun-argv", help="print the command line one node of a multi-node training run starts (JSON list)",
+    node = subparsers.add_parser("torchrun-argv", parents=[parent], help="print the command line one node of a multi-node training run starts (JSON list)",
                                  description="The torchrun command line for node NODE_RANK of NNODES running `eagle3-host train ARGS...`: "
                                              "static rendezvous on the first node's HOST:PORT, so global rank 0 (metrics, checkpoints) is on node 0.")
     node.add_argument("--run-id", required=True)

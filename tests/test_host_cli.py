@@ -112,3 +112,33 @@ def test_agent_subcommand_speaks_the_protocol(tmp_path):
     messages = [json.loads(line) for line in done.stdout.splitlines()]
     assert messages[0]["type"] == "hello"
     assert any(m["type"] == "reply" and m["id"] == 1 and m["result"]["pong"] for m in messages)
+
+
+def test_torchrun_argv_and_node_jobs_through_the_cli(host, tmp_path):
+    printed = host(tmp_path, "torchrun-argv", "--run-id", "r9", "--node-rank", "1", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400",
+                   "--", "--profile", "tiny", "--max-steps", "5")
+    assert printed.returncode == 0, printed.stderr
+    argv = json.loads(printed.stdout)
+    assert argv[:3] == ["python", "-m", "torch.distributed.run"] and argv[argv.index("--node-rank") + 1] == "1"
+    assert argv[argv.index("--rdzv-backend") + 1] == "static" and argv[argv.index("backend") + 1:] == ["train", "--profile", "tiny", "--max-steps", "5"]
+    bad = host(tmp_path, "torchrun-argv", "--run-id", "r9", "--node-rank", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--", "--profile", "tiny")
+    assert bad.returncode == 2 and "node.node_rank: 2 is not in 0..1" in bad.stderr and bad.stdout == ""
+
+    started = host(tmp_path, "job", "start", "--name", "part", "--node", "r9", "1", "2", "127.0.0.1:29400", "--json", "--",
+                   PY, "-c", "import time; time.sleep(60)")
+    assert started.returncode == 0, started.stderr
+    try:
+        info = json.loads(started.stdout)
+        assert (info["run_id"], info["node_rank"], info["nnodes"], info["rdzv_endpoint"]) == ("r9", 1, 2, "127.0.0.1:29400")
+        listing = host(tmp_path, "job", "list")
+        row = next(line for line in listing.stdout.splitlines() if line.startswith("part "))
+        assert "r9 1/2" in row
+        listed = json.loads(host(tmp_path, "job", "list", "--json").stdout)
+        assert listed[0]["run_id"] == "r9" and listed[0]["ranks"] == [] and listed[0]["stalled_ranks"] == []
+        refused = host(tmp_path, "job", "start", "--name", "part2", "--node", "r9", "one", "2", "127.0.0.1:1", "--", "true")
+        assert refused.returncode == 2 and "NODE_RANK 'one'" in refused.stderr
+        refused = host(tmp_path, "job", "start", "--name", "part2", "--node", "r9", "0", "2", "nohost", "--", "true")
+        assert refused.returncode == 2 and "node.rdzv_endpoint" in refused.stderr and "nothing was started" in refused.stderr
+        assert [j.name for j in JobRegistry(tmp_path).list_jobs()] == ["part"]
+    finally:
+        JobRegistry(tmp_path).stop(all_jobs=True, grace=1)

@@ -314,3 +314,28 @@ def test_tail_lines_is_bounded_and_treats_carriage_returns_as_line_ends(tmp_path
     assert lines[-1] == "done" and lines[-2].startswith("x" * 100) and lines[-2].endswith(f"({3 << 20} characters)")
     assert len(lines[-2]) < TAIL_LINE_SHOWN + 40 and lines[-3] == "  199999 it"
     assert tail_lines(log, 5, max_bytes=1 << 20)[-1] == "done"  # a capped read still ends at the end
+
+
+def test_an_older_jobs_db_gains_the_node_columns_and_keeps_its_records(tmp_path):
+    """A jobs.db written before multi-node jobs: opened, migrated in place, its records listed with no node."""
+    from backend.jobs import SCHEMA
+
+    old_schema = SCHEMA
+    for column in ("run_id TEXT", "node_rank INTEGER", "nnodes INTEGER", "rdzv_endpoint TEXT", "cgroup TEXT"):
+        old_schema = old_schema.replace(f",\n    {column}", "")
+    assert "run_id" not in old_schema and "cgroup" not in old_schema
+    tmp_path.mkdir(exist_ok=True)
+    with sqlite3.connect(tmp_path / "jobs.db") as conn:
+        conn.executescript(old_schema)
+        conn.execute("INSERT INTO jobs (name, kind, state, argv, job_dir, stdout_path, stderr_path, started_at, exit_code, ended_at)"
+                     " VALUES ('old', 'train', 'exited', '[\"true\"]', ?, ?, ?, 1.0, 0, 2.0)",
+                     (str(tmp_path / "jobs" / "old"), str(tmp_path / "o.log"), str(tmp_path / "e.log")))
+    registry = JobRegistry(tmp_path)
+    (old,) = registry.list_jobs()
+    assert (old.name, old.state, old.run_id, old.node_rank, old.nnodes, old.rdzv_endpoint) == ("old", "exited", None, None, None, None)
+    columns = {row[1] for row in sqlite3.connect(tmp_path / "jobs.db").execute("PRAGMA table_info(jobs)")}
+    assert {"run_id", "node_rank", "nnodes", "rdzv_endpoint", "cgroup"} <= columns
+    node = {"run_id": "r1", "node_rank": 0, "nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400"}
+    info = registry.start_job("node0", "other", [sys.executable, "-c", "pass"], node=node)
+    assert (info.run_id, info.node_rank, info.nnodes, info.rdzv_endpoint) == ("r1", 0, 2, "127.0.0.1:29400")
+    assert JobRegistry(tmp_path).get("node0").info.run_id == "r1"  # a fresh registry reads it back
