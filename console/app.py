@@ -657,31 +657,43 @@ class ConsoleApp(RunActions, App):
         once (rank 0 checkpoints first: every rank hears the stop and they agree on it at the step's end); a verdict per
         node. A node whose host does not answer is named and left alone: its ranks end when their next collective finds
         the others gone, or stop it once its host is back."""
-        reachable = [n for n in nodes if n.session.connected]
-        if not reachable:
-            self.note(f"stop {name}: no node's host is connected; nothing was signalled", severity="error")
+        planned = await self.node_stop_plan(name, nodes)
+        if planned is None:
             return
-        try:
-            plans = await asyncio.gather(*(n.session.request(Request.STOP_PLAN, name=n.job.name) for n in reachable))
-        except AgentError as exc:
-            self.note(f"stop {name}: could not get every node's stop plan ({exc}); nothing was signalled", severity="error")
-            return
-        merged = merge_stop_plans(name, reachable, plans, unreachable=[n for n in nodes if n not in reachable])
+        reachable, merged = planned
         before = await self.checkpoint_before_stop(name, merged) if reachable[0].rank == 0 else None
         if not await self.push_screen_wait(StopModal(f"{name} on {len(nodes)} nodes", merged, self.stop_grace)):
             self.note(f"stop {name} cancelled; nothing was signalled on any node")
             return
+        verdict, trouble = await self.stop_nodes_now(name, nodes, reachable)
+        if verdict:
+            self.note(f"stop {name}: {verdict}{await self.offer_resume(name, before)}", severity="error" if trouble else "information")
+
+    async def node_stop_plan(self, name: str, nodes: list[Node]) -> tuple[list[Node], dict[str, Any]] | None:
+        """(the nodes whose host answers, their stop plans as one); None, said in a note, when no plan could be had."""
+        reachable = [n for n in nodes if n.session.connected]
+        if not reachable:
+            self.note(f"stop {name}: no node's host is connected; nothing was signalled", severity="error")
+            return None
+        try:
+            plans = await asyncio.gather(*(n.session.request(Request.STOP_PLAN, name=n.job.name) for n in reachable))
+        except AgentError as exc:
+            self.note(f"stop {name}: could not get every node's stop plan ({exc}); nothing was signalled", severity="error")
+            return None
+        return reachable, merge_stop_plans(name, reachable, plans, unreachable=[n for n in nodes if n not in reachable])
+
+    async def stop_nodes_now(self, name: str, nodes: list[Node], reachable: list[Node]) -> tuple[str, bool]:
+        """stop_job on every reachable node at once; (a verdict per node, whether anything went wrong). ("", True) when not sent."""
         if any(not n.session.connected for n in reachable) or self.disabled_reason("stop_job"):
             self.note(f"stop {name} not sent: a node's host disconnected meanwhile; nothing was signalled", severity="error")
-            return
+            return "", True
         results = await asyncio.gather(*(n.session.request(Request.STOP_JOB, name=n.job.name, grace=self.stop_grace,
                                                             timeout=self.stop_grace + 60) for n in reachable), return_exceptions=True)
         outcomes = {n.rank: (f"failed: {r}" if isinstance(r, BaseException) else verdicts_phrase(r)) for n, r in zip(reachable, results)}
         parts = [f"node {n.rank} ({n.host}): {outcomes.get(n.rank, 'NOT signalled, its host is not connected')}" for n in nodes]
-        trouble = len(reachable) < len(nodes) or any(isinstance(r, BaseException) for r in results)
-        self.note(f"stop {name}: " + "; ".join(parts) + await self.offer_resume(name, before), severity="error" if trouble else "information")
         for node in reachable:
             self.resync(node.session)
+        return "; ".join(parts), len(reachable) < len(nodes) or any(isinstance(r, BaseException) for r in results)
 
     @work(group="actions", exit_on_error=False)
     async def action_start_multinode(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from rich.text import Text
 from textual import work
 
 from backend.protocol import JobInfo, Request, from_dict
@@ -209,13 +210,20 @@ class RunActions(_Base):
     async def action_stop_and_bench(self) -> None:
         job = self.selected_job
         info = self.state.jobs.get(job)
+        running = bool(info and info.state == "running")
+        nodes = self.nodes_of(job) if running else []
         try:
-            plan = await self.client.request(Request.STOP_PLAN, name=job)
+            if len(nodes) > 1:
+                planned = await self.node_stop_plan(job, nodes)
+                if planned is None:
+                    return
+                reachable, plan = planned
+            else:
+                plan = await self.client.request(Request.STOP_PLAN, name=job)
             checkpoints = (await self.client.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
         except AgentError as exc:
             self.note(f"stop & bench {job}: could not get the plan ({exc}); nothing was stopped", severity="error")
             return
-        running = bool(info and info.state == "running")
         argv = chain_argv(job, self.chain_args)
         profile = option_value(self.chain_args, "--profile") or self.profile_of(job)
         facts = self.profile_facts(profile)
@@ -229,12 +237,23 @@ class RunActions(_Base):
                                float(option_value(self.chain_args, "--grace") or CHAIN_GRACE_DEFAULT_S),
                                option_value(self.chain_args, "--concurrency") or CHAIN_CONCURRENCY_DEFAULT,
                                int(option_value(self.chain_args, "--num-prompts") or CHAIN_PROMPTS_DEFAULT), argv)
+        if len(nodes) > 1:
+            text = Text(f"{job} runs on {len(nodes)} nodes: every reachable node is stopped at once first; the chain starts on "
+                        f"{self.active.name} (node 0, which holds the checkpoints) only after every node's stop reported its "
+                        "processes gone and its GPUs released.\n\n", style="bold yellow") + text
         if not await self.push_screen_wait(StopAndBenchModal(job, text, can_start=running or bool(checkpoints))):
             self.note(f"stop & bench {job} cancelled; nothing was stopped")
             return
         if self.disabled_reason("stop_and_bench"):
             self.note(f"stop & bench {job} not started: {self.disabled_reason('stop_and_bench')}", severity="error")
             return
+        if len(nodes) > 1:
+            verdict, trouble = await self.stop_nodes_now(job, nodes, reachable)
+            if trouble:
+                self.note(f"stop & bench {job}: the chain was not started, not every node stopped cleanly: {verdict or 'not sent'}",
+                          severity="error")
+                return
+            self.note(f"stop {job}: {verdict}")
         name = chain_job_name(job)
         self.state.stages.pop(name, None)  # stages of an earlier chain of that name belong to its archived run
         try:

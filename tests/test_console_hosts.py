@@ -145,6 +145,35 @@ async def test_a_node_whose_host_is_unreachable_is_named_and_left_alone_while_th
 
 @needs_sshd
 @pytest.mark.sshd
+async def test_stop_and_bench_of_a_multinode_job_stops_every_node_before_the_chain_starts_on_node_0(three_hosts, tmp_path):
+    from backend.commands import chain_job_name
+    from console.screens.modals import StopAndBenchModal
+
+    servers, known = three_hosts
+    app = build_app(transports(servers[:2], known, tmp_path), poll_interval=1.0, refresh_throttle=0, stop_grace=5)
+    a, b = app.sessions
+    async with app.run_test(size=(170, 45)) as pilot:
+        await wait_until(lambda: a.connected and b.connected, timeout=60, what="two agents")
+        jobs = [(await s.request(Request.START_JOB, name="mn-y", kind="train", argv=[sys.executable, "-c", SLEEPER],
+                                 node={"run_id": "mn-y", "node_rank": rank, "nnodes": 2, "rdzv_endpoint": "127.0.0.1:1"}))["job"]
+                for rank, s in enumerate((a, b))]
+        await wait_until(lambda: "mn-y" in a.state.jobs and "mn-y" in b.state.jobs, what="both nodes listed")
+        app.select_job("mn-y", a.name)
+        await pilot.press("b")
+        await wait_until(lambda: isinstance(app.screen, StopAndBenchModal), what="the stop & bench plan")
+        await pilot.press("y")
+        await wait_until(lambda: chain_job_name("mn-y") in a.state.jobs, timeout=60, what="the chain on node 0's host")
+        lines = [line for _, line in app.state.actions]
+        stopped = next(i for i, line in enumerate(lines) if line.startswith("stop mn-y: node 0"))
+        started = next(i for i, line in enumerate(lines) if line.startswith(f"started {chain_job_name('mn-y')}"))
+        assert stopped < started and f"node 1 ({b.name}): {jobs[1]['pid']} exited_on_term" in lines[stopped]
+        assert not pid_alive(jobs[0]["pid"]) and not pid_alive(jobs[1]["pid"])
+        assert chain_job_name("mn-y") not in b.state.jobs
+        await wait_until(lambda: a.state.jobs[chain_job_name("mn-y")].state != "running", timeout=120, what="the chain to end")
+
+
+@needs_sshd
+@pytest.mark.sshd
 async def test_a_changed_host_key_on_one_host_refuses_only_that_host(three_hosts, tmp_path):
     from ssh_fixtures import other_host_public_key
 
