@@ -746,8 +746,17 @@ class ConsoleApp(RunActions, App):
         self.resync()
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
-        if event.worker.error is not None and event.worker.group != "agent":
-            self.note(f"{event.worker.name or event.worker.group} failed: {event.worker.error}", severity="error")
+        error = event.worker.error
+        if error is not None and not event.worker.group.startswith("agent"):
+            self.note(f"{event.worker.name or event.worker.group} failed: {error_text(error)}", severity="error")
+
+
+def error_text(error: BaseException) -> str:
+    """An exception as a toast line: its message, or its type when it has none (a bare TimeoutError says nothing)."""
+    message = str(error).strip()
+    if not message:
+        return f"{type(error).__name__} (no message)"
+    return message if isinstance(error, AgentError) else f"{type(error).__name__}: {message}"
 
 
 def verdicts_phrase(result: dict[str, Any]) -> str:

@@ -1,4 +1,5 @@
 """Pilot tests: keys, screens, the command palette, guarded actions and their modals, against the real local agent."""
+import asyncio
 import dataclasses
 import os
 import signal
@@ -536,3 +537,15 @@ async def test_h_expands_and_collapses_the_workers_on_the_dashboard():
         await pilot.press("h")
         await pilot.pause()
         assert "└ pid" not in str(panel.render())
+
+
+async def test_a_worker_that_fails_without_a_message_still_says_what_failed():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        async def times_out():
+            raise asyncio.TimeoutError()
+
+        app.run_worker(times_out(), name="load train-kimi", group="job:local", exit_on_error=False)
+        await wait_until(lambda: app.state.actions and "failed" in app.state.actions[-1][1], what="the failure note")
+        assert app.state.actions[-1][1] == "load train-kimi failed: TimeoutError (no message)"
+        await pilot.pause()
