@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,80 @@ def read_heartbeats(job_dir: str | Path) -> list[dict[str, Any]]:
         if isinstance(record, dict) and isinstance(record.get("rank"), int) and not isinstance(record.get("rank"), bool):
             beats.append(record)
     return sorted(beats, key=lambda beat: beat["rank"])
+
+
+class HeartbeatWriter:
+    """One training rank's heartbeat/rank<R>.json, rewritten by a thread every `every` seconds (the trainer's).
+
+    Every rank writes its own, on its own host (that host's agent job dir, $EAGLE3_JOB_DIR), so the agent there
+    reads it with its own clock. The thread keeps beating while the rank waits in a collective, so a stale heartbeat
+    means a stopped, dead or starved process; `step_time` says when the rank's step last advanced. A small JSON
+    replaced atomically; a write that fails (a full disk) is said once through `log` and retried, never raised.
+    """
+
+    def __init__(self, job_dir: str | Path, rank: int, local_rank: int = 0, world_size: int = 1, step: int = 0,
+                 every: float = HEARTBEAT_EVERY_S, log=None):
+        self.path = heartbeat_path(job_dir, rank)
+        self.every = every
+        self.log = log or (lambda _message: None)
+        self.fixed = {
+            "rank": rank, "local_rank": local_rank, "world_size": world_size,
+            "local_world_size": _env_int("LOCAL_WORLD_SIZE", 1), "node_rank": _env_int("EAGLE3_NODE_RANK", _env_int("GROUP_RANK", 0)),
+            "run_id": os.environ.get("EAGLE3_RUN_ID"), "pid": os.getpid(),
+        }
+        self.step, self.step_time, self.phase = step, time.time(), "setup"
+        self.failing = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self.write()
+        self._thread.start()
+
+    def beat(self, step: int, phase: str | None = None) -> None:
+        """The loop's progress; no file I/O here (the thread writes)."""
+        if step != self.step:
+            self.step, self.step_time = step, time.time()
+        if phase is not None:
+            self.phase = phase
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.write()
+
+    def write(self) -> bool:
+        record = {**self.fixed, "step": self.step, "step_time": self.step_time, "phase": self.phase, "time": time.time()}
+        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            if not self.path.parent.is_dir():
+                if not self.path.parent.parent.is_dir():  # another host's output dir (no agent job dir here): nowhere to beat
+                    return False
+                self.path.parent.mkdir(exist_ok=True)
+            temporary.write_text(json.dumps(record) + "\n")
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            if not self.failing:
+                self.log(f"heartbeat {self.path} not written ({exc}); retrying every {self.every:g} s")
+            self.failing = True
+            try:
+                temporary.unlink()
+            except OSError:
+                pass
+            return False
+        if self.failing:
+            self.log(f"heartbeat {self.path} written again")
+        self.failing = False
+        return True
+
+    def close(self, phase: str) -> None:
+        """The last beat, saying how the rank ended (done, stopped, failed: never stalled after that)."""
+        self.phase = phase
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self.write()
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip().isdigit() else default
 
 
 def rank_heartbeats(job_dir: str | Path, running: bool, now: float | None = None,

@@ -7,7 +7,6 @@ import os
 import random
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from backend.commands import NVLINK_MULTICAST_OFF, data_dir_for
-from backend.layout import HEARTBEAT_EVERY_S, heartbeat_path
+from backend.layout import HeartbeatWriter
 from backend.train.data import (BatchSampler, OfflineSource, OnlineSource, TinyDataSettings, check_feature_width, conversation_samples, eval_batches,
                                 tiny_data_settings, tiny_samples)
 from backend.train.draft import DraftModelConfig, Eagle3Draft
@@ -150,79 +149,6 @@ def init_distributed(device_preference: str | None) -> DistContext:
             os.environ.setdefault(key, value)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return DistContext(rank, world, local_rank, device)
-
-
-class Heartbeat:
-    """This rank's <job dir>/heartbeat/rank<R>.json (backend/layout.py), rewritten by a thread every HEARTBEAT_EVERY_S.
-
-    Every rank writes its own, on its own host (the job dir of that host's agent, $EAGLE3_JOB_DIR), so the agent
-    there reads them with its own clock. The thread keeps beating while the rank waits in a collective, so a stale
-    heartbeat means a stopped, dead or GIL-starved process; `step_time` says when the step last advanced. A small
-    JSON replaced atomically; a write that fails (a full disk) is said once in the log and retried, never raised.
-    """
-
-    def __init__(self, job_dir: Path, ctx: DistContext, step: int = 0, every: float = HEARTBEAT_EVERY_S, log=None):
-        self.path = heartbeat_path(job_dir, ctx.rank)
-        self.every = every
-        self.log = log or (lambda _message: None)
-        self.fixed = {
-            "rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size,
-            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
-            "node_rank": _env_int("EAGLE3_NODE_RANK", _env_int("GROUP_RANK", 0)), "run_id": os.environ.get("EAGLE3_RUN_ID"),
-            "pid": os.getpid(),
-        }
-        self.step, self.step_time, self.phase = step, time.time(), "setup"
-        self.failing = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-        self.write()
-        self._thread.start()
-
-    def beat(self, step: int, phase: str | None = None) -> None:
-        """The loop's progress: no file I/O here (the thread writes)."""
-        if step != self.step:
-            self.step, self.step_time = step, time.time()
-        if phase is not None:
-            self.phase = phase
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            self.write()
-
-    def write(self) -> bool:
-        record = {**self.fixed, "step": self.step, "step_time": self.step_time, "phase": self.phase, "time": time.time()}
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            if not self.path.parent.is_dir():
-                if not self.path.parent.parent.is_dir():  # another host's output dir (no agent job dir here): nowhere to beat
-                    return False
-                self.path.parent.mkdir(exist_ok=True)
-            temporary.write_text(json.dumps(record) + "\n")
-            os.replace(temporary, self.path)
-        except OSError as exc:
-            if not self.failing:
-                self.log(f"heartbeat {self.path} not written ({exc}); retrying every {self.every:g} s")
-            self.failing = True
-            try:
-                temporary.unlink()
-            except OSError:
-                pass
-            return False
-        if self.failing:
-            self.log(f"heartbeat {self.path} written again")
-        self.failing = False
-        return True
-
-    def close(self, phase: str) -> None:
-        self.phase = phase
-        self._stop.set()
-        self._thread.join(timeout=5.0)
-        self.write()
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    return int(value) if value.strip().isdigit() else default
 
 
 class _TTTModule(torch.nn.Module):
@@ -396,7 +322,7 @@ class Trainer:
         self.step = 0
         self.prefetcher: _Prefetcher | None = None
         self.in_loop = False
-        self.heartbeat: Heartbeat | None = None
+        self.heartbeat: HeartbeatWriter | None = None
         self.stopped = False
 
     # --- signals ---------------------------------------------------------------------------------
@@ -473,7 +399,8 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         # Every rank beats into its own host's job dir (its agent reads it); the output dir only when run by hand.
         job_dir = os.environ.get("EAGLE3_JOB_DIR")
-        self.heartbeat = Heartbeat(Path(job_dir).expanduser() if job_dir else self.out_dir, ctx, log=self._log_any_rank)
+        self.heartbeat = HeartbeatWriter(Path(job_dir).expanduser() if job_dir else self.out_dir, ctx.rank, ctx.local_rank, ctx.world_size,
+                                         log=self._log_any_rank)
         self.log(f"output: {self.out_dir} (world size {ctx.world_size}, device {ctx.device})")
         resume_dir = self._resume_checkpoint()
         # Rank 0 builds caches (tiny target, generated data) first; the others then read them.
