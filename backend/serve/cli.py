@@ -124,6 +124,10 @@ def render(result, problems_text) -> str:
         lines.append(f"canary: accept length {canary['accept_length']}, server avg {canary['server_avg_accept_length']}, "
                      f"tau-hat {canary['tau_hat']}, verdict {canary['verdict'].upper()}")
         lines += [f"  - {reason}" for reason in canary["reasons"]]
+        if canary.get("acceptance"):
+            from backend.serve.canary import acceptance_lines
+
+            lines += [f"  {line}" for line in acceptance_lines(canary["acceptance"])]
     for rank, cause in enumerate(result.causes, 1):
         evidence = f" [{cause['evidence']}]" if cause.get("evidence") else ""
         lines.append(f"  {rank}. {cause['cause']}{evidence}\n     check: {cause['check']}")

@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from backend.serve import openai_api
+from backend.serve import hf_tokenizer, openai_api
 from backend.serve.openai_api import OpenAIRequestError
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -147,9 +147,7 @@ def correct_drafts_histogram(accepted_per_round: list[int]) -> list[int]:
 
 def streaming_decoder_class():
     """SpecDecoder whose stop rules (stop ids, stop strings) are set per request and which reports each emission."""
-    import torch
-
-    from backend.serve.spec_decode import GenerateResult, SpecDecoder
+    from backend.serve.spec_decode import SpecDecoder
 
     class StreamingDecoder(SpecDecoder):
         on_emit: Callable[[Any], None] | None = None
@@ -165,20 +163,6 @@ def streaming_decoder_class():
             if super()._done(result, max_new_tokens):
                 return True
             return bool(result.output_ids) and self.stop_string_hit is not None and self.stop_string_hit(result.output_ids)
-
-        @torch.no_grad()
-        def plain(self, input_ids, max_new_tokens: int):
-            """Plain greedy decoding of the target under the same stop rules, one emission per token."""
-            ids = self._prompt(input_ids)
-            logits, _, cache = self.target.forward(ids, None, hidden_states=False)
-            result = GenerateResult(output_ids=[], completion_tokens=0, verify_ct=0)
-            while not self._done(result, max_new_tokens):
-                token = int(logits[0, -1].argmax())
-                self._emit(result, [token], max_new_tokens)
-                if self._done(result, max_new_tokens):
-                    break
-                logits, _, cache = self.target.forward(torch.tensor([[token]], device=ids.device), cache, hidden_states=False)
-            return result
 
     return StreamingDecoder
 
@@ -239,6 +223,7 @@ class Engine:
         self.draft_dir = draft_dir
         self.target = load_target(profile)
         self.tokenizer = self.target.tokenizer
+        self.tokenizer_path = hf_tokenizer.exposed_tokenizer_dir(self.target.path, log)
         self.num_steps = num_steps or profile.serve.num_steps
         self.feed = feed
         self.expected_feature_width = None
@@ -299,7 +284,7 @@ class Engine:
         if getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return {"input_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
-        return {"text": "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "}
+        return {"text": hf_tokenizer.transcript(messages)}
 
     # --- generation ----------------------------------------------------------------------------------
 
@@ -850,7 +835,7 @@ class Handler(BaseHTTPRequestHandler):
         info, engine = self.server.info, self.server.engine
         model_type = getattr(getattr(engine.target.model, "config", None), "model_type", None) if engine else None
         self._send_json(HTTPStatus.OK, {
-            "model_path": info["model_path"], "tokenizer_path": info["model_path"], "is_generation": True,
+            "model_path": info["model_path"], "tokenizer_path": info["tokenizer_path"], "is_generation": True,
             "preferred_sampling_params": None, "weight_version": WEIGHT_VERSION, "has_image_understanding": False,
             "has_audio_understanding": False, "model_type": model_type, "architectures": [info["architecture"]],
             "served_model_name": info["served_model_name"]})
@@ -972,7 +957,10 @@ def server_info(profile, args, engine_path: str) -> dict[str, Any]:
     return {
         "engine": "reference",
         "model_path": profile.target.path,
-        "served_model_name": profile.target.path,  # SGLang's default: the model path
+        # SGLang's default served name is the model path; here the resolved dir (builtin:tiny names no directory),
+        # set once the target has loaded, like tokenizer_path: where AutoTokenizer loads the served tokenizer from.
+        "served_model_name": args.served_model_name or profile.target.path,
+        "tokenizer_path": None,
         "resolved_model_path": engine_path,
         "architecture": profile.target.architecture,
         "speculative_algorithm": "EAGLE3" if speculative else None,
@@ -1002,6 +990,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--feed", choices=["aux", "last_hidden"], default="aux",
                         help="last_hidden: hand the draft the final hidden state and skip fc, as SGLang's silent failure does")
     parser.add_argument("--num-steps", type=int, help="draft steps per verify (default: the profile's)")
+    parser.add_argument("--served-model-name", help="the model id /v1/models reports (default: the target's directory)")
     parser.add_argument("--no-speculation", action="store_true", help="plain target decoding (benchmark baseline)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies are refused with 413 (default %(default)s)")
@@ -1050,6 +1039,8 @@ def main(argv: list[str] | None = None) -> int:
             server.shutdown()
             return
         server.info["resolved_model_path"] = engine.target.path
+        server.info["served_model_name"] = args.served_model_name or engine.target.path
+        server.info["tokenizer_path"] = engine.tokenizer_path
         server.engine = engine
         server.loading = False
         mode = f"EAGLE3, {engine.num_steps} steps, feed {args.feed}" if engine.speculative else "no speculation"

@@ -80,7 +80,7 @@ class SpecDecoder:
     feed="aux": the draft reads the concatenated outputs of `aux_layer_ids` (hf hidden_states[L + 1]).
     feed="last_hidden": reproduces SGLang's silent failure: the target's final normed hidden state goes to
     the draft, and fc is skipped when its width equals the draft hidden size (llama_eagle3.py's check).
-    draft=None (with aux_layer_ids given) builds a decoder that only runs plain_generate.
+    draft=None (with aux_layer_ids given) builds a decoder that only runs plain / plain_generate.
     """
 
     def __init__(self, target_model, draft: Eagle3Draft | None, aux_layer_ids: list[int] | None = None, num_steps: int = 5,
@@ -130,24 +130,28 @@ class SpecDecoder:
         return ids
 
     @torch.no_grad()
-    def plain_generate(self, input_ids, max_new_tokens: int) -> list[int]:
-        """Plain KV-cached greedy decoding of the target (stops at max_new_tokens or eos)."""
+    def plain(self, input_ids, max_new_tokens: int) -> GenerateResult:
+        """Plain KV-cached greedy decoding of the target, one emission per token, under the same stop rules (_done)."""
         ids = self._prompt(input_ids)
         logits, _, cache = self.target.forward(ids, None, hidden_states=False)
-        output: list[int] = []
-        while len(output) < max_new_tokens:
+        result = GenerateResult(output_ids=[], completion_tokens=0, verify_ct=0)
+        while not self._done(result, max_new_tokens):
             token = int(logits[0, -1].argmax())
-            output.append(token)
-            if token in self.eos or len(output) == max_new_tokens:
+            self._emit(result, [token], max_new_tokens)
+            if self._done(result, max_new_tokens):
                 break
             logits, _, cache = self.target.forward(torch.tensor([[token]], device=ids.device), cache, hidden_states=False)
-        return output
+        return result
+
+    def plain_generate(self, input_ids, max_new_tokens: int) -> list[int]:
+        """The token ids of plain() (stops at max_new_tokens or eos)."""
+        return self.plain(input_ids, max_new_tokens).output_ids
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int) -> GenerateResult:
         """Speculative greedy decoding; the output equals plain_generate token for token."""
         if self.draft is None:
-            raise ValueError("this decoder was built without a draft: only plain_generate is available")
+            raise ValueError("this decoder was built without a draft: only plain / plain_generate are available")
         ids = self._prompt(input_ids)
         logits, hidden_states, cache = self.target.forward(ids, None)
         features = self.features(hidden_states)
