@@ -17,6 +17,7 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen
 from textual.widgets import Footer
 from textual.worker import Worker
@@ -24,7 +25,7 @@ from textual.worker import Worker
 from backend.commands import node_spec, torchrun_train_argv, train_argv
 from backend.protocol import Request
 from console.client import AgentClient, AgentError
-from console.run_actions import SIGNALS_INTERVAL_S, RunActions
+from console.run_actions import SIGNALS_INTERVAL_S, RunActions, verdicts_phrase
 from console.screens.base import ConsoleScreen
 from console.screens.chain import ChainScreen
 from console.screens.dashboard import DashboardScreen
@@ -34,7 +35,7 @@ from console.screens.modals import AdoptModal, MultiNodeModal, StopModal
 from console.session import STREAMS, HostSession
 from console.state import CONNECTED, ConnectionStatus, ConsoleState
 from console.transport import Transport
-from console.widgets.hosts import Node, nodes_of
+from console.widgets.hosts import Node
 from console.widgets.panels import ConsoleFooter
 
 GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)
@@ -109,7 +110,7 @@ class ConsoleCommands(Provider):
 
     def _entries(self) -> list[tuple[str, str, Callable[[], Any]]]:
         app: ConsoleApp = self.app  # type: ignore[assignment]
-        entries = []
+        entries: list[tuple[str, str, Callable[[], Any]]] = []
         for action in ACTIONS:
             if action.screen is not None and getattr(self.screen, "MODE", None) != action.screen:
                 continue
@@ -146,7 +147,7 @@ def _with_console_footer(cls: type[ConsoleScreen]) -> type[ConsoleScreen]:
     return WithConsoleFooter
 
 
-class ConsoleApp(RunActions, App):
+class ConsoleApp(RunActions):
     TITLE = "eagle3-console"
     CSS_PATH = "console.tcss"
     MODES = {"dashboard": DashboardScreen, "logs": LogsScreen, "chain": _with_console_footer(ChainScreen), "hosts": HostsScreen}  # "training", "grokking" added per instance
@@ -197,23 +198,6 @@ class ConsoleApp(RunActions, App):
     # -- hosts and their sessions ------------------------------------------------------------------
 
     @property
-    def state(self) -> ConsoleState:
-        """The active host's state: what the screens draw (the selected job's host)."""
-        return self.active.state
-
-    @property
-    def client(self) -> AgentClient | None:
-        return self.active.client
-
-    @client.setter
-    def client(self, client: AgentClient | None) -> None:
-        self.active.client = client
-
-    @property
-    def multi_host(self) -> bool:
-        return len(self.sessions) > 1
-
-    @property
     def events_seen(self) -> int:
         return sum(session.events_seen for session in self.sessions)
 
@@ -256,7 +240,7 @@ class ConsoleApp(RunActions, App):
         self.state_changed(sections | ({"hosts"} if self.multi_host else set()))
 
     def session_note(self, session: HostSession, text: str, severity: str) -> None:
-        self.note(text, severity=severity)
+        self.note(text, severity="error" if severity == "error" else "warning" if severity == "warning" else "information")
 
     def session_event(self, session: HostSession, event: Any, changed: set[str]) -> None:
         if isinstance(event, ConnectionStatus):
@@ -381,10 +365,6 @@ class ConsoleApp(RunActions, App):
         self.set_active(session)
         self.selected_job = None
         self._select_default_job()
-
-    def nodes_of(self, name: str | None) -> list[Node]:
-        """The nodes of the active host's job `name` across every host (one for a one-node job)."""
-        return nodes_of(self.sessions, self.active.name, name)
 
     def job_rows(self) -> list[tuple[HostSession, str]]:
         """Every host's jobs, newest first per host, hosts in the order given (the jobs table's order)."""
@@ -569,7 +549,7 @@ class ConsoleApp(RunActions, App):
         else:
             await self.run_action(name)
 
-    def note(self, text: str, *, severity: str = "information") -> None:
+    def note(self, text: str, *, severity: SeverityLevel = "information") -> None:
         self.state.note_action(text)
         self.state_changed({"actions"})
         self.notify(text, severity=severity, timeout=6)
@@ -617,7 +597,7 @@ class ConsoleApp(RunActions, App):
         name = f"train-{_short_profile(self.profile)}-{time.strftime('%H%M%S', time.localtime(self.state.clock()))}"
         argv = train_argv(self.profile)
         try:
-            result = await self.client.request(Request.START_JOB, name=name, kind="train", argv=argv)
+            result = await self.active.request(Request.START_JOB, name=name, kind="train", argv=argv)
         except AgentError as exc:
             self.note(f"start {name} failed: {exc}", severity="error")
             return
@@ -628,12 +608,14 @@ class ConsoleApp(RunActions, App):
     @work(group="actions", exit_on_error=False)
     async def action_stop_job(self) -> None:
         name = self.selected_job
+        if name is None:
+            return
         nodes = self.nodes_of(name)
         if len(nodes) > 1:
             await self._stop_nodes(name, nodes)
             return
         try:
-            plan = await self.client.request(Request.STOP_PLAN, name=name)
+            plan = await self.active.request(Request.STOP_PLAN, name=name)
         except AgentError as exc:
             self.note(f"stop {name}: could not get the stop plan ({exc}); nothing was signalled", severity="error")
             return
@@ -645,7 +627,7 @@ class ConsoleApp(RunActions, App):
             self.note(f"stop {name} not sent: {self.disabled_reason('stop_job')}", severity="error")
             return
         try:
-            result = await self.client.request(Request.STOP_JOB, name=name, grace=self.stop_grace, timeout=self.stop_grace + 60)
+            result = await self.active.request(Request.STOP_JOB, name=name, grace=self.stop_grace, timeout=self.stop_grace + 60)
         except AgentError as exc:
             self.note(f"stop {name} failed: {exc}", severity="error")
             return
@@ -668,32 +650,6 @@ class ConsoleApp(RunActions, App):
         verdict, trouble = await self.stop_nodes_now(name, nodes, reachable)
         if verdict:
             self.note(f"stop {name}: {verdict}{await self.offer_resume(name, before)}", severity="error" if trouble else "information")
-
-    async def node_stop_plan(self, name: str, nodes: list[Node]) -> tuple[list[Node], dict[str, Any]] | None:
-        """(the nodes whose host answers, their stop plans as one); None, said in a note, when no plan could be had."""
-        reachable = [n for n in nodes if n.session.connected]
-        if not reachable:
-            self.note(f"stop {name}: no node's host is connected; nothing was signalled", severity="error")
-            return None
-        try:
-            plans = await asyncio.gather(*(n.session.request(Request.STOP_PLAN, name=n.job.name) for n in reachable))
-        except AgentError as exc:
-            self.note(f"stop {name}: could not get every node's stop plan ({exc}); nothing was signalled", severity="error")
-            return None
-        return reachable, merge_stop_plans(name, reachable, plans, unreachable=[n for n in nodes if n not in reachable])
-
-    async def stop_nodes_now(self, name: str, nodes: list[Node], reachable: list[Node]) -> tuple[str, bool]:
-        """stop_job on every reachable node at once; (a verdict per node, whether anything went wrong). ("", True) when not sent."""
-        if any(not n.session.connected for n in reachable) or self.disabled_reason("stop_job"):
-            self.note(f"stop {name} not sent: a node's host disconnected meanwhile; nothing was signalled", severity="error")
-            return "", True
-        results = await asyncio.gather(*(n.session.request(Request.STOP_JOB, name=n.job.name, grace=self.stop_grace,
-                                                            timeout=self.stop_grace + 60) for n in reachable), return_exceptions=True)
-        outcomes = {n.rank: (f"failed: {r}" if isinstance(r, BaseException) else verdicts_phrase(r)) for n, r in zip(reachable, results)}
-        parts = [f"node {n.rank} ({n.host}): {outcomes.get(n.rank, 'NOT signalled, its host is not connected')}" for n in nodes]
-        for node in reachable:
-            self.resync(node.session)
-        return "; ".join(parts), len(reachable) < len(nodes) or any(isinstance(r, BaseException) for r in results)
 
     @work(group="actions", exit_on_error=False)
     async def action_start_multinode(self) -> None:
@@ -738,7 +694,7 @@ class ConsoleApp(RunActions, App):
             self.note(f"adopt not sent: {self.disabled_reason('adopt')}", severity="error")
             return
         try:
-            result = await self.client.request(Request.ADOPT_JOB, **choice)
+            result = await self.active.request(Request.ADOPT_JOB, **choice)
         except AgentError as exc:
             self.note(f"adopt {choice['pid']} refused: {exc}", severity="error")
             return
@@ -757,25 +713,6 @@ def error_text(error: BaseException) -> str:
     if not message:
         return f"{type(error).__name__} (no message)"
     return message if isinstance(error, AgentError) else f"{type(error).__name__}: {message}"
-
-
-def verdicts_phrase(result: dict[str, Any]) -> str:
-    verdicts = result.get("verdicts") or []
-    return ", ".join(f"{v.get('pid')} {v.get('outcome')}" for v in verdicts) or "nothing to signal"
-
-
-def merge_stop_plans(name: str, nodes: list[Node], plans: list[dict[str, Any]], unreachable: list[Node] = ()) -> dict[str, Any]:
-    """Every reachable node's stop plan as one: each PID and stale record names its host; checkpoint first when node 0's
-    says so; a node whose host is not connected is listed as not signalled, with what happens to it."""
-    merged: dict[str, Any] = {"jobs": [name], "will_signal": [], "stale": [], "foreign_gpu_holders": [],
-                              "checkpoint_first": any(n.rank == 0 and p.get("checkpoint_first") for n, p in zip(nodes, plans))}
-    for node, plan in zip(nodes, plans):
-        where = f"node {node.rank} {node.host}"
-        merged["will_signal"] += [{**e, "job": f"{e.get('job', '')} ({where})"} for e in plan.get("will_signal") or []]
-        merged["stale"] += [{**e, "job": f"{e.get('job', '')} ({where})"} for e in plan.get("stale") or []]
-        merged["foreign_gpu_holders"] += [{**e, "user": f"{e.get('user', '')}@{node.host}"} for e in plan.get("foreign_gpu_holders") or []]
-    merged["unreachable"] = [{"pid": n.job.pid, "job": n.job.name, "node": n.rank, "host": n.host} for n in unreachable]
-    return merged
 
 
 def rendezvous_host(session: HostSession) -> str:

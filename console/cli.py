@@ -108,8 +108,7 @@ def make_transport(args: argparse.Namespace, host: str = "local") -> tuple[Trans
     profile = load_profile(args.profile)
     run_dir = args.run_dir or profile.paths.run_dir
     if host == "local":
-        transport = LocalTransport(run_dir, python=args.python or sys.executable)
-        return transport, args.profile
+        return LocalTransport(run_dir, python=args.python or sys.executable), args.profile
     extra = []
     profile_arg = args.profile
     path = resolve_profile_path(args.profile)
@@ -117,7 +116,7 @@ def make_transport(args: argparse.Namespace, host: str = "local") -> tuple[Trans
         extra.append((f"profiles/{path.name}", path))  # a custom profile file travels with the backend
         profile_arg = path.stem
     user, name, port = split_host(host, args.port)
-    transport = SSHTransport(
+    ssh = SSHTransport(
         name,
         port=port,
         user=user or args.user,
@@ -128,7 +127,7 @@ def make_transport(args: argparse.Namespace, host: str = "local") -> tuple[Trans
         run_dir=run_dir,
         extra_files=extra,
     )
-    return transport, profile_arg
+    return ssh, profile_arg
 
 
 async def snapshot(transport: Transport) -> dict:
@@ -194,8 +193,9 @@ def run_snapshot(transports: list[Transport]) -> int:
             continue
         if isinstance(result, BaseException):
             raise result
-        if getattr(transport, "host_key_added", None):
-            print(f"eagle3-console: {transport.host_key_added}", file=sys.stderr)
+        added = getattr(transport, "host_key_added", None)
+        if added:
+            print(f"eagle3-console: {added}", file=sys.stderr)
         by_host[transport.label] = result
     if len(transports) == 1:
         if failed:

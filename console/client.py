@@ -129,7 +129,8 @@ class AgentClient:
             self._events.put_nowait(AgentStderr(f"(console) skipped a malformed agent line: {exc}"))
             return
         if message["type"] == Event.REPLY:
-            pending = self._pending.get(message.get("id"))
+            request_id = message.get("id")
+            pending = self._pending.get(request_id) if isinstance(request_id, int) else None
             if pending and not pending[1].done():
                 pending[1].set_result(message)
             return

@@ -6,11 +6,14 @@ confirmation in a modal and re-checks its guard before it sends anything.
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rich.text import Text
 from textual import work
+from textual.app import App
+from textual.notifications import SeverityLevel
 
 from backend.protocol import JobInfo, Request, from_dict
 from console.client import AgentError
@@ -21,6 +24,7 @@ from console.screens.chain import CHAIN_STAGES
 from console.screens.grok_modal import GrokModal
 from console.screens.modals import ResumeModal, StopAndBenchModal, WatchModal, bench_plan_text
 from console.state import EXTERNAL_PREFIX, ConsoleState
+from console.widgets.hosts import Node, nodes_of
 
 SIGNALS_INTERVAL_S = 5.0  # at most one `signals` request per job this often (the host computes them on request)
 DATA_SCALING_EVERY_S = 60.0
@@ -35,16 +39,62 @@ def terminal_notification(text: str) -> str:
     return f"\a\x1b]9;eagle3: {clean}\x07\x1b]777;notify;eagle3-console;{clean.replace(';', ',')}\x07"
 
 if TYPE_CHECKING:
-    from console.app import ConsoleApp
+    from console.client import AgentClient
     from console.session import HostSession
 
-    _Base = ConsoleApp
-else:
-    _Base = object
 
+class RunActions(App):
+    """The run actions of the console (stop & bench, grok, watch, resume, multi-node stop, alerts) over the active host's
+    session. ConsoleApp(RunActions) adds the screens, the keys and the session plumbing, and supplies the members
+    declared here."""
 
-class RunActions(_Base):
-    """The mixin; ConsoleApp supplies client, state, selected_job, note(), state_changed() and the screens."""
+    sessions: list[HostSession]
+    active: HostSession
+    selected_job: str | None
+    profile: str
+    notify_terminal: bool
+    stop_grace: float
+
+    @property
+    def state(self) -> ConsoleState:
+        """The active host's state: what the screens draw (the selected job's host)."""
+        return self.active.state
+
+    @property
+    def client(self) -> AgentClient | None:
+        return self.active.client
+
+    @client.setter
+    def client(self, client: AgentClient | None) -> None:
+        self.active.client = client
+
+    @property
+    def multi_host(self) -> bool:
+        return len(self.sessions) > 1
+
+    def nodes_of(self, name: str | None) -> list[Node]:
+        """The nodes of the active host's job `name` across every host (one for a one-node job)."""
+        return nodes_of(self.sessions, self.active.name, name)
+
+    # -- supplied by ConsoleApp ------------------------------------------------------------------
+
+    def note(self, text: str, *, severity: SeverityLevel = "information") -> None:
+        raise NotImplementedError
+
+    def state_changed(self, sections: set[str]) -> None:
+        raise NotImplementedError
+
+    def select_job(self, name: str | None, host: str | None = None) -> None:
+        raise NotImplementedError
+
+    def disabled_reason(self, action: str) -> str | None:
+        raise NotImplementedError
+
+    def redraw_now(self) -> None:
+        raise NotImplementedError
+
+    def resync(self, session: HostSession | None = None) -> None:
+        raise NotImplementedError
 
     def _init_run_actions(self, chain_args: list[str] | tuple[str, ...], signals_interval: float) -> None:
         self.chain_args = list(chain_args)  # extra `stop-and-bench` options (tests: --stop-server-after, --port ...)
@@ -124,7 +174,7 @@ class RunActions(_Base):
         self._signals_next[job] = time.monotonic() + self.signals_interval
         self.signals_fetches += 1
         try:
-            result = await self.client.request(Request.SIGNALS, name=job, timeout=120)
+            result = await self.active.request(Request.SIGNALS, name=job, timeout=120)
         except AgentError as exc:
             if exc.code not in ("disconnected", "timeout"):
                 self.note(f"signals of {job}: {exc}", severity="warning")
@@ -147,7 +197,7 @@ class RunActions(_Base):
                 return
             params = {"data_dir": facts.data_dir, "shape": facts.shape}
         try:
-            result = await self.client.request(Request.DATA_SCALING, **params, timeout=60)
+            result = await self.active.request(Request.DATA_SCALING, **params, timeout=60)
         except AgentError as exc:
             if exc.code in ("disconnected", "timeout"):
                 return
@@ -177,7 +227,7 @@ class RunActions(_Base):
         if not chain or not self._can_ask():
             return
         try:
-            history = await self.client.request(Request.STAGES_HISTORY, name=chain)
+            history = await self.active.request(Request.STAGES_HISTORY, name=chain)
         except AgentError as exc:
             if exc.code not in ("disconnected", "timeout"):
                 self.note(f"stages of {chain}: {exc}", severity="warning")
@@ -198,7 +248,7 @@ class RunActions(_Base):
 
     async def _load_results(self, train_job: str) -> None:
         try:
-            result = await self.client.request(Request.RESULTS, name=train_job)
+            result = await self.active.request(Request.RESULTS, name=train_job)
         except AgentError as exc:
             if exc.code not in ("disconnected", "timeout", "not_found"):
                 self.note(f"results of {train_job}: {exc}", severity="warning")
@@ -209,6 +259,8 @@ class RunActions(_Base):
     @work(group="actions", exit_on_error=False)
     async def action_stop_and_bench(self) -> None:
         job = self.selected_job
+        if job is None:
+            return
         info = self.state.jobs.get(job)
         running = bool(info and info.state == "running")
         nodes = self.nodes_of(job) if running else []
@@ -219,8 +271,8 @@ class RunActions(_Base):
                     return
                 reachable, plan = planned
             else:
-                plan = await self.client.request(Request.STOP_PLAN, name=job)
-            checkpoints = (await self.client.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
+                plan = await self.active.request(Request.STOP_PLAN, name=job)
+            checkpoints = (await self.active.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
         except AgentError as exc:
             self.note(f"stop & bench {job}: could not get the plan ({exc}); nothing was stopped", severity="error")
             return
@@ -257,7 +309,7 @@ class RunActions(_Base):
         name = chain_job_name(job)
         self.state.stages.pop(name, None)  # stages of an earlier chain of that name belong to its archived run
         try:
-            result = await self.client.request(Request.START_JOB, name=name, kind="chain", argv=argv)
+            result = await self.active.request(Request.START_JOB, name=name, kind="chain", argv=argv)
         except AgentError as exc:
             self.note(f"stop & bench {job} not started: {exc}", severity="error")
             return
@@ -266,13 +318,41 @@ class RunActions(_Base):
         self.switch_mode("chain")
         self.state_changed({"chain"})
 
+    async def node_stop_plan(self, name: str, nodes: list[Node]) -> tuple[list[Node], dict[str, Any]] | None:
+        """(the nodes whose host answers, their stop plans as one); None, said in a note, when no plan could be had."""
+        reachable = [n for n in nodes if n.session.connected]
+        if not reachable:
+            self.note(f"stop {name}: no node's host is connected; nothing was signalled", severity="error")
+            return None
+        try:
+            plans = await asyncio.gather(*(n.session.request(Request.STOP_PLAN, name=n.job.name) for n in reachable))
+        except AgentError as exc:
+            self.note(f"stop {name}: could not get every node's stop plan ({exc}); nothing was signalled", severity="error")
+            return None
+        return reachable, merge_stop_plans(name, reachable, plans, unreachable=[n for n in nodes if n not in reachable])
+
+    async def stop_nodes_now(self, name: str, nodes: list[Node], reachable: list[Node]) -> tuple[str, bool]:
+        """stop_job on every reachable node at once; (a verdict per node, whether anything went wrong). ("", True) when not sent."""
+        if any(not n.session.connected for n in reachable) or self.disabled_reason("stop_job"):
+            self.note(f"stop {name} not sent: a node's host disconnected meanwhile; nothing was signalled", severity="error")
+            return "", True
+        results = await asyncio.gather(*(n.session.request(Request.STOP_JOB, name=n.job.name, grace=self.stop_grace,
+                                                            timeout=self.stop_grace + 60) for n in reachable), return_exceptions=True)
+        outcomes = {n.rank: (f"failed: {r}" if isinstance(r, BaseException) else verdicts_phrase(r)) for n, r in zip(reachable, results)}
+        parts = [f"node {n.rank} ({n.host}): {outcomes.get(n.rank, 'NOT signalled, its host is not connected')}" for n in nodes]
+        for node in reachable:
+            self.resync(node.session)
+        return "; ".join(parts), len(reachable) < len(nodes) or any(isinstance(r, BaseException) for r in results)
+
     # -- grokking runs and external runs ----------------------------------------------------------
 
     @work(group="actions", exit_on_error=False)
     async def action_grok(self) -> None:
         job = self.selected_job
+        if job is None:
+            return
         try:
-            checkpoints = (await self.client.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
+            checkpoints = (await self.active.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
         except AgentError as exc:
             self.note(f"grok run from {job}: could not list its checkpoints ({exc}); nothing was started", severity="error")
             return
@@ -286,7 +366,7 @@ class RunActions(_Base):
             self.note(f"grok run not started: {self.disabled_reason('grok')}", severity="error")
             return
         try:
-            result = await self.client.request(Request.START_JOB, name=params["name"], kind="train", argv=params["argv"])
+            result = await self.active.request(Request.START_JOB, name=params["name"], kind="train", argv=params["argv"])
         except AgentError as exc:
             self.note(f"grok run {params['name']} not started: {exc}", severity="error")
             return
@@ -303,7 +383,7 @@ class RunActions(_Base):
             self.note(f"watch not sent: {self.disabled_reason('watch_external')}", severity="error")
             return
         try:
-            result = await self.client.request(Request.WATCH_EXTERNAL, name=choice["name"], path=choice["path"])
+            result = await self.active.request(Request.WATCH_EXTERNAL, name=choice["name"], path=choice["path"])
         except AgentError as exc:
             self.note(f"cannot watch {choice['path']}: {exc}", severity="error")
             return
@@ -362,7 +442,8 @@ class RunActions(_Base):
             for record in records:
                 if record.get("stage") != "canary" or record.get("_received") is None:
                     continue  # only what arrived live: a history re-read on attach is not news
-                result = record.get("result") if isinstance(record.get("result"), dict) else {}
+                raw = record.get("result")
+                result: dict[str, Any] = raw if isinstance(raw, dict) else {}
                 if record.get("status") == "failed" or result.get("verdict") == "red":
                     key = ("canary", where, job, record.get("time"))
                     if key not in self._alerted:
@@ -390,7 +471,7 @@ class RunActions(_Base):
             else:
                 self._alerted.discard(key)  # recovered: alert again if it runs low again
 
-    def alert(self, text: str, *, severity: str = "warning") -> None:
+    def alert(self, text: str, *, severity: SeverityLevel = "warning") -> None:
         """A toast (not an Actions line: those are the operator's actions and their outcomes); with --notify also the terminal."""
         self.alerts.append(text)
         self.notify(text, severity=severity, timeout=10)
@@ -407,7 +488,7 @@ class RunActions(_Base):
     # -- resume from the checkpoint a stop wrote ------------------------------------------------------
 
     async def _latest_checkpoint(self, job: str) -> str | None:
-        listing = (await self.client.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
+        listing = (await self.active.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
         entries = [c for c in listing if isinstance(c, dict) and c.get("path")]
         latest = next((c for c in entries if c.get("latest")), entries[-1] if entries else None)
         return str(latest["path"]) if latest else None
@@ -453,9 +534,28 @@ class RunActions(_Base):
             self.note(f"resume not started: {self.disabled_reason('resume')}", severity="error")
             return
         try:
-            result = await self.client.request(Request.START_JOB, name=name, kind="train", argv=argv)
+            result = await self.active.request(Request.START_JOB, name=name, kind="train", argv=argv)
         except AgentError as exc:
             self.note(f"resume {name} not started: {exc}", severity="error")
             return
         self.note(f"started {name} (pid {(result.get('job') or {}).get('pid', '?')}): {' '.join(argv)}")
         self.select_started_job(name, result.get("job"))
+
+
+def verdicts_phrase(result: dict[str, Any]) -> str:
+    verdicts = result.get("verdicts") or []
+    return ", ".join(f"{v.get('pid')} {v.get('outcome')}" for v in verdicts) or "nothing to signal"
+
+
+def merge_stop_plans(name: str, nodes: list[Node], plans: list[dict[str, Any]], unreachable: Sequence[Node] = ()) -> dict[str, Any]:
+    """Every reachable node's stop plan as one: each PID and stale record names its host; checkpoint first when node 0's
+    says so; a node whose host is not connected is listed as not signalled, with what happens to it."""
+    merged: dict[str, Any] = {"jobs": [name], "will_signal": [], "stale": [], "foreign_gpu_holders": [],
+                              "checkpoint_first": any(n.rank == 0 and p.get("checkpoint_first") for n, p in zip(nodes, plans))}
+    for node, plan in zip(nodes, plans):
+        where = f"node {node.rank} {node.host}"
+        merged["will_signal"] += [{**e, "job": f"{e.get('job', '')} ({where})"} for e in plan.get("will_signal") or []]
+        merged["stale"] += [{**e, "job": f"{e.get('job', '')} ({where})"} for e in plan.get("stale") or []]
+        merged["foreign_gpu_holders"] += [{**e, "user": f"{e.get('user', '')}@{node.host}"} for e in plan.get("foreign_gpu_holders") or []]
+    merged["unreachable"] = [{"pid": n.job.pid, "job": n.job.name, "node": n.rank, "host": n.host} for n in unreachable]
+    return merged

@@ -124,9 +124,10 @@ class Transport:
         except (TransportError, OSError, asyncio.TimeoutError) as exc:
             if not retry:
                 raise
-            session = await self._reconnect(f"first connect failed: {exc}")
-            if session is None:
+            retried = await self._reconnect(f"first connect failed: {exc}")
+            if retried is None:
                 raise FatalTransportError(self._last_failure or f"cannot connect to {self.label}") from None
+            session = retried
         self._supervisor = asyncio.create_task(self._supervise(session), name=f"transport {self.label}")
 
     async def send(self, message: dict[str, Any]) -> None:
@@ -232,9 +233,10 @@ class Transport:
             if not self.reconnect:
                 self._emit(FAILED, f"{reason}; not reconnecting")
                 return
-            session = await self._reconnect(reason)
-            if session is None:
+            again = await self._reconnect(reason)
+            if again is None:
                 return
+            session = again
 
     async def _reconnect(self, reason: str) -> Session | None:
         delay = self.backoff_initial
@@ -270,7 +272,8 @@ class _LocalSession(Session):
         if process.returncode is not None:
             return
         try:
-            process.stdin.close()  # the agent exits at end of input; its jobs run on in their own sessions
+            if process.stdin is not None:
+                process.stdin.close()  # the agent exits at end of input; its jobs run on in their own sessions
         except (OSError, RuntimeError):
             pass
         try:
@@ -591,12 +594,17 @@ class SSHTransport(Transport):
         out = result.stdout
         return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
+    def _hash(self) -> str:
+        if self.backend_hash is None:
+            raise TransportError("internal: the backend was not hashed before its upload")
+        return self.backend_hash
+
     async def _upload_sftp(self, conn: Any, staging: str, files: list[tuple[str, bytes]]) -> None:
         async with conn.start_sftp_client() as sftp:
             await sftp.makedirs(staging, exist_ok=True)
             await self._put_files(sftp, staging, files)
             async with sftp.open(f"{staging}/{COMPLETE_MARKER}", "wb") as handle:
-                await handle.write(self.backend_hash.encode())
+                await handle.write(self._hash().encode())
         self.upload_method = "sftp"
 
     async def _upload_tar(self, conn: Any, staging: str, files: list[tuple[str, bytes]]) -> None:
@@ -606,7 +614,7 @@ class SSHTransport(Transport):
 
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-            for relative, data in [*files, (COMPLETE_MARKER, self.backend_hash.encode())]:
+            for relative, data in [*files, (COMPLETE_MARKER, self._hash().encode())]:
                 info = tarfile.TarInfo(relative)
                 info.size = len(data)
                 info.mode = 0o644

@@ -11,7 +11,8 @@ import pytest
 from textual.widgets import DataTable
 
 from backend.protocol import JobInfo, Request
-from console.app import build_app, merge_stop_plans
+from console.app import build_app
+from console.run_actions import merge_stop_plans
 from console.screens.hosts import HostsScreen
 from console.screens.modals import MultiNodeModal, StopModal
 from console.state import CONNECTED, FAILED, RECONNECTING, ConnectionStatus, ConsoleState

@@ -94,7 +94,8 @@ def _accept_line(text: Text, data: dict[str, Any]) -> None:
 
 def _acceptance_lines(text: Text, data: dict[str, Any]) -> None:
     """Both accept-length definitions, labelled; served acceptance per draft position next to val acc_k; the first break."""
-    acceptance = data.get("acceptance") if isinstance(data.get("acceptance"), dict) else {}
+    raw = data.get("acceptance")
+    acceptance: dict[str, Any] = raw if isinstance(raw, dict) else {}
     mean_of_means = data.get("accept_length_mean_of_request_means", acceptance.get("mean_of_request_means"))
     text.append("  accept length ")
     text.append(number(data.get("accept_length"), 3), style="bold")
@@ -112,7 +113,7 @@ def _acceptance_lines(text: Text, data: dict[str, Any]) -> None:
                     f"   {_rate(row.get('predicted_reached')):>10}  {_rate(row.get('reached')):>12}  {row.get('steps_at_position', '?'):>5}")
             text.append(line + ("  ← break" if broken else "") + "\n",
                         style="bold red" if broken else "" if row.get("judged") else "dim")
-    line = acceptance.get("break_line")
+    line = str(acceptance.get("break_line") or "")
     if line:
         text.append(f"  {line}\n", style="bold red" if acceptance.get("break") else "green" if line.startswith("no break") else "dim")
     for note in acceptance.get("notes") or []:

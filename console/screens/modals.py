@@ -44,6 +44,9 @@ class FormModal(ModalScreen[dict | None]):
     def action_cancel(self) -> None:
         self.dismiss(None)
 
+    def submit(self) -> None:
+        raise NotImplementedError
+
 
 def pids_phrase(count: int) -> str:
     """'This PID gets' / 'These 3 PIDs get': the subject of the signal line, in agreement with the count."""
@@ -109,8 +112,9 @@ def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | 
             text.append(f"  {entry.get('pid', '?'):>7}  {entry.get('job', '')}  {entry.get('reason', '')}\n", style="dim")
     unreachable = plan.get("unreachable") or []
     if unreachable:
-        text.append("Nodes whose host is not connected, NOT signalled (their ranks end when the next collective finds the others "
-                    "gone; or stop them once the host is back):\n", style="bold yellow")
+        text.append("Nodes whose host is not connected, NOT signalled (the stop flag is reduced across every rank after each step, "
+                    "so their ranks stop after the same step as the others; if the host itself is gone, stop them when it is back):\n",
+                    style="bold yellow")
         for entry in unreachable:
             text.append(f"  {entry.get('pid', '?'):>7}  node {entry.get('node')} on {entry.get('host')}  {entry.get('job', '')}\n")
     foreign = plan.get("foreign_gpu_holders") or []

@@ -1,13 +1,13 @@
 """Screens that plot a job's history on a step axis: zoom and pan keys, and asking the host for the zoomed buckets."""
 from __future__ import annotations
 
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 
 from console.screens.base import ConsoleScreen
 from console.widgets.history import StepView, followed, panned, run_span, view_label, zoomed
 
 ZOOM_GROUP = Binding.Group("Zoom/pan", compact=True)
-ZOOM_BINDINGS = [
+ZOOM_BINDINGS: list[BindingType] = [
     Binding("plus,equals_sign", "zoom_in", "Zoom in", group=ZOOM_GROUP),
     Binding("minus", "zoom_out", "Zoom out", group=ZOOM_GROUP),
     Binding("comma", "pan_left", "Earlier", group=ZOOM_GROUP),
