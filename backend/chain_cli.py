@@ -110,13 +110,14 @@ def handle_grok(args) -> int:
 
 
 def handle_data_scaling(args) -> int:
-    from backend.commands import profile_shape
+    from backend.commands import data_dir_for, profile_shape
     from backend.datascale import data_scaling
     from backend.profiles import ProfileError, load_profile
 
     try:
         profile = load_profile(args.profile)
-        report = data_scaling(args.data or profile.paths.data_dir, profile_shape(profile))
+        data_dir = args.data or data_dir_for(profile.paths.data_dir, profile.paths.run_dir, getattr(args, "run_dir", None))
+        report = data_scaling(data_dir, profile_shape(profile))
     except (ProfileError, ValueError, OSError, json.JSONDecodeError) as exc:
         print(f"data-scaling: {exc}", file=sys.stderr)
         return 2

@@ -142,3 +142,9 @@ def test_torchrun_argv_and_node_jobs_through_the_cli(host, tmp_path):
         assert [j.name for j in JobRegistry(tmp_path).list_jobs()] == ["part"]
     finally:
         JobRegistry(tmp_path).stop(all_jobs=True, grace=1)
+
+
+def test_data_scaling_reads_the_data_dir_that_follows_the_run_dir(host, tmp_path):
+    done = host(tmp_path / "moved", "data-scaling", "--profile", "tiny", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["path"] == str(tmp_path / "moved" / "data")  # not ~/.eagle3/data
