@@ -392,8 +392,8 @@ def _onset_conditions(points: list[EvalPoint], end: int, window: int, val_slope:
     if not val_slope.z < -cfg.z_threshold:
         return None
     part = points[end + 1 - window:end + 1]
-    steps, train_values = [p.step for p in part], [p.train for p in part]
-    if any(v is None for v in train_values):
+    steps, train_values = [p.step for p in part], [p.train for p in part if p.train is not None]
+    if len(train_values) < len(part):
         return None
     train_slope = log_step_slope(steps, train_values)
     if not is_flat(train_slope, sum(train_values) / window, cfg.plateau_abs_eps, cfg.plateau_rel_eps):

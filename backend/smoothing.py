@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeGuard
 
 
-def is_finite(value: Any) -> bool:
+def is_finite(value: Any) -> TypeGuard[float]:
     """A real number (bool excluded) that is neither NaN nor infinite."""
     kind = type(value)
     if kind is float or kind is int:

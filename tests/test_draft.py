@@ -7,11 +7,7 @@ import pytest
 import torch
 
 from backend.profiles import load_profile
-from backend.train.draft import (
-    DraftModelConfig,
-    Eagle3Draft,
-    FeatureWidthError,
-)
+from backend.train.draft import DraftKVCache, DraftModelConfig, Eagle3Draft, FeatureWidthError
 from backend.train.vocab import build_vocab_mapping
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -219,8 +215,6 @@ def test_loss_positions_select_rows_per_step():
 
 def test_incremental_decoding_reproduces_ttt_logits():
     """extend (step 0 over committed positions, in two chunks) + draft_step == ttt_forward at the last position."""
-    from backend.train.draft import DraftKVCache
-
     config = small_config()
     draft = make_draft(config).eval()
     aux, ids = random_batch(config, batch=1, seq=14)
@@ -283,3 +277,146 @@ def test_ttt_hidden_is_ttt_forward_without_the_lm_head(backend):
     assert states.shape == (4, 2, 12, config.hidden_size)
     for step, step_logits in enumerate(logits):
         assert torch.allclose(draft.lm_head(states[step]), step_logits, rtol=1e-5, atol=1e-6)
+
+
+# --- the layer owns its forward: the model's outputs are bit for bit what the model computed before -----------------
+
+def _old_rms(hidden, norm):
+    dtype = hidden.dtype
+    hidden = hidden.float()
+    return norm.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.eps)).to(dtype)
+
+
+def _old_rotate(tensor):
+    first, second = tensor.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def old_layer_step(draft, embeds, hidden, positions, attend):
+    """One step as Eagle3Draft computed it when the layer only held parameters (its _qkv and _finish): q|k|v and
+    gate|up fused and cast once to the autocast dtype, RoPE in the query's dtype, a pre-norm output state."""
+    layer, config = draft.midlayer, draft.config
+    attn, mlp = layer.self_attn, layer.mlp
+    device = attn.q_proj.weight.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else attn.q_proj.weight.dtype
+    qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0).to(dtype)
+    gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0).to(dtype)
+    batch, seq, _ = hidden.shape
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    joined = torch.cat([_old_rms(embeds, layer.input_layernorm), _old_rms(hidden, layer.hidden_norm)], dim=-1)
+    query, key, value = torch.nn.functional.linear(joined, qkv).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    query = query.view(batch, seq, heads, dim).transpose(1, 2)
+    key = key.view(batch, seq, kv_heads, dim).transpose(1, 2)
+    value = value.view(batch, seq, kv_heads, dim).transpose(1, 2)
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(query.dtype), angles.sin().to(query.dtype)
+    query = query * cos + _old_rotate(query) * sin
+    key = key * cos + _old_rotate(key) * sin
+    out = attend(query, key, value).transpose(1, 2).reshape(batch, seq, -1)
+    hidden = hidden + attn.o_proj(out)
+    gate, up = torch.nn.functional.linear(_old_rms(hidden, layer.post_attention_layernorm), gate_up).chunk(2, dim=-1)
+    return hidden + mlp.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+def old_ttt_states(draft, aux, ids, ttt_length):
+    """Pre-norm output state of each TTT step, the old loop: step-0 K/V causal plus the diagonal K/V of steps 1..k."""
+    from backend.train.attention import ttt_attention
+
+    seq = ids.shape[1]
+    hidden = draft.fc(aux)
+    padded = torch.nn.functional.pad(ids, (0, ttt_length), value=0)
+    kv = {"key0": None, "value0": None, "keys": [], "values": []}
+
+    def attend(query, key, value):
+        if kv["key0"] is None:
+            kv["key0"], kv["value0"] = key, value
+        else:
+            kv["keys"].append(key)
+            kv["values"].append(value)
+        return ttt_attention(query, kv["key0"], kv["value0"], kv["keys"], kv["values"], draft.attn_backend)
+
+    states = []
+    for step in range(ttt_length):
+        embeds = draft.embed_tokens(padded[:, 1 + step : 1 + step + seq])
+        hidden = old_layer_step(draft, embeds, hidden, torch.arange(seq) + step, attend)
+        states.append(hidden)
+    return states
+
+
+def old_prefix_attention(query, keys, values, first_query_pos):
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = query @ keys.transpose(-1, -2) / (query.shape[-1] ** 0.5)
+    query_pos = torch.arange(query.shape[2])[:, None] + first_query_pos
+    scores = scores.masked_fill(torch.arange(keys.shape[2])[None, :] > query_pos, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(query.dtype) @ values
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_ttt_logits_and_states_are_bit_identical_to_the_old_model_math(backend, autocast):
+    config = small_config()
+    draft = make_draft(config, backend=backend)
+    aux, ids = random_batch(config)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        old_states = old_ttt_states(draft, aux, ids, 4)
+        logits = draft.ttt_forward(aux, ids, ttt_length=4)
+        states = draft.ttt_hidden(aux, ids, ttt_length=4)
+        old_logits = [draft.lm_head(_old_rms(state, draft.norm)) for state in old_states]
+        old_normed = [_old_rms(state, draft.norm) for state in old_states]
+    assert logits[0].dtype == (torch.bfloat16 if autocast else torch.float32)
+    for step in range(4):
+        assert torch.equal(logits[step], old_logits[step]), f"step {step} logits moved"
+        assert torch.equal(states[step], old_normed[step]), f"step {step} normed state moved"
+
+
+def test_decoding_logits_are_bit_identical_to_the_old_model_math():
+    config = small_config()
+    draft = make_draft(config).eval()
+    aux, ids = random_batch(config, batch=1, seq=14)
+    t = 8
+    with torch.no_grad():
+        cache = DraftKVCache()
+        hidden, logits = draft.extend(draft.project(aux[:, : t + 1]), ids[:, 1 : t + 2], cache)
+        new = [logits]
+        hidden = hidden[:, -1:]
+        for step in range(1, 4):
+            hidden, logits = draft.draft_step(hidden, ids[:, t + 1 + step : t + 2 + step], cache)
+            new.append(logits)
+
+        committed = {}
+
+        def commit(query, key, value):
+            committed["keys"], committed["values"], committed["diag"] = key, value, []
+            return old_prefix_attention(query, key, value, 0)
+
+        def step_attend(query, key, value):
+            committed["diag"].append((key, value))
+            keys = torch.cat([committed["keys"], *(k for k, _ in committed["diag"])], dim=2)
+            values = torch.cat([committed["values"], *(v for _, v in committed["diag"])], dim=2)
+            return old_prefix_attention(query, keys, values, keys.shape[2] - 1)
+
+        hidden = old_layer_step(draft, draft.embed_tokens(ids[:, 1 : t + 2]), draft.project(aux[:, : t + 1]), torch.arange(t + 1), commit)
+        old = [draft.lm_head(_old_rms(hidden, draft.norm))]
+        hidden = hidden[:, -1:]
+        for step in range(1, 4):
+            hidden = old_layer_step(draft, draft.embed_tokens(ids[:, t + 1 + step : t + 2 + step]), hidden, torch.tensor([t + step]), step_attend)
+            old.append(draft.lm_head(_old_rms(hidden, draft.norm)))
+    for step, (got, want) in enumerate(zip(new, old)):
+        assert torch.equal(got, want), f"decoding step {step} logits moved"
+    with pytest.raises(RuntimeError, match="before extend"):
+        draft.draft_step(hidden, ids[:, :1], DraftKVCache())
+
+
+def test_checkpoint_keys_are_sglang_s_midlayer_names():
+    """Moving the forward into the layer kept every parameter and buffer name and shape a checkpoint holds."""
+    keys = {name: tuple(tensor.shape) for name, tensor in make_draft(small_config()).state_dict().items()}
+    assert keys == {
+        "embed_tokens.weight": (40, 32), "fc.weight": (32, 96), "lm_head.weight": (24, 32), "norm.weight": (32,), "d2t": (24,), "t2d": (40,),
+        "midlayer.self_attn.q_proj.weight": (64, 64), "midlayer.self_attn.k_proj.weight": (32, 64), "midlayer.self_attn.v_proj.weight": (32, 64),
+        "midlayer.self_attn.o_proj.weight": (32, 64), "midlayer.mlp.gate_proj.weight": (64, 32), "midlayer.mlp.up_proj.weight": (64, 32),
+        "midlayer.mlp.down_proj.weight": (32, 64), "midlayer.input_layernorm.weight": (32,), "midlayer.hidden_norm.weight": (32,),
+        "midlayer.post_attention_layernorm.weight": (32,),
+    }

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -152,60 +153,21 @@ class DraftModelConfig:
         return asdict(self)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        dtype = hidden.dtype
-        hidden = hidden.float()
-        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * hidden.to(dtype)
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(query [B, nh, S, d], key, value [B, nkv, S, d]) -> [B, nh, S, d]: what the step attends to is the caller's state
+(TTTAttention while training, DraftKVCache.commit/.draft while decoding), as SGLang's layers leave it to forward_batch."""
 
 
-class DraftAttention(nn.Module):
-    def __init__(self, config: DraftModelConfig):
-        super().__init__()
-        in_width = 2 * config.hidden_size
-        self.q_proj = nn.Linear(in_width, config.num_attention_heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_width, config.num_key_value_heads * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_width, config.num_key_value_heads * config.head_dim, bias=False)
-        self.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=False)
+# --- the decoder layer's math as pure functions of (activations, weights): on CUDA the TTT training path runs
+# them through torch.compile (one graph each, reused by every TTT step), so RMSNorm, RoPE and SwiGLU become a
+# few fused kernels that save only what their backward needs.
 
-
-class DraftMLP(nn.Module):
-    def __init__(self, config: DraftModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-
-class DraftDecoderLayer(nn.Module):
-    """The draft's one decoder layer; q/k/v read concat(input_layernorm(embed), hidden_norm(hidden))."""
-
-    def __init__(self, config: DraftModelConfig):
-        super().__init__()
-        self.self_attn = DraftAttention(config)
-        self.mlp = DraftMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class _FusedWeights:
-    """q|k|v and gate|up weights concatenated once per forward call (one matmul each per step)."""
-
-    def __init__(self, layer: DraftDecoderLayer):
-        attn, mlp = layer.self_attn, layer.mlp
-        weight = attn.q_proj.weight
-        # under autocast, cast once here rather than at each of the TTT steps' matmuls
-        dtype = torch.get_autocast_dtype(weight.device.type) if torch.is_autocast_enabled(weight.device.type) else weight.dtype
-        self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0).to(dtype)
-        self.split = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0).to(dtype)
+def _rms(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm: normalise in fp32, round to the input dtype, scale."""
+    dtype = hidden.dtype
+    hidden = hidden.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(dtype)
 
 
 def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
@@ -213,19 +175,9 @@ def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
-# --- the decoder layer as pure functions of (activations, weights): the TTT training path runs them
-# through torch.compile on CUDA (one compiled graph each, reused by all 7 steps), so RMSNorm, RoPE and
-# SwiGLU become a few fused kernels that save only what their backward needs.
-
-def _rms(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm.forward as a function: normalise in fp32, round to the input dtype, scale."""
-    dtype = hidden.dtype
-    hidden = hidden.float()
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hidden.to(dtype)
-
-
-def _pre_attention(embeds, hidden, w_input, w_hidden, qkv_weight, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+def _pre_attention(embeds: torch.Tensor, hidden: torch.Tensor, w_input: torch.Tensor, w_hidden: torch.Tensor, qkv_weight: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: int, kv_heads: int,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v [B, n, S, d] (RoPE applied) from concat(input_layernorm(embeds), hidden_norm(hidden))."""
     batch, seq, _ = hidden.shape
     joined = torch.cat([_rms(embeds, w_input, eps), _rms(hidden, w_hidden, eps)], dim=-1)
@@ -239,22 +191,22 @@ def _pre_attention(embeds, hidden, w_input, w_hidden, qkv_weight, cos, sin, eps:
     return query, key, value
 
 
-def _post_attention(hidden, attn_out, o_weight, w_post, gate_weight, up_weight, down_weight, w_norm, eps: float):
-    """(pre-norm output state, norm(output state)): residual + o_proj, post-norm SwiGLU MLP + residual, final norm."""
+def _post_attention(hidden: torch.Tensor, attn_out: torch.Tensor, o_weight: torch.Tensor, w_post: torch.Tensor, gate_weight: torch.Tensor,
+                    up_weight: torch.Tensor, down_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The pre-norm output state: residual + o_proj, then post-norm SwiGLU MLP + residual."""
     batch, _, seq, _ = attn_out.shape
     attn_out = attn_out.transpose(1, 2).reshape(batch, seq, -1)
     hidden = hidden + torch.nn.functional.linear(attn_out, o_weight)
     normed = _rms(hidden, w_post, eps)
     gate = torch.nn.functional.linear(normed, gate_weight)
     up = torch.nn.functional.linear(normed, up_weight)
-    hidden = hidden + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_weight)
-    return hidden, _rms(hidden, w_norm, eps)
+    return hidden + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_weight)
 
 
-_COMPILED: dict = {}
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
-def compiled(function):
+def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
     """torch.compile(function), built once per process (CUDA training path; see Eagle3Draft.compile_regions)."""
     found = _COMPILED.get(function)
     if found is None:
@@ -267,10 +219,103 @@ def compiled(function):
     return found
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _rms(hidden, self.weight, self.eps)
+
+
+class DraftAttention(nn.Module):
+    """q/k/v over concat(embeds, hidden) (2H wide), RoPE over head_dim, o_proj back to H."""
+
+    def __init__(self, config: DraftModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.rope_theta = config.rope_theta
+        in_width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(in_width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [S, d] at `positions` (Llama RoPE, no scaling)."""
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+        angles = positions.float()[:, None] * inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: DraftModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+
+class DraftDecoderLayer(nn.Module):
+    """The draft's one decoder layer (SGLang's llama_eagle3 LlamaDecoderLayer): q/k/v read concat(input_layernorm(embed), hidden_norm(hidden))."""
+
+    def __init__(self, config: DraftModelConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(config)
+        self.mlp = DraftMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def qkv_weight(self) -> torch.Tensor:
+        """q|k|v stacked for one product; a TTT pass stacks them once and hands the result to every step."""
+        attn = self.self_attn
+        return torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0)
+
+    def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor, attend: Attend,
+                qkv_weight: torch.Tensor | None = None, compile_regions: bool = False) -> torch.Tensor:
+        """One step at `positions` (RoPE): embeds and hidden [B, S, H] -> the PRE-norm output state [B, S, H].
+
+        attend(q, k, v) holds the K/V the step sees; compile_regions: run the math before and after attention as
+        compiled graphs (CUDA training).
+        """
+        attn, mlp, eps = self.self_attn, self.mlp, self.input_layernorm.eps
+        cos, sin = attn.rope(positions, hidden.dtype)
+        pre = compiled(_pre_attention) if compile_regions else _pre_attention
+        post = compiled(_post_attention) if compile_regions else _post_attention
+        qkv = self.qkv_weight() if qkv_weight is None else qkv_weight
+        query, key, value = pre(embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight, qkv, cos, sin, eps,
+                                attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        return post(hidden, attend(query, key, value), attn.o_proj.weight, self.post_attention_layernorm.weight, mlp.gate_proj.weight,
+                    mlp.up_proj.weight, mlp.down_proj.weight, eps)
+
+
+class TTTAttention:
+    """What the steps of one TTT unroll attend to: step 0's K/V causally, plus the diagonal K/V of steps 1..k."""
+
+    def __init__(self, backend: str, compiled_merge: bool = False):
+        self.backend, self.compiled_merge = backend, compiled_merge
+        self.key0: torch.Tensor | None = None
+        self.value0: torch.Tensor | None = None
+        self.diag_keys: list[torch.Tensor] = []
+        self.diag_values: list[torch.Tensor] = []
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if self.key0 is None or self.value0 is None:
+            self.key0, self.value0 = key, value
+        else:
+            self.diag_keys.append(key)
+            self.diag_values.append(value)
+        return ttt_attention(query, self.key0, self.value0, self.diag_keys, self.diag_values, self.backend, compiled_merge=self.compiled_merge)
+
+
 class DraftKVCache:
     """Decoding state of the draft: step-0 K/V of committed positions plus this round's diagonal K/V."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.keys: torch.Tensor | None = None  # [B, nkv, T, d], RoPE applied at positions 0..T-1
         self.values: torch.Tensor | None = None
         self.diag_keys: list[torch.Tensor] = []  # steps 1..k of the round in progress, [B, nkv, 1, d]
@@ -280,16 +325,33 @@ class DraftKVCache:
     def length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys = keys if self.keys is None else torch.cat([self.keys, keys], dim=2)
-        self.values = values if self.values is None else torch.cat([self.values, values], dim=2)
-
     def begin_round(self) -> None:
         self.diag_keys, self.diag_values = [], []
+
+    def commit(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Attend for step 0 over new positions T..T+m-1: their K/V join the committed ones and a new round starts."""
+        start = self.length
+        keys = self.keys = key if self.keys is None else torch.cat([self.keys, key], dim=2)
+        values = self.values = value if self.values is None else torch.cat([self.values, value], dim=2)
+        self.begin_round()
+        return _attend_prefix(query, keys, values, start)
+
+    def draft(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Attend for TTT step k >= 1 at the last committed position: every committed K/V and this round's diagonal."""
+        if self.keys is None or self.values is None:
+            raise RuntimeError("draft_step before extend: the draft cache holds no committed positions; nothing was computed")
+        self.diag_keys.append(key)
+        self.diag_values.append(value)
+        keys = torch.cat([self.keys, *self.diag_keys], dim=2)
+        values = torch.cat([self.values, *self.diag_values], dim=2)
+        return _attend_prefix(query, keys, values, keys.shape[2] - 1)
 
 
 class Eagle3Draft(nn.Module):
     """SGLang's LlamaForCausalLMEagle3: fc over 3 target layers, one decoder layer, norm, lm_head over Vd."""
+
+    d2t: torch.Tensor  # buffers (register_buffer below), typed for the checker
+    t2d: torch.Tensor
 
     def __init__(self, config: DraftModelConfig, attn_backend: str | None = None, init_std: float = 0.02):
         super().__init__()
@@ -390,36 +452,7 @@ class Eagle3Draft(nn.Module):
             return features
         return self.project(features)
 
-    # --- the decoder layer, step by step -------------------------------------------------------------
-
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        dim = self.config.head_dim
-        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-        angles = positions.float()[:, None] * inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-    def _qkv(self, embeds, hidden, positions, fused: _FusedWeights):
-        layer, config = self.midlayer, self.config
-        batch, seq, _ = hidden.shape
-        joined = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        query, key, value = torch.nn.functional.linear(joined, fused.qkv).split(fused.split, dim=-1)
-        query = query.view(batch, seq, config.num_attention_heads, config.head_dim).transpose(1, 2)
-        key = key.view(batch, seq, config.num_key_value_heads, config.head_dim).transpose(1, 2)
-        value = value.view(batch, seq, config.num_key_value_heads, config.head_dim).transpose(1, 2)
-        cos, sin = self._rope(positions, query.dtype)
-        query = query * cos + rotate_half(query) * sin
-        key = key * cos + rotate_half(key) * sin
-        return query, key, value
-
-    def _finish(self, hidden, attn_out, fused: _FusedWeights):
-        """Residual (pre-hidden_norm input), o_proj, post-norm SwiGLU MLP: returns the PRE-norm output state."""
-        layer = self.midlayer
-        batch, _, seq, _ = attn_out.shape
-        attn_out = attn_out.transpose(1, 2).reshape(batch, seq, -1)
-        hidden = hidden + layer.self_attn.o_proj(attn_out)
-        gate, up = torch.nn.functional.linear(layer.post_attention_layernorm(hidden), fused.gate_up).chunk(2, dim=-1)
-        return hidden + layer.mlp.down_proj(torch.nn.functional.silu(gate) * up)
+    # --- the steps, each one call of the decoder layer ---------------------------------------------------
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
@@ -428,6 +461,22 @@ class Eagle3Draft(nn.Module):
         if not self.embedding_loaded:
             raise RuntimeError("the draft has no target embedding yet: call load_target_embedding(target embed_tokens weight) first")
         return self.embed_tokens(token_ids).to(self.fc.weight.dtype)
+
+    def _ttt_steps(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, ttt_length: int, pad_token_id: int,
+                   compile_regions: bool = False) -> Iterator[torch.Tensor]:
+        """The pre-norm output state [B, S, H] of each TTT step k = 0..ttt_length-1 (see ttt_forward)."""
+        batch, seq = input_ids.shape
+        if aux_hidden.shape[:2] != (batch, seq):
+            raise ValueError(f"aux_hidden is {tuple(aux_hidden.shape)} but input_ids is {tuple(input_ids.shape)}; batch and sequence must match")
+        hidden = self.project(aux_hidden.to(self.fc.weight.dtype))
+        padded = torch.nn.functional.pad(input_ids, (0, ttt_length), value=pad_token_id)
+        positions = torch.arange(seq, device=input_ids.device)
+        attend = TTTAttention(self._backend(hidden.device), compiled_merge=compile_regions)
+        qkv_weight = self.midlayer.qkv_weight()
+        for step in range(ttt_length):
+            embeds = self._embed(padded[:, 1 + step : 1 + step + seq])
+            hidden = self.midlayer(positions + step, embeds, hidden, attend, qkv_weight, compile_regions)
+            yield hidden
 
     # --- training ---------------------------------------------------------------------------------
 
@@ -447,26 +496,9 @@ class Eagle3Draft(nn.Module):
         loss_positions: optional bool [B, S] (or one per step): return logits only there, as [N, Vd].
         """
         batch, seq = input_ids.shape
-        if aux_hidden.shape[:2] != (batch, seq):
-            raise ValueError(f"aux_hidden is {tuple(aux_hidden.shape)} but input_ids is {tuple(input_ids.shape)}; batch and sequence must match")
-        hidden = self.project(aux_hidden.to(self.fc.weight.dtype))
-        padded = torch.nn.functional.pad(input_ids, (0, ttt_length), value=pad_token_id)
-        positions = torch.arange(seq, device=input_ids.device)
-        backend = self._backend(hidden.device)
-        fused = _FusedWeights(self.midlayer)
         selections = _selections(loss_positions, ttt_length, batch * seq)
-        key0 = value0 = None
-        diag_keys, diag_values, outputs = [], [], []
-        for step in range(ttt_length):
-            embeds = self._embed(padded[:, 1 + step : 1 + step + seq])
-            query, key, value = self._qkv(embeds, hidden, positions + step, fused)
-            if step == 0:
-                key0, value0 = key, value
-            else:
-                diag_keys.append(key)
-                diag_values.append(value)
-            attn_out = ttt_attention(query, key0, value0, diag_keys, diag_values, backend)
-            hidden = self._finish(hidden, attn_out, fused)
+        outputs = []
+        for step, hidden in enumerate(self._ttt_steps(aux_hidden, input_ids, ttt_length, pad_token_id)):
             selected = hidden if selections is None else hidden.reshape(batch * seq, -1).index_select(0, selections[step])
             outputs.append(self.logits(selected))
         return outputs
@@ -476,39 +508,13 @@ class Eagle3Draft(nn.Module):
 
         The same computation as ttt_forward without the lm_head: the trainer applies lm_head and the soft
         cross-entropy of all steps in one chunked, fused pass (loss.fused_ttt_loss), so no [S, Vd] logits
-        of any step are kept. With compile_regions the layer runs as compiled functions (one graph each).
+        of any step are kept. With compile_regions (on CUDA) the layer and the norm run as compiled graphs.
         """
-        batch, seq = input_ids.shape
-        if aux_hidden.shape[:2] != (batch, seq):
-            raise ValueError(f"aux_hidden is {tuple(aux_hidden.shape)} but input_ids is {tuple(input_ids.shape)}; batch and sequence must match")
-        layer, config = self.midlayer, self.config
-        hidden = self.project(aux_hidden.to(self.fc.weight.dtype))
-        padded = torch.nn.functional.pad(input_ids, (0, ttt_length), value=pad_token_id)
-        positions = torch.arange(seq, device=input_ids.device)
-        backend = self._backend(hidden.device)
-        use_compiled = self.compile_regions and hidden.device.type == "cuda"
-        pre = compiled(_pre_attention) if use_compiled else _pre_attention
-        post = compiled(_post_attention) if use_compiled else _post_attention
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0)
-        eps = config.rms_norm_eps
-        key0 = value0 = None
-        diag_keys, diag_values, states = [], [], []
-        for step in range(ttt_length):
-            embeds = self._embed(padded[:, 1 + step : 1 + step + seq])
-            cos, sin = self._rope(positions + step, hidden.dtype)
-            query, key, value = pre(embeds, hidden, layer.input_layernorm.weight, layer.hidden_norm.weight, qkv_weight, cos, sin,
-                                    eps, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-            if step == 0:
-                key0, value0 = key, value
-            else:
-                diag_keys.append(key)
-                diag_values.append(value)
-            attn_out = ttt_attention(query, key0, value0, diag_keys, diag_values, backend, compiled_merge=use_compiled)
-            hidden, normed = post(hidden, attn_out, attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
-                                  mlp.up_proj.weight, mlp.down_proj.weight, self.norm.weight, eps)
-            states.append(normed)
-        return torch.stack(states)
+        use_compiled = self.compile_regions and self.fc.weight.device.type == "cuda"
+        norm = compiled(_rms) if use_compiled else _rms
+        eps = self.norm.eps
+        steps = self._ttt_steps(aux_hidden, input_ids, ttt_length, pad_token_id, use_compiled)
+        return torch.stack([norm(hidden, self.norm.weight, eps) for hidden in steps])
 
     # --- decoding (incremental) ----------------------------------------------------------------------
 
@@ -521,12 +527,7 @@ class Eagle3Draft(nn.Module):
         """
         start = cache.length
         positions = torch.arange(start, start + hidden.shape[1], device=hidden.device)
-        fused = _FusedWeights(self.midlayer)
-        query, key, value = self._qkv(self._embed(next_tokens), hidden, positions, fused)
-        cache.append(key, value)
-        cache.begin_round()
-        attn_out = _attend_prefix(query, cache.keys, cache.values, start)
-        out = self._finish(hidden, attn_out, fused)
+        out = self.midlayer(positions, self._embed(next_tokens), hidden, cache.commit)
         return out, self.logits(out)
 
     def draft_step(self, prev_hidden: torch.Tensor, token: torch.Tensor, cache: DraftKVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -535,14 +536,7 @@ class Eagle3Draft(nn.Module):
         diagonal K/V (steps 1..k); RoPE at t + k. Returns (pre-norm output [B, 1, H], logits [B, 1, Vd])."""
         step = len(cache.diag_keys) + 1
         position = torch.tensor([cache.length - 1 + step], device=prev_hidden.device)
-        fused = _FusedWeights(self.midlayer)
-        query, key, value = self._qkv(self._embed(token), prev_hidden, position, fused)
-        cache.diag_keys.append(key)
-        cache.diag_values.append(value)
-        keys = torch.cat([cache.keys, *cache.diag_keys], dim=2)
-        values = torch.cat([cache.values, *cache.diag_values], dim=2)
-        attn_out = _attend_prefix(query, keys, values, keys.shape[2] - 1)
-        out = self._finish(prev_hidden, attn_out, fused)
+        out = self.midlayer(position, self._embed(token), prev_hidden, cache.draft)
         return out, self.logits(out)
 
 

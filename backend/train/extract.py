@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from backend.durable import write_atomic
 from backend.train.target import TargetModel, torch_dtype
@@ -142,7 +142,9 @@ def extract_split(target: TargetModel, samples: list, split_dir: Path, dtype: st
     split_dir.mkdir(parents=True, exist_ok=True)
     pad_id = getattr(target.tokenizer, "pad_token_id", 0) or 0
     store_dtype = torch_dtype(dtype)
-    shards, pending, written, tokens = [], {}, 0, 0
+    shards: list[dict[str, Any]] = []
+    pending: dict[str, torch.Tensor] = {}
+    written = tokens = 0
 
     def flush():
         nonlocal pending
@@ -160,6 +162,8 @@ def extract_split(target: TargetModel, samples: list, split_dir: Path, dtype: st
         batch = collate([samples[i] for i in indices], pad_id)
         result = target.capture(batch["input_ids"], batch["attention_mask"], with_logits=(store == "logits"))
         teacher = result.logits if store == "logits" else result.last_hidden
+        if teacher is None:
+            raise ExtractError(f"the target's capture returned no {store} for the teacher; shards written so far stay in {split_dir}")
         for row, index in enumerate(indices):
             length = len(samples[index].input_ids)
             key = f"s{written}"

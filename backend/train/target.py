@@ -4,6 +4,10 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 BUILTIN_TINY = "builtin:tiny"
 
@@ -14,9 +18,9 @@ class TargetMismatchError(ValueError):
 
 @dataclass
 class TargetBatch:
-    aux_hidden: "object"  # [B, S, 3*Ht]: outputs of the 3 aux layers, concatenated low/mid/high
-    logits: "object | None" = None  # [B, S, V] teacher logits
-    last_hidden: "object | None" = None  # [B, S, Ht] final normed hidden state (logits = lm_head(last_hidden))
+    aux_hidden: torch.Tensor  # [B, S, 3*Ht]: outputs of the 3 aux layers, concatenated low/mid/high
+    logits: torch.Tensor | None = None  # [B, S, V] teacher logits
+    last_hidden: torch.Tensor | None = None  # [B, S, Ht] final normed hidden state (logits = lm_head(last_hidden))
 
 
 def torch_dtype(name: str):
@@ -60,7 +64,7 @@ def check_config_matches_profile(config, profile) -> None:
     wrong = [f"{name}: profile says {getattr(expected, name)}, the model has {value}" for name, value in found.items() if value != getattr(expected, name)]
     if wrong:
         raise TargetMismatchError(f"target {expected.path} does not match profile {profile.name!r}: " + "; ".join(wrong) + ". Fix the profile's [target] section; nothing was loaded into training.")
-    check_aux_layer_ids(list(expected.aux_layer_ids), found["num_layers"])
+    check_aux_layer_ids(list(expected.aux_layer_ids), expected.num_layers)
 
 
 def resolve_target_path(profile) -> str:
@@ -156,7 +160,7 @@ class TargetModel:
         """One no-grad forward; aux = outputs of layers aux_layer_ids (= hidden_states[id+1]), concatenated."""
         import torch
 
-        captured: dict[int, object] = {}
+        captured: dict[int, torch.Tensor] = {}
 
         def hook_for(layer_id):
             def hook(_module, _inputs, output):
@@ -197,7 +201,7 @@ class TargetModel:
         with torch.no_grad():
             for _ in range(max_new_tokens):
                 positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1] :]
-                kwargs = {self._cache_kwarg: cache} if cache is not None else {}
+                kwargs: dict[str, Any] = {self._cache_kwarg: cache} if cache is not None else {}
                 output = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
                 cache = _output_cache(output)
                 token = output.logits[:, -1].argmax(-1)
