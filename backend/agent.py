@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Callable, NamedTuple
 
 from backend import holders as holders_mod
 from backend.disk import dir_size, disks_for
-from backend.gpu import driver_state, open_gpu_source
+from backend.gpu import GpuSource, driver_state, open_gpu_source
 from backend.jobs import TAIL_LINE_SHOWN, JobError, JobNotFound, JobRecord, JobRegistry, display_lines, tail_lines
 from backend.jsonl import JsonlFollower, read_complete_lines
 from backend.layout import STALL_AFTER_S, checkpoint_listing, default_data_dir, latest_checkpoint, list_results
@@ -168,7 +168,7 @@ class JobFiles:
 
 
 class Agent:
-    def __init__(self, run_dir: str | Path, interval: float = 1.0, data_dirs: list[str] | None = None, out: BinaryIO | None = None, gpu_source=None,
+    def __init__(self, run_dir: str | Path, interval: float = 1.0, data_dirs: list[str] | None = None, out: BinaryIO | None = None, gpu_source: GpuSource | None = None,
                  stall_after: float = STALL_AFTER_S):
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.interval = interval

@@ -24,7 +24,8 @@ TRAINED_TINY_STEPS = 300
 # Session fixtures that build the tiny target (and train a draft on it): tens of CPU minutes, so slow tests only.
 TINY_BUILD_FIXTURES = ("trained_tiny_run", "tiny_target_dir", "tiny_target")
 # Everything that decides what `train --profile tiny` produces.
-TRAINING_CODE = ["draft.py", "attention.py", "checkpoint.py", "trainer.py", "loss.py", "data.py", "vocab.py", "schedule.py", "target.py", "tiny.py"]
+TRAINING_CODE = ["draft.py", "attention.py", "checkpoint.py", "trainer.py", "loss.py", "data.py", "vocab.py", "schedule.py", "target.py", "tiny.py",
+                 "extract.py"]
 
 
 def threads_for_tests() -> str:
