@@ -463,3 +463,157 @@ def test_target_config_values_of_the_wrong_type_are_corrupt(tmp_path):
         report = run_preflight(draft, target_config(tmp_path, hidden_size=bad), check_sglang=False)
         assert only_codes(report) == ["corrupt"]
         assert f"hidden_size = {bad!r}, expected a positive integer" in report.problems[0].message
+
+
+# --- a draft exported the way SpecForge exports it ------------------------------------------------------------
+
+def specforge_draft_class():
+    """A module with SpecForge's LlamaForCausalLMEagle3 attribute names and shapes (specforge/modeling/draft/
+    llama3_eagle.py at v0.2.0 and main): a transformers PreTrainedModel, so save_pretrained writes what SpecForge's
+    exporter writes (specforge/export/to_sglang.py: save_pretrained of the state dict minus every "embed" key)."""
+    from torch import nn
+    from transformers import LlamaConfig, PreTrainedModel
+
+    class Norm(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(width))
+
+    class Attention(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            self.q_proj = nn.Linear(2 * config.hidden_size, config.num_attention_heads * head_dim, bias=False)
+            self.k_proj = nn.Linear(2 * config.hidden_size, config.num_key_value_heads * head_dim, bias=False)
+            self.v_proj = nn.Linear(2 * config.hidden_size, config.num_key_value_heads * head_dim, bias=False)
+            self.o_proj = nn.Linear(config.num_attention_heads * head_dim, config.hidden_size, bias=False)
+
+    class MLP(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+            self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    class DecoderLayer(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.self_attn, self.mlp = Attention(config), MLP(config)
+            self.hidden_norm, self.input_layernorm = Norm(config.hidden_size), Norm(config.hidden_size)
+            self.post_attention_layernorm = Norm(config.hidden_size)
+
+    class LlamaForCausalLMEagle3(PreTrainedModel):
+        config_class = LlamaConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            target_hidden = getattr(config, "target_hidden_size", config.hidden_size)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+            self.midlayer = DecoderLayer(config)
+            self.fc = nn.Linear(3 * target_hidden, config.hidden_size, bias=False)
+            self.norm = Norm(config.hidden_size)
+            self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+            self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+            self.post_init()
+
+        def _init_weights(self, module):
+            pass
+
+    return LlamaForCausalLMEagle3
+
+
+def specforge_draft_config(tmp_path):
+    """A configs/llama3-8B-eagle3.json-shaped draft config (GQA, torch_dtype, no eagle_config), scaled down."""
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+              "hidden_size": H, "initializer_range": 0.02, "intermediate_size": INTER, "max_position_embeddings": 256,
+              "model_type": "llama", "num_attention_heads": HEADS, "num_key_value_heads": 1, "num_hidden_layers": 1,
+              "pad_token_id": 0, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
+              "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB}
+    path = tmp_path / "draft_config.json"
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def export_like_specforge(tmp_path, out: Path, max_shard_size=None) -> Path:
+    """SpecForge's export: the draft built in bfloat16 from its config file, the vocab mapping loaded into t2d/d2t,
+    save_pretrained without the embedding, then its legacy rope fix-up (rope_theta mirrored at top level, keys sorted)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig.from_json_file(str(specforge_draft_config(tmp_path)))
+    torch.manual_seed(0)
+    model = specforge_draft_class()(config).to(torch.bfloat16)
+    used = good_tensors()["t2d"].nonzero().flatten()
+    model.t2d.zero_()
+    model.t2d[used] = True
+    model.d2t.copy_(used - torch.arange(DRAFT_VOCAB))
+    state = {k: v for k, v in model.state_dict().items() if "embed" not in k.lower()}
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), state_dict=state, **kwargs)
+    saved = json.loads((out / "config.json").read_text())
+    theta = (saved.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None and saved.get("rope_theta") != theta:
+        saved["rope_theta"] = theta
+    (out / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True))
+    return out
+
+
+def hf_target_config(tmp_path) -> Path:
+    from transformers import LlamaConfig
+
+    target = tmp_path / "target"
+    LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=INTER, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                num_key_value_heads=HEADS, torch_dtype="bfloat16").save_pretrained(str(target))
+    return target / "config.json"
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded", "beside_training_state"])
+def test_a_specforge_exported_draft_passes(tmp_path, layout):
+    out = tmp_path / ("run-step100" if layout == "beside_training_state" else "export")
+    export_like_specforge(tmp_path, out, max_shard_size="2KB" if layout == "sharded" else None)
+    if layout == "beside_training_state":  # SpecForge's checkpoint files in the same dir: training_state.pt + per rank
+        torch.save({"strategy": "eagle3", "global_step": 100, "draft_state_dict": {}}, out / "training_state.pt")
+        torch.save({"optimizer": {}}, out / "training_state_rank0.pt")
+    files = sorted(p.name for p in out.iterdir())
+    if layout == "sharded":
+        assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1, files
+    else:
+        assert "model.safetensors" in files, files
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLMEagle3"] and saved["draft_vocab_size"] == DRAFT_VOCAB
+    names = set(preflight.read_draft_header(out))
+    assert {"d2t", "t2d", "fc.weight", "midlayer.hidden_norm.weight"} <= names and not any("embed" in n for n in names)
+
+    report = run_preflight(out, hf_target_config(tmp_path), check_sglang=False)
+    assert report.ok, report.problems
+    assert any("SGLang uses its default" in note for note in report.notes), report.notes  # no eagle_config in SpecForge's
+    # the same check through the CLI, as a user runs it
+    done = subprocess.run([sys.executable, "-m", "backend", "preflight", str(out), "--target-config",
+                           str(tmp_path / "target" / "config.json"), "--no-sglang", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["ok"] is True, done.stdout + done.stderr
+
+
+def test_a_specforge_export_with_a_broken_vocab_map_still_fails(tmp_path):
+    """The pass above is not vacuous: the same export with absolute ids in d2t (a common hand-made mistake) fails."""
+    out = export_like_specforge(tmp_path, tmp_path / "export")
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["d2t"] = tensors["t2d"].nonzero().flatten().to(torch.int64)  # absolute target ids, not offsets
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    report = run_preflight(out, hf_target_config(tmp_path), check_sglang=False)
+    assert only_codes(report) == ["vocab_map"], report.problems
+
+
+@pytest.mark.parametrize("where", ["step_dir", "output_dir"])
+def test_a_specforge_training_checkpoint_is_refused_with_the_export_command(tmp_path, where):
+    """SpecForge saves training checkpoints as {run_id}-step{N}/training_state.pt; SGLang cannot load those."""
+    step = tmp_path / "out" / "run-step100"
+    step.mkdir(parents=True)
+    torch.save({"strategy": "eagle3", "draft_state_dict": {}}, step / "training_state.pt")
+    report = check(tmp_path, step if where == "step_dir" else step.parent)
+    assert only_codes(report) == ["corrupt"]
+    assert "config.json does not exist" in report.problems[0].message
+    assert "specforge.export.to_sglang" in report.problems[0].hint
+    assert sorted(p.name for p in step.iterdir()) == ["training_state.pt"]  # nothing written

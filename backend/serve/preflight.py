@@ -55,6 +55,7 @@ _MLA_MIDLAYER = {
 }
 _MODEL_KEYS = {"fc.weight", "norm.weight", "embed_tokens.weight"}  # SGLang also accepts these under "model."
 _TOP_KEYS = {"lm_head.weight", "d2t", "t2d"}
+SPECFORGE_STATE_FILE = "training_state.pt"  # SpecForge's training checkpoint (specforge/training/checkpoint.py)
 
 _DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
@@ -691,7 +692,7 @@ def _run_checks(draft_dir: Path, target_config, serving_argv, serving_dtype, res
     try:
         draft_cfg = load_json(draft_dir / "config.json", "draft config")
     except HeaderError as exc:
-        out.add(CORRUPT, f"{exc}.", "Point at a checkpoint directory holding config.json and model.safetensors.")
+        out.add(CORRUPT, f"{exc}.", _missing_config_hint(draft_dir))
         return
     arch = _guarded(out, "architecture", check_architecture, draft_cfg, out)
     _guarded(out, "aux layers", check_aux, draft_cfg, target, out)
@@ -709,6 +710,20 @@ def _run_checks(draft_dir: Path, target_config, serving_argv, serving_dtype, res
     if check_sglang:
         check_target_support(target, out, resolve_class)
     out.notes.append(f"target: {target.architectures} hidden {target.hidden_size}, {target.num_layers} layers, vocab {target.vocab_size}")
+
+
+def _missing_config_hint(draft_dir: Path) -> str:
+    """What to point preflight at instead; a SpecForge training checkpoint (training_state.pt only) needs its exporter."""
+    try:
+        specforge = (draft_dir / SPECFORGE_STATE_FILE).is_file() or any(
+            (step / SPECFORGE_STATE_FILE).is_file() for step in draft_dir.glob("*-step*"))
+    except OSError:
+        specforge = False
+    if specforge:
+        return ("This is a SpecForge training checkpoint (training_state.pt holds the draft, not in a form SGLang loads): "
+                "export it first with `python -m specforge.export.to_sglang --checkpoint DIR --draft-config "
+                "DRAFT_CONFIG.json --output-dir OUT`, then run preflight on OUT.")
+    return "Point at a checkpoint directory holding config.json and model.safetensors."
 
 
 def problems_text(report: PreflightReport) -> Iterable[str]:
