@@ -337,16 +337,25 @@ def compare(result: dict, specforge_files: list[Path], baseline: Path | None) ->
     lines = []
     peers = {} if specforge_files else dict(SPECFORGE_ANCHOR)
     for path in specforge_files:
+        if not Path(path).is_file():  # e.g. that SpecForge run failed earlier in the same device call
+            lines.append(f"  vs {path}: no such file, not compared")
+            continue
         data = json.loads(Path(path).read_text())
-        label = f"specforge {data.get('backend')} fsdp={int(bool(data.get('fsdp')))} ({Path(path).name})"
-        peers[label] = {"step_ms": data["median_step_ms"], "tokens_per_s": data["tokens_per_s"], "peak_gib": data.get("peak_mem_allocated_gib")}
+        # specforge_bench.py (20e2e3f0) records the commit; bench_specforge_v03.py the version and the commit
+        version = data.get("specforge_version") or (data.get("specforge_commit") or "?")[:8]
+        label = f"specforge {version} {data.get('backend')} fsdp={int(bool(data.get('fsdp')))} ({Path(path).name})"
+        peers[label] = {"step_ms": data["median_step_ms"], "tokens_per_s": data["tokens_per_s"], "peak_gib": data.get("peak_mem_allocated_gib"),
+                        "mfu": data.get("mfu_vs_measured_matmul"), "commit": data.get("specforge_commit")}
     result["peers"] = peers
     ours = result["tokens_per_s_per_rank"]
     for label, peer in peers.items():
         ratio = ours / peer["tokens_per_s"]
         result.setdefault("ratios", {})[label] = ratio
+        if result["peak_mem_allocated_gib"] and peer.get("peak_gib"):
+            result.setdefault("peak_memory_ratios", {})[label] = result["peak_mem_allocated_gib"] / peer["peak_gib"]
         lines.append(f"  vs {label}: {ratio:.2f}x tokens/s per GPU ({ours:.0f} vs {peer['tokens_per_s']:.0f}; step {result['median_step_ms']:.1f} vs {peer['step_ms']:.1f} ms"
-                     + (f"; peak {result['peak_mem_allocated_gib']:.2f} vs {peer['peak_gib']:.2f} GiB)" if result["peak_mem_allocated_gib"] and peer.get("peak_gib") else ")"))
+                     + (f"; peak {result['peak_mem_allocated_gib']:.2f} vs {peer['peak_gib']:.2f} GiB" if result["peak_mem_allocated_gib"] and peer.get("peak_gib") else "")
+                     + (f"; MFU {100 * result['mfu']:.1f} vs {100 * peer['mfu']:.1f} %)" if peer.get("mfu") else ")"))
     if baseline:
         single = json.loads(Path(baseline).read_text())
         efficiency = result["tokens_per_s"] / (result["world_size"] * single["tokens_per_s_per_rank"])
