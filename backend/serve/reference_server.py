@@ -1,7 +1,8 @@
 """Reference engine: an HTTP server speaking SGLang 0.5.23's wire format over the project's own speculative decoder.
 
 python -m backend.serve.reference_server --profile P --draft DIR --port N [--host 127.0.0.1]
-       [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--max-body-bytes B] [--request-timeout S]
+       [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--served-model-name NAME]
+       [--max-body-bytes B] [--request-timeout S]
 
 Native routes (/generate, /flush_cache, /health*, /get_server_info, /get_model_info) and the OpenAI ones
 (/v1/models, /v1/completions, /v1/chat/completions; see openai_api.py). Greedy only (temperature 0). One
