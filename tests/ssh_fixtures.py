@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncssh
+import pytest
 
 SSHD = "/usr/sbin/sshd"
 
@@ -326,6 +327,17 @@ def sshd_available() -> bool:
 
 
 # -- helpers shared by the console tests ----------------------------------------------------------
+
+
+@pytest.fixture
+def isolated_home(tmp_path, monkeypatch):
+    """asyncssh reads ~/.ssh/config, ~/.ssh/known_hosts and id_* keys under $HOME, and the ssh agent: point all away."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    return home
+
 
 JOB_SCRIPT = (
     "import json, os, sys, time\n"

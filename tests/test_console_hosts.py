@@ -18,19 +18,13 @@ from console.screens.modals import MultiNodeModal, StopModal
 from console.state import CONNECTED, FAILED, RECONNECTING, ConnectionStatus, ConsoleState
 from console.transport import SSHTransport
 from console.widgets.hosts import nodes_of
-from ssh_fixtures import RealSSHD, free_port, job_argv, pid_alive, sshd_available, wait_until
+from ssh_fixtures import RealSSHD, free_port, isolated_home, job_argv, pid_alive, sshd_available, wait_until  # noqa: F401 (a fixture)
 
 needs_sshd = pytest.mark.skipif(not sshd_available(), reason="OpenSSH sshd not installed (/usr/sbin/sshd); CI installs openssh-server")
 NOW = 1_800_000_000.0
 
 
-@pytest.fixture(autouse=True)
-def isolated_home(tmp_path, monkeypatch):
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True)
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
-    return home
+pytestmark = pytest.mark.usefixtures("isolated_home")
 
 
 @pytest.fixture
@@ -112,21 +106,28 @@ async def test_three_hosts_one_console_actions_follow_the_selected_jobs_host_and
 SLEEPER = "import time; time.sleep(600)"
 
 
+async def sleeping_nodes(app, run_id: str) -> list[dict]:
+    """A stand-in multi-node job: one sleeping process per host, recorded with the node fields; selected on node 0."""
+    await wait_until(lambda: all(s.connected for s in app.sessions), timeout=60, what="every agent")
+    jobs = [(await s.request(Request.START_JOB, name=run_id, kind="train", argv=[sys.executable, "-c", SLEEPER],
+                             node={"run_id": run_id, "node_rank": rank, "nnodes": len(app.sessions), "rdzv_endpoint": "127.0.0.1:1"}))["job"]
+            for rank, s in enumerate(app.sessions)]
+    await wait_until(lambda: all(run_id in s.state.jobs for s in app.sessions), what="every node listed")
+    app.select_job(run_id, app.sessions[0].name)
+    return jobs
+
+
 @needs_sshd
 @pytest.mark.sshd
 async def test_a_node_whose_host_is_unreachable_is_named_and_left_alone_while_the_others_stop(three_hosts, tmp_path):
-    """Decided: a stop of a multi-node job whose host went away stops the reachable nodes (their peers' next collective
-    fails, so the lost node's ranks end too) and says which node was NOT signalled; nothing is retried behind the operator."""
+    """Decided: a stop of a multi-node job whose host went away stops the reachable nodes (the stop flag is reduced across
+    every rank, so the lost node's ranks stop after the same step) and says which node was NOT signalled; nothing is
+    retried behind the operator."""
     servers, known = three_hosts
     app = build_app(transports(servers[:2], known, tmp_path), poll_interval=1.0, refresh_throttle=0, stop_grace=5)
     a, b = app.sessions
     async with app.run_test(size=(170, 45)) as pilot:
-        await wait_until(lambda: a.connected and b.connected, timeout=60, what="two agents")
-        jobs = [(await s.request(Request.START_JOB, name="mn-x", kind="train", argv=[sys.executable, "-c", SLEEPER],
-                                 node={"run_id": "mn-x", "node_rank": rank, "nnodes": 2, "rdzv_endpoint": "127.0.0.1:1"}))["job"]
-                for rank, s in enumerate((a, b))]
-        await wait_until(lambda: "mn-x" in a.state.jobs and "mn-x" in b.state.jobs, what="both nodes listed")
-        app.select_job("mn-x", a.name)
+        jobs = await sleeping_nodes(app, "mn-x")
         servers[1].stop()
         await wait_until(lambda: not b.connected, timeout=30, what="host b gone")
         app.redraw_now()
@@ -154,12 +155,7 @@ async def test_stop_and_bench_of_a_multinode_job_stops_every_node_before_the_cha
     app = build_app(transports(servers[:2], known, tmp_path), poll_interval=1.0, refresh_throttle=0, stop_grace=5)
     a, b = app.sessions
     async with app.run_test(size=(170, 45)) as pilot:
-        await wait_until(lambda: a.connected and b.connected, timeout=60, what="two agents")
-        jobs = [(await s.request(Request.START_JOB, name="mn-y", kind="train", argv=[sys.executable, "-c", SLEEPER],
-                                 node={"run_id": "mn-y", "node_rank": rank, "nnodes": 2, "rdzv_endpoint": "127.0.0.1:1"}))["job"]
-                for rank, s in enumerate((a, b))]
-        await wait_until(lambda: "mn-y" in a.state.jobs and "mn-y" in b.state.jobs, what="both nodes listed")
-        app.select_job("mn-y", a.name)
+        jobs = await sleeping_nodes(app, "mn-y")
         await pilot.press("b")
         await wait_until(lambda: isinstance(app.screen, StopAndBenchModal), what="the stop & bench plan")
         await pilot.press("y")

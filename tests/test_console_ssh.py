@@ -19,19 +19,13 @@ from console.app import build_app
 from console.client import AgentClient
 from console.state import CONNECTED, RECONNECTING
 from console.transport import REPO_ROOT, FatalTransportError, SSHTransport, content_hash, backend_files
-from ssh_fixtures import InProcessSSHServer, RealSSHD, job_argv, other_host_public_key, pid_alive, sshd_available, wait_until
+from ssh_fixtures import (InProcessSSHServer, RealSSHD, isolated_home, job_argv, other_host_public_key, pid_alive,  # noqa: F401 (a fixture)
+                          sshd_available, wait_until)
 
 needs_sshd = pytest.mark.skipif(not sshd_available(), reason="OpenSSH sshd not installed (/usr/sbin/sshd); CI installs openssh-server")
 
 
-@pytest.fixture(autouse=True)
-def isolated_home(tmp_path, monkeypatch):
-    """asyncssh reads ~/.ssh/config, ~/.ssh/known_hosts and id_* keys under $HOME, and the ssh agent: point all away."""
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True)
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
-    return home
+pytestmark = pytest.mark.usefixtures("isolated_home")
 
 
 @pytest.fixture
