@@ -132,9 +132,13 @@ def norms_text(signals: dict[str, Any] | None) -> Text:
     fraction = grads.get("clip_fraction")
     text.append("\ngrad norm ", style="bold")
     text.append(f"{_num(grads.get('latest'))} · EMA {_num(grads.get('ema'))}")
-    text.append(f"\nclipped at {_num(grads.get('clip'))}: ")
-    text.append(percent(fraction) + " of the last 50 steps",
-                style="bold red" if isinstance(fraction, (int, float)) and fraction > 0.5 else "")
+    if grads.get("median") is not None:
+        before = grads.get("median_before")
+        text.append(f"\nmedian {_num(grads.get('median'))} over the last 50 records"
+                    + (f" ({_num(before)} the 50 before)" if before is not None else ""))
+    text.append(f"\nclipped at {_num(grads.get('clip'))}: {percent(fraction)} of the last 50 records")
+    if isinstance(fraction, (int, float)) and fraction > 0.5:  # a fact, not an alarm: the warning is a rising norm
+        text.append(" (AdamW: a binding clip rescales the gradient, not the step)", style="dim")
     return text
 
 
