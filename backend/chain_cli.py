@@ -95,7 +95,7 @@ def handle_grok(args) -> int:
               file=sys.stderr)
         return 2
     name = args.name or grok_job_name(str(checkpoint))
-    argv = grok_argv(args.profile, checkpoint, args.lr, args.weight_decay, args.grokfast_alpha, args.max_steps)
+    argv = grok_argv(args.profile, str(checkpoint), args.lr, args.weight_decay, args.grokfast_alpha, args.max_steps)
     try:
         job = JobRegistry(Path(args.run_dir).expanduser()).start_job(name, "train", argv)
     except JobError as exc:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -154,7 +155,7 @@ class Profile(_Strict):
         return self
 
 
-def _describe(error: dict, raw: dict) -> str:
+def _describe(error: ErrorDetails, raw: dict) -> str:
     loc = ".".join(str(part) for part in error["loc"]) or "(top level)"
     if error["type"] == "missing":
         return f"field '{loc}' is missing ({error['msg'].lower()})"

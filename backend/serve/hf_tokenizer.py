@@ -52,7 +52,7 @@ def tokenizer_files() -> dict[str, str]:
     """File name -> text of the byte tokenizer's Hugging Face form."""
     added = [{"id": token_id, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
               "normalized": False, "special": True} for token_id, text in sorted(SPECIAL_TOKENS.items())]
-    tokenizer = {
+    tokenizer: dict[str, Any] = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
         "pre_tokenizer": _byte_level(), "post_processor": None, "decoder": _byte_level(),
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,

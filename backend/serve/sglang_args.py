@@ -83,6 +83,7 @@ def parse_flag_values(argv: list[str]) -> dict[str, Any]:
     """--flag value / --flag=value / bare --flag (True); aliases folded; the last occurrence wins, as in argparse."""
     values: dict[str, Any] = {}
     args = server_args_part(argv)
+    value: str | bool
     i = 0
     while i < len(args):
         token = args[i]
