@@ -8,9 +8,12 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from backend.train.extract import SHARD_FORMAT, SHARD_META
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DataError(ValueError):
@@ -32,16 +35,16 @@ def check_feature_width(found: int, num_aux: int, target_hidden: int) -> None:
 
 @dataclass
 class Sample:
-    input_ids: "object"  # [S] int64
-    loss_mask: "object"  # [S] uint8: 1 where the draft is trained (generated / assistant tokens)
+    input_ids: torch.Tensor  # [S] int64
+    loss_mask: torch.Tensor  # [S] uint8: 1 where the draft is trained (generated / assistant tokens)
 
 
 @dataclass
 class TrainBatch:
-    input_ids: "object"  # [B, S]
-    loss_mask: "object"  # [B, S]
-    aux_hidden: "object"  # [B, S, 3*Ht]
-    target_logits: "object"  # [B, S, V]
+    input_ids: torch.Tensor  # [B, S]
+    loss_mask: torch.Tensor  # [B, S]
+    aux_hidden: torch.Tensor  # [B, S, 3*Ht]
+    target_logits: torch.Tensor | None  # [B, S, V]
 
 
 def collate(samples: list[Sample], pad_id: int) -> dict:
@@ -94,7 +97,7 @@ def _generate_split(target, prompts: list[bytes], settings: TinyDataSettings, pr
     import torch
 
     new_tokens = settings.total_len - settings.prompt_len
-    samples = []
+    samples: list[Sample] = []
     for start in range(0, len(prompts), settings.generate_batch):
         chunk = prompts[start : start + settings.generate_batch]
         prompt_ids = torch.tensor([list(p) for p in chunk], dtype=torch.int64)

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 PLOSS_DECAY = 0.8
 
 
 @dataclass
 class TTTLoss:
-    total: "object"  # scalar tensor with grad: sum_k decay^k * ploss[k]
+    total: torch.Tensor  # scalar tensor with grad: sum_k decay^k * ploss[k]
     plosses: list  # scalar tensors (with grad), one per TTT step
     accs: list  # scalar tensors (no grad), one per TTT step
     counts: list  # number of masked positions per TTT step (int tensors)
@@ -18,9 +22,9 @@ class TTTLoss:
 class Teacher:
     """What the loss needs from the target, computed once per batch and shared by every TTT step."""
 
-    probs: "object"  # [B, S, Vd] float32 softmax(target_logits[..., t2d])
-    index: "object"  # [B, S] the target's argmax as a draft-vocab index
-    valid: "object"  # [B, S] bool: loss_mask and the target argmax lies in the draft vocab
+    probs: torch.Tensor  # [B, S, Vd] float32 softmax(target_logits[..., t2d])
+    index: torch.Tensor  # [B, S] the target's argmax as a draft-vocab index
+    valid: torch.Tensor  # [B, S] bool: loss_mask and the target argmax lies in the draft vocab
 
 
 def make_teacher(target_logits, loss_mask, t2d, draft_ids=None, probs_dtype=None) -> Teacher:
@@ -173,7 +177,7 @@ def _fused_function():
     return FusedHeadSoftCE
 
 
-_FUSED = {}
+_FUSED: dict[str, Any] = {}
 
 
 def fused_ttt_loss(states, head_weight, teacher: Teacher, decay: float = PLOSS_DECAY, chunk_rows: int | None = None,

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LRSchedule:
@@ -61,7 +64,7 @@ class GrokfastEMA:
             raise ValueError(f"grokfast alpha must lie in (0, 1), got {alpha}")
         self.alpha = alpha
         self.lamb = lamb
-        self.ema: dict[str, "object"] = {}
+        self.ema: dict[str, torch.Tensor] = {}
 
     def apply(self, named_parameters: Iterable) -> None:
         import torch

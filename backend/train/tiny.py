@@ -13,7 +13,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from backend.train.fsutil import fsync_path, pid_alive
 
@@ -161,6 +161,8 @@ def tiny_key(settings: TinySettings, corpus: TinyCorpus) -> str:
 def tiny_llama_config(settings: TinySettings):
     from transformers import LlamaConfig
 
+    # Taken through LlamaConfig's **kwargs in transformers 5 (its typed signature lists neither); the built config is unchanged.
+    passed_through: dict[str, Any] = {"rope_theta": settings.rope_theta, "attn_implementation": "sdpa"}
     return LlamaConfig(
         vocab_size=TINY_VOCAB_SIZE,
         hidden_size=settings.hidden_size,
@@ -170,12 +172,11 @@ def tiny_llama_config(settings: TinySettings):
         num_key_value_heads=settings.num_heads,
         max_position_embeddings=settings.max_position_embeddings,
         rms_norm_eps=settings.rms_norm_eps,
-        rope_theta=settings.rope_theta,
         tie_word_embeddings=False,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
-        attn_implementation="sdpa",
+        **passed_through,
     )
 
 

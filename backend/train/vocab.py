@@ -1,10 +1,13 @@
 """Draft vocabulary mapping (d2t offsets, t2d mask) from the token frequencies of the training data."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    import torch
 
 
-def count_tokens(batches: Iterable[tuple["object", "object"]], vocab_size: int):
+def count_tokens(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int):
     """Counts of target token ids at positions where loss_mask == 1, as an int64 tensor [vocab_size].
 
     `batches` yields (input_ids, loss_mask) tensors of equal shape.
