@@ -14,8 +14,9 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, NamedTuple
+from typing import Any, BinaryIO, Callable
 
 from backend import holders as holders_mod
 from backend.disk import dir_size, disks_for
@@ -132,11 +133,12 @@ def last_record(path: Path) -> dict[str, Any] | None:
     return None
 
 
-class MetricsSource(NamedTuple):
+@dataclass(frozen=True)
+class MetricsSource:
     """What a metrics request reads: a job's feed (None for a watched run), its index, lock, progress and cache."""
 
     index: MetricsIndex
-    lock: Any
+    lock: threading.RLock
     progress: dict[str, Any]
     cache: dict[str, Any]
     feed: MetricsFeed | None
@@ -280,7 +282,7 @@ class Agent:
 
     def tick(self, tick: int) -> None:
         """One telemetry round; a failing part is reported on stderr and the others still run."""
-        parts = [
+        parts: list[tuple[str, Callable[[], object]]] = [
             ("gpus", self._emit_gpus),
             ("jobs", lambda: self._emit_jobs(force=tick % JOBS_EVERY_TICKS == 0)),
             ("log", self._emit_log),
@@ -592,8 +594,8 @@ class Agent:
         if offset < 0:
             raise BadParams("offset", "must be >= 0")
         if name in self._externals:
-            records = self._externals[name]["records"][offset:]
-            return {"records": records, "offset": offset + len(records), "more": False}
+            page = self._externals[name]["records"][offset:]
+            return {"records": page, "offset": offset + len(page), "more": False}
         record = self.registry.get(name)
         reader = MetricsReader(Path(record.info.job_dir) / METRICS_FILENAME, offset)
         records: list[dict] = []
