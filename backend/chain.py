@@ -14,11 +14,14 @@ import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from backend.durable import write_atomic
 from backend.jsonl import append_record
 from backend.layout import RESULTS_DIRNAME, STAGES_FILENAME
+
+if TYPE_CHECKING:
+    from backend.profiles import Profile
 
 STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
 
@@ -106,7 +109,18 @@ class StopAndBench:
         self.reporter = StageReporter(default_stages_path(options), on_stage)
         self.summary: dict[str, Any] = {"job": options.job, "started_at": time.time(), "stages": {}}
         self.server_job: str | None = None
-        self.profile = None
+        self._profile: Profile | None = None
+
+    @property
+    def profile(self) -> Profile:
+        """The training job's profile, loaded by the stop stage that every later stage follows."""
+        if self._profile is None:
+            raise ChainFailed("no profile loaded: the stop stage has not run")
+        return self._profile
+
+    @profile.setter
+    def profile(self, value: Profile) -> None:
+        self._profile = value
 
     # ------------------------------------------------------------------ driver
     def run(self) -> dict[str, Any]:
