@@ -2,6 +2,7 @@
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -17,8 +18,11 @@ from console.app import build_app
 from backend.commands import grok_argv, grok_job_name
 from console.screens.grok_modal import GrokModal, GrokParamError, parse_grok_params
 from console.screens.modals import WatchModal
-from console.widgets.grok_panels import data_scaling_text, norms_text, signals_text
+from console.screens.chain import result_panel_text
+from console.widgets.format import accept_length
+from console.widgets.grok_panels import acceptance_text, data_scaling_text, norms_text, signals_text
 from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
+from test_console_chain import amber_records
 from test_console_snapshots import NOW, frozen_state
 
 SIZE = (160, 48)
@@ -144,6 +148,24 @@ def test_a_clip_that_binds_on_every_step_is_no_warning_a_rising_grad_norm_is():
     warning = [w for w in rising["warnings"] if w.startswith("Grad norm rising")]
     assert warning and "vs 0.4 before" in warning[0] and "above the clip 0.5" in warning[0]
     assert f"! {warning[0]}" in str(signals_text(rising))
+
+
+def test_tau_hat_and_accept_lengths_are_printed_one_way_on_every_screen():
+    assert [accept_length(v) for v in (1.0, 1, 3.9444, 1.405, 12.0, None, "x", True, math.nan, math.inf)] == [
+        "1.00", "1.00", "3.94", "1.41", "12.00", "-", "-", "-", "nan", "inf"]
+    grok = str(acceptance_text({"tau_hat": 1.0, "tau_hat_step": 13, "tau_hat_acceptance": 2.9444, "per_position": []}))
+    assert "τ̂ 1.00 (val acc at step 13) · from acceptance rate 2.94" in grok
+    records = amber_records()  # issue 12's 13-step draft: τ̂ 1.0, accept length 1.41
+    for record in records:
+        if record["stage"] == "result" and record["status"] == "ok":
+            record["result"]["throughput"] = [{"concurrency": 1, "output_tok_per_s": 80.0, "accept_length": 1.0,
+                                               "accept_length_mean_of_request_means": 1.4}]
+    chain = result_panel_text(records).plain
+    assert "accept length 1.41  vs τ̂ 1.00 (from validation accuracy)" in chain
+    assert "1.41 pooled over verify steps (SGLang, vLLM)   1.43 mean of per-request means" in chain
+    assert "accept length 1.00 pooled / 1.40 per-request mean" in chain
+    shown = re.findall(r"(?:τ̂|accept length) (\d[\d.]*)", chain + grok)  # every number after either label
+    assert len(shown) >= 4 and all(re.fullmatch(r"\d+\.\d\d", value) for value in shown), shown
 
 
 # -- frozen data, no host ------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from textual.widgets import DataTable, Footer, Header, Static
 from backend.commands import chain_training_job
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
-from console.widgets.format import duration, number
+from console.widgets.format import accept_length, duration, number
 
 # The chain's stages in order (backend/chain.py STAGES; the console may not import it).
 CHAIN_STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
@@ -87,8 +87,8 @@ def _canary_lines(text: Text, verdict: str | None, canary: dict[str, Any], resul
 
 def _accept_line(text: Text, data: dict[str, Any]) -> None:
     ratio = data.get("ratio_to_tau_hat")
-    text.append(f"  accept length {number(data.get('accept_length'), 3)}", style="bold")
-    text.append(f"  vs τ̂ {number(data.get('tau_hat'), 3)} (from validation accuracy)")
+    text.append(f"  accept length {accept_length(data.get('accept_length'))}", style="bold")
+    text.append(f"  vs τ̂ {accept_length(data.get('tau_hat'))} (from validation accuracy)")
     text.append(f"  ratio {number(ratio, 2)}", style="bold" if isinstance(ratio, (int, float)) else "")
 
 
@@ -98,9 +98,9 @@ def _acceptance_lines(text: Text, data: dict[str, Any]) -> None:
     acceptance: dict[str, Any] = raw if isinstance(raw, dict) else {}
     mean_of_means = data.get("accept_length_mean_of_request_means", acceptance.get("mean_of_request_means"))
     text.append("  accept length ")
-    text.append(number(data.get("accept_length"), 3), style="bold")
+    text.append(accept_length(data.get("accept_length")), style="bold")
     text.append(" pooled over verify steps (SGLang, vLLM)   ")
-    text.append(number(mean_of_means, 3), style="bold")
+    text.append(accept_length(mean_of_means), style="bold")
     text.append(" mean of per-request means (SpecForge)\n")
     rows = acceptance.get("per_position") or []
     if rows:
@@ -169,8 +169,8 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
     text.append("throughput per concurrency:\n", style="bold")
     for row in result.get("throughput") or []:
         text.append(f"  {row.get('concurrency', '?'):>4} concurrent  {number(row.get('output_tok_per_s'), 4):>8} tok/s"
-                    f"  accept length {number(row.get('accept_length'), 3)} pooled"
-                    f" / {number(row.get('accept_length_mean_of_request_means'), 3)} per-request mean\n")
+                    f"  accept length {accept_length(row.get('accept_length'))} pooled"
+                    f" / {accept_length(row.get('accept_length_mean_of_request_means'))} per-request mean\n")
     text.append("checkpoint: ", style="bold")
     text.append(f"{result.get('checkpoint') or '?'}\n")
     text.append("engine: ", style="bold")
@@ -282,5 +282,5 @@ class ChainScreen(ConsoleScreen):
             mark = " (this run)" if current and row.get("path") == current else ""
             verdict = str(row.get("verdict") or "?")
             table.add_row(name + mark, Text(verdict, style=verdict_style(verdict)),
-                          number(row.get("accept_length"), 3), number(row.get("tau_hat"), 3), number(row.get("ratio_to_tau_hat"), 2),
+                          accept_length(row.get("accept_length")), accept_length(row.get("tau_hat")), number(row.get("ratio_to_tau_hat"), 2),
                           number(best_throughput(row), 4), PurePosixPath(str(row.get("checkpoint") or "?")).name, str(row.get("engine") or "?"))

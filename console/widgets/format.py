@@ -1,4 +1,4 @@
-"""Text helpers for the widgets: bars, sizes, durations, percentages, metric numbers."""
+"""Text helpers for the widgets: bars, sizes, durations, percentages, metric numbers, τ̂ and accept lengths."""
 from __future__ import annotations
 
 import math
@@ -77,6 +77,16 @@ def number(value: object, digits: int = 4) -> str:
     if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
         return f"{value:.2e}"
     return f"{value:.{digits}g}"
+
+
+def accept_length(value: object) -> str:
+    """τ̂ and every accept length (tokens per verify step), one way on every screen: two decimals, as the canary's
+    verdict lines and SGLang's logs print them ("1.00", "3.94"); "-" when unknown, NaN/inf as such."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    if not math.isfinite(value):
+        return str(float(value))
+    return f"{value:.2f}"
 
 
 def percent(value: object) -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.text import Text
 
-from console.widgets.format import count, duration, number, percent, size_bytes
+from console.widgets.format import accept_length, count, duration, number, percent, size_bytes
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -102,10 +102,10 @@ def acceptance_text(signals: dict[str, Any] | None) -> Text:
         return Text("no signals yet", style="dim")
     text = Text()
     text.append("τ̂ ", style="bold")
-    text.append(f"{_num(signals.get('tau_hat'))}", style="bold cyan")
+    text.append(accept_length(signals.get('tau_hat')), style="bold cyan")
     text.append(f" (val acc at step {_steps(signals.get('tau_hat_step'))})")
     if signals.get("tau_hat_acceptance") is not None:
-        text.append(f" · from acceptance rate {_num(signals.get('tau_hat_acceptance'))}")
+        text.append(f" · from acceptance rate {accept_length(signals.get('tau_hat_acceptance'))}")
     rows = signals.get("per_position") or []
     text.append("\n k tr.acc val.acc tr.pl val.pl   gap", style="bold")
     if not rows:
