@@ -26,7 +26,7 @@ import re
 import struct
 import time
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple, overload
 
 from backend.jsonl import read_complete_lines
 from backend.metrics import LIST_KEYS, NONNEGATIVE_KEYS, PLOSS_DECAY, SCALAR_KEYS, SPLITS, normalize_record
@@ -188,6 +188,7 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
 def iter_fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
     """(field number, wire type, value): varint -> int, 64-bit/32-bit -> raw 8/4 bytes, length-delimited -> bytes."""
     pos, size = 0, len(buf)
+    value: int | bytes
     while pos < size:
         key = buf[pos]
         if key < 0x80:  # one-byte keys and varints are the common case: skip the general decoder
@@ -458,6 +459,21 @@ class _ChunkedSource:
         self.path = path
         self.assembler = _Assembler()
 
+    @property
+    def offset(self) -> int:
+        """Bytes of the file consumed so far."""
+        raise NotImplementedError
+
+    @property
+    def size(self) -> int:
+        """The file's size at the last look; -1 before the first."""
+        raise NotImplementedError
+
+    @property
+    def at_end(self) -> bool:
+        """Whether the last chunk read up to the end of the file."""
+        raise NotImplementedError
+
     def poll(self, budget: _Budget | None = None) -> list[dict[str, Any]]:
         budget = budget or _Budget()
         size_before = self.size
@@ -486,9 +502,17 @@ class TensorBoardSource(_ChunkedSource):
         self.follower = TFRecordFollower(path, max_bytes_per_poll=self.CHUNK_BYTES)
         self.bad_events = 0
 
-    offset = property(lambda self: self.follower.offset)
-    size = property(lambda self: self.follower.last_size)
-    at_end = property(lambda self: self.follower.at_end)
+    @property
+    def offset(self) -> int:
+        return self.follower.offset
+
+    @property
+    def size(self) -> int:
+        return self.follower.last_size
+
+    @property
+    def at_end(self) -> bool:
+        return self.follower.at_end
 
     def _read_chunk(self, max_bytes: int) -> list[dict[str, Any]]:
         records: list[dict[str, Any]] = []
@@ -554,6 +578,14 @@ def _scan_step_dict(text: str) -> dict[str, Any]:
     return items
 
 
+@overload
+def _number(text: str, default: float) -> float: ...
+
+
+@overload
+def _number(text: str, default: None) -> float | None: ...
+
+
 def _number(text: str, default: float | None) -> float | None:
     try:
         return float(text)
@@ -575,12 +607,13 @@ class SpecForgeLogSource(_ChunkedSource):
     """
 
     CHUNK_BYTES = 1 << 20
+    # plain attributes over the base's read-only properties (a class value comes first in the lookup, so they are writable)
+    offset: int = 0
+    size: int = -1
+    at_end: bool = False
 
     def __init__(self, path: Path):
         super().__init__(path)
-        self.offset = 0
-        self.size = -1
-        self.at_end = False
         self.skipped_bytes = 0
         self.block: tuple[str, int] | None = None  # (split, step) of the block being read
         self.block_keys: set[tuple[str, int]] = set()  # (key, position) values already in the block
@@ -683,20 +716,22 @@ class SpecForgeLogSource(_ChunkedSource):
                epoch: int | None = None) -> list[dict[str, Any]]:
         """One per-position value; split None means an "Eval - Step S [..]" line whose mode must be inferred."""
         key = _KEYS[name.lower()]
-        continues = (self.block is not None and self.block[1] == step and (key, index) not in self.block_keys
-                     and split in (None, self.block[0]))
-        if not continues:
+        block = self.block
+        continues = (block is not None and block[1] == step and (key, index) not in self.block_keys
+                     and split in (None, block[0]))
+        if block is None or not continues:
             if split is None:
                 split = "val" if self.eval_marker or step == self.last_train_step else "train"
             self.eval_marker = False
-            self.block, self.block_keys = (split, step), set()
+            block = (split, step)
+            self.block, self.block_keys = block, set()
             if split == "train":
                 self.last_train_step = step
         self.block_keys.add((key, index))
         extra = {"time": when, "epoch": epoch if epoch is not None else self.epoch}
-        if self.block[0] == "train" and self.pending_lr is not None:
+        if block[0] == "train" and self.pending_lr is not None:
             extra["lr"], self.pending_lr = self.pending_lr, None
-        return self.assembler.add(self.block[0], step, key, index, float(text), **extra)
+        return self.assembler.add(block[0], step, key, index, float(text), **extra)
 
 
 class _Layout(NamedTuple):
