@@ -35,7 +35,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeGuard
 from urllib.parse import quote
 
 from backend import durable, procs
@@ -414,7 +414,7 @@ class JobRegistry:
                 pass
             raise
 
-    def _try_write(self, what: str, action: Callable[[sqlite3.Connection], None]) -> bool:
+    def _try_write(self, what: str, action: Callable[[sqlite3.Connection], object]) -> bool:
         """A write that may fail (full disk, read-only file system) without stopping the caller; failures are noted."""
         try:
             with self._write() as db:
@@ -486,7 +486,8 @@ class JobRegistry:
     # ------------------------------------------------------------ state
 
     def _watcher_alive(self, record: JobRecord) -> bool:
-        return bool(record.watcher_pid) and procs.is_alive(record.watcher_pid, record.watcher_start)
+        pid = record.watcher_pid
+        return pid is not None and pid != 0 and procs.is_alive(pid, record.watcher_start)
 
     def _evaluate(self, record: JobRecord) -> tuple[str, str, int | None, float | None]:
         """(state, detail, exit_code, ended_at) from /proc, the exit file and the watcher; terminal states stick."""
@@ -691,6 +692,7 @@ class JobRegistry:
                  *node_values),
             )
             job_id = cursor.lastrowid
+            assert job_id is not None  # sqlite3 sets lastrowid after every INSERT that succeeded
         try:
             leader = self._spawn_watcher(job_id, job_dir, argv, cwd, {**job_env, WATCH_TOKEN_ENV: token})
         except Exception as exc:  # the record exists: end it instead of leaving it "starting"
@@ -728,11 +730,13 @@ class JobRegistry:
             )
         with self._watchers_lock:
             self._watchers[job_id] = proc
+        stdout = proc.stdout
+        assert stdout is not None  # Popen(stdout=PIPE) always opens it
         try:
-            ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
-            line = proc.stdout.readline() if ready else b""
+            ready, _, _ = select.select([stdout], [], [], START_TIMEOUT_S)
+            line = stdout.readline() if ready else b""
         finally:
-            proc.stdout.close()
+            stdout.close()
         try:
             return json.loads(line)
         except json.JSONDecodeError:
@@ -969,7 +973,12 @@ class JobRegistry:
             termed = self._signal_all(plan, plan.targets, signal.SIGTERM)
             status.update({t.pid: "termed" if t.pid in termed else "already_gone" for t in plan.targets})
         self._remember(active)
-        self._try_write("stop request", lambda db: [self._update(db, plan.record.id, stop_requested_at=now, detail=detail) for plan in active])
+
+        def record_stop(db: sqlite3.Connection) -> None:
+            for plan in active:
+                self._update(db, plan.record.id, stop_requested_at=now, detail=detail)
+
+        self._try_write("stop request", record_stop)
         termed_targets = [t for plan in active for t in plan.targets if status[t.pid] == "termed"]
         self._wait_gone(termed_targets, grace)
         return status
@@ -985,26 +994,26 @@ class JobRegistry:
     def _freeze_and_kill(self, plan: JobPlan, records: list[JobRecord], kill_wait: float) -> list[Target]:
         """Freeze the job (its cgroup, else SIGSTOP until a fresh walk finds nothing new), then SIGKILL it; returns what was killed."""
         cgroup = self._usable_cgroup(plan)
-        frozen_cgroup = cgroup is not None and procs.cgroup_freeze(cgroup)
+        frozen_cgroup = cgroup if cgroup is not None and procs.cgroup_freeze(cgroup) else None
         inside: set[int] = set()
         found: dict[int, Target] = {}
 
         def discover() -> dict[int, int]:
             inside.clear()
-            inside.update(procs.cgroup_pids(cgroup) if frozen_cgroup else ())
+            inside.update(procs.cgroup_pids(frozen_cgroup) if frozen_cgroup is not None else ())
             fresh = {t.pid: t for t in self._plan_job(plan.record, self._context(records, tokens=True)).targets}
             found.update(fresh)
             return {pid: t.start for pid, t in fresh.items() if pid not in inside}
 
         procs.freeze(discover, FREEZE_TIMEOUT_S)
-        if frozen_cgroup:
-            found.update(self._cgroup_targets(plan, cgroup))  # complete: nothing in a frozen cgroup can fork
+        if frozen_cgroup is not None:
+            found.update(self._cgroup_targets(plan, frozen_cgroup))  # complete: nothing in a frozen cgroup can fork
         self._add_late_targets(plan, found.values())
         sent = [t for t in found.values() if t.pid not in inside and procs.send_signal(t.pid, t.start, signal.SIGKILL)]
-        if frozen_cgroup:
-            procs.cgroup_kill(cgroup, kill_wait)
+        if frozen_cgroup is not None:
+            procs.cgroup_kill(frozen_cgroup, kill_wait)
             sent += [t for t in found.values() if t.pid in inside]
-            procs.remove_cgroup(cgroup)
+            procs.remove_cgroup(frozen_cgroup)
         return sent
 
     def _usable_cgroup(self, plan: JobPlan) -> Path | None:
@@ -1181,7 +1190,7 @@ class JobRegistry:
                 verdict.detail += f"; NOT recorded in jobs.db ({notes[-1][:160]})"
 
 
-def _signallable(stat: procs.ProcStat | None) -> bool:
+def _signallable(stat: procs.ProcStat | None) -> TypeGuard[procs.ProcStat]:
     """A live process that a stop may ever signal: never PID 1, never a kernel thread."""
     return stat is not None and stat.running and stat.pid > 1 and not stat.kernel_thread
 
@@ -1243,12 +1252,12 @@ def _watcher_cgroup(job_dir: Path, token: str) -> Path | None:
 
 def _spawn_leader(argv: list[str], out, err, env: dict[str, str], cgroup: Path | None) -> tuple[subprocess.Popen, Path | None]:
     """Start argv in a new session, inside the cgroup when one is given (moved before exec, so before it can fork)."""
-    def enter() -> None:
-        if not procs.enter_cgroup(cgroup):
-            raise OSError("could not enter the job cgroup")
-
     common = dict(stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True)
     if cgroup is not None:
+        def enter() -> None:
+            if not procs.enter_cgroup(cgroup):
+                raise OSError("could not enter the job cgroup")
+
         try:
             return subprocess.Popen(argv, preexec_fn=enter, **common), cgroup
         except subprocess.SubprocessError:

@@ -7,7 +7,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeGuard
 
 PROC = Path("/proc")
 GONE_STATES = frozenset("ZX")  # zombie or dead: the process no longer runs, whatever /proc still shows
@@ -339,7 +339,7 @@ def create_job_cgroup(key: str) -> Path | None:
     return None
 
 
-def is_job_cgroup(path: str | Path | None) -> bool:
+def is_job_cgroup(path: str | Path | None) -> TypeGuard[str | Path]:
     """A path this module could have made: a job-* cgroup directly under an eagle3-jobs cgroup."""
     if not path:
         return False
