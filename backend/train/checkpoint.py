@@ -15,6 +15,7 @@ import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -78,13 +79,20 @@ def expected_tensors(config: DraftModelConfig) -> dict[str, tuple[tuple[int, ...
     }
 
 
-def _kind(tensor: torch.Tensor) -> str:
+class ShapeAndDtype(Protocol):
+    """What tensor_problems reads of a tensor: a torch.Tensor, or a safetensors slice's header (no data read)."""
+
+    shape: Any
+    dtype: torch.dtype
+
+
+def _kind(tensor: ShapeAndDtype) -> str:
     if tensor.dtype.is_floating_point:
         return "float"
     return {torch.int64: "int64", torch.bool: "bool"}.get(tensor.dtype, str(tensor.dtype))
 
 
-def tensor_problems(tensors: dict[str, torch.Tensor], config: DraftModelConfig) -> list[str]:
+def tensor_problems(tensors: Mapping[str, ShapeAndDtype], config: DraftModelConfig) -> list[str]:
     """Missing keys, unexpected keys, shape and dtype mismatches against `expected_tensors(config)`."""
     expected = expected_tensors(config)
     problems = []
@@ -104,7 +112,7 @@ def tensor_problems(tensors: dict[str, torch.Tensor], config: DraftModelConfig) 
     return problems
 
 
-def draft_tensors(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+def draft_tensors(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint holds (no embed_tokens), detached, on CPU, contiguous."""
     module = _unwrap(draft)
     return {
@@ -259,7 +267,7 @@ def _latest_name(checkpoints_dir: Path) -> str | None:
 
 def save_checkpoint(
     run_out_dir: str | Path,
-    draft: Eagle3Draft,
+    draft: torch.nn.Module,  # an Eagle3Draft, or the trainer's view of it with fp32 master weights
     config: DraftModelConfig,
     *,
     epoch: int,

@@ -6,6 +6,10 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from backend.train.trainer import TrainOptions
 
 
 def register(subparsers, parent: argparse.ArgumentParser) -> None:
@@ -155,25 +159,31 @@ def _known_errors() -> tuple:
     return (ProfileError, CheckpointError, DataError, DraftConfigError, FeatureWidthError, ExtractError, TargetMismatchError, TrainSetupError)
 
 
-def _train(args) -> int:
+def train_options(args: argparse.Namespace) -> TrainOptions:
+    """The typed profile and the flags given (None where a flag was left out: the profile's value holds)."""
     from backend.profiles import load_profile
-    from backend.train.trainer import TrainOptions, train
+    from backend.train.trainer import TrainOptions
+
+    return TrainOptions(
+        profile=load_profile(args.profile), out_dir=args.out, run_dir=args.run_dir, max_steps=args.max_steps, schedule=args.schedule,
+        lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, grokfast_alpha=args.grokfast_alpha,
+        grokfast_lambda=args.grokfast_lambda, resume=args.resume, rewarm_steps=args.rewarm_steps, data_dir=args.data,
+        conversations=args.conversations, regenerate_tokens=args.regenerate_tokens, tensorboard=args.tensorboard, device=args.device,
+        batch_size=args.batch_size, eval_interval=args.eval_interval, save_interval=args.save_interval, log_interval=args.log_interval,
+        max_val_batches=args.max_val_batches, seed=args.seed, attn_backend=args.attn_backend,
+    )
+
+
+def _train(args: argparse.Namespace) -> int:
+    from backend.train.trainer import train
 
     known = _known_errors()
     if int(os.environ.get("RANK", "0") or 0) == 0:
-        apply_threads(getattr(args, "threads", None), log=lambda m: print(f"[train] {m}", file=sys.stderr, flush=True))
+        apply_threads(args.threads, log=lambda m: print(f"[train] {m}", file=sys.stderr, flush=True))
     else:
-        apply_threads(getattr(args, "threads", None), log=lambda _m: None)
+        apply_threads(args.threads, log=lambda _m: None)
     try:
-        options = TrainOptions(
-            profile=load_profile(args.profile), out_dir=args.out, run_dir=args.run_dir, max_steps=args.max_steps, schedule=args.schedule,
-            lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, grokfast_alpha=args.grokfast_alpha,
-            grokfast_lambda=args.grokfast_lambda, resume=args.resume, rewarm_steps=args.rewarm_steps, data_dir=args.data,
-            conversations=args.conversations, regenerate_tokens=args.regenerate_tokens, tensorboard=args.tensorboard, device=args.device,
-            batch_size=args.batch_size, eval_interval=args.eval_interval, save_interval=args.save_interval, log_interval=args.log_interval,
-            max_val_batches=args.max_val_batches, seed=args.seed, attn_backend=args.attn_backend,
-        )
-        return train(options)
+        return train(train_options(args))
     except known as exc:
         return _fail(str(exc))
 
@@ -188,8 +198,8 @@ def _extract(args) -> int:
     from backend.train.target import load_target
     from backend.train.tiny import is_tiny_target_dir
 
-    apply_threads(getattr(args, "threads", None))
-    stop = {"signal": None}
+    apply_threads(args.threads)
+    stop: dict[str, int | None] = {"signal": None}
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: stop.update(signal=signum))
     try:
         profile = load_profile(args.profile)
@@ -285,6 +295,6 @@ def _export(args) -> int:
 def _build_tiny(args) -> int:
     from backend.train.tiny import ensure_tiny_target
 
-    apply_threads(getattr(args, "threads", None))
+    apply_threads(args.threads)
     print(ensure_tiny_target())
     return 0

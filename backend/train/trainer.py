@@ -1,6 +1,7 @@
 """The EAGLE-3 training loop: TTT unroll, AdamW + clipping, schedules, Grokfast, validation, metrics, checkpoints, SIGTERM, DDP, per-rank heartbeats."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -8,20 +9,26 @@ import random
 import signal
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from backend.commands import NVLINK_MULTICAST_OFF, data_dir_for
 from backend.layout import HeartbeatWriter
-from backend.train.data import (BatchSampler, OfflineSource, OnlineSource, TinyDataSettings, check_feature_width, conversation_samples, eval_batches,
-                                tiny_data_settings, tiny_samples)
+from backend.profiles import Profile
+from backend.train.data import (BatchSampler, OfflineSource, OnlineSource, TinyDataSettings, TrainBatch, check_feature_width, conversation_samples,
+                                eval_batches, tiny_data_settings, tiny_samples)
 from backend.train.draft import DraftModelConfig, Eagle3Draft
-from backend.train.loss import fused_ttt_loss, make_teacher
+from backend.train.loss import TTTLoss, fused_ttt_loss, make_teacher
 from backend.train.schedule import GrokfastEMA, LRSchedule
 from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
+
+if TYPE_CHECKING:
+    from backend.metrics import MetricsWriter
 
 RUN_FILE = "run.json"
 ADAM_BETAS = (0.9, 0.95)  # EAGLE-3 paper
@@ -31,9 +38,49 @@ class TrainSetupError(ValueError):
     """Training refused to start: inputs disagree with the profile, a resume checkpoint does not fit, ..."""
 
 
-@dataclass
+T = TypeVar("T")
+
+
+def _given(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What a run trains with: the profile's [train] values with the options' overrides applied.
+
+    Recorded as they are (field order kept) in run.json and in every checkpoint's training_state.pt; a resume
+    past the profile's plan replaces max_steps (dataclasses.replace), nothing else changes during a run.
+    """
+
+    max_steps: int
+    schedule: str
+    lr: float
+    min_lr_ratio: float
+    weight_decay: float
+    warmup_steps: int
+    rewarm_steps: int
+    grokfast_alpha: float | None
+    grokfast_lambda: float
+    batch_size: int
+    eval_interval: int
+    save_interval: int
+    log_interval: int
+    seed: int
+    ttt_length: int
+    grad_clip: float
+    seq_len: int
+    dtype: str
+
+    def record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class TrainOptions:
-    profile: object
+    """A training run as the command line (or a caller) asks for it: the typed profile and what overrides it (None: the profile's value)."""
+
+    profile: Profile
     out_dir: Path | None = None  # None: $EAGLE3_JOB_DIR, else <run_dir>/runs/train-<timestamp> (decided on rank 0)
     run_dir: Path = Path("~/.eagle3")
     max_steps: int | None = None
@@ -62,30 +109,29 @@ class TrainOptions:
     master_weights: bool | None = None  # bf16 weights + fp32 masters in the optimizer; None: on CUDA when dtype is bfloat16
     tiny_data: TinyDataSettings | None = None  # None: tiny_data_settings(profile seq_len)
 
-    def resolved(self) -> dict:
+    def resolved(self) -> TrainSettings:
         train = self.profile.train
-        pick = lambda value, default: default if value is None else value
-        warmup = pick(self.warmup_steps, train.warmup_steps)
-        return {
-            "max_steps": pick(self.max_steps, train.max_steps),
-            "schedule": pick(self.schedule, train.schedule),
-            "lr": pick(self.lr, train.learning_rate),
-            "min_lr_ratio": train.min_lr_ratio,
-            "weight_decay": pick(self.weight_decay, train.weight_decay),
-            "warmup_steps": warmup,
-            "rewarm_steps": pick(self.rewarm_steps, max(1, warmup // 2)),
-            "grokfast_alpha": pick(self.grokfast_alpha, train.grokfast_alpha),
-            "grokfast_lambda": pick(self.grokfast_lambda, train.grokfast_lambda),
-            "batch_size": pick(self.batch_size, train.batch_size),
-            "eval_interval": pick(self.eval_interval, train.eval_interval),
-            "save_interval": pick(self.save_interval, train.save_interval),
-            "log_interval": pick(self.log_interval, train.log_interval),
-            "seed": pick(self.seed, train.seed),
-            "ttt_length": train.ttt_length,
-            "grad_clip": train.grad_clip,
-            "seq_len": train.seq_len,
-            "dtype": train.dtype,
-        }
+        warmup = _given(self.warmup_steps, train.warmup_steps)
+        return TrainSettings(
+            max_steps=_given(self.max_steps, train.max_steps),
+            schedule=_given(self.schedule, train.schedule),
+            lr=_given(self.lr, train.learning_rate),
+            min_lr_ratio=train.min_lr_ratio,
+            weight_decay=_given(self.weight_decay, train.weight_decay),
+            warmup_steps=warmup,
+            rewarm_steps=_given(self.rewarm_steps, max(1, warmup // 2)),
+            grokfast_alpha=_given(self.grokfast_alpha, train.grokfast_alpha),
+            grokfast_lambda=_given(self.grokfast_lambda, train.grokfast_lambda),
+            batch_size=_given(self.batch_size, train.batch_size),
+            eval_interval=_given(self.eval_interval, train.eval_interval),
+            save_interval=_given(self.save_interval, train.save_interval),
+            log_interval=_given(self.log_interval, train.log_interval),
+            seed=_given(self.seed, train.seed),
+            ttt_length=train.ttt_length,
+            grad_clip=train.grad_clip,
+            seq_len=train.seq_len,
+            dtype=train.dtype,
+        )
 
 
 def default_out_dir(run_dir: Path) -> Path:
@@ -278,23 +324,21 @@ class _Interval:
 class _Prefetcher:
     """Reads the next training batch on a worker thread while the current step runs (offline shards)."""
 
-    def __init__(self, source, sampler: BatchSampler):
-        from concurrent.futures import ThreadPoolExecutor
-
+    def __init__(self, source: OfflineSource, sampler: BatchSampler):
         self.source, self.sampler = source, sampler
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-prefetch")
-        self.pending = None  # (sampler state before drawing the prefetched batch, future)
+        self.pending: tuple[dict, Future[dict]] | None = None  # (sampler state before drawing the prefetched batch, its read)
 
-    def _submit(self):
+    def _submit(self) -> tuple[dict, Future[dict]]:
         before = self.sampler.state_dict()
         return before, self.pool.submit(self.source.load, "train", self.sampler.next())
 
-    def next(self) -> dict:
+    def next_batch(self, device: torch.device) -> TrainBatch:
         if self.pending is None:
             self.pending = self._submit()
         loaded = self.pending[1].result()
         self.pending = self._submit()
-        return loaded
+        return self.source.to_batch(loaded, device)
 
     def consumed_state(self) -> dict:
         """Sampler state after the last batch handed out; the one read ahead is not counted."""
@@ -308,27 +352,128 @@ class _StoppedDuringSetup(Exception):
     """SIGTERM/SIGINT arrived before the first training step."""
 
 
+Source = OfflineSource | OnlineSource  # benchmarks attach a synthetic source with OfflineSource's methods
+
+
+class TrainingParts:
+    """What setup builds and every step uses: the source, the draft and its AdamW, the LR schedule, Grokfast, the
+    sampler (and its prefetcher) and the TTT module (DDP-wrapped across ranks).
+
+    AdamW: on CUDA with dtype bfloat16, bf16 weights in the model and fp32 master weights only in the optimizer
+    (SpecForge's BF16Optimizer layout, with torch's fused AdamW): the draft's parameters, its frozen embedding and its
+    gradients are bf16; the optimizer owns fp32 copies of the trainable weights and its moments. Each step casts the
+    bf16 grads onto the masters, filters (Grokfast) and clips them there in fp32, steps, and copies the masters back
+    into the bf16 weights. Otherwise (CPU, fp32 profiles) the fp32 parameters are the optimizer's own.
+    `resume`: a checkpoint's training state (optimizer, Grokfast, sampler), continued from `start_step`.
+    """
+
+    def __init__(self, options: TrainOptions, settings: TrainSettings, ctx: DistContext, source: Source, draft: Eagle3Draft,
+                 draft_config: DraftModelConfig, resume: dict | None = None, start_step: int = 0):
+        s = settings
+        self.source = source
+        self.draft_config = draft_config  # the profile's (what checkpoints are saved with); the draft's own when attached
+        self.draft = draft.to(ctx.device)
+        self.draft.train()
+        self.mixed = options.master_weights
+        if self.mixed is None:
+            self.mixed = ctx.device.type == "cuda" and s.dtype == "bfloat16"
+        named = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
+        if self.mixed:
+            masters = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named]  # before the cast: the exact fp32 values
+            self.draft.to(torch.bfloat16)
+            named = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
+            self.master_named: list[tuple[str, torch.Tensor]] = [(n, m) for (n, _), m in zip(named, masters)]
+        else:
+            self.master_named = list(named)
+        self.trainable: list[tuple[str, torch.Tensor]] = list(named)
+        fused = {"fused": True} if self.mixed and ctx.device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW([p for _, p in self.master_named], lr=s.lr, betas=ADAM_BETAS, weight_decay=s.weight_decay, **fused)
+        self.draft_ids = (self.draft.d2t + torch.arange(self.draft.d2t.numel(), device=self.draft.d2t.device)).detach()
+        use_compile = options.compile
+        if use_compile is None:
+            use_compile = ctx.device.type == "cuda" and os.environ.get("EAGLE3_COMPILE", "1") != "0"
+        self.compiled = bool(use_compile) and ctx.device.type == "cuda"
+        self.draft.compile_regions = self.compiled
+        self.schedule = LRSchedule(s.lr, s.schedule, s.warmup_steps, s.max_steps, s.min_lr_ratio,
+                                   rewarm_from=start_step if resume is not None else None, rewarm_steps=s.rewarm_steps if resume is not None else 0)
+        self.grokfast = GrokfastEMA(s.grokfast_alpha, s.grokfast_lambda) if s.grokfast_alpha else None
+        if resume is not None and resume.get("optimizer"):
+            self.optimizer.load_state_dict(resume["optimizer"])
+            for group in self.optimizer.param_groups:  # this run's settings win over the saved ones (e.g. grok's weight decay)
+                group.update(lr=s.lr, betas=ADAM_BETAS, weight_decay=s.weight_decay, **fused)
+        if resume is not None and self.grokfast and resume.get("grokfast"):
+            self.grokfast.load_state_dict(resume["grokfast"], device=ctx.device)
+        self.sampler = BatchSampler(source.size("train"), s.batch_size, s.seed, ctx.rank, ctx.world_size)
+        if resume is not None and resume.get("sampler"):
+            self.sampler.load_state_dict(resume["sampler"])
+        # shard reads on the host overlap the GPU step
+        self.prefetcher = _Prefetcher(source, self.sampler) if isinstance(source, OfflineSource) else None
+        module: torch.nn.Module = _TTTModule(self.draft, s.ttt_length, self.compiled)
+        if ctx.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            module = DistributedDataParallel(module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, broadcast_buffers=False)
+        self.model = module
+
+
 class Trainer:
+    """One training run: setup (or attach), the step loop, validation, metrics, checkpoints, signals, heartbeats.
+
+    Every attribute is set here; what setup builds from the data and the checkpoint lives in `parts` (TrainingParts).
+    """
+
     def __init__(self, options: TrainOptions):
         self.options = options
         self.profile = options.profile
         self.settings = options.resolved()
+        self.ctx = DistContext()  # this process alone until run() or attach() names the real one
+        self.phase = "created"  # "setup" while run() builds the inputs (a signal stops it at once), then "training"
         self.stop_signal: int | None = None
-        self.metrics = None
-        self.last_save_ok = True
-        self.tb = None
-        self.latest_val: dict = {}
-        self.tokens = 0
-        self.step = 0
-        self.prefetcher: _Prefetcher | None = None
-        self.in_loop = False
-        self.heartbeat: HeartbeatWriter | None = None
         self.stopped = False
+        self.last_save_ok = True
+        self.out_dir: Path | None = None  # decided on rank 0 during setup; none when attached
+        self.heartbeat: HeartbeatWriter | None = None
+        self.metrics: MetricsWriter | None = None  # rank 0 of a run only
+        self.tb: Any = None  # TensorBoard's SummaryWriter with --tensorboard (rank 0)
+        self.start_step = 0
+        self.step = 0
+        self.tokens = 0
+        self.latest_val: dict = {}
+        self.peak_rate: float | None = None
+        self.last_step_flops = 0.0
+        self._parts: TrainingParts | None = None
+
+    @property
+    def parts(self) -> TrainingParts:
+        if self._parts is None:
+            raise RuntimeError("the trainer is not set up: run() or attach() builds its draft, optimizer and data")
+        return self._parts
+
+    # The parts benchmarks and tests reach for by name.
+    @property
+    def source(self) -> Source:
+        return self.parts.source
+
+    @property
+    def draft(self) -> Eagle3Draft:
+        return self.parts.draft
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.parts.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.parts.optimizer
+
+    @property
+    def master_named(self) -> list[tuple[str, torch.Tensor]]:
+        return self.parts.master_named
 
     # --- signals ---------------------------------------------------------------------------------
 
     def _on_signal(self, signum, _frame) -> None:
-        if not self.in_loop and not getattr(getattr(self, "ctx", None), "enabled", True):
+        if self.phase == "setup" and not self.ctx.enabled:
             # Building the tiny target or generating data: nothing to checkpoint yet, and those caches are
             # written atomically, so stop now rather than after minutes of setup.
             self.stop_signal = signum
@@ -346,13 +491,12 @@ class Trainer:
         return bool(flag.item())
 
     def log(self, message: str) -> None:
-        if getattr(self, "ctx", None) is None or self.ctx.is_main:
+        if self.ctx.is_main:
             print(f"[train] {message}", file=sys.stderr, flush=True)
 
     def _log_any_rank(self, message: str) -> None:
         """A rank's own trouble (its heartbeat file), logged by that rank whichever it is."""
-        rank = getattr(getattr(self, "ctx", None), "rank", 0)
-        print(f"[train rank {rank}] {message}", file=sys.stderr, flush=True)
+        print(f"[train rank {self.ctx.rank}] {message}", file=sys.stderr, flush=True)
 
     # --- entry -----------------------------------------------------------------------------------
 
@@ -362,6 +506,7 @@ class Trainer:
         phase = "failed"
         try:
             try:
+                self.phase = "setup"
                 self._setup()
             except _StoppedDuringSetup as stopped:
                 self.log(f"received {stopped} during setup, before the first step; no checkpoint was written")
@@ -371,7 +516,7 @@ class Trainer:
                 self.log("stopped during setup, before the first step; no checkpoint was written")
                 phase = "stopped"
                 return 0
-            self.in_loop = True
+            self.phase = "training"
             self._loop()
             phase = "stopped" if self.stopped else "done"
             return 0 if self.last_save_ok else 1
@@ -382,8 +527,8 @@ class Trainer:
                 signal.signal(sig, handler)
             if self.tb is not None:
                 self.tb.close()
-            if self.prefetcher is not None:
-                self.prefetcher.close()
+            if self._parts is not None and self._parts.prefetcher is not None:
+                self._parts.prefetcher.close()
             if self.ctx.enabled and dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -391,54 +536,48 @@ class Trainer:
 
     def _setup(self) -> None:
         ctx, s = self.ctx, self.settings
-        torch.manual_seed(s["seed"] + ctx.rank)
-        random.seed(s["seed"] + ctx.rank)
+        torch.manual_seed(s.seed + ctx.rank)
+        random.seed(s.seed + ctx.rank)
         out = self.options.out_dir or (default_out_dir(self.options.run_dir) if ctx.is_main else None)
-        self.out_dir = Path(ctx.broadcast_object(str(out) if out else None)).expanduser()
+        out_dir = self.out_dir = Path(ctx.broadcast_object(str(out) if out else None)).expanduser()
         if ctx.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            out_dir.mkdir(parents=True, exist_ok=True)
         # Every rank beats into its own host's job dir (its agent reads it); the output dir only when run by hand.
         job_dir = os.environ.get("EAGLE3_JOB_DIR")
-        self.heartbeat = HeartbeatWriter(Path(job_dir).expanduser() if job_dir else self.out_dir, ctx.rank, ctx.local_rank, ctx.world_size,
+        self.heartbeat = HeartbeatWriter(Path(job_dir).expanduser() if job_dir else out_dir, ctx.rank, ctx.local_rank, ctx.world_size,
                                          log=self._log_any_rank)
-        self.log(f"output: {self.out_dir} (world size {ctx.world_size}, device {ctx.device})")
-        resume_dir = self._resume_checkpoint()
+        self.log(f"output: {out_dir} (world size {ctx.world_size}, device {ctx.device})")
+        resume_dir = self._resume_checkpoint(out_dir)
         # Rank 0 builds caches (tiny target, generated data) first; the others then read them.
-        if ctx.is_main:
-            self.source = self._make_source()
+        source = self._make_source() if ctx.is_main else None
         ctx.barrier()
-        if not ctx.is_main:
-            self.source = self._make_source()
-        self.draft_config = DraftModelConfig.from_profile(self.profile)
-        self._check_widths()
+        if source is None:
+            source = self._make_source()
+        config = DraftModelConfig.from_profile(self.profile)
+        _check_widths(source, config)
         if resume_dir is not None:
-            state = self._load_resume(resume_dir)
+            draft, state = self._load_resume(resume_dir, source, config)
+            self._parts = TrainingParts(self.options, self.settings, ctx, source, draft, config, resume=state, start_step=self.start_step)
         else:
-            state = None
-            self._fresh_draft()
-        self._build_optimizer(state)
-        self._open_outputs(resume_dir)
+            self._parts = TrainingParts(self.options, self.settings, ctx, source, self._fresh_draft(source, config), config)
+        self._open_outputs(out_dir, resume_dir)
 
-    def attach(self, ctx: DistContext, source, draft: Eagle3Draft) -> None:
+    def attach(self, ctx: DistContext, source: Source, draft: Eagle3Draft) -> None:
         """Train a prepared draft on a prepared source (benchmarks): width checks, optimizer, DDP; writes no files."""
         self.ctx = ctx
-        self.source = source
-        self.draft_config = draft.config
-        self._check_widths()
-        self.draft = draft.to(ctx.device)
-        self.start_step, self.sampler_state = 0, None
-        self._build_optimizer(None)
+        _check_widths(source, draft.config)
+        self._parts = TrainingParts(self.options, self.settings, ctx, source, draft, draft.config)
 
-    def _resume_checkpoint(self) -> Path | None:
+    def _resume_checkpoint(self, out_dir: Path) -> Path | None:
         from backend.train.checkpoint import latest_checkpoint
 
         resume = self.options.resume
         if not resume:
             return None
         if resume == "latest":
-            found = latest_checkpoint(self.out_dir)
+            found = latest_checkpoint(out_dir)
             if found is None:
-                raise TrainSetupError(f"--resume given without a checkpoint, and {self.out_dir} holds none; nothing was started")
+                raise TrainSetupError(f"--resume given without a checkpoint, and {out_dir} holds none; nothing was started")
             return found
         path = Path(resume).expanduser()
         found = latest_checkpoint(path) if not (path / "model.safetensors").is_file() else path
@@ -446,7 +585,7 @@ class Trainer:
             raise TrainSetupError(f"resume checkpoint {path} holds no complete checkpoint; nothing was started")
         return found
 
-    def _make_source(self):
+    def _make_source(self) -> Source:
         options, profile = self.options, self.profile
         if options.data_dir is not None:
             return OfflineSource(options.data_dir, profile, device=self.ctx.device)
@@ -455,132 +594,65 @@ class Trainer:
 
         target = load_target(profile, device=self.ctx.device)
         if is_tiny_target_dir(target.path):
-            settings = options.tiny_data or tiny_data_settings(self.settings["seq_len"], seed=self.settings["seed"])
+            settings = options.tiny_data or tiny_data_settings(self.settings.seq_len, seed=self.settings.seed)
             splits = tiny_samples(target, settings, log=self.log)
         else:
             data_dir = data_dir_for(profile.paths.data_dir, profile.paths.run_dir, options.run_dir)  # moves with --run-dir
             conversations = options.conversations or Path(data_dir).expanduser() / "conversations.jsonl"
-            splits = conversation_samples(target.tokenizer, conversations, self.settings["seq_len"], seed=self.settings["seed"],
+            splits = conversation_samples(target.tokenizer, conversations, self.settings.seq_len, seed=self.settings.seed,
                                           target=target, regenerate_tokens=options.regenerate_tokens)
         return OnlineSource(target, splits)
 
-    def _check_widths(self) -> None:
-        found = self.source.first_aux_width() if isinstance(self.source, OfflineSource) else self.source.aux_width
-        check_feature_width(found, len(self.draft_config.aux_layer_ids), self.draft_config.target_hidden_size)
-        if self.source.vocab_size != self.draft_config.vocab_size:
-            raise TrainSetupError(f"the data's vocab is {self.source.vocab_size} but the draft was configured for {self.draft_config.vocab_size}")
-
-    def _vocab_counts(self) -> torch.Tensor:
-        size = self.source.size("train")
+    def _fresh_draft(self, source: Source, config: DraftModelConfig) -> Eagle3Draft:
+        size = source.size("train")
         mine = list(range(self.ctx.rank, size, self.ctx.world_size))
-        counts = count_tokens(self.source.token_batches("train", mine), self.draft_config.vocab_size)
-        return self.ctx.all_reduce(counts.to(self.ctx.device)).cpu()
-
-    def _fresh_draft(self) -> None:
-        counts = self._vocab_counts()
-        d2t, t2d = build_vocab_mapping(counts, self.draft_config.draft_vocab_size)
-        self.log(f"draft vocab: {self.draft_config.draft_vocab_size} of {counts.numel()} ids cover {100 * coverage(counts, t2d):.1f}% of trained tokens")
-        draft = Eagle3Draft(self.draft_config, attn_backend=self.options.attn_backend)
-        draft.load_target_embedding(self.source.embed_weight().float())
+        counts = self.ctx.all_reduce(count_tokens(source.token_batches("train", mine), config.vocab_size).to(self.ctx.device)).cpu()
+        d2t, t2d = build_vocab_mapping(counts, config.draft_vocab_size)
+        self.log(f"draft vocab: {config.draft_vocab_size} of {counts.numel()} ids cover {100 * coverage(counts, t2d):.1f}% of trained tokens")
+        draft = Eagle3Draft(config, attn_backend=self.options.attn_backend)
+        draft.load_target_embedding(source.embed_weight().float())
         draft.set_vocab_mapping(d2t, t2d)
-        self.draft = draft.to(self.ctx.device)
-        self.start_step, self.sampler_state = 0, None
+        return draft
 
-    def _load_resume(self, checkpoint: Path) -> dict:
-        """Weights, optimizer and data position from the checkpoint; d2t/t2d come from it, never from the data."""
+    def _load_resume(self, checkpoint: Path, source: Source, config: DraftModelConfig) -> tuple[Eagle3Draft, dict]:
+        """The checkpoint's weights and training state; d2t/t2d come from it, never from the data. Sets start_step,
+        tokens and latest_val, and max_steps when the checkpoint is past the profile's plan and none was given."""
         from backend.train.checkpoint import load_checkpoint
 
-        draft, config, meta, state = load_checkpoint(checkpoint, target_embedding=self.source.embed_weight().float())
-        ours = self.draft_config.as_dict()
-        theirs = config.as_dict()
+        draft, saved_config, meta, state = load_checkpoint(checkpoint, target_embedding=source.embed_weight().float())
+        ours = config.as_dict()
+        theirs = saved_config.as_dict()
         differs = [k for k in ours if k not in ("torch_dtype", "ttt_length") and ours[k] != theirs.get(k)]
         if differs:
             raise TrainSetupError(f"checkpoint {checkpoint} has a different draft shape ({', '.join(f'{k}: {theirs.get(k)} vs profile {ours[k]}' for k in differs)}); nothing was resumed")
         draft = draft.float()
         if self.options.attn_backend:
             draft.set_attention_backend(self.options.attn_backend)
-        self.draft = draft.to(self.ctx.device)
         state = state or {}
         self.start_step = int(state.get("step", meta.get("step", 0)))
         self.tokens = int(state.get("tokens", 0))
-        self.sampler_state = state.get("sampler")
         self.latest_val = dict(state.get("latest_val") or {})
         self.log(f"resumed from {checkpoint} at step {self.start_step}; d2t/t2d taken from the checkpoint")
-        if self.options.max_steps is None and self.start_step >= self.settings["max_steps"]:
+        if self.options.max_steps is None and self.start_step >= self.settings.max_steps:
             # Past the profile's plan and no --max-steps: continue for another profile's worth of steps.
-            self.settings["max_steps"] = self.start_step + self.profile.train.max_steps
-            self.log(f"no --max-steps given and the checkpoint is past the profile's {self.profile.train.max_steps}: training to step {self.settings['max_steps']}")
-        return state
+            self.settings = dataclasses.replace(self.settings, max_steps=self.start_step + self.profile.train.max_steps)
+            self.log(f"no --max-steps given and the checkpoint is past the profile's {self.profile.train.max_steps}: training to step {self.settings.max_steps}")
+        return draft, state
 
-    def _build_optimizer(self, state: dict | None) -> None:
-        """AdamW; on CUDA with dtype bfloat16: bf16 weights in the model, fp32 master weights only in the optimizer.
-
-        Mixed mode (SpecForge's BF16Optimizer layout, with torch's fused AdamW): the draft's parameters, its
-        frozen embedding and its gradients are bf16; the optimizer owns fp32 copies of the trainable weights
-        and its moments. Each step casts the bf16 grads onto the masters, filters (Grokfast) and clips them
-        there in fp32, steps, and copies the masters back into the bf16 weights. Otherwise (CPU, fp32
-        profiles) the fp32 parameters are the optimizer's own, as before.
-        """
-        s, ctx = self.settings, self.ctx
-        self.draft.train()
-        self.mixed = self.options.master_weights
-        if self.mixed is None:
-            self.mixed = ctx.device.type == "cuda" and s["dtype"] == "bfloat16"
-        named = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
-        if self.mixed:
-            masters = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named]  # before the cast: the exact fp32 values
-            self.draft.to(torch.bfloat16)
-            named = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
-            self.master_named = [(n, m) for (n, _), m in zip(named, masters)]
-        else:
-            self.master_named = named
-        self.trainable = named
-        fused = {"fused": True} if self.mixed and ctx.device.type == "cuda" else {}
-        self.optimizer = torch.optim.AdamW([p for _, p in self.master_named], lr=s["lr"], betas=ADAM_BETAS, weight_decay=s["weight_decay"], **fused)
-        self.draft_ids = (self.draft.d2t + torch.arange(self.draft.d2t.numel(), device=self.draft.d2t.device)).detach()
-        use_compile = self.options.compile
-        if use_compile is None:
-            use_compile = ctx.device.type == "cuda" and os.environ.get("EAGLE3_COMPILE", "1") != "0"
-        self.compiled = bool(use_compile) and ctx.device.type == "cuda"
-        self.draft.compile_regions = self.compiled
-        resumed = state is not None
-        self.schedule = LRSchedule(s["lr"], s["schedule"], s["warmup_steps"], s["max_steps"], s["min_lr_ratio"],
-                                   rewarm_from=self.start_step if resumed else None, rewarm_steps=s["rewarm_steps"] if resumed else 0)
-        self.grokfast = GrokfastEMA(s["grokfast_alpha"], s["grokfast_lambda"]) if s["grokfast_alpha"] else None
-        if resumed and state.get("optimizer"):
-            self.optimizer.load_state_dict(state["optimizer"])
-            for group in self.optimizer.param_groups:  # this run's settings win over the saved ones (e.g. grok's weight decay)
-                group.update(lr=s["lr"], betas=ADAM_BETAS, weight_decay=s["weight_decay"], **fused)
-        if resumed and self.grokfast and state.get("grokfast"):
-            self.grokfast.load_state_dict(state["grokfast"], device=ctx.device)
-        self.sampler = BatchSampler(self.source.size("train"), s["batch_size"], s["seed"], ctx.rank, ctx.world_size)
-        if self.sampler_state:
-            self.sampler.load_state_dict(self.sampler_state)
-        if hasattr(self.source, "load"):  # host-side reads can overlap the GPU step
-            self.prefetcher = _Prefetcher(self.source, self.sampler)
-        module = _TTTModule(self.draft, s["ttt_length"], self.compiled)
-        if ctx.enabled:
-            from torch.nn.parallel import DistributedDataParallel
-
-            module = DistributedDataParallel(module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, broadcast_buffers=False)
-        self.model = module
-        # bf16 weights need no autocast; an fp32 model on CUDA with dtype bfloat16 is not built any more
-        self.autocast = False
-
-    def _open_outputs(self, resume_dir: Path | None) -> None:
+    def _open_outputs(self, out_dir: Path, resume_dir: Path | None) -> None:
         if not self.ctx.is_main:
             return
         from backend.metrics import MetricsWriter
 
         # On a full disk the writer keeps records in memory and retries; the job log says when it fails and recovers.
-        self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", on_error=self.log)
+        self.metrics = MetricsWriter(out_dir / "metrics.jsonl", on_error=self.log)
         if self.options.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+            self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
         run = {
             "profile": self.profile.name,
-            "settings": self.settings,
+            "settings": self.settings.record(),
             "target": self.source.describe_target(),
             "data": str(self.options.data_dir) if self.options.data_dir else "online",
             "resumed_from": str(resume_dir) if resume_dir else None,
@@ -588,94 +660,98 @@ class Trainer:
             "started": time.time(),
             "pid": os.getpid(),
         }
-        (self.out_dir / RUN_FILE).write_text(json.dumps(run, indent=1, default=str) + "\n")
+        (out_dir / RUN_FILE).write_text(json.dumps(run, indent=1, default=str) + "\n")
 
     # --- steps -----------------------------------------------------------------------------------
 
-    def _forward(self, batch, module) -> object:
+    def _forward(self, batch: TrainBatch, module: torch.nn.Module) -> TTTLoss:
         """Teacher (once per batch; bf16 probabilities in mixed mode), TTT unroll, fused lm_head + loss. No host sync."""
-        probs_dtype = torch.bfloat16 if self.mixed else None
-        teacher = make_teacher(batch.target_logits, batch.loss_mask, self.draft.t2d, draft_ids=self.draft_ids, probs_dtype=probs_dtype)
-        if hasattr(batch, "__dataclass_fields__") and not getattr(batch, "__dataclass_params__").frozen:
-            batch.target_logits = None  # [B, S, V]: not needed past the teacher; free it before the unroll
-        aux = batch.aux_hidden.to(self.draft.fc.weight.dtype)
+        parts = self.parts
+        probs_dtype = torch.bfloat16 if parts.mixed else None
+        teacher = make_teacher(batch.target_logits, batch.loss_mask, parts.draft.t2d, draft_ids=parts.draft_ids, probs_dtype=probs_dtype)
+        batch.target_logits = None  # [B, S, V]: not needed past the teacher; free it before the unroll
+        aux = batch.aux_hidden.to(parts.draft.fc.weight.dtype)
         _total, result = module(aux, batch.input_ids, teacher)
         return result
 
-    def train_step(self, step: int):
+    def train_step(self, step: int) -> tuple[TTTLoss, torch.Tensor, float]:
         """One optimizer step; returns (loss result, pre-clip grad norm tensor, lr)."""
-        if self.prefetcher is not None:
-            batch = self.source.to_batch(self.prefetcher.next(), self.ctx.device)
+        parts = self.parts
+        if parts.prefetcher is not None:
+            batch = parts.prefetcher.next_batch(self.ctx.device)
         else:
-            batch = self.source.batch("train", self.sampler.next(), self.ctx.device)
+            batch = parts.source.batch("train", parts.sampler.next(), self.ctx.device)
         tokens = batch.input_ids.numel()
         rows, seq = batch.input_ids.shape
-        self.last_step_flops = rows * step_flops(self.draft_config, seq, self.settings["ttt_length"])
-        self.optimizer.zero_grad(set_to_none=True)
-        result = self._forward(batch, self.model)
+        self.last_step_flops = rows * step_flops(parts.draft_config, seq, self.settings.ttt_length)
+        parts.optimizer.zero_grad(set_to_none=True)
+        result = self._forward(batch, parts.model)
         del batch
         result.total.backward()
         grad_norm, lr = self._optimizer_step(step)
         self.tokens += tokens * self.ctx.world_size
         return result, grad_norm, lr
 
-    def _optimizer_step(self, step: int):
+    def _optimizer_step(self, step: int) -> tuple[torch.Tensor, float]:
         """Grokfast, clip (pre-clip norm returned as a tensor: no sync), AdamW; in mixed mode on the fp32 masters."""
-        masters = [p for _, p in self.master_named]
-        if self.mixed:
+        parts = self.parts
+        masters = [p for _, p in parts.master_named]
+        if parts.mixed:
             with torch.no_grad():
-                for (_, param), master in zip(self.trainable, masters):
+                for (_, param), master in zip(parts.trainable, masters):
                     master.grad = param.grad.float() if param.grad is not None else torch.zeros_like(master)
                     param.grad = None
-        if self.grokfast is not None:
-            self.grokfast.apply(self.master_named)
-        grad_norm = torch.nn.utils.clip_grad_norm_(masters, self.settings["grad_clip"], foreach=True)
-        lr = self.schedule.lr_at(step)
-        for group in self.optimizer.param_groups:
+        if parts.grokfast is not None:
+            parts.grokfast.apply(parts.master_named)
+        grad_norm = torch.nn.utils.clip_grad_norm_(masters, self.settings.grad_clip, foreach=True)
+        lr = parts.schedule.lr_at(step)
+        for group in parts.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
-        if self.mixed:
+        parts.optimizer.step()
+        if parts.mixed:
             with torch.no_grad():
-                torch._foreach_copy_([p for _, p in self.trainable], masters)
+                torch._foreach_copy_([p for _, p in parts.trainable], masters)
                 for master in masters:
                     master.grad = None
         return grad_norm, lr
 
     def checkpoint_module(self) -> torch.nn.Module:
         """What checkpoints and weight norms read: the draft, with fp32 master weights in mixed mode."""
-        return _MasterView(self.draft, self.master_named) if self.mixed else self.draft
+        parts = self.parts
+        return _MasterView(parts.draft, parts.master_named) if parts.mixed else parts.draft
 
     def data_state(self) -> dict:
         """Where the next training batch comes from (what a resume continues with)."""
-        return self.prefetcher.consumed_state() if self.prefetcher is not None else self.sampler.state_dict()
+        parts = self.parts
+        return parts.prefetcher.consumed_state() if parts.prefetcher is not None else parts.sampler.state_dict()
 
     @property
     def epoch_progress(self) -> float:
         state = self.data_state()
-        return state["epoch"] + state["cursor"] / self.sampler.batches_per_epoch
+        return state["epoch"] + state["cursor"] / self.parts.sampler.batches_per_epoch
 
     def evaluate(self) -> dict:
-        s, ctx = self.settings, self.ctx
-        limit = None if self.options.max_val_batches is None else self.options.max_val_batches * s["batch_size"] * ctx.world_size
-        interval = _Interval(s["ttt_length"], ctx.device)
-        module = _TTTModule(self.draft, s["ttt_length"], self.compiled)
-        self.draft.eval()
+        s, ctx, parts = self.settings, self.ctx, self.parts
+        limit = None if self.options.max_val_batches is None else self.options.max_val_batches * s.batch_size * ctx.world_size
+        interval = _Interval(s.ttt_length, ctx.device)
+        module = _TTTModule(parts.draft, s.ttt_length, parts.compiled)
+        parts.draft.eval()
         with torch.no_grad():
-            for indices in eval_batches(self.source.size("val"), s["batch_size"], ctx.rank, ctx.world_size, limit):
-                interval.add(self._forward(self.source.batch("val", indices, ctx.device), module))
-        self.draft.train()
+            for indices in eval_batches(parts.source.size("val"), s.batch_size, ctx.rank, ctx.world_size, limit):
+                interval.add(self._forward(parts.source.batch("val", indices, ctx.device), module))
+        parts.draft.train()
         reduced = interval.reduced(ctx)
         reduced.pop("steps")
         return reduced
 
     def _loop(self) -> None:
         s, ctx = self.settings, self.ctx
-        interval = _Interval(s["ttt_length"], ctx.device)
+        interval = _Interval(s.ttt_length, ctx.device)
         self.step = self.start_step
-        if self.step >= s["max_steps"]:
-            self.log(f"already at step {self.step} >= max steps {s['max_steps']}; nothing to train")
+        if self.step >= s.max_steps:
+            self.log(f"already at step {self.step} >= max steps {s.max_steps}; nothing to train")
             return
-        self.log(f"training steps {self.step + 1}..{s['max_steps']}: batch {s['batch_size']} x {ctx.world_size} rank(s), lr {s['lr']} ({s['schedule']}), TTT {s['ttt_length']}")
+        self.log(f"training steps {self.step + 1}..{s.max_steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}")
         self._beat("train")
         if self.options.eval_at_start and self.step == 0:
             self._validate()
@@ -684,8 +760,9 @@ class Trainer:
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
         timer = time.perf_counter()
-        interval_tokens = interval_flops = 0
-        while self.step < s["max_steps"]:
+        interval_tokens = 0
+        interval_flops = 0.0
+        while self.step < s.max_steps:
             tokens_before = self.tokens
             result, grad_norm, lr = self.train_step(self.step)
             self.step += 1
@@ -693,20 +770,20 @@ class Trainer:
             interval.add(result)
             interval_tokens += self.tokens - tokens_before
             interval_flops += self.last_step_flops
-            if self.step % s["log_interval"] == 0 or self.step == s["max_steps"]:
+            if self.step % s.log_interval == 0 or self.step == s.max_steps:
                 values = interval.reduced(ctx)  # host sync: the wall time below covers finished GPU work
                 elapsed = time.perf_counter() - timer
                 values["step_time"] = elapsed / max(1, values.pop("steps") // ctx.world_size)
                 values.update(self._speed(elapsed, interval_tokens, interval_flops))
                 self._write_train(values, float(grad_norm), lr)
                 interval.reset()
-                interval_tokens = interval_flops = 0
+                interval_tokens, interval_flops = 0, 0.0
                 timer = time.perf_counter()
-            if self.step % s["eval_interval"] == 0:
+            if self.step % s.eval_interval == 0:
                 self._validate()
                 last_eval = self.step
             stopping = self._stop_requested()
-            if stopping or self.step % s["save_interval"] == 0:
+            if stopping or self.step % s.save_interval == 0:
                 self._save()
                 last_saved = self.step
             if stopping:
@@ -718,7 +795,7 @@ class Trainer:
                 return
             if last_eval == self.step or last_saved == self.step:
                 timer = time.perf_counter()  # step_time measures training steps only
-                interval_tokens = interval_flops = 0
+                interval_tokens, interval_flops = 0, 0.0
         if last_eval != self.step:
             self._validate()
         if last_saved != self.step:
@@ -731,7 +808,7 @@ class Trainer:
             self.heartbeat.beat(self.step, phase)
 
     def _flush_metrics(self) -> None:
-        if self.metrics is None or not hasattr(self.metrics, "flush"):
+        if self.metrics is None:
             return
         self.metrics.flush()
         if self.metrics.pending or self.metrics.lost_records:
@@ -751,21 +828,21 @@ class Trainer:
         return {"tokens_per_s": tokens / elapsed, "mfu": flops / elapsed / self.peak_rate if self.peak_rate else None, "peak_mem_gib": peak}
 
     def _write_train(self, values: dict, grad_norm: float, lr: float) -> None:
-        if not self.ctx.is_main:
+        if self.metrics is None:  # ranks other than 0
             return
         total, modules = weight_norms(self.checkpoint_module())
         record = {"step": self.step, "epoch": self.epoch_progress, "split": "train", **values, "lr": lr,
                   "grad_norm": grad_norm, "weight_norm": total, "weight_norm_modules": modules, "tokens": self.tokens}
         self.metrics.write(record)
         self._tensorboard("train", record)
-        self.log(f"step {self.step}/{self.settings['max_steps']} loss {values['loss']:.4f} acc0 {values['acc'][0]:.3f} lr {lr:.2e} grad {grad_norm:.3f} {values['step_time']:.3f} s/step")
+        self.log(f"step {self.step}/{self.settings.max_steps} loss {values['loss']:.4f} acc0 {values['acc'][0]:.3f} lr {lr:.2e} grad {grad_norm:.3f} {values['step_time']:.3f} s/step")
 
     def _validate(self) -> None:
         self._beat("validate")
         values = self.evaluate()
         self._beat("train")
         self.latest_val = {"step": self.step, **values}
-        if not self.ctx.is_main:
+        if self.metrics is None:  # ranks other than 0
             return
         record = {"step": self.step, "epoch": self.epoch_progress, "split": "val", **values, "tokens": self.tokens}
         self.metrics.write(record)
@@ -784,15 +861,16 @@ class Trainer:
         self.tb.flush()
 
     def training_state(self) -> dict:
+        parts = self.parts
         return {
             "step": self.step,
             "epoch": self.epoch_progress,
             "tokens": self.tokens,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": parts.optimizer.state_dict(),
             "sampler": self.data_state(),
-            "grokfast": self.grokfast.state_dict() if self.grokfast else None,
-            "schedule": self.schedule.describe(),
-            "settings": self.settings,
+            "grokfast": parts.grokfast.state_dict() if parts.grokfast else None,
+            "schedule": parts.schedule.describe(),
+            "settings": self.settings.record(),
             "latest_val": self.latest_val,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             "world_size": self.ctx.world_size,
@@ -805,18 +883,19 @@ class Trainer:
 
         self.last_save_ok = True
         self._beat("checkpoint")
-        if self.ctx.is_main:
+        if self.ctx.is_main and self.out_dir is not None:  # an attached trainer (benchmarks) has no output dir
+            parts = self.parts
             extra = {
                 "val_acc": self.latest_val.get("acc"),
                 "val_loss": self.latest_val.get("loss"),
                 "val_acc_step": self.latest_val.get("step"),
-                "trained_aux_width": self.draft_config.aux_width,
-                "target": self.source.describe_target(),
+                "trained_aux_width": parts.draft_config.aux_width,
+                "target": parts.source.describe_target(),
                 "profile": self.profile.name,
                 "tokens": self.tokens,
             }
             try:
-                path = save_checkpoint(self.out_dir, self.checkpoint_module(), self.draft_config, epoch=int(self.epoch_progress),
+                path = save_checkpoint(self.out_dir, self.checkpoint_module(), parts.draft_config, epoch=int(self.epoch_progress),
                                        step=self.step, training_state=self.training_state(), extra_meta=extra)
                 self.log(f"checkpoint: {path}")
             except CheckpointDiskFullError as exc:
@@ -824,6 +903,13 @@ class Trainer:
                 self.log(f"checkpoint at step {self.step} NOT saved: {exc}")
         self.ctx.barrier()
         self._beat("train")
+
+
+def _check_widths(source: Source, config: DraftModelConfig) -> None:
+    found = source.first_aux_width() if isinstance(source, OfflineSource) else source.aux_width
+    check_feature_width(found, len(config.aux_layer_ids), config.target_hidden_size)
+    if source.vocab_size != config.vocab_size:
+        raise TrainSetupError(f"the data's vocab is {source.vocab_size} but the draft was configured for {config.vocab_size}")
 
 
 def train(options: TrainOptions) -> int:
