@@ -9,6 +9,7 @@ import torch
 from backend.train.draft import DraftKVCache, Eagle3Draft
 
 FEEDS = ("aux", "last_hidden")
+NO_DRAFT = "this decoder was built without a draft: only plain / plain_generate are available"
 
 
 @dataclass
@@ -91,9 +92,11 @@ class SpecDecoder:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.target = TargetRunner(target_model)
         self.draft = draft
-        if aux_layer_ids is None and draft is None:
-            raise ValueError("aux_layer_ids is required when no draft is given")
-        self.aux_layer_ids = list(aux_layer_ids if aux_layer_ids is not None else draft.config.aux_layer_ids)
+        if aux_layer_ids is None:
+            if draft is None:
+                raise ValueError("aux_layer_ids is required when no draft is given")
+            aux_layer_ids = draft.config.aux_layer_ids
+        self.aux_layer_ids = list(aux_layer_ids)
         last = self.target.num_layers - 2  # hidden_states[N] is already final-normed
         bad = [layer for layer in self.aux_layer_ids if not 0 <= layer <= last]
         if bad:
@@ -113,12 +116,20 @@ class SpecDecoder:
     def feature_source(self) -> str:
         return f"aux_layers {self.aux_layer_ids}" if self.feed == "aux" else "final_hidden"
 
+    @property
+    def _required_draft(self) -> Eagle3Draft:
+        """The draft the speculative path runs; a decoder built without one refuses it."""
+        if self.draft is None:
+            raise ValueError(NO_DRAFT)
+        return self.draft
+
     def _draft_input(self, features: torch.Tensor) -> torch.Tensor:
-        features = features.to(self.draft.fc.weight.dtype)
-        return self.draft.input_hidden(features, sglang_width_check=self.feed == "last_hidden")
+        draft = self._required_draft
+        features = features.to(draft.fc.weight.dtype)
+        return draft.input_hidden(features, sglang_width_check=self.feed == "last_hidden")
 
     def _fc_applied(self, width: int) -> bool:
-        return self.feed == "aux" or width != self.draft.config.hidden_size
+        return self.feed == "aux" or width != self._required_draft.config.hidden_size
 
     # --- decoding --------------------------------------------------------------------------------------
 
@@ -151,7 +162,7 @@ class SpecDecoder:
     def generate(self, input_ids, max_new_tokens: int) -> GenerateResult:
         """Speculative greedy decoding; the output equals plain_generate token for token."""
         if self.draft is None:
-            raise ValueError("this decoder was built without a draft: only plain / plain_generate are available")
+            raise ValueError(NO_DRAFT)
         ids = self._prompt(input_ids)
         logits, hidden_states, cache = self.target.forward(ids, None)
         features = self.features(hidden_states)
@@ -184,14 +195,15 @@ class SpecDecoder:
 
     def _propose(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: DraftKVCache) -> torch.Tensor:
         """Commit the new positions to the draft's KV, then chain `num_steps` greedy draft tokens (target ids)."""
-        out, logits = self.draft.extend(hidden, next_tokens, cache)
+        draft = self._required_draft
+        out, logits = draft.extend(hidden, next_tokens, cache)
         out, logits = out[:, -1:], logits[:, -1]
         proposals = []
         for step in range(self.num_steps):
-            token = self.draft.draft_to_target_ids(logits.argmax(-1))
+            token = draft.draft_to_target_ids(logits.argmax(-1))
             proposals.append(token)
             if step + 1 < self.num_steps:
-                out, logits = self.draft.draft_step(out, token.view(1, 1), cache)
+                out, logits = draft.draft_step(out, token.view(1, 1), cache)
                 logits = logits[:, -1]
         return torch.cat(proposals)
 
