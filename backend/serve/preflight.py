@@ -322,7 +322,8 @@ def check_architecture(draft_cfg: dict[str, Any], out: _Collector) -> str | None
 
 
 def check_aux(draft_cfg: dict[str, Any], target: TargetFacts, out: _Collector) -> list[int] | None:
-    eagle = draft_cfg.get("eagle_config") if isinstance(draft_cfg.get("eagle_config"), dict) else {}
+    declared = draft_cfg.get("eagle_config")
+    eagle: dict[str, Any] = declared if isinstance(declared, dict) else {}
     if eagle.get("use_aux_hidden_state", True) is False:
         out.add(
             AUX_DISABLED,
@@ -584,7 +585,7 @@ def check_serving_argv(argv: list[str], out: _Collector) -> None:
                 "Set num_steps, eagle_topk and num_draft_tokens together in the profile's [serve] table.")
     elif len(given) == 3:
         try:
-            steps, topk, tokens = (int(spec[k]) for k in spec)
+            steps, topk, tokens = (int(value) for value in spec.values() if value is not None)  # all three, checked above
         except ValueError:
             out.add(ALGORITHM, f"steps/topk/draft-tokens are not integers: {spec}.", "Use integers.")
             return
