@@ -106,13 +106,9 @@ async def test_readonly_hides_every_destructive_key_from_the_footer():
 # -- snapshots: each screen at both sizes ----------------------------------------------------------
 
 
-# Grokking at 100x30: the x-tick labels of its narrow weight-norm and grad plots (15 columns, 3 ticks) come out as
-# "100 1k 10k" or "100 10k" depending on PYTHONHASHSEED (plotext dropping overlapping labels, reported to the owner of
-# console/widgets/curve_plot.py); everything else of that frame is compared, so the case stays, not strict.
-HASH_SEED_TICKS = pytest.mark.xfail(strict=False, reason="x ticks of 15-column plots depend on PYTHONHASHSEED (curve_plot/plotext)")
-SNAPSHOT_CASES = [pytest.param(key, size, id=f"{SCREENS[key]}-{size[0]}x{size[1]}",
-                               marks=[HASH_SEED_TICKS] if (SCREENS[key], size) == ("grokking", (100, 30)) else [])
-                  for key in SCREENS for size in SIZES]
+# Every case is strict: curve_plot hands plotext only tick labels that cannot touch, so none depends on the set order
+# plotext places them in (PYTHONHASHSEED; tests/test_console_plotting.py draws every label at every width).
+SNAPSHOT_CASES = [pytest.param(key, size, id=f"{SCREENS[key]}-{size[0]}x{size[1]}") for key in SCREENS for size in SIZES]
 
 
 @pytest.mark.parametrize("key,size", SNAPSHOT_CASES)

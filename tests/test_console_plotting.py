@@ -2,8 +2,11 @@
 import math
 
 import pytest
+from textual.app import App
 
-from console.plotting import Curve, format_number, log_ticks, minmax_downsample, prepare_curve, span
+from console.plotting import Curve, Ticks, format_number, log_ticks, minmax_downsample, prepare_curve, span
+from console.state import Series
+from console.widgets.curve_plot import CurveOptions, CurvePlot, SeriesSpec, spaced_x_ticks, spaced_y_ticks
 
 
 def test_downsample_keeps_a_single_point_spike_and_bounds_the_output():
@@ -79,3 +82,51 @@ def test_format_number_and_span():
     assert format_number(2.0) == "2"
     assert span([Curve([1, 2], [3, 9], 2), Curve([0], [5], 1)], "y") == (3, 9)
     assert span([Curve([], [], 0)], "x") is None
+
+
+# -- tick labels at every width: each label handed to plotext is drawn, so none depends on PYTHONHASHSEED ----------
+
+
+def test_spaced_ticks_drop_labels_that_would_touch():
+    ticks = Ticks([2.0, 3.0, 4.0], ["100", "1k", "10k"])  # a 15-column log-step canvas: 1k lands 3 columns after 100
+    assert spaced_x_ticks(ticks, 1.3, 4.48, 15).labels == ["100", "10k"]
+    assert spaced_x_ticks(ticks, 1.3, 4.48, 40).labels == ["100", "1k", "10k"]
+    assert spaced_x_ticks(Ticks([4.0, 2.0], ["10k", "100"]), 1.3, 4.48, 40).labels == ["100", "10k"]  # any order in
+    rows = spaced_y_ticks(Ticks([-6.0, -5.7, -5.0, -4.0], ["1e-6", "2e-6", "1e-5", "1e-4"]), -6.0, -3.0, 4)
+    assert rows.labels == ["1e-6", "1e-5", "1e-4"]  # 2e-6 would share 1e-6's row
+
+
+class OnePlot(App):
+    def compose(self):
+        yield CurvePlot("weight norm", id="plot")
+
+
+def drawn_rows(plot: CurvePlot) -> list[str]:
+    return plot.render().plain.splitlines()
+
+
+@pytest.mark.parametrize("log_y", [False, True], ids=["linear-y", "log-y"])
+async def test_every_tick_label_chosen_is_drawn_at_every_width(log_y):
+    """plotext places the labels in a set's order and drops one that touches a label placed before it: when every
+    label we hand it is drawn, in order, the order it tried them in made no difference."""
+    steps = list(range(20, 30001, 20))
+    series = Series(steps=[float(s) for s in steps], values=[12.0 + 95.0 * math.exp(-s / 3000) for s in steps])
+    options = CurveOptions(log_x=True, log_y=log_y)
+    app = OnePlot()
+    async with app.run_test(size=(14, 9)) as pilot:
+        plot = app.query_one(CurvePlot)
+        plot.set_data([SeriesSpec("total", series, "cyan")], options)
+        for width in range(14, 72, 4):
+            for height in (9, 30):
+                await pilot.resize_terminal(width, height)
+                await pilot.pause()
+                assert plot.size == (width, height)
+                plot._drawn_key = None
+                plot.replot()
+                rows = drawn_rows(plot)
+                axis = next(i for i, row in enumerate(rows) if "└" in row)
+                assert plot.x_ticks is not None and len(plot.x_ticks.labels) >= (2 if width >= 20 else 1), (width, height)
+                assert rows[axis + 1].split() == plot.x_ticks.labels, (width, height, rows[axis + 1])
+                if log_y:
+                    shown = [row.split("┤")[0].strip() for row in rows[:axis] if "┤" in row and row.strip()[:1].isdigit()]
+                    assert plot.y_ticks is not None and sorted(shown) == sorted(plot.y_ticks.labels), (width, height, shown)

@@ -18,6 +18,8 @@ from console.widgets.history import history_spec, history_text, indexing_text
 TRAIN_EMA = 0.9  # the host's signals use the same weights (docs/grokking.md)
 VAL_EMA = 0.3
 MODULE_COLORS = ("green", "magenta", "orange", "blue", "red", "gold")
+NARROW_WIDTH = 140  # below it the four panels go two by two (the acceptance table needs ~35 columns)
+GRAD_TITLES = ("grad norm (pre-clip)", "grad norm")  # wide, narrow: plotext drops a title wider than its plot
 
 
 class GrokkingScreen(ZoomableScreen):
@@ -51,7 +53,22 @@ class GrokkingScreen(ZoomableScreen):
         yield Footer()
 
     def on_mount(self) -> None:
+        self.fit_layout()
         self.show_state(None)
+
+    def on_resize(self) -> None:
+        self.fit_layout()
+
+    def fit_layout(self) -> None:
+        """Four panels side by side when wide; two by two below NARROW_WIDTH, where 25-column panels wrapped every line."""
+        narrow = self.size.width < NARROW_WIDTH
+        panels = self.query_one("#grok-panels")
+        if narrow:
+            panels.styles.layout = "grid"
+            panels.styles.grid_size_columns, panels.styles.grid_size_rows = 2, 2
+        else:
+            panels.styles.layout = "horizontal"
+        self.query_one("#grok-grad", CurvePlot).set_title(GRAD_TITLES[narrow])
 
     def on_screen_resume(self) -> None:
         super().on_screen_resume()
