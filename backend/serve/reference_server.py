@@ -41,11 +41,12 @@ FLUSH_BODY = ("Cache flushed.\nPlease check backend logs for more details. "
               "(When there are running or waiting requests, the operation will not be performed.)\n")
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
 # Sampling parameters that would change greedy output; refused unless left at their neutral value.
-NEUTRAL_SAMPLING = {"top_k": (-1, 1, None), "top_p": (1.0, 1, None), "min_p": (0.0, 0, None),
-                    "repetition_penalty": (1.0, 1, None), "frequency_penalty": (0.0, 0, None),
-                    "presence_penalty": (0.0, 0, None), "n": (1, None), "min_new_tokens": (0, None),
-                    "stop_regex": (None, [], ""), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
-                    "structural_tag": (None,), "logit_bias": (None, {})}
+NEUTRAL_SAMPLING: dict[str, tuple[object, ...]] = {
+    "top_k": (-1, 1, None), "top_p": (1.0, 1, None), "min_p": (0.0, 0, None),
+    "repetition_penalty": (1.0, 1, None), "frequency_penalty": (0.0, 0, None),
+    "presence_penalty": (0.0, 0, None), "n": (1, None), "min_new_tokens": (0, None),
+    "stop_regex": (None, [], ""), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
+    "structural_tag": (None,), "logit_bias": (None, {})}
 IGNORED_SAMPLING = ("spaces_between_special_tokens", "sampling_seed", "custom_params")
 HANDLED_SAMPLING = ("temperature", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "no_stop_trim",
                     "skip_special_tokens")
@@ -218,6 +219,8 @@ class Engine:
 
         from backend.train.target import load_target
 
+        if speculative and draft_dir is None:
+            raise ValueError("a speculative engine needs a draft checkpoint directory; none was given, nothing was loaded")
         torch.set_grad_enabled(False)
         self.profile = profile
         self.speculative = speculative
@@ -230,7 +233,7 @@ class Engine:
         self.expected_feature_width = None
         draft = None
         aux_ids = list(profile.target.aux_layer_ids)
-        if speculative:
+        if speculative and draft_dir is not None:  # (a speculative engine without one was refused above)
             from backend.train.checkpoint import load_checkpoint
 
             draft, config, _meta, _state = load_checkpoint(draft_dir, target_embedding=self.target.embed_weight())
@@ -622,8 +625,8 @@ class Handler(BaseHTTPRequestHandler):
     responded = False
 
     def setup(self) -> None:
-        self.timeout = self.server.request_timeout  # every socket read and write; a stalled client frees its thread
         super().setup()
+        self.connection.settimeout(self.server.request_timeout)  # every socket read and write; a stalled client frees its thread
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request would drown the job log; generate() logs its own summary
