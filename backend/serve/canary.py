@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from backend.serve import http
 
@@ -172,7 +172,7 @@ def mean_of_request_means(pairs: list[tuple[int, int]]) -> float | None:
 
 
 def acceptance_report(requests: list[tuple[int, int, list[int] | None]], num_steps: int | None,
-                      val_acc: list[float] | None = None, histogram_notes: list[str] = ()) -> dict[str, Any]:
+                      val_acc: list[float] | None = None, histogram_notes: Sequence[str] = ()) -> dict[str, Any]:
     """Both accept-length definitions, served acceptance per position, and the first break against validation.
 
     requests: (completion_tokens, verify_ct, histogram or None) per finished request. Requests without a histogram
@@ -342,7 +342,7 @@ def feature_mismatch(features: dict[str, Any]) -> str | None:
 
 
 def ordered_causes(base: list[dict[str, Any]], preflight_codes: list[str], server_info: dict[str, Any],
-                   lead: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+                   lead: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """Catalog order, with causes confirmed by preflight codes or the server info moved to the front."""
     algorithm = server_info.get("speculative_algorithm")
     listed = []
@@ -367,7 +367,7 @@ def judge(
     tau: float | None,
     features: dict[str, Any],
     server_info: dict[str, Any],
-    preflight_codes: list[str] = (),
+    preflight_codes: Sequence[str] = (),
     ratio: float = REPRODUCE_RATIO,
     min_tau: float = MIN_TAU_HAT,
 ) -> tuple[str, str, list[str], list[dict[str, Any]]]:
@@ -397,7 +397,7 @@ def judge(
         reasons.append(f"serving does not reproduce training: accept length {accept_length:.2f} < {ratio} x "
                        f"tau-hat {tau:.2f} = {ratio * tau:.2f}")
         base = CAUSES[:4] + [DISTRIBUTION_CAUSE] + CAUSES[4:]
-    if reasons:
+    if reasons or accept_length is None:  # (a missing accept length is always among the reasons)
         return RED, reasons[0], reasons, ordered_causes(base, list(preflight_codes), server_info, lead)
     if tau is not None and tau < min_tau:
         return AMBER, *not_learned_yet(accept_length, tau, ratio, min_tau, ceiling), []
@@ -430,7 +430,7 @@ def run_canary(
     num_steps: int,
     val_acc: list[float] | None = None,
     max_new_tokens: int = 128,
-    preflight_codes: list[str] = (),
+    preflight_codes: Sequence[str] = (),
     ratio: float = REPRODUCE_RATIO,
     timeout_s: float = 600.0,
 ) -> CanaryResult:
