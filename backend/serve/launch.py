@@ -69,11 +69,13 @@ def target_config_for(profile: Profile, explicit: str | None = None) -> str | di
             "num_hidden_layers": target.num_layers, "vocab_size": target.vocab_size, "torch_dtype": target.dtype}
 
 
-def reference_argv(profile: Profile, draft_dir: str, port: int, *, host: str = "127.0.0.1", feed: str = "aux",
+def reference_argv(profile: Profile, draft_dir: str | None, port: int, *, host: str = "127.0.0.1", feed: str = "aux",
                    num_steps: int | None = None, speculative: bool = True) -> list[str]:
     argv = [sys.executable, "-m", "backend.serve.reference_server", "--profile", profile.source or profile.name,
             "--host", host, "--port", str(port)]
     if speculative:
+        if draft_dir is None:
+            raise ValueError("a speculative reference server needs the draft checkpoint directory")
         argv += ["--draft", str(draft_dir), "--feed", feed, "--num-steps", str(num_steps or profile.serve.num_steps)]
     else:
         argv.append("--no-speculation")
@@ -201,14 +203,16 @@ def launch(
     """speculative=False starts the same target without a draft (the benchmark baseline): no preflight, no canary."""
     if engine not in ENGINES or feed not in FEEDS:
         raise ValueError(f"engine must be one of {ENGINES} and feed one of {FEEDS}; got {engine!r}, {feed!r}")
-    if speculative and draft_dir is None:
-        raise ValueError("a speculative launch needs the draft checkpoint directory")
-    draft = str(resolve_draft_dir(Path(draft_dir).expanduser())) if speculative else None
+    draft = None
+    if speculative:
+        if draft_dir is None:
+            raise ValueError("a speculative launch needs the draft checkpoint directory")
+        draft = str(resolve_draft_dir(Path(draft_dir).expanduser()))
     port = port or (http.free_port(host) if engine == "reference" else profile.serve.port)
     url = http.base_url("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
     argv = build_argv(profile, draft, engine, port, feed=feed, host=host, speculative=speculative)
     result = LaunchResult(ok=False, state="refused", message="", engine=engine, url=url, argv=argv, forced=force)
-    if not speculative:
+    if draft is None:  # speculative=False
         return _start_and_wait(result, profile, argv, url, run_dir, job_name or f"serve-{profile.name}-{engine}-baseline",
                                env, ready_timeout_s, log, expected={"speculative_algorithm": None})
 
