@@ -13,7 +13,7 @@ from test_console_snapshots import frozen_state
 
 SIZES = [(100, 30), (170, 45)]
 SCREENS = {"1": "dashboard", "2": "training", "3": "logs", "4": "grokking", "5": "chain"}
-SCREEN_KEYS = {"dashboard": {"h"}, "training": {"x", "y", "e", "+", "-", ",", ".", "0"}, "logs": {"f", "o"},
+SCREEN_KEYS = {"dashboard": {"h"}, "training": {"x", "y", "e", "o", "+", "-", ",", ".", "0"}, "logs": {"f", "o"},
                "grokking": {"+", "-", ",", ".", "0"}, "chain": set()}
 APP_KEYS = {a.key for a in ACTIONS if a.screen is None and a.name not in MULTI_HOST_ACTIONS}  # a one-host console's keys
 MULTI_HOST_KEYS = {a.key for a in ACTIONS if a.name in MULTI_HOST_ACTIONS}

@@ -19,7 +19,6 @@ TRAIN_EMA = 0.9  # the host's signals use the same weights (docs/grokking.md)
 VAL_EMA = 0.3
 MODULE_COLORS = ("green", "magenta", "orange", "blue", "red", "gold")
 NARROW_WIDTH = 140  # below it the four panels go two by two (the acceptance table needs ~35 columns)
-GRAD_TITLES = ("grad norm (pre-clip)", "grad norm")  # wide, narrow: plotext drops a title wider than its plot
 
 
 class GrokkingScreen(ZoomableScreen):
@@ -35,7 +34,7 @@ class GrokkingScreen(ZoomableScreen):
         with Horizontal(id="grok-plots"):
             yield CurvePlot("loss, EMA", id="grok-loss")
             yield CurvePlot("weight norm", id="grok-weight")
-            yield CurvePlot("grad norm (pre-clip)", id="grok-grad")
+            yield CurvePlot("grad norm (pre-clip)", "grad norm", id="grok-grad")
             yield CurvePlot("learning rate", id="grok-lr")
         with Horizontal(id="grok-panels"):
             with VerticalScroll(classes="grok-panel"):
@@ -68,7 +67,6 @@ class GrokkingScreen(ZoomableScreen):
             panels.styles.grid_size_columns, panels.styles.grid_size_rows = 2, 2
         else:
             panels.styles.layout = "horizontal"
-        self.query_one("#grok-grad", CurvePlot).set_title(GRAD_TITLES[narrow])
 
     def on_screen_resume(self) -> None:
         super().on_screen_resume()

@@ -1,5 +1,8 @@
-"""Training: train/val loss and LR curves of the selected job, and validation accuracy per TTT step."""
+"""Training: loss, validation accuracy and LR curves of the selected job, optionally over a second job's (the overlay), and
+validation accuracy per TTT step."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -10,13 +13,19 @@ from textual.widgets import DataTable, Footer, Header, Static
 
 from console.screens.base import touches
 from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
+from console.state import JobMetrics, Series
 from console.widgets.banner import ConnectionBanner
-from console.widgets.curve_plot import CurveOptions, CurvePlot
+from console.widgets.curve_plot import CurveOptions, CurvePlot, SeriesSpec
 from console.widgets.format import percent
-from console.widgets.history import history_spec, history_text, indexing_text
+from console.widgets.history import acc_tail, history_spec, history_text, indexing_text, next_overlay, overlay_candidates
 
 EMA_WEIGHT = 0.9
 ACC_ROWS = 8
+ACC_KEY = "val.acc.0"  # the host index's series of val acc[0]; drawn from the val rows held here when the summary lacks it
+# The overlay's curves: dim shades (xterm-256) of the selected job's cyan / orange / green.
+COLORS: dict[str, str | int] = {"train": "cyan", "val": "orange", "lr": "green", "acc": "orange"}
+OVERLAY_COLORS: dict[str, str | int] = {"train": 66, "val": 137, "lr": 65, "acc": 137}
+TITLES = {"loss": "loss", "acc": "val acc@0", "lr": "learning rate"}
 
 
 class TrainingScreen(ZoomableScreen):
@@ -26,6 +35,7 @@ class TrainingScreen(ZoomableScreen):
         Binding("x", "toggle_log_step", "Log step"),
         Binding("y", "toggle_log_y", "Log y"),
         Binding("e", "toggle_ema", "EMA"),
+        Binding("o", "next_overlay", "Overlay", tooltip="draw another training job or watched run on the same axes (cycles, then off)"),
         *ZOOM_BINDINGS,
     ]
 
@@ -36,6 +46,8 @@ class TrainingScreen(ZoomableScreen):
     def __init__(self, *, raw_plots: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.raw_plots = raw_plots
+        self.overlay: str | None = None  # the job whose curves are drawn dim under the selected one's
+        self._acc_tails: dict[str, tuple[tuple, Series]] = {}
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -43,6 +55,9 @@ class TrainingScreen(ZoomableScreen):
         yield Static(id="training-title")
         with Horizontal(id="plots"):
             yield CurvePlot("loss", id="loss-plot", raw=self.raw_plots)
+            acc = CurvePlot("val acc@0", id="acc-plot", raw=self.raw_plots)
+            acc.styles.width = "2fr"
+            yield acc
             yield CurvePlot("learning rate", id="lr-plot", raw=self.raw_plots)
         yield Static("Validation accuracy per TTT step (newest first)", classes="section-title")
         yield DataTable(id="acc-table", zebra_stripes=True, cursor_type="none")
@@ -59,6 +74,18 @@ class TrainingScreen(ZoomableScreen):
 
     def action_toggle_ema(self) -> None:
         self.smooth = not self.smooth
+
+    def action_next_overlay(self) -> None:
+        """Overlay the next of the host's other training jobs and watched runs; after the last one, none."""
+        candidates = overlay_candidates(self.console.state, self.console.selected_job)
+        if not candidates:
+            self.overlay = None
+            self.console.note("nothing to overlay: no other training job or watched run on this host")
+        else:
+            self.overlay = next_overlay(candidates, self.overlay)
+        if self.overlay:
+            self.console.ensure_summary(self.overlay, log_x=self.log_step)
+        self.show_state({"options"})
 
     def watch_log_step(self) -> None:
         if self.log_step:
@@ -77,6 +104,12 @@ class TrainingScreen(ZoomableScreen):
     def options(self) -> CurveOptions:
         return CurveOptions(log_x=self.log_step, log_y=self.log_y, ema_weight=EMA_WEIGHT if self.smooth else 0.0)
 
+    def current_overlay(self) -> str | None:
+        """The overlay while it is still one of the candidates (not gone, not the selected job itself)."""
+        if self.overlay not in overlay_candidates(self.console.state, self.console.selected_job):
+            self.overlay = None
+        return self.overlay
+
     def draw(self, changed: set[str] | None) -> None:
         if touches(changed, "metrics_progress") and not touches(changed, "metrics", "selection", "options", "jobs"):
             job = self.console.selected_job
@@ -88,27 +121,59 @@ class TrainingScreen(ZoomableScreen):
             self.view = None
         job = self.console.selected_job
         metrics = self.console.state.metrics.get(job) if job else None
+        overlay = self.current_overlay()
+        other = self.console.state.metrics.get(overlay) if overlay else None
+        if overlay:
+            self.console.ensure_summary(overlay, log_x=self.log_step)  # at most every few seconds (the app's summary refresh)
         self.query_one("#training-title", Static).update(self._title(job, metrics))
         options = self.options()
-        if metrics is None:
-            self.query_one("#loss-plot", CurvePlot).set_data([], options)
-            self.query_one("#lr-plot", CurvePlot).set_data([], options)
-        else:
-            log_x, view = self.log_step, self.view
-            self.query_one("#loss-plot", CurvePlot).set_data([
-                history_spec("train", metrics, "train.loss", metrics.train_loss, "cyan", log_x=log_x, view=view),
-                history_spec("val", metrics, "val.loss", metrics.val_loss, "orange", log_x=log_x, view=view),
-            ], options)
-            self.query_one("#lr-plot", CurvePlot).set_data(
-                [history_spec("lr", metrics, "lr", metrics.lr, "green", log_x=log_x, view=view)], options)
+        plots = {name: self.query_one(f"#{name}-plot", CurvePlot) for name in ("loss", "acc", "lr")}
+        for name, plot in plots.items():
+            what = TITLES[name]
+            plot.set_title(*([f"{what}: {job} vs {overlay} (dim)", f"{what} vs {overlay} (dim)", f"{what} + overlay (dim)", what]
+                             if overlay else [what]))
+        specs: dict[str, list[SeriesSpec]] = {"loss": [], "acc": [], "lr": []}
+        layers: list[tuple[str | None, JobMetrics | None, dict[str, str | int], str]] = [
+            (overlay, other, OVERLAY_COLORS, f"{overlay} "), (job, metrics, COLORS, "")]
+        for owner, source, colors, prefix in layers:  # the overlay first, so the selected job's curves are drawn over it
+            if owner is None or source is None:
+                continue
+            specs["loss"] += [self._spec(prefix, "train", source, "train.loss", source.train_loss, colors["train"]),
+                              self._spec(prefix, "val", source, "val.loss", source.val_loss, colors["val"])]
+            specs["acc"].append(self._spec(prefix, "acc@0", source, ACC_KEY, self._acc_tail(owner, source), colors["acc"]))
+            specs["lr"].append(self._spec(prefix, "lr", source, "lr", source.lr, colors["lr"]))
+        for name, plot in plots.items():  # log y is for loss and LR (the key's help): accuracies stay linear
+            plot.set_data(specs[name], replace(options, log_y=False) if name == "acc" else options)
         self._draw_accuracy(metrics)
+
+    def _spec(self, prefix: str, label: str, metrics: JobMetrics, key: str, tail: Series, color: str | int) -> SeriesSpec:
+        spec = history_spec(label, metrics, key, tail, color, log_x=self.log_step, view=self.view)
+        spec.prefix = prefix
+        return spec
+
+    def _acc_tail(self, job: str, metrics: JobMetrics) -> Series:
+        """acc@0 of the val rows held for `job`, rebuilt only when they changed (its version keeps the plot's cache)."""
+        rows = metrics.val_acc
+        key = (id(metrics), len(rows), rows[-1][0] if rows else None)
+        cached = self._acc_tails.get(job)
+        if cached is None or cached[0] != key:
+            cached = (key, acc_tail(metrics))
+            self._acc_tails[job] = cached
+        return cached[1]
 
     def _title(self, job: str | None, metrics) -> Text:
         if not job:
             return Text("no job selected (press ] or [ to pick one)")
         on = lambda flag: "on" if flag else "off"
         text = Text(f"{job} · {history_text(metrics)} · {self.view_text()} (+ - , . 0) · log step {on(self.log_step)} (x) · "
-                    f"log y {on(self.log_y)} (y) · EMA {'0.9' if self.smooth else 'off'} (e)")
+                    f"log y {on(self.log_y)} (y) · EMA {'0.9' if self.smooth else 'off'} (e) · overlay ")
+        overlay = self.overlay
+        if overlay:
+            text.append(overlay, style="bold")
+            other = self.console.state.metrics.get(overlay)
+            text.append(f" dim, {history_text(other)} (o)" if other else " dim, loading (o)")
+        else:
+            text.append("off (o)")
         indexing = indexing_text(metrics)
         if indexing:
             text.append(f" · {indexing}", style="yellow")
@@ -125,4 +190,3 @@ class TrainingScreen(ZoomableScreen):
         table.add_columns("step", *[f"acc@{i}" for i in range(width)])
         for step, acc in rows:
             table.add_row(f"{step:g}", *[percent(a) for a in acc], *[""] * (width - len(acc)))
-

@@ -63,6 +63,31 @@ def default_y_label_width(lo: float, hi: float) -> int:
     return plotext_utility.max_length(plotext_utility.get_labels(plotext_utility.linspace(lo, hi, PLOTEXT_Y_TICKS)))
 
 
+def legend_labels(entries: list[tuple[str, str, int]], cells: int) -> list[str]:
+    """Legend texts for (prefix, label, points) entries that fit a canvas `cells` wide (plotext hides a legend whose
+    longest entry is wider than cells - 5): with point counts, then without, then shorter prefixes, then cut."""
+    room = cells - 5
+    full = [f"{prefix}{label} ({points})" for prefix, label, points in entries]
+    if max(map(len, full), default=0) <= room:
+        return full
+    for keep in (None, 8, 4, 0):
+        texts = [(prefix if keep is None or len(prefix) <= keep + 1 else prefix[:keep] + "… " if keep else "") + label
+                 for prefix, label, _ in entries]
+        if max(map(len, texts), default=0) <= room:
+            return texts
+    return [text if len(text) <= room else text[:max(1, room - 1)] + "…" for text in texts]
+
+
+def fitting_title(titles: list[str], label_width: int, cells: int, width: int) -> str:
+    """The first title plotext can place: it centres a title on the canvas and drops one that crosses the plot's edge."""
+    centre = label_width + 1 + cells // 2
+    for title in titles:
+        start = centre - len(title) // 2
+        if start >= 0 and start + len(title) <= width:
+            return title
+    return titles[-1]
+
+
 @dataclass(frozen=True)
 class CurveOptions:
     log_x: bool = False
@@ -76,7 +101,8 @@ class SeriesSpec:
 
     label: str
     series: Series
-    color: str
+    color: str | int  # a plotext colour name or an xterm-256 index
+    prefix: str = ""  # whose curve, in the legend ("grok-1 "): shortened first when the legend does not fit
     buckets: list[dict] | None = None
     end_step: float | None = None  # the last step the buckets cover
     step_from: float | None = None  # a zoomed view's range
@@ -90,12 +116,13 @@ class CurvePlot(PlotextPlot):
     """Set `specs` and `options`, call `replot()`; resizing replots with the new bucket count.
 
     Half-block ("hd") markers: half the build cost of braille, and 2 dots per cell match the
-    min/max pair each downsampling bucket (one per column) yields.
+    min/max pair each downsampling bucket (one per column) yields. Titles, legends and log-axis ticks are fitted to
+    the plot's size, since plotext silently drops whatever does not fit.
     """
 
-    def __init__(self, title: str, *, raw: bool = False, **kwargs):
+    def __init__(self, title: str, *shorter: str, raw: bool = False, **kwargs):
         super().__init__(**kwargs)
-        self.title = title
+        self.titles = [title, *shorter]  # the longest first; replot shows the first that fits
         self.raw = raw  # plot every point (only the benchmark's peer uses this)
         self.specs: list[SeriesSpec] = []
         self.options = CurveOptions()
@@ -103,15 +130,22 @@ class CurvePlot(PlotextPlot):
         self._drawn_key: tuple | None = None
         self.x_ticks: Ticks | None = None  # the log-axis ticks handed to plotext by the last replot (None: plotext's own)
         self.y_ticks: Ticks | None = None
+        self.shown_title = title  # what the last replot handed plotext
+        self.legend: list[str] = []
+
+    @property
+    def title(self) -> str:
+        return self.titles[0]
 
     def set_data(self, specs: list[SeriesSpec], options: CurveOptions) -> None:
         self.specs = specs
         self.options = options
         self.replot()
 
-    def set_title(self, title: str) -> None:
-        if title != self.title:
-            self.title = title
+    def set_title(self, *titles: str) -> None:
+        """One title, or several from the longest to the shortest: the first that fits the plot is shown."""
+        if list(titles) != self.titles:
+            self.titles = list(titles)
             self._drawn_key = None
             self.replot()
 
@@ -138,7 +172,7 @@ class CurvePlot(PlotextPlot):
             return prepare_curve(spec.series.steps, spec.series.values, buckets=10**9, log_x=options.log_x, log_y=options.log_y, ema_weight=options.ema_weight)
         key = (id(spec.series), spec.series.version, len(spec.series), id(spec.buckets), spec.end_step, spec.step_from,
                spec.step_to, self.buckets(), options)
-        cached = self._cache.get(spec.label)
+        cached = self._cache.get(spec.prefix + spec.label)
         if cached is not None and cached[0] == key:
             return cached[1]
         steps, values = history_points(spec.buckets, spec.series.steps, spec.series.values, spec.end_step,
@@ -146,12 +180,12 @@ class CurvePlot(PlotextPlot):
         curve = prepare_curve(steps, values, buckets=self.buckets(), log_x=options.log_x, log_y=options.log_y, ema_weight=options.ema_weight)
         if spec.total is not None:
             curve.source_points = spec.total
-        self._cache[spec.label] = (key, curve)
+        self._cache[spec.prefix + spec.label] = (key, curve)
         return curve
 
     def replot(self) -> None:
-        key = (tuple((s.label, id(s.series), s.series.version, id(s.buckets), s.step_from, s.step_to, len(s.markers)) for s in self.specs),
-               self.options, self.size.width, self.size.height)
+        key = (tuple((s.prefix, s.label, id(s.series), s.series.version, id(s.buckets), s.step_from, s.step_to, len(s.markers))
+                     for s in self.specs), self.options, self.size.width, self.size.height)
         if key == self._drawn_key and not self.raw:
             return
         self._drawn_key = key
@@ -159,56 +193,58 @@ class CurvePlot(PlotextPlot):
         plt.clear_data()
         plt.clear_figure()
         self.x_ticks = self.y_ticks = None
+        self.legend = []
+        width, height = self.size.width, self.size.height
         curves = [(spec, self.curve(spec)) for spec in self.specs]
         drawn = [(spec, c) for spec, c in curves if c.xs]
-        hidden = sum(c.hidden_points for _, c in curves)
-        title = self.title
-        if hidden:
-            title += f" ({hidden} pts ≤0 hidden on log axis)"
-        plt.title(title)
         if not drawn:
-            plt.title(f"{self.title}: no data yet")
+            self.shown_title = f"{self.title}: no data yet"
+            plt.title(self.shown_title)
             self.refresh()
             return
-        for spec, curve in drawn:
-            plt.plot(curve.xs, curve.ys, label=f"{spec.label} ({curve.source_points})", color=spec.color, marker="hd")
-        marker_xs = self._draw_markers([c for _, c in drawn])
-        self._set_ticks([c for _, c in drawn], marker_xs)
+        plotted = [c for _, c in drawn]
+        y_span = span(plotted, "y")
+        marker_xs = self._marker_xs()
+        if self.options.log_y and y_span:
+            y_lo, y_hi = plotext_utility.get_lim(list(y_span))
+            self.y_ticks = spaced_y_ticks(log_ticks(*y_span, max_ticks=max(3, height // 3)), y_lo, y_hi, max(1, height - FRAME_ROWS))
+            plt.yticks(self.y_ticks.positions, self.y_ticks.labels)
+        label_width = (max(map(len, self.y_ticks.labels), default=0) if self.y_ticks is not None
+                       else default_y_label_width(*y_span) if y_span else 0)
+        cells = max(1, width - FRAME_COLUMNS - label_width)
+        entries = [(spec.prefix, spec.label, curve.source_points) for spec, curve in drawn]
+        if marker_xs:
+            entries.append(("", "NaN/inf", len(marker_xs)))
+        self.legend = legend_labels(entries, cells)
+        rows = height - FRAME_ROWS
+        if len(entries) * (max(map(len, self.legend)) + 5) > rows * cells / 2:
+            self.legend = []  # it would cover more than half the canvas: the curves matter more
+        labels: list[str | None] = list(self.legend) or [None] * len(entries)
+        for (spec, curve), label in zip(drawn, labels):
+            plt.plot(curve.xs, curve.ys, label=label, color=spec.color, marker="hd")
+        if marker_xs and y_span:  # NaN/inf values as red x along the top edge, at their steps (they have no y of their own)
+            plt.scatter(marker_xs, [y_span[1]] * len(marker_xs), marker="x", color="red", label=labels[-1])
+        if self.options.log_x:
+            self._set_x_ticks(plotted, marker_xs, label_width, cells)
+        hidden = sum(c.hidden_points for _, c in curves)
+        suffix = f" ({hidden} pts ≤0 hidden on log axis)" if hidden else ""
+        titles = [title + suffix for title in self.titles] + ([f"{self.titles[-1]} ({hidden} hidden ≤0)"] if hidden else [])
+        self.shown_title = fitting_title(titles + self.titles[-1:], label_width, cells, width)
+        plt.title(self.shown_title)
         plt.xlabel("step (log)" if self.options.log_x else "step")
         self.refresh()
 
-    def _draw_markers(self, curves: list[Curve]) -> list[float]:
-        """NaN/inf values as red x along the top edge, at their steps (they have no y of their own); returns their x."""
+    def _marker_xs(self) -> list[float]:
         steps = sorted({m for spec in self.specs for m in spec.markers})
-        if self.options.log_x:
-            steps = [math.log10(m) for m in steps if m > 0]
-        y_span = span(curves, "y")
-        if not steps or y_span is None:
-            return []
-        self.plt.scatter(steps, [y_span[1]] * len(steps), marker="x", color="red", label=f"NaN/inf ({len(steps)})")
-        return steps
+        return [math.log10(m) for m in steps if m > 0] if self.options.log_x else steps
 
-    def _set_ticks(self, curves: list[Curve], marker_xs: list[float]) -> None:
-        """Our log-axis ticks, thinned so that no two labels touch at this size (which plotext would resolve in a
-        hash-seeded order); linear axes keep plotext's own evenly spaced ticks, placed in order."""
-        plt = self.plt
-        width, height = self.size.width, self.size.height
-        y_span = span(curves, "y")
-        y_ticks = None
-        if self.options.log_y and y_span:
-            y_ticks = log_ticks(*y_span, max_ticks=max(3, height // 3))
-            y_lo, y_hi = plotext_utility.get_lim(list(y_span))
-            y_ticks = spaced_y_ticks(y_ticks, y_lo, y_hi, max(1, height - FRAME_ROWS))
-            plt.yticks(y_ticks.positions, y_ticks.labels)
-            self.y_ticks = y_ticks
-        if self.options.log_x:
-            x_span = span(curves, "x")
-            if x_span:
-                lo, hi = plotext_utility.get_lim([*x_span, *marker_xs])
-                label_width = (max((len(label) for label in y_ticks.labels), default=0) if y_ticks is not None
-                               else default_y_label_width(*y_span) if y_span else 0)
-                cells = max(1, width - FRAME_COLUMNS - label_width)
-                ticks = log_ticks(*x_span, si=True, max_ticks=max(3, width // 12))
-                ticks = spaced_x_ticks(ticks, lo, hi, cells, offset=label_width + 1)
-                plt.xticks(ticks.positions, ticks.labels)
-                self.x_ticks = ticks
+    def _set_x_ticks(self, curves: list[Curve], marker_xs: list[float], label_width: int, cells: int) -> None:
+        """Our log-step ticks, thinned so that no two labels touch at this width (plotext would resolve that in a
+        hash-seeded order); a linear axis keeps plotext's own evenly spaced ticks, placed in order."""
+        x_span = span(curves, "x")
+        if not x_span:
+            return
+        lo, hi = plotext_utility.get_lim([*x_span, *marker_xs])
+        ticks = log_ticks(*x_span, si=True, max_ticks=max(3, self.size.width // 12))
+        self.x_ticks = spaced_x_ticks(ticks, lo, hi, cells, offset=label_width + 1)
+        self.plt.xticks(self.x_ticks.positions, self.x_ticks.labels)

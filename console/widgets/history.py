@@ -1,12 +1,14 @@
-"""Curves of a job's whole history: the host's buckets (the whole run, or a zoomed step range) joined to the live tail, with NaN/inf markers."""
+"""Curves of a job's whole history: the host's buckets (the whole run, or a zoomed step range) joined to the live tail, with
+NaN/inf markers; which other job's curves the Training screen can overlay."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from console.state import JobMetrics, Series, Summary
+from console.state import ConsoleState, JobMetrics, Series, Summary
 from console.widgets.curve_plot import SeriesSpec
 
 MIN_VIEW_STEPS = 16
+OVERLAY_KINDS = ("train",)  # besides watched runs (external), the jobs whose curves the Training screen can overlay
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ def view_summary(metrics: JobMetrics, log_x: bool, view: StepView | None) -> Sum
     return metrics.summary(log_x)
 
 
-def history_spec(label: str, metrics: JobMetrics, key: str, tail: Series, color: str, *, log_x: bool,
+def history_spec(label: str, metrics: JobMetrics, key: str, tail: Series, color: str | int, *, log_x: bool,
                  view: StepView | None, ema_weight: float | None = None) -> SeriesSpec:
     summary = view_summary(metrics, log_x, view)
     buckets, end, markers = None, None, []
@@ -102,3 +104,26 @@ def indexing_text(metrics) -> str:
     done, total = progress.get("indexed_bytes") or 0, progress.get("file_bytes") or 0
     percent_done = f"{100 * done / total:.0f}%" if total else "?"
     return f"indexing the history {percent_done} ({done / 2**20:.0f}/{total / 2**20:.0f} MiB), newest records shown meanwhile"
+
+
+def overlay_candidates(state: ConsoleState, selected: str | None) -> list[str]:
+    """The host's other training jobs and watched runs, newest first (the jobs table's order)."""
+    return [name for name, info in reversed(list(state.jobs.items()))
+            if name != selected and (info.kind in OVERLAY_KINDS or state.is_external(name))]
+
+
+def next_overlay(candidates: list[str], current: str | None) -> str | None:
+    """The key cycles off -> each candidate -> off; an overlay that is gone (or now selected) starts over."""
+    if current not in candidates:
+        return candidates[0] if candidates else None
+    index = candidates.index(current) + 1
+    return candidates[index] if index < len(candidates) else None
+
+
+def acc_tail(metrics: JobMetrics, position: int = 0) -> Series:
+    """The val accuracy at one TTT position as a series, from the val records held here (the accuracy table's rows)."""
+    series = Series()
+    for step, acc in metrics.val_acc:
+        if len(acc) > position:
+            series.append(step, acc[position])
+    return series
