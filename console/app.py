@@ -95,6 +95,8 @@ ACTIONS = [
     ConsoleAction("toggle_log_step", "x", "Log step", "Training: step axis log10 on/off", screen="training"),
     ConsoleAction("toggle_log_y", "y", "Log y", "Training: loss and LR on a log10 axis on/off", screen="training"),
     ConsoleAction("toggle_ema", "e", "EMA", "Training: EMA smoothing (0.9) on/off", screen="training"),
+    ConsoleAction("next_overlay", "o", "Overlay", "Training: draw another training job or watched run on the same axes (cycles, then off)",
+                  screen="training"),
     ConsoleAction("toggle_follow", "f", "Follow", "Logs: scroll to new lines on/off", screen="logs"),
     ConsoleAction("switch_stream", "o", "Live stream", "Logs: follow stdout or stderr live", screen="logs"),
 ]
