@@ -1,4 +1,5 @@
 """`python -m backend`: same as the `eagle3-host` command."""
+
 import sys
 
 from backend.cli import main

@@ -1,4 +1,5 @@
 """The host agent: reads JSON-line requests on stdin, answers them and streams GPU, job, metrics, stage, disk and log events on stdout."""
+
 from __future__ import annotations
 
 import argparse
@@ -170,8 +171,15 @@ class JobFiles:
 
 
 class Agent:
-    def __init__(self, run_dir: str | Path, interval: float = 1.0, data_dirs: list[str] | None = None, out: BinaryIO | None = None, gpu_source: GpuSource | None = None,
-                 stall_after: float = STALL_AFTER_S):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        interval: float = 1.0,
+        data_dirs: list[str] | None = None,
+        out: BinaryIO | None = None,
+        gpu_source: GpuSource | None = None,
+        stall_after: float = STALL_AFTER_S,
+    ):
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.interval = interval
         self.data_dirs = list(data_dirs or [])  # given explicitly: always reported
@@ -430,9 +438,16 @@ class Agent:
             behind = getattr(reader, "bytes_read", 0) < getattr(reader, "bytes_total", 0)
             if behind or watch.get("catching_up"):  # a big backlog: progress and the index, not megabytes of events
                 watch["catching_up"] = behind
-                self.out.send({"type": Event.INDEX_PROGRESS, "job": name, "indexed_bytes": reader.bytes_read,
-                               "file_bytes": reader.bytes_total, "caught_up": not behind,
-                               "total_records": watch["index"].total_records})
+                self.out.send(
+                    {
+                        "type": Event.INDEX_PROGRESS,
+                        "job": name,
+                        "indexed_bytes": reader.bytes_read,
+                        "file_bytes": reader.bytes_total,
+                        "caught_up": not behind,
+                        "total_records": watch["index"].total_records,
+                    }
+                )
             elif records:
                 self.out.send({"type": Event.METRICS, "job": name, "records": records, "offset": watch["count"], "start_offset": start})
 
@@ -563,8 +578,9 @@ class Agent:
         return {"verdicts": verdicts, "unrecorded": self.registry.unrecorded()}
 
     def _adopt_job(self, message: dict) -> dict:
-        info = self.registry.adopt(param(message, "pid", int), param(message, "name", str), param(message, "confirm_pid", int),
-                                   other_user=param(message, "other_user", bool, False))
+        info = self.registry.adopt(
+            param(message, "pid", int), param(message, "name", str), param(message, "confirm_pid", int), other_user=param(message, "other_user", bool, False)
+        )
         self._jobs_dirty.set()
         return {"job": self.registry.get(info.name).to_wire(self.stall_after)}
 
@@ -604,16 +620,19 @@ class Agent:
             if not batch:
                 break
             records.extend(batch)
-        return {"records": records, "offset": reader.offset, "bad_lines": reader.bad_records + reader.follower.bad_lines,
-                "more": len(records) >= HISTORY_LIMIT}
+        return {"records": records, "offset": reader.offset, "bad_lines": reader.bad_records + reader.follower.bad_lines, "more": len(records) >= HISTORY_LIMIT}
 
     def _source(self, name: str) -> MetricsSource:
         """The whole-history index of a job or watched run, with its lock, progress and cache (one lookup)."""
         if name in self._externals:
             watch = self._externals[name]
             reader = watch["reader"]
-            progress = {"indexed_bytes": getattr(reader, "bytes_read", None), "file_bytes": getattr(reader, "bytes_total", None),
-                        "caught_up": not watch.get("catching_up"), "total_records": watch["index"].total_records}
+            progress = {
+                "indexed_bytes": getattr(reader, "bytes_read", None),
+                "file_bytes": getattr(reader, "bytes_total", None),
+                "caught_up": not watch.get("catching_up"),
+                "total_records": watch["index"].total_records,
+            }
             return MetricsSource(watch["index"], watch["lock"], progress, watch["cache"], None)
         self.registry.get(name)  # NOT_FOUND for an unknown job
         with self._lock:
@@ -646,9 +665,19 @@ class Agent:
             series = {key: index.buckets(key, step_from, step_to, points, log_x) for key in wanted}
             span = index.step_range()
             nonfinite = {key: sum(b["nonfinite"] for b in buckets) for key, buckets in series.items()}
-            return {"job": name, "series": series, "keys": known, "step_range": list(span) if span else None,
-                    "points": points, "log_x": log_x, "from": step_from, "to": step_to, "nonfinite": nonfinite,
-                    "version": index.version, **source.progress}
+            return {
+                "job": name,
+                "series": series,
+                "keys": known,
+                "step_range": list(span) if span else None,
+                "points": points,
+                "log_x": log_x,
+                "from": step_from,
+                "to": step_to,
+                "nonfinite": nonfinite,
+                "version": index.version,
+                **source.progress,
+            }
 
     def _metrics_window(self, message: dict) -> dict:
         """The last `last` records and the last `val` val records, for the live tail and the accuracy table."""
@@ -716,8 +745,7 @@ class Agent:
         except (OSError, ValueError, RuntimeError) as exc:
             raise BadParams("path", f"{path!r} cannot be watched: {exc}") from None
         job = f"ext:{name}"
-        self._externals[job] = {"reader": reader, "records": [], "count": 0, "index": MetricsIndex(), "lock": threading.RLock(),
-                                "cache": {}}
+        self._externals[job] = {"reader": reader, "records": [], "count": 0, "index": MetricsIndex(), "lock": threading.RLock(), "cache": {}}
         return {"job": job}
 
     def _data_scaling(self, message: dict) -> dict:
@@ -803,10 +831,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m backend.agent", description="eagle3 host agent: JSON lines on stdin/stdout")
     parser.add_argument("--run-dir", required=True, type=Path, help="where jobs.db and job directories live")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between telemetry ticks (default 1.0)")
-    parser.add_argument("--data-dir", action="append", default=[],
-                        help="a data directory whose disk room is reported (repeatable; default: <run-dir>/data when it is on another filesystem)")
-    parser.add_argument("--stall-after", type=float, default=STALL_AFTER_S, metavar="S",
-                        help=f"a running job's rank whose heartbeat is older than S seconds is stalled (default {STALL_AFTER_S:g})")
+    parser.add_argument(
+        "--data-dir",
+        action="append",
+        default=[],
+        help="a data directory whose disk room is reported (repeatable; default: <run-dir>/data when it is on another filesystem)",
+    )
+    parser.add_argument(
+        "--stall-after",
+        type=float,
+        default=STALL_AFTER_S,
+        metavar="S",
+        help=f"a running job's rank whose heartbeat is older than S seconds is stalled (default {STALL_AFTER_S:g})",
+    )
     return parser
 
 

@@ -6,6 +6,7 @@ unless the operator asked to keep it. An amber canary (the draft has not learned
 the server stays up, the benchmark runs, and the result says amber. The result is saved beside the training run so
 runs can be compared.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,7 @@ class StageReporter:
         now = time.time()
         if status == "running":
             self.started[stage] = now
-        record = {"stage": stage, "status": status, "time": now,
-                  "elapsed": round(now - self.started.get(stage, now), 3), "detail": detail}
+        record = {"stage": stage, "status": status, "time": now, "elapsed": round(now - self.started.get(stage, now), 3), "detail": detail}
         if result is not None:
             record["result"] = result
         if self.path is not None:
@@ -90,8 +90,20 @@ def acceptance_summary(acceptance: Any, val_acc: Any) -> dict[str, Any] | None:
     """The canary's acceptance report as saved with the result: both definitions, per position, the first break."""
     if not isinstance(acceptance, dict) or not acceptance:
         return None
-    keys = ("pooled", "pooled_label", "mean_of_request_means", "mean_of_request_means_label", "sum_verify_ct",
-            "per_position", "val_acc", "tau_hat", "break", "break_line", "tolerance", "notes")
+    keys = (
+        "pooled",
+        "pooled_label",
+        "mean_of_request_means",
+        "mean_of_request_means_label",
+        "sum_verify_ct",
+        "per_position",
+        "val_acc",
+        "tau_hat",
+        "break",
+        "break_line",
+        "tolerance",
+        "notes",
+    )
     summary = {k: acceptance.get(k) for k in keys}
     if summary["val_acc"] is None and isinstance(val_acc, list):
         summary["val_acc"] = val_acc
@@ -124,9 +136,16 @@ class StopAndBench:
 
     # ------------------------------------------------------------------ driver
     def run(self) -> dict[str, Any]:
-        steps = [("stop", self.stop_training), ("release", self.confirm_release), ("checkpoint", self.pick_checkpoint),
-                 ("preflight", self.preflight), ("launch", self.launch), ("canary", self.canary),
-                 ("bench", self.bench), ("result", self.save_result)]
+        steps = [
+            ("stop", self.stop_training),
+            ("release", self.confirm_release),
+            ("checkpoint", self.pick_checkpoint),
+            ("preflight", self.preflight),
+            ("launch", self.launch),
+            ("canary", self.canary),
+            ("bench", self.bench),
+            ("result", self.save_result),
+        ]
         for stage, step in steps:
             self.reporter.emit(stage, "running")
             try:
@@ -148,7 +167,7 @@ class StopAndBench:
         self.summary["stages"][stage] = {"status": "failed", "detail": detail}
         self.summary.update(ok=False, failed_stage=stage, reason=detail)
         self.reporter.emit(stage, "failed", detail)
-        for later in STAGES[STAGES.index(stage) + 1:]:
+        for later in STAGES[STAGES.index(stage) + 1 :]:
             self.reporter.emit(later, "skipped", f"not run: {stage} failed")
 
     def _cleanup_after_failure(self, stage: str) -> str:
@@ -174,8 +193,7 @@ class StopAndBench:
         self.summary["train_job_dir"] = info.job_dir
         profile_name = self.options.profile or profile_from_argv(info.argv)
         if not profile_name:
-            raise ChainFailed(f"job {info.name!r} has no --profile in its command line ({shlex.join(info.argv)}); "
-                              "pass --profile. Nothing was stopped.")
+            raise ChainFailed(f"job {info.name!r} has no --profile in its command line ({shlex.join(info.argv)}); pass --profile. Nothing was stopped.")
         self.profile = load_profile(profile_name)
         self.summary["profile"] = self.profile.name
         if info.state != "running":
@@ -186,8 +204,7 @@ class StopAndBench:
         stale = [v for v in verdicts if v.outcome == "stale_not_signalled"]
         result = {"verdicts": [vars(v) for v in verdicts], "planned_pids": [t["pid"] for t in plan.will_signal]}
         if survivors or stale:
-            raise ChainFailed(f"stop of {info.name!r} did not finish cleanly: "
-                              + "; ".join(f"pid {v.pid} {v.outcome} ({v.detail})" for v in survivors + stale))
+            raise ChainFailed(f"stop of {info.name!r} did not finish cleanly: " + "; ".join(f"pid {v.pid} {v.outcome} ({v.detail})" for v in survivors + stale))
         leader = next((v for v in verdicts if v.role == "leader"), None)
         how = leader.outcome if leader else "stopped"
         return f"stopped {info.name!r}: {len(verdicts)} process(es), leader {how}", result
@@ -201,12 +218,12 @@ class StopAndBench:
         finally:
             getattr(source, "close", lambda: None)()
         owned = [h for h in report.holders if h.owned]
-        foreign = [{"pid": h.pid, "user": h.user, "cmdline": h.cmdline, "used_memory_mib": h.used_memory_mib}
-                   for h in report.holders if not h.owned]
+        foreign = [{"pid": h.pid, "user": h.user, "cmdline": h.cmdline, "used_memory_mib": h.used_memory_mib} for h in report.holders if not h.owned]
         self.summary["foreign_gpu_holders"] = foreign
         if owned:
-            raise ChainFailed("GPU memory is still held by processes of our jobs: "
-                              + ", ".join(f"pid {h.pid} ({h.job})" for h in owned) + ". Nothing was launched.")
+            raise ChainFailed(
+                "GPU memory is still held by processes of our jobs: " + ", ".join(f"pid {h.pid} ({h.job})" for h in owned) + ". Nothing was launched."
+            )
         if report.gpu_source == "none":
             detail = "no NVIDIA driver on this host: no GPU memory to release"
         else:
@@ -225,8 +242,7 @@ class StopAndBench:
         meta = config.get("eagle3_console") or {}
         self.summary["checkpoint"] = str(path)
         self.summary["val_acc"] = meta.get("val_acc")
-        return f"latest checkpoint {path.name}", {"path": str(path), "val_acc": meta.get("val_acc"),
-                                                  "val_acc_step": meta.get("val_acc_step")}
+        return f"latest checkpoint {path.name}", {"path": str(path), "val_acc": meta.get("val_acc"), "val_acc_step": meta.get("val_acc_step")}
 
     def preflight(self) -> tuple[str, Any]:
         from backend.serve.launch import target_config_for
@@ -248,19 +264,22 @@ class StopAndBench:
         engine = self.options.engine or self.profile.serve.engine
         name = f"serve-{self.options.job}"
         self.summary["engine"] = engine
-        result = launch(self.profile, self.summary["checkpoint"], engine=engine, port=self.options.port,
-                        run_dir=self.options.run_dir, job_name=name, run_canary=False)
+        result = launch(
+            self.profile, self.summary["checkpoint"], engine=engine, port=self.options.port, run_dir=self.options.run_dir, job_name=name, run_canary=False
+        )
         if result.job_name:
             self.server_job = result.job_name
-        self.summary.update(server_job=result.job_name, url=result.url, argv=result.argv,
-                            server_info=result.server_info)
+        self.summary.update(server_job=result.job_name, url=result.url, argv=result.argv, server_info=result.server_info)
         if result.state != "ready":
             tail = "\n".join(result.log_tail[-10:])
             raise ChainFailed(f"{result.message}" + (f"\nlast log lines:\n{tail}" if tail else ""))
         if result.server_check:
             raise ChainFailed(f"server runs other settings than asked: {'; '.join(result.server_check)}")
-        return f"{engine} ready at {result.url} as job {result.job_name!r} in {result.timings.get('ready_s', 0):.1f}s", \
-            {"url": result.url, "job": result.job_name, "argv": result.argv}
+        return f"{engine} ready at {result.url} as job {result.job_name!r} in {result.timings.get('ready_s', 0):.1f}s", {
+            "url": result.url,
+            "job": result.job_name,
+            "argv": result.argv,
+        }
 
     def canary(self) -> tuple[str, Any]:
         from backend.serve import canary as canary_mod
@@ -268,8 +287,9 @@ class StopAndBench:
 
         info = self.summary.get("server_info") or {}
         steps = int(info.get("speculative_num_steps") or self.profile.serve.num_steps)
-        outcome = canary_mod.run_canary(self.summary["url"], canary_prompts(self.profile), num_steps=steps,
-                                        val_acc=self.summary.get("val_acc"), max_new_tokens=self.options.max_new_tokens)
+        outcome = canary_mod.run_canary(
+            self.summary["url"], canary_prompts(self.profile), num_steps=steps, val_acc=self.summary.get("val_acc"), max_new_tokens=self.options.max_new_tokens
+        )
         canary = outcome.to_dict()
         canary.pop("requests", None)
         self.summary["canary"] = canary
@@ -284,16 +304,16 @@ class StopAndBench:
         from backend.bench import client
 
         prompts = self._bench_prompts()
-        info, levels = asyncio.run(client.run_server(self.summary["url"], prompts, self.options.concurrency,
-                                                     self.options.max_new_tokens))
+        info, levels = asyncio.run(client.run_server(self.summary["url"], prompts, self.options.concurrency, self.options.max_new_tokens))
         rows = [level.to_dict() for level in levels]
         self.summary["bench"] = rows
         failed = sum(row.get("failed", 0) for row in rows)
         if failed == sum(row.get("requests", 0) for row in rows):
             raise ChainFailed(f"every benchmark request failed: {rows[0].get('errors', [])[:1]}")
         best = max(rows, key=lambda row: row.get("output_tok_per_s") or 0)
-        return (f"{best.get('output_tok_per_s') or 0:.1f} tok/s at concurrency {best.get('concurrency')}, "
-                f"accept length {best.get('accept_length') or 0:.2f}"), rows
+        return (
+            f"{best.get('output_tok_per_s') or 0:.1f} tok/s at concurrency {best.get('concurrency')}, accept length {best.get('accept_length') or 0:.2f}"
+        ), rows
 
     def save_result(self) -> tuple[str, Any]:
         result = self.result_panel()
@@ -322,10 +342,15 @@ class StopAndBench:
             "ratio_to_tau_hat": canary.get("ratio_to_tau_hat"),
             # the canary's served acceptance per draft position next to val acc_k, and the first break
             "acceptance": acceptance_summary(canary.get("acceptance"), self.summary.get("val_acc")),
-            "throughput": [{"concurrency": r.get("concurrency"), "output_tok_per_s": r.get("output_tok_per_s"),
-                            "accept_length": r.get("accept_length"),
-                            "accept_length_mean_of_request_means": r.get("accept_length_mean_of_request_means")}
-                           for r in rows],
+            "throughput": [
+                {
+                    "concurrency": r.get("concurrency"),
+                    "output_tok_per_s": r.get("output_tok_per_s"),
+                    "accept_length": r.get("accept_length"),
+                    "accept_length_mean_of_request_means": r.get("accept_length_mean_of_request_means"),
+                }
+                for r in rows
+            ],
             "checkpoint": self.summary.get("checkpoint"),
             "engine": self.summary.get("engine"),
             "argv": self.summary.get("argv"),
@@ -346,5 +371,3 @@ class StopAndBench:
         from backend.gpu import open_gpu_source
 
         return open_gpu_source(stream=False)
-
-

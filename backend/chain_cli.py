@@ -1,4 +1,5 @@
 """`eagle3-host stop-and-bench`, `grok`, `data-scaling`, `results`: the chains the console's keys run, headless."""
+
 from __future__ import annotations
 
 import json
@@ -6,15 +7,25 @@ import sys
 from pathlib import Path
 
 from backend.bench.cli import concurrency_levels
-from backend.commands import (CHAIN_CONCURRENCY_DEFAULT, CHAIN_GRACE_DEFAULT_S, CHAIN_MAX_NEW_TOKENS_DEFAULT, CHAIN_PROMPTS_DEFAULT,
-                              GROK_WEIGHT_DECAY_DEFAULT, grok_argv, grok_job_name)
+from backend.commands import (
+    CHAIN_CONCURRENCY_DEFAULT,
+    CHAIN_GRACE_DEFAULT_S,
+    CHAIN_MAX_NEW_TOKENS_DEFAULT,
+    CHAIN_PROMPTS_DEFAULT,
+    GROK_WEIGHT_DECAY_DEFAULT,
+    grok_argv,
+    grok_job_name,
+)
 
 
 def register(subparsers, parent) -> None:
     chain = subparsers.add_parser(
-        "stop-and-bench", parents=[parent], help="stop training with a checkpoint, serve it, canary, benchmark",
+        "stop-and-bench",
+        parents=[parent],
+        help="stop training with a checkpoint, serve it, canary, benchmark",
         description="Graceful stop of the owned training job -> GPU memory released -> preflight of the latest "
-                    "checkpoint -> launch -> ready -> canary -> benchmark -> result saved with the run.")
+        "checkpoint -> launch -> ready -> canary -> benchmark -> result saved with the run.",
+    )
     chain.add_argument("--job", required=True, help="name of the owned training job")
     chain.add_argument("--profile", help="profile (default: the --profile of the job's command line)")
     chain.add_argument("--engine", choices=["sglang", "reference"], help="default: the profile's serve.engine")
@@ -30,9 +41,12 @@ def register(subparsers, parent) -> None:
     chain.set_defaults(handler=handle_stop_and_bench)
 
     grok = subparsers.add_parser(
-        "grok", parents=[parent], help="start a grokking run: resume a checkpoint with a constant LR as a new owned job",
+        "grok",
+        parents=[parent],
+        help="start a grokking run: resume a checkpoint with a constant LR as a new owned job",
         description="Resumes CKPT (its d2t/t2d are reused) with a constant learning rate, weight decay and an optional "
-                    "Grokfast filter, as a new owned training job.")
+        "Grokfast filter, as a new owned training job.",
+    )
     grok.add_argument("--profile", required=True)
     grok.add_argument("--from", dest="checkpoint", required=True, type=Path, help="checkpoint dir, or a run dir (uses latest)")
     grok.add_argument("--name", help="job name (default: grok-<checkpoint name>)")
@@ -68,18 +82,29 @@ def _print_stage(record: dict, as_json: bool) -> None:
 def handle_stop_and_bench(args) -> int:
     from backend.chain import ChainOptions, StopAndBench
 
-    options = ChainOptions(job=args.job, run_dir=Path(args.run_dir).expanduser(), profile=args.profile,
-                           engine=args.engine, grace_s=args.grace, port=args.port, keep_on_red=args.keep_on_red,
-                           stop_server_after=args.stop_server_after, concurrency=args.concurrency,
-                           num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                           stages_path=args.stages_file)
+    options = ChainOptions(
+        job=args.job,
+        run_dir=Path(args.run_dir).expanduser(),
+        profile=args.profile,
+        engine=args.engine,
+        grace_s=args.grace,
+        port=args.port,
+        keep_on_red=args.keep_on_red,
+        stop_server_after=args.stop_server_after,
+        concurrency=args.concurrency,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        stages_path=args.stages_file,
+    )
     summary = StopAndBench(options, on_stage=lambda record: _print_stage(record, args.json)).run()
     if args.json:
         print(json.dumps({"type": "summary", **summary}, default=str), flush=True)
     elif summary.get("ok"):
         result = summary["result"]
-        print(f"verdict {result['verdict']}: accept length {result['accept_length']:.2f} vs tau-hat "
-              f"{result['tau_hat'] or float('nan'):.2f}; checkpoint {result['checkpoint']}; saved {summary['saved_to']}")
+        print(
+            f"verdict {result['verdict']}: accept length {result['accept_length']:.2f} vs tau-hat "
+            f"{result['tau_hat'] or float('nan'):.2f}; checkpoint {result['checkpoint']}; saved {summary['saved_to']}"
+        )
     else:
         print(f"stop-and-bench failed at {summary.get('failed_stage')}: {summary.get('reason')}", file=sys.stderr)
     return 0 if summary.get("ok") else 1
@@ -91,8 +116,7 @@ def handle_grok(args) -> int:
 
     checkpoint = resolve_draft_dir(args.checkpoint.expanduser())
     if not (checkpoint / "config.json").is_file():
-        print(f"grok: {args.checkpoint} is not a checkpoint (no config.json, no checkpoints/latest). Nothing was started.",
-              file=sys.stderr)
+        print(f"grok: {args.checkpoint} is not a checkpoint (no config.json, no checkpoints/latest). Nothing was started.", file=sys.stderr)
         return 2
     name = args.name or grok_job_name(str(checkpoint))
     argv = grok_argv(args.profile, str(checkpoint), args.lr, args.weight_decay, args.grokfast_alpha, args.max_steps)
@@ -104,8 +128,10 @@ def handle_grok(args) -> int:
     if args.json:
         print(json.dumps({"job": vars(job), "argv": argv}, default=str))
     else:
-        print(f"started grokking run {name!r} (pid {job.pid}) from {checkpoint}: constant lr {args.lr:g}, "
-              f"weight decay {args.weight_decay:g}" + (f", Grokfast alpha {args.grokfast_alpha:g}" if args.grokfast_alpha else ""))
+        print(
+            f"started grokking run {name!r} (pid {job.pid}) from {checkpoint}: constant lr {args.lr:g}, "
+            f"weight decay {args.weight_decay:g}" + (f", Grokfast alpha {args.grokfast_alpha:g}" if args.grokfast_alpha else "")
+        )
     return 0
 
 
@@ -127,8 +153,7 @@ def handle_data_scaling(args) -> int:
     gib = 1 << 30
     per_sample = report["bytes_per_sample"] or 0
     print(f"{report['kind']}: {per_sample / (1 << 20):.2f} MiB per sample at {report['path']}")
-    print(f"free {report['free_bytes'] / gib:.1f} GiB (keeping {report['keep_free_bytes'] / gib:.0f} GiB free): "
-          f"{report['more_samples_fit']} more samples fit")
+    print(f"free {report['free_bytes'] / gib:.1f} GiB (keeping {report['keep_free_bytes'] / gib:.0f} GiB free): {report['more_samples_fit']} more samples fit")
     if report.get("estimated_seconds_for_fit"):
         print(f"extracting them takes about {report['estimated_seconds_for_fit'] / 3600:.1f} h at the measured speed")
     return 0
@@ -148,6 +173,8 @@ def handle_results(args) -> int:
         print(json.dumps(rows, default=str))
         return 0
     for row in rows:
-        print(f"{Path(row['path']).name}: {row.get('verdict')} accept {row.get('accept_length') or 0:.2f} "
-              f"tau-hat {row.get('tau_hat') or 0:.2f} checkpoint {Path(str(row.get('checkpoint'))).name}")
+        print(
+            f"{Path(row['path']).name}: {row.get('verdict')} accept {row.get('accept_length') or 0:.2f} "
+            f"tau-hat {row.get('tau_hat') or 0:.2f} checkpoint {Path(str(row.get('checkpoint'))).name}"
+        )
     return 0

@@ -1,4 +1,5 @@
 """`eagle3-host` (= `python -m backend`): the host-side command line; each area registers its own subcommands."""
+
 from __future__ import annotations
 
 import argparse

@@ -3,6 +3,7 @@
 One home: `eagle3-host` (backend/chain_cli.py) reads its argparse defaults and builds its argv here, and the
 console imports this module (with backend/protocol.py and backend/layout.py, the only backend modules it may).
 """
+
 from __future__ import annotations
 
 import re
@@ -79,8 +80,7 @@ def node_spec(run_id: str, node_rank: int, nnodes: int, rdzv_endpoint: str) -> d
     return check_node({"run_id": run_id, "node_rank": node_rank, "nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint})
 
 
-def torchrun_train_argv(train: Sequence[str], *, run_id: str, node_rank: int, nnodes: int, rdzv_endpoint: str,
-                        nproc_per_node: int | str = 1) -> list[str]:
+def torchrun_train_argv(train: Sequence[str], *, run_id: str, node_rank: int, nnodes: int, rdzv_endpoint: str, nproc_per_node: int | str = 1) -> list[str]:
     """Node `node_rank` of `nnodes` running an `eagle3-host train ...` command line under torchrun.
 
     The same train arguments run on every node. Static rendezvous on the first node's endpoint (node 0's torchrun
@@ -94,22 +94,47 @@ def torchrun_train_argv(train: Sequence[str], *, run_id: str, node_rank: int, nn
     if train[:2] != ["eagle3-host", "train"]:
         raise ValueError(f"train: expected an `eagle3-host train ...` command line, got {' '.join(train[:3])!r}")
     node = node_spec(run_id, node_rank, nnodes, rdzv_endpoint)
-    if not (isinstance(nproc_per_node, int) and not isinstance(nproc_per_node, bool) and nproc_per_node >= 1) \
-            and nproc_per_node not in ("gpu", "cpu", "auto"):
+    if not (isinstance(nproc_per_node, int) and not isinstance(nproc_per_node, bool) and nproc_per_node >= 1) and nproc_per_node not in ("gpu", "cpu", "auto"):
         raise ValueError(f"nproc_per_node: {nproc_per_node!r} is not a positive count or one of gpu, cpu, auto")
-    return ["python", "-m", "torch.distributed.run", "--nnodes", str(node["nnodes"]), "--node-rank", str(node["node_rank"]),
-            "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "static", "--rdzv-endpoint", node["rdzv_endpoint"],
-            "--rdzv-id", node["run_id"], "--max-restarts", "0", "-m", "backend", *train[1:]]
+    return [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(node["nnodes"]),
+        "--node-rank",
+        str(node["node_rank"]),
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--rdzv-backend",
+        "static",
+        "--rdzv-endpoint",
+        node["rdzv_endpoint"],
+        "--rdzv-id",
+        node["run_id"],
+        "--max-restarts",
+        "0",
+        "-m",
+        "backend",
+        *train[1:],
+    ]
 
 
 def node_argv_conflicts(argv: Sequence[str], node: dict[str, Any]) -> list[str]:
     """Where a torchrun command line disagrees with its `node` object (empty when it agrees or names none of them)."""
-    flags = {"--nnodes": node["nnodes"], "--node-rank": node["node_rank"], "--node_rank": node["node_rank"],
-             "--rdzv-endpoint": node["rdzv_endpoint"], "--rdzv_endpoint": node["rdzv_endpoint"],
-             "--rdzv-id": node["run_id"], "--rdzv_id": node["run_id"]}
+    flags = {
+        "--nnodes": node["nnodes"],
+        "--node-rank": node["node_rank"],
+        "--node_rank": node["node_rank"],
+        "--rdzv-endpoint": node["rdzv_endpoint"],
+        "--rdzv_endpoint": node["rdzv_endpoint"],
+        "--rdzv-id": node["run_id"],
+        "--rdzv_id": node["run_id"],
+    }
     head = list(argv)[: list(argv).index("-m", 3)] if "-m" in list(argv)[3:] else list(argv)  # torchrun's own flags only
-    return [f"{flag} {value} vs node {expected}" for flag, expected in flags.items()
-            if (value := option_value(head, flag)) is not None and value != str(expected)]
+    return [
+        f"{flag} {value} vs node {expected}" for flag, expected in flags.items() if (value := option_value(head, flag)) is not None and value != str(expected)
+    ]
 
 
 def data_dir_for(profile_data_dir: str, profile_run_dir: str, run_dir: str | Path | None) -> str:
@@ -154,11 +179,22 @@ def chain_training_job(argv: list[str], chain_name: str) -> str:
     return option_value(argv, "--job") or chain_name.removeprefix(CHAIN_PREFIX)
 
 
-def grok_argv(profile: str, checkpoint: str, lr: float, weight_decay: float, grokfast_alpha: float | None,
-              max_steps: int | None = None) -> list[str]:
+def grok_argv(profile: str, checkpoint: str, lr: float, weight_decay: float, grokfast_alpha: float | None, max_steps: int | None = None) -> list[str]:
     """Resume CKPT with a constant LR as a new training job: what `eagle3-host grok` and the `g` key start."""
-    argv = ["eagle3-host", "train", "--profile", profile, "--resume", str(PurePosixPath(checkpoint)), "--schedule", "constant",
-            "--lr", repr(lr), "--weight-decay", repr(weight_decay)]
+    argv = [
+        "eagle3-host",
+        "train",
+        "--profile",
+        profile,
+        "--resume",
+        str(PurePosixPath(checkpoint)),
+        "--schedule",
+        "constant",
+        "--lr",
+        repr(lr),
+        "--weight-decay",
+        repr(weight_decay),
+    ]
     if grokfast_alpha is not None:
         argv += ["--grokfast-alpha", repr(grokfast_alpha)]
     if max_steps is not None:

@@ -3,6 +3,7 @@
 Standard library only (the agent answers the console's data-scaling panel with it). Measured from an `extract`
 output (meta.json + shard files) when one exists; otherwise estimated from the profile's shapes and marked so.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,13 +44,18 @@ def estimated(shape: dict[str, int], data_dir: str | os.PathLike, keep_free_byte
     per_token = (shape["aux_width"] + shape["teacher_width"]) * shape["dtype_bytes"] + 8 + 1  # + int64 id + mask byte
     per_sample = per_token * shape["seq_len"]
     summary = _summary(Path(data_dir).expanduser(), "estimated", 1, shape["seq_len"], per_sample, None, keep_free_bytes)
-    summary.update(samples=0, tokens=0, bytes=0, fit_multiple_of_current=None, shape=shape,
-                   note="no extracted shards here: bytes per sample estimated from the profile's shapes")
+    summary.update(
+        samples=0,
+        tokens=0,
+        bytes=0,
+        fit_multiple_of_current=None,
+        shape=shape,
+        note="no extracted shards here: bytes per sample estimated from the profile's shapes",
+    )
     return summary
 
 
-def _summary(directory: Path, kind: str, samples: int, tokens: int, total_bytes: int, seconds: float | None,
-             keep_free_bytes: int) -> dict[str, Any]:
+def _summary(directory: Path, kind: str, samples: int, tokens: int, total_bytes: int, seconds: float | None, keep_free_bytes: int) -> dict[str, Any]:
     usage = shutil.disk_usage(_existing_parent(directory))
     per_sample = total_bytes / samples if samples else None
     room = max(usage.free - keep_free_bytes, 0)

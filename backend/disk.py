@@ -1,4 +1,5 @@
 """Disk room for the run dir and data dirs: filesystem usage plus a bounded measurement of a directory's own size."""
+
 from __future__ import annotations
 
 import os

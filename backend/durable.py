@@ -3,6 +3,7 @@
 Standard library only. A reader sees the old file or the new one, never a half-written one; a crash leaves at
 most a `.NAME.PID.tmp` beside it, which the next write of the same process replaces.
 """
+
 from __future__ import annotations
 
 import os

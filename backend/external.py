@@ -16,6 +16,7 @@ of a quiet run comes one poll late. If values of an already handed-out group arr
 that paused mid-step), the group is handed out again, complete; series() in backend/metrics.py keeps the
 latest record per step.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,6 +58,7 @@ def masked_crc32c(data: bytes) -> int:
 
 
 # ---------------------------------------------------------------- TFRecord framing
+
 
 class TFRecordFollower:
     """Reads complete TFRecords of a growing file from a byte offset.
@@ -126,7 +128,7 @@ class TFRecordFollower:
         while len(chunk) - pos >= self.HEADER:
             state, end = self._record_at(chunk, pos)
             if state == "ok":
-                records.append(chunk[pos + self.HEADER:end - 4])
+                records.append(chunk[pos + self.HEADER : end - 4])
                 pos = end
             elif state == "short":
                 break
@@ -144,15 +146,15 @@ class TFRecordFollower:
         return records, pos
 
     def _record_at(self, chunk: bytes, pos: int) -> tuple[str, int]:
-        header = chunk[pos:pos + 8]
+        header = chunk[pos : pos + 8]
         (length,) = struct.unpack("<Q", header)
-        if struct.unpack("<I", chunk[pos + 8:pos + 12])[0] != masked_crc32c(header):
+        if struct.unpack("<I", chunk[pos + 8 : pos + 12])[0] != masked_crc32c(header):
             return "bad_header", pos
         end = pos + self.HEADER + length + 4
         if end > len(chunk):
             return "short", end
-        data = chunk[pos + self.HEADER:end - 4]
-        if struct.unpack("<I", chunk[end - 4:end])[0] != masked_crc32c(data):
+        data = chunk[pos + self.HEADER : end - 4]
+        if struct.unpack("<I", chunk[end - 4 : end])[0] != masked_crc32c(data):
             return "bad_data", end
         return "ok", end
 
@@ -165,6 +167,7 @@ class TFRecordFollower:
 
 
 # ---------------------------------------------------------------- protobuf wire format (just enough for Event)
+
 
 class ProtobufError(ValueError):
     pass
@@ -202,12 +205,12 @@ def iter_fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
             else:
                 value, pos = _varint(buf, pos)
         elif wire == 1:
-            value, pos = buf[pos:pos + 8], pos + 8
+            value, pos = buf[pos : pos + 8], pos + 8
         elif wire == 2:
             length, pos = _varint(buf, pos)
-            value, pos = buf[pos:pos + length], pos + length
+            value, pos = buf[pos : pos + length], pos + length
         elif wire == 5:
-            value, pos = buf[pos:pos + 4], pos + 4
+            value, pos = buf[pos : pos + 4], pos + 4
         else:
             raise ProtobufError(f"unsupported wire type {wire} (field {number})")
         if pos > len(buf):
@@ -312,13 +315,30 @@ _SPLIT_PREFIXES = {"train": "train", "eval": "val", "val": "val", "valid": "val"
 # "acc_3", older "epochacc_3" / "step_ploss_1", and "per_position_acc_3"
 _INDEXED_NAME = re.compile(r"^(?:step_|epoch_?|per_position_)?(ploss|acc|acceptance_rate)_(\d+)$")
 # list metrics a tracker expands to "<name>/<i>" (SpecForge: eval/per_position_acc/<i>)
-_LIST_NAMES = {"acc": "acc", "acces": "acc", "per_position_acc": "acc",
-               "ploss": "ploss", "plosses": "ploss", "per_position_ploss": "ploss",
-               "acceptance_rate": "acceptance_rate", "acceptance_rates": "acceptance_rate",
-               "per_position_acceptance_rate": "acceptance_rate"}
-_SCALAR_NAMES = {"lr": "lr", "learning_rate": "lr", "grad_norm": "grad_norm", "loss": "loss", "ploss": "loss",
-                 "avg_loss": "loss", "weight_norm": "weight_norm", "epoch": "epoch", "tokens": "tokens",
-                 "step_time": "step_time", "perf/optimizer_step_time_s": "step_time"}
+_LIST_NAMES = {
+    "acc": "acc",
+    "acces": "acc",
+    "per_position_acc": "acc",
+    "ploss": "ploss",
+    "plosses": "ploss",
+    "per_position_ploss": "ploss",
+    "acceptance_rate": "acceptance_rate",
+    "acceptance_rates": "acceptance_rate",
+    "per_position_acceptance_rate": "acceptance_rate",
+}
+_SCALAR_NAMES = {
+    "lr": "lr",
+    "learning_rate": "lr",
+    "grad_norm": "grad_norm",
+    "loss": "loss",
+    "ploss": "loss",
+    "avg_loss": "loss",
+    "weight_norm": "weight_norm",
+    "epoch": "epoch",
+    "tokens": "tokens",
+    "step_time": "step_time",
+    "perf/optimizer_step_time_s": "step_time",
+}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -347,11 +367,12 @@ def _split_and_name(parts: list[str]) -> tuple[str, str]:
     for i, part in enumerate(parts[:-1]):
         split = _SPLIT_PREFIXES.get(part)
         if split:
-            return split, "/".join(parts[i + 1:])
+            return split, "/".join(parts[i + 1 :])
     return "train", "/".join(parts)
 
 
 # ---------------------------------------------------------------- grouping values into records
+
 
 class _Assembler:
     """Collects (split, step) groups from one source in order and turns them into schema records.
@@ -369,8 +390,7 @@ class _Assembler:
         """Add one value; returns the records closed by it (groups of earlier steps)."""
         return self.add_values(split, step, [(key, index, value)], **extra)
 
-    def add_values(self, split: str, step: int, values: list[tuple[str, int | None, float]],
-                   **extra: Any) -> list[dict]:
+    def add_values(self, split: str, step: int, values: list[tuple[str, int | None, float]], **extra: Any) -> list[dict]:
         """Add (key, index, value) triples of one (split, step); returns the records closed by them."""
         done = self.close_before(step)
         group = self._group(split, step)
@@ -569,8 +589,7 @@ def _scan_step_dict(text: str) -> dict[str, Any]:
     items: dict[str, Any] = {}
     for single, double, raw in _DICT_ITEM.findall(text):
         if raw.startswith("["):
-            value: float | list[float] | None = [_number(item, math.nan) for item in raw[1:-1].split(",")
-                                                 if item.strip()]
+            value: float | list[float] | None = [_number(item, math.nan) for item in raw[1:-1].split(",") if item.strip()]
         else:
             value = _number(raw, None)
         if value is not None:
@@ -670,8 +689,7 @@ class SpecForgeLogSource(_ChunkedSource):
                 if type(value) is float or (type(value) is int and abs(value) < 1 << 53):  # not bool, str, None...
                     record[name] = value
             for name, slots in lists:
-                record[name] = [_as_float(values[pos] if i < 0 else values[pos][i]) if pos >= 0 else math.nan
-                                for pos, i in slots]
+                record[name] = [_as_float(values[pos] if i < 0 else values[pos][i]) if pos >= 0 else math.nan for pos, i in slots]
             if when is not None:
                 record["time"] = when
             if len(record) > 2:
@@ -712,13 +730,11 @@ class SpecForgeLogSource(_ChunkedSource):
         if lr and not tqdm:
             self.pending_lr = float(lr.group(1))
 
-    def _value(self, split: str | None, step: int, name: str, index: int, text: str, when: float | None,
-               epoch: int | None = None) -> list[dict[str, Any]]:
+    def _value(self, split: str | None, step: int, name: str, index: int, text: str, when: float | None, epoch: int | None = None) -> list[dict[str, Any]]:
         """One per-position value; split None means an "Eval - Step S [..]" line whose mode must be inferred."""
         key = _KEYS[name.lower()]
         block = self.block
-        continues = (block is not None and block[1] == step and (key, index) not in self.block_keys
-                     and split in (None, block[0]))
+        continues = block is not None and block[1] == step and (key, index) not in self.block_keys and split in (None, block[0])
         if block is None or not continues:
             if split is None:
                 split = "val" if self.eval_marker or step == self.last_train_step else "train"
@@ -779,8 +795,7 @@ def _layout(keys: tuple[str, ...], shape: tuple[tuple[int, int], ...]) -> _Layou
                 lists.setdefault(split, {}).setdefault(name, {})[index] = (pos, item)
     fields = []
     for split in dict.fromkeys([*scalars, *lists]):
-        list_fields = tuple((name, tuple(slots.get(i, (-1, -1)) for i in range(max(slots) + 1)))
-                            for name, slots in lists.get(split, {}).items())
+        list_fields = tuple((name, tuple(slots.get(i, (-1, -1)) for i in range(max(slots) + 1))) for name, slots in lists.get(split, {}).items())
         fields.append((split, tuple(scalars.get(split, {}).items()), list_fields))
     return _Layout(shape, tuple(fields))
 
@@ -803,6 +818,7 @@ def _parse_asctime(text: str) -> float | None:
 
 # ---------------------------------------------------------------- the reader the agent uses
 
+
 def _is_event_file(path: Path) -> bool:
     return "tfevents" in path.name
 
@@ -820,8 +836,7 @@ class ExternalRunReader:
     MAX_DEPTH = 4
     MAX_PROBLEMS = 20
 
-    def __init__(self, path: str | os.PathLike, max_bytes_per_poll: int = MAX_BYTES_PER_POLL,
-                 poll_seconds: float = POLL_SECONDS):
+    def __init__(self, path: str | os.PathLike, max_bytes_per_poll: int = MAX_BYTES_PER_POLL, poll_seconds: float = POLL_SECONDS):
         self.path = Path(path)
         if not self.path.exists():
             raise FileNotFoundError(f"nothing to watch at {self.path} (no such file or directory); nothing was read")
@@ -847,8 +862,7 @@ class ExternalRunReader:
     def _discover(self) -> None:
         if self.path.is_file():
             if self.path not in self.sources:
-                self.sources[self.path] = (TensorBoardSource(self.path) if self.kind == "tensorboard"
-                                           else SpecForgeLogSource(self.path))
+                self.sources[self.path] = TensorBoardSource(self.path) if self.kind == "tensorboard" else SpecForgeLogSource(self.path)
             return
         base_depth = len(self.path.parts)
         for root, dirs, files in os.walk(self.path):
@@ -880,7 +894,7 @@ class ExternalRunReader:
             if clean is None:
                 self.bad_records += 1
                 note = f"step {record.get('step')!r} ({record.get('split')}): " + "; ".join(problems)
-                self.problems = (self.problems + [note])[-self.MAX_PROBLEMS:]
+                self.problems = (self.problems + [note])[-self.MAX_PROBLEMS :]
             else:
                 out.append(clean)
         return out
@@ -895,8 +909,15 @@ class ExternalRunReader:
             else:
                 entry.update(kind="log", skipped_bytes=source.skipped_bytes)
             files.append(entry)
-        return {"path": str(self.path), "kind": self.kind, "files": files, "bytes_read": self.bytes_read,
-                "bytes_total": self.bytes_total, "bad_records": self.bad_records, "problems": list(self.problems)}
+        return {
+            "path": str(self.path),
+            "kind": self.kind,
+            "files": files,
+            "bytes_read": self.bytes_read,
+            "bytes_total": self.bytes_total,
+            "bad_records": self.bad_records,
+            "problems": list(self.problems),
+        }
 
 
 def plainly_clean(record: dict[str, Any]) -> bool:

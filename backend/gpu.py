@@ -1,4 +1,5 @@
 """GPU telemetry behind one GpuSource protocol: NVML (lazy pynvml), an `nvidia-smi -lms` stream, one-shot nvidia-smi calls, or none."""
+
 from __future__ import annotations
 
 import re

@@ -1,4 +1,5 @@
 """Who holds the GPUs: NVML/nvidia-smi compute processes plus `fuser` on /dev/nvidia*, each marked owned or foreign."""
+
 from __future__ import annotations
 
 import glob

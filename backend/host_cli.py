@@ -1,4 +1,5 @@
 """`eagle3-host gpus | holders | job ... | agent`: the host-side commands for GPUs, GPU holders and owned jobs."""
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,12 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
     start.add_argument("--name", required=True)
     start.add_argument("--kind", default="other", choices=KIND_CHOICES)
     start.add_argument("--cwd", default=None, help="working directory (default: the current one)")
-    start.add_argument("--node", nargs=4, metavar=("RUN_ID", "NODE_RANK", "NNODES", "HOST:PORT"),
-                       help="this host's part of a multi-node torchrun run (see eagle3-host torchrun-argv)")
+    start.add_argument(
+        "--node",
+        nargs=4,
+        metavar=("RUN_ID", "NODE_RANK", "NNODES", "HOST:PORT"),
+        help="this host's part of a multi-node torchrun run (see eagle3-host torchrun-argv)",
+    )
     start.add_argument("--json", action="store_true")
     start.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     start.set_defaults(handler=cmd_job_start)
@@ -72,12 +77,18 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
     agent = subparsers.add_parser("agent", parents=[parent], help="run the JSON-lines agent on stdin/stdout (what the console starts over SSH)")
     agent.add_argument("--interval", type=float, default=1.0)
     agent.add_argument("--data-dir", action="append", default=[], help="a data dir whose disk is reported (default: <run-dir>/data on another filesystem)")
-    agent.add_argument("--stall-after", type=float, default=STALL_AFTER_S, metavar="S", help=f"a rank silent this long is stalled (default {STALL_AFTER_S:g} s)")
+    agent.add_argument(
+        "--stall-after", type=float, default=STALL_AFTER_S, metavar="S", help=f"a rank silent this long is stalled (default {STALL_AFTER_S:g} s)"
+    )
     agent.set_defaults(handler=cmd_agent)
 
-    node = subparsers.add_parser("torchrun-argv", parents=[parent], help="print the command line one node of a multi-node training run starts (JSON list)",
-                                 description="The torchrun command line for node NODE_RANK of NNODES running `eagle3-host train ARGS...`: "
-                                             "static rendezvous on the first node's HOST:PORT, so global rank 0 (metrics, checkpoints) is on node 0.")
+    node = subparsers.add_parser(
+        "torchrun-argv",
+        parents=[parent],
+        help="print the command line one node of a multi-node training run starts (JSON list)",
+        description="The torchrun command line for node NODE_RANK of NNODES running `eagle3-host train ARGS...`: "
+        "static rendezvous on the first node's HOST:PORT, so global rank 0 (metrics, checkpoints) is on node 0.",
+    )
     node.add_argument("--run-id", required=True)
     node.add_argument("--node-rank", type=int, required=True)
     node.add_argument("--nnodes", type=int, required=True)
@@ -156,8 +167,15 @@ def cmd_gpus(args) -> int:
         print("no GPUs to show")
         return 0
     rows = [
-        [s.index, s.name, f"{_mib(s.memory_used_mib)} / {_mib(s.memory_total_mib)}", _pct(s.utilization_pct), _unit(s.temperature_c, "C"), _unit(s.power_w, "W"),
-         " ".join(f"{p.pid}:{_mib(p.used_memory_mib)}" for p in s.processes) or "-"]
+        [
+            s.index,
+            s.name,
+            f"{_mib(s.memory_used_mib)} / {_mib(s.memory_total_mib)}",
+            _pct(s.utilization_pct),
+            _unit(s.temperature_c, "C"),
+            _unit(s.power_w, "W"),
+            " ".join(f"{p.pid}:{_mib(p.used_memory_mib)}" for p in s.processes) or "-",
+        ]
         for s in samples
     ]
     print(table(["GPU", "NAME", "MEM MiB", "UTIL", "TEMP", "POWER", "PROCESSES pid:MiB"], rows))
@@ -189,7 +207,15 @@ def cmd_holders(args) -> int:
         return 0
     if report.holders:
         rows = [
-            [h.pid, f"job {h.job}" if h.owned else "FOREIGN", h.user, ",".join(map(str, h.gpu_indices)) or "-", _mib(h.used_memory_mib), "+".join(h.sources), h.cmdline[:80]]
+            [
+                h.pid,
+                f"job {h.job}" if h.owned else "FOREIGN",
+                h.user,
+                ",".join(map(str, h.gpu_indices)) or "-",
+                _mib(h.used_memory_mib),
+                "+".join(h.sources),
+                h.cmdline[:80],
+            ]
             for h in report.holders
         ]
         print(table(["PID", "OWNER", "USER", "GPUS", "MiB", "SEEN BY", "COMMAND"], rows))
@@ -209,8 +235,14 @@ def cmd_torchrun_argv(args) -> int:
     rest = rest[1:] if rest[:1] == ["train"] else rest
     nproc = int(args.nproc_per_node) if args.nproc_per_node.isdigit() else args.nproc_per_node
     try:
-        argv = torchrun_train_argv(["eagle3-host", "train", *rest], run_id=args.run_id, node_rank=args.node_rank, nnodes=args.nnodes,
-                                   rdzv_endpoint=args.rdzv_endpoint, nproc_per_node=nproc)
+        argv = torchrun_train_argv(
+            ["eagle3-host", "train", *rest],
+            run_id=args.run_id,
+            node_rank=args.node_rank,
+            nnodes=args.nnodes,
+            rdzv_endpoint=args.rdzv_endpoint,
+            nproc_per_node=nproc,
+        )
     except ValueError as exc:
         return fail(str(exc), 2)
     print(json.dumps(argv))
@@ -256,8 +288,17 @@ def cmd_job_list(args) -> int:
         print(f"no jobs in {args.run_dir}")
         return 0
     rows = [
-        [r.name, r.info.kind, r.info.state, r.info.pid, "-" if r.info.exit_code is None else r.info.exit_code, _age(r.info.started_at),
-         _node_column(r), " ".join(r.info.argv)[:60], r.detail]
+        [
+            r.name,
+            r.info.kind,
+            r.info.state,
+            r.info.pid,
+            "-" if r.info.exit_code is None else r.info.exit_code,
+            _age(r.info.started_at),
+            _node_column(r),
+            " ".join(r.info.argv)[:60],
+            r.detail,
+        ]
         for r in records
     ]
     print(table(["NAME", "KIND", "STATE", "PID", "EXIT", "AGE", "NODE", "COMMAND", "DETAIL"], rows))
@@ -332,8 +373,7 @@ def cmd_job_stop(args) -> int:
         print(f"eagle3-host: warning: signals were sent but not recorded: {note}", file=sys.stderr)
     survivors = [v for v in verdicts if v.outcome not in OK_OUTCOMES]
     if survivors:
-        return fail(f"{len(survivors)} owned process(es) still alive after the stop: PID {', '.join(str(v.pid) for v in survivors)} "
-                    "(see OUTCOME/DETAIL above)")
+        return fail(f"{len(survivors)} owned process(es) still alive after the stop: PID {', '.join(str(v.pid) for v in survivors)} (see OUTCOME/DETAIL above)")
     return 0
 
 

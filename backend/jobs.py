@@ -16,6 +16,7 @@ walk of /proc finds nothing new, then SIGKILLed, so nothing can fork its way out
 process and its ancestors are never signalled, and a stop never needs a write to succeed: signals go first,
 records after, and what could not be recorded is reported (JobRegistry.unrecorded()).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -508,10 +509,12 @@ class JobRegistry:
                 return state, self._failure_detail(record, exit_code), exit_code, ended_at
             return state, record.detail, exit_code, ended_at
         if stat is not None and stat.running:
-            return "stale", (
-                f"PID {info.pid} now belongs to another program (start time {stat.start_time}, "
-                f"recorded {info.start_time_ticks}); never signalled"
-            ), None, None
+            return (
+                "stale",
+                (f"PID {info.pid} now belongs to another program (start time {stat.start_time}, recorded {info.start_time_ticks}); never signalled"),
+                None,
+                None,
+            )
         if self._watcher_alive(record):
             return "running", "leader exiting; waiting for its exit status", None, None
         if record.stop_requested_at:
@@ -663,8 +666,9 @@ class JobRegistry:
         if job_dir.exists():
             self._archive_dir(job_dir)
 
-    def start_job(self, name: str, kind: str, argv: list[str], cwd: str | None = None, env: dict[str, str] | None = None,
-                  node: dict[str, Any] | None = None) -> JobInfo:
+    def start_job(
+        self, name: str, kind: str, argv: list[str], cwd: str | None = None, env: dict[str, str] | None = None, node: dict[str, Any] | None = None
+    ) -> JobInfo:
         """Start argv as job `name` in its own session, logs under run_dir/jobs/<name>/; returns once its leader is recorded.
 
         `node` ({"run_id", "node_rank", "nnodes", "rdzv_endpoint"}) makes it this host's part of a multi-node run:
@@ -674,8 +678,7 @@ class JobRegistry:
         self._check_start_params(name, kind, argv, cwd, env)
         if node is not None:
             node = self._check_node(node, argv)
-            env = {**NODE_ENV, "EAGLE3_RUN_ID": node["run_id"], "EAGLE3_NODE_RANK": str(node["node_rank"]),
-                   "EAGLE3_NNODES": str(node["nnodes"]), **(env or {})}
+            env = {**NODE_ENV, "EAGLE3_RUN_ID": node["run_id"], "EAGLE3_NODE_RANK": str(node["node_rank"]), "EAGLE3_NNODES": str(node["nnodes"]), **(env or {})}
         argv = resolve_argv(argv)
         job_dir = self.jobs_dir / name
         job_env = self._job_env(name, job_dir, env)
@@ -688,8 +691,7 @@ class JobRegistry:
             cursor = db.execute(
                 "INSERT INTO jobs (name, kind, state, detail, argv, cwd, job_dir, stdout_path, stderr_path, started_at, token,"
                 " run_id, node_rank, nnodes, rdzv_endpoint) VALUES (?, ?, 'unknown', 'starting', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (name, kind, json.dumps(argv), cwd, str(job_dir), str(job_dir / "stdout.log"), str(job_dir / "stderr.log"), time.time(), token,
-                 *node_values),
+                (name, kind, json.dumps(argv), cwd, str(job_dir), str(job_dir / "stdout.log"), str(job_dir / "stderr.log"), time.time(), token, *node_values),
             )
             job_id = cursor.lastrowid
             assert job_id is not None  # sqlite3 sets lastrowid after every INSERT that succeeded
@@ -774,8 +776,15 @@ class JobRegistry:
                 "INSERT INTO jobs (name, kind, state, pid, pgid, start_time_ticks, argv, job_dir, stdout_path, stderr_path, started_at, adopted)"
                 " VALUES (?, 'adopted', 'running', ?, ?, ?, ?, ?, ?, ?, ?, 1)",
                 (
-                    name, pid, stat.pgid, stat.start_time, json.dumps(procs.cmdline_args(pid)), str(job_dir),
-                    _output_file(pid, 1) or str(job_dir / "stdout.log"), _output_file(pid, 2) or str(job_dir / "stderr.log"), time.time(),
+                    name,
+                    pid,
+                    stat.pgid,
+                    stat.start_time,
+                    json.dumps(procs.cmdline_args(pid)),
+                    str(job_dir),
+                    _output_file(pid, 1) or str(job_dir / "stdout.log"),
+                    _output_file(pid, 2) or str(job_dir / "stderr.log"),
+                    time.time(),
                 ),
             )
         return self.get(name).info
@@ -792,7 +801,9 @@ class JobRegistry:
         uid, my_uid = procs.uid_of(pid), os.getuid()
         if uid != my_uid and not (other_user and my_uid == 0):
             how = "confirm with --other-user (root only)" if my_uid == 0 else "run as root with --other-user"
-            raise JobRefused(f"PID {pid} belongs to user {procs.user_name(uid) or '?'}, not {procs.user_name(my_uid)}; to adopt it anyway {how}. Nothing was adopted")
+            raise JobRefused(
+                f"PID {pid} belongs to user {procs.user_name(uid) or '?'}, not {procs.user_name(my_uid)}; to adopt it anyway {how}. Nothing was adopted"
+            )
 
     # ------------------------------------------------------------ discovery
 
@@ -1138,8 +1149,10 @@ class JobRegistry:
                 verdicts.append(ProcessVerdict(target.pid, target.role, result, detail))
             for target in plan.protected:
                 alive = procs.is_alive(target.pid, target.start)
-                detail = (f"job {target.job}: NOT signalled: it is this stop's own process or one of its parents; "
-                          f"stop the job from outside it to end it ({target.cmdline[:120]})")
+                detail = (
+                    f"job {target.job}: NOT signalled: it is this stop's own process or one of its parents; "
+                    f"stop the job from outside it to end it ({target.cmdline[:120]})"
+                )
                 verdicts.append(ProcessVerdict(target.pid, target.role, "survived" if alive else "already_gone", detail))
         return verdicts
 
@@ -1179,7 +1192,9 @@ class JobRegistry:
                 exit_code, ended_at = read_exit_file(info.job_dir)
             if info.state == "running":
                 # detail again: a refresh from another process may have written a transient one meanwhile
-                values = dict(state="stopped", detail=detail, exit_code=exit_code, ended_at=ended_at or time.time(), stop_requested_at=plan.record.stop_requested_at)
+                values = dict(
+                    state="stopped", detail=detail, exit_code=exit_code, ended_at=ended_at or time.time(), stop_requested_at=plan.record.stop_requested_at
+                )
                 self._try_write("stopped state", lambda db: self._update(db, plan.record.id, **values))
         self.refresh()
 
@@ -1254,6 +1269,7 @@ def _spawn_leader(argv: list[str], out, err, env: dict[str, str], cgroup: Path |
     """Start argv in a new session, inside the cgroup when one is given (moved before exec, so before it can fork)."""
     common = dict(stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True)
     if cgroup is not None:
+
         def enter() -> None:
             if not procs.enter_cgroup(cgroup):
                 raise OSError("could not enter the job cgroup")

@@ -1,4 +1,5 @@
 """Append-only JSON-lines files: a writer that never glues records and a follower that resumes by byte offset."""
+
 from __future__ import annotations
 
 import errno
@@ -49,12 +50,10 @@ def _append_error(path: str, code: int | None, needed: int, written: int, cause:
     full = code in DISK_FULL_ERRNOS or (code is None and free is not None and free < needed - written)
     what = f"disk full: {room}" if full else f"{cause}; {room}"
     if written:
-        done = (f"wrote {written} of {needed} bytes; the cut line is skipped by readers and the next append "
-                "starts on a new line")
+        done = f"wrote {written} of {needed} bytes; the cut line is skipped by readers and the next append starts on a new line"
     else:
         done = "nothing was written"
-    return AppendError(path, errno.ENOSPC if full else (code or errno.EIO), needed, written, free,
-                       f"could not append a record to {path}: {what}; {done}")
+    return AppendError(path, errno.ENOSPC if full else (code or errno.EIO), needed, written, free, f"could not append a record to {path}: {what}; {done}")
 
 
 def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:

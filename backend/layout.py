@@ -13,6 +13,7 @@ Standard library only (the agent imports it on any host Python >= 3.10).
         heartbeat/rank<R>.json                        each local training rank's liveness and step (trainer writes, agent reads)
     <run_dir>/data/                                   the default data dir (a profile's data dir under its run dir moves with --run-dir)
 """
+
 from __future__ import annotations
 
 import json
@@ -79,15 +80,18 @@ class HeartbeatWriter:
     replaced atomically; a write that fails (a full disk) is said once through `log` and retried, never raised.
     """
 
-    def __init__(self, job_dir: str | Path, rank: int, local_rank: int = 0, world_size: int = 1, step: int = 0,
-                 every: float = HEARTBEAT_EVERY_S, log=None):
+    def __init__(self, job_dir: str | Path, rank: int, local_rank: int = 0, world_size: int = 1, step: int = 0, every: float = HEARTBEAT_EVERY_S, log=None):
         self.path = heartbeat_path(job_dir, rank)
         self.every = every
         self.log = log or (lambda _message: None)
         self.fixed = {
-            "rank": rank, "local_rank": local_rank, "world_size": world_size,
-            "local_world_size": _env_int("LOCAL_WORLD_SIZE", 1), "node_rank": _env_int("EAGLE3_NODE_RANK", _env_int("GROUP_RANK", 0)),
-            "run_id": os.environ.get("EAGLE3_RUN_ID"), "pid": os.getpid(),
+            "rank": rank,
+            "local_rank": local_rank,
+            "world_size": world_size,
+            "local_world_size": _env_int("LOCAL_WORLD_SIZE", 1),
+            "node_rank": _env_int("EAGLE3_NODE_RANK", _env_int("GROUP_RANK", 0)),
+            "run_id": os.environ.get("EAGLE3_RUN_ID"),
+            "pid": os.getpid(),
         }
         self.step, self.step_time, self.phase = step, time.time(), "setup"
         self.failing = False
@@ -144,8 +148,7 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value.strip().isdigit() else default
 
 
-def rank_heartbeats(job_dir: str | Path, running: bool, now: float | None = None,
-                    stall_after: float = STALL_AFTER_S) -> tuple[list[dict[str, Any]], list[int]]:
+def rank_heartbeats(job_dir: str | Path, running: bool, now: float | None = None, stall_after: float = STALL_AFTER_S) -> tuple[list[dict[str, Any]], list[int]]:
     """(ranks, stalled ranks) of one job on this host, ages from this host's clock (the writers share it).
 
     age_s: since the rank's last heartbeat (written by a thread, so it stops only when the process is stopped or
@@ -160,8 +163,18 @@ def rank_heartbeats(job_dir: str | Path, running: bool, now: float | None = None
         age = None if wrote is None else round(max(0.0, now - wrote), 1)
         step_age = None if stepped is None else round(max(0.0, now - stepped), 1)
         phase = beat.get("phase") if isinstance(beat.get("phase"), str) else None
-        ranks.append({"rank": beat["rank"], "local_rank": beat.get("local_rank"), "node_rank": beat.get("node_rank"),
-                      "step": beat.get("step"), "age_s": age, "step_age_s": step_age, "pid": beat.get("pid"), "phase": phase})
+        ranks.append(
+            {
+                "rank": beat["rank"],
+                "local_rank": beat.get("local_rank"),
+                "node_rank": beat.get("node_rank"),
+                "step": beat.get("step"),
+                "age_s": age,
+                "step_age_s": step_age,
+                "pid": beat.get("pid"),
+                "phase": phase,
+            }
+        )
         if running and phase not in HEARTBEAT_DONE_PHASES and (age is None or age > stall_after):
             stalled.append(beat["rank"])
     return ranks, stalled

@@ -14,6 +14,7 @@ Non-finite floats are written as the JSON strings "NaN", "Infinity", "-Infinity"
 NaN loss stays distinguishable from a missing one). Readers accept those strings, bare NaN/Infinity
 tokens (Python's json default) and null, and turn all of them into float NaN/inf.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,7 @@ LIST_KEYS = ("ploss", "acc", "acceptance_rate")
 NONNEGATIVE_KEYS = ("epoch", "lr", "grad_norm", "weight_norm", "step_time")
 PLOSS_DECAY = 0.8  # SpecForge / EAGLE weight of TTT position i: 0.8**i
 
-_NONFINITE_TEXT = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf,
-                   "infinity": math.inf, "+infinity": math.inf, "-infinity": -math.inf}
+_NONFINITE_TEXT = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf, "infinity": math.inf, "+infinity": math.inf, "-infinity": -math.inf}
 
 
 class MetricsRecordError(ValueError):
@@ -179,8 +179,7 @@ class MetricsWriter:
 
     MAX_PENDING = 100_000
 
-    def __init__(self, path: str | os.PathLike, on_error: Callable[[str], Any] | None = None,
-                 max_pending: int = MAX_PENDING):
+    def __init__(self, path: str | os.PathLike, on_error: Callable[[str], Any] | None = None, max_pending: int = MAX_PENDING):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.on_error = on_error or _warn
@@ -204,8 +203,10 @@ class MetricsWriter:
             self.held.popleft()
             self.lost_records += 1
             if self.lost_records == 1:
-                self._tell(f"metrics: more than {self.max_pending} records held in memory while {self.path} "
-                           "is not writable; dropping the oldest (counted in lost_records)")
+                self._tell(
+                    f"metrics: more than {self.max_pending} records held in memory while {self.path} "
+                    "is not writable; dropping the oldest (counted in lost_records)"
+                )
         self.flush()
         return clean
 
@@ -217,8 +218,10 @@ class MetricsWriter:
             except OSError as exc:
                 self.failed_writes += 1
                 if self.last_error is None:
-                    self._tell(f"metrics: {exc}. Keeping the record in memory ({len(self.held)} held) and "
-                               "retrying before the next one; free space to let them through.")
+                    self._tell(
+                        f"metrics: {exc}. Keeping the record in memory ({len(self.held)} held) and "
+                        "retrying before the next one; free space to let them through."
+                    )
                 self.last_error = exc
                 return False
             self.held.popleft()
@@ -272,7 +275,7 @@ class MetricsReader:
     def _skip(self, raw: Any, problems: list[str]) -> None:
         self.bad_records += 1
         step = raw.get("step") if isinstance(raw, dict) else None
-        self.problems = (self.problems + [f"record at step {step!r}: " + "; ".join(problems)])[-self.MAX_PROBLEMS:]
+        self.problems = (self.problems + [f"record at step {step!r}: " + "; ".join(problems)])[-self.MAX_PROBLEMS :]
 
 
 def read_metrics(path: str | os.PathLike, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
@@ -311,8 +314,7 @@ def _pick(record: dict[str, Any], key: str, index: int | str | None) -> float | 
     return None if number is None else float(number)
 
 
-def series(records: Iterable[dict[str, Any]], key: str, split: str = "train",
-           index: int | str | None = None) -> tuple[list[int], list[float]]:
+def series(records: Iterable[dict[str, Any]], key: str, split: str = "train", index: int | str | None = None) -> tuple[list[int], list[float]]:
     """(steps, values) of one key for one split, sorted by step; a repeated step keeps its latest record.
 
     `index` picks acc[i] / ploss[i] / acceptance_rate[i], or a module of weight_norm_modules.

@@ -1,4 +1,5 @@
 """`eagle3-host metrics series`: a job's whole-history buckets from the same index the console reads (never the raw file whole)."""
+
 from __future__ import annotations
 
 import argparse
@@ -63,9 +64,15 @@ def cmd_series(args) -> int:
     index = feed.index
     buckets = index.buckets(args.key, args.step_from, args.step_to, args.points, args.log_x)
     document = {
-        "job": args.job or str(path), "key": args.key, "buckets": buckets, "total_records": index.total_records,
-        "indexed_bytes": feed.indexed_offset, "file_bytes": feed.progress()["file_bytes"], "keys": index.keys(),
-        "index": feed.sidecar_note, "seconds": round(time.perf_counter() - started, 4),
+        "job": args.job or str(path),
+        "key": args.key,
+        "buckets": buckets,
+        "total_records": index.total_records,
+        "indexed_bytes": feed.indexed_offset,
+        "file_bytes": feed.progress()["file_bytes"],
+        "keys": index.keys(),
+        "index": feed.sidecar_note,
+        "seconds": round(time.perf_counter() - started, 4),
     }
     if args.key not in index.series:
         document["error"] = f"no series {args.key!r} in this run; it has: {', '.join(index.keys()) or 'none'}"
@@ -77,16 +84,17 @@ def cmd_series(args) -> int:
 
 
 def print_table(document: dict[str, Any]) -> None:
-    print(f"{document['job']} · {document['key']} · {document['total_records']} records · "
-          f"{document['indexed_bytes']}/{document['file_bytes']} bytes indexed · index {document['index']}")
+    print(
+        f"{document['job']} · {document['key']} · {document['total_records']} records · "
+        f"{document['indexed_bytes']}/{document['file_bytes']} bytes indexed · index {document['index']}"
+    )
     if "error" in document:
         print(document["error"])
         return
     print(f"{'steps':>21} {'min':>11} {'max':>11} {'first':>11} {'last':>11} {'count':>7} {'nan/inf':>7}")
     for b in document["buckets"]:
         cells = [_num(b[k]) for k in ("min", "max", "first", "last")]
-        print(f"{b['step_lo']:>10}-{b['step_hi']:<10} {cells[0]:>11} {cells[1]:>11} {cells[2]:>11} {cells[3]:>11} "
-              f"{b['count']:>7} {b['nonfinite']:>7}")
+        print(f"{b['step_lo']:>10}-{b['step_hi']:<10} {cells[0]:>11} {cells[1]:>11} {cells[2]:>11} {cells[3]:>11} {b['count']:>7} {b['nonfinite']:>7}")
 
 
 def _num(value: float | None) -> str:

@@ -8,6 +8,7 @@ in part) is scanned in bounded chunks by `index_step()`, which the agent runs on
 live records keep flowing. The sidecar `metrics.index` beside the file is a rebuildable cache: it is trusted
 only when its format, the file's first bytes and the file's size still agree, and rebuilt otherwise.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -118,8 +119,14 @@ class MetricsIndex:
         if loss is None or (step_to is not None and step_to < 0):
             return []
         by_step: dict[int, dict[str, Any]] = {}
-        plan = {"train.loss": ("loss", "mean"), "lr": ("lr", "last"), "grad_norm": ("grad_norm", "mean"),
-                "weight_norm": ("weight_norm", "last"), "tokens": ("tokens", "last"), "train.acc.0": ("acc", "mean")}
+        plan = {
+            "train.loss": ("loss", "mean"),
+            "lr": ("lr", "last"),
+            "grad_norm": ("grad_norm", "mean"),
+            "weight_norm": ("weight_norm", "last"),
+            "tokens": ("tokens", "last"),
+            "train.acc.0": ("acc", "mean"),
+        }
         for key, (field, pick) in plan.items():
             for bucket in self.buckets(key, None, step_to, points, log_x=True):
                 if bucket[pick] is None:
@@ -138,8 +145,13 @@ class MetricsIndex:
     def to_bytes(self, header: dict[str, Any]) -> bytes:
         for series in self.series.values():
             series.level(0)  # rebuild the coarser levels now, so they are saved and never rebuilt on load
-        meta = dict(header, format=INDEX_FORMAT, total_records=self.total_records, bad_lines=self.bad_lines,
-                    series=[[key, [len(level) for level in s.levels]] for key, s in sorted(self.series.items())])
+        meta = dict(
+            header,
+            format=INDEX_FORMAT,
+            total_records=self.total_records,
+            bad_lines=self.bad_lines,
+            series=[[key, [len(level) for level in s.levels]] for key, s in sorted(self.series.items())],
+        )
         parts = [MAGIC, json.dumps(meta).encode() + b"\n"]
         for _, series in sorted(self.series.items()):
             parts.extend(level.to_bytes() for level in series.levels)
@@ -152,7 +164,7 @@ class MetricsIndex:
         if not data.startswith(MAGIC):
             raise ValueError("not a metrics index")
         end = data.index(b"\n", len(MAGIC))
-        meta = json.loads(data[len(MAGIC):end])
+        meta = json.loads(data[len(MAGIC) : end])
         if meta.get("format") != INDEX_FORMAT:
             raise ValueError(f"index format {meta.get('format')}, this agent reads {INDEX_FORMAT}")
         index = cls()
@@ -163,11 +175,11 @@ class MetricsIndex:
             levels = []
             for count in counts:
                 size = count * row_bytes
-                levels.append(Level.from_bytes(data[pos:pos + size], count))
+                levels.append(Level.from_bytes(data[pos : pos + size], count))
                 pos += size
             index.series[key] = Series(levels[0], levels[1:])
-        (vals_size,) = struct.unpack("<Q", data[pos:pos + 8])
-        index._val_bytes = data[pos + 8:pos + 8 + vals_size]  # decoded on first use (a query of series needs none)
+        (vals_size,) = struct.unpack("<Q", data[pos : pos + 8])
+        index._val_bytes = data[pos + 8 : pos + 8 + vals_size]  # decoded on first use (a query of series needs none)
         index.total_records = int(meta["total_records"])
         index.bad_lines = int(meta["bad_lines"])
         return index, meta
@@ -218,9 +230,15 @@ class MetricsFeed:
         return self.indexed_offset >= self.live_offset
 
     def progress(self) -> dict[str, Any]:
-        return {"indexed_bytes": self.indexed_offset, "file_bytes": self._file_size(), "backlog_bytes": self.backlog_bytes(),
-                "caught_up": self.caught_up, "total_records": self.index.total_records, "bad_lines": self.index.bad_lines,
-                "sidecar": self.sidecar_note}
+        return {
+            "indexed_bytes": self.indexed_offset,
+            "file_bytes": self._file_size(),
+            "backlog_bytes": self.backlog_bytes(),
+            "caught_up": self.caught_up,
+            "total_records": self.index.total_records,
+            "bad_lines": self.index.bad_lines,
+            "sidecar": self.sidecar_note,
+        }
 
     def _reset(self, why: str) -> None:
         self.index = MetricsIndex()
@@ -349,8 +367,13 @@ class MetricsFeed:
         with self.lock:
             if self.index.version == self.saved_version or not self.indexed_offset:
                 return False
-            header = {"indexed_offset": self.indexed_offset, "head_length": self.head_length, "head_hash": self.head_hash,
-                      "source": str(self.path), "saved_at": time.time()}
+            header = {
+                "indexed_offset": self.indexed_offset,
+                "head_length": self.head_length,
+                "head_hash": self.head_hash,
+                "source": str(self.path),
+                "saved_at": time.time(),
+            }
             data = self.index.to_bytes(header)
             version = self.index.version
         try:

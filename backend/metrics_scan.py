@@ -7,6 +7,7 @@ shape (val records, other writers, odd values) goes through json.loads and backe
 the one decoder of the file's encoding. Both paths give
 the same points, which tests/test_series_index.py checks against a plain pass.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,15 +18,20 @@ from typing import Any
 from backend.metrics import NONNEGATIVE_KEYS, normalize_record, record_loss
 
 # Train records: the scalars the screens plot, acc[0] for the train/val accuracy gap, per-module weight norms.
-TRAIN_SCALARS = {"loss": "train.loss", "lr": "lr", "grad_norm": "grad_norm", "weight_norm": "weight_norm",
-                 "step_time": "step_time", "tokens": "tokens"}
+TRAIN_SCALARS = {"loss": "train.loss", "lr": "lr", "grad_norm": "grad_norm", "weight_norm": "weight_norm", "step_time": "step_time", "tokens": "tokens"}
 TRAIN_FIRST_OF_LIST = {"acc": "train.acc.0"}
 MODULE_PREFIX = "weight_norm."
 MAX_SHAPES = 4
 
-_NONFINITE_STRINGS = ((b'"NaN"', b"NaN"), (b'"-Infinity"', b"-Infinity"), (b'"Infinity"', b"Infinity"),
-                      (b'"+Infinity"', b"Infinity"), (b'"inf"', b"Infinity"), (b'"-inf"', b"-Infinity"),
-                      (b'"nan"', b"NaN"))
+_NONFINITE_STRINGS = (
+    (b'"NaN"', b"NaN"),
+    (b'"-Infinity"', b"-Infinity"),
+    (b'"Infinity"', b"Infinity"),
+    (b'"+Infinity"', b"Infinity"),
+    (b'"inf"', b"Infinity"),
+    (b'"-inf"', b"-Infinity"),
+    (b'"nan"', b"NaN"),
+)
 # Captures are permissive (up to the next delimiter): float()/int() then reject anything that is not a number.
 _SCALAR = rb"([^,{}\[\]\"\n]+)"
 _SKIP_BY_TYPE = {

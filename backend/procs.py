@@ -1,4 +1,5 @@
 """Reading /proc (process identity, parents, groups, owners, command lines, trees), identity-checked signals and job cgroups (v2)."""
+
 from __future__ import annotations
 
 import os
@@ -428,4 +429,3 @@ def remove_cgroup(path: str | Path) -> bool:
         except OSError:
             removed = False
     return removed
-

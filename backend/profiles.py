@@ -4,6 +4,7 @@ Validation is strict (a number written as a string, or a float where an integer 
 coerced; no NaN or infinity) and cross-field (draft vocab within the target vocab, a seq_len the draft's
 positions cover and at most 1<<20). Every error names the file, the field, the value and what was expected.
 """
+
 from __future__ import annotations
 
 import sys
@@ -53,8 +54,11 @@ class TargetConfig(_Strict):
             raise _field_error("aux_layer_ids", ids, f"3 layer ids, got {len(ids)}")
         for layer in ids:
             if not 0 <= layer < self.num_layers:
-                raise _field_error("aux_layer_ids", ids, f"ids within 0..{self.num_layers - 1}: aux layer id {layer} is "
-                                   f"outside 0..{self.num_layers - 1} (num_layers={self.num_layers})")
+                raise _field_error(
+                    "aux_layer_ids",
+                    ids,
+                    f"ids within 0..{self.num_layers - 1}: aux layer id {layer} is outside 0..{self.num_layers - 1} (num_layers={self.num_layers})",
+                )
         if sorted(set(ids)) != list(ids):
             raise _field_error("aux_layer_ids", ids, "strictly increasing layer ids")
         return self
@@ -83,11 +87,9 @@ class DraftConfig(_Strict):
     @model_validator(mode="after")
     def _heads_divide(self) -> "DraftConfig":
         if self.num_attention_heads % self.num_key_value_heads:
-            raise _field_error("num_attention_heads", self.num_attention_heads,
-                               f"a multiple of num_key_value_heads ({self.num_key_value_heads})")
+            raise _field_error("num_attention_heads", self.num_attention_heads, f"a multiple of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise _field_error("hidden_size", self.hidden_size,
-                               f"a multiple of num_attention_heads ({self.num_attention_heads}) when head_dim is unset")
+            raise _field_error("hidden_size", self.hidden_size, f"a multiple of num_attention_heads ({self.num_attention_heads}) when head_dim is unset")
         return self
 
 
@@ -145,11 +147,13 @@ class Profile(_Strict):
     def _fields_agree(self) -> "Profile":
         draft, target, train = self.draft, self.target, self.train
         if draft.draft_vocab_size > target.vocab_size:
-            raise _field_error("draft.draft_vocab_size", draft.draft_vocab_size,
-                               f"at most target.vocab_size ({target.vocab_size}): the draft predicts a subset of the target's tokens")
+            raise _field_error(
+                "draft.draft_vocab_size",
+                draft.draft_vocab_size,
+                f"at most target.vocab_size ({target.vocab_size}): the draft predicts a subset of the target's tokens",
+            )
         if train.seq_len > draft.max_position_embeddings:
-            raise _field_error("train.seq_len", train.seq_len,
-                               f"at most draft.max_position_embeddings ({draft.max_position_embeddings})")
+            raise _field_error("train.seq_len", train.seq_len, f"at most draft.max_position_embeddings ({draft.max_position_embeddings})")
         if train.seq_len > MAX_SEQ_LEN:
             raise _field_error("train.seq_len", train.seq_len, f"at most {MAX_SEQ_LEN} (1<<20) tokens")
         return self

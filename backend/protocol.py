@@ -11,6 +11,7 @@ are already decoded from the file's encoding by backend.metrics.normalize_record
    {"type": "reply", "id": <request id>, "ok": false, "error": {"code": ..., "message": ...}}).
 stderr of the agent is a separate diagnostic stream and is never parsed as data.
 """
+
 from __future__ import annotations
 
 import json

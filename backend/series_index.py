@@ -12,6 +12,7 @@ Bucket semantics (what a brute-force pass over the records gives): `count` finit
 NaN/inf values (never in min/max/sum), `min`/`max`, `first`/`last` the finite value at the lowest/highest
 step (ties: the earlier/later in file order), `step_lo`/`step_hi` the lowest/highest step with any value.
 """
+
 from __future__ import annotations
 
 import math
@@ -75,18 +76,39 @@ def row_of(steps: Sequence[int], values: Sequence[float]) -> tuple:
         total = sum(finite)
     count = len(finite)
     if not count:
-        return (steps[0], steps[-1], math.inf, math.nan, -math.inf, math.nan, math.inf, -math.inf, 0.0, 0.0,
-                float(len(values)))
-    return (steps[0], steps[-1], finite_steps[0], finite[0], finite_steps[-1], finite[-1], min(finite), max(finite),
-            total, float(count), float(len(values) - count))
+        return (steps[0], steps[-1], math.inf, math.nan, -math.inf, math.nan, math.inf, -math.inf, 0.0, 0.0, float(len(values)))
+    return (
+        steps[0],
+        steps[-1],
+        finite_steps[0],
+        finite[0],
+        finite_steps[-1],
+        finite[-1],
+        min(finite),
+        max(finite),
+        total,
+        float(count),
+        float(len(values) - count),
+    )
 
 
 def merge_rows(a: Sequence[float], b: Sequence[float]) -> tuple:
     """Two partial buckets -> one; b is later in file order, so it wins ties of `last` and loses ties of `first`."""
     first = (b[FIRST_STEP], b[FIRST]) if b[FIRST_STEP] < a[FIRST_STEP] else (a[FIRST_STEP], a[FIRST])
     last = (b[LAST_STEP], b[LAST]) if b[COUNT] and b[LAST_STEP] >= a[LAST_STEP] else (a[LAST_STEP], a[LAST])
-    return (min(a[LO], b[LO]), max(a[HI], b[HI]), first[0], first[1], last[0], last[1], min(a[MIN], b[MIN]),
-            max(a[MAX], b[MAX]), a[SUM] + b[SUM], a[COUNT] + b[COUNT], a[NONFINITE] + b[NONFINITE])
+    return (
+        min(a[LO], b[LO]),
+        max(a[HI], b[HI]),
+        first[0],
+        first[1],
+        last[0],
+        last[1],
+        min(a[MIN], b[MIN]),
+        max(a[MAX], b[MAX]),
+        a[SUM] + b[SUM],
+        a[COUNT] + b[COUNT],
+        a[NONFINITE] + b[NONFINITE],
+    )
 
 
 class Level:
@@ -142,7 +164,7 @@ class Level:
         level.ids.frombytes(data[:id_bytes])
         for i, col in enumerate(level.cols):
             start = id_bytes + i * col_bytes
-            col.frombytes(data[start:start + col_bytes])
+            col.frombytes(data[start : start + col_bytes])
         return level
 
 
@@ -246,11 +268,15 @@ def to_bucket(row: Sequence[float]) -> dict[str, Any]:
     count = int(row[COUNT])
     finite = count > 0
     return {
-        "step_lo": int(row[LO]), "step_hi": int(row[HI]),
-        "min": row[MIN] if finite else None, "max": row[MAX] if finite else None,
-        "first": row[FIRST] if finite else None, "last": row[LAST] if finite else None,
+        "step_lo": int(row[LO]),
+        "step_hi": int(row[HI]),
+        "min": row[MIN] if finite else None,
+        "max": row[MAX] if finite else None,
+        "first": row[FIRST] if finite else None,
+        "last": row[LAST] if finite else None,
         "mean": row[SUM] / count if finite else None,
-        "count": count, "nonfinite": int(row[NONFINITE]),
+        "count": count,
+        "nonfinite": int(row[NONFINITE]),
     }
 
 
@@ -301,6 +327,16 @@ def _slice_row(cols: list[array], start: int, end: int) -> tuple:
     first_at = start + first_steps.index(min(first_steps))
     latest = max(last_steps)
     last_at = end - 1 - last_steps[::-1].index(latest)  # ties: the later bucket (later in file order)
-    return (min(cols[LO][start:end]), max(cols[HI][start:end]), cols[FIRST_STEP][first_at], cols[FIRST][first_at],
-            latest, cols[LAST][last_at], min(cols[MIN][start:end]), max(cols[MAX][start:end]),
-            sum(cols[SUM][start:end]), sum(cols[COUNT][start:end]), sum(cols[NONFINITE][start:end]))
+    return (
+        min(cols[LO][start:end]),
+        max(cols[HI][start:end]),
+        cols[FIRST_STEP][first_at],
+        cols[FIRST][first_at],
+        latest,
+        cols[LAST][last_at],
+        min(cols[MIN][start:end]),
+        max(cols[MAX][start:end]),
+        sum(cols[SUM][start:end]),
+        sum(cols[COUNT][start:end]),
+        sum(cols[NONFINITE][start:end]),
+    )

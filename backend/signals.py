@@ -7,6 +7,7 @@ Grokking screen (a JSON-able dict; non-finite numbers become null).
 Conventions: x axis is log10(step) (grokking spans decades of steps); slopes are "loss per decade of steps".
 acc[k] is the top-1 agreement of draft and target at TTT position k, so acc[0] is the first drafted token.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -21,6 +22,7 @@ LR_FLOOR_WARNING = "a cosine run that decayed to ~0 LR cannot grok; resume with 
 
 
 # ---------------------------------------------------------------- slopes, lookups (smoothing: backend/smoothing.py)
+
 
 @dataclass
 class Slope:
@@ -108,6 +110,7 @@ def log_thin(steps: Sequence[int], values: Sequence[float], per_decade: int = 20
 
 # ---------------------------------------------------------------- single signals
 
+
 def gap(val_ema: float | None, train_ema: float | None) -> tuple[float | None, float | None]:
     """Generalization gap G = V̂ - L̂ and relative gap G / V̂ (None where undefined)."""
     if not (is_finite(val_ema) and is_finite(train_ema)):
@@ -124,8 +127,9 @@ def is_flat(slope: Slope | None, level: float | None, abs_eps: float, rel_eps: f
     return abs(slope.slope) <= threshold
 
 
-def detect_plateau(steps: Sequence[int], smoothed: Sequence[float], *, window: int = 10, per_decade: int = 20,
-                   abs_eps: float = 0.01, rel_eps: float = 0.05) -> dict[str, Any]:
+def detect_plateau(
+    steps: Sequence[int], smoothed: Sequence[float], *, window: int = 10, per_decade: int = 20, abs_eps: float = 0.01, rel_eps: float = 0.05
+) -> dict[str, Any]:
     """Train-loss plateau: |slope of the smoothed loss vs log10 step| small over a window of log-spaced points.
 
     The plateau began at the first step of the earliest flat window in the final unbroken run of flat
@@ -138,7 +142,7 @@ def detect_plateau(steps: Sequence[int], smoothed: Sequence[float], *, window: i
         return result
     flat = []
     for end in range(window, len(thin_steps) + 1):
-        part_steps, part_values = thin_steps[end - window:end], thin_values[end - window:end]
+        part_steps, part_values = thin_steps[end - window : end], thin_values[end - window : end]
         slope = log_step_slope(part_steps, part_values)
         flat.append(is_flat(slope, sum(part_values) / window, abs_eps, rel_eps))
         result["slope"] = slope.slope if slope else None
@@ -164,12 +168,11 @@ def grad_norm_medians(grad_norms: Sequence[float], window: int = 50, min_before:
     """Median of the last `window` finite grad norms, and of the `window` before them (None with fewer than
     `min_before` earlier points): a rising norm is what says a run turns unstable, not how often the clip binds."""
     finite = [g for g in grad_norms if is_finite(g)]
-    recent, before = finite[-window:], finite[-2 * window:-window]
+    recent, before = finite[-window:], finite[-2 * window : -window]
     return (_lower_median(recent) if recent else None), (_lower_median(before) if len(before) >= min_before else None)
 
 
-def relative_change(steps: Sequence[int], values: Sequence[float], lag_steps: int | None = None,
-                    lag_points: int = 8) -> tuple[float | None, int | None]:
+def relative_change(steps: Sequence[int], values: Sequence[float], lag_steps: int | None = None, lag_points: int = 8) -> tuple[float | None, int | None]:
     """r = (N_t - N_{t-K}) / N_{t-K}; K = lag_steps, or the span of the last `lag_points` points.
 
     Returns (r, K used), or (None, None) with fewer than 2 finite points or N_{t-K} = 0."""
@@ -205,14 +208,12 @@ def estimate_tau(acc: Sequence[float] | None, num_steps: int | None = None) -> f
     return tau
 
 
-def lr_floor(steps: Sequence[int], lrs: Sequence[float], *, window: int = 5, floor_fraction: float = 0.05,
-             abs_floor: float = 1e-7) -> dict[str, Any]:
+def lr_floor(steps: Sequence[int], lrs: Sequence[float], *, window: int = 5, floor_fraction: float = 0.05, abs_floor: float = 1e-7) -> dict[str, Any]:
     """LR stuck at its floor: every LR of the recent window <= floor_fraction * the peak seen before the
     window, or <= abs_floor, after having been higher (a warmup from 0 never counts).
     """
     steps, lrs = finite_points(steps, lrs)
-    result: dict[str, Any] = {"active": False, "lr": lrs[-1] if lrs else None,
-                              "max_lr": max(lrs) if lrs else None, "since_step": None, "warning": None}
+    result: dict[str, Any] = {"active": False, "lr": lrs[-1] if lrs else None, "max_lr": max(lrs) if lrs else None, "since_step": None, "warning": None}
     window = max(1, window)
     if len(lrs) <= window:
         return result
@@ -224,12 +225,12 @@ def lr_floor(steps: Sequence[int], lrs: Sequence[float], *, window: int = 5, flo
         since = len(lrs) - window
         while since > 0 and (lrs[since - 1] <= floor_fraction * peak or lrs[since - 1] <= abs_floor):
             since -= 1
-        result.update(active=True, since_step=steps[since], warning=(
-            f"LR is {recent[-1]:.3g} (peak {peak:.3g}) since step {steps[since]}: {LR_FLOOR_WARNING}"))
+        result.update(active=True, since_step=steps[since], warning=(f"LR is {recent[-1]:.3g} (peak {peak:.3g}) since step {steps[since]}: {LR_FLOOR_WARNING}"))
     return result
 
 
 # ---------------------------------------------------------------- the grokking detector
+
 
 @dataclass
 class GrokConfig:
@@ -324,8 +325,7 @@ def join_evals(view: RunView, cfg: GrokConfig) -> list[EvalPoint]:
     return points
 
 
-def _memorized_before(points: list[EvalPoint], end: int, window_start: int,
-                      cfg: GrokConfig) -> tuple[int, float] | None:
+def _memorized_before(points: list[EvalPoint], end: int, window_start: int, cfg: GrokConfig) -> tuple[int, float] | None:
     """(start step, baseline) of a memorization run that held >= P steps and is ongoing or ended inside the
     window (evals window_start..end); baseline = lower median of V̂ over the run's evals before the window,
     of which there must be at least a window's worth. None if there is no such run."""
@@ -369,24 +369,25 @@ def detect_onset(points: list[EvalPoint], window: int, cfg: GrokConfig) -> dict[
         if point.val_acc is not None:
             best_acc = max(best_acc, point.val_acc)
             if not regression["detected"] and best_acc - point.val_acc > cfg.acc_drop:
-                regression.update(detected=True, step=point.step, reason=(
-                    f"val acc[0] fell from {best_acc:.3f} to {point.val_acc:.3f}"))
+                regression.update(detected=True, step=point.step, reason=(f"val acc[0] fell from {best_acc:.3f} to {point.val_acc:.3f}"))
         if end + 1 < window:
             continue
-        part = points[end + 1 - window:end + 1]
+        part = points[end + 1 - window : end + 1]
         steps = [p.step for p in part]
         val_slope = log_step_slope(steps, [p.val for p in part])
         if val_slope is None or math.isnan(val_slope.z):
             continue
         if onset["detected"]:
-            level = _lower_median([p.val for p in points[end + 1 - window:end + 1]])
+            level = _lower_median([p.val for p in points[end + 1 - window : end + 1]])
             best_val = min(best_val, level)
             rising = val_slope.z > cfg.z_threshold and level >= (1.0 + cfg.min_drop) * best_val
             rise_streak = rise_streak + 1 if rising else 0
             if not regression["detected"] and rise_streak >= cfg.persist:
-                regression.update(detected=True, step=point.step, reason=(
-                    f"val loss rising again after the onset (z=+{val_slope.z:.1f}; window median {level:.3g} "
-                    f"vs best {best_val:.3g})"))
+                regression.update(
+                    detected=True,
+                    step=point.step,
+                    reason=(f"val loss rising again after the onset (z=+{val_slope.z:.1f}; window median {level:.3g} vs best {best_val:.3g})"),
+                )
             continue
         held = _onset_conditions(points, end, window, val_slope, cfg)
         streak = streak + 1 if held is not None else 0
@@ -395,12 +396,11 @@ def detect_onset(points: list[EvalPoint], window: int, cfg: GrokConfig) -> dict[
     return {"onset": onset, "regression": regression}
 
 
-def _onset_conditions(points: list[EvalPoint], end: int, window: int, val_slope: Slope,
-                      cfg: GrokConfig) -> int | None:
+def _onset_conditions(points: list[EvalPoint], end: int, window: int, val_slope: Slope, cfg: GrokConfig) -> int | None:
     """The memorization start step when every onset condition holds at eval `end`, else None."""
     if not val_slope.z < -cfg.z_threshold:
         return None
-    part = points[end + 1 - window:end + 1]
+    part = points[end + 1 - window : end + 1]
     steps, train_values = [p.step for p in part], [p.train for p in part if p.train is not None]
     if len(train_values) < len(part):
         return None
@@ -418,6 +418,7 @@ def _onset_conditions(points: list[EvalPoint], end: int, window: int, val_slope:
 
 
 # ---------------------------------------------------------------- everything, for the Grokking screen
+
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -453,16 +454,14 @@ def _weight_norms(view: RunView, window: int) -> dict[str, Any]:
     steps, norms = view.series("weight_norm", split)
     change, lag = relative_change(steps, norms, lag_points=window)
     modules: dict[str, Any] = {}
-    names = sorted({name for r in view.records if isinstance(r.get("weight_norm_modules"), dict)
-                    for name in r["weight_norm_modules"]})
+    names = sorted({name for r in view.records if isinstance(r.get("weight_norm_modules"), dict) for name in r["weight_norm_modules"]})
     for name in names:
         m_steps, m_norms = finite_points(*view.series("weight_norm_modules", split, name))
         if not m_steps:
             m_steps, m_norms = finite_points(*view.series("weight_norm_modules", "val", name))
         m_change, _ = relative_change(m_steps, m_norms, lag_points=window)
         modules[name] = {"latest": _last(m_norms), "relative_change": m_change}
-    return {"latest": _last(finite_points(steps, norms)[1]), "relative_change": change, "lag_steps": lag,
-            "modules": modules}
+    return {"latest": _last(finite_points(steps, norms)[1]), "relative_change": change, "lag_steps": lag, "modules": modules}
 
 
 def _per_position(view: RunView, cfg: GrokConfig) -> list[dict[str, Any]]:
@@ -475,14 +474,14 @@ def _per_position(view: RunView, cfg: GrokConfig) -> list[dict[str, Any]]:
             beta = cfg.train_beta if split == "train" else cfg.val_beta
             steps, values = per_k[k] if k < len(per_k) else ([], [])
             row[f"{split}_{key}"] = _last(finite_points(steps, debiased_ema(values, beta))[1])
-        row["ploss_gap"] = (row["val_ploss"] - row["train_ploss"]
-                            if row["val_ploss"] is not None and row["train_ploss"] is not None else None)
+        row["ploss_gap"] = row["val_ploss"] - row["train_ploss"] if row["val_ploss"] is not None and row["train_ploss"] is not None else None
         rows.append(row)
     return rows
 
 
-def compute_signals(records: Iterable[dict[str, Any]], *, window: int = 8, clip: float = 0.5,
-                    num_steps: int | None = None, config: GrokConfig | None = None) -> dict[str, Any]:
+def compute_signals(
+    records: Iterable[dict[str, Any]], *, window: int = 8, clip: float = 0.5, num_steps: int | None = None, config: GrokConfig | None = None
+) -> dict[str, Any]:
     """All signals of the Grokking screen from cleaned metrics records (backend.metrics), as a JSON-able dict.
 
     window: val evals per slope window (and points per LR-floor / weight-norm window); clip: the run's
@@ -503,53 +502,62 @@ def compute_signals(records: Iterable[dict[str, Any]], *, window: int = 8, clip:
     span_start = recent_val[0].step if recent_val else None
     tr_window = [(s, v) for s, v in zip(tr_fin_steps, tr_fin_ema) if span_start is None or s >= span_start]
     train_slope = log_step_slope(*log_thin([s for s, _ in tr_window], [v for _, v in tr_window]))
-    plateau = detect_plateau(tr_steps, tr_ema, window=cfg.plateau_window, abs_eps=cfg.plateau_abs_eps,
-                             rel_eps=cfg.plateau_rel_eps)
+    plateau = detect_plateau(tr_steps, tr_ema, window=cfg.plateau_window, abs_eps=cfg.plateau_abs_eps, rel_eps=cfg.plateau_rel_eps)
     plateau["tokens_past"] = _tokens_past(view, plateau["start_step"])
     detected = detect_onset(points, window, cfg)
     bump = _val_bump(points, plateau["active"], cfg)
     lr_steps, lrs = view.series("lr", "train")
-    floor = lr_floor(lr_steps, lrs, window=max(3, window), floor_fraction=cfg.lr_floor_fraction,
-                     abs_floor=cfg.lr_abs_floor)
+    floor = lr_floor(lr_steps, lrs, window=max(3, window), floor_fraction=cfg.lr_floor_fraction, abs_floor=cfg.lr_abs_floor)
     gn_steps, gns = view.series("grad_norm", "train")
     tau_step, val_acc = _latest_list(records, "val", "acc")
     _, val_accept = _latest_list(records, "val", "acceptance_rate")
     all_steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
     latest_train = _latest_record(records, "train")
     signals = {
-        "n_records": len(records), "n_train": len(tr_steps), "n_val": len(val_steps),
+        "n_records": len(records),
+        "n_train": len(tr_steps),
+        "n_val": len(val_steps),
         "latest_step": max(all_steps) if all_steps else None,
         "latest": {
-            "train_loss": _last(tr_raw), "train_loss_ema": _last(tr_fin_ema),
-            "val_loss": _last(val_raw), "val_loss_ema": _last(finite_points(val_steps, val_ema)[1]),
+            "train_loss": _last(tr_raw),
+            "train_loss_ema": _last(tr_fin_ema),
+            "val_loss": _last(val_raw),
+            "val_loss_ema": _last(finite_points(val_steps, val_ema)[1]),
             "lr": _last(finite_points(lr_steps, lrs)[1]),
             "tokens": latest_train.get("tokens") if latest_train else None,
             "epoch": latest_train.get("epoch") if latest_train else None,
-            "train_acc": _latest_list(records, "train", "acc")[1], "val_acc": val_acc,
+            "train_acc": _latest_list(records, "train", "acc")[1],
+            "val_acc": val_acc,
         },
         "gap": last_point.gap if last_point else None,
         "relative_gap": last_point.rel_gap if last_point else None,
-        "acc_gap": (last_point.train_acc - last_point.val_acc
-                    if last_point and last_point.train_acc is not None and last_point.val_acc is not None else None),
+        "acc_gap": (last_point.train_acc - last_point.val_acc if last_point and last_point.train_acc is not None and last_point.val_acc is not None else None),
         "gap_step": last_point.step if last_point else None,
         "memorized": bool(last_point and last_point.memorized),
         "val_slope": val_slope.as_dict() if val_slope else None,
         "train_slope": train_slope.as_dict() if train_slope else None,
         "z_val": val_slope.z if val_slope else None,
         "plateau": plateau,
-        "plateau_start_step": plateau["start_step"], "steps_past_plateau": plateau["steps_past"],
+        "plateau_start_step": plateau["start_step"],
+        "steps_past_plateau": plateau["steps_past"],
         "tokens_past_plateau": plateau["tokens_past"],
         **detected,
-        "onset_step": detected["onset"]["step"], "regression_step": detected["regression"]["step"],
+        "onset_step": detected["onset"]["step"],
+        "regression_step": detected["regression"]["step"],
         "val_bump": bump,
-        "lr_floor": floor, "lr_floor_warning": floor["warning"],
-        "tau_hat": estimate_tau(val_acc, num_steps), "tau_hat_step": tau_step,
+        "lr_floor": floor,
+        "lr_floor_warning": floor["warning"],
+        "tau_hat": estimate_tau(val_acc, num_steps),
+        "tau_hat_step": tau_step,
         "tau_hat_acceptance": estimate_tau(val_accept, num_steps),
         "weight_norm": _weight_norms(view, window),
-        "grad_norm": {"latest": _last(finite_points(gn_steps, gns)[1]),
-                      "ema": _last(finite_points(gn_steps, debiased_ema(gns, cfg.train_beta))[1]),
-                      "clip": clip, "clip_fraction": clip_fraction(gns, clip, cfg.clip_window),
-                      **dict(zip(("median", "median_before"), grad_norm_medians(gns, cfg.clip_window)))},
+        "grad_norm": {
+            "latest": _last(finite_points(gn_steps, gns)[1]),
+            "ema": _last(finite_points(gn_steps, debiased_ema(gns, cfg.train_beta))[1]),
+            "clip": clip,
+            "clip_fraction": clip_fraction(gns, clip, cfg.clip_window),
+            **dict(zip(("median", "median_before"), grad_norm_medians(gns, cfg.clip_window))),
+        },
         "per_position": _per_position(view, cfg),
     }
     signals["warnings"] = _warnings(signals, records, tr_raw, val_raw, cfg)
@@ -570,11 +578,10 @@ def _val_bump(points: list[EvalPoint], plateau_active: bool, cfg: GrokConfig) ->
     return {"active": bool(active), "amount": amount, "min_val": best.val, "min_step": best.step}
 
 
-def _warnings(s: dict[str, Any], records: list[dict[str, Any]], tr_raw: list[float], val_raw: list[float],
-              cfg: GrokConfig) -> list[str]:
+def _warnings(s: dict[str, Any], records: list[dict[str, Any]], tr_raw: list[float], val_raw: list[float], cfg: GrokConfig) -> list[str]:
     out = []
     if records and not val_raw:
-        out.append("No validation records yet: the gap, val slope and onset detector need split \"val\" evals.")
+        out.append('No validation records yet: the gap, val slope and onset detector need split "val" evals.')
     if tr_raw and not is_finite(tr_raw[-1]):
         out.append(f"The latest train loss is {tr_raw[-1]}: the run has diverged or hit a numerical error.")
     if s["lr_floor"]["warning"]:
@@ -582,13 +589,13 @@ def _warnings(s: dict[str, Any], records: list[dict[str, Any]], tr_raw: list[flo
     if s["regression"]["detected"]:
         out.append(f"Regression at step {s['regression']['step']}: {s['regression']['reason']}.")
     if s["val_bump"]["active"]:
-        out.append(f"Val loss is {s['val_bump']['amount']:.3g} above its minimum (step {s['val_bump']['min_step']}) "
-                   "while train loss is flat: a bump that can precede a second descent, not a reason to stop.")
+        out.append(
+            f"Val loss is {s['val_bump']['amount']:.3g} above its minimum (step {s['val_bump']['min_step']}) "
+            "while train loss is flat: a bump that can precede a second descent, not a reason to stop."
+        )
     val_slope, train_slope = s["val_slope"], s["train_slope"]
-    if (val_slope and val_slope["z"] > cfg.z_threshold and train_slope and train_slope["slope"] < 0
-            and not s["plateau"]["active"]):
-        out.append(f"Val loss rising (z=+{val_slope['z']:.1f}) while train loss still falls: "
-                   "overfitting the train set.")
+    if val_slope and val_slope["z"] > cfg.z_threshold and train_slope and train_slope["slope"] < 0 and not s["plateau"]["active"]:
+        out.append(f"Val loss rising (z=+{val_slope['z']:.1f}) while train loss still falls: overfitting the train set.")
     # A clip that binds on most steps is no warning by itself: AdamW divides the clipped gradient by its own running
     # RMS, so the step size stays the LR's (the tiny profile clips 100% of its steps at 0.5 and learns).
     # A grad norm that keeps rising is the sign of a loss turning unstable, clipped or not.
@@ -597,8 +604,10 @@ def _warnings(s: dict[str, Any], records: list[dict[str, Any]], tr_raw: list[flo
     if recent is not None and before is not None and before > 0 and recent > cfg.grad_rise * before:
         fraction = grads["clip_fraction"]
         clipped = f"; {fraction:.0%} of them above the clip {grads['clip']}" if fraction else ""
-        out.append(f"Grad norm rising: median {recent:.3g} over the last {cfg.clip_window} records vs {before:.3g} "
-                   f"before{clipped}: the loss may be turning unstable (LR too high?).")
+        out.append(
+            f"Grad norm rising: median {recent:.3g} over the last {cfg.clip_window} records vs {before:.3g} "
+            f"before{clipped}: the loss may be turning unstable (LR too high?)."
+        )
     for split in ("train", "val"):
         _, accs = _latest_list(records, split, "acc")
         if accs and any(is_finite(a) and not 0.0 <= a <= 1.0 for a in accs):

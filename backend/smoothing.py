@@ -1,4 +1,5 @@
 """The one EMA: debiased exponential smoothing for the grokking signals (agent) and the console's curves; standard library only."""
+
 from __future__ import annotations
 
 import math

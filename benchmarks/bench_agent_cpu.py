@@ -5,6 +5,7 @@ a second, one idle. CPU = (utime + stime) of the agent process from /proc/PID/st
 
     python benchmarks/bench_agent_cpu.py [--seconds 20] [--files 8] [--rate 10] [--interval 1.0] [--json OUT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,10 @@ class Agent:
     def __init__(self, run_dir: Path, interval: float):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "backend.agent", "--run-dir", str(run_dir), "--interval", str(interval)],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
         )
         self.messages = 0
         self.metrics_records = 0

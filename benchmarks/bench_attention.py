@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """TTT attention backends (eager, sdpa, flex) checked against eager and timed, alone and inside the draft's ttt_forward.
 
-  python benchmarks/bench_attention.py --device cuda          (the checks, then timings at the 8B draft shape, bf16)
-  python benchmarks/bench_attention.py --device cpu --small   (only the small correctness checks; the tests run these)
+python benchmarks/bench_attention.py --device cuda          (the checks, then timings at the 8B draft shape, bf16)
+python benchmarks/bench_attention.py --device cpu --small   (only the small correctness checks; the tests run these)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,9 +90,21 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-LLAMA_8B_DRAFT = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
-                      rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=4096, vocab_size=128256,
-                      draft_vocab_size=32000, target_hidden_size=4096, aux_layer_ids=[1, 15, 28], torch_dtype="bfloat16")
+LLAMA_8B_DRAFT = dict(
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=4096,
+    vocab_size=128256,
+    draft_vocab_size=32000,
+    target_hidden_size=4096,
+    aux_layer_ids=[1, 15, 28],
+    torch_dtype="bfloat16",
+)
 
 
 def time_draft_step(backend: str, *, device: str, seq: int = 2048, ttt_length: int = 7, mode: str = "autocast", repeats: int = 10) -> float:
@@ -123,9 +136,21 @@ def check_draft_backends(device: str) -> list[dict]:
     """ttt_forward of every backend against eager on a small random draft: max output and gradient differences."""
     from backend.train.draft import DraftModelConfig, Eagle3Draft
 
-    config = DraftModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                              rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, vocab_size=100,
-                              draft_vocab_size=60, target_hidden_size=64, aux_layer_ids=[1, 2, 3], torch_dtype="float32")
+    config = DraftModelConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        vocab_size=100,
+        draft_vocab_size=60,
+        target_hidden_size=64,
+        aux_layer_ids=[1, 2, 3],
+        torch_dtype="float32",
+    )
     generator = torch.Generator().manual_seed(0)
     aux = torch.randn(2, 40, config.aux_width, generator=generator).to(device)
     ids = torch.randint(0, 100, (2, 40), generator=generator).to(device)

@@ -10,6 +10,7 @@
 
     python benchmarks/bench_console.py [--lines 50] [--points 100000] [--reps 5] [--skip-e2e] [--json OUT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ from console.state import CONNECTED, ConnectionStatus, ConsoleState
 from console.transport import LocalTransport, SSHTransport
 
 SIZE = (160, 48)
-PEER_APP = '''
+PEER_APP = """
 from textual.app import App
 from textual.widgets import Footer, Header, Static
 
@@ -56,7 +57,7 @@ class Peer(App):
         yield Footer()
 
 Peer().run()
-'''
+"""
 
 
 class PeerApp(App):
@@ -257,8 +258,16 @@ async def e2e_over_inprocess_ssh(tmp: Path, lines: int) -> tuple[list[float], li
     try:
         env = server.env()
         env.pin_host_key()
-        transport = SSHTransport("127.0.0.1", port=env.port, user="bench", identity=str(env.client_key), known_hosts=str(env.known_hosts),
-                                 python=sys.executable, run_dir=str(tmp / "host-run-inproc"), config=None)
+        transport = SSHTransport(
+            "127.0.0.1",
+            port=env.port,
+            user="bench",
+            identity=str(env.client_key),
+            known_hosts=str(env.known_hosts),
+            python=sys.executable,
+            run_dir=str(tmp / "host-run-inproc"),
+            config=None,
+        )
         return await e2e_delays(transport, lines)
     finally:
         await server.stop()
@@ -271,8 +280,16 @@ async def e2e_over_real_sshd(tmp: Path, lines: int) -> tuple[list[float], list[f
     try:
         env = server.env()
         env.pin_host_key()
-        transport = SSHTransport("127.0.0.1", port=env.port, user=env.user, identity=str(env.client_key), known_hosts=str(env.known_hosts),
-                                 python=sys.executable, run_dir=str(tmp / "host-run-sshd"), config=None)
+        transport = SSHTransport(
+            "127.0.0.1",
+            port=env.port,
+            user=env.user,
+            identity=str(env.client_key),
+            known_hosts=str(env.known_hosts),
+            python=sys.executable,
+            run_dir=str(tmp / "host-run-sshd"),
+            config=None,
+        )
         return await e2e_delays(transport, lines)
     finally:
         server.stop()
@@ -287,8 +304,10 @@ def bench_e2e(lines: int) -> dict:
         os.environ["HOME"] = str(tmp / "home")  # keep asyncssh away from the real ~/.ssh
         os.environ.pop("SSH_AUTH_SOCK", None)
         try:
-            runs = {"local_subprocess": asyncio.run(e2e_delays(LocalTransport(tmp / "run-local"), lines)),
-                    "inprocess_asyncssh": asyncio.run(e2e_over_inprocess_ssh(tmp, lines))}
+            runs = {
+                "local_subprocess": asyncio.run(e2e_delays(LocalTransport(tmp / "run-local"), lines)),
+                "inprocess_asyncssh": asyncio.run(e2e_over_inprocess_ssh(tmp, lines)),
+            }
             if sshd_available():
                 runs["openssh_sshd"] = asyncio.run(e2e_over_real_sshd(tmp, lines))
         finally:

@@ -7,6 +7,7 @@ Run on a GPU host from the repository root (one command; exits cleanly with a me
 Each path goes through backend/gpu.py (the code the agent runs). Wall time is the latency of getting a full
 sample; CPU time counts this process plus its children (nvidia-smi), which is what a 1 Hz agent pays.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -140,7 +141,9 @@ def main() -> int:
     def show(label: str, data: dict) -> None:
         if "median_ms" in data:
             cpu = data.get("cpu_ms_per_sample", data.get("nvidia_smi_cpu_ms_per_sample"))
-            print(f"  {label:<34} median {data['median_ms']:9.3f} ms   p90 {data.get('p90_ms', float('nan')):9.3f} ms   cpu {cpu if cpu is not None else float('nan'):8.3f} ms/sample")
+            print(
+                f"  {label:<34} median {data['median_ms']:9.3f} ms   p90 {data.get('p90_ms', float('nan')):9.3f} ms   cpu {cpu if cpu is not None else float('nan'):8.3f} ms/sample"
+            )
         else:
             print(f"  {label:<34} {data}")
 
@@ -149,8 +152,10 @@ def main() -> int:
     if smi:
         show("spawn nvidia-smi --query-gpu", results["spawn_query_gpu"])
         show("-lms stream: read latest frame", stream)
-        print(f"  -lms {stream.get('interval_ms')}: a frame every {stream.get('frame_gap_median_ms') or float('nan'):.1f} ms (max gap {stream.get('frame_gap_max_ms') or float('nan'):.1f} ms;"
-              " a max far above the period means nvidia-smi buffers its pipe output)")
+        print(
+            f"  -lms {stream.get('interval_ms')}: a frame every {stream.get('frame_gap_median_ms') or float('nan'):.1f} ms (max gap {stream.get('frame_gap_max_ms') or float('nan'):.1f} ms;"
+            " a max far above the period means nvidia-smi buffers its pipe output)"
+        )
     for name, value in results["ratios"].items():
         print(f"  ratio {name:<28} {value:10.1f}x" if value else f"  ratio {name:<28} n/a")
     if args.json:

@@ -16,6 +16,7 @@
 
     python benchmarks/bench_long_run.py [--size-mib 1024] [--dir /tmp/eagle3-long-run] [--json OUT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,15 +64,41 @@ def generate(path: Path, size_bytes: int, seed: int = 0) -> int:
                 step += 1
                 loss = 3.0 * math.exp(-step / 3e5) + rng.random() * 0.05
                 loss = "NaN" if step % 250_000 == 0 else (loss * 20 if step % 99_991 == 0 else loss)
-                lines.append(json.dumps({
-                    "step": step, "epoch": step / 50_000, "split": "train", "loss": loss,
-                    "ploss": [round(rng.random(), 6) for _ in range(7)], "acc": [round(rng.random(), 6) for _ in range(7)],
-                    "step_time": 0.11 + rng.random() * 0.01, "lr": 1e-4, "grad_norm": rng.random(), "weight_norm": 120 + step * 1e-6,
-                    "weight_norm_modules": {m: rng.random() for m in MODULES}, "tokens": step * 2048, "time": 1.79e9 + step * 0.11,
-                }, separators=(",", ":")))
-            lines.append(json.dumps({"step": step, "epoch": step / 50_000, "split": "val", "loss": 3.3 * math.exp(-step / 3e5),
-                                     "ploss": [rng.random() for _ in range(7)], "acc": [rng.random() for _ in range(7)],
-                                     "tokens": step * 2048, "time": 1.79e9 + step * 0.11}, separators=(",", ":")))
+                lines.append(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "epoch": step / 50_000,
+                            "split": "train",
+                            "loss": loss,
+                            "ploss": [round(rng.random(), 6) for _ in range(7)],
+                            "acc": [round(rng.random(), 6) for _ in range(7)],
+                            "step_time": 0.11 + rng.random() * 0.01,
+                            "lr": 1e-4,
+                            "grad_norm": rng.random(),
+                            "weight_norm": 120 + step * 1e-6,
+                            "weight_norm_modules": {m: rng.random() for m in MODULES},
+                            "tokens": step * 2048,
+                            "time": 1.79e9 + step * 0.11,
+                        },
+                        separators=(",", ":"),
+                    )
+                )
+            lines.append(
+                json.dumps(
+                    {
+                        "step": step,
+                        "epoch": step / 50_000,
+                        "split": "val",
+                        "loss": 3.3 * math.exp(-step / 3e5),
+                        "ploss": [rng.random() for _ in range(7)],
+                        "acc": [rng.random() for _ in range(7)],
+                        "tokens": step * 2048,
+                        "time": 1.79e9 + step * 0.11,
+                    },
+                    separators=(",", ":"),
+                )
+            )
             handle.write("\n".join(lines) + "\n")
     return step
 
@@ -119,12 +146,18 @@ def bench_cold_index(path: Path, sidecar: Path) -> dict:
         normalize_record(json.loads(line))
     old_cpu = (time.process_time() - cpu) * (path.stat().st_size / sample)
     return {
-        "file_mib": round(mib, 1), "records": feed.index.total_records,
-        "ours_cpu_s": ours_cpu, "ours_wall_s": ours_wall, "ours_mib_per_cpu_s": mib / ours_cpu,
-        "peer_json_loads_cpu_s": peer_cpu, "peer_json_loads_mib_per_cpu_s": mib / peer_cpu,
+        "file_mib": round(mib, 1),
+        "records": feed.index.total_records,
+        "ours_cpu_s": ours_cpu,
+        "ours_wall_s": ours_wall,
+        "ours_mib_per_cpu_s": mib / ours_cpu,
+        "peer_json_loads_cpu_s": peer_cpu,
+        "peer_json_loads_mib_per_cpu_s": mib / peer_cpu,
         "old_path_json_loads_normalize_cpu_s_scaled": old_cpu,
-        "ours_over_json_loads": peer_cpu / ours_cpu, "ours_over_old_path": old_cpu / ours_cpu,
-        "sidecar_mib": round(sidecar.stat().st_size / 2**20, 2), "sidecar_save_s": save_s,
+        "ours_over_json_loads": peer_cpu / ours_cpu,
+        "ours_over_old_path": old_cpu / ours_cpu,
+        "sidecar_mib": round(sidecar.stat().st_size / 2**20, 2),
+        "sidecar_save_s": save_s,
     }
 
 
@@ -142,9 +175,13 @@ def bench_warm_query(path: Path, reps: int = 5) -> dict:
     peer = [timed(f"grep '\"val\"' {path} | tail -n 5", shell=True)[0] for _ in range(reps)]
     _, out = timed([sys.executable, "-m", "backend", "metrics", "series", "--file", str(path), "--points", "200", "--json"])
     document = json.loads(out)
-    return {"ours_metrics_series_s": summary(ours), "peer_grep_val_tail_s": summary(peer),
-            "ours_over_peer": summary(ours)["median"] / summary(peer)["median"],
-            "buckets": len(document["buckets"]), "nonfinite_in_buckets": sum(b["nonfinite"] for b in document["buckets"])}
+    return {
+        "ours_metrics_series_s": summary(ours),
+        "peer_grep_val_tail_s": summary(peer),
+        "ours_over_peer": summary(ours)["median"] / summary(peer)["median"],
+        "buckets": len(document["buckets"]),
+        "nonfinite_in_buckets": sum(b["nonfinite"] for b in document["buckets"]),
+    }
 
 
 # -- 3 + 5 + 6. over SSH -------------------------------------------------------------------------------
@@ -162,8 +199,16 @@ def ssh_server(tmp: Path, run_dir: Path):
     env.pin_host_key()
 
     def make():
-        return SSHTransport("127.0.0.1", port=env.port, user=env.user, identity=str(env.client_key), known_hosts=str(env.known_hosts),
-                            python=sys.executable, run_dir=str(run_dir), config=None)
+        return SSHTransport(
+            "127.0.0.1",
+            port=env.port,
+            user=env.user,
+            identity=str(env.client_key),
+            known_hosts=str(env.known_hosts),
+            python=sys.executable,
+            run_dir=str(run_dir),
+            config=None,
+        )
 
     return "openssh_sshd", make, server.stop
 
@@ -228,8 +273,9 @@ async def attach(make_transport, records: int, live_lines: int) -> dict:
         started = time.perf_counter()
         app.select_job("cold")
         cold = lambda: app.state.metrics.get("cold")
-        result["cold_attach_to_newest_records_s"] = await wait_for(lambda: cold() and cold().history_loaded and len(cold().train_loss) > 0,
-                                                                   60, "the newest records")
+        result["cold_attach_to_newest_records_s"] = await wait_for(
+            lambda: cold() and cold().history_loaded and len(cold().train_loss) > 0, 60, "the newest records"
+        )
         await wait_for(lambda: progress_events and progress_events[-1].get("caught_up"), 1800, "the cold index")
         result["cold_attach_to_indexed_s"] = time.perf_counter() - started
         result["cold_progress_events"] = len(progress_events)
@@ -314,16 +360,24 @@ def frame_states(points: int):
 
     rng = random.Random(0)
     steps = list(range(1, points + 1))
-    values = {"train.loss": [6.0 / (1 + s / 5000) + rng.gauss(0, 0.05) for s in steps],
-              "val.loss": [6.3 / (1 + s / 5000) for s in steps], "lr": [3e-4 * (1 - s / (points + 1)) + 1e-7 for s in steps]}
+    values = {
+        "train.loss": [6.0 / (1 + s / 5000) + rng.gauss(0, 0.05) for s in steps],
+        "val.loss": [6.3 / (1 + s / 5000) for s in steps],
+        "lr": [3e-4 * (1 - s / (points + 1)) + 1e-7 for s in steps],
+    }
     ours = ConsoleState(target="bench", clock=lambda: 0.0)
     ours.set_connection(ConnectionStatus(state=CONNECTED))
     series = {}
     for key, column in values.items():
         series[key] = Series()
         series[key].add(steps, column)
-    reply = {"series": {k: query(s, 1, points, 512) for k, s in series.items()}, "step_range": [1, points], "points": 512, "log_x": False,
-             "total_records": points}
+    reply = {
+        "series": {k: query(s, 1, points, 512) for k, s in series.items()},
+        "step_range": [1, points],
+        "points": 512,
+        "log_x": False,
+        "total_records": points,
+    }
     ours.apply_series("run", reply)
     ours.apply_window("run", {"records": [{"step": s, "split": "train", "loss": 1.0, "lr": 1e-7} for s in steps[-2000:]], "offset": 1})
     raw = ConsoleState(target="bench", clock=lambda: 0.0)
@@ -340,8 +394,13 @@ def bench_frame(points: int, reps: int = 7) -> dict:
     ours_state, raw_state = frame_states(points)
     ours = asyncio.run(training_frame_times(ours_state, raw=False, reps=reps))
     raw = asyncio.run(training_frame_times(raw_state, raw=False, reps=max(3, reps // 2)))
-    return {"points_per_series": points, "series": 3, "ours_buckets_frame_s": summary(ours), "peer_raw_points_frame_s": summary(raw),
-            "peer_over_ours": summary(raw)["median"] / summary(ours)["median"]}
+    return {
+        "points_per_series": points,
+        "series": 3,
+        "ours_buckets_frame_s": summary(ours),
+        "peer_raw_points_frame_s": summary(raw),
+        "peer_over_ours": summary(raw)["median"] / summary(ours)["median"],
+    }
 
 
 def records_memory_mib(path: Path, records: int, sample: int = 100_000) -> float:
@@ -380,8 +439,9 @@ def main() -> int:
     show(f"Training frame, {args.frame_points} points x 3 series", results["frame"])
     results["records_as_dicts_mib"] = records_memory_mib(path, cold["records"])
     if not args.skip_attach:  # in a fresh process, so its peak RSS is the console's, not this script's
-        child = subprocess.run([sys.executable, __file__, "--attach-child", str(path), str(cold["records"]), str(args.live_lines)],
-                               cwd=ROOT, capture_output=True, text=True)
+        child = subprocess.run(
+            [sys.executable, __file__, "--attach-child", str(path), str(cold["records"]), str(args.live_lines)], cwd=ROOT, capture_output=True, text=True
+        )
         if child.returncode != 0:
             raise RuntimeError(f"the attach run failed:\n{child.stderr[-3000:]}")
         results["attach"] = json.loads(child.stdout.strip().splitlines()[-1])

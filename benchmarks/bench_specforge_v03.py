@@ -37,6 +37,7 @@ kernel; on the GPU image) and, for the settings objects, pydantic (carried as wh
   CPU:  TRITON_INTERPRET=1 python benchmarks/bench_specforge_v03.py --small --device cpu --json /tmp/sf03_small.json
         (needs triton importable; TRITON_INTERPRET runs SpecForge's triton loss kernel on the CPU)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,9 +57,15 @@ DEFAULT_SRC = ROOT / ".device" / "specforge-v0.3.0"
 V03_COMMIT = "2768619ee19c8265d161e1f8c1aa4fb09ef238c7"
 # What this bench imports from SpecForge; each must exist in the tree given with --specforge-src.
 SPECFORGE_MODULES = (
-    "specforge.config.schema", "specforge.algorithms.model_providers", "specforge.algorithms.eagle3.model",
-    "specforge.algorithms.eagle3.providers", "specforge.modeling.auto", "specforge.modeling.target.target_head",
-    "specforge.training.backend", "specforge.training.assembly", "specforge.training.controller",
+    "specforge.config.schema",
+    "specforge.algorithms.model_providers",
+    "specforge.algorithms.eagle3.model",
+    "specforge.algorithms.eagle3.providers",
+    "specforge.modeling.auto",
+    "specforge.modeling.target.target_head",
+    "specforge.training.backend",
+    "specforge.training.assembly",
+    "specforge.training.controller",
     "specforge.runtime.contracts",
 )
 
@@ -76,16 +83,20 @@ def import_specforge(src: Path) -> dict:
     import importlib
 
     if not (src / "specforge" / "algorithms" / "eagle3" / "model.py").is_file():
-        raise BenchError(f"{src} holds no SpecForge v0.3.0 tree (specforge/algorithms/eagle3/model.py is missing); "
-                         f"export it with: git -C <SpecForge git dir> archive {V03_COMMIT} specforge configs | tar x -C {src}")
+        raise BenchError(
+            f"{src} holds no SpecForge v0.3.0 tree (specforge/algorithms/eagle3/model.py is missing); "
+            f"export it with: git -C <SpecForge git dir> archive {V03_COMMIT} specforge configs | tar x -C {src}"
+        )
     sys.path.insert(0, str(src.resolve()))
     modules = {}
     for name in SPECFORGE_MODULES:
         try:
             modules[name] = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            raise BenchError(f"importing {name} from {src} needs the package {exc.name!r}, which this Python lacks "
-                             f"(carry it as a wheel, or run where it is installed); nothing was run") from exc
+            raise BenchError(
+                f"importing {name} from {src} needs the package {exc.name!r}, which this Python lacks "
+                f"(carry it as a wheel, or run where it is installed); nothing was run"
+            ) from exc
     loaded = {m.__file__ for m in modules.values()}
     outside = sorted(f for f in loaded if f and not Path(f).resolve().is_relative_to(src.resolve()))
     if outside:
@@ -107,8 +118,9 @@ def init_process_group(device) -> bool:
         return False
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                            rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo", rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1"))
+    )
     return True
 
 
@@ -116,14 +128,25 @@ def draft_config_dict(profile) -> dict:
     """A LlamaForCausalLMEagle3 config.json for SpecForge with the draft and target shape of our profile."""
     target, draft = profile.target, profile.draft
     return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": draft.hidden_size, "intermediate_size": draft.intermediate_size,
-        "num_attention_heads": draft.num_attention_heads, "num_key_value_heads": draft.num_key_value_heads,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": draft.hidden_size,
+        "intermediate_size": draft.intermediate_size,
+        "num_attention_heads": draft.num_attention_heads,
+        "num_key_value_heads": draft.num_key_value_heads,
         "head_dim": draft.head_dim or draft.hidden_size // draft.num_attention_heads,
-        "num_hidden_layers": 1, "vocab_size": target.vocab_size, "draft_vocab_size": draft.draft_vocab_size,
-        "target_hidden_size": target.hidden_size, "rms_norm_eps": draft.rms_norm_eps, "rope_theta": draft.rope_theta,
+        "num_hidden_layers": 1,
+        "vocab_size": target.vocab_size,
+        "draft_vocab_size": draft.draft_vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "rms_norm_eps": draft.rms_norm_eps,
+        "rope_theta": draft.rope_theta,
         "max_position_embeddings": max(draft.max_position_embeddings, profile.train.seq_len),
-        "pad_token_id": 0, "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(target.aux_layer_ids), "use_aux_hidden_state": True},
     }
 
@@ -137,8 +160,9 @@ def synthetic_sample(torch, head_weight, selected, seq: int, aux_width: int, dev
     vocab, hidden = head_weight.shape
     generator = torch.Generator().manual_seed(1)
     in_draft = torch.rand(seq, generator=generator) < 0.95
-    tokens = torch.where(in_draft, selected[torch.randint(0, selected.numel(), (seq,), generator=generator)],
-                         torch.randint(0, vocab, (seq,), generator=generator))
+    tokens = torch.where(
+        in_draft, selected[torch.randint(0, selected.numel(), (seq,), generator=generator)], torch.randint(0, vocab, (seq,), generator=generator)
+    )
     rows = head_weight[tokens.to(head_weight.device)].float()
     noise = torch.randn(seq, hidden, generator=generator).to(rows.device)
     last = 15.0 * rows / rows.square().sum(-1, keepdim=True) + noise
@@ -173,8 +197,7 @@ def run(args) -> dict:
     profile = profile_for(SimpleNamespace(small=args.small, shape=args.shape))
     seq = args.seq or profile.train.seq_len
     rate = matmul_rate(device, args.matmul_size or (8192 if device.type == "cuda" else 1024), dtype)
-    log(f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}: "
-        f"{dtype_name} matmul {rate / 1e12:.1f} TFLOP/s")
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}: {dtype_name} matmul {rate / 1e12:.1f} TFLOP/s")
 
     schema = sf["specforge.config.schema"]
     # flex attention has no backward on CPU: the CPU smoke test uses SpecForge's sdpa backend
@@ -193,20 +216,41 @@ def run(args) -> dict:
     t2d[selected] = True
     torch.save({"t2d": t2d, "d2t": selected - torch.arange(draft_vocab)}, tmp / "vocab_mapping.pt")
     # TargetHead reads hidden_size and vocab_size from the target's config.json.
-    (tmp / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "vocab_size": vocab,
-        "intermediate_size": draft_config.intermediate_size, "num_attention_heads": draft_config.num_attention_heads,
-        "num_key_value_heads": draft_config.num_key_value_heads, "num_hidden_layers": 2}))
-    cfg = SimpleNamespace(training=training, model=schema.ModelConfig(
-        target_model_path=str(tmp), vocab_mapping_path=str(tmp / "vocab_mapping.pt"), load_target_embedding=False,
-        torch_dtype=dtype_name))
+    (tmp / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": hidden,
+                "vocab_size": vocab,
+                "intermediate_size": draft_config.intermediate_size,
+                "num_attention_heads": draft_config.num_attention_heads,
+                "num_key_value_heads": draft_config.num_key_value_heads,
+                "num_hidden_layers": 2,
+            }
+        )
+    )
+    cfg = SimpleNamespace(
+        training=training,
+        model=schema.ModelConfig(
+            target_model_path=str(tmp), vocab_mapping_path=str(tmp / "vocab_mapping.pt"), load_target_embedding=False, torch_dtype=dtype_name
+        ),
+    )
 
     providers = sf["specforge.algorithms.model_providers"]
     draft = providers.build_eagle3_draft(cfg, draft_config)
-    model = sf["specforge.algorithms.eagle3.model"].OnlineEagle3Model(
-        draft_model=draft, length=training.ttt_length, attention_backend=training.attention_backend,
-        lk_loss_type=training.lk_loss_type, kl_scale=training.kl_scale, kl_decay=training.kl_decay,
-    ).to(device=device, dtype=dtype)
+    model = (
+        sf["specforge.algorithms.eagle3.model"]
+        .OnlineEagle3Model(
+            draft_model=draft,
+            length=training.ttt_length,
+            attention_backend=training.attention_backend,
+            lk_loss_type=training.lk_loss_type,
+            kl_scale=training.kl_scale,
+            kl_decay=training.kl_decay,
+        )
+        .to(device=device, dtype=dtype)
+    )
     target_head = sf["specforge.modeling.target.target_head"].TargetHead(str(tmp))
     target_head.freeze_weights()
     target_head = target_head.eval().to(device=device, dtype=dtype)
@@ -224,8 +268,9 @@ def run(args) -> dict:
 
     aux_width = len(profile.target.aux_layer_ids) * profile.target.hidden_size
     tensors = synthetic_sample(torch, target_head.fc.weight, selected, seq, aux_width, device, dtype)
-    batch = sf["specforge.runtime.contracts"].TrainBatch(sample_ids=["synthetic-0"], strategy="eagle3", tensors=tensors,
-                                                          metadata={"target_repr": "hidden_state"})
+    batch = sf["specforge.runtime.contracts"].TrainBatch(
+        sample_ids=["synthetic-0"], strategy="eagle3", tensors=tensors, metadata={"target_repr": "hidden_state"}
+    )
 
     def sync():
         if device.type == "cuda":
@@ -246,8 +291,17 @@ def run(args) -> dict:
         if step < args.warmup:
             log(f"warm-up step {step}: {elapsed * 1e3:.1f} ms, loss {losses[-1]:.4f}, grad norm {result.grad_norm:.4f}")
     step_s = statistics.median(times)
-    flops = analytic_flops(hidden, draft_config.intermediate_size, draft_config.num_attention_heads,
-                           draft_config.num_key_value_heads, draft_config.head_dim, vocab, draft_vocab, seq, training.ttt_length)
+    flops = analytic_flops(
+        hidden,
+        draft_config.intermediate_size,
+        draft_config.num_attention_heads,
+        draft_config.num_key_value_heads,
+        draft_config.head_dim,
+        vocab,
+        draft_vocab,
+        seq,
+        training.ttt_length,
+    )
     commit_file = args.specforge_src / "SPECFORGE_COMMIT"
     out = {
         "bench": "benchmarks/bench_specforge_v03.py",
@@ -259,17 +313,29 @@ def run(args) -> dict:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "backend": training.attention_backend,
-        "fsdp": wrap, "fsdp_sharding": parallel.sharding_strategy, "wrapper": backend._wrapper_kind,
-        "training_config": {k: getattr(training, k) for k in ("learning_rate", "lr_scheduler", "warmup_ratio", "max_grad_norm",
-                                                              "ttt_length", "lk_loss_type", "compact_teacher", "accumulation_steps")},
-        "dtype": dtype_name, "batch": 1, "seq": seq, "ttt_length": training.ttt_length,
-        "warmup_steps": args.warmup, "timed_steps": len(times),
-        "warmup_ms": [t * 1e3 for t in warm], "step_ms": [t * 1e3 for t in times],
-        "median_step_ms": step_s * 1e3, "min_step_ms": min(times) * 1e3, "max_step_ms": max(times) * 1e3,
+        "fsdp": wrap,
+        "fsdp_sharding": parallel.sharding_strategy,
+        "wrapper": backend._wrapper_kind,
+        "training_config": {
+            k: getattr(training, k)
+            for k in ("learning_rate", "lr_scheduler", "warmup_ratio", "max_grad_norm", "ttt_length", "lk_loss_type", "compact_teacher", "accumulation_steps")
+        },
+        "dtype": dtype_name,
+        "batch": 1,
+        "seq": seq,
+        "ttt_length": training.ttt_length,
+        "warmup_steps": args.warmup,
+        "timed_steps": len(times),
+        "warmup_ms": [t * 1e3 for t in warm],
+        "step_ms": [t * 1e3 for t in times],
+        "median_step_ms": step_s * 1e3,
+        "min_step_ms": min(times) * 1e3,
+        "max_step_ms": max(times) * 1e3,
         "tokens_per_s": seq / step_s,
         "peak_mem_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "peak_mem_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
-        "matmul_8192_bf16_tflops": rate / 1e12, "matmul_tflops": rate / 1e12,
+        "matmul_8192_bf16_tflops": rate / 1e12,
+        "matmul_tflops": rate / 1e12,
         "flops_analytic": flops,
         "achieved_tflops": flops["train_step_total"] / step_s / 1e12,
         "mfu_vs_measured_matmul": flops["train_step_total"] / step_s / rate,
@@ -278,10 +344,12 @@ def run(args) -> dict:
         "finite": all(math.isfinite(v) for v in losses),
         "draft_trainable_params": sum(p.numel() for p in draft.parameters() if p.requires_grad),
     }
-    log(f"RESULT specforge v0.3.0 {out['backend']} {out['wrapper']}: median step {out['median_step_ms']:.1f} ms, "
+    log(
+        f"RESULT specforge v0.3.0 {out['backend']} {out['wrapper']}: median step {out['median_step_ms']:.1f} ms, "
         f"{out['tokens_per_s']:.0f} tok/s, peak alloc {out['peak_mem_allocated_gib'] or 0:.2f} GiB, "
         f"FLOPs/step {flops['train_step_total'] / 1e12:.2f} T, MFU {100 * out['mfu_vs_measured_matmul']:.1f}% of measured matmul; "
-        f"losses {losses[0]:.4f} -> {losses[-1]:.4f}")
+        f"losses {losses[0]:.4f} -> {losses[-1]:.4f}"
+    )
     if made_group:
         import torch.distributed as dist
 
@@ -295,8 +363,12 @@ def main(argv=None) -> int:
     parser.add_argument("--small", action="store_true", help="bench_trainer.py's small shape (CPU smoke test)")
     parser.add_argument("--specforge-src", type=Path, default=DEFAULT_SRC, help="an export of SpecForge v0.3.0 (specforge/ and configs/)")
     parser.add_argument("--backend", choices=["flex_attention", "sdpa"], help="attention backend (default: SpecForge's, flex_attention; sdpa on CPU)")
-    parser.add_argument("--wrap", type=int, choices=[0, 1], help="1: FSDP as SpecForge's backend wraps it (default on CUDA); "
-                        "0: unwrapped (default on CPU: FSDP needs an accelerator)")
+    parser.add_argument(
+        "--wrap",
+        type=int,
+        choices=[0, 1],
+        help="1: FSDP as SpecForge's backend wraps it (default on CUDA); 0: unwrapped (default on CPU: FSDP needs an accelerator)",
+    )
     parser.add_argument("--device", help="cuda (default when present) or cpu")
     parser.add_argument("--seq", type=int, help="sequence length (default: the profile's)")
     parser.add_argument("--warmup", type=int, default=3)

@@ -17,6 +17,7 @@ or specforge_bench.py JSON files given with --specforge-json).
                        --json $OUT/ours_Ngpu.json --baseline-json $OUT/ours_1gpu.json
   CPU smoke test:  python benchmarks/bench_trainer.py --small --json /tmp/bench_small.json
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,13 @@ def analytic_flops(hidden, intermediate, heads, kv_heads, head_dim, vocab, draft
     forward = sum(sum(per_step.values()) + 2 * 2 * seq * head_dim * heads * k for k in range(ttt))
     fc = 2 * seq * 3 * hidden * hidden
     teacher = 2 * seq * hidden * vocab
-    return {"per_ttt_step_forward": per_step, "ttt_forward": forward, "fc_forward": fc, "teacher_head_forward": teacher,
-            "train_step_total": 3 * forward + 2 * fc + teacher}
+    return {
+        "per_ttt_step_forward": per_step,
+        "ttt_forward": forward,
+        "fc_forward": fc,
+        "teacher_head_forward": teacher,
+        "train_step_total": 3 * forward + 2 * fc + teacher,
+    }
 
 
 def profile_for(args):
@@ -70,14 +76,30 @@ def profile_for(args):
 
     if not args.small:
         return load_profile(SHAPES[args.shape])
-    return parse_profile({
-        "name": "bench-small",
-        "target": {"path": "synthetic", "architecture": "LlamaForCausalLM", "hidden_size": 128, "num_layers": 8,
-                   "vocab_size": 1024, "aux_layer_ids": [1, 3, 4], "dtype": "float32"},
-        "draft": {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
-                  "draft_vocab_size": 256, "max_position_embeddings": 512},
-        "train": {"learning_rate": 1e-4, "batch_size": 1, "seq_len": 128, "ttt_length": 7, "grad_clip": 0.5, "dtype": "float32"},
-    }, "bench-small")
+    return parse_profile(
+        {
+            "name": "bench-small",
+            "target": {
+                "path": "synthetic",
+                "architecture": "LlamaForCausalLM",
+                "hidden_size": 128,
+                "num_layers": 8,
+                "vocab_size": 1024,
+                "aux_layer_ids": [1, 3, 4],
+                "dtype": "float32",
+            },
+            "draft": {
+                "hidden_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 256,
+                "draft_vocab_size": 256,
+                "max_position_embeddings": 512,
+            },
+            "train": {"learning_rate": 1e-4, "batch_size": 1, "seq_len": 128, "ttt_length": 7, "grad_clip": 0.5, "dtype": "float32"},
+        },
+        "bench-small",
+    )
 
 
 class SyntheticOffline:
@@ -98,8 +120,9 @@ class SyntheticOffline:
         self.embed = torch.randn(vocab, hidden, generator=generator) * 0.02
         rank_gen = torch.Generator().manual_seed(100)
         in_draft = torch.rand(seq, generator=rank_gen) < 0.95
-        tokens = torch.where(in_draft, self.selected[torch.randint(0, draft_vocab, (seq,), generator=rank_gen)],
-                             torch.randint(0, vocab, (seq,), generator=rank_gen))
+        tokens = torch.where(
+            in_draft, self.selected[torch.randint(0, draft_vocab, (seq,), generator=rank_gen)], torch.randint(0, vocab, (seq,), generator=rank_gen)
+        )
         rows = self.lm_head[tokens.to(device)].float().cpu()
         # A hidden state aligned with the chosen token's lm_head row makes that token the teacher's argmax.
         last = 15.0 * rows / rows.square().sum(-1, keepdim=True) + 0.1 * torch.randn(seq, hidden, generator=rank_gen)
@@ -213,13 +236,28 @@ def run(args):
     timed = times[: args.steps]
     step_s = statistics.median(timed)
     seq = profile.train.seq_len
-    flops = analytic_flops(config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads,
-                           config.head_dim, config.vocab_size, config.draft_vocab_size, seq, profile.train.ttt_length)
+    flops = analytic_flops(
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.vocab_size,
+        config.draft_vocab_size,
+        seq,
+        profile.train.ttt_length,
+    )
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
     mine = {
-        "rank": ctx.rank, "device": str(device), "median_step_ms": step_s * 1e3, "min_step_ms": min(timed) * 1e3,
-        "max_step_ms": max(timed) * 1e3, "tokens_per_s": seq / step_s, "peak_mem_allocated_gib": peak, "peak_mem_reserved_gib": reserved,
+        "rank": ctx.rank,
+        "device": str(device),
+        "median_step_ms": step_s * 1e3,
+        "min_step_ms": min(timed) * 1e3,
+        "max_step_ms": max(timed) * 1e3,
+        "tokens_per_s": seq / step_s,
+        "peak_mem_allocated_gib": peak,
+        "peak_mem_reserved_gib": reserved,
     }
     per_rank = _gather(ctx, mine)
     result = {
@@ -229,8 +267,11 @@ def run(args):
         "torch": torch.__version__,
         "attn_backend": draft.attn_backend or default_backend(device),
         "dtype": str(compute_dtype),
-        "seq": seq, "batch_per_rank": 1, "ttt_length": profile.train.ttt_length,
-        "warmup_steps": args.warmup, "timed_steps": len(timed),
+        "seq": seq,
+        "batch_per_rank": 1,
+        "ttt_length": profile.train.ttt_length,
+        "warmup_steps": args.warmup,
+        "timed_steps": len(timed),
         "matmul_tflops": rate / 1e12,
         "flops_analytic": flops,
         "median_step_ms": step_s * 1e3,
@@ -239,7 +280,8 @@ def run(args):
         "tokens_per_s": seq * ctx.world_size / max(r["median_step_ms"] for r in per_rank) * 1e3,
         "achieved_tflops_per_rank": flops["train_step_total"] / step_s / 1e12,
         "mfu": flops["train_step_total"] / step_s / rate,
-        "peak_mem_allocated_gib": peak, "peak_mem_reserved_gib": reserved,
+        "peak_mem_allocated_gib": peak,
+        "peak_mem_reserved_gib": reserved,
         "per_rank": per_rank,
         "losses_first_50": loss_values[:LOSS_STEPS],
         "grad_norm_last": float(grad_norms[-1]),
@@ -306,9 +348,15 @@ def profile_steps(trainer, first_step: int, device, steps: int = 2) -> dict:
         table = prof.key_averages().table(sort_by=sort_key, row_limit=40, max_name_column_width=90)
     except Exception as exc:
         table = f"(table unavailable: {exc!r})"
-    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "gpu_busy_ms_per_step": busy,
-            "gpu_idle_share": max(0.0, 1 - busy / (wall * 1e3 / steps)) if wall else None,
-            "groups_ms_per_step": groups, "top_kernels": kernels[:40], "table": table}
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall * 1e3 / steps,
+        "gpu_busy_ms_per_step": busy,
+        "gpu_idle_share": max(0.0, 1 - busy / (wall * 1e3 / steps)) if wall else None,
+        "groups_ms_per_step": groups,
+        "top_kernels": kernels[:40],
+        "table": table,
+    }
 
 
 def _gather(ctx, mine: dict) -> list[dict]:
@@ -344,8 +392,13 @@ def compare(result: dict, specforge_files: list[Path], baseline: Path | None) ->
         # specforge_bench.py (20e2e3f0) records the commit; bench_specforge_v03.py the version and the commit
         version = data.get("specforge_version") or (data.get("specforge_commit") or "?")[:8]
         label = f"specforge {version} {data.get('backend')} fsdp={int(bool(data.get('fsdp')))} ({Path(path).name})"
-        peers[label] = {"step_ms": data["median_step_ms"], "tokens_per_s": data["tokens_per_s"], "peak_gib": data.get("peak_mem_allocated_gib"),
-                        "mfu": data.get("mfu_vs_measured_matmul"), "commit": data.get("specforge_commit")}
+        peers[label] = {
+            "step_ms": data["median_step_ms"],
+            "tokens_per_s": data["tokens_per_s"],
+            "peak_gib": data.get("peak_mem_allocated_gib"),
+            "mfu": data.get("mfu_vs_measured_matmul"),
+            "commit": data.get("specforge_commit"),
+        }
     result["peers"] = peers
     ours = result["tokens_per_s_per_rank"]
     for label, peer in peers.items():
@@ -353,14 +406,22 @@ def compare(result: dict, specforge_files: list[Path], baseline: Path | None) ->
         result.setdefault("ratios", {})[label] = ratio
         if result["peak_mem_allocated_gib"] and peer.get("peak_gib"):
             result.setdefault("peak_memory_ratios", {})[label] = result["peak_mem_allocated_gib"] / peer["peak_gib"]
-        lines.append(f"  vs {label}: {ratio:.2f}x tokens/s per GPU ({ours:.0f} vs {peer['tokens_per_s']:.0f}; step {result['median_step_ms']:.1f} vs {peer['step_ms']:.1f} ms"
-                     + (f"; peak {result['peak_mem_allocated_gib']:.2f} vs {peer['peak_gib']:.2f} GiB" if result["peak_mem_allocated_gib"] and peer.get("peak_gib") else "")
-                     + (f"; MFU {100 * result['mfu']:.1f} vs {100 * peer['mfu']:.1f} %)" if peer.get("mfu") else ")"))
+        lines.append(
+            f"  vs {label}: {ratio:.2f}x tokens/s per GPU ({ours:.0f} vs {peer['tokens_per_s']:.0f}; step {result['median_step_ms']:.1f} vs {peer['step_ms']:.1f} ms"
+            + (
+                f"; peak {result['peak_mem_allocated_gib']:.2f} vs {peer['peak_gib']:.2f} GiB"
+                if result["peak_mem_allocated_gib"] and peer.get("peak_gib")
+                else ""
+            )
+            + (f"; MFU {100 * result['mfu']:.1f} vs {100 * peer['mfu']:.1f} %)" if peer.get("mfu") else ")")
+        )
     if baseline:
         single = json.loads(Path(baseline).read_text())
         efficiency = result["tokens_per_s"] / (result["world_size"] * single["tokens_per_s_per_rank"])
         result["scaling"] = {"baseline": str(baseline), "baseline_tokens_per_s": single["tokens_per_s_per_rank"], "efficiency": efficiency}
-        lines.append(f"  scaling: {result['tokens_per_s']:.0f} tok/s on {result['world_size']} GPUs = {100 * efficiency:.1f}% of {result['world_size']} x {single['tokens_per_s_per_rank']:.0f} (1 GPU)")
+        lines.append(
+            f"  scaling: {result['tokens_per_s']:.0f} tok/s on {result['world_size']} GPUs = {100 * efficiency:.1f}% of {result['world_size']} x {single['tokens_per_s_per_rank']:.0f} (1 GPU)"
+        )
         lines.append(loss_match(result, single))
     return lines
 
@@ -396,8 +457,11 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama", help="llama: Llama-3.1-8B draft (default); kimi: Kimi-K2.5 draft")
     parser.add_argument("--compile", type=int, choices=[0, 1], help="torch.compile the layer functions (default: the trainer's, on for CUDA)")
     parser.add_argument("--profile", action="store_true", help="also run 2 steps under torch.profiler; kernel table and groups go in the JSON")
-    parser.add_argument("--code-root", type=Path, help="import backend/ from this tree instead (e.g. an export of an older commit, "
-                        "to measure it beside this one in the same process setup)")
+    parser.add_argument(
+        "--code-root",
+        type=Path,
+        help="import backend/ from this tree instead (e.g. an export of an older commit, to measure it beside this one in the same process setup)",
+    )
     parser.add_argument("--label", help="a name for this run in the JSON")
     args = parser.parse_args(argv)
     if args.code_root:
@@ -406,23 +470,29 @@ def main(argv=None) -> int:
     result["label"] = args.label
     if ctx.is_main:
         lines = compare(result, args.specforge_json, args.baseline_json)
-        print(f"ours ({result['shape']}, {result['attn_backend']}, {result['world_size']} x {result['device_name']}): "
-              f"median step {result['median_step_ms']:.1f} ms, {result['tokens_per_s_per_rank']:.0f} tok/s per rank, "
-              f"{result['tokens_per_s']:.0f} tok/s total, {flops_text(result['achieved_tflops_per_rank'] * 1e12, True)} per rank, "
-              f"MFU {100 * result['mfu']:.1f}% of the measured {flops_text(result['matmul_tflops'] * 1e12, True)} matmul "
-              f"(analytic {flops_text(result['flops_analytic']['train_step_total'])}/step)")
+        print(
+            f"ours ({result['shape']}, {result['attn_backend']}, {result['world_size']} x {result['device_name']}): "
+            f"median step {result['median_step_ms']:.1f} ms, {result['tokens_per_s_per_rank']:.0f} tok/s per rank, "
+            f"{result['tokens_per_s']:.0f} tok/s total, {flops_text(result['achieved_tflops_per_rank'] * 1e12, True)} per rank, "
+            f"MFU {100 * result['mfu']:.1f}% of the measured {flops_text(result['matmul_tflops'] * 1e12, True)} matmul "
+            f"(analytic {flops_text(result['flops_analytic']['train_step_total'])}/step)"
+        )
         for rank in result["per_rank"]:
             peak = f", peak {rank['peak_mem_allocated_gib']:.2f} GiB (reserved {rank['peak_mem_reserved_gib']:.2f})" if rank["peak_mem_allocated_gib"] else ""
             print(f"  rank {rank['rank']} ({rank['device']}): {rank['median_step_ms']:.1f} ms/step, {rank['tokens_per_s']:.0f} tok/s{peak}")
         if "flops_counter_total" in result:
-            print(f"  FlopCounterMode: {flops_text(result['flops_counter_total'])} (analytic {flops_text(result['flops_analytic']['train_step_total'])}; "
-                  "the trainer skips the draft lm_head where no target is scored)")
+            print(
+                f"  FlopCounterMode: {flops_text(result['flops_counter_total'])} (analytic {flops_text(result['flops_analytic']['train_step_total'])}; "
+                "the trainer skips the draft lm_head where no target is scored)"
+            )
         print("\n".join(lines))
         print(f"  losses (first {len(result['losses_first_50'])} steps): {' '.join(f'{v:.3f}' for v in result['losses_first_50'][:10])} ...")
         if "profile" in result:
             prof = result["profile"]
-            print(f"  profile: {prof['wall_ms_per_step']:.1f} ms/step wall, GPU busy {prof['gpu_busy_ms_per_step']:.1f} ms; "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in prof["groups_ms_per_step"].items()))
+            print(
+                f"  profile: {prof['wall_ms_per_step']:.1f} ms/step wall, GPU busy {prof['gpu_busy_ms_per_step']:.1f} ms; "
+                + ", ".join(f"{k} {v:.1f}" for k, v in prof["groups_ms_per_step"].items())
+            )
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1) + "\n")

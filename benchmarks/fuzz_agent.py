@@ -9,6 +9,7 @@ is started or signalled.
 
     python benchmarks/fuzz_agent.py --lines 100000 [--seed 1] [--json OUT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,29 @@ sys.path.insert(0, str(ROOT))
 from backend.protocol import Request
 
 KINDS = [v for k, v in vars(Request).items() if k.isupper() and v not in (Request.SHUTDOWN, Request.START_JOB, Request.ADOPT_JOB, Request.WATCH_EXTERNAL)]
-PARAMS = ["name", "offset", "grace", "lines", "stream", "points", "keys", "from", "to", "log_x", "last", "val", "all", "pid", "path",
-          "data_dir", "shape", "argv", "env", "cwd", "confirm_pid"]
+PARAMS = [
+    "name",
+    "offset",
+    "grace",
+    "lines",
+    "stream",
+    "points",
+    "keys",
+    "from",
+    "to",
+    "log_x",
+    "last",
+    "val",
+    "all",
+    "pid",
+    "path",
+    "data_dir",
+    "shape",
+    "argv",
+    "env",
+    "cwd",
+    "confirm_pid",
+]
 
 
 def random_value(rng: random.Random, depth: int = 0):
@@ -92,8 +114,13 @@ def hostile_line(rng: random.Random, request_id: int) -> bytes:
 class Agent:
     def __init__(self, run_dir: Path):
         self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "backend.agent", "--run-dir", str(run_dir), "--interval", "1"],
-                                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "backend.agent", "--run-dir", str(run_dir), "--interval", "1"],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+        )
         self.replies = 0
         self.codes: Counter = Counter()
         self.internal: list[str] = []
@@ -173,10 +200,18 @@ def main() -> int:
         failures += agent.internal
         alive = agent.proc.poll() is None
         agent.close()
-    result = {"lines": args.lines, "seed": args.seed, "seconds": round(time.monotonic() - started, 1), "crashes": crashes,
-              "unanswered": unanswered, "answered": sum(codes.values()), "replies_by_code": dict(codes),
-              "slowest_answer_s": round(slowest, 3), "agent_alive_at_end": alive,
-              "failures": failures[:20]}
+    result = {
+        "lines": args.lines,
+        "seed": args.seed,
+        "seconds": round(time.monotonic() - started, 1),
+        "crashes": crashes,
+        "unanswered": unanswered,
+        "answered": sum(codes.values()),
+        "replies_by_code": dict(codes),
+        "slowest_answer_s": round(slowest, 3),
+        "agent_alive_at_end": alive,
+        "failures": failures[:20],
+    }
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

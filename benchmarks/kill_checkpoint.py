@@ -22,6 +22,7 @@ failed, torn metrics lines (terminated, skipped by readers) and records still he
 
 Usage: python benchmarks/kill_checkpoint.py --trials 100 [--seed 1] [--tmpfs-size 2m] [--no-tmpfs] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,15 +44,26 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from backend.metrics import MetricsReader, MetricsWriter
-from backend.train.checkpoint import (CheckpointDiskFullError, list_checkpoints, load_checkpoint,
-                                      save_checkpoint)
+from backend.train.checkpoint import CheckpointDiskFullError, list_checkpoints, load_checkpoint, save_checkpoint
 from backend.train.draft import DraftModelConfig, Eagle3Draft
 
 SERIES = 5  # trials sharing one run dir
 STEP_BASE = 1_000_000  # metrics step = trial * STEP_BASE + k: unique across a series
-CONFIG = DraftModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32, intermediate_size=128,
-                          rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, vocab_size=256,
-                          draft_vocab_size=128, target_hidden_size=64, aux_layer_ids=[1, 2, 3], torch_dtype="float32")
+CONFIG = DraftModelConfig(
+    hidden_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=128,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    vocab_size=256,
+    draft_vocab_size=128,
+    target_hidden_size=64,
+    aux_layer_ids=[1, 2, 3],
+    torch_dtype="float32",
+)
 
 
 def draft_for(step: int) -> Eagle3Draft:
@@ -71,6 +83,7 @@ def adam_state(draft: Eagle3Draft) -> dict:
 
 # --- the saver (a forked child) ------------------------------------------------------------------
 
+
 def saver(run: Path, trial: int, start_step: int, optimizer: dict, on_tmpfs: bool, report) -> None:
     rng = random.Random(trial)
     writer = MetricsWriter(run / "metrics.jsonl", on_error=lambda _message: None)
@@ -85,8 +98,7 @@ def saver(run: Path, trial: int, start_step: int, optimizer: dict, on_tmpfs: boo
         writer.write(step=trial * STEP_BASE + k, split="train", loss=1.0 / (k + 1), note="m" * rng.randint(50, 900))
         report(f"m {writer.written} {writer.pending} {writer.failed_writes}")
         k += 1
-        state = {"step": step, "trial": trial, "optimizer": optimizer,
-                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        state = {"step": step, "trial": trial, "optimizer": optimizer, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
         try:
             save_checkpoint(run, draft_for(step), CONFIG, epoch=0, step=step, training_state=state)
         except CheckpointDiskFullError as exc:
@@ -134,13 +146,23 @@ def _free_room(run: Path, data: Path) -> None:
 
 # --- one trial (the parent) ----------------------------------------------------------------------
 
+
 class Totals:
     def __init__(self):
         self.counted = {"unreadable_latest": 0, "lost_metrics_records": 0, "saver_errors": 0}
-        self.info = {"trials": 0, "tmpfs_trials": 0, "kills_mid_save": 0, "same_step_resaves": 0, "checkpoints_saved": 0,
-                     "disk_full_refused_upfront": 0,
-                     "disk_full_mid_save": 0, "metrics_writes_failed": 0, "torn_metrics_lines": 0,
-                     "records_held_at_kill": 0, "metrics_records_acknowledged": 0}
+        self.info = {
+            "trials": 0,
+            "tmpfs_trials": 0,
+            "kills_mid_save": 0,
+            "same_step_resaves": 0,
+            "checkpoints_saved": 0,
+            "disk_full_refused_upfront": 0,
+            "disk_full_mid_save": 0,
+            "metrics_writes_failed": 0,
+            "torn_metrics_lines": 0,
+            "records_held_at_kill": 0,
+            "metrics_records_acknowledged": 0,
+        }
         self.problems: list[str] = []
 
 
@@ -175,8 +197,18 @@ def verify_latest(run: Path, expected_cache: dict) -> str | None:
     return None
 
 
-def run_trial(run: Path, trial: int, optimizer: dict, on_tmpfs: bool, acked: set, saved_before: bool,
-              rng: random.Random, totals: Totals, expected_cache: dict, kill_window: float) -> bool:
+def run_trial(
+    run: Path,
+    trial: int,
+    optimizer: dict,
+    on_tmpfs: bool,
+    acked: set,
+    saved_before: bool,
+    rng: random.Random,
+    totals: Totals,
+    expected_cache: dict,
+    kill_window: float,
+) -> bool:
     start = latest_step(run)
     start_step = 0 if start is None else start
     read_fd, write_fd = os.pipe()
@@ -289,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             acked: set = set()
             saved_before = False
             for trial in range(first, min(first + SERIES, args.trials)):
-                saved_before = run_trial(run, trial, optimizer, on_tmpfs, acked, saved_before, rng, totals,
-                                         expected_cache, args.kill_window)
+                saved_before = run_trial(run, trial, optimizer, on_tmpfs, acked, saved_before, rng, totals, expected_cache, args.kill_window)
             finish_series(run, totals)
             shutil.rmtree(run, ignore_errors=True)
     finally:
@@ -298,13 +329,17 @@ def main(argv: list[str] | None = None) -> int:
             unmount(mount)
         shutil.rmtree(work, ignore_errors=True)
     seconds = time.perf_counter() - began
-    result = {**totals.counted, **totals.info, "seconds": round(seconds, 1),
-              "seconds_per_trial": round(seconds / max(1, totals.info["trials"]), 3), "problems": totals.problems[:20]}
+    result = {
+        **totals.counted,
+        **totals.info,
+        "seconds": round(seconds, 1),
+        "seconds_per_trial": round(seconds / max(1, totals.info["trials"]), 3),
+        "problems": totals.problems[:20],
+    }
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        print(f"kill_checkpoint: {totals.info['trials']} trials ({totals.info['tmpfs_trials']} on a {args.tmpfs_size} tmpfs "
-              f"that fills up) in {seconds:.1f} s")
+        print(f"kill_checkpoint: {totals.info['trials']} trials ({totals.info['tmpfs_trials']} on a {args.tmpfs_size} tmpfs that fills up) in {seconds:.1f} s")
         for key, value in totals.counted.items():
             print(f"  {key.replace('_', ' '):<30} {value}")
         print("  --")

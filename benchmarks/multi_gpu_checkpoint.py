@@ -7,6 +7,7 @@ compares key sets, shapes, dtypes and the SGLang-facing config fields. Prints on
 
   python benchmarks/multi_gpu_checkpoint.py --profile tiny --nproc 2 --steps 40 [--device cpu] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,16 +23,41 @@ sys.path.insert(0, str(ROOT))
 for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_key, _value)
 
-SGLANG_CONFIG_FIELDS = ("architectures", "model_type", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                        "intermediate_size", "num_hidden_layers", "vocab_size", "draft_vocab_size", "target_hidden_size",
-                        "eagle_config", "torch_dtype", "tie_word_embeddings")
+SGLANG_CONFIG_FIELDS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "eagle_config",
+    "torch_dtype",
+    "tie_word_embeddings",
+)
 
 
 def train(profile: str, out: Path, steps: int, nproc: int, device: str | None) -> float:
     import time
 
-    args = ["-m", "backend", "train", "--profile", profile, "--out", str(out), "--max-steps", str(steps),
-            "--save-interval", str(steps), "--eval-interval", str(steps)] + (["--device", device] if device else [])
+    args = [
+        "-m",
+        "backend",
+        "train",
+        "--profile",
+        profile,
+        "--out",
+        str(out),
+        "--max-steps",
+        str(steps),
+        "--save-interval",
+        str(steps),
+        "--eval-interval",
+        str(steps),
+    ] + (["--device", device] if device else [])
     if nproc > 1:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     else:
@@ -47,7 +73,7 @@ def train(profile: str, out: Path, steps: int, nproc: int, device: str | None) -
 def header(checkpoint: Path) -> dict:
     raw = (checkpoint / "model.safetensors").read_bytes()
     length = int.from_bytes(raw[:8], "little")
-    return {k: (v["dtype"], tuple(v["shape"])) for k, v in json.loads(raw[8:8 + length]).items() if k != "__metadata__"}
+    return {k: (v["dtype"], tuple(v["shape"])) for k, v in json.loads(raw[8 : 8 + length]).items() if k != "__metadata__"}
 
 
 def latest(run: Path) -> Path:
@@ -74,8 +100,10 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as scratch:
         single, multi = Path(scratch) / "single", Path(scratch) / "multi"
-        seconds = {"single": train(args.profile, single, args.steps, 1, args.device),
-                   f"torchrun_{args.nproc}": train(args.profile, multi, args.steps, args.nproc, args.device)}
+        seconds = {
+            "single": train(args.profile, single, args.steps, 1, args.device),
+            f"torchrun_{args.nproc}": train(args.profile, multi, args.steps, args.nproc, args.device),
+        }
         one, many = latest(single), latest(multi)
         one_cfg, many_cfg = (json.loads((c / "config.json").read_text()) for c in (one, many))
         checks = {
@@ -86,9 +114,16 @@ def main() -> int:
             "same_files": sorted(p.name for p in one.iterdir()) == sorted(p.name for p in many.iterdir()),
             "one_checkpoint_dir_per_save": len([p for p in (multi / "checkpoints").iterdir() if p.is_dir()]) == 1,
         }
-        report = {"profile": args.profile, "nproc": args.nproc, "steps": args.steps, "seconds": seconds,
-                  "checks": checks, "single": one.name, "multi": many.name,
-                  "multi_preflight": preflight(many, args.profile)}
+        report = {
+            "profile": args.profile,
+            "nproc": args.nproc,
+            "steps": args.steps,
+            "seconds": seconds,
+            "checks": checks,
+            "single": one.name,
+            "multi": many.name,
+            "multi_preflight": preflight(many, args.profile),
+        }
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
     print(f"wall seconds: {seconds}")

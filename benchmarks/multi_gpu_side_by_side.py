@@ -18,6 +18,7 @@ A run that fails or overruns is recorded with its output's tail and the rest go 
   CPU:     python benchmarks/multi_gpu_side_by_side.py --small --device cpu --nproc 2 --out /tmp/sbs
            (SpecForge 20e2e3f0's bench needs CUDA and is skipped; v0.3.0 needs triton's GPU kernel)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,7 @@ def run_one(name: str, argv: list[str], env: dict, timeout: float, log: Log) -> 
     log(f"=== {name} (timeout {timeout:.0f} s): {' '.join(argv)}")
     started = time.perf_counter()
     try:
-        proc = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
         rc, output = proc.returncode, proc.stdout
     except subprocess.TimeoutExpired as exc:
         rc = "timeout"
@@ -92,8 +92,11 @@ def summarize(shape: str, runs: dict) -> dict:
         if "tokens_per_s_per_gpu" in ours and "tokens_per_s_per_gpu" in theirs:
             summary[f"ours_vs_{peer}"] = {
                 "tokens_per_s": ours["tokens_per_s_per_gpu"] / theirs["tokens_per_s_per_gpu"],
-                "peak_memory": (ours["peak_mem_allocated_gib"] / theirs["peak_mem_allocated_gib"]
-                                if ours.get("peak_mem_allocated_gib") and theirs.get("peak_mem_allocated_gib") else None),
+                "peak_memory": (
+                    ours["peak_mem_allocated_gib"] / theirs["peak_mem_allocated_gib"]
+                    if ours.get("peak_mem_allocated_gib") and theirs.get("peak_mem_allocated_gib")
+                    else None
+                ),
             }
     multi = next((runs[name].get("result") for name in runs if name.startswith("ours_") and name != "ours_1gpu"), None)
     if multi and multi.get("scaling"):
@@ -109,8 +112,10 @@ def table(summaries: list[dict]) -> list[str]:
                 lines.append(f"{summary['shape']:<6}{name:<20}  missing: {row['missing']}")
                 continue
             peak = row["peak_mem_allocated_gib"]
-            lines.append(f"{summary['shape']:<6}{name:<20}{row['median_step_ms']:>9.1f}{row['tokens_per_s_per_gpu']:>11.0f}"
-                         f"{row['tokens_per_s_total']:>9.0f}{100 * (row['mfu'] or 0):>7.1f}{peak if peak is not None else float('nan'):>10.2f}")
+            lines.append(
+                f"{summary['shape']:<6}{name:<20}{row['median_step_ms']:>9.1f}{row['tokens_per_s_per_gpu']:>11.0f}"
+                f"{row['tokens_per_s_total']:>9.0f}{100 * (row['mfu'] or 0):>7.1f}{peak if peak is not None else float('nan'):>10.2f}"
+            )
         for key, value in summary.items():
             if key.startswith("ours_vs_"):
                 memory = f" at {value['peak_memory']:.2f}x its peak memory" if value["peak_memory"] else ""
@@ -118,9 +123,11 @@ def table(summaries: list[dict]) -> list[str]:
         if "scaling" in summary:
             scaling = summary["scaling"]
             match = scaling.get("loss_match") or {}
-            lines.append(f"{summary['shape']:<6}scaling on {scaling['world_size']} GPUs: {100 * scaling['efficiency']:.1f}% per-GPU efficiency; "
-                         f"first 50 losses {'match' if match.get('match') else 'DO NOT match'} the 1-GPU run "
-                         f"(max rel diff {match.get('max_rel_diff', float('nan')):.4f})")
+            lines.append(
+                f"{summary['shape']:<6}scaling on {scaling['world_size']} GPUs: {100 * scaling['efficiency']:.1f}% per-GPU efficiency; "
+                f"first 50 losses {'match' if match.get('match') else 'DO NOT match'} the 1-GPU run "
+                f"(max rel diff {match.get('max_rel_diff', float('nan')):.4f})"
+            )
     return lines
 
 
@@ -136,8 +143,12 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting runs past this many seconds")
     parser.add_argument("--run-timeout-s", type=float, default=170.0, help="limit for one run")
     parser.add_argument("--prefix", default="h200x2", help="file name prefix of the bundled JSONs")
-    parser.add_argument("--code-root", type=Path, help="our trainer from this tree (e.g. a `git archive HEAD backend profiles` "
-                        "export), so edits in progress in the working tree are not what is measured")
+    parser.add_argument(
+        "--code-root",
+        type=Path,
+        help="our trainer from this tree (e.g. a `git archive HEAD backend profiles` "
+        "export), so edits in progress in the working tree are not what is measured",
+    )
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     bad = [s for s in shapes + [s for s in args.multi_shapes.split(",") if s] if s not in OLD_CONFIGS]
@@ -152,17 +163,24 @@ def main(argv=None) -> int:
     import torch
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    log(f"torch {torch.__version__}; {torch.cuda.device_count() if cuda else 0} CUDA device(s): "
-        f"{[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []}")
+    log(
+        f"torch {torch.__version__}; {torch.cuda.device_count() if cuda else 0} CUDA device(s): "
+        f"{[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []}"
+    )
     if cuda:
-        for probe in (["nvidia-smi", "--query-gpu=index,name,clocks.max.sm,power.limit,temperature.gpu,memory.used", "--format=csv"],
-                      ["nvidia-smi", "topo", "-m"]):
+        for probe in (
+            ["nvidia-smi", "--query-gpu=index,name,clocks.max.sm,power.limit,temperature.gpu,memory.used", "--format=csv"],
+            ["nvidia-smi", "topo", "-m"],
+        ):
             try:
                 log(subprocess.run(probe, capture_output=True, text=True, timeout=30).stdout.rstrip())
             except (OSError, subprocess.TimeoutExpired) as exc:
                 log(f"{probe[:2]}: {exc}")
-    common = ((["--small"] if args.small else []) + (["--device", args.device] if args.device else [])
-              + (["--code-root", str(args.code_root)] if args.code_root else []))
+    common = (
+        (["--small"] if args.small else [])
+        + (["--device", args.device] if args.device else [])
+        + (["--code-root", str(args.code_root)] if args.code_root else [])
+    )
     if args.code_root:
         commit = args.code_root / "COMMIT"
         log(f"our code from {args.code_root}" + (f" (commit {commit.read_text().strip()})" if commit.is_file() else ""))
@@ -175,21 +193,64 @@ def main(argv=None) -> int:
         plan = []
         if cuda and not args.small and OLD_BENCH.is_file():
             old_env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(OLD_SRC), env.get("PYTHONPATH")])))
-            plan.append(("specforge_20e2e3f0", [python, str(OLD_BENCH), "--config", OLD_CONFIGS[shape], "--backend", "flex_attention",
-                                                "--fsdp", "1", "--flop-counter", "0", "--specforge-src", str(OLD_SRC),
-                                                "--out", str(files["specforge_20e2e3f0"])], old_env))
+            plan.append(
+                (
+                    "specforge_20e2e3f0",
+                    [
+                        python,
+                        str(OLD_BENCH),
+                        "--config",
+                        OLD_CONFIGS[shape],
+                        "--backend",
+                        "flex_attention",
+                        "--fsdp",
+                        "1",
+                        "--flop-counter",
+                        "0",
+                        "--specforge-src",
+                        str(OLD_SRC),
+                        "--out",
+                        str(files["specforge_20e2e3f0"]),
+                    ],
+                    old_env,
+                )
+            )
         else:
             runs["specforge_20e2e3f0"] = {"skipped": "needs CUDA, the full shapes and " + str(OLD_BENCH.relative_to(ROOT))}
-        plan.append(("specforge_v0.3.0", [python, "benchmarks/bench_specforge_v03.py", *shape_args, *common,
-                                          "--json", str(files["specforge_v0.3.0"])], env))
+        plan.append(("specforge_v0.3.0", [python, "benchmarks/bench_specforge_v03.py", *shape_args, *common, "--json", str(files["specforge_v0.3.0"])], env))
         peers = ["--specforge-json", str(files["specforge_20e2e3f0"]), "--specforge-json", str(files["specforge_v0.3.0"])]
-        plan.append(("ours_1gpu", [python, "benchmarks/bench_trainer.py", *shape_args, *common, *peers, "--label", f"ours {shape} 1 GPU",
-                                   "--json", str(files["ours_1gpu"])], env))
+        plan.append(
+            (
+                "ours_1gpu",
+                [python, "benchmarks/bench_trainer.py", *shape_args, *common, *peers, "--label", f"ours {shape} 1 GPU", "--json", str(files["ours_1gpu"])],
+                env,
+            )
+        )
         if args.nproc > 1 and shape in args.multi_shapes.split(","):
             name = f"ours_{args.nproc}gpu"
-            plan.append((name, [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-                                "benchmarks/bench_trainer.py", *shape_args, *common, *peers, "--baseline-json", str(files["ours_1gpu"]),
-                                "--label", f"ours {shape} {args.nproc} GPUs", "--json", str(files[name])], env))
+            plan.append(
+                (
+                    name,
+                    [
+                        python,
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        f"--nproc_per_node={args.nproc}",
+                        "benchmarks/bench_trainer.py",
+                        *shape_args,
+                        *common,
+                        *peers,
+                        "--baseline-json",
+                        str(files["ours_1gpu"]),
+                        "--label",
+                        f"ours {shape} {args.nproc} GPUs",
+                        "--json",
+                        str(files[name]),
+                    ],
+                    env,
+                )
+            )
         for name, argv_run, run_env in plan:
             left = args.budget_s - (time.perf_counter() - started)
             if left < 45:
@@ -203,9 +264,14 @@ def main(argv=None) -> int:
         summary = summarize(shape, runs)
         summaries.append(summary)
         code_commit = args.code_root / "COMMIT" if args.code_root else None
-        bundle = {"shape": shape, "command": " ".join([Path(python).name, *sys.argv]), "started_unix": time.time(),
-                  "our_code": (code_commit.read_text().strip() if code_commit and code_commit.is_file() else str(args.code_root or "working tree")),
-                  "summary": summary, "runs": runs}
+        bundle = {
+            "shape": shape,
+            "command": " ".join([Path(python).name, *sys.argv]),
+            "started_unix": time.time(),
+            "our_code": (code_commit.read_text().strip() if code_commit and code_commit.is_file() else str(args.code_root or "working tree")),
+            "summary": summary,
+            "runs": runs,
+        }
         (args.out / f"{args.prefix}_side_by_side_{'small' if args.small else shape}.json").write_text(json.dumps(bundle, indent=1) + "\n")
     log(f"=== done in {time.perf_counter() - started:.0f} s")
     log("\n".join(table(summaries)))

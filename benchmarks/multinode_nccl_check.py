@@ -7,6 +7,7 @@ the checkpoint node 0 wrote, both ranks' heartbeats. On a host without GPUs the 
 
     python benchmarks/multinode_nccl_check.py --out /tmp/nccl-check [--steps 60] [--profile tiny]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,7 @@ def free_port() -> int:
 
 
 def node_command(profile: str, steps: int, rank: int, nnodes: int, endpoint: str) -> list[str]:
-    train = train_argv(profile, ["--max-steps", str(steps), "--save-interval", str(steps), "--eval-interval", str(steps),
-                                 "--log-interval", "1"])
+    train = train_argv(profile, ["--max-steps", str(steps), "--save-interval", str(steps), "--eval-interval", str(steps), "--log-interval", "1"])
     argv = torchrun_train_argv(train, run_id="nccl-check", node_rank=rank, nnodes=nnodes, rdzv_endpoint=endpoint)
     return [sys.executable if part == "python" else part for part in argv]
 
@@ -75,8 +75,16 @@ def main() -> int:
         dirs.append(job_dir)
         env = {**base_env, "CUDA_VISIBLE_DEVICES": str(rank), "EAGLE3_JOB_DIR": str(job_dir)}
         with open(job_dir / "stderr.log", "wb") as err:
-            procs.append(subprocess.Popen(node_command(args.profile, args.steps, rank, args.nodes, endpoint), cwd=ROOT, env=env,
-                                          stdout=err, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    node_command(args.profile, args.steps, rank, args.nodes, endpoint),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=err,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     codes = []
     for proc in procs:
         try:
@@ -87,8 +95,13 @@ def main() -> int:
     took = time.monotonic() - started
     record = last_record(dirs[0] / "metrics.jsonl")
     report = {
-        "nodes": args.nodes, "profile": args.profile, "steps": args.steps, "rendezvous": endpoint, "exit_codes": codes,
-        "seconds": round(took, 1), "rank0_last": {k: record.get(k) for k in ("step", "loss", "step_time", "tokens_per_s", "mfu", "peak_mem_gib")},
+        "nodes": args.nodes,
+        "profile": args.profile,
+        "steps": args.steps,
+        "rendezvous": endpoint,
+        "exit_codes": codes,
+        "seconds": round(took, 1),
+        "rank0_last": {k: record.get(k) for k in ("step", "loss", "step_time", "tokens_per_s", "mfu", "peak_mem_gib")},
         "checkpoints_node0": [p.name for p in list_checkpoints(dirs[0])],
         "checkpoints_other_nodes": [p.name for d in dirs[1:] for p in list_checkpoints(d)],
         "metrics_on_other_nodes": [(d / "metrics.jsonl").exists() for d in dirs[1:]],
@@ -96,8 +109,13 @@ def main() -> int:
         "gpus": probe_gpus(),
         "stderr_tail_node0": (dirs[0] / "stderr.log").read_text(errors="replace")[-1500:],
     }
-    report["ok"] = (codes == [0] * args.nodes and record.get("step") == args.steps and len(report["checkpoints_node0"]) >= 1
-                    and not report["checkpoints_other_nodes"] and not any(report["metrics_on_other_nodes"]))
+    report["ok"] = (
+        codes == [0] * args.nodes
+        and record.get("step") == args.steps
+        and len(report["checkpoints_node0"]) >= 1
+        and not report["checkpoints_other_nodes"]
+        and not any(report["metrics_on_other_nodes"])
+    )
     (args.out / "multinode_nccl_check.json").write_text(json.dumps(report, indent=2, default=str))
     print(json.dumps({k: v for k, v in report.items() if k != "stderr_tail_node0"}, indent=2, default=str))
     return 0 if report["ok"] else 1

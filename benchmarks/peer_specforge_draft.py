@@ -25,6 +25,7 @@ This file holds no SpecForge code. It runs in two processes:
    the max abs logit difference and the argmax agreement (all positions, and positions whose label is inside the
    window). Written to --out (default benchmarks/results/peer_specforge_draft.json); exit 1 when the contract breaks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,7 @@ def cache_root() -> Path:
 
 # --------------------------------------------------------------------------- 1. the side venv (project venv side)
 
+
 def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
@@ -75,8 +77,9 @@ def ensure_venv(venv: Path, specforge_src: Path | None) -> None:
     log(f"building the side venv {venv}: specforge=={SPECFORGE_VERSION} --no-deps + {', '.join(EXTRA_PACKAGES)}")
     if not python.exists():
         subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True, capture_output=True, text=True
+    ).stdout.strip()
     # the project's torch/transformers/safetensors (and this repo's backend) are what both drafts run on
     Path(site, "eagle3_project_venv.pth").write_text(f"import site; site.addsitedir({project_site!r})\n")
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
@@ -99,8 +102,9 @@ def inner_env(specforge_src: Path | None) -> dict[str, str]:
 
 
 def _imports(python: Path, specforge_src: Path | None) -> bool:
-    done = subprocess.run([str(python), "-W", "ignore", "-c", "import specforge.algorithms.eagle3.model"],
-                          env=inner_env(specforge_src), capture_output=True, text=True)
+    done = subprocess.run(
+        [str(python), "-W", "ignore", "-c", "import specforge.algorithms.eagle3.model"], env=inner_env(specforge_src), capture_output=True, text=True
+    )
     return done.returncode == 0
 
 
@@ -115,12 +119,17 @@ def default_checkpoint() -> Path:
     run = cache_root() / "peer-specforge-run"
     if not (run / "checkpoints" / "latest").is_file():
         log(f"no trained tiny run cached: training one (300 steps) into {run}")
-        subprocess.run([sys.executable, "-m", "backend", "train", "--profile", "tiny", "--out", str(run), "--max-steps", "300"],
-                       cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("EAGLE3_THREADS", "1")})
+        subprocess.run(
+            [sys.executable, "-m", "backend", "train", "--profile", "tiny", "--out", str(run), "--max-steps", "300"],
+            cwd=ROOT,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("EAGLE3_THREADS", "1")},
+        )
     return resolve_draft_dir(run)
 
 
 # --------------------------------------------------------------------------- 2. the comparison (side venv)
+
 
 def batch_from_target(profile_name: str, seq_len: int, batch: int):
     """Two held-out corpus windows of the tiny target, their aux hidden states and teacher logits."""
@@ -133,7 +142,7 @@ def batch_from_target(profile_name: str, seq_len: int, batch: int):
     target = load_target(load_profile(profile_name))
     text = read_corpus(target.path, "val")
     stride = (len(text) - seq_len) // max(batch, 1)
-    ids = torch.tensor([list(text[i * stride: i * stride + seq_len]) for i in range(batch)], dtype=torch.long)
+    ids = torch.tensor([list(text[i * stride : i * stride + seq_len]) for i in range(batch)], dtype=torch.long)
     captured = target.capture(ids)
     return target, ids, captured.aux_hidden.float(), captured.logits.float()
 
@@ -168,8 +177,7 @@ def compare(checkpoint: Path, profile_name: str, ttt_length: int) -> dict:
     expected = tensor_facts(sf.state_dict())
     saved = load_file(str(checkpoint / "model.safetensors"))
     got = tensor_facts(saved)
-    shape_or_dtype = {name: {"specforge": expected[name], "ours": got[name]}
-                      for name in sorted(set(expected) & set(got)) if expected[name] != got[name]}
+    shape_or_dtype = {name: {"specforge": expected[name], "ours": got[name]} for name in sorted(set(expected) & set(got)) if expected[name] != got[name]}
     load_error = None
     try:
         missing, unexpected = sf.load_state_dict(saved, strict=False)
@@ -179,10 +187,12 @@ def compare(checkpoint: Path, profile_name: str, ttt_length: int) -> dict:
     sf.eval()
 
     draft_ids = torch.arange(sf.draft_vocab_size)
-    mapping = {"d2t_target_ids_equal": bool(torch.equal(draft_ids + sf.d2t, ours.draft_to_target_ids(draft_ids))),
-               "t2d_equal": bool(torch.equal(sf.t2d.bool(), ours.t2d.bool())),
-               "t2d_marks_d2t_targets": bool(sf.t2d[draft_ids + sf.d2t].all()),
-               "embedding_equal": bool(torch.equal(sf.embed_tokens.weight, ours.embed_tokens.weight.float()))}
+    mapping = {
+        "d2t_target_ids_equal": bool(torch.equal(draft_ids + sf.d2t, ours.draft_to_target_ids(draft_ids))),
+        "t2d_equal": bool(torch.equal(sf.t2d.bool(), ours.t2d.bool())),
+        "t2d_marks_d2t_targets": bool(sf.t2d[draft_ids + sf.d2t].all()),
+        "embedding_equal": bool(torch.equal(sf.embed_tokens.weight, ours.embed_tokens.weight.float())),
+    }
 
     # SpecForge's TTT loop, logits read at its lm_head
     captured: list = []
@@ -191,29 +201,52 @@ def compare(checkpoint: Path, profile_name: str, ttt_length: int) -> dict:
     sf_ids, sf_target, loss_mask = padding(ids, left=False), padding(teacher, left=False), torch.ones_like(ids)[..., None]
     model = OnlineEagle3Model(sf, length=ttt_length, attention_backend="sdpa")
     with torch.no_grad():
-        model(input_ids=sf_ids, attention_mask=torch.ones_like(ids), target=sf_target, loss_mask=loss_mask,
-              hidden_states=aux)
+        model(input_ids=sf_ids, attention_mask=torch.ones_like(ids), target=sf_target, loss_mask=loss_mask, hidden_states=aux)
     hook.remove()
 
     steps = []
     for k, (mine, theirs) in enumerate(zip(our_logits, captured)):
         valid = SEQ_LEN - 1 - k  # positions t whose label t+1+k lies inside the window
         agree = (mine.argmax(-1) == theirs.argmax(-1)).float()
-        steps.append({"step": k, "max_abs_diff": float((mine - theirs).abs().max()),
-                      "argmax_agreement": float(agree.mean()), "argmax_agreement_labelled": float(agree[:, :valid].mean()),
-                      "logit_scale": float(theirs.abs().max())})
+        steps.append(
+            {
+                "step": k,
+                "max_abs_diff": float((mine - theirs).abs().max()),
+                "argmax_agreement": float(agree.mean()),
+                "argmax_agreement_labelled": float(agree[:, :valid].mean()),
+                "logit_scale": float(theirs.abs().max()),
+            }
+        )
     missing_other = [k for k in missing if k not in ALLOWED_MISSING]
-    ok = (not missing_other and not unexpected and not shape_or_dtype and load_error is None and all(mapping.values())
-          and len(captured) == ttt_length and all(s["max_abs_diff"] <= LOGIT_TOLERANCE and s["argmax_agreement"] == 1.0 for s in steps))
+    ok = (
+        not missing_other
+        and not unexpected
+        and not shape_or_dtype
+        and load_error is None
+        and all(mapping.values())
+        and len(captured) == ttt_length
+        and all(s["max_abs_diff"] <= LOGIT_TOLERANCE and s["argmax_agreement"] == 1.0 for s in steps)
+    )
     return {
         "ok": ok,
-        "specforge": {"version": getattr(specforge, "__version__", None) or _dist_version("specforge"),
-                      "source": str(Path(specforge.__file__).parent), "commit": _tree_commit(Path(specforge.__file__).parent.parent),
-                      "draft_class": f"{type(sf).__module__}.{type(sf).__name__}", "ttt_loop": "OnlineEagle3Model.forward (sdpa)"},
+        "specforge": {
+            "version": getattr(specforge, "__version__", None) or _dist_version("specforge"),
+            "source": str(Path(specforge.__file__).parent),
+            "commit": _tree_commit(Path(specforge.__file__).parent.parent),
+            "draft_class": f"{type(sf).__module__}.{type(sf).__name__}",
+            "ttt_loop": "OnlineEagle3Model.forward (sdpa)",
+        },
         "checkpoint": str(checkpoint),
         "batch": {"windows": BATCH, "seq_len": SEQ_LEN, "source": "the tiny target's held-out corpus", "ttt_length": ttt_length},
-        "keys": {"specforge": len(expected), "ours": len(got), "missing": sorted(missing), "unexpected": sorted(unexpected),
-                 "missing_allowed": list(ALLOWED_MISSING), "shape_or_dtype_differences": shape_or_dtype, "load_error": load_error},
+        "keys": {
+            "specforge": len(expected),
+            "ours": len(got),
+            "missing": sorted(missing),
+            "unexpected": sorted(unexpected),
+            "missing_allowed": list(ALLOWED_MISSING),
+            "shape_or_dtype_differences": shape_or_dtype,
+            "load_error": load_error,
+        },
         "vocab_mapping": mapping,
         "ttt_steps_captured": len(captured),
         "tolerance": LOGIT_TOLERANCE,
@@ -240,6 +273,7 @@ def _dist_version(name: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- entry
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -270,8 +304,19 @@ def main(argv: list[str] | None = None) -> int:
     venv = Path(os.environ.get("PEER_SPECFORGE_VENV") or cache_root() / "peer-specforge")
     ensure_venv(venv, args.specforge_src)
     inner_out = args.out.with_name(f".{args.out.name}.{os.getpid()}.tmp")
-    argv_inner = [str(venv_python(venv)), str(Path(__file__).resolve()), "--inside", "--checkpoint", str(checkpoint),
-                  "--profile", args.profile, "--ttt-length", str(args.ttt_length), "--out", str(inner_out)]
+    argv_inner = [
+        str(venv_python(venv)),
+        str(Path(__file__).resolve()),
+        "--inside",
+        "--checkpoint",
+        str(checkpoint),
+        "--profile",
+        args.profile,
+        "--ttt-length",
+        str(args.ttt_length),
+        "--out",
+        str(inner_out),
+    ]
     log(f"comparing {checkpoint} in SpecForge's LlamaForCausalLMEagle3 with ours ({args.ttt_length} TTT steps)")
     done = subprocess.run(argv_inner, cwd=ROOT, env=inner_env(args.specforge_src), capture_output=True, text=True)
     if done.returncode != 0:
@@ -279,19 +324,28 @@ def main(argv: list[str] | None = None) -> int:
         log(f"the comparison failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         return 1
     result = json.loads(inner_out.read_text())
-    result.update({"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": {"host": platform.node(), "cpus": os.cpu_count()},
-                   "command": "python benchmarks/peer_specforge_draft.py" + (f" --specforge-src {args.specforge_src}" if args.specforge_src else "")})
+    result.update(
+        {
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": {"host": platform.node(), "cpus": os.cpu_count()},
+            "command": "python benchmarks/peer_specforge_draft.py" + (f" --specforge-src {args.specforge_src}" if args.specforge_src else ""),
+        }
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     inner_out.write_text(json.dumps(result, indent=1) + "\n")
     os.replace(inner_out, args.out)
     keys = result["keys"]
     tree = f" (tree {result['specforge']['commit'][:8]})" if result["specforge"].get("commit") else ""
-    print(f"SpecForge {result['specforge']['version']}{tree} {result['specforge']['draft_class'].rsplit('.', 1)[-1]} loads {checkpoint.name}: "
-          f"{len(keys['missing'])} missing {keys['missing']}, {len(keys['unexpected'])} unexpected, "
-          f"{len(keys['shape_or_dtype_differences'])} shape/dtype differences")
-    print(f"  d2t/t2d same meaning: {all(result['vocab_mapping'].values())}; TTT steps: {result['ttt_steps_captured']}; "
-          f"max abs logit diff {result['max_abs_diff']:.2e} (tolerance {LOGIT_TOLERANCE:g}); "
-          f"argmax agreement {100 * result['argmax_agreement']:.1f} %")
+    print(
+        f"SpecForge {result['specforge']['version']}{tree} {result['specforge']['draft_class'].rsplit('.', 1)[-1]} loads {checkpoint.name}: "
+        f"{len(keys['missing'])} missing {keys['missing']}, {len(keys['unexpected'])} unexpected, "
+        f"{len(keys['shape_or_dtype_differences'])} shape/dtype differences"
+    )
+    print(
+        f"  d2t/t2d same meaning: {all(result['vocab_mapping'].values())}; TTT steps: {result['ttt_steps_captured']}; "
+        f"max abs logit diff {result['max_abs_diff']:.2e} (tolerance {LOGIT_TOLERANCE:g}); "
+        f"argmax agreement {100 * result['argmax_agreement']:.1f} %"
+    )
     print(f"  {'OK' if result['ok'] else 'CONTRACT BROKEN'}; saved {args.out}")
     return 0 if result["ok"] else 1
 

@@ -15,6 +15,7 @@ Owned processes are counted through an environment marker the stop itself never 
 the job cgroup (where the host offers a writable cgroup v2) and half the SIGSTOP walk. Exit 1 if any count is
 non-zero. Usage: python benchmarks/stress_stop.py --trials 200 [--seed 1] [--mode mixed|cgroup|walk]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ DECOY = "STRESS_DECOY"
 CLI_TIMEOUT_S = 90
 
 # The program of every process in a job tree and of every decoy: one argv, so decoys share the job's command line.
-NODE = r'''
+NODE = r"""
 import json, os, signal, subprocess, sys, time
 
 def log_signals(path):
@@ -117,7 +118,7 @@ if os.environ.get("STRESS_DECOY"):
     log_signals(os.environ["STRESS_DECOY"])
     sleep_forever()
 run(json.loads(sys.argv[1]))
-'''
+"""
 
 
 @dataclass
@@ -158,8 +159,14 @@ def random_node(rng: random.Random, depth: int) -> dict:
 
 def add_stopper(rng: random.Random, tree: dict, run_dir: Path, job: str, report: Path) -> None:
     """A stopper somewhere in the leader's group (never under a setsid node): it stops its own job."""
-    stopper = {"kind": "stopper", "run_dir": str(run_dir), "job": job, "report": str(report),
-               "grace": round(rng.uniform(0.0, 0.8), 2), "after": rng.uniform(0.2, 0.6)}
+    stopper = {
+        "kind": "stopper",
+        "run_dir": str(run_dir),
+        "job": job,
+        "report": str(report),
+        "grace": round(rng.uniform(0.0, 0.8), 2),
+        "after": rng.uniform(0.2, 0.6),
+    }
     parent = tree
     for child in tree.get("children", []):
         if not child.get("setsid") and not child.get("double") and child["kind"] != "reforker" and rng.random() < 0.5:
@@ -223,8 +230,18 @@ def insert_stale_record(run_dir: Path, name: str, proc: subprocess.Popen, argv: 
         db.execute(
             "INSERT INTO jobs (name, kind, state, pid, pgid, start_time_ticks, argv, job_dir, stdout_path, stderr_path, started_at, token)"
             " VALUES (?, 'train', 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (name, proc.pid, stat.pgid, max(1, stat.start_time - 1000), json.dumps(argv), str(job_dir),
-             str(job_dir / "stdout.log"), str(job_dir / "stderr.log"), time.time() - 3600, secrets.token_hex(16)),
+            (
+                name,
+                proc.pid,
+                stat.pgid,
+                max(1, stat.start_time - 1000),
+                json.dumps(argv),
+                str(job_dir),
+                str(job_dir / "stdout.log"),
+                str(job_dir / "stderr.log"),
+                time.time() - 3600,
+                secrets.token_hex(16),
+            ),
         )
 
 
@@ -304,8 +321,11 @@ def run_trial(index: int, rng: random.Random, mode: str, base: Path, totals: Tot
     elapsed = time.monotonic() - began
     tally(totals, mode, inside, decoys, counts, elapsed)
     if verbose or any(counts.values()):
-        print(f"trial {index:4d} [{mode:6s}] procs {seen:3d} decoys {len(decoys)} inside-stop {'yes' if inside else 'no '}: "
-              f"foreign {counts['foreign']}, owned alive {counts['owned']}, stale {counts['stale']}, wrong exit {counts['wrong']} ({elapsed:.1f} s)", flush=True)
+        print(
+            f"trial {index:4d} [{mode:6s}] procs {seen:3d} decoys {len(decoys)} inside-stop {'yes' if inside else 'no '}: "
+            f"foreign {counts['foreign']}, owned alive {counts['owned']}, stale {counts['stale']}, wrong exit {counts['wrong']} ({elapsed:.1f} s)",
+            flush=True,
+        )
 
 
 def check_inside_stop(report: Path, marker: str, counts: dict) -> int:
@@ -324,8 +344,11 @@ def check_inside_stop(report: Path, marker: str, counts: dict) -> int:
     counts["wrong"] += int(result["rc"] == 0 or not alive_chain <= named | {result["pid"]})
     for pid in left:
         stat = procs.read_stat(pid)
-        print(f"  left after the inside stop: {stat} {procs.cmdline(pid)[:60]!r}; stopper {result['pid']} chain {result['chain'][:4]};"
-              f" stop said: {result['out'][-800:]} {result['err'][-300:]}", flush=True)
+        print(
+            f"  left after the inside stop: {stat} {procs.cmdline(pid)[:60]!r}; stopper {result['pid']} chain {result['chain'][:4]};"
+            f" stop said: {result['out'][-800:]} {result['err'][-300:]}",
+            flush=True,
+        )
     return len(left)
 
 
@@ -358,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     cgroups = procs.job_cgroup_base() is not None and procs.create_job_cgroup(f"probe-{os.getpid()}") is not None
     if cgroups:
         procs.remove_cgroup(procs.job_cgroup_base() / f"{procs.CGROUP_PREFIX}probe-{os.getpid()}")
-    print(f"stress_stop: {args.trials} trials, seed {seed}, mode {args.mode}, job cgroups {'available' if cgroups else 'NOT available (both modes walk)'}", flush=True)
+    print(
+        f"stress_stop: {args.trials} trials, seed {seed}, mode {args.mode}, job cgroups {'available' if cgroups else 'NOT available (both modes walk)'}",
+        flush=True,
+    )
     totals = Totals()
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="stress-stop-") as tmp:
@@ -371,11 +397,15 @@ def main(argv: list[str] | None = None) -> int:
             if (index + 1) % 25 == 0:
                 print(f"  {index + 1} trials, {time.monotonic() - began:.0f} s, failures so far {totals.failures}", flush=True)
     modes = ", ".join(f"{mode} {count}" for mode, count in sorted(totals.by_mode.items()))
-    print(f"{totals.trials} trials ({modes}) in {time.monotonic() - began:.0f} s (slowest {totals.slowest_s:.1f} s): "
-          f"{totals.job_procs} job processes seen at stop time, {totals.decoys} same-name decoys, {totals.stale_records} recycled-PID stale records, "
-          f"{totals.inside_stops} stops from inside the job")
-    print(f"foreign signalled {totals.foreign_signalled}, owned left alive {totals.owned_alive}, stale signalled {totals.stale_signalled}"
-          f" (wrong exit codes {totals.wrong_exit})")
+    print(
+        f"{totals.trials} trials ({modes}) in {time.monotonic() - began:.0f} s (slowest {totals.slowest_s:.1f} s): "
+        f"{totals.job_procs} job processes seen at stop time, {totals.decoys} same-name decoys, {totals.stale_records} recycled-PID stale records, "
+        f"{totals.inside_stops} stops from inside the job"
+    )
+    print(
+        f"foreign signalled {totals.foreign_signalled}, owned left alive {totals.owned_alive}, stale signalled {totals.stale_signalled}"
+        f" (wrong exit codes {totals.wrong_exit})"
+    )
     return 1 if totals.failures else 0
 
 

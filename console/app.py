@@ -4,6 +4,7 @@ Built by `build_app()` so tests can hand it a transport (or none) and fixed data
 async workers; state changes are folded in at once and screen redraws are coalesced (at most one per
 `refresh_throttle` seconds) and held back while a modal is open.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -72,39 +73,87 @@ ACTIONS = [
     ConsoleAction("show_hosts", "6", "Hosts", "every host at a glance; pick the one the other screens show; nodes of a multi-node job"),
     ConsoleAction("prev_job", "[", "Prev job", "select the previous job"),
     ConsoleAction("next_job", "]", "Next job", "select the next job"),
-    ConsoleAction("start_training", "n", "New tiny run", "start a training job with the console's profile", needs_connection=True,
-                  destructive=True, short="New"),
-    ConsoleAction("start_multinode", "m", "Multi-node run", "start one training job across every connected host (torchrun; shows each "
-                  "node's command first)", needs_connection=True, destructive=True, short="Nodes"),
-    ConsoleAction("stop_job", "s", "Stop job", "stop the selected job (shows the PIDs first)", needs_connection=True, needs_job=True, owned_job=True,
-                  destructive=True, short="Stop"),
-    ConsoleAction("stop_and_bench", "b", "Stop & bench", "stop training with a checkpoint, serve it, canary, benchmark (shows the plan first)",
-                  needs_connection=True, needs_job=True, owned_job=True, job_kinds=("train",), destructive=True, short="Bench"),
-    ConsoleAction("resume", "c", "Resume ckpt", "resume training from the checkpoint the last stop wrote, as a new job (shows the command first)",
-                  needs_connection=True, destructive=True, short="Resume"),
-    ConsoleAction("grok", "g", "Grok run", "resume a checkpoint with a constant LR, weight decay, optional Grokfast",
-                  needs_connection=True, needs_job=True, owned_job=True, job_kinds=("train",), destructive=True, short="Grok"),
-    ConsoleAction("watch_external", "w", "Watch run", "watch a TensorBoard dir or SpecForge log read-only as ext:<name>", needs_connection=True,
-                  short="Watch"),
-    ConsoleAction("adopt", "a", "Adopt PID", "adopt a foreign process as a job (PID typed to confirm)", needs_connection=True, destructive=True,
-                  short="Adopt"),
+    ConsoleAction(
+        "start_training", "n", "New tiny run", "start a training job with the console's profile", needs_connection=True, destructive=True, short="New"
+    ),
+    ConsoleAction(
+        "start_multinode",
+        "m",
+        "Multi-node run",
+        "start one training job across every connected host (torchrun; shows each node's command first)",
+        needs_connection=True,
+        destructive=True,
+        short="Nodes",
+    ),
+    ConsoleAction(
+        "stop_job",
+        "s",
+        "Stop job",
+        "stop the selected job (shows the PIDs first)",
+        needs_connection=True,
+        needs_job=True,
+        owned_job=True,
+        destructive=True,
+        short="Stop",
+    ),
+    ConsoleAction(
+        "stop_and_bench",
+        "b",
+        "Stop & bench",
+        "stop training with a checkpoint, serve it, canary, benchmark (shows the plan first)",
+        needs_connection=True,
+        needs_job=True,
+        owned_job=True,
+        job_kinds=("train",),
+        destructive=True,
+        short="Bench",
+    ),
+    ConsoleAction(
+        "resume",
+        "c",
+        "Resume ckpt",
+        "resume training from the checkpoint the last stop wrote, as a new job (shows the command first)",
+        needs_connection=True,
+        destructive=True,
+        short="Resume",
+    ),
+    ConsoleAction(
+        "grok",
+        "g",
+        "Grok run",
+        "resume a checkpoint with a constant LR, weight decay, optional Grokfast",
+        needs_connection=True,
+        needs_job=True,
+        owned_job=True,
+        job_kinds=("train",),
+        destructive=True,
+        short="Grok",
+    ),
+    ConsoleAction("watch_external", "w", "Watch run", "watch a TensorBoard dir or SpecForge log read-only as ext:<name>", needs_connection=True, short="Watch"),
+    ConsoleAction("adopt", "a", "Adopt PID", "adopt a foreign process as a job (PID typed to confirm)", needs_connection=True, destructive=True, short="Adopt"),
     ConsoleAction("resync", "r", "Resync", "re-read everything from the agent", needs_connection=True, short="Sync"),
     ConsoleAction("quit", "q", "Quit", "leave the console (jobs keep running on the host)"),
-    ConsoleAction("toggle_workers", "h", "Workers", "Dashboard: show / hide each job's helper processes under its GPU holder row",
-                  screen="dashboard"),
+    ConsoleAction("toggle_workers", "h", "Workers", "Dashboard: show / hide each job's helper processes under its GPU holder row", screen="dashboard"),
     ConsoleAction("toggle_log_step", "x", "Log step", "Training: step axis log10 on/off", screen="training"),
     ConsoleAction("toggle_log_y", "y", "Log y", "Training: loss and LR on a log10 axis on/off", screen="training"),
     ConsoleAction("toggle_ema", "e", "EMA", "Training: EMA smoothing (0.9) on/off", screen="training"),
-    ConsoleAction("next_overlay", "o", "Overlay", "Training: draw another training job or watched run on the same axes (cycles, then off)",
-                  screen="training"),
+    ConsoleAction("next_overlay", "o", "Overlay", "Training: draw another training job or watched run on the same axes (cycles, then off)", screen="training"),
     ConsoleAction("toggle_follow", "f", "Follow", "Logs: scroll to new lines on/off", screen="logs"),
     ConsoleAction("switch_stream", "o", "Live stream", "Logs: follow stdout or stderr live", screen="logs"),
 ]
 ACTIONS_BY_NAME = {a.name: a for a in ACTIONS}
 _SCREENS = Binding.Group("Screens", compact=True)  # the footer shows "12345 Screens": room for every action key
 _JOBS = Binding.Group("Prev/next job", compact=True)
-FOOTER_GROUPS = {"show_dashboard": _SCREENS, "show_training": _SCREENS, "show_logs": _SCREENS, "show_grokking": _SCREENS,
-                 "show_chain": _SCREENS, "show_hosts": _SCREENS, "prev_job": _JOBS, "next_job": _JOBS}
+FOOTER_GROUPS = {
+    "show_dashboard": _SCREENS,
+    "show_training": _SCREENS,
+    "show_logs": _SCREENS,
+    "show_grokking": _SCREENS,
+    "show_chain": _SCREENS,
+    "show_hosts": _SCREENS,
+    "prev_job": _JOBS,
+    "next_job": _JOBS,
+}
 
 
 class ConsoleCommands(Provider):
@@ -152,7 +201,12 @@ def _with_console_footer(cls: type[ConsoleScreen]) -> type[ConsoleScreen]:
 class ConsoleApp(RunActions):
     TITLE = "eagle3-console"
     CSS_PATH = "console.tcss"
-    MODES = {"dashboard": DashboardScreen, "logs": LogsScreen, "chain": _with_console_footer(ChainScreen), "hosts": HostsScreen}  # "training", "grokking" added per instance
+    MODES = {
+        "dashboard": DashboardScreen,
+        "logs": LogsScreen,
+        "chain": _with_console_footer(ChainScreen),
+        "hosts": HostsScreen,
+    }  # "training", "grokking" added per instance
     DEFAULT_MODE = "dashboard"
     COMMANDS = App.COMMANDS | {ConsoleCommands}
     BINDINGS = [Binding(a.key, a.name, a.label, group=FOOTER_GROUPS.get(a.name)) for a in ACTIONS if a.screen is None]
@@ -387,8 +441,7 @@ class ConsoleApp(RunActions):
 
     def resync(self, session: HostSession | None = None) -> None:
         session = session or self.active
-        self.run_worker(self._resync(session), name=f"resync {session.name}", group=f"resync:{session.name}", exclusive=True,
-                        exit_on_error=False)
+        self.run_worker(self._resync(session), name=f"resync {session.name}", group=f"resync:{session.name}", exclusive=True, exit_on_error=False)
 
     async def _resync(self, session: HostSession) -> None:
         """After (re)connecting: snapshot, watched runs, holders, and (on the active host) the selected job's metrics and logs."""
@@ -409,8 +462,7 @@ class ConsoleApp(RunActions):
 
     def load_job(self, name: str) -> None:
         session = self.active
-        self.run_worker(self._load_job_reporting(session, name), name=f"load {name}", group=f"job:{session.name}", exclusive=True,
-                        exit_on_error=False)
+        self.run_worker(self._load_job_reporting(session, name), name=f"load {name}", group=f"job:{session.name}", exclusive=True, exit_on_error=False)
 
     async def _load_job_reporting(self, session: HostSession, name: str) -> None:
         try:
@@ -428,8 +480,7 @@ class ConsoleApp(RunActions):
 
     def refresh_summary(self, name: str, log_x: bool) -> None:
         session = self.active
-        self.run_worker(self._refresh_summary(session, name, log_x), name=f"summary {name}", group=f"summary:{session.name}",
-                        exit_on_error=False)
+        self.run_worker(self._refresh_summary(session, name, log_x), name=f"summary {name}", group=f"summary:{session.name}", exit_on_error=False)
 
     async def _refresh_summary(self, session: HostSession, name: str, log_x: bool) -> None:
         try:
@@ -446,8 +497,9 @@ class ConsoleApp(RunActions):
     def request_zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None:
         """Buckets of the zoomed range (the plot's width of them), for every series the screens plot."""
         session = self.active
-        self.run_worker(self._zoom(session, name, step_from, step_to, points, log_x), name=f"zoom {name}",
-                        group=f"zoom:{session.name}", exclusive=True, exit_on_error=False)
+        self.run_worker(
+            self._zoom(session, name, step_from, step_to, points, log_x), name=f"zoom {name}", group=f"zoom:{session.name}", exclusive=True, exit_on_error=False
+        )
 
     async def _zoom(self, session: HostSession, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None:
         try:
@@ -460,8 +512,7 @@ class ConsoleApp(RunActions):
 
     def catch_up_metrics(self, session: HostSession | None = None) -> None:
         session = session or self.active
-        self.run_worker(session.catch_up_metrics(), name=f"catch up {session.name}", group=f"catchup:{session.name}", exclusive=True,
-                        exit_on_error=False)
+        self.run_worker(session.catch_up_metrics(), name=f"catch up {session.name}", group=f"catchup:{session.name}", exclusive=True, exit_on_error=False)
 
     def _poll_tick(self) -> None:
         """Slow poll of what the agents do not push (GPU holders), every connected host; paused while a modal is open."""
@@ -660,8 +711,14 @@ class ConsoleApp(RunActions):
         endpoint = self.rdzv_endpoint or f"{rendezvous_host(sessions[0])}:{rendezvous_port(run_id)}"
         base = train_argv(self.profile)
         try:
-            plan = [(s, torchrun_train_argv(base, run_id=run_id, node_rank=rank, nnodes=len(sessions), rdzv_endpoint=endpoint),
-                     node_spec(run_id, rank, len(sessions), endpoint)) for rank, s in enumerate(sessions)]
+            plan = [
+                (
+                    s,
+                    torchrun_train_argv(base, run_id=run_id, node_rank=rank, nnodes=len(sessions), rdzv_endpoint=endpoint),
+                    node_spec(run_id, rank, len(sessions), endpoint),
+                )
+                for rank, s in enumerate(sessions)
+            ]
         except ValueError as exc:
             self.note(f"multi-node run not started: {exc}", severity="error")
             return
@@ -671,13 +728,17 @@ class ConsoleApp(RunActions):
         if self.disabled_reason("start_multinode") or any(not s.connected for s, _, _ in plan):
             self.note(f"multi-node run {run_id} not started: a host disconnected meanwhile", severity="error")
             return
-        results = await asyncio.gather(*(s.request(Request.START_JOB, name=run_id, kind="train", argv=argv, node=node)
-                                         for s, argv, node in plan), return_exceptions=True)
+        results = await asyncio.gather(
+            *(s.request(Request.START_JOB, name=run_id, kind="train", argv=argv, node=node) for s, argv, node in plan), return_exceptions=True
+        )
         failed = [(s, r) for (s, _, _), r in zip(plan, results) if isinstance(r, BaseException)]
         if failed:
             started = [s for (s, _, _), r in zip(plan, results) if not isinstance(r, BaseException)]
-            self.note(f"multi-node run {run_id}: {failed[0][0].name} refused it ({failed[0][1]}); "
-                      f"{len(started)} node(s) started and will wait for it at the rendezvous: stop them with s", severity="error")
+            self.note(
+                f"multi-node run {run_id}: {failed[0][0].name} refused it ({failed[0][1]}); "
+                f"{len(started)} node(s) started and will wait for it at the rendezvous: stop them with s",
+                severity="error",
+            )
         else:
             self.note(f"started {run_id} on {len(plan)} nodes ({', '.join(s.name for s, _, _ in plan)}), rendezvous {endpoint}")
         lead = plan[0][0]

@@ -1,4 +1,5 @@
 """`eagle3-console`: parse the command line, pick the transport (local agent or SSH), run the app or print a snapshot."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,29 +24,46 @@ def build_parser() -> argparse.ArgumentParser:
         description="Operations console for EAGLE-3 draft training and serving. Without --host it runs the agent "
         "locally (a laptop without a GPU works) with the 'tiny' profile.",
     )
-    parser.add_argument("--host", action="append", dest="hosts", metavar="HOST",
-                        help="SSH host as [user@]name[:port] (a name from ~/.ssh/config works), or 'local' (default); "
-                        "repeat it to watch several hosts in one console")
+    parser.add_argument(
+        "--host",
+        action="append",
+        dest="hosts",
+        metavar="HOST",
+        help="SSH host as [user@]name[:port] (a name from ~/.ssh/config works), or 'local' (default); repeat it to watch several hosts in one console",
+    )
     parser.add_argument("--hosts-file", help="a file naming more hosts, one [user@]name[:port] per line ('#' starts a comment)")
     parser.add_argument("--port", type=int, help="SSH port for hosts that name none (default: from ssh config, else 22)")
     parser.add_argument("--user", help="SSH user (default: from ssh config, else your login name)")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="profile name (tiny, llama3.1-8b, kimi-k2.5) or path to a TOML file")
     parser.add_argument("--run-dir", help="run directory on the host (default: the profile's paths.run_dir, ~/.eagle3)")
-    parser.add_argument("--snapshot", action="store_true",
-                        help="print one JSON object (hello, gpus, jobs, latest metrics, disks) and exit; with several hosts, "
-                        '{"hosts": {name: that object or {"error": why}}}')
-    parser.add_argument("--accept-new-host-key", action="store_true", help="trust an UNKNOWN host key and append it to known_hosts (a CHANGED key is always refused)")
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help='print one JSON object (hello, gpus, jobs, latest metrics, disks) and exit; with several hosts, {"hosts": {name: that object or {"error": why}}}',
+    )
+    parser.add_argument(
+        "--accept-new-host-key", action="store_true", help="trust an UNKNOWN host key and append it to known_hosts (a CHANGED key is always refused)"
+    )
     parser.add_argument("--identity", help="SSH private key file (default: ssh config / agent / ~/.ssh/id_*)")
     parser.add_argument("--known-hosts", help="known_hosts file (default: ssh config's UserKnownHostsFile, else ~/.ssh/known_hosts)")
     parser.add_argument("--python", help="Python on the host that runs the agent (default: python3; locally: this Python)")
-    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                        help="rendezvous of a multi-node run (key m): an address of the FIRST host that every other host can reach "
-                        "(default: the first --host's name and a port in 29400-29999 chosen from the run id)")
-    parser.add_argument("--readonly", action="store_true",
-                        help="look, never touch: start, stop, stop & bench, resume, grok and adopt are disabled and hidden (the banner says READ-ONLY)")
-    parser.add_argument("--notify", action="store_true",
-                        help="ring the terminal bell and send a desktop notification (OSC 9 and OSC 777) when a job exits, a canary turns red, "
-                        "grokking onset is detected or a disk runs low (off by default)")
+    parser.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="rendezvous of a multi-node run (key m): an address of the FIRST host that every other host can reach "
+        "(default: the first --host's name and a port in 29400-29999 chosen from the run id)",
+    )
+    parser.add_argument(
+        "--readonly",
+        action="store_true",
+        help="look, never touch: start, stop, stop & bench, resume, grok and adopt are disabled and hidden (the banner says READ-ONLY)",
+    )
+    parser.add_argument(
+        "--notify",
+        action="store_true",
+        help="ring the terminal bell and send a desktop notification (OSC 9 and OSC 777) when a job exits, a canary turns red, "
+        "grokking onset is detected or a disk runs low (off by default)",
+    )
     return parser
 
 
@@ -217,8 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         return run_snapshot(transports)
     from console.app import build_app
 
-    app = build_app(transports if len(transports) > 1 else transports[0], profile=profile_arg, readonly=args.readonly,
-                    notify_terminal=args.notify, rdzv_endpoint=args.rdzv_endpoint)
+    app = build_app(
+        transports if len(transports) > 1 else transports[0],
+        profile=profile_arg,
+        readonly=args.readonly,
+        notify_terminal=args.notify,
+        rdzv_endpoint=args.rdzv_endpoint,
+    )
     app.run()
     failed = [s for s in app.sessions if not s.state.connection.connected and s.state.connection.detail and s.state.last_data_at is None]
     for session in failed:

@@ -4,6 +4,7 @@
 AgentError with the agent's code and message. Everything else the agent says (events, stderr lines,
 connection status changes) comes out of `await client.next_event()` in order.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -116,7 +117,9 @@ class AgentClient:
             elif isinstance(item, StatusChanged):
                 self.status = item.status
                 if not item.status.connected:
-                    self._fail_pending("disconnected", f"the connection to {self.label} dropped before a reply; the request may or may not have taken effect on the host")
+                    self._fail_pending(
+                        "disconnected", f"the connection to {self.label} dropped before a reply; the request may or may not have taken effect on the host"
+                    )
                 self._events.put_nowait(item.status)
             elif isinstance(item, AgentStderr):
                 self._events.put_nowait(item)

@@ -4,6 +4,7 @@ plotext's own log scale is never used: it re-takes the log of the stored data on
 crashes on resize (plotext#209). Instead the values are transformed here and the ticks labelled
 with the original numbers.
 """
+
 from __future__ import annotations
 
 import math
@@ -137,9 +138,16 @@ def bucket_points(buckets: Sequence[dict], *, mean: bool = False) -> tuple[list[
     return xs, ys
 
 
-def history_points(buckets: Sequence[dict] | None, tail_steps: Sequence[float], tail_values: Sequence[float],
-                   end_step: float | None, *, mean: bool = False, step_from: float | None = None,
-                   step_to: float | None = None) -> tuple[list[float], list[float]]:
+def history_points(
+    buckets: Sequence[dict] | None,
+    tail_steps: Sequence[float],
+    tail_values: Sequence[float],
+    end_step: float | None,
+    *,
+    mean: bool = False,
+    step_from: float | None = None,
+    step_to: float | None = None,
+) -> tuple[list[float], list[float]]:
     """Whole-history buckets, then the live tail's raw points after the buckets' last step (or the tail alone)."""
     if buckets is None:
         xs, ys = list(tail_steps), list(tail_values)

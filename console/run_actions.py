@@ -4,6 +4,7 @@ Everything goes through agent requests (signals, data_scaling, stages_history, r
 list_checkpoints, watch_external); the host computes, the console shows. Each guarded action asks for
 confirmation in a modal and re-checks its guard before it sends anything.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +18,21 @@ from textual.notifications import SeverityLevel
 
 from backend.protocol import JobInfo, Request, from_dict
 from console.client import AgentError
-from backend.commands import (CHAIN_CONCURRENCY_DEFAULT, CHAIN_GRACE_DEFAULT_S, CHAIN_PROMPTS_DEFAULT, GROK_WEIGHT_DECAY_DEFAULT, ProfileFacts,
-                              chain_argv, chain_job_name, chain_training_job, job_profile, option_value, profile_facts, resume_argv,
-                              resume_job_name)
+from backend.commands import (
+    CHAIN_CONCURRENCY_DEFAULT,
+    CHAIN_GRACE_DEFAULT_S,
+    CHAIN_PROMPTS_DEFAULT,
+    GROK_WEIGHT_DECAY_DEFAULT,
+    ProfileFacts,
+    chain_argv,
+    chain_job_name,
+    chain_training_job,
+    job_profile,
+    option_value,
+    profile_facts,
+    resume_argv,
+    resume_job_name,
+)
 from console.screens.chain import CHAIN_STAGES
 from console.screens.grok_modal import GrokModal
 from console.screens.modals import ResumeModal, StopAndBenchModal, WatchModal, bench_plan_text
@@ -37,6 +50,7 @@ def terminal_notification(text: str) -> str:
     urxvt) desktop notification. Control characters are dropped; ';' would end OSC 777's fields."""
     clean = "".join(ch if ch.isprintable() else " " for ch in text)[:240]
     return f"\a\x1b]9;eagle3: {clean}\x07\x1b]777;notify;eagle3-console;{clean.replace(';', ',')}\x07"
+
 
 if TYPE_CHECKING:
     from console.client import AgentClient
@@ -237,8 +251,7 @@ class RunActions(App):
 
     def _on_chain_progress(self, chain: str) -> None:
         """A chain stage changed; when the chain has ended, fetch the run's saved results for comparison."""
-        ended = any(r.get("status") == "failed" or (r.get("stage") == CHAIN_STAGES[-1] and r.get("status") == "ok")
-                    for r in self.state.stages.get(chain, []))
+        ended = any(r.get("status") == "failed" or (r.get("stage") == CHAIN_STAGES[-1] and r.get("status") == "ok") for r in self.state.stages.get(chain, []))
         if ended and self._can_ask():
             self.load_results(self._train_job_of_chain(chain))
 
@@ -285,14 +298,28 @@ class RunActions(App):
             engine = facts.engine or "the profile's serve.engine"
             if facts.error:
                 source = f"profile {profile} cannot be read here: {facts.error}"
-        text = bench_plan_text(job, plan, checkpoints, running, engine, source,
-                               float(option_value(self.chain_args, "--grace") or CHAIN_GRACE_DEFAULT_S),
-                               option_value(self.chain_args, "--concurrency") or CHAIN_CONCURRENCY_DEFAULT,
-                               int(option_value(self.chain_args, "--num-prompts") or CHAIN_PROMPTS_DEFAULT), argv)
+        text = bench_plan_text(
+            job,
+            plan,
+            checkpoints,
+            running,
+            engine,
+            source,
+            float(option_value(self.chain_args, "--grace") or CHAIN_GRACE_DEFAULT_S),
+            option_value(self.chain_args, "--concurrency") or CHAIN_CONCURRENCY_DEFAULT,
+            int(option_value(self.chain_args, "--num-prompts") or CHAIN_PROMPTS_DEFAULT),
+            argv,
+        )
         if len(nodes) > 1:
-            text = Text(f"{job} runs on {len(nodes)} nodes: every reachable node is stopped at once first; the chain starts on "
-                        f"{self.active.name} (node 0, which holds the checkpoints) only after every node's stop reported its "
-                        "processes gone and its GPUs released.\n\n", style="bold yellow") + text
+            text = (
+                Text(
+                    f"{job} runs on {len(nodes)} nodes: every reachable node is stopped at once first; the chain starts on "
+                    f"{self.active.name} (node 0, which holds the checkpoints) only after every node's stop reported its "
+                    "processes gone and its GPUs released.\n\n",
+                    style="bold yellow",
+                )
+                + text
+            )
         if not await self.push_screen_wait(StopAndBenchModal(job, text, can_start=running or bool(checkpoints))):
             self.note(f"stop & bench {job} cancelled; nothing was stopped")
             return
@@ -302,8 +329,7 @@ class RunActions(App):
         if len(nodes) > 1:
             verdict, trouble = await self.stop_nodes_now(job, nodes, reachable)
             if trouble:
-                self.note(f"stop & bench {job}: the chain was not started, not every node stopped cleanly: {verdict or 'not sent'}",
-                          severity="error")
+                self.note(f"stop & bench {job}: the chain was not started, not every node stopped cleanly: {verdict or 'not sent'}", severity="error")
                 return
             self.note(f"stop {job}: {verdict}")
         name = chain_job_name(job)
@@ -336,8 +362,10 @@ class RunActions(App):
         if any(not n.session.connected for n in reachable) or self.disabled_reason("stop_job"):
             self.note(f"stop {name} not sent: a node's host disconnected meanwhile; nothing was signalled", severity="error")
             return "", True
-        results = await asyncio.gather(*(n.session.request(Request.STOP_JOB, name=n.job.name, grace=self.stop_grace,
-                                                            timeout=self.stop_grace + 60) for n in reachable), return_exceptions=True)
+        results = await asyncio.gather(
+            *(n.session.request(Request.STOP_JOB, name=n.job.name, grace=self.stop_grace, timeout=self.stop_grace + 60) for n in reachable),
+            return_exceptions=True,
+        )
         outcomes = {n.rank: (f"failed: {r}" if isinstance(r, BaseException) else verdicts_phrase(r)) for n, r in zip(reachable, results)}
         parts = [f"node {n.rank} ({n.host}): {outcomes.get(n.rank, 'NOT signalled, its host is not connected')}" for n in nodes]
         for node in reachable:
@@ -432,8 +460,10 @@ class RunActions(App):
                 if number in stalled and key not in self._alerted:
                     self._alerted.add(key)
                     node = f"node {job.node_rank} " if job.node_rank is not None else ""
-                    self.alert(f"{job.name}: {node}rank {number}{where} not reporting for {float(rank.get('age_s') or 0):.0f} s "
-                               f"(last step {rank.get('step', '?')})", severity="error")
+                    self.alert(
+                        f"{job.name}: {node}rank {number}{where} not reporting for {float(rank.get('age_s') or 0):.0f} s (last step {rank.get('step', '?')})",
+                        severity="error",
+                    )
                 elif number not in stalled:
                     self._alerted.discard(key)
 
@@ -448,8 +478,7 @@ class RunActions(App):
                     key = ("canary", where, job, record.get("time"))
                     if key not in self._alerted:
                         self._alerted.add(key)
-                        self.alert(f"canary RED in {job}{where}: {str(record.get('detail') or result.get('headline') or '')[:120]}",
-                                   severity="error")
+                        self.alert(f"canary RED in {job}{where}: {str(record.get('detail') or result.get('headline') or '')[:120]}", severity="error")
 
     def _alert_onsets(self, state: ConsoleState, where: str) -> None:
         for job, signals in state.signals.items():
@@ -550,8 +579,13 @@ def verdicts_phrase(result: dict[str, Any]) -> str:
 def merge_stop_plans(name: str, nodes: list[Node], plans: list[dict[str, Any]], unreachable: Sequence[Node] = ()) -> dict[str, Any]:
     """Every reachable node's stop plan as one: each PID and stale record names its host; checkpoint first when node 0's
     says so; a node whose host is not connected is listed as not signalled, with what happens to it."""
-    merged: dict[str, Any] = {"jobs": [name], "will_signal": [], "stale": [], "foreign_gpu_holders": [],
-                              "checkpoint_first": any(n.rank == 0 and p.get("checkpoint_first") for n, p in zip(nodes, plans))}
+    merged: dict[str, Any] = {
+        "jobs": [name],
+        "will_signal": [],
+        "stale": [],
+        "foreign_gpu_holders": [],
+        "checkpoint_first": any(n.rank == 0 and p.get("checkpoint_first") for n, p in zip(nodes, plans)),
+    }
     for node, plan in zip(nodes, plans):
         where = f"node {node.rank} {node.host}"
         merged["will_signal"] += [{**e, "job": f"{e.get('job', '')} ({where})"} for e in plan.get("will_signal") or []]

@@ -4,6 +4,7 @@ job's metrics and logs, poll holders, re-register watched runs.
 The app composes one HostSession per host and tells it nothing about screens; the session tells its listener which
 state sections changed and what the operator should read (notes). Tests drive it over a real agent with no UI.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -90,8 +91,9 @@ class HostSession:
             changed = {"agent_stderr"}
         elif isinstance(event, dict):
             if event.get("type") == "hello" and event.get("protocol") != PROTOCOL_VERSION:
-                self.note(f"the agent on {self.name} speaks protocol {event.get('protocol')}, this console {PROTOCOL_VERSION}: "
-                          "some views may be empty", "warning")
+                self.note(
+                    f"the agent on {self.name} speaks protocol {event.get('protocol')}, this console {PROTOCOL_VERSION}: some views may be empty", "warning"
+                )
             changed = self.state.apply(event)
         else:
             return set()
@@ -162,8 +164,7 @@ class HostSession:
             return pending
 
     async def fetch_summary(self, name: str, *, log_x: bool) -> None:
-        result = await self.request(Request.METRICS_SERIES, name=name, keys=SUMMARY_KEYS, points=SUMMARY_POINTS,
-                                    log_x=log_x, timeout=60)
+        result = await self.request(Request.METRICS_SERIES, name=name, keys=SUMMARY_KEYS, points=SUMMARY_POINTS, log_x=log_x, timeout=60)
         self.summary_at[(name, log_x)] = time.monotonic()
         self.changed(self.state.apply_series(name, result))
 
@@ -183,8 +184,15 @@ class HostSession:
         return False
 
     async def zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> dict[str, Any]:
-        return await self.request(Request.METRICS_SERIES, name=name, keys=SUMMARY_KEYS, points=max(16, min(points, 1024)),
-                                  log_x=log_x, timeout=60, **{"from": step_from, "to": step_to})
+        return await self.request(
+            Request.METRICS_SERIES,
+            name=name,
+            keys=SUMMARY_KEYS,
+            points=max(16, min(points, 1024)),
+            log_x=log_x,
+            timeout=60,
+            **{"from": step_from, "to": step_to},
+        )
 
     async def load_history_pages(self, name: str) -> None:
         """metrics_history pages from our offset (from 0 the first time) while the agent says `more`: the catch-up

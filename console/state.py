@@ -2,6 +2,7 @@
 
 No Textual here: the state is built from protocol messages and tested on its own.
 """
+
 from __future__ import annotations
 
 import math
@@ -254,8 +255,10 @@ class ConsoleState:
         for disk in self.disks:
             need = disk.checkpoint_bytes
             if need and disk.free_bytes < 2 * need:
-                return (f"disk nearly full: {disk.free_bytes / 2**30:.1f} GiB free on {disk.path}, a checkpoint needs "
-                        f"~{need / 2**30:.1f} GiB: the next save may fail (the previous checkpoint stays); free space now")
+                return (
+                    f"disk nearly full: {disk.free_bytes / 2**30:.1f} GiB free on {disk.path}, a checkpoint needs "
+                    f"~{need / 2**30:.1f} GiB: the next save may fail (the previous checkpoint stays); free space now"
+                )
         return None
 
     def job_metrics(self, name: str) -> JobMetrics:
@@ -343,7 +346,9 @@ class ConsoleState:
         summary = Summary(
             buckets={k: v for k, v in (result.get("series") or {}).items() if isinstance(v, list)},
             step_range=(int(span[0]), int(span[1])) if isinstance(span, list) and len(span) == 2 else None,
-            step_from=result.get("from"), step_to=result.get("to"), log_x=bool(result.get("log_x")),
+            step_from=result.get("from"),
+            step_to=result.get("to"),
+            log_x=bool(result.get("log_x")),
         )
         if zoom:
             metrics.zoom = summary
@@ -356,8 +361,14 @@ class ConsoleState:
     def apply_window(self, job: str, result: dict[str, Any]) -> set[str]:
         """Fold a `metrics_window` reply: the live tail (the last records) and the latest val records."""
         metrics = self.job_metrics(job)
-        fresh = JobMetrics(loading=metrics.loading, seen_end=metrics.seen_end, summaries=metrics.summaries,
-                           zoom=metrics.zoom, progress=metrics.progress, total_records=metrics.total_records)
+        fresh = JobMetrics(
+            loading=metrics.loading,
+            seen_end=metrics.seen_end,
+            summaries=metrics.summaries,
+            zoom=metrics.zoom,
+            progress=metrics.progress,
+            total_records=metrics.total_records,
+        )
         self.metrics[job] = fresh
         tail_steps = set()
         for record in result.get("records") or []:
@@ -452,8 +463,9 @@ def _on_jobs(state: ConsoleState, message: dict[str, Any]) -> set[str]:
 
 
 def _external_info(job: str, path: str, now: float) -> JobInfo:
-    return JobInfo(name=job, kind="external", state="watching", pid=0, pgid=0, start_time_ticks=0, argv=[],
-                   job_dir=path, stdout_path="", stderr_path="", started_at=now)
+    return JobInfo(
+        name=job, kind="external", state="watching", pid=0, pgid=0, start_time_ticks=0, argv=[], job_dir=path, stdout_path="", stderr_path="", started_at=now
+    )
 
 
 def _stage_key(record: dict[str, Any]) -> tuple:

@@ -4,6 +4,7 @@ A transport delivers raw agent stdout lines, agent stderr lines and connection s
 queue (`items`), and sends request lines. It never parses data and never signals processes: every
 stop goes through the agent's stop_job request (OpenSSH ignores SSH signal requests for root).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -531,9 +532,7 @@ class SSHTransport(Transport):
         try:
             return await asyncssh.connect(self.host, options=options, known_hosts=_KnownHostsPolicy(policy.files))
         except asyncssh.HostKeyNotVerifiable:
-            raise FatalTransportError(
-                f"REFUSED: {policy.pattern} presented a different host key right after {shown} was accepted; nothing was sent."
-            ) from None
+            raise FatalTransportError(f"REFUSED: {policy.pattern} presented a different host key right after {shown} was accepted; nothing was sent.") from None
 
     async def _fetch_host_key(self) -> Any:
         import asyncssh
@@ -580,8 +579,7 @@ class SSHTransport(Transport):
         q_staging = shlex.quote(staging)
         # Publish the complete directory in one rename; a concurrent console that won the race keeps its copy.
         await conn.run(
-            f"if [ -f {q_target}/{COMPLETE_MARKER} ]; then rm -rf {q_staging}; "
-            f"else rm -rf {q_target} && mv -T {q_staging} {q_target}; fi",
+            f"if [ -f {q_target}/{COMPLETE_MARKER} ]; then rm -rf {q_staging}; else rm -rf {q_target} && mv -T {q_staging} {q_target}; fi",
             check=True,
         )
         self.uploads += 1

@@ -6,6 +6,7 @@ that code changes (EAGLE3_TEST_RETRAIN=1 forces a fresh run). Subprocesses run w
 threads (default 1: on a shared 2-core box two OpenMP threads fighting another process run several times slower).
 A test that requests one of the tiny-build fixtures without @pytest.mark.slow fails at setup, before anything is built.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -24,8 +25,19 @@ TRAINED_TINY_STEPS = 300
 # Session fixtures that build the tiny target (and train a draft on it): tens of CPU minutes, so slow tests only.
 TINY_BUILD_FIXTURES = ("trained_tiny_run", "tiny_target_dir", "tiny_target")
 # Everything that decides what `train --profile tiny` produces.
-TRAINING_CODE = ["draft.py", "attention.py", "checkpoint.py", "trainer.py", "loss.py", "data.py", "vocab.py", "schedule.py", "target.py", "tiny.py",
-                 "extract.py"]
+TRAINING_CODE = [
+    "draft.py",
+    "attention.py",
+    "checkpoint.py",
+    "trainer.py",
+    "loss.py",
+    "data.py",
+    "vocab.py",
+    "schedule.py",
+    "target.py",
+    "tiny.py",
+    "extract.py",
+]
 
 
 def threads_for_tests() -> str:
@@ -43,8 +55,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """Fail, before any fixture runs, a test that reaches the tiny build without the slow mark (the fast suite never trains)."""
     heavy = sorted(set(getattr(item, "fixturenames", ())) & set(TINY_BUILD_FIXTURES))
     if heavy and item.get_closest_marker("slow") is None:
-        pytest.fail(f"{item.nodeid} requests {', '.join(heavy)} (building the tiny target, and training a draft on it, takes "
-                    "minutes): mark the test @pytest.mark.slow so that `-m \"not slow\"` never runs it", pytrace=False)
+        pytest.fail(
+            f"{item.nodeid} requests {', '.join(heavy)} (building the tiny target, and training a draft on it, takes "
+            'minutes): mark the test @pytest.mark.slow so that `-m "not slow"` never runs it',
+            pytrace=False,
+        )
 
 
 def subprocess_env(**extra: str) -> dict:
@@ -127,20 +142,56 @@ def trained_tiny_run(tiny_profile, tiny_target_dir, tmp_path_factory) -> Path:
 
 # --- the mini target: same recipe as tiny, small enough to build in seconds for fast tests -------------
 
-MINI_SETTINGS = dict(num_layers=4, hidden_size=32, num_heads=2, intermediate_size=64, max_position_embeddings=256,
-                     corpus_bytes=8192, val_corpus_bytes=2048, seq_len=64, batch_size=8, steps=12, warmup_steps=3,
-                     learning_rate=3e-3)
+MINI_SETTINGS = dict(
+    num_layers=4,
+    hidden_size=32,
+    num_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=256,
+    corpus_bytes=8192,
+    val_corpus_bytes=2048,
+    seq_len=64,
+    batch_size=8,
+    steps=12,
+    warmup_steps=3,
+    learning_rate=3e-3,
+)
 
 
 def mini_profile_dict(target_dir: Path, **train) -> dict:
     return {
         "name": "mini",
-        "target": {"path": str(target_dir), "architecture": "LlamaForCausalLM", "hidden_size": 32, "num_layers": 4,
-                   "vocab_size": 259, "aux_layer_ids": [0, 1, 2], "dtype": "float32"},
-        "draft": {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,
-                  "draft_vocab_size": 48, "max_position_embeddings": 256, "rope_theta": 10000.0},
-        "train": {"learning_rate": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 2, "max_steps": 6, "batch_size": 4, "seq_len": 32,
-                  "eval_interval": 3, "save_interval": 3, "log_interval": 2, "dtype": "float32", **train},
+        "target": {
+            "path": str(target_dir),
+            "architecture": "LlamaForCausalLM",
+            "hidden_size": 32,
+            "num_layers": 4,
+            "vocab_size": 259,
+            "aux_layer_ids": [0, 1, 2],
+            "dtype": "float32",
+        },
+        "draft": {
+            "hidden_size": 32,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "intermediate_size": 64,
+            "draft_vocab_size": 48,
+            "max_position_embeddings": 256,
+            "rope_theta": 10000.0,
+        },
+        "train": {
+            "learning_rate": 3e-3,
+            "min_lr_ratio": 0.1,
+            "warmup_steps": 2,
+            "max_steps": 6,
+            "batch_size": 4,
+            "seq_len": 32,
+            "eval_interval": 3,
+            "save_interval": 3,
+            "log_interval": 2,
+            "dtype": "float32",
+            **train,
+        },
     }
 
 
@@ -183,3 +234,13 @@ def utc(monkeypatch):
     yield
     monkeypatch.undo()
     time.tzset()
+
+
+@pytest.fixture
+def isolated_home(tmp_path, monkeypatch):
+    """asyncssh reads ~/.ssh/config, ~/.ssh/known_hosts and id_* keys under $HOME, and the ssh agent: point all away."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    return home

@@ -1,4 +1,5 @@
 """Parsers for nvidia-smi's table, its XML, an NVML dump and the topology matrix: only the tests read these captures."""
+
 from __future__ import annotations
 
 import re
@@ -58,7 +59,7 @@ def parse_smi_table(text: str) -> SmiReport:
             continue
         stats = _TABLE_STATS.match(lines[number + 1]) if number + 1 < len(lines) else None
         if not stats:
-            raise GpuParseError(f"GPU {gpu.group(1)} line is not followed by a stats line: {lines[number + 1:number + 2]!r}")
+            raise GpuParseError(f"GPU {gpu.group(1)} line is not followed by a stats line: {lines[number + 1 : number + 2]!r}")
         sample = GpuSample(
             index=int(gpu.group(1)),
             name=gpu.group(2).strip(),

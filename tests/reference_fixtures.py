@@ -4,6 +4,7 @@ No training: the draft is freshly initialised (it accepts almost nothing, which 
 speculative and a plain server of the mini target are up in seconds. Import the fixtures into a test module:
 `from tests.reference_fixtures import mini_servers  # noqa: F401`.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,20 @@ def save_untrained_draft(profile, run_dir: Path) -> Path:
 
 
 def server_argv(profile_path: Path, port: int, draft: Path | None, *extra: str) -> list[str]:
-    argv = [sys.executable, "-m", "backend.serve.reference_server", "--profile", str(profile_path), "--port", str(port),
-            "--max-body-bytes", str(MAX_BODY_BYTES), "--request-timeout", str(REQUEST_TIMEOUT_S), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "backend.serve.reference_server",
+        "--profile",
+        str(profile_path),
+        "--port",
+        str(port),
+        "--max-body-bytes",
+        str(MAX_BODY_BYTES),
+        "--request-timeout",
+        str(REQUEST_TIMEOUT_S),
+        *extra,
+    ]
     return argv + (["--draft", str(draft)] if draft else ["--no-speculation"])
 
 
@@ -75,8 +88,7 @@ class ServerProcess:
         self.url = http.base_url("127.0.0.1", self.port)
         self.log_path = log_path
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
@@ -111,8 +123,10 @@ def mini_servers(tmp_path_factory, mini_target_dir, mini_profile):
     root = tmp_path_factory.mktemp("mini-reference")
     profile_path = write_mini_profile(mini_target_dir, root / "mini.toml")
     draft = save_untrained_draft(mini_profile, root / "run")
-    servers = {"spec": ServerProcess(server_argv(profile_path, http.free_port(), draft), root / "spec.log"),
-               "plain": ServerProcess(server_argv(profile_path, http.free_port(), None), root / "plain.log")}
+    servers = {
+        "spec": ServerProcess(server_argv(profile_path, http.free_port(), draft), root / "spec.log"),
+        "plain": ServerProcess(server_argv(profile_path, http.free_port(), None), root / "plain.log"),
+    }
     try:
         for server in servers.values():
             server.wait_ready()

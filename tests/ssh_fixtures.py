@@ -3,6 +3,7 @@
 Both run real commands with real subprocesses; keys, known_hosts and the "remote" HOME live under
 tmp_path, so the developer's ~/.ssh is never read or written.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncssh
-import pytest
 
 SSHD = "/usr/sbin/sshd"
 
@@ -327,16 +327,6 @@ def sshd_available() -> bool:
 
 
 # -- helpers shared by the console tests ----------------------------------------------------------
-
-
-@pytest.fixture
-def isolated_home(tmp_path, monkeypatch):
-    """asyncssh reads ~/.ssh/config, ~/.ssh/known_hosts and id_* keys under $HOME, and the ssh agent: point all away."""
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True)
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
-    return home
 
 
 JOB_SCRIPT = (

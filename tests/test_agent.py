@@ -1,4 +1,5 @@
 """The agent over a real subprocess: hello, telemetry, jobs, metrics streaming, stop while streaming, malformed input, EOF."""
+
 import importlib.util
 import json
 import os
@@ -42,7 +43,11 @@ class AgentProcess:
     def __init__(self, run_dir: Path, interval: float = 0.2, args: tuple[str, ...] = (), env: dict | None = None):
         self.proc = subprocess.Popen(
             [PY, "-m", "backend.agent", "--run-dir", str(run_dir), "--interval", str(interval), *args],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
         )
         self.messages: list[dict] = []
         self.bad_lines: list[bytes] = []
@@ -166,7 +171,9 @@ def test_round_trip(agent, tmp_path):
     between = [m for m in agent.messages[mark:stop_index] if m["type"] == "gpus"]
     assert len(between) >= 2, "telemetry paused during the stop's grace period"
     assert [(v["pid"], v["outcome"]) for v in stopped["result"]["verdicts"]] == [(job["pid"], "exited_on_term")]
-    agent.wait(lambda m: m["type"] == "jobs" and any(j["name"] == "writer" and j["state"] == "stopped" and j["exit_code"] == 0 for j in m["jobs"]), start=stop_index)
+    agent.wait(
+        lambda m: m["type"] == "jobs" and any(j["name"] == "writer" and j["state"] == "stopped" and j["exit_code"] == 0 for j in m["jobs"]), start=stop_index
+    )
 
     snapshot = agent.ok("snapshot")
     assert snapshot["metrics"]["writer"]["step"] >= steps[-1] and snapshot["hello"]["agent_pid"] == agent.proc.pid
@@ -310,9 +317,15 @@ def _check_series_answers(agent, job_dir: Path) -> None:
 
 def test_the_agent_answers_every_hostile_line(agent):
     agent.wait(lambda m: m["type"] == "hello")
-    hostile = [b"[" * 5000 + b"\n", b'{"type":"ping","id":' + b"9" * 5000 + b"}\n", b'{"type":"ping","id":1,"x":"\x00"}\n',
-               b"\xff\xfe not utf-8\n", b'{"type":"ping","id":2,"pad":"' + b"x" * (5 << 20) + b'"}\n',
-               b'{"type":"stop_job","id":3,"name":"x","grace":NaN}\n', b'{"type":"stop_job","id":4,"name":"x","grace":1e9}\n']
+    hostile = [
+        b"[" * 5000 + b"\n",
+        b'{"type":"ping","id":' + b"9" * 5000 + b"}\n",
+        b'{"type":"ping","id":1,"x":"\x00"}\n',
+        b"\xff\xfe not utf-8\n",
+        b'{"type":"ping","id":2,"pad":"' + b"x" * (5 << 20) + b'"}\n',
+        b'{"type":"stop_job","id":3,"name":"x","grace":NaN}\n',
+        b'{"type":"stop_job","id":4,"name":"x","grace":1e9}\n',
+    ]
     for line in hostile:
         mark = agent.send_raw(line)
         _, reply = agent.wait(lambda m: m["type"] == "reply", start=mark)
@@ -321,9 +334,11 @@ def test_the_agent_answers_every_hostile_line(agent):
 
 
 def test_log_following_survives_a_line_longer_than_a_chunk(agent, tmp_path):
-    script = ("import sys, time\nsys.stdout.write('x' * (3 << 20)); sys.stdout.flush(); time.sleep(0.5)\n"
-              "for i in range(3):\n    sys.stdout.write(f'\\rprogress {i}'); sys.stdout.flush(); time.sleep(0.2)\n"
-              "print(); print('after', flush=True); time.sleep(60)\n")
+    script = (
+        "import sys, time\nsys.stdout.write('x' * (3 << 20)); sys.stdout.flush(); time.sleep(0.5)\n"
+        "for i in range(3):\n    sys.stdout.write(f'\\rprogress {i}'); sys.stdout.flush(); time.sleep(0.2)\n"
+        "print(); print('after', flush=True); time.sleep(60)\n"
+    )
     agent.ok("start_job", name="bar", kind="other", argv=[PY, "-c", script])
     agent.ok("follow_log", name="bar", stream="stdout")
     seen: list[str] = []

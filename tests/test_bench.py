@@ -1,4 +1,5 @@
 """Benchmark: prompt files, statistics, result documents; the slow test benchmarks real reference servers on 127.0.0.1."""
+
 import json
 import os
 import subprocess
@@ -30,13 +31,17 @@ def test_shipped_prompts_load_with_tags():
 
 def test_prompt_file_formats(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text("\n".join([
-        json.dumps({"prompt": "a"}),
-        json.dumps({"text": "b"}),
-        json.dumps({"id": 1, "conversations": [{"role": "system", "content": "s"}, {"role": "user", "content": "c"}]}),
-        json.dumps({"conversations": [{"from": "human", "value": "d"}, {"from": "gpt", "value": "x"}]}),
-        "",
-    ]))
+    path.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "a"}),
+                json.dumps({"text": "b"}),
+                json.dumps({"id": 1, "conversations": [{"role": "system", "content": "s"}, {"role": "user", "content": "c"}]}),
+                json.dumps({"conversations": [{"from": "human", "value": "d"}, {"from": "gpt", "value": "x"}]}),
+                "",
+            ]
+        )
+    )
     assert load_prompts(path).prompts == ["a", "b", "c", "d"]
 
 
@@ -60,24 +65,33 @@ def test_percentile_interpolates():
 
 
 def stream_result(index, tokens, verify, ttft, latency, gaps, text):
-    return client.RequestResult(index=index, ok=True, completion_tokens=tokens, verify_ct=verify, ttft_s=ttft,
-                                latency_s=latency, chunk_gaps_s=gaps, text=text)
+    return client.RequestResult(index=index, ok=True, completion_tokens=tokens, verify_ct=verify, ttft_s=ttft, latency_s=latency, chunk_gaps_s=gaps, text=text)
 
 
 def test_summarize_and_document(tmp_path):
-    spec = client.summarize(1, [stream_result(0, 10, 4, 0.1, 1.0, [0.2, 0.3], "x"),
-                                stream_result(1, 20, 6, 0.2, 2.0, [0.1], "y")], 4.0,
-                            {"internal_states": [{"avg_spec_accept_length": 2.9}]})
+    spec = client.summarize(
+        1,
+        [stream_result(0, 10, 4, 0.1, 1.0, [0.2, 0.3], "x"), stream_result(1, 20, 6, 0.2, 2.0, [0.1], "y")],
+        4.0,
+        {"internal_states": [{"avg_spec_accept_length": 2.9}]},
+    )
     assert spec.output_tokens == 30 and spec.output_tok_per_s == pytest.approx(7.5)
     assert spec.accept_length == pytest.approx(3.0) and spec.server_avg_accept_length == 2.9
     assert spec.tpot_p50_s == pytest.approx(((1.0 - 0.1) / 9 + (2.0 - 0.2) / 19) / 2)
-    base = client.summarize(1, [stream_result(0, 10, 0, 0.1, 2.0, [], "x"), stream_result(1, 20, 0, 0.1, 4.0, [], "z")],
-                            10.0, {})
+    base = client.summarize(1, [stream_result(0, 10, 0, 0.1, 2.0, [], "x"), stream_result(1, 20, 0, 0.1, 4.0, [], "z")], 10.0, {})
     assert base.accept_length is None
     prompts = load_prompts(limit=2)
-    doc = results.build_document(url="http://127.0.0.1:1", server_info={"speculative_algorithm": "EAGLE3", "x": 1},
-                                 levels=[spec], prompts=prompts, max_new_tokens=16, concurrency=[1],
-                                 baseline_url="http://127.0.0.1:2", baseline_info={}, baseline_levels=[base])
+    doc = results.build_document(
+        url="http://127.0.0.1:1",
+        server_info={"speculative_algorithm": "EAGLE3", "x": 1},
+        levels=[spec],
+        prompts=prompts,
+        max_new_tokens=16,
+        concurrency=[1],
+        baseline_url="http://127.0.0.1:2",
+        baseline_info={},
+        baseline_levels=[base],
+    )
     assert doc["speedup"][0]["speedup"] == pytest.approx(7.5 / 3.0)
     assert doc["outputs_equal"] == {"concurrency": 1, "compared": 2, "equal": 1, "first_different_prompt": 1}
     assert doc["prompts"]["sha256"] == prompts.sha256 and "x" not in doc["server"]
@@ -92,20 +106,45 @@ def test_summarize_and_document(tmp_path):
 def test_bench_against_reference_servers_with_baseline(tmp_path, tiny_profile, trained_tiny_run):
     """Both servers come up through launch(): the speculative one (canary skipped) and the --baseline one."""
     run_dir = tmp_path / "run"
-    common = dict(engine="reference", run_dir=run_dir, env={"OMP_NUM_THREADS": os.environ.get("EAGLE3_TEST_THREADS", "1")},
-                  log=lambda line: None)
-    started = [launch(tiny_profile, trained_tiny_run, job_name="spec", run_canary=False, **common),
-               launch(tiny_profile, None, job_name="base", speculative=False, **common)]
+    common = dict(engine="reference", run_dir=run_dir, env={"OMP_NUM_THREADS": os.environ.get("EAGLE3_TEST_THREADS", "1")}, log=lambda line: None)
+    started = [
+        launch(tiny_profile, trained_tiny_run, job_name="spec", run_canary=False, **common),
+        launch(tiny_profile, None, job_name="base", speculative=False, **common),
+    ]
     try:
         assert [r.state for r in started] == ["ready", "ready"] and all(r.ok for r in started), [r.message for r in started]
         assert started[1].server_info["speculative_algorithm"] is None and started[1].preflight is None
         spec, base = (r.url for r in started)
         out_file = tmp_path / "result.json"
         out = subprocess.run(
-            [sys.executable, "-m", "backend", "bench", "--url", spec, "--baseline-url", base, "--tag", "code",
-             "--num-prompts", "4", "--concurrency", "1,2", "--max-new-tokens", "48", "--out", str(out_file), "--json",
-             "--run-dir", str(tmp_path / "run")],
-            cwd=ROOT, capture_output=True, text=True, timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "backend",
+                "bench",
+                "--url",
+                spec,
+                "--baseline-url",
+                base,
+                "--tag",
+                "code",
+                "--num-prompts",
+                "4",
+                "--concurrency",
+                "1,2",
+                "--max-new-tokens",
+                "48",
+                "--out",
+                str(out_file),
+                "--json",
+                "--run-dir",
+                str(tmp_path / "run"),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert out.returncode == 0, out.stderr
         doc = json.loads(out.stdout)
         assert results.load(out_file)["levels"] == doc["levels"]
@@ -137,8 +176,7 @@ def histogram_result(index, tokens, verify, histogram):
 
 def test_levels_report_both_definitions_and_positions_and_the_document_compares_with_validation(tmp_path):
     # request 0: 2 steps, both accepted 3 drafts (short, accepts a lot); request 1: 8 steps, 2 of them accepted 1.
-    level = client.summarize(1, [histogram_result(0, 9, 2, [0, 0, 0, 2]), histogram_result(1, 11, 8, [6, 2])], 2.0,
-                             {"speculative_num_steps": 3})
+    level = client.summarize(1, [histogram_result(0, 9, 2, [0, 0, 0, 2]), histogram_result(1, 11, 8, [6, 2])], 2.0, {"speculative_num_steps": 3})
     assert level.accept_length == pytest.approx(20 / 10)  # pooled over verify steps
     assert level.accept_length_mean_of_request_means == pytest.approx((9 / 2 + 11 / 8) / 2)
     acceptance = level.acceptance
@@ -148,8 +186,14 @@ def test_levels_report_both_definitions_and_positions_and_the_document_compares_
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps({"eagle3_console": {"val_acc": [0.9, 0.9, 0.9]}}))
-    doc = results.build_document(url="u", server_info={"speculative_draft_model_path": str(checkpoint), "speculative_num_steps": 3},
-                                 levels=[level], prompts=load_prompts(limit=2), max_new_tokens=16, concurrency=[1])
+    doc = results.build_document(
+        url="u",
+        server_info={"speculative_draft_model_path": str(checkpoint), "speculative_num_steps": 3},
+        levels=[level],
+        prompts=load_prompts(limit=2),
+        max_new_tokens=16,
+        concurrency=[1],
+    )
     assert doc["validation"]["val_acc"] == [0.9, 0.9, 0.9] and doc["validation"]["tau_hat"] == pytest.approx(1 + 0.9 + 0.81 + 0.729)
     saved = doc["levels"][0]["acceptance"]
     # 10 steps reached position 0: below MIN_STEPS_AT_POSITION, so nothing is judged
@@ -165,8 +209,15 @@ def test_a_server_without_histogram_gives_the_pooled_number_and_a_note():
     level = client.summarize(1, [result], 1.0, {"speculative_num_steps": 3})
     assert level.accept_length == pytest.approx(3.0) and level.acceptance["per_position"] == []
     assert any("no spec_correct_drafts_histogram" in n for n in level.acceptance["notes"])
-    doc = results.build_document(url="u", server_info={"speculative_draft_model_path": "/nonexistent"}, levels=[level],
-                                 prompts=load_prompts(limit=1), max_new_tokens=16, concurrency=[1], val_acc=[0.8])
+    doc = results.build_document(
+        url="u",
+        server_info={"speculative_draft_model_path": "/nonexistent"},
+        levels=[level],
+        prompts=load_prompts(limit=1),
+        max_new_tokens=16,
+        concurrency=[1],
+        val_acc=[0.8],
+    )
     assert doc["levels"][0]["acceptance"]["break"] is None and "note:" in results.table(doc)
 
 

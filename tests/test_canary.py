@@ -1,4 +1,5 @@
 """Canary arithmetic and verdicts: tau-hat, the zero-acceptance ceiling, red/amber/green, causes in order."""
+
 import pytest
 
 from backend.serve.canary import (
@@ -35,8 +36,7 @@ def test_zero_acceptance_ceiling_counts_the_prefill_token():
 
 
 def verdict(accept, tau=4.0, features=None, info=EAGLE3, codes=(), requests=4, verify=200):
-    return judge(accept_length=accept, requests=requests, sum_verify_ct=verify, tau=tau,
-                 features=features or {}, server_info=info, preflight_codes=list(codes))
+    return judge(accept_length=accept, requests=requests, sum_verify_ct=verify, tau=tau, features=features or {}, server_info=info, preflight_codes=list(codes))
 
 
 def test_green_when_close_to_tau_hat():
@@ -162,8 +162,7 @@ def test_per_position_pads_a_short_histogram_and_handles_nothing_reached():
     rows = per_position_acceptance([5, 5], num_steps=4)  # the server grows its histogram only as far as seen
     assert [r["reached"] for r in rows] == pytest.approx([0.5, 0.0, 0.0, 0.0])
     assert [r["conditional"] for r in rows] == [0.5, 0.0, None, None]  # nobody reached positions 2 and 3
-    assert per_position_acceptance([7], num_steps=3)[0] == {"position": 0, "reached": 0.0, "conditional": 0.0,
-                                                           "steps_at_position": 7, "steps_accepted": 0}
+    assert per_position_acceptance([7], num_steps=3)[0] == {"position": 0, "reached": 0.0, "conditional": 0.0, "steps_at_position": 7, "steps_accepted": 0}
     assert per_position_acceptance([], num_steps=3) == [] and per_position_acceptance([0, 0], 2) == []
     assert len(per_position_acceptance([1, 2, 3])) == 2  # K from the histogram when the server's steps are unknown
 
@@ -188,11 +187,13 @@ def test_histogram_from_meta_checks_it_against_the_counts_beside_it():
     assert histogram_from_meta(meta) == ([1, 1, 0, 1, 0], None)
     legacy = {"spec_verify_ct": 2, "spec_accepted_drafts": 1, "spec_accept_histogram": [1, 1]}
     assert histogram_from_meta(legacy) == ([1, 1], None)
-    for bad, words in [({"spec_verify_ct": 4}, "reports no spec_correct_drafts_histogram"),
-                       ({**meta, "spec_verify_ct": 5}, "sums to 3"),
-                       ({**meta, "spec_num_correct_drafts": 9}, "counts 4 accepted drafts"),
-                       ({**meta, "spec_correct_drafts_histogram": [1, -1]}, "non-negative"),
-                       ({**meta, "spec_correct_drafts_histogram": "1,2"}, "non-negative")]:
+    for bad, words in [
+        ({"spec_verify_ct": 4}, "reports no spec_correct_drafts_histogram"),
+        ({**meta, "spec_verify_ct": 5}, "sums to 3"),
+        ({**meta, "spec_num_correct_drafts": 9}, "counts 4 accepted drafts"),
+        ({**meta, "spec_correct_drafts_histogram": [1, -1]}, "non-negative"),
+        ({**meta, "spec_correct_drafts_histogram": "1,2"}, "non-negative"),
+    ]:
         histogram, note = histogram_from_meta(bad)
         assert histogram is None and words in note
 
@@ -204,8 +205,7 @@ def test_first_break_is_named_with_served_and_predicted():
     n2 = round(n1 * 0.8)  # 288 reached position 2
     n3 = round(n2 * 0.3)  # 86 accepted position 2
     histogram = [n0 - n1, n1 - n2, n2 - n3, n3]
-    report = acceptance_report([(sum(i * h for i, h in enumerate(histogram)) + n0, n0, histogram)], num_steps=3,
-                               val_acc=[0.9, 0.8, 0.75, 0.7])
+    report = acceptance_report([(sum(i * h for i, h in enumerate(histogram)) + n0, n0, histogram)], num_steps=3, val_acc=[0.9, 0.8, 0.75, 0.7])
     first = report["break"]
     assert first["position"] == 2 and first["served"] == pytest.approx(86 / 288) and first["predicted"] == 0.75
     assert report["break_line"].startswith("served acceptance breaks at position 2: 0.30 served vs 0.75 predicted")
@@ -237,8 +237,12 @@ def test_positions_reached_by_too_few_steps_are_not_judged():
 
 
 def test_without_histogram_the_report_degrades_to_the_pooled_number_with_a_note():
-    report = acceptance_report([(64, 30, None), (64, 32, None)], num_steps=5, val_acc=[0.8] * 7,
-                               histogram_notes=["the server reports no spec_correct_drafts_histogram (SGLang before 0.5.14, or another engine)"] * 2)
+    report = acceptance_report(
+        [(64, 30, None), (64, 32, None)],
+        num_steps=5,
+        val_acc=[0.8] * 7,
+        histogram_notes=["the server reports no spec_correct_drafts_histogram (SGLang before 0.5.14, or another engine)"] * 2,
+    )
     assert report["pooled"] == pytest.approx(128 / 62) and report["per_position"] == [] and report["break"] is None
     assert report["histogram"] is None and len(report["notes"]) == 2
     assert "reports no spec_correct_drafts_histogram" in report["notes"][0] and "pooled accept length only" in report["notes"][1]
@@ -263,13 +267,18 @@ from tests.reference_fixtures import mini_servers  # noqa: E402,F401  # pytest f
 
 def fake_sglang(monkeypatch, meta: dict) -> None:
     """An SGLang-like server whose /generate meta_info is `meta` (e.g. an older version without the histogram)."""
+
     def post_json(url, payload=None, timeout=600.0):
         if url.endswith("/generate"):
             return http.HttpReply(200, {"text": "x", "meta_info": meta}, "")
         return http.HttpReply(200, "Cache flushed.", "")
+
     monkeypatch.setattr(canary_mod.http, "post_json", post_json)
-    monkeypatch.setattr(canary_mod.http, "get", lambda url, timeout=30.0: http.HttpReply(
-        200, {"speculative_algorithm": "EAGLE3", "internal_states": [{"avg_spec_accept_length": 3.0}]}, ""))
+    monkeypatch.setattr(
+        canary_mod.http,
+        "get",
+        lambda url, timeout=30.0: http.HttpReply(200, {"speculative_algorithm": "EAGLE3", "internal_states": [{"avg_spec_accept_length": 3.0}]}, ""),
+    )
 
 
 def test_canary_without_histogram_reports_the_pooled_number_and_a_note(monkeypatch):
@@ -285,8 +294,7 @@ def test_canary_without_histogram_reports_the_pooled_number_and_a_note(monkeypat
 
 def test_canary_with_a_histogram_names_the_break(monkeypatch):
     # 40 steps per request: 4 accepted nothing, 36 accepted one draft, none went further: position 1 breaks.
-    fake_sglang(monkeypatch, {"completion_tokens": 77, "spec_verify_ct": 40, "spec_num_correct_drafts": 36,
-                              "spec_correct_drafts_histogram": [4, 36]})
+    fake_sglang(monkeypatch, {"completion_tokens": 77, "spec_verify_ct": 40, "spec_num_correct_drafts": 36, "spec_correct_drafts_histogram": [4, 36]})
     result = canary_mod.run_canary("http://127.0.0.1:9", ["a", "b"], num_steps=3, val_acc=[0.9, 0.8, 0.7])
     acceptance = result.acceptance
     assert acceptance["histogram"] == [8, 72] and [r["reached"] for r in acceptance["per_position"]] == pytest.approx([0.9, 0, 0])
@@ -297,13 +305,11 @@ def test_canary_with_a_histogram_names_the_break(monkeypatch):
 def test_canary_reads_the_reference_engines_histogram(mini_servers):
     """The mini target with an untrained draft: the histogram is there, consistent, and turned into positions."""
     steps = mini_servers["profile"].serve.num_steps
-    result = canary_mod.run_canary(mini_servers["spec"].url, ["def f(x):\n    return", "import os\n"], num_steps=steps,
-                                   val_acc=[0.9] * 7, max_new_tokens=24)
+    result = canary_mod.run_canary(mini_servers["spec"].url, ["def f(x):\n    return", "import os\n"], num_steps=steps, val_acc=[0.9] * 7, max_new_tokens=24)
     acceptance = result.acceptance
     assert all(r.histogram is not None and sum(r.histogram) == r.verify_ct for r in result.requests)
     assert sum(acceptance["histogram"]) == result.sum_verify_ct and acceptance["notes"] == []
     assert [r["position"] for r in acceptance["per_position"]] == list(range(steps))
     assert acceptance["pooled"] == pytest.approx(result.accept_length)
-    assert acceptance["mean_of_request_means"] == pytest.approx(
-        sum(r.completion_tokens / r.verify_ct for r in result.requests) / len(result.requests))
+    assert acceptance["mean_of_request_means"] == pytest.approx(sum(r.completion_tokens / r.verify_ct for r in result.requests) / len(result.requests))
     assert acceptance["break_line"]  # an untrained draft against 0.9: a break, or too few steps to judge

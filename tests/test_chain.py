@@ -1,4 +1,5 @@
 """Stop-and-benchmark, headless: a real tiny training job is stopped with a checkpoint, served, canaried, benchmarked."""
+
 from __future__ import annotations
 
 import json
@@ -65,6 +66,7 @@ def test_a_finished_job_without_checkpoint_launches_nothing(tmp_path):
 
 # --- the canary stage's verdicts, with every other stage stubbed (no process, no server) ------------------------
 
+
 def stubbed_chain(tmp_path: Path, monkeypatch, accept_length: float, val_acc: list[float]) -> tuple[StopAndBench, list]:
     """A chain whose stages before the canary only fill the summary; the canary judges `accept_length` for real."""
     from backend.profiles import load_profile
@@ -76,8 +78,11 @@ def stubbed_chain(tmp_path: Path, monkeypatch, accept_length: float, val_acc: li
     stopped: list = []
     monkeypatch.setattr(chain.registry, "stop", lambda names, **_: stopped.append(list(names)) or [])
     monkeypatch.setattr(launch_mod, "canary_prompts", lambda profile, count=4: ["prompt"] * count)
-    monkeypatch.setattr(canary_mod, "run_canary", lambda url, prompts, *, num_steps, val_acc, **_: judged_canary(
-        canary_mod, accept_length, canary_mod.tau_hat(val_acc, num_steps)))
+    monkeypatch.setattr(
+        canary_mod,
+        "run_canary",
+        lambda url, prompts, *, num_steps, val_acc, **_: judged_canary(canary_mod, accept_length, canary_mod.tau_hat(val_acc, num_steps)),
+    )
 
     def launched():
         chain.server_job = "serve-train-x"
@@ -96,13 +101,24 @@ def stubbed_chain(tmp_path: Path, monkeypatch, accept_length: float, val_acc: li
 def judged_canary(canary_mod, accept_length: float, tau: float | None):
     verify = 200
     verdict, headline, reasons, causes = canary_mod.judge(
-        accept_length=accept_length, requests=4, sum_verify_ct=verify, tau=tau, features={},
-        server_info={"speculative_algorithm": "EAGLE3"})
+        accept_length=accept_length, requests=4, sum_verify_ct=verify, tau=tau, features={}, server_info={"speculative_algorithm": "EAGLE3"}
+    )
     return canary_mod.CanaryResult(
-        verdict=verdict, headline=headline, reasons=reasons, causes=causes, accept_length=accept_length,
-        server_avg_accept_length=accept_length, tau_hat=tau, ratio_to_tau_hat=accept_length / tau if tau else None,
-        threshold_ratio=canary_mod.REPRODUCE_RATIO, zero_acceptance_ceiling=canary_mod.zero_acceptance_ceiling(4, verify),
-        num_steps=5, sum_completion_tokens=round(accept_length * verify), sum_verify_ct=verify, features={})
+        verdict=verdict,
+        headline=headline,
+        reasons=reasons,
+        causes=causes,
+        accept_length=accept_length,
+        server_avg_accept_length=accept_length,
+        tau_hat=tau,
+        ratio_to_tau_hat=accept_length / tau if tau else None,
+        threshold_ratio=canary_mod.REPRODUCE_RATIO,
+        zero_acceptance_ceiling=canary_mod.zero_acceptance_ceiling(4, verify),
+        num_steps=5,
+        sum_completion_tokens=round(accept_length * verify),
+        sum_verify_ct=verify,
+        features={},
+    )
 
 
 def stage_records(tmp_path: Path) -> dict[str, dict]:
@@ -148,9 +164,21 @@ def wait_for_training(job_dir: Path, after_step: int, timeout: float = 300) -> N
 def test_stop_and_bench_end_to_end_on_tiny(trained_tiny_run, tmp_path):
     run_dir = tmp_path / "run"
     registry = JobRegistry(run_dir)
-    checkpoint = (trained_tiny_run / "checkpoints" / (trained_tiny_run / "checkpoints" / "latest").read_text().strip())
-    argv = ["eagle3-host", "train", "--profile", "tiny", "--resume", str(checkpoint), "--max-steps", "100000",
-            "--save-interval", "100000", "--eval-interval", "100000"]
+    checkpoint = trained_tiny_run / "checkpoints" / (trained_tiny_run / "checkpoints" / "latest").read_text().strip()
+    argv = [
+        "eagle3-host",
+        "train",
+        "--profile",
+        "tiny",
+        "--resume",
+        str(checkpoint),
+        "--max-steps",
+        "100000",
+        "--save-interval",
+        "100000",
+        "--eval-interval",
+        "100000",
+    ]
     job = registry.start_job("train-demo", "train", argv, env={"OMP_NUM_THREADS": "1"})
     wait_for_training(Path(job.job_dir), after_step=300)
 

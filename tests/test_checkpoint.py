@@ -1,5 +1,6 @@
 """SGLang-format checkpoints: exact key set and shapes, bit-exact round trip, strict load, atomic save under SIGKILL,
 disk full (refused up front and mid-save) with `latest` intact, weights_only resume, the re-save window closed."""
+
 import errno
 import json
 import os
@@ -65,8 +66,7 @@ def tiny_draft(seed=0):
 def test_checkpoint_has_exactly_the_sglang_key_set_shapes_and_config(tmp_path):
     draft, config = tiny_draft()
     state = {"optimizer": {"lr": 3e-3}, "global_step": 100}
-    path = save_checkpoint(tmp_path, draft, config, epoch=0, step=100, training_state=state,
-                           extra_meta={"val_acc": [0.8, 0.79, 0.78], "val_acc_step": 100})
+    path = save_checkpoint(tmp_path, draft, config, epoch=0, step=100, training_state=state, extra_meta={"val_acc": [0.8, 0.79, 0.78], "val_acc_step": 100})
     assert path == tmp_path / "checkpoints" / "epoch_0_step_100"
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", "training_state.pt"]
     with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
@@ -182,10 +182,21 @@ SAVER = textwrap.dedent(
 
 
 def expected_draft(step):
-    config = DraftModelConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
-                              intermediate_size=1024, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
-                              vocab_size=300, draft_vocab_size=200, target_hidden_size=256, aux_layer_ids=[1, 2, 3],
-                              torch_dtype="float32")
+    config = DraftModelConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        vocab_size=300,
+        draft_vocab_size=200,
+        target_hidden_size=256,
+        aux_layer_ids=[1, 2, 3],
+        torch_dtype="float32",
+    )
     torch.manual_seed(step)
     return Eagle3Draft(config)
 
@@ -199,8 +210,9 @@ def test_sigkill_during_saves_never_leaves_latest_pointing_at_an_incomplete_chec
     rng = random.Random(1234)
     next_step, saw_partial, kills = 0, 0, 5
     for _ in range(kills):
-        proc = subprocess.Popen([sys.executable, str(script), str(out), str(next_step)], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(out), str(next_step)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
             assert proc.stdout.readline(), proc.stderr.read()  # at least one save finished in this run
             time.sleep(rng.uniform(0.0, 0.6))
@@ -232,6 +244,7 @@ def expected_config():
 
 # --- full disk, weights_only resume, the re-save window --------------------------------------------------
 
+
 def adam_state(draft):
     """What the trainer saves: a real AdamW state after one step, both RNG states, a Path, numpy numbers."""
     import numpy
@@ -241,9 +254,16 @@ def adam_state(draft):
         if param.requires_grad:
             param.grad = torch.ones_like(param)
     optimizer.step()
-    return {"step": 7, "epoch": 0.5, "optimizer": optimizer.state_dict(), "sampler": {"epoch": 0, "cursor": 3},
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "latest_val": {"acc": [0.5, 0.25]},
-            "settings": {"out": Path("/x/run"), "lr": numpy.float64(1e-3), "dtype": torch.float32}, "grokfast": None}
+    return {
+        "step": 7,
+        "epoch": 0.5,
+        "optimizer": optimizer.state_dict(),
+        "sampler": {"epoch": 0, "cursor": 3},
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "latest_val": {"acc": [0.5, 0.25]},
+        "settings": {"out": Path("/x/run"), "lr": numpy.float64(1e-3), "dtype": torch.float32},
+        "grokfast": None,
+    }
 
 
 def test_resume_state_loads_with_weights_only(tmp_path):
@@ -349,7 +369,8 @@ def test_resaving_the_same_step_never_leaves_latest_naming_a_missing_dir(tmp_pat
     if shutil.which("strace") is None or subprocess.run(["strace", "-qq", "-o", "/dev/null", "true"]).returncode != 0:
         pytest.skip("needs strace (with ptrace permitted) to stretch the rename window: apt-get install strace")
     script = tmp_path / "resaver.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys, torch
         sys.path.insert(0, sys.argv[2])
         from test_checkpoint import tiny_draft
@@ -358,14 +379,35 @@ def test_resaving_the_same_step_never_leaves_latest_naming_a_missing_dir(tmp_pat
         draft, config = tiny_draft()
         for n in range(int(sys.argv[3])):
             save_checkpoint(sys.argv[1], draft, config, epoch=0, step=5, training_state={"n": n})
-    """))
+    """)
+    )
     run = tmp_path / "run"
     draft, config = tiny_draft()
     save_checkpoint(run, draft, config, epoch=0, step=5, training_state={"n": -1})
     renames = "rename,renameat,renameat2"
-    proc = subprocess.Popen(["strace", "-f", "--seccomp-bpf", "-qq", "-o", "/dev/null", "-e", f"trace={renames}", "-e", f"inject={renames}:delay_exit=200000",
-                             sys.executable, str(script), str(run), str(ROOT / "tests"), "3"], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            "strace",
+            "-f",
+            "--seccomp-bpf",
+            "-qq",
+            "-o",
+            "/dev/null",
+            "-e",
+            f"trace={renames}",
+            "-e",
+            f"inject={renames}:delay_exit=200000",
+            sys.executable,
+            str(script),
+            str(run),
+            str(ROOT / "tests"),
+            "3",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     checkpoints, polls, missing = run / "checkpoints", 0, 0
     while proc.poll() is None:
         name = (checkpoints / "latest").read_text().strip()
@@ -381,9 +423,14 @@ def test_resaving_the_same_step_never_leaves_latest_naming_a_missing_dir(tmp_pat
 @pytest.mark.slow
 def test_kill_checkpoint_benchmark_ci_size():
     """benchmarks/kill_checkpoint.py --trials 10: SIGKILLed saves (mid-save too) on disk and on a 2 MiB tmpfs that fills up."""
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kill_checkpoint.py"), "--trials", "10", "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kill_checkpoint.py"), "--trials", "10", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     result = json.loads(done.stdout)
     assert done.returncode == 0, (result["problems"], done.stderr[-2000:])
     assert result["unreadable_latest"] == 0 and result["lost_metrics_records"] == 0 and result["saver_errors"] == 0

@@ -1,4 +1,5 @@
 """The Stop & bench key: its plan modal, the chain screen (stages, result panel, earlier results), and the tiny run end to end."""
+
 import os
 import signal
 import socket
@@ -21,31 +22,63 @@ from tests.conftest import threads_for_tests
 SIZE = (160, 48)
 CHAIN = "chain-train-kimi"
 CHECKPOINT = "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_2_step_4012"
-SERVER_ARGV = ["python", "-m", "backend.serve.reference_server", "--model", "builtin:tiny", "--draft", CHECKPOINT,
-               "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "5", "--port", "30123"]
+SERVER_ARGV = [
+    "python",
+    "-m",
+    "backend.serve.reference_server",
+    "--model",
+    "builtin:tiny",
+    "--draft",
+    CHECKPOINT,
+    "--speculative-algorithm",
+    "EAGLE3",
+    "--speculative-num-steps",
+    "5",
+    "--port",
+    "30123",
+]
 # The canary's 412 verify steps: positions 0-1 as validation predicts, position 2 collapses (0.31 served vs 0.68).
 VAL_ACC = [0.80, 0.72, 0.68, 0.66, 0.62, 0.60, 0.58]
 ACCEPTANCE = {**acceptance_report([(1120, 412, [87, 84, 166, 33, 21, 21])], 5, VAL_ACC), "mean_of_request_means": 2.64}
 BREAK_LINE = "served acceptance breaks at position 2: 0.31 served vs 0.68 predicted"
-NO_HISTOGRAM = acceptance_report([(260, 184, None)], 5, [0.002] * 7, histogram_notes=[
-    "the server reports no spec_correct_drafts_histogram (SGLang before 0.5.14, or another engine)"])
+NO_HISTOGRAM = acceptance_report(
+    [(260, 184, None)], 5, [0.002] * 7, histogram_notes=["the server reports no spec_correct_drafts_histogram (SGLang before 0.5.14, or another engine)"]
+)
 RESULT = {
-    "verdict": "green", "accept_length": 2.71, "tau_hat": 3.12, "ratio_to_tau_hat": 0.869,
-    "accept_length_mean_of_request_means": 2.64, "acceptance": ACCEPTANCE,
-    "throughput": [{"concurrency": 1, "output_tok_per_s": 151.3, "accept_length": 2.69, "accept_length_mean_of_request_means": 2.61},
-                   {"concurrency": 4, "output_tok_per_s": 402.8, "accept_length": 2.74, "accept_length_mean_of_request_means": 2.66}],
-    "checkpoint": CHECKPOINT, "engine": "reference", "argv": SERVER_ARGV, "server_job": "serve-train-kimi",
+    "verdict": "green",
+    "accept_length": 2.71,
+    "tau_hat": 3.12,
+    "ratio_to_tau_hat": 0.869,
+    "accept_length_mean_of_request_means": 2.64,
+    "acceptance": ACCEPTANCE,
+    "throughput": [
+        {"concurrency": 1, "output_tok_per_s": 151.3, "accept_length": 2.69, "accept_length_mean_of_request_means": 2.61},
+        {"concurrency": 4, "output_tok_per_s": 402.8, "accept_length": 2.74, "accept_length_mean_of_request_means": 2.66},
+    ],
+    "checkpoint": CHECKPOINT,
+    "engine": "reference",
+    "argv": SERVER_ARGV,
+    "server_job": "serve-train-kimi",
     "server": "stopped after the benchmark (--stop-server-after)",
 }
 SAVED = "/root/.eagle3/jobs/train-kimi/results/stop-and-bench-20251009-084500.json"
-EARLIER = {"path": "/root/.eagle3/jobs/train-kimi/results/stop-and-bench-20251008-120000.json", "verdict": "red",
-           "accept_length": 1.0, "tau_hat": 2.9, "ratio_to_tau_hat": 0.345, "throughput": [{"concurrency": 1, "output_tok_per_s": 80.0}],
-           "checkpoint": "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_1_step_2000", "engine": "sglang"}
-CANARY_RED = ("canary RED: accept length 1.00 is at the zero-acceptance ceiling (1.03): the draft accepted nothing. "
-              "Likely causes, in order: --speculative-algorithm EAGLE (or NEXTN) instead of EAGLE3: the target never captures the "
-              "aux layers, hands the draft 1 x H and fc is skipped (sglang PR #21272); layers.0.* (or other unknown) weight names "
-              "silently dropped by SGLang < 0.5.14: a random decoder layer; d2t missing or wrong while the draft vocab is smaller: "
-              "draft ids are read as target ids. The server job 'serve-train-kimi' this chain started was stopped (exited_on_term).")
+EARLIER = {
+    "path": "/root/.eagle3/jobs/train-kimi/results/stop-and-bench-20251008-120000.json",
+    "verdict": "red",
+    "accept_length": 1.0,
+    "tau_hat": 2.9,
+    "ratio_to_tau_hat": 0.345,
+    "throughput": [{"concurrency": 1, "output_tok_per_s": 80.0}],
+    "checkpoint": "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_1_step_2000",
+    "engine": "sglang",
+}
+CANARY_RED = (
+    "canary RED: accept length 1.00 is at the zero-acceptance ceiling (1.03): the draft accepted nothing. "
+    "Likely causes, in order: --speculative-algorithm EAGLE (or NEXTN) instead of EAGLE3: the target never captures the "
+    "aux layers, hands the draft 1 x H and fc is skipped (sglang PR #21272); layers.0.* (or other unknown) weight names "
+    "silently dropped by SGLang < 0.5.14: a random decoder layer; d2t missing or wrong while the draft vocab is smaller: "
+    "draft ids are read as target ids. The server job 'serve-train-kimi' this chain started was stopped (exited_on_term)."
+)
 STAGE_DETAILS = {
     "stop": "stopped 'train-kimi': 2 process(es), leader exited_on_term",
     "release": "our GPU memory is released; 1 foreign holder(s) left untouched",
@@ -85,9 +118,11 @@ def chain_records(until: str | None = None, fail: tuple[str, str] | None = None)
 
 
 AMBER_HEADLINE = "inconclusive: the draft has not learned yet (tau-hat 1.00 < 2.40)"
-AMBER_REASONS = ["accept length 1.41; tau-hat 1.00 is too close to 1 for a verdict: green would need only accept length >= 0.60, "
-                 "and a broken aux feed reached 1.25-1.44 on the calibration runs (docs/serving.md)",
-                 "train longer (a verdict needs tau-hat >= 2.40), then run the canary again"]
+AMBER_REASONS = [
+    "accept length 1.41; tau-hat 1.00 is too close to 1 for a verdict: green would need only accept length >= 0.60, "
+    "and a broken aux feed reached 1.25-1.44 on the calibration runs (docs/serving.md)",
+    "train longer (a verdict needs tau-hat >= 2.40), then run the canary again",
+]
 
 
 def amber_records() -> list[dict]:
@@ -98,9 +133,17 @@ def amber_records() -> list[dict]:
             record["detail"] = f"amber: {AMBER_HEADLINE}"
             record["result"] = {"verdict": "amber", "headline": AMBER_HEADLINE, "reasons": AMBER_REASONS, "causes": []}
         if record["stage"] == "result" and record["status"] == "ok":
-            record["result"] = {**RESULT, "verdict": "amber", "accept_length": 1.41, "tau_hat": 1.0, "ratio_to_tau_hat": 1.41,
-                                "verdict_headline": AMBER_HEADLINE, "verdict_reasons": AMBER_REASONS,
-                                "accept_length_mean_of_request_means": 1.43, "acceptance": NO_HISTOGRAM}
+            record["result"] = {
+                **RESULT,
+                "verdict": "amber",
+                "accept_length": 1.41,
+                "tau_hat": 1.0,
+                "ratio_to_tau_hat": 1.41,
+                "verdict_headline": AMBER_HEADLINE,
+                "verdict_reasons": AMBER_REASONS,
+                "accept_length_mean_of_request_means": 1.43,
+                "acceptance": NO_HISTOGRAM,
+            }
     return records
 
 
@@ -112,14 +155,42 @@ def span_style(text, fragment: str) -> str:
 
 def chain_state(records: list[dict], *, clock=None):
     state = frozen_state()
-    jobs = [{"name": j.name, "kind": j.kind, "state": j.state, "pid": j.pid, "pgid": j.pgid, "start_time_ticks": 1, "argv": j.argv,
-             "job_dir": j.job_dir, "stdout_path": j.stdout_path, "stderr_path": j.stderr_path, "started_at": j.started_at,
-             "ended_at": j.ended_at, "exit_code": j.exit_code} for j in state.jobs.values()]
+    jobs = [
+        {
+            "name": j.name,
+            "kind": j.kind,
+            "state": j.state,
+            "pid": j.pid,
+            "pgid": j.pgid,
+            "start_time_ticks": 1,
+            "argv": j.argv,
+            "job_dir": j.job_dir,
+            "stdout_path": j.stdout_path,
+            "stderr_path": j.stderr_path,
+            "started_at": j.started_at,
+            "ended_at": j.ended_at,
+            "exit_code": j.exit_code,
+        }
+        for j in state.jobs.values()
+    ]
     done = chain_outcome(records)["state"] in ("ok", "failed")
-    jobs.append({"name": CHAIN, "kind": "chain", "state": "exited" if done else "running", "pid": 3456, "pgid": 3456, "start_time_ticks": 1,
-                 "argv": ["python", "-m", "backend", *chain_argv("train-kimi")[1:]], "job_dir": f"/root/.eagle3/jobs/{CHAIN}",
-                 "stdout_path": "o", "stderr_path": "e", "started_at": NOW - 200, "ended_at": NOW - 10 if done else None,
-                 "exit_code": (0 if chain_outcome(records)["state"] == "ok" else 1) if done else None})
+    jobs.append(
+        {
+            "name": CHAIN,
+            "kind": "chain",
+            "state": "exited" if done else "running",
+            "pid": 3456,
+            "pgid": 3456,
+            "start_time_ticks": 1,
+            "argv": ["python", "-m", "backend", *chain_argv("train-kimi")[1:]],
+            "job_dir": f"/root/.eagle3/jobs/{CHAIN}",
+            "stdout_path": "o",
+            "stderr_path": "e",
+            "started_at": NOW - 200,
+            "ended_at": NOW - 10 if done else None,
+            "exit_code": (0 if chain_outcome(records)["state"] == "ok" else 1) if done else None,
+        }
+    )
     state.apply({"type": "jobs", "jobs": jobs})
     if clock is not None:
         state.clock = clock
@@ -187,8 +258,13 @@ def test_result_panel_shows_served_acceptance_per_position_next_to_validation_an
     assert "2.71 pooled over verify steps (SGLang, vLLM)" in plain and "2.64 mean of per-request means (SpecForge)" in plain
     assert "served acceptance per draft position (canary, 412 verify steps) next to validation accuracy" in plain
     lines = [line for line in plain.splitlines() if line.strip()[:1].isdigit() and "concurrent" not in line][:5]
-    assert [line.split()[:3] for line in lines] == [["0", "0.80", "0.79"], ["1", "0.72", "0.74"], ["2", "0.68", "0.31"],
-                                                   ["3", "0.66", "0.56"], ["4", "0.62", "0.50"]]
+    assert [line.split()[:3] for line in lines] == [
+        ["0", "0.80", "0.79"],
+        ["1", "0.72", "0.74"],
+        ["2", "0.68", "0.31"],
+        ["3", "0.66", "0.56"],
+        ["4", "0.62", "0.50"],
+    ]
     assert [("← break" in line) for line in lines] == [False, False, True, False, False]
     assert span_style(panel, lines[2].strip()) == "bold red" and span_style(panel, BREAK_LINE) == "bold red"
     assert "2.69 pooled / 2.61 per-request mean" in plain
@@ -268,8 +344,7 @@ def test_chain_failure_snapshot(snap_compare):
 
 def test_stop_and_bench_modal_snapshot(snap_compare):
     checkpoints = [{"path": "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_1_step_3000", "epoch": 1, "step": 3000, "latest": True}]
-    text = bench_plan_text("train-kimi", STOP_PLAN, checkpoints, True, "sglang", "serve.engine of profile kimi-k2.5", 120.0, "1,4", 8,
-                           chain_argv("train-kimi"))
+    text = bench_plan_text("train-kimi", STOP_PLAN, checkpoints, True, "sglang", "serve.engine of profile kimi-k2.5", 120.0, "1,4", 8, chain_argv("train-kimi"))
 
     async def run_before(pilot):
         pilot.app.select_job("train-kimi")
@@ -414,17 +489,33 @@ async def test_stop_and_bench_key_end_to_end_on_tiny(trained_tiny_run, tmp_path,
     app = live_app(tmp_path, chain_args=chain_args, request_timeout=60)
     checkpoints = trained_tiny_run / "checkpoints"
     resume = checkpoints / (checkpoints / "latest").read_text().strip()
-    argv = ["eagle3-host", "train", "--profile", "tiny", "--resume", str(resume), "--max-steps", "100000",
-            "--save-interval", "100000", "--eval-interval", "100000"]
+    argv = [
+        "eagle3-host",
+        "train",
+        "--profile",
+        "tiny",
+        "--resume",
+        str(resume),
+        "--max-steps",
+        "100000",
+        "--save-interval",
+        "100000",
+        "--eval-interval",
+        "100000",
+    ]
     async with app.run_test(size=SIZE) as pilot:
         await connected(app)
         try:
-            train = (await app.client.request(Request.START_JOB, name="train-demo", kind="train", argv=argv,
-                                              env={"OMP_NUM_THREADS": threads_for_tests()}))["job"]
+            train = (await app.client.request(Request.START_JOB, name="train-demo", kind="train", argv=argv, env={"OMP_NUM_THREADS": threads_for_tests()}))[
+                "job"
+            ]
             await wait_until(lambda: "train-demo" in app.state.jobs, what="the training job listed")
             app.select_job("train-demo")
-            await wait_until(lambda: (m := app.state.metrics.get("train-demo")) and m.latest_train.get("step", 0) > 300,
-                             timeout=300, what="the resumed training to pass step 300")
+            await wait_until(
+                lambda: (m := app.state.metrics.get("train-demo")) and m.latest_train.get("step", 0) > 300,
+                timeout=300,
+                what="the resumed training to pass step 300",
+            )
 
             await pilot.press("b")
             modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopAndBenchModal) else None, what="the plan modal")
@@ -432,8 +523,12 @@ async def test_stop_and_bench_key_end_to_end_on_tiny(trained_tiny_run, tmp_path,
             assert str(train["pid"]) in plan and "engine reference" in plan
             await pilot.press("y")
             await wait_until(lambda: isinstance(app.screen, ChainScreen), what="the chain screen")
-            await wait_until(lambda: chain_outcome(app.state.stages.get("chain-train-demo", []))["state"] in ("ok", "failed"),
-                             timeout=600, step=0.5, what="the chain to finish")
+            await wait_until(
+                lambda: chain_outcome(app.state.stages.get("chain-train-demo", []))["state"] in ("ok", "failed"),
+                timeout=600,
+                step=0.5,
+                what="the chain to finish",
+            )
             outcome = chain_outcome(app.state.stages["chain-train-demo"])
             assert outcome["state"] == "ok", outcome
             await wait_until(lambda: "VERDICT GREEN" in text_of(app, "#chain-result"), what="the result panel")
@@ -444,8 +539,11 @@ async def test_stop_and_bench_key_end_to_end_on_tiny(trained_tiny_run, tmp_path,
             assert new_checkpoint.parent == Path(train["job_dir"]) / "checkpoints" and int(new_checkpoint.name.split("_step_")[1]) > 300
             await wait_until(lambda: app.screen.query_one("#results-table").row_count == 1, what="the saved result listed")
 
-            await wait_until(lambda: app.state.jobs.get("chain-train-demo") and app.state.jobs["chain-train-demo"].state != "running",
-                             timeout=60, what="the chain job to end")
+            await wait_until(
+                lambda: app.state.jobs.get("chain-train-demo") and app.state.jobs["chain-train-demo"].state != "running",
+                timeout=60,
+                what="the chain job to end",
+            )
             jobs = {j["name"]: j for j in (await app.client.request(Request.LIST_JOBS))["jobs"]}
             assert set(jobs) == {"train-demo", "serve-train-demo", "chain-train-demo"}
             assert jobs["chain-train-demo"]["exit_code"] == 0

@@ -1,4 +1,5 @@
 """`eagle3-console --snapshot` as a subprocess: embedded default (local agent) and over SSH to a real sshd."""
+
 import json
 import os
 import re
@@ -87,13 +88,16 @@ def test_hosts_come_from_every_host_flag_then_the_hosts_file(tmp_path):
     assert split_host("gpu-a", 22) == (None, "gpu-a", 22)
 
 
-@pytest.mark.parametrize("argv, why", [
-    (["--host", "a", "--host", "a"], "host named twice: a"),
-    (["--host", "a:22", "--host", "a", "--port", "22"], "host named twice: a:22"),
-    (["--host", "a:http"], "bad port in host 'a:http'"),
-    (["--host", "u@"], "bad host 'u@'"),
-    (["--hosts-file", "/no/such/hosts"], "cannot read the hosts file /no/such/hosts"),
-])
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--host", "a", "--host", "a"], "host named twice: a"),
+        (["--host", "a:22", "--host", "a", "--port", "22"], "host named twice: a:22"),
+        (["--host", "a:http"], "bad port in host 'a:http'"),
+        (["--host", "u@"], "bad host 'u@'"),
+        (["--hosts-file", "/no/such/hosts"], "cannot read the hosts file /no/such/hosts"),
+    ],
+)
 def test_a_bad_host_list_is_refused_before_anything_connects(argv, why, tmp_path):
     with pytest.raises(HostListError, match=re.escape(why)):
         host_list(build_parser().parse_args(argv))
@@ -110,9 +114,23 @@ def test_snapshot_of_several_hosts_gives_every_hosts_object_and_names_the_one_th
         known = tmp_path / "known_hosts"
         known.write_text("".join(f"[127.0.0.1]:{env.port} {env.host_public_key}\n" for env in envs))
         dead_port = free_port()
-        argv = ["--host", f"{envs[0].user}@127.0.0.1:{envs[0].port}", "--host", f"{envs[1].user}@127.0.0.1:{envs[1].port}",
-                "--host", f"{envs[0].user}@127.0.0.1:{dead_port}", "--identity", str(envs[0].client_key), "--known-hosts", str(known),
-                "--python", sys.executable, "--run-dir", str(tmp_path / "host-run"), "--snapshot"]
+        argv = [
+            "--host",
+            f"{envs[0].user}@127.0.0.1:{envs[0].port}",
+            "--host",
+            f"{envs[1].user}@127.0.0.1:{envs[1].port}",
+            "--host",
+            f"{envs[0].user}@127.0.0.1:{dead_port}",
+            "--identity",
+            str(envs[0].client_key),
+            "--known-hosts",
+            str(known),
+            "--python",
+            sys.executable,
+            "--run-dir",
+            str(tmp_path / "host-run"),
+            "--snapshot",
+        ]
         (servers[1].root / "authorized_keys").write_text(servers[0].client_pub.read_text())  # one client key for both
         result = run_console(argv, tmp_path / "home")
         assert result.returncode == 2, result.stderr
@@ -135,8 +153,21 @@ def test_snapshot_over_ssh_to_a_real_sshd(tmp_path):
     try:
         env = server.env()
         common = [
-            "--host", "127.0.0.1", "--port", str(env.port), "--user", env.user, "--identity", str(env.client_key),
-            "--known-hosts", str(env.known_hosts), "--python", sys.executable, "--run-dir", str(tmp_path / "host-run"), "--snapshot",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(env.port),
+            "--user",
+            env.user,
+            "--identity",
+            str(env.client_key),
+            "--known-hosts",
+            str(env.known_hosts),
+            "--python",
+            sys.executable,
+            "--run-dir",
+            str(tmp_path / "host-run"),
+            "--snapshot",
         ]
         refused = run_console(common, tmp_path / "home")
         assert refused.returncode == 2 and "not in known_hosts" in refused.stderr and "--accept-new-host-key" in refused.stderr

@@ -1,4 +1,5 @@
 """AgentClient over the local transport, against the real agent (python -m backend.agent) as a subprocess."""
+
 import asyncio
 import os
 import signal

@@ -1,4 +1,5 @@
 """The Grokking screen (host-side signals, data scaling), the grok-run modal's argv, and watching an external run."""
+
 import json
 import math
 import random
@@ -39,44 +40,108 @@ def grok_records(end: int = 30000, seed: int = 0) -> list[dict]:
         tokens += 20 * 4096
         lr = 1e-6 + 1e-3 * 0.5 * (1 + math.cos(math.pi * min(step, 20000) / 20000))
         norm = 120.0 - 10.0 * math.log10(step)
-        records.append({"step": step, "epoch": step // 5000, "split": "train", "loss": (0.01 + 5 * f * f) * (1 + 0.03 * rng.gauss(0, 1)),
-                        "acc": [min(0.999, 1 - 0.99 * f), min(0.99, 0.95 - 0.9 * f)], "ploss": [0.01 + 5 * f * f, 0.02 + 6 * f * f],
-                        "lr": lr, "tokens": tokens, "grad_norm": 0.3 + 0.4 * rng.random(), "weight_norm": norm,
-                        "weight_norm_modules": {"fc": norm * 0.4, "midlayer": norm * 0.5, "lm_head": 12.0 + 0.0001 * step}})
+        records.append(
+            {
+                "step": step,
+                "epoch": step // 5000,
+                "split": "train",
+                "loss": (0.01 + 5 * f * f) * (1 + 0.03 * rng.gauss(0, 1)),
+                "acc": [min(0.999, 1 - 0.99 * f), min(0.99, 0.95 - 0.9 * f)],
+                "ploss": [0.01 + 5 * f * f, 0.02 + 6 * f * f],
+                "lr": lr,
+                "tokens": tokens,
+                "grad_norm": 0.3 + 0.4 * rng.random(),
+                "weight_norm": norm,
+                "weight_norm_modules": {"fc": norm * 0.4, "midlayer": norm * 0.5, "lm_head": 12.0 + 0.0001 * step},
+            }
+        )
         if step % 500:
             continue
         val, acc = (6 - 2 * step / 1000, 0.2) if step < 1000 else (4.0, 0.2)
         if step >= 12000:
             frac = min(1.0, math.log10(step / 12000) / 0.25)
             val, acc = 4.0 - 3.5 * frac, 0.2 + 0.7 * frac
-        records.append({"step": step, "epoch": step // 5000, "split": "val", "loss": val * (1 + 0.03 * rng.gauss(0, 1)),
-                        "acc": [acc, acc * 0.8, acc * 0.6], "ploss": [val, val * 1.3, val * 1.6]})
+        records.append(
+            {
+                "step": step,
+                "epoch": step // 5000,
+                "split": "val",
+                "loss": val * (1 + 0.03 * rng.gauss(0, 1)),
+                "acc": [acc, acc * 0.8, acc * 0.6],
+                "ploss": [val, val * 1.3, val * 1.6],
+            }
+        )
     return records
 
 
 DATA_SCALING_ESTIMATE = {
-    "kind": "estimated", "path": "/root/.eagle3/data", "samples": 0, "tokens": 0, "bytes": 0, "bytes_per_sample": 199808.0,
-    "free_bytes": 412 * 1024**3, "keep_free_bytes": 1024**3, "more_samples_fit": 2_208_000, "fit_multiple_of_current": None,
-    "seconds_per_sample": None, "estimated_seconds_for_fit": None,
+    "kind": "estimated",
+    "path": "/root/.eagle3/data",
+    "samples": 0,
+    "tokens": 0,
+    "bytes": 0,
+    "bytes_per_sample": 199808.0,
+    "free_bytes": 412 * 1024**3,
+    "keep_free_bytes": 1024**3,
+    "more_samples_fit": 2_208_000,
+    "fit_multiple_of_current": None,
+    "seconds_per_sample": None,
+    "estimated_seconds_for_fit": None,
     "shape": {"aux_width": 384, "teacher_width": 259, "dtype_bytes": 4, "seq_len": 128},
     "note": "no extracted shards here: bytes per sample estimated from the profile's shapes",
 }
 DATA_SCALING_MEASURED = {
-    "kind": "measured", "path": "/data/shards", "samples": 12000, "tokens": 24_000_000, "bytes": 12000 * 2_400_000,
-    "bytes_per_sample": 2_400_000.0, "free_bytes": 400 * 1024**3, "keep_free_bytes": 1024**3, "more_samples_fit": 178_500,
-    "fit_multiple_of_current": 14.875, "seconds_per_sample": 0.25, "estimated_seconds_for_fit": 44625.0,
+    "kind": "measured",
+    "path": "/data/shards",
+    "samples": 12000,
+    "tokens": 24_000_000,
+    "bytes": 12000 * 2_400_000,
+    "bytes_per_sample": 2_400_000.0,
+    "free_bytes": 400 * 1024**3,
+    "keep_free_bytes": 1024**3,
+    "more_samples_fit": 178_500,
+    "fit_multiple_of_current": 14.875,
+    "seconds_per_sample": 0.25,
+    "estimated_seconds_for_fit": 44625.0,
 }
 
 
 def grok_state():
     """frozen_state() plus a grokking run with host-side signals and a data-scaling estimate."""
     state = frozen_state()
-    jobs = [{"name": j.name, "kind": j.kind, "state": j.state, "pid": j.pid, "pgid": j.pgid, "start_time_ticks": 1, "argv": j.argv,
-             "job_dir": j.job_dir, "stdout_path": j.stdout_path, "stderr_path": j.stderr_path, "started_at": j.started_at,
-             "ended_at": j.ended_at, "exit_code": j.exit_code} for j in state.jobs.values()]
-    jobs.append({"name": GROK_JOB, "kind": "train", "state": "running", "pid": 2345, "pgid": 2345, "start_time_ticks": 1,
-                 "argv": ["python", "-m", "backend", "train", "--profile", "tiny"], "job_dir": f"/root/.eagle3/jobs/{GROK_JOB}",
-                 "stdout_path": "o", "stderr_path": "e", "started_at": NOW - 600})
+    jobs = [
+        {
+            "name": j.name,
+            "kind": j.kind,
+            "state": j.state,
+            "pid": j.pid,
+            "pgid": j.pgid,
+            "start_time_ticks": 1,
+            "argv": j.argv,
+            "job_dir": j.job_dir,
+            "stdout_path": j.stdout_path,
+            "stderr_path": j.stderr_path,
+            "started_at": j.started_at,
+            "ended_at": j.ended_at,
+            "exit_code": j.exit_code,
+        }
+        for j in state.jobs.values()
+    ]
+    jobs.append(
+        {
+            "name": GROK_JOB,
+            "kind": "train",
+            "state": "running",
+            "pid": 2345,
+            "pgid": 2345,
+            "start_time_ticks": 1,
+            "argv": ["python", "-m", "backend", "train", "--profile", "tiny"],
+            "job_dir": f"/root/.eagle3/jobs/{GROK_JOB}",
+            "stdout_path": "o",
+            "stderr_path": "e",
+            "started_at": NOW - 600,
+        }
+    )
     state.apply({"type": "jobs", "jobs": jobs})
     records = grok_records()
     state.apply_metrics_history(GROK_JOB, {"records": records, "offset": 99}, reset=True)
@@ -99,16 +164,36 @@ pytestmark = pytest.mark.usefixtures("utc")  # snapshot clocks read in UTC (test
 def test_grok_argv_and_job_name():
     checkpoint = "/root/.eagle3/jobs/train-1/checkpoints/epoch_0_step_300"
     assert grok_argv("tiny", checkpoint, 1e-4, 0.1, 0.98, 50) == [
-        "eagle3-host", "train", "--profile", "tiny", "--resume", checkpoint, "--schedule", "constant", "--lr", "0.0001",
-        "--weight-decay", "0.1", "--grokfast-alpha", "0.98", "--max-steps", "50"]
+        "eagle3-host",
+        "train",
+        "--profile",
+        "tiny",
+        "--resume",
+        checkpoint,
+        "--schedule",
+        "constant",
+        "--lr",
+        "0.0001",
+        "--weight-decay",
+        "0.1",
+        "--grokfast-alpha",
+        "0.98",
+        "--max-steps",
+        "50",
+    ]
     assert grok_job_name(checkpoint) == "grok-epoch-0-step-300"
 
 
 def test_grok_params_are_checked_field_by_field():
     assert parse_grok_params("1e-4", "0.1", "") == (1e-4, 0.1, None)
     assert parse_grok_params(" 3e-4 ", "0", "0.98") == (3e-4, 0.0, 0.98)
-    for args, field in [(("0", "0.1", ""), "learning rate"), (("x", "0.1", ""), "learning rate"), (("1e-4", "-1", ""), "weight decay"),
-                        (("1e-4", "0.1", "1.5"), "Grokfast alpha"), (("nan", "0.1", ""), "learning rate")]:
+    for args, field in [
+        (("0", "0.1", ""), "learning rate"),
+        (("x", "0.1", ""), "learning rate"),
+        (("1e-4", "-1", ""), "weight decay"),
+        (("1e-4", "0.1", "1.5"), "Grokfast alpha"),
+        (("nan", "0.1", ""), "learning rate"),
+    ]:
         with pytest.raises(GrokParamError, match=field):
             parse_grok_params(*args)
 
@@ -123,17 +208,134 @@ def test_data_scaling_panel_says_estimate_or_measured():
 
 # The pre-clip grad norms and train losses the default tiny profile logged (every 5th step of 300, clip 0.5, seed 0):
 # every record is above the clip, the loss falls smoothly and val acc_0 reached 0.853 (issue 12).
-TINY_GRAD_NORMS = [9.72, 11.47, 8.14, 3.97, 2.5, 3.2, 2.47, 1.72, 1.91, 1.7, 2.55, 2.2, 1.82, 1.68, 1.8, 2.04, 2.42, 2.93, 2.06, 1.91,
-                   2.46, 1.86, 2.36, 2.06, 3.33, 2.51, 3.71, 1.74, 1.79, 1.61, 1.59, 1.92, 2.33, 1.64, 1.7, 1.93, 2.0, 1.47, 2.05, 1.67,
-                   2.13, 2.16, 1.82, 2.14, 3.12, 1.44, 2.02, 1.53, 1.74, 0.96, 1.76, 1.48, 0.98, 2.48, 1.79, 1.27, 1.81, 2.13, 1.21, 1.05]
-TINY_LOSSES = [20.26, 16.4, 13.46, 11.43, 10.81, 10.95, 10.07, 10.18, 10.06, 9.78, 10.63, 9.96, 9.06, 8.96, 9.0, 8.32, 9.06, 8.55, 8.34,
-               8.56, 8.49, 7.97, 7.92, 7.68, 7.26, 7.62, 7.83, 7.31, 7.37, 7.25, 6.94, 7.19, 7.13, 7.16, 7.06, 6.6, 6.96, 6.66, 6.95,
-               6.83, 6.88, 7.0, 6.79, 6.77, 6.6, 6.65, 6.28, 6.52, 6.66, 6.65, 6.38, 6.53, 6.4, 6.38, 6.39, 6.49, 6.51, 6.64, 6.33, 6.25]
+TINY_GRAD_NORMS = [
+    9.72,
+    11.47,
+    8.14,
+    3.97,
+    2.5,
+    3.2,
+    2.47,
+    1.72,
+    1.91,
+    1.7,
+    2.55,
+    2.2,
+    1.82,
+    1.68,
+    1.8,
+    2.04,
+    2.42,
+    2.93,
+    2.06,
+    1.91,
+    2.46,
+    1.86,
+    2.36,
+    2.06,
+    3.33,
+    2.51,
+    3.71,
+    1.74,
+    1.79,
+    1.61,
+    1.59,
+    1.92,
+    2.33,
+    1.64,
+    1.7,
+    1.93,
+    2.0,
+    1.47,
+    2.05,
+    1.67,
+    2.13,
+    2.16,
+    1.82,
+    2.14,
+    3.12,
+    1.44,
+    2.02,
+    1.53,
+    1.74,
+    0.96,
+    1.76,
+    1.48,
+    0.98,
+    2.48,
+    1.79,
+    1.27,
+    1.81,
+    2.13,
+    1.21,
+    1.05,
+]
+TINY_LOSSES = [
+    20.26,
+    16.4,
+    13.46,
+    11.43,
+    10.81,
+    10.95,
+    10.07,
+    10.18,
+    10.06,
+    9.78,
+    10.63,
+    9.96,
+    9.06,
+    8.96,
+    9.0,
+    8.32,
+    9.06,
+    8.55,
+    8.34,
+    8.56,
+    8.49,
+    7.97,
+    7.92,
+    7.68,
+    7.26,
+    7.62,
+    7.83,
+    7.31,
+    7.37,
+    7.25,
+    6.94,
+    7.19,
+    7.13,
+    7.16,
+    7.06,
+    6.6,
+    6.96,
+    6.66,
+    6.95,
+    6.83,
+    6.88,
+    7.0,
+    6.79,
+    6.77,
+    6.6,
+    6.65,
+    6.28,
+    6.52,
+    6.66,
+    6.65,
+    6.38,
+    6.53,
+    6.4,
+    6.38,
+    6.39,
+    6.49,
+    6.51,
+    6.64,
+    6.33,
+    6.25,
+]
 
 
 def grad_records(norms: list[float]) -> list[dict]:
-    return [{"step": 5 * (i + 1), "split": "train", "loss": loss, "lr": 3e-3, "grad_norm": norm}
-            for i, (norm, loss) in enumerate(zip(norms, TINY_LOSSES))]
+    return [{"step": 5 * (i + 1), "split": "train", "loss": loss, "lr": 3e-3, "grad_norm": norm} for i, (norm, loss) in enumerate(zip(norms, TINY_LOSSES))]
 
 
 def test_a_clip_that_binds_on_every_step_is_no_warning_a_rising_grad_norm_is():
@@ -144,7 +346,7 @@ def test_a_clip_that_binds_on_every_step_is_no_warning_a_rising_grad_norm_is():
     panel = norms_text(healthy)
     assert "clipped at 0.5: 100.0% of the last 50 records" in str(panel) and "median 1.86 over the last 50 records (2.5 the 50" in str(panel)
     assert not [span for span in panel.spans if "red" in str(span.style)]  # a fact shown plainly, not an alarm
-    rising = compute_signals(grad_records([0.4] * 20 + [0.4 * 1.08 ** i for i in range(40)]), clip=0.5)  # 0.4 -> 8
+    rising = compute_signals(grad_records([0.4] * 20 + [0.4 * 1.08**i for i in range(40)]), clip=0.5)  # 0.4 -> 8
     warning = [w for w in rising["warnings"] if w.startswith("Grad norm rising")]
     assert warning and "vs 0.4 before" in warning[0] and "above the clip 0.5" in warning[0]
     assert f"! {warning[0]}" in str(signals_text(rising))
@@ -152,14 +354,23 @@ def test_a_clip_that_binds_on_every_step_is_no_warning_a_rising_grad_norm_is():
 
 def test_tau_hat_and_accept_lengths_are_printed_one_way_on_every_screen():
     assert [accept_length(v) for v in (1.0, 1, 3.9444, 1.405, 12.0, None, "x", True, math.nan, math.inf)] == [
-        "1.00", "1.00", "3.94", "1.41", "12.00", "-", "-", "-", "nan", "inf"]
+        "1.00",
+        "1.00",
+        "3.94",
+        "1.41",
+        "12.00",
+        "-",
+        "-",
+        "-",
+        "nan",
+        "inf",
+    ]
     grok = str(acceptance_text({"tau_hat": 1.0, "tau_hat_step": 13, "tau_hat_acceptance": 2.9444, "per_position": []}))
     assert "τ̂ 1.00 (val acc at step 13) · from acceptance rate 2.94" in grok
     records = amber_records()  # issue 12's 13-step draft: τ̂ 1.0, accept length 1.41
     for record in records:
         if record["stage"] == "result" and record["status"] == "ok":
-            record["result"]["throughput"] = [{"concurrency": 1, "output_tok_per_s": 80.0, "accept_length": 1.0,
-                                               "accept_length_mean_of_request_means": 1.4}]
+            record["result"]["throughput"] = [{"concurrency": 1, "output_tok_per_s": 80.0, "accept_length": 1.0, "accept_length_mean_of_request_means": 1.4}]
     chain = result_panel_text(records).plain
     assert "accept length 1.41  vs τ̂ 1.00 (from validation accuracy)" in chain
     assert "1.41 pooled over verify steps (SGLang, vLLM)   1.43 mean of per-request means" in chain
@@ -207,9 +418,11 @@ def test_grokking_screen_snapshot(snap_compare):
 
 
 async def test_grok_modal_builds_the_exact_argv_and_refuses_bad_fields():
-    checkpoints = [{"path": "/r/jobs/t/checkpoints/epoch_0_step_100", "epoch": 0, "step": 100, "latest": False},
-                   {"path": "/r/jobs/t/checkpoints/epoch_0_step_300", "epoch": 0, "step": 300, "latest": True},
-                   {"path": "/r/jobs/t/checkpoints/epoch_1_step_400", "epoch": 1, "step": 400, "latest": False}]
+    checkpoints = [
+        {"path": "/r/jobs/t/checkpoints/epoch_0_step_100", "epoch": 0, "step": 100, "latest": False},
+        {"path": "/r/jobs/t/checkpoints/epoch_0_step_300", "epoch": 0, "step": 300, "latest": True},
+        {"path": "/r/jobs/t/checkpoints/epoch_1_step_400", "epoch": 1, "step": 400, "latest": False},
+    ]
     app = frozen_app()
     results = []
     async with app.run_test(size=SIZE) as pilot:
@@ -229,8 +442,9 @@ async def test_grok_modal_builds_the_exact_argv_and_refuses_bad_fields():
         modal.query_one("#grok-lr", Input).focus()
         await pilot.press("enter")
         await pilot.pause()
-    assert results == [{"name": "grok-epoch-0-step-100", "checkpoint": checkpoints[0]["path"],
-                        "argv": grok_argv("tiny", checkpoints[0]["path"], 1e-4, 0.1, 0.98)}]
+    assert results == [
+        {"name": "grok-epoch-0-step-100", "checkpoint": checkpoints[0]["path"], "argv": grok_argv("tiny", checkpoints[0]["path"], 1e-4, 0.1, 0.98)}
+    ]
 
 
 async def test_grok_and_watch_are_disabled_without_a_host():
@@ -296,8 +510,7 @@ async def test_signals_follow_new_metrics_at_a_modest_rate_and_data_scaling_is_e
 
         app.session_event = counting
         total = steps + steps // 5
-        await wait_until(lambda: app.state.signals.get("writer", {}).get("n_records") == total, timeout=60,
-                         what="signals computed over every record")
+        await wait_until(lambda: app.state.signals.get("writer", {}).get("n_records") == total, timeout=60, what="signals computed over every record")
         assert 1 <= app.signals_fetches < len(events) + 2
         assert app.signals_fetches <= 2 + 6.0 / 2.0 + len(events) // 2  # throttled: never one request per event
         signals = app.state.signals["writer"]
@@ -317,8 +530,9 @@ async def test_signals_follow_new_metrics_at_a_modest_rate_and_data_scaling_is_e
 async def test_data_scaling_is_measured_from_the_runs_data_dir(tmp_path):
     data = tmp_path / "shards"
     data.mkdir()
-    (data / "meta.json").write_text(json.dumps({"created": time.time() - 50, "splits": {"train": {"samples": 40, "tokens": 5120},
-                                                                                         "val": {"samples": 10, "tokens": 1280}}}))
+    (data / "meta.json").write_text(
+        json.dumps({"created": time.time() - 50, "splits": {"train": {"samples": 40, "tokens": 5120}, "val": {"samples": 10, "tokens": 1280}}})
+    )
     (data / "train-00000.safetensors").write_bytes(b"\0" * 40_000)
     (data / "val-00000.safetensors").write_bytes(b"\0" * 10_000)
     app = live_app(tmp_path)
@@ -340,7 +554,8 @@ async def test_data_scaling_is_measured_from_the_runs_data_dir(tmp_path):
 SPECFORGE_LOG = "".join(
     f"03/16/2026 10:00:{i:02d} - INFO - specforge.utils - Eval - Step {step} [{step + 1}/10], position {k},  Acc: {acc:.2f}\n"
     + f"03/16/2026 10:00:{i:02d} - INFO - specforge.utils - Eval - Step {step} [{step + 1}/10], position {k}, pLoss: {2.0 / (i + 1) + k:.3f}\n"
-    for i, step in enumerate(range(50, 550, 50)) for k, acc in enumerate([0.5 + i * 0.02, 0.3 + i * 0.02])
+    for i, step in enumerate(range(50, 550, 50))
+    for k, acc in enumerate([0.5 + i * 0.02, 0.3 + i * 0.02])
 )
 
 
@@ -377,8 +592,7 @@ async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
     app = live_app(tmp_path, profile="no-such-profile")  # the started run fails fast instead of training on a shared CPU
     async with app.run_test(size=SIZE) as pilot:
         await connected(app)
-        base = (await app.client.request(Request.START_JOB, name="base", kind="train",
-                                         argv=[*job_argv(sys.executable), "--profile", "no-such-profile"]))["job"]
+        base = (await app.client.request(Request.START_JOB, name="base", kind="train", argv=[*job_argv(sys.executable), "--profile", "no-such-profile"]))["job"]
         checkpoints = Path(base["job_dir"]) / "checkpoints"
         for name in ("epoch_0_step_100", "epoch_0_step_200"):
             (checkpoints / name).mkdir(parents=True)

@@ -4,6 +4,7 @@ A NaN loss written by backend.metrics.MetricsWriter is counted and drawn as a ma
 never saw is indexed in the background with progress while the newest records show at once; zoom keys ask
 the host for the zoomed range.
 """
+
 import math
 import random
 import sys
@@ -43,8 +44,12 @@ async def test_nan_loss_from_the_trainers_writer_is_counted_and_marked(tmp_path)
         await app.client.request(Request.START_JOB, name="nan-run", kind="train", argv=[sys.executable, "-c", NAN_WRITER])
         app.select_job("nan-run")
         await pilot.press("2")
-        await wait_until(lambda: app.state.metrics.get("nan-run") and app.state.metrics["nan-run"].nonfinite_count(
-            "train.loss", app.state.metrics["nan-run"].train_loss) == 3, what="3 non-finite losses in the state")
+        await wait_until(
+            lambda: (
+                app.state.metrics.get("nan-run") and app.state.metrics["nan-run"].nonfinite_count("train.loss", app.state.metrics["nan-run"].train_loss) == 3
+            ),
+            what="3 non-finite losses in the state",
+        )
         await pilot.pause(0.3)
         app.redraw_now()
         await pilot.pause()
@@ -81,8 +86,9 @@ async def test_a_history_the_agent_never_saw_is_indexed_and_zoomable(tmp_path):
         await wait_until(lambda: app.state.connection.connected, timeout=60, what="the reconnect")
         app.select_job("long")
         await pilot.press("2")
-        await wait_until(lambda: (app.state.metrics.get("long") and app.state.metrics["long"].total_records == 30_060), timeout=120,
-                         what="the whole history indexed")
+        await wait_until(
+            lambda: app.state.metrics.get("long") and app.state.metrics["long"].total_records == 30_060, timeout=120, what="the whole history indexed"
+        )
         metrics = app.state.metrics["long"]
         assert len(metrics.train_loss) <= 2000, "only the tail is held as raw points"
         assert metrics.nonfinite_count("train.loss", metrics.train_loss) == 1
@@ -93,8 +99,7 @@ async def test_a_history_the_agent_never_saw_is_indexed_and_zoomable(tmp_path):
 
         current = lambda: app.state.metrics["long"]  # noqa: E731 - a reload replaces the job's metrics object
         await pilot.press("plus", "plus")  # zoom twice: a quarter of the run, following its end
-        await wait_until(lambda: current().zoom is not None and current().zoom.step_from == app.screen.view.lo, timeout=60,
-                         what="the zoom reply")
+        await wait_until(lambda: current().zoom is not None and current().zoom.step_from == app.screen.view.lo, timeout=60, what="the zoom reply")
         assert app.screen.view is not None and app.screen.view.hi == 30_000
         assert current().zoom.buckets["train.loss"][0]["step_lo"] >= app.screen.view.lo - 128
         await pilot.press("comma")  # earlier: the view stops following

@@ -1,6 +1,7 @@
 """Several hosts in one console: real loopback OpenSSH servers stand in for GPU hosts (each its own port, HOME and run
 dir); the Hosts view, the jobs table across hosts, actions on the selected job's host, one host going STALE alone; and a
 multi-node job shown as one row whose nodes and ranks say which one stopped reporting."""
+
 import asyncio
 import os
 import signal
@@ -18,7 +19,7 @@ from console.screens.modals import MultiNodeModal, StopModal
 from console.state import CONNECTED, FAILED, RECONNECTING, ConnectionStatus, ConsoleState
 from console.transport import SSHTransport
 from console.widgets.hosts import nodes_of
-from ssh_fixtures import RealSSHD, free_port, isolated_home, job_argv, pid_alive, sshd_available, wait_until  # noqa: F401 (a fixture)
+from ssh_fixtures import RealSSHD, free_port, job_argv, pid_alive, sshd_available, wait_until
 
 needs_sshd = pytest.mark.skipif(not sshd_available(), reason="OpenSSH sshd not installed (/usr/sbin/sshd); CI installs openssh-server")
 NOW = 1_800_000_000.0
@@ -42,9 +43,20 @@ def three_hosts(tmp_path):
 
 def transports(servers, known, tmp_path) -> list[SSHTransport]:
     env = servers[0].env()
-    return [SSHTransport("127.0.0.1", port=s.port, user=env.user, identity=str(env.client_key), known_hosts=str(known),
-                         python=sys.executable, run_dir=str(tmp_path / f"host-run-{i}"), backoff_initial=0.2, backoff_max=1.0)
-            for i, s in enumerate(servers)]
+    return [
+        SSHTransport(
+            "127.0.0.1",
+            port=s.port,
+            user=env.user,
+            identity=str(env.client_key),
+            known_hosts=str(known),
+            python=sys.executable,
+            run_dir=str(tmp_path / f"host-run-{i}"),
+            backoff_initial=0.2,
+            backoff_max=1.0,
+        )
+        for i, s in enumerate(servers)
+    ]
 
 
 def table_rows(app, selector: str) -> list[list[str]]:
@@ -75,8 +87,9 @@ async def test_three_hosts_one_console_actions_follow_the_selected_jobs_host_and
 
         await pilot.press("1")
         app.select_job("on-b", b.name)
-        await wait_until(lambda: app.active is b and app.state.metrics.get("on-b") and app.state.metrics["on-b"].records == 3,
-                         what="b active and on-b's metrics loaded")
+        await wait_until(
+            lambda: app.active is b and app.state.metrics.get("on-b") and app.state.metrics["on-b"].records == 3, what="b active and on-b's metrics loaded"
+        )
         app.redraw_now()
         await pilot.pause()
         jobs = table_rows(app, "#jobs")
@@ -109,9 +122,18 @@ SLEEPER = "import time; time.sleep(600)"
 async def sleeping_nodes(app, run_id: str) -> list[dict]:
     """A stand-in multi-node job: one sleeping process per host, recorded with the node fields; selected on node 0."""
     await wait_until(lambda: all(s.connected for s in app.sessions), timeout=60, what="every agent")
-    jobs = [(await s.request(Request.START_JOB, name=run_id, kind="train", argv=[sys.executable, "-c", SLEEPER],
-                             node={"run_id": run_id, "node_rank": rank, "nnodes": len(app.sessions), "rdzv_endpoint": "127.0.0.1:1"}))["job"]
-            for rank, s in enumerate(app.sessions)]
+    jobs = [
+        (
+            await s.request(
+                Request.START_JOB,
+                name=run_id,
+                kind="train",
+                argv=[sys.executable, "-c", SLEEPER],
+                node={"run_id": run_id, "node_rank": rank, "nnodes": len(app.sessions), "rdzv_endpoint": "127.0.0.1:1"},
+            )
+        )["job"]
+        for rank, s in enumerate(app.sessions)
+    ]
     await wait_until(lambda: all(run_id in s.state.jobs for s in app.sessions), what="every node listed")
     app.select_job(run_id, app.sessions[0].name)
     return jobs
@@ -138,8 +160,9 @@ async def test_a_node_whose_host_is_unreachable_is_named_and_left_alone_while_th
         assert app.screen.pids == [jobs[0]["pid"]]
         assert "NOT signalled" in str(app.screen.query_one("#stop-plan").render())
         await pilot.press("y")
-        verdict = await wait_until(lambda: next((line for _, line in app.state.actions if line.startswith("stop mn-x:")), None),
-                                   timeout=60, what="the verdicts")
+        verdict = await wait_until(
+            lambda: next((line for _, line in app.state.actions if line.startswith("stop mn-x:")), None), timeout=60, what="the verdicts"
+        )
         assert f"node 1 ({b.name}): NOT signalled, its host is not connected" in verdict
         assert not pid_alive(jobs[0]["pid"]) and pid_alive(jobs[1]["pid"])  # b's node was not ours to reach
         os.killpg(jobs[1]["pgid"], signal.SIGKILL)
@@ -181,8 +204,7 @@ async def test_a_changed_host_key_on_one_host_refuses_only_that_host(three_hosts
     app = build_app(transports(servers, known, tmp_path), poll_interval=None, refresh_throttle=0)
     a, b, c = app.sessions
     async with app.run_test(size=(170, 45)):
-        await wait_until(lambda: a.connected and c.connected and b.state.connection.state == FAILED, timeout=60,
-                         what="a and c connected, b refused")
+        await wait_until(lambda: a.connected and c.connected and b.state.connection.state == FAILED, timeout=60, what="a and c connected, b refused")
         assert "CHANGED" in b.state.connection.detail.upper() or "mismatch" in b.state.connection.detail.lower()
         assert app.disabled_reason("start_multinode") is None  # two hosts are still connected
 
@@ -193,14 +215,47 @@ def multinode_states(stalled: bool) -> list[ConsoleState]:
     for rank, host in enumerate(("gpu-a", "gpu-b")):
         state = ConsoleState(target=host, clock=lambda: NOW)
         state.set_connection(ConnectionStatus(state=CONNECTED, since=NOW - 60))
-        beat = {"rank": rank, "local_rank": 0, "node_rank": rank, "step": 120 - 40 * rank, "pid": 4000 + rank,
-                "age_s": 42.0 if (stalled and rank == 1) else 0.4, "step_age_s": 42.0 if (stalled and rank == 1) else 0.4}
-        state.jobs["mn-1"] = JobInfo(name="mn-1", kind="train", state="running", pid=3000 + rank, pgid=3000 + rank, start_time_ticks=1,
-                                     argv=["python", "-m", "torch.distributed.run"], job_dir="/r/jobs/mn-1", stdout_path="", stderr_path="",
-                                     started_at=NOW - 300, run_id="mn-1", node_rank=rank, nnodes=2, rdzv_endpoint="gpu-a:29500",
-                                     ranks=[beat], stalled_ranks=[1] if (stalled and rank == 1) else [])
-        state.jobs["solo"] = JobInfo(name="solo", kind="serve", state="running", pid=5000 + rank, pgid=5000 + rank, start_time_ticks=1,
-                                     argv=["x"], job_dir="/r/jobs/solo", stdout_path="", stderr_path="", started_at=NOW - 30)
+        beat = {
+            "rank": rank,
+            "local_rank": 0,
+            "node_rank": rank,
+            "step": 120 - 40 * rank,
+            "pid": 4000 + rank,
+            "age_s": 42.0 if (stalled and rank == 1) else 0.4,
+            "step_age_s": 42.0 if (stalled and rank == 1) else 0.4,
+        }
+        state.jobs["mn-1"] = JobInfo(
+            name="mn-1",
+            kind="train",
+            state="running",
+            pid=3000 + rank,
+            pgid=3000 + rank,
+            start_time_ticks=1,
+            argv=["python", "-m", "torch.distributed.run"],
+            job_dir="/r/jobs/mn-1",
+            stdout_path="",
+            stderr_path="",
+            started_at=NOW - 300,
+            run_id="mn-1",
+            node_rank=rank,
+            nnodes=2,
+            rdzv_endpoint="gpu-a:29500",
+            ranks=[beat],
+            stalled_ranks=[1] if (stalled and rank == 1) else [],
+        )
+        state.jobs["solo"] = JobInfo(
+            name="solo",
+            kind="serve",
+            state="running",
+            pid=5000 + rank,
+            pgid=5000 + rank,
+            start_time_ticks=1,
+            argv=["x"],
+            job_dir="/r/jobs/solo",
+            stdout_path="",
+            stderr_path="",
+            started_at=NOW - 30,
+        )
         states.append(state)
     return states
 
@@ -242,8 +297,16 @@ def test_a_multinode_stop_plan_names_every_nodes_host():
     states = multinode_states(stalled=False)
     app = build_app(state=states, poll_interval=None, refresh_throttle=0)
     nodes = nodes_of(app.sessions, "gpu-a", "mn-1")
-    plans = [{"jobs": ["mn-1"], "will_signal": [{"pid": 3000 + i, "job": "mn-1", "role": "leader", "cmdline": "torchrun"}],
-              "stale": [], "foreign_gpu_holders": [], "checkpoint_first": i == 0} for i in range(2)]
+    plans = [
+        {
+            "jobs": ["mn-1"],
+            "will_signal": [{"pid": 3000 + i, "job": "mn-1", "role": "leader", "cmdline": "torchrun"}],
+            "stale": [],
+            "foreign_gpu_holders": [],
+            "checkpoint_first": i == 0,
+        }
+        for i in range(2)
+    ]
     merged = merge_stop_plans("mn-1", nodes, plans)
     assert [e["job"] for e in merged["will_signal"]] == ["mn-1 (node 0 gpu-a)", "mn-1 (node 1 gpu-b)"]
     assert merged["checkpoint_first"] is True and merged["jobs"] == ["mn-1"]
@@ -256,16 +319,14 @@ def console_profile(mini_target_dir, tmp_path):
     from reference_fixtures import toml_text
 
     path = tmp_path / "mini-nodes.toml"
-    path.write_text(toml_text(mini_profile_dict(mini_target_dir, max_steps=100000, save_interval=100000, eval_interval=100000,
-                                                log_interval=1, warmup_steps=2)))
+    path.write_text(toml_text(mini_profile_dict(mini_target_dir, max_steps=100000, save_interval=100000, eval_interval=100000, log_interval=1, warmup_steps=2)))
     return path
 
 
 @needs_sshd
 @pytest.mark.sshd
 @pytest.mark.slow
-async def test_m_trains_one_job_across_two_sshd_hosts_and_s_stops_every_node_with_one_checkpoint(three_hosts, tmp_path, console_profile,
-                                                                                                  mini_target_dir):
+async def test_m_trains_one_job_across_two_sshd_hosts_and_s_stops_every_node_with_one_checkpoint(three_hosts, tmp_path, console_profile, mini_target_dir):
     from backend.layout import list_checkpoints
     from backend.serve.preflight import run_preflight
 
@@ -275,8 +336,7 @@ async def test_m_trains_one_job_across_two_sshd_hosts_and_s_stops_every_node_wit
     for transport in hosts:
         transport.extra_files = [(f"profiles/{console_profile.name}", console_profile)]
     port = free_port()
-    app = build_app(hosts, profile=console_profile.stem, poll_interval=1.0, refresh_throttle=0, stop_grace=90,
-                    rdzv_endpoint=f"127.0.0.1:{port}")
+    app = build_app(hosts, profile=console_profile.stem, poll_interval=1.0, refresh_throttle=0, stop_grace=90, rdzv_endpoint=f"127.0.0.1:{port}")
     a, b = app.sessions
     async with app.run_test(size=(170, 45)) as pilot:
         await wait_until(lambda: a.connected and b.connected, timeout=60, what="two agents over sshd")
@@ -309,8 +369,9 @@ async def test_m_trains_one_job_across_two_sshd_hosts_and_s_stops_every_node_wit
         assert {e["job"].rsplit("(", 1)[1] for e in plan["will_signal"]} == {f"node 0 {a.name})", f"node 1 {b.name})"}
         pids = app.screen.pids
         await pilot.press("y")
-        verdict = await wait_until(lambda: next((line for _, line in app.state.actions if line.startswith(f"stop {run}: node 0")), None),
-                                   timeout=180, what="a verdict per node")
+        verdict = await wait_until(
+            lambda: next((line for _, line in app.state.actions if line.startswith(f"stop {run}: node 0")), None), timeout=180, what="a verdict per node"
+        )
         assert f"node 1 ({b.name}):" in verdict and "failed" not in verdict
         assert not [pid for pid in pids if pid_alive(pid)], "a process of the stopped run is still alive"
         checkpoints = list_checkpoints(dirs[0])

@@ -13,8 +13,13 @@ from test_console_snapshots import frozen_state
 
 SIZES = [(100, 30), (170, 45)]
 SCREENS = {"1": "dashboard", "2": "training", "3": "logs", "4": "grokking", "5": "chain"}
-SCREEN_KEYS = {"dashboard": {"h"}, "training": {"x", "y", "e", "o", "+", "-", ",", ".", "0"}, "logs": {"f", "o"},
-               "grokking": {"+", "-", ",", ".", "0"}, "chain": set()}
+SCREEN_KEYS = {
+    "dashboard": {"h"},
+    "training": {"x", "y", "e", "o", "+", "-", ",", ".", "0"},
+    "logs": {"f", "o"},
+    "grokking": {"+", "-", ",", ".", "0"},
+    "chain": set(),
+}
 APP_KEYS = {a.key for a in ACTIONS if a.screen is None and a.name not in MULTI_HOST_ACTIONS}  # a one-host console's keys
 MULTI_HOST_KEYS = {a.key for a in ACTIONS if a.name in MULTI_HOST_ACTIONS}
 MULTI_HOST_SCREENS = {"1": "dashboard", "6": "hosts"}
@@ -146,8 +151,9 @@ async def test_a_multi_host_console_shows_every_key_too(size, key):
         assert not missing, f"{MULTI_HOST_SCREENS[key]} at {size}: keys not on screen: {sorted(missing)}"
 
 
-@pytest.mark.parametrize("key,size", [(k, s) for k in MULTI_HOST_SCREENS for s in SIZES],
-                         ids=[f"{MULTI_HOST_SCREENS[k]}-{s[0]}x{s[1]}" for k in MULTI_HOST_SCREENS for s in SIZES])
+@pytest.mark.parametrize(
+    "key,size", [(k, s) for k in MULTI_HOST_SCREENS for s in SIZES], ids=[f"{MULTI_HOST_SCREENS[k]}-{s[0]}x{s[1]}" for k in MULTI_HOST_SCREENS for s in SIZES]
+)
 def test_multi_host_snapshot(snap_compare, key, size):
     async def run_before(pilot):
         await show_multi_host(pilot, key)

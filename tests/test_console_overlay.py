@@ -1,5 +1,6 @@
 """Two runs on the Training screen's axes: `o` cycles the host's other training jobs and watched runs (then off); the
 overlay's loss / accuracy / LR come from that job's own whole-history summary, drawn dim under the selected job's."""
+
 import math
 import sys
 from pathlib import Path
@@ -23,9 +24,19 @@ pytestmark = pytest.mark.usefixtures("utc")  # snapshot clocks read in UTC (test
 
 
 def job(name: str, kind: str = "train", started: float = NOW - 600) -> dict:
-    return {"name": name, "kind": kind, "state": "running", "pid": 2000 + len(name), "pgid": 2000 + len(name), "start_time_ticks": 1,
-            "argv": ["eagle3-host", kind], "job_dir": f"/root/.eagle3/jobs/{name}", "stdout_path": "o", "stderr_path": "e",
-            "started_at": started}
+    return {
+        "name": name,
+        "kind": kind,
+        "state": "running",
+        "pid": 2000 + len(name),
+        "pgid": 2000 + len(name),
+        "start_time_ticks": 1,
+        "argv": ["eagle3-host", kind],
+        "job_dir": f"/root/.eagle3/jobs/{name}",
+        "stdout_path": "o",
+        "stderr_path": "e",
+        "started_at": started,
+    }
 
 
 def continuation_records() -> list[dict]:
@@ -35,8 +46,7 @@ def continuation_records() -> list[dict]:
         loss = 1.62 + 0.3 * math.exp(-(step - 4000) / 600)
         records.append({"step": step, "split": "train", "loss": loss, "lr": 1e-4, "grad_norm": 0.4, "tokens": step * 4096})
         if step % 400 == 0:
-            records.append({"step": step, "split": "val", "loss": loss + 0.25,
-                            "acc": [0.741 + 0.04 * (step - 4000) / 2000 - 0.05 * k for k in range(7)]})
+            records.append({"step": step, "split": "val", "loss": loss + 0.25, "acc": [0.741 + 0.04 * (step - 4000) / 2000 - 0.05 * k for k in range(7)]})
     return records
 
 
@@ -158,8 +168,7 @@ WRITER = (
 def live_app(tmp_path: Path):
     from console.transport import LocalTransport
 
-    return build_app(LocalTransport(tmp_path / "run", backoff_initial=0.2, backoff_max=1.0), poll_interval=None,
-                     refresh_throttle=0, stop_grace=5)
+    return build_app(LocalTransport(tmp_path / "run", backoff_initial=0.2, backoff_max=1.0), poll_interval=None, refresh_throttle=0, stop_grace=5)
 
 
 async def test_the_overlay_points_come_from_the_second_jobs_summary_on_the_host(tmp_path):

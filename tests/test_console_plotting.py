@@ -1,4 +1,5 @@
 """Curve preparation: min/max downsampling keeps spikes, EMA, log10 axes with our own tick labels."""
+
 import math
 
 import pytest

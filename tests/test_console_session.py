@@ -2,6 +2,7 @@
 
 No Pilot and no app: a listener records what the session reports, as the app would hear it.
 """
+
 import asyncio
 import sys
 
@@ -60,8 +61,7 @@ async def test_a_session_connects_loads_a_jobs_metrics_and_logs_and_stops_it_wit
         assert {"hello", "jobs"} <= set().union(*heard.sections)
         await session.request(Request.START_JOB, name="writer", kind="train", argv=[sys.executable, "-c", WRITER])
         await wait_until(lambda: "writer" in session.state.jobs, what="the jobs event naming the new job")
-        await wait_until(lambda: session.state.metrics.get("writer") and session.state.metrics["writer"].offset > 0,
-                         what="live metrics events")
+        await wait_until(lambda: session.state.metrics.get("writer") and session.state.metrics["writer"].offset > 0, what="live metrics events")
         await asyncio.sleep(0.5)
         await session.load_metrics("writer")
         metrics = session.state.metrics["writer"]

@@ -4,6 +4,7 @@ Against an in-process asyncssh server running real subprocesses, and against a r
 127.0.0.1 (skipped when /usr/sbin/sshd is absent; CI installs it). HOME, keys and known_hosts are all
 under tmp_path; the real ~/.ssh is never read or written.
 """
+
 import asyncio
 import json
 import os
@@ -19,8 +20,15 @@ from console.app import build_app
 from console.client import AgentClient
 from console.state import CONNECTED, RECONNECTING
 from console.transport import REPO_ROOT, FatalTransportError, SSHTransport, content_hash, backend_files
-from ssh_fixtures import (InProcessSSHServer, RealSSHD, isolated_home, job_argv, other_host_public_key, pid_alive,  # noqa: F401 (a fixture)
-                          sshd_available, wait_until)
+from ssh_fixtures import (
+    InProcessSSHServer,
+    RealSSHD,
+    job_argv,
+    other_host_public_key,
+    pid_alive,
+    sshd_available,
+    wait_until,
+)
 
 needs_sshd = pytest.mark.skipif(not sshd_available(), reason="OpenSSH sshd not installed (/usr/sbin/sshd); CI installs openssh-server")
 
@@ -125,8 +133,7 @@ async def test_ssh_config_and_its_known_hosts_file_are_honoured(inproc, tmp_path
     env = inproc.env()
     env.pin_host_key()
     (isolated_home / ".ssh" / "config").write_text(
-        f"Host gpu-box\n  HostName 127.0.0.1\n  Port {env.port}\n  User operator\n"
-        f"  IdentityFile {env.client_key}\n  UserKnownHostsFile {env.known_hosts}\n"
+        f"Host gpu-box\n  HostName 127.0.0.1\n  Port {env.port}\n  User operator\n  IdentityFile {env.client_key}\n  UserKnownHostsFile {env.known_hosts}\n"
     )
     transport = SSHTransport("gpu-box", python=sys.executable, run_dir=str(tmp_path / "host-run"))
     client = await connected_client(transport)

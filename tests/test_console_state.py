@@ -1,9 +1,21 @@
 """The console state folds agent messages: jobs, GPUs, no-driver state, metrics with exact offsets, logs."""
+
 from console.state import CONNECTED, RECONNECTING, ConnectionStatus, ConsoleState
 
 JOB = {
-    "name": "train-1", "kind": "train", "state": "running", "pid": 10, "pgid": 10, "start_time_ticks": 5, "argv": ["x"],
-    "job_dir": "/r/jobs/train-1", "stdout_path": "/r/o", "stderr_path": "/r/e", "started_at": 100.0, "detail": "", "future_field": 1,
+    "name": "train-1",
+    "kind": "train",
+    "state": "running",
+    "pid": 10,
+    "pgid": 10,
+    "start_time_ticks": 5,
+    "argv": ["x"],
+    "job_dir": "/r/jobs/train-1",
+    "stdout_path": "/r/o",
+    "stderr_path": "/r/e",
+    "started_at": 100.0,
+    "detail": "",
+    "future_field": 1,
 }
 
 
@@ -47,7 +59,9 @@ def test_metrics_events_after_history_use_byte_offsets_without_duplicates_or_hol
 
 def test_nonfinite_values_are_counted_not_plotted_and_out_of_order_steps_are_sorted():
     state = ConsoleState()
-    state.apply({"type": "metrics", "job": "j", "records": [{"step": 5, "loss": 1.0}, {"step": 6, "loss": float("nan")}, {"step": 3, "loss": 2.0}], "offset": 10})
+    state.apply(
+        {"type": "metrics", "job": "j", "records": [{"step": 5, "loss": 1.0}, {"step": 6, "loss": float("nan")}, {"step": 3, "loss": 2.0}], "offset": 10}
+    )
     series = state.metrics["j"].train_loss
     assert series.steps == [3.0, 5.0] and series.values == [2.0, 1.0] and series.nonfinite == 1
 
@@ -55,11 +69,26 @@ def test_nonfinite_values_are_counted_not_plotted_and_out_of_order_steps_are_sor
 def test_snapshot_fills_latest_metrics_and_keeps_disks_until_the_agent_measured_them():
     state = ConsoleState()
     state.apply({"type": "disk", "disks": [{"path": "/r", "label": "run_dir", "total_bytes": 10, "used_bytes": 5, "free_bytes": 5}]})
-    state.apply_snapshot({
-        "hello": {"protocol": 1, "host": "h", "python": "3.12", "agent_pid": 1, "run_dir": "/r", "driver": None, "nvml": "no", "gpu_source": "none", "sglang": None},
-        "gpus": [], "driver": {"available": False, "message": "no driver"},
-        "jobs": [JOB], "metrics": {"train-1": {"step": 7, "split": "train", "loss": 2.5}}, "disks": [],
-    })
+    state.apply_snapshot(
+        {
+            "hello": {
+                "protocol": 1,
+                "host": "h",
+                "python": "3.12",
+                "agent_pid": 1,
+                "run_dir": "/r",
+                "driver": None,
+                "nvml": "no",
+                "gpu_source": "none",
+                "sglang": None,
+            },
+            "gpus": [],
+            "driver": {"available": False, "message": "no driver"},
+            "jobs": [JOB],
+            "metrics": {"train-1": {"step": 7, "split": "train", "loss": 2.5}},
+            "disks": [],
+        }
+    )
     assert state.hello.host == "h" and state.no_driver
     assert state.metrics["train-1"].latest_train["loss"] == 2.5
     assert state.disks and state.disks[0].path == "/r"
@@ -86,10 +115,12 @@ def test_connection_status_decides_staleness():
 
 def test_holders_split_memory_into_ours_and_foreign_per_gpu():
     state = ConsoleState()
-    state.apply_holders([
-        {"pid": 1, "owned": True, "job": "t", "gpu_indices": [0], "used_memory_mib": 100.0},
-        {"pid": 2, "owned": False, "gpu_indices": [0, 1], "used_memory_mib": 50.0},
-    ])
+    state.apply_holders(
+        [
+            {"pid": 1, "owned": True, "job": "t", "gpu_indices": [0], "used_memory_mib": 100.0},
+            {"pid": 2, "owned": False, "gpu_indices": [0, 1], "used_memory_mib": 50.0},
+        ]
+    )
     assert state.owned_memory_by_gpu() == {0: 100.0}
     assert state.foreign_memory_by_gpu() == {0: 25.0, 1: 25.0}
 
@@ -112,9 +143,17 @@ def test_latest_metrics_panel_shows_the_trainers_own_speed_and_memory():
     from console.widgets.panels import latest_metrics_text
 
     state = ConsoleState()
-    state.apply({"type": "metrics", "job": "t", "records": [
-        {"step": 10, "split": "train", "loss": 2.0, "tokens": 20480, "step_time": 0.073, "tokens_per_s": 28080.0, "mfu": 0.65, "peak_mem_gib": 11.13}],
-        "offset": 100, "start_offset": 0})
+    state.apply(
+        {
+            "type": "metrics",
+            "job": "t",
+            "records": [
+                {"step": 10, "split": "train", "loss": 2.0, "tokens": 20480, "step_time": 0.073, "tokens_per_s": 28080.0, "mfu": 0.65, "peak_mem_gib": 11.13}
+            ],
+            "offset": 100,
+            "start_offset": 0,
+        }
+    )
     text = str(latest_metrics_text(state, "t"))
     assert "tok/s" in text and "MFU 65" in text and "peak 11.1 GiB" in text
 

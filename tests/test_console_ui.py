@@ -1,4 +1,5 @@
 """Pilot tests: keys, screens, the command palette, guarded actions and their modals, against the real local agent."""
+
 import asyncio
 import dataclasses
 import os
@@ -254,8 +255,13 @@ async def test_actions_are_disabled_while_disconnected_and_come_back(tmp_path):
 
 
 def one_pid_plan(job: str) -> dict:
-    return {"jobs": [job], "will_signal": [{"pid": 1234, "job": job, "cmdline": "python -m backend train", "role": "leader"}],
-            "stale": [], "foreign_gpu_holders": [], "checkpoint_first": True}
+    return {
+        "jobs": [job],
+        "will_signal": [{"pid": 1234, "job": job, "cmdline": "python -m backend train", "role": "leader"}],
+        "stale": [],
+        "foreign_gpu_holders": [],
+        "checkpoint_first": True,
+    }
 
 
 def state_with_a_job_in_setup():
@@ -335,8 +341,7 @@ async def test_stop_modal_of_a_real_training_job_still_in_setup_says_no_checkpoi
         await app.client.request(Request.START_JOB, name="in-setup", kind="train", argv=setup)
         await wait_until(lambda: "in-setup" in app.state.jobs, what="the job listed")
         app.select_job("in-setup")
-        await wait_until(lambda: app.state.metrics.get("in-setup") and app.state.metrics["in-setup"].history_loaded,
-                         what="its (empty) metrics loaded")
+        await wait_until(lambda: app.state.metrics.get("in-setup") and app.state.metrics["in-setup"].history_loaded, what="its (empty) metrics loaded")
         await pilot.press("s")
         modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopModal) else None, what="the stop modal")
         text = str(modal.query_one("#stop-plan").render())
@@ -353,8 +358,7 @@ class FakeClient:
 
     def __init__(self, checkpoints_after: list[dict]):
         self.sent: list[tuple[str, dict]] = []
-        self.listings = [[{"path": "/r/jobs/train-kimi/checkpoints/epoch_1_step_2000", "epoch": 1, "step": 2000, "latest": True}],
-                         checkpoints_after]
+        self.listings = [[{"path": "/r/jobs/train-kimi/checkpoints/epoch_1_step_2000", "epoch": 1, "step": 2000, "latest": True}], checkpoints_after]
 
     async def request(self, kind, /, timeout=None, **params):
         self.sent.append((kind, params))
@@ -365,8 +369,21 @@ class FakeClient:
         if kind == Request.STOP_JOB:
             return {"verdicts": [{"pid": 1234, "outcome": "exited_on_term"}]}
         if kind == Request.START_JOB:
-            return {"job": {"name": params["name"], "kind": "train", "state": "running", "pid": 777, "pgid": 777, "start_time_ticks": 1,
-                            "argv": params["argv"], "job_dir": "/r/jobs/x", "stdout_path": "o", "stderr_path": "e", "started_at": 1.0}}
+            return {
+                "job": {
+                    "name": params["name"],
+                    "kind": "train",
+                    "state": "running",
+                    "pid": 777,
+                    "pgid": 777,
+                    "start_time_ticks": 1,
+                    "argv": params["argv"],
+                    "job_dir": "/r/jobs/x",
+                    "stdout_path": "o",
+                    "stderr_path": "e",
+                    "started_at": 1.0,
+                }
+            }
         if kind == Request.SNAPSHOT:
             return {}
         if kind == Request.HOLDERS:
@@ -388,16 +405,19 @@ async def test_a_stop_that_wrote_a_checkpoint_offers_one_key_to_resume_from_it()
     async with app.run_test(size=SIZE) as pilot:
         app.select_job("train-kimi")
         await pilot.pause()
-        client = FakeClient([{"path": "/r/jobs/train-kimi/checkpoints/epoch_1_step_2000", "epoch": 1, "step": 2000, "latest": False},
-                             {"path": NEW_CKPT, "epoch": 2, "step": 4012, "latest": True}])
+        client = FakeClient(
+            [
+                {"path": "/r/jobs/train-kimi/checkpoints/epoch_1_step_2000", "epoch": 1, "step": 2000, "latest": False},
+                {"path": NEW_CKPT, "epoch": 2, "step": 4012, "latest": True},
+            ]
+        )
         app.client = client
         assert app.disabled_reason("resume") == "no stop has written a checkpoint yet"
         await pilot.press("s")
         await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal")
         await pilot.press("y")
         await wait_until(lambda: app.resume_target is not None, what="the checkpoint the stop wrote")
-        assert any(line == f"stop train-kimi: 1234 exited_on_term; it wrote {NEW_CKPT}: press c to resume from it"
-                   for _, line in app.state.actions)
+        assert any(line == f"stop train-kimi: 1234 exited_on_term; it wrote {NEW_CKPT}: press c to resume from it" for _, line in app.state.actions)
         assert app.disabled_reason("resume") is None
         await pilot.press("c")
         await wait_until(lambda: isinstance(app.screen, ResumeModal), what="the resume modal")
@@ -432,7 +452,13 @@ def test_resume_argv_lives_beside_grok_argv():
     from backend.commands import resume_argv, resume_job_name
 
     assert resume_argv("kimi-k2.5", "/x/checkpoints/epoch_0_step_300/") == [
-        "eagle3-host", "train", "--profile", "kimi-k2.5", "--resume", "/x/checkpoints/epoch_0_step_300"]
+        "eagle3-host",
+        "train",
+        "--profile",
+        "kimi-k2.5",
+        "--resume",
+        "/x/checkpoints/epoch_0_step_300",
+    ]
     assert resume_job_name("/x/checkpoints/epoch_0_step_300") == "resume-epoch-0-step-300"
 
 
@@ -466,8 +492,20 @@ async def test_readonly_disables_and_hides_every_destructive_action():
 
 
 def job_wire(name: str, state: str, exit_code=None) -> dict:
-    return {"name": name, "kind": "train", "state": state, "pid": 1234, "pgid": 1234, "start_time_ticks": 1, "argv": ["eagle3-host", "train"],
-            "job_dir": "/x", "stdout_path": "o", "stderr_path": "e", "started_at": 1.0, "exit_code": exit_code}
+    return {
+        "name": name,
+        "kind": "train",
+        "state": state,
+        "pid": 1234,
+        "pgid": 1234,
+        "start_time_ticks": 1,
+        "argv": ["eagle3-host", "train"],
+        "job_dir": "/x",
+        "stdout_path": "o",
+        "stderr_path": "e",
+        "started_at": 1.0,
+        "exit_code": exit_code,
+    }
 
 
 async def test_notify_sends_bell_and_osc_9_and_777_on_each_alert_once():
@@ -484,8 +522,13 @@ async def test_notify_sends_bell_and_osc_9_and_777_on_each_alert_once():
         app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "exited", 1)]})
         assert len(app.terminal_writes) == 1
 
-        app.handle_event({"type": "stages", "job": "chain-train-a", "records": [
-            {"stage": "canary", "status": "failed", "time": 5.0, "elapsed": 1.0, "detail": "canary RED: accept length 1.00; zero acceptance"}]})
+        app.handle_event(
+            {
+                "type": "stages",
+                "job": "chain-train-a",
+                "records": [{"stage": "canary", "status": "failed", "time": 5.0, "elapsed": 1.0, "detail": "canary RED: accept length 1.00; zero acceptance"}],
+            }
+        )
         assert "canary RED in chain-train-a" in app.terminal_writes[-1] and len(app.terminal_writes) == 2
 
         app.state.signals["train-a"] = {"onset": {"detected": True, "step": 14000}}
@@ -542,6 +585,7 @@ async def test_h_expands_and_collapses_the_workers_on_the_dashboard():
 async def test_a_worker_that_fails_without_a_message_still_says_what_failed():
     app = frozen_app()
     async with app.run_test(size=SIZE) as pilot:
+
         async def times_out():
             raise asyncio.TimeoutError()
 

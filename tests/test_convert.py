@@ -1,4 +1,5 @@
 """convert: a layers.0.* / prefixed / alias-arch checkpoint becomes SGLang's midlayer.* format, or is refused untouched."""
+
 import argparse
 import json
 
@@ -21,7 +22,7 @@ def broken_checkpoint(tmp_path, mutate_keys=None, mutate_config=None):
     bad = {}
     for key, tensor in tensors.items():
         if key.startswith("midlayer."):
-            key = "layers.0." + key[len("midlayer."):]
+            key = "layers.0." + key[len("midlayer.") :]
         if key == "fc.weight":
             key = "draft_model.fc.weight"
         if key == "norm.weight":

@@ -1,4 +1,5 @@
 """Draft training data: target-generated tiny samples, chat templates with assistant masks, offline shards, rank sharding."""
+
 import fcntl
 import json
 import threading
@@ -125,19 +126,23 @@ def chat_tokenizer():
     words = ["[UNK]", "[PAD]", "<|user|>", "<|assistant|>", "<|end|>", "hello", "there", "how", "are", "you", "fine", "thanks", "bye", "?", "!"]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]",
-                                        additional_special_tokens=["<|user|>", "<|assistant|>", "<|end|>"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]", additional_special_tokens=["<|user|>", "<|assistant|>", "<|end|>"]
+    )
     tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
     )
     return tokenizer
 
 
 def test_chat_template_masks_exactly_the_assistant_turns():
     tokenizer = chat_tokenizer()
-    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "how are you ?"},
-                {"role": "user", "content": "fine thanks"}, {"role": "assistant", "content": "bye !"}]
+    messages = [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "how are you ?"},
+        {"role": "user", "content": "fine thanks"},
+        {"role": "assistant", "content": "bye !"},
+    ]
     sample = tokenize_conversation(tokenizer, messages, max_len=100)
     tokens = tokenizer.convert_ids_to_tokens(sample.input_ids.tolist())
     trained = [t for t, m in zip(tokens, sample.loss_mask.tolist()) if m]
@@ -175,8 +180,10 @@ def test_conversations_split_into_train_and_held_out_validation(tmp_path):
 @pytest.mark.parametrize("store", ["logits", "last_hidden"])
 def test_offline_shards_feed_the_same_batches_as_the_online_target(mini_target, mini_profile, tmp_path, store):
     ids = torch.randint(0, 256, (6, 14), generator=torch.Generator().manual_seed(5))
-    splits = {"train": [Sample(ids[i], torch.ones(14, dtype=torch.uint8)) for i in range(4)],
-              "val": [Sample(ids[i, : 6 + i], torch.ones(6 + i, dtype=torch.uint8)) for i in range(4, 6)]}
+    splits = {
+        "train": [Sample(ids[i], torch.ones(14, dtype=torch.uint8)) for i in range(4)],
+        "val": [Sample(ids[i, : 6 + i], torch.ones(6 + i, dtype=torch.uint8)) for i in range(4, 6)],
+    }
     extract(mini_target, splits, tmp_path / "shards", store=store, batch_size=3)
     offline, online = OfflineSource(tmp_path / "shards", mini_profile), OnlineSource(mini_target, splits)
     assert offline.size("train") == 4 and offline.size("val") == 2
@@ -196,7 +203,9 @@ def test_offline_shards_feed_the_same_batches_as_the_online_target(mini_target, 
 def test_offline_shards_of_other_aux_layers_are_refused(mini_profile, tmp_path):
     target = load_target(mini_profile, aux_layer_ids=[0, 1, 1])
     ids = torch.randint(0, 256, (3, 8))
-    extract(target, {"train": [Sample(i, torch.ones(8, dtype=torch.uint8)) for i in ids], "val": [Sample(ids[0], torch.ones(8, dtype=torch.uint8))]}, tmp_path / "s")
+    extract(
+        target, {"train": [Sample(i, torch.ones(8, dtype=torch.uint8)) for i in ids], "val": [Sample(ids[0], torch.ones(8, dtype=torch.uint8))]}, tmp_path / "s"
+    )
     with pytest.raises(DataError, match=r"holds aux layers \[0, 1, 1\] but profile 'mini' trains on \[0, 1, 2\]"):
         OfflineSource(tmp_path / "s", mini_profile)
 

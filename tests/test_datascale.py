@@ -1,4 +1,5 @@
 """Data-scaling numbers: measured from an extraction's files, estimated from a profile otherwise."""
+
 import json
 import os
 import shutil

@@ -1,4 +1,5 @@
 """The EAGLE-3 draft: config mapping, width refusal, TTT semantics, attention backends, incremental decoding."""
+
 import ast
 import sys
 from pathlib import Path
@@ -34,9 +35,20 @@ def one_torch_thread():
 
 def small_config(**overrides) -> DraftModelConfig:
     values = dict(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
-        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, vocab_size=40, draft_vocab_size=24,
-        target_hidden_size=32, aux_layer_ids=[1, 2, 4], torch_dtype="float32", ttt_length=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        vocab_size=40,
+        draft_vocab_size=24,
+        target_hidden_size=32,
+        aux_layer_ids=[1, 2, 4],
+        torch_dtype="float32",
+        ttt_length=4,
     )
     values.update(overrides)
     return DraftModelConfig(**values)
@@ -281,6 +293,7 @@ def test_ttt_hidden_is_ttt_forward_without_the_lm_head(backend):
 
 # --- the layer owns its forward: the model's outputs are bit for bit what the model computed before -----------------
 
+
 def _old_rms(hidden, norm):
     dtype = hidden.dtype
     hidden = hidden.float()
@@ -414,9 +427,20 @@ def test_checkpoint_keys_are_sglang_s_midlayer_names():
     """Moving the forward into the layer kept every parameter and buffer name and shape a checkpoint holds."""
     keys = {name: tuple(tensor.shape) for name, tensor in make_draft(small_config()).state_dict().items()}
     assert keys == {
-        "embed_tokens.weight": (40, 32), "fc.weight": (32, 96), "lm_head.weight": (24, 32), "norm.weight": (32,), "d2t": (24,), "t2d": (40,),
-        "midlayer.self_attn.q_proj.weight": (64, 64), "midlayer.self_attn.k_proj.weight": (32, 64), "midlayer.self_attn.v_proj.weight": (32, 64),
-        "midlayer.self_attn.o_proj.weight": (32, 64), "midlayer.mlp.gate_proj.weight": (64, 32), "midlayer.mlp.up_proj.weight": (64, 32),
-        "midlayer.mlp.down_proj.weight": (32, 64), "midlayer.input_layernorm.weight": (32,), "midlayer.hidden_norm.weight": (32,),
+        "embed_tokens.weight": (40, 32),
+        "fc.weight": (32, 96),
+        "lm_head.weight": (24, 32),
+        "norm.weight": (32,),
+        "d2t": (24,),
+        "t2d": (40,),
+        "midlayer.self_attn.q_proj.weight": (64, 64),
+        "midlayer.self_attn.k_proj.weight": (32, 64),
+        "midlayer.self_attn.v_proj.weight": (32, 64),
+        "midlayer.self_attn.o_proj.weight": (32, 64),
+        "midlayer.mlp.gate_proj.weight": (64, 32),
+        "midlayer.mlp.up_proj.weight": (64, 32),
+        "midlayer.mlp.down_proj.weight": (32, 64),
+        "midlayer.input_layernorm.weight": (32,),
+        "midlayer.hidden_norm.weight": (32,),
         "midlayer.post_attention_layernorm.weight": (32,),
     }

@@ -1,4 +1,5 @@
 """Foreign runs, read-only: real tfevents files written by torch's SummaryWriter, and SpecForge console logs."""
+
 import math
 import os
 import struct
@@ -8,8 +9,7 @@ from tensorboard.compat.proto import summary_pb2, tensor_pb2, types_pb2
 from tensorboard.compat.tensorflow_stub import pywrap_tensorflow as tb_crc
 from torch.utils.tensorboard import SummaryWriter
 
-from backend.external import (ExternalRunReader, TFRecordFollower, crc32c, map_tag, masked_crc32c, parse_event,
-                              parse_step_dict, plainly_clean)
+from backend.external import ExternalRunReader, TFRecordFollower, crc32c, map_tag, masked_crc32c, parse_event, parse_step_dict, plainly_clean
 from backend.metrics import check_record, normalize_record
 from backend.signals import estimate_tau
 
@@ -30,6 +30,7 @@ def log_specforge_step(writer, step, mode="train", base=1.0):
 # SpecForge 0.2/0.3 (specforge/training/controller.py, specforge/eval/evaluator.py) hands its logger these dicts;
 # the helpers below build them from their documented shape, with our own values.
 
+
 def specforge_train_metrics(step, base=1.0):
     """What TrainerController logs every log_interval optimizer steps (EAGLE-3 strategy): bare names."""
     metrics = {f"acc_{i}": 0.875 - 0.125 * i for i in range(TTT)}
@@ -40,9 +41,16 @@ def specforge_train_metrics(step, base=1.0):
     metrics["acceptance_rate"] = 0.5
     metrics["grad_norm"] = 0.25 + step / 1000
     metrics["lr"] = 1e-4 / (1 + step / 100)
-    metrics.update({"perf/optimizer_steps_per_hour": 3600.0, "perf/optimizer_step_time_s": 1.5,
-                    "perf/data_wait_time_s": 0.125, "perf/train_compute_time_s": 1.25,
-                    "perf/durable_ack_time_s": 0.0, "perf/global_samples_per_second": 8.0})
+    metrics.update(
+        {
+            "perf/optimizer_steps_per_hour": 3600.0,
+            "perf/optimizer_step_time_s": 1.5,
+            "perf/data_wait_time_s": 0.125,
+            "perf/train_compute_time_s": 1.25,
+            "perf/durable_ack_time_s": 0.0,
+            "perf/global_samples_per_second": 8.0,
+        }
+    )
     return metrics
 
 
@@ -52,8 +60,12 @@ def specforge_eval_metrics(step, acc=VAL_ACC, base=2.0):
     for a in acc:
         product *= a
         tau_minus_one += product
-    metrics = {"eval/avg_loss": sum(0.8**i * (base + i) for i in range(len(acc))), "eval/avg_acc": acc[0],
-               "eval/per_position_acc": list(acc), "eval/simulated_acc_len": tau_minus_one}
+    metrics = {
+        "eval/avg_loss": sum(0.8**i * (base + i) for i in range(len(acc))),
+        "eval/avg_acc": acc[0],
+        "eval/per_position_acc": list(acc),
+        "eval/simulated_acc_len": tau_minus_one,
+    }
     metrics.update({f"eval/acceptance_rate_{i}": 0.5 - 0.125 * i for i in range(len(acc))})
     metrics.update({f"eval/ploss_{i}": base + i for i in range(len(acc))})
     return metrics
@@ -102,6 +114,7 @@ def event_files(directory):
 
 # ---------------------------------------------------------------- framing and protobuf
 
+
 def test_crc32c_matches_known_vector_and_tensorboards_implementation():
     assert crc32c(b"123456789") == 0xE3069283
     assert crc32c(b"") == 0
@@ -133,12 +146,20 @@ def test_map_tag_current_specforge_names():
     assert map_tag("perf/optimizer_step_time_s") == ("train", "step_time", None)  # console log without a tracker
     assert map_tag("train/plosses/1") == ("train", "ploss", 1)
     # means over positions and derived values have no home in a record (acc and acceptance_rate are lists there)
-    for tag in ("train/acc", "train/acceptance_rate", "eval/avg_acc", "eval/simulated_acc_len",
-                "train/perf/global_samples_per_second", "eval/per_position_acc", "train/loss/0"):
+    for tag in (
+        "train/acc",
+        "train/acceptance_rate",
+        "eval/avg_acc",
+        "eval/simulated_acc_len",
+        "train/perf/global_samples_per_second",
+        "eval/per_position_acc",
+        "train/loss/0",
+    ):
         assert map_tag(tag) is None, tag
 
 
 # ---------------------------------------------------------------- tensorboard event files
+
 
 def test_reads_specforge_tags_incrementally_from_a_directory(tmp_path):
     writer = SummaryWriter(str(tmp_path / "runs"))
@@ -272,7 +293,7 @@ def record_offsets(data):
     offsets, pos = [], 0
     while pos < len(data):
         offsets.append(pos)
-        pos += 12 + struct.unpack("<Q", data[pos:pos + 8])[0] + 4
+        pos += 12 + struct.unpack("<Q", data[pos : pos + 8])[0] + 4
     return offsets
 
 
@@ -332,13 +353,10 @@ PREFIX = "03/16/2026 10:00:{sec:02d} - INFO - specforge.utils - "
 
 
 def step_block(step, accs, plosses, sec=0, rates=None, epochs=10):
-    lines = [PREFIX.format(sec=sec) + f"Eval - Step {step} [{step + 1}/{epochs}], position {i},  Acc: {a:.2f}"
-             for i, a in enumerate(accs)]
+    lines = [PREFIX.format(sec=sec) + f"Eval - Step {step} [{step + 1}/{epochs}], position {i},  Acc: {a:.2f}" for i, a in enumerate(accs)]
     for i, r in enumerate(rates or []):
-        lines.append(PREFIX.format(sec=sec) + f"Eval - Step {step} [{step + 1}/{epochs}], position {i},  "
-                     f"Acceptance Rate: {r:.4f}")
-    lines += [PREFIX.format(sec=sec) + f"Eval - Step {step} [{step + 1}/{epochs}], position {i}, pLoss: {p}"
-              for i, p in enumerate(plosses)]
+        lines.append(PREFIX.format(sec=sec) + f"Eval - Step {step} [{step + 1}/{epochs}], position {i},  Acceptance Rate: {r:.4f}")
+    lines += [PREFIX.format(sec=sec) + f"Eval - Step {step} [{step + 1}/{epochs}], position {i}, pLoss: {p}" for i, p in enumerate(plosses)]
     return "\n".join(lines) + "\n"
 
 
@@ -350,11 +368,13 @@ def test_specforge_log_train_and_eval_blocks(tmp_path):
     log = tmp_path / "train.log"
     text = (
         "\n -----------【args】-----------\nlearning_rate ·········· 0.0001\n"
-        + tqdm("Training", 0, 49, 500) + tqdm("Training", 0, 50, 500)
+        + tqdm("Training", 0, 49, 500)
+        + tqdm("Training", 0, 50, 500)
         + step_block(50, [0.61, 0.42], [1.5, 2.25], sec=1, rates=[0.7, 0.5])
         + tqdm("Training", 0, 100, 500)
         + step_block(100, [0.65, 0.45], [1.4, 2.0], sec=2)
-        + tqdm("Evaluating", 0, 20, 20) + "\n"
+        + tqdm("Evaluating", 0, 20, 20)
+        + "\n"
         + step_block(100, [0.55, 0.35], [1.9, 2.8], sec=3)
         + "03/16/2026 10:00:04 - INFO - specforge.utils - Restored optimizer/scheduler state: epoch=0, step=150, lr=0.000050\n"
         + step_block(150, [0.7, 0.5], [1.3, 1.9], sec=5)
@@ -377,8 +397,7 @@ def test_specforge_log_train_and_eval_blocks(tmp_path):
 
 
 def test_parse_step_dict_reads_reprs_and_json_without_evaluating():
-    text = ("{'train/acc_0': 0.5, 'lr': 1e-05, 'x': nan, 'y': -inf, \"z\": Infinity, "
-            "'eval/per_position_acc': [0.7, 0.25, nan]}")
+    text = "{'train/acc_0': 0.5, 'lr': 1e-05, 'x': nan, 'y': -inf, \"z\": Infinity, 'eval/per_position_acc': [0.7, 0.25, nan]}"
     items = parse_step_dict(text)
     assert items["train/acc_0"] == 0.5 and items["lr"] == 1e-05 and math.isnan(items["x"]) and items["y"] == -math.inf
     assert items["z"] == math.inf and items["eval/per_position_acc"][:2] == [0.7, 0.25]
@@ -391,11 +410,13 @@ def test_parse_step_dict_reads_reprs_and_json_without_evaluating():
 
 def test_step_lines_keep_only_numbers(tmp_path):
     log = tmp_path / "train.log"
-    log.write_text('step 3: {"train/lr": "high", "train/acc_0": 0.5, "train/acc_1": true, "train/grad_norm": null, '
-                   '"eval/per_position_acc": [0.5, "x", 0.25]}\n'  # JSON: read by the fast path
-                   "step 4: {'note': 'nothing we keep', 'train/lr': None}\n"
-                   "step 5: {'eval/per_position_acc': [0.5, 0.25, 0.125, 0.0625], 'train/acc_0': True}\n"
-                   "step 6: {'train/acc_0': " + "9" * 400 + "}\n")  # an int no float holds: NaN
+    log.write_text(
+        'step 3: {"train/lr": "high", "train/acc_0": 0.5, "train/acc_1": true, "train/grad_norm": null, '
+        '"eval/per_position_acc": [0.5, "x", 0.25]}\n'  # JSON: read by the fast path
+        "step 4: {'note': 'nothing we keep', 'train/lr': None}\n"
+        "step 5: {'eval/per_position_acc': [0.5, 0.25, 0.125, 0.0625], 'train/acc_0': True}\n"
+        "step 6: {'train/acc_0': " + "9" * 400 + "}\n"
+    )  # an int no float holds: NaN
     train, val, later, huge = poll_until_quiet(ExternalRunReader(log))
     assert set(train) == {"split", "step", "acc"} and train["acc"][0] == 0.5 and math.isnan(train["acc"][1])
     assert val["acc"][0] == 0.5 and math.isnan(val["acc"][1]) and val["acc"][2] == 0.25
@@ -439,16 +460,38 @@ def test_console_log_non_finite_values_pass_the_schema(tmp_path):
 
 
 def test_plainly_clean_records_are_exactly_what_normalize_record_returns():
-    good = [{"step": 0, "split": "val"},
-            {"step": 5, "split": "train", "acc": [0.5, math.nan], "ploss": [1.0], "acceptance_rate": [],
-             "loss": math.nan, "lr": 0.0, "grad_norm": math.inf, "step_time": 1.5, "epoch": 2, "time": 1.0e9,
-             "weight_norm": 3, "tokens": 10}]
-    bad_or_coerced = [{"step": -1, "split": "train"}, {"step": 1.0, "split": "train"}, {"step": 1, "split": "eval"},
-                      {"step": 1, "split": "val", "lr": -1e-4}, {"step": 1, "split": "val", "grad_norm": -math.inf},
-                      {"step": 1, "split": "val", "acc": [1]}, {"step": 1, "split": "val", "acc": (0.5,)},
-                      {"step": 1, "split": "val", "loss": "NaN"}, {"step": 1, "split": "val", "loss": True},
-                      {"step": 1, "split": "val", "tokens": 1.0}, {"step": 1, "split": "val", "other": 1},
-                      {"step": 1, "split": "val", "weight_norm_modules": {"fc": 1.0}}]
+    good = [
+        {"step": 0, "split": "val"},
+        {
+            "step": 5,
+            "split": "train",
+            "acc": [0.5, math.nan],
+            "ploss": [1.0],
+            "acceptance_rate": [],
+            "loss": math.nan,
+            "lr": 0.0,
+            "grad_norm": math.inf,
+            "step_time": 1.5,
+            "epoch": 2,
+            "time": 1.0e9,
+            "weight_norm": 3,
+            "tokens": 10,
+        },
+    ]
+    bad_or_coerced = [
+        {"step": -1, "split": "train"},
+        {"step": 1.0, "split": "train"},
+        {"step": 1, "split": "eval"},
+        {"step": 1, "split": "val", "lr": -1e-4},
+        {"step": 1, "split": "val", "grad_norm": -math.inf},
+        {"step": 1, "split": "val", "acc": [1]},
+        {"step": 1, "split": "val", "acc": (0.5,)},
+        {"step": 1, "split": "val", "loss": "NaN"},
+        {"step": 1, "split": "val", "loss": True},
+        {"step": 1, "split": "val", "tokens": 1.0},
+        {"step": 1, "split": "val", "other": 1},
+        {"step": 1, "split": "val", "weight_norm_modules": {"fc": 1.0}},
+    ]
     for record in good:
         assert plainly_clean(record) and normalize_record(record) == (record, []), record
     for record in bad_or_coerced:

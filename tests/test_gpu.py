@@ -1,4 +1,5 @@
 """GPU telemetry: every real H200 capture parses to the right numbers; the nvidia-smi stream is one process; no driver is a clean state."""
+
 import stat
 import sys
 import textwrap
@@ -204,7 +205,11 @@ print("\\n".join(lines))
 def test_stream_source_is_one_long_lived_process(tmp_path):
     log = tmp_path / "calls.log"
     smi = tmp_path / "nvidia-smi"
-    smi.write_text(FAKE_SMI.format(python=sys.executable, log=str(log), apps=str(FIXTURES / "h200x2/query-apps_busy.csv"), gpus=str(FIXTURES / "h200x2/query-gpu_busy.csv")))
+    smi.write_text(
+        FAKE_SMI.format(
+            python=sys.executable, log=str(log), apps=str(FIXTURES / "h200x2/query-apps_busy.csv"), gpus=str(FIXTURES / "h200x2/query-gpu_busy.csv")
+        )
+    )
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     source = gpu.SmiStreamSource(str(smi), "test", interval_s=0.1, apps_every_s=3600)
     try:
@@ -228,14 +233,16 @@ def test_stream_source_is_one_long_lived_process(tmp_path):
 
 def test_stream_source_restarts_a_dead_stream(tmp_path):
     smi = tmp_path / "nvidia-smi"
-    smi.write_text(textwrap.dedent(f"""\
+    smi.write_text(
+        textwrap.dedent(f"""\
         #!{sys.executable}
         import sys
         if any(a.startswith("--query-compute-apps") for a in sys.argv):
             sys.exit(0)
         print("0, NVIDIA H200, GPU-x, 1, 2, 3, 4, 5.5", flush=True)
         sys.stderr.write("stream ended\\n")
-        """))
+        """)
+    )
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     source = gpu.SmiStreamSource(str(smi), "test", interval_s=0.1, restart_every_s=0.0)
     try:

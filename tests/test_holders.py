@@ -1,4 +1,5 @@
 """GPU holders: PIDs come only from fuser's stdout (no trailing newline), never mixed with stderr; owned vs foreign."""
+
 import shutil
 import subprocess
 import sys
@@ -75,7 +76,9 @@ def test_run_fuser_reads_pids_from_stdout_only(tmp_path):
 
 @needs_fixtures
 def test_collect_holders_merges_sources_and_marks_owners():
-    samples = attach_apps(parse_query_gpu((FIXTURES / "h200x2/query-gpu_busy.csv").read_text()), parse_query_apps((FIXTURES / "h200x2/query-apps_busy.csv").read_text()))
+    samples = attach_apps(
+        parse_query_gpu((FIXTURES / "h200x2/query-gpu_busy.csv").read_text()), parse_query_apps((FIXTURES / "h200x2/query-apps_busy.csv").read_text())
+    )
     fuser = holders.FuserResult("held", printed_pids=holders.parse_fuser_pids((FIXTURES / "h200x2/fuser_stdout.txt").read_text()))
     found = holders.collect_holders(samples, "nvidia-smi", fuser, {565: "train-a"})
     assert [(h.pid, h.owned, h.job, h.gpu_indices, h.used_memory_mib) for h in found] == [

@@ -3,6 +3,7 @@
 Most calls go through backend.cli.main in this process (the same code as the console script, minus the
 interpreter start); the agent and one smoke test run as real subprocesses.
 """
+
 import json
 import os
 import subprocess
@@ -21,8 +22,9 @@ PY = sys.executable
 
 
 def host_process(run_dir: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "backend", *args], cwd=ROOT, capture_output=True, text=True, timeout=90, input=stdin,
-                          env={**os.environ, "EAGLE3_RUN_DIR": str(run_dir)})
+    return subprocess.run(
+        [PY, "-m", "backend", *args], cwd=ROOT, capture_output=True, text=True, timeout=90, input=stdin, env={**os.environ, "EAGLE3_RUN_DIR": str(run_dir)}
+    )
 
 
 @pytest.fixture
@@ -115,17 +117,33 @@ def test_agent_subcommand_speaks_the_protocol(tmp_path):
 
 
 def test_torchrun_argv_and_node_jobs_through_the_cli(host, tmp_path):
-    printed = host(tmp_path, "torchrun-argv", "--run-id", "r9", "--node-rank", "1", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400",
-                   "--", "--profile", "tiny", "--max-steps", "5")
+    printed = host(
+        tmp_path,
+        "torchrun-argv",
+        "--run-id",
+        "r9",
+        "--node-rank",
+        "1",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        "127.0.0.1:29400",
+        "--",
+        "--profile",
+        "tiny",
+        "--max-steps",
+        "5",
+    )
     assert printed.returncode == 0, printed.stderr
     argv = json.loads(printed.stdout)
     assert argv[:3] == ["python", "-m", "torch.distributed.run"] and argv[argv.index("--node-rank") + 1] == "1"
-    assert argv[argv.index("--rdzv-backend") + 1] == "static" and argv[argv.index("backend") + 1:] == ["train", "--profile", "tiny", "--max-steps", "5"]
+    assert argv[argv.index("--rdzv-backend") + 1] == "static" and argv[argv.index("backend") + 1 :] == ["train", "--profile", "tiny", "--max-steps", "5"]
     bad = host(tmp_path, "torchrun-argv", "--run-id", "r9", "--node-rank", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--", "--profile", "tiny")
     assert bad.returncode == 2 and "node.node_rank: 2 is not in 0..1" in bad.stderr and bad.stdout == ""
 
-    started = host(tmp_path, "job", "start", "--name", "part", "--node", "r9", "1", "2", "127.0.0.1:29400", "--json", "--",
-                   PY, "-c", "import time; time.sleep(60)")
+    started = host(
+        tmp_path, "job", "start", "--name", "part", "--node", "r9", "1", "2", "127.0.0.1:29400", "--json", "--", PY, "-c", "import time; time.sleep(60)"
+    )
     assert started.returncode == 0, started.stderr
     try:
         info = json.loads(started.stdout)

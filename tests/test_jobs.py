@@ -1,4 +1,5 @@
 """Owned jobs with real processes: stop kills the job's whole tree and nothing else, stale records are never signalled."""
+
 import json
 import os
 import signal
@@ -21,7 +22,11 @@ SLEEPER = "import time; time.sleep(600)"
 
 def cli(run_dir: Path, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
     """The real `eagle3-host` command line in a separate process."""
-    command = [PY, "-m", "backend", *args[:2], "--run-dir", str(run_dir), *args[2:]] if args[0] == "job" else [PY, "-m", "backend", args[0], "--run-dir", str(run_dir), *args[1:]]
+    command = (
+        [PY, "-m", "backend", *args[:2], "--run-dir", str(run_dir), *args[2:]]
+        if args[0] == "job"
+        else [PY, "-m", "backend", args[0], "--run-dir", str(run_dir), *args[1:]]
+    )
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -141,13 +146,17 @@ def test_ignored_sigterm_is_killed_after_the_grace_period(registry):
 
 def test_stop_plan_lists_exact_pids_and_signals_nothing(registry, tmp_path):
     mark = tmp_path / "child"
-    code = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}]); open({str(mark)!r}, 'w').write(str(p.pid)); time.sleep(600)"
+    code = (
+        f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}]); open({str(mark)!r}, 'w').write(str(p.pid)); time.sleep(600)"
+    )
     train = registry.start_job("t", "train", [PY, "-c", code])
     other = registry.start_job("o", "bench", [PY, "-c", SLEEPER])
     child = read_pid(mark)
     plan = registry.stop_plan(all_jobs=True)
     assert plan.jobs == ["t", "o"] and plan.checkpoint_first is True
-    assert sorted((w["pid"], w["job"], w["role"]) for w in plan.will_signal) == sorted([(train.pid, "t", "leader"), (child, "t", "group"), (other.pid, "o", "leader")])
+    assert sorted((w["pid"], w["job"], w["role"]) for w in plan.will_signal) == sorted(
+        [(train.pid, "t", "leader"), (child, "t", "group"), (other.pid, "o", "leader")]
+    )
     assert registry.stop_plan(["o"]).checkpoint_first is False
     assert all(procs.is_alive(pid) for pid in (train.pid, child, other.pid))
     with pytest.raises(JobNotFound):
@@ -327,9 +336,11 @@ def test_an_older_jobs_db_gains_the_node_columns_and_keeps_its_records(tmp_path)
     tmp_path.mkdir(exist_ok=True)
     with sqlite3.connect(tmp_path / "jobs.db") as conn:
         conn.executescript(old_schema)
-        conn.execute("INSERT INTO jobs (name, kind, state, argv, job_dir, stdout_path, stderr_path, started_at, exit_code, ended_at)"
-                     " VALUES ('old', 'train', 'exited', '[\"true\"]', ?, ?, ?, 1.0, 0, 2.0)",
-                     (str(tmp_path / "jobs" / "old"), str(tmp_path / "o.log"), str(tmp_path / "e.log")))
+        conn.execute(
+            "INSERT INTO jobs (name, kind, state, argv, job_dir, stdout_path, stderr_path, started_at, exit_code, ended_at)"
+            " VALUES ('old', 'train', 'exited', '[\"true\"]', ?, ?, ?, 1.0, 0, 2.0)",
+            (str(tmp_path / "jobs" / "old"), str(tmp_path / "o.log"), str(tmp_path / "e.log")),
+        )
     registry = JobRegistry(tmp_path)
     (old,) = registry.list_jobs()
     assert (old.name, old.state, old.run_id, old.node_rank, old.nnodes, old.rdzv_endpoint) == ("old", "exited", None, None, None, None)

@@ -1,4 +1,5 @@
 """JSON-lines writer and follower: partial last lines wait, bad lines are skipped, offsets resume, a full disk glues nothing."""
+
 import contextlib
 import errno
 import json
@@ -70,16 +71,15 @@ def test_concurrent_writers_never_tear_lines(tmp_path):
 
 # --- full disk: real tmpfs mounts (root only; skipped with the reason otherwise) ----------------------------
 
+
 @contextlib.contextmanager
 def mounted_tmpfs(base: Path, size: str):
     """A real tmpfs of `size` at base/tmpfs, unmounted on exit; skips the test where mounting is not permitted."""
     mount = base / "tmpfs"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount)], capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"needs a small real tmpfs to fill up (`mount -t tmpfs` as root); mount said: "
-                    f"{done.stderr.strip() or done.returncode}")
+        pytest.skip(f"needs a small real tmpfs to fill up (`mount -t tmpfs` as root); mount said: {done.stderr.strip() or done.returncode}")
     try:
         yield mount
     finally:

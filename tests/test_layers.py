@@ -1,13 +1,29 @@
 """The layering rule of DESIGN.md: backend/ never imports console/ or Textual; the agent path is stdlib-only."""
+
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-AGENT_PATH_MODULES = ["backend.agent", "backend.protocol", "backend.layout", "backend.jsonl", "backend.gpu", "backend.jobs", "backend.holders",
-                      "backend.metrics", "backend.metrics_scan", "backend.metrics_index", "backend.series_index", "backend.signals", "backend.smoothing",
-                      "backend.external", "backend.datascale", "backend.chain"]
+AGENT_PATH_MODULES = [
+    "backend.agent",
+    "backend.protocol",
+    "backend.layout",
+    "backend.jsonl",
+    "backend.gpu",
+    "backend.jobs",
+    "backend.holders",
+    "backend.metrics",
+    "backend.metrics_scan",
+    "backend.metrics_index",
+    "backend.series_index",
+    "backend.signals",
+    "backend.smoothing",
+    "backend.external",
+    "backend.datascale",
+    "backend.chain",
+]
 # backend.smoothing: the one EMA, so a curve the console smooths and a signal the agent computes agree (stdlib, no state).
 CONSOLE_MAY_IMPORT = {"backend.protocol", "backend.layout", "backend.commands", "backend.profiles", "backend.smoothing", "backend"}
 
@@ -57,7 +73,9 @@ def test_agent_path_imports_only_the_standard_library():
 
 
 def test_the_agent_loads_no_chain_training_or_serving_code():
-    code = ("import sys, backend.agent\n"
-            "print(sorted(m for m in sys.modules if m == 'backend.chain' or m.startswith(('backend.train', 'backend.serve', 'backend.bench'))))\n")
+    code = (
+        "import sys, backend.agent\n"
+        "print(sorted(m for m in sys.modules if m == 'backend.chain' or m.startswith(('backend.train', 'backend.serve', 'backend.bench'))))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"the agent imported: {out.stdout}"

@@ -1,4 +1,5 @@
 """The EAGLE-3 objective: soft CE against softmax(target[..., t2d]) at t+1+k, masks, accuracies, 0.8^k weights."""
+
 import math
 
 import pytest
@@ -114,6 +115,7 @@ def test_decay_weights_are_point_eight_to_the_k():
 
 
 # --- the trainer's fused lm_head + loss ------------------------------------------------------------------
+
 
 def fused_case(seed=0, steps=3, hidden=8):
 

@@ -1,4 +1,5 @@
 """Metrics schema: validator names the wrong key, writer encodes non-finite floats, reader resumes, series splits."""
+
 import errno
 import json
 import math
@@ -6,21 +7,34 @@ import math
 import pytest
 import torch
 
-from backend.metrics import (MetricsReader, MetricsRecordError, MetricsWriter, check_record,
-                             read_metrics, record_loss, series, validate_record)
+from backend.metrics import MetricsReader, MetricsRecordError, MetricsWriter, check_record, read_metrics, record_loss, series, validate_record
 
 
 def strict_json(line: str):
     """json.loads that refuses bare NaN/Infinity, as a strict JSON reader would."""
+
     def refuse(token):
         raise ValueError(f"non-standard JSON token {token}")
+
     return json.loads(line, parse_constant=refuse)
 
 
 def full_record(**overrides):
-    record = {"step": 10, "epoch": 0, "split": "train", "loss": 2.5, "ploss": [2.0, 0.5], "acc": [0.7, 0.4],
-              "lr": 1e-4, "grad_norm": 0.3, "weight_norm": 12.0, "weight_norm_modules": {"fc": 3.0, "lm_head": 9.0},
-              "tokens": 40960, "time": 1700000000.0, "step_time": 0.2}
+    record = {
+        "step": 10,
+        "epoch": 0,
+        "split": "train",
+        "loss": 2.5,
+        "ploss": [2.0, 0.5],
+        "acc": [0.7, 0.4],
+        "lr": 1e-4,
+        "grad_norm": 0.3,
+        "weight_norm": 12.0,
+        "weight_norm_modules": {"fc": 3.0, "lm_head": 9.0},
+        "tokens": 40960,
+        "time": 1700000000.0,
+        "step_time": 0.2,
+    }
     record.update(overrides)
     return record
 
@@ -31,21 +45,24 @@ def test_full_record_is_valid_and_optional_keys_may_be_absent():
     assert check_record({"step": 3, "split": "train", "future_key": {"anything": 1}}) == []
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ({"split": "eval"}, "'split'"),
-    ({"step": -1}, "'step'"),
-    ({"step": 1.5}, "'step'"),
-    ({"step": True}, "'step'"),
-    ({"loss": "high"}, "'loss'"),
-    ({"lr": -1e-4}, "'lr'"),
-    ({"acc": 0.5}, "'acc'"),
-    ({"acc": [0.5, "x"]}, "'acc[1]'"),
-    ({"ploss": {"0": 1.0}}, "'ploss'"),
-    ({"weight_norm_modules": {"fc": "big"}}, "weight_norm_modules['fc']"),
-    ({"weight_norm_modules": [1.0]}, "'weight_norm_modules'"),
-    ({"tokens": 12.5}, "'tokens'"),
-    ({"grad_norm": [0.1]}, "'grad_norm'"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"split": "eval"}, "'split'"),
+        ({"step": -1}, "'step'"),
+        ({"step": 1.5}, "'step'"),
+        ({"step": True}, "'step'"),
+        ({"loss": "high"}, "'loss'"),
+        ({"lr": -1e-4}, "'lr'"),
+        ({"acc": 0.5}, "'acc'"),
+        ({"acc": [0.5, "x"]}, "'acc[1]'"),
+        ({"ploss": {"0": 1.0}}, "'ploss'"),
+        ({"weight_norm_modules": {"fc": "big"}}, "weight_norm_modules['fc']"),
+        ({"weight_norm_modules": [1.0]}, "'weight_norm_modules'"),
+        ({"tokens": 12.5}, "'tokens'"),
+        ({"grad_norm": [0.1]}, "'grad_norm'"),
+    ],
+)
 def test_validator_names_the_wrong_key(overrides, key):
     problems = check_record(full_record(**overrides))
     assert len(problems) == 1 and key in problems[0], problems
@@ -72,8 +89,7 @@ def test_writer_encodes_nonfinite_as_strings_and_reader_restores_them(tmp_path):
 
 def test_reader_accepts_bare_nan_tokens_and_null(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "split": "train", "loss": NaN, "lr": null, "acc": [null, 0.5]}\n'
-                    '{"step": 2, "split": "train", "loss": "-inf"}\n')
+    path.write_text('{"step": 1, "split": "train", "loss": NaN, "lr": null, "acc": [null, 0.5]}\n{"step": 2, "split": "train", "loss": "-inf"}\n')
     records, _ = read_metrics(path)
     assert math.isnan(records[0]["loss"]) and math.isnan(records[0]["lr"]) and math.isnan(records[0]["acc"][0])
     assert records[1]["loss"] == -math.inf
@@ -92,8 +108,7 @@ def test_bad_record_raises_and_writes_nothing(tmp_path):
 
 def test_writer_fills_time_drops_none_and_takes_tensor_scalars(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    written = MetricsWriter(path).write({"step": torch.tensor(5), "split": "train"}, loss=torch.tensor(0.25),
-                                        acc=[torch.tensor(0.5)], grad_norm=None)
+    written = MetricsWriter(path).write({"step": torch.tensor(5), "split": "train"}, loss=torch.tensor(0.25), acc=[torch.tensor(0.5)], grad_norm=None)
     assert written["step"] == 5 and written["loss"] == 0.25 and written["acc"] == [0.5]
     raw = strict_json(path.read_text())
     assert "grad_norm" not in raw and isinstance(raw["time"], float) and raw["step"] == 5

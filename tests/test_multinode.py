@@ -5,6 +5,7 @@ the data dir that follows --run-dir. Slow: a 2-node CPU torchrun run of the mini
 a stalled rank (SIGSTOP) shows, a stop sent to both ends every process and leaves one checkpoint (node 0) that passes
 preflight, and a rank killed with SIGKILL ends the other node too, each job record saying why.
 """
+
 from __future__ import annotations
 
 import json
@@ -91,15 +92,21 @@ def test_start_job_with_node_is_stored_listed_and_checked(two_agents):
     a, b = two_agents()
     endpoint = f"127.0.0.1:{free_port()}"
     for agent, rank in ((a, 0), (b, 1)):
-        job = agent.ok("start_job", name="run7", kind="train", argv=[PY, "-c", SLEEPER, "EAGLE3_RUN_ID", "EAGLE3_NODE_RANK", "EAGLE3_NNODES",
-                                                                       "NCCL_NVLS_ENABLE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"],
-                       node=node_spec("run7", rank, 2, endpoint))["job"]
+        job = agent.ok(
+            "start_job",
+            name="run7",
+            kind="train",
+            argv=[PY, "-c", SLEEPER, "EAGLE3_RUN_ID", "EAGLE3_NODE_RANK", "EAGLE3_NNODES", "NCCL_NVLS_ENABLE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"],
+            node=node_spec("run7", rank, 2, endpoint),
+        )["job"]
         assert (job["run_id"], job["node_rank"], job["nnodes"], job["rdzv_endpoint"]) == ("run7", rank, 2, endpoint)
         listed = job_of(agent, "run7")
         assert (listed["run_id"], listed["node_rank"], listed["nnodes"]) == ("run7", rank, 2) and listed["state"] == "running"
         line = wait_for("the job's first line", lambda: agent.ok("tail_log", name="run7", lines=1)["lines"], 20)[0]
-        assert line == (f"EAGLE3_RUN_ID=run7 EAGLE3_NODE_RANK={rank} EAGLE3_NNODES=2 NCCL_NVLS_ENABLE={NODE_ENV['NCCL_NVLS_ENABLE']} "
-                        f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={NODE_ENV['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']}")
+        assert line == (
+            f"EAGLE3_RUN_ID=run7 EAGLE3_NODE_RANK={rank} EAGLE3_NNODES=2 NCCL_NVLS_ENABLE={NODE_ENV['NCCL_NVLS_ENABLE']} "
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={NODE_ENV['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']}"
+        )
     # an ordinary job has no node fields; a record survives the agent (it is in jobs.db)
     plain = a.ok("start_job", name="plain", kind="other", argv=[PY, "-c", "import time; time.sleep(60)"])["job"]
     assert (plain["run_id"], plain["node_rank"], plain["nnodes"], plain["ranks"], plain["stalled_ranks"]) == (None, None, None, [], [])
@@ -126,11 +133,35 @@ def test_start_job_with_node_is_stored_listed_and_checked(two_agents):
 
 
 def test_torchrun_argv_keeps_node_zero_rank_zero():
-    argv = torchrun_train_argv(train_argv("kimi-k2.5", ["--max-steps", "10"]), run_id="k1", node_rank=1, nnodes=2,
-                               rdzv_endpoint="10.0.0.1:29400", nproc_per_node="gpu")
-    assert argv == ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "gpu",
-                    "--rdzv-backend", "static", "--rdzv-endpoint", "10.0.0.1:29400", "--rdzv-id", "k1", "--max-restarts", "0",
-                    "-m", "backend", "train", "--profile", "kimi-k2.5", "--max-steps", "10"]
+    argv = torchrun_train_argv(
+        train_argv("kimi-k2.5", ["--max-steps", "10"]), run_id="k1", node_rank=1, nnodes=2, rdzv_endpoint="10.0.0.1:29400", nproc_per_node="gpu"
+    )
+    assert argv == [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--nproc-per-node",
+        "gpu",
+        "--rdzv-backend",
+        "static",
+        "--rdzv-endpoint",
+        "10.0.0.1:29400",
+        "--rdzv-id",
+        "k1",
+        "--max-restarts",
+        "0",
+        "-m",
+        "backend",
+        "train",
+        "--profile",
+        "kimi-k2.5",
+        "--max-steps",
+        "10",
+    ]
     for bad, message in (({"nproc_per_node": 0}, "nproc_per_node"), ({"node_rank": -1}, "node_rank"), ({"rdzv_endpoint": "h:99999"}, "rdzv_endpoint")):
         kwargs = {**dict(run_id="k1", node_rank=0, nnodes=2, rdzv_endpoint="h:1"), **bad}
         with pytest.raises(ValueError, match=message):
@@ -176,16 +207,21 @@ def test_heartbeat_files_are_read_with_the_readers_clock(tmp_path):
     job_dir = tmp_path / "job"
     heartbeat_path(job_dir, 0).parent.mkdir(parents=True)
     now = 1_000_000.0
-    beats = {0: {"step": 9, "step_time": now - 40, "time": now - 0.5, "phase": "train"},
-             1: {"step": 7, "step_time": now - 70, "time": now - 65, "phase": "train"},
-             2: {"step": 9, "step_time": now - 70, "time": now - 65, "phase": "done"}}
+    beats = {
+        0: {"step": 9, "step_time": now - 40, "time": now - 0.5, "phase": "train"},
+        1: {"step": 7, "step_time": now - 70, "time": now - 65, "phase": "train"},
+        2: {"step": 9, "step_time": now - 70, "time": now - 65, "phase": "done"},
+    }
     for rank, beat in beats.items():
         heartbeat_path(job_dir, rank).write_text(json.dumps({"rank": rank, "pid": 100 + rank, **beat}))
     heartbeat_path(job_dir, 3).write_text('{"rank": 3, "ti')  # being replaced: skipped, not an error
     (heartbeat_path(job_dir, 0).parent / "notes.txt").write_text("x")
     ranks, stalled = rank_heartbeats(job_dir, running=True, now=now, stall_after=30)
-    assert [(r["rank"], r["step"], r["age_s"], r["step_age_s"], r["pid"]) for r in ranks] == [(0, 9, 0.5, 40.0, 100), (1, 7, 65.0, 70.0, 101),
-                                                                                            (2, 9, 65.0, 70.0, 102)]
+    assert [(r["rank"], r["step"], r["age_s"], r["step_age_s"], r["pid"]) for r in ranks] == [
+        (0, 9, 0.5, 40.0, 100),
+        (1, 7, 65.0, 70.0, 101),
+        (2, 9, 65.0, 70.0, 102),
+    ]
     assert stalled == [1]  # rank 2 said it was done
     assert rank_heartbeats(job_dir, running=False, now=now)[1] == []
     assert rank_heartbeats(tmp_path / "nothing", running=True) == ([], [])
@@ -237,8 +273,7 @@ def mini_profile_file(mini_target_dir, tmp_path) -> Path:
     from reference_fixtures import toml_text
 
     path = tmp_path / "mini-multinode.toml"
-    path.write_text(toml_text(mini_profile_dict(mini_target_dir, max_steps=100000, save_interval=100000, eval_interval=100000,
-                                                log_interval=1, warmup_steps=2)))
+    path.write_text(toml_text(mini_profile_dict(mini_target_dir, max_steps=100000, save_interval=100000, eval_interval=100000, log_interval=1, warmup_steps=2)))
     return path
 
 
@@ -307,8 +342,9 @@ def test_two_node_torchrun_trains_stalls_stops_and_fails_as_one_job(two_agents, 
     plans = {rank: agent.ok("stop_plan", name="mn1") for rank, agent in ((0, a), (1, b))}
     assert all(plan["checkpoint_first"] for plan in plans.values())
     replies: dict[int, dict] = {}
-    threads = [threading.Thread(target=lambda r=rank, ag=agent: replies.__setitem__(r, ag.ok("stop_job", name="mn1", grace=90)))
-               for rank, agent in ((0, a), (1, b))]
+    threads = [
+        threading.Thread(target=lambda r=rank, ag=agent: replies.__setitem__(r, ag.ok("stop_job", name="mn1", grace=90))) for rank, agent in ((0, a), (1, b))
+    ]
     stop_started = time.monotonic()
     for thread in threads:
         thread.start()
@@ -335,8 +371,10 @@ def test_two_node_torchrun_trains_stalls_stops_and_fails_as_one_job(two_agents, 
     wait_for("run 2 training on node 1", lambda: training(b, "mn2", 1, 1), 150)
     worker0 = wait_for("run 2 training on node 0", lambda: training(a, "mn2", 0, 1), 30)["ranks"][0]["pid"]
     os.kill(jobs[0]["pid"], signal.SIGTERM)
-    ended = {rank: wait_for(f"run 2 node {rank} to end", lambda ag=agent: (job := job_of(ag, "mn2"))["state"] != "running" and job, 90)
-             for rank, agent in ((0, a), (1, b))}
+    ended = {
+        rank: wait_for(f"run 2 node {rank} to end", lambda ag=agent: (job := job_of(ag, "mn2"))["state"] != "running" and job, 90)
+        for rank, agent in ((0, a), (1, b))
+    }
     assert not alive(worker0) and [p.name for p in list_checkpoints(jobs[0]["job_dir"])][-1:] == [f"epoch_0_step_{ended[0]['ranks'][0]['step']}"]
     assert ended[0]["detail"] == f"torchrun (pid {jobs[0]['pid']}) got SIGTERM and passed it to its workers", ended[0]
     assert (ended[1]["state"], ended[1]["exit_code"], ended[1]["detail"]) == ("exited", 0, ""), ended[1]
@@ -366,12 +404,25 @@ def test_two_node_torchrun_trains_stalls_stops_and_fails_as_one_job(two_agents, 
 
 def test_torchrun_failure_reads_the_root_cause_block():
     """The parser on the summary shape torch 2.13 prints (the slow test checks it on real torchrun output)."""
-    lines = ["[rank0]: Traceback (most recent call last):", "[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:4",
-             "Root Cause (first observed failure):", "[0]:", "  time      : 2026-11-30_18:29:48", "  host      : localhost",
-             "  rank      : 0 (local_rank: 0)", "  exitcode  : 1 (pid: 15622) ", "  error_file: <N/A>",
-             "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"]
+    lines = [
+        "[rank0]: Traceback (most recent call last):",
+        "[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:4",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  time      : 2026-11-30_18:29:48",
+        "  host      : localhost",
+        "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : 1 (pid: 15622) ",
+        "  error_file: <N/A>",
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+    ]
     assert torchrun_failure(lines) == "torchrun: rank 0 (local rank 0, pid 15622) exited 1: RuntimeError: Connection closed by peer [127.0.0.1]:4"
-    killed = ["Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 0)", "  exitcode  : -9 (pid: 15621)  (SIGKILL)",
-              "  traceback : Signal 9 (SIGKILL) received by PID 15621"]
+    killed = [
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  rank      : 1 (local_rank: 0)",
+        "  exitcode  : -9 (pid: 15621)  (SIGKILL)",
+        "  traceback : Signal 9 (SIGKILL) received by PID 15621",
+    ]
     assert torchrun_failure(killed) == "torchrun: rank 1 (local rank 0, pid 15621) exited -9 (SIGKILL): Signal 9 (SIGKILL) received by PID 15621"
     assert torchrun_failure(["just an error"]) is None

@@ -10,6 +10,7 @@ target_hidden_size -> H, bias=False), fc_norm only when config.fc_norm, norm [H]
 and the buffers t2d (bool [V]) and d2t (int64 [draft_vocab_size]); AutoDraftModel.from_config(..., torch_dtype) casts
 the float tensors only. target = draft + d2t[draft] (its accuracy metric and SGLang's loader agree).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,18 @@ from backend.train.draft import DraftModelConfig, Eagle3Draft
 from backend.train.vocab import build_vocab_mapping
 
 # Config keys SpecForge's LlamaForCausalLMEagle3 / LlamaAttention / LlamaMLP read (with a default where it has one).
-SPECFORGE_READS = ("architectures", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                   "hidden_act", "rms_norm_eps", "max_position_embeddings", "vocab_size", "draft_vocab_size")
+SPECFORGE_READS = (
+    "architectures",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+    "draft_vocab_size",
+)
 FLOAT_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -90,8 +101,7 @@ def contract_problems(hf: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
     got = {key: (list(t.shape), str(t.dtype).replace("torch.", "")) for key, t in tensors.items()}
     problems = [f"missing {key}" for key in sorted(set(expected) - set(got) - {"embed_tokens.weight"})]
     problems += [f"unexpected {key}" for key in sorted(set(got) - set(expected))]
-    problems += [f"{key}: ours {got[key]}, SpecForge builds {expected[key]}" for key in sorted(set(got) & set(expected))
-                 if got[key] != expected[key]]
+    problems += [f"{key}: ours {got[key]}, SpecForge builds {expected[key]}" for key in sorted(set(got) & set(expected)) if got[key] != expected[key]]
     return problems
 
 
@@ -108,9 +118,11 @@ def test_the_contract_names_a_renamed_reshaped_or_retyped_tensor(tmp_path):
     tensors["fc.weight"] = tensors["fc.weight"][:, : hf["target_hidden_size"]]  # one layer's width
     tensors["d2t"] = tensors["d2t"].to(torch.int32)
     assert contract_problems(hf, tensors) == [
-        "missing midlayer.hidden_norm.weight", "unexpected layers.0.hidden_norm.weight",
+        "missing midlayer.hidden_norm.weight",
+        "unexpected layers.0.hidden_norm.weight",
         "d2t: ours ([192], 'int32'), SpecForge builds ([192], 'int64')",
-        "fc.weight: ours ([128, 128], 'float32'), SpecForge builds ([128, 384], 'float32')"]
+        "fc.weight: ours ([128, 128], 'float32'), SpecForge builds ([128, 384], 'float32')",
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

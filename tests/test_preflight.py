@@ -1,4 +1,5 @@
 """Preflight: each problem code on checkpoints built here by hand, a good checkpoint passes, the CLI contract."""
+
 import json
 import struct
 import subprocess
@@ -18,8 +19,7 @@ TRAINED_IDS = [1, 3, 4]
 
 
 def target_config(tmp_path, **overrides):
-    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": H, "num_hidden_layers": LAYERS,
-              "vocab_size": VOCAB, "torch_dtype": "float32", **overrides}
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": H, "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "torch_dtype": "float32", **overrides}
     path = tmp_path / "target_config.json"
     path.write_text(json.dumps(config))
     return path
@@ -52,12 +52,18 @@ def good_tensors(hidden=H, fc_in=3 * H):
 
 def good_config(**overrides):
     config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
-        "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "intermediate_size": INTER,
-        "num_hidden_layers": 1, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB, "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "intermediate_size": INTER,
+        "num_hidden_layers": 1,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": DRAFT_VOCAB,
+        "torch_dtype": "float32",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": TRAINED_IDS, "use_aux_hidden_state": True},
-        "eagle3_console": {"trained_aux_layer_ids": TRAINED_IDS, "trained_aux_width": 3 * H,
-                           "val_acc": [0.8, 0.8, 0.8]},
+        "eagle3_console": {"trained_aux_layer_ids": TRAINED_IDS, "trained_aux_width": 3 * H, "val_acc": [0.8, 0.8, 0.8]},
     }
     config.update(overrides)
     return config
@@ -151,14 +157,29 @@ def test_kimi_shaped_fc_7168_vs_21504(tmp_path):
         "midlayer.post_attention_layernorm.weight": ("BF16", [hidden], 2),
     }
     sparse_safetensors(draft / "model.safetensors", shapes)
-    config = good_config(hidden_size=hidden, num_attention_heads=56, num_key_value_heads=8, head_dim=128,
-                         intermediate_size=inter, vocab_size=163840, draft_vocab_size=vd, torch_dtype="bfloat16",
-                         eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 29, 57]})
+    config = good_config(
+        hidden_size=hidden,
+        num_attention_heads=56,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=inter,
+        vocab_size=163840,
+        draft_vocab_size=vd,
+        torch_dtype="bfloat16",
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 29, 57]},
+    )
     config.pop("eagle3_console")
     (draft / "config.json").write_text(json.dumps(config))
     target = tmp_path / "kimi_target.json"
-    target.write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "torch_dtype": "bfloat16",
-                                  "text_config": {"hidden_size": hidden, "num_hidden_layers": 61, "vocab_size": 163840}}))
+    target.write_text(
+        json.dumps(
+            {
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "torch_dtype": "bfloat16",
+                "text_config": {"hidden_size": hidden, "num_hidden_layers": 61, "vocab_size": 163840},
+            }
+        )
+    )
     report = run_preflight(draft, target, check_sglang=False)
     assert only_codes(report) == ["fc_shape"]
     assert "7168" in report.problems[0].message and "21504" in report.problems[0].message
@@ -266,9 +287,15 @@ def test_layer_shape_mismatch(tmp_path):
 
 
 def serving_argv(**changes):
-    flags = {"--model-path": "t", "--speculative-algorithm": "EAGLE3", "--speculative-draft-model-path": "d",
-             "--speculative-num-steps": "3", "--speculative-eagle-topk": "1", "--speculative-num-draft-tokens": "4",
-             "--dtype": "float32"}
+    flags = {
+        "--model-path": "t",
+        "--speculative-algorithm": "EAGLE3",
+        "--speculative-draft-model-path": "d",
+        "--speculative-num-steps": "3",
+        "--speculative-eagle-topk": "1",
+        "--speculative-num-draft-tokens": "4",
+        "--dtype": "float32",
+    }
     flags.update(changes)
     argv = ["python", "-m", "sglang.launch_server"]
     for flag, value in flags.items():
@@ -378,16 +405,15 @@ def test_checkpoint_from_the_trainer_passes(tmp_path):
     draft = Eagle3Draft(config)
     counts = torch.arange(config.vocab_size, dtype=torch.float32) % 7
     draft.set_vocab_mapping(*build_vocab_mapping(counts, config.draft_vocab_size))
-    path = save_checkpoint(tmp_path / "run", draft, config, epoch=0, step=5, training_state=None,
-                           extra_meta={"val_acc": [0.7] * 7})
-    target = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_hidden_layers": 8, "vocab_size": 259,
-              "torch_dtype": "float32"}
+    path = save_checkpoint(tmp_path / "run", draft, config, epoch=0, step=5, training_state=None, extra_meta={"val_acc": [0.7] * 7})
+    target = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_hidden_layers": 8, "vocab_size": 259, "torch_dtype": "float32"}
     report = run_preflight(path, target, serving_argv=build_sglang_argv(profile, str(path)), check_sglang=False)
     assert report.ok, report.problems
     assert run_preflight(tmp_path / "run", target, check_sglang=False).draft == str(path)  # run dir -> latest
 
 
 # --- hostile files: deep nesting, huge integers, wrong types -> `corrupt`, exit 1, never a traceback -----------
+
 
 def nested(depth):
     return "[" * depth + "]" * depth
@@ -443,11 +469,14 @@ def test_hostile_target_config_header_and_index_are_corrupt(tmp_path):
     assert only_codes(report) == ["corrupt"] and "index.json is nested too deeply" in report.problems[0].message
 
 
-@pytest.mark.parametrize("field, value, check_name", [
-    ("hidden_size", "abc", "fc shape"),
-    ("draft_vocab_size", 1e400, "vocab"),  # json writes Infinity
-    ("eagle_config", {"eagle_aux_hidden_state_layer_ids": [[1], {"a": 1}, None]}, None),
-])
+@pytest.mark.parametrize(
+    "field, value, check_name",
+    [
+        ("hidden_size", "abc", "fc shape"),
+        ("draft_vocab_size", 1e400, "vocab"),  # json writes Infinity
+        ("eagle_config", {"eagle_aux_hidden_state_layer_ids": [[1], {"a": 1}, None]}, None),
+    ],
+)
 def test_config_values_of_the_wrong_type_are_corrupt_not_a_traceback(tmp_path, field, value, check_name):
     draft = write_draft(tmp_path, config=good_config(**{field: value}))
     report = check(tmp_path, draft)
@@ -466,6 +495,7 @@ def test_target_config_values_of_the_wrong_type_are_corrupt(tmp_path):
 
 
 # --- a draft exported the way SpecForge exports it ------------------------------------------------------------
+
 
 def specforge_draft_class():
     """A module with SpecForge's LlamaForCausalLMEagle3 attribute names and shapes (specforge/modeling/draft/
@@ -525,11 +555,28 @@ def specforge_draft_class():
 
 def specforge_draft_config(tmp_path):
     """A configs/llama3-8B-eagle3.json-shaped draft config (GQA, torch_dtype, no eagle_config), scaled down."""
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-              "hidden_size": H, "initializer_range": 0.02, "intermediate_size": INTER, "max_position_embeddings": 256,
-              "model_type": "llama", "num_attention_heads": HEADS, "num_key_value_heads": 1, "num_hidden_layers": 1,
-              "pad_token_id": 0, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
-              "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB}
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": H,
+        "initializer_range": 0.02,
+        "intermediate_size": INTER,
+        "max_position_embeddings": 256,
+        "model_type": "llama",
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": DRAFT_VOCAB,
+    }
     path = tmp_path / "draft_config.json"
     path.write_text(json.dumps(config, indent=2))
     return path
@@ -562,8 +609,15 @@ def hf_target_config(tmp_path) -> Path:
     from transformers import LlamaConfig
 
     target = tmp_path / "target"
-    LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=INTER, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                num_key_value_heads=HEADS, torch_dtype="bfloat16").save_pretrained(str(target))
+    LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=H,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        torch_dtype="bfloat16",
+    ).save_pretrained(str(target))
     return target / "config.json"
 
 
@@ -588,9 +642,13 @@ def test_a_specforge_exported_draft_passes(tmp_path, layout):
     assert report.ok, report.problems
     assert any("SGLang uses its default" in note for note in report.notes), report.notes  # no eagle_config in SpecForge's
     # the same check through the CLI, as a user runs it
-    done = subprocess.run([sys.executable, "-m", "backend", "preflight", str(out), "--target-config",
-                           str(tmp_path / "target" / "config.json"), "--no-sglang", "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "backend", "preflight", str(out), "--target-config", str(tmp_path / "target" / "config.json"), "--no-sglang", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and json.loads(done.stdout)["ok"] is True, done.stdout + done.stderr
 
 

@@ -1,4 +1,5 @@
 """/proc helpers: stat parsing after the last ')', identity by start time, trees that survive setsid, owners, signalling by identity."""
+
 import os
 import pwd
 import signal
@@ -123,8 +124,9 @@ def test_a_job_cgroup_is_frozen_and_killed_as_one(tmp_path, monkeypatch):
 
         pytest.skip("no writable cgroup v2 with cgroup.kill on this host")
     try:
-        child = subprocess.Popen([sys.executable, "-c", "import os, time; os.fork(); time.sleep(60)"], preexec_fn=lambda: procs.enter_cgroup(cgroup),
-                                 start_new_session=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import os, time; os.fork(); time.sleep(60)"], preexec_fn=lambda: procs.enter_cgroup(cgroup), start_new_session=True
+        )
         deadline = time.monotonic() + 10
         while len(procs.cgroup_pids(cgroup)) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -1,4 +1,5 @@
 """Profiles load into typed objects; a wrong or missing field names file, field, value and expectation."""
+
 import pytest
 
 from backend.profiles import ProfileError, available_profiles, default_aux_layer_ids, load_profile
@@ -37,7 +38,7 @@ def write(tmp_path, text):
 
 
 def base_text(**overrides):
-    text = (load_profile("tiny").source and open(load_profile("tiny").source).read())
+    text = load_profile("tiny").source and open(load_profile("tiny").source).read()
     for old, new in overrides.items():
         text = text.replace(old, new)
     return text
@@ -113,11 +114,13 @@ def test_numbers_are_not_coerced_from_strings_or_floats(tmp_path):
 
 
 def test_sizes_must_be_positive(tmp_path):
-    for field, good, bad in [("target.hidden_size", "hidden_size = 128\nnum_layers", "hidden_size = 0\nnum_layers"),
-                             ("draft.intermediate_size", "intermediate_size = 512", "intermediate_size = -1"),
-                             ("draft.rms_norm_eps", "rms_norm_eps = 1e-6", "rms_norm_eps = 0.0"),
-                             ("draft.rope_theta", "rope_theta = 10000.0", "rope_theta = -1.0"),
-                             ("train.batch_size", "batch_size = 4", "batch_size = 0")]:
+    for field, good, bad in [
+        ("target.hidden_size", "hidden_size = 128\nnum_layers", "hidden_size = 0\nnum_layers"),
+        ("draft.intermediate_size", "intermediate_size = 512", "intermediate_size = -1"),
+        ("draft.rms_norm_eps", "rms_norm_eps = 1e-6", "rms_norm_eps = 0.0"),
+        ("draft.rope_theta", "rope_theta = 10000.0", "rope_theta = -1.0"),
+        ("train.batch_size", "batch_size = 4", "batch_size = 0"),
+    ]:
         message = message_for(tmp_path, **{good: bad})
         assert f"field '{field}' = " in message and "greater than 0" in message, message
 

@@ -6,6 +6,7 @@ draft, and runs bench_serving with its default benchmark flags. Because of that 
 already exists or EAGLE3_PEER_BENCH=1 asks for it (the result of the last run is benchmarks/results/
 peer_bench_serving_cpu.json); it is skipped when the side venv cannot be built (the script's exit 3: no package registry).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,14 +28,30 @@ def side_venv() -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (os.environ.get("EAGLE3_PEER_BENCH") == "1" or (side_venv() / "bin" / "python").exists()),
-                    reason="SGLang's side venv is a ~6 GB download: set EAGLE3_PEER_BENCH=1 to build it and run bench_serving "
-                           "(last result: benchmarks/results/peer_bench_serving_cpu.json)")
+@pytest.mark.skipif(
+    not (os.environ.get("EAGLE3_PEER_BENCH") == "1" or (side_venv() / "bin" / "python").exists()),
+    reason="SGLang's side venv is a ~6 GB download: set EAGLE3_PEER_BENCH=1 to build it and run bench_serving "
+    "(last result: benchmarks/results/peer_bench_serving_cpu.json)",
+)
 def test_sglang_bench_serving_completes_against_the_reference_server(tmp_path, trained_tiny_run):
     out = tmp_path / "peer_bench_serving.json"
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "peer_bench_serving.sh"), "--draft", str(trained_tiny_run),
-                           "--conversations", str(CONVERSATIONS), "--out", str(out)],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=3000)
+    done = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "benchmarks" / "peer_bench_serving.sh"),
+            "--draft",
+            str(trained_tiny_run),
+            "--conversations",
+            str(CONVERSATIONS),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
     if done.returncode == 3:
         pytest.skip(f"the side venv with sglang could not be built here: {done.stderr[-600:]}")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

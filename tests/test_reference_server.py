@@ -1,4 +1,5 @@
 """The reference engine over real HTTP on 127.0.0.1: SGLang's wire format, streaming, greedy equality, clean SIGTERM."""
+
 import json
 import os
 import subprocess
@@ -18,8 +19,9 @@ THREADS = {"OMP_NUM_THREADS": os.environ.get("EAGLE3_TEST_THREADS", "1")}
 
 
 def test_draft_is_required_with_speculation():
-    out = subprocess.run([sys.executable, "-m", "backend.serve.reference_server", "--profile", "tiny", "--port", "1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "backend.serve.reference_server", "--profile", "tiny", "--port", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "--draft is required" in out.stderr
 
 
@@ -30,6 +32,7 @@ def start_servers(registry, jobs, timeout=300):
         registry.start_job(name, "serve", argv, cwd=str(ROOT), env=THREADS)
         urls[name] = http.base_url("127.0.0.1", int(argv[argv.index("--port") + 1]))
     for name, url in urls.items():
+
         def exit_code(name=name):
             info = registry.get(name).info
             return None if info.state in ("running", "unknown") else info.exit_code
@@ -43,10 +46,13 @@ def start_servers(registry, jobs, timeout=300):
 def servers(tmp_path_factory, tiny_profile, trained_tiny_run):
     """A speculative server and a plain (baseline) server of the tiny target, both owned jobs."""
     registry = JobRegistry(tmp_path_factory.mktemp("run"))
-    urls = start_servers(registry, {
-        "spec": reference_argv(tiny_profile, str(trained_tiny_run), http.free_port()),
-        "plain": reference_argv(tiny_profile, str(trained_tiny_run), http.free_port(), speculative=False),
-    })
+    urls = start_servers(
+        registry,
+        {
+            "spec": reference_argv(tiny_profile, str(trained_tiny_run), http.free_port()),
+            "plain": reference_argv(tiny_profile, str(trained_tiny_run), http.free_port(), speculative=False),
+        },
+    )
     yield {"registry": registry, **urls}
     registry.stop(["spec", "plain"], grace=15)
 

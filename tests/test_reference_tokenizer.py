@@ -3,6 +3,7 @@
 Fast: Hugging Face files written to a temp dir and loaded by the real transformers AutoTokenizer, then the mini
 reference servers (tests/reference_fixtures.py) report where to load it from and are checked against it.
 """
+
 from __future__ import annotations
 
 import random
@@ -15,8 +16,16 @@ from backend.serve import hf_tokenizer, http
 from backend.train.tiny import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, ByteTokenizer
 from tests.reference_fixtures import mini_servers  # noqa: F401  # pytest fixture
 
-SAMPLES = ["def parse(line):\n    return line.split(',')\n", "  leading spaces\tand tabs\r\n", "héllo wörld ✓ 𝄞 日本語",
-           "<eos> is text here, and so are <bos> and <pad>", "\x00\x01\x7f control bytes", "", " ", "Ġ Ċ ÿ"]
+SAMPLES = [
+    "def parse(line):\n    return line.split(',')\n",
+    "  leading spaces\tand tabs\r\n",
+    "héllo wörld ✓ 𝄞 日本語",
+    "<eos> is text here, and so are <bos> and <pad>",
+    "\x00\x01\x7f control bytes",
+    "",
+    " ",
+    "Ġ Ċ ÿ",
+]
 
 
 def random_texts(count: int = 50, seed: int = 0) -> list[str]:
@@ -59,8 +68,12 @@ def test_special_tokens_decode_as_the_byte_tokenizer_does(hf_dir):
 
 def test_chat_template_renders_the_servers_transcript(hf_dir):
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi ✓"},
-                {"role": "assistant", "content": "hello"}, {"role": "user", "content": ""}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi ✓"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": ""},
+    ]
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == hf_tokenizer.transcript(messages) == "system: be brief\nuser: hi ✓\nassistant: hello\nuser: \nassistant: "
 
@@ -104,12 +117,13 @@ def test_server_reports_a_tokenizer_whose_ids_match_its_own(mini_servers):
     tok = AutoTokenizer.from_pretrained(info["tokenizer_path"])
     prompt = "def parse(line):\n    héllo = "
     with httpx.Client(timeout=120, trust_env=False) as client:
-        by_text = client.post(f"{url}/generate", json={"text": prompt, "sampling_params": {
-            "temperature": 0, "max_new_tokens": 24, "ignore_eos": True}}).json()
-        by_ids = client.post(f"{url}/generate", json={"input_ids": tok(prompt).input_ids, "sampling_params": {
-            "temperature": 0, "max_new_tokens": 24, "ignore_eos": True}}).json()
-        chat = client.post(f"{url}/v1/chat/completions", json={"model": model_id, "temperature": 0, "max_tokens": 4,
-                                                              "messages": [{"role": "user", "content": prompt}]}).json()
+        by_text = client.post(f"{url}/generate", json={"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}}).json()
+        by_ids = client.post(
+            f"{url}/generate", json={"input_ids": tok(prompt).input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}}
+        ).json()
+        chat = client.post(
+            f"{url}/v1/chat/completions", json={"model": model_id, "temperature": 0, "max_tokens": 4, "messages": [{"role": "user", "content": prompt}]}
+        ).json()
     assert by_text["meta_info"]["prompt_tokens"] == len(tok(prompt).input_ids)
     assert by_ids["output_ids"] == by_text["output_ids"] and by_ids["text"] == by_text["text"]
     assert len(by_text["output_ids"]) == 24

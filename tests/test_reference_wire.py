@@ -2,6 +2,7 @@
 
 Fast: the mini target and an untrained draft (tests/reference_fixtures.py), servers on 127.0.0.1, no training.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,13 @@ import pytest
 
 from backend.serve import http
 from backend.serve.reference_server import FLUSH_BODY
-from tests.reference_fixtures import (MAX_BODY_BYTES, REQUEST_TIMEOUT_S, mini_servers,  # noqa: F401  # pytest fixtures
-                                      parse_raw_response, raw_exchange)
+from tests.reference_fixtures import (
+    MAX_BODY_BYTES,
+    REQUEST_TIMEOUT_S,
+    mini_servers,  # noqa: F401  # pytest fixtures
+    parse_raw_response,
+    raw_exchange,
+)
 
 PROMPT = "def parse(line):\n    "
 ERROR_RESPONSE_KEYS = {"object", "message", "type", "param", "code"}  # SGLang's ErrorResponse
@@ -66,6 +72,7 @@ def client(spec_url):
 
 # --------------------------------------------------------------------------- native /generate
 
+
 def test_generate_meta_info_has_sglang_fields(spec_url, mini_servers):
     reply = native(spec_url, {**greedy(max_new_tokens=24, ignore_eos=True), "rid": "my-request-7"})
     assert reply.status_code == 200, reply.text
@@ -84,7 +91,10 @@ def test_generate_meta_info_has_sglang_fields(spec_url, mini_servers):
     assert sum(histogram) == verify and sum(i * n for i, n in enumerate(histogram)) == meta["spec_num_correct_drafts"]
     assert len(histogram) <= steps + 1
     assert (meta["spec_accepted_drafts"], meta["spec_proposed_drafts"], meta["spec_accept_histogram"]) == (
-        meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"], histogram)
+        meta["spec_num_correct_drafts"],
+        meta["spec_num_proposed_drafts"],
+        histogram,
+    )
 
 
 def test_plain_server_reports_no_spec_fields(plain_url):
@@ -130,8 +140,10 @@ def test_max_new_tokens_zero(spec_url):
 
 
 def test_return_logprob(spec_url):
-    reply = native(spec_url, {**greedy(max_new_tokens=8, ignore_eos=True), "return_logprob": True, "top_logprobs_num": 3,
-                              "return_text_in_logprobs": True, "logprob_start_len": 0}).json()
+    reply = native(
+        spec_url,
+        {**greedy(max_new_tokens=8, ignore_eos=True), "return_logprob": True, "top_logprobs_num": 3, "return_text_in_logprobs": True, "logprob_start_len": 0},
+    ).json()
     meta, ids = reply["meta_info"], reply["output_ids"]
     output = meta["output_token_logprobs"]
     assert [entry[1] for entry in output] == ids and all(entry[0] <= 0 for entry in output)
@@ -187,16 +199,19 @@ def test_model_info_and_v1_models(spec_url, model_name):
 
 # --------------------------------------------------------------------------- the openai client
 
+
 def test_openai_completions(client, spec_url, model_name):
     assert [m.id for m in client.models.list().data] == [model_name]
-    reply = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True, "rid": "cmpl-mine"})
+    reply = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True, "rid": "cmpl-mine"})
     expected = native(spec_url, greedy(max_new_tokens=12, ignore_eos=True)).json()
     assert reply.id == "cmpl-mine" and reply.object == "text_completion"
     assert reply.choices[0].text == expected["text"] and reply.choices[0].finish_reason == "length"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(PROMPT.encode()), 12)
-    streamed = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                              stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    streamed = list(
+        client.completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected["text"]
     assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
     assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 12
@@ -204,25 +219,31 @@ def test_openai_completions(client, spec_url, model_name):
 
 def test_openai_chat(client, model_name):
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A parser, please."}]
-    reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
     choice = reply.choices[0]
     assert reply.object == "chat.completion" and choice.message.role == "assistant" and choice.finish_reason == "length"
     assert reply.usage.completion_tokens == 10
-    chunks = list(client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
     assert chunks[-1].choices[0].finish_reason == "length" and all(c.id == chunks[0].id for c in chunks)
 
 
 def test_openai_logprobs(client, model_name):
-    completion = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
-                                           extra_body={"ignore_eos": True})
+    completion = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
     logprobs = completion.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6 and all(len(t) == 2 for t in logprobs.top_logprobs)
-    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                          temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
 
@@ -238,6 +259,7 @@ def test_openai_refusals_are_400(client, model_name):
 
 
 # --------------------------------------------------------------------------- malformed requests over raw sockets
+
 
 def post_raw(headers: str, body: bytes = b"") -> bytes:
     return f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}\r\n".encode() + body

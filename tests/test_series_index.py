@@ -1,5 +1,6 @@
 """The whole-history index: buckets equal a brute-force pass (spikes, NaN, resumed steps), the fast scan equals the
 slow decoder, and the feed survives appends while indexing, truncation, replacement, torn lines and old sidecars."""
+
 import json
 import math
 import random
@@ -35,16 +36,32 @@ def brute_force_buckets(points: Sequence[tuple[int, float]], cuts: Sequence[int]
 
 def trainer_record(step: int, rng: random.Random, loss: float | None = None) -> dict:
     """A train record shaped like backend/train/trainer.py's _write_train."""
-    return {"step": step, "epoch": step / 5000, "split": "train",
-            "loss": loss if loss is not None else 3 * math.exp(-step / 4000) + rng.random() * 0.05,
-            "ploss": [rng.random() for _ in range(7)], "acc": [rng.random() for _ in range(7)],
-            "step_time": 0.1 + rng.random() * 0.01, "lr": 1e-4, "grad_norm": rng.random(), "weight_norm": 100 + rng.random(),
-            "weight_norm_modules": {k: v + rng.random() for k, v in MODULES.items()}, "tokens": step * 2048}
+    return {
+        "step": step,
+        "epoch": step / 5000,
+        "split": "train",
+        "loss": loss if loss is not None else 3 * math.exp(-step / 4000) + rng.random() * 0.05,
+        "ploss": [rng.random() for _ in range(7)],
+        "acc": [rng.random() for _ in range(7)],
+        "step_time": 0.1 + rng.random() * 0.01,
+        "lr": 1e-4,
+        "grad_norm": rng.random(),
+        "weight_norm": 100 + rng.random(),
+        "weight_norm_modules": {k: v + rng.random() for k, v in MODULES.items()},
+        "tokens": step * 2048,
+    }
 
 
 def val_record(step: int, rng: random.Random) -> dict:
-    return {"step": step, "epoch": step / 5000, "split": "val", "loss": 3 * math.exp(-step / 4000) + 0.3,
-            "ploss": [rng.random() for _ in range(7)], "acc": [rng.random() for _ in range(7)], "tokens": step * 2048}
+    return {
+        "step": step,
+        "epoch": step / 5000,
+        "split": "val",
+        "loss": 3 * math.exp(-step / 4000) + 0.3,
+        "ploss": [rng.random() for _ in range(7)],
+        "acc": [rng.random() for _ in range(7)],
+        "tokens": step * 2048,
+    }
 
 
 def write_run(path: Path, steps: int, seed: int = 0, spikes=(), nans=(), infs=(), resume_at: int | None = None) -> None:
@@ -109,7 +126,7 @@ def run_file(tmp_path) -> tuple[Path, dict]:
     with open(path, "ab") as handle:  # lines the fast path must hand to the decoder, each as the decoder would
         handle.write(b'{"step": 12001, "split": "train", "loss": 1.5}\n')  # another writer's spacing and keys
         handle.write(b'{"step":12002,"split":"train","loss":"abc"}\n')  # bad: skipped and counted
-        handle.write(b'not json at all\n')
+        handle.write(b"not json at all\n")
         handle.write(b'{"step":12003,"split":"train","loss":2.0,"lr":-1}\n')  # bad: negative lr
         handle.write(b'{"step":12004,"split":"train","loss":null,"lr":0.5}\n')  # null loss is NaN
     return path, brute_points(path)
@@ -125,7 +142,7 @@ def test_buckets_equal_a_brute_force_pass_with_spikes_and_nans():
     points += [(s, -5.0) for s in range(100_000, 100_300)]  # resumed steps with a dip
     series = Series()
     for i in range(0, len(points), 1000):
-        part = sorted(points[i:i + 1000], key=lambda p: p[0])
+        part = sorted(points[i : i + 1000], key=lambda p: p[0])
         series.add([s for s, _ in part], [v for _, v in part])
     for step_from, step_to, count, log_x in [(0, 200_000, 300, False), (0, 200_000, 300, True), (99_000, 101_000, 50, False), (5, 300, 40, True)]:
         got = query(series, step_from, step_to, count, log_x)

@@ -3,6 +3,7 @@
 Fast: render() on a canary result built from hand-made histograms, and one real `serve` of the mini target with an
 untrained draft through the reference engine (an owned job on 127.0.0.1, stopped at the end).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,20 +18,27 @@ from tests.reference_fixtures import save_untrained_draft, write_mini_profile
 
 
 def canary_dict(acceptance: dict) -> dict:
-    return {"accept_length": 2.1, "server_avg_accept_length": 2.1, "tau_hat": 3.0, "verdict": "red",
-            "reasons": ["serving does not reproduce training"], "acceptance": acceptance}
+    return {
+        "accept_length": 2.1,
+        "server_avg_accept_length": 2.1,
+        "tau_hat": 3.0,
+        "verdict": "red",
+        "reasons": ["serving does not reproduce training"],
+        "acceptance": acceptance,
+    }
 
 
 def test_render_lists_the_acceptance_lines_under_the_canary_line():
     histogram = [40, 30, 20, 10]  # 100 verify steps, 3 drafts each; validation predicts much more at position 2
     completion = sum((i + 1) * h for i, h in enumerate(histogram))
     acceptance = acceptance_report([(completion, sum(histogram), histogram)], num_steps=3, val_acc=[0.9, 0.8, 0.9])
-    result = LaunchResult(ok=False, state="ready", message="red: ...", engine="reference", url="http://127.0.0.1:1",
-                          argv=["python"], canary=canary_dict(acceptance))
+    result = LaunchResult(
+        ok=False, state="ready", message="red: ...", engine="reference", url="http://127.0.0.1:1", argv=["python"], canary=canary_dict(acceptance)
+    )
     lines = render(result, problems_text).splitlines()
     canary_at = next(i for i, line in enumerate(lines) if line.startswith("canary: "))
     expected = [f"  {line}" for line in acceptance_lines(acceptance)]
-    assert lines[canary_at + 2: canary_at + 2 + len(expected)] == expected  # after the one reason line
+    assert lines[canary_at + 2 : canary_at + 2 + len(expected)] == expected  # after the one reason line
     assert any(POOLED_LABEL in line for line in expected) and any(MEAN_OF_MEANS_LABEL in line for line in expected)
     assert any(line.strip().startswith("pos  val acc") for line in expected)
     assert acceptance["break_line"] and f"  {acceptance['break_line']}" in lines
@@ -46,8 +54,7 @@ def test_serve_text_output_carries_the_acceptance_lines_of_its_json(tmp_path, mi
     profile_path = write_mini_profile(mini_target_dir, tmp_path / "mini.toml")
     draft = save_untrained_draft(mini_profile, tmp_path / "draft-run")
     run_dir = tmp_path / "runs"
-    argv = ["serve", "--run-dir", str(run_dir), "--profile", str(profile_path), "--draft", str(draft),
-            "--engine", "reference", "--max-new-tokens", "24"]
+    argv = ["serve", "--run-dir", str(run_dir), "--profile", str(profile_path), "--draft", str(draft), "--engine", "reference", "--max-new-tokens", "24"]
     try:
         main([*argv, "--job-name", "cli-json", "--json"])
         report = json.loads(capsys.readouterr().out)

@@ -1,4 +1,5 @@
 """End to end: preflight -> owned server job -> health -> server info -> canary verdict, through the reference engine."""
+
 import json
 import os
 import shutil
@@ -21,8 +22,7 @@ THREADS = {"OMP_NUM_THREADS": os.environ.get("EAGLE3_TEST_THREADS", "1")}
 
 def run_launch(tmp_path, profile, draft, name, **kwargs):
     run_dir = tmp_path / "run"
-    result = launch(profile, draft, engine="reference", run_dir=run_dir, job_name=name, env=THREADS,
-                    log=lambda line: None, **kwargs)
+    result = launch(profile, draft, engine="reference", run_dir=run_dir, job_name=name, env=THREADS, log=lambda line: None, **kwargs)
     registry = JobRegistry(run_dir)
     return result, registry
 
@@ -42,8 +42,7 @@ def test_good_draft_is_green(tmp_path, tiny_profile, trained_tiny_run):
         assert canary["features"]["feature_width"] == canary["features"]["expected_feature_width"] == 384
         assert {"preflight_s", "ready_s", "canary_s"} <= set(result.timings)
         json.dumps(result.to_dict())  # JSON-able as promised
-        print(f"\ngood feed: accept {canary['accept_length']:.3f}, tau-hat {canary['tau_hat']:.3f}, "
-              f"ratio {canary['ratio_to_tau_hat']:.3f}")
+        print(f"\ngood feed: accept {canary['accept_length']:.3f}, tau-hat {canary['tau_hat']:.3f}, ratio {canary['ratio_to_tau_hat']:.3f}")
     finally:
         registry.stop(["good"], grace=15)
 
@@ -62,8 +61,10 @@ def test_sglang_style_feed_is_red(tmp_path, tiny_profile, trained_tiny_run):
         assert result.canary["features"]["fc_applied"] is False
         assert result.canary["features"]["feature_width"] == 128
         assert "still running" in result.message
-        print(f"\nlast_hidden feed: accept {result.canary['accept_length']:.3f}, "
-              f"tau-hat {result.canary['tau_hat']:.3f}, ratio {result.canary['ratio_to_tau_hat']:.3f}")
+        print(
+            f"\nlast_hidden feed: accept {result.canary['accept_length']:.3f}, "
+            f"tau-hat {result.canary['tau_hat']:.3f}, ratio {result.canary['ratio_to_tau_hat']:.3f}"
+        )
     finally:
         registry.stop(["broken"], grace=15)
 
@@ -101,27 +102,50 @@ def test_server_that_dies_is_reported_with_exit_code_and_log(tmp_path, tiny_prof
 
 @pytest.mark.slow
 def test_serve_dry_run_prints_argv_and_preflight(tmp_path, tiny_profile, trained_tiny_run):
-    out = subprocess.run([sys.executable, "-m", "backend", "serve", "--profile", "tiny", "--draft", str(trained_tiny_run),
-                          "--engine", "reference", "--dry-run", "--run-dir", str(tmp_path / "run")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "backend",
+            "serve",
+            "--profile",
+            "tiny",
+            "--draft",
+            str(trained_tiny_run),
+            "--engine",
+            "reference",
+            "--dry-run",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
     assert body["argv"][1:3] == ["-m", "backend.serve.reference_server"]
     assert body["preflight"]["ok"] is True
     assert not (tmp_path / "run" / "jobs.db").exists()  # nothing started
-    out = subprocess.run([sys.executable, "-m", "backend", "serve", "--profile", "llama3.1-8b", "--draft", str(trained_tiny_run),
-                          "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "backend", "serve", "--profile", "llama3.1-8b", "--draft", str(trained_tiny_run), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     body = json.loads(out.stdout)
     assert out.returncode == 1 and body["argv"][1:3] == ["-m", "sglang.launch_server"]
     assert "fc_shape" in [p["code"] for p in body["preflight"]["problems"]]  # a tiny draft for an 8B target
 
 
 def test_serve_baseline_dry_run_needs_no_draft(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "backend", "serve", "--profile", "llama3.1-8b", "--baseline", "--dry-run"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "backend", "serve", "--profile", "llama3.1-8b", "--baseline", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     argv = json.loads(out.stdout)["argv"]
     assert argv[1:3] == ["-m", "sglang.launch_server"] and not [a for a in argv if a.startswith("--speculative")]
-    out = subprocess.run([sys.executable, "-m", "backend", "serve", "--profile", "tiny"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "backend", "serve", "--profile", "tiny"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--draft is required" in out.stderr

@@ -1,4 +1,5 @@
 """The SGLang argv built from the shipped profiles: section-1 flags present and consistent; parses with ServerArgs."""
+
 import argparse
 
 import pytest
@@ -41,13 +42,13 @@ def test_kimi_specifics():
 
 
 def test_expected_server_settings_follow_topk1_rule():
-    assert expected_spec_settings(load_profile("kimi-k2.5")) == {
-        "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+    assert expected_spec_settings(load_profile("kimi-k2.5")) == {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
 
 
 def test_extra_args_come_last_and_are_caught():
-    profile = load_profile("llama3.1-8b").model_copy(update={"serve": load_profile("llama3.1-8b").serve.model_copy(
-        update={"extra_args": ["--speculative-algorithm", "EAGLE", "--disable-cuda-graph"]})})
+    profile = load_profile("llama3.1-8b").model_copy(
+        update={"serve": load_profile("llama3.1-8b").serve.model_copy(update={"extra_args": ["--speculative-algorithm", "EAGLE", "--disable-cuda-graph"]})}
+    )
     argv = build_sglang_argv(profile, DRAFT)
     assert argv[-3:] == ["--speculative-algorithm", "EAGLE", "--disable-cuda-graph"]
     flags = parse_flag_values(argv)

@@ -1,17 +1,28 @@
 """Grokking signals on hand-computed values and on synthetic runs with a known plateau and a known onset."""
+
 import json
 import math
 import random
 
 import pytest
 
-from backend.signals import (LR_FLOOR_WARNING, GrokConfig, clip_fraction, compute_signals, detect_plateau, estimate_tau, log_step_slope,
-                             lr_floor, ols_slope, relative_change)
+from backend.signals import (
+    LR_FLOOR_WARNING,
+    GrokConfig,
+    clip_fraction,
+    compute_signals,
+    detect_plateau,
+    estimate_tau,
+    log_step_slope,
+    lr_floor,
+    ols_slope,
+    relative_change,
+)
 from backend.smoothing import debiased_ema
 
 PLATEAU_STEP = 1000  # train loss reaches its floor here
 ONSET_STEP = 20000  # val loss starts its second descent here (linear in log10 step over 0.2 decades)
-TOLERANCE = 10 ** 0.1  # the detector must fire within 0.1 decade after the onset
+TOLERANCE = 10**0.1  # the detector must fire within 0.1 decade after the onset
 
 
 def synthetic_run(seed=0, grok=True, end=60000, noise=0.03, schedule="constant", regress_at=None):
@@ -24,9 +35,17 @@ def synthetic_run(seed=0, grok=True, end=60000, noise=0.03, schedule="constant",
         f = max(0.0, 1 - math.log10(step) / math.log10(PLATEAU_STEP))
         tokens += 10 * 4096
         lr = 1e-4 if schedule == "constant" else 0.5e-4 * (1 + math.cos(math.pi * step / end))
-        records.append({"step": step, "split": "train", "loss": (0.01 + 5 * f * f) * (1 + noise * rng.gauss(0, 1)),
-                        "acc": [min(0.999, 1 - 0.99 * f)], "lr": lr, "tokens": tokens,
-                        "grad_norm": 0.3 + 0.4 * rng.random()})
+        records.append(
+            {
+                "step": step,
+                "split": "train",
+                "loss": (0.01 + 5 * f * f) * (1 + noise * rng.gauss(0, 1)),
+                "acc": [min(0.999, 1 - 0.99 * f)],
+                "lr": lr,
+                "tokens": tokens,
+                "grad_norm": 0.3 + 0.4 * rng.random(),
+            }
+        )
         if step % 500:
             continue
         val, val_acc = (6 - 2 * step / 1000, 0.2) if step < 1000 else (4.0, 0.2)
@@ -41,6 +60,7 @@ def synthetic_run(seed=0, grok=True, end=60000, noise=0.03, schedule="constant",
 
 
 # ---------------------------------------------------------------- hand-computed values
+
 
 def test_debiased_ema_matches_hand_computation():
     # beta 0.5: m1 = 0.5 -> 0.5/0.5 = 1; m2 = 0.25 + 1 = 1.25 -> /0.75; m3 = 0.625 + 1.5 = 2.125 -> /0.875
@@ -104,6 +124,7 @@ def test_clip_fraction_and_relative_change():
 
 # ---------------------------------------------------------------- plateau, LR floor
 
+
 def test_plateau_starts_near_the_known_step_and_reports_distance_in_steps_and_tokens():
     signals = compute_signals(synthetic_run(grok=False))
     start = signals["plateau_start_step"]
@@ -134,6 +155,7 @@ def test_lr_floor_warns_on_cosine_decay_and_not_on_constant_or_warmup():
 
 
 # ---------------------------------------------------------------- onset detector
+
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_onset_fires_within_tolerance_of_the_known_step(seed):
@@ -200,6 +222,7 @@ def test_overfitting_warning_when_val_rises_while_train_falls():
 
 # ---------------------------------------------------------------- the dict the agent serves
 
+
 def test_compute_signals_reports_norms_grads_tau_and_positions():
     records = synthetic_run(0, end=5000)
     for i, record in enumerate(r for r in records if r["split"] == "train"):
@@ -222,19 +245,31 @@ def test_compute_signals_reports_norms_grads_tau_and_positions():
     assert [row["k"] for row in signals["per_position"]] == [0, 1, 2]
     assert signals["per_position"][1]["ploss_gap"] is not None
     assert signals["latest"]["tokens"] == 5000 * 4096 and signals["latest"]["lr"] == 1e-4
-    assert signals["gap"] == pytest.approx(signals["latest"]["val_loss_ema"] - signals["latest"]["train_loss_ema"],
-                                           rel=0.05)
+    assert signals["gap"] == pytest.approx(signals["latest"]["val_loss_ema"] - signals["latest"]["train_loss_ema"], rel=0.05)
 
 
-@pytest.mark.parametrize("records", [
-    [],
-    [{"step": 0, "split": "train"}],
-    [{"step": 1, "split": "val", "loss": 2.0, "acc": [0.5]}],
-    [{"step": 1, "split": "train", "loss": math.nan, "acc": [math.inf], "lr": math.inf, "grad_norm": math.nan}],
-    [{"step": s, "split": "train" if s % 3 else "val", "loss": [1.0, math.nan, math.inf, -math.inf, 0.0][s % 5],
-      "acc": [[0.5, math.nan][s % 2]], "lr": [0.0, 1e-4, math.nan][s % 3], "weight_norm": [0.0, 1.0][s % 2],
-      "weight_norm_modules": {"fc": [0.0, math.nan][s % 2]}, "tokens": s * 10} for s in range(200)],
-])
+@pytest.mark.parametrize(
+    "records",
+    [
+        [],
+        [{"step": 0, "split": "train"}],
+        [{"step": 1, "split": "val", "loss": 2.0, "acc": [0.5]}],
+        [{"step": 1, "split": "train", "loss": math.nan, "acc": [math.inf], "lr": math.inf, "grad_norm": math.nan}],
+        [
+            {
+                "step": s,
+                "split": "train" if s % 3 else "val",
+                "loss": [1.0, math.nan, math.inf, -math.inf, 0.0][s % 5],
+                "acc": [[0.5, math.nan][s % 2]],
+                "lr": [0.0, 1e-4, math.nan][s % 3],
+                "weight_norm": [0.0, 1.0][s % 2],
+                "weight_norm_modules": {"fc": [0.0, math.nan][s % 2]},
+                "tokens": s * 10,
+            }
+            for s in range(200)
+        ],
+    ],
+)
 def test_compute_signals_never_crashes_and_is_strict_json(records):
     signals = compute_signals(records)
     json.dumps(signals, allow_nan=False)

@@ -1,4 +1,5 @@
 """Reference speculative decoder: output equals plain greedy decoding; acceptance counted as EAGLE/SGLang do."""
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -21,9 +22,19 @@ def one_torch_thread():
 
 def random_target(seed=0, layers=8) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     for param in model.parameters():
         param.data.normal_(0, 0.3)  # large weights: confident, non-degenerate greedy text
@@ -31,9 +42,21 @@ def random_target(seed=0, layers=8) -> LlamaForCausalLM:
 
 
 def draft_config(**overrides) -> DraftModelConfig:
-    values = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=4, head_dim=16, intermediate_size=128,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, vocab_size=VOCAB,
-                  draft_vocab_size=DRAFT_VOCAB, target_hidden_size=HIDDEN, aux_layer_ids=AUX, torch_dtype="float32")
+    values = dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        target_hidden_size=HIDDEN,
+        aux_layer_ids=AUX,
+        torch_dtype="float32",
+    )
     values.update(overrides)
     return DraftModelConfig(**values)
 

@@ -1,4 +1,5 @@
 """The stop as a guarantee: adversarial trees, a stopper inside the job, full disks, bad numbers, races, adopt refusals, file modes."""
+
 import json
 import os
 import resource
@@ -122,7 +123,9 @@ def test_a_stop_run_inside_the_job_spares_itself_and_its_parents_and_kills_the_r
 def test_a_group_signal_never_reaches_a_stopper_in_the_group(registry, mode, tmp_path, monkeypatch):
     """killpg would hit the stopping process itself: the members are signalled one by one instead."""
     mark = tmp_path / "member"
-    code = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}]); open({str(mark)!r}, 'w').write(str(p.pid)); time.sleep(600)"
+    code = (
+        f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}]); open({str(mark)!r}, 'w').write(str(p.pid)); time.sleep(600)"
+    )
     info = registry.start_job("grp", "other", [PY, "-c", code])
     member = int(wait_for(lambda: mark.exists() and mark.read_text(), what="the group member"))
     member_start = procs.start_time(member)
@@ -168,8 +171,11 @@ def test_adopt_refuses_kernel_threads_init_itself_its_ancestors_and_other_users(
 def test_an_old_record_of_a_kernel_thread_signals_nothing(registry):
     with sqlite3.connect(registry.db_path) as db:
         stat = procs.read_stat(2)
-        db.execute("INSERT INTO jobs (name, kind, state, pid, pgid, start_time_ticks, argv, job_dir, stdout_path, stderr_path, started_at, adopted)"
-                   " VALUES ('kt', 'adopted', 'running', 2, 0, ?, '[]', '/nonexistent', '-', '-', ?, 1)", (stat.start_time, time.time()))
+        db.execute(
+            "INSERT INTO jobs (name, kind, state, pid, pgid, start_time_ticks, argv, job_dir, stdout_path, stderr_path, started_at, adopted)"
+            " VALUES ('kt', 'adopted', 'running', 2, 0, ?, '[]', '/nonexistent', '-', '-', ?, 1)",
+            (stat.start_time, time.time()),
+        )
     plan = registry.stop_plan(["kt"])
     assert plan.will_signal == []
     assert registry.stop(["kt"], grace=0) == []
@@ -194,8 +200,16 @@ def test_concurrent_stops_send_sigterm_once(registry, tmp_path):
     )
     info = registry.start_job("once", "train", [PY, "-c", code])
     wait_for(lambda: "ready" in Path(info.stdout_path).read_text(), what="the handler")
-    racers = [subprocess.Popen([PY, "-m", "backend", "job", "stop", "--run-dir", str(registry.run_dir), "--name", "once", "--grace", "10"],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    racers = [
+        subprocess.Popen(
+            [PY, "-m", "backend", "job", "stop", "--run-dir", str(registry.run_dir), "--name", "once", "--grace", "10"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     threads = [threading.Thread(target=registry.stop, args=(["once"],), kwargs={"grace": 10}) for _ in range(2)]
     for thread in threads:
         thread.start()
@@ -221,7 +235,9 @@ def test_jobs_db_and_job_dirs_are_private(registry, tmp_path):
     wait_for(lambda: registry.get("secret").info.state == "exited", what="the job to end")
     mode = lambda path: Path(path).stat().st_mode & 0o777
     assert mode(registry.db_path) == 0o600 and mode(registry.jobs_dir) == 0o700 and mode(info.job_dir) == 0o700
-    assert {p.name: mode(p) for p in Path(info.job_dir).iterdir()} == dict.fromkeys(["stdout.log", "stderr.log", "watcher.log", "leader.json", "exit_code"], 0o600)
+    assert {p.name: mode(p) for p in Path(info.job_dir).iterdir()} == dict.fromkeys(
+        ["stdout.log", "stderr.log", "watcher.log", "leader.json", "exit_code"], 0o600
+    )
     old = tmp_path / "old"
     old.mkdir()
     sqlite3.connect(old / "jobs.db").close()

@@ -1,4 +1,5 @@
 """Target side: aux capture (+1 rule), teacher logits, KV-cached greedy generation, profile checks, offline extraction."""
+
 import io
 import json
 

@@ -1,4 +1,5 @@
 """The built-in tiny target: byte tokenizer, deterministic corpus, atomic cached build, and (slow) the real memorising build."""
+
 import fcntl
 import json
 import os
@@ -135,9 +136,18 @@ def test_the_lock_holder_writes_its_pid_and_a_killed_holder_frees_the_lock(tmp_p
     lock = tmp_path / ".x.lock"
     with cache_lock(lock, "x", log=None):
         assert lock.read_text().strip() == str(os.getpid())
-    holder = subprocess.Popen([sys.executable, "-c", f"from backend.train.tiny import cache_lock\nimport time\n"
-                               f"with cache_lock(__import__('pathlib').Path({str(lock)!r}), 'x', log=None):\n    print('held', flush=True); time.sleep(600)"],
-                              cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from backend.train.tiny import cache_lock\nimport time\n"
+            f"with cache_lock(__import__('pathlib').Path({str(lock)!r}), 'x', log=None):\n    print('held', flush=True); time.sleep(600)",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         messages = []
@@ -150,14 +160,17 @@ def test_the_lock_holder_writes_its_pid_and_a_killed_holder_frees_the_lock(tmp_p
         holder.wait()
 
 
-@pytest.mark.parametrize("environ, load, expected", [
-    ({}, 0.1, 2),                                # idle 2-core box: both cores
-    ({}, 1.4, 1),                                # another process keeps a core busy: one thread
-    ({}, 9.0, 1),
-    ({"EAGLE3_THREADS": "3"}, 0.0, 3),
-    ({"OMP_NUM_THREADS": "1"}, 0.0, None),       # the tests' 1 thread per process (conftest): torch keeps it
-    ({"LOCAL_WORLD_SIZE": "2"}, 0.0, 1),         # torchrun: the host's cores shared between its processes
-])
+@pytest.mark.parametrize(
+    "environ, load, expected",
+    [
+        ({}, 0.1, 2),  # idle 2-core box: both cores
+        ({}, 1.4, 1),  # another process keeps a core busy: one thread
+        ({}, 9.0, 1),
+        ({"EAGLE3_THREADS": "3"}, 0.0, 3),
+        ({"OMP_NUM_THREADS": "1"}, 0.0, None),  # the tests' 1 thread per process (conftest): torch keeps it
+        ({"LOCAL_WORLD_SIZE": "2"}, 0.0, 1),  # torchrun: the host's cores shared between its processes
+    ],
+)
 def test_torch_threads_are_chosen_for_the_machine(environ, load, expected):
     from backend.train.cli import choose_threads
 
@@ -177,8 +190,9 @@ ensure_tiny_target(settings, cache_dir=sys.argv[1], log=lambda m: print(m, flush
 def test_a_killed_build_leaves_no_cache_entry_and_the_next_build_succeeds(tmp_path):
     settings = dict(MINI_SETTINGS, steps=100_000)  # far more steps than the kill allows
     script = KILLED_BUILD.format(settings=settings)
-    process = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, env=subprocess_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob(".building-*")) and time.monotonic() < deadline:

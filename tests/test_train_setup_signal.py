@@ -1,4 +1,5 @@
 """A stop that arrives while the trainer is still setting up (building the tiny target) ends it at once, cleanly."""
+
 import signal
 import subprocess
 import sys
@@ -13,8 +14,7 @@ from tests.conftest import ROOT, subprocess_env
 def test_sigterm_during_the_tiny_target_build_exits_promptly_and_leaves_no_cache(tmp_path):
     cache = tmp_path / "cache"
     argv = [sys.executable, "-m", "backend", "train", "--profile", "tiny", "--out", str(tmp_path / "run")]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=subprocess_env(EAGLE3_CACHE_DIR=str(cache)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=subprocess_env(EAGLE3_CACHE_DIR=str(cache)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not any(cache.glob("*")) and time.monotonic() < deadline:  # the build has begun writing
         time.sleep(0.2)

@@ -1,4 +1,5 @@
 """The trainer: schedules, Grokfast, metrics, checkpoints, resume (d2t/t2d kept), width refusal, SIGTERM, torchrun, tiny run."""
+
 import json
 import math
 import os
@@ -42,6 +43,7 @@ def read_records(run: Path) -> list[dict]:
 
 
 # --- schedules and Grokfast ---------------------------------------------------------------------------
+
 
 def test_cosine_warms_up_then_decays_to_the_floor():
     schedule = LRSchedule(1e-3, "cosine", warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
@@ -89,6 +91,7 @@ def test_weight_norm_modules_group_by_sglang_module():
 
 
 # --- short real runs on the mini target -------------------------------------------------------------------
+
 
 def mini_options(profile, out, **overrides):
     return TrainOptions(profile=profile, out_dir=out, tiny_data=overrides.pop("tiny_data", MINI_DATA), **overrides)
@@ -145,14 +148,17 @@ def test_resume_keeps_the_checkpoints_vocab_mapping_even_when_the_data_disagrees
     # Other data: corpus text trained everywhere, a token mix unlike the target's own continuations.
     corpus = read_corpus(mini_profile.target.path, "train")
     windows = [torch.tensor(list(corpus[i * 32 : (i + 1) * 32])) for i in range(32)]
-    splits = {"train": [Sample(w, torch.ones(32, dtype=torch.uint8)) for w in windows[:24]],
-              "val": [Sample(w, torch.ones(32, dtype=torch.uint8)) for w in windows[24:]]}
+    splits = {
+        "train": [Sample(w, torch.ones(32, dtype=torch.uint8)) for w in windows[:24]],
+        "val": [Sample(w, torch.ones(32, dtype=torch.uint8)) for w in windows[24:]],
+    }
     extract(load_target(mini_profile), splits, tmp_path / "shards")
     counts = count_tokens(((s.input_ids, s.loss_mask) for s in splits["train"]), 259)
     assert not torch.equal(build_vocab_mapping(counts, 48)[1], first["t2d"]), "precondition: the new data implies another mapping"
     out = tmp_path / "resumed"
-    options = mini_options(mini_profile, out, data_dir=tmp_path / "shards", resume=str(mini_run), max_steps=8,
-                           rewarm_steps=4, log_interval=1, eval_at_start=False)
+    options = mini_options(
+        mini_profile, out, data_dir=tmp_path / "shards", resume=str(mini_run), max_steps=8, rewarm_steps=4, log_interval=1, eval_at_start=False
+    )
     assert train(options) == 0
     resumed = load_file(str(latest_checkpoint(out) / "model.safetensors"))
     assert latest_checkpoint(out).name.endswith("_step_8")
@@ -165,8 +171,7 @@ def test_resume_keeps_the_checkpoints_vocab_mapping_even_when_the_data_disagrees
 
 def test_grok_style_resume_runs_past_the_plan_with_its_own_lr_and_weight_decay(mini_run, mini_profile, mini_env, tmp_path):
     out = tmp_path / "grok"
-    options = mini_options(mini_profile, out, resume=str(mini_run), schedule="constant", lr=1e-3, weight_decay=0.1,
-                           eval_at_start=False, log_interval=3)
+    options = mini_options(mini_profile, out, resume=str(mini_run), schedule="constant", lr=1e-3, weight_decay=0.1, eval_at_start=False, log_interval=3)
     assert train(options) == 0  # no --max-steps, checkpoint at the profile's 6: another 6 steps
     latest = latest_checkpoint(out)
     assert latest.name.endswith("_step_12")
@@ -218,11 +223,21 @@ def toml_of(data: dict) -> str:
 # --- the real tiny run (slow; shared with the serving tests through conftest) ------------------------------
 
 TINY_KEYS = {  # reference sglang-eagle3.md 2.3 at the tiny shape: H = Ht = 128, 4 x 32 heads, I 512, V 259, Vd 192
-    "fc.weight": [128, 384], "midlayer.self_attn.q_proj.weight": [128, 256], "midlayer.self_attn.k_proj.weight": [128, 256],
-    "midlayer.self_attn.v_proj.weight": [128, 256], "midlayer.self_attn.o_proj.weight": [128, 128],
-    "midlayer.mlp.gate_proj.weight": [512, 128], "midlayer.mlp.up_proj.weight": [512, 128], "midlayer.mlp.down_proj.weight": [128, 512],
-    "midlayer.input_layernorm.weight": [128], "midlayer.hidden_norm.weight": [128], "midlayer.post_attention_layernorm.weight": [128],
-    "norm.weight": [128], "lm_head.weight": [192, 128], "d2t": [192], "t2d": [259],
+    "fc.weight": [128, 384],
+    "midlayer.self_attn.q_proj.weight": [128, 256],
+    "midlayer.self_attn.k_proj.weight": [128, 256],
+    "midlayer.self_attn.v_proj.weight": [128, 256],
+    "midlayer.self_attn.o_proj.weight": [128, 128],
+    "midlayer.mlp.gate_proj.weight": [512, 128],
+    "midlayer.mlp.up_proj.weight": [512, 128],
+    "midlayer.mlp.down_proj.weight": [128, 512],
+    "midlayer.input_layernorm.weight": [128],
+    "midlayer.hidden_norm.weight": [128],
+    "midlayer.post_attention_layernorm.weight": [128],
+    "norm.weight": [128],
+    "lm_head.weight": [192, 128],
+    "d2t": [192],
+    "t2d": [259],
 }
 
 
@@ -279,8 +294,24 @@ def wait_for(predicate, timeout, what):
 def test_sigterm_mid_run_writes_a_complete_checkpoint_and_exits_zero(tiny_target_dir, tiny_profile, tiny_target, tmp_path):
     tiny_samples(tiny_target, tiny_data_settings(tiny_profile.train.seq_len, seed=tiny_profile.train.seed))  # data cached first
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "backend", "train", "--profile", "tiny", "--out", str(out), "--max-steps", "100000",
-            "--log-interval", "1", "--eval-interval", "100000", "--save-interval", "100000"]
+    argv = [
+        sys.executable,
+        "-m",
+        "backend",
+        "train",
+        "--profile",
+        "tiny",
+        "--out",
+        str(out),
+        "--max-steps",
+        "100000",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "100000",
+        "--save-interval",
+        "100000",
+    ]
     process = subprocess.Popen(argv, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (out / "metrics.jsonl").is_file() and sum(1 for r in read_records(out) if r["split"] == "train") >= 2, 600, "two training steps")
@@ -304,9 +335,31 @@ def test_sigterm_mid_run_writes_a_complete_checkpoint_and_exits_zero(tiny_target
 def test_two_process_torchrun_on_cpu_trains_and_writes_one_checkpoint(tiny_target_dir, tiny_profile, tiny_target, tmp_path):
     tiny_samples(tiny_target, tiny_data_settings(tiny_profile.train.seq_len, seed=tiny_profile.train.seed))
     out = tmp_path / "ddp"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "backend", "train",
-            "--profile", "tiny", "--out", str(out), "--max-steps", "4", "--log-interval", "2", "--eval-interval", "100000",
-            "--save-interval", "100000", "--max-val-batches", "1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "backend",
+        "train",
+        "--profile",
+        "tiny",
+        "--out",
+        str(out),
+        "--max-steps",
+        "4",
+        "--log-interval",
+        "2",
+        "--eval-interval",
+        "100000",
+        "--save-interval",
+        "100000",
+        "--max-val-batches",
+        "1",
+    ]
     result = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert [p.name for p in list_checkpoints(out)] == ["epoch_0_step_4"]
@@ -368,8 +421,17 @@ def test_a_hugging_face_target_trains_online_on_regenerated_chat_conversations(t
     tokenizer.eos_token = "<|end|>"
     target_dir = tmp_path / "target"
     tokenizer.save_pretrained(target_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                         num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(target_dir)
     raw = mini_profile_dict(target_dir, max_steps=2, batch_size=2, log_interval=1)
@@ -387,6 +449,7 @@ def test_a_hugging_face_target_trains_online_on_regenerated_chat_conversations(t
 
 
 # --- the optimised step against a plain reference step ------------------------------------------------------
+
 
 def small_bench_trainer(**options):
     """The CPU benchmark shape (H 128, V 1024, Vd 256, seq 128, TTT 7): a Trainer attached to the synthetic offline source."""
@@ -445,8 +508,9 @@ def test_master_weights_keep_fp32_checkpoints_and_the_fp32_loss_curve(tmp_path):
             assert torch.equal(trainer.draft.fc.weight, masters["fc.weight"].to(torch.bfloat16))
         else:
             fp32_state = trainer.draft.state_dict()
-    assert {k: (tuple(v.shape), v.dtype) for k, v in state.items() if k != "embed_tokens.weight"} == \
-        {k: (tuple(v.shape), v.dtype) for k, v in fp32_state.items() if k != "embed_tokens.weight"}
+    assert {k: (tuple(v.shape), v.dtype) for k, v in state.items() if k != "embed_tokens.weight"} == {
+        k: (tuple(v.shape), v.dtype) for k, v in fp32_state.items() if k != "embed_tokens.weight"
+    }
     assert losses[True] == pytest.approx(losses[False], rel=0.02)
     assert losses[True][-1] < losses[True][0]
 

@@ -1,4 +1,5 @@
 """d2t/t2d as SpecForge builds them (reference sglang-eagle3.md 2.5): counts on loss-masked tokens, offsets, mask."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """`eagle3-host bench`: benchmark an SGLang-compatible server (optionally against a non-speculative baseline)."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,14 +21,17 @@ def concurrency_levels(text: str) -> list[int]:
 
 
 def register(subparsers, parent) -> None:
-    parser = subparsers.add_parser("bench", parents=[parent], help="benchmark a server: tok/s, accept length, TTFT, ITL, speedup",
-                                   description="Greedy streaming benchmark over a prompt set at several concurrency levels.")
+    parser = subparsers.add_parser(
+        "bench",
+        parents=[parent],
+        help="benchmark a server: tok/s, accept length, TTFT, ITL, speedup",
+        description="Greedy streaming benchmark over a prompt set at several concurrency levels.",
+    )
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
     parser.add_argument("--prompts", type=Path, help="JSONL with {prompt}|{text}|{conversations} per line (default: shipped set)")
     parser.add_argument("--tag", help="only prompts with this tag from the prompt file (the shipped set has chat, code)")
     parser.add_argument("--num-prompts", type=int, help="use only the first N prompts")
-    parser.add_argument("--chat-template", metavar="MODEL_DIR",
-                        help="wrap each prompt in this tokenizer's chat template (as the draft saw chats in training)")
+    parser.add_argument("--chat-template", metavar="MODEL_DIR", help="wrap each prompt in this tokenizer's chat template (as the draft saw chats in training)")
     parser.add_argument("--concurrency", type=concurrency_levels, default=[1, 4, 16], help="levels, e.g. 1,4,16 (default)")
     parser.add_argument("--baseline-url", help="a non-speculative server of the same target, for the speedup")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -47,12 +51,19 @@ async def run(args) -> dict:
     info, levels = await client.run_server(url, prompts.prompts, args.concurrency, args.max_new_tokens)
     baseline_info = baseline_levels = None
     if args.baseline_url:
-        baseline_info, baseline_levels = await client.run_server(args.baseline_url.rstrip("/"), prompts.prompts,
-                                                                 args.concurrency, args.max_new_tokens)
-    return results.build_document(url=url, server_info=info, levels=levels, prompts=prompts,
-                                  max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
-                                  baseline_url=args.baseline_url, baseline_info=baseline_info,
-                                  baseline_levels=baseline_levels, started_at=started)
+        baseline_info, baseline_levels = await client.run_server(args.baseline_url.rstrip("/"), prompts.prompts, args.concurrency, args.max_new_tokens)
+    return results.build_document(
+        url=url,
+        server_info=info,
+        levels=levels,
+        prompts=prompts,
+        max_new_tokens=args.max_new_tokens,
+        concurrency=args.concurrency,
+        baseline_url=args.baseline_url,
+        baseline_info=baseline_info,
+        baseline_levels=baseline_levels,
+        started_at=started,
+    )
 
 
 def handle_bench(args) -> int:

@@ -1,4 +1,5 @@
 """Async benchmark client: streams greedy /generate requests at several concurrency levels and measures them."""
+
 from __future__ import annotations
 
 import asyncio
@@ -89,8 +90,7 @@ def templated(prompts: PromptSet, model_dir: str) -> PromptSet:
         from backend.train.target import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                 for p in prompts.prompts]
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts.prompts]
     except Exception as exc:  # missing files, no template, no transformers
         raise TemplateError(f"cannot apply the chat template of {model_dir}: {type(exc).__name__}: {exc}") from None
     digest = hashlib.sha256(json.dumps(texts).encode()).hexdigest()
@@ -214,28 +214,39 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float, s
     verify = sum(r.verify_ct for r in done)
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     gaps = [g for r in done for g in r.chunk_gaps_s]
-    tpots = [(r.latency_s - r.ttft_s) / (r.completion_tokens - 1) for r in done
-             if r.ttft_s is not None and r.completion_tokens > 1]
+    tpots = [(r.latency_s - r.ttft_s) / (r.completion_tokens - 1) for r in done if r.ttft_s is not None and r.completion_tokens > 1]
     latencies = [r.latency_s for r in done]
     states = server_info.get("internal_states") or [{}]
     server_avg = states[0].get("avg_spec_accept_length") if states and isinstance(states[0], dict) else None
     by_index = sorted(results, key=lambda r: r.index)
     steps = server_info.get("speculative_num_steps")
-    acceptance = acceptance_report([(r.completion_tokens, r.verify_ct, r.histogram) for r in done],
-                                   steps if isinstance(steps, int) and steps > 0 else None,
-                                   histogram_notes=[r.histogram_note for r in done if r.histogram_note])
+    acceptance = acceptance_report(
+        [(r.completion_tokens, r.verify_ct, r.histogram) for r in done],
+        steps if isinstance(steps, int) and steps > 0 else None,
+        histogram_notes=[r.histogram_note for r in done if r.histogram_note],
+    )
     return LevelResult(
-        concurrency=concurrency, requests=len(results), failed=len(results) - len(done), duration_s=duration,
-        output_tokens=tokens, output_tok_per_s=tokens / duration if duration > 0 else 0.0,
+        concurrency=concurrency,
+        requests=len(results),
+        failed=len(results) - len(done),
+        duration_s=duration,
+        output_tokens=tokens,
+        output_tok_per_s=tokens / duration if duration > 0 else 0.0,
         request_per_s=len(done) / duration if duration > 0 else 0.0,
-        accept_length=tokens / verify if verify else None, server_avg_accept_length=server_avg,
-        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
-        itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99),
-        tpot_p50_s=percentile(tpots, 50), tpot_p99_s=percentile(tpots, 99),
-        latency_p50_s=percentile(latencies, 50), latency_p99_s=percentile(latencies, 99),
+        accept_length=tokens / verify if verify else None,
+        server_avg_accept_length=server_avg,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        itl_p50_s=percentile(gaps, 50),
+        itl_p99_s=percentile(gaps, 99),
+        tpot_p50_s=percentile(tpots, 50),
+        tpot_p99_s=percentile(tpots, 99),
+        latency_p50_s=percentile(latencies, 50),
+        latency_p99_s=percentile(latencies, 99),
         errors=[f"prompt {r.index}: {r.error}" for r in results if not r.ok][:10],
         texts=[r.text for r in by_index],
-        accept_length_mean_of_request_means=acceptance["mean_of_request_means"], acceptance=acceptance,
+        accept_length_mean_of_request_means=acceptance["mean_of_request_means"],
+        acceptance=acceptance,
     )
 
 

@@ -1,4 +1,5 @@
 """Benchmark result documents: assemble, compute speedups, save atomically as JSON, print as a table."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,19 @@ from backend.serve.canary import acceptance_lines, break_line, compare_with_vali
 
 SCHEMA = 1
 SERVER_INFO_KEYS = (
-    "model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-    "speculative_eagle_topk", "speculative_num_draft_tokens", "dtype", "tp_size", "version", "engine",
-    "mem_fraction_static", "cuda_graph_max_bs", "disable_cuda_graph",
+    "model_path",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "dtype",
+    "tp_size",
+    "version",
+    "engine",
+    "mem_fraction_static",
+    "cuda_graph_max_bs",
+    "disable_cuda_graph",
 )
 
 
@@ -38,8 +49,9 @@ def speedups(spec: list[LevelResult], baseline: list[LevelResult]) -> list[dict[
         if base is None:
             continue
         ratio = level.output_tok_per_s / base.output_tok_per_s if base.output_tok_per_s > 0 else None
-        rows.append({"concurrency": level.concurrency, "output_tok_per_s": level.output_tok_per_s,
-                     "baseline_output_tok_per_s": base.output_tok_per_s, "speedup": ratio})
+        rows.append(
+            {"concurrency": level.concurrency, "output_tok_per_s": level.output_tok_per_s, "baseline_output_tok_per_s": base.output_tok_per_s, "speedup": ratio}
+        )
     return rows
 
 
@@ -76,8 +88,9 @@ def with_validation(level: dict[str, Any], val_acc: list[float] | None, num_step
         return level
     rows, first = compare_with_validation(acceptance.get("per_position") or [], val_acc)
     steps = num_steps if isinstance(num_steps, int) and num_steps > 0 else len(rows) or len(val_acc)
-    acceptance.update(per_position=rows, val_acc=list(val_acc), tau_hat=tau_hat(val_acc, steps), **{"break": first},
-                      break_line=break_line(first, rows) if rows else None)
+    acceptance.update(
+        per_position=rows, val_acc=list(val_acc), tau_hat=tau_hat(val_acc, steps), **{"break": first}, break_line=break_line(first, rows) if rows else None
+    )
     return {**level, "acceptance": acceptance}
 
 
@@ -109,9 +122,10 @@ def build_document(
         "url": url,
         "server": server_summary(server_info),
         "checkpoint": server_info.get("speculative_draft_model_path"),
-        "flags": {k: server_info.get(k) for k in ("speculative_algorithm", "speculative_num_steps",
-                                                  "speculative_eagle_topk", "speculative_num_draft_tokens",
-                                                  "dtype", "tp_size")},
+        "flags": {
+            k: server_info.get(k)
+            for k in ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "dtype", "tp_size")
+        },
         "prompts": prompts.describe(),
         "max_new_tokens": max_new_tokens,
         "temperature": 0,
@@ -120,8 +134,7 @@ def build_document(
         "validation": {"val_acc": val_acc, "tau_hat": tau_hat(val_acc, steps) if val_acc and isinstance(steps, int) else None},
     }
     if baseline_url is not None and baseline_levels is not None:
-        document["baseline"] = {"url": baseline_url, "server": server_summary(baseline_info or {}),
-                                "levels": [level.to_dict() for level in baseline_levels]}
+        document["baseline"] = {"url": baseline_url, "server": server_summary(baseline_info or {}), "levels": [level.to_dict() for level in baseline_levels]}
         document["speedup"] = speedups(levels, baseline_levels)
         document["outputs_equal"] = outputs_equal(levels, baseline_levels)
     return document
@@ -160,28 +173,33 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def table(document: dict[str, Any]) -> str:
-    lines = [f"benchmark of {document['url']}  ({document['flags'].get('speculative_algorithm')}, "
-             f"steps {document['flags'].get('speculative_num_steps')}, prompts {document['prompts']['count']}, "
-             f"max_new_tokens {document['max_new_tokens']})",
-             f"{'conc':>4} {'tok/s':>9} {'pooled':>7} {'req_mean':>8} {'srv_acc':>7} {'ttft50':>8} {'ttft99':>8} "
-             f"{'itl50':>7} {'itl99':>7} {'tpot50':>7} {'fail':>4}   (times in ms)",
-             "  accept length: pooled = over verify steps (SGLang, vLLM: sum completion / sum verify_ct); "
-             "req_mean = mean of per-request means (SpecForge benchmark)"]
+    lines = [
+        f"benchmark of {document['url']}  ({document['flags'].get('speculative_algorithm')}, "
+        f"steps {document['flags'].get('speculative_num_steps')}, prompts {document['prompts']['count']}, "
+        f"max_new_tokens {document['max_new_tokens']})",
+        f"{'conc':>4} {'tok/s':>9} {'pooled':>7} {'req_mean':>8} {'srv_acc':>7} {'ttft50':>8} {'ttft99':>8} "
+        f"{'itl50':>7} {'itl99':>7} {'tpot50':>7} {'fail':>4}   (times in ms)",
+        "  accept length: pooled = over verify steps (SGLang, vLLM: sum completion / sum verify_ct); "
+        "req_mean = mean of per-request means (SpecForge benchmark)",
+    ]
     for level in document["levels"]:
-        lines.append(f"{level['concurrency']:>4} {level['output_tok_per_s']:>9.1f} {_fmt(level['accept_length']):>7} "
-                     f"{_fmt(level.get('accept_length_mean_of_request_means')):>8} {_fmt(level['server_avg_accept_length']):>7} {_fmt(level['ttft_p50_s'], 1000, 1):>8} "
-                     f"{_fmt(level['ttft_p99_s'], 1000, 1):>8} {_fmt(level['itl_p50_s'], 1000, 1):>7} "
-                     f"{_fmt(level['itl_p99_s'], 1000, 1):>7} {_fmt(level['tpot_p50_s'], 1000, 1):>7} {level['failed']:>4}")
+        lines.append(
+            f"{level['concurrency']:>4} {level['output_tok_per_s']:>9.1f} {_fmt(level['accept_length']):>7} "
+            f"{_fmt(level.get('accept_length_mean_of_request_means')):>8} {_fmt(level['server_avg_accept_length']):>7} {_fmt(level['ttft_p50_s'], 1000, 1):>8} "
+            f"{_fmt(level['ttft_p99_s'], 1000, 1):>8} {_fmt(level['itl_p50_s'], 1000, 1):>7} "
+            f"{_fmt(level['itl_p99_s'], 1000, 1):>7} {_fmt(level['tpot_p50_s'], 1000, 1):>7} {level['failed']:>4}"
+        )
     for row in document.get("speedup", []):
-        lines.append(f"speedup at concurrency {row['concurrency']}: {_fmt(row['speedup'])}x "
-                     f"({row['output_tok_per_s']:.1f} vs {row['baseline_output_tok_per_s']:.1f} tok/s baseline)")
+        lines.append(
+            f"speedup at concurrency {row['concurrency']}: {_fmt(row['speedup'])}x "
+            f"({row['output_tok_per_s']:.1f} vs {row['baseline_output_tok_per_s']:.1f} tok/s baseline)"
+        )
     if "outputs_equal" in document:
         eq = document["outputs_equal"]
         lines.append(f"outputs equal to baseline: {eq['equal']}/{eq['compared']}")
     validation = document.get("validation") or {}
     if validation.get("val_acc"):
-        lines.append(f"validation: tau-hat {_fmt(validation.get('tau_hat'))}, val acc "
-                     + " ".join(f"{a:.2f}" for a in validation["val_acc"]))
+        lines.append(f"validation: tau-hat {_fmt(validation.get('tau_hat'))}, val acc " + " ".join(f"{a:.2f}" for a in validation["val_acc"]))
     for level in document["levels"]:
         if level.get("acceptance"):
             lines.append(f"concurrency {level['concurrency']}:")

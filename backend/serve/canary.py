@@ -12,6 +12,7 @@ rate is what validation acc_k predicts (tau-hat treats acc_k that way), so the f
 rate falls below acc_k by more than the tolerance (BREAK_ABS_TOL, or two binomial standard errors when fewer
 steps reached the position) is where serving breaks. See docs/serving.md, "Per-position acceptance".
 """
+
 from __future__ import annotations
 
 import time
@@ -65,6 +66,7 @@ def tau_hat(val_acc: list[float] | None, num_steps: int) -> float | None:
 
 # --------------------------------------------------------------------------- per-position acceptance (pure)
 
+
 def histogram_from_meta(meta: dict[str, Any]) -> tuple[list[int] | None, str | None]:
     """(histogram, note) from one request's meta_info; None with a note when absent or not what it claims to be.
 
@@ -111,10 +113,16 @@ def per_position_acceptance(histogram: list[int], num_steps: int | None = None) 
     rows = []
     at_least = total  # steps that accepted >= k drafts
     for k in range(max(positions, 0)):
-        accepted = sum(histogram[k + 1:])  # steps that accepted >= k+1
-        rows.append({"position": k, "reached": accepted / total,
-                     "conditional": accepted / at_least if at_least else None,
-                     "steps_at_position": at_least, "steps_accepted": accepted})
+        accepted = sum(histogram[k + 1 :])  # steps that accepted >= k+1
+        rows.append(
+            {
+                "position": k,
+                "reached": accepted / total,
+                "conditional": accepted / at_least if at_least else None,
+                "steps_at_position": at_least,
+                "steps_accepted": accepted,
+            }
+        )
         at_least = accepted
     return rows
 
@@ -146,17 +154,26 @@ def compare_with_validation(per_position: list[dict[str, Any]], val_acc: list[fl
         out.update(predicted=acc, predicted_reached=running, tolerance=tol, judged=judged, broken=broken)
         rows.append(out)
         if broken and first is None:
-            first = {"position": k, "served": row["conditional"], "predicted": acc, "tolerance": tol,
-                     "served_reached": row["reached"], "predicted_reached": running, "steps_at_position": n}
+            first = {
+                "position": k,
+                "served": row["conditional"],
+                "predicted": acc,
+                "tolerance": tol,
+                "served_reached": row["reached"],
+                "predicted_reached": running,
+                "steps_at_position": n,
+            }
     return rows, first
 
 
 def break_line(first: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
     """One sentence: where served acceptance breaks, or that it holds (and up to where it could be judged)."""
     if first is not None:
-        return (f"served acceptance breaks at position {first['position']}: {first['served']:.2f} served vs "
-                f"{first['predicted']:.2f} predicted (val acc_{first['position']}; tolerance {first['tolerance']:.2f}, "
-                f"{first['steps_at_position']} verify steps reached it)")
+        return (
+            f"served acceptance breaks at position {first['position']}: {first['served']:.2f} served vs "
+            f"{first['predicted']:.2f} predicted (val acc_{first['position']}; tolerance {first['tolerance']:.2f}, "
+            f"{first['steps_at_position']} verify steps reached it)"
+        )
     judged = [r["position"] for r in rows if r.get("judged")]
     if not any(r.get("predicted") is not None for r in rows):
         return "no validation accuracy recorded: served acceptance per position shown without a prediction"
@@ -171,8 +188,9 @@ def mean_of_request_means(pairs: list[tuple[int, int]]) -> float | None:
     return sum(means) / len(means) if means else None
 
 
-def acceptance_report(requests: list[tuple[int, int, list[int] | None]], num_steps: int | None,
-                      val_acc: list[float] | None = None, histogram_notes: Sequence[str] = ()) -> dict[str, Any]:
+def acceptance_report(
+    requests: list[tuple[int, int, list[int] | None]], num_steps: int | None, val_acc: list[float] | None = None, histogram_notes: Sequence[str] = ()
+) -> dict[str, Any]:
     """Both accept-length definitions, served acceptance per position, and the first break against validation.
 
     requests: (completion_tokens, verify_ct, histogram or None) per finished request. Requests without a histogram
@@ -187,34 +205,47 @@ def acceptance_report(requests: list[tuple[int, int, list[int] | None]], num_ste
     first = None
     histogram = None
     if missing:
-        notes.append(f"{missing} of {missing + len(histograms)} requests came without a usable histogram: "
-                     "per-position acceptance not computed, pooled accept length only")
+        notes.append(
+            f"{missing} of {missing + len(histograms)} requests came without a usable histogram: "
+            "per-position acceptance not computed, pooled accept length only"
+        )
     elif histograms:
         histogram = merge_histograms(histograms)
         per_position, first = compare_with_validation(per_position_acceptance(histogram, num_steps), val_acc)
     report: dict[str, Any] = {
-        "pooled": completion / verify if verify else None, "pooled_label": POOLED_LABEL,
+        "pooled": completion / verify if verify else None,
+        "pooled_label": POOLED_LABEL,
         "mean_of_request_means": mean_of_request_means([(c, v) for c, v, _ in requests]),
         "mean_of_request_means_label": MEAN_OF_MEANS_LABEL,
-        "requests": len(requests), "sum_verify_ct": verify, "histogram": histogram, "per_position": per_position,
-        "val_acc": list(val_acc) if val_acc else None, "tau_hat": tau_hat(val_acc, num_steps or 0) if val_acc and num_steps else None,
-        "break": first, "break_line": break_line(first, per_position) if per_position else None,
-        "tolerance": {"abs": BREAK_ABS_TOL, "z": BREAK_Z, "min_steps": MIN_STEPS_AT_POSITION}, "notes": notes,
+        "requests": len(requests),
+        "sum_verify_ct": verify,
+        "histogram": histogram,
+        "per_position": per_position,
+        "val_acc": list(val_acc) if val_acc else None,
+        "tau_hat": tau_hat(val_acc, num_steps or 0) if val_acc and num_steps else None,
+        "break": first,
+        "break_line": break_line(first, per_position) if per_position else None,
+        "tolerance": {"abs": BREAK_ABS_TOL, "z": BREAK_Z, "min_steps": MIN_STEPS_AT_POSITION},
+        "notes": notes,
     }
     return report
 
 
 def acceptance_lines(report: dict[str, Any]) -> list[str]:
     """The report as labelled text lines (canary output, benchmark table)."""
-    lines = [f"accept length {_num(report.get('pooled'))}  {report.get('pooled_label', POOLED_LABEL)}",
-             f"accept length {_num(report.get('mean_of_request_means'))}  {report.get('mean_of_request_means_label', MEAN_OF_MEANS_LABEL)}"]
+    lines = [
+        f"accept length {_num(report.get('pooled'))}  {report.get('pooled_label', POOLED_LABEL)}",
+        f"accept length {_num(report.get('mean_of_request_means'))}  {report.get('mean_of_request_means_label', MEAN_OF_MEANS_LABEL)}",
+    ]
     rows = report.get("per_position") or []
     if rows:
         lines.append("pos  val acc  served|k  predicted reach  served reach  steps")
         for row in rows:
             mark = "  <- break" if row.get("broken") else ""
-            lines.append(f"{row['position']:>3}  {_num(row.get('predicted')):>7}  {_num(row.get('conditional')):>8}  "
-                         f"{_num(row.get('predicted_reached')):>15}  {_num(row.get('reached')):>12}  {row['steps_at_position']:>5}{mark}")
+            lines.append(
+                f"{row['position']:>3}  {_num(row.get('predicted')):>7}  {_num(row.get('conditional')):>8}  "
+                f"{_num(row.get('predicted_reached')):>15}  {_num(row.get('reached')):>12}  {row['steps_at_position']:>5}{mark}"
+            )
     if report.get("break_line"):
         lines.append(report["break_line"])
     lines += [f"note: {note}" for note in report.get("notes") or []]
@@ -232,45 +263,69 @@ def zero_acceptance_ceiling(requests: int, verify_ct: int) -> float:
 # Likely causes, most likely first (reference/sglang-eagle3.md sections 3.3 and 6). "evidence" keys say which
 # preflight problem code or server fact confirms one; confirmed causes are listed before the rest.
 CAUSES: list[dict[str, Any]] = [
-    {"id": "algorithm", "codes": ["algorithm"],
-     "cause": "--speculative-algorithm EAGLE (or NEXTN) instead of EAGLE3: the target never captures the aux layers, "
-              "hands the draft 1 x H and fc is skipped (sglang PR #21272)",
-     "check": "GET /get_server_info speculative_algorithm must be EAGLE3; relaunch with --speculative-algorithm EAGLE3"},
-    {"id": "aux_disabled", "codes": ["aux_disabled"],
-     "cause": "eagle_config.use_aux_hidden_state is false in the draft config.json: same 1 x H feed",
-     "check": "`eagle3-host preflight` (code aux_disabled); remove the flag"},
-    {"id": "target_class", "codes": ["target_support"],
-     "cause": "the target's SGLang class lacks aux capture, or a wrapper (VLM, KimiK25ForConditionalGeneration) drops "
-              "aux_hidden_states before the logits processor (sglang PR #19689, #13904)",
-     "check": "preflight on the host where sglang imports (code target_support); upgrade SGLang"},
-    {"id": "aux_ids", "codes": ["aux_layers"],
-     "cause": "aux layer ids differ from the ones trained on, or CUDA graphs were captured with SGLang's default ids "
-              "before the configured ones were set (sglang PR #22836, fixed in 0.5.14)",
-     "check": "compare eagle_config ids with eagle3_console.trained_aux_layer_ids; relaunch with --disable-cuda-graph "
-              "and see if acceptance recovers"},
-    {"id": "key_prefix", "codes": ["key_prefix"],
-     "cause": "layers.0.* (or other unknown) weight names silently dropped by SGLang < 0.5.14: a random decoder layer",
-     "check": "preflight code key_prefix; `eagle3-host convert SRC DST`"},
-    {"id": "vocab_map", "codes": ["vocab_map"],
-     "cause": "d2t missing or wrong while the draft vocab is smaller: draft ids are read as target ids",
-     "check": "preflight code vocab_map"},
-    {"id": "fc_shape", "codes": ["fc_shape"],
-     "cause": "fc was trained for a different feature width than the target delivers (e.g. 7168 instead of 21504)",
-     "check": "preflight code fc_shape"},
-    {"id": "dtype", "codes": ["dtype"],
-     "cause": "draft served in another dtype than trained (float32 config + --dtype auto serves float16)",
-     "check": "preflight code dtype; pass --dtype explicitly"},
+    {
+        "id": "algorithm",
+        "codes": ["algorithm"],
+        "cause": "--speculative-algorithm EAGLE (or NEXTN) instead of EAGLE3: the target never captures the aux layers, "
+        "hands the draft 1 x H and fc is skipped (sglang PR #21272)",
+        "check": "GET /get_server_info speculative_algorithm must be EAGLE3; relaunch with --speculative-algorithm EAGLE3",
+    },
+    {
+        "id": "aux_disabled",
+        "codes": ["aux_disabled"],
+        "cause": "eagle_config.use_aux_hidden_state is false in the draft config.json: same 1 x H feed",
+        "check": "`eagle3-host preflight` (code aux_disabled); remove the flag",
+    },
+    {
+        "id": "target_class",
+        "codes": ["target_support"],
+        "cause": "the target's SGLang class lacks aux capture, or a wrapper (VLM, KimiK25ForConditionalGeneration) drops "
+        "aux_hidden_states before the logits processor (sglang PR #19689, #13904)",
+        "check": "preflight on the host where sglang imports (code target_support); upgrade SGLang",
+    },
+    {
+        "id": "aux_ids",
+        "codes": ["aux_layers"],
+        "cause": "aux layer ids differ from the ones trained on, or CUDA graphs were captured with SGLang's default ids "
+        "before the configured ones were set (sglang PR #22836, fixed in 0.5.14)",
+        "check": "compare eagle_config ids with eagle3_console.trained_aux_layer_ids; relaunch with --disable-cuda-graph and see if acceptance recovers",
+    },
+    {
+        "id": "key_prefix",
+        "codes": ["key_prefix"],
+        "cause": "layers.0.* (or other unknown) weight names silently dropped by SGLang < 0.5.14: a random decoder layer",
+        "check": "preflight code key_prefix; `eagle3-host convert SRC DST`",
+    },
+    {
+        "id": "vocab_map",
+        "codes": ["vocab_map"],
+        "cause": "d2t missing or wrong while the draft vocab is smaller: draft ids are read as target ids",
+        "check": "preflight code vocab_map",
+    },
+    {
+        "id": "fc_shape",
+        "codes": ["fc_shape"],
+        "cause": "fc was trained for a different feature width than the target delivers (e.g. 7168 instead of 21504)",
+        "check": "preflight code fc_shape",
+    },
+    {
+        "id": "dtype",
+        "codes": ["dtype"],
+        "cause": "draft served in another dtype than trained (float32 config + --dtype auto serves float16)",
+        "check": "preflight code dtype; pass --dtype explicitly",
+    },
 ]
 DISTRIBUTION_CAUSE = {
-    "id": "distribution", "codes": [],
-    "cause": "canary prompts unlike the training data, or validation accuracy measured on data unlike serving "
-             "(chat template, language, domain)",
+    "id": "distribution",
+    "codes": [],
+    "cause": "canary prompts unlike the training data, or validation accuracy measured on data unlike serving (chat template, language, domain)",
     "check": "rerun the canary with prompts from the training set; compare with `eagle3-host bench`",
 }
 FEATURE_CAUSE = {
-    "id": "feature_feed", "codes": [],
+    "id": "feature_feed",
+    "codes": [],
     "cause": "the target hands the draft the wrong hidden state (final layer instead of the 3 aux layers): fc is "
-             "skipped because the width already equals the draft hidden size",
+    "skipped because the width already equals the draft hidden size",
     "check": "the engine reported feature width/source below; serve with the aux feed (EAGLE3, aux capture enabled)",
 }
 
@@ -341,8 +396,9 @@ def feature_mismatch(features: dict[str, Any]) -> str | None:
     return "; ".join(problems) or None
 
 
-def ordered_causes(base: list[dict[str, Any]], preflight_codes: list[str], server_info: dict[str, Any],
-                   lead: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+def ordered_causes(
+    base: list[dict[str, Any]], preflight_codes: list[str], server_info: dict[str, Any], lead: Sequence[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
     """Catalog order, with causes confirmed by preflight codes or the server info moved to the front."""
     algorithm = server_info.get("speculative_algorithm")
     listed = []
@@ -391,11 +447,9 @@ def judge(
         reasons.append("no speculative verify steps were reported (spec_verify_ct is 0 or absent)")
     elif accept_length <= ceiling:
         if not predicts_no_acceptance(tau, ratio, ceiling, min_tau):
-            reasons.append(f"zero acceptance: accept length {accept_length:.3f} <= "
-                           f"{ceiling:.3f} (1 + requests/verify_ct + {ZERO_ACCEPT_EPS})")
+            reasons.append(f"zero acceptance: accept length {accept_length:.3f} <= {ceiling:.3f} (1 + requests/verify_ct + {ZERO_ACCEPT_EPS})")
     elif tau is not None and accept_length < ratio * tau:
-        reasons.append(f"serving does not reproduce training: accept length {accept_length:.2f} < {ratio} x "
-                       f"tau-hat {tau:.2f} = {ratio * tau:.2f}")
+        reasons.append(f"serving does not reproduce training: accept length {accept_length:.2f} < {ratio} x tau-hat {tau:.2f} = {ratio * tau:.2f}")
         base = CAUSES[:4] + [DISTRIBUTION_CAUSE] + CAUSES[4:]
     if reasons or accept_length is None:  # (a missing accept length is always among the reasons)
         return RED, reasons[0], reasons, ordered_causes(base, list(preflight_codes), server_info, lead)
@@ -414,8 +468,11 @@ def not_learned_yet(accept_length: float, tau: float, ratio: float, min_tau: flo
     """Amber headline and reasons: the draft is too weak for the canary to tell working serving from a broken feed."""
     low, high = BROKEN_FEED_ACCEPT_LENGTHS
     headline = f"inconclusive: the draft has not learned yet (tau-hat {tau:.2f} < {min_tau:.2f})"
-    measured = (f"accept length {accept_length:.2f} is at the zero-acceptance line ({ceiling:.3f}), as this checkpoint predicts"
-                if accept_length <= ceiling else f"accept length {accept_length:.2f}")
+    measured = (
+        f"accept length {accept_length:.2f} is at the zero-acceptance line ({ceiling:.3f}), as this checkpoint predicts"
+        if accept_length <= ceiling
+        else f"accept length {accept_length:.2f}"
+    )
     return headline, [
         f"{measured}; tau-hat {tau:.2f} is too close to 1 for a verdict: green would need only accept length "
         f">= {ratio * tau:.2f}, and a broken aux feed reached {low:.2f}-{high:.2f} on the calibration runs (docs/serving.md)",
@@ -450,8 +507,15 @@ def run_canary(
     features = feature_report(server_info)
     tau = tau_hat(val_acc, num_steps)
     verdict, headline, reasons, causes = judge(
-        accept_length=measured, requests=len(done), sum_verify_ct=sum_verify, tau=tau, features=features,
-        server_info=server_info, preflight_codes=list(preflight_codes), ratio=ratio)
+        accept_length=measured,
+        requests=len(done),
+        sum_verify_ct=sum_verify,
+        tau=tau,
+        features=features,
+        server_info=server_info,
+        preflight_codes=list(preflight_codes),
+        ratio=ratio,
+    )
     failed = [r.error for r in records if r.error]
     if failed:
         reasons.append(f"{len(failed)} of {len(records)} canary requests failed: {failed[0]}")
@@ -459,16 +523,28 @@ def run_canary(
         reasons.append(f"POST /flush_cache did not succeed ({http.describe(flush)}): the server average includes earlier traffic")
     if not done:
         verdict, headline = RED, reasons[-1] if failed else "no canary request completed"
-    acceptance = acceptance_report([(r.completion_tokens, r.verify_ct, r.histogram) for r in done], num_steps, val_acc,
-                                   [r.histogram_note for r in done if r.histogram_note])
+    acceptance = acceptance_report(
+        [(r.completion_tokens, r.verify_ct, r.histogram) for r in done], num_steps, val_acc, [r.histogram_note for r in done if r.histogram_note]
+    )
     return CanaryResult(
-        verdict=verdict, headline=headline, reasons=reasons, causes=causes, accept_length=measured,
-        server_avg_accept_length=server_avg, tau_hat=tau,
-        ratio_to_tau_hat=(measured / tau) if measured is not None and tau else None, threshold_ratio=ratio,
+        verdict=verdict,
+        headline=headline,
+        reasons=reasons,
+        causes=causes,
+        accept_length=measured,
+        server_avg_accept_length=server_avg,
+        tau_hat=tau,
+        ratio_to_tau_hat=(measured / tau) if measured is not None and tau else None,
+        threshold_ratio=ratio,
         zero_acceptance_ceiling=zero_acceptance_ceiling(len(done), sum_verify) if sum_verify else None,
-        num_steps=num_steps, sum_completion_tokens=sum_completion, sum_verify_ct=sum_verify, features=features,
-        requests=records, elapsed_s=time.monotonic() - started,
-        accept_length_mean_of_request_means=acceptance["mean_of_request_means"], acceptance=acceptance,
+        num_steps=num_steps,
+        sum_completion_tokens=sum_completion,
+        sum_verify_ct=sum_verify,
+        features=features,
+        requests=records,
+        elapsed_s=time.monotonic() - started,
+        accept_length_mean_of_request_means=acceptance["mean_of_request_means"],
+        acceptance=acceptance,
     )
 
 
@@ -483,5 +559,4 @@ def _one_request(url: str, prompt: str, max_new_tokens: int, timeout_s: float) -
     completion = int(meta.get("completion_tokens") or 0)
     verify = int(meta.get("spec_verify_ct") or 0)
     histogram, note = histogram_from_meta(meta) if verify else (None, None)
-    return CanaryRequest(len(prompt), completion, verify, completion / verify if verify else None, latency,
-                         histogram=histogram, histogram_note=note)
+    return CanaryRequest(len(prompt), completion, verify, completion / verify if verify else None, latency, histogram=histogram, histogram_note=note)

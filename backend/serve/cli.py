@@ -1,4 +1,5 @@
 """`eagle3-host preflight` and `eagle3-host serve`: static draft checks, and launching a checked server."""
+
 from __future__ import annotations
 
 import json
@@ -10,29 +11,36 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 def register(subparsers, parent) -> None:
     pre = subparsers.add_parser(
-        "preflight", parents=[parent], help="check a draft checkpoint against its target and the serving flags",
+        "preflight",
+        parents=[parent],
+        help="check a draft checkpoint against its target and the serving flags",
         description="Reads config.json and the safetensors header only; never modifies anything. "
-                    "Exit 0 when ok, 1 when problems were found, 2 on a usage error.")
+        "Exit 0 when ok, 1 when problems were found, 2 on a usage error.",
+    )
     pre.add_argument("draft", type=Path, help="draft checkpoint dir (or a training run dir: its latest checkpoint)")
     pre.add_argument("--target-config", required=True, type=Path, help="the target model's config.json")
     pre.add_argument("--profile", help="profile whose [serve] flags are checked too (algorithm, dtype)")
     pre.add_argument("--json", action="store_true", help='print {"ok", "problems": [{"code","message","hint"}], ...}')
-    pre.add_argument("--no-sglang", action="store_true",
-                     help="skip the target_support check (importing SGLang's model registry takes ~20 s)")
+    pre.add_argument("--no-sglang", action="store_true", help="skip the target_support check (importing SGLang's model registry takes ~20 s)")
     pre.set_defaults(handler=handle_preflight)
 
     serve = subparsers.add_parser(
-        "serve", parents=[parent], help="preflight, launch a speculative server as an owned job, run the canary",
-        description="Refuses to launch when preflight finds problems (unless --force). Exit 0 on a green canary.")
+        "serve",
+        parents=[parent],
+        help="preflight, launch a speculative server as an owned job, run the canary",
+        description="Refuses to launch when preflight finds problems (unless --force). Exit 0 on a green canary.",
+    )
     serve.add_argument("--profile", required=True)
     serve.add_argument("--draft", type=Path, help="draft checkpoint (or run) dir; required unless --baseline")
-    serve.add_argument("--baseline", action="store_true",
-                       help="start the same target WITHOUT speculation (for `bench --baseline-url`): no preflight, no canary")
+    serve.add_argument(
+        "--baseline", action="store_true", help="start the same target WITHOUT speculation (for `bench --baseline-url`): no preflight, no canary"
+    )
     serve.add_argument("--engine", choices=["sglang", "reference"], help="default: the profile's [serve].engine")
     serve.add_argument("--port", type=int, help="default: the profile's port (sglang) or a free port (reference)")
     serve.add_argument("--host", default="127.0.0.1", help="address the server binds (default 127.0.0.1)")
-    serve.add_argument("--feed", choices=["aux", "last_hidden"], default="aux",
-                       help="reference engine only: last_hidden reproduces SGLang's silent 1 x H failure")
+    serve.add_argument(
+        "--feed", choices=["aux", "last_hidden"], default="aux", help="reference engine only: last_hidden reproduces SGLang's silent 1 x H failure"
+    )
     serve.add_argument("--target-config", help="target config.json for preflight (default: from the profile)")
     serve.add_argument("--job-name", help="owned job name (default serve-<profile>-<engine>)")
     serve.add_argument("--force", action="store_true", help="launch even when preflight reports problems")
@@ -97,14 +105,26 @@ def handle_serve(args) -> int:
         draft = str(resolve_draft_dir(args.draft.expanduser()))
         port = args.port or profile.serve.port
         argv = launch_mod.build_argv(profile, draft, engine, port, feed=args.feed, host=args.host)
-        report = run_preflight(draft, launch_mod.target_config_for(profile, args.target_config),
-                               serving_argv=build_sglang_argv(profile, draft, port=port, host=args.host))
+        report = run_preflight(
+            draft, launch_mod.target_config_for(profile, args.target_config), serving_argv=build_sglang_argv(profile, draft, port=port, host=args.host)
+        )
         print(json.dumps({"argv": argv, "preflight": report.to_dict()}, indent=1))
         return EXIT_OK if report.ok else EXIT_PROBLEMS
     result = launch_mod.launch(
-        profile, args.draft, engine=engine, port=args.port, run_dir=args.run_dir, job_name=args.job_name,
-        feed=args.feed, force=args.force, target_config=args.target_config, max_new_tokens=args.max_new_tokens, host=args.host,
-        run_canary=not args.no_canary, speculative=not args.baseline)
+        profile,
+        args.draft,
+        engine=engine,
+        port=args.port,
+        run_dir=args.run_dir,
+        job_name=args.job_name,
+        feed=args.feed,
+        force=args.force,
+        target_config=args.target_config,
+        max_new_tokens=args.max_new_tokens,
+        host=args.host,
+        run_canary=not args.no_canary,
+        speculative=not args.baseline,
+    )
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:
@@ -121,8 +141,10 @@ def render(result, problems_text) -> str:
         lines += list(problems_text(report))
     canary = result.canary
     if canary:
-        lines.append(f"canary: accept length {canary['accept_length']}, server avg {canary['server_avg_accept_length']}, "
-                     f"tau-hat {canary['tau_hat']}, verdict {canary['verdict'].upper()}")
+        lines.append(
+            f"canary: accept length {canary['accept_length']}, server avg {canary['server_avg_accept_length']}, "
+            f"tau-hat {canary['tau_hat']}, verdict {canary['verdict'].upper()}"
+        )
         lines += [f"  - {reason}" for reason in canary["reasons"]]
         if canary.get("acceptance"):
             from backend.serve.canary import acceptance_lines

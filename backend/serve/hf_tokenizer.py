@@ -7,6 +7,7 @@ ByteLevel pre-tokenizer and decoder without regex splitting or a prefix space, a
 tokens are never parsed out of text (split_special_tokens), as the server never does either. The chat template
 renders the same `role: content` transcript the server uses for a tokenizer without one.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 SPECIAL_TOKENS = {BOS_ID: "<bos>", EOS_ID: "<eos>", PAD_ID: "<pad>"}  # what ByteTokenizer.decode(skip_special_tokens=False) writes
 # The server's chat transcript (transcript() below) as a Jinja chat template.
-CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant: {% endif %}")
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
 FALLBACK_DIR_NAME = "hf-byte-tokenizer"
 
 
@@ -50,23 +50,49 @@ def _byte_level() -> dict[str, Any]:
 
 def tokenizer_files() -> dict[str, str]:
     """File name -> text of the byte tokenizer's Hugging Face form."""
-    added = [{"id": token_id, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for token_id, text in sorted(SPECIAL_TOKENS.items())]
+    added = [
+        {"id": token_id, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        for token_id, text in sorted(SPECIAL_TOKENS.items())
+    ]
     tokenizer: dict[str, Any] = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": _byte_level(), "post_processor": None, "decoder": _byte_level(),
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {char: byte for byte, char in enumerate(byte_characters())}, "merges": []},
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": _byte_level(),
+        "post_processor": None,
+        "decoder": _byte_level(),
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {char: byte for byte, char in enumerate(byte_characters())},
+            "merges": [],
+        },
     }
     special = {"bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID], "pad_token": SPECIAL_TOKENS[PAD_ID]}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_bos_token": False, "add_eos_token": False,
-              "clean_up_tokenization_spaces": False, "split_special_tokens": True, "chat_template": CHAT_TEMPLATE,
-              "vocab_size": TINY_VOCAB_SIZE,
-              "eagle3_console": "byte tokenizer: token i < 256 is byte i (UTF-8); 256 <bos>, 257 <eos>, 258 <pad>"}
-    return {TOKENIZER_JSON: json.dumps(tokenizer, ensure_ascii=False, indent=1) + "\n",
-            TOKENIZER_CONFIG: json.dumps(config, indent=1) + "\n",
-            SPECIAL_TOKENS_MAP: json.dumps(special, indent=1) + "\n"}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,
+        "chat_template": CHAT_TEMPLATE,
+        "vocab_size": TINY_VOCAB_SIZE,
+        "eagle3_console": "byte tokenizer: token i < 256 is byte i (UTF-8); 256 <bos>, 257 <eos>, 258 <pad>",
+    }
+    return {
+        TOKENIZER_JSON: json.dumps(tokenizer, ensure_ascii=False, indent=1) + "\n",
+        TOKENIZER_CONFIG: json.dumps(config, indent=1) + "\n",
+        SPECIAL_TOKENS_MAP: json.dumps(special, indent=1) + "\n",
+    }
 
 
 def write_tokenizer_files(directory: Path) -> bool:

@@ -1,4 +1,5 @@
 """Small HTTP helpers for talking to an SGLang-compatible server: sync JSON calls, SSE parsing, free ports."""
+
 from __future__ import annotations
 
 import json
@@ -66,7 +67,7 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             return
         if data:

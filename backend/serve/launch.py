@@ -1,4 +1,5 @@
 """Launch a speculative server as an owned job: preflight, start, wait for health, check server info, run the canary."""
+
 from __future__ import annotations
 
 import json
@@ -48,6 +49,7 @@ class LaunchResult:
 
 # --------------------------------------------------------------------------- argv and inputs
 
+
 def target_dir(profile: Profile) -> str:
     """Local path of the target (builds the cached tiny target for 'builtin:tiny')."""
     from backend.train.target import resolve_target_path
@@ -65,14 +67,19 @@ def target_config_for(profile: Profile, explicit: str | None = None) -> str | di
     if (path / "config.json").is_file():
         return str(path / "config.json")
     target = profile.target
-    return {"architectures": [target.architecture], "hidden_size": target.hidden_size,
-            "num_hidden_layers": target.num_layers, "vocab_size": target.vocab_size, "torch_dtype": target.dtype}
+    return {
+        "architectures": [target.architecture],
+        "hidden_size": target.hidden_size,
+        "num_hidden_layers": target.num_layers,
+        "vocab_size": target.vocab_size,
+        "torch_dtype": target.dtype,
+    }
 
 
-def reference_argv(profile: Profile, draft_dir: str | None, port: int, *, host: str = "127.0.0.1", feed: str = "aux",
-                   num_steps: int | None = None, speculative: bool = True) -> list[str]:
-    argv = [sys.executable, "-m", "backend.serve.reference_server", "--profile", profile.source or profile.name,
-            "--host", host, "--port", str(port)]
+def reference_argv(
+    profile: Profile, draft_dir: str | None, port: int, *, host: str = "127.0.0.1", feed: str = "aux", num_steps: int | None = None, speculative: bool = True
+) -> list[str]:
+    argv = [sys.executable, "-m", "backend.serve.reference_server", "--profile", profile.source or profile.name, "--host", host, "--port", str(port)]
     if speculative:
         if draft_dir is None:
             raise ValueError("a speculative reference server needs the draft checkpoint directory")
@@ -82,8 +89,9 @@ def reference_argv(profile: Profile, draft_dir: str | None, port: int, *, host: 
     return argv
 
 
-def build_argv(profile: Profile, draft_dir: str | None, engine: str, port: int, *, feed: str = "aux",
-               host: str = "127.0.0.1", speculative: bool = True) -> list[str]:
+def build_argv(
+    profile: Profile, draft_dir: str | None, engine: str, port: int, *, feed: str = "aux", host: str = "127.0.0.1", speculative: bool = True
+) -> list[str]:
     if engine == "reference":
         return reference_argv(profile, draft_dir, port, host=host, feed=feed, speculative=speculative)
     if feed != "aux":
@@ -108,7 +116,7 @@ def canary_prompts(profile: Profile, count: int = 4) -> list[str]:
 
         text = read_corpus(target_dir(profile), "val")
         stride = max(TINY_PROMPT_BYTES, len(text) // (count + 1))
-        windows = [text[i * stride: i * stride + TINY_PROMPT_BYTES] for i in range(count)]
+        windows = [text[i * stride : i * stride + TINY_PROMPT_BYTES] for i in range(count)]
         return [w.decode("utf-8", errors="ignore") for w in windows]
     from backend.bench.client import load_prompts
 
@@ -121,13 +129,13 @@ def apply_chat_template(profile: Profile, prompts: list[str]) -> list[str]:
         from backend.train.target import load_tokenizer
 
         tokenizer = load_tokenizer(os.path.expanduser(profile.target.path), profile.serve.trust_remote_code)
-        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                for p in prompts]
+        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
     except Exception:  # no tokenizer files, no template, no transformers: the raw prompts still exercise the draft
         return prompts
 
 
 # --------------------------------------------------------------------------- waiting
+
 
 def wait_ready(url: str, job_exit: Callable[[], int | None], timeout_s: float, log: Callable[[str], None]) -> tuple[str, int | None]:
     """Poll GET /health_generate with backoff until 200. Returns ("ready"|"exited"|"timeout", exit_code)."""
@@ -173,12 +181,18 @@ def gpu_release_check(pids: list[int]) -> dict[str, Any]:
     except Exception as exc:  # a broken driver must not hide the server's own failure
         return {"checked": False, "note": f"GPU holder check failed: {type(exc).__name__}: {exc}"}
     still = [h.pid for h in report.holders if h.pid in pids]
-    note = ("no GPU visible here (nothing to release)" if report.gpu_source == "none" and not report.holders
-            else "released" if not still else f"processes {still} still hold GPU memory")
+    note = (
+        "no GPU visible here (nothing to release)"
+        if report.gpu_source == "none" and not report.holders
+        else "released"
+        if not still
+        else f"processes {still} still hold GPU memory"
+    )
     return {"checked": True, "gpu_source": report.gpu_source, "still_holding": still, "note": note}
 
 
 # --------------------------------------------------------------------------- the launch
+
 
 def launch(
     profile: Profile,
@@ -213,8 +227,18 @@ def launch(
     argv = build_argv(profile, draft, engine, port, feed=feed, host=host, speculative=speculative)
     result = LaunchResult(ok=False, state="refused", message="", engine=engine, url=url, argv=argv, forced=force)
     if draft is None:  # speculative=False
-        return _start_and_wait(result, profile, argv, url, run_dir, job_name or f"serve-{profile.name}-{engine}-baseline",
-                               env, ready_timeout_s, log, expected={"speculative_algorithm": None})
+        return _start_and_wait(
+            result,
+            profile,
+            argv,
+            url,
+            run_dir,
+            job_name or f"serve-{profile.name}-{engine}-baseline",
+            env,
+            ready_timeout_s,
+            log,
+            expected={"speculative_algorithm": None},
+        )
 
     started = time.monotonic()
     sglang_argv = build_sglang_argv(profile, draft, port=port, host=host)
@@ -222,14 +246,17 @@ def launch(
     result.preflight = report.to_dict()
     result.timings["preflight_s"] = time.monotonic() - started
     if not report.ok and not force:
-        result.message = (f"preflight found {len(report.problems)} problem(s) ({', '.join(report.codes())}); "
-                          "the server was NOT started. Fix them, or pass --force to launch anyway.")
+        result.message = (
+            f"preflight found {len(report.problems)} problem(s) ({', '.join(report.codes())}); "
+            "the server was NOT started. Fix them, or pass --force to launch anyway."
+        )
         return result
     if not report.ok:
         log(f"preflight problems {report.codes()} ignored because of --force")
 
-    _start_and_wait(result, profile, argv, url, run_dir, job_name or f"serve-{profile.name}-{engine}", env,
-                    ready_timeout_s, log, expected=expected_spec_settings(profile))
+    _start_and_wait(
+        result, profile, argv, url, run_dir, job_name or f"serve-{profile.name}-{engine}", env, ready_timeout_s, log, expected=expected_spec_settings(profile)
+    )
     if result.state != "ready":
         return result
     if not run_canary:
@@ -239,8 +266,13 @@ def launch(
 
     canary_started = time.monotonic()
     outcome = canary_mod.run_canary(
-        url, prompts or canary_prompts(profile), num_steps=int(result.server_info.get("speculative_num_steps") or profile.serve.num_steps),
-        val_acc=draft_val_acc(draft), max_new_tokens=max_new_tokens, preflight_codes=report.codes())
+        url,
+        prompts or canary_prompts(profile),
+        num_steps=int(result.server_info.get("speculative_num_steps") or profile.serve.num_steps),
+        val_acc=draft_val_acc(draft),
+        max_new_tokens=max_new_tokens,
+        preflight_codes=report.codes(),
+    )
     result.timings["canary_s"] = time.monotonic() - canary_started
     result.canary = outcome.to_dict()
     result.verdict, result.causes = outcome.verdict, outcome.causes
@@ -249,14 +281,22 @@ def launch(
     if result.server_check:
         result.message += f"; server runs other settings than asked: {'; '.join(result.server_check)}"
     if not result.ok:
-        result.message += (f". The server is still running as job {result.job_name!r} "
-                           f"(stop it with `eagle3-host job stop --name {result.job_name}`).")
+        result.message += f". The server is still running as job {result.job_name!r} (stop it with `eagle3-host job stop --name {result.job_name}`)."
     return result
 
 
-def _start_and_wait(result: LaunchResult, profile: Profile, argv: list[str], url: str, run_dir: Any, job_name: str,
-                    env: dict[str, str] | None, ready_timeout_s: float | None, log: Callable[[str], None],
-                    expected: dict[str, Any]) -> LaunchResult:
+def _start_and_wait(
+    result: LaunchResult,
+    profile: Profile,
+    argv: list[str],
+    url: str,
+    run_dir: Any,
+    job_name: str,
+    env: dict[str, str] | None,
+    ready_timeout_s: float | None,
+    log: Callable[[str], None],
+    expected: dict[str, Any],
+) -> LaunchResult:
     """Start the owned job, wait for health, read and check the server info; fills `result` in place."""
     from backend.jobs import JobRegistry
 
@@ -283,8 +323,10 @@ def _start_and_wait(result: LaunchResult, profile: Profile, argv: list[str], url
         if state == "exited":
             result.message = f"server job {job_name!r} exited with code {exit_code} before answering /health_generate"
         else:
-            result.message = (f"server job {job_name!r} did not answer /health_generate with 200 within {timeout:.0f} s; "
-                              f"it is still running (stop it with `eagle3-host job stop --name {job_name}`)")
+            result.message = (
+                f"server job {job_name!r} did not answer /health_generate with 200 within {timeout:.0f} s; "
+                f"it is still running (stop it with `eagle3-host job stop --name {job_name}`)"
+            )
         return result
     info_reply = http.get(f"{url}/get_server_info", timeout=60)
     result.server_info = _server_summary(info_reply.body if isinstance(info_reply.body, dict) else {})
@@ -302,6 +344,7 @@ def _server_summary(info: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- job adapters
+
 
 def _job_dict(job: Any) -> dict[str, Any]:
     if isinstance(job, dict):

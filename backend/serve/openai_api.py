@@ -4,6 +4,7 @@ Mirrors SGLang 0.5.23's serving_completions / serving_chat: the OpenAI request i
 body, the engine's {text, output_ids, meta_info} outputs are turned into CompletionResponse / ChatCompletionResponse
 objects (and their stream chunks). Pure translation: no model, no HTTP.
 """
+
 from __future__ import annotations
 
 import time
@@ -12,14 +13,43 @@ from typing import Any, Callable
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # CompletionRequest.max_tokens default
 # Fields whose non-default value asks for something the reference engine does not do.
-UNSUPPORTED_IF_SET = ("tools", "functions", "return_hidden_states", "lora_path", "session_params", "session_id",
-                      "bootstrap_host", "bootstrap_port", "bootstrap_room", "custom_logit_processor", "suffix")
+UNSUPPORTED_IF_SET = (
+    "tools",
+    "functions",
+    "return_hidden_states",
+    "lora_path",
+    "session_params",
+    "session_id",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "custom_logit_processor",
+    "suffix",
+)
 # OpenAI name -> native sampling_params name; keys absent from the request stay absent.
-SAMPLING_RENAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
-                    "min_tokens": "min_new_tokens", "seed": "sampling_seed"}
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "stop", "stop_token_ids", "stop_regex", "n", "no_stop_trim", "ignore_eos",
-                 "skip_special_tokens", "regex", "json_schema", "ebnf", "logit_bias", "min_tokens", "seed")
+SAMPLING_RENAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed"}
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "n",
+    "no_stop_trim",
+    "ignore_eos",
+    "skip_special_tokens",
+    "regex",
+    "json_schema",
+    "ebnf",
+    "logit_bias",
+    "min_tokens",
+    "seed",
+)
 
 
 class OpenAIRequestError(ValueError):
@@ -37,9 +67,9 @@ def invalid(message: str) -> OpenAIRequestError:
 
 # --------------------------------------------------------------------------- models
 
+
 def model_card(name: str, context_len: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": name,
-            "parent": None, "max_model_len": context_len}
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": name, "parent": None, "max_model_len": context_len}
 
 
 def model_list(name: str, context_len: int) -> dict[str, Any]:
@@ -47,11 +77,11 @@ def model_list(name: str, context_len: int) -> dict[str, Any]:
 
 
 def model_not_found(model: str) -> dict[str, Any]:
-    return {"error": {"message": f"The model '{model}' does not exist", "type": "invalid_request_error",
-                      "param": "model", "code": "model_not_found"}}
+    return {"error": {"message": f"The model '{model}' does not exist", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
 
 
 # --------------------------------------------------------------------------- request -> native body
+
 
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
@@ -133,11 +163,17 @@ def completion_to_native(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     if not isinstance(echo, bool):
         raise invalid("'echo' must be true or false")
     stream, include_usage = _stream_flags(req)
-    native = {**_prompt_kwargs(req["prompt"]), "sampling_params": _sampling_params(req, max_tokens), "stream": stream,
-              "rid": _rid(req, "cmpl"), "return_logprob": logprobs is not None, "top_logprobs_num": logprobs or 0,
-              "return_text_in_logprobs": True, "logprob_start_len": 0 if echo and logprobs is not None else -1}
-    options = {"model": _model(req), "echo": bool(echo), "logprobs": logprobs,
-               "include_usage": include_usage}
+    native = {
+        **_prompt_kwargs(req["prompt"]),
+        "sampling_params": _sampling_params(req, max_tokens),
+        "stream": stream,
+        "rid": _rid(req, "cmpl"),
+        "return_logprob": logprobs is not None,
+        "top_logprobs_num": logprobs or 0,
+        "return_text_in_logprobs": True,
+        "logprob_start_len": 0 if echo and logprobs is not None else -1,
+    }
+    options = {"model": _model(req), "echo": bool(echo), "logprobs": logprobs, "include_usage": include_usage}
     return native, options
 
 
@@ -190,19 +226,25 @@ def chat_to_native(body: Any, render: Callable[[list[dict[str, str]]], dict[str,
         max_tokens = _positive_max_tokens(max_tokens, "max_tokens")
     top = _chat_logprobs(req)
     stream, include_usage = _stream_flags(req)
-    native = {**render(chat_messages(req)), "sampling_params": _sampling_params(req, max_tokens),
-              "stream": stream, "rid": _rid(req, "chatcmpl"), "return_logprob": top is not None,
-              "top_logprobs_num": top or 0, "return_text_in_logprobs": True}
+    native = {
+        **render(chat_messages(req)),
+        "sampling_params": _sampling_params(req, max_tokens),
+        "stream": stream,
+        "rid": _rid(req, "chatcmpl"),
+        "return_logprob": top is not None,
+        "top_logprobs_num": top or 0,
+        "return_text_in_logprobs": True,
+    }
     options = {"model": _model(req), "logprobs": top, "include_usage": include_usage}
     return native, options
 
 
 # --------------------------------------------------------------------------- native output -> OpenAI shapes
 
+
 def usage(meta: dict[str, Any]) -> dict[str, Any]:
     prompt, completion = meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0)
-    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-            "prompt_tokens_details": None, "reasoning_tokens": 0}
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion, "prompt_tokens_details": None, "reasoning_tokens": 0}
 
 
 def _finish(meta: dict[str, Any]) -> tuple[str | None, Any]:
@@ -215,17 +257,19 @@ def _finish(meta: dict[str, Any]) -> tuple[str | None, Any]:
 def completion_logprobs(entries: list, tops: list | None) -> dict[str, Any]:
     """SGLang's to_openai_style_logprobs: tokens, token_logprobs, top_logprobs ({text: logprob}), text_offset -1."""
     tops = tops if tops is not None else [None] * len(entries)
-    return {"text_offset": [-1] * len(entries), "token_logprobs": [e[0] for e in entries],
-            "tokens": [e[2] for e in entries],
-            "top_logprobs": [{t[2]: t[0] for t in top} if top is not None else None for top in tops]}
+    return {
+        "text_offset": [-1] * len(entries),
+        "token_logprobs": [e[0] for e in entries],
+        "tokens": [e[2] for e in entries],
+        "top_logprobs": [{t[2]: t[0] for t in top} if top is not None else None for top in tops],
+    }
 
 
 def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {key: [v for part in parts for v in part[key]] for key in ("text_offset", "token_logprobs", "tokens", "top_logprobs")}
 
 
-def _completion_choice_logprobs(meta: dict[str, Any], options: dict[str, Any], start: int = 0,
-                                with_input: bool = False) -> dict[str, Any] | None:
+def _completion_choice_logprobs(meta: dict[str, Any], options: dict[str, Any], start: int = 0, with_input: bool = False) -> dict[str, Any] | None:
     if options.get("logprobs") is None:
         return None
     parts = []
@@ -239,17 +283,35 @@ def _completion_choice_logprobs(meta: dict[str, Any], options: dict[str, Any], s
 def completion_response(out: dict[str, Any], options: dict[str, Any], echo_text: str = "") -> dict[str, Any]:
     meta = out["meta_info"]
     finish, matched = _finish(meta)
-    choice = {"index": 0, "text": echo_text + out["text"], "finish_reason": finish, "matched_stop": matched,
-              "logprobs": _completion_choice_logprobs(meta, options, with_input=True)}
-    return {"id": meta["id"], "object": "text_completion", "created": int(time.time()), "model": options["model"],
-            "choices": [choice], "usage": usage(meta), "metadata": {"weight_version": meta.get("weight_version", "default")}}
+    choice = {
+        "index": 0,
+        "text": echo_text + out["text"],
+        "finish_reason": finish,
+        "matched_stop": matched,
+        "logprobs": _completion_choice_logprobs(meta, options, with_input=True),
+    }
+    return {
+        "id": meta["id"],
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": options["model"],
+        "choices": [choice],
+        "usage": usage(meta),
+        "metadata": {"weight_version": meta.get("weight_version", "default")},
+    }
 
 
 def chat_token_logprobs(entries: list, tops: list | None) -> list[dict[str, Any]]:
     tops = tops if tops is not None else [[] for _ in entries]
-    return [{"token": e[2], "bytes": list(e[2].encode("utf-8")), "logprob": e[0],
-             "top_logprobs": [{"token": t[2], "bytes": list(t[2].encode("utf-8")), "logprob": t[0]} for t in (top or [])]}
-            for e, top in zip(entries, tops)]
+    return [
+        {
+            "token": e[2],
+            "bytes": list(e[2].encode("utf-8")),
+            "logprob": e[0],
+            "top_logprobs": [{"token": t[2], "bytes": list(t[2].encode("utf-8")), "logprob": t[0]} for t in (top or [])],
+        }
+        for e, top in zip(entries, tops)
+    ]
 
 
 def _chat_choice_logprobs(meta: dict[str, Any], options: dict[str, Any], start: int = 0) -> dict[str, Any] | None:
@@ -263,10 +325,16 @@ def chat_response(out: dict[str, Any], options: dict[str, Any]) -> dict[str, Any
     meta = out["meta_info"]
     finish, matched = _finish(meta)
     message = {"role": "assistant", "content": out["text"], "reasoning_content": None, "tool_calls": None}
-    choice = {"index": 0, "message": message, "logprobs": _chat_choice_logprobs(meta, options),
-              "finish_reason": finish, "matched_stop": matched}
-    return {"id": meta["id"], "object": "chat.completion", "created": int(time.time()), "model": options["model"],
-            "choices": [choice], "usage": usage(meta), "metadata": {"weight_version": meta.get("weight_version", "default")}}
+    choice = {"index": 0, "message": message, "logprobs": _chat_choice_logprobs(meta, options), "finish_reason": finish, "matched_stop": matched}
+    return {
+        "id": meta["id"],
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": options["model"],
+        "choices": [choice],
+        "usage": usage(meta),
+        "metadata": {"weight_version": meta.get("weight_version", "default")},
+    }
 
 
 class StreamFormatter:
@@ -291,10 +359,9 @@ class StreamFormatter:
         self.last_meta = meta
         chunks = []
         if self.chat and not self.started:
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None, "matched_stop": None}
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None, "matched_stop": None}
             chunks.append(self._envelope(meta["id"], [role]))
-        delta = out["text"][self.sent_chars:]
+        delta = out["text"][self.sent_chars :]
         self.sent_chars = max(self.sent_chars, len(out["text"]))
         finish, matched = _finish(meta)
         choice = self._chat_choice(meta, delta) if self.chat else self._completion_choice(meta, delta)

@@ -4,6 +4,7 @@ Reads the draft's config.json and the safetensors *header* (8-byte little-endian
 never the weights, except the small d2t/t2d tensors, read by offset to validate the vocab mapping.
 Every problem has a stable code (see PROBLEM_CODES and docs/serving.md); nothing is ever modified.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,7 @@ ALGORITHM = "algorithm"
 TARGET_SUPPORT = "target_support"
 DTYPE = "dtype"
 LAYER_SHAPE = "layer_shape"
-PROBLEM_CODES = (KEY_PREFIX, FC_SHAPE, VOCAB_MAP, ARCHITECTURE, AUX_DISABLED, AUX_LAYERS, CORRUPT,
-                 ALGORITHM, TARGET_SUPPORT, DTYPE, LAYER_SHAPE)
+PROBLEM_CODES = (KEY_PREFIX, FC_SHAPE, VOCAB_MAP, ARCHITECTURE, AUX_DISABLED, AUX_LAYERS, CORRUPT, ALGORITHM, TARGET_SUPPORT, DTYPE, LAYER_SHAPE)
 
 # Draft classes SGLang's loader knows for EAGLE-3 (sglang srt/models/llama_eagle3.py, kimi_k25_eagle3.py).
 LLAMA_DRAFT_CLASS = "LlamaForCausalLMEagle3"
@@ -42,28 +42,57 @@ SGLANG_DRAFT_CLASSES = (LLAMA_DRAFT_CLASS, MLA_DRAFT_CLASS)
 
 # Portable key set: loads on every SGLang version read (midlayer.* naming, SpecForge exporter's set).
 _LLAMA_MIDLAYER = {
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "hidden_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "hidden_norm.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
 }
 _MLA_MIDLAYER = {
-    "self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
-    "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
-    "self_attn.o_proj.weight", "self_attn.q_proj.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "hidden_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_a_proj.weight",
+    "self_attn.q_a_layernorm.weight",
+    "self_attn.q_b_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attn.kv_a_layernorm.weight",
+    "self_attn.kv_b_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "hidden_norm.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
 }
 _MODEL_KEYS = {"fc.weight", "norm.weight", "embed_tokens.weight"}  # SGLang also accepts these under "model."
 _TOP_KEYS = {"lm_head.weight", "d2t", "t2d"}
 SPECFORGE_STATE_FILE = "training_state.pt"  # SpecForge's training checkpoint (specforge/training/checkpoint.py)
 
 _DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
-    "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
-_TORCH_DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
-                      "bfloat16": "bfloat16", "auto": "auto"}
+_TORCH_DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16", "bfloat16": "bfloat16", "auto": "auto"}
 
 
 @dataclass
@@ -98,6 +127,7 @@ class _Collector:
 
 
 # --------------------------------------------------------------------------- safetensors header
+
 
 @dataclass
 class TensorEntry:
@@ -212,14 +242,16 @@ def read_draft_header(draft_dir: Path) -> dict[str, TensorEntry]:
 
 # --------------------------------------------------------------------------- configs
 
+
 def parse_json(text: str, what: str) -> Any:
     """json.loads that turns every way a hostile or broken file fails into one HeaderError naming it:
     invalid JSON, nesting deeper than the parser's recursion limit, integers over Python's digit limit."""
     try:
         return json.loads(text)
     except RecursionError:
-        raise HeaderError(f"{what} is nested too deeply to read (arrays/objects more than about "
-                          f"{sys.getrecursionlimit()} levels deep; a real config has a handful)") from None
+        raise HeaderError(
+            f"{what} is nested too deeply to read (arrays/objects more than about {sys.getrecursionlimit()} levels deep; a real config has a handful)"
+        ) from None
     except json.JSONDecodeError as exc:
         raise HeaderError(f"{what} is not valid JSON ({exc})") from None
     except ValueError as exc:  # an integer literal over sys.get_int_max_str_digits() digits
@@ -251,6 +283,7 @@ class TargetFacts:
 
 def target_facts(config: dict[str, Any]) -> TargetFacts:
     """Read hidden size, layers, vocab and dtype, looking into text_config for wrapper (VLM) configs."""
+
     def pick(key: str) -> Any:
         for scope in (config, config.get("text_config") or {}, config.get("language_config") or {}, config.get("llm_config") or {}):
             if isinstance(scope, dict) and scope.get(key) is not None:
@@ -303,6 +336,7 @@ def resolve_draft_dir(path: Path) -> Path:
 
 # --------------------------------------------------------------------------- the checks
 
+
 def check_architecture(draft_cfg: dict[str, Any], out: _Collector) -> str | None:
     archs = draft_cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
@@ -315,8 +349,7 @@ def check_architecture(draft_cfg: dict[str, Any], out: _Collector) -> str | None
         f"draft config.json declares architectures={archs!r}; SGLang loads EAGLE-3 drafts only as "
         f"{' or '.join(SGLANG_DRAFT_CLASSES)} (a target class such as DeepseekV3ForCausalLM would load the MTP "
         "head instead, and vLLM names like Eagle3LlamaForCausalLM are unknown to SGLang).",
-        f'Set "architectures": ["{LLAMA_DRAFT_CLASS}"] in the draft\'s config.json (for a Llama-shaped draft), '
-        "or re-export with `eagle3-host export`.",
+        f'Set "architectures": ["{LLAMA_DRAFT_CLASS}"] in the draft\'s config.json (for a Llama-shaped draft), or re-export with `eagle3-host export`.',
     )
     return arch
 
@@ -339,33 +372,36 @@ def check_aux(draft_cfg: dict[str, Any], target: TargetFacts, out: _Collector) -
         if trained is not None and list(trained) != default:
             out.add(
                 AUX_LAYERS,
-                f"the draft was trained on aux layers {list(trained)} but its config.json names none, so SGLang "
-                f"would capture its default layers {default}.",
+                f"the draft was trained on aux layers {list(trained)} but its config.json names none, so SGLang would capture its default layers {default}.",
                 f'Add "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {list(trained)}}} to the draft config.json.',
             )
         return default
     if not isinstance(served, list) or not all(isinstance(i, int) for i in served):
-        out.add(AUX_LAYERS, f"eagle_aux_hidden_state_layer_ids is {served!r}, not a list of ints.",
-                "Write the 3 integer layer ids the draft was trained on.")
+        out.add(AUX_LAYERS, f"eagle_aux_hidden_state_layer_ids is {served!r}, not a list of ints.", "Write the 3 integer layer ids the draft was trained on.")
         return None
     expected_count = int(draft_cfg.get("num_aux_hidden_states") or 3)
     if len(served) != 3 or expected_count != 3:
-        out.add(AUX_LAYERS,
-                f"eagle_aux_hidden_state_layer_ids has {len(served)} ids {served} (num_aux_hidden_states={expected_count}); "
-                "an EAGLE-3 draft's fc takes exactly 3 target layers on the SGLang versions this tool supports.",
-                "Write the 3 layer ids the draft was trained on.")
+        out.add(
+            AUX_LAYERS,
+            f"eagle_aux_hidden_state_layer_ids has {len(served)} ids {served} (num_aux_hidden_states={expected_count}); "
+            "an EAGLE-3 draft's fc takes exactly 3 target layers on the SGLang versions this tool supports.",
+            "Write the 3 layer ids the draft was trained on.",
+        )
     top = target.num_layers - 2  # SGLang captures the input of layer id+1, which must exist
     outside = [i for i in served if not 0 <= i <= top]
     if outside or len(set(served)) != len(served):
-        out.add(AUX_LAYERS,
-                f"aux layer ids {served}: {outside or 'duplicates'} outside 0..{top} for a {target.num_layers}-layer target "
-                "(SGLang captures the input of layer id+1).",
-                f"Use ids the target has, e.g. the default {default}.")
+        out.add(
+            AUX_LAYERS,
+            f"aux layer ids {served}: {outside or 'duplicates'} outside 0..{top} for a {target.num_layers}-layer target "
+            "(SGLang captures the input of layer id+1).",
+            f"Use ids the target has, e.g. the default {default}.",
+        )
     if trained is not None and list(trained) != list(served):
-        out.add(AUX_LAYERS,
-                f"config.json tells SGLang to capture layers {served}, but the draft was trained on {list(trained)} "
-                "(eagle3_console.trained_aux_layer_ids).",
-                f"Set eagle_config.eagle_aux_hidden_state_layer_ids to {list(trained)}.")
+        out.add(
+            AUX_LAYERS,
+            f"config.json tells SGLang to capture layers {served}, but the draft was trained on {list(trained)} (eagle3_console.trained_aux_layer_ids).",
+            f"Set eagle_config.eagle_aux_hidden_state_layer_ids to {list(trained)}.",
+        )
     return served
 
 
@@ -374,34 +410,39 @@ def check_keys(entries: dict[str, TensorEntry], arch: str | None, out: _Collecto
     layers0 = [k for k in entries if k.startswith(("layers.", "model.layers."))]
     unknown = [k for k in entries if not _known_key(k, midlayer, arch) and k not in layers0]
     if layers0 and arch != MLA_DRAFT_CLASS:
-        out.add(KEY_PREFIX,
-                f"{len(layers0)} weights are named layers.N.* (e.g. {sorted(layers0)[0]}); SGLang before 0.5.14 "
-                "drops them silently and serves a random decoder layer (accept length ~1.0).",
-                "Rename to midlayer.*: `eagle3-host convert SRC DST` writes a converted copy.")
+        out.add(
+            KEY_PREFIX,
+            f"{len(layers0)} weights are named layers.N.* (e.g. {sorted(layers0)[0]}); SGLang before 0.5.14 "
+            "drops them silently and serves a random decoder layer (accept length ~1.0).",
+            "Rename to midlayer.*: `eagle3-host convert SRC DST` writes a converted copy.",
+        )
     if unknown:
         shown = ", ".join(sorted(unknown)[:5]) + (" ..." if len(unknown) > 5 else "")
-        out.add(KEY_PREFIX,
-                f"{len(unknown)} weights have names SGLang's {arch or 'EAGLE-3'} loader does not know ({shown}); "
-                "it skips unknown names without an error.",
-                "Export with `eagle3-host export` (or `eagle3-host convert SRC DST`) so only midlayer.*, fc, norm, "
-                "lm_head, d2t, t2d (and embed_tokens) remain.")
+        out.add(
+            KEY_PREFIX,
+            f"{len(unknown)} weights have names SGLang's {arch or 'EAGLE-3'} loader does not know ({shown}); it skips unknown names without an error.",
+            "Export with `eagle3-host export` (or `eagle3-host convert SRC DST`) so only midlayer.*, fc, norm, lm_head, d2t, t2d (and embed_tokens) remain.",
+        )
     required = ["norm.weight"]  # fc.weight is check_fc's
     if arch != MLA_DRAFT_CLASS and not layers0:
         required += [f"midlayer.{k}" for k in sorted(_LLAMA_MIDLAYER)]
     missing = [k for k in required if _get(entries, k) is None]
     if missing:
-        out.add(KEY_PREFIX, f"the draft lacks {', '.join(missing)}; SGLang would leave them uninitialised.",
-                "Re-export the checkpoint from the trainer (`eagle3-host export`).")
+        out.add(
+            KEY_PREFIX,
+            f"the draft lacks {', '.join(missing)}; SGLang would leave them uninitialised.",
+            "Re-export the checkpoint from the trainer (`eagle3-host export`).",
+        )
 
 
 def _known_key(key: str, midlayer: set[str], arch: str | None) -> bool:
     if key in _TOP_KEYS or key in _MODEL_KEYS:
         return True
-    bare = key[len("model."):] if key.startswith("model.") else key
+    bare = key[len("model.") :] if key.startswith("model.") else key
     if bare in _MODEL_KEYS:
         return True
     if bare.startswith("midlayer."):
-        return bare[len("midlayer."):] in midlayer
+        return bare[len("midlayer.") :] in midlayer
     return False
 
 
@@ -413,14 +454,19 @@ def check_fc(draft_cfg: dict[str, Any], entries: dict[str, TensorEntry], target:
     hidden = int(draft_cfg.get("hidden_size") or 0)
     target_hidden = int(draft_cfg.get("target_hidden_size") or target.hidden_size)
     if target_hidden != target.hidden_size:
-        out.add(FC_SHAPE,
-                f"draft config says target_hidden_size={target_hidden}, the target config has hidden_size={target.hidden_size}.",
-                "Train the draft against this target, or serve it with the target it was trained for.")
+        out.add(
+            FC_SHAPE,
+            f"draft config says target_hidden_size={target_hidden}, the target config has hidden_size={target.hidden_size}.",
+            "Train the draft against this target, or serve it with the target it was trained for.",
+        )
     fc = _get(entries, "fc.weight")
     want = 3 * target.hidden_size
     if fc is None:
-        out.add(FC_SHAPE, f"the draft has no fc.weight: nothing maps the 3 aux layers ({want} wide) to the draft's {hidden}.",
-                "Export the full draft from the trainer (`eagle3-host export`).")
+        out.add(
+            FC_SHAPE,
+            f"the draft has no fc.weight: nothing maps the 3 aux layers ({want} wide) to the draft's {hidden}.",
+            "Export the full draft from the trainer (`eagle3-host export`).",
+        )
         return
     if len(fc.shape) != 2:
         out.add(FC_SHAPE, f"fc.weight has shape {fc.shape}, expected 2-D [{hidden}, {want}].", "Re-export the draft.")
@@ -428,14 +474,18 @@ def check_fc(draft_cfg: dict[str, Any], entries: dict[str, TensorEntry], target:
     rows, cols = fc.shape
     if cols != want:
         one_layer = " — one layer's width, not three: the draft was built for the last hidden state" if cols == target.hidden_size else ""
-        out.add(FC_SHAPE,
-                f"fc.weight takes {cols} input features but the target delivers 3 aux layers x {target.hidden_size} = "
-                f"{want}{one_layer}. SGLang skips fc when the width already equals the draft hidden size, silently.",
-                f"Retrain or re-export the draft with fc.weight of shape [{hidden}, {want}] "
-                "(3 aux layers x target hidden size).")
+        out.add(
+            FC_SHAPE,
+            f"fc.weight takes {cols} input features but the target delivers 3 aux layers x {target.hidden_size} = "
+            f"{want}{one_layer}. SGLang skips fc when the width already equals the draft hidden size, silently.",
+            f"Retrain or re-export the draft with fc.weight of shape [{hidden}, {want}] (3 aux layers x target hidden size).",
+        )
     if hidden and rows != hidden:
-        out.add(FC_SHAPE, f"fc.weight has {rows} output rows, the draft hidden_size is {hidden}.",
-                "Fix hidden_size in config.json to match the weights, or re-export.")
+        out.add(
+            FC_SHAPE,
+            f"fc.weight has {rows} output rows, the draft hidden_size is {hidden}.",
+            "Fix hidden_size in config.json to match the weights, or re-export.",
+        )
 
 
 def check_layer_shapes(draft_cfg: dict[str, Any], entries: dict[str, TensorEntry], arch: str | None, out: _Collector) -> None:
@@ -461,17 +511,21 @@ def check_layer_shapes(draft_cfg: dict[str, Any], entries: dict[str, TensorEntry
         if entry is not None and entry.shape != shape:
             wrong.append(f"{name} {entry.shape} (config implies {shape})")
     if wrong:
-        out.add(LAYER_SHAPE,
-                "the decoder-layer weights do not match config.json (attention inputs are 2 x hidden: embedding + "
-                f"hidden state): {'; '.join(wrong)}.",
-                "Fix hidden_size / heads / head_dim / intermediate_size in config.json to match the weights, or re-export.")
+        out.add(
+            LAYER_SHAPE,
+            f"the decoder-layer weights do not match config.json (attention inputs are 2 x hidden: embedding + hidden state): {'; '.join(wrong)}.",
+            "Fix hidden_size / heads / head_dim / intermediate_size in config.json to match the weights, or re-export.",
+        )
 
 
 def check_vocab(draft_cfg: dict[str, Any], entries: dict[str, TensorEntry], target: TargetFacts, out: _Collector) -> None:
     vocab = target.vocab_size
     if "draft_vocab_size" not in draft_cfg:
-        out.add(VOCAB_MAP, "draft config.json has no draft_vocab_size; SGLang's EAGLE-3 loader reads it to size lm_head.",
-                "Add draft_vocab_size (the lm_head row count) to config.json.")
+        out.add(
+            VOCAB_MAP,
+            "draft config.json has no draft_vocab_size; SGLang's EAGLE-3 loader reads it to size lm_head.",
+            "Add draft_vocab_size (the lm_head row count) to config.json.",
+        )
         return
     draft_vocab = draft_cfg["draft_vocab_size"]
     if draft_vocab is None:
@@ -480,22 +534,25 @@ def check_vocab(draft_cfg: dict[str, Any], entries: dict[str, TensorEntry], targ
     draft_vocab = int(draft_vocab)
     lm_head = _get(entries, "lm_head.weight")
     if lm_head is not None and lm_head.shape[:1] != [draft_vocab]:
-        out.add(VOCAB_MAP, f"lm_head.weight has {lm_head.shape[0] if lm_head.shape else '?'} rows, draft_vocab_size is {draft_vocab}.",
-                "Set draft_vocab_size to lm_head's row count, or re-export the draft.")
+        out.add(
+            VOCAB_MAP,
+            f"lm_head.weight has {lm_head.shape[0] if lm_head.shape else '?'} rows, draft_vocab_size is {draft_vocab}.",
+            "Set draft_vocab_size to lm_head's row count, or re-export the draft.",
+        )
     if lm_head is None:
-        out.add(VOCAB_MAP, f"the draft has no lm_head.weight though draft_vocab_size is {draft_vocab}.",
-                "Re-export the draft with its lm_head.")
+        out.add(VOCAB_MAP, f"the draft has no lm_head.weight though draft_vocab_size is {draft_vocab}.", "Re-export the draft with its lm_head.")
     if draft_vocab > vocab:
-        out.add(VOCAB_MAP, f"draft_vocab_size {draft_vocab} exceeds the target vocab {vocab}.",
-                "Build the draft vocabulary from this target's tokenizer.")
+        out.add(VOCAB_MAP, f"draft_vocab_size {draft_vocab} exceeds the target vocab {vocab}.", "Build the draft vocabulary from this target's tokenizer.")
         return
     d2t_entry = entries.get("d2t")
     if d2t_entry is None:
         if draft_vocab < vocab:
-            out.add(VOCAB_MAP,
-                    f"no d2t tensor while the draft vocab ({draft_vocab}) is smaller than the target's ({vocab}): SGLang "
-                    "would read draft token ids as target ids, and every proposal would be a wrong token.",
-                    "Re-export with d2t (offsets target_id - draft_id) from the training vocab mapping.")
+            out.add(
+                VOCAB_MAP,
+                f"no d2t tensor while the draft vocab ({draft_vocab}) is smaller than the target's ({vocab}): SGLang "
+                "would read draft token ids as target ids, and every proposal would be a wrong token.",
+                "Re-export with d2t (offsets target_id - draft_id) from the training vocab mapping.",
+            )
         return
     hot = _check_d2t(d2t_entry, draft_vocab, vocab, out)
     if hot is not None and "t2d" in entries:
@@ -504,8 +561,9 @@ def check_vocab(draft_cfg: dict[str, Any], entries: dict[str, TensorEntry], targ
 
 def _check_d2t(entry: TensorEntry, draft_vocab: int, vocab: int, out: _Collector) -> list[int] | None:
     if entry.shape != [draft_vocab]:
-        out.add(VOCAB_MAP, f"d2t has shape {entry.shape}, expected [{draft_vocab}] (one offset per draft token).",
-                "Re-export d2t from the training vocab mapping.")
+        out.add(
+            VOCAB_MAP, f"d2t has shape {entry.shape}, expected [{draft_vocab}] (one offset per draft token).", "Re-export d2t from the training vocab mapping."
+        )
         return None
     try:
         offsets = read_small_tensor(entry)
@@ -515,13 +573,18 @@ def _check_d2t(entry: TensorEntry, draft_vocab: int, vocab: int, out: _Collector
     hot = [offset + i for i, offset in enumerate(offsets)]
     if any(b <= a for a, b in zip(hot, hot[1:])):
         first = next(i for i, (a, b) in enumerate(zip(hot, hot[1:])) if b <= a)
-        out.add(VOCAB_MAP,
-                f"d2t + arange is not strictly increasing (target ids {hot[first]} then {hot[first + 1]} at draft ids "
-                f"{first}, {first + 1}); d2t must hold sorted offsets target_id - draft_id, not absolute ids.",
-                "Rebuild d2t as sorted(used_target_ids)[i] - i.")
+        out.add(
+            VOCAB_MAP,
+            f"d2t + arange is not strictly increasing (target ids {hot[first]} then {hot[first + 1]} at draft ids "
+            f"{first}, {first + 1}); d2t must hold sorted offsets target_id - draft_id, not absolute ids.",
+            "Rebuild d2t as sorted(used_target_ids)[i] - i.",
+        )
     elif hot and (hot[0] < 0 or hot[-1] >= vocab):
-        out.add(VOCAB_MAP, f"d2t maps draft ids to target ids {hot[0]}..{hot[-1]}, outside the target vocab 0..{vocab - 1}.",
-                "Rebuild d2t for this target's vocabulary (offsets, not absolute ids).")
+        out.add(
+            VOCAB_MAP,
+            f"d2t maps draft ids to target ids {hot[0]}..{hot[-1]}, outside the target vocab 0..{vocab - 1}.",
+            "Rebuild d2t for this target's vocabulary (offsets, not absolute ids).",
+        )
     else:
         return hot
     return None
@@ -529,8 +592,7 @@ def _check_d2t(entry: TensorEntry, draft_vocab: int, vocab: int, out: _Collector
 
 def _check_t2d(entry: TensorEntry, hot: list[int], draft_vocab: int, vocab: int, out: _Collector) -> None:
     if entry.shape != [vocab]:
-        out.add(VOCAB_MAP, f"t2d has shape {entry.shape}, expected [{vocab}] (the target vocab).",
-                "Re-export t2d together with d2t from the same mapping.")
+        out.add(VOCAB_MAP, f"t2d has shape {entry.shape}, expected [{vocab}] (the target vocab).", "Re-export t2d together with d2t from the same mapping.")
         return
     try:
         mask = read_small_tensor(entry)
@@ -540,10 +602,12 @@ def _check_t2d(entry: TensorEntry, hot: list[int], draft_vocab: int, vocab: int,
     marked = sum(1 for v in mask if v)
     outside = [t for t in hot if not mask[t]]
     if marked != draft_vocab or outside:
-        out.add(VOCAB_MAP,
-                f"t2d marks {marked} target tokens (expected {draft_vocab}) and {len(outside)} of d2t's targets are unmarked: "
-                "d2t and t2d come from different vocab mappings (training used t2d, serving uses d2t).",
-                "Re-export both from the mapping the draft was trained with.")
+        out.add(
+            VOCAB_MAP,
+            f"t2d marks {marked} target tokens (expected {draft_vocab}) and {len(outside)} of d2t's targets are unmarked: "
+            "d2t and t2d come from different vocab mappings (training used t2d, serving uses d2t).",
+            "Re-export both from the mapping the draft was trained with.",
+        )
 
 
 def check_dtype(draft_cfg: dict[str, Any], target: TargetFacts, serving_dtype: str | None, out: _Collector) -> None:
@@ -555,16 +619,23 @@ def check_dtype(draft_cfg: dict[str, Any], target: TargetFacts, serving_dtype: s
         out.notes.append(f"--dtype {serving_dtype} applies to target and draft")
         return
     if draft_dtype is None:
-        out.add(DTYPE, "the draft config.json has no torch_dtype and serving uses --dtype auto: SGLang guesses the draft dtype.",
-                "Pass --dtype explicitly (e.g. bfloat16; profiles set [serve].dtype).")
+        out.add(
+            DTYPE,
+            "the draft config.json has no torch_dtype and serving uses --dtype auto: SGLang guesses the draft dtype.",
+            "Pass --dtype explicitly (e.g. bfloat16; profiles set [serve].dtype).",
+        )
     elif draft_dtype == "float32":
-        out.add(DTYPE, "the draft config.json says torch_dtype float32 and serving uses --dtype auto: SGLang turns "
-                "float32 into float16 for the draft.",
-                "Pass --dtype explicitly (e.g. bfloat16) or set torch_dtype in the draft config to the target's dtype.")
+        out.add(
+            DTYPE,
+            "the draft config.json says torch_dtype float32 and serving uses --dtype auto: SGLang turns float32 into float16 for the draft.",
+            "Pass --dtype explicitly (e.g. bfloat16) or set torch_dtype in the draft config to the target's dtype.",
+        )
     elif target.dtype and draft_dtype != target.dtype:
-        out.add(DTYPE, f"draft torch_dtype {draft_dtype} differs from the target's {target.dtype} with --dtype auto: "
-                "each resolves its own dtype.",
-                "Pass --dtype explicitly so target and draft run in the same dtype.")
+        out.add(
+            DTYPE,
+            f"draft torch_dtype {draft_dtype} differs from the target's {target.dtype} with --dtype auto: each resolves its own dtype.",
+            "Pass --dtype explicitly so target and draft run in the same dtype.",
+        )
 
 
 def check_serving_argv(argv: list[str], out: _Collector) -> None:
@@ -574,15 +645,20 @@ def check_serving_argv(argv: list[str], out: _Collector) -> None:
     flags = parse_flag_values(argv)
     algorithm = flags.get("--speculative-algorithm")
     if algorithm != "EAGLE3":
-        out.add(ALGORITHM,
-                f"--speculative-algorithm is {algorithm!r}; an EAGLE-3 draft needs EAGLE3 (with EAGLE or NEXTN SGLang never "
-                "captures the aux layers, hands the draft 1 x H, skips fc and accepts nothing, without a warning).",
-                "Use --speculative-algorithm EAGLE3 (check [serve].extra_args in the profile).")
+        out.add(
+            ALGORITHM,
+            f"--speculative-algorithm is {algorithm!r}; an EAGLE-3 draft needs EAGLE3 (with EAGLE or NEXTN SGLang never "
+            "captures the aux layers, hands the draft 1 x H, skips fc and accepts nothing, without a warning).",
+            "Use --speculative-algorithm EAGLE3 (check [serve].extra_args in the profile).",
+        )
     spec = {k: flags.get(k) for k in ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")}
     given = [k for k, v in spec.items() if v is not None]
     if given and len(given) != 3:
-        out.add(ALGORITHM, f"only {', '.join(given)} set; SGLang requires all three of steps/topk/draft-tokens or none.",
-                "Set num_steps, eagle_topk and num_draft_tokens together in the profile's [serve] table.")
+        out.add(
+            ALGORITHM,
+            f"only {', '.join(given)} set; SGLang requires all three of steps/topk/draft-tokens or none.",
+            "Set num_steps, eagle_topk and num_draft_tokens together in the profile's [serve] table.",
+        )
     elif len(given) == 3:
         try:
             steps, topk, tokens = (int(value) for value in spec.values() if value is not None)  # all three, checked above
@@ -590,16 +666,17 @@ def check_serving_argv(argv: list[str], out: _Collector) -> None:
             out.add(ALGORITHM, f"steps/topk/draft-tokens are not integers: {spec}.", "Use integers.")
             return
         if topk == 1 and tokens != steps + 1:
-            out.add(ALGORITHM, f"with --speculative-eagle-topk 1 SGLang forces --speculative-num-draft-tokens to steps+1 = "
-                    f"{steps + 1}, not {tokens}; the server would not run what the profile says.",
-                    f"Set num_draft_tokens = {steps + 1} in the profile.")
+            out.add(
+                ALGORITHM,
+                f"with --speculative-eagle-topk 1 SGLang forces --speculative-num-draft-tokens to steps+1 = "
+                f"{steps + 1}, not {tokens}; the server would not run what the profile says.",
+                f"Set num_draft_tokens = {steps + 1} in the profile.",
+            )
     if flags.get("--speculative-draft-model-path") is None:
-        out.add(ALGORITHM, "no --speculative-draft-model-path: SGLang would load the target as its own draft.",
-                "Pass the draft checkpoint directory.")
+        out.add(ALGORITHM, "no --speculative-draft-model-path: SGLang would load the target as its own draft.", "Pass the draft checkpoint directory.")
 
 
-def check_target_support(target: TargetFacts, out: _Collector,
-                         resolve_class: Callable[[list[str]], Any] | None = None) -> None:
+def check_target_support(target: TargetFacts, out: _Collector, resolve_class: Callable[[list[str]], Any] | None = None) -> None:
     """Only where sglang imports (or a resolver is given): the target's SGLang class must capture aux states."""
     if resolve_class is None:
         resolve_class = _sglang_class_resolver()
@@ -615,14 +692,18 @@ def check_target_support(target: TargetFacts, out: _Collector,
         out.notes.append(f"target_support not checked: SGLang has no class for {target.architectures}")
         return
     if not hasattr(cls, "set_eagle3_layers_to_capture"):
-        out.add(TARGET_SUPPORT,
-                f"the installed SGLang's {getattr(cls, '__name__', cls)} (for {target.architectures}) has no "
-                "set_eagle3_layers_to_capture: EAGLE-3 cannot capture aux states for this target (startup AttributeError).",
-                "Upgrade SGLang (Kimi-K2.5 needs PR #19689, SGLang >= 0.5.14) or serve with a version that supports it.")
+        out.add(
+            TARGET_SUPPORT,
+            f"the installed SGLang's {getattr(cls, '__name__', cls)} (for {target.architectures}) has no "
+            "set_eagle3_layers_to_capture: EAGLE-3 cannot capture aux states for this target (startup AttributeError).",
+            "Upgrade SGLang (Kimi-K2.5 needs PR #19689, SGLang >= 0.5.14) or serve with a version that supports it.",
+        )
         return
     language = getattr(cls, "language_model", None)
-    out.notes.append(f"SGLang class {getattr(cls, '__name__', cls)} implements set_eagle3_layers_to_capture"
-                     + (" (wrapper: make sure its language_model does too)" if language is not None else ""))
+    out.notes.append(
+        f"SGLang class {getattr(cls, '__name__', cls)} implements set_eagle3_layers_to_capture"
+        + (" (wrapper: make sure its language_model does too)" if language is not None else "")
+    )
 
 
 def _sglang_class_resolver() -> Callable[[list[str]], Any] | None:
@@ -640,6 +721,7 @@ def _sglang_class_resolver() -> Callable[[list[str]], Any] | None:
 
 # --------------------------------------------------------------------------- entry point
 
+
 def run_preflight(
     draft: str | os.PathLike,
     target_config: str | os.PathLike | dict[str, Any],
@@ -652,15 +734,16 @@ def run_preflight(
     out = _Collector()
     draft_dir = Path(draft).expanduser()
     target_label = "(profile)" if isinstance(target_config, dict) else str(target_config)
-    report = lambda: PreflightReport(ok=not out.problems, problems=out.problems, notes=out.notes,
-                                     draft=str(draft_dir), target_config=target_label)
+    report = lambda: PreflightReport(ok=not out.problems, problems=out.problems, notes=out.notes, draft=str(draft_dir), target_config=target_label)
     try:
         draft_dir = resolve_draft_dir(draft_dir)
         _run_checks(draft_dir, target_config, serving_argv, serving_dtype, resolve_class, check_sglang, out)
     except Exception as exc:
-        out.add(CORRUPT, f"preflight could not finish on {draft_dir}: {type(exc).__name__}: {_short(str(exc), 300)}.",
-                "Check the draft's config.json and model.safetensors (re-export or copy them again); if they look "
-                "right, report this as a preflight bug.")
+        out.add(
+            CORRUPT,
+            f"preflight could not finish on {draft_dir}: {type(exc).__name__}: {_short(str(exc), 300)}.",
+            "Check the draft's config.json and model.safetensors (re-export or copy them again); if they look right, report this as a preflight bug.",
+        )
     return report()
 
 
@@ -672,17 +755,19 @@ def _guarded(out: _Collector, what: str, check: Callable[..., Any], *args: Any) 
     try:
         return check(*args)
     except _VALUE_ERRORS as exc:
-        out.add(CORRUPT, f"draft config.json: a value the {what} check reads has the wrong type or size "
-                         f"({type(exc).__name__}: {_short(str(exc), 200)}).",
-                "Fix that value in the draft's config.json (compare with one the trainer writes) or re-export the draft.")
+        out.add(
+            CORRUPT,
+            f"draft config.json: a value the {what} check reads has the wrong type or size ({type(exc).__name__}: {_short(str(exc), 200)}).",
+            "Fix that value in the draft's config.json (compare with one the trainer writes) or re-export the draft.",
+        )
         return None
 
 
-def _run_checks(draft_dir: Path, target_config, serving_argv, serving_dtype, resolve_class, check_sglang,
-                out: _Collector) -> None:
+def _run_checks(draft_dir: Path, target_config, serving_argv, serving_dtype, resolve_class, check_sglang, out: _Collector) -> None:
     if serving_argv is not None:
         check_serving_argv(serving_argv, out)
         from backend.serve.sglang_args import parse_flag_values
+
         serving_dtype = parse_flag_values(serving_argv).get("--dtype", "auto")
     try:
         target_raw = target_config if isinstance(target_config, dict) else load_json(Path(target_config), "target config")
@@ -701,8 +786,7 @@ def _run_checks(draft_dir: Path, target_config, serving_argv, serving_dtype, res
     try:
         entries = read_draft_header(draft_dir)
     except (HeaderError, OSError) as exc:
-        out.add(CORRUPT, f"draft weights unreadable: {exc}.",
-                "Copy the checkpoint again (a partial copy truncates model.safetensors) or re-export it.")
+        out.add(CORRUPT, f"draft weights unreadable: {exc}.", "Copy the checkpoint again (a partial copy truncates model.safetensors) or re-export it.")
         return
     _guarded(out, "key", check_keys, entries, arch, out)
     _guarded(out, "fc shape", check_fc, draft_cfg, entries, target, out)
@@ -716,14 +800,15 @@ def _run_checks(draft_dir: Path, target_config, serving_argv, serving_dtype, res
 def _missing_config_hint(draft_dir: Path) -> str:
     """What to point preflight at instead; a SpecForge training checkpoint (training_state.pt only) needs its exporter."""
     try:
-        specforge = (draft_dir / SPECFORGE_STATE_FILE).is_file() or any(
-            (step / SPECFORGE_STATE_FILE).is_file() for step in draft_dir.glob("*-step*"))
+        specforge = (draft_dir / SPECFORGE_STATE_FILE).is_file() or any((step / SPECFORGE_STATE_FILE).is_file() for step in draft_dir.glob("*-step*"))
     except OSError:
         specforge = False
     if specforge:
-        return ("This is a SpecForge training checkpoint (training_state.pt holds the draft, not in a form SGLang loads): "
-                "export it first with `python -m specforge.export.to_sglang --checkpoint DIR --draft-config "
-                "DRAFT_CONFIG.json --output-dir OUT`, then run preflight on OUT.")
+        return (
+            "This is a SpecForge training checkpoint (training_state.pt holds the draft, not in a form SGLang loads): "
+            "export it first with `python -m specforge.export.to_sglang --checkpoint DIR --draft-config "
+            "DRAFT_CONFIG.json --output-dir OUT`, then run preflight on OUT."
+        )
     return "Point at a checkpoint directory holding config.json and model.safetensors."
 
 

@@ -10,6 +10,7 @@ generation at a time (a lock around the model); HTTP handling is threaded so /he
 while a generation runs. Outputs equal plain greedy decoding of the target. Every malformed request gets a 4xx
 with a reason; sockets time out, bodies are bounded. Deliberate differences from SGLang: docs/serving.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,21 +38,37 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 GREEDY_TEMPERATURE = 1e-6  # SGLang decodes greedily below this temperature
 WEIGHT_VERSION = "default"
-FLUSH_BODY = ("Cache flushed.\nPlease check backend logs for more details. "
-              "(When there are running or waiting requests, the operation will not be performed.)\n")
+FLUSH_BODY = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
 # Sampling parameters that would change greedy output; refused unless left at their neutral value.
 NEUTRAL_SAMPLING: dict[str, tuple[object, ...]] = {
-    "top_k": (-1, 1, None), "top_p": (1.0, 1, None), "min_p": (0.0, 0, None),
-    "repetition_penalty": (1.0, 1, None), "frequency_penalty": (0.0, 0, None),
-    "presence_penalty": (0.0, 0, None), "n": (1, None), "min_new_tokens": (0, None),
-    "stop_regex": (None, [], ""), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
-    "structural_tag": (None,), "logit_bias": (None, {})}
+    "top_k": (-1, 1, None),
+    "top_p": (1.0, 1, None),
+    "min_p": (0.0, 0, None),
+    "repetition_penalty": (1.0, 1, None),
+    "frequency_penalty": (0.0, 0, None),
+    "presence_penalty": (0.0, 0, None),
+    "n": (1, None),
+    "min_new_tokens": (0, None),
+    "stop_regex": (None, [], ""),
+    "regex": (None,),
+    "json_schema": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "logit_bias": (None, {}),
+}
 IGNORED_SAMPLING = ("spaces_between_special_tokens", "sampling_seed", "custom_params")
-HANDLED_SAMPLING = ("temperature", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "no_stop_trim",
-                    "skip_special_tokens")
-UNSUPPORTED_GENERATE = ("input_embeds", "image_data", "audio_data", "video_data", "lora_path", "session_params",
-                        "return_hidden_states", "custom_logit_processor")
+HANDLED_SAMPLING = ("temperature", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "no_stop_trim", "skip_special_tokens")
+UNSUPPORTED_GENERATE = (
+    "input_embeds",
+    "image_data",
+    "audio_data",
+    "video_data",
+    "lora_path",
+    "session_params",
+    "return_hidden_states",
+    "custom_logit_processor",
+)
 
 
 class RequestError(ValueError):
@@ -61,8 +78,17 @@ class RequestError(ValueError):
 class HttpError(Exception):
     """A request refused before it reaches a route handler (framing, JSON, routing, loading)."""
 
-    def __init__(self, status: int, message: str = "", *, payload: Any = None, close: bool = False, drain: int = 0,
-                 err_type: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str = "",
+        *,
+        payload: Any = None,
+        close: bool = False,
+        drain: int = 0,
+        err_type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = int(status)
         self.payload = payload if payload is not None else error_body(status, message, err_type)
@@ -77,8 +103,7 @@ class ClientGone(Exception):
 
 def error_body(status: int, message: str, err_type: str | None = None) -> dict[str, Any]:
     """SGLang's ErrorResponse shape (what its RequestValidationError and HTTPException handlers send)."""
-    return {"object": "error", "message": message, "type": err_type or HTTPStatus(status).phrase, "param": None,
-            "code": int(status)}
+    return {"object": "error", "message": message, "type": err_type or HTTPStatus(status).phrase, "param": None, "code": int(status)}
 
 
 def log(message: str) -> None:
@@ -86,6 +111,7 @@ def log(message: str) -> None:
 
 
 # --------------------------------------------------------------------------- one request, as the engine sees it
+
 
 @dataclass
 class GenerationSpec:
@@ -146,6 +172,7 @@ def correct_drafts_histogram(accepted_per_round: list[int]) -> list[int]:
 
 
 # --------------------------------------------------------------------------- the engine
+
 
 def streaming_decoder_class():
     """SpecDecoder whose stop rules (stop ids, stop strings) are set per request and which reports each emission."""
@@ -240,9 +267,9 @@ class Engine:
             draft.eval()
             self.expected_feature_width = config.aux_width
             aux_ids = list(config.aux_layer_ids)
-        self.decoder = streaming_decoder_class()(self.target.model, draft, aux_layer_ids=aux_ids,
-                                                 num_steps=self.num_steps, feed=feed,
-                                                 eos_token_id=getattr(self.tokenizer, "eos_token_id", None))
+        self.decoder = streaming_decoder_class()(
+            self.target.model, draft, aux_layer_ids=aux_ids, num_steps=self.num_steps, feed=feed, eos_token_id=getattr(self.tokenizer, "eos_token_id", None)
+        )
         self.eos_ids = frozenset(self.decoder.eos)
         self.lock = threading.Lock()
         self.counters_lock = threading.Lock()
@@ -331,7 +358,7 @@ class Engine:
         return tracker
 
     def _update(self, gen: Generation, result, tracker: LogprobTracker | None) -> None:
-        new = [int(t) for t in result.output_ids[len(gen.output_ids):]]
+        new = [int(t) for t in result.output_ids[len(gen.output_ids) :]]
         if tracker is not None and new:
             entries, tops = tracker.extend(new)
             gen.output_logprobs += entries
@@ -347,7 +374,7 @@ class Engine:
         if not spec.stop_strings or not output_ids:
             return None
         longest = max(len(s) for s in spec.stop_strings)
-        tail = self.decode(output_ids[-(longest + 1):], spec.skip_special_tokens)
+        tail = self.decode(output_ids[-(longest + 1) :], spec.skip_special_tokens)
         return next((s for s in spec.stop_strings if s in tail), None)
 
     def _count(self, result) -> None:
@@ -357,8 +384,7 @@ class Engine:
                 return
             self.verify_ct += result.verify_ct
             self.verify_tokens += sum(int(a) + 1 for a in result.accepted_per_round)
-            self.last_features = {"feature_width": result.feature_width, "fc_applied": result.fc_applied,
-                                  "feature_detail": result.feature_source}
+            self.last_features = {"feature_width": result.feature_width, "fc_applied": result.fc_applied, "feature_detail": result.feature_source}
 
     # --- what the wire reports -----------------------------------------------------------------------
 
@@ -373,14 +399,19 @@ class Engine:
             ids = ids[:-1]
         text = self.decode(ids, spec.skip_special_tokens)
         if isinstance(matched, str) and not spec.no_stop_trim and matched in text:
-            text = text[:text.index(matched)]
+            text = text[: text.index(matched)]
         # An unfinished multi-byte character decodes to U+FFFD; hold it back until its last byte arrives.
         return text if finish else text.rstrip("\ufffd")
 
     def meta_info(self, gen: Generation) -> dict[str, Any]:
-        meta: dict[str, Any] = {"id": gen.rid, "finish_reason": gen.finish, "prompt_tokens": len(gen.spec.input_ids),
-                                "weight_version": WEIGHT_VERSION, "completion_tokens": len(gen.output_ids),
-                                "cached_tokens": 0}
+        meta: dict[str, Any] = {
+            "id": gen.rid,
+            "finish_reason": gen.finish,
+            "prompt_tokens": len(gen.spec.input_ids),
+            "weight_version": WEIGHT_VERSION,
+            "completion_tokens": len(gen.output_ids),
+            "cached_tokens": 0,
+        }
         meta.update(self.spec_meta(gen))
         if gen.spec.return_logprob:
             meta.update(input_token_logprobs=gen.input_logprobs, output_token_logprobs=gen.output_logprobs)
@@ -397,11 +428,18 @@ class Engine:
         correct = sum(gen.accepted_per_round)
         proposed = gen.verify_ct * self.num_steps  # verify_ct x (num_draft_tokens - 1); topk 1 chains
         histogram = correct_drafts_histogram(gen.accepted_per_round)
-        return {"spec_verify_ct": gen.verify_ct, "spec_accept_length": len(gen.output_ids) / gen.verify_ct,
-                "spec_accept_rate": correct / proposed, "spec_num_correct_drafts": correct,
-                "spec_num_proposed_drafts": proposed, "spec_correct_drafts_histogram": histogram,
-                # SGLang still sends these older names beside the new ones
-                "spec_accepted_drafts": correct, "spec_proposed_drafts": proposed, "spec_accept_histogram": histogram}
+        return {
+            "spec_verify_ct": gen.verify_ct,
+            "spec_accept_length": len(gen.output_ids) / gen.verify_ct,
+            "spec_accept_rate": correct / proposed,
+            "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": proposed,
+            "spec_correct_drafts_histogram": histogram,
+            # SGLang still sends these older names beside the new ones
+            "spec_accepted_drafts": correct,
+            "spec_proposed_drafts": proposed,
+            "spec_accept_histogram": histogram,
+        }
 
     def internal_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"engine": "reference", "requests_since_flush": self.requests}
@@ -418,11 +456,11 @@ class Engine:
     def log_generation(self, gen: Generation) -> None:
         meta = self.spec_meta(gen)
         spec = f", verify {gen.verify_ct}, accept len {meta.get('spec_accept_length', 0):.2f}" if self.speculative else ""
-        log(f"generate {gen.rid}: prompt {len(gen.spec.input_ids)} tokens, completion {len(gen.output_ids)}"
-            f"{spec}, {gen.latency or 0:.2f} s")
+        log(f"generate {gen.rid}: prompt {len(gen.spec.input_ids)} tokens, completion {len(gen.output_ids)}{spec}, {gen.latency or 0:.2f} s")
 
 
 # --------------------------------------------------------------------------- request parsing
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -472,8 +510,7 @@ def _rid(body: dict[str, Any]) -> str:
 def _check_sampling_keys(params: dict[str, Any]) -> None:
     temperature = params.get("temperature", 1.0)  # SGLang's default is 1.0, i.e. sampling
     if not _is_number(temperature) or not 0 <= temperature < GREEDY_TEMPERATURE:
-        raise RequestError(f"sampling_params.temperature is {temperature!r}: the reference engine decodes greedily only; "
-                           "send temperature 0")
+        raise RequestError(f"sampling_params.temperature is {temperature!r}: the reference engine decodes greedily only; send temperature 0")
     for key, value in params.items():
         if key in NEUTRAL_SAMPLING and value not in NEUTRAL_SAMPLING[key]:
             raise RequestError(f"sampling_params.{key}={value!r} is not supported by the reference engine (greedy only)")
@@ -529,8 +566,12 @@ def _logprob_options(body: dict[str, Any], engine: Engine) -> dict[str, Any]:
         start = -1
     if not _is_int(start) or start < -1:
         raise RequestError(f"logprob_start_len must be an int >= -1, got {start!r}")
-    return {"return_logprob": _flag(body, "return_logprob", False, ""), "top_logprobs_num": top,
-            "logprob_start_len": start, "return_text_in_logprobs": _flag(body, "return_text_in_logprobs", False, "")}
+    return {
+        "return_logprob": _flag(body, "return_logprob", False, ""),
+        "top_logprobs_num": top,
+        "logprob_start_len": start,
+        "return_text_in_logprobs": _flag(body, "return_text_in_logprobs", False, ""),
+    }
 
 
 def parse_generate(body: Any, engine: Engine) -> NativeRequest:
@@ -547,15 +588,19 @@ def parse_generate(body: Any, engine: Engine) -> NativeRequest:
         raise RequestError("'sampling_params' must be an object")
     _check_sampling_keys(params)
     spec = GenerationSpec(
-        input_ids=ids, max_new_tokens=_max_new_tokens(params, len(ids), engine.context_len),
-        stop_token_ids=_stop_token_ids(params, engine), stop_strings=_stop_strings(params),
+        input_ids=ids,
+        max_new_tokens=_max_new_tokens(params, len(ids), engine.context_len),
+        stop_token_ids=_stop_token_ids(params, engine),
+        stop_strings=_stop_strings(params),
         no_stop_trim=_flag(params, "no_stop_trim", False, "sampling_params."),
         skip_special_tokens=_flag(params, "skip_special_tokens", True, "sampling_params."),
-        **_logprob_options(body, engine))
+        **_logprob_options(body, engine),
+    )
     return NativeRequest(spec=spec, rid=rid, stream=_flag(body, "stream", False, ""))
 
 
 # --------------------------------------------------------------------------- request bodies
+
 
 def parse_content_length(values: list[str]) -> int:
     texts = {value.strip() for value in values}
@@ -591,9 +636,12 @@ def parse_json(raw: bytes) -> Any:
 # --------------------------------------------------------------------------- HTTP
 
 ROUTES = {
-    "/health": {"GET": "health"}, "/health_generate": {"GET": "health"},
-    "/get_server_info": {"GET": "server_info"}, "/server_info": {"GET": "server_info"},
-    "/get_model_info": {"GET": "model_info"}, "/model_info": {"GET": "model_info"},
+    "/health": {"GET": "health"},
+    "/health_generate": {"GET": "health"},
+    "/get_server_info": {"GET": "server_info"},
+    "/server_info": {"GET": "server_info"},
+    "/get_model_info": {"GET": "model_info"},
+    "/model_info": {"GET": "model_info"},
     "/flush_cache": {"GET": "flush_cache", "POST": "flush_cache"},
     "/generate": {"POST": "generate", "PUT": "generate"},
     "/v1/models": {"GET": "models"},
@@ -609,8 +657,7 @@ class ReferenceHTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128  # benchmark clients open many connections at once
 
-    def __init__(self, address, info: dict[str, Any], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S):
+    def __init__(self, address, info: dict[str, Any], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S):
         super().__init__(address, Handler)
         self.engine: Engine | None = None
         self.info = info
@@ -633,8 +680,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # --- sending ---------------------------------------------------------------------------------------
 
-    def _send_bytes(self, status: int, data: bytes, content_type: str | None, close: bool = False,
-                    headers: dict[str, str] | None = None) -> None:
+    def _send_bytes(self, status: int, data: bytes, content_type: str | None, close: bool = False, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         if content_type:
             self.send_header("Content-Type", content_type)
@@ -709,8 +755,7 @@ class Handler(BaseHTTPRequestHandler):
         length = parse_content_length(lengths)
         limit = self.server.max_body_bytes
         if length > limit:
-            raise HttpError(413, f"the body ({length} bytes) is larger than this server's limit of {limit} bytes",
-                            close=True, drain=length)
+            raise HttpError(413, f"the body ({length} bytes) is larger than this server's limit of {limit} bytes", close=True, drain=length)
         return self._read_exact(length, time.monotonic() + self.server.request_timeout)
 
     def _read_exact(self, length: int, deadline: float) -> bytes:
@@ -728,8 +773,7 @@ class Handler(BaseHTTPRequestHandler):
         return bytes(data)
 
     def _timeout(self, received: int, expected: int | str) -> HttpError:
-        return HttpError(408, f"the body did not arrive within {self.server.request_timeout:g} s "
-                              f"({received} of {expected} bytes received)", close=True)
+        return HttpError(408, f"the body did not arrive within {self.server.request_timeout:g} s ({received} of {expected} bytes received)", close=True)
 
     def _read_chunked(self) -> bytes:
         deadline = time.monotonic() + self.server.request_timeout
@@ -793,8 +837,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         except Exception:  # a bug must cost one request, never the server
             log(f"{self.command} {self.path} failed:\n{traceback.format_exc()}")
-            self._refuse(HttpError(500, "internal error in the reference engine (traceback in its log)",
-                                   err_type="InternalServerError", close=True))
+            self._refuse(HttpError(500, "internal error in the reference engine (traceback in its log)", err_type="InternalServerError", close=True))
 
     def _refuse(self, exc: HttpError) -> None:
         if self.responded:  # mid-stream: the status line is gone, only closing is left
@@ -838,11 +881,21 @@ class Handler(BaseHTTPRequestHandler):
     def route_model_info(self, _raw: bytes) -> None:
         info, engine = self.server.info, self.server.engine
         model_type = getattr(getattr(engine.target.model, "config", None), "model_type", None) if engine else None
-        self._send_json(HTTPStatus.OK, {
-            "model_path": info["model_path"], "tokenizer_path": info["tokenizer_path"], "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": WEIGHT_VERSION, "has_image_understanding": False,
-            "has_audio_understanding": False, "model_type": model_type, "architectures": [info["architecture"]],
-            "served_model_name": info["served_model_name"]})
+        self._send_json(
+            HTTPStatus.OK,
+            {
+                "model_path": info["model_path"],
+                "tokenizer_path": info["tokenizer_path"],
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": WEIGHT_VERSION,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": model_type,
+                "architectures": [info["architecture"]],
+                "served_model_name": info["served_model_name"],
+            },
+        )
 
     def route_flush_cache(self, _raw: bytes) -> None:
         flushed = self._engine().try_flush()
@@ -867,8 +920,9 @@ class Handler(BaseHTTPRequestHandler):
         engine.log_generation(gen)
         return gen
 
-    def _stream(self, engine: Engine, request: NativeRequest, to_events: Callable[[dict], list],
-                trailer: Callable[[], list] = list, native_errors: bool = False) -> None:
+    def _stream(
+        self, engine: Engine, request: NativeRequest, to_events: Callable[[dict], list], trailer: Callable[[], list] = list, native_errors: bool = False
+    ) -> None:
         """SSE: one event group per emission, the final state exactly once, then [DONE]."""
         self._start_sse()
         sent_final = False
@@ -917,7 +971,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def route_model(self, _raw: bytes) -> None:
         engine, name = self._engine(), self.server.info["served_model_name"]
-        wanted = urlsplit(self.path).path[len("/v1/models/"):]
+        wanted = urlsplit(self.path).path[len("/v1/models/") :]
         if wanted != name:
             self._send_json(HTTPStatus.NOT_FOUND, openai_api.model_not_found(wanted))
             return
@@ -955,6 +1009,7 @@ class Handler(BaseHTTPRequestHandler):
 
 # --------------------------------------------------------------------------- main
 
+
 def server_info(profile, args, engine_path: str) -> dict[str, Any]:
     speculative = not args.no_speculation
     steps = args.num_steps or profile.serve.num_steps
@@ -985,21 +1040,29 @@ def server_info(profile, args, engine_path: str) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m backend.serve.reference_server",
-                                     description="SGLang-compatible HTTP server over the project's speculative decoder")
+    parser = argparse.ArgumentParser(
+        prog="python -m backend.serve.reference_server", description="SGLang-compatible HTTP server over the project's speculative decoder"
+    )
     parser.add_argument("--profile", required=True)
     parser.add_argument("--draft", help="draft checkpoint dir (required unless --no-speculation)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--feed", choices=["aux", "last_hidden"], default="aux",
-                        help="last_hidden: hand the draft the final hidden state and skip fc, as SGLang's silent failure does")
+    parser.add_argument(
+        "--feed",
+        choices=["aux", "last_hidden"],
+        default="aux",
+        help="last_hidden: hand the draft the final hidden state and skip fc, as SGLang's silent failure does",
+    )
     parser.add_argument("--num-steps", type=int, help="draft steps per verify (default: the profile's)")
     parser.add_argument("--served-model-name", help="the model id /v1/models reports (default: the target's directory)")
     parser.add_argument("--no-speculation", action="store_true", help="plain target decoding (benchmark baseline)")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="larger request bodies are refused with 413 (default %(default)s)")
-    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
-                        help="seconds a client may stall while sending a request or reading a reply (default %(default)s)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies are refused with 413 (default %(default)s)")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="seconds a client may stall while sending a request or reading a reply (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     if not args.no_speculation and not args.draft:
         parser.error("--draft is required unless --no-speculation is given")
@@ -1022,8 +1085,9 @@ def main(argv: list[str] | None = None) -> int:
         from pathlib import Path
 
         args.draft = str(resolve_draft_dir(Path(args.draft).expanduser()))
-    server = ReferenceHTTPServer((args.host, args.port), server_info(profile, args, profile.target.path),
-                                 max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout)
+    server = ReferenceHTTPServer(
+        (args.host, args.port), server_info(profile, args, profile.target.path), max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout
+    )
     outcome = {"code": 0}
 
     def stop(signum, _frame) -> None:
@@ -1050,8 +1114,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = f"EAGLE3, {engine.num_steps} steps, feed {args.feed}" if engine.speculative else "no speculation"
         log(f"ready in {time.monotonic() - started:.1f} s on http://{args.host}:{args.port} ({mode})")
 
-    log(f"listening on http://{args.host}:{args.port}; loading {profile.name} target"
-        + ("" if args.no_speculation else f" and draft {args.draft}"))
+    log(f"listening on http://{args.host}:{args.port}; loading {profile.name} target" + ("" if args.no_speculation else f" and draft {args.draft}"))
     threading.Thread(target=load, daemon=True, name="load").start()
     try:
         server.serve_forever(poll_interval=0.2)

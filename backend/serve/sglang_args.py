@@ -1,4 +1,5 @@
 """The SGLang launch command for an EAGLE-3 draft, built as an argv list from a profile (no sglang import)."""
+
 from __future__ import annotations
 
 import os
@@ -53,18 +54,28 @@ def build_sglang_argv(
     argv = [python or sglang_python(), "-m", "sglang.launch_server", "--model-path", target_path or profile.target.path]
     if speculative:
         argv += [
-            "--speculative-algorithm", "EAGLE3",
-            "--speculative-draft-model-path", str(draft_path),
-            "--speculative-num-steps", str(serve.num_steps),
-            "--speculative-eagle-topk", str(serve.eagle_topk),
-            "--speculative-num-draft-tokens", str(serve.num_draft_tokens),
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            str(draft_path),
+            "--speculative-num-steps",
+            str(serve.num_steps),
+            "--speculative-eagle-topk",
+            str(serve.eagle_topk),
+            "--speculative-num-draft-tokens",
+            str(serve.num_draft_tokens),
         ]
     argv += [
-        "--dtype", serve.dtype,
-        "--tp-size", str(serve.tp_size),
-        "--mem-fraction-static", str(serve.mem_fraction_static),
-        "--host", host,
-        "--port", str(port if port is not None else serve.port),
+        "--dtype",
+        serve.dtype,
+        "--tp-size",
+        str(serve.tp_size),
+        "--mem-fraction-static",
+        str(serve.mem_fraction_static),
+        "--host",
+        host,
+        "--port",
+        str(port if port is not None else serve.port),
     ]
     if serve.trust_remote_code:
         argv.append("--trust-remote-code")
@@ -75,7 +86,7 @@ def build_sglang_argv(
 def server_args_part(argv: list[str]) -> list[str]:
     """The arguments after `-m sglang.launch_server` (what ServerArgs parses)."""
     if "sglang.launch_server" in argv:
-        return argv[argv.index("sglang.launch_server") + 1:]
+        return argv[argv.index("sglang.launch_server") + 1 :]
     return list(argv)
 
 
@@ -107,8 +118,7 @@ def expected_spec_settings(profile: Profile) -> dict[str, int]:
     """What /get_server_info should report after SGLang's own adjustment (topk 1 forces draft tokens = steps + 1)."""
     serve = profile.serve
     tokens = serve.num_steps + 1 if serve.eagle_topk == 1 else serve.num_draft_tokens
-    return {"speculative_num_steps": serve.num_steps, "speculative_eagle_topk": serve.eagle_topk,
-            "speculative_num_draft_tokens": tokens}
+    return {"speculative_num_steps": serve.num_steps, "speculative_eagle_topk": serve.eagle_topk, "speculative_num_draft_tokens": tokens}
 
 
 def argv_inconsistencies(argv: list[str], profile: Profile, draft_path: str) -> list[str]:
@@ -125,8 +135,7 @@ def argv_inconsistencies(argv: list[str], profile: Profile, draft_path: str) -> 
         "--dtype": serve.dtype,
         "--tp-size": str(serve.tp_size),
     }
-    problems += [f"{flag} is {flags.get(flag)!r}, expected {want!r}" for flag, want in expect.items()
-                 if flag in flags and flags[flag] != want]
+    problems += [f"{flag} is {flags.get(flag)!r}, expected {want!r}" for flag, want in expect.items() if flag in flags and flags[flag] != want]
     if flags.get("--dtype") == "auto":
         problems.append("--dtype auto: float32 drafts would be served as float16")
     if serve.eagle_topk == 1 and serve.num_draft_tokens != serve.num_steps + 1:

@@ -1,4 +1,5 @@
 """Reference EAGLE-3 speculative decoder (chain drafting, greedy verification, SGLang-style acceptance counts) and plain greedy decoding."""
+
 from __future__ import annotations
 
 import inspect
@@ -34,10 +35,16 @@ class GenerateResult:
 
     def as_dict(self) -> dict:
         return {
-            "output_ids": self.output_ids, "completion_tokens": self.completion_tokens, "verify_ct": self.verify_ct,
-            "accept_length": self.accept_length, "accepted_per_round": self.accepted_per_round,
-            "num_correct_drafts": self.num_correct_drafts, "num_steps": self.num_steps,
-            "feature_width": self.feature_width, "feature_source": self.feature_source, "fc_applied": self.fc_applied,
+            "output_ids": self.output_ids,
+            "completion_tokens": self.completion_tokens,
+            "verify_ct": self.verify_ct,
+            "accept_length": self.accept_length,
+            "accepted_per_round": self.accepted_per_round,
+            "num_correct_drafts": self.num_correct_drafts,
+            "num_steps": self.num_steps,
+            "feature_width": self.feature_width,
+            "feature_source": self.feature_source,
+            "fc_applied": self.fc_applied,
         }
 
 
@@ -84,8 +91,15 @@ class SpecDecoder:
     draft=None (with aux_layer_ids given) builds a decoder that only runs plain / plain_generate.
     """
 
-    def __init__(self, target_model, draft: Eagle3Draft | None, aux_layer_ids: list[int] | None = None, num_steps: int = 5,
-                 feed: str = "aux", eos_token_id: int | list[int] | None = None):
+    def __init__(
+        self,
+        target_model,
+        draft: Eagle3Draft | None,
+        aux_layer_ids: list[int] | None = None,
+        num_steps: int = 5,
+        feed: str = "aux",
+        eos_token_id: int | list[int] | None = None,
+    ):
         if feed not in FEEDS:
             raise ValueError(f"feed {feed!r} is unknown; choose one of {', '.join(FEEDS)}")
         if num_steps < 1:
@@ -166,9 +180,15 @@ class SpecDecoder:
         ids = self._prompt(input_ids)
         logits, hidden_states, cache = self.target.forward(ids, None)
         features = self.features(hidden_states)
-        result = GenerateResult(output_ids=[], completion_tokens=0, verify_ct=0, feature_width=features.shape[-1],
-                                feature_source=self.feature_source, fc_applied=self._fc_applied(features.shape[-1]),
-                                num_steps=self.num_steps)
+        result = GenerateResult(
+            output_ids=[],
+            completion_tokens=0,
+            verify_ct=0,
+            feature_width=features.shape[-1],
+            feature_source=self.feature_source,
+            fc_applied=self._fc_applied(features.shape[-1]),
+            num_steps=self.num_steps,
+        )
         if max_new_tokens <= 0:
             return result
         last = logits[0, -1].argmax().view(1)

@@ -1,4 +1,5 @@
 """TTT attention of the EAGLE-3 draft: causal over step-0 keys plus per-step diagonal keys, in eager, sdpa and flex backends."""
+
 from __future__ import annotations
 
 import math
@@ -106,6 +107,7 @@ def _sdpa(query, key0, value0, diag_keys, diag_values):
 
 # --- flex: one causal kernel over step-0 K/V that also returns its log-sum-exp; the k diagonal
 # terms are merged analytically, so every step reuses one block mask and one compiled kernel.
+
 
 def flex_available() -> bool:
     try:

@@ -5,6 +5,7 @@ needed, M free" (before writing, or when a write fails mid-save); a failed save 
 and leaves `latest` as it was. training_state.pt holds only tensors, dicts, lists, tuples, numbers,
 strings and None, and is loaded with torch.load(weights_only=True).
 """
+
 from __future__ import annotations
 
 import errno
@@ -115,11 +116,7 @@ def tensor_problems(tensors: Mapping[str, ShapeAndDtype], config: DraftModelConf
 def draft_tensors(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint holds (no embed_tokens), detached, on CPU, contiguous."""
     module = _unwrap(draft)
-    return {
-        name: tensor.detach().to("cpu").contiguous()
-        for name, tensor in module.state_dict().items()
-        if name not in NOT_SAVED
-    }
+    return {name: tensor.detach().to("cpu").contiguous() for name, tensor in module.state_dict().items() if name not in NOT_SAVED}
 
 
 def _unwrap(draft):
@@ -130,6 +127,7 @@ def _unwrap(draft):
 
 
 # --- what training_state.pt may hold ---------------------------------------------------------------
+
 
 def plain_state(value, where: str = "training_state"):
     """A copy of `value` that torch.load(weights_only=True) reads back: tensors (detached), dicts, lists,
@@ -143,8 +141,7 @@ def plain_state(value, where: str = "training_state"):
         plain = {}
         for key, item in value.items():
             if not (key is None or isinstance(key, (bool, int, float, str))):
-                raise CheckpointError(f"{where}: key {key!r} is a {type(key).__name__}; keys must be strings or numbers. "
-                                      "Nothing was saved.")
+                raise CheckpointError(f"{where}: key {key!r} is a {type(key).__name__}; keys must be strings or numbers. Nothing was saved.")
             plain[_plain_leaf(key)] = plain_state(item, f"{where}[{key!r}]")
         return plain
     if isinstance(value, (list, tuple)):
@@ -156,9 +153,11 @@ def plain_state(value, where: str = "training_state"):
         return str(value)
     if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
         return value.item() if getattr(value, "ndim", 0) == 0 else torch.from_numpy(value.copy())
-    raise CheckpointError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}; training_state.pt holds only "
-                          "tensors, dicts, lists, tuples, numbers, strings and None (it is loaded with weights_only=True). "
-                          "Nothing was saved.")
+    raise CheckpointError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}; training_state.pt holds only "
+        "tensors, dicts, lists, tuples, numbers, strings and None (it is loaded with weights_only=True). "
+        "Nothing was saved."
+    )
 
 
 def _plain_leaf(value):
@@ -202,6 +201,7 @@ def estimate_checkpoint_bytes(tensors: dict[str, torch.Tensor], state, config_by
 
 
 # --- durable file operations -----------------------------------------------------------------------
+
 
 def write_json_durably(path: Path, data: dict) -> None:
     write_bytes_durably(path, _json_bytes(data))
@@ -265,6 +265,7 @@ def _latest_name(checkpoints_dir: Path) -> str | None:
 
 # --- save ----------------------------------------------------------------------------------------
 
+
 def save_checkpoint(
     run_out_dir: str | Path,
     draft: torch.nn.Module,  # an Eagle3Draft, or the trainer's view of it with fp32 master weights
@@ -303,8 +304,7 @@ def save_checkpoint(
     needed = estimate_checkpoint_bytes(tensors, state, len(config_bytes))
     free = free_bytes(checkpoints_dir)
     if check_space and free is not None and free < needed:
-        raise CheckpointDiskFullError(checkpoints_dir, needed, free, _full_message(
-            checkpoints_dir, name, needed, free, "nothing was written"))
+        raise CheckpointDiskFullError(checkpoints_dir, needed, free, _full_message(checkpoints_dir, name, needed, free, "nothing was written"))
     temp = checkpoints_dir / _temp_name(name)
     temp.mkdir()
     placed = False
@@ -325,10 +325,8 @@ def save_checkpoint(
         remaining = needed - tree_bytes(temp)
         shutil.rmtree(temp, ignore_errors=True)
         if isinstance(exc, Exception) and _is_disk_full(exc, free_then, remaining):
-            done = (f"{name} is complete but `latest` could not be updated" if placed
-                    else "the partial checkpoint was removed")
-            raise CheckpointDiskFullError(checkpoints_dir, needed, free_then, _full_message(
-                checkpoints_dir, name, needed, free_then, done)) from exc
+            done = f"{name} is complete but `latest` could not be updated" if placed else "the partial checkpoint was removed"
+            raise CheckpointDiskFullError(checkpoints_dir, needed, free_then, _full_message(checkpoints_dir, name, needed, free_then, done)) from exc
         raise
     clean_stale_temps(checkpoints_dir)
     return checkpoints_dir / name
@@ -336,10 +334,12 @@ def save_checkpoint(
 
 def _full_message(checkpoints_dir: Path, name: str, needed: int, free: int | None, done: str) -> str:
     latest = _latest_name(checkpoints_dir)
-    return (f"disk full: {needed} bytes needed, {'unknown' if free is None else free} free in {checkpoints_dir}; "
-            f"checkpoint {name} was not saved ({done}); `latest` still names "
-            f"{latest if latest else 'no checkpoint (none saved yet)'}. Free space there (old checkpoints, "
-            "extracted data) and save again.")
+    return (
+        f"disk full: {needed} bytes needed, {'unknown' if free is None else free} free in {checkpoints_dir}; "
+        f"checkpoint {name} was not saved ({done}); `latest` still names "
+        f"{latest if latest else 'no checkpoint (none saved yet)'}. Free space there (old checkpoints, "
+        "extracted data) and save again."
+    )
 
 
 _FULL_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
@@ -388,6 +388,7 @@ def _move_into_place(temp: Path, final: Path) -> None:
 
 # --- load ----------------------------------------------------------------------------------------
 
+
 def read_config(checkpoint_dir: Path) -> dict:
     path = checkpoint_dir / CONFIG_FILE
     try:
@@ -411,7 +412,9 @@ def load_checkpoint(
     ckpt_dir = Path(ckpt_dir)
     absent = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (ckpt_dir / name).is_file()]
     if absent:
-        hint = " (it looks like a run or checkpoints dir: use latest_checkpoint())" if checkpoints_dir_of(ckpt_dir).is_dir() and list_checkpoints(ckpt_dir) else ""
+        hint = (
+            " (it looks like a run or checkpoints dir: use latest_checkpoint())" if checkpoints_dir_of(ckpt_dir).is_dir() and list_checkpoints(ckpt_dir) else ""
+        )
         raise CheckpointError(f"{ckpt_dir} lacks {', '.join(absent)}{hint}; nothing was loaded")
     hf_config = read_config(ckpt_dir)
     config = DraftModelConfig.from_hf_config(hf_config)
@@ -443,7 +446,8 @@ def load_training_state(path: Path, map_location: str | torch.device = "cpu") ->
         raise CheckpointError(
             f"{path} holds objects other than tensors and plain containers ({first}); it was not unpickled, "
             "nothing was loaded. Re-save it with this version's trainer, or load it yourself with "
-            "torch.load(weights_only=False) if you trust where it came from.") from None
+            "torch.load(weights_only=False) if you trust where it came from."
+        ) from None
     except (RuntimeError, EOFError, OSError) as exc:
         raise CheckpointError(f"{path} is unreadable ({exc}); nothing was loaded") from None
     if not isinstance(state, dict):

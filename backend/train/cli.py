@@ -1,4 +1,5 @@
 """`eagle3-host` training commands: train, extract, export, convert, build-tiny (torch imported inside the handlers)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,12 @@ if TYPE_CHECKING:
 def register(subparsers, parent: argparse.ArgumentParser) -> None:
     _register_train(subparsers, parent)
     _register_extract(subparsers, parent)
-    export = subparsers.add_parser("export", parents=[parent], help="copy a checkpoint's serving files (config.json + model.safetensors), verifying keys",
-                                   description="Copy config.json and model.safetensors of a checkpoint (or a run dir's latest) into DST, after checking every key and shape.")
+    export = subparsers.add_parser(
+        "export",
+        parents=[parent],
+        help="copy a checkpoint's serving files (config.json + model.safetensors), verifying keys",
+        description="Copy config.json and model.safetensors of a checkpoint (or a run dir's latest) into DST, after checking every key and shape.",
+    )
     export.add_argument("checkpoint", type=Path, help="checkpoint dir, or a run dir (its checkpoints/latest is used)")
     export.add_argument("destination", type=Path, help="new or empty directory for the serving files")
     export.set_defaults(handler=_export)
@@ -28,8 +33,10 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
     build.set_defaults(handler=_build_tiny)
 
 
-THREADS_HELP = ("torch CPU threads (default: $EAGLE3_THREADS, else $OMP_NUM_THREADS when set, else min(physical cores, 4) "
-                "less the cores other processes keep busy, at least 1)")
+THREADS_HELP = (
+    "torch CPU threads (default: $EAGLE3_THREADS, else $OMP_NUM_THREADS when set, else min(physical cores, 4) "
+    "less the cores other processes keep busy, at least 1)"
+)
 
 
 def _add_threads(parser) -> None:
@@ -91,8 +98,12 @@ def apply_threads(explicit: int | None = None, log=None) -> int:
 
 
 def _register_train(subparsers, parent) -> None:
-    train = subparsers.add_parser("train", parents=[parent], help="train an EAGLE-3 draft (also under torchrun)",
-                                  description="Train an EAGLE-3 draft for a profile's target. SIGTERM/SIGINT: finish the step, write a checkpoint, exit 0.")
+    train = subparsers.add_parser(
+        "train",
+        parents=[parent],
+        help="train an EAGLE-3 draft (also under torchrun)",
+        description="Train an EAGLE-3 draft for a profile's target. SIGTERM/SIGINT: finish the step, write a checkpoint, exit 0.",
+    )
     train.add_argument("--profile", required=True, help="profile name (tiny, llama3.1-8b, kimi-k2.5) or a TOML path")
     train.add_argument("--out", type=Path, help="output dir (default: $EAGLE3_JOB_DIR, else <run-dir>/runs/train-<timestamp>)")
     train.add_argument("--max-steps", type=int, help="total optimizer steps (absolute: a resumed run continues up to it)")
@@ -102,12 +113,20 @@ def _register_train(subparsers, parent) -> None:
     train.add_argument("--weight-decay", type=float)
     train.add_argument("--grokfast-alpha", type=float, help="enable the Grokfast-EMA gradient filter with this alpha (e.g. 0.98)")
     train.add_argument("--grokfast-lambda", type=float, help="Grokfast amplification (default from the profile, 2.0)")
-    train.add_argument("--resume", nargs="?", const="latest", metavar="CKPT",
-                       help="resume from CKPT (a checkpoint or run dir), or with no value from the newest checkpoint under --out")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="CKPT",
+        help="resume from CKPT (a checkpoint or run dir), or with no value from the newest checkpoint under --out",
+    )
     train.add_argument("--rewarm-steps", type=int, help="linear LR re-warm after a resume (default: half the warmup)")
     train.add_argument("--data", type=Path, help="offline shards dir written by `extract` (default: run the target online)")
-    train.add_argument("--conversations", type=Path, help="chat JSONL for online HF targets (default <data_dir>/conversations.jsonl; "
-                       "a profile data dir under its run dir moves with --run-dir)")
+    train.add_argument(
+        "--conversations",
+        type=Path,
+        help="chat JSONL for online HF targets (default <data_dir>/conversations.jsonl; a profile data dir under its run dir moves with --run-dir)",
+    )
     train.add_argument("--regenerate-tokens", type=int, default=0, help="regenerate assistant turns with the target (max new tokens; 0 = off)")
     train.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files under <out>/tensorboard")
     train.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present; LOCAL_RANK under torchrun)")
@@ -123,17 +142,25 @@ def _register_train(subparsers, parent) -> None:
 
 
 def _register_extract(subparsers, parent) -> None:
-    extract = subparsers.add_parser("extract", parents=[parent], help="write offline training shards (aux hidden states + teacher) with the target",
-                                    description="Run the target over the training data and write safetensors shards. The disk estimate is printed first; "
-                                                "nothing is written when it will not fit.")
+    extract = subparsers.add_parser(
+        "extract",
+        parents=[parent],
+        help="write offline training shards (aux hidden states + teacher) with the target",
+        description="Run the target over the training data and write safetensors shards. The disk estimate is printed first; "
+        "nothing is written when it will not fit.",
+    )
     extract.add_argument("--profile", required=True)
     extract.add_argument("--out", type=Path, required=True, help="new or empty output directory")
     extract.add_argument("--samples", type=int, help="training samples (tiny: generated; HF: first N conversations)")
     extract.add_argument("--val-samples", type=int, help="held-out samples (tiny only; default 1/10 of --samples)")
     extract.add_argument("--conversations", type=Path, help="chat JSONL for HF targets (default <data_dir>/conversations.jsonl)")
     extract.add_argument("--regenerate-tokens", type=int, default=0)
-    extract.add_argument("--store", choices=["auto", "logits", "last_hidden"], default="auto",
-                         help="teacher as full logits or the final hidden state (auto: logits up to a 4096 vocab)")
+    extract.add_argument(
+        "--store",
+        choices=["auto", "logits", "last_hidden"],
+        default="auto",
+        help="teacher as full logits or the final hidden state (auto: logits up to a 4096 vocab)",
+    )
     extract.add_argument("--batch-size", type=int, default=8)
     extract.add_argument("--shard-samples", type=int, default=256)
     extract.add_argument("--keep-free-gb", type=float, default=1.0, help="refuse unless this much disk stays free afterwards")
@@ -165,12 +192,30 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
     from backend.train.trainer import TrainOptions
 
     return TrainOptions(
-        profile=load_profile(args.profile), out_dir=args.out, run_dir=args.run_dir, max_steps=args.max_steps, schedule=args.schedule,
-        lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, grokfast_alpha=args.grokfast_alpha,
-        grokfast_lambda=args.grokfast_lambda, resume=args.resume, rewarm_steps=args.rewarm_steps, data_dir=args.data,
-        conversations=args.conversations, regenerate_tokens=args.regenerate_tokens, tensorboard=args.tensorboard, device=args.device,
-        batch_size=args.batch_size, eval_interval=args.eval_interval, save_interval=args.save_interval, log_interval=args.log_interval,
-        max_val_batches=args.max_val_batches, seed=args.seed, attn_backend=args.attn_backend,
+        profile=load_profile(args.profile),
+        out_dir=args.out,
+        run_dir=args.run_dir,
+        max_steps=args.max_steps,
+        schedule=args.schedule,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        grokfast_alpha=args.grokfast_alpha,
+        grokfast_lambda=args.grokfast_lambda,
+        resume=args.resume,
+        rewarm_steps=args.rewarm_steps,
+        data_dir=args.data,
+        conversations=args.conversations,
+        regenerate_tokens=args.regenerate_tokens,
+        tensorboard=args.tensorboard,
+        device=args.device,
+        batch_size=args.batch_size,
+        eval_interval=args.eval_interval,
+        save_interval=args.save_interval,
+        log_interval=args.log_interval,
+        max_val_batches=args.max_val_batches,
+        seed=args.seed,
+        attn_backend=args.attn_backend,
     )
 
 
@@ -211,10 +256,25 @@ def _extract(args) -> int:
         else:
             data_dir = data_dir_for(profile.paths.data_dir, profile.paths.run_dir, args.run_dir)  # moves with --run-dir
             conversations = args.conversations or Path(data_dir).expanduser() / "conversations.jsonl"
-            splits = conversation_samples(target.tokenizer, conversations, profile.train.seq_len, seed=profile.train.seed,
-                                          limit=args.samples, target=target, regenerate_tokens=args.regenerate_tokens)
-        extract(target, splits, args.out, store=args.store, batch_size=args.batch_size, shard_samples=args.shard_samples,
-                keep_free_bytes=int(args.keep_free_gb * (1 << 30)), should_stop=lambda: stop["signal"] is not None)
+            splits = conversation_samples(
+                target.tokenizer,
+                conversations,
+                profile.train.seq_len,
+                seed=profile.train.seed,
+                limit=args.samples,
+                target=target,
+                regenerate_tokens=args.regenerate_tokens,
+            )
+        extract(
+            target,
+            splits,
+            args.out,
+            store=args.store,
+            batch_size=args.batch_size,
+            shard_samples=args.shard_samples,
+            keep_free_bytes=int(args.keep_free_gb * (1 << 30)),
+            should_stop=lambda: stop["signal"] is not None,
+        )
         print(args.out)
         return 0
     except _known_errors() as exc:

@@ -1,4 +1,5 @@
 """`eagle3-host convert`: repair a draft checkpoint (layers.0.* keys, prefixes, fused weights, alias arch) into SGLang's midlayer.* format."""
+
 from __future__ import annotations
 
 import json
@@ -35,10 +36,16 @@ class ConvertReport:
 
     def as_dict(self) -> dict:
         return {
-            "src": self.src, "dst": self.dst, "written": self.written,
-            "renamed": [list(pair) for pair in self.renamed], "dropped": [list(pair) for pair in self.dropped],
-            "built": self.built, "config_changes": self.config_changes, "copied_files": self.copied_files,
-            "skipped_files": self.skipped_files, "unchanged_keys": self.unchanged_keys,
+            "src": self.src,
+            "dst": self.dst,
+            "written": self.written,
+            "renamed": [list(pair) for pair in self.renamed],
+            "dropped": [list(pair) for pair in self.dropped],
+            "built": self.built,
+            "config_changes": self.config_changes,
+            "copied_files": self.copied_files,
+            "skipped_files": self.skipped_files,
+            "unchanged_keys": self.unchanged_keys,
         }
 
     def lines(self) -> list[str]:
@@ -54,6 +61,7 @@ class ConvertReport:
 
 
 # --- reading the source ----------------------------------------------------------------------------
+
 
 def _read_tensors(src: Path) -> dict:
     from safetensors.torch import load_file
@@ -84,13 +92,14 @@ def _source_files(src: Path) -> set[str]:
 
 # --- key mapping -----------------------------------------------------------------------------------
 
+
 def _strip_prefixes(key: str) -> str:
     changed = True
     while changed:
         changed = False
         for prefix in KNOWN_PREFIXES:
             if key.startswith(prefix):
-                key, changed = key[len(prefix):], True
+                key, changed = key[len(prefix) :], True
     return key
 
 
@@ -98,7 +107,7 @@ def map_key(key: str) -> str:
     """SpecForge/EAGLE/SGLang-v0.5.14 spellings -> the midlayer.* name (unknown names come back unchanged)."""
     key = _strip_prefixes(key)
     if key.startswith(LAYER_PREFIX):
-        key = "midlayer." + key[len(LAYER_PREFIX):]
+        key = "midlayer." + key[len(LAYER_PREFIX) :]
     return key
 
 
@@ -142,6 +151,7 @@ def _vocab_buffers(tensors: dict, config, report: ConvertReport) -> None:
 
 
 # --- config ----------------------------------------------------------------------------------------
+
 
 def fix_config(config: dict, tensors: dict, aux_layer_ids: list[int] | None, report: ConvertReport) -> dict:
     config = json.loads(json.dumps(config))
@@ -187,6 +197,7 @@ def fix_config(config: dict, tensors: dict, aux_layer_ids: list[int] | None, rep
 
 
 # --- the conversion --------------------------------------------------------------------------------
+
 
 def convert_checkpoint(src, dst, *, aux_layer_ids: list[int] | None = None, dry_run: bool = False) -> ConvertReport:
     """Rewrite the checkpoint in `src` into `dst` (which must not exist) with SGLang's midlayer.* key set.
@@ -267,6 +278,7 @@ def _write(dst: Path, config_json: dict, tensors: dict, src: Path, copied: list[
 
 # --- command line ----------------------------------------------------------------------------------
 
+
 def register_convert(subparsers, parent) -> None:
     parser = subparsers.add_parser(
         "convert",
@@ -277,7 +289,12 @@ def register_convert(subparsers, parent) -> None:
     )
     parser.add_argument("src", type=Path, help="checkpoint dir with config.json and model.safetensors")
     parser.add_argument("dst", type=Path, help="new dir to write (must not exist)")
-    parser.add_argument("--aux-layer-ids", type=_int_list, default=None, help="output-of-layer ids the draft was trained on, e.g. 1,15,28 (needed when config.json lacks eagle_config)")
+    parser.add_argument(
+        "--aux-layer-ids",
+        type=_int_list,
+        default=None,
+        help="output-of-layer ids the draft was trained on, e.g. 1,15,28 (needed when config.json lacks eagle_config)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="report what would change, write nothing")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(handler=_handle_convert)

@@ -1,4 +1,5 @@
 """Training data for the draft: target-generated tiny samples, chat conversations, offline shards, and rank-sharded batches."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,6 +68,7 @@ def collate(samples: list[Sample], pad_id: int) -> dict:
 # Tiny: prompts are windows of the tiny corpus, continuations are the tiny target's greedy output
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class TinyDataSettings:
     prompt_len: int = 64
@@ -83,8 +85,13 @@ def tiny_data_settings(seq_len: int, train_samples: int | None = None, val_sampl
     """Samples of seq_len tokens: a prompt of min(64, seq_len/2) corpus bytes, then the target's continuation."""
     defaults = TinyDataSettings()
     train = train_samples or defaults.train_samples
-    return TinyDataSettings(prompt_len=min(64, seq_len // 2), total_len=seq_len, train_samples=train,
-                            val_samples=val_samples or (defaults.val_samples if train_samples is None else max(1, train // 10)), seed=seed)
+    return TinyDataSettings(
+        prompt_len=min(64, seq_len // 2),
+        total_len=seq_len,
+        train_samples=train,
+        val_samples=val_samples or (defaults.val_samples if train_samples is None else max(1, train // 10)),
+        seed=seed,
+    )
 
 
 def _windows(corpus: bytes, count: int, length: int, rng: random.Random) -> list[bytes]:
@@ -118,8 +125,9 @@ def tiny_data_cache_path(target, settings: TinyDataSettings, cache_dir: Path | N
     return (Path(cache_dir) if cache_dir else cache_root()) / f"tiny-data-{key}.safetensors"
 
 
-def tiny_samples(target, settings: TinyDataSettings = TinyDataSettings(), cache_dir: Path | None = None,
-                 log: Callable[[str], None] | None = None) -> dict[str, list[Sample]]:
+def tiny_samples(
+    target, settings: TinyDataSettings = TinyDataSettings(), cache_dir: Path | None = None, log: Callable[[str], None] | None = None
+) -> dict[str, list[Sample]]:
     """Train prompts from the corpus the target memorised, validation prompts from held-out stdlib files.
 
     The greedy continuations depend only on the target and these settings, so they are cached beside it.
@@ -137,8 +145,10 @@ def tiny_samples(target, settings: TinyDataSettings = TinyDataSettings(), cache_
             return _read_tiny_cache(cache)
         total = settings.train_samples + settings.val_samples
         if log:
-            log(f"generating the tiny draft data: {settings.train_samples}+{settings.val_samples} greedy continuations of "
-                f"{settings.total_len - settings.prompt_len} bytes (cached at {cache})")
+            log(
+                f"generating the tiny draft data: {settings.train_samples}+{settings.val_samples} greedy continuations of "
+                f"{settings.total_len - settings.prompt_len} bytes (cached at {cache})"
+            )
         started, done, every, reported = time.monotonic(), 0, progress_every(total, 10), 0
 
         def progress(count: int) -> None:
@@ -177,15 +187,13 @@ def _read_tiny_cache(path: Path) -> dict[str, list[Sample]]:
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
-    return {
-        name: [Sample(ids, mask) for ids, mask in zip(tensors[f"{name}.input_ids"], tensors[f"{name}.loss_mask"])]
-        for name in ("train", "val")
-    }
+    return {name: [Sample(ids, mask) for ids, mask in zip(tensors[f"{name}.input_ids"], tensors[f"{name}.loss_mask"])] for name in ("train", "val")}
 
 
 # ----------------------------------------------------------------------------------------------
 # HF targets: conversations JSONL -> chat template tokens, loss on assistant tokens
 # ----------------------------------------------------------------------------------------------
+
 
 def read_conversations(path: str | os.PathLike, limit: int | None = None) -> list[list[dict]]:
     """{"conversations": [{"role": "user"|"assistant"|"system", "content": str}, ...]} per line."""
@@ -259,8 +267,9 @@ def regenerate_conversation(target, messages: list[dict], max_new_tokens: int) -
     return result
 
 
-def conversation_samples(tokenizer, path, max_len: int, val_fraction: float = 0.02, seed: int = 0, limit: int | None = None,
-                         target=None, regenerate_tokens: int = 0) -> dict[str, list[Sample]]:
+def conversation_samples(
+    tokenizer, path, max_len: int, val_fraction: float = 0.02, seed: int = 0, limit: int | None = None, target=None, regenerate_tokens: int = 0
+) -> dict[str, list[Sample]]:
     """Tokenized conversations split into train / held-out val (a seeded shuffle; at least one val sample)."""
     conversations = read_conversations(path, limit)
     if regenerate_tokens:
@@ -279,6 +288,7 @@ def conversation_samples(tokenizer, path, max_len: int, val_fraction: float = 0.
 # ----------------------------------------------------------------------------------------------
 # Sources: what the trainer draws batches from (online target or offline shards)
 # ----------------------------------------------------------------------------------------------
+
 
 class OnlineSource:
     """Samples in memory; the target runs inside the training step to produce aux states and teacher logits."""
@@ -451,6 +461,7 @@ class OfflineSource:
 # ----------------------------------------------------------------------------------------------
 # Batching: seeded per-epoch shuffles, each rank takes its slice of every global batch
 # ----------------------------------------------------------------------------------------------
+
 
 class BatchSampler:
     """Endless index batches: epoch e uses a permutation seeded by (seed, e); resumable from (epoch, cursor)."""

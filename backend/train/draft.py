@@ -1,4 +1,5 @@
 """The EAGLE-3 draft model (SGLang's LlamaForCausalLMEagle3): config, TTT training forward and incremental decoding steps."""
+
 from __future__ import annotations
 
 import math
@@ -42,9 +43,7 @@ class DraftModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise DraftConfigError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})"
-            )
+            raise DraftConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})")
         if self.draft_vocab_size > self.vocab_size:
             raise DraftConfigError(f"draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size ({self.vocab_size})")
         if not self.aux_layer_ids:
@@ -162,6 +161,7 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # them through torch.compile (one graph each, reused by every TTT step), so RMSNorm, RoPE and SwiGLU become a
 # few fused kernels that save only what their backward needs.
 
+
 def _rms(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm: normalise in fp32, round to the input dtype, scale."""
     dtype = hidden.dtype
@@ -175,9 +175,19 @@ def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
-def _pre_attention(embeds: torch.Tensor, hidden: torch.Tensor, w_input: torch.Tensor, w_hidden: torch.Tensor, qkv_weight: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: int, kv_heads: int,
-                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pre_attention(
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    w_input: torch.Tensor,
+    w_hidden: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v [B, n, S, d] (RoPE applied) from concat(input_layernorm(embeds), hidden_norm(hidden))."""
     batch, seq, _ = hidden.shape
     joined = torch.cat([_rms(embeds, w_input, eps), _rms(hidden, w_hidden, eps)], dim=-1)
@@ -191,8 +201,16 @@ def _pre_attention(embeds: torch.Tensor, hidden: torch.Tensor, w_input: torch.Te
     return query, key, value
 
 
-def _post_attention(hidden: torch.Tensor, attn_out: torch.Tensor, o_weight: torch.Tensor, w_post: torch.Tensor, gate_weight: torch.Tensor,
-                    up_weight: torch.Tensor, down_weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _post_attention(
+    hidden: torch.Tensor,
+    attn_out: torch.Tensor,
+    o_weight: torch.Tensor,
+    w_post: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
     """The pre-norm output state: residual + o_proj, then post-norm SwiGLU MLP + residual."""
     batch, _, seq, _ = attn_out.shape
     attn_out = attn_out.transpose(1, 2).reshape(batch, seq, -1)
@@ -275,8 +293,15 @@ class DraftDecoderLayer(nn.Module):
         attn = self.self_attn
         return torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dim=0)
 
-    def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor, attend: Attend,
-                qkv_weight: torch.Tensor | None = None, compile_regions: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        attend: Attend,
+        qkv_weight: torch.Tensor | None = None,
+        compile_regions: bool = False,
+    ) -> torch.Tensor:
         """One step at `positions` (RoPE): embeds and hidden [B, S, H] -> the PRE-norm output state [B, S, H].
 
         attend(q, k, v) holds the K/V the step sees; compile_regions: run the math before and after attention as
@@ -287,10 +312,19 @@ class DraftDecoderLayer(nn.Module):
         pre = compiled(_pre_attention) if compile_regions else _pre_attention
         post = compiled(_post_attention) if compile_regions else _post_attention
         qkv = self.qkv_weight() if qkv_weight is None else qkv_weight
-        query, key, value = pre(embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight, qkv, cos, sin, eps,
-                                attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        return post(hidden, attend(query, key, value), attn.o_proj.weight, self.post_attention_layernorm.weight, mlp.gate_proj.weight,
-                    mlp.up_proj.weight, mlp.down_proj.weight, eps)
+        query, key, value = pre(
+            embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight, qkv, cos, sin, eps, attn.num_heads, attn.num_kv_heads, attn.head_dim
+        )
+        return post(
+            hidden,
+            attend(query, key, value),
+            attn.o_proj.weight,
+            self.post_attention_layernorm.weight,
+            mlp.gate_proj.weight,
+            mlp.up_proj.weight,
+            mlp.down_proj.weight,
+            eps,
+        )
 
 
 class TTTAttention:
@@ -431,10 +465,7 @@ class Eagle3Draft(nn.Module):
     def _width_message(self, width: int) -> str:
         config = self.config
         layers = len(config.aux_layer_ids)
-        message = (
-            f"draft fc expects aux features of width {config.aux_width} "
-            f"({layers} layers x target hidden {config.target_hidden_size}) but got {width}"
-        )
+        message = f"draft fc expects aux features of width {config.aux_width} ({layers} layers x target hidden {config.target_hidden_size}) but got {width}"
         if width == config.target_hidden_size:
             count = {2: "two", 3: "three", 4: "four"}.get(layers, str(layers))
             message += f" (one layer's hidden state instead of {count} concatenated)"
@@ -462,8 +493,9 @@ class Eagle3Draft(nn.Module):
             raise RuntimeError("the draft has no target embedding yet: call load_target_embedding(target embed_tokens weight) first")
         return self.embed_tokens(token_ids).to(self.fc.weight.dtype)
 
-    def _ttt_steps(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, ttt_length: int, pad_token_id: int,
-                   compile_regions: bool = False) -> Iterator[torch.Tensor]:
+    def _ttt_steps(
+        self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, ttt_length: int, pad_token_id: int, compile_regions: bool = False
+    ) -> Iterator[torch.Tensor]:
         """The pre-norm output state [B, S, H] of each TTT step k = 0..ttt_length-1 (see ttt_forward)."""
         batch, seq = input_ids.shape
         if aux_hidden.shape[:2] != (batch, seq):

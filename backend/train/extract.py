@@ -1,4 +1,5 @@
 """Offline extraction: the target run once over the data, written as safetensors shards (input ids, loss mask, aux hidden states, teacher)."""
+
 from __future__ import annotations
 
 import json
@@ -132,8 +133,17 @@ def _batches_by_length(samples: list, batch_size: int) -> Iterable[list[int]]:
         yield order[start : start + batch_size]
 
 
-def extract_split(target: TargetModel, samples: list, split_dir: Path, dtype: str, store: str, batch_size: int,
-                  shard_samples: int, progress: ProgressBar, should_stop: Callable[[], bool] = lambda: False) -> dict:
+def extract_split(
+    target: TargetModel,
+    samples: list,
+    split_dir: Path,
+    dtype: str,
+    store: str,
+    batch_size: int,
+    shard_samples: int,
+    progress: ProgressBar,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> dict:
     """Run the target over the samples and write shard-XXXXX.safetensors files with per-sample tensors."""
     import torch
 
@@ -180,9 +190,19 @@ def extract_split(target: TargetModel, samples: list, split_dir: Path, dtype: st
     return {"samples": written, "tokens": tokens, "shards": shards}
 
 
-def extract(target: TargetModel, splits: dict[str, list], out_dir: str | os.PathLike, *, store: str = "auto",
-            dtype: str | None = None, batch_size: int = 8, shard_samples: int = 256, keep_free_bytes: int = 1 << 30,
-            should_stop: Callable[[], bool] = lambda: False, log: Callable[[str], None] | None = None) -> Path:
+def extract(
+    target: TargetModel,
+    splits: dict[str, list],
+    out_dir: str | os.PathLike,
+    *,
+    store: str = "auto",
+    dtype: str | None = None,
+    batch_size: int = 8,
+    shard_samples: int = 256,
+    keep_free_bytes: int = 1 << 30,
+    should_stop: Callable[[], bool] = lambda: False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
     """Write offline training data. The disk estimate is printed first; refuses (writing nothing) when it will not fit."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     out = Path(out_dir).expanduser()
@@ -200,7 +220,9 @@ def extract(target: TargetModel, splits: dict[str, list], out_dir: str | os.Path
             "Nothing was written; extract fewer samples (--samples), choose another --out, or lower --keep-free-gb."
         )
     out.mkdir(parents=True, exist_ok=True)
-    _write_safetensors_atomic({"embed_tokens.weight": target.embed_weight().detach(), "lm_head.weight": target.lm_head_weight().detach()}, out / TARGET_HEAD_FILE)
+    _write_safetensors_atomic(
+        {"embed_tokens.weight": target.embed_weight().detach(), "lm_head.weight": target.lm_head_weight().detach()}, out / TARGET_HEAD_FILE
+    )
     meta = {
         "format": SHARD_FORMAT,
         "profile": target.profile.name,

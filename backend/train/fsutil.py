@@ -1,4 +1,5 @@
 """Small standard-library helpers for durable writes: fsync by path, free space, an atomic directory swap, pid liveness."""
+
 from __future__ import annotations
 
 import ctypes

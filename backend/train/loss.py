@@ -1,4 +1,5 @@
 """The EAGLE-3 training objective: per-TTT-step soft cross-entropy against the target, accuracies, 0.8^k weighting."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ def eagle3_loss(step_logits: list, target_logits, loss_mask, t2d, decay: float =
 # scalar), so no logits outlive their chunk and none are recomputed. Every row is computed (rows with no
 # target get weight 0): no boolean indexing, no device sync.
 
+
 def _chunk_math(logits, probs, weight, index, need_grad: bool):
     """Per row: soft CE -sum p log softmax(logits), argmax hit, and (weight x) d CE / d logits."""
     import torch
@@ -180,8 +182,7 @@ def _fused_function():
 _FUSED: dict[str, Any] = {}
 
 
-def fused_ttt_loss(states, head_weight, teacher: Teacher, decay: float = PLOSS_DECAY, chunk_rows: int | None = None,
-                   compiled: bool = False) -> TTTLoss:
+def fused_ttt_loss(states, head_weight, teacher: Teacher, decay: float = PLOSS_DECAY, chunk_rows: int | None = None, compiled: bool = False) -> TTTLoss:
     """ttt_loss(lm_head(states[k]) for each k, teacher) without keeping any logits: see the note above.
 
     states: [K, B, S, H], norm(output state) of TTT step k at position t (draft.ttt_hidden); step k at t is
@@ -220,8 +221,7 @@ def fused_ttt_loss(states, head_weight, teacher: Teacher, decay: float = PLOSS_D
         from backend.train.draft import compiled as compile_once
 
         math = compile_once(_chunk_math)
-    total, ce, hits = _FUSED["function"].apply(flat, head_weight, probs, teacher_rows.reshape(-1), row_weight, index,
-                                               chunk_rows or batch * seq, math)
+    total, ce, hits = _FUSED["function"].apply(flat, head_weight, probs, teacher_rows.reshape(-1), row_weight, index, chunk_rows or batch * seq, math)
     with torch.no_grad():
         maskf = mask.to(torch.float32)
         plosses = (ce.view(scored, -1) * maskf).sum(-1) / denom

@@ -1,4 +1,5 @@
 """Learning-rate schedules (cosine with warmup, constant, resume re-warm) and the Grokfast-EMA gradient filter."""
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,16 @@ class LRSchedule:
     scheduled value over rewarm_steps, so Adam's fresh-looking moments do not meet the full rate at once.
     """
 
-    def __init__(self, base_lr: float, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0,
-                 rewarm_from: int | None = None, rewarm_steps: int = 0):
+    def __init__(
+        self,
+        base_lr: float,
+        schedule: str,
+        warmup_steps: int,
+        total_steps: int,
+        min_lr_ratio: float = 0.0,
+        rewarm_from: int | None = None,
+        rewarm_steps: int = 0,
+    ):
         if schedule not in ("cosine", "constant"):
             raise ValueError(f"unknown schedule {schedule!r}: expected 'cosine' or 'constant'")
         if not 0.0 <= min_lr_ratio <= 1.0:
@@ -47,9 +56,13 @@ class LRSchedule:
 
     def describe(self) -> dict:
         return {
-            "base_lr": self.base_lr, "schedule": self.schedule, "warmup_steps": self.warmup_steps,
-            "total_steps": self.total_steps, "min_lr_ratio": self.min_lr_ratio,
-            "rewarm_from": self.rewarm_from, "rewarm_steps": self.rewarm_steps,
+            "base_lr": self.base_lr,
+            "schedule": self.schedule,
+            "warmup_steps": self.warmup_steps,
+            "total_steps": self.total_steps,
+            "min_lr_ratio": self.min_lr_ratio,
+            "rewarm_from": self.rewarm_from,
+            "rewarm_steps": self.rewarm_steps,
         }
 
 

@@ -1,4 +1,5 @@
 """The target side: load a HF causal LM, check it against the profile, capture its aux hidden states + teacher logits, greedy-generate."""
+
 from __future__ import annotations
 
 import inspect
@@ -63,7 +64,11 @@ def check_config_matches_profile(config, profile) -> None:
     }
     wrong = [f"{name}: profile says {getattr(expected, name)}, the model has {value}" for name, value in found.items() if value != getattr(expected, name)]
     if wrong:
-        raise TargetMismatchError(f"target {expected.path} does not match profile {profile.name!r}: " + "; ".join(wrong) + ". Fix the profile's [target] section; nothing was loaded into training.")
+        raise TargetMismatchError(
+            f"target {expected.path} does not match profile {profile.name!r}: "
+            + "; ".join(wrong)
+            + ". Fix the profile's [target] section; nothing was loaded into training."
+        )
     check_aux_layer_ids(list(expected.aux_layer_ids), expected.num_layers)
 
 
@@ -165,13 +170,16 @@ class TargetModel:
         def hook_for(layer_id):
             def hook(_module, _inputs, output):
                 captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
             return hook
 
         handles = [self._layers[layer].register_forward_hook(hook_for(layer)) for layer in self.aux_layer_ids]
         try:
             with torch.no_grad():
                 decoder = self.model.get_decoder()
-                output = decoder(input_ids=input_ids.to(self.device), attention_mask=None if attention_mask is None else attention_mask.to(self.device), use_cache=False)
+                output = decoder(
+                    input_ids=input_ids.to(self.device), attention_mask=None if attention_mask is None else attention_mask.to(self.device), use_cache=False
+                )
         finally:
             for handle in handles:
                 handle.remove()

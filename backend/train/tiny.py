@@ -1,4 +1,5 @@
 """The built-in tiny target: byte tokenizer, deterministic stdlib corpus, and a cached self-trained 8-layer Llama."""
+
 from __future__ import annotations
 
 import contextlib
@@ -303,7 +304,9 @@ def build_tiny_target(destination: Path, settings: TinySettings, corpus: TinyCor
         raise
     finally:
         torch.set_num_threads(threads)
-    log(f"tiny target built in {build['build_seconds']:.0f} s: corpus loss {build['corpus_loss']:.3f}, held-out {build['held_out_loss']:.3f} nats/byte -> {destination}")
+    log(
+        f"tiny target built in {build['build_seconds']:.0f} s: corpus loss {build['corpus_loss']:.3f}, held-out {build['held_out_loss']:.3f} nats/byte -> {destination}"
+    )
     return destination
 
 
@@ -387,8 +390,10 @@ def ensure_tiny_target(settings: TinySettings = TinySettings(), cache_dir: Path 
             # An incomplete directory under the final name was not written by us (we rename complete dirs only).
             raise RuntimeError(f"{destination} exists but is incomplete; it was left untouched. Remove it and run `eagle3-host build-tiny` again.")
         remove_stale_staging(root)
-        log(f"building the tiny target ({settings.num_layers}-layer byte Llama, {settings.steps} CPU steps on {_threads()} thread(s), "
-            f"cached afterwards) into {destination}")
+        log(
+            f"building the tiny target ({settings.num_layers}-layer byte Llama, {settings.steps} CPU steps on {_threads()} thread(s), "
+            f"cached afterwards) into {destination}"
+        )
         return build_tiny_target(destination, settings, corpus, log)
 
 

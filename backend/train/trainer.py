@@ -1,4 +1,5 @@
 """The EAGLE-3 training loop: TTT unroll, AdamW + clipping, schedules, Grokfast, validation, metrics, checkpoints, SIGTERM, DDP, per-rank heartbeats."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,18 @@ import torch.distributed as dist
 from backend.commands import NVLINK_MULTICAST_OFF, data_dir_for
 from backend.layout import HeartbeatWriter
 from backend.profiles import Profile
-from backend.train.data import (BatchSampler, OfflineSource, OnlineSource, TinyDataSettings, TrainBatch, check_feature_width, conversation_samples,
-                                eval_batches, tiny_data_settings, tiny_samples)
+from backend.train.data import (
+    BatchSampler,
+    OfflineSource,
+    OnlineSource,
+    TinyDataSettings,
+    TrainBatch,
+    check_feature_width,
+    conversation_samples,
+    eval_batches,
+    tiny_data_settings,
+    tiny_samples,
+)
 from backend.train.draft import DraftModelConfig, Eagle3Draft
 from backend.train.loss import TTTLoss, fused_ttt_loss, make_teacher
 from backend.train.schedule import GrokfastEMA, LRSchedule
@@ -145,6 +156,7 @@ def default_out_dir(run_dir: Path) -> Path:
 # Distributed context (torchrun: gloo on CPU, nccl on CUDA)
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass
 class DistContext:
     rank: int = 0
@@ -245,8 +257,13 @@ def step_flops(config, seq: int, ttt: int) -> float:
     teacher head forward (36.21 TFLOP at the Llama-3.1-8B draft shape, seq 2048, TTT 7).
     """
     hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    per_step = (2 * seq * 2 * hidden * (heads + 2 * kv_heads) * head_dim + 2 * seq * heads * head_dim * hidden
-                + 6 * seq * hidden * config.intermediate_size + 2 * seq * hidden * config.draft_vocab_size + 4 * seq * seq * head_dim * heads)
+    per_step = (
+        2 * seq * 2 * hidden * (heads + 2 * kv_heads) * head_dim
+        + 2 * seq * heads * head_dim * hidden
+        + 6 * seq * hidden * config.intermediate_size
+        + 2 * seq * hidden * config.draft_vocab_size
+        + 4 * seq * seq * head_dim * heads
+    )
     forward = sum(per_step + 4 * seq * head_dim * heads * k for k in range(ttt))
     return 3 * forward + 2 * 2 * seq * config.aux_width * hidden + 2 * seq * config.target_hidden_size * config.vocab_size
 
@@ -367,8 +384,17 @@ class TrainingParts:
     `resume`: a checkpoint's training state (optimizer, Grokfast, sampler), continued from `start_step`.
     """
 
-    def __init__(self, options: TrainOptions, settings: TrainSettings, ctx: DistContext, source: Source, draft: Eagle3Draft,
-                 draft_config: DraftModelConfig, resume: dict | None = None, start_step: int = 0):
+    def __init__(
+        self,
+        options: TrainOptions,
+        settings: TrainSettings,
+        ctx: DistContext,
+        source: Source,
+        draft: Eagle3Draft,
+        draft_config: DraftModelConfig,
+        resume: dict | None = None,
+        start_step: int = 0,
+    ):
         s = settings
         self.source = source
         self.draft_config = draft_config  # the profile's (what checkpoints are saved with); the draft's own when attached
@@ -394,8 +420,15 @@ class TrainingParts:
             use_compile = ctx.device.type == "cuda" and os.environ.get("EAGLE3_COMPILE", "1") != "0"
         self.compiled = bool(use_compile) and ctx.device.type == "cuda"
         self.draft.compile_regions = self.compiled
-        self.schedule = LRSchedule(s.lr, s.schedule, s.warmup_steps, s.max_steps, s.min_lr_ratio,
-                                   rewarm_from=start_step if resume is not None else None, rewarm_steps=s.rewarm_steps if resume is not None else 0)
+        self.schedule = LRSchedule(
+            s.lr,
+            s.schedule,
+            s.warmup_steps,
+            s.max_steps,
+            s.min_lr_ratio,
+            rewarm_from=start_step if resume is not None else None,
+            rewarm_steps=s.rewarm_steps if resume is not None else 0,
+        )
         self.grokfast = GrokfastEMA(s.grokfast_alpha, s.grokfast_lambda) if s.grokfast_alpha else None
         if resume is not None and resume.get("optimizer"):
             self.optimizer.load_state_dict(resume["optimizer"])
@@ -544,8 +577,7 @@ class Trainer:
             out_dir.mkdir(parents=True, exist_ok=True)
         # Every rank beats into its own host's job dir (its agent reads it); the output dir only when run by hand.
         job_dir = os.environ.get("EAGLE3_JOB_DIR")
-        self.heartbeat = HeartbeatWriter(Path(job_dir).expanduser() if job_dir else out_dir, ctx.rank, ctx.local_rank, ctx.world_size,
-                                         log=self._log_any_rank)
+        self.heartbeat = HeartbeatWriter(Path(job_dir).expanduser() if job_dir else out_dir, ctx.rank, ctx.local_rank, ctx.world_size, log=self._log_any_rank)
         self.log(f"output: {out_dir} (world size {ctx.world_size}, device {ctx.device})")
         resume_dir = self._resume_checkpoint(out_dir)
         # Rank 0 builds caches (tiny target, generated data) first; the others then read them.
@@ -599,8 +631,9 @@ class Trainer:
         else:
             data_dir = data_dir_for(profile.paths.data_dir, profile.paths.run_dir, options.run_dir)  # moves with --run-dir
             conversations = options.conversations or Path(data_dir).expanduser() / "conversations.jsonl"
-            splits = conversation_samples(target.tokenizer, conversations, self.settings.seq_len, seed=self.settings.seed,
-                                          target=target, regenerate_tokens=options.regenerate_tokens)
+            splits = conversation_samples(
+                target.tokenizer, conversations, self.settings.seq_len, seed=self.settings.seed, target=target, regenerate_tokens=options.regenerate_tokens
+            )
         return OnlineSource(target, splits)
 
     def _fresh_draft(self, source: Source, config: DraftModelConfig) -> Eagle3Draft:
@@ -624,7 +657,9 @@ class Trainer:
         theirs = saved_config.as_dict()
         differs = [k for k in ours if k not in ("torch_dtype", "ttt_length") and ours[k] != theirs.get(k)]
         if differs:
-            raise TrainSetupError(f"checkpoint {checkpoint} has a different draft shape ({', '.join(f'{k}: {theirs.get(k)} vs profile {ours[k]}' for k in differs)}); nothing was resumed")
+            raise TrainSetupError(
+                f"checkpoint {checkpoint} has a different draft shape ({', '.join(f'{k}: {theirs.get(k)} vs profile {ours[k]}' for k in differs)}); nothing was resumed"
+            )
         draft = draft.float()
         if self.options.attn_backend:
             draft.set_attention_backend(self.options.attn_backend)
@@ -636,7 +671,9 @@ class Trainer:
         if self.options.max_steps is None and self.start_step >= self.settings.max_steps:
             # Past the profile's plan and no --max-steps: continue for another profile's worth of steps.
             self.settings = dataclasses.replace(self.settings, max_steps=self.start_step + self.profile.train.max_steps)
-            self.log(f"no --max-steps given and the checkpoint is past the profile's {self.profile.train.max_steps}: training to step {self.settings.max_steps}")
+            self.log(
+                f"no --max-steps given and the checkpoint is past the profile's {self.profile.train.max_steps}: training to step {self.settings.max_steps}"
+            )
         return draft, state
 
     def _open_outputs(self, out_dir: Path, resume_dir: Path | None) -> None:
@@ -751,7 +788,9 @@ class Trainer:
         if self.step >= s.max_steps:
             self.log(f"already at step {self.step} >= max steps {s.max_steps}; nothing to train")
             return
-        self.log(f"training steps {self.step + 1}..{s.max_steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}")
+        self.log(
+            f"training steps {self.step + 1}..{s.max_steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}"
+        )
         self._beat("train")
         if self.options.eval_at_start and self.step == 0:
             self._validate()
@@ -831,11 +870,22 @@ class Trainer:
         if self.metrics is None:  # ranks other than 0
             return
         total, modules = weight_norms(self.checkpoint_module())
-        record = {"step": self.step, "epoch": self.epoch_progress, "split": "train", **values, "lr": lr,
-                  "grad_norm": grad_norm, "weight_norm": total, "weight_norm_modules": modules, "tokens": self.tokens}
+        record = {
+            "step": self.step,
+            "epoch": self.epoch_progress,
+            "split": "train",
+            **values,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "weight_norm": total,
+            "weight_norm_modules": modules,
+            "tokens": self.tokens,
+        }
         self.metrics.write(record)
         self._tensorboard("train", record)
-        self.log(f"step {self.step}/{self.settings.max_steps} loss {values['loss']:.4f} acc0 {values['acc'][0]:.3f} lr {lr:.2e} grad {grad_norm:.3f} {values['step_time']:.3f} s/step")
+        self.log(
+            f"step {self.step}/{self.settings.max_steps} loss {values['loss']:.4f} acc0 {values['acc'][0]:.3f} lr {lr:.2e} grad {grad_norm:.3f} {values['step_time']:.3f} s/step"
+        )
 
     def _validate(self) -> None:
         self._beat("validate")
@@ -895,8 +945,15 @@ class Trainer:
                 "tokens": self.tokens,
             }
             try:
-                path = save_checkpoint(self.out_dir, self.checkpoint_module(), parts.draft_config, epoch=int(self.epoch_progress),
-                                       step=self.step, training_state=self.training_state(), extra_meta=extra)
+                path = save_checkpoint(
+                    self.out_dir,
+                    self.checkpoint_module(),
+                    parts.draft_config,
+                    epoch=int(self.epoch_progress),
+                    step=self.step,
+                    training_state=self.training_state(),
+                    extra_meta=extra,
+                )
                 self.log(f"checkpoint: {path}")
             except CheckpointDiskFullError as exc:
                 self.last_save_ok = False

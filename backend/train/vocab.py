@@ -1,4 +1,5 @@
 """Draft vocabulary mapping (d2t offsets, t2d mask) from the token frequencies of the training data."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable

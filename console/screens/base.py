@@ -1,4 +1,5 @@
 """What every main screen shares: the connection banner, and redrawing from the app's state when shown."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

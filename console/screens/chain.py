@@ -1,4 +1,5 @@
 """Stop & bench: the chain job's stages as they run (status, elapsed), then the result panel and earlier results of the run."""
+
 from __future__ import annotations
 
 from pathlib import PurePosixPath
@@ -17,8 +18,14 @@ from console.widgets.format import accept_length, duration, number
 # The chain's stages in order (backend/chain.py STAGES; the console may not import it).
 CHAIN_STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
 STAGE_TITLES = {
-    "stop": "stop training (checkpoint first)", "release": "GPU memory released", "checkpoint": "latest checkpoint",
-    "preflight": "preflight", "launch": "launch server", "canary": "canary", "bench": "benchmark", "result": "result saved",
+    "stop": "stop training (checkpoint first)",
+    "release": "GPU memory released",
+    "checkpoint": "latest checkpoint",
+    "preflight": "preflight",
+    "launch": "launch server",
+    "canary": "canary",
+    "bench": "benchmark",
+    "result": "result saved",
 }
 STATUS_STYLES = {"running": "bold yellow", "ok": "green", "failed": "bold red", "skipped": "dim", "pending": "dim"}
 # Canary verdicts (backend/serve/canary.py): amber is "inconclusive", neither a pass nor a failure.
@@ -54,14 +61,23 @@ def chain_outcome(records: list[dict[str, Any]]) -> dict[str, Any]:
     failed = next((latest[s] for s in CHAIN_STAGES if latest.get(s, {}).get("status") == "failed"), None)
     result_record = latest.get("result")
     canary = (latest.get("canary") or {}).get("result")
-    outcome: dict[str, Any] = {"state": "waiting", "failed_stage": None, "reason": None, "result": None, "saved_to": None,
-                               "canary": canary if isinstance(canary, dict) else None}
+    outcome: dict[str, Any] = {
+        "state": "waiting",
+        "failed_stage": None,
+        "reason": None,
+        "result": None,
+        "saved_to": None,
+        "canary": canary if isinstance(canary, dict) else None,
+    }
     if failed is not None:
         outcome.update(state="failed", failed_stage=failed.get("stage"), reason=str(failed.get("detail") or ""))
     elif result_record is not None and result_record.get("status") == "ok":
         detail = str(result_record.get("detail") or "")
-        outcome.update(state="ok", result=result_record.get("result") if isinstance(result_record.get("result"), dict) else {},
-                       saved_to=detail.removeprefix("saved ").strip() or None)
+        outcome.update(
+            state="ok",
+            result=result_record.get("result") if isinstance(result_record.get("result"), dict) else {},
+            saved_to=detail.removeprefix("saved ").strip() or None,
+        )
     elif latest:
         outcome["state"] = "running"
     return outcome
@@ -104,15 +120,17 @@ def _acceptance_lines(text: Text, data: dict[str, Any]) -> None:
     text.append(" mean of per-request means (SpecForge)\n")
     rows = acceptance.get("per_position") or []
     if rows:
-        text.append(f"served acceptance per draft position (canary, {acceptance.get('sum_verify_ct', '?')} verify steps) "
-                    "next to validation accuracy:\n", style="bold")
+        text.append(
+            f"served acceptance per draft position (canary, {acceptance.get('sum_verify_ct', '?')} verify steps) next to validation accuracy:\n", style="bold"
+        )
         text.append("   pos  val acc  served|k   pred reach  served reach  steps\n", style="dim")
         for row in rows:
             broken = bool(row.get("broken"))
-            line = (f"  {row.get('position', '?'):>4}  {_rate(row.get('predicted')):>7}  {_rate(row.get('conditional')):>8}"
-                    f"   {_rate(row.get('predicted_reached')):>10}  {_rate(row.get('reached')):>12}  {row.get('steps_at_position', '?'):>5}")
-            text.append(line + ("  ← break" if broken else "") + "\n",
-                        style="bold red" if broken else "" if row.get("judged") else "dim")
+            line = (
+                f"  {row.get('position', '?'):>4}  {_rate(row.get('predicted')):>7}  {_rate(row.get('conditional')):>8}"
+                f"   {_rate(row.get('predicted_reached')):>10}  {_rate(row.get('reached')):>12}  {row.get('steps_at_position', '?'):>5}"
+            )
+            text.append(line + ("  ← break" if broken else "") + "\n", style="bold red" if broken else "" if row.get("judged") else "dim")
     line = str(acceptance.get("break_line") or "")
     if line:
         text.append(f"  {line}\n", style="bold red" if acceptance.get("break") else "green" if line.startswith("no break") else "dim")
@@ -156,8 +174,7 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
             text.append(after + "\n", style="dim")
         return text
     if outcome["state"] != "ok":
-        text.append("no result yet: " + ("the chain is running" if outcome["state"] == "running" else "waiting for the first stage"),
-                    style="dim")
+        text.append("no result yet: " + ("the chain is running" if outcome["state"] == "running" else "waiting for the first stage"), style="dim")
         return text
     result = outcome["result"] or {}
     canary = outcome["canary"] or {}
@@ -168,9 +185,11 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
     _acceptance_lines(text, result)
     text.append("throughput per concurrency:\n", style="bold")
     for row in result.get("throughput") or []:
-        text.append(f"  {row.get('concurrency', '?'):>4} concurrent  {number(row.get('output_tok_per_s'), 4):>8} tok/s"
-                    f"  accept length {accept_length(row.get('accept_length'))} pooled"
-                    f" / {accept_length(row.get('accept_length_mean_of_request_means'))} per-request mean\n")
+        text.append(
+            f"  {row.get('concurrency', '?'):>4} concurrent  {number(row.get('output_tok_per_s'), 4):>8} tok/s"
+            f"  accept length {accept_length(row.get('accept_length'))} pooled"
+            f" / {accept_length(row.get('accept_length_mean_of_request_means'))} per-request mean\n"
+        )
     text.append("checkpoint: ", style="bold")
     text.append(f"{result.get('checkpoint') or '?'}\n")
     text.append("engine: ", style="bold")
@@ -253,8 +272,12 @@ class ChainScreen(ConsoleScreen):
         text.append(f" · stop-and-bench of {train_job} · job {state}")
         if info and info.exit_code is not None:
             text.append(f" (exit {info.exit_code})")
-        label = {"ok": ("finished", "green"), "failed": (f"failed at {outcome['failed_stage']}", "bold red"),
-                 "running": ("running", "yellow"), "waiting": ("starting", "dim")}[outcome["state"]]
+        label = {
+            "ok": ("finished", "green"),
+            "failed": (f"failed at {outcome['failed_stage']}", "bold red"),
+            "running": ("running", "yellow"),
+            "waiting": ("starting", "dim"),
+        }[outcome["state"]]
         text.append(" · ")
         text.append(label[0], style=label[1])
         return text
@@ -269,9 +292,13 @@ class ChainScreen(ConsoleScreen):
             status = record.get("status", "pending") if record else "pending"
             elapsed = stage_elapsed(record, now)
             detail = str(record.get("detail") or "") if record else ""
-            table.add_row(stage, STAGE_TITLES[stage], Text(status, style=STATUS_STYLES.get(status, "")),
-                          "-" if elapsed is None else f"{elapsed:.1f}s" if elapsed < 60 else duration(elapsed),
-                          Text(detail.splitlines()[0][:110] if detail else "", style=detail_style(status, detail)))
+            table.add_row(
+                stage,
+                STAGE_TITLES[stage],
+                Text(status, style=STATUS_STYLES.get(status, "")),
+                "-" if elapsed is None else f"{elapsed:.1f}s" if elapsed < 60 else duration(elapsed),
+                Text(detail.splitlines()[0][:110] if detail else "", style=detail_style(status, detail)),
+            )
 
     def _draw_results(self, train_job: str | None, current: str | None) -> None:
         table = self.query_one("#results-table", DataTable)
@@ -281,6 +308,13 @@ class ChainScreen(ConsoleScreen):
             name = PurePosixPath(str(row.get("path", ""))).name.removeprefix("stop-and-bench-").removesuffix(".json")
             mark = " (this run)" if current and row.get("path") == current else ""
             verdict = str(row.get("verdict") or "?")
-            table.add_row(name + mark, Text(verdict, style=verdict_style(verdict)),
-                          accept_length(row.get("accept_length")), accept_length(row.get("tau_hat")), number(row.get("ratio_to_tau_hat"), 2),
-                          number(best_throughput(row), 4), PurePosixPath(str(row.get("checkpoint") or "?")).name, str(row.get("engine") or "?"))
+            table.add_row(
+                name + mark,
+                Text(verdict, style=verdict_style(verdict)),
+                accept_length(row.get("accept_length")),
+                accept_length(row.get("tau_hat")),
+                number(row.get("ratio_to_tau_hat"), 2),
+                number(best_throughput(row), 4),
+                PurePosixPath(str(row.get("checkpoint") or "?")).name,
+                str(row.get("engine") or "?"),
+            )

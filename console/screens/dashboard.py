@@ -1,4 +1,5 @@
 """Dashboard: GPUs with owned/foreign holders, jobs and their state, latest metrics of the selected job, disks."""
+
 from __future__ import annotations
 
 from textual.app import ComposeResult

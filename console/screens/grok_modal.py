@@ -1,4 +1,5 @@
 """Start a grokking run: pick a checkpoint of the job, a constant LR, weight decay and an optional Grokfast alpha; shows the argv."""
+
 from __future__ import annotations
 
 import math
@@ -22,6 +23,7 @@ class GrokParamError(ValueError):
 
 def parse_grok_params(lr: str, weight_decay: str, alpha: str) -> tuple[float, float, float | None]:
     """(lr, weight_decay, alpha or None) from the modal's fields, or GrokParamError saying which one is wrong."""
+
     def number(field: str, raw: str) -> float:
         try:
             value = float(raw)
@@ -61,8 +63,11 @@ class GrokModal(FormModal):
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="modal-dialog"):
             yield Static(f"Grokking run from a checkpoint of {self.job}", classes="modal-title")
-            yield Static("Resumes the checkpoint as a new training job with a constant LR (no decay), so weight decay keeps "
-                         "acting; watch it on the Grokking screen (4).", id="grok-help")
+            yield Static(
+                "Resumes the checkpoint as a new training job with a constant LR (no decay), so weight decay keeps "
+                "acting; watch it on the Grokking screen (4).",
+                id="grok-help",
+            )
             yield Static("checkpoint:", classes="field-label")
             options = [Option(self._label(c), id=str(i)) for i, c in enumerate(self.checkpoints)]
             yield OptionList(*options, id="grok-checkpoints")
@@ -102,8 +107,9 @@ class GrokModal(FormModal):
         checkpoint = self.checkpoint
         if checkpoint is None:
             raise GrokParamError("checkpoint: pick one (this job has none yet)")
-        lr, wd, alpha = parse_grok_params(self.query_one("#grok-lr", Input).value, self.query_one("#grok-wd", Input).value,
-                                          self.query_one("#grok-alpha", Input).value)
+        lr, wd, alpha = parse_grok_params(
+            self.query_one("#grok-lr", Input).value, self.query_one("#grok-wd", Input).value, self.query_one("#grok-alpha", Input).value
+        )
         return {"name": grok_job_name(checkpoint), "argv": grok_argv(self.profile, checkpoint, lr, wd, alpha), "checkpoint": checkpoint}
 
     def _preview(self) -> None:

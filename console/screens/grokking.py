@@ -1,4 +1,5 @@
 """Grokking: loss (EMA) on a log-step axis, weight and grad norms, LR; the host's grokking signals and the data-scaling numbers."""
+
 from __future__ import annotations
 
 from rich.text import Text
@@ -120,16 +121,18 @@ class GrokkingScreen(ZoomableScreen):
                 plot.set_data([], log_x)
             return
         log, view = True, self.view
-        plots["loss"].set_data([
-            history_spec("train raw", metrics, "train.loss", metrics.train_loss, "gray", log_x=log, view=view),
-            history_spec("train EMA", metrics, "train.loss", metrics.train_loss, "cyan", log_x=log, view=view, ema_weight=TRAIN_EMA),
-            history_spec("val EMA", metrics, "val.loss", metrics.val_loss, "orange", log_x=log, view=view, ema_weight=VAL_EMA),
-        ], log_x)
+        plots["loss"].set_data(
+            [
+                history_spec("train raw", metrics, "train.loss", metrics.train_loss, "gray", log_x=log, view=view),
+                history_spec("train EMA", metrics, "train.loss", metrics.train_loss, "cyan", log_x=log, view=view, ema_weight=TRAIN_EMA),
+                history_spec("val EMA", metrics, "val.loss", metrics.val_loss, "orange", log_x=log, view=view, ema_weight=VAL_EMA),
+            ],
+            log_x,
+        )
         weights = [history_spec("total", metrics, "weight_norm", metrics.weight_norm, "cyan", log_x=log, view=view)]
         for index, (module, series) in enumerate(sorted(metrics.weight_norm_modules.items())):
             color = MODULE_COLORS[index % len(MODULE_COLORS)]
             weights.append(history_spec(module, metrics, f"weight_norm.{module}", series, color, log_x=log, view=view))
         plots["weight"].set_data(weights, log_x)
         plots["grad"].set_data([history_spec("grad", metrics, "grad_norm", metrics.grad_norm, "red", log_x=log, view=view)], log_x)
-        plots["lr"].set_data([history_spec("lr", metrics, "lr", metrics.lr, "green", log_x=log, view=view)],
-                             CurveOptions(log_x=True, log_y=True))
+        plots["lr"].set_data([history_spec("lr", metrics, "lr", metrics.lr, "green", log_x=log, view=view)], CurveOptions(log_x=True, log_y=True))

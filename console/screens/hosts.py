@@ -1,5 +1,6 @@
 """Hosts: every host at a glance (link, GPU memory and utilization, holders owned/foreign, jobs, disk), and the nodes of the
 selected multi-node job; choosing a host makes it the one the other screens show."""
+
 from __future__ import annotations
 
 from textual.app import ComposeResult

@@ -1,4 +1,5 @@
 """Logs: the tail of the selected job's stdout and stderr, following as the agent pushes new lines."""
+
 from __future__ import annotations
 
 from rich.text import Text
@@ -85,10 +86,7 @@ class LogsScreen(ConsoleScreen):
         if job:
             where = f" · {info.stdout_path}" if info else ""
             live = self.console.log_stream
-            title = (
-                f"{job} · {'scrolling' if self.follow else 'paused'} (f) · live: {live}, the other re-read every poll (o) · "
-                f"{' · '.join(counts)}{where}"
-            )
+            title = f"{job} · {'scrolling' if self.follow else 'paused'} (f) · live: {live}, the other re-read every poll (o) · {' · '.join(counts)}{where}"
         else:
             title = "no job selected (press ] or [ to pick one)"
         self.query_one("#logs-title", Static).update(Text(title))

@@ -1,4 +1,5 @@
 """Confirmation modals for guarded actions: stop and stop-and-bench (show the plan), adopt (PID typed), watch a run."""
+
 from __future__ import annotations
 
 import re
@@ -83,13 +84,18 @@ def checkpoint_line(plan: dict[str, Any], phases: dict[str, bool | None] | None)
         return Text("Checkpoint first: no (no training job in this stop).", style="bold")
     in_setup = [name for name, started in (phases or {}).items() if started is False]
     if in_setup:
-        return Text(f"Checkpoint first: NO. {', '.join(in_setup)} has logged no training step yet: it is still setting up "
-                    "(building the target or its data), and a stop during setup ends it at once WITHOUT a checkpoint.",
-                    style="bold yellow")
+        return Text(
+            f"Checkpoint first: NO. {', '.join(in_setup)} has logged no training step yet: it is still setting up "
+            "(building the target or its data), and a stop during setup ends it at once WITHOUT a checkpoint.",
+            style="bold yellow",
+        )
     if phases and all(phases.values()):
         return Text("Checkpoint first: YES, the trainer writes a checkpoint on SIGTERM before it exits.", style="bold green")
-    return Text("Checkpoint first: only if training steps have begun: the trainer then finishes the step and writes a "
-                "checkpoint before it exits; a stop during setup (building the target or its data) writes none.", style="bold")
+    return Text(
+        "Checkpoint first: only if training steps have begun: the trainer then finishes the step and writes a "
+        "checkpoint before it exits; a stop during setup (building the target or its data) writes none.",
+        style="bold",
+    )
 
 
 def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | None] | None = None) -> Text:
@@ -112,9 +118,11 @@ def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | 
             text.append(f"  {entry.get('pid', '?'):>7}  {entry.get('job', '')}  {entry.get('reason', '')}\n", style="dim")
     unreachable = plan.get("unreachable") or []
     if unreachable:
-        text.append("Nodes whose host is not connected, NOT signalled (the stop flag is reduced across every rank after each step, "
-                    "so their ranks stop after the same step as the others; if the host itself is gone, stop them when it is back):\n",
-                    style="bold yellow")
+        text.append(
+            "Nodes whose host is not connected, NOT signalled (the stop flag is reduced across every rank after each step, "
+            "so their ranks stop after the same step as the others; if the host itself is gone, stop them when it is back):\n",
+            style="bold yellow",
+        )
         for entry in unreachable:
             text.append(f"  {entry.get('pid', '?'):>7}  node {entry.get('node')} on {entry.get('host')}  {entry.get('job', '')}\n")
     foreign = plan.get("foreign_gpu_holders") or []
@@ -210,9 +218,19 @@ class AdoptModal(FormModal):
         self.dismiss({"pid": pid, "name": name or f"adopted-{pid}", "confirm_pid": int(confirm)})
 
 
-def bench_plan_text(job: str, plan: dict[str, Any], checkpoints: list[dict[str, Any]], job_running: bool,
-                    engine: str, engine_source: str, grace: float, levels: str, prompts: int, argv: list[str],
-                    phases: dict[str, bool | None] | None = None) -> Text:
+def bench_plan_text(
+    job: str,
+    plan: dict[str, Any],
+    checkpoints: list[dict[str, Any]],
+    job_running: bool,
+    engine: str,
+    engine_source: str,
+    grace: float,
+    levels: str,
+    prompts: int,
+    argv: list[str],
+    phases: dict[str, bool | None] | None = None,
+) -> Text:
     """The stop-and-bench plan, stage by stage: what gets signalled, which checkpoint, which engine, what is measured."""
     text = Text()
     text.append("1. Stop ", style="bold")
@@ -228,8 +246,7 @@ def bench_plan_text(job: str, plan: dict[str, Any], checkpoints: list[dict[str, 
     text.append("3. Checkpoint to preflight: ", style="bold")
     if job_running and plan.get("checkpoint_first"):
         text.append("the one the trainer writes at the stop (the new `latest`), if training steps have begun")
-        text.append(f"; latest now: {latest['path']}\n" if latest else
-                    "; none written yet, so a stop during setup leaves none and the chain would stop here\n")
+        text.append(f"; latest now: {latest['path']}\n" if latest else "; none written yet, so a stop during setup leaves none and the chain would stop here\n")
     elif latest:
         text.append(f"{latest['path']}\n")
     else:
@@ -240,8 +257,7 @@ def bench_plan_text(job: str, plan: dict[str, Any], checkpoints: list[dict[str, 
     text.append(f"engine {engine}", style="bold cyan")
     text.append(f" ({engine_source}), wait until ready\n")
     text.append("6. Canary: ", style="bold")
-    text.append("greedy requests; accept length vs τ̂ from validation accuracy → green / amber (τ̂ too low to tell) / "
-                "red with likely causes\n")
+    text.append("greedy requests; accept length vs τ̂ from validation accuracy → green / amber (τ̂ too low to tell) / red with likely causes\n")
     text.append("7. Benchmark: ", style="bold")
     text.append(f"concurrency {levels}, {prompts} prompts; the result is saved with the training run\n")
     text.append("runs on the host as: ", style="dim")
@@ -288,8 +304,9 @@ class WatchModal(FormModal):
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="modal-dialog"):
             yield Static("Watch an external run (read-only: nothing is started, stopped or written there)", classes="modal-title")
-            yield Static("A TensorBoard directory or event file, or a SpecForge console log (stdout+stderr saved to a file), "
-                         "as a path on the host.", id="watch-help")
+            yield Static(
+                "A TensorBoard directory or event file, or a SpecForge console log (stdout+stderr saved to a file), as a path on the host.", id="watch-help"
+            )
             yield Input(placeholder="path on the host", id="watch-path")
             yield Input(placeholder="name (shown as ext:<name>)", id="watch-name")
             yield Static("", id="watch-error")

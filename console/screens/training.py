@@ -1,5 +1,6 @@
 """Training: loss, validation accuracy and LR curves of the selected job, optionally over a second job's (the overlay), and
 validation accuracy per TTT step."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -130,16 +131,19 @@ class TrainingScreen(ZoomableScreen):
         plots = {name: self.query_one(f"#{name}-plot", CurvePlot) for name in ("loss", "acc", "lr")}
         for name, plot in plots.items():
             what = TITLES[name]
-            plot.set_title(*([f"{what}: {job} vs {overlay} (dim)", f"{what} vs {overlay} (dim)", f"{what} + overlay (dim)", what]
-                             if overlay else [what]))
+            plot.set_title(*([f"{what}: {job} vs {overlay} (dim)", f"{what} vs {overlay} (dim)", f"{what} + overlay (dim)", what] if overlay else [what]))
         specs: dict[str, list[SeriesSpec]] = {"loss": [], "acc": [], "lr": []}
         layers: list[tuple[str | None, JobMetrics | None, dict[str, str | int], str]] = [
-            (overlay, other, OVERLAY_COLORS, f"{overlay} "), (job, metrics, COLORS, "")]
+            (overlay, other, OVERLAY_COLORS, f"{overlay} "),
+            (job, metrics, COLORS, ""),
+        ]
         for owner, source, colors, prefix in layers:  # the overlay first, so the selected job's curves are drawn over it
             if owner is None or source is None:
                 continue
-            specs["loss"] += [self._spec(prefix, "train", source, "train.loss", source.train_loss, colors["train"]),
-                              self._spec(prefix, "val", source, "val.loss", source.val_loss, colors["val"])]
+            specs["loss"] += [
+                self._spec(prefix, "train", source, "train.loss", source.train_loss, colors["train"]),
+                self._spec(prefix, "val", source, "val.loss", source.val_loss, colors["val"]),
+            ]
             specs["acc"].append(self._spec(prefix, "acc@0", source, ACC_KEY, self._acc_tail(owner, source), colors["acc"]))
             specs["lr"].append(self._spec(prefix, "lr", source, "lr", source.lr, colors["lr"]))
         for name, plot in plots.items():  # log y is for loss and LR (the key's help): accuracies stay linear
@@ -165,8 +169,10 @@ class TrainingScreen(ZoomableScreen):
         if not job:
             return Text("no job selected (press ] or [ to pick one)")
         on = lambda flag: "on" if flag else "off"
-        text = Text(f"{job} · {history_text(metrics)} · {self.view_text()} (+ - , . 0) · log step {on(self.log_step)} (x) · "
-                    f"log y {on(self.log_y)} (y) · EMA {'0.9' if self.smooth else 'off'} (e) · overlay ")
+        text = Text(
+            f"{job} · {history_text(metrics)} · {self.view_text()} (+ - , . 0) · log step {on(self.log_step)} (x) · "
+            f"log y {on(self.log_y)} (y) · EMA {'0.9' if self.smooth else 'off'} (e) · overlay "
+        )
         overlay = self.overlay
         if overlay:
             text.append(overlay, style="bold")

@@ -1,4 +1,5 @@
 """Screens that plot a job's history on a step axis: zoom and pan keys, and asking the host for the zoomed buckets."""
+
 from __future__ import annotations
 
 from textual.binding import Binding, BindingType

@@ -1,4 +1,5 @@
 """The connection banner at the top of every screen: connected, connecting, or disconnected with stale data."""
+
 from __future__ import annotations
 
 from rich.text import Text

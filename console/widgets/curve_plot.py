@@ -1,4 +1,5 @@
 """A PlotextPlot that draws prepared curves: downsampled to its width, log axes via log10 values and our ticks."""
+
 from __future__ import annotations
 
 import math
@@ -71,11 +72,10 @@ def legend_labels(entries: list[tuple[str, str, int]], cells: int) -> list[str]:
     if max(map(len, full), default=0) <= room:
         return full
     for keep in (None, 8, 4, 0):
-        texts = [(prefix if keep is None or len(prefix) <= keep + 1 else prefix[:keep] + "… " if keep else "") + label
-                 for prefix, label, _ in entries]
+        texts = [(prefix if keep is None or len(prefix) <= keep + 1 else prefix[:keep] + "… " if keep else "") + label for prefix, label, _ in entries]
         if max(map(len, texts), default=0) <= room:
             return texts
-    return [text if len(text) <= room else text[:max(1, room - 1)] + "…" for text in texts]
+    return [text if len(text) <= room else text[: max(1, room - 1)] + "…" for text in texts]
 
 
 def fitting_title(titles: list[str], label_width: int, cells: int, width: int) -> str:
@@ -170,13 +170,13 @@ class CurvePlot(PlotextPlot):
             options = CurveOptions(options.log_x, options.log_y, spec.ema_weight)
         if self.raw:
             return prepare_curve(spec.series.steps, spec.series.values, buckets=10**9, log_x=options.log_x, log_y=options.log_y, ema_weight=options.ema_weight)
-        key = (id(spec.series), spec.series.version, len(spec.series), id(spec.buckets), spec.end_step, spec.step_from,
-               spec.step_to, self.buckets(), options)
+        key = (id(spec.series), spec.series.version, len(spec.series), id(spec.buckets), spec.end_step, spec.step_from, spec.step_to, self.buckets(), options)
         cached = self._cache.get(spec.prefix + spec.label)
         if cached is not None and cached[0] == key:
             return cached[1]
-        steps, values = history_points(spec.buckets, spec.series.steps, spec.series.values, spec.end_step,
-                                       mean=options.ema_weight > 0, step_from=spec.step_from, step_to=spec.step_to)
+        steps, values = history_points(
+            spec.buckets, spec.series.steps, spec.series.values, spec.end_step, mean=options.ema_weight > 0, step_from=spec.step_from, step_to=spec.step_to
+        )
         curve = prepare_curve(steps, values, buckets=self.buckets(), log_x=options.log_x, log_y=options.log_y, ema_weight=options.ema_weight)
         if spec.total is not None:
             curve.source_points = spec.total
@@ -184,8 +184,12 @@ class CurvePlot(PlotextPlot):
         return curve
 
     def replot(self) -> None:
-        key = (tuple((s.prefix, s.label, id(s.series), s.series.version, id(s.buckets), s.step_from, s.step_to, len(s.markers))
-                     for s in self.specs), self.options, self.size.width, self.size.height)
+        key = (
+            tuple((s.prefix, s.label, id(s.series), s.series.version, id(s.buckets), s.step_from, s.step_to, len(s.markers)) for s in self.specs),
+            self.options,
+            self.size.width,
+            self.size.height,
+        )
         if key == self._drawn_key and not self.raw:
             return
         self._drawn_key = key
@@ -209,8 +213,7 @@ class CurvePlot(PlotextPlot):
             y_lo, y_hi = plotext_utility.get_lim(list(y_span))
             self.y_ticks = spaced_y_ticks(log_ticks(*y_span, max_ticks=max(3, height // 3)), y_lo, y_hi, max(1, height - FRAME_ROWS))
             plt.yticks(self.y_ticks.positions, self.y_ticks.labels)
-        label_width = (max(map(len, self.y_ticks.labels), default=0) if self.y_ticks is not None
-                       else default_y_label_width(*y_span) if y_span else 0)
+        label_width = max(map(len, self.y_ticks.labels), default=0) if self.y_ticks is not None else default_y_label_width(*y_span) if y_span else 0
         cells = max(1, width - FRAME_COLUMNS - label_width)
         entries = [(spec.prefix, spec.label, curve.source_points) for spec, curve in drawn]
         if marker_xs:

@@ -1,4 +1,5 @@
 """Text helpers for the widgets: bars, sizes, durations, percentages, metric numbers, τ̂ and accept lengths."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """Per-GPU memory and utilization bars, split into memory held by our jobs and by foreign processes."""
+
 from __future__ import annotations
 
 from rich.text import Text
@@ -70,8 +71,7 @@ def _gib(value: float | None) -> str:
     return "?" if value is None else f"{value / 1024:.1f}"
 
 
-def _holder_lines(holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, int] | None = None, expanded: bool = False,
-                  narrow: bool = False) -> Text:
+def _holder_lines(holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, int] | None = None, expanded: bool = False, narrow: bool = False) -> Text:
     indent, cmd = ("\n  ", 12) if narrow else ("\n      ", 40)
     text = Text()
     if not holders:

@@ -1,4 +1,5 @@
 """Text panels of the Grokking screen, drawn from the agent's `signals` and `data_scaling` replies (computed host-side)."""
+
 from __future__ import annotations
 
 import math
@@ -31,17 +32,25 @@ def alerts_text(signals: dict[str, Any] | None) -> Text:
     floor = signals.get("lr_floor") or {}
     lines: list[tuple[str, str]] = []
     if onset.get("detected"):
-        lines.append((f" GROKKING ONSET at step {_steps(onset.get('step'))} " 
-                      f"(val slope z {_num(onset.get('z'), 3)}, memorized since step {_steps(onset.get('memorized_since'))}) ",
-                      "bold black on green"))
+        lines.append(
+            (
+                f" GROKKING ONSET at step {_steps(onset.get('step'))} "
+                f"(val slope z {_num(onset.get('z'), 3)}, memorized since step {_steps(onset.get('memorized_since'))}) ",
+                "bold black on green",
+            )
+        )
     if regression.get("detected"):
         lines.append((f" REGRESSION at step {_steps(regression.get('step'))}: {regression.get('reason') or ''} ", "bold white on red"))
     if floor.get("active"):
         lines.append((f" LR AT ITS FLOOR: {floor.get('warning') or ''} ", "bold black on yellow"))
     bump = signals.get("val_bump") or {}
     if bump.get("active"):
-        lines.append((f" val loss {_num(bump.get('amount'))} above its minimum (step {_steps(bump.get('min_step'))}) during a "
-                      "train plateau: watch, do not stop ", "black on dark_orange"))
+        lines.append(
+            (
+                f" val loss {_num(bump.get('amount'))} above its minimum (step {_steps(bump.get('min_step'))}) during a train plateau: watch, do not stop ",
+                "black on dark_orange",
+            )
+        )
     for index, (line, style) in enumerate(lines):
         if index:
             text.append("\n")
@@ -56,14 +65,12 @@ def signals_text(signals: dict[str, Any] | None) -> Text:
     text = Text()
     latest = signals.get("latest") or {}
     text.append("gap ", style="bold")
-    text.append(f"val−train {_num(signals.get('gap'))} (rel {_num(signals.get('relative_gap'), 2)})"
-                f" · acc gap {_num(signals.get('acc_gap'), 3)}")
+    text.append(f"val−train {_num(signals.get('gap'))} (rel {_num(signals.get('relative_gap'), 2)}) · acc gap {_num(signals.get('acc_gap'), 3)}")
     if signals.get("memorized"):
         text.append("  MEMORIZED", style="bold yellow")
     slope = signals.get("val_slope") or {}
     z = slope.get("z")
-    z_style = ("bold green" if isinstance(z, (int, float)) and z < -3 else
-               "bold red" if isinstance(z, (int, float)) and z > 3 else "")
+    z_style = "bold green" if isinstance(z, (int, float)) and z < -3 else "bold red" if isinstance(z, (int, float)) and z > 3 else ""
     text.append("\nval slope ", style="bold")
     text.append(f"{_num(slope.get('slope'))} /decade  ")
     text.append(f"z {_num(z)}", style=z_style)
@@ -79,8 +86,9 @@ def signals_text(signals: dict[str, Any] | None) -> Text:
     plateau = signals.get("plateau") or {}
     text.append("\nplateau ", style="bold")
     if plateau.get("active"):
-        text.append(f"since step {_steps(plateau.get('start_step'))}: {_steps(plateau.get('steps_past'))} steps, "
-                    f"{count(plateau.get('tokens_past'))} tokens past it")
+        text.append(
+            f"since step {_steps(plateau.get('start_step'))}: {_steps(plateau.get('steps_past'))} steps, {count(plateau.get('tokens_past'))} tokens past it"
+        )
     else:
         text.append("train loss still moving", style="dim")
     text.append("\ntokens seen ", style="bold")
@@ -102,7 +110,7 @@ def acceptance_text(signals: dict[str, Any] | None) -> Text:
         return Text("no signals yet", style="dim")
     text = Text()
     text.append("τ̂ ", style="bold")
-    text.append(accept_length(signals.get('tau_hat')), style="bold cyan")
+    text.append(accept_length(signals.get("tau_hat")), style="bold cyan")
     text.append(f" (val acc at step {_steps(signals.get('tau_hat_step'))})")
     if signals.get("tau_hat_acceptance") is not None:
         text.append(f" · from acceptance rate {accept_length(signals.get('tau_hat_acceptance'))}")
@@ -111,8 +119,10 @@ def acceptance_text(signals: dict[str, Any] | None) -> Text:
     if not rows:
         text.append("\n (no per-position acc/ploss logged)", style="dim")
     for row in rows[:8]:
-        text.append(f"\n{row.get('k', '?'):>2} {percent(row.get('train_acc')):>6} {percent(row.get('val_acc')):>7}"
-                    f" {_num(row.get('train_ploss')):>5} {_num(row.get('val_ploss')):>6} {_num(row.get('ploss_gap')):>5}")
+        text.append(
+            f"\n{row.get('k', '?'):>2} {percent(row.get('train_acc')):>6} {percent(row.get('val_acc')):>7}"
+            f" {_num(row.get('train_ploss')):>5} {_num(row.get('val_ploss')):>6} {_num(row.get('ploss_gap')):>5}"
+        )
     text.append("\n(smoothed; pl = ploss, gap = val − train ploss)", style="dim")
     return text
 
@@ -124,8 +134,7 @@ def norms_text(signals: dict[str, Any] | None) -> Text:
     text = Text()
     weights = signals.get("weight_norm") or {}
     text.append("weight norm ", style="bold")
-    text.append(f"{_num(weights.get('latest'), 5)} ({_signed_pct(weights.get('relative_change'))} over "
-                f"{_steps(weights.get('lag_steps'))} steps)")
+    text.append(f"{_num(weights.get('latest'), 5)} ({_signed_pct(weights.get('relative_change'))} over {_steps(weights.get('lag_steps'))} steps)")
     for module, values in sorted((weights.get("modules") or {}).items()):
         text.append(f"\n  {module:<12} {_num(values.get('latest'), 5):>8}  {_signed_pct(values.get('relative_change'))}")
     grads = signals.get("grad_norm") or {}
@@ -134,8 +143,7 @@ def norms_text(signals: dict[str, Any] | None) -> Text:
     text.append(f"{_num(grads.get('latest'))} · EMA {_num(grads.get('ema'))}")
     if grads.get("median") is not None:
         before = grads.get("median_before")
-        text.append(f"\nmedian {_num(grads.get('median'))} over the last 50 records"
-                    + (f" ({_num(before)} the 50 before)" if before is not None else ""))
+        text.append(f"\nmedian {_num(grads.get('median'))} over the last 50 records" + (f" ({_num(before)} the 50 before)" if before is not None else ""))
     text.append(f"\nclipped at {_num(grads.get('clip'))}: {percent(fraction)} of the last 50 records")
     if isinstance(fraction, (int, float)) and fraction > 0.5:  # a fact, not an alarm: the warning is a rising norm
         text.append(" (AdamW: a binding clip rescales the gradient, not the step)", style="dim")
@@ -155,8 +163,11 @@ def data_scaling_text(report: dict[str, Any] | None, profile: str | None = None)
         text.append(f" from profile {profile or '?'} shapes: no extracted shards at {report.get('path')}")
         shape = report.get("shape") or {}
         if shape:
-            text.append(f"\n({shape.get('aux_width')} aux + {shape.get('teacher_width')} teacher values × "
-                        f"{shape.get('dtype_bytes')} B × {shape.get('seq_len')} tokens)", style="dim")
+            text.append(
+                f"\n({shape.get('aux_width')} aux + {shape.get('teacher_width')} teacher values × "
+                f"{shape.get('dtype_bytes')} B × {shape.get('seq_len')} tokens)",
+                style="dim",
+            )
     else:
         text.append(" MEASURED ", style="bold black on green")
         text.append(f" {count(report.get('samples'))} samples, {size_bytes(report.get('bytes'))} at {report.get('path')}")

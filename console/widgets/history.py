@@ -1,5 +1,6 @@
 """Curves of a job's whole history: the host's buckets (the whole run, or a zoomed step range) joined to the live tail, with
 NaN/inf markers; which other job's curves the Training screen can overlay."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ def view_summary(metrics: JobMetrics, log_x: bool, view: StepView | None) -> Sum
     return metrics.summary(log_x)
 
 
-def history_spec(label: str, metrics: JobMetrics, key: str, tail: Series, color: str | int, *, log_x: bool,
-                 view: StepView | None, ema_weight: float | None = None) -> SeriesSpec:
+def history_spec(
+    label: str, metrics: JobMetrics, key: str, tail: Series, color: str | int, *, log_x: bool, view: StepView | None, ema_weight: float | None = None
+) -> SeriesSpec:
     summary = view_summary(metrics, log_x, view)
     buckets, end, markers = None, None, []
     if summary is not None and key in summary.buckets:
@@ -37,9 +39,18 @@ def history_spec(label: str, metrics: JobMetrics, key: str, tail: Series, color:
     markers += tail.nonfinite_after(end)
     if view is not None:
         markers = [m for m in markers if view.lo <= m <= view.hi]
-    return SeriesSpec(label, tail, color, buckets=buckets, end_step=end,
-                      step_from=view.lo if view else None, step_to=view.hi if view else None,
-                      markers=markers, total=metrics.history_points(key), ema_weight=ema_weight)
+    return SeriesSpec(
+        label,
+        tail,
+        color,
+        buckets=buckets,
+        end_step=end,
+        step_from=view.lo if view else None,
+        step_to=view.hi if view else None,
+        markers=markers,
+        total=metrics.history_points(key),
+        ema_weight=ema_weight,
+    )
 
 
 def run_span(metrics: JobMetrics | None) -> tuple[int, int] | None:
@@ -108,8 +119,7 @@ def indexing_text(metrics) -> str:
 
 def overlay_candidates(state: ConsoleState, selected: str | None) -> list[str]:
     """The host's other training jobs and watched runs, newest first (the jobs table's order)."""
-    return [name for name, info in reversed(list(state.jobs.items()))
-            if name != selected and (info.kind in OVERLAY_KINDS or state.is_external(name))]
+    return [name for name, info in reversed(list(state.jobs.items())) if name != selected and (info.kind in OVERLAY_KINDS or state.is_external(name))]
 
 
 def next_overlay(candidates: list[str], current: str | None) -> str | None:

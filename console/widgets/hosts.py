@@ -1,4 +1,5 @@
 """Rows across hosts: the jobs table (a host column; a multi-node job as one row), the Hosts view, the nodes panel."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """Small read-only panels of the Dashboard (latest metrics of the selected job, disks, recent actions) and the footer
 every screen shows (it wraps onto a second row, then abbreviates, so no key is lost on a narrow terminal)."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -45,9 +46,11 @@ def latest_metrics_text(state: ConsoleState, job: str | None) -> Text:
     step_time = train.get("step_time")
     if tokens is not None or step_time is not None:
         text.append(f"\ntokens {count(tokens)}   step time {number(step_time, 3)}s")
-    speed = [f"{count(train['tokens_per_s'])} tok/s" if train.get("tokens_per_s") is not None else "",
-             f"MFU {percent(train['mfu'])}" if train.get("mfu") is not None else "",
-             f"peak {number(train['peak_mem_gib'], 3)} GiB" if train.get("peak_mem_gib") is not None else ""]
+    speed = [
+        f"{count(train['tokens_per_s'])} tok/s" if train.get("tokens_per_s") is not None else "",
+        f"MFU {percent(train['mfu'])}" if train.get("mfu") is not None else "",
+        f"peak {number(train['peak_mem_gib'], 3)} GiB" if train.get("peak_mem_gib") is not None else "",
+    ]
     if any(speed):
         text.append("\n" + "   ".join(part for part in speed if part))
     hidden = metrics.nonfinite_count("train.loss", metrics.train_loss) + metrics.nonfinite_count("val.loss", metrics.val_loss)
@@ -109,8 +112,16 @@ class ActionLog(Static):
 
 FOOTER_ROWS_MAX = 2
 PALETTE_WIDTH = 15  # " ^p palette " and its border, docked right
-SHORT_LABELS = {"Log step": "log x", "Log y": "log y", "Live stream": "Stream", "Prev/next job": "Job", "Zoom/pan": "Zoom",
-                "Screens": "Scr", "Workers": "Wkrs", "Follow": "Follow"}
+SHORT_LABELS = {
+    "Log step": "log x",
+    "Log y": "log y",
+    "Live stream": "Stream",
+    "Prev/next job": "Job",
+    "Zoom/pan": "Zoom",
+    "Screens": "Scr",
+    "Workers": "Wkrs",
+    "Follow": "Follow",
+}
 
 
 class ConsoleFooter(Footer):
@@ -191,21 +202,41 @@ class ConsoleFooter(Footer):
             found = self.screen.active_bindings.get(self.app.COMMAND_PALETTE_BINDING)
             if found is not None:
                 _, binding, enabled, tooltip = found
-                yield FooterKey(binding.key, self.app.get_key_display(binding), binding.description, binding.action,
-                                classes="-command-palette", disabled=not enabled, tooltip=binding.tooltip or binding.description)
+                yield FooterKey(
+                    binding.key,
+                    self.app.get_key_display(binding),
+                    binding.description,
+                    binding.action,
+                    classes="-command-palette",
+                    disabled=not enabled,
+                    tooltip=binding.tooltip or binding.description,
+                )
 
     def _row_widgets(self, row: list[Any], short: bool) -> Iterator[Any]:
         for group, bindings in row:
             if group is not None:
                 with KeyGroup(classes="-compact" if group.compact else ""):
                     for binding, enabled, tooltip in bindings:
-                        yield FooterKey(binding.key, self.app.get_key_display(binding), "", binding.action, disabled=not enabled,
-                                        tooltip=tooltip or binding.description, classes="-grouped").data_bind(compact=Footer.compact)
+                        yield FooterKey(
+                            binding.key,
+                            self.app.get_key_display(binding),
+                            "",
+                            binding.action,
+                            disabled=not enabled,
+                            tooltip=tooltip or binding.description,
+                            classes="-grouped",
+                        ).data_bind(compact=Footer.compact)
                 yield FooterLabel(SHORT_LABELS.get(group.description, group.description) if short else group.description)
             else:
                 binding, enabled, tooltip = bindings[0]
-                yield FooterKey(binding.key, self.app.get_key_display(binding), self._label(binding, short), binding.action,
-                                disabled=not enabled, tooltip=tooltip or binding.description).data_bind(compact=Footer.compact)
+                yield FooterKey(
+                    binding.key,
+                    self.app.get_key_display(binding),
+                    self._label(binding, short),
+                    binding.action,
+                    disabled=not enabled,
+                    tooltip=tooltip or binding.description,
+                ).data_bind(compact=Footer.compact)
 
     def on_resize(self) -> None:
         if self._bindings_ready and self.size.width != self._packed_for:
