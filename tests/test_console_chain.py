@@ -16,7 +16,7 @@ from console.screens.chain import ChainScreen, chain_outcome, result_panel_text,
 from console.screens.modals import StopAndBenchModal, bench_plan_text
 from console.transport import LocalTransport
 from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
-from test_console_snapshots import NOW, STOP_PLAN, frozen_state
+from test_console_snapshots import NOW, STOP_PLAN, frozen_state, wire_jobs
 from tests.conftest import threads_for_tests
 
 SIZE = (160, 48)
@@ -155,24 +155,7 @@ def span_style(text, fragment: str) -> str:
 
 def chain_state(records: list[dict], *, clock=None):
     state = frozen_state()
-    jobs = [
-        {
-            "name": j.name,
-            "kind": j.kind,
-            "state": j.state,
-            "pid": j.pid,
-            "pgid": j.pgid,
-            "start_time_ticks": 1,
-            "argv": j.argv,
-            "job_dir": j.job_dir,
-            "stdout_path": j.stdout_path,
-            "stderr_path": j.stderr_path,
-            "started_at": j.started_at,
-            "ended_at": j.ended_at,
-            "exit_code": j.exit_code,
-        }
-        for j in state.jobs.values()
-    ]
+    jobs = wire_jobs(state)
     done = chain_outcome(records)["state"] in ("ok", "failed")
     jobs.append(
         {

@@ -24,7 +24,7 @@ from console.widgets.format import accept_length
 from console.widgets.grok_panels import acceptance_text, data_scaling_text, norms_text, signals_text
 from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
 from test_console_chain import amber_records
-from test_console_snapshots import NOW, frozen_state
+from test_console_snapshots import NOW, frozen_state, wire_jobs
 
 SIZE = (160, 48)
 GROK_JOB = "train-grok"
@@ -109,24 +109,7 @@ DATA_SCALING_MEASURED = {
 def grok_state():
     """frozen_state() plus a grokking run with host-side signals and a data-scaling estimate."""
     state = frozen_state()
-    jobs = [
-        {
-            "name": j.name,
-            "kind": j.kind,
-            "state": j.state,
-            "pid": j.pid,
-            "pgid": j.pgid,
-            "start_time_ticks": 1,
-            "argv": j.argv,
-            "job_dir": j.job_dir,
-            "stdout_path": j.stdout_path,
-            "stderr_path": j.stderr_path,
-            "started_at": j.started_at,
-            "ended_at": j.ended_at,
-            "exit_code": j.exit_code,
-        }
-        for j in state.jobs.values()
-    ]
+    jobs = wire_jobs(state)
     jobs.append(
         {
             "name": GROK_JOB,

@@ -12,10 +12,15 @@ from textual.widgets import Input
 from console.app import build_app
 from console.screens.modals import AdoptModal, ResumeModal, StopModal
 from console.state import CONNECTED, RECONNECTING, ConnectionStatus, ConsoleState
-from backend.protocol import GpuHolder
+from backend.protocol import GpuHolder, to_dict
 
 NOW = 1_760_000_000.0
 SIZE = (160, 48)
+
+
+def wire_jobs(state: ConsoleState) -> list[dict]:
+    """The state's jobs as an agent's jobs event lists them (to fold more jobs in beside them)."""
+    return [to_dict(job) for job in state.jobs.values()]
 
 
 def frozen_state(points: int = 400, *, gpus: bool = True) -> ConsoleState:
