@@ -33,7 +33,7 @@ from console.screens.dashboard import DashboardScreen
 from console.screens.hosts import HostsScreen
 from console.screens.logs import LogsScreen
 from console.screens.modals import AdoptModal, MultiNodeModal, StopModal
-from console.session import STREAMS, HostSession
+from console.session import STREAMS, HostSession, Severity
 from console.state import CONNECTED, ConnectionStatus, ConsoleState
 from console.transport import Transport
 from console.widgets.hosts import Node
@@ -283,20 +283,16 @@ class ConsoleApp(RunActions):
     # SessionListener: what a host's session reports
 
     def session_changed(self, session: HostSession, sections: set[str]) -> None:
-        if session is not self.active:
-            self.check_alerts(sections, session)
-            sections = {s for s in sections if s in CROSS_HOST_SECTIONS}  # other hosts only feed the Hosts view and the jobs table
-            if not sections:
-                return
-            sections = sections | {"hosts"}
-            self._pending_sections |= sections
-            if not self._refresh_scheduled:
-                self.state_changed({"hosts"})
+        if session is self.active:
+            self.state_changed(sections | ({"hosts"} if self.multi_host else set()))
             return
-        self.state_changed(sections | ({"hosts"} if self.multi_host else set()))
+        self.check_alerts(sections, session)
+        shown = {s for s in sections if s in CROSS_HOST_SECTIONS}  # other hosts only feed the Hosts view and the jobs table
+        if shown:
+            self._schedule_redraw(shown | {"hosts"})
 
-    def session_note(self, session: HostSession, text: str, severity: str) -> None:
-        self.note(text, severity="error" if severity == "error" else "warning" if severity == "warning" else "information")
+    def session_note(self, session: HostSession, text: str, severity: Severity) -> None:
+        self.note(text, severity=severity)
 
     def session_event(self, session: HostSession, event: Any, changed: set[str]) -> None:
         if isinstance(event, ConnectionStatus):
@@ -349,6 +345,10 @@ class ConsoleApp(RunActions):
         if not sections:
             return
         self.check_alerts(sections, self.active)
+        self._schedule_redraw(sections)
+
+    def _schedule_redraw(self, sections: set[str]) -> None:
+        """Redraw these sections of the shown screen soon, coalesced with any redraw already due."""
         self._pending_sections |= sections
         if self._refresh_scheduled:
             return

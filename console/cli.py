@@ -83,9 +83,7 @@ def host_list(args: argparse.Namespace) -> list[str]:
         hosts += [entry for entry in (line.split("#", 1)[0].strip() for line in lines) if entry]
     if not hosts:
         return ["local"]
-    for host in hosts:
-        split_host(host, None)  # raises on a bad entry before anything connects
-    labels = [_canonical(host, args.port) for host in hosts]
+    labels = [_canonical(host, args.port) for host in hosts]  # raises on a bad entry before anything connects
     twice = sorted({label for label in labels if labels.count(label) > 1})
     if twice:
         raise HostListError(f"host named twice: {', '.join(twice)}")

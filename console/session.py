@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from backend.protocol import PROTOCOL_VERSION, Request
 from console.client import AgentClient, AgentError
@@ -23,6 +23,7 @@ TAIL_RECORDS = 500  # raw records fetched for the live tail on attach (the bucke
 VAL_ROWS = 8
 SUMMARY_REFRESH_S = 5.0
 STREAMS = ("stdout", "stderr")
+Severity = Literal["information", "warning", "error"]  # a note's weight (Textual's toast severities)
 
 
 class SessionListener(Protocol):
@@ -32,7 +33,7 @@ class SessionListener(Protocol):
 
     def session_event(self, session: "HostSession", event: Any, sections: set[str]) -> None: ...
 
-    def session_note(self, session: "HostSession", text: str, severity: str) -> None: ...
+    def session_note(self, session: "HostSession", text: str, severity: Severity) -> None: ...
 
 
 class HostSession:
@@ -61,7 +62,7 @@ class HostSession:
         if sections:
             self.listener.session_changed(self, sections)
 
-    def note(self, text: str, severity: str = "information") -> None:
+    def note(self, text: str, severity: Severity = "information") -> None:
         self.listener.session_note(self, text, severity)
 
     # -- the event pump ---------------------------------------------------------------------------
