@@ -117,7 +117,7 @@ class ServerProcess:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one pair per test process: every test here reads per-request results, none changes the servers
 def mini_servers(tmp_path_factory, mini_target_dir, mini_profile):
     """{"spec": ServerProcess, "plain": ServerProcess, "profile": Profile}: speculative (untrained draft) and plain."""
     root = tmp_path_factory.mktemp("mini-reference")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import asyncssh
 
+from backend.serve.http import free_port
+
 SSHD = "/usr/sbin/sshd"
 
 
@@ -217,12 +219,6 @@ def _killpg(pgid: int, number: int) -> None:
 
 
 # -- real OpenSSH sshd ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RealSSHD:

@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from backend.commands import chain_argv
 from console.screens.chain import ChainScreen, chain_outcome, result_panel_text, stage_elapsed
 from console.screens.modals import StopAndBenchModal, bench_plan_text
 from console.transport import LocalTransport
-from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
+from ssh_fixtures import connected, free_port, job_argv, pid_alive, stop_everything, wait_until
 from test_console_snapshots import NOW, STOP_PLAN, frozen_state, wire_jobs
 from tests.conftest import threads_for_tests
 
@@ -456,12 +455,6 @@ async def test_chain_stages_survive_a_reconnect_without_gaps_or_duplicates(tmp_p
         assert "finished" in text_of(app, "#chain-title")
         await stop_everything(app, grace=5, timeout=120)
         assert not pid_alive(job["pid"])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow

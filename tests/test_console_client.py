@@ -63,10 +63,15 @@ async def test_requests_return_results_or_raise_agent_errors(local):
     with pytest.raises(AgentError) as missing:
         await client.request(Request.TAIL_LOG, name="nope", stream="stdout")
     assert missing.value.code == "not_found"
-    with pytest.raises(AgentError) as slow:
-        await client.request(Request.HOLDERS, timeout=0.0001)
-    assert slow.value.code == "timeout" and "may still take effect" in slow.value.message
     hello = recorder.of_type("hello")[0]
+    os.kill(hello["agent_pid"], signal.SIGSTOP)  # a stopped agent cannot answer: the timeout is certain, not a race with a fast reply
+    try:
+        with pytest.raises(AgentError) as slow:
+            await client.request(Request.HOLDERS, timeout=0.3)
+    finally:
+        os.kill(hello["agent_pid"], signal.SIGCONT)
+    assert slow.value.code == "timeout" and "may still take effect" in slow.value.message
+    assert (await client.ping())["pong"] is True  # the late reply to the timed-out request is dropped, not matched to the ping
     assert hello["agent_pid"] != os.getpid() and hello["protocol"] == PROTOCOL_VERSION
     assert client.malformed_lines == 0
 

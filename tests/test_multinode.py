@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from backend import procs
 from backend.commands import NODE_ENV, data_dir_for, node_spec, profile_facts, torchrun_train_argv, train_argv
 from backend.jobs import JobRegistry, torchrun_failure
+from backend.serve.http import free_port
 from backend.layout import heartbeat_path, list_checkpoints, rank_heartbeats
 
 from conftest import subprocess_env
@@ -44,12 +44,6 @@ children = [subprocess.Popen([sys.executable, "-c", {RANK!r}, str(rank)]) for ra
 for child in children:
     child.wait()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def job_of(agent: AgentProcess, name: str, **params) -> dict:
