@@ -216,6 +216,18 @@ def mini_profile(mini_target_dir):
     return parse_profile(mini_profile_dict(mini_target_dir), "mini (tests/conftest.py)")
 
 
+@pytest.fixture(scope="session")
+def mini_servers(tmp_path_factory, mini_target_dir, mini_profile):
+    """{"spec", "plain": ServerProcess, "profile", "draft"}: one speculative and one plain reference server per test process.
+
+    Shared by every module (tests/reference_fixtures.py): each test there reads its own requests' results and none
+    changes the servers, and starting a pair costs ~10 CPU-s.
+    """
+    from tests.reference_fixtures import run_mini_servers
+
+    yield from run_mini_servers(tmp_path_factory.mktemp("mini-reference"), mini_target_dir, mini_profile)
+
+
 @pytest.fixture
 def mini_env(mini_cache, monkeypatch):
     """Generated mini data lands in the session's mini cache, not the user's."""

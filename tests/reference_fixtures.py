@@ -1,8 +1,8 @@
 """Fast reference-server fixtures: the mini target plus an untrained draft saved by the project's checkpoint writer.
 
 No training: the draft is freshly initialised (it accepts almost nothing, which is fine for wire tests), so a
-speculative and a plain server of the mini target are up in seconds. Import the fixtures into a test module:
-`from tests.reference_fixtures import mini_servers  # noqa: F401`.
+speculative and a plain server of the mini target are up in seconds. The `mini_servers` fixture (tests/conftest.py,
+so that one pair serves every module of a test process) starts them with run_mini_servers.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import pytest
 
 from backend.serve import http
 from tests.conftest import ROOT, mini_profile_dict, subprocess_env
@@ -117,10 +115,8 @@ class ServerProcess:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="session")  # one pair per test process: every test here reads per-request results, none changes the servers
-def mini_servers(tmp_path_factory, mini_target_dir, mini_profile):
-    """{"spec": ServerProcess, "plain": ServerProcess, "profile": Profile}: speculative (untrained draft) and plain."""
-    root = tmp_path_factory.mktemp("mini-reference")
+def run_mini_servers(root: Path, mini_target_dir: Path, mini_profile):
+    """Starts a speculative (untrained draft) and a plain server of the mini target, yields them, stops them."""
     profile_path = write_mini_profile(mini_target_dir, root / "mini.toml")
     draft = save_untrained_draft(mini_profile, root / "run")
     servers = {

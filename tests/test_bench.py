@@ -13,7 +13,6 @@ from backend.bench.client import PromptFileError, load_prompts, percentile
 from backend.jobs import JobRegistry
 from backend.serve.launch import launch
 from backend.serve.preflight import resolve_draft_dir
-from tests.reference_fixtures import mini_servers  # noqa: F401  # pytest fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -262,7 +262,6 @@ def test_no_validation_accuracy_still_shows_served_positions():
 
 from backend.serve import canary as canary_mod  # noqa: E402
 from backend.serve import http  # noqa: E402
-from tests.reference_fixtures import mini_servers  # noqa: E402,F401  # pytest fixture
 
 
 def fake_sglang(monkeypatch, meta: dict) -> None:

@@ -14,7 +14,6 @@ from transformers import AutoTokenizer
 
 from backend.serve import hf_tokenizer, http
 from backend.train.tiny import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, ByteTokenizer
-from tests.reference_fixtures import mini_servers  # noqa: F401  # pytest fixture
 
 SAMPLES = [
     "def parse(line):\n    return line.split(',')\n",

@@ -17,7 +17,6 @@ from backend.serve.reference_server import FLUSH_BODY
 from tests.reference_fixtures import (
     MAX_BODY_BYTES,
     REQUEST_TIMEOUT_S,
-    mini_servers,  # noqa: F401  # pytest fixtures
     parse_raw_response,
     raw_exchange,
 )
