@@ -445,7 +445,14 @@ class TrainingParts:
         if ctx.enabled:
             from torch.nn.parallel import DistributedDataParallel
 
-            module = DistributedDataParallel(module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, broadcast_buffers=False)
+            # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce bucket instead of a second copy of every
+            # gradient (one copy of the trainable parameters less per GPU; zero_grad(set_to_none) keeps working)
+            module = DistributedDataParallel(
+                module,
+                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                broadcast_buffers=False,
+                gradient_as_bucket_view=True,
+            )
         self.model = module
 
 
