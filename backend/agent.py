@@ -695,8 +695,8 @@ class Agent:
                 return {"records": records, "val": source.index.latest_val(val) if val else [], "offset": watch["count"]}
         with feed.lock:
             offset = feed.live_offset
-        records = feed.tail_records(last) if last else []
-        vals = source.index.latest_val(val) if feed.caught_up else feed.tail_records(val, split="val")
+        records = feed.tail_records(last, end=offset) if last else []  # exactly the records before the offset sent
+        vals = source.index.latest_val(val) if feed.caught_up else feed.tail_records(val, split="val", end=offset)
         return {"records": records, "val": vals if val else [], "offset": offset}
 
     def _stages_history(self, message: dict) -> dict:

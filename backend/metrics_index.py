@@ -307,10 +307,15 @@ class MetricsFeed:
             return
         self.index.recent_train.extend(records)
 
-    def tail_records(self, count: int, split: str | None = None, max_scan_bytes: int = 64 << 20) -> list[dict[str, Any]]:
-        """The last `count` cleaned records (of `split`) before live_offset, read backwards from there."""
-        with self.lock:
-            end = self.live_offset
+    def tail_records(self, count: int, split: str | None = None, max_scan_bytes: int = 64 << 20, end: int | None = None) -> list[dict[str, Any]]:
+        """The last `count` cleaned records (of `split`) before `end` (default: live_offset), read backwards from there.
+
+        Pass the offset you report with them: live_offset may move on meanwhile, and records past the reported offset
+        would be sent twice (once here, once in the next live event).
+        """
+        if end is None:
+            with self.lock:
+                end = self.live_offset
         found: list[dict[str, Any]] = []
         block = 256 << 10
         pos = end

@@ -154,10 +154,15 @@ class HostSession:
                     await self.load_history_pages(name)  # an agent of protocol 1
                     return []
                 self.changed(self.state.apply_window(name, window))
-                if self.state.job_metrics(name).needs_catchup:
-                    await self.load_history_pages(name)
                 if log_x_too:
                     await self.fetch_summary(name, log_x=True)
+                # Events held back during any await above (the window's, the pages', the summary's) are read now; no
+                # await lies between the last check and `loading = False`, so none can slip in between.
+                while self.state.job_metrics(name).seen_end > self.state.job_metrics(name).offset:
+                    before = self.state.job_metrics(name).offset
+                    await self.load_history_pages(name)
+                    if self.state.job_metrics(name).offset == before:
+                        break  # the host has nothing past our offset (a truncated file): the next event resyncs
             finally:
                 self.state.job_metrics(name).loading = False
             pending = [p for p in self.summary_pending if p[0] == name]

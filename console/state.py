@@ -489,6 +489,11 @@ def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
         if isinstance(start, int) and start != metrics.offset:
             metrics.needs_catchup = True  # a hole or an overlap: re-read from our offset instead
             return {"metrics_gap"}
+    elif metrics.offset and isinstance(start, int) and start != metrics.offset:
+        # Records from live events only (no history loaded yet), and this event does not follow them: e.g. a new agent
+        # after a reconnect streams from the file's end. Appending would show a hole as if it were the curve; load instead.
+        metrics.needs_catchup = True
+        return {"metrics_gap"}
     for record in message.get("records") or []:
         if isinstance(record, dict):
             metrics.add(record)

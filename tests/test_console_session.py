@@ -4,7 +4,9 @@ No Pilot and no app: a listener records what the session reports, as the app wou
 """
 
 import asyncio
+import json
 import sys
+from pathlib import Path
 
 from backend.protocol import Request
 from console.client import AgentClient
@@ -109,3 +111,36 @@ def test_summary_due_is_throttled_and_remembered_while_a_load_is_in_flight(tmp_p
     session.state.job_metrics("y").loading = True
     assert not session.summary_due("y", log_x=False)
     assert ("y", False) in session.summary_pending  # answered when the load in flight is done
+
+
+async def test_a_record_written_while_a_metrics_load_is_in_flight_is_read_before_the_load_ends(tmp_path):
+    """Events that arrive during a load are held back (the load's replies cover part of them); the load reads past them
+    before it ends, even when they came during its last request, so a run that then goes quiet shows its last step."""
+    session, _ = local_session(tmp_path / "run")
+    pump = asyncio.create_task(session.run())
+    try:
+        await wait_until(lambda: session.connected, what="the agent's hello")
+        job = (await session.request(Request.START_JOB, name="quiet", kind="train", argv=[sys.executable, "-c", "import time; time.sleep(600)"]))["job"]
+        metrics_file = Path(job["job_dir"]) / "metrics.jsonl"
+        with open(metrics_file, "a") as handle:
+            handle.writelines(json.dumps({"step": step, "split": "train", "loss": 1.0 / step}) + "\n" for step in (1, 2, 3))
+        await wait_until(lambda: session.state.metrics.get("quiet") and session.state.metrics["quiet"].offset > 0, what="the first events")
+        fetch_summary = session.fetch_summary
+
+        async def summary_while_the_run_writes_one_more_step(name, *, log_x):
+            if log_x:  # the load's last request: step 4 is written and its event arrives (held back) meanwhile
+                with open(metrics_file, "a") as handle:
+                    handle.write(json.dumps({"step": 4, "split": "train", "loss": 0.25}) + "\n")
+                await wait_until(lambda: session.state.metrics["quiet"].seen_end == metrics_file.stat().st_size, what="step 4's event")
+            await fetch_summary(name, log_x=log_x)
+
+        session.fetch_summary = summary_while_the_run_writes_one_more_step
+        await session.load_metrics("quiet", log_x_too=True)
+        metrics = session.state.metrics["quiet"]
+        assert metrics.train_loss.steps == [1.0, 2.0, 3.0, 4.0] and metrics.offset == metrics_file.stat().st_size
+        assert not metrics.loading and not metrics.needs_catchup
+        await session.request(Request.STOP_JOB, name="quiet", grace=2, timeout=60)
+    finally:
+        pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        await session.close()

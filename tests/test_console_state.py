@@ -57,6 +57,21 @@ def test_metrics_events_after_history_use_byte_offsets_without_duplicates_or_hol
     assert metrics.train_loss.steps == [1.0, 3.0, 4.0, 5.0] and not metrics.needs_catchup
 
 
+def test_live_events_that_do_not_follow_the_records_held_are_a_gap_even_before_any_history_load():
+    """A reconnect before the job's history was loaded: the new agent streams from the file's end; the records written
+    while the console was away must be loaded, not skipped (the curve would show steps 1, 2, 3, 6 as if contiguous)."""
+    state = ConsoleState()
+    first = {"type": "metrics", "job": "j", "records": [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9}], "start_offset": 0, "offset": 80}
+    assert state.apply(first) == {"metrics"}  # an agent meeting a run mid-file: the first event starts where it does
+    assert state.apply({"type": "metrics", "job": "j", "records": [{"step": 3, "loss": 0.8}], "start_offset": 80, "offset": 120}) == {"metrics"}
+    after_reconnect = {"type": "metrics", "job": "j", "records": [{"step": 6, "loss": 0.5}], "start_offset": 200, "offset": 240}
+    assert state.apply(after_reconnect) == {"metrics_gap"}
+    metrics = state.metrics["j"]
+    assert metrics.train_loss.steps == [1.0, 2.0, 3.0] and metrics.needs_catchup and metrics.offset == 120
+    joined_late = ConsoleState()  # a job's first event may start anywhere: there is nothing for it to follow yet
+    assert joined_late.apply({**after_reconnect, "job": "k"}) == {"metrics"} and joined_late.metrics["k"].offset == 240
+
+
 def test_nonfinite_values_are_counted_not_plotted_and_out_of_order_steps_are_sorted():
     state = ConsoleState()
     state.apply(

@@ -217,6 +217,21 @@ def test_records_appended_while_indexing_are_streamed_and_indexed_once(run_file,
     assert_index_matches(feed.index, brute_points(path))
 
 
+def test_tail_records_stop_at_the_offset_they_are_reported_with(tmp_path):
+    """The window reply's records and offset must agree even when the live stream moves on in between: records past the
+    offset would come again in the next live event (the console would hold them twice)."""
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    for step in (1, 2, 3):
+        writer.write({"step": step, "split": "train", "loss": 1.0})
+    feed = MetricsFeed(path, None, live_from_end=False)
+    _, _, reported = feed.poll_live()
+    writer.write({"step": 4, "split": "train", "loss": 1.0})
+    feed.poll_live()  # the live stream moved on to step 4
+    assert [r["step"] for r in feed.tail_records(10, end=reported)] == [1, 2, 3]
+    assert [r["step"] for r in feed.tail_records(10)] == [1, 2, 3, 4]
+
+
 def test_torn_last_line_waits_and_truncation_or_replacement_rebuilds(tmp_path):
     path = tmp_path / "metrics.jsonl"
     write_run(path, 600)
