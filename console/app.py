@@ -647,20 +647,23 @@ class ConsoleApp(RunActions):
 
     @work(group="actions", exit_on_error=False)
     async def action_start_training(self) -> None:
+        host = self.active
         name = f"train-{_short_profile(self.profile)}-{time.strftime('%H%M%S', time.localtime(self.state.clock()))}"
         argv = train_argv(self.profile)
         try:
-            result = await self.active.request(Request.START_JOB, name=name, kind="train", argv=argv)
+            result = await host.request(Request.START_JOB, name=name, kind="train", argv=argv)
         except AgentError as exc:
             self.note(f"start {name} failed: {exc}", severity="error")
             return
         job = result.get("job") or {}
         self.note(f"started {name} (pid {job.get('pid', '?')}): {' '.join(argv)}")
-        self.select_started_job(name, job)
+        self.select_started_job(name, job, host)
 
     @work(group="actions", exit_on_error=False)
     async def action_stop_job(self) -> None:
-        name = self.selected_job
+        """The stop goes to the host the job was selected on when s was pressed, even if the selection moves while the
+        plan is on screen: the PIDs confirmed are the PIDs signalled."""
+        name, host = self.selected_job, self.active
         if name is None:
             return
         nodes = self.nodes_of(name)
@@ -668,24 +671,25 @@ class ConsoleApp(RunActions):
             await self._stop_nodes(name, nodes)
             return
         try:
-            plan = await self.active.request(Request.STOP_PLAN, name=name)
+            plan = await host.request(Request.STOP_PLAN, name=name)
         except AgentError as exc:
             self.note(f"stop {name}: could not get the stop plan ({exc}); nothing was signalled", severity="error")
             return
-        before = await self.checkpoint_before_stop(name, plan)
+        before = await self.checkpoint_before_stop(name, plan, host)
         if not await self.push_screen_wait(StopModal(name, plan, self.stop_grace)):
             self.note(f"stop {name} cancelled; nothing was signalled")
             return
-        if self.disabled_reason("stop_job"):
-            self.note(f"stop {name} not sent: {self.disabled_reason('stop_job')}", severity="error")
+        reason = self.disabled_reason("stop_job") or (None if host.connected else f"disconnected from {host.name}")
+        if reason:
+            self.note(f"stop {name} not sent: {reason}", severity="error")
             return
         try:
-            result = await self.active.request(Request.STOP_JOB, name=name, grace=self.stop_grace, timeout=self.stop_grace + 60)
+            result = await host.request(Request.STOP_JOB, name=name, grace=self.stop_grace, timeout=self.stop_grace + 60)
         except AgentError as exc:
             self.note(f"stop {name} failed: {exc}", severity="error")
             return
-        self.note(f"stop {name}: {verdicts_phrase(result)}{await self.offer_resume(name, before)}")
-        self.resync()
+        self.note(f"stop {name}: {verdicts_phrase(result)}{await self.offer_resume(name, before, host)}")
+        self.resync(host)
 
     async def _stop_nodes(self, name: str, nodes: list[Node]) -> None:
         """A multi-node job: one plan from every reachable node's host, one confirmation, then stop_job on those hosts at
@@ -696,13 +700,14 @@ class ConsoleApp(RunActions):
         if planned is None:
             return
         reachable, merged = planned
-        before = await self.checkpoint_before_stop(name, merged) if reachable[0].rank == 0 else None
+        before = await self.checkpoint_before_stop(reachable[0].job.name, merged, reachable[0].session) if reachable[0].rank == 0 else None
         if not await self.push_screen_wait(StopModal(f"{name} on {len(nodes)} nodes", merged, self.stop_grace)):
             self.note(f"stop {name} cancelled; nothing was signalled on any node")
             return
         verdict, trouble = await self.stop_nodes_now(name, nodes, reachable)
         if verdict:
-            self.note(f"stop {name}: {verdict}{await self.offer_resume(name, before)}", severity="error" if trouble else "information")
+            resume = await self.offer_resume(reachable[0].job.name, before, reachable[0].session)
+            self.note(f"stop {name}: {verdict}{resume}", severity="error" if trouble else "information")
 
     @work(group="actions", exit_on_error=False)
     async def action_start_multinode(self) -> None:
@@ -748,21 +753,23 @@ class ConsoleApp(RunActions):
 
     @work(group="actions", exit_on_error=False)
     async def action_adopt(self) -> None:
-        foreign = [h for h in self.state.holders if not h.owned]
+        host = self.active
+        foreign = [h for h in host.state.holders if not h.owned]
         choice = await self.push_screen_wait(AdoptModal(foreign, foreign[0].pid if len(foreign) == 1 else None))
         if not choice:
             self.note("adopt cancelled; nothing adopted")
             return
-        if self.disabled_reason("adopt"):
-            self.note(f"adopt not sent: {self.disabled_reason('adopt')}", severity="error")
+        reason = self.disabled_reason("adopt") or (None if host.connected else f"disconnected from {host.name}")
+        if reason:
+            self.note(f"adopt not sent: {reason}", severity="error")
             return
         try:
-            result = await self.active.request(Request.ADOPT_JOB, **choice)
+            result = await host.request(Request.ADOPT_JOB, **choice)
         except AgentError as exc:
             self.note(f"adopt {choice['pid']} refused: {exc}", severity="error")
             return
         self.note(f"adopted pid {choice['pid']} as {(result.get('job') or {}).get('name', choice['name'])}")
-        self.resync()
+        self.resync(host)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         error = event.worker.error

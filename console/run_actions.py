@@ -110,6 +110,12 @@ class RunActions(App):
     def resync(self, session: HostSession | None = None) -> None:
         raise NotImplementedError
 
+    def set_active(self, session: HostSession) -> None:
+        raise NotImplementedError
+
+    def session_named(self, host: str | None) -> HostSession:
+        raise NotImplementedError
+
     def _init_run_actions(self, chain_args: list[str] | tuple[str, ...], signals_interval: float) -> None:
         self.chain_args = list(chain_args)  # extra `stop-and-bench` options (tests: --stop-server-after, --port ...)
         self.chain_job: str | None = None  # the chain the `b` key started last
@@ -125,9 +131,11 @@ class RunActions(App):
         self._job_states: dict[str, dict[str, str]] = {}  # per host (its label, "" with one host): job -> state last seen
         self._alerted: set[tuple] = set()
 
-    def select_started_job(self, name: str, wire: dict[str, Any] | None) -> None:
-        """Select a job the console just started: listed and drawn at once, so a jobs-table highlight that a redraw
-        posted for the previous selection (the agent's jobs event races with the reply) cannot take it back."""
+    def select_started_job(self, name: str, wire: dict[str, Any] | None, host: HostSession | None = None) -> None:
+        """Select a job the console just started on `host` (the active one by default, else it becomes active): listed and
+        drawn at once, so a jobs-table highlight that a redraw posted for the previous selection (the agent's jobs event
+        races with the reply) cannot take it back."""
+        self.set_active(host or self.active)
         if name not in self.state.jobs and isinstance(wire, dict):
             self.state.jobs[name] = from_dict(JobInfo, wire)
         self.selected_job = None
@@ -141,8 +149,9 @@ class RunActions(App):
 
     # -- grokking signals and data scaling (computed on the host, on request) ------------------------
 
-    def profile_of(self, job: str | None) -> str:
-        info = self.state.jobs.get(job) if job else None
+    def profile_of(self, job: str | None, host: HostSession | None = None) -> str:
+        """The profile `job` (on `host`, the active one by default) was started with; the console's own when unknown."""
+        info = (host or self.active).state.jobs.get(job) if job else None
         return job_profile(info.argv, self.profile) if info and info.argv else self.profile
 
     def profile_facts(self, name: str) -> ProfileFacts:
@@ -271,12 +280,15 @@ class RunActions(App):
 
     @work(group="actions", exit_on_error=False)
     async def action_stop_and_bench(self) -> None:
+        """Every request goes to the host the job was selected on when b was pressed (node 0's for a multi-node job), even
+        if the selection moves while the plan is on screen: the plan shown is the plan carried out."""
         job = self.selected_job
         if job is None:
             return
         info = self.state.jobs.get(job)
         running = bool(info and info.state == "running")
         nodes = self.nodes_of(job) if running else []
+        host, job = (nodes[0].session, nodes[0].job.name) if len(nodes) > 1 else (self.active, job)
         try:
             if len(nodes) > 1:
                 planned = await self.node_stop_plan(job, nodes)
@@ -284,13 +296,41 @@ class RunActions(App):
                     return
                 reachable, plan = planned
             else:
-                plan = await self.active.request(Request.STOP_PLAN, name=job)
-            checkpoints = (await self.active.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
+                plan = await host.request(Request.STOP_PLAN, name=job)
+            checkpoints = (await host.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
         except AgentError as exc:
             self.note(f"stop & bench {job}: could not get the plan ({exc}); nothing was stopped", severity="error")
             return
         argv = chain_argv(job, self.chain_args)
-        profile = option_value(self.chain_args, "--profile") or self.profile_of(job)
+        text = self.chain_plan_text(job, host, plan, checkpoints, running, argv)
+        if len(nodes) > 1:
+            text = (
+                Text(
+                    f"{job} runs on {len(nodes)} nodes: every reachable node is stopped at once first; the chain starts on "
+                    f"{host.name} (node 0, which holds the checkpoints) only after every node's stop reported its "
+                    "processes gone and its GPUs released.\n\n",
+                    style="bold yellow",
+                )
+                + text
+            )
+        if not await self.push_screen_wait(StopAndBenchModal(job, text, can_start=running or bool(checkpoints))):
+            self.note(f"stop & bench {job} cancelled; nothing was stopped")
+            return
+        reason = self.disabled_reason("stop_and_bench") or (None if host.connected else f"disconnected from {host.name}")
+        if reason:
+            self.note(f"stop & bench {job} not started: {reason}", severity="error")
+            return
+        if len(nodes) > 1:
+            verdict, trouble = await self.stop_nodes_now(job, nodes, reachable)
+            if trouble:
+                self.note(f"stop & bench {job}: the chain was not started, not every node stopped cleanly: {verdict or 'not sent'}", severity="error")
+                return
+            self.note(f"stop {job}: {verdict}")
+        await self.start_chain(host, job, argv)
+
+    def chain_plan_text(self, job: str, host: HostSession, plan: dict[str, Any], checkpoints: list, running: bool, argv: list[str]) -> Text:
+        """What stop & bench will do: the stop plan, the checkpoint it benchmarks, the engine and where that came from."""
+        profile = option_value(self.chain_args, "--profile") or self.profile_of(job, host)
         facts = self.profile_facts(profile)
         engine = option_value(self.chain_args, "--engine")
         source = "--engine" if engine else f"serve.engine of profile {facts.name}"
@@ -298,7 +338,7 @@ class RunActions(App):
             engine = facts.engine or "the profile's serve.engine"
             if facts.error:
                 source = f"profile {profile} cannot be read here: {facts.error}"
-        text = bench_plan_text(
+        return bench_plan_text(
             job,
             plan,
             checkpoints,
@@ -310,35 +350,17 @@ class RunActions(App):
             int(option_value(self.chain_args, "--num-prompts") or CHAIN_PROMPTS_DEFAULT),
             argv,
         )
-        if len(nodes) > 1:
-            text = (
-                Text(
-                    f"{job} runs on {len(nodes)} nodes: every reachable node is stopped at once first; the chain starts on "
-                    f"{self.active.name} (node 0, which holds the checkpoints) only after every node's stop reported its "
-                    "processes gone and its GPUs released.\n\n",
-                    style="bold yellow",
-                )
-                + text
-            )
-        if not await self.push_screen_wait(StopAndBenchModal(job, text, can_start=running or bool(checkpoints))):
-            self.note(f"stop & bench {job} cancelled; nothing was stopped")
-            return
-        if self.disabled_reason("stop_and_bench"):
-            self.note(f"stop & bench {job} not started: {self.disabled_reason('stop_and_bench')}", severity="error")
-            return
-        if len(nodes) > 1:
-            verdict, trouble = await self.stop_nodes_now(job, nodes, reachable)
-            if trouble:
-                self.note(f"stop & bench {job}: the chain was not started, not every node stopped cleanly: {verdict or 'not sent'}", severity="error")
-                return
-            self.note(f"stop {job}: {verdict}")
+
+    async def start_chain(self, host: HostSession, job: str, argv: list[str]) -> None:
+        """Start the stop-and-bench chain of `job` on `host`, then show it (that host becomes the active one)."""
         name = chain_job_name(job)
-        self.state.stages.pop(name, None)  # stages of an earlier chain of that name belong to its archived run
+        host.state.stages.pop(name, None)  # stages of an earlier chain of that name belong to its archived run
         try:
-            result = await self.active.request(Request.START_JOB, name=name, kind="chain", argv=argv)
+            result = await host.request(Request.START_JOB, name=name, kind="chain", argv=argv)
         except AgentError as exc:
             self.note(f"stop & bench {job} not started: {exc}", severity="error")
             return
+        self.set_active(host)
         self.chain_job = name
         self.note(f"started {name} (pid {(result.get('job') or {}).get('pid', '?')}): {' '.join(argv)}")
         self.switch_mode("chain")
@@ -376,45 +398,49 @@ class RunActions(App):
 
     @work(group="actions", exit_on_error=False)
     async def action_grok(self) -> None:
-        job = self.selected_job
+        job, host = self.selected_job, self.active
         if job is None:
             return
         try:
-            checkpoints = (await self.active.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
+            checkpoints = (await host.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
         except AgentError as exc:
             self.note(f"grok run from {job}: could not list its checkpoints ({exc}); nothing was started", severity="error")
             return
-        profile = self.profile_of(job)
+        profile = self.profile_of(job, host)
         modal = GrokModal(job, profile, checkpoints, lr=self.profile_facts(profile).learning_rate, weight_decay=GROK_WEIGHT_DECAY_DEFAULT)
         params = await self.push_screen_wait(modal)
         if not params:
             self.note(f"grok run from {job} cancelled; nothing was started")
             return
-        if self.disabled_reason("grok"):
-            self.note(f"grok run not started: {self.disabled_reason('grok')}", severity="error")
+        reason = self.disabled_reason("grok") or (None if host.connected else f"disconnected from {host.name}")
+        if reason:
+            self.note(f"grok run not started: {reason}", severity="error")
             return
         try:
-            result = await self.active.request(Request.START_JOB, name=params["name"], kind="train", argv=params["argv"])
+            result = await host.request(Request.START_JOB, name=params["name"], kind="train", argv=params["argv"])
         except AgentError as exc:
             self.note(f"grok run {params['name']} not started: {exc}", severity="error")
             return
         self.note(f"started {params['name']} (pid {(result.get('job') or {}).get('pid', '?')}): {' '.join(params['argv'])}")
-        self.select_started_job(params["name"], result.get("job"))
+        self.select_started_job(params["name"], result.get("job"), host)
 
     @work(group="actions", exit_on_error=False)
     async def action_watch_external(self) -> None:
+        host = self.active
         choice = await self.push_screen_wait(WatchModal())
         if not choice:
             self.note("watch cancelled; nothing is watched")
             return
-        if self.disabled_reason("watch_external"):
-            self.note(f"watch not sent: {self.disabled_reason('watch_external')}", severity="error")
+        reason = self.disabled_reason("watch_external") or (None if host.connected else f"disconnected from {host.name}")
+        if reason:
+            self.note(f"watch not sent: {reason}", severity="error")
             return
         try:
-            result = await self.active.request(Request.WATCH_EXTERNAL, name=choice["name"], path=choice["path"])
+            result = await host.request(Request.WATCH_EXTERNAL, name=choice["name"], path=choice["path"])
         except AgentError as exc:
             self.note(f"cannot watch {choice['path']}: {exc}", severity="error")
             return
+        self.set_active(host)
         job = str(result.get("job") or EXTERNAL_PREFIX + choice["name"])
         self.state.metrics.pop(job, None)  # the agent's reader starts from the beginning of the run
         self.state.signals.pop(job, None)
@@ -516,33 +542,33 @@ class RunActions(App):
 
     # -- resume from the checkpoint a stop wrote ------------------------------------------------------
 
-    async def _latest_checkpoint(self, job: str) -> str | None:
-        listing = (await self.active.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
+    async def _latest_checkpoint(self, job: str, host: HostSession) -> str | None:
+        listing = (await host.request(Request.LIST_CHECKPOINTS, name=job)).get("checkpoints") or []
         entries = [c for c in listing if isinstance(c, dict) and c.get("path")]
         latest = next((c for c in entries if c.get("latest")), entries[-1] if entries else None)
         return str(latest["path"]) if latest else None
 
-    async def checkpoint_before_stop(self, job: str, plan: dict[str, Any]) -> str | None:
-        """The job's latest checkpoint before the stop ("" for none); None when the stop writes none (not training)."""
-        info = self.state.jobs.get(job)
+    async def checkpoint_before_stop(self, job: str, plan: dict[str, Any], host: HostSession) -> str | None:
+        """The job's latest checkpoint on `host` before the stop ("" for none); None when the stop writes none (not training)."""
+        info = host.state.jobs.get(job)
         if info is None or info.kind != "train" or not plan.get("checkpoint_first"):
             return None
         try:
-            return await self._latest_checkpoint(job) or ""
+            return await self._latest_checkpoint(job, host) or ""
         except AgentError:
             return None
 
-    async def offer_resume(self, job: str, before: str | None) -> str:
-        """After a stop: when it wrote a new checkpoint, remember it so one key (c) resumes from it; says so (a suffix)."""
+    async def offer_resume(self, job: str, before: str | None, host: HostSession) -> str:
+        """After a stop on `host`: when it wrote a new checkpoint, remember it so one key (c) resumes from it there; says so."""
         if before is None:
             return ""
         try:
-            after = await self._latest_checkpoint(job)
+            after = await self._latest_checkpoint(job, host)
         except AgentError as exc:
             return f"; its checkpoints could not be listed ({exc})"
         if not after or after == before:
             return "; no new checkpoint was written" + (f" (the latest is still {after})" if after else "")
-        self.resume_target = {"job": job, "checkpoint": after, "profile": self.profile_of(job)}
+        self.resume_target = {"job": job, "checkpoint": after, "profile": self.profile_of(job, host), "host": host.name}
         self.refresh_bindings()
         return f"; it wrote {after}: press c to resume from it"
 
@@ -551,24 +577,26 @@ class RunActions(App):
         target = self.resume_target
         if target is None:
             return
+        host = self.session_named(target["host"])
         argv = resume_argv(target["profile"], target["checkpoint"])
         base = name = resume_job_name(target["checkpoint"])
         number = 2
-        while name in self.state.jobs:
+        while name in host.state.jobs:
             name, number = f"{base}-{number}", number + 1
         if not await self.push_screen_wait(ResumeModal(target["job"], target["checkpoint"], name, argv)):
             self.note(f"resume of {target['job']} cancelled; nothing was started")
             return
-        if self.disabled_reason("resume"):
-            self.note(f"resume not started: {self.disabled_reason('resume')}", severity="error")
+        reason = self.disabled_reason("resume") or (None if host.connected else f"disconnected from {host.name}")
+        if reason:
+            self.note(f"resume not started: {reason}", severity="error")
             return
         try:
-            result = await self.active.request(Request.START_JOB, name=name, kind="train", argv=argv)
+            result = await host.request(Request.START_JOB, name=name, kind="train", argv=argv)
         except AgentError as exc:
             self.note(f"resume {name} not started: {exc}", severity="error")
             return
         self.note(f"started {name} (pid {(result.get('job') or {}).get('pid', '?')}): {' '.join(argv)}")
-        self.select_started_job(name, result.get("job"))
+        self.select_started_job(name, result.get("job"), host)
 
 
 def verdicts_phrase(result: dict[str, Any]) -> str:

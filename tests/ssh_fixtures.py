@@ -351,8 +351,9 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-async def wait_until(predicate, timeout: float = 30.0, step: float = 0.05, what: str = "condition"):
-    """Poll `predicate` (sync or async) until it returns something truthy."""
+async def wait_until(predicate, timeout: float = 30.0, step: float = 0.05, what: str = "condition", context=None):
+    """Poll `predicate` (sync or async) until it returns something truthy; on timeout the error adds `context()` (e.g. the
+    console's notes) so a failure in CI says what the app was doing."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -361,7 +362,8 @@ async def wait_until(predicate, timeout: float = 30.0, step: float = 0.05, what:
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+            said = f"\n{context()}" if context is not None else ""
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{said}")
         await asyncio.sleep(step)
 
 

@@ -99,7 +99,9 @@ async def test_three_hosts_one_console_actions_follow_the_selected_jobs_host_and
         await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal")
         assert app.screen.pids == [job["pid"]]
         await pilot.press("y")
-        await wait_until(lambda: any(line.startswith("stop on-b:") for _, line in app.state.actions), what="the verdicts", timeout=60)
+        await wait_until(
+            lambda: any(line.startswith("stop on-b:") for _, line in app.state.actions), what="the verdicts", timeout=60, context=lambda: notes_of(app)
+        )
         assert not pid_alive(job["pid"])
 
         servers[2].stop()  # host c's sshd and its sessions die
@@ -117,6 +119,11 @@ async def test_three_hosts_one_console_actions_follow_the_selected_jobs_host_and
 
 
 SLEEPER = "import time; time.sleep(600)"
+
+
+def notes_of(app) -> str:
+    """The console's notes, oldest first: what a timed-out wait prints."""
+    return "\n".join(line for _, line in app.state.actions)
 
 
 async def sleeping_nodes(app, run_id: str) -> list[dict]:
@@ -181,15 +188,42 @@ async def test_stop_and_bench_of_a_multinode_job_stops_every_node_before_the_cha
         jobs = await sleeping_nodes(app, "mn-y")
         await pilot.press("b")
         await wait_until(lambda: isinstance(app.screen, StopAndBenchModal), what="the stop & bench plan")
+        app.set_active(b)  # the selection moves to node 1's host while the plan is on screen: the chain still goes to node 0's
         await pilot.press("y")
-        await wait_until(lambda: chain_job_name("mn-y") in a.state.jobs, timeout=60, what="the chain on node 0's host")
+        await wait_until(lambda: chain_job_name("mn-y") in a.state.jobs, timeout=120, what="the chain on node 0's host", context=lambda: notes_of(app))
+        assert app.active is a  # the chain screen shows the host it runs on
         lines = [line for _, line in app.state.actions]
         stopped = next(i for i, line in enumerate(lines) if line.startswith("stop mn-y: node 0"))
         started = next(i for i, line in enumerate(lines) if line.startswith(f"started {chain_job_name('mn-y')}"))
         assert stopped < started and f"node 1 ({b.name}): {jobs[1]['pid']} exited_on_term" in lines[stopped]
         assert not pid_alive(jobs[0]["pid"]) and not pid_alive(jobs[1]["pid"])
         assert chain_job_name("mn-y") not in b.state.jobs
-        await wait_until(lambda: a.state.jobs[chain_job_name("mn-y")].state != "running", timeout=120, what="the chain to end")
+        await wait_until(lambda: a.state.jobs[chain_job_name("mn-y")].state != "running", timeout=120, what="the chain to end", context=lambda: notes_of(app))
+
+
+@needs_sshd
+@pytest.mark.sshd
+async def test_a_stop_goes_to_the_host_whose_pids_were_confirmed_even_if_the_selection_moves_meanwhile(three_hosts, tmp_path):
+    """Two hosts each run a job called "same": the stop modal lists a's PID; a redraw or a click that selects b's "same"
+    while the modal is up must not send the stop (by name) to b, which would kill a PID the operator never saw."""
+    servers, known = three_hosts
+    app = build_app(transports(servers[:2], known, tmp_path), poll_interval=1.0, refresh_throttle=0, stop_grace=5)
+    a, b = app.sessions
+    async with app.run_test(size=(170, 45)) as pilot:
+        await wait_until(lambda: a.connected and b.connected, timeout=60, what="two agents over sshd")
+        jobs = [(await s.request(Request.START_JOB, name="same", kind="serve", argv=[sys.executable, "-c", SLEEPER]))["job"] for s in (a, b)]
+        await wait_until(lambda: "same" in a.state.jobs and "same" in b.state.jobs, what="both jobs listed")
+        app.select_job("same", a.name)
+        await pilot.press("s")
+        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal")
+        assert app.screen.pids == [jobs[0]["pid"]]
+        app.select_job("same", b.name)
+        await pilot.press("y")
+        await wait_until(
+            lambda: any(line.startswith("stop same:") for _, line in app.state.actions), timeout=60, what="the verdict", context=lambda: notes_of(app)
+        )
+        assert not pid_alive(jobs[0]["pid"]) and pid_alive(jobs[1]["pid"])
+        os.killpg(jobs[1]["pgid"], signal.SIGKILL)
 
 
 @needs_sshd
