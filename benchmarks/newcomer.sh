@@ -98,7 +98,7 @@ with open(log_path, "wb") as log:
         alt = raw.find(b"\x1b[?1049h")
         if frame is None and alt >= 0 and b"eagle3-console" in ANSI.sub(b"", bytes(raw[alt:])):
             frame = time.monotonic() - started
-        if frame is not None and connected is None and b"connected to" in ANSI.sub(b"", bytes(raw[alt:])):
+        if frame is not None and connected is None and "● connected".encode() in ANSI.sub(b"", bytes(raw[alt:])):
             connected = time.monotonic() - started
         if frame is not None and (connected is not None or time.monotonic() - started > frame + 30):
             break
@@ -129,10 +129,10 @@ PYEOF
 }
 
 read -r frame connected lines < <(first_frame "$LOGS/first-run.pty")
-record "1st ./scripts/run -> first frame" "${frame} s (install included; $lines setup lines shown; 'connected to' at ${connected} s)"
+record "1st ./scripts/run -> first frame" "${frame} s (install included; $lines setup lines shown; banner '● connected' at ${connected} s)"
 [ "$frame" = none ] && { echo "newcomer: no first frame; see $LOGS/first-run.pty" >&2; exit 1; }
 read -r frame connected lines < <(first_frame "$LOGS/second-run.pty")
-record "2nd ./scripts/run -> first frame" "${frame} s ($lines setup lines; 'connected to' at ${connected} s)"
+record "2nd ./scripts/run -> first frame" "${frame} s ($lines setup lines; banner '● connected' at ${connected} s)"
 
 # The tiny demo, as the `n` key starts it: one process; phases from its log lines' arrival times.
 cd "$CLONE"
