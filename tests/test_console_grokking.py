@@ -492,10 +492,14 @@ async def test_signals_follow_new_metrics_at_a_modest_rate_and_data_scaling_is_e
             original(session, event, changed)
 
         app.session_event = counting
+        hooked = time.monotonic()
         total = steps + steps // 5
         await wait_until(lambda: app.state.signals.get("writer", {}).get("n_records") == total, timeout=60, what="signals computed over every record")
-        assert 1 <= app.signals_fetches < len(events) + 2
-        assert app.signals_fetches <= 2 + 6.0 / 2.0 + len(events) // 2  # throttled: never one request per event
+        # Throttled to one request per signals_interval (2 s) plus the selection's and the screen's own, however many
+        # metrics events came (on a loaded machine the history load may carry every record and no event comes at all).
+        assert 1 <= app.signals_fetches <= 2 + math.ceil((time.monotonic() - hooked) / 2.0)
+        if len(events) >= 10:
+            assert app.signals_fetches < len(events), "one request per metrics event"
         signals = app.state.signals["writer"]
         assert signals["latest"]["tokens"] == steps * 1000 and signals["tau_hat"] == pytest.approx(1 + 0.5 + 0.15)
         report = await wait_until(lambda: app.state.data_scaling.get("writer"), what="data scaling")
