@@ -367,6 +367,12 @@ async def wait_until(predicate, timeout: float = 30.0, step: float = 0.05, what:
         await asyncio.sleep(step)
 
 
+async def screen_shown(app, kind, what: str = "the screen", timeout: float = 30.0):
+    """Wait until a screen of `kind` is on top with its widgets mounted, and return it: a pushed screen is on the stack
+    before it has composed, and a query or a key sent in between finds nothing (seen on a loaded machine)."""
+    return await wait_until(lambda: app.screen if isinstance(app.screen, kind) and app.screen.is_mounted else None, timeout=timeout, what=what)
+
+
 async def connected(app):
     """Wait until the app's agent said hello."""
     await wait_until(lambda: app.state.connection.connected and app.state.hello, what="the local agent")

@@ -14,7 +14,7 @@ from backend.commands import chain_argv
 from console.screens.chain import ChainScreen, chain_outcome, result_panel_text, stage_elapsed
 from console.screens.modals import StopAndBenchModal, bench_plan_text
 from console.transport import LocalTransport
-from ssh_fixtures import connected, free_port, job_argv, pid_alive, stop_everything, wait_until
+from ssh_fixtures import connected, free_port, job_argv, pid_alive, screen_shown, stop_everything, wait_until
 from test_console_snapshots import NOW, STOP_PLAN, frozen_state, wire_jobs
 from tests.conftest import threads_for_tests
 
@@ -381,7 +381,7 @@ async def test_stop_and_bench_modal_lists_the_plan_and_cancel_touches_nothing(tm
         app.select_job("train-x")
         await pilot.pause()
         await pilot.press("b")
-        modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopAndBenchModal) else None, what="the plan modal")
+        modal = await screen_shown(app, StopAndBenchModal, "the plan modal")
         plan = str(modal.query_one("#bench-plan").render())
         assert f"{job['pid']}" in plan and "graceful and checkpoint-aware" in plan
         assert "Checkpoint first: only if training steps have begun" in plan  # the plan is built without the job's metrics
@@ -494,11 +494,11 @@ async def test_stop_and_bench_key_end_to_end_on_tiny(trained_tiny_run, tmp_path,
             )
 
             await pilot.press("b")
-            modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopAndBenchModal) else None, what="the plan modal")
+            modal = await screen_shown(app, StopAndBenchModal, "the plan modal")
             plan = str(modal.query_one("#bench-plan").render())
             assert str(train["pid"]) in plan and "engine reference" in plan
             await pilot.press("y")
-            await wait_until(lambda: isinstance(app.screen, ChainScreen), what="the chain screen")
+            await screen_shown(app, ChainScreen, "the chain screen")
             await wait_until(
                 lambda: chain_outcome(app.state.stages.get("chain-train-demo", []))["state"] in ("ok", "failed"),
                 timeout=600,

@@ -22,7 +22,7 @@ from console.screens.modals import WatchModal
 from console.screens.chain import result_panel_text
 from console.widgets.format import accept_length
 from console.widgets.grok_panels import acceptance_text, data_scaling_text, norms_text, signals_text
-from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
+from ssh_fixtures import connected, job_argv, pid_alive, screen_shown, stop_everything, wait_until
 from test_console_chain import amber_records
 from test_console_snapshots import NOW, frozen_state, wire_jobs
 
@@ -553,7 +553,7 @@ async def test_watch_an_external_run_read_only_on_the_training_and_grokking_scre
     async with app.run_test(size=SIZE) as pilot:
         await connected(app)
         await pilot.press("w")
-        modal = await wait_until(lambda: app.screen if isinstance(app.screen, WatchModal) else None, what="the watch modal")
+        modal = await screen_shown(app, WatchModal, "the watch modal")
         modal.query_one("#watch-path", Input).value = str(log)
         modal.query_one("#watch-name", Input).value = "sf"
         modal.query_one("#watch-path", Input).focus()
@@ -589,7 +589,7 @@ async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
         await wait_until(lambda: "base" in app.state.jobs, what="the base job listed")
         app.select_job("base")
         await pilot.press("g")
-        modal = await wait_until(lambda: app.screen if isinstance(app.screen, GrokModal) else None, what="the grok modal")
+        modal = await screen_shown(app, GrokModal, "the grok modal")
         await pilot.pause()
         modal.query_one("#grok-lr", Input).value = "2e-4"
         modal.query_one("#grok-wd", Input).value = "0.5"

@@ -19,7 +19,7 @@ from console.screens.modals import MultiNodeModal, StopModal
 from console.state import CONNECTED, FAILED, RECONNECTING, ConnectionStatus, ConsoleState
 from console.transport import SSHTransport
 from console.widgets.hosts import nodes_of
-from ssh_fixtures import RealSSHD, free_port, job_argv, pid_alive, sshd_available, wait_until
+from ssh_fixtures import RealSSHD, free_port, job_argv, pid_alive, screen_shown, sshd_available, wait_until
 
 needs_sshd = pytest.mark.skipif(not sshd_available(), reason="OpenSSH sshd not installed (/usr/sbin/sshd); CI installs openssh-server")
 NOW = 1_800_000_000.0
@@ -78,7 +78,7 @@ async def test_three_hosts_one_console_actions_follow_the_selected_jobs_host_and
         await wait_until(lambda: "on-b" in b.state.jobs, what="b's jobs event")
 
         await pilot.press("6")
-        await wait_until(lambda: isinstance(app.screen, HostsScreen), what="the Hosts view")
+        await screen_shown(app, HostsScreen, "the Hosts view")
         app.redraw_now()
         await pilot.pause()
         rows = table_rows(app, "#hosts")
@@ -96,7 +96,7 @@ async def test_three_hosts_one_console_actions_follow_the_selected_jobs_host_and
         assert [(r[0], r[1]) for r in jobs] == [(b.name, "on-b")]  # one table across hosts, with the host column
 
         await pilot.press("s")  # the stop goes to the selected job's host
-        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal")
+        await screen_shown(app, StopModal, "the stop modal")
         assert app.screen.pids == [job["pid"]]
         await pilot.press("y")
         await wait_until(
@@ -109,7 +109,7 @@ async def test_three_hosts_one_console_actions_follow_the_selected_jobs_host_and
         await asyncio.sleep(2.5)  # a few keepalive/poll rounds: a and b must stay live
         assert a.state.connection.state == CONNECTED and b.state.connection.state == CONNECTED
         await pilot.press("6")
-        await wait_until(lambda: isinstance(app.screen, HostsScreen), what="the Hosts view again")
+        await screen_shown(app, HostsScreen, "the Hosts view again")
         app.redraw_now()
         await pilot.pause()
         rows = table_rows(app, "#hosts")
@@ -163,7 +163,7 @@ async def test_a_node_whose_host_is_unreachable_is_named_and_left_alone_while_th
         await pilot.pause()
         assert "node 1 (" + b.name + "): host not answering" in table_rows(app, "#jobs")[0][10]
         await pilot.press("s")
-        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop plan")
+        await screen_shown(app, StopModal, "the stop plan")
         assert app.screen.pids == [jobs[0]["pid"]]
         assert "NOT signalled" in str(app.screen.query_one("#stop-plan").render())
         await pilot.press("y")
@@ -187,7 +187,7 @@ async def test_stop_and_bench_of_a_multinode_job_stops_every_node_before_the_cha
     async with app.run_test(size=(170, 45)) as pilot:
         jobs = await sleeping_nodes(app, "mn-y")
         await pilot.press("b")
-        await wait_until(lambda: isinstance(app.screen, StopAndBenchModal), what="the stop & bench plan")
+        await screen_shown(app, StopAndBenchModal, "the stop & bench plan")
         app.set_active(b)  # the selection moves to node 1's host while the plan is on screen: the chain still goes to node 0's
         await pilot.press("y")
         await wait_until(lambda: chain_job_name("mn-y") in a.state.jobs, timeout=120, what="the chain on node 0's host", context=lambda: notes_of(app))
@@ -215,7 +215,7 @@ async def test_a_stop_goes_to_the_host_whose_pids_were_confirmed_even_if_the_sel
         await wait_until(lambda: "same" in a.state.jobs and "same" in b.state.jobs, what="both jobs listed")
         app.select_job("same", a.name)
         await pilot.press("s")
-        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal")
+        await screen_shown(app, StopModal, "the stop modal")
         assert app.screen.pids == [jobs[0]["pid"]]
         app.select_job("same", b.name)
         await pilot.press("y")
@@ -375,7 +375,7 @@ async def test_m_trains_one_job_across_two_sshd_hosts_and_s_stops_every_node_wit
     async with app.run_test(size=(170, 45)) as pilot:
         await wait_until(lambda: a.connected and b.connected, timeout=60, what="two agents over sshd")
         await pilot.press("m")
-        await wait_until(lambda: isinstance(app.screen, MultiNodeModal), what="the multi-node plan")
+        await screen_shown(app, MultiNodeModal, "the multi-node plan")
         assert [host for host, _ in app.screen.nodes] == [a.name, b.name]
         assert all(f"127.0.0.1:{port}" in argv and "--node-rank" in argv for _, argv in app.screen.nodes)
         await pilot.press("y")
@@ -398,7 +398,7 @@ async def test_m_trains_one_job_across_two_sshd_hosts_and_s_stops_every_node_wit
         assert (dirs[0] / "metrics.jsonl").exists() and not (dirs[1] / "metrics.jsonl").exists()  # only rank 0 writes metrics
 
         await pilot.press("s")
-        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop plan of both nodes")
+        await screen_shown(app, StopModal, "the stop plan of both nodes")
         plan = app.screen.plan
         assert {e["job"].rsplit("(", 1)[1] for e in plan["will_signal"]} == {f"node 0 {a.name})", f"node 1 {b.name})"}
         pids = app.screen.pids

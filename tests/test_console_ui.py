@@ -19,7 +19,7 @@ from console.screens.logs import TAIL_LINES, LogsScreen, lines_label
 from console.screens.modals import AdoptModal, ResumeModal, StopModal, checkpoint_line, pids_phrase, stop_plan_text, training_phases
 from console.screens.training import TrainingScreen
 from console.transport import LocalTransport
-from ssh_fixtures import connected, job_argv, pid_alive, stop_everything, wait_until
+from ssh_fixtures import connected, job_argv, pid_alive, screen_shown, stop_everything, wait_until
 from test_console_snapshots import STOP_PLAN, frozen_state
 
 SIZE = (150, 45)
@@ -168,7 +168,7 @@ async def test_stop_modal_lists_the_pids_and_stop_really_ends_the_job(tmp_path):
         await wait_until(lambda: app.state.metrics.get("victim") and app.state.metrics["victim"].records, what="its steps logged")
 
         await pilot.press("s")
-        modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopModal) else None, what="the stop modal")
+        modal = await screen_shown(app, StopModal, "the stop modal")
         assert modal.pids == [job["pid"]]
         text = str(modal.query_one("#stop-plan").render())
         assert str(job["pid"]) in text and "Checkpoint first: YES" in text and "Foreign GPU holders, left alone" in text
@@ -177,7 +177,7 @@ async def test_stop_modal_lists_the_pids_and_stop_really_ends_the_job(tmp_path):
         assert pid_alive(job["pid"])
 
         await pilot.press("s")
-        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal again")
+        await screen_shown(app, StopModal, "the stop modal again")
         await pilot.press("y")
         await wait_until(lambda: app.state.actions[-1][1].startswith("stop victim:"), timeout=60, what="the stop verdicts")
         assert f"{job['pid']} exited_on_term" in app.state.actions[-1][1]
@@ -192,7 +192,7 @@ async def test_adopt_refuses_a_mistyped_pid_and_adopts_the_confirmed_one(tmp_pat
     async with app.run_test(size=SIZE) as pilot:
         await connected(app)
         await pilot.press("a")
-        modal = await wait_until(lambda: app.screen if isinstance(app.screen, AdoptModal) else None, what="the adopt modal")
+        modal = await screen_shown(app, AdoptModal, "the adopt modal")
         modal.query_one("#adopt-pid", Input).value = str(foreign.pid)
         modal.query_one("#adopt-confirm", Input).value = str(foreign.pid + 1)
         modal.query_one("#adopt-confirm", Input).focus()
@@ -325,7 +325,7 @@ async def test_palette_hints_show_each_key_once_and_plainly():
     async with app.run_test(size=SIZE) as pilot:
         app.select_job("train-kimi")
         await pilot.press("ctrl+p")
-        palette = await wait_until(lambda: app.screen if isinstance(app.screen, CommandPalette) else None, what="the palette")
+        palette = await screen_shown(app, CommandPalette, "the palette")
         await wait_until(lambda: palette.query_one(CommandList).option_count > 0, what="palette entries")
         options = palette.query_one(CommandList)
         shown = "\n".join(str(options.get_option_at_index(i).prompt) for i in range(options.option_count))
@@ -344,7 +344,7 @@ async def test_stop_modal_of_a_real_training_job_still_in_setup_says_no_checkpoi
         app.select_job("in-setup")
         await wait_until(lambda: app.state.metrics.get("in-setup") and app.state.metrics["in-setup"].history_loaded, what="its (empty) metrics loaded")
         await pilot.press("s")
-        modal = await wait_until(lambda: app.screen if isinstance(app.screen, StopModal) else None, what="the stop modal")
+        modal = await screen_shown(app, StopModal, "the stop modal")
         text = str(modal.query_one("#stop-plan").render())
         assert "This PID gets SIGTERM" in text and "Checkpoint first: NO" in text and "in-setup has logged no training step" in text
         await pilot.press("escape")
@@ -415,13 +415,13 @@ async def test_a_stop_that_wrote_a_checkpoint_offers_one_key_to_resume_from_it()
         app.client = client
         assert app.disabled_reason("resume") == "no stop has written a checkpoint yet"
         await pilot.press("s")
-        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal")
+        await screen_shown(app, StopModal, "the stop modal")
         await pilot.press("y")
         await wait_until(lambda: app.resume_target is not None, what="the checkpoint the stop wrote")
         assert any(line == f"stop train-kimi: 1234 exited_on_term; it wrote {NEW_CKPT}: press c to resume from it" for _, line in app.state.actions)
         assert app.disabled_reason("resume") is None
         await pilot.press("c")
-        await wait_until(lambda: isinstance(app.screen, ResumeModal), what="the resume modal")
+        await screen_shown(app, ResumeModal, "the resume modal")
         argv = ["eagle3-host", "train", "--profile", "tiny", "--resume", NEW_CKPT]
         assert app.screen.argv == argv and " ".join(argv) in str(app.screen.query_one("#resume-plan").render())
         await pilot.press("y")
@@ -438,7 +438,7 @@ async def test_a_stop_without_a_new_checkpoint_offers_no_resume():
         await pilot.pause()
         app.client = FakeClient([{"path": "/r/jobs/train-kimi/checkpoints/epoch_1_step_2000", "epoch": 1, "step": 2000, "latest": True}])
         await pilot.press("s")
-        await wait_until(lambda: isinstance(app.screen, StopModal), what="the stop modal")
+        await screen_shown(app, StopModal, "the stop modal")
         await pilot.press("y")
         await wait_until(lambda: app.state.actions[-1][1].startswith("stop train-kimi:"), what="the stop verdicts")
         assert "no new checkpoint was written (the latest is still" in app.state.actions[-1][1]
