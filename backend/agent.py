@@ -355,9 +355,10 @@ class Agent:
                 files.latest = records[-1]
             if end != start:
                 self.out.send({"type": Event.METRICS, "job": name, "records": records, "offset": end, "start_offset": start})
+            stages_start = files.stages.offset
             stages = files.stages.poll()
             if stages:
-                self.out.send({"type": Event.STAGES, "job": name, "records": stages, "offset": files.stages.offset})
+                self.out.send({"type": Event.STAGES, "job": name, "records": stages, "offset": files.stages.offset, "start_offset": stages_start})
 
     def _index_loop(self) -> None:
         """Scan backlogs (files the agent never saw whole) in chunks, report progress, save the sidecars."""
@@ -701,7 +702,8 @@ class Agent:
 
     def _stages_history(self, message: dict) -> dict:
         record = self.registry.get(param(message, "name", str))
-        return {"records": JsonlFollower(Path(record.info.job_dir) / STAGES_FILENAME).read_all()}
+        follower = JsonlFollower(Path(record.info.job_dir) / STAGES_FILENAME)
+        return {"records": follower.read_all(), "offset": follower.offset}
 
     def _follow_log(self, message: dict) -> dict:
         name = param(message, "name", str, None)

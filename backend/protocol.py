@@ -29,7 +29,7 @@ class Event:
     JOBS = "jobs"  # when the job table changes, and every few ticks: {"jobs": [JobInfo...]}
     METRICS = "metrics"  # new metrics.jsonl records (cleaned): {"job", "records": [...], "start_offset": int, "offset": int}
     INDEX_PROGRESS = "index_progress"  # a backlog being indexed: {"job", "indexed_bytes", "file_bytes", "caught_up", ...}
-    STAGES = "stages"  # new stages.jsonl lines of a chain job: {"job": name, "records": [...]}
+    STAGES = "stages"  # new stages.jsonl lines of a chain job: {"job": name, "records": [...], "start_offset": b, "offset": e}
     DISK = "disk"  # every few ticks: {"disks": [DiskUsage...]}
     LOG = "log"  # lines of a followed log: {"job": name, "stream": "stdout"|"stderr", "lines": [...]}
     REPLY = "reply"
@@ -51,7 +51,7 @@ class Request:
     METRICS_HISTORY = "metrics_history"  # {"name", "offset"?: int} -> {"records": [...], "offset": int, "more": bool} (bounded pages)
     METRICS_SERIES = "metrics_series"  # {"name", "keys": [... "weight_norm.*"], "from"?, "to"?, "points", "log_x"?} -> buckets per key
     METRICS_WINDOW = "metrics_window"  # {"name", "last": N, "val": K} -> {"records": last N, "val": last K val records, "offset"}
-    STAGES_HISTORY = "stages_history"  # {"name"} -> {"records": [...]}
+    STAGES_HISTORY = "stages_history"  # {"name"} -> {"records": [...], "offset": bytes read}
     FOLLOW_LOG = "follow_log"  # {"name"?, "stream"} -> {} ; then LOG events; name null stops following
     LIST_CHECKPOINTS = "list_checkpoints"  # {"name"} -> {"checkpoints": [{"path","epoch","step","latest"}]}
     SIGNALS = "signals"  # {"name"} -> grokking/health signals computed from the job's metrics (backend/signals.py)

@@ -302,6 +302,8 @@ class ConsoleApp(RunActions):
             return
         if "metrics_gap" in changed and session.client is not None:
             self.catch_up_metrics(session)
+        if "stages_gap" in changed and session.client is not None:
+            self.run_worker(self._catch_up_stages(session, str(event.get("job"))), group=f"stages:{session.name}", exit_on_error=False)
         if session is not self.active:
             return
         kind, job = event.get("type"), event.get("job")
@@ -447,6 +449,7 @@ class ConsoleApp(RunActions):
         """After (re)connecting: snapshot, watched runs, holders, and (on the active host) the selected job's metrics and logs."""
         try:
             await session.resync()
+            await self._reload_stages(session)
             if session is not self.active:
                 return
             if self.selected_job not in self.state.jobs:
@@ -513,6 +516,18 @@ class ConsoleApp(RunActions):
     def catch_up_metrics(self, session: HostSession | None = None) -> None:
         session = session or self.active
         self.run_worker(session.catch_up_metrics(), name=f"catch up {session.name}", group=f"catchup:{session.name}", exclusive=True, exit_on_error=False)
+
+    async def _reload_stages(self, session: HostSession) -> None:
+        """Every chain whose stages this console holds, read again: lines written while the link was down came in no
+        event (a new agent follows each file from its end)."""
+        for job in [name for name in session.state.stages if name in session.state.jobs]:
+            await self._catch_up_stages(session, job)
+
+    async def _catch_up_stages(self, session: HostSession, job: str) -> None:
+        try:
+            await session.load_stages(job)
+        except AgentError:
+            pass  # disconnected or timed out: the next stages event finds the gap again and asks again
 
     def _poll_tick(self) -> None:
         """Slow poll of what the agents do not push (GPU holders), every connected host; paused while a modal is open."""

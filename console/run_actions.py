@@ -250,12 +250,11 @@ class RunActions(App):
         if not chain or not self._can_ask():
             return
         try:
-            history = await self.active.request(Request.STAGES_HISTORY, name=chain)
+            await self.active.load_stages(chain)
         except AgentError as exc:
             if exc.code not in ("disconnected", "timeout"):
                 self.note(f"stages of {chain}: {exc}", severity="warning")
             return
-        self.state_changed(self.state.apply_stages_history(chain, history.get("records") or []))
         await self._load_results(self._train_job_of_chain(chain))
 
     def _on_chain_progress(self, chain: str) -> None:
@@ -354,7 +353,7 @@ class RunActions(App):
     async def start_chain(self, host: HostSession, job: str, argv: list[str]) -> None:
         """Start the stop-and-bench chain of `job` on `host`, then show it (that host becomes the active one)."""
         name = chain_job_name(job)
-        host.state.stages.pop(name, None)  # stages of an earlier chain of that name belong to its archived run
+        host.forget_stages(name)  # stages of an earlier chain of that name belong to its archived run
         try:
             result = await host.request(Request.START_JOB, name=name, kind="chain", argv=argv)
         except AgentError as exc:

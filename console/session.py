@@ -46,6 +46,7 @@ class HostSession:
         self.events_seen = 0
         self.externals_agent: int | None = None  # agent pid the external watches were registered with
         self._metrics_locks: dict[str, asyncio.Lock] = {}
+        self._stages_locks: dict[str, asyncio.Lock] = {}
         self.summary_at: dict[tuple[str, bool], float] = {}
         self.summary_pending: set[tuple[str, bool]] = set()
 
@@ -132,6 +133,27 @@ class HostSession:
                 self.note(f"re-watching {path} as {job} failed: {exc}", "warning")
             self.state.metrics.pop(job, None)
         self.externals_agent = agent
+
+    # -- a chain's stages -------------------------------------------------------------------------------
+
+    async def load_stages(self, job: str, attempts: int = 3) -> None:
+        """A chain job's whole stages.jsonl (on attach, or after a gap in its events). One load per job at a time: a
+        caller that finds one running leaves it to that one, which reads again while events reported lines beyond what
+        its reply held (its request may have been answered before the gap's lines were written)."""
+        lock = self._stages_locks.setdefault(job, asyncio.Lock())
+        if lock.locked():
+            return
+        async with lock:
+            for _ in range(attempts):
+                history = await self.request(Request.STAGES_HISTORY, name=job)
+                self.changed(self.state.apply_stages_history(job, history.get("records") or [], history.get("offset")))
+                if self.state.stages_offset.get(job, 0) >= self.state.stages_seen_end.get(job, 0):
+                    return
+
+    def forget_stages(self, job: str) -> None:
+        """A new chain of that name starts a new stages.jsonl: the records and offsets of the earlier one go."""
+        for table in (self.state.stages, self.state.stages_offset, self.state.stages_seen_end):
+            table.pop(job, None)
 
     # -- a job's metrics: whole-history buckets, the live tail, catch-up after a gap -------------------
 

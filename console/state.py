@@ -220,6 +220,8 @@ class ConsoleState:
     job_details: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, JobMetrics] = field(default_factory=dict)
     stages: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    stages_offset: dict[str, int] = field(default_factory=dict)  # bytes of a chain's stages.jsonl the records above cover
+    stages_seen_end: dict[str, int] = field(default_factory=dict)  # the furthest byte any stages event reached
     signals: dict[str, dict[str, Any]] = field(default_factory=dict)  # job -> the agent's `signals` reply
     signals_at: dict[str, float] = field(default_factory=dict)
     data_scaling: dict[str, dict[str, Any]] = field(default_factory=dict)  # job -> `data_scaling` reply (or {"error"})
@@ -395,8 +397,10 @@ class ConsoleState:
         keys = ("indexed_bytes", "file_bytes", "backlog_bytes", "caught_up", "total_records", "bad_lines", "sidecar")
         metrics.progress = {k: result[k] for k in keys if k in result}
 
-    def apply_stages_history(self, job: str, records: list[dict[str, Any]]) -> set[str]:
-        """Replace a chain job's stage records with the agent's full history (on (re)attach)."""
+    def apply_stages_history(self, job: str, records: list[dict[str, Any]], offset: Any = None) -> set[str]:
+        """Replace a chain job's stage records with the agent's full history (on (re)attach, or after a gap)."""
+        if isinstance(offset, int):
+            self.stages_offset[job] = max(self.stages_offset.get(job, 0), offset)
         known = self.stages.get(job, [])
         received = {_stage_key(r): r.get("_received") for r in known}
         fresh = []
@@ -526,6 +530,15 @@ def _on_stages(state: ConsoleState, message: dict[str, Any]) -> set[str]:
         if isinstance(record, dict) and _stage_key(record) not in seen:  # also delivered by stages_history
             known.append({**record, "_received": now})
             seen.add(_stage_key(record))
+    start, end = message.get("start_offset"), message.get("offset")
+    if isinstance(end, int):
+        state.stages_seen_end[job] = max(state.stages_seen_end.get(job, 0), end)
+    if isinstance(start, int) and start > state.stages_offset.get(job, 0):
+        # Lines before this event's were never received (a new agent after a reconnect follows the file from its end,
+        # or this console attached late): the offset stays put, so every event says so until stages_history fills it.
+        return {"stages", "stages_gap"}
+    if isinstance(end, int):
+        state.stages_offset[job] = max(state.stages_offset.get(job, 0), end)
     return {"stages"}
 
 

@@ -131,6 +131,9 @@ def test_round_trip(agent, tmp_path):
     agent.wait(lambda m: m["type"] == "jobs" and any(j["name"] == "writer" and j["state"] == "running" for j in m["jobs"]))
     _, stages = agent.wait(lambda m: m["type"] == "stages" and m["job"] == "writer")
     assert stages["records"][0]["stage"] == "train"
+    assert stages["start_offset"] == 0 and stages["offset"] > 0  # byte offsets, so a console can tell a gap
+    history = agent.ok("stages_history", name="writer")
+    assert history["records"][0]["stage"] == "train" and history["offset"] >= stages["offset"]
 
     steps: list[int] = []
     index = 0

@@ -1,5 +1,6 @@
 """The Stop & bench key: its plan modal, the chain screen (stages, result panel, earlier results), and the tiny run end to end."""
 
+import asyncio
 import os
 import signal
 import sys
@@ -453,6 +454,36 @@ async def test_chain_stages_survive_a_reconnect_without_gaps_or_duplicates(tmp_p
         seen = [(r["stage"], r["status"]) for r in app.state.stages["chain-train-z"]]
         assert seen == [(stage, status) for stage in CHAIN_STAGES for status in ("running", "ok")]
         assert "finished" in text_of(app, "#chain-title")
+        await stop_everything(app, grace=5, timeout=120)
+        assert not pid_alive(job["pid"])
+
+
+async def test_chain_stages_written_while_the_link_was_down_arrive_with_the_chain_screen_not_shown(tmp_path):
+    """Nothing re-attaches the chain on reconnect when its screen is not shown: the new agent's first stages event starts
+    past what the console holds, and that gap alone fetches the lines in between (they used to be lost: the chain read
+    stop..launch, then bench ok)."""
+    from console.screens.chain import CHAIN_STAGES
+
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        argv = [sys.executable, "-c", STAGE_WRITER.format(stages=CHAIN_STAGES), "--job", "train-w"]
+        job = (await app.client.request(Request.START_JOB, name="chain-train-w", kind="chain", argv=argv))["job"]
+        await wait_until(lambda: len(app.state.stages.get("chain-train-w", [])) >= 3, what="the first stages")
+        await pilot.press("1")
+        agent_pid = app.state.hello.agent_pid
+        os.kill(agent_pid, signal.SIGKILL)
+        await asyncio.sleep(1.0)  # lines are written while no agent follows the file
+        await wait_until(lambda: app.state.connection.connected and app.state.hello.agent_pid != agent_pid, what="the reconnect")
+        expected = [(stage, status) for stage in CHAIN_STAGES for status in ("running", "ok")]
+        await wait_until(
+            lambda: len(app.state.stages["chain-train-w"]) == len(expected),
+            timeout=30,
+            what="every stage line",
+            context=lambda: app.state.stages["chain-train-w"],
+        )
+        assert [(r["stage"], r["status"]) for r in app.state.stages["chain-train-w"]] == expected
+        assert not isinstance(app.screen, ChainScreen)
         await stop_everything(app, grace=5, timeout=120)
         assert not pid_alive(job["pid"])
 

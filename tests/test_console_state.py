@@ -72,6 +72,30 @@ def test_live_events_that_do_not_follow_the_records_held_are_a_gap_even_before_a
     assert joined_late.apply({**after_reconnect, "job": "k"}) == {"metrics"} and joined_late.metrics["k"].offset == 240
 
 
+def test_stage_events_that_skip_lines_are_a_gap_until_the_history_covers_them():
+    """A new agent after a reconnect follows stages.jsonl from its end: the lines written meanwhile (launch ok, canary,
+    bench running) came in no event. The state says so on every event until stages_history covers them, then merges."""
+
+    def line(stage, status, t):
+        return {"stage": stage, "status": status, "time": t}
+
+    state = ConsoleState()
+    assert state.apply({"type": "stages", "job": "c", "records": [line("stop", "running", 1)], "start_offset": 0, "offset": 50}) == {"stages"}
+    assert state.apply({"type": "stages", "job": "c", "records": [line("stop", "ok", 2)], "start_offset": 50, "offset": 100}) == {"stages"}
+    skipped = {"type": "stages", "job": "c", "records": [line("bench", "ok", 6)], "start_offset": 300, "offset": 350}
+    assert state.apply(skipped) == {"stages", "stages_gap"} and state.stages_offset["c"] == 100
+    assert state.apply({**skipped, "records": [line("result", "ok", 7)], "start_offset": 350, "offset": 400}) == {"stages", "stages_gap"}
+    history = [line("stop", "running", 1), line("stop", "ok", 2), line("launch", "ok", 3), line("canary", "ok", 4), line("bench", "running", 5)]
+    state.apply_stages_history("c", history + [line("bench", "ok", 6)], offset=350)
+    assert [(r["stage"], r["status"]) for r in state.stages["c"]] == [(r["stage"], r["status"]) for r in history] + [("bench", "ok"), ("result", "ok")]
+    assert state.stages_offset["c"] == 350 and state.stages_seen_end["c"] == 400  # the reply predates "result": read again
+    assert state.apply({"type": "stages", "job": "c", "records": [], "start_offset": 400, "offset": 400}) == {"stages", "stages_gap"}
+    state.apply_stages_history("c", history + [line("bench", "ok", 6), line("result", "ok", 7)], offset=400)
+    assert len(state.stages["c"]) == 7 and state.stages_offset["c"] == 400
+    follows = {"type": "stages", "job": "c", "records": [line("done", "ok", 8)], "start_offset": 400, "offset": 450}
+    assert state.apply(follows) == {"stages"} and state.stages_offset["c"] == 450
+
+
 def test_nonfinite_values_are_counted_not_plotted_and_out_of_order_steps_are_sorted():
     state = ConsoleState()
     state.apply(
