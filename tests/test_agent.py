@@ -337,13 +337,16 @@ def test_the_agent_answers_every_hostile_line(agent):
 
 
 def test_log_following_survives_a_line_longer_than_a_chunk(agent, tmp_path):
+    go = tmp_path / "go"  # the job writes only once the agent follows its log (following starts at the log's end)
     script = (
-        "import sys, time\nsys.stdout.write('x' * (3 << 20)); sys.stdout.flush(); time.sleep(0.5)\n"
+        "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+        "sys.stdout.write('x' * (3 << 20)); sys.stdout.flush(); time.sleep(0.5)\n"
         "for i in range(3):\n    sys.stdout.write(f'\\rprogress {i}'); sys.stdout.flush(); time.sleep(0.2)\n"
         "print(); print('after', flush=True); time.sleep(60)\n"
     )
-    agent.ok("start_job", name="bar", kind="other", argv=[PY, "-c", script])
+    agent.ok("start_job", name="bar", kind="other", argv=[PY, "-c", script, str(go)])
     agent.ok("follow_log", name="bar", stream="stdout")
+    go.touch()
     seen: list[str] = []
 
     def got_after(message) -> bool:
