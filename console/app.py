@@ -694,7 +694,7 @@ class ConsoleApp(RunActions):
         if not await self.push_screen_wait(StopModal(name, plan, self.stop_grace)):
             self.note(f"stop {name} cancelled; nothing was signalled")
             return
-        reason = self.disabled_reason("stop_job") or (None if host.connected else f"disconnected from {host.name}")
+        reason = self.refusal("stop_job", host)
         if reason:
             self.note(f"stop {name} not sent: {reason}", severity="error")
             return
@@ -774,7 +774,7 @@ class ConsoleApp(RunActions):
         if not choice:
             self.note("adopt cancelled; nothing adopted")
             return
-        reason = self.disabled_reason("adopt") or (None if host.connected else f"disconnected from {host.name}")
+        reason = self.refusal("adopt", host)
         if reason:
             self.note(f"adopt not sent: {reason}", severity="error")
             return

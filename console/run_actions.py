@@ -90,6 +90,10 @@ class RunActions(App):
         """The nodes of the active host's job `name` across every host (one for a one-node job)."""
         return nodes_of(self.sessions, self.active.name, name)
 
+    def refusal(self, action: str, host: HostSession) -> str | None:
+        """Why `action`, just confirmed in a modal, must not go to `host` now: its key's own guard, or that host's link."""
+        return self.disabled_reason(action) or (None if host.connected else f"disconnected from {host.name}")
+
     # -- supplied by ConsoleApp ------------------------------------------------------------------
 
     def note(self, text: str, *, severity: SeverityLevel = "information") -> None:
@@ -315,7 +319,7 @@ class RunActions(App):
         if not await self.push_screen_wait(StopAndBenchModal(job, text, can_start=running or bool(checkpoints))):
             self.note(f"stop & bench {job} cancelled; nothing was stopped")
             return
-        reason = self.disabled_reason("stop_and_bench") or (None if host.connected else f"disconnected from {host.name}")
+        reason = self.refusal("stop_and_bench", host)
         if reason:
             self.note(f"stop & bench {job} not started: {reason}", severity="error")
             return
@@ -411,7 +415,7 @@ class RunActions(App):
         if not params:
             self.note(f"grok run from {job} cancelled; nothing was started")
             return
-        reason = self.disabled_reason("grok") or (None if host.connected else f"disconnected from {host.name}")
+        reason = self.refusal("grok", host)
         if reason:
             self.note(f"grok run not started: {reason}", severity="error")
             return
@@ -430,7 +434,7 @@ class RunActions(App):
         if not choice:
             self.note("watch cancelled; nothing is watched")
             return
-        reason = self.disabled_reason("watch_external") or (None if host.connected else f"disconnected from {host.name}")
+        reason = self.refusal("watch_external", host)
         if reason:
             self.note(f"watch not sent: {reason}", severity="error")
             return
@@ -585,7 +589,7 @@ class RunActions(App):
         if not await self.push_screen_wait(ResumeModal(target["job"], target["checkpoint"], name, argv)):
             self.note(f"resume of {target['job']} cancelled; nothing was started")
             return
-        reason = self.disabled_reason("resume") or (None if host.connected else f"disconnected from {host.name}")
+        reason = self.refusal("resume", host)
         if reason:
             self.note(f"resume not started: {reason}", severity="error")
             return

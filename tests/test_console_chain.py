@@ -459,9 +459,9 @@ async def test_chain_stages_survive_a_reconnect_without_gaps_or_duplicates(tmp_p
 
 
 async def test_chain_stages_written_while_the_link_was_down_arrive_with_the_chain_screen_not_shown(tmp_path):
-    """Nothing re-attaches the chain on reconnect when its screen is not shown: the new agent's first stages event starts
-    past what the console holds, and that gap alone fetches the lines in between (they used to be lost: the chain read
-    stop..launch, then bench ok)."""
+    """The chain screen is not shown, so its re-attach does not run on reconnect: the resync re-reads every chain the
+    console holds, and a stages event that starts past what it holds fetches the lines in between (they used to be
+    lost: the chain read stop..launch, then bench ok)."""
     from console.screens.chain import CHAIN_STAGES
 
     app = live_app(tmp_path)
