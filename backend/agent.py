@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Callable
 from backend import holders as holders_mod
 from backend.disk import dir_size, disks_for
 from backend.gpu import GpuSource, driver_state, open_gpu_source
-from backend.jobs import TAIL_LINE_SHOWN, JobError, JobNotFound, JobRecord, JobRegistry, display_lines, tail_lines
+from backend.jobs import TAIL_LINE_SHOWN, JobError, JobNotFound, JobRecord, JobRegistry, UnsafeRunDir, display_lines, tail_lines
 from backend.jsonl import JsonlFollower, read_complete_lines
 from backend.layout import STALL_AFTER_S, checkpoint_listing, default_data_dir, latest_checkpoint, list_results
 from backend.metrics import MetricsReader
@@ -822,7 +822,11 @@ def run_agent(run_dir: str | Path, interval: float = 1.0, data_dirs: list[str] |
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, terminate)
-    agent = Agent(run_dir, interval, data_dirs, out=out, stall_after=stall_after)
+    try:
+        agent = Agent(run_dir, interval, data_dirs, out=out, stall_after=stall_after)
+    except UnsafeRunDir as exc:
+        print(f"agent: {exc}", file=sys.stderr)
+        return 2
     try:
         return agent.run(sys.stdin.buffer)
     except (SystemExit, KeyboardInterrupt):

@@ -1,7 +1,9 @@
 """Durable whole-file writes: the one helper that writes a temp file beside the target, fsyncs it, renames it over, fsyncs the directory.
 
 Standard library only. A reader sees the old file or the new one, never a half-written one; a crash leaves at
-most a `.NAME.PID.tmp` beside it, which the next write of the same process replaces.
+most a `.NAME.PID.tmp` beside it, which the next write of the same process replaces. The temp file is created
+anew (O_EXCL) and never through a symbolic link (O_NOFOLLOW): a link planted at its predictable name is removed,
+not written through.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o644) 
     path = Path(path)
     payload = data.encode() if isinstance(data, str) else data
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    temp.unlink(missing_ok=True)  # a crash's leftover, or a planted link (unlink removes the link, not its target)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         view = memoryview(payload)
         while view:

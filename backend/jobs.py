@@ -186,14 +186,43 @@ class Discovery:
     cgroup_pids: dict[int, list[int]] = field(default_factory=dict)  # job id -> members of its cgroup
 
 
+# The watcher is standard library only: -I (no PYTHON* variables, no user site, no script dir or cwd on sys.path),
+# and the backend is imported from where this file lies, whatever the cwd: a `backend/` planted in a directory
+# another user can write is never imported by root.
+WATCHER_BOOT = f"import sys; sys.path.insert(0, {PACKAGE_PARENT!r}); from backend.jobs import main; sys.exit(main(sys.argv[1:]))"
+# Our own Python commands keep PYTHONPATH and site-packages (torch lives there) but never put the cwd or the
+# script's directory first on sys.path: -P on Python >= 3.11, the same by hand on 3.10; PYTHONSAFEPATH=1 in
+# their environment carries it to every Python they start (torchrun's workers).
+SAFE_PATH_BOOT = "import runpy, sys; del sys.path[0]; runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
+SAFE_PATH_ENV = {"PYTHONSAFEPATH": "1"}
+
+
+def watcher_argv(job_dir: Path, argv: list[str]) -> list[str]:
+    return [sys.executable, "-I", "-c", WATCHER_BOOT, "watch", str(job_dir), "--", *argv]
+
+
+def safe_module_argv(module: str, args: list[str]) -> list[str]:
+    """`python -m module args` that cannot import from the cwd."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", module, *args]
+    return [sys.executable, "-c", SAFE_PATH_BOOT, module, *args]
+
+
 def resolve_argv(argv: list[str]) -> list[str]:
     """`eagle3-host ...` runs as this Python's `-m backend`, whether or not the script is on PATH; a bare `python`
-    (the torchrun command lines of backend/commands.py) is this Python too: the host's interpreter that has torch."""
+    (the torchrun command lines of backend/commands.py) is this Python too: the host's interpreter that has torch.
+    Both with the safe path (see SAFE_PATH_BOOT)."""
     if argv and argv[0] == "eagle3-host":
-        return [sys.executable, "-m", "backend", *argv[1:]]
+        return safe_module_argv("backend", argv[1:])
     if argv and argv[0] == "python":
-        return [sys.executable, *argv[1:]]
+        if len(argv) >= 3 and argv[1] == "-m":
+            return safe_module_argv(argv[2], argv[3:])
+        return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), *argv[1:]]
     return list(argv)
+
+
+def is_own_python_command(argv: list[str]) -> bool:
+    return bool(argv) and argv[0] in ("eagle3-host", "python")
 
 
 ROOT_CAUSE = "Root Cause (first observed failure)"
@@ -251,8 +280,8 @@ def read_exit_file(job_dir: str | Path) -> tuple[int | None, float | None]:
 
 
 def private_opener(path: str, flags: int) -> int:
-    """open(..., opener=private_opener) creates the file 0600."""
-    return os.open(path, flags, PRIVATE_FILE)
+    """open(..., opener=private_opener) creates the file 0600 and never writes through a symbolic link."""
+    return os.open(path, flags | os.O_NOFOLLOW, PRIVATE_FILE)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -310,23 +339,77 @@ def check_stop_seconds(**values: float) -> None:
             raise JobBadParams(f"{name}: {value!r} is not a number of seconds between 0 and {MAX_GRACE_S:g}; nothing was signalled")
 
 
-def _make_private_file(path: Path) -> None:
-    """Create path 0600 if missing, tighten it if wider (best effort: a full or read-only disk must not stop a stop)."""
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, PRIVATE_FILE))
-        if path.stat().st_mode & 0o077:
-            path.chmod(PRIVATE_FILE)
-    except OSError:
-        pass
+class UnsafeRunDir(JobError):
+    """The run dir, jobs.db or a path the tool writes could have been changed by another user."""
+
+    code = ErrorCode.REFUSED
 
 
-def _make_private_dir(path: Path) -> None:
+def _refuse_unless_ours(path: Path, stat: os.stat_result, what: str) -> None:
+    euid = os.geteuid()
+    if stat.st_uid != euid:
+        raise UnsafeRunDir(
+            f"{what} {path} is owned by uid {stat.st_uid}, not by this user (uid {euid}): another user could change it and make this"
+            " tool's stop signal processes of their choosing. Nothing was done; use a run dir of your own (--run-dir or $EAGLE3_RUN_DIR)"
+        )
+
+
+def _check_ancestors(path: Path) -> None:
+    """No directory above the run dir may let another user swap it: owned by root or us, not group/other-writable unless sticky."""
+    euid = os.geteuid()
+    for ancestor in path.parents:
+        try:
+            stat = os.stat(ancestor)
+        except OSError:
+            continue
+        sticky = stat.st_mode & 0o1000
+        if stat.st_uid not in (0, euid) or (stat.st_mode & 0o022 and not sticky):
+            raise UnsafeRunDir(
+                f"{ancestor} (above the run dir {path}) can be changed by another user (owner uid {stat.st_uid}, mode"
+                f" {stat.st_mode & 0o7777:04o}), who could replace the run dir and its jobs.db. Nothing was done; use a run dir"
+                " under a directory only you (or root) can write"
+            )
+
+
+def make_private_dir(path: Path, what: str = "directory") -> None:
+    """Create path 0700 (parents too), or check that an existing one is ours and not a link, and tighten it to 0700."""
     path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    stat = os.lstat(path)
+    if not os.path.isdir(path) or (stat.st_mode & 0o170000) == 0o120000:
+        raise UnsafeRunDir(f"{what} {path} is a symbolic link or not a directory. Nothing was done; remove it or pick another run dir")
+    _refuse_unless_ours(path, stat, what)
+    if stat.st_mode & 0o077:
+        try:
+            os.chmod(path, PRIVATE_DIR)
+        except OSError:
+            pass  # a read-only disk must not stop a stop
+
+
+def prepare_db_file(path: Path) -> None:
+    """Create jobs.db 0600, or check that the existing one is ours and tighten it, without ever closing a descriptor of it.
+
+    SQLite's locks are POSIX locks, and closing ANY descriptor of the file drops all of this process's locks on it
+    (sqlite.org "How To Corrupt An SQLite Database File" 2.2): the next process to open and close jobs.db then
+    believes it is the last user, checkpoints the WAL and deletes it while this one writes on into the deleted file.
+    So a descriptor is opened here only for a file that did not exist (O_EXCL: no connection can hold it yet); an
+    existing file is checked with lstat and tightened with chmod by path. Nothing else may open jobs.db but SQLite.
+    """
     try:
-        if path.stat().st_mode & 0o077:
-            path.chmod(PRIVATE_DIR)
-    except OSError:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE))
+        return
+    except FileExistsError:
         pass
+    except OSError:
+        return  # a full or read-only disk: the read-only connection decides what can still be done
+    stat = os.lstat(path)
+    if (stat.st_mode & 0o170000) != 0o100000:
+        raise UnsafeRunDir(f"{path} is not a regular file (a symbolic link?). Nothing was done; remove it or pick another run dir")
+    _refuse_unless_ours(path, stat, "the job registry")
+    if stat.st_mode & 0o077:
+        try:
+            os.chmod(path, PRIVATE_FILE)  # by path: the run dir is ours and private, so nobody can swap the file meanwhile
+        except OSError:
+            pass
 
 
 class JobRegistry:
@@ -335,9 +418,11 @@ class JobRegistry:
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.jobs_dir = self.run_dir / "jobs"
-        self.run_dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
-        _make_private_dir(self.jobs_dir)
+        _check_ancestors(self.run_dir)
+        make_private_dir(self.run_dir, "the run dir")
+        make_private_dir(self.jobs_dir, "the jobs dir")
         self.db_path = self.run_dir / "jobs.db"
+        prepare_db_file(self.db_path)
         self._local = threading.local()
         self._watchers: dict[int, subprocess.Popen] = {}  # job id -> watcher we spawned (reaped by refresh)
         self._watchers_lock = threading.Lock()
@@ -355,8 +440,9 @@ class JobRegistry:
         return conn
 
     def _connect(self) -> sqlite3.Connection:
-        """Read-write when possible; on a full or read-only disk a read-only view, so a stop can still find its targets."""
-        _make_private_file(self.db_path)
+        """Read-write when possible; on a full or read-only disk a read-only view, so a stop can still find its targets.
+
+        Never opens a descriptor of jobs.db itself (see prepare_db_file): only SQLite does."""
         conn = None
         try:
             conn = sqlite3.connect(self.db_path, timeout=30.0, isolation_level=None)
@@ -679,6 +765,8 @@ class JobRegistry:
         if node is not None:
             node = self._check_node(node, argv)
             env = {**NODE_ENV, "EAGLE3_RUN_ID": node["run_id"], "EAGLE3_NODE_RANK": str(node["node_rank"]), "EAGLE3_NNODES": str(node["nnodes"]), **(env or {})}
+        if is_own_python_command(argv):
+            env = {**SAFE_PATH_ENV, **(env or {})}
         argv = resolve_argv(argv)
         job_dir = self.jobs_dir / name
         job_env = self._job_env(name, job_dir, env)
@@ -722,7 +810,7 @@ class JobRegistry:
     def _spawn_watcher(self, job_id: int, job_dir: Path, argv: list[str], cwd: str | None, env: dict[str, str]) -> dict[str, Any]:
         with open(job_dir / "watcher.log", "ab", opener=private_opener) as watcher_log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "backend.jobs", "watch", str(job_dir), "--", *argv],
+                watcher_argv(job_dir, argv),
                 cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,

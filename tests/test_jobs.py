@@ -243,7 +243,7 @@ def test_job_environment_and_eagle3_host_argv(registry, tmp_path):
     assert seen["EAGLE3_JOB_NAME"] == "env" and seen["EXTRA"] == "1" and len(seen["EAGLE3_JOB_TOKEN"]) == 32
     assert seen["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
     host = registry.start_job("host", "other", ["eagle3-host", "gpus", "--json"], cwd=str(tmp_path))
-    assert host.argv[:3] == [PY, "-m", "backend"]
+    assert host.argv[:4] == [PY, "-P", "-m", "backend"]  # -P: the cwd never comes first on sys.path
     done = wait_for(lambda: registry.get("host").info.state == "exited" and registry.get("host").info, what="eagle3-host job")
     assert done.exit_code == 0, Path(done.stderr_path).read_text()
     assert "gpus" in json.loads(Path(done.stdout_path).read_text())

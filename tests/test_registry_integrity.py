@@ -1,0 +1,181 @@
+"""One truth in jobs.db across threads, registries and processes; a run dir another user could change is refused."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from backend import durable
+from backend.jobs import JobRegistry, UnsafeRunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+SLEEP = [PY, "-c", "import time; time.sleep(60)"]
+
+
+def listed_elsewhere(run_dir: Path) -> list[str]:
+    """The job names another process (the real `eagle3-host job list`) sees."""
+    done = subprocess.run([PY, "-m", "backend", "job", "list", "--run-dir", str(run_dir), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return sorted(job["name"] for job in json.loads(done.stdout))
+
+
+def deleted_db_descriptors() -> list[str]:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return [link for link in links if "jobs.db" in link and link.endswith("(deleted)")]
+
+
+def integrity(run_dir: Path) -> str:
+    conn = sqlite3.connect(run_dir / "jobs.db")
+    try:
+        return conn.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def registry(tmp_path):
+    reg = JobRegistry(tmp_path / "run")
+    yield reg
+    reg.stop(all_jobs=True, grace=1)
+
+
+def test_a_second_thread_and_another_process_never_fork_the_registry(registry):
+    """The bug: a thread's connection closed a descriptor of jobs.db, dropping this process's locks; the next CLI
+    then deleted the WAL this process went on writing into, and every later record was invisible to everyone else."""
+    registry.start_job("first", "other", SLEEP)
+    thread = threading.Thread(target=registry.list_jobs)
+    thread.start()
+    thread.join()
+    assert listed_elsewhere(registry.run_dir) == ["first"]
+    registry.start_job("second", "other", SLEEP)
+    assert listed_elsewhere(registry.run_dir) == ["first", "second"]
+    assert deleted_db_descriptors() == []
+    assert integrity(registry.run_dir) == "ok"
+
+
+def test_two_registries_in_one_process_and_the_cli_share_one_truth(tmp_path):
+    one, two = JobRegistry(tmp_path / "run"), JobRegistry(tmp_path / "run")
+    try:
+        one.start_job("by-one", "other", SLEEP)
+        assert listed_elsewhere(one.run_dir) == ["by-one"]
+        two.start_job("by-two", "other", SLEEP)
+        assert listed_elsewhere(one.run_dir) == ["by-one", "by-two"]
+        assert sorted(job.name for job in one.list_jobs()) == ["by-one", "by-two"]
+        assert deleted_db_descriptors() == []
+    finally:
+        one.stop(all_jobs=True, grace=1)
+
+
+def test_records_survive_a_sigkill_of_the_writer_after_other_processes_used_the_db(tmp_path):
+    run_dir = tmp_path / "run"
+    script = textwrap.dedent(
+        f"""
+        import subprocess, sys, threading
+        sys.path.insert(0, {str(ROOT)!r})
+        from backend.jobs import JobRegistry
+        reg = JobRegistry({str(run_dir)!r})
+        reg.start_job("a", "other", ["sleep", "60"])
+        threading.Thread(target=reg.list_jobs).start()
+        subprocess.run([sys.executable, "-m", "backend", "job", "list", "--run-dir", {str(run_dir)!r}], cwd={str(ROOT)!r}, capture_output=True)
+        for name in ("b", "c"):
+            reg.start_job(name, "other", ["sleep", "60"])
+        print("committed", flush=True)
+        import time; time.sleep(60)
+        """
+    )
+    writer = subprocess.Popen([PY, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "committed"
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    assert listed_elsewhere(run_dir) == ["a", "b", "c"]
+    assert integrity(run_dir) == "ok"
+    JobRegistry(run_dir).stop(all_jobs=True, grace=1)
+
+
+def test_a_backend_planted_in_the_cwd_is_never_imported(registry, tmp_path):
+    """A directory another user can write, used as the job's cwd: neither the watcher nor our own commands import from it."""
+    planted = tmp_path / "shared-dir"
+    marker = tmp_path / "planted-code-ran"
+    (planted / "backend").mkdir(parents=True)
+    payload = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n"
+    for module in ("__init__.py", "jobs.py", "__main__.py", "cli.py"):
+        (planted / "backend" / module).write_text(payload)
+    plain = registry.start_job("plain", "other", [PY, "-c", "print('ok')"], cwd=str(planted))
+    own = registry.start_job("own", "other", ["eagle3-host", "gpus", "--json"], cwd=str(planted))
+    for name in ("plain", "own"):
+        deadline = 60
+        while registry.get(name).info.state != "exited" and deadline:
+            threading.Event().wait(0.1)
+            deadline -= 0.1
+    assert not marker.exists(), marker.read_text()
+    assert Path(plain.stdout_path).read_text().strip() == "ok"
+    assert registry.get("own").info.exit_code == 0, Path(own.stderr_path).read_text()
+
+
+def test_an_existing_run_dir_and_jobs_db_are_made_private(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o755)
+    os.chmod(run_dir, 0o755)
+    JobRegistry(run_dir).close()
+    os.chmod(run_dir / "jobs.db", 0o644)
+    reg = JobRegistry(run_dir)
+    try:
+        assert run_dir.stat().st_mode & 0o777 == 0o700
+        assert (run_dir / "jobs").stat().st_mode & 0o777 == 0o700
+        assert (run_dir / "jobs.db").stat().st_mode & 0o777 == 0o600
+    finally:
+        reg.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+@pytest.mark.parametrize("what", ["run dir", "jobs.db", "ancestor"])
+def test_a_run_dir_another_user_controls_is_refused_and_left_untouched(tmp_path, what):
+    run_dir = tmp_path / "parent" / "run"
+    JobRegistry(run_dir).close()
+    target = {"run dir": run_dir, "jobs.db": run_dir / "jobs.db", "ancestor": run_dir.parent}[what]
+    if what == "ancestor":
+        os.chmod(target, 0o777)  # writable by anyone, not sticky: another user can swap the run dir
+    else:
+        os.chown(target, 4242, 4242)
+    before = sorted(p.name for p in run_dir.iterdir())
+    with pytest.raises(UnsafeRunDir) as refused:
+        JobRegistry(run_dir)
+    assert "Nothing was done" in str(refused.value) and str(target) in str(refused.value)
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    done = subprocess.run([PY, "-m", "backend", "job", "list", "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "Traceback" not in done.stderr and "another user" in done.stderr
+
+
+def test_a_symlinked_jobs_db_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere.db"
+    elsewhere.write_bytes(b"")
+    (run_dir / "jobs.db").symlink_to(elsewhere)
+    with pytest.raises(UnsafeRunDir):
+        JobRegistry(run_dir)
+    assert elsewhere.read_bytes() == b""
+
+
+def test_an_atomic_write_never_follows_a_link_planted_at_its_temp_name(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = tmp_path / "state.json"
+    (tmp_path / f".state.json.{os.getpid()}.tmp").symlink_to(victim)
+    durable.write_atomic(target, "new")
+    assert target.read_text() == "new" and victim.read_text() == "precious"
