@@ -24,6 +24,7 @@ from textual.widgets import Footer
 from textual.worker import Worker
 
 from backend.commands import node_spec, torchrun_train_argv, train_argv
+from backend.safetext import visible
 from backend.protocol import Request
 from console.client import AgentClient, AgentError
 from console.run_actions import SIGNALS_INTERVAL_S, RunActions, verdicts_phrase
@@ -620,7 +621,7 @@ class ConsoleApp(RunActions):
     def note(self, text: str, *, severity: SeverityLevel = "information") -> None:
         self.state.note_action(text)
         self.state_changed({"actions"})
-        self.notify(text, severity=severity, timeout=6)
+        self.notify(visible(text), severity=severity, timeout=6, markup=False)  # host text in it: inert, never markup
 
     async def action_quit(self) -> None:
         """Quit; with a stop or adopt in flight, the first press only warns (quitting then waits for it)."""

@@ -16,6 +16,7 @@ from textual import work
 from textual.app import App
 from textual.notifications import SeverityLevel
 
+from backend.safetext import visible
 from backend.protocol import JobInfo, Request, from_dict
 from console.client import AgentError
 from backend.commands import (
@@ -532,7 +533,7 @@ class RunActions(App):
     def alert(self, text: str, *, severity: SeverityLevel = "warning") -> None:
         """A toast (not an Actions line: those are the operator's actions and their outcomes); with --notify also the terminal."""
         self.alerts.append(text)
-        self.notify(text, severity=severity, timeout=10)
+        self.notify(visible(text), severity=severity, timeout=10, markup=False)  # host text in it: inert, never markup
         if self.notify_terminal:
             self.write_terminal(terminal_notification(text))
 

@@ -23,9 +23,11 @@ AGENT_PATH_MODULES = [
     "backend.external",
     "backend.datascale",
     "backend.chain",
+    "backend.safetext",
 ]
 # backend.smoothing: the one EMA, so a curve the console smooths and a signal the agent computes agree (stdlib, no state).
-CONSOLE_MAY_IMPORT = {"backend.protocol", "backend.layout", "backend.commands", "backend.profiles", "backend.smoothing", "backend"}
+# backend.safetext: the one sanitizer of host text, so the console and the CLI show a hostile string the same inert way.
+CONSOLE_MAY_IMPORT = {"backend.protocol", "backend.layout", "backend.commands", "backend.profiles", "backend.smoothing", "backend.safetext", "backend"}
 
 
 def imported_names(path: Path) -> set[str]:

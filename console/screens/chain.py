@@ -13,7 +13,8 @@ from textual.widgets import DataTable, Footer, Header, Static
 from backend.commands import chain_training_job
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
-from console.widgets.format import accept_length, duration, number
+from backend.safetext import visible
+from console.widgets.format import accept_length, duration, inert, inert_text, number, plain_cell
 
 # The chain's stages in order (backend/chain.py STAGES; the console may not import it).
 CHAIN_STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
@@ -156,6 +157,7 @@ def _causes_from_reason(reason: str) -> tuple[str, list[str], str]:
     return head.strip(), causes, after
 
 
+@inert_text
 def result_panel_text(records: list[dict[str, Any]]) -> Text:
     """What the chain ended with: verdict, accept length next to τ̂, throughput, checkpoint and flags; or what failed."""
     outcome = chain_outcome(records)
@@ -280,7 +282,7 @@ class ChainScreen(ConsoleScreen):
         }[outcome["state"]]
         text.append(" · ")
         text.append(label[0], style=label[1])
-        return text
+        return inert(text)
 
     def _draw_stages(self, records: list[dict[str, Any]]) -> None:
         table = self.query_one("#stages", DataTable)
@@ -297,7 +299,7 @@ class ChainScreen(ConsoleScreen):
                 STAGE_TITLES[stage],
                 Text(status, style=STATUS_STYLES.get(status, "")),
                 "-" if elapsed is None else f"{elapsed:.1f}s" if elapsed < 60 else duration(elapsed),
-                Text(detail.splitlines()[0][:110] if detail else "", style=detail_style(status, detail)),
+                Text(visible(detail.splitlines()[0])[:110] if detail else "", style=detail_style(status, detail)),
             )
 
     def _draw_results(self, train_job: str | None, current: str | None) -> None:
@@ -308,13 +310,13 @@ class ChainScreen(ConsoleScreen):
             name = PurePosixPath(str(row.get("path", ""))).name.removeprefix("stop-and-bench-").removesuffix(".json")
             mark = " (this run)" if current and row.get("path") == current else ""
             verdict = str(row.get("verdict") or "?")
-            table.add_row(
-                name + mark,
-                Text(verdict, style=verdict_style(verdict)),
+            table.add_row(  # str cells are Rich markup to the DataTable: host strings go in as plain_cell
+                plain_cell(name + mark),
+                Text(visible(verdict), style=verdict_style(verdict)),
                 accept_length(row.get("accept_length")),
                 accept_length(row.get("tau_hat")),
                 number(row.get("ratio_to_tau_hat"), 2),
                 number(best_throughput(row), 4),
-                PurePosixPath(str(row.get("checkpoint") or "?")).name,
-                str(row.get("engine") or "?"),
+                plain_cell(PurePosixPath(str(row.get("checkpoint") or "?")).name),
+                plain_cell(row.get("engine") or "?"),
             )

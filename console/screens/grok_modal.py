@@ -14,6 +14,7 @@ from textual.widgets import Button, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
 from backend.commands import grok_argv, grok_job_name
+from backend.safetext import visible
 from console.screens.modals import FormModal
 
 
@@ -62,7 +63,7 @@ class GrokModal(FormModal):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="modal-dialog"):
-            yield Static(f"Grokking run from a checkpoint of {self.job}", classes="modal-title")
+            yield Static(Text(f"Grokking run from a checkpoint of {visible(self.job)}"), classes="modal-title")
             yield Static(
                 "Resumes the checkpoint as a new training job with a constant LR (no decay), so weight decay keeps "
                 "acting; watch it on the Grokking screen (4).",
@@ -83,9 +84,10 @@ class GrokModal(FormModal):
                 yield Button("Cancel (esc)", id="cancel", variant="primary")
 
     @staticmethod
-    def _label(checkpoint: dict[str, Any]) -> str:
+    def _label(checkpoint: dict[str, Any]) -> Text:
+        """The checkpoint's name as the host wrote it, shown inert and never read as markup."""
         name = PurePosixPath(str(checkpoint.get("path", "?"))).name
-        return f"{name}  (step {checkpoint.get('step', '?')})" + ("  latest" if checkpoint.get("latest") else "")
+        return Text(visible(f"{name}  (step {checkpoint.get('step', '?')})" + ("  latest" if checkpoint.get("latest") else "")))
 
     def on_mount(self) -> None:
         options = self.query_one("#grok-checkpoints", OptionList)
@@ -93,7 +95,7 @@ class GrokModal(FormModal):
             latest = next((i for i, c in enumerate(self.checkpoints) if c.get("latest")), len(self.checkpoints) - 1)
             options.highlighted = latest
         else:
-            self.query_one("#grok-error", Static).update(Text(f"{self.job} has no checkpoint yet: nothing to resume from.", style="bold red"))
+            self.query_one("#grok-error", Static).update(Text(f"{visible(self.job)} has no checkpoint yet: nothing to resume from.", style="bold red"))
         self.query_one("#grok-lr", Input).focus()
         self._preview()
 
@@ -116,9 +118,9 @@ class GrokModal(FormModal):
         try:
             params = self.build()
         except GrokParamError as exc:
-            self.query_one("#grok-argv", Static).update(Text(f"(not ready: {exc})", style="dim"))
+            self.query_one("#grok-argv", Static).update(Text(visible(f"(not ready: {exc})"), style="dim"))
             return
-        self.query_one("#grok-argv", Static).update(Text(f"job {params['name']}: " + " ".join(params["argv"]), style="cyan"))
+        self.query_one("#grok-argv", Static).update(Text(visible(f"job {params['name']}: " + " ".join(params["argv"])), style="cyan"))
 
     def on_input_changed(self, event: Input.Changed) -> None:
         self._preview()
@@ -130,6 +132,6 @@ class GrokModal(FormModal):
         try:
             params = self.build()
         except GrokParamError as exc:
-            self.query_one("#grok-error", Static).update(Text(f"{exc}. Nothing was started.", style="bold red"))
+            self.query_one("#grok-error", Static).update(Text(visible(f"{exc}. Nothing was started."), style="bold red"))
             return
         self.dismiss(params)

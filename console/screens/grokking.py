@@ -12,7 +12,7 @@ from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
 from console.state import JobMetrics
 from console.widgets.banner import ConnectionBanner
 from console.widgets.curve_plot import CurveOptions, CurvePlot
-from console.widgets.format import clock_time
+from console.widgets.format import clock_time, inert_text
 from console.widgets.grok_panels import acceptance_text, alerts_text, data_scaling_text, norms_text, signals_text
 from console.widgets.history import history_spec, history_text, indexing_text
 
@@ -95,6 +95,7 @@ class GrokkingScreen(ZoomableScreen):
             report = state.data_scaling.get(job) if job else None
             self.query_one("#grok-data", Static).update(data_scaling_text(report, console.profile_of(job) if job else None))
 
+    @inert_text
     def _title(self, job: str | None, metrics: JobMetrics | None, signals: dict | None) -> Text:
         if not job:
             return Text("no job selected (press ] or [ to pick one)")

@@ -3,10 +3,12 @@ selected multi-node job; choosing a host makes it the one the other screens show
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable, Header, Static
 
+from backend.safetext import visible
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 from console.widgets.hosts import HOST_COLUMNS, host_cells, nodes_text
@@ -39,7 +41,7 @@ class HostsScreen(ConsoleScreen):
             table.move_cursor(row=table.get_row_index(self.console.active.name), animate=False)
             nodes = self.console.nodes_of(self.console.selected_job)
             job = self.console.selected_job
-            text = nodes_text(nodes) if len(nodes) > 1 else f"{job or 'no job'} on {self.console.active.name}: a one-node job"
+            text = nodes_text(nodes) if len(nodes) > 1 else Text(visible(f"{job or 'no job'} on {self.console.active.name}: a one-node job"))
             self.query_one("#hosts-nodes", Static).update(text)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:

@@ -8,6 +8,7 @@ from textual.binding import Binding
 from textual.reactive import reactive
 from textual.widgets import Header, Log, Static
 
+from backend.safetext import visible
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 from console.widgets.panels import ConsoleFooter
@@ -72,7 +73,8 @@ class LogsScreen(ConsoleScreen):
     def draw(self, changed: set[str] | None) -> None:
         if touches(changed, "agent_stderr"):
             lines = list(self.console.state.agent_stderr)[-AGENT_LINES:]
-            self.query_one("#agent-stderr", Static).update(Text("\n".join(lines) if lines else "(nothing)", style="dim"))
+            shown = "\n".join(visible(line) for line in lines)
+            self.query_one("#agent-stderr", Static).update(Text(shown if lines else "(nothing)", style="dim"))
         if not touches(changed, "logs", "selection", "options", "jobs"):
             return
         job = self.console.selected_job
@@ -89,7 +91,7 @@ class LogsScreen(ConsoleScreen):
             title = f"{job} · {'scrolling' if self.follow else 'paused'} (f) · live: {live}, the other re-read every poll (o) · {' · '.join(counts)}{where}"
         else:
             title = "no job selected (press ] or [ to pick one)"
-        self.query_one("#logs-title", Static).update(Text(title))
+        self.query_one("#logs-title", Static).update(Text(visible(title)))
 
     def _draw_stream(self, stream: str, job: str | None, buffer) -> None:
         log = self.query_one(f"#log-{stream}", Log)
@@ -102,6 +104,6 @@ class LogsScreen(ConsoleScreen):
             lines = list(buffer.lines) if buffer else []
         else:
             lines = list(buffer.lines)[-new:] if new and buffer else []
-        if lines:
-            log.write_lines(lines)
+        if lines:  # a host's log line may carry any bytes: its escapes are shown, never sent to the terminal
+            log.write_lines([visible(line, keep="\t") for line in lines])
         self._shown[stream] = (job, generation, total)

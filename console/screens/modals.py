@@ -14,7 +14,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Static
 
 from backend.protocol import GpuHolder
-from console.widgets.format import mib
+from backend.safetext import visible
+from console.widgets.format import inert, inert_text, mib
 
 
 class ConfirmModal(ModalScreen[bool]):
@@ -78,6 +79,7 @@ def training_phases(state: Any, jobs: list[str]) -> dict[str, bool | None]:
     return phases
 
 
+@inert_text
 def checkpoint_line(plan: dict[str, Any], phases: dict[str, bool | None] | None) -> Text:
     """What a stop really does about checkpoints: the trainer writes one on SIGTERM only once it runs training steps."""
     if not plan.get("checkpoint_first"):
@@ -85,7 +87,7 @@ def checkpoint_line(plan: dict[str, Any], phases: dict[str, bool | None] | None)
     in_setup = [name for name, started in (phases or {}).items() if started is False]
     if in_setup:
         return Text(
-            f"Checkpoint first: NO. {', '.join(in_setup)} has logged no training step yet: it is still setting up "
+            f"Checkpoint first: NO. {visible(', '.join(in_setup))} has logged no training step yet: it is still setting up "
             "(building the target or its data), and a stop during setup ends it at once WITHOUT a checkpoint.",
             style="bold yellow",
         )
@@ -98,6 +100,7 @@ def checkpoint_line(plan: dict[str, Any], phases: dict[str, bool | None] | None)
     )
 
 
+@inert_text
 def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | None] | None = None) -> Text:
     """The stop plan as the operator reads it: who gets signalled, who is left alone, checkpoint or not.
 
@@ -109,13 +112,13 @@ def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | 
     if not will:
         text.append("  (none: nothing of this job is running)\n", style="dim")
     for entry in will:
-        text.append(f"  {entry.get('pid', '?'):>7}", style="bold red")
-        text.append(f"  {entry.get('role', ''):<10} {entry.get('job', '') or ''}  {str(entry.get('cmdline', ''))[:60]}\n")
+        text.append(f"  {visible(entry.get('pid', '?')):>7}", style="bold red")
+        text.append(f"  {visible(entry.get('role', '')):<10} {visible(entry.get('job', '') or '')}  {visible(entry.get('cmdline', ''))[:60]}\n")
     stale = plan.get("stale") or []
     if stale:
         text.append("Stale records, NOT signalled (the PID is gone or belongs to another process now):\n", style="bold")
         for entry in stale:
-            text.append(f"  {entry.get('pid', '?'):>7}  {entry.get('job', '')}  {entry.get('reason', '')}\n", style="dim")
+            text.append(f"  {visible(entry.get('pid', '?')):>7}  {visible(entry.get('job', ''))}  {visible(entry.get('reason', ''))}\n", style="dim")
     unreachable = plan.get("unreachable") or []
     if unreachable:
         text.append(
@@ -124,14 +127,16 @@ def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | 
             style="bold yellow",
         )
         for entry in unreachable:
-            text.append(f"  {entry.get('pid', '?'):>7}  node {entry.get('node')} on {entry.get('host')}  {entry.get('job', '')}\n")
+            text.append(
+                f"  {visible(entry.get('pid', '?')):>7}  node {visible(entry.get('node'))} on {visible(entry.get('host'))}  {visible(entry.get('job', ''))}\n"
+            )
     foreign = plan.get("foreign_gpu_holders") or []
     text.append("Foreign GPU holders, left alone:\n", style="bold")
     if not foreign:
         text.append("  (none)\n", style="dim")
     for entry in foreign:
-        text.append(f"  {entry.get('pid', '?'):>7}", style="yellow")
-        text.append(f"  {entry.get('user', '')}  {str(entry.get('cmdline', ''))[:50]}  {mib(entry.get('used_memory_mib'))}\n")
+        text.append(f"  {visible(entry.get('pid', '?')):>7}", style="yellow")
+        text.append(f"  {visible(entry.get('user', ''))}  {visible(entry.get('cmdline', ''))[:50]}  {mib(entry.get('used_memory_mib'))}\n")
     text.append_text(checkpoint_line(plan, phases))
     return text
 
@@ -156,7 +161,7 @@ class StopModal(ConfirmModal):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="modal-dialog"):
-            yield Static(f"Stop job {self.job}?", classes="modal-title")
+            yield Static(Text(f"Stop job {visible(self.job)}?"), classes="modal-title")
             with VerticalScroll(id="stop-plan-scroll"):
                 phases = training_phases(getattr(self.app, "state", None), self.plan.get("jobs") or [self.job])
                 yield Static(stop_plan_text(self.plan, self.grace, phases), id="stop-plan")
@@ -199,8 +204,8 @@ class AdoptModal(FormModal):
         if not self.candidates:
             text.append("  (none listed; any PID on the host can be typed)", style="dim")
         for holder in self.candidates:
-            text.append(f"  {holder.pid:>7}  {holder.user or '?'}  {holder.cmdline[:50]}  {mib(holder.used_memory_mib)}\n")
-        return text
+            text.append(f"  {holder.pid:>7}  {visible(holder.user or '?')}  {visible(holder.cmdline)[:50]}  {mib(holder.used_memory_mib)}\n")
+        return inert(text)
 
     def submit(self) -> None:
         raw_pid = self.query_one("#adopt-pid", Input).value.strip()
@@ -218,6 +223,7 @@ class AdoptModal(FormModal):
         self.dismiss({"pid": pid, "name": name or f"adopted-{pid}", "confirm_pid": int(confirm)})
 
 
+@inert_text
 def bench_plan_text(
     job: str,
     plan: dict[str, Any],
@@ -246,9 +252,11 @@ def bench_plan_text(
     text.append("3. Checkpoint to preflight: ", style="bold")
     if job_running and plan.get("checkpoint_first"):
         text.append("the one the trainer writes at the stop (the new `latest`), if training steps have begun")
-        text.append(f"; latest now: {latest['path']}\n" if latest else "; none written yet, so a stop during setup leaves none and the chain would stop here\n")
+        text.append(
+            f"; latest now: {visible(latest['path'])}\n" if latest else "; none written yet, so a stop during setup leaves none and the chain would stop here\n"
+        )
     elif latest:
-        text.append(f"{latest['path']}\n")
+        text.append(f"{visible(latest['path'])}\n")
     else:
         text.append("NONE: this job has no complete checkpoint, so the chain would stop here.\n", style="bold red")
     text.append("4. Preflight: ", style="bold")
@@ -261,7 +269,7 @@ def bench_plan_text(
     text.append("7. Benchmark: ", style="bold")
     text.append(f"concurrency {levels}, {prompts} prompts; the result is saved with the training run\n")
     text.append("runs on the host as: ", style="dim")
-    text.append(" ".join(argv), style="dim")
+    text.append(visible(" ".join(argv)), style="dim")
     return text
 
 
@@ -281,7 +289,7 @@ class StopAndBenchModal(ConfirmModal):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="modal-dialog"):
-            yield Static(f"Stop & bench {self.job}?", classes="modal-title")
+            yield Static(Text(f"Stop & bench {visible(self.job)}?"), classes="modal-title")
             with VerticalScroll(id="bench-plan-scroll"):
                 yield Static(self.plan_text, id="bench-plan")
             with Horizontal(classes="modal-buttons"):
@@ -356,7 +364,7 @@ class ResumeModal(ConfirmModal):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="modal-dialog"):
-            yield Static(f"Resume {self.stopped_job} from its checkpoint?", classes="modal-title")
+            yield Static(Text(f"Resume {visible(self.stopped_job)} from its checkpoint?"), classes="modal-title")
             yield Static(resume_text(self.stopped_job, self.checkpoint, self.job_name, self.argv), id="resume-plan")
             with Horizontal(classes="modal-buttons"):
                 yield Button("Start (y)", id="confirm", variant="warning")
@@ -366,6 +374,7 @@ class ResumeModal(ConfirmModal):
         self.dismiss(True)
 
 
+@inert_text
 def resume_text(stopped_job: str, checkpoint: str, name: str, argv: list[str]) -> Text:
     text = Text()
     text.append("checkpoint  ", style="bold")
@@ -396,7 +405,7 @@ class MultiNodeModal(ConfirmModal):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="modal-dialog"):
-            yield Static(f"Start {self.run_id} on {plural(len(self.nodes), 'node')}?", classes="modal-title")
+            yield Static(Text(f"Start {visible(self.run_id)} on {plural(len(self.nodes), 'node')}?"), classes="modal-title")
             with VerticalScroll(id="stop-plan-scroll"):
                 yield Static(multinode_text(self.run_id, self.endpoint, self.nodes), id="multinode-plan")
             with Horizontal(classes="modal-buttons"):
@@ -407,6 +416,7 @@ class MultiNodeModal(ConfirmModal):
         self.dismiss(True)
 
 
+@inert_text
 def multinode_text(run_id: str, endpoint: str, nodes: list[tuple[str, list[str]]]) -> Text:
     text = Text()
     text.append("job         ", style="bold")

@@ -17,7 +17,7 @@ from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
 from console.state import JobMetrics, Series
 from console.widgets.banner import ConnectionBanner
 from console.widgets.curve_plot import CurveOptions, CurvePlot, SeriesSpec
-from console.widgets.format import percent
+from console.widgets.format import inert_text, percent
 from console.widgets.history import acc_tail, history_spec, history_text, indexing_text, next_overlay, overlay_candidates
 
 EMA_WEIGHT = 0.9
@@ -165,6 +165,7 @@ class TrainingScreen(ZoomableScreen):
             self._acc_tails[job] = cached
         return cached[1]
 
+    @inert_text
     def _title(self, job: str | None, metrics) -> Text:
         if not job:
             return Text("no job selected (press ] or [ to pick one)")

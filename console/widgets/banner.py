@@ -6,7 +6,8 @@ from rich.text import Text
 from textual.widgets import Static
 
 from console.state import CONNECTED, CONNECTING, FAILED, RECONNECTING, ConsoleState
-from console.widgets.format import clock_time, duration
+from backend.safetext import visible
+from console.widgets.format import clock_time, duration, inert_text
 
 DISABLED_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled until the connection is back"
 GAVE_UP_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled: this console will not retry; fix the cause and start it again"
@@ -15,6 +16,7 @@ GAVE_UP_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled: 
 READONLY_NOTE = "start, stop, stop & bench, resume, grok and adopt are off"
 
 
+@inert_text
 def banner_text(state: ConsoleState, readonly: bool = False) -> Text:
     text = Text()
     if readonly:
@@ -25,7 +27,7 @@ def banner_text(state: ConsoleState, readonly: bool = False) -> Text:
     if warning:
         text.append("\n")
         text.append(" DISK ", style="bold white on red")
-        text.append(f" {warning}", style="bold red")
+        text.append(f" {visible(warning)}", style="bold red")
     return text
 
 
@@ -38,13 +40,13 @@ def _connection_text(state: ConsoleState, readonly: bool) -> Text:
         text.append(f" {state.target}")
         hello = state.hello
         if hello:
-            text.append(f" · host {hello.host} · agent pid {hello.agent_pid} · python {hello.python} · run dir {hello.run_dir}")
+            text.append(visible(f" · host {hello.host} · agent pid {hello.agent_pid} · python {hello.python} · run dir {hello.run_dir}"))
             if hello.backend_hash:
-                text.append(f" · backend {hello.backend_hash}")
+                text.append(f" · backend {visible(hello.backend_hash)}")
         return text
     if status.state == CONNECTING:
         text.append(" … connecting ", style="bold black on yellow")
-        text.append(f" {state.target} {status.detail}")
+        text.append(f" {state.target} {visible(status.detail)}")
         return text
     label = " ▲ DISCONNECTED " if status.state == RECONNECTING else " ✖ NOT CONNECTED "
     text.append(label, style="bold white on red")
@@ -58,7 +60,7 @@ def _connection_text(state: ConsoleState, readonly: bool) -> Text:
     elif status.state == FAILED:
         text.append(f" · {state.target}: gave up")
     if status.detail:
-        text.append(f" · {status.detail}")
+        text.append(f" · {visible(status.detail)}")
     if not readonly:
         note = DISABLED_NOTE if status.state != FAILED else GAVE_UP_NOTE
         text.append(f" · {note}", style="italic")
@@ -83,6 +85,7 @@ class ConnectionBanner(Static):
         self.update(text)
 
 
+@inert_text
 def hosts_text(states: list[ConsoleState], active: ConsoleState) -> Text:
     """Every host's link in one line, the one shown underlined: 'hosts  a ●  b ▲ STALE 12s  c ✖'."""
     text = Text("hosts ", style="bold")

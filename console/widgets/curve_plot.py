@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from plotext import _utility as plotext_utility
 from textual_plotext import PlotextPlot
 
+from backend.safetext import visible
 from console.plotting import Curve, Ticks, history_points, log_ticks, prepare_curve, span
 from console.state import Series
 
@@ -143,9 +144,11 @@ class CurvePlot(PlotextPlot):
         self.replot()
 
     def set_title(self, *titles: str) -> None:
-        """One title, or several from the longest to the shortest: the first that fits the plot is shown."""
-        if list(titles) != self.titles:
-            self.titles = list(titles)
+        """One title, or several from the longest to the shortest: the first that fits the plot is shown (job names in
+        it shown inert: plotext's output is read back as ANSI)."""
+        shown = [visible(title) for title in titles]
+        if shown != self.titles:
+            self.titles = shown
             self._drawn_key = None
             self.replot()
 
@@ -215,7 +218,7 @@ class CurvePlot(PlotextPlot):
             plt.yticks(self.y_ticks.positions, self.y_ticks.labels)
         label_width = max(map(len, self.y_ticks.labels), default=0) if self.y_ticks is not None else default_y_label_width(*y_span) if y_span else 0
         cells = max(1, width - FRAME_COLUMNS - label_width)
-        entries = [(spec.prefix, spec.label, curve.source_points) for spec, curve in drawn]
+        entries = [(visible(spec.prefix), visible(spec.label), curve.source_points) for spec, curve in drawn]  # metrics keys, job names
         if marker_xs:
             entries.append(("", "NaN/inf", len(marker_xs)))
         self.legend = legend_labels(entries, cells)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from typing import Callable, ParamSpec
 
-from rich.text import Text
+from rich.markup import escape
+from rich.text import Span, Text
+
+from backend.safetext import visible
 
 BAR_FULL = "█"
 BAR_EMPTY = "░"
@@ -104,3 +109,42 @@ def count(value: object) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.1f}{suffix}"
     return f"{value:.0f}"
+
+
+def inert(text: Text) -> Text:
+    """`text` with every control, escape and bidi character a host put in it shown as its escape (backend.safetext), styles
+    kept; newlines stay (the panels' own line breaks). The net under every panel that shows host strings."""
+    plain = text.plain
+    if visible(plain, keep="\n") is plain:
+        return text
+    starts = []
+    pieces = []
+    position = 0
+    for char in plain:
+        starts.append(position)
+        shown = visible(char, keep="\n")
+        pieces.append(shown)
+        position += len(shown)
+    starts.append(position)
+    result = text.blank_copy("".join(pieces))
+    result.spans = [Span(starts[span.start], starts[min(span.end, len(plain))], span.style) for span in text.spans if span.start < len(plain)]
+    return result
+
+
+def plain_cell(value: object) -> str:
+    """A host string for a place that parses Rich markup (a DataTable's str cell, a Static's str): escapes shown, and
+    "[" of anything that looks like a tag escaped, so the host's text shows as written and cannot style the UI."""
+    return escape(visible(value))
+
+
+P = ParamSpec("P")
+
+
+def inert_text(builder: Callable[P, Text]) -> Callable[P, Text]:
+    """A panel's text builder whose result is shown inert (see `inert`)."""
+
+    @functools.wraps(builder)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> Text:
+        return inert(builder(*args, **kwargs))
+
+    return wrapper

@@ -7,7 +7,8 @@ from textual.widgets import Static
 
 from backend.protocol import GpuHolder, GpuSample
 from console.state import ConsoleState
-from console.widgets.format import mib, segmented_bar
+from backend.safetext import visible
+from console.widgets.format import inert_text, mib, segmented_bar
 
 OWNED_STYLE = "green"
 FOREIGN_STYLE = "yellow"
@@ -18,12 +19,14 @@ BAR_WIDTH = 20
 NARROW = 90  # below this many columns a GPU's util/temperature go on their own line and command lines are cut shorter
 
 
+@inert_text
 def gpu_text(state: ConsoleState, expanded: bool = False, width: int = 120) -> Text:
+    """The panel's text; every name, user and command line a host sent shown inert (backend.safetext)."""
     if state.no_driver:
         text = Text("No NVIDIA driver on this host: GPU telemetry is off.", style="bold yellow")
         detail = state.gpu_status_text
         if detail:
-            text.append(f"\n{detail}", style="dim")
+            text.append(f"\n{visible(detail)}", style="dim")
         text.append("\nCPU jobs (the tiny demo) still run and are listed below.")
         return text
     if not state.gpus:
@@ -49,7 +52,7 @@ def gpu_text(state: ConsoleState, expanded: bool = False, width: int = 120) -> T
 def _gpu_line(gpu: GpuSample, owned: float, foreign: float, narrow: bool = False) -> Text:
     text = Text()
     text.append(f"GPU{gpu.index:<2} ", style="bold")
-    text.append(f"{(gpu.name or '?').replace('NVIDIA ', '')[:12]:<12} ")
+    text.append(f"{visible(gpu.name or '?').replace('NVIDIA ', '')[:12]:<12} ")
     total = gpu.memory_total_mib or 0.0
     used = gpu.memory_used_mib or 0.0
     other = max(used - owned - foreign, 0.0)
@@ -83,10 +86,10 @@ def _holder_lines(holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, i
         text.append(indent)
         if main.owned:
             text.append("ours    ", style=OWNED_STYLE)
-            text.append(f"{main.job or '?'} pid {main.pid}")
+            text.append(f"{visible(main.job or '?')} pid {main.pid}")
         else:
             text.append("foreign ", style=FOREIGN_STYLE)
-            text.append(f"{main.user or '?'} pid {main.pid} {main.cmdline[:cmd]}")
+            text.append(f"{visible(main.user or '?')} pid {main.pid} {visible(main.cmdline)[:cmd]}")
             text.append(" (left alone)", style="dim")
         text.append_text(_memory_note(main))
         if helpers:
@@ -97,7 +100,7 @@ def _holder_lines(holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, i
             if expanded:
                 for helper in helpers:
                     text.append(f"{indent}    └ pid {helper.pid} ")
-                    text.append(helper.cmdline[:48], style="dim")
+                    text.append(visible(helper.cmdline)[:48], style="dim")
                     text.append_text(_memory_note(helper))
     return text
 

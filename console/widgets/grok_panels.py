@@ -7,7 +7,8 @@ from typing import Any
 
 from rich.text import Text
 
-from console.widgets.format import accept_length, count, duration, number, percent, size_bytes
+from backend.safetext import visible
+from console.widgets.format import accept_length, count, duration, inert_text, number, percent, size_bytes
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -22,6 +23,7 @@ def _signed_pct(value: Any) -> str:
     return f"{value * 100:+.1f}%" if isinstance(value, (int, float)) and math.isfinite(value) else "-"
 
 
+@inert_text
 def alerts_text(signals: dict[str, Any] | None) -> Text:
     """The lines that need the operator's eyes: onset, regression, LR floor, val bump, warnings."""
     text = Text()
@@ -40,9 +42,9 @@ def alerts_text(signals: dict[str, Any] | None) -> Text:
             )
         )
     if regression.get("detected"):
-        lines.append((f" REGRESSION at step {_steps(regression.get('step'))}: {regression.get('reason') or ''} ", "bold white on red"))
+        lines.append((f" REGRESSION at step {_steps(regression.get('step'))}: {visible(regression.get('reason') or '')} ", "bold white on red"))
     if floor.get("active"):
-        lines.append((f" LR AT ITS FLOOR: {floor.get('warning') or ''} ", "bold black on yellow"))
+        lines.append((f" LR AT ITS FLOOR: {visible(floor.get('warning') or '')} ", "bold black on yellow"))
     bump = signals.get("val_bump") or {}
     if bump.get("active"):
         lines.append(
@@ -58,6 +60,7 @@ def alerts_text(signals: dict[str, Any] | None) -> Text:
     return text
 
 
+@inert_text
 def signals_text(signals: dict[str, Any] | None) -> Text:
     """Gap, val slope and its z, onset, plateau and how far past it, tokens, LR."""
     if not signals:
@@ -100,10 +103,11 @@ def signals_text(signals: dict[str, Any] | None) -> Text:
         text.append("  AT FLOOR", style="bold yellow")
     for warning in signals.get("warnings") or []:
         if warning != floor.get("warning"):  # already in the alert line above the plots
-            text.append(f"\n! {warning}", style="yellow")
+            text.append(f"\n! {visible(warning)}", style="yellow")
     return text
 
 
+@inert_text
 def acceptance_text(signals: dict[str, Any] | None) -> Text:
     """τ̂ from the latest val accuracies, and per TTT position smoothed acc and ploss, train vs val."""
     if not signals:
@@ -127,6 +131,7 @@ def acceptance_text(signals: dict[str, Any] | None) -> Text:
     return text
 
 
+@inert_text
 def norms_text(signals: dict[str, Any] | None) -> Text:
     """Weight norm (total and per module, with the relative change) and grad norm with its clip fraction."""
     if not signals:
@@ -136,7 +141,7 @@ def norms_text(signals: dict[str, Any] | None) -> Text:
     text.append("weight norm ", style="bold")
     text.append(f"{_num(weights.get('latest'), 5)} ({_signed_pct(weights.get('relative_change'))} over {_steps(weights.get('lag_steps'))} steps)")
     for module, values in sorted((weights.get("modules") or {}).items()):
-        text.append(f"\n  {module:<12} {_num(values.get('latest'), 5):>8}  {_signed_pct(values.get('relative_change'))}")
+        text.append(f"\n  {visible(module):<12} {_num(values.get('latest'), 5):>8}  {_signed_pct(values.get('relative_change'))}")
     grads = signals.get("grad_norm") or {}
     fraction = grads.get("clip_fraction")
     text.append("\ngrad norm ", style="bold")
@@ -150,17 +155,18 @@ def norms_text(signals: dict[str, Any] | None) -> Text:
     return text
 
 
+@inert_text
 def data_scaling_text(report: dict[str, Any] | None, profile: str | None = None) -> Text:
     """Bytes per sample, free disk where the data lives, how many more samples fit, time to extract them."""
     if not report:
         return Text("no data-scaling report yet", style="dim")
     if report.get("error"):
-        return Text(f"data scaling unavailable: {report['error']}", style="yellow")
+        return Text(f"data scaling unavailable: {visible(report['error'])}", style="yellow")
     text = Text()
     estimated = report.get("kind") != "measured"
     if estimated:
         text.append(" ESTIMATE ", style="bold black on yellow")
-        text.append(f" from profile {profile or '?'} shapes: no extracted shards at {report.get('path')}")
+        text.append(f" from profile {profile or '?'} shapes: no extracted shards at {visible(report.get('path'))}")
         shape = report.get("shape") or {}
         if shape:
             text.append(
@@ -170,7 +176,7 @@ def data_scaling_text(report: dict[str, Any] | None, profile: str | None = None)
             )
     else:
         text.append(" MEASURED ", style="bold black on green")
-        text.append(f" {count(report.get('samples'))} samples, {size_bytes(report.get('bytes'))} at {report.get('path')}")
+        text.append(f" {count(report.get('samples'))} samples, {size_bytes(report.get('bytes'))} at {visible(report.get('path'))}")
     text.append("\nper sample ", style="bold")
     text.append(size_bytes(report.get("bytes_per_sample")))
     text.append("\nfree disk ", style="bold")

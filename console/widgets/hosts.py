@@ -9,7 +9,8 @@ from rich.text import Text
 
 from backend.protocol import JobInfo
 from console.state import CONNECTED, ConsoleState
-from console.widgets.format import duration, number, size_bytes
+from backend.safetext import visible
+from console.widgets.format import duration, inert_text, number, plain_cell, size_bytes
 
 if TYPE_CHECKING:
     from console.session import HostSession
@@ -89,15 +90,15 @@ def _job_cells(state: ConsoleState, job: JobInfo, nodes: list[Node]) -> tuple[An
     end = job.ended_at if job.ended_at else state.clock()
     host = "+".join(n.host for n in nodes) if nodes else state.target
     detail = state.job_details.get(job.name, "")
-    status = Text(job.state, style=STATE_STYLES.get(job.state, ""))
+    status = Text(visible(job.state), style=STATE_STYLES.get(job.state, ""))
     if nodes:
         running = sum(n.job.state == "running" and not n.host_stale for n in nodes)
-        status = Text(f"{job.state} {running}/{len(nodes)}", style=STATE_STYLES.get(job.state, "") if running == len(nodes) else "bold red")
+        status = Text(f"{visible(job.state)} {running}/{len(nodes)}", style=STATE_STYLES.get(job.state, "") if running == len(nodes) else "bold red")
         detail = nodes_problem(nodes) or f"{len(nodes)} nodes, all ranks reporting"
-    return (
-        host,
-        job.name,
-        job.kind + (" (adopted)" if job.adopted else ""),
+    return (  # str cells are Rich markup to the DataTable: host strings go in as plain_cell
+        plain_cell(host),
+        plain_cell(job.name),
+        plain_cell(job.kind + (" (adopted)" if job.adopted else "")),
         status,
         str(job.pid),
         str(job.pgid),
@@ -105,7 +106,7 @@ def _job_cells(state: ConsoleState, job: JobInfo, nodes: list[Node]) -> tuple[An
         "-" if job.exit_code is None else str(job.exit_code),
         str(record.get("step", "-")),
         number(record.get("loss")),
-        detail[:60] if nodes else detail[:40],
+        plain_cell(visible(detail)[:60] if nodes else visible(detail)[:40]),
     )
 
 
@@ -134,6 +135,7 @@ def slowest_rank(nodes: list[Node]) -> tuple[str, int] | None:
     return host, rank
 
 
+@inert_text
 def nodes_text(nodes: list[Node]) -> Text:
     """Per node: host, state, pid; per rank: step and how long ago it last reported (the agent's clock), slowest marked."""
     text = Text()
@@ -178,7 +180,7 @@ def host_cells(session: "HostSession") -> tuple[Any, ...]:
     run_dir = next((d for d in state.disks if d.label == "run_dir"), None)
     hello = state.hello
     return (
-        session.name,
+        plain_cell(session.name),
         link,
         str(len(state.gpus)),
         memory,
@@ -186,5 +188,5 @@ def host_cells(session: "HostSession") -> tuple[Any, ...]:
         f"{owned}/{len(state.holders) - owned}",
         str(len(state.running_jobs())),
         size_bytes(run_dir.free_bytes) if run_dir else "-",
-        f"pid {hello.agent_pid} · {hello.host}" if hello else "-",
+        plain_cell(f"pid {hello.agent_pid} · {visible(hello.host)}") if hello else "-",
     )

@@ -15,23 +15,25 @@ from textual.widgets import Footer, Static
 from textual.widgets._footer import FooterKey, FooterLabel, KeyGroup
 
 from console.state import ConsoleState
-from console.widgets.format import clock_time, count, number, percent, segmented_bar, size_bytes
+from backend.safetext import visible
+from console.widgets.format import clock_time, count, inert_text, number, percent, segmented_bar, size_bytes
 
 
+@inert_text
 def latest_metrics_text(state: ConsoleState, job: str | None) -> Text:
     if not job:
         return Text("no job selected", style="dim")
     info = state.jobs.get(job)
     metrics = state.metrics.get(job)
     text = Text()
-    text.append(job, style="bold")
+    text.append(visible(job), style="bold")
     if info:
-        text.append(f" ({info.state})")
+        text.append(f" ({visible(info.state)})")
     if not metrics or not metrics.latest:
         text.append("\nno metrics yet", style="dim")
         return text
     train, val, latest = metrics.latest_train, metrics.latest_val, metrics.latest
-    text.append(f"\nstep {latest.get('step', '-')}  epoch {latest.get('epoch', '-')}")
+    text.append(f"\nstep {visible(latest.get('step', '-'))}  epoch {visible(latest.get('epoch', '-'))}")
     text.append(f"\ntrain loss {number(train.get('loss'))}   val loss {number(val.get('loss'))}")
     gap = _gap(train.get("loss"), val.get("loss"))
     if gap is not None:
@@ -65,6 +67,7 @@ def _gap(train: object, val: object) -> float | None:
     return None
 
 
+@inert_text
 def disks_text(state: ConsoleState) -> Text:
     if not state.disks:
         return Text("no disk report yet", style="dim")
@@ -74,15 +77,16 @@ def disks_text(state: ConsoleState) -> Text:
             text.append("\n")
         share = disk.used_bytes / disk.total_bytes if disk.total_bytes else 0.0
         style = "red" if share > 0.9 else "yellow" if share > 0.75 else "green"
-        text.append(f"{disk.label:<9} ", style="bold")
+        text.append(f"{visible(disk.label):<9} ", style="bold")
         text.append_text(segmented_bar([(disk.used_bytes, style)], disk.total_bytes, 14))
         text.append(f" {size_bytes(disk.free_bytes)} free / {size_bytes(disk.total_bytes)}")
-        text.append(f"\n          {disk.path}", style="dim")
+        text.append(f"\n          {visible(disk.path)}", style="dim")
         if disk.dir_bytes is not None:
             text.append(f" holds {size_bytes(disk.dir_bytes)}", style="dim")
     return text
 
 
+@inert_text
 def actions_text(state: ConsoleState, limit: int = 8) -> Text:
     if not state.actions:
         return Text("no actions yet", style="dim")
@@ -91,7 +95,7 @@ def actions_text(state: ConsoleState, limit: int = 8) -> Text:
         if i:
             text.append("\n")
         text.append(f"{clock_time(when)} ", style="dim")
-        text.append(line)
+        text.append(visible(line))
     return text
 
 
