@@ -39,7 +39,7 @@ def _field_error(name: str, value, expectation: str) -> ValueError:
 
 
 class TargetConfig(_Strict):
-    path: str = Field(description="HF model dir or id on the host; 'builtin:tiny' for the embedded CPU target")
+    path: str = Field(description="HF model dir or id on the host; 'builtin:tiny' for the embedded CPU target; 'wheel:NAME' for a known wheel target")
     architecture: str = Field(description="the target's HF/SGLang architecture class")
     hidden_size: int = Field(gt=0)
     num_layers: int = Field(gt=0)
