@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "backend.bench.cli",  # bench
     "backend.chain_cli",  # stop-and-bench, grok
     "backend.metrics_cli",  # metrics series
+    "backend.train.conversations",  # data prepare
     "backend.train.target_prepare",  # target prepare, target profile
 ]
 

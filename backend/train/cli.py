@@ -125,9 +125,11 @@ def _register_train(subparsers, parent) -> None:
     train.add_argument(
         "--conversations",
         type=Path,
-        help="chat JSONL for online HF targets (default <data_dir>/conversations.jsonl; a profile data dir under its run dir moves with --run-dir)",
+        help="chat data for online HF targets: ShareGPT, OpenAI messages or role/content (JSONL or a JSON array), or a `data prepare` dir "
+        "(default <data_dir>/conversations.jsonl; a profile data dir under its run dir moves with --run-dir)",
     )
     train.add_argument("--regenerate-tokens", type=int, default=0, help="regenerate assistant turns with the target (max new tokens; 0 = off)")
+    _add_chat_template(train)
     train.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files under <out>/tensorboard")
     train.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present; LOCAL_RANK under torchrun)")
     train.add_argument("--batch-size", type=int)
@@ -153,8 +155,11 @@ def _register_extract(subparsers, parent) -> None:
     extract.add_argument("--out", type=Path, required=True, help="new or empty output directory")
     extract.add_argument("--samples", type=int, help="training samples (tiny: generated; HF: first N conversations)")
     extract.add_argument("--val-samples", type=int, help="held-out samples (tiny only; default 1/10 of --samples)")
-    extract.add_argument("--conversations", type=Path, help="chat JSONL for HF targets (default <data_dir>/conversations.jsonl)")
+    extract.add_argument(
+        "--conversations", type=Path, help="chat file (any format `data prepare` reads) or a `data prepare` dir (default <data_dir>/conversations.jsonl)"
+    )
     extract.add_argument("--regenerate-tokens", type=int, default=0)
+    _add_chat_template(extract)
     extract.add_argument(
         "--store",
         choices=["auto", "logits", "last_hidden"],
@@ -167,6 +172,34 @@ def _register_extract(subparsers, parent) -> None:
     extract.add_argument("--device")
     _add_threads(extract)
     extract.set_defaults(handler=_extract)
+
+
+def _add_chat_template(parser) -> None:
+    parser.add_argument(
+        "--chat-template",
+        metavar="NAME|FILE",
+        help="chat template for the conversations: chatml, llama3, qwen or a Jinja file (default: the tokenizer's own; refused when it has none)",
+    )
+
+
+def chat_preflight(profile, spec: str | None, offline: bool = False, trust_remote_code: bool = False):
+    """The --chat-template asked for, checked before anything heavy starts: a tokenizer without a template and none
+    given is refused here (one line, exit 2) rather than after the target is loaded. Tiny and offline runs need none."""
+    from backend.train.chat_templates import resolve_chat_template, template_text
+
+    template = resolve_chat_template(spec)
+    if offline:
+        return template
+    from backend.train.target import BUILTIN_TINY, load_tokenizer, resolve_target_path
+    from backend.train.tiny import is_tiny_target_dir
+
+    if profile.target.path == BUILTIN_TINY:
+        return template
+    path = resolve_target_path(profile)
+    if is_tiny_target_dir(path):
+        return template
+    template_text(load_tokenizer(path, trust_remote_code), template)
+    return template
 
 
 def _fail(message: str) -> int:
@@ -186,13 +219,14 @@ def _known_errors() -> tuple:
     return (ProfileError, CheckpointError, DataError, DraftConfigError, FeatureWidthError, ExtractError, TargetMismatchError, TrainSetupError)
 
 
-def train_options(args: argparse.Namespace) -> TrainOptions:
+def train_options(args: argparse.Namespace, chat_template=None) -> TrainOptions:
     """The typed profile and the flags given (None where a flag was left out: the profile's value holds)."""
     from backend.profiles import load_profile
     from backend.train.trainer import TrainOptions
 
     return TrainOptions(
         profile=load_profile(args.profile),
+        chat_template=chat_template,
         out_dir=args.out,
         run_dir=args.run_dir,
         max_steps=args.max_steps,
@@ -222,13 +256,19 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
 def _train(args: argparse.Namespace) -> int:
     from backend.train.trainer import train
 
+    from backend.profiles import load_profile
+
     known = _known_errors()
+    try:
+        template = chat_preflight(load_profile(args.profile), args.chat_template, offline=args.data is not None)
+    except known as exc:
+        return _fail(str(exc))
     if int(os.environ.get("RANK", "0") or 0) == 0:
         apply_threads(args.threads, log=lambda m: print(f"[train] {m}", file=sys.stderr, flush=True))
     else:
         apply_threads(args.threads, log=lambda _m: None)
     try:
-        return train(train_options(args))
+        return train(train_options(args, template))
     except known as exc:
         return _fail(str(exc))
 
@@ -243,11 +283,15 @@ def _extract(args) -> int:
     from backend.train.target import load_target
     from backend.train.tiny import is_tiny_target_dir
 
+    try:
+        profile = load_profile(args.profile)
+        template = chat_preflight(profile, args.chat_template, trust_remote_code=profile.serve.trust_remote_code)
+    except _known_errors() as exc:
+        return _fail(str(exc))
     apply_threads(args.threads)
     stop: dict[str, int | None] = {"signal": None}
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: stop.update(signal=signum))
     try:
-        profile = load_profile(args.profile)
         device = args.device or ("cuda" if _cuda() else "cpu")
         target = load_target(profile, device=device)
         if is_tiny_target_dir(target.path):
@@ -264,6 +308,8 @@ def _extract(args) -> int:
                 limit=args.samples,
                 target=target,
                 regenerate_tokens=args.regenerate_tokens,
+                chat_template=template,
+                log=lambda m: print(m, file=sys.stderr, flush=True),
             )
         extract(
             target,

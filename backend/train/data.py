@@ -11,14 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from backend.train.chat_templates import ChatTemplate, template_text, tokenizer_name
+from backend.train.conversations import PREPARE_META, DataError, read_conversation_file
 from backend.train.extract import SHARD_FORMAT, SHARD_META
 
 if TYPE_CHECKING:
     import torch
-
-
-class DataError(ValueError):
-    """Training data that is missing, malformed, or does not fit the profile."""
 
 
 def check_feature_width(found: int, num_aux: int, target_hidden: int) -> None:
@@ -191,65 +189,77 @@ def _read_tiny_cache(path: Path) -> dict[str, list[Sample]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# HF targets: conversations JSONL -> chat template tokens, loss on assistant tokens
+# HF targets: chat conversations -> chat template tokens, loss on assistant tokens
 # ----------------------------------------------------------------------------------------------
 
 
 def read_conversations(path: str | os.PathLike, limit: int | None = None) -> list[list[dict]]:
-    """{"conversations": [{"role": "user"|"assistant"|"system", "content": str}, ...]} per line."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DataError(f"conversations file {path} does not exist")
-    conversations = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{number}: not JSON ({exc.msg})") from None
-            turns = record.get("conversations") if isinstance(record, dict) else None
-            if not isinstance(turns, list) or not turns:
-                raise DataError(f"{path}:{number}: expected an object with a non-empty 'conversations' list")
-            for turn in turns:
-                if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
-                    raise DataError(f"{path}:{number}: each turn needs string 'role' and 'content', got {turn!r:.80}")
-            conversations.append([{"role": t["role"], "content": t["content"]} for t in turns])
-            if limit and len(conversations) >= limit:
-                break
-    if not conversations:
-        raise DataError(f"{path} holds no conversations")
-    return conversations
+    """The usable conversations of a ShareGPT / OpenAI messages / role-content file (JSONL or a JSON array), normalized
+    to [{"role", "content"}] lists; see backend/train/conversations.py for what is dropped or repaired."""
+    conversations, _summary = read_conversation_file(path, limit)
+    return [c.messages for c in conversations]
 
 
-def _template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, template: str | None, tokenize: bool):
+    rendered = tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt, chat_template=template)
+    if tokenize and (isinstance(rendered, dict) or hasattr(rendered, "keys")):
+        rendered = rendered["input_ids"]
+    return list(rendered) if tokenize else rendered
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> Sample | None:
-    """Chat-template tokens; loss_mask = 1 on each assistant turn's tokens (found by templating prefixes)."""
-    import torch
+def _template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, template: str | None = None) -> list[int]:
+    return _render(tokenizer, messages, add_generation_prompt, template, tokenize=True)
 
-    ids = _template_ids(tokenizer, messages, add_generation_prompt=False)
-    mask = [0] * len(ids)
+
+def _assistant_spans(tokenizer, messages: list[dict], template: str | None) -> tuple[str, list[tuple[int, int]]] | None:
+    """The rendered conversation and the character span of each assistant turn, or None when the template's
+    renderings of prefixes are not prefixes of the whole (then the masks come from tokenizing each prefix)."""
+    text = _render(tokenizer, messages, False, template, tokenize=False)
+    spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(_template_ids(tokenizer, messages[:index], add_generation_prompt=True)) if index else 0
-        end = len(_template_ids(tokenizer, messages[: index + 1], add_generation_prompt=False))
-        for position in range(start, min(end, len(ids))):
-            mask[position] = 1
+        before = _render(tokenizer, messages[:index], True, template, tokenize=False) if index else ""
+        through = _render(tokenizer, messages[: index + 1], False, template, tokenize=False)
+        if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+            return None
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_len: int, chat_template: str | None = None) -> Sample | None:
+    """Chat-template tokens; loss_mask = 1 on each assistant turn's tokens. `chat_template`: Jinja text (None: the tokenizer's own).
+
+    A fast tokenizer renders the text once per prefix (cheap) and tokenizes it once, masking the tokens whose
+    characters fall in an assistant turn; otherwise each prefix is tokenized and the masks come from their lengths.
+    """
+    import torch
+
+    found = _assistant_spans(tokenizer, messages, chat_template) if getattr(tokenizer, "is_fast", False) else None
+    if found is not None:
+        text, spans = found
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(encoded["input_ids"])
+        mask = [int(any(start <= begin < end for start, end in spans)) for begin, _ in encoded["offset_mapping"]]
+    else:
+        ids = _template_ids(tokenizer, messages, False, chat_template)
+        mask = [0] * len(ids)
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = len(_template_ids(tokenizer, messages[:index], True, chat_template)) if index else 0
+            if start >= max_len:
+                break
+            end = len(_template_ids(tokenizer, messages[: index + 1], False, chat_template))
+            for position in range(start, min(end, len(ids))):
+                mask[position] = 1
     ids, mask = ids[:max_len], mask[:max_len]
     if not any(mask):
         return None
     return Sample(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.uint8))
 
 
-def regenerate_conversation(target, messages: list[dict], max_new_tokens: int) -> list[dict]:
+def regenerate_conversation(target, messages: list[dict], max_new_tokens: int, chat_template: str | None = None) -> list[dict]:
     """Replace each assistant turn with the target's own greedy answer to the (regenerated) history before it."""
     import torch
 
@@ -259,7 +269,7 @@ def regenerate_conversation(target, messages: list[dict], max_new_tokens: int) -
         if message["role"] != "assistant":
             result.append(message)
             continue
-        prompt = torch.tensor([_template_ids(tokenizer, result, add_generation_prompt=True)], dtype=torch.int64)
+        prompt = torch.tensor([_template_ids(tokenizer, result, True, chat_template)], dtype=torch.int64)
         generated = target.greedy_generate(prompt, max_new_tokens, stop_token_id=tokenizer.eos_token_id)[0].tolist()
         if tokenizer.eos_token_id in generated:
             generated = generated[: generated.index(tokenizer.eos_token_id)]
@@ -267,18 +277,173 @@ def regenerate_conversation(target, messages: list[dict], max_new_tokens: int) -
     return result
 
 
+def tokenizer_identity(tokenizer, template_text: str) -> dict:
+    """What a tokenization depends on besides the data: the tokenizer's name, size, special tokens, and the template."""
+    specials = json.dumps(
+        {
+            "special": sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []) or []),
+            "added": sorted(str(t) for t in (getattr(tokenizer, "get_added_vocab", dict)() or {})),
+            "template": template_text,
+        },
+        sort_keys=True,
+    )
+    return {"name": tokenizer_name(tokenizer), "vocab": len(tokenizer), "specials": hashlib.sha256(specials.encode()).hexdigest()[:16]}
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def chat_cache_path(key: dict, cache_dir: Path | None = None) -> Path:
+    """Where conversation_samples caches the tokenized splits for this key (its lock: `.<name>.lock` beside it)."""
+    from backend.train.tiny import cache_root
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return (Path(cache_dir) if cache_dir else cache_root()) / "chat-tokens" / f"chat-tokens-{digest}.safetensors"
+
+
+def _write_samples_cache(path: Path, splits: dict[str, list[Sample]], key: dict) -> None:
+    """One flat ids, mask and offsets tensor per split: loading is three reads and a slice per sample."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, samples in splits.items():
+        lengths = torch.tensor([0] + [len(s.input_ids) for s in samples], dtype=torch.int64)
+        tensors[f"{name}.offsets"] = torch.cumsum(lengths, 0)
+        tensors[f"{name}.input_ids"] = torch.cat([s.input_ids for s in samples]) if samples else torch.zeros(0, dtype=torch.int64)
+        tensors[f"{name}.loss_mask"] = torch.cat([s.loss_mask for s in samples]) if samples else torch.zeros(0, dtype=torch.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(temp), metadata={"key": json.dumps(key, sort_keys=True)})
+    with open(temp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(temp, path)
+
+
+def _read_samples_cache(path: Path) -> dict[str, list[Sample]]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    splits = {}
+    for name in ("train", "val"):
+        offsets, ids, mask = tensors[f"{name}.offsets"].tolist(), tensors[f"{name}.input_ids"], tensors[f"{name}.loss_mask"]
+        splits[name] = [Sample(ids[a:b], mask[a:b]) for a, b in zip(offsets, offsets[1:])]
+    return splits
+
+
+def _chat_inputs(path: Path) -> dict[str, Path] | None:
+    """A `data prepare` output dir: its train and val files (the split is already made); None for a plain file."""
+    if not path.is_dir():
+        return None
+    if not (path / PREPARE_META).is_file():
+        raise DataError(f"{path} is a directory without {PREPARE_META}: not a `data prepare` output (or it did not finish)")
+    return {"train": path / "train.jsonl", "val": path / "val.jsonl"}
+
+
 def conversation_samples(
-    tokenizer, path, max_len: int, val_fraction: float = 0.02, seed: int = 0, limit: int | None = None, target=None, regenerate_tokens: int = 0
+    tokenizer,
+    path,
+    max_len: int,
+    val_fraction: float = 0.02,
+    seed: int = 0,
+    limit: int | None = None,
+    target=None,
+    regenerate_tokens: int = 0,
+    chat_template: ChatTemplate | None = None,
+    cache_dir: Path | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, list[Sample]]:
-    """Tokenized conversations split into train / held-out val (a seeded shuffle; at least one val sample)."""
-    conversations = read_conversations(path, limit)
-    if regenerate_tokens:
-        if target is None:
-            raise DataError("regeneration needs the target model")
-        conversations = [regenerate_conversation(target, c, regenerate_tokens) for c in conversations]
-    samples = [s for s in (tokenize_conversation(tokenizer, c, max_len) for c in conversations) if s is not None]
+    """Tokenized conversations split into train / held-out val (at least one val sample).
+
+    `path`: a chat file in any format backend/train/conversations.py reads (split here by a seeded shuffle), or a
+    `data prepare` output dir (its train/val split is used as is). The tokenized splits are cached under the cache
+    dir, keyed on the data's sha256, the tokenizer, the template, max_len and the split settings; a run that
+    regenerates answers with the target is not cached.
+    """
+    import time
+
+    from backend.train.tiny import cache_lock
+
+    template = template_text(tokenizer, chat_template)  # refuses a tokenizer without one before any reading
+    jinja = chat_template.text if chat_template is not None else None
+    path = Path(path).expanduser()
+    prepared = _chat_inputs(path)
+    files = prepared or {"all": path}
+    for file in files.values():
+        if not file.is_file():
+            raise DataError(f"conversations file {file} does not exist")
+    key = {
+        "format": "eagle3-console-chat-tokens/1",
+        "data": {name: file_sha256(file) for name, file in files.items()},
+        "tokenizer": tokenizer_identity(tokenizer, template),
+        "max_len": max_len,
+        "split": "prepared" if prepared else {"val_fraction": val_fraction, "seed": seed},
+        "limit": limit,
+    }
+    cache = chat_cache_path(key, cache_dir) if not regenerate_tokens else None
+    if cache is not None and cache.is_file():
+        started = time.monotonic()
+        splits = _read_samples_cache(cache)
+        if log:
+            log(f"conversations: {len(splits['train'])}+{len(splits['val'])} tokenized samples from the cache {cache} in {time.monotonic() - started:.1f} s")
+        return splits
+    if cache is None:
+        return _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, target, regenerate_tokens, jinja, log)
+    with cache_lock(cache.with_name(f".{cache.name}.lock"), f"the tokenized conversations {cache.name}", log):
+        if cache.is_file():
+            return _read_samples_cache(cache)
+        splits = _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, target, regenerate_tokens, jinja, log)
+        _write_samples_cache(cache, splits, key)
+        if log:
+            log(f"conversations: cached the tokenized samples at {cache}")
+        return splits
+
+
+def _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, target, regenerate_tokens, jinja, log) -> dict[str, list[Sample]]:
+    import time
+
+    from backend.train.tiny import progress_every, progress_line
+
+    read = {name: read_conversation_file(file, limit) for name, file in files.items()}
+    if log:
+        for _conversations, summary in read.values():
+            for line in summary.describe():
+                log(f"conversations: {line}")
+    total = sum(len(conversations) for conversations, _ in read.values())
+    started, done, every = time.monotonic(), 0, progress_every(total, 10)
+
+    def tokenize_all(conversations) -> list[Sample]:
+        nonlocal done
+        samples = []
+        for conversation in conversations:
+            messages = conversation.messages
+            if regenerate_tokens:
+                if target is None:
+                    raise DataError("regeneration needs the target model")
+                messages = regenerate_conversation(target, messages, regenerate_tokens, jinja)
+            sample = tokenize_conversation(tokenizer, messages, max_len, jinja)
+            if sample is not None:
+                samples.append(sample)
+            done += 1
+            if log and (done % every == 0 or done == total):
+                log(progress_line("tokenizing", done, total, started, unit="conversations"))
+        return samples
+
+    if "all" not in read:
+        splits = {name: tokenize_all(conversations) for name, (conversations, _) in read.items()}
+        if not splits["train"] or not splits["val"]:
+            raise DataError(
+                f"{files['train'].parent}: {len(splits['train'])} train and {len(splits['val'])} val conversations with assistant tokens; need both"
+            )
+        return splits
+    samples = tokenize_all(read["all"][0])
     if len(samples) < 2:
-        raise DataError(f"{path}: only {len(samples)} conversation(s) with assistant tokens; need at least 2 (train + val)")
+        raise DataError(f"{files['all']}: only {len(samples)} conversation(s) with assistant tokens; need at least 2 (train + val)")
     order = list(range(len(samples)))
     random.Random(seed).shuffle(order)
     val_count = max(1, int(round(len(samples) * val_fraction)))

@@ -40,6 +40,7 @@ from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
 
 if TYPE_CHECKING:
     from backend.metrics import MetricsWriter
+    from backend.train.chat_templates import ChatTemplate
 
 RUN_FILE = "run.json"
 ADAM_BETAS = (0.9, 0.95)  # EAGLE-3 paper
@@ -104,7 +105,8 @@ class TrainOptions:
     resume: str | None = None  # None: fresh run; "latest": newest checkpoint under out_dir; else a checkpoint dir
     rewarm_steps: int | None = None
     data_dir: Path | None = None  # offline shards written by `extract`
-    conversations: Path | None = None  # online HF target: chat JSONL
+    conversations: Path | None = None  # online HF target: a chat file (any format conversations.py reads) or a `data prepare` dir
+    chat_template: ChatTemplate | None = None  # None: the tokenizer's own
     regenerate_tokens: int = 0
     tensorboard: bool = False
     device: str | None = None
@@ -639,7 +641,14 @@ class Trainer:
             data_dir = data_dir_for(profile.paths.data_dir, profile.paths.run_dir, options.run_dir)  # moves with --run-dir
             conversations = options.conversations or Path(data_dir).expanduser() / "conversations.jsonl"
             splits = conversation_samples(
-                target.tokenizer, conversations, self.settings.seq_len, seed=self.settings.seed, target=target, regenerate_tokens=options.regenerate_tokens
+                target.tokenizer,
+                conversations,
+                self.settings.seq_len,
+                seed=self.settings.seed,
+                target=target,
+                regenerate_tokens=options.regenerate_tokens,
+                chat_template=options.chat_template,
+                log=self.log,
             )
         return OnlineSource(target, splits)
 
