@@ -15,8 +15,10 @@ stderr of the agent is a separate diagnostic stream and is never parsed as data.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Mapping
 
 PROTOCOL_VERSION = 2
 
@@ -59,6 +61,11 @@ class Request:
     DATA_SCALING = "data_scaling"  # {"data_dir", "shape"?: {aux_width, teacher_width, dtype_bytes, seq_len}} -> backend/datascale.py
     RESULTS = "results"  # {"name"} -> {"results": [saved stop-and-bench results of that training job, oldest first]}
     SHUTDOWN = "shutdown"  # {} -> {} then the agent exits (jobs keep running)
+
+
+JOB_KINDS = ("train", "serve", "bench", "chain", "other", "adopted", "external")  # external: a watched run (console side)
+JOB_STATES = ("running", "exited", "stopped", "stale", "unknown", "watching")
+GPU_SOURCES = ("nvml", "nvidia-smi", "none")
 
 
 class ErrorCode:
@@ -175,6 +182,21 @@ class HelloInfo:
     backend_hash: str | None = None  # content hash of the uploaded backend package
 
 
+@dataclass
+class SeriesBucket:
+    """One bucket of a `metrics_series` reply (backend/series_index.to_bucket): None where nothing finite was seen."""
+
+    step_lo: int
+    step_hi: int
+    count: int
+    nonfinite: int = 0
+    min: float | None = None
+    max: float | None = None
+    first: float | None = None
+    last: float | None = None
+    mean: float | None = None
+
+
 def to_dict(obj: Any) -> Any:
     """Dataclass (or list/dict of them) -> plain JSON-able structure."""
     if hasattr(obj, "__dataclass_fields__"):
@@ -193,6 +215,137 @@ def from_dict(cls: type, data: dict[str, Any]) -> Any:
     if cls is GpuSample and "processes" in kwargs:
         kwargs["processes"] = [from_dict(GpuProcess, p) for p in kwargs["processes"]]
     return cls(**kwargs)
+
+
+class InvalidMessage(ValueError):
+    """A message (or part of one) that does not have the contract's shape; the text says where and what."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How much of one message a reader keeps: longer strings are cut and marked, longer lists cut, deeper nesting dropped."""
+
+    string: int = 4096
+    items: int = 10_000
+    depth: int = 8
+
+
+ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("JobInfo", "kind"): JOB_KINDS,
+    ("JobInfo", "state"): JOB_STATES,
+    ("HelloInfo", "gpu_source"): GPU_SOURCES,
+}
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def cut_text(text: str, limit: int) -> str:
+    """At most `limit` characters; a cut string says how much was cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}…[{len(text) - limit} more chars cut]"
+
+
+def bounded(value: Any, limits: Limits = Limits(), depth: int = 0) -> Any:
+    """Any decoded JSON value with strings cut, lists and objects shortened and nesting below limits.depth dropped."""
+    if isinstance(value, str):
+        return cut_text(value, limits.string)
+    if isinstance(value, (list, dict)) and depth >= limits.depth:
+        return None
+    if isinstance(value, list):
+        return [bounded(v, limits, depth + 1) for v in value[: limits.items]]
+    if isinstance(value, dict):
+        keys = list(value)[: limits.items]
+        return {cut_text(str(k), limits.string): bounded(value[k], limits, depth + 1) for k in keys}
+    return value
+
+
+def type_name(value: Any) -> str:
+    return "null" if value is None else {dict: "object", list: "array", str: "string", bool: "boolean"}.get(type(value), type(value).__name__)
+
+
+def parse(cls: type, data: Any, limits: Limits = Limits(), where: str = "") -> Any:
+    """A contract dataclass from a decoded object, checking every field's type (ints are accepted as floats; bools are
+    not numbers) and the known enums; unknown keys are ignored. Raises InvalidMessage naming the first bad field."""
+    where = where or cls.__name__
+    if not isinstance(data, dict):
+        raise InvalidMessage(f"{where}: expected an object, got {type_name(data)}")
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise InvalidMessage(f"{where}.{f.name}: missing")
+            continue
+        value = check_type(hints[f.name], data[f.name], limits, f"{where}.{f.name}")
+        allowed = ENUMS.get((cls.__name__, f.name))
+        if allowed and value not in allowed:
+            raise InvalidMessage(f"{where}.{f.name}: {cut_text(str(value), 40)!r} is not one of {', '.join(allowed)}")
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def check_type(hint: Any, value: Any, limits: Limits, where: str) -> Any:
+    """`value` checked against a type hint of the contract (str, int, float, bool, X | None, list[X], dict, Any,
+    a dataclass), strings cut and lists shortened by `limits`."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return bounded(value, limits)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is not type(None):
+                try:
+                    return check_type(option, value, limits, where)
+                except InvalidMessage as exc:
+                    errors.append(str(exc))
+        raise InvalidMessage(errors[0] if len(errors) == 1 else f"{where}: unexpected {type_name(value)}")
+    if origin is list or hint is list:
+        if not isinstance(value, list):
+            raise InvalidMessage(f"{where}: expected an array, got {type_name(value)}")
+        (item,) = typing.get_args(hint) or (Any,)
+        return [check_type(item, v, limits, f"{where}[{i}]") for i, v in enumerate(value[: limits.items])]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise InvalidMessage(f"{where}: expected an object, got {type_name(value)}")
+        return bounded(value, limits)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise InvalidMessage(f"{where}: expected a boolean, got {type_name(value)}")
+        return value
+    if hint is int or hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (hint is int and not isinstance(value, int)):
+            raise InvalidMessage(f"{where}: expected {'an integer' if hint is int else 'a number'}, got {type_name(value)}")
+        return float(value) if hint is float else value
+    if hint is str:
+        if not isinstance(value, str):
+            raise InvalidMessage(f"{where}: expected a string, got {type_name(value)}")
+        return cut_text(value, limits.string)
+    if isinstance(hint, type) and is_dataclass(hint):
+        return parse(hint, value, limits, where)
+    raise InvalidMessage(f"{where}: no check for {hint!r}")  # a contract type this function does not know yet
+
+
+NUMBER = (int, float)  # check_fields: a JSON number (never a boolean)
+OPTIONAL = type(None)
+
+
+def check_fields(entry: Any, spec: Mapping[str, tuple[type, ...]], where: str, limits: Limits = Limits()) -> dict[str, Any]:
+    """A plain object whose listed keys, when present, hold one of the listed types (OPTIONAL allows null); the
+    object comes back bounded. Raises InvalidMessage naming the first bad key."""
+    if not isinstance(entry, dict):
+        raise InvalidMessage(f"{where}: expected an object, got {type_name(entry)}")
+    for key, allowed in spec.items():
+        if key in entry:
+            value = entry[key]
+            if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+                names = " or ".join(type_name(t()) if t is not OPTIONAL else "null" for t in allowed)
+                raise InvalidMessage(f"{where}.{key}: expected {names}, got {type_name(value)}")
+    return bounded(entry, limits)
 
 
 def encode(message: dict[str, Any]) -> bytes:

@@ -9,17 +9,112 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
+import time
+from dataclasses import dataclass
 from typing import Any, Union
 
-from backend.protocol import Event, MalformedMessage, Request, decode
+from backend.protocol import (
+    NUMBER,
+    OPTIONAL,
+    Event,
+    InvalidMessage,
+    JobInfo,
+    Limits,
+    MalformedMessage,
+    ProcessVerdict,
+    Request,
+    bounded,
+    check_fields,
+    decode,
+    parse,
+    type_name,
+)
 
 from console.state import ConnectionStatus
-from console.transport import AgentLine, AgentStderr, NotConnected, StatusChanged, Transport
+from console.transport import AgentLine, AgentStderr, LineTooLong, NotConnected, StatusChanged, Transport
 
 BIG_LINE = 256 << 10  # decode lines above this size off the UI thread
 DEFAULT_TIMEOUT_S = 30.0
+EVENTS_MAX = 1000  # decoded events waiting for the session's fold before the reader waits
+SLICE_S = 0.02  # the reader yields to the UI at least this often, however fast the host writes
+REPLY_HEAD = re.compile(rb'^\s*\{\s*"type"\s*:\s*"reply"\s*,\s*"id"\s*:\s*(\d{1,18})\b')
 
-ClientEvent = Union[dict, ConnectionStatus, AgentStderr]
+
+REPLY_LIMITS = Limits(string=4096, items=20_000, depth=10)  # what a reply the console keeps may hold
+PID_ENTRY = {"pid": (int,), "job": (str, OPTIONAL), "cmdline": (str, OPTIONAL), "role": (str,), "user": (str, OPTIONAL)}
+PID_ENTRY_FIELDS = PID_ENTRY | {"reason": (str, OPTIONAL), "used_memory_mib": NUMBER + (OPTIONAL,)}
+CHECKPOINT_FIELDS = {"path": (str,), "epoch": (int, OPTIONAL), "step": (int, OPTIONAL), "latest": (bool, OPTIONAL)}
+
+
+def _entries(result: dict[str, Any], key: str, check: Any) -> list:
+    value = result.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidMessage(f"{key}: expected an array, got {type_name(value)}")
+    return [check(entry, f"{key}[{i}]") for i, entry in enumerate(value[: REPLY_LIMITS.items])]
+
+
+def _stop_plan(result: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(result.get("checkpoint_first", False), bool):
+        raise InvalidMessage(f"checkpoint_first: expected a boolean, got {type_name(result.get('checkpoint_first'))}")
+    checked = dict(result)
+    for key in ("will_signal", "stale", "foreign_gpu_holders"):
+        checked[key] = _entries(result, key, lambda e, where: check_fields(e, PID_ENTRY_FIELDS, where, REPLY_LIMITS))
+    checked["jobs"] = _entries(result, "jobs", lambda e, where: e if isinstance(e, str) else _bad(where, "a string", e))
+    return bounded(checked, REPLY_LIMITS)
+
+
+def _stop_job(result: dict[str, Any]) -> dict[str, Any]:
+    verdicts = _entries(result, "verdicts", lambda e, where: (parse(ProcessVerdict, e, REPLY_LIMITS, where), e)[1])
+    return bounded({**result, "verdicts": verdicts}, REPLY_LIMITS)
+
+
+def _job_reply(result: dict[str, Any]) -> dict[str, Any]:
+    parse(JobInfo, result.get("job"), REPLY_LIMITS, "job")
+    return bounded(result, REPLY_LIMITS)
+
+
+def _checkpoints(result: dict[str, Any]) -> dict[str, Any]:
+    return {**result, "checkpoints": _entries(result, "checkpoints", lambda e, where: check_fields(e, CHECKPOINT_FIELDS, where, REPLY_LIMITS))}
+
+
+def _bad(where: str, expected: str, value: Any) -> Any:
+    raise InvalidMessage(f"{where}: expected {expected}, got {type_name(value)}")
+
+
+# Replies checked here before any caller sees them. The state checks what it folds (snapshot, holders, metrics_*,
+# stages_history, tail_log) item by item, so those only need to be objects; any other reply is bounded as a whole.
+REPLY_CHECKS: dict[str, Any] = {
+    Request.STOP_PLAN: _stop_plan,
+    Request.STOP_JOB: _stop_job,
+    Request.START_JOB: _job_reply,
+    Request.ADOPT_JOB: _job_reply,
+    Request.LIST_CHECKPOINTS: _checkpoints,
+    **{
+        kind: lambda result: result
+        for kind in (Request.SNAPSHOT, Request.HOLDERS, Request.METRICS_HISTORY, Request.METRICS_SERIES, Request.METRICS_WINDOW, Request.STAGES_HISTORY)
+    },
+}
+
+
+def check_reply(kind: str, result: Any) -> dict[str, Any]:
+    """A reply's result as callers may use it, or InvalidMessage saying what did not fit the contract."""
+    if not isinstance(result, dict):
+        raise InvalidMessage(f"result: expected an object, got {type_name(result)}")
+    check = REPLY_CHECKS.get(kind)
+    return check(result) if check else bounded(result, REPLY_LIMITS)
+
+
+@dataclass
+class ClientNote:
+    """Something the host sent that the console refused (a malformed or oversized line): shown, never applied."""
+
+    text: str
+
+
+ClientEvent = Union[dict, ConnectionStatus, AgentStderr, ClientNote]
 
 
 class AgentError(Exception):
@@ -43,6 +138,7 @@ class AgentClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[str, asyncio.Future, float]] = {}  # id -> (kind, reply, deadline)
         self._events: asyncio.Queue = asyncio.Queue()
+        self._events_room = asyncio.Event()
         self._reader: asyncio.Task | None = None
 
     @property
@@ -102,7 +198,10 @@ class AgentClient:
         return await self.request(Request.PING, timeout=10)
 
     async def next_event(self) -> ClientEvent:
-        return await self._events.get()
+        event = await self._events.get()
+        if self._events.qsize() < EVENTS_MAX:
+            self._events_room.set()
+        return event
 
     def pending_events(self) -> int:
         return self._events.qsize()
@@ -110,10 +209,13 @@ class AgentClient:
     # -- reading -----------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
+        slice_start = time.monotonic()
         while True:
-            item = await self.transport.items.get()
+            item = await self.transport.next_item()
             if isinstance(item, AgentLine):
                 await self._on_line(item.data)
+            elif isinstance(item, LineTooLong):
+                self._on_too_long(item)
             elif isinstance(item, StatusChanged):
                 self.status = item.status
                 if not item.status.connected:
@@ -123,23 +225,66 @@ class AgentClient:
                 self._events.put_nowait(item.status)
             elif isinstance(item, AgentStderr):
                 self._events.put_nowait(item)
+            if self._events.qsize() >= EVENTS_MAX:
+                self._events_room.clear()  # the fold is behind: wait for it (the transport then waits for us)
+                await self._events_room.wait()
+                slice_start = time.monotonic()
+            elif time.monotonic() - slice_start > SLICE_S:
+                await asyncio.sleep(0)
+                slice_start = time.monotonic()
+
+    def _on_too_long(self, item: LineTooLong) -> None:
+        """An agent line over the transport's cap was dropped: fail the request it answered (named in its first bytes)."""
+        self.malformed_lines += 1
+        size = f"{item.size / 2**20:.1f} MiB" if item.size >= 1 << 20 else f"{item.size} bytes"
+        cap = f"{item.cap / 2**20:g} MiB" if item.cap >= 1 << 20 else f"{item.cap} bytes"
+        match = REPLY_HEAD.match(item.head)
+        pending = self._pending.get(int(match.group(1))) if match else None
+        if pending and not pending[1].done():
+            what = f"the reply to '{pending[0]}'"
+            pending[1].set_exception(AgentError("reply_too_large", f"{what} was {size}, over the console's {cap} line cap; it was discarded"))
+        else:
+            what = "an agent line"
+        self._events.put_nowait(ClientNote(f"(console) dropped {what} of {size}: longer than the {cap} line cap"))
 
     async def _on_line(self, data: bytes) -> None:
         try:
             message = await asyncio.to_thread(decode, data) if len(data) > BIG_LINE else decode(data)
         except MalformedMessage as exc:
             self.malformed_lines += 1
-            self._events.put_nowait(AgentStderr(f"(console) skipped a malformed agent line: {exc}"))
+            self._events.put_nowait(ClientNote(f"(console) skipped a malformed agent line: {str(exc)[:300]}"))
             return
         if message["type"] == Event.REPLY:
             request_id = message.get("id")
-            pending = self._pending.get(request_id) if isinstance(request_id, int) else None
+            pending = self._pending.get(request_id) if isinstance(request_id, int) and not isinstance(request_id, bool) else None
             if pending and not pending[1].done():
-                pending[1].set_result(message)
+                await self._answer(pending[0], pending[1], message, big=len(data) > BIG_LINE)
             return
         if message["type"] == Event.HELLO:
             self.hello = message
         self._events.put_nowait(message)
+
+    async def _answer(self, kind: str, future: asyncio.Future, message: dict[str, Any], *, big: bool) -> None:
+        """Resolve a request: its checked result, the agent's error, or a bad_reply error saying what did not fit."""
+        try:
+            if message.get("ok") is True:
+                result = message.get("result")
+                result = result if isinstance(result, dict) else {"value": result}
+                checked = await asyncio.to_thread(check_reply, kind, result) if big else check_reply(kind, result)
+                outcome: Any = {"ok": True, "result": checked}
+            else:
+                error = message.get("error")
+                error = error if isinstance(error, dict) else {}
+                outcome = {"ok": False, "error": {k: str(error.get(k, d))[:2000] for k, d in (("code", "internal"), ("message", "the agent gave no reason"))}}
+        except InvalidMessage as exc:
+            what = f"the reply to '{kind}' does not fit the protocol ({exc}); the console used none of it (the request itself may have taken effect)"
+            outcome = AgentError("bad_reply", what)
+        if future.done():
+            return
+        if isinstance(outcome, AgentError):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
     def _fail_pending(self, code: str, message: str) -> None:
         for kind, future, _ in list(self._pending.values()):

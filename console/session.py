@@ -12,8 +12,9 @@ import time
 from typing import Any, Literal, Protocol
 
 from backend.protocol import PROTOCOL_VERSION, Request
-from console.client import AgentClient, AgentError
-from console.state import EXTERNAL_PREFIX, FAILED, SUMMARY_KEYS, ConnectionStatus, ConsoleState
+from backend.protocol import cut_text
+from console.client import AgentClient, AgentError, ClientNote
+from console.state import EXTERNAL_PREFIX, FAILED, STRING_CAP, SUMMARY_KEYS, ConnectionStatus, ConsoleState
 from console.transport import AgentStderr, TransportError
 
 LOG_TAIL_LINES = 500
@@ -24,6 +25,8 @@ VAL_ROWS = 8
 SUMMARY_REFRESH_S = 5.0
 STREAMS = ("stdout", "stderr")
 Severity = Literal["information", "warning", "error"]  # a note's weight (Textual's toast severities)
+FOLD_SLICE_S = 0.02  # the event pump yields to the UI at least this often, however fast the host sends
+REFUSED_NOTE_INTERVAL_S = 5.0  # at most one toast per host for refused data in this time; every refusal is in state.notes
 
 
 class SessionListener(Protocol):
@@ -49,6 +52,9 @@ class HostSession:
         self._stages_locks: dict[str, asyncio.Lock] = {}
         self.summary_at: dict[tuple[str, bool], float] = {}
         self.summary_pending: set[tuple[str, bool]] = set()
+        self._refusals_told = 0  # state.notes_added when the operator was last told
+        self._refusal_told_at = -REFUSED_NOTE_INTERVAL_S
+        self._refusal_timer: asyncio.TimerHandle | None = None
 
     @property
     def name(self) -> str:
@@ -79,29 +85,74 @@ class HostSession:
         added = getattr(self.client.transport, "host_key_added", None)
         if added:
             self.note(added)
+        slice_start = time.monotonic()
         while True:
-            event = await self.client.next_event()
+            event = await self.client.next_event()  # returns at once while events are queued: yield by time below
             self.fold(event)
+            if time.monotonic() - slice_start > FOLD_SLICE_S:
+                await asyncio.sleep(0)  # keys (q) and redraws run between slices even while a host floods events
+                slice_start = time.monotonic()
 
     def fold(self, event: Any) -> set[str]:
-        """One client event into the state; the listener hears the sections that changed and the event itself."""
+        """One client event into the state; the listener hears the sections that changed and the event itself.
+
+        Never raises for what a host sent: a refused event is one of the host's notes and the pump goes on."""
         self.events_seen += 1
-        if isinstance(event, ConnectionStatus):
-            changed = self.state.set_connection(event)
-        elif isinstance(event, AgentStderr):
-            self.state.agent_stderr.append(event.text)
-            changed = {"agent_stderr"}
-        elif isinstance(event, dict):
-            if event.get("type") == "hello" and event.get("protocol") != PROTOCOL_VERSION:
-                self.note(
-                    f"the agent on {self.name} speaks protocol {event.get('protocol')}, this console {PROTOCOL_VERSION}: some views may be empty", "warning"
-                )
-            changed = self.state.apply(event)
-        else:
+        try:
+            changed = self._fold(event)
+        except Exception as exc:  # a bug met by data the checks let through: told, and the next event is folded
+            kind = event.get("type") if isinstance(event, dict) else type(event).__name__
+            self.state.refuse(f"internal error folding a {cut_text(str(kind), 40)!r} event: {type(exc).__name__}: {cut_text(str(exc), 200)}")
+            changed = set()
+        self._tell_refusals()
+        if changed is None:
             return set()
         self.changed(changed)
         self.listener.session_event(self, event, changed)
         return changed
+
+    def _fold(self, event: Any) -> set[str] | None:
+        if isinstance(event, ConnectionStatus):
+            return self.state.set_connection(event)
+        if isinstance(event, AgentStderr):
+            self.state.agent_stderr.append(cut_text(event.text, STRING_CAP))
+            return {"agent_stderr"}
+        if isinstance(event, ClientNote):
+            self.state.refuse(event.text)
+            return {"notes"}
+        if isinstance(event, dict):
+            if event.get("type") == "hello" and event.get("protocol") != PROTOCOL_VERSION:
+                self.note(
+                    f"the agent on {self.name} speaks protocol {cut_text(str(event.get('protocol')), 20)}, this console {PROTOCOL_VERSION}: "
+                    "some views may be empty",
+                    "warning",
+                )
+            return self.state.apply(event)
+        return None
+
+    def _tell_refusals(self) -> None:
+        """New entries in state.notes become a toast: at once, then at most one per REFUSED_NOTE_INTERVAL_S (a host
+        sending bad data many times a second must not flood the screen); a timer tells the last of a burst."""
+        new = self.state.notes_added - self._refusals_told
+        if new <= 0:
+            return
+        wait = self._refusal_told_at + REFUSED_NOTE_INTERVAL_S - time.monotonic()
+        if wait > 0:
+            if self._refusal_timer is None:
+                try:
+                    self._refusal_timer = asyncio.get_running_loop().call_later(wait, self._refusal_due)
+                except RuntimeError:  # folded outside a loop (a test): told on the next fold
+                    pass
+            return
+        self._refusals_told, self._refusal_told_at = self.state.notes_added, time.monotonic()
+        latest = self.state.notes[-1][1] if self.state.notes else "data refused"
+        more = f" (and {new - 1} more refused since the last note; all in the host's notes)" if new > 1 else ""
+        self.note(f"{self.name}: {latest}{more}", "warning")
+        self.changed({"notes"})
+
+    def _refusal_due(self) -> None:
+        self._refusal_timer = None
+        self._tell_refusals()
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 """What the console knows about the host: the latest agent events folded into plain objects the screens read.
 
-No Textual here: the state is built from protocol messages and tested on its own.
+No Textual here: the state is built from protocol messages and tested on its own. Nothing a host sends is trusted: every
+event and reply is checked against the contract before it touches the state (a bad one becomes one of the host's
+`notes`, the rest goes on) and everything kept is bounded by the caps below (docs/console.md lists them).
 """
 
 from __future__ import annotations
@@ -9,11 +11,43 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from functools import wraps
+from typing import Any, Callable, TypeVar
 
-from backend.protocol import DiskUsage, Event, GpuHolder, GpuSample, HelloInfo, JobInfo, from_dict
+from backend.protocol import (
+    NUMBER,
+    OPTIONAL,
+    DiskUsage,
+    Event,
+    GpuHolder,
+    GpuSample,
+    HelloInfo,
+    InvalidMessage,
+    JobInfo,
+    Limits,
+    bounded,
+    check_fields,
+    cut_text,
+    parse,
+    type_name,
+)
 
+STRING_CAP = 4096  # characters kept of one string field (a log line, a cmdline, a name); longer ones are cut and marked
+LIMITS = Limits(string=STRING_CAP, items=1024, depth=6)  # one item of a message: lists inside it keep 1024 entries
+RECORD_LIMITS = Limits(string=256, items=256, depth=4)  # one metrics or stage record as kept
 LOG_LINES_KEPT = 2000
+LOG_BUFFERS_MAX = 64  # (job, stream) log tails kept; the oldest goes first
+GPUS_MAX = 64
+JOBS_MAX = 1000
+HOLDERS_MAX = 1024
+DISKS_MAX = 32
+METRICS_JOBS_MAX = 256  # jobs with metrics kept per host
+MODULES_MAX = 64  # weight_norm modules per job
+STAGES_KEPT = 2000  # stage records per chain
+EVENT_RECORDS_MAX = 20_000  # records in one metrics event or history page (the agent's page size)
+SERIES_KEYS_MAX = 64
+BUCKETS_MAX = 4096  # buckets per series in one metrics_series reply (the agent sends <= 1024)
+NOTES_KEPT = 200
 TAIL_POINTS_MAX = 20_000  # raw points kept per series; the rest of the history is the host's index (buckets)
 NONFINITE_STEPS_KEPT = 1000
 VAL_ACC_ROWS_KEPT = 64
@@ -55,7 +89,9 @@ class Series:
     version: int = 0
 
     def append(self, step: Any, value: Any) -> None:
-        if not isinstance(value, (int, float)) or not isinstance(step, (int, float)) or isinstance(value, bool):
+        if not isinstance(value, (int, float)) or not isinstance(step, (int, float)) or isinstance(value, bool) or isinstance(step, bool):
+            return
+        if not math.isfinite(step):
             return
         self.version += 1
         if not math.isfinite(value):
@@ -110,6 +146,22 @@ class Summary:
         return [(b["step_lo"] + b["step_hi"]) / 2 for b in self.buckets.get(key, []) if b.get("nonfinite")]
 
 
+BUCKET_FIELDS = {"step_lo": NUMBER, "step_hi": NUMBER, "count": (int,), "nonfinite": (int, OPTIONAL)} | {
+    key: NUMBER + (OPTIONAL,) for key in ("min", "max", "first", "last", "mean")
+}
+
+
+def checked_bucket(bucket: Any, where: str) -> dict[str, Any]:
+    """One metrics_series bucket as the plots read it: numeric edges and counts, min/max/last wherever count > 0."""
+    checked = check_fields(bucket, BUCKET_FIELDS, where, RECORD_LIMITS)
+    missing = [k for k in ("step_lo", "step_hi", "count") if k not in checked]
+    if missing:
+        raise InvalidMessage(f"{where}: missing {', '.join(missing)}")
+    if checked["count"] > 0 and any(checked.get(k) is None for k in ("min", "max", "last")):
+        raise InvalidMessage(f"{where}: count {checked['count']} but no min/max/last")
+    return checked
+
+
 @dataclass
 class JobMetrics:
     """Metrics of one job, from metrics.jsonl records (see backend/protocol.py for the keys)."""
@@ -137,8 +189,9 @@ class JobMetrics:
 
     def add(self, record: dict[str, Any]) -> None:
         step = record.get("step")
-        if not isinstance(step, (int, float)):
+        if not isinstance(step, (int, float)) or isinstance(step, bool):
             return
+        record = bounded(record, RECORD_LIMITS)
         self.records += 1
         self.latest = record
         if record.get("split", "train") == "val":
@@ -163,7 +216,8 @@ class JobMetrics:
         modules = record.get("weight_norm_modules")
         if isinstance(modules, dict):
             for module, norm in modules.items():
-                self.weight_norm_modules.setdefault(str(module), Series()).append(step, norm)
+                if module in self.weight_norm_modules or len(self.weight_norm_modules) < MODULES_MAX:
+                    self.weight_norm_modules.setdefault(str(module), Series()).append(step, norm)
 
     @property
     def version(self) -> int:
@@ -195,14 +249,31 @@ class LogBuffer:
     generation: int = 0  # bumped when the tail is replaced, so views redraw instead of appending
 
     def extend(self, new_lines: list[str]) -> None:
-        for line in new_lines:
-            self.lines.append(line.rstrip("\n"))
+        for line in new_lines[-LOG_LINES_KEPT:]:  # only these can stay: a huge batch costs no more than a full tail
+            self.lines.append(cut_text(str(line).rstrip("\n"), STRING_CAP))
         self.total += len(new_lines)
 
     def replace(self, new_lines: list[str]) -> None:
         self.generation += 1
         self.lines.clear()
         self.extend(new_lines)
+
+
+def _refusing(what: str) -> Callable[[Callable[..., set[str]]], Callable[..., set[str]]]:
+    """A reply folder that refuses a reply not fitting the contract (one of the host's notes) and changes nothing."""
+
+    def wrap(fold: Callable[..., set[str]]) -> Callable[..., set[str]]:
+        @wraps(fold)
+        def checked(state: "ConsoleState", *args: Any, **kwargs: Any) -> set[str]:
+            try:
+                return fold(state, *args, **kwargs)
+            except InvalidMessage as exc:
+                state.refuse(f"refused a {what}: {exc}; nothing of it was applied")
+                return set()
+
+        return checked
+
+    return wrap
 
 
 @dataclass
@@ -232,6 +303,8 @@ class ConsoleState:
     updated_at: dict[str, float] = field(default_factory=dict)
     agent_stderr: deque = field(default_factory=lambda: deque(maxlen=200))
     actions: deque = field(default_factory=lambda: deque(maxlen=50))
+    notes: deque = field(default_factory=lambda: deque(maxlen=NOTES_KEPT))  # (time, text): what this host sent that was refused
+    notes_added: int = 0  # every refusal, repeats included (the session tells the operator about new ones)
     last_data_at: float | None = None
 
     @property
@@ -268,11 +341,28 @@ class ConsoleState:
             self.metrics[name] = JobMetrics()
         return self.metrics[name]
 
+    def event_metrics(self, name: Any, where: str) -> JobMetrics:
+        """The metrics of the job an event names (a string); a host naming more than METRICS_JOBS_MAX jobs is refused."""
+        if not isinstance(name, str):
+            raise InvalidMessage(f"{where}: expected a string, got {type_name(name)}")
+        if name not in self.metrics and len(self.metrics) >= METRICS_JOBS_MAX:
+            raise InvalidMessage(f"metrics of more than {METRICS_JOBS_MAX} jobs; {cut_text(name, 80)!r} is not kept")
+        return self.job_metrics(name)
+
     def log(self, job: str, stream: str) -> LogBuffer:
         key = (job, stream)
         if key not in self.logs:
+            while len(self.logs) >= LOG_BUFFERS_MAX:
+                self.logs.pop(next(iter(self.logs)))
             self.logs[key] = LogBuffer()
         return self.logs[key]
+
+    def refuse(self, text: str) -> None:
+        """Something the host sent did not fit the contract or the caps: one of this host's notes (repeats kept once)."""
+        text = cut_text(text, 600)
+        self.notes_added += 1
+        if not self.notes or self.notes[-1][1] != text:
+            self.notes.append((self.clock(), text))
 
     def note_action(self, text: str) -> None:
         self.actions.append((self.clock(), text))
@@ -289,31 +379,40 @@ class ConsoleState:
         handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
         if handler is None:
             return set()
-        changed = handler(self, message)
+        try:
+            changed = handler(self, message)
+        except InvalidMessage as exc:
+            self.refuse(f"refused a '{kind}' event: {exc}; nothing of it was applied")
+            return set()
         now = self.clock()
         self.last_data_at = now
         for section in changed:
             self.updated_at[section] = now
         return changed
 
+    @_refusing("snapshot reply")
     def apply_snapshot(self, result: dict[str, Any]) -> set[str]:
-        """Fold a `snapshot` reply (hello, gpus, jobs, latest metrics per job, disks)."""
+        """Fold a `snapshot` reply (hello, gpus, jobs, latest metrics per job, disks); each part on its own."""
+        _expect(result, dict, "snapshot")
         changed: set[str] = set()
-        if result.get("hello"):
-            changed |= self.apply({"type": Event.HELLO, **result["hello"]})
+        hello = result.get("hello")
+        if hello:
+            changed |= self.apply({**_expect(hello, dict, "snapshot.hello"), "type": Event.HELLO})
         gpus = result.get("gpus")
         if isinstance(gpus, dict):
-            changed |= self.apply({"type": Event.GPUS, **gpus})
+            changed |= self.apply({**gpus, "type": Event.GPUS})
         elif isinstance(gpus, list):
             changed |= self.apply({"type": Event.GPUS, "gpus": gpus, "driver": result.get("driver")})
         if "jobs" in result:
             changed |= self.apply({"type": Event.JOBS, "jobs": result["jobs"]})
         if result.get("disks"):  # empty until the agent's first disk tick: keep what the DISK event said
             changed |= self.apply({"type": Event.DISK, "disks": result["disks"]})
-        for job, record in (result.get("metrics") or {}).items():
-            if isinstance(record, dict):
-                metrics = self.job_metrics(job)
+        latest = _expect(result.get("metrics") or {}, dict, "snapshot.metrics")
+        for job, record in list(latest.items())[:METRICS_JOBS_MAX]:
+            if isinstance(record, dict) and (job in self.metrics or len(self.metrics) < METRICS_JOBS_MAX):
+                metrics = self.job_metrics(cut_text(job, STRING_CAP))
                 if not metrics.latest:
+                    record = bounded(record, RECORD_LIMITS)
                     metrics.latest = record
                     bucket = "latest_val" if record.get("split") == "val" else "latest_train"
                     setattr(metrics, bucket, record)
@@ -322,32 +421,48 @@ class ConsoleState:
             changed |= self.apply_holders(result["holders"])
         return changed
 
+    @_refusing("holders reply")
     def apply_holders(self, holders: list[dict[str, Any]]) -> set[str]:
-        self.holders = [from_dict(GpuHolder, h) for h in holders]
+        self.holders = _parse_items(self, GpuHolder, holders, "holders", HOLDERS_MAX)
         self.updated_at["holders"] = self.clock()
         return {"holders"}
 
+    @_refusing("metrics_history reply")
     def apply_metrics_history(self, job: str, result: dict[str, Any], *, reset: bool) -> set[str]:
+        records, offset = _records_and_offset(result, "metrics_history")
         metrics = self.job_metrics(job)
         if reset:
             fresh = JobMetrics(loading=metrics.loading, seen_end=metrics.seen_end)
             self.metrics[job] = metrics = fresh
-        for record in result.get("records") or []:
+        for record in records:
             if isinstance(record, dict):
                 metrics.add(record)
-        if isinstance(result.get("offset"), int):
-            metrics.offset = result["offset"]
+        if offset is not None:
+            metrics.offset = offset
         metrics.history_loaded = True
         metrics.needs_catchup = metrics.seen_end > metrics.offset
         return {"metrics"}
 
+    @_refusing("metrics_series reply")
     def apply_series(self, job: str, result: dict[str, Any], *, zoom: bool = False) -> set[str]:
         """Fold a `metrics_series` reply: the whole history (per log_x) or a zoomed range."""
-        metrics = self.job_metrics(job)
+        _expect(result, dict, "metrics_series")
+        series = _expect(result.get("series") or {}, dict, "metrics_series.series")
+        buckets = {}
+        for key, rows in list(series.items())[:SERIES_KEYS_MAX]:
+            if isinstance(rows, list):
+                buckets[cut_text(str(key), 200)] = [checked_bucket(b, f"metrics_series.series[{key!r}][{i}]") for i, b in enumerate(rows[:BUCKETS_MAX])]
         span = result.get("step_range")
+        if span is not None and not (isinstance(span, list) and len(span) == 2 and all(_is_number(x) for x in span)):
+            raise InvalidMessage(f"metrics_series.step_range: expected [first, last] steps, got {type_name(span)}")
+        for key in ("from", "to", "total_records"):
+            if result.get(key) is not None and not isinstance(result.get(key), int):
+                raise InvalidMessage(f"metrics_series.{key}: expected an integer, got {type_name(result.get(key))}")
+        progress = _progress(result, "metrics_series")
+        metrics = self.job_metrics(job)
         summary = Summary(
-            buckets={k: v for k, v in (result.get("series") or {}).items() if isinstance(v, list)},
-            step_range=(int(span[0]), int(span[1])) if isinstance(span, list) and len(span) == 2 else None,
+            buckets=buckets,
+            step_range=(int(span[0]), int(span[1])) if span else None,
             step_from=result.get("from"),
             step_to=result.get("to"),
             log_x=bool(result.get("log_x")),
@@ -357,11 +472,14 @@ class ConsoleState:
         else:
             metrics.summaries[summary.log_x] = summary
             metrics.total_records = result.get("total_records")
-        self._fold_progress(metrics, result)
+        metrics.progress = progress
         return {"metrics"}
 
+    @_refusing("metrics_window reply")
     def apply_window(self, job: str, result: dict[str, Any]) -> set[str]:
         """Fold a `metrics_window` reply: the live tail (the last records) and the latest val records."""
+        records, offset = _records_and_offset(result, "metrics_window")
+        vals = _expect(result.get("val") or [], list, "metrics_window.val")[:EVENT_RECORDS_MAX]
         metrics = self.job_metrics(job)
         fresh = JobMetrics(
             loading=metrics.loading,
@@ -373,44 +491,43 @@ class ConsoleState:
         )
         self.metrics[job] = fresh
         tail_steps = set()
-        for record in result.get("records") or []:
+        for record in records:
             if isinstance(record, dict):
                 fresh.add(record)
-                if record.get("split") == "val":
+                if record.get("split") == "val" and _is_number(record.get("step")):
                     tail_steps.add(record.get("step"))
-        older_vals = [r for r in result.get("val") or [] if isinstance(r, dict) and r.get("step") not in tail_steps]
+        older_vals = [r for r in vals if isinstance(r, dict) and _is_number(r.get("step")) and r.get("step") not in tail_steps]
         for record in older_vals:
-            acc, step = record.get("acc"), record.get("step")
-            if isinstance(acc, list) and isinstance(step, (int, float)):
-                fresh.val_acc.append((step, _acc_row(acc)))
+            acc = record.get("acc")
+            if isinstance(acc, list):
+                fresh.val_acc.append((float(record["step"]), _acc_row(acc)))
         fresh.val_acc.sort(key=lambda row: row[0])
+        del fresh.val_acc[:-VAL_ACC_ROWS_KEPT]
         if older_vals and not fresh.latest_val:
-            fresh.latest_val = older_vals[-1]
-        if isinstance(result.get("offset"), int):
-            fresh.offset = result["offset"]
+            fresh.latest_val = bounded(older_vals[-1], RECORD_LIMITS)
+        if offset is not None:
+            fresh.offset = offset
         fresh.history_loaded = True
         fresh.needs_catchup = fresh.seen_end > fresh.offset
         return {"metrics"}
 
     @staticmethod
     def _fold_progress(metrics: JobMetrics, result: dict[str, Any]) -> None:
-        keys = ("indexed_bytes", "file_bytes", "backlog_bytes", "caught_up", "total_records", "bad_lines", "sidecar")
-        metrics.progress = {k: result[k] for k in keys if k in result}
+        metrics.progress = _progress(result, "progress")
 
+    @_refusing("stages_history reply")
     def apply_stages_history(self, job: str, records: list[dict[str, Any]], offset: Any = None) -> set[str]:
         """Replace a chain job's stage records with the agent's full history (on (re)attach, or after a gap)."""
-        if isinstance(offset, int):
+        checked = _stage_records(records, "stages_history")
+        if isinstance(offset, int) and not isinstance(offset, bool):
             self.stages_offset[job] = max(self.stages_offset.get(job, 0), offset)
         known = self.stages.get(job, [])
         received = {_stage_key(r): r.get("_received") for r in known}
-        fresh = []
-        for record in records:
-            if isinstance(record, dict):
-                fresh.append({**record, "_received": received.get(_stage_key(record))})
+        fresh = [{**record, "_received": received.get(_stage_key(record))} for record in checked]
         # Events can overtake this reply: records they brought that the history did not yet hold stay, after it.
         in_history = {_stage_key(r) for r in fresh}
         fresh += [r for r in known if _stage_key(r) not in in_history]
-        self.stages[job] = fresh
+        self.stages[job] = fresh[-STAGES_KEPT:]
         return {"stages"}
 
     def add_external(self, job: str, path: str) -> set[str]:
@@ -443,25 +560,120 @@ class ConsoleState:
         return totals
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+T = TypeVar("T")
+
+
+def _expect(value: Any, kind: type[T], where: str) -> T:
+    if not isinstance(value, kind):
+        raise InvalidMessage(f"{where}: expected {'an object' if kind is dict else 'an array'}, got {type_name(value)}")
+    return value
+
+
+def _parse_items(state: "ConsoleState", cls: type, items: Any, what: str, cap: int) -> list:
+    """Contract objects from an array: bad items are left out (one note says how many and the first reason), at most cap kept."""
+    if items is None:
+        return []
+    _expect(items, list, what)
+    parsed, bad, first = [], 0, ""
+    for i, item in enumerate(items[:cap]):
+        try:
+            parsed.append(parse(cls, item, LIMITS, f"{what}[{i}]"))
+        except InvalidMessage as exc:
+            bad, first = bad + 1, first or str(exc)
+    if bad:
+        state.refuse(f"left out {bad} of {min(len(items), cap)} {what}: {first}")
+    if len(items) > cap:
+        state.refuse(f"the host sent {len(items)} {what}; the console keeps the first {cap}")
+    return parsed
+
+
+def _records_and_offset(result: Any, what: str) -> tuple[list, int | None]:
+    _expect(result, dict, what)
+    records = _expect(result.get("records") or [], list, f"{what}.records")
+    if len(records) > EVENT_RECORDS_MAX:
+        raise InvalidMessage(f"{what}: {len(records)} records, more than the {EVENT_RECORDS_MAX} one message may carry")
+    offset = result.get("offset")
+    if offset is not None and (not isinstance(offset, int) or isinstance(offset, bool) or offset < 0):
+        raise InvalidMessage(f"{what}.offset: expected a byte offset, got {type_name(offset)}")
+    return records, offset
+
+
+PROGRESS_FIELDS = {k: (int, OPTIONAL) for k in ("indexed_bytes", "file_bytes", "backlog_bytes", "total_records", "bad_lines")} | {"caught_up": (bool, OPTIONAL)}
+
+
+def _progress(result: dict[str, Any], what: str) -> dict[str, Any]:
+    checked = check_fields({k: result[k] for k in (*PROGRESS_FIELDS, "sidecar") if k in result}, PROGRESS_FIELDS, what, RECORD_LIMITS)
+    return checked
+
+
+STAGE_FIELDS = {"stage": (str, OPTIONAL), "status": (str, OPTIONAL), "time": NUMBER + (OPTIONAL,), "detail": (str, OPTIONAL)}
+
+
+def _stage_records(records: Any, what: str) -> list[dict[str, Any]]:
+    records = _expect(records or [], list, f"{what}.records")
+    if len(records) > EVENT_RECORDS_MAX:
+        raise InvalidMessage(f"{what}: {len(records)} records, more than the {EVENT_RECORDS_MAX} one message may carry")
+    return [check_fields(r, STAGE_FIELDS, f"{what}.records[{i}]", RECORD_LIMITS) for i, r in enumerate(records) if isinstance(r, dict)]
+
+
+def _offsets(message: dict[str, Any], what: str) -> tuple[int | None, int | None]:
+    found = []
+    for key in ("start_offset", "offset"):
+        value = message.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise InvalidMessage(f"{what}.{key}: expected a byte offset, got {type_name(value)}")
+        found.append(value)
+    return found[0], found[1]
+
+
 def _on_hello(state: ConsoleState, message: dict[str, Any]) -> set[str]:
-    state.hello = from_dict(HelloInfo, message)
+    state.hello = parse(HelloInfo, message, LIMITS, "hello")
     return {"hello", "gpus"}
 
 
 def _on_gpus(state: ConsoleState, message: dict[str, Any]) -> set[str]:
-    state.gpus = [from_dict(GpuSample, g) for g in message.get("gpus") or []]
     driver = message.get("driver")
+    if driver is not None and not isinstance(driver, dict):
+        raise InvalidMessage(f"gpus.driver: expected an object, got {type_name(driver)}")
+    state.gpus = _parse_items(state, GpuSample, message.get("gpus"), "gpus", GPUS_MAX)
     if isinstance(driver, dict):
-        state.driver = driver
+        state.driver = check_fields(driver, {"available": (bool, OPTIONAL), "message": (str, OPTIONAL)}, "gpus.driver", LIMITS)
     return {"gpus"}
 
 
+RANK_FIELDS = {k: (int, OPTIONAL) for k in ("rank", "local_rank", "node_rank", "step", "pid")} | {
+    "age_s": NUMBER + (OPTIONAL,),
+    "step_age_s": NUMBER + (OPTIONAL,),
+    "phase": (str, OPTIONAL),
+}
+
+
 def _on_jobs(state: ConsoleState, message: dict[str, Any]) -> set[str]:
-    raw = [j for j in message.get("jobs") or [] if isinstance(j, dict)]
-    jobs = [from_dict(JobInfo, j) for j in raw]
+    raw = _expect(message.get("jobs") or [], list, "jobs")
+    jobs: list[JobInfo] = []
+    details: dict[str, str] = {}
+    bad, first = 0, ""
+    for i, entry in enumerate(raw[:JOBS_MAX]):
+        try:
+            job = parse(JobInfo, entry, LIMITS, f"jobs[{i}]")
+            job.ranks = [check_fields(r, RANK_FIELDS, f"jobs[{i}].ranks[{k}]", RECORD_LIMITS) for k, r in enumerate(job.ranks)]
+            detail = entry.get("detail")
+        except InvalidMessage as exc:
+            bad, first = bad + 1, first or str(exc)
+            continue
+        jobs.append(job)
+        details[job.name] = cut_text(detail, STRING_CAP) if isinstance(detail, str) else ""
+    if bad:
+        state.refuse(f"left out {bad} of {min(len(raw), JOBS_MAX)} jobs: {first}")
+    if len(raw) > JOBS_MAX:
+        state.refuse(f"the host sent {len(raw)} jobs; the console keeps the first {JOBS_MAX}")
     watched = {name: state.jobs.get(name) or _external_info(name, path, state.clock()) for name, path in state.externals.items()}
     state.jobs = {j.name: j for j in sorted([*jobs, *watched.values()], key=lambda j: j.started_at)}
-    state.job_details = {str(j.get("name")): str(j.get("detail") or "") for j in raw}
+    state.job_details = details
     state.job_details.update({name: f"watching {path} (read-only)" for name, path in state.externals.items()})
     return {"jobs"}
 
@@ -478,11 +690,9 @@ def _stage_key(record: dict[str, Any]) -> tuple:
 
 def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     """Append new records; once a job's history is loaded, byte offsets keep it exact (no duplicate, no hole)."""
-    job = message.get("job")
-    if not isinstance(job, str):
-        return set()
-    metrics = state.job_metrics(job)
-    start, end = message.get("start_offset"), message.get("offset")
+    records, _ = _records_and_offset(message, "metrics")
+    start, end = _offsets(message, "metrics")
+    metrics = state.event_metrics(message.get("job"), "metrics.job")
     if metrics.loading and isinstance(end, int):
         # The reply in flight covers part of this; whatever lies beyond it is re-read right after.
         metrics.seen_end = max(metrics.seen_end, end)
@@ -498,7 +708,7 @@ def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
         # after a reconnect streams from the file's end. Appending would show a hole as if it were the curve; load instead.
         metrics.needs_catchup = True
         return {"metrics_gap"}
-    for record in message.get("records") or []:
+    for record in records:
         if isinstance(record, dict):
             metrics.add(record)
     if isinstance(end, int):
@@ -508,29 +718,31 @@ def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
 
 def _acc_row(acc: list[Any]) -> list[float]:
     """A val record's per-step accuracies, numbers only (the accuracy table's row)."""
-    return [a for a in acc if isinstance(a, (int, float))]
+    return [a for a in acc[:VAL_ACC_ROWS_KEPT] if _is_number(a)]
 
 
 def _on_index_progress(state: ConsoleState, message: dict[str, Any]) -> set[str]:
-    job = message.get("job")
-    if not isinstance(job, str):
-        return set()
-    state._fold_progress(state.job_metrics(job), message)
+    progress = _progress(message, "index_progress")
+    state.event_metrics(message.get("job"), "index_progress.job").progress = progress
     return {"metrics_progress"}
 
 
 def _on_stages(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     job = message.get("job")
     if not isinstance(job, str):
-        return set()
+        raise InvalidMessage(f"stages.job: expected a string, got {type_name(job)}")
+    records = _stage_records(message.get("records"), "stages")
+    start, end = _offsets(message, "stages")
+    if job not in state.stages and len(state.stages) >= METRICS_JOBS_MAX:
+        raise InvalidMessage(f"stages of more than {METRICS_JOBS_MAX} chains; {cut_text(job, 80)!r} is not kept")
     known = state.stages.setdefault(job, [])
     seen = {_stage_key(r) for r in known}
     now = state.clock()
-    for record in message.get("records") or []:
-        if isinstance(record, dict) and _stage_key(record) not in seen:  # also delivered by stages_history
+    for record in records:
+        if _stage_key(record) not in seen:  # also delivered by stages_history
             known.append({**record, "_received": now})
             seen.add(_stage_key(record))
-    start, end = message.get("start_offset"), message.get("offset")
+    del known[:-STAGES_KEPT]
     if isinstance(end, int):
         state.stages_seen_end[job] = max(state.stages_seen_end.get(job, 0), end)
     if isinstance(start, int) and start > state.stages_offset.get(job, 0):
@@ -543,15 +755,18 @@ def _on_stages(state: ConsoleState, message: dict[str, Any]) -> set[str]:
 
 
 def _on_disk(state: ConsoleState, message: dict[str, Any]) -> set[str]:
-    state.disks = [from_dict(DiskUsage, d) for d in message.get("disks") or []]
+    state.disks = _parse_items(state, DiskUsage, message.get("disks"), "disks", DISKS_MAX)
     return {"disks"}
 
 
 def _on_log(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     job, stream = message.get("job"), message.get("stream")
-    if not isinstance(job, str) or stream not in ("stdout", "stderr"):
-        return set()
-    state.log(job, stream).extend([str(line) for line in message.get("lines") or []])
+    if not isinstance(job, str):
+        raise InvalidMessage(f"log.job: expected a string, got {type_name(job)}")
+    if stream not in ("stdout", "stderr"):
+        raise InvalidMessage(f"log.stream: {cut_text(str(stream), 40)!r} is not one of stdout, stderr")
+    lines = _expect(message.get("lines") or [], list, "log.lines")
+    state.log(cut_text(job, STRING_CAP), stream).extend(lines)
     return {"logs"}
 
 

@@ -17,14 +17,19 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from backend.protocol import encode
 
 from console.state import CLOSED, CONNECTED, CONNECTING, FAILED, RECONNECTING, ConnectionStatus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-LINE_LIMIT = 256 << 20  # a metrics_history reply can be a long line
+LINE_CAP = 64 << 20  # the longest agent line accepted: a 20,000-record metrics_history page is ~10 MiB
+STDERR_LINE_CAP = 64 << 10  # a longer diagnostic line is dropped (its size is reported)
+READ_CHUNK = 256 << 10
+PIPE_LIMIT = 4 << 20  # the local pipe's read buffer; lines longer than it are reassembled by LineReader
+ITEMS_MAX = 256  # queued transport items before the reader waits for the client (memory stays bounded)
+ITEMS_BYTES_MAX = 2 * LINE_CAP
 HELLO_TIMEOUT_S = 30.0
 REMOTE_CACHE = ".cache/eagle3-console"
 COMPLETE_MARKER = ".eagle3-upload-complete"
@@ -50,6 +55,16 @@ class AgentLine:
 
 
 @dataclass
+class LineTooLong:
+    """A line over the cap was discarded up to its newline: its size, and its first bytes (a reply names its id there)."""
+
+    size: int
+    cap: int
+    head: bytes
+    stream: str = "stdout"
+
+
+@dataclass
 class AgentStderr:
     """One line of the agent's diagnostic stream; shown, never parsed."""
 
@@ -61,6 +76,75 @@ class StatusChanged:
     status: ConnectionStatus
 
 
+def _read_errors(exc: BaseException) -> bool:
+    """Errors of a dropped link (they end the stream); asyncssh raises its own DisconnectError/ConnectionLost."""
+    if isinstance(exc, (ConnectionError, OSError, EOFError, asyncio.IncompleteReadError)):
+        return True
+    return exc.__class__.__module__.startswith("asyncssh")
+
+
+class LineReader:
+    """Newline-framed lines of any length below `cap` from a stream's `read(n)` (asyncio or asyncssh).
+
+    Neither stream's own readline can be trusted with long lines: asyncio raises once its limit is hit and asyncssh
+    returns the partial buffer as if it were a line. A line over the cap is discarded up to its newline, holding at
+    most `cap` bytes meanwhile, and reported as one LineTooLong; the next line is read normally.
+    """
+
+    def __init__(self, read: Callable[[int], Awaitable[bytes | str]], cap: int = LINE_CAP, *, chunk: int = READ_CHUNK, stream: str = "stdout"):
+        self._read = read
+        self.cap = cap
+        self.chunk = chunk
+        self.stream = stream
+        self._buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer known to hold no newline
+        self._eof = False
+
+    async def next(self) -> bytes | LineTooLong:
+        """The next line with its newline (the last one may lack it); b"" at end of stream."""
+        while True:
+            end = self._buffer.find(b"\n", self._scanned)
+            if end >= 0:
+                line = bytes(self._buffer[: end + 1])
+                del self._buffer[: end + 1]
+                self._scanned = 0
+                return line
+            self._scanned = len(self._buffer)
+            if len(self._buffer) > self.cap:
+                return await self._discard()
+            if self._eof:
+                line, self._buffer, self._scanned = bytes(self._buffer), bytearray(), 0
+                return line
+            await self._fill()
+
+    async def _fill(self) -> None:
+        try:
+            data = await self._read(self.chunk)
+        except Exception as exc:
+            if not _read_errors(exc):
+                raise
+            data = b""
+        if not data:
+            self._eof = True
+            return
+        self._buffer += data if isinstance(data, bytes) else data.encode()
+
+    async def _discard(self) -> LineTooLong:
+        head, size = bytes(self._buffer[:256]), len(self._buffer)
+        self._buffer.clear()
+        while not self._eof:
+            await self._fill()
+            end = self._buffer.find(b"\n")
+            if end >= 0:
+                size += end + 1
+                del self._buffer[: end + 1]
+                break
+            size += len(self._buffer)
+            self._buffer.clear()
+        self._scanned = 0
+        return LineTooLong(size=size, cap=self.cap, head=head, stream=self.stream)
+
+
 class Session:
     """One running agent: its stdin, stdout and stderr, whatever carries them."""
 
@@ -70,18 +154,19 @@ class Session:
         self.stderr = stderr
         self.description = description
         self.stderr_tail: deque[str] = deque(maxlen=20)
+        self._stdout_lines: LineReader | None = None
+        self._stderr_lines: LineReader | None = None
 
-    async def readline(self) -> bytes:
-        """Next stdout line; b"" at end of stream (errors of a dropped link count as the end)."""
-        try:
-            line = await self.stdout.readline()
-        except (ConnectionError, OSError, EOFError, asyncio.IncompleteReadError, ValueError) as exc:
-            return b"" if not isinstance(exc, asyncio.IncompleteReadError) else exc.partial
-        except Exception as exc:  # asyncssh raises its own DisconnectError/ConnectionLost
-            if exc.__class__.__module__.startswith("asyncssh"):
-                return b""
-            raise
-        return line if isinstance(line, bytes) else line.encode()
+    async def readline(self) -> bytes | LineTooLong:
+        """Next stdout line (any length below LINE_CAP); a LineTooLong for one over it; b"" at end of stream."""
+        if self._stdout_lines is None:
+            self._stdout_lines = LineReader(self.stdout.read, LINE_CAP)
+        return await self._stdout_lines.next()
+
+    async def read_stderr_line(self) -> bytes | LineTooLong:
+        if self._stderr_lines is None:
+            self._stderr_lines = LineReader(self.stderr.read, STDERR_LINE_CAP, stream="stderr")
+        return await self._stderr_lines.next()
 
     async def write(self, data: bytes) -> None:
         self.stdin.write(data)
@@ -108,6 +193,8 @@ class Transport:
         self._pumps: list[asyncio.Task] = []
         self._closing = False
         self._last_failure: str | None = None
+        self._queued_bytes = 0
+        self._room_free = asyncio.Event()
 
     # -- public -----------------------------------------------------------------------------
 
@@ -198,31 +285,58 @@ class Transport:
         self.sessions_opened += 1
         self._session = session
         self._pumps = [stderr_pump]
-        self.items.put_nowait(AgentLine(first))
+        self._put(AgentLine(first) if isinstance(first, bytes) else first)
         self._emit(CONNECTED, f"connected to {self.label}")
         return session
 
     async def _pump_stderr(self, session: Session) -> None:
         while True:
             try:
-                line = await session.stderr.readline()
+                line = await session.read_stderr_line()
             except Exception:
                 return
+            if isinstance(line, LineTooLong):
+                self._put(AgentStderr(f"(console) dropped an agent stderr line of {line.size} bytes (longer than the {line.cap}-byte cap)"))
+                continue
             if not line:
                 return
-            text = line.decode(errors="replace") if isinstance(line, bytes) else line
-            text = text.rstrip("\n")
+            text = line.decode(errors="replace").rstrip("\n")
             if text.strip():
                 session.stderr_tail.append(text)
-                self.items.put_nowait(AgentStderr(text))
+                self._put(AgentStderr(text))
+            await self._room()
+
+    def _put(self, item: Any) -> None:
+        self._queued_bytes += len(item.data) if isinstance(item, AgentLine) else 0
+        self.items.put_nowait(item)
+
+    async def next_item(self) -> Any:
+        """The next queued item (a line, a stderr line, a LineTooLong, a status change), in the order they came."""
+        item = await self.items.get()
+        if isinstance(item, AgentLine):
+            self._queued_bytes -= len(item.data)
+        if self._queued_bytes <= ITEMS_BYTES_MAX and self.items.qsize() < ITEMS_MAX:
+            self._room_free.set()
+        return item
+
+    async def _room(self) -> None:
+        """Wait while the client is behind (too many items or bytes queued): the host's output waits in the pipe."""
+        if self._queued_bytes > ITEMS_BYTES_MAX or self.items.qsize() >= ITEMS_MAX:
+            self._room_free.clear()
+            await self._room_free.wait()
+        else:
+            await asyncio.sleep(0)  # a flood of buffered lines must not starve the UI: let the loop run between lines
 
     async def _pump_stdout(self, session: Session) -> str:
         while True:
             line = await session.readline()
-            if not line:
+            if isinstance(line, LineTooLong):
+                self._put(line)
+            elif not line:
                 return "the agent's output ended"
-            if line.strip():  # asyncssh can yield a trailing empty read at EOF
-                self.items.put_nowait(AgentLine(line))
+            elif line.strip():  # asyncssh can yield a trailing empty read at EOF
+                self._put(AgentLine(line))
+            await self._room()
 
     async def _supervise(self, session: Session) -> None:
         while True:
@@ -311,7 +425,7 @@ class LocalTransport(Transport):
                 stderr=asyncio.subprocess.PIPE,
                 cwd=str(self.root),
                 env=env,
-                limit=LINE_LIMIT,
+                limit=PIPE_LIMIT,
             )
         except OSError as exc:
             raise TransportError(f"cannot start the local agent ({shlex.join(argv)}): {exc}") from None
