@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from backend.durable import write_atomic
-from backend.jsonl import read_complete_lines
+from backend.jsonl import MAX_LINE_BYTES, LineReader, describe_dropped
 from backend.metrics_scan import ChunkScanner, ScanResult, decode_line, points_of_records
 from backend.series_index import Level, Series, query
 
@@ -77,6 +77,14 @@ class MetricsIndex:
         self.bad_lines += result.bad_lines
         self.problems = (self.problems + result.problems)[-5:]
         self.fold_records(result.slow_records)
+        self.version += 1
+
+    def fold_dropped(self, spans: list[tuple[int, int]]) -> None:
+        """Lines the reader dropped (over the line cap): counted as bad lines, each described by its byte range."""
+        if not spans:
+            return
+        self.bad_lines += len(spans)
+        self.problems = (self.problems + [describe_dropped(*span) for span in spans])[-5:]
         self.version += 1
 
     def _series(self, key: str) -> Series:
@@ -204,6 +212,8 @@ class MetricsFeed:
         self.index = MetricsIndex()
         self.indexed_offset = 0
         self.scanner = ChunkScanner()
+        self.live_lines = LineReader()  # one reader per offset: each remembers the over-cap line it is reading past
+        self.index_lines = LineReader()
         self.sidecar_note = ""
         self.saved_version = -1
         self.head_length = 0
@@ -244,6 +254,7 @@ class MetricsFeed:
         self.index = MetricsIndex()
         self.indexed_offset = 0
         self.scanner = ChunkScanner()
+        self.index_lines = LineReader()
         self.head_length, self.head_hash = 0, ""
         self.sidecar_note = f"rebuilding: {why}"
 
@@ -253,19 +264,21 @@ class MetricsFeed:
         """(new cleaned records, start offset, end offset); folds them when the index has caught up."""
         with self.lock:
             start = self.live_offset
-            size, data, end = read_complete_lines(self.path, start, max_bytes)
-            if size is not None and (size < start or data) and not self._head_unchanged():
+            chunk = self.live_lines.read(self.path, start, max_bytes)
+            if chunk.size is not None and (chunk.size < start or chunk.offset != start) and not self._head_unchanged():
                 self._reset("the file was replaced")
                 start = self.live_offset = 0
-                size, data, end = read_complete_lines(self.path, 0, max_bytes)
-            elif size is not None and size < start:
+                chunk = self.live_lines.read(self.path, 0, max_bytes)
+            elif chunk.size is not None and chunk.size < start:
                 self._reset("the file was truncated")
                 start = 0
-            records = self._decode(data) if data else []
+            end = chunk.offset
+            records = self._decode(chunk.data) if chunk.data else []
             folding = self.indexed_offset >= start
             self.live_offset = end
-            if folding and data:
+            if folding and end != start:
                 self.index.fold_records(records)
+                self.index.fold_dropped(chunk.dropped)
                 self.indexed_offset = end
                 self._note_head()
             return records, start, end
@@ -274,6 +287,8 @@ class MetricsFeed:
         """Cleaned records of complete lines; bad ones are counted in the index when count_bad."""
         records = []
         for line in data.splitlines():
+            if len(line) > MAX_LINE_BYTES:  # only tail_records meets one: the line readers cut them out
+                continue
             clean, problem = decode_line(line)
             if clean is not None:
                 records.append(clean)
@@ -290,12 +305,13 @@ class MetricsFeed:
             start, stop = self.indexed_offset, self.live_offset
             if start >= stop:
                 return False
-            _size, data, end = read_complete_lines(self.path, start, min(max_bytes, stop - start))
-            if not data:
+            chunk = self.index_lines.read(self.path, start, max_bytes, stop=stop)
+            if chunk.offset == start:
                 return False
-            result = self.scanner.scan(data)
-            self.index.fold_scan(result)
-            self.indexed_offset = min(end, stop)
+            if chunk.data:
+                self.index.fold_scan(self.scanner.scan(chunk.data))
+            self.index.fold_dropped(chunk.dropped)
+            self.indexed_offset = min(chunk.offset, stop)
             self._note_head()
             return self.indexed_offset < self.live_offset
 
