@@ -7,7 +7,9 @@ new cleaned records (backend.metrics.normalize_record) each time, resuming by by
 - any other file: a SpecForge console log (stdout/stderr of its trainer, `step S: {...}` lines, or the
   older `Eval - Step S ..., position i, Acc: a` lines).
 One poll reads at most MAX_BYTES_PER_POLL bytes in bounded chunks and stops early after POLL_SECONDS, so a
-1 GiB file is caught up over several polls; `bytes_read` / `bytes_total` tell how far it got.
+1 GiB file is caught up over several polls; `bytes_read` / `bytes_total` tell how far it got. No file can make a
+poll hold more than one record under MAX_RECORD_BYTES (16 MiB) or wait on bytes that are no record: a larger length
+header, a zero-filled gap or garbage is skipped, counted and noted (status()'s per-file `notes`), see TFRecordFollower.
 
 A `step S: {...}` line is whole records and is handed out at once. Otherwise values of one step arrive as
 several events or lines. A (split, step) group is handed out when a later step shows up in the same source,
@@ -19,6 +21,7 @@ latest record per step.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
@@ -27,7 +30,7 @@ import re
 import struct
 import time
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, overload
+from typing import Any, BinaryIO, Iterator, NamedTuple, overload
 
 from backend.jsonl import read_complete_lines
 from backend.metrics import LIST_KEYS, NONNEGATIVE_KEYS, PLOSS_DECAY, SCALAR_KEYS, SPLITS, normalize_record
@@ -59,33 +62,61 @@ def masked_crc32c(data: bytes) -> int:
 
 # ---------------------------------------------------------------- TFRecord framing
 
+MAX_RECORD_BYTES = 16 << 20  # a record whose length header says this much or more is skipped unread
+ZERO_SKIP_BYTES = 64 << 20  # zero-filled bytes one poll reads past at most (the holes of a sparse file cost nothing)
+_ZERO_RUN = re.compile(rb"\x00{5,}")  # a header of a record under the cap has zeros in length bytes 3..7
+_ZERO_FILLED = "zero-filled, skipped"
+
+
+def _next_data(handle: BinaryIO, pos: int, size: int) -> int:
+    """The first offset at or after pos that is not in a hole of a sparse file (at most size); pos when unknown."""
+    try:
+        return min(size, max(pos, os.lseek(handle.fileno(), pos, os.SEEK_DATA)))
+    except OSError as exc:
+        return size if exc.errno == errno.ENXIO else pos  # ENXIO: only a hole is left
+
 
 class TFRecordFollower:
-    """Reads complete TFRecords of a growing file from a byte offset.
+    """Reads complete TFRecords of a growing file from a byte offset, in bounded memory and time per poll.
 
     Record: uint64 length | uint32 masked crc32c(length) | data | uint32 masked crc32c(data), little endian.
     A record not fully written yet (or whose CRC fails at the very end of the file: a torn write) is left
-    for the next poll. A bad record with data after it is skipped: a bad data CRC skips that record; a bad
-    length CRC resynchronizes at the next offset where a whole valid record starts. `skipped` counts them.
-    `at_end` tells whether the last poll read up to the end of the file (nothing complete is left unread).
+    for the next poll. Everything else that is no readable record is skipped, counted and noted (`notes`,
+    the last MAX_NOTES byte ranges with what they held), never waited on:
+    - a bad data CRC skips that record;
+    - a bad length CRC resynchronizes at the next offset whose length header has a valid CRC (and whose
+      record, when it is already whole, has a valid data CRC);
+    - a zero-filled gap is read past (up to ZERO_SKIP_BYTES per poll; holes of a sparse file are seeked past);
+    - a length header of MAX_RECORD_BYTES or more is skipped unread when a valid header (or the end of the
+      file) follows where it says the record ends, and treated as corruption (resync) otherwise.
+    `skipped` counts skipped records and resyncs, `skipped_bytes` the bytes they held. `at_end` tells whether
+    the last poll read up to the end of the file (nothing complete is left unread).
     """
 
     HEADER = 12
+    MAX_NOTES = 20
 
     def __init__(self, path: str | os.PathLike, offset: int = 0, max_bytes_per_poll: int = 1 << 20):
         self.path = Path(path)
         self.offset = offset
         self.skipped = 0
+        self.skipped_bytes = 0
         self.max_bytes_per_poll = max_bytes_per_poll
         self.last_size = -1
         self.at_end = False
         self._stuck: tuple[int, int] | None = None  # (offset, size) where the last poll made no progress
+        self._gaps: list[list[Any]] = []  # [start, end, what held there], contiguous ranges of one kind merged
+
+    @property
+    def notes(self) -> list[str]:
+        """What was skipped, for the operator: "bytes A..B (N): what they held"."""
+        return [f"bytes {start}..{end} ({end - start}): {what}" for start, end, what in self._gaps]
 
     def poll(self, max_bytes: int | None = None) -> list[bytes]:
         """Complete records after the offset, reading at most max_bytes (default: max_bytes_per_poll).
 
-        One record larger than max_bytes_per_poll is read whole; one that only exceeds a smaller max_bytes
-        waits for a later poll.
+        One record larger than max_bytes_per_poll (and under MAX_RECORD_BYTES) is read whole; one that only
+        exceeds a smaller max_bytes waits for a later poll.
         """
         try:
             size = self.path.stat().st_size
@@ -99,29 +130,72 @@ class TFRecordFollower:
         if size == self.offset or self._stuck == (self.offset, size):
             return []
         limit = self.max_bytes_per_poll if max_bytes is None else min(max_bytes, self.max_bytes_per_poll)
-        records, consumed, chunk = self._read(size, limit)
-        self.at_end = self.offset + len(chunk) >= size
+        records, consumed, seen = self._read(size, limit)
+        self.at_end = self.offset + seen >= size
         self.offset += consumed
         cut_short = limit < self.max_bytes_per_poll and not self.at_end
         self._stuck = (self.offset, size) if not consumed and not cut_short else None
         return records
 
-    def _read(self, size: int, limit: int) -> tuple[list[bytes], int, bytes]:
-        budget = limit
-        with open(self.path, "rb") as handle:
-            while True:
-                handle.seek(self.offset)
-                chunk = handle.read(min(size - self.offset, budget))
-                records, consumed = self._parse(chunk, at_eof=self.offset + len(chunk) >= size)
-                need = self._record_size(chunk) if not consumed else 0
-                if consumed or need <= len(chunk) or self.offset + need > size or need <= self.max_bytes_per_poll:
-                    return records, consumed, chunk
-                budget = need  # one record larger than the per-poll budget: read it whole
+    def _read(self, size: int, limit: int) -> tuple[list[bytes], int, int]:
+        """(records, bytes consumed from the offset, bytes looked at from the offset)."""
+        with open(self.path, "rb", buffering=0) as handle:  # unbuffered: _next_data moves the descriptor's offset
+            zeros = self._skip_zeros(handle, size)
+            if zeros:
+                return [], zeros, zeros
+            handle.seek(self.offset)
+            chunk = handle.read(min(size - self.offset, limit))
+            at_eof = self.offset + len(chunk) >= size
+            records, consumed = self._parse(chunk, at_eof)
+            if consumed or len(chunk) < self.HEADER:
+                return records, consumed, len(chunk)
+            state, end = self._record_at(chunk, 0)
+            if state == "too_big":
+                return [], self._skip_too_big(handle, size, chunk, end), len(chunk)
+            if state == "short" and self.offset + end <= size and end > self.max_bytes_per_poll:
+                handle.seek(self.offset)  # one record larger than the per-poll budget: read it whole
+                chunk = handle.read(end)
+                records, consumed = self._parse(chunk, at_eof=self.offset + end >= size)
+            return records, consumed, len(chunk)
 
-    def _record_size(self, chunk: bytes) -> int:
-        if len(chunk) < self.HEADER or self._record_at(chunk, 0)[0] == "bad_header":
+    def _skip_zeros(self, handle: BinaryIO, size: int) -> int:
+        """Bytes of a zero-filled run at the offset to skip (0 when none starts there); at most ZERO_SKIP_BYTES
+        are read, holes of a sparse file are seeked past. The last 8 zeros before data stay: they could be the
+        length of a record."""
+        handle.seek(self.offset)
+        if size - self.offset < self.HEADER or handle.read(self.HEADER).strip(b"\0"):
+            return 0  # twelve zero bytes are no header: masked_crc32c of a zero length is not zero
+        pos, read = self.offset + self.HEADER, 0
+        while pos < size and read < ZERO_SKIP_BYTES:
+            pos = _next_data(handle, pos, size)
+            handle.seek(pos)
+            block = handle.read(min(1 << 20, size - pos))
+            read += len(block)
+            zeros = len(block) - len(block.lstrip(b"\0"))
+            pos += zeros
+            if zeros < len(block) or not block:
+                break
+        pos = min(pos, size) - 8
+        if pos <= self.offset:
             return 0
-        return self.HEADER + struct.unpack("<Q", chunk[:8])[0] + 4
+        self._note(self.offset, pos, _ZERO_FILLED)
+        return pos - self.offset
+
+    def _skip_too_big(self, handle: BinaryIO, size: int, chunk: bytes, end: int) -> int:
+        """A valid length header of MAX_RECORD_BYTES or more at the offset: bytes to skip."""
+        length = end - self.HEADER - 4
+        record_end = self.offset + end
+        if record_end <= size:
+            handle.seek(record_end)
+            following = handle.read(self.HEADER)
+            if len(following) < self.HEADER or self._record_at(following, 0)[0] != "bad_header":
+                self.skipped += 1
+                self._note(self.offset, record_end, f"a record of {length} bytes, over the {MAX_RECORD_BYTES}-byte cap: skipped unread")
+                return end
+        resync = self._resync(chunk, 1)
+        self.skipped += 1
+        self._note(self.offset, self.offset + resync, f"a length header claiming {length} bytes, followed by no record: corrupt, resynced")
+        return resync
 
     def _parse(self, chunk: bytes, at_eof: bool) -> tuple[list[bytes], int]:
         records, pos = [], 0
@@ -130,19 +204,22 @@ class TFRecordFollower:
             if state == "ok":
                 records.append(chunk[pos + self.HEADER : end - 4])
                 pos = end
-            elif state == "short":
-                break
             elif state == "bad_data" and (end < len(chunk) or not at_eof):
                 self.skipped += 1
+                self._note(self.offset + pos, self.offset + end, "a record whose data CRC fails, skipped")
                 pos = end
             elif state == "bad_header":
+                if not chunk[pos : pos + self.HEADER].strip(b"\0"):
+                    break  # a zero-filled run: the next poll reads past it (_skip_zeros)
                 next_pos = self._resync(chunk, pos + 1)
-                if next_pos is None:
-                    break  # maybe torn; if it is corruption, more data will let a later poll resync
-                self.skipped += 1
+                if chunk[pos:next_pos].strip(b"\0"):
+                    self.skipped += 1
+                    self._note(self.offset + pos, self.offset + next_pos, "no record (bad length CRC), resynced")
+                else:  # the last zeros of a zero-filled run
+                    self._note(self.offset + pos, self.offset + next_pos, _ZERO_FILLED)
                 pos = next_pos
             else:
-                break  # bad data CRC at the end of the file: maybe torn, wait
+                break  # short, too big (_read decides), or a bad data CRC at the end of the file: maybe torn, wait
         return records, pos
 
     def _record_at(self, chunk: bytes, pos: int) -> tuple[str, int]:
@@ -151,6 +228,8 @@ class TFRecordFollower:
         if struct.unpack("<I", chunk[pos + 8 : pos + 12])[0] != masked_crc32c(header):
             return "bad_header", pos
         end = pos + self.HEADER + length + 4
+        if length >= MAX_RECORD_BYTES:
+            return "too_big", end
         if end > len(chunk):
             return "short", end
         data = chunk[pos + self.HEADER : end - 4]
@@ -158,12 +237,29 @@ class TFRecordFollower:
             return "bad_data", end
         return "ok", end
 
-    def _resync(self, chunk: bytes, start: int) -> int | None:
-        for pos in range(start, len(chunk) - self.HEADER + 1):
-            state, _ = self._record_at(chunk, pos)
-            if state == "ok":
-                return pos
-        return None
+    def _resync(self, chunk: bytes, start: int) -> int:
+        """The first offset at or after start where a record under the cap may start (a valid length CRC, and a
+        valid data CRC when the record is whole in the chunk); else where the chunk's last unchecked header starts.
+
+        Only offsets whose length bytes 3..7 are zero can hold such a header, so only a few places around each run
+        of five or more zeros are checked (a run's inner all-zero headers are not: their CRC cannot match).
+        """
+        last = len(chunk) - self.HEADER
+        for run in _ZERO_RUN.finditer(chunk, min(start + 3, len(chunk))):
+            a, b = run.span()
+            for pos in (*range(max(start, a - 3), a), *range(max(start, a, b - 11), b - 7)):
+                if pos > last:
+                    return last + 1
+                if self._record_at(chunk, pos)[0] in ("ok", "short"):
+                    return pos
+        return max(start, last + 1)
+
+    def _note(self, start: int, end: int, what: str) -> None:
+        self.skipped_bytes += end - start
+        if self._gaps and self._gaps[-1][1] == start and self._gaps[-1][2] == what:
+            self._gaps[-1][1] = end
+        else:
+            self._gaps = (self._gaps + [[start, end, what]])[-self.MAX_NOTES :]
 
 
 # ---------------------------------------------------------------- protobuf wire format (just enough for Event)
@@ -905,7 +1001,14 @@ class ExternalRunReader:
         for path, source in self.sources.items():
             entry: dict[str, Any] = {"path": str(path), "offset": source.offset, "size": max(source.size, 0)}
             if isinstance(source, TensorBoardSource):
-                entry.update(kind="tensorboard", skipped_records=source.follower.skipped, bad_events=source.bad_events)
+                follower = source.follower
+                entry.update(
+                    kind="tensorboard",
+                    skipped_records=follower.skipped,
+                    skipped_bytes=follower.skipped_bytes,
+                    bad_events=source.bad_events,
+                    notes=follower.notes,
+                )
             else:
                 entry.update(kind="log", skipped_bytes=source.skipped_bytes)
             files.append(entry)
