@@ -2,23 +2,29 @@
 
 python -m backend.serve.reference_server --profile P --draft DIR --port N [--host 127.0.0.1]
        [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--served-model-name NAME]
-       [--max-body-bytes B] [--request-timeout S]
+       [--max-body-bytes B] [--request-timeout S] [--header-timeout S] [--max-connections N] [--max-waiting N]
 
 Native routes (/generate, /flush_cache, /health*, /get_server_info, /get_model_info) and the OpenAI ones
 (/v1/models, /v1/completions, /v1/chat/completions; see openai_api.py). Greedy only (temperature 0). One
-generation at a time (a lock around the model); HTTP handling is threaded so /health and /get_server_info answer
-while a generation runs. Outputs equal plain greedy decoding of the target. Every malformed request gets a 4xx
-with a reason; sockets time out, bodies are bounded. Deliberate differences from SGLang: docs/serving.md.
+generation at a time (a lock around the model). One event loop collects request heads (a deadline, a size and
+header-count cap, no thread per connection); bounded worker pools serve complete requests, a small one of its own
+for health and info GETs so they answer while generations run; past the queue, 503. Outputs equal plain greedy
+decoding of the target. Every malformed request gets a 4xx with a reason; sockets time out, bodies are bounded; a
+client that leaves costs one log line. Limits and deliberate differences from SGLang: docs/serving.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
+import queue
 import re
+import selectors
 import signal
+import socket
 import sys
 import threading
 import time
@@ -26,7 +32,7 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -36,6 +42,11 @@ from backend.serve.openai_api import OpenAIRequestError
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # the whole request head (request line and headers), however it is dripped
+DEFAULT_MAX_CONNECTIONS = 64  # requests served at once; complete requests past that queue (4x), then get 503
+DEFAULT_MAX_WAITING = 1024  # connections still sending a request head; past that, the oldest is dropped
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers together; more is 431
+MAX_HEADER_LINES = 100  # what http.client allows; more is 431
 GREEDY_TEMPERATURE = 1e-6  # SGLang decodes greedily below this temperature
 WEIGHT_VERSION = "default"
 FLUSH_BODY = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
@@ -88,8 +99,10 @@ class HttpError(Exception):
         drain: int = 0,
         err_type: str | None = None,
         headers: dict[str, str] | None = None,
+        dropped: str | None = None,
     ):
         super().__init__(message)
+        self.dropped = dropped  # the client left or stalled: what the one log line for it says
         self.status = int(status)
         self.payload = payload if payload is not None else error_body(status, message, err_type)
         self.close = close
@@ -652,28 +665,517 @@ NOT_FOUND = {"detail": "Not Found"}  # FastAPI's bodies for unknown routes and m
 METHOD_NOT_ALLOWED = {"detail": "Method Not Allowed"}
 
 
-class ReferenceHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128  # benchmark clients open many connections at once
+# --------------------------------------------------------------------------- connections
+#
+# One event-loop thread (serve_forever) accepts connections and collects each request head without a thread of
+# its own: a client that drips its head, or never sends one, costs a file descriptor, never a thread, and is
+# closed at the head deadline. A complete head goes to a bounded pool of worker threads (cheap GETs to a small
+# pool of their own, so health checks answer while generations hold the main pool); when a pool's queue is full
+# the request is answered 503 at once. After a kept-alive reply the connection goes back to the event loop.
 
-    def __init__(self, address, info: dict[str, Any], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S):
-        super().__init__(address, Handler)
+LIGHT_PATHS = frozenset({"/health", "/health_generate", "/get_server_info", "/server_info", "/get_model_info", "/model_info", "/v1/models"})
+LIGHT_WORKERS = 4
+LIGHT_QUEUE = 64
+HEAD_END = re.compile(rb"\r?\n\r?\n")
+HAS_BODY = re.compile(rb"(?im)^(content-length|transfer-encoding)[ \t]*:")
+LINGER_S = 2.0  # after a refusal from the event loop: how long unread input is drained so the client sees the reply
+SWEEP_INTERVAL_S = 0.1
+DROP_LOG_PER_SECOND = 20
+
+
+@dataclass
+class ConnectionLimits:
+    """What one client, and all of them together, may hold (docs/serving.md, "The reference server's limits")."""
+
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S  # a whole request head, from accept (or its first byte on a kept-alive connection)
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # requests served at once: the main pool's worker threads
+    max_waiting: int = DEFAULT_MAX_WAITING  # open connections whose next request head is still arriving
+    max_head_bytes: int = MAX_HEAD_BYTES
+    max_header_lines: int = MAX_HEADER_LINES
+
+    @property
+    def queue_size(self) -> int:
+        """Complete requests that may wait for a main-pool worker; past that, 503."""
+        return 4 * self.max_connections
+
+    def descriptors(self) -> int:
+        """File descriptors the limits can hold at once (every waiting, queued and served connection, plus slack)."""
+        return self.max_waiting + self.max_connections + self.queue_size + LIGHT_WORKERS + LIGHT_QUEUE + 64
+
+
+class DropLog:
+    """One log line per dropped client, at most `per_second` a second; the rest are counted in one line."""
+
+    def __init__(self, per_second: int = DROP_LOG_PER_SECOND):
+        self.per_second = per_second
+        self.lock = threading.Lock()
+        self.window = time.monotonic()
+        self.logged = 0
+        self.suppressed = 0
+
+    def __call__(self, message: str) -> None:
+        with self.lock:
+            self._roll(time.monotonic())
+            if self.logged < self.per_second:
+                self.logged += 1
+                log(message)
+            else:
+                self.suppressed += 1
+
+    def flush(self) -> None:
+        with self.lock:
+            self._roll(time.monotonic())
+
+    def _roll(self, now: float) -> None:
+        if now - self.window < 1.0:
+            return
+        if self.suppressed:
+            log(f"{self.suppressed} more dropped clients in the last {now - self.window:.1f} s were not logged one by one")
+        self.window, self.logged, self.suppressed = now, 0, 0
+
+
+def client_name(address: Any) -> str:
+    return f"{address[0]}:{address[1]}" if isinstance(address, tuple) and len(address) >= 2 else str(address)
+
+
+def request_line(head: bytes | bytearray) -> str:
+    """'METHOD /path' of a (partial) head for a log line, printable and short."""
+    first = bytes(head[:512]).split(b"\n", 1)[0].strip()
+    words = first.decode("latin-1").split()[:2]
+    text = " ".join(words) if words else "(no request line)"
+    return "".join(c if c.isprintable() else "?" for c in text)[:160]
+
+
+def is_light(head: bytes | bytearray) -> bool:
+    """A body-less GET of a route that never waits for the engine: served by the light pool."""
+    words = bytes(head[:512]).split(b"\n", 1)[0].split()
+    if len(words) < 2 or words[0] not in (b"GET", b"HEAD") or HAS_BODY.search(head):
+        return False
+    path = urlsplit(words[1].decode("latin-1")).path
+    return path in LIGHT_PATHS or path.startswith("/v1/models/")
+
+
+def refusal_bytes(status: int, message: str, headers: dict[str, str] | None = None) -> bytes:
+    body = json.dumps(error_body(status, message)).encode()
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json", f"Content-Length: {len(body)}", "Connection: close"]
+    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A connection whose next request head is still arriving (read by the event loop, no thread), or one being closed."""
+
+    sock: socket.socket
+    address: Any
+    deadline: float
+    buffer: bytearray = field(default_factory=bytearray)
+    fresh: bool = True  # new: the head deadline runs from accept; kept alive: idle until a first byte, then the deadline
+    closing: bool = False  # refused: input is drained until the client closes or LINGER_S passes
+    drained: int = 0
+
+
+@dataclass
+class Accepted:
+    """A complete request head and the connection it came on, queued for a worker."""
+
+    sock: socket.socket
+    address: Any
+    data: bytes  # the head and whatever followed it in the same reads
+
+
+class SocketReader:
+    """A handler's rfile: the bytes the event loop already read (the head, maybe more), then the socket.
+
+    Reads block with the socket's timeout (TimeoutError past it). leftover() hands unread bytes (a pipelined
+    next request) back to the event loop.
+    """
+
+    closed = False
+
+    def __init__(self, sock: socket.socket, prefix: bytes):
+        self.sock = sock
+        self.buffer = bytearray(prefix)
+
+    def _fill(self, size: int) -> bool:
+        data = self.sock.recv(max(size, 1))
+        self.buffer += data
+        return bool(data)
+
+    def _take(self, size: int) -> bytes:
+        out = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return out
+
+    def readline(self, limit: int = -1) -> bytes:
+        while True:
+            end = self.buffer.find(b"\n", 0, limit if limit >= 0 else len(self.buffer))
+            if end >= 0:
+                return self._take(end + 1)
+            if 0 <= limit <= len(self.buffer):
+                return self._take(limit)
+            if not self._fill(1 << 16):
+                return self._take(len(self.buffer))
+
+    def read1(self, size: int = -1) -> bytes:
+        if not self.buffer:
+            self._fill(size if size > 0 else 1 << 16)
+        return self._take(len(self.buffer) if size < 0 else size)
+
+    def read(self, size: int = -1) -> bytes:
+        while size < 0 or len(self.buffer) < size:
+            if not self._fill(1 << 16 if size < 0 else size - len(self.buffer)):
+                break
+        return self._take(len(self.buffer) if size < 0 else size)
+
+    def leftover(self) -> bytes:
+        return self._take(len(self.buffer))
+
+    def close(self) -> None:
+        pass  # the socket outlives one request on a kept-alive connection
+
+
+class SocketWriter:
+    """A handler's wfile: unbuffered sendall (the socket's timeout bounds a client that stops reading)."""
+
+    closed = False
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def write(self, data: bytes) -> int:
+        self.sock.sendall(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class WorkerPool:
+    """At most `size` threads, started as needed and kept, serving Accepted items from a queue of at most `queue_size`."""
+
+    def __init__(self, name: str, size: int, queue_size: int, serve: Callable[[Accepted], None]):
+        self.name, self.size, self.serve = name, size, serve
+        self.queue: queue.Queue[Accepted | None] = queue.Queue(maxsize=queue_size)
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+        self.idle = 0
+
+    def offer(self, item: Accepted) -> bool:
+        """Queue one request; False when the queue is full (the caller answers 503)."""
+        try:
+            self.queue.put_nowait(item)
+        except queue.Full:
+            return False
+        with self.lock:
+            if self.queue.qsize() > self.idle and len(self.threads) < self.size:
+                thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self.threads)}", daemon=True)
+                self.threads.append(thread)
+                thread.start()
+        return True
+
+    def busy(self) -> int:
+        with self.lock:
+            return len(self.threads) - self.idle
+
+    def _work(self) -> None:
+        while True:
+            with self.lock:
+                self.idle += 1
+            item = self.queue.get()
+            with self.lock:
+                self.idle -= 1
+            if item is None:
+                return
+            self.serve(item)
+
+    def stop(self) -> None:
+        for _ in self.threads:
+            try:
+                self.queue.put_nowait(None)
+            except queue.Full:
+                return  # daemon threads; the process is ending
+
+
+class ReferenceHTTPServer:
+    """The listening socket, the event loop that collects request heads, and the bounded worker pools."""
+
+    request_queue_size = 128  # the kernel's accept backlog; the event loop empties it quickly
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        info: dict[str, Any],
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        limits: ConnectionLimits | None = None,
+    ):
         self.engine: Engine | None = None
         self.info = info
         self.loading = True
         self.max_body_bytes = max_body_bytes
         self.request_timeout = request_timeout
+        self.limits = limits or ConnectionLimits()
+        host, port = address
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=self.request_queue_size)
+        self.socket.setblocking(False)
+        self.server_address = self.socket.getsockname()[:2]
+        self.drop_log = DropLog()
+        self.pool = WorkerPool("request", self.limits.max_connections, self.limits.queue_size, self._serve)
+        self.light_pool = WorkerPool("light", LIGHT_WORKERS, LIGHT_QUEUE, self._serve)
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._returned: collections.deque[tuple[socket.socket, Any, bytes]] = collections.deque()
+        self._waiting: dict[socket.socket, Waiting] = {}  # insertion order: the oldest first
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+
+    # --- the event loop --------------------------------------------------------------------------------
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._selector.register(self.socket, selectors.EVENT_READ, "listen")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        next_sweep = 0.0
+        try:
+            while not self._stop.is_set():
+                for key, _events in self._selector.select(timeout=min(poll_interval, SWEEP_INTERVAL_S)):
+                    if key.data == "listen":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._take_returned()
+                    else:
+                        self._readable(key.data)
+                now = time.monotonic()
+                if now >= next_sweep:
+                    self._expire(now)
+                    self.drop_log.flush()
+                    next_sweep = now + SWEEP_INTERVAL_S
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop serve_forever and wait until it has returned (requests in flight are not waited for)."""
+        self._stop.set()
+        self._wake()
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        for waiting in list(self._waiting.values()):
+            self._forget(waiting)
+        self._selector.close()
+        self.socket.close()
+        self.pool.stop()
+        self.light_pool.stop()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # already awake (buffer full) or closed
+
+    def _accept(self) -> None:
+        for _ in range(256):  # then let the other connections be read
+            try:
+                sock, address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of file descriptors: the oldest waiting head makes room
+                if not self._evict_oldest(f"the server ran out of file descriptors ({exc.strerror})"):
+                    time.sleep(0.05)
+                return
+            sock.setblocking(False)
+            self._admit(Waiting(sock, address, deadline=time.monotonic() + self.limits.header_timeout))
+
+    def _admit(self, waiting: Waiting) -> None:
+        if len(self._waiting) >= self.limits.max_waiting:
+            self._evict_oldest(f"{self.limits.max_waiting} connections were already waiting to send a request head")
+        self._waiting[waiting.sock] = waiting
+        self._selector.register(waiting.sock, selectors.EVENT_READ, waiting)
+        if waiting.buffer:
+            self._check_head(waiting)
+
+    def _evict_oldest(self, reason: str) -> bool:
+        oldest = next(iter(self._waiting.values()), None)
+        if oldest is None:
+            return False
+        if not oldest.closing:
+            self._log_drop(oldest, f"dropped while its request head was still arriving: {reason}")
+            self._send_quietly(oldest.sock, refusal_bytes(503, f"the server is at its connection limit ({reason}); retry shortly", {"Retry-After": "1"}))
+        self._forget(oldest)
+        return True
+
+    def _take_returned(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+        now = time.monotonic()
+        while self._returned:
+            sock, address, leftover = self._returned.popleft()
+            sock.setblocking(False)
+            deadline = now + (self.limits.header_timeout if leftover else self.request_timeout)
+            self._admit(Waiting(sock, address, deadline=deadline, buffer=bytearray(leftover), fresh=False))
+
+    def _readable(self, waiting: Waiting) -> None:
+        try:
+            data = waiting.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            if waiting.buffer and not waiting.closing:
+                self._log_drop(waiting, f"reset the connection after {len(waiting.buffer)} bytes of an incomplete request head ({exc.strerror})")
+            self._forget(waiting)
+            return
+        if waiting.closing:
+            waiting.drained += len(data)
+            if not data or waiting.drained > DRAIN_LIMIT_BYTES:
+                self._forget(waiting)
+            return
+        if not data:
+            if waiting.buffer:
+                self._log_drop(waiting, f"closed the connection after {len(waiting.buffer)} bytes of an incomplete request head")
+            self._forget(waiting)  # with nothing sent: a port probe, or a kept-alive connection the client closed
+            return
+        if not waiting.buffer and not waiting.fresh:
+            waiting.deadline = time.monotonic() + self.limits.header_timeout  # kept alive: the head's clock starts now
+        waiting.buffer += data
+        self._check_head(waiting)
+
+    def _check_head(self, waiting: Waiting) -> None:
+        limits = self.limits
+        end = HEAD_END.search(waiting.buffer)
+        size = end.end() if end else len(waiting.buffer)
+        if size > limits.max_head_bytes:
+            message = f"the request head is too long: more than {limits.max_head_bytes} bytes (request line and headers together)"
+            self._refuse(waiting, 431, message, f"refused with 431: a request head of more than {limits.max_head_bytes} bytes")
+            return
+        if end is None:
+            return
+        header_lines = waiting.buffer.count(b"\n", 0, end.end()) - 2
+        if header_lines > limits.max_header_lines:
+            message = f"too many headers: {header_lines} header lines, at most {limits.max_header_lines}"
+            self._refuse(waiting, 431, message, f"refused with 431: {header_lines} header lines")
+            return
+        self._forget(waiting, close=False)
+        pool = self.light_pool if is_light(waiting.buffer[: end.end()]) else self.pool
+        if not pool.offer(Accepted(waiting.sock, waiting.address, bytes(waiting.buffer))):
+            busy = f"{pool.busy()} requests in progress and {pool.queue.maxsize} queued"
+            self._refuse(waiting, 503, f"the server is busy ({busy}); retry shortly", f"refused with 503: {busy}", {"Retry-After": "1"})
+
+    def _expire(self, now: float) -> None:
+        for waiting in [w for w in self._waiting.values() if w.deadline <= now]:
+            if waiting.closing or not (waiting.buffer or waiting.fresh):
+                self._forget(waiting)  # lingering done, or a kept-alive connection idle past request_timeout
+                continue
+            timeout = self.limits.header_timeout
+            got = f"{len(waiting.buffer)} bytes received"
+            message = f"the request head did not arrive within {timeout:g} s ({got}); send the request line and headers at once"
+            self._refuse(waiting, 408, message, f"closed with 408: the request head did not arrive within {timeout:g} s ({got})")
+
+    def _refuse(self, waiting: Waiting, status: int, message: str, what: str, headers: dict[str, str] | None = None) -> None:
+        """Answer from the event loop, then linger: drain input until the client closes, so it reads the answer."""
+        self._log_drop(waiting, what)
+        if not self._send_quietly(waiting.sock, refusal_bytes(status, message, headers)):
+            self._forget(waiting)
+            return
+        waiting.closing, waiting.buffer, waiting.deadline = True, bytearray(), time.monotonic() + LINGER_S
+        if waiting.sock not in self._waiting:
+            self._waiting[waiting.sock] = waiting
+            self._selector.register(waiting.sock, selectors.EVENT_READ, waiting)
+
+    def _send_quietly(self, sock: socket.socket, data: bytes) -> bool:
+        try:
+            sock.setblocking(False)
+            sock.send(data)  # a few hundred bytes: the socket's send buffer takes them whole
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return False
+        return True
+
+    def _log_drop(self, waiting: Waiting, what: str) -> None:
+        self.drop_log(f"client {client_name(waiting.address)} {request_line(waiting.buffer)}: {what}")
+
+    def _forget(self, waiting: Waiting, close: bool = True) -> None:
+        self._waiting.pop(waiting.sock, None)
+        try:
+            self._selector.unregister(waiting.sock)
+        except (KeyError, ValueError):
+            pass
+        if close:
+            waiting.sock.close()
+
+    # --- the workers -----------------------------------------------------------------------------------
+
+    def _serve(self, accepted: Accepted) -> None:
+        """One request on a worker thread; a kept-alive connection then goes back to the event loop."""
+        sock, handler = accepted.sock, None
+        try:
+            sock.setblocking(True)
+            sock.settimeout(self.request_timeout)
+            handler = Handler(sock, accepted.address, self, accepted.data)
+        except Exception:  # a bug must cost one connection, never a worker
+            log(f"client {client_name(accepted.address)}: the connection failed:\n{traceback.format_exc()}")
+        if handler is not None and not handler.close_connection and not self._stop.is_set():
+            self._returned.append((sock, accepted.address, handler.reader.leftover()))
+            self._wake()
+            return
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        sock.close()
 
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: ReferenceHTTPServer
+    server: ReferenceHTTPServer  # type: ignore[assignment]  # not a socketserver.BaseServer: see ReferenceHTTPServer
     responded = False
+    phase = "sending its request"
+    dropped_logged = False
+
+    def __init__(self, sock: socket.socket, address: Any, server: ReferenceHTTPServer, prefix: bytes):
+        self.prefix = prefix
+        super().__init__(sock, address, server)  # type: ignore[arg-type]
 
     def setup(self) -> None:
-        super().setup()
+        self.connection = self.request
         self.connection.settimeout(self.server.request_timeout)  # every socket read and write; a stalled client frees its thread
+        self.reader = SocketReader(self.connection, self.prefix)
+        self.rfile = self.reader  # type: ignore[assignment]
+        self.wfile = SocketWriter(self.connection)  # type: ignore[assignment]
+
+    def handle(self) -> None:
+        """One request; the server hands a kept-alive connection back to its event loop for the next head."""
+        self.close_connection = True
+        try:
+            self.handle_one_request()
+        except (ConnectionError, TimeoutError) as exc:  # the head arrived whole, so this is the stdlib's own error reply failing
+            self._dropped(f"went away ({exc})")
+            self.close_connection = True
+
+    def finish(self) -> None:
+        pass  # the server closes the connection, or keeps it for the next request
+
+    @property
+    def who(self) -> str:
+        return client_name(self.client_address)
+
+    def _dropped(self, what: str) -> None:
+        """One log line per dropped client: who, which request, what happened (only the first cause is logged)."""
+        if self.dropped_logged:
+            return
+        self.dropped_logged = True
+        request = f"{self.command} {urlsplit(self.path).path}" if getattr(self, "command", None) else "(no request line)"
+        self.server.drop_log(f"client {self.who} {request_line(request.encode('latin-1', 'replace'))}: {what}")
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request would drown the job log; generate() logs its own summary
@@ -690,6 +1192,7 @@ class Handler(BaseHTTPRequestHandler):
         if close or self.close_connection:
             self.close_connection = True
             self.send_header("Connection", "close")
+        self.phase = "reading its reply"
         self.end_headers()
         self.responded = True
         if self.command != "HEAD":
@@ -717,6 +1220,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _start_sse(self) -> None:
+        self.phase = "reading its streamed reply"
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -768,12 +1272,14 @@ class Handler(BaseHTTPRequestHandler):
             except TimeoutError:
                 raise self._timeout(len(data), length) from None
             if not chunk:
-                raise HttpError(400, f"the connection ended after {len(data)} of {length} body bytes", close=True)
+                ended = f"the connection ended after {len(data)} of {length} body bytes"
+                raise HttpError(400, ended, close=True, dropped=f"closed the connection mid-body: {ended}")
             data += chunk
         return bytes(data)
 
     def _timeout(self, received: int, expected: int | str) -> HttpError:
-        return HttpError(408, f"the body did not arrive within {self.server.request_timeout:g} s ({received} of {expected} bytes received)", close=True)
+        late = f"the body did not arrive within {self.server.request_timeout:g} s ({received} of {expected} bytes received)"
+        return HttpError(408, late, close=True, dropped=f"closed with 408: {late}")
 
     def _read_chunked(self) -> bytes:
         deadline = time.monotonic() + self.server.request_timeout
@@ -828,12 +1334,17 @@ class Handler(BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         self.responded = False
         try:
+            self.phase = "sending its request body"
             raw = self._read_body()
+            self.phase = "waiting for its reply"
             self._route(urlsplit(self.path).path)(raw)
         except HttpError as exc:
             self._refuse(exc)
         except ClientGone as exc:
-            log(f"{self.command} {self.path}: the client went away mid-stream ({exc})")
+            self._dropped(f"went away mid-stream ({exc}); the generation was abandoned")
+            self.close_connection = True
+        except (ConnectionError, TimeoutError) as exc:  # the client reset, or stalled past request_timeout
+            self._dropped(f"went away while {self.phase} ({exc})")
             self.close_connection = True
         except Exception:  # a bug must cost one request, never the server
             log(f"{self.command} {self.path} failed:\n{traceback.format_exc()}")
@@ -843,9 +1354,12 @@ class Handler(BaseHTTPRequestHandler):
         if self.responded:  # mid-stream: the status line is gone, only closing is left
             self.close_connection = True
             return
+        if exc.dropped:
+            self._dropped(exc.dropped)
         try:
             self._send_json(exc.status, exc.payload, close=exc.close, headers=exc.headers)
-        except OSError:
+        except OSError as error:
+            self._dropped(f"went away before its {exc.status} reply was sent ({error})")
             self.close_connection = True
             return
         if exc.drain:
@@ -1035,6 +1549,9 @@ def server_info(profile, args, engine_path: str) -> dict[str, Any]:
         "weight_version": WEIGHT_VERSION,
         "max_body_bytes": args.max_body_bytes,
         "request_timeout": args.request_timeout,
+        "header_timeout": args.header_timeout,
+        "max_connections": args.max_connections,
+        "max_waiting": args.max_waiting,
         "version": "eagle3-console-reference",
     }
 
@@ -1063,12 +1580,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_REQUEST_TIMEOUT_S,
         help="seconds a client may stall while sending a request or reading a reply (default %(default)s)",
     )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client has to send a whole request head (request line and headers) before it gets 408 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="requests served at once (worker threads); 4x as many complete requests may queue, more get 503 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=DEFAULT_MAX_WAITING,
+        help="open connections still sending a request head (no thread each); past it the oldest is dropped (default %(default)s)",
+    )
     args = parser.parse_args(argv)
+    if not 0 < args.header_timeout < 86400 or not 1 <= args.max_connections <= 4096 or not 1 <= args.max_waiting <= 1_000_000:
+        parser.error("--header-timeout must be in (0, 86400), --max-connections in 1..4096 and --max-waiting in 1..1000000")
     if not args.no_speculation and not args.draft:
         parser.error("--draft is required unless --no-speculation is given")
     if args.max_body_bytes < 1 or not 0 < args.request_timeout < 86400:
         parser.error("--max-body-bytes must be >= 1 and --request-timeout in (0, 86400)")
     return args
+
+
+def fit_descriptors(limits: ConnectionLimits) -> ConnectionLimits:
+    """Raise the soft open-files limit to what the limits can hold; where the hard limit is lower, fewer may wait."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = limits.descriptors()
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        waiting = max(16, limits.max_waiting - (needed - soft))
+        log(f"open-files limit {soft} is below the {needed} the limits need: at most {waiting} connections may wait for a head (not {limits.max_waiting})")
+        limits.max_waiting = waiting
+    return limits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1085,8 +1642,14 @@ def main(argv: list[str] | None = None) -> int:
         from pathlib import Path
 
         args.draft = str(resolve_draft_dir(Path(args.draft).expanduser()))
+    limits = fit_descriptors(ConnectionLimits(header_timeout=args.header_timeout, max_connections=args.max_connections, max_waiting=args.max_waiting))
+    args.max_waiting = limits.max_waiting
     server = ReferenceHTTPServer(
-        (args.host, args.port), server_info(profile, args, profile.target.path), max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout
+        (args.host, args.port),
+        server_info(profile, args, profile.target.path),
+        max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
+        limits=limits,
     )
     outcome = {"code": 0}
 
