@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import torch
 
 BUILTIN_TINY = "builtin:tiny"
+WHEEL_PREFIX = "wheel:"  # a known target shipped in a wheel, prepared into this host's cache (backend/train/target_prepare.py)
 
 
 class TargetMismatchError(ValueError):
@@ -77,6 +78,10 @@ def resolve_target_path(profile) -> str:
         from backend.train.tiny import ensure_tiny_target
 
         return str(ensure_tiny_target())
+    if profile.target.path.startswith(WHEEL_PREFIX):
+        from backend.train.target_prepare import resolve_wheel_target
+
+        return resolve_wheel_target(profile.target.path)
     return os.path.expanduser(profile.target.path)
 
 
@@ -225,7 +230,7 @@ class TargetModel:
 
 
 def load_target(profile, device="cpu", dtype: str | None = None, device_map=None, aux_layer_ids: list[int] | None = None) -> TargetModel:
-    """Load the profile's target ('builtin:tiny' builds/uses the cached tiny target) and check it against the profile."""
+    """Load the profile's target ('builtin:tiny' builds the cached tiny target, 'wheel:NAME' prepares a wheel's) and check it against the profile."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_target_path(profile)
