@@ -1017,12 +1017,17 @@ class JobRegistry:
     def stop_plan(self, names: list[str] | None = None, all_jobs: bool = False, foreign_holders: list[dict] | None = None) -> StopPlan:
         """What stop would do, computed without signalling anything."""
         plans = self._plans(names, all_jobs)
+        states = {t.pid: _process_state(t) for plan in plans for t in plan.targets}
         return StopPlan(
             jobs=[plan.record.name for plan in plans],
-            will_signal=[{"pid": t.pid, "job": t.job, "cmdline": t.cmdline, "role": t.role} for plan in plans for t in plan.targets],
+            will_signal=[
+                {"pid": t.pid, "job": t.job, "cmdline": t.cmdline, "role": t.role, **({"state": states[t.pid]} if states[t.pid] else {})}
+                for plan in plans
+                for t in plan.targets
+            ],
             stale=[{"job": plan.record.name, "pid": plan.record.info.pid, "reason": plan.stale_reason} for plan in plans if plan.stale_reason],
             foreign_gpu_holders=foreign_holders or [],
-            checkpoint_first=any(plan.record.info.kind == "train" and plan.targets for plan in plans),
+            checkpoint_first=any(plan.record.info.kind == "train" and _can_checkpoint(plan, states) for plan in plans),
         )
 
     def stop(
@@ -1070,6 +1075,7 @@ class JobRegistry:
         for plan in active:
             plan.record.stop_requested_at = now  # in memory first: discovery must not call a job we are stopping stale
             termed = self._signal_all(plan, plan.targets, signal.SIGTERM)
+            self._continue_stopped(plan.targets)
             status.update({t.pid: "termed" if t.pid in termed else "already_gone" for t in plan.targets})
         self._remember(active)
 
@@ -1194,6 +1200,16 @@ class JobRegistry:
             self._try_write("job processes", lambda db: db.executemany("INSERT OR IGNORE INTO job_procs VALUES (?, ?, ?, ?, ?, ?)", rows))
 
     @staticmethod
+    def _continue_stopped(targets: list[Target]) -> None:
+        """SIGCONT every stopped target right after its SIGTERM (as systemd does): a stopped process keeps a SIGTERM
+        pending until continued, so a SIGSTOPped trainer would never run its checkpoint and be SIGKILLed after the grace.
+        After the SIGTERM, not before, so a continued process handles the TERM first instead of running on."""
+        for target in targets:
+            stat = procs.read_stat(target.pid)
+            if stat is not None and stat.start_time == target.start and stat.state == "T":
+                procs.send_signal(target.pid, target.start, signal.SIGCONT)
+
+    @staticmethod
     def _signal_all(plan: JobPlan, targets: list[Target], signum: int) -> set[int]:
         """Signal the group once when it is provably ours, and every target outside it by identity; returns pids reached."""
         pgid = plan.record.info.pgid
@@ -1291,6 +1307,27 @@ class JobRegistry:
         if notes:
             for verdict in verdicts:
                 verdict.detail += f"; NOT recorded in jobs.db ({notes[-1][:160]})"
+
+
+PROCESS_STATE_NOTES = {
+    "T": "stopped (SIGSTOP): continued after its SIGTERM",
+    "t": "stopped by a debugger: cannot handle SIGTERM until the debugger lets it go",
+    "D": "in uninterruptible sleep: handles SIGTERM only when its I/O returns",
+}
+
+
+def _process_state(target: Target) -> str:
+    """A note for a target that will not simply handle its SIGTERM at once ("" for a running or sleeping one)."""
+    stat = procs.read_stat(target.pid)
+    if stat is None or stat.start_time != target.start:
+        return ""
+    return PROCESS_STATE_NOTES.get(stat.state, "")
+
+
+def _can_checkpoint(plan: JobPlan, states: dict[int, str]) -> bool:
+    """A training job checkpoints on SIGTERM unless its leader is held by a debugger (a SIGSTOPped one is continued)."""
+    leaders = [t for t in plan.targets if t.role == "leader"] or plan.targets
+    return bool(leaders) and not any(states.get(t.pid, "").startswith("stopped by a debugger") for t in leaders)
 
 
 def _signallable(stat: procs.ProcStat | None) -> TypeGuard[procs.ProcStat]:

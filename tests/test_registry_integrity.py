@@ -179,3 +179,26 @@ def test_an_atomic_write_never_follows_a_link_planted_at_its_temp_name(tmp_path)
     (tmp_path / f".state.json.{os.getpid()}.tmp").symlink_to(victim)
     durable.write_atomic(target, "new")
     assert target.read_text() == "new" and victim.read_text() == "precious"
+
+
+def test_a_sigstopped_job_is_continued_so_its_sigterm_handler_checkpoints(registry, tmp_path):
+    marker = tmp_path / "checkpointed"
+    trainer = (
+        "import signal, sys, time\n"
+        f"def save(*_):\n    open({str(marker)!r}, 'w').write('saved')\n    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, save)\n"
+        "print('ready', flush=True)\n"
+        "while True:\n    time.sleep(0.05)\n"
+    )
+    info = registry.start_job("stopped-trainer", "train", [PY, "-c", trainer])
+    deadline = 200
+    while "ready" not in Path(info.stdout_path).read_text() and deadline:
+        threading.Event().wait(0.05)
+        deadline -= 1
+    os.kill(info.pid, signal.SIGSTOP)
+    plan = registry.stop_plan(["stopped-trainer"])
+    assert plan.checkpoint_first
+    assert [target.get("state", "") for target in plan.will_signal] == ["stopped (SIGSTOP): continued after its SIGTERM"]
+    verdicts = registry.stop(["stopped-trainer"], grace=20)
+    assert marker.read_text() == "saved"
+    assert [(v.pid, v.outcome) for v in verdicts] == [(info.pid, "exited_on_term")]
