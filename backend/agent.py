@@ -406,24 +406,45 @@ class Agent:
                 files.metrics.save_sidecar()
 
     def _emit_log(self) -> None:
-        """New lines of the followed log; `\r` ends a line too, and a line longer than a chunk is shown cut, never stalls."""
+        """New lines of the followed log; `\r` ends a line too. A line longer than a chunk is shown cut, once, and read
+        past by jumping to the file's last chunk: a tick reads at most two chunks, however long the line."""
         follow = self._followed_log
         if follow is None:
             return
-        size, data, end = read_complete_lines(Path(follow["path"]), follow["offset"], LOG_CHUNK_BYTES, line_ends=b"\n\r")
+        path, offset = Path(follow["path"]), follow["offset"]
+        size, data, end = read_complete_lines(path, offset, LOG_CHUNK_BYTES, line_ends=b"\n\r")
         if size is None:
             return
-        if not data and size - end >= LOG_CHUNK_BYTES:  # one line longer than a whole chunk
-            with open(follow["path"], "rb") as handle:
-                handle.seek(end)
-                data = handle.read(LOG_CHUNK_BYTES)
-            follow["offset"] = end + len(data)
-            lines = [data[:TAIL_LINE_SHOWN].decode(errors="replace") + f" … (a line over {LOG_CHUNK_BYTES} bytes, cut)"]
+        lines: list[str] = []
+        if end < offset:  # truncated or replaced: read from its start, a fresh line
+            follow["in_long_line"] = False
+        if follow.get("in_long_line") and data:  # the rest of the line shown cut: dropped
+            data = data[min(data.find(byte) for byte in (b"\n", b"\r") if byte in data) + 1 :]
+            follow["in_long_line"] = False
+        if not data and size - end >= LOG_CHUNK_BYTES:  # no line ends in a whole chunk: one line longer than a chunk
+            if not follow.get("in_long_line"):
+                with open(path, "rb") as handle:
+                    handle.seek(end)
+                    head = handle.read(TAIL_LINE_SHOWN)
+                lines.append(head.decode(errors="replace") + f" … (a line over {LOG_CHUNK_BYTES} bytes, cut)")
+            end = self._past_long_line(follow, path, end, size)
         else:
-            follow["offset"] = end
             lines = [line for line in display_lines(data)[:-1] if line]
+        follow["offset"] = end
         if lines:
             self.out.send({"type": Event.LOG, "job": follow["job"], "stream": follow["stream"], "lines": lines})
+
+    @staticmethod
+    def _past_long_line(follow: dict[str, Any], path: Path, start: int, size: int) -> int:
+        """Where to read on inside a line longer than a chunk: after its end when that lies in the file's last chunk,
+        else at the file's end, still inside the line (`in_long_line`: the next line end found ends it)."""
+        tail_start = max(start, size - LOG_CHUNK_BYTES)
+        with open(path, "rb") as handle:
+            handle.seek(tail_start)
+            tail = handle.read(size - tail_start)
+        ends = [at for at in (tail.find(b"\n"), tail.find(b"\r")) if at >= 0]
+        follow["in_long_line"] = not ends
+        return tail_start + min(ends) + 1 if ends else tail_start + len(tail)
 
     def _emit_externals(self) -> None:
         for name, watch in list(self._externals.items()):
