@@ -239,3 +239,16 @@ def test_load_target_resolves_the_wheel_source_to_the_prepared_dir(prepared):
     assert batch.aux_hidden.shape == (1, ids.shape[1], 3 * 576)
     assert batch.logits is not None and batch.logits.shape[-1] == 49152
     assert torch.isfinite(batch.aux_hidden).all()
+
+
+@pytest.mark.slow
+def test_serving_a_wheel_profile_hands_sglang_the_prepared_dir_and_templates_the_canary(prepared):
+    from backend.serve.launch import apply_chat_template, build_argv, target_config_for
+    from backend.serve.sglang_args import parse_flag_values
+
+    profile = load_profile("smollm2-135m")
+    flags = parse_flag_values(build_argv(profile, "/models/drafts/eagle3", "sglang", 30000))
+    assert flags["--model-path"] == str(prepared)
+    assert target_config_for(profile) == str(prepared / "config.json")
+    [prompt] = apply_chat_template(profile, ["Hi"])
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")

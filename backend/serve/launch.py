@@ -62,7 +62,7 @@ def target_config_for(profile: Profile, explicit: str | None = None) -> str | di
     if explicit:
         return explicit
     path = Path(os.path.expanduser(profile.target.path))
-    if profile.target.path.startswith("builtin:"):
+    if profile.target.path.startswith(("builtin:", "wheel:")):
         path = Path(target_dir(profile))
     if (path / "config.json").is_file():
         return str(path / "config.json")
@@ -96,7 +96,7 @@ def build_argv(
         return reference_argv(profile, draft_dir, port, host=host, feed=feed, speculative=speculative)
     if feed != "aux":
         raise ValueError("--feed last_hidden exists only on the reference engine (SGLang feeds what its target captures)")
-    target = target_dir(profile) if profile.target.path.startswith("builtin:") else profile.target.path
+    target = target_dir(profile) if profile.target.path.startswith(("builtin:", "wheel:")) else profile.target.path
     return build_sglang_argv(profile, draft_dir, target_path=target, port=port, host=host, speculative=speculative)
 
 
@@ -128,7 +128,7 @@ def apply_chat_template(profile: Profile, prompts: list[str]) -> list[str]:
     try:
         from backend.train.target import load_tokenizer
 
-        tokenizer = load_tokenizer(os.path.expanduser(profile.target.path), profile.serve.trust_remote_code)
+        tokenizer = load_tokenizer(target_dir(profile), profile.serve.trust_remote_code)
         return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
     except Exception:  # no tokenizer files, no template, no transformers: the raw prompts still exercise the draft
         return prompts
