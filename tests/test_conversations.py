@@ -407,3 +407,29 @@ def test_the_real_sharegpt_file_recovers_every_complete_conversation(tmp_path):
     assert summary.kept == len(kept) == 17_386 and summary.layout == "json-array (cut off)"
     assert dict(summary.dropped) == {"empty": 126, "no assistant turn": 21, "no user turn": 138, "truncated tail": 1}
     print(f"real ShareGPT: {complete} complete records, {summary.kept} kept, read in {seconds:.2f} s")
+
+
+def test_training_on_a_sharegpt_array_with_a_named_template_reuses_the_tokens(tmp_path, monkeypatch, capfd):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from backend.profiles import parse_profile
+    from backend.train.trainer import TrainOptions, train
+
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = bpe_tokenizer()  # no template of its own: --chat-template chatml supplies it
+    target_dir = tmp_path / "target"
+    tokenizer.save_pretrained(target_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(target_dir)
+    raw = mini_profile_dict(target_dir, max_steps=1, batch_size=2, log_interval=1, seq_len=48)
+    raw["target"]["vocab_size"] = len(tokenizer)
+    raw["draft"]["draft_vocab_size"] = 16
+    profile = parse_profile(raw, "hf-mini")
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([sharegpt(("human", "hello there, how are you?"), ("gpt", f"fine thanks {i}")) for i in range(12)])[:-40])  # cut off
+    chatml = resolve_chat_template("chatml")
+    for run in ("one", "two"):
+        assert train(TrainOptions(profile=profile, out_dir=tmp_path / run, conversations=data, chat_template=chatml)) == 0
+    logged = capfd.readouterr().err
+    assert "truncated tail 1" in logged and logged.count("cached the tokenized samples") == 1
+    assert "tokenized samples from the cache" in logged

@@ -260,7 +260,8 @@ def _train(args: argparse.Namespace) -> int:
 
     known = _known_errors()
     try:
-        template = chat_preflight(load_profile(args.profile), args.chat_template, offline=args.data is not None)
+        profile = load_profile(args.profile)
+        template = chat_preflight(profile, args.chat_template, offline=args.data is not None, trust_remote_code=profile.serve.trust_remote_code)
     except known as exc:
         return _fail(str(exc))
     if int(os.environ.get("RANK", "0") or 0) == 0:
