@@ -435,3 +435,71 @@ def test_kill_checkpoint_benchmark_ci_size():
     assert done.returncode == 0, (result["problems"], done.stderr[-2000:])
     assert result["unreadable_latest"] == 0 and result["lost_metrics_records"] == 0 and result["saver_errors"] == 0
     assert result["trials"] == 10 and result["checkpoints_saved"] > 0 and result["kills_mid_save"] > 0
+
+
+# --- writes never follow a symbolic link -------------------------------------------------------------
+
+
+def tree_listing(root: Path) -> list[tuple[str, bool]]:
+    """Every path under root (links listed, never followed) and whether it is a link: what "nothing written" compares."""
+    listing = []
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            listing.append((str(path.relative_to(root)), path.is_symlink()))
+    return sorted(listing)
+
+
+def symlinked_destination(tmp_path: Path, kind: str) -> Path:
+    """A write destination that is a link to an empty dir, a dangling link, or a dir holding a link."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if kind == "link to an empty dir":
+        (tmp_path / "dest").symlink_to(elsewhere, target_is_directory=True)
+    elif kind == "dangling link":
+        (tmp_path / "dest").symlink_to(tmp_path / "nowhere")
+    else:
+        (tmp_path / "dest").mkdir()
+        (tmp_path / "dest" / "config.json").symlink_to(elsewhere / "config.json")
+    return tmp_path / "dest"
+
+
+SYMLINK_KINDS = ["link to an empty dir", "dangling link", "dir holding a link"]
+
+
+@pytest.mark.parametrize("kind", SYMLINK_KINDS)
+def test_export_onto_a_symlink_exits_2_with_one_line_and_writes_nothing(tmp_path, kind, capsys):
+    from backend.cli import main as cli_main
+
+    draft, config = tiny_draft()
+    checkpoint = save_checkpoint(tmp_path / "run", draft, config, epoch=0, step=1, training_state=None)
+    destination = symlinked_destination(tmp_path, kind)
+    before = tree_listing(tmp_path)
+    assert cli_main(["export", str(checkpoint), str(destination)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a symbolic link" in err[0] and "nothing was exported" in err[0], err
+    assert tree_listing(tmp_path) == before  # no staging dir, nothing behind the link, the dangling target absent
+
+
+def test_export_cli_onto_a_dangling_symlink_prints_one_line(tmp_path):
+    draft, config = tiny_draft()
+    checkpoint = save_checkpoint(tmp_path / "run", draft, config, epoch=0, step=1, training_state=None)
+    destination = symlinked_destination(tmp_path, "dangling link")
+    result = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "export", str(checkpoint), str(destination)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {destination} is a symbolic link;") and line.endswith("nothing was exported"), line
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_durable_writes_never_follow_a_symlink(tmp_path):
+    from backend.train.checkpoint import write_bytes_durably
+
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    (tmp_path / "trap").symlink_to(target)
+    with pytest.raises(FileExistsError):
+        write_bytes_durably(tmp_path / "trap", b"overwritten")
+    assert target.read_text() == "keep me"

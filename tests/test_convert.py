@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from backend.train.checkpoint import load_checkpoint, save_checkpoint
 from backend.train.convert import ConvertError, convert_checkpoint, register_convert
-from tests.test_checkpoint import tiny_draft
+from tests.test_checkpoint import ROOT, SYMLINK_KINDS, symlinked_destination, tiny_draft, tree_listing
 
 
 def broken_checkpoint(tmp_path, mutate_keys=None, mutate_config=None):
@@ -133,3 +135,23 @@ def test_cli_dry_run_writes_nothing_and_json_reports(tmp_path, capsys):
     assert payload["ok"] and payload["written"] and ["embed_tokens.weight", payload["dropped"][0][1]] == payload["dropped"][0]
     assert run_cli(["convert", str(src), str(tmp_path / "out")]) == 1
     assert "convert refused:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", SYMLINK_KINDS)
+def test_convert_onto_a_symlink_exits_2_with_one_line_and_writes_nothing(tmp_path, kind, capsys):
+    src, _ = broken_checkpoint(tmp_path / "source")
+    dst = symlinked_destination(tmp_path, kind)
+    before = tree_listing(tmp_path)
+    assert run_cli(["convert", str(src), str(dst)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a symbolic link" in err[0] and "nothing was written" in err[0], err
+    assert tree_listing(tmp_path) == before  # no .tmp-convert-* dir, nothing behind the link
+
+
+def test_convert_cli_onto_a_dangling_symlink_prints_one_line(tmp_path):
+    src, _ = broken_checkpoint(tmp_path / "source")
+    dst = symlinked_destination(tmp_path, "dangling link")
+    result = subprocess.run([sys.executable, "-m", "backend.cli", "convert", str(src), str(dst)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "is a symbolic link" in result.stderr
+    assert not (tmp_path / "nowhere").exists() and not list(tmp_path.glob(".tmp-convert-*"))

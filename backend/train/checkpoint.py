@@ -1,4 +1,4 @@
-"""SGLang-format draft checkpoints: atomic save (temp dir, fsync, rename or swap, `latest` pointer), listing, strict load.
+"""SGLang-format draft checkpoints: atomic save (temp dir, fsync, rename or swap, `latest` pointer), listing, strict load, export.
 
 A save checks the free space against an estimate of what it writes first and says "disk full: N bytes
 needed, M free" (before writing, or when a write fails mid-save); a failed save removes its temp dir
@@ -34,7 +34,7 @@ from backend.layout import (  # the layout's names, re-exported for the trainer 
     list_checkpoints as list_checkpoints,
 )
 from backend.train.draft import CONSOLE_BLOCK, DraftModelConfig, Eagle3Draft
-from backend.train.fsutil import exchange_paths, free_bytes, fsync_path, pid_alive, tree_bytes
+from backend.train.fsutil import copy_new_file, exchange_paths, free_bytes, fsync_path, pid_alive, staging_dir, symlink_at_or_under, tree_bytes, write_new_file
 
 TEMP_PREFIX = ".tmp-"
 NAME_PATTERN = CHECKPOINT_NAME
@@ -212,10 +212,8 @@ def _json_bytes(data: dict) -> bytes:
 
 
 def write_bytes_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    """A new file (every caller writes a fresh temp name): create-only, never through a symbolic link, fsynced."""
+    write_new_file(path, data)
 
 
 def _temp_name(label: str) -> str:
@@ -453,3 +451,67 @@ def load_training_state(path: Path, map_location: str | torch.device = "cpu") ->
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a dict; nothing was loaded")
     return state
+
+
+# --- export --------------------------------------------------------------------------------------
+
+
+def export_checkpoint(checkpoint: Path, destination: Path) -> Path:
+    """Copy the serving files of a checkpoint into a new or empty dir, verifying the key set and shapes first.
+
+    The files go into a staging dir beside the destination and are renamed into place: a failure leaves nothing.
+    A destination that is, or holds, a symbolic link is refused before anything is written, and no write ever
+    follows a link (create-only opens with O_NOFOLLOW; the rename replaces no link).
+    """
+    from safetensors import safe_open
+
+    source = Path(checkpoint).expanduser()
+    if not (source / WEIGHTS_FILE).is_file():
+        found = latest_checkpoint(source)
+        if found is None:
+            raise CheckpointError(f"{source} is neither a checkpoint nor a run dir with checkpoints; nothing was exported")
+        source = found
+    config = DraftModelConfig.from_hf_config(read_config(source))
+    with safe_open(str(source / WEIGHTS_FILE), framework="pt") as handle:
+        shapes = {key: _Shape(handle.get_slice(key)) for key in handle.keys()}
+    problems = tensor_problems(shapes, config)
+    if problems:
+        raise CheckpointError(f"{source} does not match its config.json: {'; '.join(problems)}; nothing was exported")
+    destination = Path(destination).expanduser()
+    link = symlink_at_or_under(destination)
+    if link is not None:
+        raise CheckpointError(
+            f"{link} is a symbolic link; export writes only into a real, new or empty directory and never follows a link; nothing was exported"
+        )
+    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+        raise CheckpointError(f"{destination} exists and is not an empty directory; nothing was exported")
+    try:
+        _export_files(source, destination)
+    except OSError as exc:
+        raise CheckpointError(f"could not export into {destination}: {exc.strerror or exc}; nothing was exported") from None
+    return destination
+
+
+def _export_files(source: Path, destination: Path) -> None:
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(destination.parent, f".{destination.name}.export-")
+    try:
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            copy_new_file(source / name, staging / name)
+        fsync_path(staging)
+        if destination.exists():
+            destination.rmdir()  # empty (checked); a link put there since is not a dir and fails, untouched
+        os.rename(staging, destination)  # onto a link that appeared since: ENOTDIR, never through it
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_path(destination.parent)
+
+
+class _Shape:
+    """A safetensors slice seen as a tensor by tensor_problems (shape and dtype, no data read)."""
+
+    def __init__(self, tensor_slice):
+        self.shape = tuple(tensor_slice.get_shape())
+        names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "BOOL": torch.bool}
+        self.dtype = names.get(tensor_slice.get_dtype(), torch.uint8)

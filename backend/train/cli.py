@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -339,58 +338,9 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def export_checkpoint(checkpoint: Path, destination: Path) -> Path:
-    """Copy the serving files of a checkpoint into a new dir, verifying the key set and shapes first."""
-    from safetensors import safe_open
-
-    from backend.train.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, latest_checkpoint, read_config, tensor_problems
-    from backend.train.draft import DraftModelConfig
-
-    source = Path(checkpoint).expanduser()
-    if not (source / WEIGHTS_FILE).is_file():
-        found = latest_checkpoint(source)
-        if found is None:
-            raise CheckpointError(f"{source} is neither a checkpoint nor a run dir with checkpoints; nothing was exported")
-        source = found
-    config = DraftModelConfig.from_hf_config(read_config(source))
-    with safe_open(str(source / WEIGHTS_FILE), framework="pt") as handle:
-        shapes = {key: _Shape(handle.get_slice(key)) for key in handle.keys()}
-    problems = tensor_problems(shapes, config)
-    if problems:
-        raise CheckpointError(f"{source} does not match its config.json: {'; '.join(problems)}; nothing was exported")
-    destination = Path(destination).expanduser()
-    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
-        raise CheckpointError(f"{destination} exists and is not an empty directory; nothing was exported")
-    staging = destination.parent / f".{destination.name}.export-{os.getpid()}"
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            shutil.copy2(source / name, staging / name)
-            with open(staging / name, "rb") as handle:
-                os.fsync(handle.fileno())
-        if destination.exists():
-            destination.rmdir()
-        os.rename(staging, destination)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return destination
-
-
-class _Shape:
-    """A safetensors slice seen as a tensor by tensor_problems (shape and dtype, no data read)."""
-
-    def __init__(self, tensor_slice):
-        import torch
-
-        self.shape = tuple(tensor_slice.get_shape())
-        names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "BOOL": torch.bool}
-        self.dtype = names.get(tensor_slice.get_dtype(), torch.uint8)
-
-
 def _export(args) -> int:
+    from backend.train.checkpoint import export_checkpoint
+
     try:
         path = export_checkpoint(args.checkpoint, args.destination)
     except _known_errors() as exc:

@@ -20,6 +20,14 @@ PASS_THROUGH = ("training_state.pt",)
 class ConvertError(ValueError):
     """The source checkpoint cannot be mapped onto the SGLang format; the destination was not created."""
 
+    exit_code = 1
+
+
+class UnsafeDestinationError(ConvertError):
+    """DST is, or holds, a symbolic link (or became one mid-write): a usage error, exit 2; nothing was written."""
+
+    exit_code = 2
+
 
 @dataclass
 class ConvertReport:
@@ -207,12 +215,16 @@ def convert_checkpoint(src, dst, *, aux_layer_ids: list[int] | None = None, dry_
     result that does not match the config exactly, is refused with ConvertError and dst stays absent.
     """
     from backend.train.checkpoint import fsync_path, tensor_problems, write_json_durably
+    from backend.train.fsutil import symlink_at_or_under
     from backend.train.draft import CONSOLE_BLOCK, DraftConfigError, DraftModelConfig
 
     src, dst = Path(src), Path(dst)
     report = ConvertReport(src=str(src), dst=str(dst))
     if not (src / "config.json").is_file():
         raise ConvertError(f"{src} has no config.json; nothing was written")
+    link = symlink_at_or_under(dst)
+    if link is not None:
+        raise UnsafeDestinationError(f"{link} is a symbolic link; convert writes only a new, real directory and never follows a link (nothing was written)")
     if dst.exists():
         raise ConvertError(f"{dst} already exists; pick a new destination (nothing was written)")
     raw_tensors = _read_tensors(src)
@@ -249,7 +261,13 @@ def convert_checkpoint(src, dst, *, aux_layer_ids: list[int] | None = None, dry_
     report.skipped_files = sorted(present - set(PASS_THROUGH) - _source_files(src))
     if dry_run:
         return report
-    _write(dst, config_json, tensors, src, report.copied_files, fsync_path, write_json_durably)
+    try:
+        _write(dst, config_json, tensors, src, report.copied_files, fsync_path, write_json_durably)
+    except OSError as exc:
+        what = exc.strerror or str(exc)
+        if isinstance(exc, NotADirectoryError) or dst.is_symlink():  # a link put at dst since the check
+            raise UnsafeDestinationError(f"{dst} became a symbolic link or file while converting ({what}); nothing was written") from None
+        raise ConvertError(f"could not write {dst}: {what}; nothing was written") from None
     report.written = True
     return report
 
@@ -257,19 +275,18 @@ def convert_checkpoint(src, dst, *, aux_layer_ids: list[int] | None = None, dry_
 def _write(dst: Path, config_json: dict, tensors: dict, src: Path, copied: list[str], fsync_path, write_json_durably) -> None:
     from safetensors.torch import save_file
 
+    from backend.train.fsutil import copy_new_file, staging_dir
+
     dst.parent.mkdir(parents=True, exist_ok=True)
-    temp = dst.parent / f".tmp-convert-{dst.name}-{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir()
+    temp = staging_dir(dst.parent, f".tmp-convert-{dst.name}-")  # a fresh private name: no old dir or link is reused
     try:
-        write_json_durably(temp / "config.json", config_json)
+        write_json_durably(temp / "config.json", config_json)  # create-only, never through a link
         save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(temp / "model.safetensors"), metadata={"format": "pt"})
         fsync_path(temp / "model.safetensors")
         for name in copied:
-            shutil.copy2(src / name, temp / name)
-            fsync_path(temp / name)
+            copy_new_file(src / name, temp / name)
         fsync_path(temp)
-        os.rename(temp, dst)
+        os.rename(temp, dst)  # onto a link that appeared since: ENOTDIR, never through it
         fsync_path(dst.parent)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
@@ -314,6 +331,6 @@ def _handle_convert(args) -> int:
         if args.json:
             print(json.dumps({"ok": False, "error": str(exc)}))
         print(f"convert refused: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     print(json.dumps({"ok": True, **report.as_dict()}) if args.json else "\n".join(report.lines()))
     return 0

@@ -1,10 +1,13 @@
-"""Small standard-library helpers for durable writes: fsync by path, free space, an atomic directory swap, pid liveness."""
+"""Small standard-library helpers for durable writes: fsync by path, new files and staging dirs that never follow a
+symbolic link, free space, an atomic directory swap, pid liveness."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from backend.jsonl import free_bytes as free_bytes  # re-exported for checkpoint.py
@@ -20,6 +23,54 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# Create-only, and never through a link: a name that exists (a symbolic link included) fails with FileExistsError.
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_COPY_BLOCK = 1 << 20
+
+
+def write_new_file(path: Path, data: bytes) -> None:
+    """Create `path` (it must not exist, not even as a link), write `data`, fsync."""
+    fd = os.open(path, _NEW_FILE_FLAGS, 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def copy_new_file(source: Path, target: Path) -> None:
+    """Copy `source`'s bytes into a new `target` (create-only, never through a link), fsync."""
+    fd = os.open(target, _NEW_FILE_FLAGS, 0o644)
+    with open(source, "rb") as reader, os.fdopen(fd, "wb") as writer:
+        shutil.copyfileobj(reader, writer, _COPY_BLOCK)
+        writer.flush()
+        os.fsync(writer.fileno())
+
+
+def staging_dir(parent: Path, prefix: str) -> Path:
+    """A new, uniquely named directory in `parent` (mkdtemp: no existing name or link is ever reused), mode 0755."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(path, 0o755)
+    return path
+
+
+def symlink_at_or_under(path: Path) -> Path | None:
+    """`path` itself, or the first entry under it, that is a symbolic link (None when there is none).
+
+    A write destination is refused when this finds one: writes never follow a link out of the tree the operator
+    named. Links above `path` (a data disk mounted through a link) are left alone.
+    """
+    if path.is_symlink():
+        return path
+    if not path.is_dir():
+        return None
+    for root, dirs, files in os.walk(path):  # os.walk lists linked dirs but does not descend into them
+        for name in sorted(dirs + files):
+            entry = Path(root) / name
+            if entry.is_symlink():
+                return entry
+    return None
 
 
 def _renameat2():
