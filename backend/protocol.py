@@ -15,6 +15,7 @@ stderr of the agent is a separate diagnostic stream and is never parsed as data.
 from __future__ import annotations
 
 import json
+import math
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
@@ -320,6 +321,8 @@ def check_type(hint: Any, value: Any, limits: Limits, where: str) -> Any:
     if hint is int or hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (hint is int and not isinstance(value, int)):
             raise InvalidMessage(f"{where}: expected {'an integer' if hint is int else 'a number'}, got {type_name(value)}")
+        if hint is float and not math.isfinite(value):
+            raise InvalidMessage(f"{where}: expected a finite number, got {value!r}")
         return float(value) if hint is float else value
     if hint is str:
         if not isinstance(value, str):
@@ -345,6 +348,8 @@ def check_fields(entry: Any, spec: Mapping[str, tuple[type, ...]], where: str, l
             if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
                 names = " or ".join(type_name(t()) if t is not OPTIONAL else "null" for t in allowed)
                 raise InvalidMessage(f"{where}.{key}: expected {names}, got {type_name(value)}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidMessage(f"{where}.{key}: expected a finite number, got {value!r}")
     return bounded(entry, limits)
 
 

@@ -35,6 +35,7 @@ from console.state import ConnectionStatus
 from console.transport import AgentLine, AgentStderr, LineTooLong, NotConnected, StatusChanged, Transport
 
 BIG_LINE = 256 << 10  # decode lines above this size off the UI thread
+EVENT_LINE_CAP = 16 << 20  # an event line longer than this is dropped undecoded (the agent's are < 8 MiB); replies go to LINE_CAP
 DEFAULT_TIMEOUT_S = 30.0
 EVENTS_MAX = 1000  # decoded events waiting for the session's fold before the reader waits
 SLICE_S = 0.02  # the reader yields to the UI at least this often, however fast the host writes
@@ -233,6 +234,10 @@ class AgentClient:
                 await asyncio.sleep(0)
                 slice_start = time.monotonic()
 
+    def _awaited_reply(self, data: bytes) -> bool:
+        match = REPLY_HEAD.match(data[:256])
+        return match is not None and int(match.group(1)) in self._pending
+
     def _on_too_long(self, item: LineTooLong) -> None:
         """An agent line over the transport's cap was dropped: fail the request it answered (named in its first bytes)."""
         self.malformed_lines += 1
@@ -248,6 +253,13 @@ class AgentClient:
         self._events.put_nowait(ClientNote(f"(console) dropped {what} of {size}: longer than the {cap} line cap"))
 
     async def _on_line(self, data: bytes) -> None:
+        if len(data) > EVENT_LINE_CAP and not self._awaited_reply(data):
+            # Decoding holds the GIL for the whole line (a thread does not help): only a reply someone waits for may be big.
+            self.malformed_lines += 1
+            self._events.put_nowait(
+                ClientNote(f"(console) dropped an agent line of {len(data) / 2**20:.1f} MiB: only a reply may exceed {EVENT_LINE_CAP >> 20} MiB")
+            )
+            return
         try:
             message = await asyncio.to_thread(decode, data) if len(data) > BIG_LINE else decode(data)
         except MalformedMessage as exc:

@@ -55,6 +55,7 @@ class HostSession:
         self._refusals_told = 0  # state.notes_added when the operator was last told
         self._refusal_told_at = -REFUSED_NOTE_INTERVAL_S
         self._refusal_timer: asyncio.TimerHandle | None = None
+        self._protocol_told: int | None = None
 
     @property
     def name(self) -> str:
@@ -121,13 +122,12 @@ class HostSession:
             self.state.refuse(event.text)
             return {"notes"}
         if isinstance(event, dict):
-            if event.get("type") == "hello" and event.get("protocol") != PROTOCOL_VERSION:
-                self.note(
-                    f"the agent on {self.name} speaks protocol {cut_text(str(event.get('protocol')), 20)}, this console {PROTOCOL_VERSION}: "
-                    "some views may be empty",
-                    "warning",
-                )
-            return self.state.apply(event)
+            changed = self.state.apply(event)
+            hello = self.state.hello
+            if "hello" in changed and hello is not None and hello.protocol != PROTOCOL_VERSION and hello.protocol != self._protocol_told:
+                self._protocol_told = hello.protocol  # once per protocol seen, not per hello
+                self.note(f"the agent on {self.name} speaks protocol {hello.protocol}, this console {PROTOCOL_VERSION}: some views may be empty", "warning")
+            return changed
         return None
 
     def _tell_refusals(self) -> None:

@@ -33,16 +33,16 @@ from backend.protocol import (
 )
 
 STRING_CAP = 4096  # characters kept of one string field (a log line, a cmdline, a name); longer ones are cut and marked
-LIMITS = Limits(string=STRING_CAP, items=1024, depth=6)  # one item of a message: lists inside it keep 1024 entries
+LIMITS = Limits(string=STRING_CAP, items=128, depth=6)  # one item of a message (a job, a GPU): lists inside it keep 128 entries
 RECORD_LIMITS = Limits(string=256, items=256, depth=4)  # one metrics or stage record as kept
 LOG_LINES_KEPT = 2000
-LOG_BUFFERS_MAX = 64  # (job, stream) log tails kept; the oldest goes first
+LOG_BUFFERS_MAX = 8  # (job, stream) log tails kept (the operator reads one job's two); the oldest goes first
 GPUS_MAX = 64
-JOBS_MAX = 1000
-HOLDERS_MAX = 1024
+JOBS_MAX = 256
+HOLDERS_MAX = 256
 DISKS_MAX = 32
-METRICS_JOBS_MAX = 256  # jobs with metrics kept per host
-MODULES_MAX = 64  # weight_norm modules per job
+METRICS_JOBS_MAX = 32  # jobs with metrics (and chains with stages) kept per host
+MODULES_MAX = 16  # weight_norm modules per job (the trainer logs ~5)
 STAGES_KEPT = 2000  # stage records per chain
 EVENT_RECORDS_MAX = 20_000  # records in one metrics event or history page (the agent's page size)
 SERIES_KEYS_MAX = 64
