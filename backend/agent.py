@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Callable
 from backend import holders as holders_mod
 from backend.disk import dir_size, disks_for
 from backend.gpu import GpuSource, driver_state, open_gpu_source
-from backend.jobs import TAIL_LINE_SHOWN, JobError, JobNotFound, JobRecord, JobRegistry, UnsafeRunDir, display_lines, tail_lines
+from backend.jobs import TAIL_LINE_SHOWN, TERMINAL, JobError, JobNotFound, JobRecord, JobRegistry, UnsafeRunDir, display_lines, tail_lines
 from backend.jsonl import JsonlFollower, read_complete_lines
 from backend.layout import STALL_AFTER_S, checkpoint_listing, default_data_dir, latest_checkpoint, list_results
 from backend.metrics import MetricsReader
@@ -52,6 +52,7 @@ DIR_SIZE_EVERY_S = 60.0
 HISTORY_LIMIT = 20_000
 BACKLOG_BYTES = 4 << 20
 LIVE_POLL_S = 0.05  # metrics and stages files are checked this often (a stat each when nothing changed)
+FINISHED_POLL_S = 1.0  # a finished job's files: a last line written as it exited still arrives within a second
 PROGRESS_EVERY_S = 0.5
 SIDECAR_SAVE_EVERY_S = 60.0
 SERIES_POINTS_MAX = 4096
@@ -161,6 +162,8 @@ class JobFiles:
         self.had_backlog = False
         self.saved_at = time.monotonic()
         self.cache: dict[str, Any] = {}  # "signals": (index version, signals)
+        self.finished = False  # the job's record is terminal: its files are polled once a FINISHED_POLL_S
+        self.polled_at = float("-inf")
 
     @staticmethod
     def _size(path: Path) -> int:
@@ -191,6 +194,7 @@ class Agent:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agent-request")
         self._lock = threading.Lock()
         self._files: dict[str, JobFiles] = {}
+        self._finished_wires: dict[int, tuple[tuple, dict[str, Any]]] = {}  # record id -> (what it depends on, wire)
         self._initial_jobs = {record.name for record in self.registry.list_records()}
         self._last_gpus: list[dict] = []
         self._last_jobs: list[dict] | None = None
@@ -315,7 +319,7 @@ class Agent:
 
     def _emit_jobs(self, force: bool = False) -> None:
         records = self.registry.list_records()
-        wire = [record.to_wire(self.stall_after) for record in records]
+        wire = [self._wire(record) for record in records]
         # Heartbeat ages change every second: they ride along with the forced event; a new stalled rank is a change.
         steady = [{key: value for key, value in job.items() if key != "ranks"} for job in wire]
         with self._lock:
@@ -326,6 +330,17 @@ class Agent:
             self._jobs_dirty.clear()
             self.out.send({"type": Event.JOBS, "jobs": wire})
 
+    def _wire(self, record: JobRecord) -> dict[str, Any]:
+        """A record as sent; a finished one's never changes again, so it is built once (a host keeps up to
+        FINISHED_KEPT of them, and to_wire reads heartbeat files)."""
+        if record.info.state not in TERMINAL:
+            return record.to_wire(self.stall_after)
+        key = (record.id, record.info.state, record.detail, record.info.exit_code, record.info.ended_at)
+        cached = self._finished_wires.get(record.id)
+        if cached is None or cached[0] != key:
+            cached = self._finished_wires[record.id] = (key, record.to_wire(self.stall_after))
+        return dict(cached[1])
+
     def _sync_files(self, records: list[JobRecord]) -> None:
         names = set()
         for record in records:
@@ -333,9 +348,13 @@ class Agent:
             files = self._files.get(record.name)
             if files is None or files.record_id != record.id:
                 from_end = record.name in self._initial_jobs and files is None
-                self._files[record.name] = JobFiles(record, from_end)
+                self._files[record.name] = files = JobFiles(record, from_end)
+            files.finished = record.info.state in TERMINAL
         for name in set(self._files) - names:
             del self._files[name]
+        live_ids = {record.id for record in records}
+        for record_id in set(self._finished_wires) - live_ids:
+            del self._finished_wires[record_id]
 
     def _live_loop(self) -> None:
         """New metrics and stage lines reach the console within ~LIVE_POLL_S: one stat per file when idle."""
@@ -349,7 +368,12 @@ class Agent:
     def _emit_files(self) -> None:
         with self._lock:
             items = list(self._files.items())
+        now = time.monotonic()
         for name, files in items:
+            if files.finished:  # nothing writes a finished job's files any more but a last straggler: a poll a second
+                if now - files.polled_at < FINISHED_POLL_S:
+                    continue
+                files.polled_at = now
             records, start, end = files.metrics.poll_live()
             if records:
                 files.latest = records[-1]

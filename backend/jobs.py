@@ -54,6 +54,7 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 START_TIMEOUT_S = 30.0
 MAX_GRACE_S = 86400.0
 FREEZE_TIMEOUT_S = 5.0
+FINISHED_KEPT = 100  # finished records listed; older ones are archived in jobs.db (JobRegistry._prune_finished)
 STOP_INCOMPLETE = "stop incomplete"
 NODE_COLUMNS = ("run_id", "node_rank", "nnodes", "rdzv_endpoint")  # a multi-node job's part on this host
 FAILURE_TAIL_LINES = 400  # stderr lines read for torchrun's failure summary when a distributed job fails
@@ -316,8 +317,8 @@ def tail_lines(path: str | Path, count: int, block: int = 65536, max_bytes: int 
     lines = display_lines(b"".join(reversed(blocks)))
     if lines and lines[-1] == "":
         lines.pop()
-    if end > 0 and lines:
-        lines = lines[1:]  # the first one is cut by the read window
+    if end > 0 and lines:  # the first line is cut at its start by the read window: marked, and kept if room is left
+        lines[0] = "… " + lines[0]
     return lines[-count:]
 
 
@@ -630,7 +631,7 @@ class JobRegistry:
     def refresh(self) -> list[JobRecord]:
         """Re-check every active job and store what changed; returns the active records."""
         self._reap_watchers()
-        records = self._active()
+        records = self._prune_finished(self._active())
         changed = []
         for record in records:
             state, detail, exit_code, ended_at = self._evaluate(record)
@@ -641,6 +642,26 @@ class JobRegistry:
         if changed:
             self._try_write("job states", lambda db: self._store_states(db, changed))
         return records
+
+    def _prune_finished(self, records: list[JobRecord]) -> list[JobRecord]:
+        """Archive the oldest finished records beyond FINISHED_KEPT (kept in jobs.db, archived = 1, as a reused name's are).
+
+        A long-used host gathers thousands of finished records, and every tick of the agent reads, checks and sends
+        each one (10,000 took 60 % of a core). Only a record whose watcher is gone is archived: the watcher reaps the
+        job's last orphan before it exits, so nothing of an archived job can still run for a stop to miss."""
+        finished = [record for record in records if record.info.state in TERMINAL]
+        if len(finished) <= FINISHED_KEPT:
+            return records
+        finished.sort(key=lambda record: (record.info.ended_at or record.info.started_at, record.id))
+        prunable = [record for record in finished[: len(finished) - FINISHED_KEPT] if not self._watcher_alive(record)]
+        def archive(db: sqlite3.Connection) -> None:
+            for record in prunable:
+                self._archive_record(db, record)
+
+        if not prunable or not self._try_write("archive finished records", archive):
+            return records
+        archived = {record.id for record in prunable}
+        return [record for record in records if record.id not in archived]
 
     def _store_states(self, db: sqlite3.Connection, records: list[JobRecord]) -> None:
         for record in records:

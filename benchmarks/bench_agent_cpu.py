@@ -4,6 +4,9 @@ Two agents run at the same time (same machine load): one with N writer jobs each
 a second, one idle. CPU = (utime + stime) of the agent process from /proc/PID/stat, per wall second.
 
     python benchmarks/bench_agent_cpu.py [--seconds 20] [--files 8] [--rate 10] [--interval 1.0] [--json OUT]
+
+With --finished N the first agent's run dir also holds N finished job records (each with its job dir), as a
+long-used host's registry does; with --files 0 that agent is otherwise idle, so the ratio is the records' cost.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -38,6 +42,38 @@ while time.monotonic() < end:
     next_at += period
     time.sleep(max(0.0, next_at - time.monotonic()))
 """
+
+
+def add_finished_records(run_dir: Path, count: int) -> None:
+    """`count` jobs that ran and exited, written as the registry writes them (one job dir each)."""
+    registry = JobRegistry(run_dir)
+    registry.close()
+    now = time.time()
+    rows = []
+    for number in range(count):
+        job_dir = run_dir / "jobs" / f"done{number}"
+        job_dir.mkdir(mode=0o700)
+        (job_dir / "exit_code").write_text("0\n")
+        rows.append(
+            (
+                f"done{number}",
+                "other",
+                "exited",
+                json.dumps(["true"]),
+                str(job_dir),
+                str(job_dir / "stdout.log"),
+                str(job_dir / "stderr.log"),
+                now - 3600 + number * 0.1,
+                now - 3600 + number * 0.1 + 0.05,
+            )
+        )
+    conn = sqlite3.connect(run_dir / "jobs.db")
+    with conn:
+        conn.executemany(
+            "INSERT INTO jobs (name, kind, state, argv, job_dir, stdout_path, stderr_path, started_at, ended_at, exit_code) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+            rows,
+        )
+    conn.close()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -98,11 +134,14 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=10.0, help="lines per second per file")
     parser.add_argument("--interval", type=float, default=1.0, help="agent tick (1.0 = 1 Hz)")
     parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--finished", type=int, default=0, help="finished job records in the first agent's registry")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
         busy_run, idle_run = Path(tmp) / "busy", Path(tmp) / "idle"
+        if args.finished:
+            add_finished_records(busy_run, args.finished)
         busy, idle = Agent(busy_run, args.interval), Agent(idle_run, args.interval)
         try:
             lifetime = args.warmup + args.seconds + 10
@@ -124,6 +163,7 @@ def main() -> int:
     results = {
         "seconds": round(wall, 2),
         "files": args.files,
+        "finished_records": args.finished,
         "lines_per_s_per_file": args.rate,
         "interval_s": args.interval,
         "busy_agent_cpu_per_wall_s": busy_cpu,
@@ -134,7 +174,8 @@ def main() -> int:
     }
     ratio = f"{results['ratio_busy_over_idle']:.2f}x" if results["ratio_busy_over_idle"] else "n/a (idle agent used < 1 clock tick)"
     print(f"agent CPU at {1 / args.interval:g} Hz over {wall:.1f} s (user+sys per wall second, /proc/PID/stat):")
-    print(f"  following {args.files} files x {args.rate:g} lines/s : {busy_cpu * 100:.3f}% of one core ({streamed:.1f} records/s streamed)")
+    finished = f", {args.finished} finished records" if args.finished else ""
+    print(f"  following {args.files} files x {args.rate:g} lines/s{finished} : {busy_cpu * 100:.3f}% of one core ({streamed:.1f} records/s streamed)")
     print(f"  following none (idle)          : {idle_cpu * 100:.3f}% of one core")
     print(f"  ratio busy / idle              : {ratio}")
     if args.json:

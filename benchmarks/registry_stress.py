@@ -160,10 +160,10 @@ def listed_by_cli(run_dir: Path) -> set[str] | None:
     return {job["name"] for job in json.loads(done.stdout)}
 
 
-def listed_by_sqlite(run_dir: Path) -> set[str]:
+def listed_by_sqlite(run_dir: Path, archived_only: bool = False) -> set[str]:
     conn = sqlite3.connect(f"file:{run_dir / 'jobs.db'}?mode=ro", uri=True, timeout=30)
     try:
-        return {row[0] for row in conn.execute("SELECT name FROM jobs")}
+        return {row[0] for row in conn.execute("SELECT name FROM jobs" + (" WHERE archived = 1" if archived_only else ""))}
     finally:
         conn.close()
 
@@ -233,6 +233,8 @@ def reader_check(run_dir: Path, ledgers: Path) -> tuple[int, int, list[str]]:
     committed = read_ledgers(ledgers)
     seen_cli = listed_by_cli(run_dir)
     seen_sql = listed_by_sqlite(run_dir)
+    if seen_cli is not None:  # job list shows the newest finished records; older ones are archived (FINISHED_KEPT), not gone
+        seen_cli |= listed_by_sqlite(run_dir, archived_only=True)
     unseen = sorted(committed - seen_sql) + (sorted(committed - seen_cli) if seen_cli is not None else [])
     return len(committed), 2 if seen_cli is not None else 1, unseen
 
@@ -261,7 +263,7 @@ def run(args: argparse.Namespace) -> dict:
         unseen_examples.extend(unseen[:3])
     driver.stop_all()
     committed = read_ledgers(ledgers)
-    final = listed_by_cli(run_dir) or set()
+    final = (listed_by_cli(run_dir) or set()) | listed_by_sqlite(run_dir, archived_only=True)
     lost = sorted(committed - final)
     verdict = integrity(run_dir)
     registry = JobRegistry(run_dir)

@@ -202,3 +202,46 @@ def test_a_sigstopped_job_is_continued_so_its_sigterm_handler_checkpoints(regist
     verdicts = registry.stop(["stopped-trainer"], grace=20)
     assert marker.read_text() == "saved"
     assert [(v.pid, v.outcome) for v in verdicts] == [(info.pid, "exited_on_term")]
+
+
+def add_finished(run_dir: Path, count: int) -> None:
+    """`count` jobs that ran and exited long ago (no watcher left), as the registry records them."""
+    conn = sqlite3.connect(run_dir / "jobs.db")
+    with conn:
+        for number in range(count):
+            job_dir = run_dir / "jobs" / f"done{number}"
+            job_dir.mkdir(mode=0o700)
+            conn.execute(
+                "INSERT INTO jobs (name, kind, state, argv, job_dir, stdout_path, stderr_path, started_at, ended_at, exit_code)"
+                " VALUES (?, 'other', 'exited', '[\"true\"]', ?, ?, ?, ?, ?, 0)",
+                (f"done{number}", str(job_dir), str(job_dir / "stdout.log"), str(job_dir / "stderr.log"), 1000.0 + number, 1001.0 + number),
+            )
+    conn.close()
+
+
+def test_old_finished_records_are_archived_not_lost_and_running_ones_stay(registry):
+    from backend.jobs import FINISHED_KEPT
+
+    running = registry.start_job("still-running", "other", SLEEP)
+    add_finished(registry.run_dir, FINISHED_KEPT + 50)
+    listed = {job.name for job in registry.list_jobs()}
+    assert "still-running" in listed and len(listed) == FINISHED_KEPT + 1
+    assert "done0" not in listed and f"done{FINISHED_KEPT + 49}" in listed  # the newest finished ones stay listed
+    conn = sqlite3.connect(registry.run_dir / "jobs.db")
+    try:
+        rows = conn.execute("SELECT count(*), sum(archived) FROM jobs").fetchone()
+    finally:
+        conn.close()
+    assert rows == (FINISHED_KEPT + 51, 50)  # archived, still in jobs.db
+    assert registry.get("still-running").info.pid == running.pid
+    registry.start_job("done0", "other", SLEEP)  # an archived name is free again
+
+
+def test_a_log_whose_last_line_is_longer_than_the_tail_window_tails_as_that_line_cut(tmp_path):
+    from backend.jobs import TAIL_LINE_SHOWN, display_lines, tail_lines
+
+    log = tmp_path / "stdout.log"
+    log.write_bytes(b"first line\n" + b"x" * (17 << 20))
+    lines = tail_lines(log, 20)
+    assert len(lines) == 1 and lines[0].startswith("… xxx")
+    assert len(display_lines(lines[0].encode())[0]) < TAIL_LINE_SHOWN + 100
