@@ -1030,9 +1030,11 @@ class ReferenceHTTPServer:
             data = waiting.sock.recv(1 << 16)
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as exc:
+        except OSError as exc:  # a reset: logged unless it ends a kept-alive connection between requests
             if waiting.buffer and not waiting.closing:
                 self._log_drop(waiting, f"reset the connection after {len(waiting.buffer)} bytes of an incomplete request head ({exc.strerror})")
+            elif waiting.fresh and not waiting.closing:
+                self._log_drop(waiting, f"reset the connection before a request head arrived ({exc.strerror})")
             self._forget(waiting)
             return
         if waiting.closing:
