@@ -149,3 +149,34 @@ async def test_first_connect_is_retried_with_backoff_when_asked(tmp_path):
         if recorder:
             recorder.stop()
         await client.close()
+
+
+async def test_a_reply_that_does_not_fit_the_protocol_is_an_agent_error_not_a_crash(tmp_path):
+    """A stop plan whose PIDs are not numbers (the modal formats them) fails the request with bad_reply; the link goes on.
+    The agent is a real separate process that answers stop_plan with a wrong-typed plan."""
+    script = tmp_path / "bad_plan_agent.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "def send(m):\n    sys.stdout.write(json.dumps(m) + '\\n'); sys.stdout.flush()\n"
+        "send({'type': 'hello', 'protocol': 2, 'host': 'h', 'python': '3', 'agent_pid': os.getpid(), 'run_dir': '/r', 'driver': None,"
+        " 'nvml': 'none', 'gpu_source': 'none', 'sglang': None})\n"
+        "for line in sys.stdin:\n"
+        "    r = json.loads(line)\n"
+        "    plan = {'jobs': ['j'], 'will_signal': [{'pid': {'x': 1}, 'role': 'leader'}], 'stale': [], 'foreign_gpu_holders': [], 'checkpoint_first': True}\n"
+        "    send({'type': 'reply', 'id': r['id'], 'ok': True, 'result': plan if r['type'] == 'stop_plan' else {'pong': True}})\n"
+    )
+    wrapper = tmp_path / "bad-python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {script}\n')
+    wrapper.chmod(0o755)
+    client = AgentClient(LocalTransport(tmp_path / "run", python=str(wrapper), reconnect=False), timeout=20)
+    await client.start()
+    recorder = Recorder(client)
+    try:
+        await wait_until(lambda: client.status.connected, what="the fake agent's hello")
+        with pytest.raises(AgentError) as bad:
+            await client.request(Request.STOP_PLAN, name="j")
+        assert bad.value.code == "bad_reply" and "will_signal[0].pid: expected int, got object" in bad.value.message
+        assert (await client.ping())["pong"] is True
+    finally:
+        recorder.stop()
+        await client.close()

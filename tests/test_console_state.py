@@ -217,3 +217,29 @@ def test_banner_after_giving_up_does_not_promise_a_reconnect():
     state.set_connection(ConnectionStatus(state=FAILED, detail="host key for gpu-box changed: refused"))
     text = str(banner_text(state))
     assert "will not retry" in text and "until the connection is back" not in text
+
+
+def test_events_that_do_not_fit_the_contract_are_refused_into_the_hosts_notes_and_change_nothing():
+    """Wrong types, missing fields and unknown enum values: the bad part is left out and named, the rest is applied."""
+    from console.state import GPUS_MAX, STRING_CAP
+
+    state = ConsoleState(clock=lambda: 500.0)
+    state.apply({"type": "jobs", "jobs": [JOB]})
+    assert state.apply({"type": "jobs", "jobs": "all of them"}) == set()  # the whole event is refused: the table stays
+    assert list(state.jobs) == ["train-1"] and "jobs: expected an array" in state.notes[-1][1]
+    state.apply({"type": "jobs", "jobs": [JOB, {**JOB, "name": "b", "state": "undead"}, {**JOB, "name": "c", "pid": "10"}]})
+    assert list(state.jobs) == ["train-1"] and "left out 2 of 3 jobs" in state.notes[-1][1] and "undead" in state.notes[-1][1]
+    hello = {"type": "hello", "protocol": 2, "host": "h", "python": "3", "agent_pid": 1, "run_dir": "/r", "driver": None, "nvml": "ok", "gpu_source": "nvml", "sglang": None}
+    state.apply(hello)
+    assert state.apply({**hello, "host": 5}) == set() and state.hello.host == "h" and "HelloInfo.host" not in state.notes[-1][1]
+    assert "hello.host: expected a string, got int" in state.notes[-1][1]
+    state.apply({"type": "gpus", "gpus": [{"index": 0, "name": 7}, {"index": 1, "memory_used_mib": float("nan")}, {"index": 2, "name": "H200"}]})
+    assert [g.index for g in state.gpus] == [2] and "left out 2 of 3 gpus" in state.notes[-1][1]
+    state.apply({"type": "gpus", "gpus": [{"index": i} for i in range(200_000)]})
+    assert len(state.gpus) == GPUS_MAX and "200000 gpus" in state.notes[-1][1]
+    state.apply({"type": "log", "job": "train-1", "stream": "stdout", "lines": ["\x1b[2J" + "x" * (5 << 20)]})
+    kept = state.log("train-1", "stdout").lines[-1]
+    assert len(kept) < STRING_CAP + 40 and kept.endswith("chars cut]")
+    assert state.apply({"type": "metrics", "job": "train-1", "records": [{"step": 1, "loss": 1.0}], "offset": "10"}) == set()
+    assert "train-1" not in state.metrics or not state.metrics["train-1"].records
+    assert state.notes_added == 6 and len(state.notes) == 6
