@@ -16,6 +16,7 @@ from backend.commands import (
     grok_argv,
     grok_job_name,
 )
+from backend.safetext import say
 
 
 def register(subparsers, parent) -> None:
@@ -76,7 +77,7 @@ def _print_stage(record: dict, as_json: bool) -> None:
     mark = {"running": "..", "ok": "ok", "failed": "!!", "skipped": "--"}.get(record["status"], "  ")
     elapsed = f" ({record['elapsed']:.1f}s)" if record["status"] != "running" else ""
     detail = f": {record['detail']}" if record.get("detail") else ""
-    print(f"[{mark}] {record['stage']:<10} {record['status']}{elapsed}{detail}", flush=True)
+    say(f"[{mark}] {record['stage']:<10} {record['status']}{elapsed}{detail}", flush=True)
 
 
 def handle_stop_and_bench(args) -> int:
@@ -101,12 +102,12 @@ def handle_stop_and_bench(args) -> int:
         print(json.dumps({"type": "summary", **summary}, default=str), flush=True)
     elif summary.get("ok"):
         result = summary["result"]
-        print(
+        say(
             f"verdict {result['verdict']}: accept length {result['accept_length']:.2f} vs tau-hat "
             f"{result['tau_hat'] or float('nan'):.2f}; checkpoint {result['checkpoint']}; saved {summary['saved_to']}"
         )
     else:
-        print(f"stop-and-bench failed at {summary.get('failed_stage')}: {summary.get('reason')}", file=sys.stderr)
+        say(f"stop-and-bench failed at {summary.get('failed_stage')}: {summary.get('reason')}", file=sys.stderr)
     return 0 if summary.get("ok") else 1
 
 
@@ -116,19 +117,19 @@ def handle_grok(args) -> int:
 
     checkpoint = resolve_draft_dir(args.checkpoint.expanduser())
     if not (checkpoint / "config.json").is_file():
-        print(f"grok: {args.checkpoint} is not a checkpoint (no config.json, no checkpoints/latest). Nothing was started.", file=sys.stderr)
+        say(f"grok: {args.checkpoint} is not a checkpoint (no config.json, no checkpoints/latest). Nothing was started.", file=sys.stderr)
         return 2
     name = args.name or grok_job_name(str(checkpoint))
     argv = grok_argv(args.profile, str(checkpoint), args.lr, args.weight_decay, args.grokfast_alpha, args.max_steps)
     try:
         job = JobRegistry(Path(args.run_dir).expanduser()).start_job(name, "train", argv)
     except JobError as exc:
-        print(f"grok: {exc}. Nothing was started.", file=sys.stderr)
+        say(f"grok: {exc}. Nothing was started.", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"job": vars(job), "argv": argv}, default=str))
     else:
-        print(
+        say(
             f"started grokking run {name!r} (pid {job.pid}) from {checkpoint}: constant lr {args.lr:g}, "
             f"weight decay {args.weight_decay:g}" + (f", Grokfast alpha {args.grokfast_alpha:g}" if args.grokfast_alpha else "")
         )
@@ -145,17 +146,17 @@ def handle_data_scaling(args) -> int:
         data_dir = args.data or data_dir_for(profile.paths.data_dir, profile.paths.run_dir, getattr(args, "run_dir", None))
         report = data_scaling(data_dir, profile_shape(profile))
     except (ProfileError, ValueError, OSError, json.JSONDecodeError) as exc:
-        print(f"data-scaling: {exc}", file=sys.stderr)
+        say(f"data-scaling: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report))
         return 0
     gib = 1 << 30
     per_sample = report["bytes_per_sample"] or 0
-    print(f"{report['kind']}: {per_sample / (1 << 20):.2f} MiB per sample at {report['path']}")
-    print(f"free {report['free_bytes'] / gib:.1f} GiB (keeping {report['keep_free_bytes'] / gib:.0f} GiB free): {report['more_samples_fit']} more samples fit")
+    say(f"{report['kind']}: {per_sample / (1 << 20):.2f} MiB per sample at {report['path']}")
+    say(f"free {report['free_bytes'] / gib:.1f} GiB (keeping {report['keep_free_bytes'] / gib:.0f} GiB free): {report['more_samples_fit']} more samples fit")
     if report.get("estimated_seconds_for_fit"):
-        print(f"extracting them takes about {report['estimated_seconds_for_fit'] / 3600:.1f} h at the measured speed")
+        say(f"extracting them takes about {report['estimated_seconds_for_fit'] / 3600:.1f} h at the measured speed")
     return 0
 
 
@@ -166,14 +167,14 @@ def handle_results(args) -> int:
     try:
         record = JobRegistry(Path(args.run_dir).expanduser()).get(args.job)
     except JobNotFound:
-        print(f"results: no job named {args.job!r}", file=sys.stderr)
+        say(f"results: no job named {args.job!r}", file=sys.stderr)
         return 2
     rows = list_results(record.info.job_dir)
     if args.json:
         print(json.dumps(rows, default=str))
         return 0
     for row in rows:
-        print(
+        say(
             f"{Path(row['path']).name}: {row.get('verdict')} accept {row.get('accept_length') or 0:.2f} "
             f"tau-hat {row.get('tau_hat') or 0:.2f} checkpoint {Path(str(row.get('checkpoint'))).name}"
         )

@@ -12,6 +12,7 @@ from typing import Any
 from backend import procs
 from backend.layout import STALL_AFTER_S
 from backend.protocol import to_dict
+from backend.safetext import say, visible
 
 KIND_CHOICES = ("train", "serve", "bench", "chain", "other")
 OK_OUTCOMES = {"exited_on_term", "killed", "already_gone", "stale_not_signalled"}
@@ -102,7 +103,7 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [[str(value) for value in row] for row in rows]
+    cells = [[visible(value) for value in row] for row in rows]  # host text: escapes shown, one line per row
     widths = [max([len(header)] + [len(row[i]) for row in cells]) for i, header in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
@@ -114,7 +115,7 @@ def emit_json(data: Any) -> None:
 
 
 def fail(message: str, code: int = 1) -> int:
-    print(f"eagle3-host: {message}", file=sys.stderr)
+    say(f"eagle3-host: {message}", file=sys.stderr)
     return code
 
 
@@ -162,9 +163,9 @@ def cmd_gpus(args) -> int:
     if args.json:
         emit_json({"gpus": samples, "driver": state})
         return 0
-    print(f"source: {state['source']}  driver: {state['driver'] or '-'}  ({state['message']})")
+    say(f"source: {state['source']}  driver: {state['driver'] or '-'}  ({state['message']})")
     if not samples:
-        print("no GPUs to show")
+        say("no GPUs to show")
         return 0
     rows = [
         [
@@ -178,7 +179,7 @@ def cmd_gpus(args) -> int:
         ]
         for s in samples
     ]
-    print(table(["GPU", "NAME", "MEM MiB", "UTIL", "TEMP", "POWER", "PROCESSES pid:MiB"], rows))
+    say(table(["GPU", "NAME", "MEM MiB", "UTIL", "TEMP", "POWER", "PROCESSES pid:MiB"], rows))
     return 0
 
 
@@ -218,10 +219,10 @@ def cmd_holders(args) -> int:
             ]
             for h in report.holders
         ]
-        print(table(["PID", "OWNER", "USER", "GPUS", "MiB", "SEEN BY", "COMMAND"], rows))
+        say(table(["PID", "OWNER", "USER", "GPUS", "MiB", "SEEN BY", "COMMAND"], rows))
     else:
-        print("nobody holds a GPU")
-    print(f"gpu source: {report.gpu_source}; fuser: {report.fuser.state} ({report.fuser.message}; {report.fuser.stderr_lines} stderr lines ignored)")
+        say("nobody holds a GPU")
+    say(f"gpu source: {report.gpu_source}; fuser: {report.fuser.state} ({report.fuser.message}; {report.fuser.stderr_lines} stderr lines ignored)")
     return 0
 
 
@@ -269,7 +270,7 @@ def cmd_job_start(args) -> int:
     if args.json:
         emit_json(info)
     else:
-        print(f"started job {info.name}: pid {info.pid} (group {info.pgid}); logs {info.stdout_path} and {info.stderr_path}")
+        say(f"started job {info.name}: pid {info.pid} (group {info.pgid}); logs {info.stdout_path} and {info.stderr_path}")
     return 0
 
 
@@ -285,7 +286,7 @@ def cmd_job_list(args) -> int:
         emit_json([record.to_wire(STALL_AFTER_S) for record in records])
         return 0
     if not records:
-        print(f"no jobs in {args.run_dir}")
+        say(f"no jobs in {args.run_dir}")
         return 0
     rows = [
         [
@@ -301,7 +302,7 @@ def cmd_job_list(args) -> int:
         ]
         for r in records
     ]
-    print(table(["NAME", "KIND", "STATE", "PID", "EXIT", "AGE", "NODE", "COMMAND", "DETAIL"], rows))
+    say(table(["NAME", "KIND", "STATE", "PID", "EXIT", "AGE", "NODE", "COMMAND", "DETAIL"], rows))
     return 0
 
 
@@ -339,16 +340,16 @@ def cmd_job_plan(args) -> int:
 
 def print_plan(plan) -> None:
     if plan.will_signal:
-        print("will signal (SIGTERM to the group, SIGKILL after the grace period):")
-        print(table(["PID", "JOB", "ROLE", "COMMAND"], [[w["pid"], w["job"], w["role"], w["cmdline"][:80]] for w in plan.will_signal]))
+        say("will signal (SIGTERM to the group, SIGKILL after the grace period):")
+        say(table(["PID", "JOB", "ROLE", "COMMAND"], [[w["pid"], w["job"], w["role"], w["cmdline"][:80]] for w in plan.will_signal]))
     else:
-        print("nothing to signal")
+        say("nothing to signal")
     for stale in plan.stale:
-        print(f"stale, NOT signalled: job {stale['job']} pid {stale['pid']}: {stale['reason']}")
+        say(f"stale, NOT signalled: job {stale['job']} pid {stale['pid']}: {stale['reason']}")
     for holder in plan.foreign_gpu_holders:
-        print(f"foreign GPU holder, left alone: pid {holder['pid']} user {holder['user']} {_mib(holder['used_memory_mib'])} MiB: {holder['cmdline'][:80]}")
+        say(f"foreign GPU holder, left alone: pid {holder['pid']} user {holder['user']} {_mib(holder['used_memory_mib'])} MiB: {holder['cmdline'][:80]}")
     if plan.checkpoint_first:
-        print("a training job is among them: it writes a checkpoint on SIGTERM, so give it its grace period")
+        say("a training job is among them: it writes a checkpoint on SIGTERM, so give it its grace period")
 
 
 @_job_errors
@@ -366,11 +367,11 @@ def cmd_job_stop(args) -> int:
     if args.json:
         emit_json({"verdicts": verdicts, "unrecorded": registry.unrecorded()})
     elif verdicts:
-        print(table(["PID", "ROLE", "OUTCOME", "DETAIL"], [[v.pid, v.role, v.outcome, v.detail] for v in verdicts]))
+        say(table(["PID", "ROLE", "OUTCOME", "DETAIL"], [[v.pid, v.role, v.outcome, v.detail] for v in verdicts]))
     else:
-        print("no job processes to stop")
+        say("no job processes to stop")
     for note in registry.unrecorded():
-        print(f"eagle3-host: warning: signals were sent but not recorded: {note}", file=sys.stderr)
+        say(f"eagle3-host: warning: signals were sent but not recorded: {note}", file=sys.stderr)
     survivors = [v for v in verdicts if v.outcome not in OK_OUTCOMES]
     if survivors:
         return fail(f"{len(survivors)} owned process(es) still alive after the stop: PID {', '.join(str(v.pid) for v in survivors)} (see OUTCOME/DETAIL above)")
@@ -390,7 +391,7 @@ def cmd_job_adopt(args) -> int:
     if args.json:
         emit_json(info)
     else:
-        print(f"adopted PID {info.pid} as job {info.name} (group {info.pgid})")
+        say(f"adopted PID {info.pid} as job {info.name} (group {info.pgid})")
     return 0
 
 
@@ -406,8 +407,9 @@ def cmd_job_tail(args) -> int:
         lines = tail_lines(path, args.n)
     except FileNotFoundError:
         return fail(f"job {args.name} has no log at {path}")
+    raw = not sys.stdout.isatty()  # a copy of the log into a file or pipe stays exact; a terminal sees escapes, not their effect
     for line in lines:
-        print(line)
+        print(line if raw else visible(line, keep="\t"))
     return 0
 
 

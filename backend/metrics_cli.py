@@ -12,6 +12,7 @@ from typing import Any
 
 from backend.metrics_index import MetricsFeed
 from backend.protocol import INDEX_FILENAME, METRICS_FILENAME
+from backend.safetext import say, visible
 
 KEY_HELP = "train.loss | val.loss | lr | grad_norm | weight_norm | step_time | tokens | train.acc.0 | val.acc.K | val.ploss.K | weight_norm.MODULE"
 
@@ -42,18 +43,18 @@ def metrics_path(args) -> Path:
     try:
         return Path(registry.get(args.job).info.job_dir) / METRICS_FILENAME
     except JobError as exc:
-        raise SystemExit(f"eagle3-host metrics: {exc}") from None
+        raise SystemExit(visible(f"eagle3-host metrics: {exc}")) from None
     finally:
         registry.close()
 
 
 def cmd_series(args) -> int:
     if not 1 <= args.points <= 4096:
-        print(f"eagle3-host metrics: --points must be 1..4096, got {args.points}; nothing was read", file=sys.stderr)
+        say(f"eagle3-host metrics: --points must be 1..4096, got {args.points}; nothing was read", file=sys.stderr)
         return 2
     path = metrics_path(args)
     if not path.is_file():
-        print(f"eagle3-host metrics: no metrics file at {path}", file=sys.stderr)
+        say(f"eagle3-host metrics: no metrics file at {path}", file=sys.stderr)
         return 1
     started = time.perf_counter()
     feed = MetricsFeed(path, path.with_name(INDEX_FILENAME), live_from_end=True)
@@ -84,17 +85,17 @@ def cmd_series(args) -> int:
 
 
 def print_table(document: dict[str, Any]) -> None:
-    print(
+    say(
         f"{document['job']} · {document['key']} · {document['total_records']} records · "
         f"{document['indexed_bytes']}/{document['file_bytes']} bytes indexed · index {document['index']}"
     )
     if "error" in document:
-        print(document["error"])
+        say(document["error"])
         return
-    print(f"{'steps':>21} {'min':>11} {'max':>11} {'first':>11} {'last':>11} {'count':>7} {'nan/inf':>7}")
+    say(f"{'steps':>21} {'min':>11} {'max':>11} {'first':>11} {'last':>11} {'count':>7} {'nan/inf':>7}")
     for b in document["buckets"]:
         cells = [_num(b[k]) for k in ("min", "max", "first", "last")]
-        print(f"{b['step_lo']:>10}-{b['step_hi']:<10} {cells[0]:>11} {cells[1]:>11} {cells[2]:>11} {cells[3]:>11} {b['count']:>7} {b['nonfinite']:>7}")
+        say(f"{b['step_lo']:>10}-{b['step_hi']:<10} {cells[0]:>11} {cells[1]:>11} {cells[2]:>11} {cells[3]:>11} {b['count']:>7} {b['nonfinite']:>7}")
 
 
 def _num(value: float | None) -> str:

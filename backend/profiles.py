@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
+from backend.safetext import unsafe_characters
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 hosts
@@ -145,6 +147,11 @@ class Profile(_Strict):
 
     @model_validator(mode="after")
     def _fields_agree(self) -> "Profile":
+        # name, description and serve.host are shown on terminals and put in command lines: one plain line each
+        for field, value in {"name": self.name, "description": self.description, "serve.host": self.serve.host}.items():
+            found = unsafe_characters(value)
+            if found:
+                raise _field_error(field, value, f"one line of plain text, without control, escape or bidi characters (found {', '.join(found)})")
         draft, target, train = self.draft, self.target, self.train
         if draft.draft_vocab_size > target.vocab_size:
             raise _field_error(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
+from typing import TextIO
 
 # C0 controls (ESC among them), DEL, C1 controls (0x9b is a one-byte CSI), and the characters that reorder or hide text:
 # bidi embeddings/overrides/isolates and marks, and the line/paragraph separators some terminals break lines at.
@@ -42,3 +44,8 @@ def unsafe_characters(text: str) -> list[str]:
         name = _NAMES.get(char) or (f"U+{ord(char):04X}" if ord(char) > 0xFF else "control character")
         found.append(f"{name} ({escape_of(char)})")
     return found
+
+
+def say(text: object = "", *, file: TextIO | None = None, flush: bool = False) -> None:
+    """print() for human-readable CLI output that carries host text: escapes shown, the output's own newlines kept."""
+    print(visible(text, keep="\n"), file=file if file is not None else sys.stdout, flush=flush)

@@ -96,10 +96,10 @@ def _canary_lines(text: Text, verdict: str | None, canary: dict[str, Any], resul
     """The canary's headline in the verdict's colour; for amber also why, and what to do."""
     headline = canary.get("headline") or result.get("verdict_headline")
     if headline:
-        text.append(f"canary: {headline}\n", style=verdict_style(verdict))
+        text.append(f"canary: {visible(headline)}\n", style=verdict_style(verdict))
     if verdict == "amber":
         for reason in canary.get("reasons") or result.get("verdict_reasons") or []:
-            text.append(f"  {reason}\n", style="yellow")
+            text.append(f"  {visible(reason)}\n", style="yellow")
 
 
 def _accept_line(text: Text, data: dict[str, Any]) -> None:
@@ -132,11 +132,11 @@ def _acceptance_lines(text: Text, data: dict[str, Any]) -> None:
                 f"   {_rate(row.get('predicted_reached')):>10}  {_rate(row.get('reached')):>12}  {row.get('steps_at_position', '?'):>5}"
             )
             text.append(line + ("  ← break" if broken else "") + "\n", style="bold red" if broken else "" if row.get("judged") else "dim")
-    line = str(acceptance.get("break_line") or "")
+    line = visible(acceptance.get("break_line") or "")
     if line:
         text.append(f"  {line}\n", style="bold red" if acceptance.get("break") else "green" if line.startswith("no break") else "dim")
     for note in acceptance.get("notes") or []:
-        text.append(f"  note: {note}\n", style="yellow")
+        text.append(f"  note: {visible(note)}\n", style="yellow")
 
 
 def _rate(value: Any) -> str:
@@ -166,7 +166,7 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
         _verdict_badge(text, "red")
         stage = outcome["failed_stage"]
         text.append(f"  FAILED at stage '{stage}' ({STAGE_TITLES.get(stage, stage)})\n", style="bold red")
-        head, causes, after = _causes_from_reason(outcome["reason"] or "")
+        head, causes, after = _causes_from_reason(visible(outcome["reason"] or "", keep="\n"))
         text.append(head + "\n")
         if causes:
             text.append("Likely causes, most likely first:\n", style="bold")
@@ -193,14 +193,14 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
             f" / {accept_length(row.get('accept_length_mean_of_request_means'))} per-request mean\n"
         )
     text.append("checkpoint: ", style="bold")
-    text.append(f"{result.get('checkpoint') or '?'}\n")
+    text.append(f"{visible(result.get('checkpoint') or '?')}\n")
     text.append("engine: ", style="bold")
-    text.append(f"{result.get('engine') or '?'}   server job: {result.get('server_job') or '-'}: {result.get('server') or '?'}\n")
+    text.append(visible(f"{result.get('engine') or '?'}   server job: {result.get('server_job') or '-'}: {result.get('server') or '?'}") + "\n")
     argv = result.get("argv") or []
     text.append("flags: ", style="bold")
-    text.append((" ".join(str(a) for a in argv) if argv else "?") + "\n", style="dim")
+    text.append(visible(" ".join(str(a) for a in argv) if argv else "?") + "\n", style="dim")
     if outcome["saved_to"]:
-        text.append(f"saved with the run: {outcome['saved_to']}", style="dim")
+        text.append(f"saved with the run: {visible(outcome['saved_to'])}", style="dim")
     return text
 
 
