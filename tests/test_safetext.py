@@ -20,6 +20,7 @@ from backend.safetext import say, unsafe_characters, visible
 from console.app import build_app
 from console.screens.chain import result_panel_text
 from console.screens.modals import AdoptModal, StopModal
+from console.widgets.curve_plot import CurvePlot
 from console.widgets.format import inert, inert_text, plain_cell
 from backend.protocol import GpuHolder
 from ssh_fixtures import screen_shown, wait_until
@@ -212,6 +213,8 @@ async def test_grokking_panels_show_hostile_metrics_keys_and_warnings_inert():
     signals.setdefault("weight_norm", {}).setdefault("modules", {})[f"fc{CSI_CLEAR}"] = {"latest": 1.0, "relative_change": 0.1}
     signals["warnings"] = [*(signals.get("warnings") or []), f"warn {OSC52}"]
     state.data_scaling[GROK_JOB] = {"error": f"no shards {OSC0}"}
+    modules = state.metrics[GROK_JOB].weight_norm_modules
+    modules[f"x{CSI_CLEAR}"] = modules.pop("lm_head")  # a metrics key: the weight-norm plot's legend
     app = build_app(state=state, poll_interval=None, refresh_throttle=0)
     async with app.run_test(size=(170, 50)) as pilot:
         app.select_job(GROK_JOB)
@@ -221,6 +224,7 @@ async def test_grokking_panels_show_hostile_metrics_keys_and_warnings_inert():
         assert "fc\\x1b[2J" in text_of(app, "#grok-norms")
         assert SHOWN[OSC52] in text_of(app, "#grok-signals")
         assert SHOWN[OSC0] in text_of(app, "#grok-data")
+        assert "x\\x1b[2J" in " ".join(app.screen.query_one("#grok-weight", CurvePlot).legend)
 
 
 # -- the CLI -------------------------------------------------------------------------------------
@@ -269,7 +273,7 @@ def on_a_terminal(run_dir: Path, *args: str) -> str:
     return out.decode()
 
 
-def test_job_list_holders_and_tail_print_hostile_job_text_inert(tmp_path):
+def test_job_list_and_tail_print_hostile_job_text_inert(tmp_path):
     """A real job whose argv, torchrun failure detail and log carry escapes: `job list` shows them as escapes (a
     pipe too), `--json` stays exact JSON, `job tail` shows escapes on a terminal and copies the log exactly into a pipe."""
     started = host_process(tmp_path, "job", "start", "--name", "evil", "--", PY, "-c", "# torch.distributed.run\n" + FAKE_TORCHRUN, ALL)
