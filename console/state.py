@@ -34,7 +34,8 @@ from backend.protocol import (
 
 STRING_CAP = 4096  # characters kept of one string field (a log line, a cmdline, a name); longer ones are cut and marked
 LIMITS = Limits(string=STRING_CAP, items=128, depth=6)  # one item of a message (a job, a GPU): lists inside it keep 128 entries
-RECORD_LIMITS = Limits(string=256, items=256, depth=4)  # one metrics or stage record as kept
+RECORD_LIMITS = Limits(string=256, items=256, depth=4)  # one metrics record (or bucket, rank) as kept
+STAGE_LIMITS = Limits(string=STRING_CAP, items=256, depth=6)  # one stage record: its result carries the server's flags
 LOG_LINES_KEPT = 2000
 LOG_BUFFERS_MAX = 8  # (job, stream) log tails kept (the operator reads one job's two); the oldest goes first
 GPUS_MAX = 64
@@ -43,7 +44,7 @@ HOLDERS_MAX = 256
 DISKS_MAX = 32
 METRICS_JOBS_MAX = 32  # jobs with metrics (and chains with stages) kept per host
 MODULES_MAX = 16  # weight_norm modules per job (the trainer logs ~5)
-STAGES_KEPT = 2000  # stage records per chain
+STAGES_KEPT = 500  # stage records per chain (a chain writes ~20)
 EVENT_RECORDS_MAX = 20_000  # records in one metrics event or history page (the agent's page size)
 SERIES_KEYS_MAX = 64
 BUCKETS_MAX = 4096  # buckets per series in one metrics_series reply (the agent sends <= 1024)
@@ -617,7 +618,7 @@ def _stage_records(records: Any, what: str) -> list[dict[str, Any]]:
     records = _expect(records or [], list, f"{what}.records")
     if len(records) > EVENT_RECORDS_MAX:
         raise InvalidMessage(f"{what}: {len(records)} records, more than the {EVENT_RECORDS_MAX} one message may carry")
-    return [check_fields(r, STAGE_FIELDS, f"{what}.records[{i}]", RECORD_LIMITS) for i, r in enumerate(records) if isinstance(r, dict)]
+    return [check_fields(r, STAGE_FIELDS, f"{what}.records[{i}]", STAGE_LIMITS) for i, r in enumerate(records) if isinstance(r, dict)]
 
 
 def _offsets(message: dict[str, Any], what: str) -> tuple[int | None, int | None]:

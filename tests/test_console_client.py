@@ -166,7 +166,7 @@ async def test_a_reply_that_does_not_fit_the_protocol_is_an_agent_error_not_a_cr
         "    send({'type': 'reply', 'id': r['id'], 'ok': True, 'result': plan if r['type'] == 'stop_plan' else {'pong': True}})\n"
     )
     wrapper = tmp_path / "bad-python"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {script}\n')
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {script}\n")
     wrapper.chmod(0o755)
     client = AgentClient(LocalTransport(tmp_path / "run", python=str(wrapper), reconnect=False), timeout=20)
     await client.start()

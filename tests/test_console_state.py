@@ -229,7 +229,18 @@ def test_events_that_do_not_fit_the_contract_are_refused_into_the_hosts_notes_an
     assert list(state.jobs) == ["train-1"] and "jobs: expected an array" in state.notes[-1][1]
     state.apply({"type": "jobs", "jobs": [JOB, {**JOB, "name": "b", "state": "undead"}, {**JOB, "name": "c", "pid": "10"}]})
     assert list(state.jobs) == ["train-1"] and "left out 2 of 3 jobs" in state.notes[-1][1] and "undead" in state.notes[-1][1]
-    hello = {"type": "hello", "protocol": 2, "host": "h", "python": "3", "agent_pid": 1, "run_dir": "/r", "driver": None, "nvml": "ok", "gpu_source": "nvml", "sglang": None}
+    hello = {
+        "type": "hello",
+        "protocol": 2,
+        "host": "h",
+        "python": "3",
+        "agent_pid": 1,
+        "run_dir": "/r",
+        "driver": None,
+        "nvml": "ok",
+        "gpu_source": "nvml",
+        "sglang": None,
+    }
     state.apply(hello)
     assert state.apply({**hello, "host": 5}) == set() and state.hello.host == "h" and "HelloInfo.host" not in state.notes[-1][1]
     assert "hello.host: expected a string, got int" in state.notes[-1][1]
