@@ -992,6 +992,8 @@ class ReferenceHTTPServer:
                     time.sleep(0.05)
                 return
             sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):  # headers and body are separate writes: no Nagle stall
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._admit(Waiting(sock, address, deadline=time.monotonic() + self.limits.header_timeout))
 
     def _admit(self, waiting: Waiting) -> None:
