@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, OptionList
 
+from backend.jobs import safe_module_argv
 from backend.commands import profile_shape as host_profile_shape
 from backend.profiles import load_profile
 from backend.protocol import Request
@@ -599,7 +600,7 @@ async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
         name = "grok-epoch-0-step-200"
         job = await wait_until(lambda: app.state.jobs.get(name), what="the grok run listed")
         expected = grok_argv("no-such-profile", str(checkpoints / "epoch_0_step_200"), 2e-4, 0.5, 0.9)
-        assert job.kind == "train" and job.argv[1:] == ["-m", "backend", *expected[1:]]
+        assert job.kind == "train" and job.argv[1:] == safe_module_argv("backend", expected[1:])[1:]
         await wait_until(lambda: app.selected_job == name, what="the grok run selected")
         assert any(text.startswith(f"started {name} (pid ") for _, text in app.state.actions)  # its exit alert may follow already
         await wait_until(lambda: app.state.jobs[name].state == "exited", timeout=60, what="the failing run to exit")

@@ -11,6 +11,7 @@ import pytest
 from textual.command import CommandList, CommandPalette
 from textual.widgets import DataTable, Input
 
+from backend.jobs import safe_module_argv
 from backend.protocol import Request
 from console.app import ACTIONS, MULTI_HOST_ACTIONS, build_app
 from console.session import LOG_TAIL_LINES
@@ -221,7 +222,7 @@ async def test_new_run_key_starts_eagle3_host_train_with_the_profile(tmp_path):
         await wait_until(lambda: any(text.startswith("started train-no-such-profile-") for _, text in app.state.actions), what="the start")
         name = app.selected_job
         job = await wait_until(lambda: app.state.jobs.get(name), what="the new job listed")
-        assert job.kind == "train" and job.argv[1:] == ["-m", "backend", "train", "--profile", "no-such-profile"]
+        assert job.kind == "train" and job.argv[1:] == safe_module_argv("backend", ["train", "--profile", "no-such-profile"])[1:]
         await wait_until(lambda: app.state.jobs[name].state == "exited", timeout=60, what="the failing run to exit")
         await stop_everything(app)
 
