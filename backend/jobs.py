@@ -654,6 +654,7 @@ class JobRegistry:
             return records
         finished.sort(key=lambda record: (record.info.ended_at or record.info.started_at, record.id))
         prunable = [record for record in finished[: len(finished) - FINISHED_KEPT] if not self._watcher_alive(record)]
+
         def archive(db: sqlite3.Connection) -> None:
             for record in prunable:
                 self._archive_record(db, record)
