@@ -543,7 +543,7 @@ class Agent:
         handler = self._handlers.get(message["type"])
         if handler is None:
             known = ", ".join(sorted(self._handlers))
-            self.out.send(reply_error(request_id, ErrorCode.UNKNOWN_REQUEST, f"unknown request type {message['type']!r}; known: {known}"))
+            self.out.send(reply_error(request_id, ErrorCode.UNKNOWN_REQUEST, f"unknown request type {_shown(message['type'])}; known: {known}"))
             return
         if message["type"] in self._inline:
             self._answer(handler, message)
@@ -896,6 +896,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a running job's rank whose heartbeat is older than S seconds is stalled (default {STALL_AFTER_S:g})",
     )
     return parser
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """A value from a request, quoted in an error reply: cut to `limit` characters (a 3 MB type was echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 def main(argv: list[str] | None = None) -> int:

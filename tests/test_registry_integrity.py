@@ -245,3 +245,21 @@ def test_a_log_whose_last_line_is_longer_than_the_tail_window_tails_as_that_line
     lines = tail_lines(log, 20)
     assert len(lines) == 1 and lines[0].startswith("… xxx")
     assert len(display_lines(lines[0].encode())[0]) < TAIL_LINE_SHOWN + 100
+
+
+def test_an_unknown_request_type_is_quoted_cut_in_the_error(tmp_path):
+    agent = subprocess.Popen(
+        [PY, "-m", "backend.agent", "--run-dir", str(tmp_path / "run"), "--interval", "5"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert agent.stdin is not None and agent.stdout is not None
+        agent.stdin.write(json.dumps({"type": "x" * 3_000_000, "id": 7}) + "\n")
+        agent.stdin.flush()
+        while True:
+            message = json.loads(agent.stdout.readline())
+            if message.get("type") == "reply" and message.get("id") == 7:
+                break
+        assert not message["ok"] and len(message["error"]["message"]) < 2000 and "3000002 characters" in message["error"]["message"]
+    finally:
+        agent.kill()
+        agent.wait()
