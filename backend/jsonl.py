@@ -67,7 +67,7 @@ def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
     line = (json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n").encode()
     name = os.fspath(path)
     try:
-        fd = os.open(name, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(name, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)  # metrics may name data and paths: private
     except OSError as exc:
         raise _append_error(name, exc.errno, len(line), 0, f"cannot open ({exc.strerror})") from exc
     try:

@@ -263,3 +263,14 @@ def test_an_unknown_request_type_is_quoted_cut_in_the_error(tmp_path):
     finally:
         agent.kill()
         agent.wait()
+
+
+def test_metrics_lines_and_checkpoint_files_are_private(tmp_path):
+    from backend.jsonl import append_record
+    from backend.train.fsutil import staging_dir, write_new_file
+
+    append_record(tmp_path / "metrics.jsonl", {"step": 1})
+    staged = staging_dir(tmp_path, ".ckpt-")
+    write_new_file(staged / "model.safetensors", b"weights")
+    assert (tmp_path / "metrics.jsonl").stat().st_mode & 0o777 == 0o600
+    assert staged.stat().st_mode & 0o777 == 0o700 and (staged / "model.safetensors").stat().st_mode & 0o777 == 0o600

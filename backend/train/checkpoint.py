@@ -289,7 +289,7 @@ def save_checkpoint(
     from safetensors.torch import save_file
 
     checkpoints_dir = Path(run_out_dir) / CHECKPOINTS_DIR
-    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     clean_stale_temps(checkpoints_dir)
     name = checkpoint_name(epoch, step)
     tensors = draft_tensors(draft)

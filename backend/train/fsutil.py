@@ -28,11 +28,12 @@ def fsync_path(path: Path) -> None:
 # Create-only, and never through a link: a name that exists (a symbolic link included) fails with FileExistsError.
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _COPY_BLOCK = 1 << 20
+PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700  # checkpoints and exports: readable by this user alone, as the job's logs are
 
 
 def write_new_file(path: Path, data: bytes) -> None:
     """Create `path` (it must not exist, not even as a link), write `data`, fsync."""
-    fd = os.open(path, _NEW_FILE_FLAGS, 0o644)
+    fd = os.open(path, _NEW_FILE_FLAGS, PRIVATE_FILE)
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
         handle.flush()
@@ -41,7 +42,7 @@ def write_new_file(path: Path, data: bytes) -> None:
 
 def copy_new_file(source: Path, target: Path) -> None:
     """Copy `source`'s bytes into a new `target` (create-only, never through a link), fsync."""
-    fd = os.open(target, _NEW_FILE_FLAGS, 0o644)
+    fd = os.open(target, _NEW_FILE_FLAGS, PRIVATE_FILE)
     with open(source, "rb") as reader, os.fdopen(fd, "wb") as writer:
         shutil.copyfileobj(reader, writer, _COPY_BLOCK)
         writer.flush()
@@ -49,9 +50,9 @@ def copy_new_file(source: Path, target: Path) -> None:
 
 
 def staging_dir(parent: Path, prefix: str) -> Path:
-    """A new, uniquely named directory in `parent` (mkdtemp: no existing name or link is ever reused), mode 0755."""
+    """A new, uniquely named directory in `parent` (mkdtemp: no existing name or link is ever reused), mode 0700."""
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    os.chmod(path, 0o755)
+    os.chmod(path, PRIVATE_DIR)
     return path
 
 
