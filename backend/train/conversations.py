@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+from backend.train.fsutil import file_sha256
+
 
 class DataError(ValueError):
     """Training data that is missing, malformed, or does not fit the profile."""
@@ -385,14 +387,6 @@ PREPARE_META = "prepare.json"  # written last: a dir holding it is a complete pr
 PREPARE_FORMAT = "eagle3-console-prepared-chat/1"
 SPLIT_FILES = {"train": "train.jsonl", "val": "val.jsonl", "eval": "eval.jsonl"}
 DUPLICATE = "duplicate"
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def content_digest(messages: list[dict[str, str]]) -> bytes:

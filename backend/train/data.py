@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 from backend.train.chat_templates import ChatTemplate, template_text, tokenizer_name
 from backend.train.conversations import PREPARE_META, DataError, read_conversation_file
 from backend.train.extract import SHARD_FORMAT, SHARD_META
+from backend.train.fsutil import file_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -288,14 +289,6 @@ def tokenizer_identity(tokenizer, template_text: str) -> dict:
         sort_keys=True,
     )
     return {"name": tokenizer_name(tokenizer), "vocab": len(tokenizer), "specials": hashlib.sha256(specials.encode()).hexdigest()[:16]}
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def chat_cache_path(key: dict, cache_dir: Path | None = None) -> Path:

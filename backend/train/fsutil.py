@@ -4,6 +4,7 @@ symbolic link, free space, an atomic directory swap, pid liveness."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import errno
 import os
 import shutil
@@ -29,6 +30,15 @@ def fsync_path(path: Path) -> None:
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _COPY_BLOCK = 1 << 20
 PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700  # checkpoints and exports: readable by this user alone, as the job's logs are
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(_COPY_BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_new_file(path: Path, data: bytes) -> None:

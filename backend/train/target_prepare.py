@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from backend.train.fsutil import file_sha256
 from backend.train.tiny import _fsync_tree, cache_lock, cache_root, remove_stale_staging
 
 WHEEL_SCHEME = "wheel:"
@@ -100,14 +101,6 @@ def is_prepared(directory: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- finding the GGUF
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _check_gguf(path: Path, target: WheelTarget, where: str) -> Path:
