@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import asyncssh
 
 from backend.serve.http import free_port
+from console.transport import SSHTransport
 
 SSHD = "/usr/sbin/sshd"
 
@@ -385,3 +387,19 @@ async def stop_everything(app, grace: float = 2, timeout: float = 60):
     for job in (await app.client.request(Request.LIST_JOBS))["jobs"]:
         if job["state"] == "running":
             await app.client.request(Request.STOP_JOB, name=job["name"], grace=grace, timeout=timeout)
+
+
+def transport_for(env, tmp_path: Path, **overrides) -> SSHTransport:
+    """An SSHTransport to a test server's env (its key pinned by the caller), fast backoff; overrides win."""
+    options: dict = dict(
+        port=env.port,
+        user=env.user,
+        identity=str(env.client_key),
+        known_hosts=str(env.known_hosts),
+        python=sys.executable,
+        run_dir=str(tmp_path / "host-run"),
+        backoff_initial=0.1,
+        backoff_max=0.5,
+    )
+    options.update(overrides)
+    return SSHTransport("127.0.0.1", **options)

@@ -21,6 +21,7 @@ from console.client import AgentClient
 from console.state import CONNECTED, RECONNECTING
 from console.transport import REPO_ROOT, FatalTransportError, SSHTransport, content_hash, backend_files
 from ssh_fixtures import (
+    transport_for,
     InProcessSSHServer,
     RealSSHD,
     job_argv,
@@ -60,21 +61,6 @@ def started_pgids():
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def transport_for(env, tmp_path, **overrides) -> SSHTransport:
-    options = dict(
-        port=env.port,
-        user=env.user,
-        identity=str(env.client_key),
-        known_hosts=str(env.known_hosts),
-        python=sys.executable,
-        run_dir=str(tmp_path / "host-run"),
-        backoff_initial=0.1,
-        backoff_max=0.5,
-    )
-    options.update(overrides)
-    return SSHTransport("127.0.0.1", **options)
 
 
 def copy_backend(root: Path) -> Path:

@@ -13,8 +13,8 @@ import pytest
 
 import console.transport as transport_module
 from console.client import AgentClient, AgentError, ClientNote
-from console.transport import LINE_CAP, LineReader, LineTooLong, LocalTransport, SSHTransport
-from ssh_fixtures import InProcessSSHServer, wait_until
+from console.transport import LINE_CAP, LineReader, LineTooLong, LocalTransport
+from ssh_fixtures import InProcessSSHServer, transport_for, wait_until
 
 BLOB_AGENT = r"""
 import json, os, sys
@@ -108,16 +108,7 @@ async def test_the_ssh_transport_returns_replies_over_2_mib_whole(tmp_path, monk
     try:
         env = server.env()
         env.pin_host_key()
-        transport = SSHTransport(
-            "127.0.0.1",
-            port=env.port,
-            user=env.user,
-            identity=str(env.client_key),
-            known_hosts=str(env.known_hosts),
-            python=agent_command(tmp_path),
-            run_dir=str(tmp_path / "host-run"),
-            reconnect=False,
-        )
+        transport = transport_for(env, tmp_path, python=agent_command(tmp_path), reconnect=False)
         monkeypatch.setattr(transport_module, "LINE_CAP", 6 << 20)  # a lower cap keeps the dropped line's transfer short
         await check_lines(transport, [int(2.17 * (1 << 20)), 5 << 20], over_cap=9 << 20)
     finally:
