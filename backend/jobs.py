@@ -36,6 +36,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISDIR, S_ISREG
 from typing import Any, Callable, Iterable, Iterator, TypeGuard
 from urllib.parse import quote
 
@@ -375,11 +376,11 @@ def _check_ancestors(path: Path) -> None:
 def make_private_dir(path: Path, what: str = "directory") -> None:
     """Create path 0700 (parents too), or check that an existing one is ours and not a link, and tighten it to 0700."""
     path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
-    stat = os.lstat(path)
-    if not os.path.isdir(path) or (stat.st_mode & 0o170000) == 0o120000:
+    found = os.lstat(path)
+    if not S_ISDIR(found.st_mode):
         raise UnsafeRunDir(f"{what} {path} is a symbolic link or not a directory. Nothing was done; remove it or pick another run dir")
-    _refuse_unless_ours(path, stat, what)
-    if stat.st_mode & 0o077:
+    _refuse_unless_ours(path, found, what)
+    if found.st_mode & 0o077:
         try:
             os.chmod(path, PRIVATE_DIR)
         except OSError:
@@ -402,11 +403,11 @@ def prepare_db_file(path: Path) -> None:
         pass
     except OSError:
         return  # a full or read-only disk: the read-only connection decides what can still be done
-    stat = os.lstat(path)
-    if (stat.st_mode & 0o170000) != 0o100000:
+    found = os.lstat(path)
+    if not S_ISREG(found.st_mode):
         raise UnsafeRunDir(f"{path} is not a regular file (a symbolic link?). Nothing was done; remove it or pick another run dir")
-    _refuse_unless_ours(path, stat, "the job registry")
-    if stat.st_mode & 0o077:
+    _refuse_unless_ours(path, found, "the job registry")
+    if found.st_mode & 0o077:
         try:
             os.chmod(path, PRIVATE_FILE)  # by path: the run dir is ours and private, so nobody can swap the file meanwhile
         except OSError:
@@ -1043,7 +1044,7 @@ class JobRegistry:
         return StopPlan(
             jobs=[plan.record.name for plan in plans],
             will_signal=[
-                {"pid": t.pid, "job": t.job, "cmdline": t.cmdline, "role": t.role, **({"state": states[t.pid]} if states[t.pid] else {})}
+                {"pid": t.pid, "job": t.job, "cmdline": t.cmdline, "role": t.role, **({"state": PROCESS_STATE_NOTES[states[t.pid]]} if states[t.pid] else {})}
                 for plan in plans
                 for t in plan.targets
             ],
@@ -1227,9 +1228,8 @@ class JobRegistry:
         pending until continued, so a SIGSTOPped trainer would never run its checkpoint and be SIGKILLed after the grace.
         After the SIGTERM, not before, so a continued process handles the TERM first instead of running on."""
         for target in targets:
-            stat = procs.read_stat(target.pid)
-            if stat is not None and stat.start_time == target.start and stat.state == "T":
-                procs.send_signal(target.pid, target.start, signal.SIGCONT)
+            if _process_state(target) == "T":
+                procs.send_signal(target.pid, target.start, signal.SIGCONT)  # identity checked again there
 
     @staticmethod
     def _signal_all(plan: JobPlan, targets: list[Target], signum: int) -> set[int]:
@@ -1339,17 +1339,17 @@ PROCESS_STATE_NOTES = {
 
 
 def _process_state(target: Target) -> str:
-    """A note for a target that will not simply handle its SIGTERM at once ("" for a running or sleeping one)."""
+    """The /proc state letter of a target that will not simply handle its SIGTERM at once (a PROCESS_STATE_NOTES key), else ""."""
     stat = procs.read_stat(target.pid)
-    if stat is None or stat.start_time != target.start:
+    if stat is None or stat.start_time != target.start or stat.state not in PROCESS_STATE_NOTES:
         return ""
-    return PROCESS_STATE_NOTES.get(stat.state, "")
+    return stat.state
 
 
 def _can_checkpoint(plan: JobPlan, states: dict[int, str]) -> bool:
     """A training job checkpoints on SIGTERM unless its leader is held by a debugger (a SIGSTOPped one is continued)."""
     leaders = [t for t in plan.targets if t.role == "leader"] or plan.targets
-    return bool(leaders) and not any(states.get(t.pid, "").startswith("stopped by a debugger") for t in leaders)
+    return bool(leaders) and not any(states.get(t.pid) == "t" for t in leaders)
 
 
 def _signallable(stat: procs.ProcStat | None) -> TypeGuard[procs.ProcStat]:
