@@ -14,6 +14,7 @@ import pytest
 from backend import procs
 from backend.jobs import JobBadParams, JobConflict, JobError, JobNotFound, JobRefused, JobRegistry
 from backend.protocol import GpuProcess, GpuSample
+from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -28,16 +29,6 @@ def cli(run_dir: Path, *args: str, timeout: float = 90) -> subprocess.CompletedP
         else [PY, "-m", "backend", args[0], "--run-dir", str(run_dir), *args[1:]]
     )
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def read_pid(path: Path) -> int:

@@ -14,6 +14,7 @@ import pytest
 
 from backend import durable
 from backend.jobs import JobRegistry, UnsafeRunDir
+from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -118,10 +119,7 @@ def test_a_backend_planted_in_the_cwd_is_never_imported(registry, tmp_path):
     plain = registry.start_job("plain", "other", [PY, "-c", "print('ok')"], cwd=str(planted))
     own = registry.start_job("own", "other", ["eagle3-host", "gpus", "--json"], cwd=str(planted))
     for name in ("plain", "own"):
-        deadline = 60
-        while registry.get(name).info.state != "exited" and deadline:
-            threading.Event().wait(0.1)
-            deadline -= 0.1
+        wait_for(lambda: registry.get(name).info.state == "exited", timeout=60, what=f"job {name} to exit")
     assert not marker.exists(), marker.read_text()
     assert Path(plain.stdout_path).read_text().strip() == "ok"
     assert registry.get("own").info.exit_code == 0, Path(own.stderr_path).read_text()
@@ -191,10 +189,7 @@ def test_a_sigstopped_job_is_continued_so_its_sigterm_handler_checkpoints(regist
         "while True:\n    time.sleep(0.05)\n"
     )
     info = registry.start_job("stopped-trainer", "train", [PY, "-c", trainer])
-    deadline = 200
-    while "ready" not in Path(info.stdout_path).read_text() and deadline:
-        threading.Event().wait(0.05)
-        deadline -= 1
+    wait_for(lambda: "ready" in Path(info.stdout_path).read_text(), what="the trainer's ready line")
     os.kill(info.pid, signal.SIGSTOP)
     plan = registry.stop_plan(["stopped-trainer"])
     assert plan.checkpoint_first

@@ -15,6 +15,7 @@ import pytest
 
 from backend import procs
 from backend.jobs import JOB_TOKEN_ENV, JobBadParams, JobRefused, JobRegistry
+from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -25,14 +26,6 @@ IGNORE_TERM = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
 def cli(run_dir: Path, *args: str, timeout: float = 90, **popen) -> subprocess.CompletedProcess:
     command = [PY, "-m", "backend", "job", args[0], "--run-dir", str(run_dir), *args[1:]]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **popen)
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
 
 
 def token_holders(token: str) -> list[int]:
