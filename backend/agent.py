@@ -38,6 +38,7 @@ from backend.protocol import (
     HelloInfo,
     MalformedMessage,
     Request,
+    cut_text,
     decode,
     encode,
     reply_error,
@@ -52,6 +53,7 @@ DIR_SIZE_EVERY_S = 60.0
 HISTORY_LIMIT = 20_000
 BACKLOG_BYTES = 4 << 20
 LIVE_POLL_S = 0.05  # metrics and stages files are checked this often (a stat each when nothing changed)
+QUOTED_CHARS = 80  # a request's value quoted in an error reply (a 3 MB type was echoed whole)
 FINISHED_POLL_S = 1.0  # a finished job's files: a last line written as it exited still arrives within a second
 PROGRESS_EVERY_S = 0.5
 SIDECAR_SAVE_EVERY_S = 60.0
@@ -543,7 +545,9 @@ class Agent:
         handler = self._handlers.get(message["type"])
         if handler is None:
             known = ", ".join(sorted(self._handlers))
-            self.out.send(reply_error(request_id, ErrorCode.UNKNOWN_REQUEST, f"unknown request type {_shown(message['type'])}; known: {known}"))
+            self.out.send(
+                reply_error(request_id, ErrorCode.UNKNOWN_REQUEST, f"unknown request type {cut_text(repr(message['type']), QUOTED_CHARS)}; known: {known}")
+            )
             return
         if message["type"] in self._inline:
             self._answer(handler, message)
@@ -896,12 +900,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a running job's rank whose heartbeat is older than S seconds is stalled (default {STALL_AFTER_S:g})",
     )
     return parser
-
-
-def _shown(value: object, limit: int = 80) -> str:
-    """A value from a request, quoted in an error reply: cut to `limit` characters (a 3 MB type was echoed whole)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 def main(argv: list[str] | None = None) -> int:
