@@ -269,3 +269,19 @@ def test_metrics_lines_and_checkpoint_files_are_private(tmp_path):
     write_new_file(staged / "model.safetensors", b"weights")
     assert (tmp_path / "metrics.jsonl").stat().st_mode & 0o777 == 0o600
     assert staged.stat().st_mode & 0o777 == 0o700 and (staged / "model.safetensors").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.slow
+def test_registry_stress_ci_sized():
+    """benchmarks/registry_stress.py at CI size: agents, CLIs and registries with SIGKILLs lose and hide nothing."""
+    done = subprocess.run(
+        [PY, "benchmarks/registry_stress.py", "--workers", "4", "--seconds", "20", "--kill-every", "3", "--seed", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    counts = dict(line.strip().split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
+    assert int(counts["records_committed"]) > 0 and int(counts["kills"]) > 0
+    assert (counts["unseen_by_a_reader"], counts["lost_at_end"], counts["integrity"]) == ("0", "0", "ok")
