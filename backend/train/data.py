@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from backend import durable
 from backend.train.chat_templates import ChatTemplate, template_text, tokenizer_name
 from backend.train.conversations import PREPARE_META, DataError, read_conversation_file
 from backend.train.extract import SHARD_FORMAT, SHARD_META
@@ -168,18 +169,22 @@ def tiny_samples(
         return splits
 
 
+def save_tensors_atomic(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """A safetensors cache file written whole or not at all (durable.write_atomic: temp name, fsync, rename)."""
+    from safetensors.torch import save
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    durable.write_atomic(path, save(tensors, metadata=metadata))
+
+
 def _write_tiny_cache(path: Path, splits: dict[str, list[Sample]]) -> None:
     import torch
-    from safetensors.torch import save_file
 
     tensors = {}
     for name, samples in splits.items():
         tensors[f"{name}.input_ids"] = torch.stack([s.input_ids for s in samples]).contiguous()
         tensors[f"{name}.loss_mask"] = torch.stack([s.loss_mask for s in samples]).contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(temp))
-    os.replace(temp, path)
+    save_tensors_atomic(path, tensors)
 
 
 def _read_tiny_cache(path: Path) -> dict[str, list[Sample]]:
@@ -302,7 +307,6 @@ def chat_cache_path(key: dict, cache_dir: Path | None = None) -> Path:
 def _write_samples_cache(path: Path, splits: dict[str, list[Sample]], key: dict) -> None:
     """One flat ids, mask and offsets tensor per split: loading is three reads and a slice per sample."""
     import torch
-    from safetensors.torch import save_file
 
     tensors = {}
     for name, samples in splits.items():
@@ -310,12 +314,7 @@ def _write_samples_cache(path: Path, splits: dict[str, list[Sample]], key: dict)
         tensors[f"{name}.offsets"] = torch.cumsum(lengths, 0)
         tensors[f"{name}.input_ids"] = torch.cat([s.input_ids for s in samples]) if samples else torch.zeros(0, dtype=torch.int64)
         tensors[f"{name}.loss_mask"] = torch.cat([s.loss_mask for s in samples]) if samples else torch.zeros(0, dtype=torch.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(temp), metadata={"key": json.dumps(key, sort_keys=True)})
-    with open(temp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
+    save_tensors_atomic(path, tensors, metadata={"key": json.dumps(key, sort_keys=True)})
 
 
 def _read_samples_cache(path: Path) -> dict[str, list[Sample]]:
