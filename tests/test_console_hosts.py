@@ -327,6 +327,31 @@ async def test_ranks_that_disagree_mark_the_slowest_and_a_one_node_job_shows_no_
         assert not app.screen.query_one("#nodes").display
 
 
+async def test_a_highlight_posted_before_the_redraw_of_a_new_selection_does_not_undo_it():
+    """The race CI caught: the jobs table's cursor sits on gpu-b's "solo"; the selection moves to gpu-a's "solo" and,
+    before the table is redrawn for it, a RowHighlighted for the old row arrives. It must not move the selection back
+    (a stop would then list and signal the other host's PID). A long refresh throttle holds the redraw back."""
+    app = build_app(state=multinode_states(stalled=False), poll_interval=None, refresh_throttle=30)
+    async with app.run_test(size=(170, 45)) as pilot:
+        app.select_job("solo", "gpu-b")
+        await pilot.pause()
+        app.redraw_now()
+        await pilot.pause()
+        table = app.screen.query_one("#jobs", DataTable)
+        old_row = table.coordinate_to_cell_key(table.cursor_coordinate).row_key
+        assert old_row.value.startswith("gpu-b")
+        app.select_job("solo", "gpu-a")
+        table.post_message(DataTable.RowHighlighted(table, table.cursor_row, old_row))
+        await pilot.pause()
+        await pilot.pause()
+        assert app.active.name == "gpu-a" and app.selected_job == "solo"
+        app.redraw_now()
+        await pilot.pause()
+        await pilot.press("down")  # a real move after the redraw still selects
+        await pilot.pause()
+        assert table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value.startswith(app.active.name)
+
+
 def test_a_multinode_stop_plan_names_every_nodes_host():
     states = multinode_states(stalled=False)
     app = build_app(state=states, poll_interval=None, refresh_throttle=0)

@@ -17,6 +17,7 @@ from console.widgets.panels import ActionLog, DiskPanel, LatestMetrics
 
 class DashboardScreen(ConsoleScreen):
     MODE = "dashboard"
+    _drawn_selection: str | None = None  # the selection the jobs table was last drawn for
 
     BINDINGS = [Binding("h", "toggle_workers", "Workers")]
 
@@ -73,13 +74,17 @@ class DashboardScreen(ConsoleScreen):
         if len(nodes) > 1:
             panel.update(nodes_text(nodes))
 
+    def _selection_key(self) -> str | None:
+        return row_key(self.console.active.name, self.console.selected_job) if self.console.selected_job else None
+
     def _draw_jobs(self) -> None:
         table = self.query_one("#jobs", DataTable)
         table.clear()
         multi = self.console.multi_host
         for row in job_table_rows(self.console):
             table.add_row(*(row.cells if multi else row.cells[1:]), key=row.key)
-        selected = row_key(self.console.active.name, self.console.selected_job) if self.console.selected_job else None
+        selected = self._selection_key()
+        self._drawn_selection = selected
         if selected is not None and selected in table.rows:
             table.move_cursor(row=table.get_row_index(selected), animate=False)
 
@@ -89,5 +94,7 @@ class DashboardScreen(ConsoleScreen):
         table = event.data_table
         if event.cursor_row != table.cursor_row or event.row_key not in table.rows or table.get_row_index(event.row_key) != table.cursor_row:
             return  # stale: posted by a rebuild before the cursor was put back on the selected job (row or key moved since)
+        if self._selection_key() != self._drawn_selection:
+            return  # stale: the selection changed (a key, a click elsewhere) and this table has not been redrawn for it yet
         host, _, name = event.row_key.value.partition(ROW_KEY_SEP)
         self.console.select_job(name, host)

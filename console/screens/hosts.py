@@ -17,6 +17,7 @@ from console.widgets.panels import ConsoleFooter
 
 class HostsScreen(ConsoleScreen):
     MODE = "hosts"
+    _drawn_active: str | None = None  # the active host the hosts table was last drawn for
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -39,6 +40,7 @@ class HostsScreen(ConsoleScreen):
             for session in self.console.sessions:
                 table.add_row(*host_cells(session), key=session.name)
             table.move_cursor(row=table.get_row_index(self.console.active.name), animate=False)
+            self._drawn_active = self.console.active.name
             nodes = self.console.nodes_of(self.console.selected_job)
             job = self.console.selected_job
             text = nodes_text(nodes) if len(nodes) > 1 else Text(visible(f"{job or 'no job'} on {self.console.active.name}: a one-node job"))
@@ -49,4 +51,6 @@ class HostsScreen(ConsoleScreen):
             return
         if event.cursor_row != event.data_table.cursor_row:
             return
+        if self._drawn_active != self.console.active.name:
+            return  # stale: the active host changed elsewhere and this table has not been redrawn for it yet
         self.console.select_host(str(event.row_key.value))
