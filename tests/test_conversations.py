@@ -301,6 +301,11 @@ def test_prepare_outputs_are_atomic_and_a_refusal_leaves_everything_in_place(tmp
     prepare([data], out, val_fraction=0.2, eval_count=3)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert sorted(before) == ["eval.jsonl", "prepare.json", "train.jsonl", "val.jsonl"]  # no temp file left behind
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == dict.fromkeys(before, 0o600)  # private, like the run's other files
+    assert out.stat().st_mode & 0o777 == 0o700
+    prepare([data], out, val_fraction=0.2, eval_count=3)  # a second prepare over the first replaces each file, still 0600
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o600}
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     empty = write_jsonl(tmp_path / "empty.jsonl", [sharegpt(("human", "q"))])
     with pytest.raises(DataError, match="holds no usable conversations.*Nothing was written"):
         prepare([empty], out)

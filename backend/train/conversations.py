@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from backend.train.fsutil import file_sha256
+from backend.train.fsutil import PRIVATE_DIR, PRIVATE_FILE, file_sha256
 
 
 class DataError(ValueError):
@@ -411,7 +411,9 @@ class _LinesOut:
     def __init__(self, path: Path):
         self.path = path
         self.temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        self.handle = open(self.temp, "wb")
+        self.temp.unlink(missing_ok=True)  # a killed run's leftover (or a planted link: unlink removes the link itself)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        self.handle = os.fdopen(os.open(self.temp, flags, PRIVATE_FILE), "wb")  # 0600, like the run's other files
         self.digest = hashlib.sha256()
         self.count = self.bytes = 0
 
@@ -488,7 +490,7 @@ def prepare(
             raise DataError(f"--input {path} does not exist. Nothing was written.")
     out = Path(out).expanduser()
     _check_out_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)  # a new dir is this user's alone; an existing one keeps its mode
     started = time.monotonic()
     outputs = {name: _LinesOut(out / file) for name, file in SPLIT_FILES.items()}
     seen: set[bytes] = set()
@@ -554,7 +556,7 @@ def prepare(
         "seconds": round(time.monotonic() - started, 3),
         "created": time.time(),
     }
-    write_atomic(out / PREPARE_META, json.dumps(meta, indent=1) + "\n")
+    write_atomic(out / PREPARE_META, json.dumps(meta, indent=1) + "\n", mode=PRIVATE_FILE)
     return meta
 
 
