@@ -46,6 +46,30 @@ DISK_LOW_SHARE = 0.9  # used share at which the Dashboard draws a disk red: the 
 ENDED_STATES = ("exited", "stopped", "stale", "unknown")
 
 
+RESUME_DROPPED_OPTIONS = ("--resume", "--out", "--profile")  # the resume sets these itself; the agent gives the job dir
+
+
+def carried_train_options(argv: Sequence[str]) -> list[str]:
+    """The options of a training command line after `train`, less --resume/--out/--profile: what makes a resumed run
+    the same run (a grok run's constant schedule, LR, weight decay and max steps, its data, its intervals)."""
+    words = list(argv)
+    if "train" not in words:
+        return []
+    tail = words[words.index("train") + 1 :]
+    kept: list[str] = []
+    index = 0
+    while index < len(tail):
+        word = tail[index]
+        option = word.split("=", 1)[0]
+        if option in RESUME_DROPPED_OPTIONS:
+            takes_value = "=" not in word and index + 1 < len(tail) and not tail[index + 1].startswith("--")
+            index += 2 if takes_value else 1
+            continue
+        kept.append(word)
+        index += 1
+    return kept
+
+
 def terminal_notification(text: str) -> str:
     """Bell, then the same line as an OSC 9 (iTerm2, WezTerm, kitty, Windows Terminal) and an OSC 777 (VTE, foot,
     urxvt) desktop notification. Control characters are dropped; ';' would end OSC 777's fields."""
@@ -130,7 +154,7 @@ class RunActions(App):
         self._signals_timer: Any = None
         self._data_scaling_at: dict[str, float] = {}
         self._profiles: dict[str, ProfileFacts] = {}
-        self.resume_target: dict[str, str] | None = None  # {"job", "checkpoint", "profile"}: what the last stop wrote
+        self.resume_target: dict[str, Any] | None = None  # {"job", "checkpoint", "profile", "host", "options"}: what the last stop wrote
         self.terminal_writes: list[str] = []  # notifications sent to the terminal (--notify), newest last
         self.alerts: list[str] = []  # every alert raised, newest last
         self._job_states: dict[str, dict[str, str]] = {}  # per host (its label, "" with one host): job -> state last seen
@@ -264,9 +288,21 @@ class RunActions(App):
 
     def _on_chain_progress(self, chain: str) -> None:
         """A chain stage changed; when the chain has ended, fetch the run's saved results for comparison."""
-        ended = any(r.get("status") == "failed" or (r.get("stage") == CHAIN_STAGES[-1] and r.get("status") == "ok") for r in self.state.stages.get(chain, []))
+        records = self.state.stages.get(chain, [])
+        self._offer_resume_from_chain(chain, records)
+        ended = any(r.get("status") == "failed" or (r.get("stage") == CHAIN_STAGES[-1] and r.get("status") == "ok") for r in records)
         if ended and self._can_ask():
             self.load_results(self._train_job_of_chain(chain))
+
+    def _offer_resume_from_chain(self, chain: str, records: list[dict[str, Any]]) -> None:
+        """The chain's stop wrote the checkpoint its checkpoint stage picked: the resume key (c) resumes from it."""
+        picked = next((r for r in records if r.get("stage") == "checkpoint" and r.get("status") == "ok"), None)
+        path = (picked.get("result") or {}).get("path") if picked and isinstance(picked.get("result"), dict) else None
+        train_job = self._train_job_of_chain(chain)
+        if not isinstance(path, str) or not path or (self.resume_target or {}).get("checkpoint") == path:
+            return
+        self.set_resume_target(train_job, path, self.active)
+        self.note(f"stop & bench {chain}: {train_job}'s checkpoint {path}: press c to resume from it")
 
     @work(group="results", exclusive=True, exit_on_error=False)
     async def load_results(self, train_job: str) -> None:
@@ -572,9 +608,15 @@ class RunActions(App):
             return f"; its checkpoints could not be listed ({exc})"
         if not after or after == before:
             return "; no new checkpoint was written" + (f" (the latest is still {after})" if after else "")
-        self.resume_target = {"job": job, "checkpoint": after, "profile": self.profile_of(job, host), "host": host.name}
-        self.refresh_bindings()
+        self.set_resume_target(job, after, host)
         return f"; it wrote {after}: press c to resume from it"
+
+    def set_resume_target(self, job: str, checkpoint: str, host: HostSession) -> None:
+        """Remember `checkpoint` of `job` on `host` for the resume key, with the job's own command line (its settings)."""
+        info = host.state.jobs.get(job)
+        options = carried_train_options(info.argv) if info and info.argv else []
+        self.resume_target = {"job": job, "checkpoint": checkpoint, "profile": self.profile_of(job, host), "host": host.name, "options": options}
+        self.refresh_bindings()
 
     @work(group="actions", exit_on_error=False)
     async def action_resume(self) -> None:
@@ -582,7 +624,7 @@ class RunActions(App):
         if target is None:
             return
         host = self.session_named(target["host"])
-        argv = resume_argv(target["profile"], target["checkpoint"])
+        argv = resume_argv(target["profile"], target["checkpoint"]) + list(target.get("options") or [])
         base = name = resume_job_name(target["checkpoint"])
         number = 2
         while name in host.state.jobs:

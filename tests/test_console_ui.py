@@ -432,6 +432,29 @@ async def test_a_stop_that_wrote_a_checkpoint_offers_one_key_to_resume_from_it()
         await wait_until(lambda: app.selected_job == "resume-epoch-2-step-4012", what="the new job selected")
 
 
+async def test_resuming_a_grok_run_keeps_its_own_schedule_weight_decay_and_max_steps():
+    """The grok run had constant LR, weight decay 0.1 and 600 steps: its resume must not fall back to the profile's."""
+    app = frozen_app()
+    grok = ["eagle3-host", "train", "--profile", "tiny", "--resume", "/r/jobs/train-kimi/checkpoints/epoch_1_step_2000", "--schedule", "constant"]
+    grok += ["--lr", "0.0003", "--weight-decay", "0.1", "--grokfast-alpha", "0.98", "--max-steps", "600", "--out=/r/jobs/old"]
+    app.state.jobs["train-kimi"] = dataclasses.replace(app.state.jobs["train-kimi"], argv=grok)
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        client = FakeClient([{"path": NEW_CKPT, "epoch": 2, "step": 4012, "latest": True}])
+        app.client = client
+        await pilot.press("s")
+        await screen_shown(app, StopModal, "the stop modal")
+        await pilot.press("y")
+        await wait_until(lambda: app.resume_target is not None, what="the checkpoint the stop wrote")
+        await pilot.press("c")
+        await screen_shown(app, ResumeModal, "the resume modal")
+        assert app.screen.argv == [
+            *["eagle3-host", "train", "--profile", "tiny", "--resume", NEW_CKPT, "--schedule", "constant"],
+            *["--lr", "0.0003", "--weight-decay", "0.1", "--grokfast-alpha", "0.98", "--max-steps", "600"],
+        ]
+
+
 async def test_a_stop_without_a_new_checkpoint_offers_no_resume():
     app = frozen_app()
     async with app.run_test(size=SIZE) as pilot:
