@@ -291,6 +291,22 @@ async def test_the_running_stage_ticks():
         assert "no result yet" in text_of(app, "#chain-result")
 
 
+async def test_resume_right_after_stop_and_bench_offers_the_checkpoint_its_stop_wrote():
+    """b's stop wrote the checkpoint its checkpoint stage picked: c resumes from it, not "no stop has written one"."""
+    records = chain_records(until="preflight")
+    picked = next(r for r in records if r["stage"] == "checkpoint" and r["status"] == "ok")
+    picked["result"] = {"path": CHECKPOINT, "val_acc": 0.7, "val_acc_step": 4000}
+    app = frozen_app(chain_state([]))
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        assert app.resume_target is None
+        app.handle_event({"type": "stages", "job": CHAIN, "records": records})
+        await pilot.pause()
+        assert app.resume_target is not None and app.resume_target["job"] == "train-kimi" and app.resume_target["checkpoint"] == CHECKPOINT
+        assert any(f"{CHECKPOINT}: press c to resume from it" in line for _, line in app.state.actions)
+
+
 async def test_an_amber_canary_shows_in_yellow_with_its_reasons_and_the_bench_still_ran():
     records = amber_records()
     panel = result_panel_text(records)
