@@ -130,14 +130,14 @@ def _registry(args):
 
 
 def _job_errors(handler):
-    """JobError -> message on stderr; exit 2 for bad parameters, 1 for other failures."""
+    """JobError -> message on stderr; exit 2 for bad parameters and a start refused for want of disk space, 1 for other failures."""
 
     def wrapped(args) -> int:
-        from backend.jobs import JobBadParams, JobError
+        from backend.jobs import JobBadParams, JobError, JobNoSpace
 
         try:
             return handler(args)
-        except JobBadParams as exc:
+        except (JobBadParams, JobNoSpace) as exc:
             return fail(str(exc), 2)
         except JobError as exc:
             return fail(str(exc), 1)

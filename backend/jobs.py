@@ -19,6 +19,7 @@ records after, and what could not be recorded is reported (JobRegistry.unrecorde
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
@@ -55,6 +56,7 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 START_TIMEOUT_S = 30.0
 MAX_GRACE_S = 86400.0
 FREEZE_TIMEOUT_S = 5.0
+START_MIN_FREE = 256 << 10  # bytes a start needs on the run dir's disk: its record in jobs.db, logs, leader.json, slots
 FINISHED_KEPT = 100  # finished records listed; older ones are archived in jobs.db (JobRegistry._prune_finished)
 STOP_INCOMPLETE = "stop incomplete"
 NODE_COLUMNS = ("run_id", "node_rank", "nnodes", "rdzv_endpoint")  # a multi-node job's part on this host
@@ -124,6 +126,10 @@ class JobRefused(JobError):
 
 class JobBadParams(JobError):
     code = ErrorCode.BAD_PARAMS
+
+
+class JobNoSpace(JobRefused):
+    """A start refused because the run dir's disk is full (or jobs.db cannot be written): nothing was started."""
 
 
 WRITE_ERRORS = (sqlite3.Error, OSError)  # a full disk, a read-only file system or a locked database
@@ -462,6 +468,7 @@ class JobRegistry:
 
     def _connect_read_only(self, why: Exception) -> sqlite3.Connection:
         self._note_unrecorded(f"{self.db_path} opened read-only ({why})")
+        self._local.read_only = why
         for mode in ("mode=ro", "immutable=1"):
             conn = None
             try:
@@ -513,10 +520,15 @@ class JobRegistry:
             self._note_unrecorded(f"{what}: {exc}{self._free_space_note()}")
             return False
 
-    def _free_space_note(self) -> str:
+    def _free_bytes(self) -> int | None:
         try:
-            free = shutil.disk_usage(self.run_dir).free
+            return shutil.disk_usage(self.run_dir).free
         except OSError:
+            return None
+
+    def _free_space_note(self) -> str:
+        free = self._free_bytes()
+        if free is None:
             return ""
         return f" ({free} bytes free on the disk of {self.run_dir}{': disk full' if free < 65536 else ''})"
 
@@ -535,6 +547,7 @@ class JobRegistry:
         if conn is not None:
             conn.close()
             self._local.conn = None
+            self._local.read_only = None
 
     @staticmethod
     def _record(row: sqlite3.Row) -> JobRecord:
@@ -741,8 +754,8 @@ class JobRegistry:
         elif shutil.which(program, path=env.get("PATH")) is None:
             raise JobBadParams(f"argv: {program!r} was not found on PATH; nothing was started")
 
-    def _archive_dir(self, job_dir: Path) -> Path:
-        """Rename a finished job's directory aside (never delete): NAME.YYYYmmdd-HHMMSS[-N]."""
+    def _archive_dir(self, job_dir: Path, moved: list[tuple[Path, Path]] | None = None) -> Path:
+        """Rename a finished job's directory aside (never delete): NAME.YYYYmmdd-HHMMSS[-N]; `moved` collects (old, new) for an undo."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         target = job_dir.with_name(f"{job_dir.name}.{stamp}")
         counter = 1
@@ -750,18 +763,22 @@ class JobRegistry:
             target = job_dir.with_name(f"{job_dir.name}.{stamp}-{counter}")
             counter += 1
         job_dir.rename(target)
+        if moved is not None:
+            moved.append((job_dir, target))
         return target
 
-    def _archive_record(self, db: sqlite3.Connection, record: JobRecord) -> None:
+    def _archive_record(self, db: sqlite3.Connection, record: JobRecord, moved: list[tuple[Path, Path]] | None = None) -> None:
         old_dir = Path(record.info.job_dir)
-        new_dir = self._archive_dir(old_dir) if old_dir.exists() else old_dir
+        new_dir = self._archive_dir(old_dir, moved) if old_dir.exists() else old_dir
 
-        def moved(path: str) -> str:
+        def relocated(path: str) -> str:
             return str(new_dir / Path(path).relative_to(old_dir)) if path.startswith(str(old_dir) + os.sep) else path
 
-        self._update(db, record.id, archived=1, job_dir=str(new_dir), stdout_path=moved(record.info.stdout_path), stderr_path=moved(record.info.stderr_path))
+        self._update(
+            db, record.id, archived=1, job_dir=str(new_dir), stdout_path=relocated(record.info.stdout_path), stderr_path=relocated(record.info.stderr_path)
+        )
 
-    def _claim_name(self, db: sqlite3.Connection, name: str) -> None:
+    def _claim_name(self, db: sqlite3.Connection, name: str, moved: list[tuple[Path, Path]] | None = None) -> None:
         """Raise JobConflict if `name` is in use; archive a finished job of that name otherwise."""
         for record in self._active(db, name):
             state, detail, _, _ = self._evaluate(record)
@@ -770,10 +787,10 @@ class JobRegistry:
             leftovers = [t.pid for t in self._plan_job(record, self._context(self._active(db))).targets]
             if leftovers:
                 raise JobConflict(f"job {name!r} has ended but its processes {leftovers} still run; stop it first. Nothing was started")
-            self._archive_record(db, record)
+            self._archive_record(db, record, moved)
         job_dir = self.jobs_dir / name
         if job_dir.exists():
-            self._archive_dir(job_dir)
+            self._archive_dir(job_dir, moved)
 
     def start_job(
         self, name: str, kind: str, argv: list[str], cwd: str | None = None, env: dict[str, str] | None = None, node: dict[str, Any] | None = None
@@ -794,41 +811,112 @@ class JobRegistry:
         job_dir = self.jobs_dir / name
         job_env = self._job_env(name, job_dir, env)
         self._check_executable(argv, job_env, cwd)
+        self._check_room(name)
         token = secrets.token_hex(16)
-        with self._write() as db:
-            self._claim_name(db, name)
-            job_dir.mkdir(mode=PRIVATE_DIR, parents=True)
-            node_values = tuple((node or {}).get(column) for column in NODE_COLUMNS)
-            cursor = db.execute(
-                "INSERT INTO jobs (name, kind, state, detail, argv, cwd, job_dir, stdout_path, stderr_path, started_at, token,"
-                " run_id, node_rank, nnodes, rdzv_endpoint) VALUES (?, ?, 'unknown', 'starting', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (name, kind, json.dumps(argv), cwd, str(job_dir), str(job_dir / "stdout.log"), str(job_dir / "stderr.log"), time.time(), token, *node_values),
-            )
-            job_id = cursor.lastrowid
-            assert job_id is not None  # sqlite3 sets lastrowid after every INSERT that succeeded
+        job_id = self._insert_starting(name, kind, argv, cwd, job_dir, token, node)
         try:
             leader = self._spawn_watcher(job_id, job_dir, argv, cwd, {**job_env, WATCH_TOKEN_ENV: token})
         except Exception as exc:  # the record exists: end it instead of leaving it "starting"
             leader = {"error": f"the watcher could not be started: {exc}", "exit_code": 127}
-        with self._write() as db:
-            if "error" in leader:
-                self._update(db, job_id, state="exited", detail=leader["error"], exit_code=leader.get("exit_code"), ended_at=time.time())
-            else:
-                self._update(
-                    db,
-                    job_id,
-                    state="running",
-                    detail="",
-                    pid=leader["pid"],
-                    pgid=leader["pgid"],
-                    start_time_ticks=leader["start_time_ticks"],
-                    watcher_pid=leader["watcher_pid"],
-                    watcher_start=leader["watcher_start"],
-                    cgroup=leader.get("cgroup"),
-                )
+        try:
+            with self._write() as db:
+                self._store_leader(db, job_id, leader)
+        except WRITE_ERRORS as exc:
+            raise self._undo_start(name, job_id, leader, exc) from None
         if "error" in leader:
             raise JobError(f"job {name!r} could not start: {leader['error']} (record kept as exited; see {job_dir / 'stderr.log'})")
         return self.get(name).info
+
+    def _check_room(self, name: str) -> None:
+        """Refuse a start up front when the run dir's disk is (nearly) full or jobs.db can only be read: nothing is written."""
+        self._db()
+        free = self._free_bytes()
+        if free is not None and free < START_MIN_FREE:
+            raise JobNoSpace(
+                f"no space to start job {name!r}: {free} bytes free on the disk of {self.run_dir} (a start needs {START_MIN_FREE >> 10} KiB"
+                " for its record, logs and exit status). Nothing was started and nothing was written; free space there and retry"
+            )
+        why = getattr(self._local, "read_only", None)
+        if why is not None:
+            raise JobNoSpace(f"cannot start job {name!r}: {self.db_path} can only be read ({why}). Nothing was started and nothing was written")
+
+    def _insert_starting(self, name: str, kind: str, argv: list[str], cwd: str | None, job_dir: Path, token: str, node: dict[str, Any] | None) -> int:
+        """The record of a start, committed before anything runs; on a failed write the job dirs are put back as they were."""
+        moved: list[tuple[Path, Path]] = []
+        created = False
+        try:
+            with self._write() as db:
+                self._claim_name(db, name, moved)
+                job_dir.mkdir(mode=PRIVATE_DIR, parents=True)
+                created = True
+                node_values = tuple((node or {}).get(column) for column in NODE_COLUMNS)
+                cursor = db.execute(
+                    "INSERT INTO jobs (name, kind, state, detail, argv, cwd, job_dir, stdout_path, stderr_path, started_at, token,"
+                    " run_id, node_rank, nnodes, rdzv_endpoint) VALUES (?, ?, 'unknown', 'starting', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        name,
+                        kind,
+                        json.dumps(argv),
+                        cwd,
+                        str(job_dir),
+                        str(job_dir / "stdout.log"),
+                        str(job_dir / "stderr.log"),
+                        time.time(),
+                        token,
+                        *node_values,
+                    ),
+                )
+                job_id = cursor.lastrowid
+                assert job_id is not None  # sqlite3 sets lastrowid after every INSERT that succeeded
+            return job_id
+        except WRITE_ERRORS as exc:
+            if created:
+                _quietly(job_dir.rmdir)
+            for old, new in reversed(moved):
+                _quietly(lambda: new.rename(old))
+            raise self._write_failed(name, exc, "Nothing was started and no record was written") from None
+
+    def _store_leader(self, db: sqlite3.Connection, job_id: int, leader: dict[str, Any]) -> None:
+        if "error" in leader:
+            self._update(db, job_id, state="exited", detail=leader["error"], exit_code=leader.get("exit_code"), ended_at=time.time())
+            return
+        self._update(
+            db,
+            job_id,
+            state="running",
+            detail="",
+            pid=leader["pid"],
+            pgid=leader["pgid"],
+            start_time_ticks=leader["start_time_ticks"],
+            watcher_pid=leader["watcher_pid"],
+            watcher_start=leader["watcher_start"],
+            cgroup=leader.get("cgroup"),
+        )
+
+    def _undo_start(self, name: str, job_id: int, leader: dict[str, Any], exc: BaseException) -> JobError:
+        """The leader could not be recorded: kill what was started (a job nobody can stop must not run), drop the record."""
+        killed = ""
+        records = self._active(name=name)
+        if "error" not in leader and records:
+            record = records[0]
+            record.info.state, record.info.pid, record.info.pgid = "running", leader["pid"], leader["pgid"]
+            record.info.start_time_ticks, record.cgroup = leader["start_time_ticks"], leader.get("cgroup")
+            record.watcher_pid, record.watcher_start = leader["watcher_pid"], leader["watcher_start"]
+            plan = self._plan_job(record, self._context(self._active(), tokens=True))
+            verdicts = self._stop_plans([plan], 0.0, 5.0)
+            alive = [v.pid for v in verdicts if v.outcome == "survived"]
+            killed = f"; it was killed again (PID {leader['pid']})" + (f", but PID {', '.join(map(str, alive))} still run" if alive else ", nothing of it runs")
+        dropped = self._try_write("drop a half-started record", lambda db: db.execute("DELETE FROM jobs WHERE id = ?", (job_id,)))
+        left = "its record was removed" if dropped else "its record stays in jobs.db as 'starting' and will show stale"
+        return self._write_failed(name, exc, f"The job's start could not be recorded{killed}; {left}")
+
+    def _write_failed(self, name: str, exc: BaseException, untouched: str) -> JobError:
+        free = self._free_bytes()
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "full" in str(exc) or (free is not None and free < 65536):
+            return JobNoSpace(
+                f"no space left on the disk of {self.run_dir} ({free} bytes free) to start job {name!r} ({exc}). {untouched}; free space and retry"
+            )
+        return JobError(f"could not write job {name!r} to {self.db_path}: {exc}. {untouched}")
 
     def _spawn_watcher(self, job_id: int, job_dir: Path, argv: list[str], cwd: str | None, env: dict[str, str]) -> dict[str, Any]:
         with open(job_dir / "watcher.log", "ab", opener=private_opener) as watcher_log:
@@ -1359,6 +1447,13 @@ def _signallable(stat: procs.ProcStat | None) -> TypeGuard[procs.ProcStat]:
 
 def _group_holds_protected(pgid: int) -> bool:
     return pgid <= 1 or any(procs.pgid_of(pid) == pgid for pid in protected_pids())
+
+
+def _quietly(action: Callable[[], object]) -> None:
+    try:
+        action()
+    except OSError:
+        pass
 
 
 def _try_flock(fd: int) -> bool:

@@ -1,0 +1,84 @@
+"""Jobs on a real full disk (a 1 MiB tmpfs filled to ENOSPC): a start refused in one line, a stop's verdict kept until space returns."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backend import jobs, procs
+from backend.jobs import JobNoSpace, JobRegistry
+from waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"
+MARK = "eagle3-full-disk-test-marker"
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """A 1 MiB tmpfs (mounting needs root here; elsewhere the test is skipped, it cannot be faked)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Write a real file until the disk says ENOSPC."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    assert os.statvfs(disk).f_bavail == 0
+    return filler
+
+
+def cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "backend", "job", args[0], "--run-dir", str(run_dir), *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=90)
+
+
+def marked_processes() -> list[int]:
+    return [pid for pid in procs.list_pids() if procs.is_alive(pid) and MARK in procs.cmdline(pid)]
+
+
+def test_job_start_on_a_full_disk_is_one_clear_line_and_leaves_nothing(disk):
+    run = disk / "run"
+    JobRegistry(run).close()
+    filler = fill(disk)
+    done = cli(run, "start", "--name", "late", "--", PY, "-c", f"import time; time.sleep(600)  # {MARK}")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert "no space" in done.stderr and str(run) in done.stderr and "Nothing was started" in done.stderr
+    assert marked_processes() == []
+    filler.unlink()
+    assert JobRegistry(run).list_jobs() == [] and list((run / "jobs").iterdir()) == []  # no half record, no job dir
+
+
+def test_a_start_whose_record_cannot_be_written_leaves_no_record_no_dir_no_process(disk, monkeypatch):
+    """Past the up-front check (as when the disk fills between the check and the write): SQLite's own write fails."""
+    run = disk / "run"
+    registry = JobRegistry(run)
+    registry.start_job("old", "other", [PY, "-c", "pass"])
+    wait_for(lambda: registry.get("old").info.state == "exited", what="the first job to end")
+    filler = fill(disk)
+    monkeypatch.setattr(jobs, "START_MIN_FREE", 0)
+    with pytest.raises(JobNoSpace, match="no record was written"):
+        registry.start_job("old", "other", [PY, "-c", f"import time; time.sleep(600)  # {MARK}"])
+    assert marked_processes() == []
+    filler.unlink()
+    registry.close()
+    fresh = JobRegistry(run)
+    assert [(j.name, j.state) for j in fresh.list_jobs()] == [("old", "exited")]
+    assert [p.name for p in (run / "jobs").iterdir()] == ["old"]  # the old job's dir was put back, not left renamed aside
+    assert Path(fresh.get("old").info.job_dir).is_dir()
