@@ -790,14 +790,15 @@ class Agent:
     def _watch_external(self, message: dict) -> dict:
         name = param(message, "name", str)
         path = param(message, "path", str)
+        line_format = param(message, "line_format", str, None)
         module = _optional_module("backend.external", "watching external runs")
         try:
-            reader = module.ExternalRunReader(path)
+            reader = module.ExternalRunReader(path, line_format=line_format or None)
         except (OSError, ValueError, RuntimeError) as exc:
             raise BadParams("path", f"{path!r} cannot be watched: {exc}") from None
         job = f"ext:{name}"
         self._externals[job] = {"reader": reader, "records": [], "count": 0, "index": MetricsIndex(), "lock": threading.RLock(), "cache": {}}
-        return {"job": job}
+        return {"job": job, "format": reader.format, "warning": reader.warning}
 
     def _data_scaling(self, message: dict) -> dict:
         from backend.datascale import data_scaling

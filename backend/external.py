@@ -4,8 +4,9 @@ Standard library only. Nothing here writes to the watched run. `ExternalRunReade
 new cleaned records (backend.metrics.normalize_record) each time, resuming by byte offset per file:
 - a directory: every *tfevents* file under it (new files are picked up on later polls);
 - a file named *tfevents*: that event file;
-- any other file: a SpecForge console log (stdout/stderr of its trainer, `step S: {...}` lines, or the
-  older `Eval - Step S ..., position i, Acc: a` lines).
+- any other file: a log, its format decided by its first lines (WATCH_FORMATS): a SpecForge console log
+  (stdout/stderr of its trainer, `step S: {...}` lines, or the older `Eval - Step S ..., position i, Acc: a` lines),
+  a plain-text log of `name value` pairs with a step, or any text log through the watcher's own line regex.
 One poll reads at most MAX_BYTES_PER_POLL bytes in bounded chunks and stops early after POLL_SECONDS, so a
 1 GiB file is caught up over several polls; `bytes_read` / `bytes_total` tell how far it got. No file can make a
 poll hold more than one record under MAX_RECORD_BYTES (16 MiB) or wait on bytes that are no record: a larger length
@@ -846,6 +847,162 @@ class SpecForgeLogSource(_ChunkedSource):
         return self.assembler.add(block[0], step, key, index, float(text), **extra)
 
 
+# ---------------------------------------------------------------- plain-text training logs
+
+# What `w` reads, for the operator (the watch modal and a refusal say it).
+WATCH_FORMATS = (
+    "tensorboard: a directory of *tfevents* files (up to 4 levels down), or one tfevents file",
+    "specforge: a SpecForge console log (`step S: {...}` lines, or `Eval - Step S, position i, Acc: a` lines)",
+    "text: a plain-text log whose lines hold `name value` pairs with a step, e.g. "
+    "`[train] step 260/300 loss 6.4713 acc0 0.784 lr 4.40e-04` or `epoch 1 step 200 loss 8.38 acc0 0.246 lr 1.2e-04`",
+    "regex: any text log, through a line regex with named groups: step (required), split, epoch, loss, lr, grad_norm, "
+    "acc0, acc1, ..., ploss0, ... (e.g. `it=(?P<step>\\d+) l=(?P<loss>\\S+)`)",
+)
+SNIFF_BYTES = 1 << 20  # a log with no line in a known format in this much of its start is "unknown"
+_TEXT_TOKEN = re.compile(r"([A-Za-z][A-Za-z0-9_./-]*)|([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?:/\d+)?")
+_STEP_NAMES = frozenset({"step", "global_step", "iter", "iteration"})
+_VAL_WORDS = frozenset({"val", "valid", "validation", "eval", "evaluation", "evaluating", "test"})
+_TEXT_INDEXED = re.compile(r"^(acc|ploss|acceptance_rate)_?(\d+)$")
+_TEXT_ALIASES = {"grad": "grad_norm", "gnorm": "grad_norm", "time": "step_time"}
+_TEXT_LISTS = {"acc": "acc", "ploss": "ploss", "plosses": "ploss", "acceptance_rate": "acceptance_rate"}
+_NOT_NUMBERS = frozenset({"nan", "inf"})
+
+
+class _TextRecord:
+    """The values of one plain-text line being read: `name value` pairs folded into a record."""
+
+    def __init__(self) -> None:
+        self.split = "train"
+        self.step: int | None = None
+        self.values: dict[str, Any] = {}
+        self.positions: dict[str, dict[int, float]] = {}
+
+    def add(self, name: str, numbers: list[float]) -> None:
+        name = name.lower().strip("[]:,")
+        if name in _STEP_NAMES:
+            if numbers[0] >= 0 and numbers[0] == int(numbers[0]):
+                self.step = int(numbers[0])
+            return
+        indexed = _TEXT_INDEXED.match(name)
+        if indexed:
+            self.positions.setdefault(indexed.group(1), {})[int(indexed.group(2))] = numbers[0]
+            return
+        if name in _TEXT_LISTS and len(numbers) > 1:  # "acc 0.70 0.61 0.52": every position
+            self.positions.setdefault(_TEXT_LISTS[name], {}).update(enumerate(numbers))
+            return
+        mapped = map_tag(_TEXT_ALIASES.get(name, name))
+        if mapped is None:
+            return
+        split, key, index = mapped
+        if split == "val":
+            self.split = "val"
+        if index is None:
+            self.values.setdefault(key, numbers[0])
+        else:
+            self.positions.setdefault(key, {})[index] = numbers[0]
+
+    def record(self) -> dict[str, Any] | None:
+        if self.step is None or not (self.values or self.positions):
+            return None
+        record: dict[str, Any] = {"split": self.split, "step": self.step, **self.values}
+        for key, slots in self.positions.items():
+            record[key] = [slots.get(i, math.nan) for i in range(max(slots) + 1)]
+        return _finished(record)
+
+
+def parse_text_line(line: str) -> dict[str, Any] | None:
+    """A `name value ...` line with a step -> one record, else None: `[train] step 260/300 loss 6.47 acc0 0.78 lr 4.4e-04`.
+
+    Names are the record's keys or their common spellings (lr, learning_rate, grad, grad_norm, acc0, acc_0, eval/loss);
+    a name followed by several numbers is a per-position list ("acc 0.70 0.61"); "val"/"eval"/"validation" anywhere makes
+    it a val record; "260/300" reads as 260; names not known (units, "s/step") are skipped."""
+    found = _TextRecord()
+    name: str | None = None
+    numbers: list[float] = []
+    for match in _TEXT_TOKEN.finditer(line):
+        word, number = match.groups()
+        if word is not None and word.lower() not in _NOT_NUMBERS:
+            if name is not None and numbers:
+                found.add(name, numbers)
+            name, numbers = word, []
+            if word.lower().strip("[]") in _VAL_WORDS:
+                found.split = "val"
+            continue
+        numbers.append(float(number if number is not None else word))
+    if name is not None and numbers:
+        found.add(name, numbers)
+    return found.record()
+
+
+def compile_line_format(pattern: str) -> re.Pattern[str]:
+    """A user's line regex, checked: it compiles and has a `step` group; ValueError says what is wrong."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"line format {pattern!r} is not a regular expression: {exc}") from None
+    if "step" not in compiled.groupindex:
+        raise ValueError(f"line format {pattern!r} has no (?P<step>...) group; every record needs its step")
+    if len(compiled.groupindex) < 2:
+        raise ValueError(f"line format {pattern!r} names no value besides the step (e.g. (?P<loss>\\S+))")
+    return compiled
+
+
+def parse_format_line(pattern: re.Pattern[str], line: str) -> dict[str, Any] | None:
+    """One line through a user's line regex: its named groups are the record's names (step, split, loss, acc0...)."""
+    match = pattern.search(line)
+    if match is None:
+        return None
+    found = _TextRecord()
+    for name, text in match.groupdict().items():
+        if text is None:
+            continue
+        if name == "split":
+            found.split = "val" if text.strip("[] ").lower() in _VAL_WORDS else "train"
+            continue
+        numbers = [float(n) for n in re.findall(_NUM, text, re.IGNORECASE)]
+        if numbers:
+            found.add(name, numbers)
+    return found.record()
+
+
+class TextLogSource(SpecForgeLogSource):
+    """A plain-text training log -> records, a line at a time: the built-in `name value` reading, or a line regex."""
+
+    def __init__(self, path: Path, line_format: re.Pattern[str] | None = None):
+        super().__init__(path)
+        self.line_format = line_format
+
+    def _line(self, line: str) -> list[dict[str, Any]]:
+        record = parse_format_line(self.line_format, line) if self.line_format is not None else parse_text_line(line)
+        if record is None:
+            return []
+        when = self._asctime(line)
+        if when is not None:
+            record["time"] = when
+        return [record]
+
+
+def _is_specforge_line(line: str) -> bool:
+    if ": {" in line and _STEP_DICT_LINE.search(line):
+        return True
+    return "position" in line and any(p.search(line) for p in (_STEP_LINE, _STEP_BRACKET_LINE, _EPOCH_LINE))
+
+
+def sniff_log_format(path: Path, line_format: re.Pattern[str] | None = None) -> tuple[str | None, int]:
+    """(the format of a log file: "specforge", "text", "regex" or None while no line of its start is in one, the bytes
+    looked at). ValueError for a file that is not text (NUL bytes near its start)."""
+    with open(path, "rb") as handle:
+        head = handle.read(SNIFF_BYTES)
+    if b"\x00" in head[:4096]:
+        raise ValueError(f"{path} holds binary data, not a text log; w reads: " + "; ".join(WATCH_FORMATS))
+    lines = (head if len(head) < SNIFF_BYTES else head[: max(head.rfind(b"\n"), 0)]).decode("utf-8", "replace").splitlines()
+    if line_format is not None:
+        return ("regex" if any(parse_format_line(line_format, line) for line in lines) else None), len(head)
+    if any(_is_specforge_line(line) for line in lines):  # first: a SpecForge log's side lines may read as `name value` pairs
+        return "specforge", len(head)
+    return ("text" if any(parse_text_line(line) for line in lines) else None), len(head)
+
+
 class _Layout(NamedTuple):
     """Where each record field sits in a step dict: per split, scalar fields (name, item position) and list
     fields (name, per TTT position (item position, list index, or -1 for a scalar item; (-1, -1) when absent)).
@@ -932,7 +1089,13 @@ class ExternalRunReader:
     MAX_DEPTH = 4
     MAX_PROBLEMS = 20
 
-    def __init__(self, path: str | os.PathLike, max_bytes_per_poll: int = MAX_BYTES_PER_POLL, poll_seconds: float = POLL_SECONDS):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        max_bytes_per_poll: int = MAX_BYTES_PER_POLL,
+        poll_seconds: float = POLL_SECONDS,
+        line_format: str | None = None,
+    ):
         self.path = Path(path)
         if not self.path.exists():
             raise FileNotFoundError(f"nothing to watch at {self.path} (no such file or directory); nothing was read")
@@ -940,10 +1103,40 @@ class ExternalRunReader:
         self.kind = "tensorboard" if self.path.is_dir() or _is_event_file(self.path) else "log"
         if max_bytes_per_poll < SpecForgeLogSource.CHUNK_BYTES:
             raise ValueError(f"max_bytes_per_poll must be at least {SpecForgeLogSource.CHUNK_BYTES} (one log chunk)")
+        self.line_format = compile_line_format(line_format) if line_format else None
+        if self.line_format is not None and self.kind != "log":
+            raise ValueError(f"a line format reads text logs; {self.path} is TensorBoard data; nothing is watched")
         self.max_bytes_per_poll = max_bytes_per_poll
         self.poll_seconds = poll_seconds
         self.bad_records = 0
         self.problems: list[str] = []
+        self.format: str | None = "tensorboard" if self.kind == "tensorboard" else None
+        self.sniffed_bytes = 0
+        if self.kind == "log":
+            self._sniff()
+
+    @property
+    def warning(self) -> str | None:
+        """Why the watch may show nothing: a log with no line in a format w reads (yet); None once one is found."""
+        if self.format is not None:
+            return None
+        if self.sniffed_bytes == 0:
+            return None  # empty so far: the first lines decide
+        seen = f"the first {self.sniffed_bytes:,} bytes of {self.path}"
+        what = f"line format {self.line_format.pattern!r}" if self.line_format is not None else "a format w reads"
+        ending = "; read as a SpecForge log from here on" if self.sniffed_bytes >= SNIFF_BYTES else "; records appear once such a line comes"
+        return f"no line in {seen} is in {what} ({'; '.join(WATCH_FORMATS)}){ending}"
+
+    def _sniff(self) -> None:
+        """Decide a log's format from its start, while undecided and the start is still being written."""
+        if self.format is not None or self.sniffed_bytes >= SNIFF_BYTES:
+            return
+        self.format, self.sniffed_bytes = sniff_log_format(self.path, self.line_format)
+        undecided = self.format is None and self.sniffed_bytes >= SNIFF_BYTES  # then read as the user's regex, or SpecForge's as before
+        if self.format == "specforge" or (undecided and self.line_format is None):
+            self.sources[self.path] = SpecForgeLogSource(self.path)
+        elif self.format is not None or undecided:
+            self.sources[self.path] = TextLogSource(self.path, self.line_format)
 
     @property
     def bytes_read(self) -> int:
@@ -956,9 +1149,12 @@ class ExternalRunReader:
         return sum(max(source.size, source.offset) for source in self.sources.values())
 
     def _discover(self) -> None:
+        if self.kind == "log":
+            self._sniff()
+            return
         if self.path.is_file():
             if self.path not in self.sources:
-                self.sources[self.path] = TensorBoardSource(self.path) if self.kind == "tensorboard" else SpecForgeLogSource(self.path)
+                self.sources[self.path] = TensorBoardSource(self.path)
             return
         base_depth = len(self.path.parts)
         for root, dirs, files in os.walk(self.path):
@@ -1010,11 +1206,13 @@ class ExternalRunReader:
                     notes=follower.notes,
                 )
             else:
-                entry.update(kind="log", skipped_bytes=source.skipped_bytes)
+                entry.update(kind="log", format=self.format, skipped_bytes=source.skipped_bytes)
             files.append(entry)
         return {
             "path": str(self.path),
             "kind": self.kind,
+            "format": self.format,
+            "warning": self.warning,
             "files": files,
             "bytes_read": self.bytes_read,
             "bytes_total": self.bytes_total,

@@ -58,7 +58,7 @@ class Request:
     FOLLOW_LOG = "follow_log"  # {"name"?, "stream"} -> {} ; then LOG events; name null stops following
     LIST_CHECKPOINTS = "list_checkpoints"  # {"name"} -> {"checkpoints": [{"path","epoch","step","latest"}]}
     SIGNALS = "signals"  # {"name"} -> grokking/health signals computed from the job's metrics (backend/signals.py)
-    WATCH_EXTERNAL = "watch_external"  # {"name", "path"} -> {} ; follow a SpecForge run read-only as job "ext:<name>"
+    WATCH_EXTERNAL = "watch_external"  # {"name", "path", "line_format"?} -> {"job", "format", "warning"}; follow a run read-only as "ext:<name>"
     DATA_SCALING = "data_scaling"  # {"data_dir", "shape"?: {aux_width, teacher_width, dtype_bytes, seq_len}} -> backend/datascale.py
     RESULTS = "results"  # {"name"} -> {"results": [saved stop-and-bench results of that training job, oldest first]}
     SHUTDOWN = "shutdown"  # {} -> {} then the agent exits (jobs keep running)

@@ -475,8 +475,10 @@ class RunActions(App):
         if reason:
             self.note(f"watch not sent: {reason}", severity="error")
             return
+        line_format = choice.get("line_format")
         try:
-            result = await host.request(Request.WATCH_EXTERNAL, name=choice["name"], path=choice["path"])
+            extra = {"line_format": line_format} if line_format else {}
+            result = await host.request(Request.WATCH_EXTERNAL, name=choice["name"], path=choice["path"], **extra)
         except AgentError as exc:
             self.note(f"cannot watch {choice['path']}: {exc}", severity="error")
             return
@@ -485,8 +487,12 @@ class RunActions(App):
         self.state.metrics.pop(job, None)  # the agent's reader starts from the beginning of the run
         self.state.signals.pop(job, None)
         self.active.externals_agent = self.state.hello.agent_pid if self.state.hello else None
-        self.state_changed(self.state.add_external(job, choice["path"]))
-        self.note(f"watching {choice['path']} as {job} (read-only: no stop or adopt)")
+        fmt, warning = result.get("format"), result.get("warning")
+        self.state_changed(self.state.add_external(job, choice["path"], line_format=line_format, fmt=fmt if isinstance(fmt, str) else None))
+        read_as = f"read as {fmt}" if isinstance(fmt, str) else "format not known yet"
+        self.note(f"watching {choice['path']} as {job} ({read_as}; read-only: no stop or adopt)")
+        if isinstance(warning, str) and warning:
+            self.note(f"{job}: {visible(warning)}", severity="warning")
         self.select_started_job(job, None)
 
     # -- alerts: job exits, a red canary, grokking onset, a disk running low --------------------------

@@ -179,7 +179,9 @@ class HostSession:
             return
         for job, path in list(self.state.externals.items()):
             try:
-                await self.request(Request.WATCH_EXTERNAL, name=job.removeprefix(EXTERNAL_PREFIX), path=path)
+                line_format = self.state.external_formats.get(job)
+                extra = {"line_format": line_format} if line_format else {}
+                await self.request(Request.WATCH_EXTERNAL, name=job.removeprefix(EXTERNAL_PREFIX), path=path, **extra)
             except AgentError as exc:
                 self.note(f"re-watching {path} as {job} failed: {exc}", "warning")
             self.state.metrics.pop(job, None)

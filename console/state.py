@@ -299,6 +299,8 @@ class ConsoleState:
     data_scaling: dict[str, dict[str, Any]] = field(default_factory=dict)  # job -> `data_scaling` reply (or {"error"})
     results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # training job -> saved stop-and-bench results
     externals: dict[str, str] = field(default_factory=dict)  # "ext:<name>" -> watched path (read-only runs)
+    external_formats: dict[str, str] = field(default_factory=dict)  # "ext:<name>" -> the line regex it was watched with
+    external_read_as: dict[str, str] = field(default_factory=dict)  # "ext:<name>" -> the format the host reads it as
     disks: list[DiskUsage] = field(default_factory=list)
     logs: dict[tuple[str, str], LogBuffer] = field(default_factory=dict)
     updated_at: dict[str, float] = field(default_factory=dict)
@@ -531,11 +533,15 @@ class ConsoleState:
         self.stages[job] = fresh[-STAGES_KEPT:]
         return {"stages"}
 
-    def add_external(self, job: str, path: str) -> set[str]:
+    def add_external(self, job: str, path: str, *, line_format: str | None = None, fmt: str | None = None) -> set[str]:
         """A run this tool did not start, watched read-only: listed as a job of kind "external"."""
         self.externals[job] = path
+        if line_format:
+            self.external_formats[job] = line_format
+        if fmt:
+            self.external_read_as[job] = fmt
         self.jobs[job] = _external_info(job, path, self.clock())
-        self.job_details[job] = f"watching {path} (read-only)"
+        self.job_details[job] = _external_detail(self, job)
         return {"jobs"}
 
     def is_external(self, job: str | None) -> bool:
@@ -675,8 +681,15 @@ def _on_jobs(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     watched = {name: state.jobs.get(name) or _external_info(name, path, state.clock()) for name, path in state.externals.items()}
     state.jobs = {j.name: j for j in sorted([*jobs, *watched.values()], key=lambda j: j.started_at)}
     state.job_details = details
-    state.job_details.update({name: f"watching {path} (read-only)" for name, path in state.externals.items()})
+    state.job_details.update({name: _external_detail(state, name) for name in state.externals})
     return {"jobs"}
+
+
+def _external_detail(state: ConsoleState, job: str) -> str:
+    read_as = state.external_read_as.get(job)
+    if not read_as and job in state.metrics:
+        read_as = "records arriving"
+    return f"watching {state.externals[job]} (read-only, {read_as or 'format not recognised yet'})"
 
 
 def _external_info(job: str, path: str, now: float) -> JobInfo:

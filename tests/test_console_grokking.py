@@ -576,6 +576,41 @@ async def test_watch_an_external_run_read_only_on_the_training_and_grokking_scre
         assert log.read_text() == SPECFORGE_LOG  # nothing written there
 
 
+TRAINER_STDERR = "".join(f"[train] step {s}/300 loss {7 - s / 100:.4f} acc0 {0.5 + s / 1000:.3f} lr 4.40e-04 grad 0.5 0.1 s/step\n" for s in range(20, 320, 20))
+
+
+async def watch_with_modal(app, pilot, path, name, line_format=""):
+    await pilot.press("w")
+    modal = await screen_shown(app, WatchModal, "the watch modal")
+    modal.query_one("#watch-path", Input).value = str(path)
+    modal.query_one("#watch-name", Input).value = name
+    modal.query_one("#watch-format", Input).value = line_format
+    modal.query_one("#watch-path", Input).focus()
+    await pilot.press("enter")
+
+
+async def test_watch_reads_plain_text_logs_says_the_format_and_warns_on_an_unknown_one(tmp_path):
+    own, script, notes = tmp_path / "stderr.log", tmp_path / "train.out", tmp_path / "notes.txt"
+    own.write_text(TRAINER_STDERR)
+    script.write_text("".join(f"epoch 1 step {s} loss {9 - s / 100:.2f} acc0 0.246 lr 1.2e-04\n" for s in range(100, 400, 50)))
+    notes.write_text("it=1 L=3.5\nit=2 L=3.25\n")
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        await watch_with_modal(app, pilot, own, "own")
+        await wait_until(lambda: (m := app.state.metrics.get("ext:own")) and len(m.train_loss) >= 15, timeout=30, what="the trainer's lines")
+        assert any(f"watching {own} as ext:own (read as text;" in line for _, line in app.state.actions)
+        assert app.state.job_details["ext:own"] == f"watching {own} (read-only, text)"
+        await watch_with_modal(app, pilot, script, "script")
+        await wait_until(lambda: (m := app.state.metrics.get("ext:script")) and len(m.train_loss) >= 6, timeout=30, what="the script's lines")
+        await watch_with_modal(app, pilot, notes, "notes")
+        await wait_until(lambda: any("ext:notes: no line in the first" in line for _, line in app.state.actions), what="the unknown-format warning")
+        assert "text: a plain-text log" in next(line for _, line in app.state.actions if "ext:notes: no line" in line)
+        await watch_with_modal(app, pilot, notes, "notes2", r"it=(?P<step>\d+) L=(?P<loss>\S+)")
+        await wait_until(lambda: (m := app.state.metrics.get("ext:notes2")) and len(m.train_loss) == 2, timeout=30, what="the regex's records")
+        assert app.state.external_formats["ext:notes2"] == r"it=(?P<step>\d+) L=(?P<loss>\S+)"
+
+
 async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
     app = live_app(tmp_path, profile="no-such-profile")  # the started run fails fast instead of training on a shared CPU
     async with app.run_test(size=SIZE) as pilot:

@@ -582,3 +582,58 @@ def test_watched_tensorboard_run_feeds_the_grokking_signals(tmp_path):
     assert signals["tau_hat"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2], rel=1e-6)
     assert signals["tau_hat_step"] == 200 and signals["gap"] > 0
     assert signals["latest"]["lr"] == pytest.approx(1e-4 / 3, rel=1e-6)
+
+
+# -- plain-text logs: the built-in `name value` reading, a user's line regex, and a word when the format is unknown --
+
+
+def test_the_trainers_own_stderr_and_a_hand_written_scripts_log_are_read_as_text(tmp_path):
+    own = tmp_path / "stderr.log"
+    own.write_text(
+        "[train] output: /r/jobs/train-x (world size 1, device cpu)\n"
+        "[train] step 260/300 loss 6.4713 acc0 0.784 lr 4.40e-04 grad 0.512 0.123 s/step\n"
+        "[train] validation at step 260: loss 6.9000 acc 0.700 0.600 0.500\n"
+        "[train] checkpoint: /r/jobs/train-x/checkpoints/epoch_0_step_260\n"
+    )
+    reader = ExternalRunReader(own)
+    assert reader.format == "text" and reader.warning is None
+    train, val = poll_until_quiet(reader)
+    assert train == {"split": "train", "step": 260, "loss": 6.4713, "acc": [0.784], "lr": 4.4e-4, "grad_norm": 0.512}
+    assert val == {"split": "val", "step": 260, "loss": 6.9, "acc": [0.7, 0.6, 0.5]}
+    script = tmp_path / "train.out"
+    script.write_text("loading data\nepoch 1 step 200 loss 8.38 acc0 0.246 lr 1.2e-04\nepoch 1 step 210 loss 8.30 acc0 0.25 lr 1.1e-04\n")
+    first, second = poll_until_quiet(ExternalRunReader(script))
+    assert first == {"split": "train", "step": 200, "epoch": 1.0, "loss": 8.38, "acc": [0.246], "lr": 1.2e-4}
+    assert second["step"] == 210 and second["loss"] == 8.3
+
+
+def test_a_line_regex_reads_a_log_no_built_in_format_knows(tmp_path):
+    log = tmp_path / "odd.log"
+    log.write_text("it=5 | L=2.50 | a@0=0.41 a@1=0.2\nit=6 | L=2.25 | a@0=0.43 a@1=0.21\nit=6 VALID L=2.75\n")
+    assert ExternalRunReader(log).warning is not None  # no built-in format reads it
+    pattern = r"it=(?P<step>\d+)\s*\|?\s*(?P<split>VALID)?.*?L=(?P<loss>\S+)(?:.*a@0=(?P<acc0>\S+))?(?:.*a@1=(?P<acc1>\S+))?"
+    reader = ExternalRunReader(log, line_format=pattern)
+    assert reader.format == "regex"
+    records = poll_until_quiet(reader)
+    assert records[0] == {"split": "train", "step": 5, "loss": 2.5, "acc": [0.41, 0.2]}
+    assert records[-1] == {"split": "val", "step": 6, "loss": 2.75}
+    with pytest.raises(ValueError, match="no \\(\\?P<step>"):
+        ExternalRunReader(log, line_format=r"L=(?P<loss>\S+)")
+    with pytest.raises(ValueError, match="is not a regular expression"):
+        ExternalRunReader(log, line_format=r"(?P<step>\d+")
+
+
+def test_a_log_in_no_format_w_reads_is_warned_about_and_binary_data_refused(tmp_path):
+    log = tmp_path / "notes.txt"
+    log.write_text("starting\nall good so far\n")
+    reader = ExternalRunReader(log)
+    assert reader.poll() == [] and reader.format is None
+    assert "no line in the first 25 bytes" in reader.warning and "text: a plain-text log" in reader.warning
+    assert "records appear once such a line comes" in reader.warning
+    with open(log, "a") as handle:
+        handle.write("step 3 loss 1.5\n")
+    assert poll_until_quiet(reader) == [{"split": "train", "step": 3, "loss": 1.5}] and reader.warning is None
+    blob = tmp_path / "model.bin"
+    blob.write_bytes(b"\x00\x01\x02" * 100)
+    with pytest.raises(ValueError, match="binary data, not a text log; w reads: tensorboard"):
+        ExternalRunReader(blob)

@@ -312,11 +312,10 @@ class WatchModal(FormModal):
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="modal-dialog"):
             yield Static("Watch an external run (read-only: nothing is started, stopped or written there)", classes="modal-title")
-            yield Static(
-                "A TensorBoard directory or event file, or a SpecForge console log (stdout+stderr saved to a file), as a path on the host.", id="watch-help"
-            )
+            yield Static(WATCH_HELP, id="watch-help")
             yield Input(placeholder="path on the host", id="watch-path")
             yield Input(placeholder="name (shown as ext:<name>)", id="watch-name")
+            yield Input(placeholder="line regex for a text log (optional), e.g. it=(?P<step>\\d+) l=(?P<loss>\\S+)", id="watch-format")
             yield Static("", id="watch-error")
             with Horizontal(classes="modal-buttons"):
                 yield Button("Watch (enter)", id="confirm", variant="primary")
@@ -335,9 +334,16 @@ class WatchModal(FormModal):
         if not WATCH_NAME.match(name):
             error.update(Text(f"'{name}' is not a usable name (letters, digits, '.', '_', '-'); nothing is watched yet.", style="bold red"))
             return
-        self.dismiss({"name": name, "path": path})
+        line_format = self.query_one("#watch-format", Input).value.strip()
+        self.dismiss({"name": name, "path": path, **({"line_format": line_format} if line_format else {})})
 
 
+WATCH_HELP = (
+    "A path on the host, read as one of: a TensorBoard directory or tfevents file; a SpecForge console log "
+    "(step S: {...} or Eval - Step lines); a plain-text log of name-value pairs with a step "
+    "([train] step 260/300 loss 6.47 acc0 0.784 lr 4.4e-04, epoch 1 step 200 loss 8.38 acc0 0.246); or any text log "
+    "through your line regex: named groups step (required), split, epoch, loss, lr, grad_norm, acc0, acc1, ploss0..."
+)
 WATCH_NAME = re.compile(r"^[A-Za-z0-9._-]{1,56}$")
 
 
