@@ -1,0 +1,504 @@
+"""Static-cache EAGLE-3 decoding: preallocated target and draft KV, fixed-shape steps, CUDA graphs on CUDA.
+
+StaticDecoder has SpecDecoder's interface and results (plain, plain_generate, generate with the same acceptance
+counts). The target runs from its own weights (a Llama-family causal LM) over a preallocated KV cache; every decode
+step has one of two widths (1 for plain decoding, num_steps + 1 for a verify), attends over a fixed power-of-two
+prefix of the cache, and a rejected draft is rolled back by moving a position counter (rows past it are masked and
+overwritten later). The draft's KV is preallocated too, and one draft round (step 0 over the newly committed rows,
+then num_steps - 1 chained steps) is one fixed-shape call. On CUDA each of those calls is captured once per
+(kind, cache prefix) as a torch.cuda.CUDAGraph over static input/output buffers and replayed; on CPU the very same
+functions run eagerly, so the CPU tests exercise the code the graphs capture.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from backend.serve.spec_decode import NO_DRAFT, GenerateResult, SpecDecoder
+from backend.train.draft import Eagle3Draft, rotate_half
+
+MIN_BUCKET = 256  # smallest cache prefix a step attends over; prefixes double up to max_len
+
+
+class StaticUnsupported(ValueError):
+    """The target is not a model the static runner implements (the eager SpecDecoder still serves it)."""
+
+
+class ContextTooLong(ValueError):
+    """A request needs more positions than the static cache holds."""
+
+
+def length_buckets(max_len: int) -> list[int]:
+    """Cache prefixes a step may attend over: 256, 512, ... and max_len itself."""
+    buckets, size = [], MIN_BUCKET
+    while size < max_len:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_len]
+
+
+def _rms(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in fp32, round to the input dtype, scale."""
+    dtype = hidden.dtype
+    hidden = hidden.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(dtype)
+
+
+def _norm_eps(norm) -> float:
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(eps if eps is not None else norm.eps)
+
+
+@dataclass
+class _Layer:
+    w_input: torch.Tensor
+    qkv: torch.Tensor  # q|k|v stacked: one product per step
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    w_post: torch.Tensor
+    gate_up: torch.Tensor  # gate|up stacked
+    down: torch.Tensor
+
+
+def _stack(*modules) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([m.weight.detach() for m in modules], dim=0)
+    biases = [m.bias for m in modules]
+    if all(b is None for b in biases):
+        return weight, None
+    return weight, torch.cat([b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype, device=weight.device) for m, b in zip(modules, biases)])
+
+
+class StaticTarget:
+    """A Llama-family causal LM run from its own weights over a preallocated KV cache [layers, 1, kv_heads, max_len, d]."""
+
+    def __init__(self, model, aux_layer_ids: list[int], feed: str, max_len: int):
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self._check_supported(model, config)
+        inner = model.model
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.groups = self.num_heads // self.num_kv_heads
+        self.scale = self.head_dim**-0.5
+        self.embed = inner.embed_tokens.weight.detach()
+        self.final_norm = inner.norm.weight.detach()
+        self.eps = _norm_eps(inner.norm)
+        self.lm_head = model.get_output_embeddings().weight.detach()
+        rotary = inner.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().float()
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _stack(attn.q_proj, attn.k_proj, attn.v_proj)
+            gate_up, _ = _stack(mlp.gate_proj, mlp.up_proj)
+            o_bias = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
+            self.layers.append(
+                _Layer(layer.input_layernorm.weight.detach(), qkv, qkv_bias, attn.o_proj.weight.detach(), o_bias, layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.weight.detach())
+            )
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.feed = feed
+        self.max_len = max_len
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        shape = (len(self.layers), 1, self.num_kv_heads, max_len, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @staticmethod
+    def _check_supported(model, config) -> None:
+        problems = []
+        if getattr(config, "hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act {config.hidden_act!r} (only silu)")
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            problems.append("sliding-window attention")
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if inner is None or layers is None or not hasattr(inner, "rotary_emb") or not hasattr(inner.rotary_emb, "inv_freq"):
+            problems.append("no model.layers / model.rotary_emb.inv_freq (not a Llama-family layout)")
+        elif getattr(inner.rotary_emb, "rope_type", "default") == "dynamic":
+            problems.append("dynamic RoPE scaling (its frequencies change with the length)")
+        else:
+            first = layers[0]
+            needed = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+            names = {name for name, _ in first.named_modules()}
+            missing = [name for name in needed if name not in names]
+            extra = [name for name in ("self_attn.q_norm", "self_attn.k_norm") if name in names]
+            if missing or extra:
+                problems.append(f"decoder layer lacks {missing} or has {extra}")
+        if problems:
+            raise StaticUnsupported(f"{type(model).__name__} cannot run on the static-cache decoder: {'; '.join(problems)}")
+
+    @property
+    def feature_width(self) -> int:
+        hidden = self.embed.shape[1]
+        return hidden * len(self.aux_layer_ids) if self.feed == "aux" else hidden
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        return (angles.cos() * self.rope_scaling).to(self.dtype), (angles.sin() * self.rope_scaling).to(self.dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, bucket: int, all_logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [1, S] at positions [S] (consecutive): writes their K/V, attends over cache[:bucket].
+
+        Returns (logits [1, S or 1, V], features [1, S, F]: the aux layers' outputs concatenated, or the final
+        normed hidden state for feed last_hidden). Rows at or past the position counter are never read unmasked.
+        """
+        seq = tokens.shape[1]
+        heads, kv_heads, dim, groups = self.num_heads, self.num_kv_heads, self.head_dim, self.groups
+        hidden = F.embedding(tokens, self.embed)
+        cos, sin = self.rope(positions)
+        visible = torch.arange(bucket, device=tokens.device)[None, :] <= positions[:, None]  # [S, bucket]
+        visible = visible.repeat(groups, 1)  # query rows grouped by kv head: row j*S + s is head j of position s
+        captured: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            normed = _rms(hidden, layer.w_input, self.eps)
+            qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
+            query, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            query = query.view(1, seq, heads, dim).transpose(1, 2)
+            key = key.view(1, seq, kv_heads, dim).transpose(1, 2)
+            value = value.view(1, seq, kv_heads, dim).transpose(1, 2)
+            query = query * cos + rotate_half(query) * sin
+            key = key * cos + rotate_half(key) * sin
+            keys, values = self.keys[index], self.values[index]
+            keys.index_copy_(2, positions, key)
+            values.index_copy_(2, positions, value)
+            grouped = query.reshape(1, kv_heads, groups * seq, dim)
+            out = F.scaled_dot_product_attention(grouped, keys[:, :, :bucket], values[:, :, :bucket], attn_mask=visible, scale=self.scale)
+            out = out.reshape(1, heads, seq, dim).transpose(1, 2).reshape(1, seq, heads * dim)
+            hidden = hidden + F.linear(out, layer.o_proj, layer.o_bias)
+            gate, up = F.linear(_rms(hidden, layer.w_post, self.eps), layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            if index in self.aux_layer_ids:
+                captured[index] = hidden
+        normed = _rms(hidden, self.final_norm, self.eps)
+        logits = F.linear(normed if all_logits else normed[:, -1:], self.lm_head)
+        features = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if self.feed == "aux" else normed
+        return logits, features
+
+
+class StaticDraft:
+    """The draft's decoding state in fixed buffers: step-0 K/V of committed positions, this round's diagonal K/V."""
+
+    def __init__(self, draft: Eagle3Draft, max_len: int, num_steps: int):
+        attn = draft.midlayer.self_attn
+        self.draft = draft
+        dtype, device = draft.fc.weight.dtype, draft.fc.weight.device
+        self.groups = attn.num_heads // attn.num_kv_heads
+        self.keys = torch.zeros(1, attn.num_kv_heads, max_len, attn.head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.diag_keys = torch.zeros(1, attn.num_kv_heads, max(num_steps - 1, 1), attn.head_dim, dtype=dtype, device=device)
+        self.diag_values = torch.zeros_like(self.diag_keys)
+
+    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """draft._attend_prefix's math over fixed-width keys: visible [S, K] marks what each query row sees."""
+        if self.groups > 1:
+            keys = keys.repeat_interleave(self.groups, dim=1)
+            values = values.repeat_interleave(self.groups, dim=1)
+        scores = query @ keys.transpose(-1, -2) / math.sqrt(query.shape[-1])
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(query.dtype) @ values
+
+    def commit(self, positions: torch.Tensor, bucket: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The attend of step 0 over rows at `positions`: their K/V go into the cache, each row sees keys up to itself."""
+
+        def attend(query, key, value):
+            self.keys.index_copy_(2, positions, key)
+            self.values.index_copy_(2, positions, value)
+            visible = torch.arange(bucket, device=positions.device)[None, :] <= positions[:, None]
+            return self._attend(query, self.keys[:, :, :bucket], self.values[:, :, :bucket], visible)
+
+        return attend
+
+    def step(self, committed: torch.Tensor, slot: int, bucket: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The attend of chained step slot + 1: every committed K/V (positions < committed) and diagonal slots 0..slot."""
+
+        def attend(query, key, value):
+            self.diag_keys[:, :, slot : slot + 1].copy_(key)
+            self.diag_values[:, :, slot : slot + 1].copy_(value)
+            keys = torch.cat([self.keys[:, :, :bucket], self.diag_keys[:, :, : slot + 1]], dim=2)
+            values = torch.cat([self.values[:, :, :bucket], self.diag_values[:, :, : slot + 1]], dim=2)
+            key_index = torch.arange(bucket + slot + 1, device=committed.device)
+            visible = ((key_index < committed) | (key_index >= bucket))[None, :]
+            return self._attend(query, keys, values, visible)
+
+        return attend
+
+
+@dataclass
+class StepTimes:
+    """Per-round seconds measured while `StaticDecoder.step_times` is set (CUDA events on CUDA)."""
+
+    draft: list[float] = field(default_factory=list)
+    verify: list[float] = field(default_factory=list)
+    decode: list[float] = field(default_factory=list)
+    round_wall: list[float] = field(default_factory=list)
+    pending: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float | int]:
+        def mean_ms(values):
+            return 1000 * sum(values) / len(values) if values else 0.0
+
+        rounds = len(self.round_wall)
+        gpu = [d + v for d, v in zip(self.draft, self.verify)] if self.verify else self.decode
+        host = [wall - busy for wall, busy in zip(self.round_wall, gpu)]
+        return {
+            "rounds": rounds,
+            "draft_ms": mean_ms(self.draft),
+            "verify_ms": mean_ms(self.verify),
+            "decode_ms": mean_ms(self.decode),
+            "round_wall_ms": mean_ms(self.round_wall),
+            "host_ms": mean_ms(host),
+        }
+
+
+class StaticDecoder(SpecDecoder):
+    """SpecDecoder's decoding from a static KV cache: the same tokens and acceptance counts, fixed-shape steps,
+    CUDA graphs on CUDA (use_graphs=None: on when the target is on CUDA). compile=True runs the steps through
+    torch.compile (fusion of the small element-wise kernels) before they are captured."""
+
+    def __init__(
+        self,
+        target_model,
+        draft: Eagle3Draft | None,
+        aux_layer_ids: list[int] | None = None,
+        num_steps: int = 5,
+        feed: str = "aux",
+        eos_token_id: int | list[int] | None = None,
+        max_len: int | None = None,
+        use_graphs: bool | None = None,
+        compile: bool = False,
+    ):
+        super().__init__(target_model, draft, aux_layer_ids, num_steps, feed, eos_token_id)
+        device = self.target.device
+        self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and device.type != "cuda":
+            raise ValueError("CUDA graphs need the target on a CUDA device")
+        self.width = num_steps + 1
+        limit = getattr(target_model.config, "max_position_embeddings", None) or 4096
+        self.max_len = int(max_len or limit)
+        self.buckets = length_buckets(self.max_len)
+        self.static_target = StaticTarget(target_model, self.aux_layer_ids, feed, self.max_len)
+        self.static_draft = StaticDraft(draft, self.max_len + self.width, num_steps) if draft is not None else None
+        width, feature_width = self.width, self.static_target.feature_width
+        self.scalars = torch.zeros(4, dtype=torch.long, device=device)  # target start, draft start, pending rows, decode token
+        self._staged = torch.zeros(4, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.pending_features = torch.zeros(1, width, feature_width, dtype=self.static_target.dtype, device=device)
+        self.pending_tokens = torch.zeros(1, width, dtype=torch.long, device=device)
+        self.verify_tokens = torch.zeros(1, width, dtype=torch.long, device=device)
+        self.report = torch.zeros(width + num_steps, dtype=torch.long, device=device)  # verify's greedy ids, then the proposals
+        self.decoded = torch.zeros(1, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[str, int], Any] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.step_times: StepTimes | None = None
+        self.compiled = compile
+        self._verify_fn, self._draft_fn, self._decode_fn = self._verify, self._draft_round, self._decode
+        if compile:
+            import torch._dynamo.config as dynamo_config
+
+            dynamo_config.cache_size_limit = max(64, dynamo_config.cache_size_limit)  # one graph per (step kind, cache prefix)
+            self._verify_fn = torch.compile(self._verify, dynamic=False)
+            self._draft_fn = torch.compile(self._draft_round, dynamic=False)
+            self._decode_fn = torch.compile(self._decode, dynamic=False)
+
+    # --- the fixed-shape steps (what the graphs capture) ------------------------------------------------
+
+    def _positions(self, start: torch.Tensor, width: int) -> torch.Tensor:
+        return start + torch.arange(width, device=start.device)
+
+    def _decode(self, bucket: int) -> None:
+        """Plain decode: the token in scalars[3] at position scalars[0] -> its greedy successor in `decoded`."""
+        logits, _ = self.static_target.forward(self.scalars[3:4].view(1, 1), self.scalars[0:1], bucket, all_logits=False)
+        self.decoded.copy_(logits[0, -1:].argmax(-1))
+
+    def _verify(self, bucket: int) -> None:
+        """Verify `verify_tokens` at positions scalars[0]..+W-1: greedy ids and features become the next pending rows."""
+        logits, features = self.static_target.forward(self.verify_tokens, self._positions(self.scalars[0:1], self.width), bucket, all_logits=True)
+        greedy = logits[0].argmax(-1)
+        self.pending_features.copy_(features)
+        self.pending_tokens[0].copy_(greedy)
+        self.report[: self.width].copy_(greedy)
+        self.report[self.width :].copy_(self.verify_tokens[0, 1:])
+
+    def _draft_round(self, bucket: int) -> None:
+        """Commit the first scalars[2] pending rows at draft positions scalars[1].., chain num_steps proposals.
+
+        Writes verify_tokens = [last emitted token, proposals...]."""
+        state, draft, width = self.static_draft, self._required_draft, self.width
+        assert state is not None
+        start, count = self.scalars[1:2], self.scalars[2:3]
+        positions = self._positions(start, width)
+        hidden = self._draft_input(self.pending_features)
+        out = draft.midlayer(positions, draft._embed(self.pending_tokens), hidden, state.commit(positions, bucket))
+        row = count - 1
+        logits = draft.logits(out).index_select(1, row)[:, -1]
+        out = out.index_select(1, row)
+        committed = start + count
+        proposals = []
+        for step in range(self.num_steps):
+            token = draft.draft_to_target_ids(logits.argmax(-1))
+            proposals.append(token)
+            if step + 1 < self.num_steps:
+                out = draft.midlayer(committed + step, draft._embed(token.view(1, 1)), out, state.step(committed, step, bucket))
+                logits = draft.logits(out)[:, -1]
+        self.verify_tokens[0, :1].copy_(self.pending_tokens[0].index_select(0, row))
+        self.verify_tokens[0, 1:].copy_(torch.cat(proposals))
+
+    # --- running them ----------------------------------------------------------------------------------
+
+    def _bucket(self, needed: int) -> int:
+        for size in self.buckets:
+            if size >= needed:
+                return size
+        raise ContextTooLong(f"{needed} positions exceed the static cache's {self.max_len} (max_len); nothing more was decoded")
+
+    def _check_room(self, prompt_len: int, max_new_tokens: int, extra: int) -> None:
+        needed = prompt_len + max(max_new_tokens, 0) + extra
+        if needed > self.max_len:
+            raise ContextTooLong(
+                f"a prompt of {prompt_len} tokens plus {max_new_tokens} new ones (+{extra} verify slack) needs {needed} positions; "
+                f"the static cache holds {self.max_len}. Nothing was decoded."
+            )
+
+    def _set_scalars(self, *values: int) -> None:
+        for index, value in enumerate(values):
+            self._staged[index] = value
+        self.scalars[: len(values)].copy_(self._staged[: len(values)], non_blocking=True)
+
+    def _run(self, kind: str, function: Callable[[int], None], bucket: int) -> None:
+        if not self.use_graphs:
+            function(bucket)
+            return
+        graph = self.graphs.get((kind, bucket))
+        if graph is None:
+            graph = self.graphs[(kind, bucket)] = self._capture(function, bucket)
+        graph.replay()
+
+    def _capture(self, function: Callable[[int], None], bucket: int):
+        """Warm up on a side stream (compiles, allocator settles), then capture; every step is idempotent in its inputs."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                function(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            function(bucket)
+        return graph
+
+    def _clock(self):
+        if self.step_times is None:
+            return None
+        if self.use_graphs or self.target.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _interval(self, name: str, begin, end) -> None:
+        if self.step_times is not None and begin is not None:
+            self.step_times.pending.append((name, begin, end))
+
+    def _resolve_times(self) -> None:
+        times = self.step_times
+        if times is None:
+            return
+        for name, begin, end in times.pending:
+            seconds = begin.elapsed_time(end) / 1000 if isinstance(begin, torch.cuda.Event) else end - begin
+            getattr(times, name).append(seconds)
+        times.pending.clear()
+
+    def _prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt through the static target, eagerly (its width varies per request)."""
+        seq = ids.shape[1]
+        positions = torch.arange(seq, device=ids.device)
+        return self.static_target.forward(ids, positions, self._bucket(seq), all_logits=False)
+
+    # --- decoding --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def plain(self, input_ids, max_new_tokens: int) -> GenerateResult:
+        """Plain greedy decoding, one width-1 step per token (SpecDecoder.plain's stop rules and results)."""
+        ids = self._prompt(input_ids)
+        self._check_room(ids.shape[1], max_new_tokens, 1)
+        logits, _ = self._prefill(ids)
+        result = GenerateResult(output_ids=[], completion_tokens=0, verify_ct=0)
+        token, position = int(logits[0, -1].argmax()), ids.shape[1]
+        while not self._done(result, max_new_tokens):
+            self._emit(result, [token], max_new_tokens)
+            if self._done(result, max_new_tokens):
+                break
+            begin_wall, begin = time.perf_counter(), self._clock()
+            self._set_scalars(position, 0, 0, token)
+            self._run("decode", self._decode_fn, self._bucket(position + 1))
+            end = self._clock()
+            token = int(self.decoded.item())
+            position += 1
+            if self.step_times is not None:
+                self._interval("decode", begin, end)
+                self.step_times.round_wall.append(time.perf_counter() - begin_wall)
+        self._resolve_times()
+        return result
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int) -> GenerateResult:
+        """Speculative greedy decoding; the same tokens, verify_ct and accepted_per_round as SpecDecoder.generate."""
+        state = self.static_draft
+        if state is None:
+            raise ValueError(NO_DRAFT)
+        ids = self._prompt(input_ids)
+        prompt_len, width = ids.shape[1], self.width
+        self._check_room(prompt_len, max_new_tokens, width)
+        logits, features = self._prefill(ids)
+        result = GenerateResult(
+            output_ids=[],
+            completion_tokens=0,
+            verify_ct=0,
+            feature_width=features.shape[-1],
+            feature_source=self.feature_source,
+            fc_applied=self._fc_applied(features.shape[-1]),
+            num_steps=self.num_steps,
+        )
+        if max_new_tokens <= 0:
+            return result
+        last = int(logits[0, -1].argmax())
+        self._emit(result, [last])
+        hidden = self._draft_input(features)  # also refuses a feature of the wrong width before anything is captured
+        if prompt_len > 1:  # the draft's prompt rows but the last, eagerly; the last one rides the first round
+            draft, positions = self._required_draft, torch.arange(prompt_len - 1, device=ids.device)
+            draft.midlayer(positions, draft._embed(ids[:, 1:]), hidden[:, :-1], state.commit(positions, self._bucket(prompt_len)))
+        self.pending_features[:, :1].copy_(features[:, -1:])
+        self.pending_tokens[0, 0] = last
+        target_start, draft_start, count = prompt_len, prompt_len - 1, 1
+        while not self._done(result, max_new_tokens):
+            bucket = self._bucket(target_start + width)
+            begin_wall, begin = time.perf_counter(), self._clock()
+            self._set_scalars(target_start, draft_start, count)
+            self._run("draft", self._draft_fn, bucket)
+            middle = self._clock()
+            self._run("verify", self._verify_fn, bucket)
+            end = self._clock()
+            report = self.report.tolist()
+            greedy, proposals = report[:width], report[width:]
+            accepted = 0
+            while accepted < self.num_steps and proposals[accepted] == greedy[accepted]:
+                accepted += 1
+            result.verify_ct += 1
+            result.accepted_per_round.append(accepted)
+            self._emit(result, greedy[: accepted + 1], max_new_tokens)
+            target_start, draft_start, count = target_start + accepted + 1, draft_start + count, accepted + 1
+            if self.step_times is not None:
+                self._interval("draft", begin, middle)
+                self._interval("verify", middle, end)
+                self.step_times.round_wall.append(time.perf_counter() - begin_wall)
+        self._resolve_times()
+        return result
