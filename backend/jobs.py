@@ -52,6 +52,10 @@ JOB_TOKEN_ENV = "EAGLE3_JOB_TOKEN"  # in the job's environment; inherited by eve
 WATCH_TOKEN_ENV = "EAGLE3_WATCH_TOKEN"  # the watcher's copy, under another name so the watcher never looks like a job process
 EXIT_FILE = "exit_code"
 LEADER_FILE = "leader.json"
+STOP_FILE = "stop_request"  # a stop that jobs.db could not record (a full disk) is written here, into space reserved at start
+EXIT_SLOT_BYTES = 32
+STOP_SLOT_BYTES = 4096
+EXIT_RETRY_S = 3600.0  # how long a watcher keeps trying to record the exit status on a full disk
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 START_TIMEOUT_S = 30.0
 MAX_GRACE_S = 86400.0
@@ -280,11 +284,57 @@ def torchrun_failure(lines: list[str]) -> str | None:
 
 
 def read_exit_file(job_dir: str | Path) -> tuple[int | None, float | None]:
+    """The leader's exit status and when it was written; (None, None) while the file is missing or still its blank slot."""
     path = Path(job_dir) / EXIT_FILE
     try:
         return int(path.read_text().strip()), path.stat().st_mtime
     except (OSError, ValueError):
         return None, None
+
+
+def reserve_slot(path: Path, size: int) -> None:
+    """A blank file of `size` bytes, written while the disk has room, so that a later overwrite needs no new space."""
+    try:
+        with open(path, "xb", opener=private_opener) as handle:
+            handle.write(b" " * (size - 1) + b"\n")
+    except OSError:
+        pass  # no slot: a full disk then leaves the fact unrecorded, as before
+
+
+def overwrite_slot(path: Path, text: str) -> bool:
+    """Write text over a reserved slot in place, padded to its size (never growing it: no block is allocated)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        data = text.encode()
+        if not S_ISREG(os.fstat(fd).st_mode) or len(data) >= size:
+            return False
+        os.pwrite(fd, data + b" " * (size - len(data) - 1) + b"\n", 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def write_stop_slot(job_dir: str | Path, at: float, detail: str) -> bool:
+    """Record a stop in the job dir's reserved slot, for when jobs.db cannot be written."""
+    detail = detail[:1000]
+    return overwrite_slot(Path(job_dir) / STOP_FILE, json.dumps({"at": at, "detail": detail}))
+
+
+def read_stop_slot(job_dir: str | Path) -> tuple[float | None, str]:
+    """(when, detail) of a stop recorded in the slot; (None, "") when there is none."""
+    try:
+        found = json.loads((Path(job_dir) / STOP_FILE).read_text() or "null")
+    except (OSError, ValueError):
+        return None, ""
+    if not isinstance(found, dict) or not isinstance(found.get("at"), (int, float)) or isinstance(found.get("at"), bool):
+        return None, ""
+    return float(found["at"]), str(found.get("detail") or "")
 
 
 def private_opener(path: str, flags: int) -> int:
@@ -604,11 +654,14 @@ class JobRegistry:
         if stat is not None and stat.running and stat.start_time == info.start_time_ticks:
             return "running", record.detail if record.detail.startswith(STOP_INCOMPLETE) else "", None, None
         exit_code, ended_at = read_exit_file(info.job_dir)
+        stop_at, stop_detail = record.stop_requested_at, record.detail
+        if not stop_at:  # a stop that could not be written to jobs.db (a full disk) left its record in the job dir
+            stop_at, slot_detail = read_stop_slot(info.job_dir)
+            stop_detail = slot_detail or stop_detail
         if exit_code is not None:
-            state = "stopped" if record.stop_requested_at else "exited"
-            if state == "exited":
-                return state, self._failure_detail(record, exit_code), exit_code, ended_at
-            return state, record.detail, exit_code, ended_at
+            if not stop_at:
+                return "exited", self._failure_detail(record, exit_code), exit_code, ended_at
+            return "stopped", stop_detail, exit_code, ended_at
         if stat is not None and stat.running:
             return (
                 "stale",
@@ -618,8 +671,8 @@ class JobRegistry:
             )
         if self._watcher_alive(record):
             return "running", "leader exiting; waiting for its exit status", None, None
-        if record.stop_requested_at:
-            return "stopped", record.detail or "stopped; exit status not recorded", None, record.stop_requested_at
+        if stop_at:
+            return "stopped", stop_detail or "stopped; exit status not recorded", None, stop_at
         why = "adopted, so its exit status is unknown" if info.adopted else "no exit status was recorded"
         return "stale", f"process {info.pid} is gone; {why}", None, None
 
@@ -1194,7 +1247,8 @@ class JobRegistry:
             for plan in active:
                 self._update(db, plan.record.id, stop_requested_at=now, detail=detail)
 
-        self._try_write("stop request", record_stop)
+        if not self._try_write("stop request", record_stop):
+            self._keep_in_slots(active, now, detail)
         termed_targets = [t for plan in active for t in plan.targets if status[t.pid] == "termed"]
         self._wait_gone(termed_targets, grace)
         return status
@@ -1409,8 +1463,15 @@ class JobRegistry:
                 values = dict(
                     state="stopped", detail=detail, exit_code=exit_code, ended_at=ended_at or time.time(), stop_requested_at=plan.record.stop_requested_at
                 )
-                self._try_write("stopped state", lambda db: self._update(db, plan.record.id, **values))
+                if not self._try_write("stopped state", lambda db: self._update(db, plan.record.id, **values)):
+                    self._keep_in_slots([plan], values["stop_requested_at"] or time.time(), detail)
         self.refresh()
+
+    def _keep_in_slots(self, plans: list[JobPlan], at: float, detail: str) -> None:
+        """jobs.db refused the stop: keep it in each job dir's reserved slot, read back until jobs.db can store it."""
+        for plan in plans:
+            if write_stop_slot(plan.record.info.job_dir, at, detail):
+                self._note_unrecorded(f"job {plan.record.name}: the stop is kept in {Path(plan.record.info.job_dir) / STOP_FILE} until jobs.db can be written")
 
     def _mention_unrecorded(self, verdicts: list[ProcessVerdict]) -> None:
         notes = self.unrecorded()
@@ -1523,19 +1584,34 @@ def _spawn_leader(argv: list[str], out, err, env: dict[str, str], cgroup: Path |
     return subprocess.Popen(argv, **common), None
 
 
-def _write_exit_code(job_dir: Path, code: int) -> None:
+def _write_exit_code(job_dir: Path, code: int) -> bool:
+    """Replace the exit file atomically; on a full disk, write over the slot reserved at start. False when neither worked."""
     try:
         write_atomic(job_dir / EXIT_FILE, f"{code}\n")
+        return True
     except OSError as exc:  # a full disk must not end the watcher: it still reaps the job's orphans
+        if overwrite_slot(job_dir / EXIT_FILE, f"{code}"):
+            return True
         try:
-            print(f"eagle3 watcher: could not record exit code {code}: {exc}", file=sys.stderr, flush=True)
+            print(f"eagle3 watcher: could not record exit code {code} yet: {exc}", file=sys.stderr, flush=True)
         except OSError:
             pass
+        return False
+
+
+def _retry_exit_code(job_dir: Path, code: int, deadline: float) -> None:
+    """Keep trying to record the exit status until space returns (the job shows "waiting for its exit status" meanwhile)."""
+    while time.monotonic() < deadline:
+        time.sleep(2.0)
+        if _write_exit_code(job_dir, code):
+            return
 
 
 def watch(job_dir: Path, argv: list[str]) -> int:
     """Run argv as the job leader, record leader.json and exit_code, reap orphans until none remain."""
     _become_subreaper()
+    reserve_slot(job_dir / EXIT_FILE, EXIT_SLOT_BYTES)
+    reserve_slot(job_dir / STOP_FILE, STOP_SLOT_BYTES)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda *_: None)  # a handler, not SIG_IGN: the job must start with default dispositions
     env = dict(os.environ)
@@ -1565,23 +1641,25 @@ def watch(job_dir: Path, argv: list[str]) -> int:
     except OSError:
         pass  # the starter gets the same facts on stdout
     _report_leader(leader)
-    code = _reap_all(child, job_dir)
+    code, recorded = _reap_all(child, job_dir)
+    if not recorded:
+        _retry_exit_code(job_dir, code, time.monotonic() + EXIT_RETRY_S)
     if cgroup is not None:
         procs.remove_cgroup(cgroup)
     return 128 - code if code < 0 else code
 
 
-def _reap_all(child: subprocess.Popen, job_dir: Path) -> int:
-    """Wait for the leader (recording its exit code) and every orphan handed to us; returns the leader's code."""
-    code = 0
+def _reap_all(child: subprocess.Popen, job_dir: Path) -> tuple[int, bool]:
+    """Wait for the leader (recording its exit code) and every orphan handed to us; returns the leader's code and whether it was recorded."""
+    code, recorded = 0, False
     while True:
         try:
             pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
-            return code
+            return code, recorded
         if pid == child.pid:
             child.returncode = code = os.waitstatus_to_exitcode(status)
-            _write_exit_code(job_dir, code)
+            recorded = _write_exit_code(job_dir, code)
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,8 @@
 """Jobs on a real full disk (a 1 MiB tmpfs filled to ENOSPC): a start refused in one line, a stop's verdict kept until space returns."""
 
+import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +84,23 @@ def test_a_start_whose_record_cannot_be_written_leaves_no_record_no_dir_no_proce
     assert [(j.name, j.state) for j in fresh.list_jobs()] == [("old", "exited")]
     assert [p.name for p in (run / "jobs").iterdir()] == ["old"]  # the old job's dir was put back, not left renamed aside
     assert Path(fresh.get("old").info.job_dir).is_dir()
+
+
+def test_a_job_stopped_on_a_full_disk_settles_to_stopped_once_space_returns(disk):
+    run = disk / "run"
+    registry = JobRegistry(run)
+    info = registry.start_job("full", "other", [PY, "-c", IGNORE_TERM])
+    wait_for(lambda: "ready" in Path(info.stdout_path).read_text(), what="SIGTERM to be ignored")
+    registry.close()
+    filler = fill(disk)
+    stopped = cli(run, "stop", "--name", "full", "--grace", "0.5", "--json")
+    assert stopped.returncode == 0, stopped.stderr
+    assert [(v["pid"], v["outcome"]) for v in json.loads(stopped.stdout)["verdicts"]] == [(info.pid, "killed")]
+    assert not procs.is_alive(info.pid, info.start_time_ticks)
+    while_full = {job["name"]: job for job in json.loads(cli(run, "list", "--json").stdout)}
+    assert while_full["full"]["state"] == "stopped", while_full  # even before jobs.db can take it
+    filler.unlink()
+    listed = {job["name"]: job for job in json.loads(cli(run, "list", "--json").stdout)}["full"]
+    assert (listed["state"], listed["exit_code"]) == ("stopped", -9) and "stopped by operator (grace 0.5s)" in listed["detail"], listed
+    with sqlite3.connect(run / "jobs.db") as db:  # settled in jobs.db itself, not only in what a listing works out
+        assert db.execute("SELECT state, exit_code FROM jobs WHERE name = 'full'").fetchall() == [("stopped", -9)]

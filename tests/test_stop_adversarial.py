@@ -229,7 +229,7 @@ def test_jobs_db_and_job_dirs_are_private(registry, tmp_path):
     mode = lambda path: Path(path).stat().st_mode & 0o777
     assert mode(registry.db_path) == 0o600 and mode(registry.jobs_dir) == 0o700 and mode(info.job_dir) == 0o700
     assert {p.name: mode(p) for p in Path(info.job_dir).iterdir()} == dict.fromkeys(
-        ["stdout.log", "stderr.log", "watcher.log", "leader.json", "exit_code"], 0o600
+        ["stdout.log", "stderr.log", "watcher.log", "leader.json", "exit_code", "stop_request"], 0o600
     )
     old = tmp_path / "old"
     old.mkdir()
