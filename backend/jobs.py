@@ -1464,7 +1464,7 @@ class JobRegistry:
                     state="stopped", detail=detail, exit_code=exit_code, ended_at=ended_at or time.time(), stop_requested_at=plan.record.stop_requested_at
                 )
                 if not self._try_write("stopped state", lambda db: self._update(db, plan.record.id, **values)):
-                    self._keep_in_slots([plan], values["stop_requested_at"] or time.time(), detail)
+                    self._keep_in_slots([plan], plan.record.stop_requested_at or time.time(), detail)
         self.refresh()
 
     def _keep_in_slots(self, plans: list[JobPlan], at: float, detail: str) -> None:
