@@ -248,6 +248,7 @@ class ConsoleApp(RunActions):
         self._state_cost = 0.0
         self.log_stream = "stdout"  # the stream the agent follows live; the other is re-tailed each poll
         self._quit_warned_at = float("-inf")
+        self._summary_timers: dict[tuple[str, str, bool], Any] = {}  # (host, job, log_x) -> the timer of a deferred summary ask
         self._modes["training"] = partial(_training_screen, raw_plots=raw_plots)
         self._modes["grokking"] = _grokking_screen
         self._init_run_actions(chain_args, signals_interval)
@@ -494,9 +495,24 @@ class ConsoleApp(RunActions):
                 self.note(f"history of {name}: {exc}", severity="warning")
 
     def ensure_summary(self, name: str | None, *, log_x: bool) -> None:
-        """Ask for the whole-history buckets of `name` (log-spaced or not) when missing or older than SUMMARY_REFRESH_S."""
-        if name and self.active.summary_due(name, log_x=log_x):
+        """Ask for the whole-history buckets of `name` (log-spaced or not) when missing or older than SUMMARY_REFRESH_S;
+        when they are too fresh to ask again, ask once they are due: records that came meanwhile (a freshly watched run's
+        whole history comes in the first seconds, then nothing) would otherwise wait for the next record, or for r."""
+        if not name:
+            return
+        if self.active.summary_due(name, log_x=log_x):
             self.refresh_summary(name, log_x)
+            return
+        wait = self.active.summary_wait(name, log_x=log_x)
+        key = (self.active.name, name, log_x)
+        if wait is not None and key not in self._summary_timers:
+            self._summary_timers[key] = self.set_timer(wait + 0.05, partial(self._summary_timer_fired, key))
+
+    def _summary_timer_fired(self, key: tuple[str, str, bool]) -> None:
+        self._summary_timers.pop(key, None)
+        host, name, log_x = key
+        if self.active.name == host and self.selected_job == name:
+            self.ensure_summary(name, log_x=log_x)
 
     def request_zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None:
         """Buckets of the zoomed range (the plot's width of them), for every series the screens plot."""

@@ -264,6 +264,14 @@ class HostSession:
             return True
         return False
 
+    def summary_wait(self, name: str, *, log_x: bool) -> float | None:
+        """Seconds until the held buckets of `name` may be asked for again; None when none are held or a load is on."""
+        at = self.summary_at.get((name, log_x))
+        metrics = self.state.metrics.get(name)
+        if at is None or not self.connected or (metrics is not None and metrics.loading):
+            return None
+        return max(0.0, SUMMARY_REFRESH_S - (time.monotonic() - at))
+
     async def zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> dict[str, Any]:
         return await self.request(
             Request.METRICS_SERIES,

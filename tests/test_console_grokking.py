@@ -611,6 +611,25 @@ async def test_watch_reads_plain_text_logs_says_the_format_and_warns_on_an_unkno
         assert app.state.external_formats["ext:notes2"] == r"it=(?P<step>\d+) L=(?P<loss>\S+)"
 
 
+async def test_a_freshly_watched_tensorboard_runs_training_screen_shows_its_records_without_r(tmp_path):
+    """The whole run arrives in the first polls, then nothing: the Training screen's history must follow without r."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step in range(0, 300, 10):
+        writer.add_scalar("train/loss", 5 - step / 100, step)
+        writer.add_scalar("train/lr", 1e-4, step)
+    writer.close()
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        await watch_with_modal(app, pilot, tmp_path / "tb", "tb")
+        await wait_until(lambda: app.selected_job == "ext:tb", what="the watched run selected")
+        await pilot.press("2")
+        title = lambda: str(app.screen.query_one("#training-title").render())
+        await wait_until(lambda: "ext:tb · 30 records" in title(), timeout=20, what="the Training screen's record count", context=title)
+
+
 async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
     app = live_app(tmp_path, profile="no-such-profile")  # the started run fails fast instead of training on a shared CPU
     async with app.run_test(size=SIZE) as pilot:
