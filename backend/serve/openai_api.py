@@ -143,6 +143,15 @@ def _prompt_kwargs(prompt: Any) -> dict[str, Any]:
     raise invalid("'prompt' must be a string, a list of token ids, or a one-element list of either")
 
 
+def _bool(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid(f"'{key}' must be true or false")
+    return value
+
+
 def _positive_max_tokens(value: Any, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise invalid(f"{name} must be positive, got {value!r}")
@@ -163,6 +172,7 @@ def completion_to_native(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     if not isinstance(echo, bool):
         raise invalid("'echo' must be true or false")
     stream, include_usage = _stream_flags(req)
+    token_ids = _bool(req, "return_token_ids")
     native = {
         **_prompt_kwargs(req["prompt"]),
         "sampling_params": _sampling_params(req, max_tokens),
@@ -172,8 +182,16 @@ def completion_to_native(body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "top_logprobs_num": logprobs or 0,
         "return_text_in_logprobs": True,
         "logprob_start_len": 0 if echo and logprobs is not None else -1,
+        "return_prompt_token_ids": token_ids,
     }
-    options = {"model": _model(req), "echo": bool(echo), "logprobs": logprobs, "include_usage": include_usage}
+    options = {
+        "model": _model(req),
+        "echo": bool(echo),
+        "logprobs": logprobs,
+        "include_usage": include_usage,
+        "spec_details": _bool(req, "return_spec_tokens_details"),
+        "token_ids": token_ids,
+    }
     return native, options
 
 
@@ -226,6 +244,10 @@ def chat_to_native(body: Any, render: Callable[[list[dict[str, str]]], dict[str,
         max_tokens = _positive_max_tokens(max_tokens, "max_tokens")
     top = _chat_logprobs(req)
     stream, include_usage = _stream_flags(req)
+    prompt_ids, token_ids = _bool(req, "return_prompt_token_ids"), _bool(req, "return_token_ids")
+    for key, wanted in (("return_prompt_token_ids", prompt_ids), ("return_token_ids", token_ids)):
+        if stream and wanted:  # SGLang's own refusal (serving_chat)
+            raise OpenAIRequestError(f"{key} is not supported with streaming on /v1/chat/completions. Please set stream=false when using {key}=true.")
     native = {
         **render(chat_messages(req)),
         "sampling_params": _sampling_params(req, max_tokens),
@@ -234,8 +256,16 @@ def chat_to_native(body: Any, render: Callable[[list[dict[str, str]]], dict[str,
         "return_logprob": top is not None,
         "top_logprobs_num": top or 0,
         "return_text_in_logprobs": True,
+        "return_prompt_token_ids": prompt_ids or token_ids,
     }
-    options = {"model": _model(req), "logprobs": top, "include_usage": include_usage}
+    options = {
+        "model": _model(req),
+        "logprobs": top,
+        "include_usage": include_usage,
+        "spec_details": _bool(req, "return_spec_tokens_details"),
+        "prompt_token_ids": prompt_ids or token_ids,
+        "token_ids": token_ids,
+    }
     return native, options
 
 
@@ -245,6 +275,35 @@ def chat_to_native(body: Any, render: Callable[[list[dict[str, str]]], dict[str,
 def usage(meta: dict[str, Any]) -> dict[str, Any]:
     prompt, completion = meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0)
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion, "prompt_tokens_details": None, "reasoning_tokens": 0}
+
+
+# SGLang's SpecTokensDetails: every field, zero when the engine did not report it.
+SPEC_DETAIL_FLOATS = ("spec_accept_rate", "spec_accept_length", "spec_cap_length", "spec_block_accept_length")
+SPEC_DETAIL_INTS = ("spec_num_correct_drafts", "spec_num_proposed_drafts", "spec_verify_ct")
+SPEC_DETAIL_LISTS = ("spec_correct_drafts_histogram", "spec_cap_lens_histogram")
+
+
+def spec_tokens_details(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """SGLang's spec_tokens_details_from_meta_info: None when meta_info carries no speculative field."""
+    if not any(key in meta for key in SPEC_DETAIL_FLOATS + SPEC_DETAIL_INTS + SPEC_DETAIL_LISTS):
+        return None
+    details: dict[str, Any] = {key: meta.get(key) or 0.0 for key in SPEC_DETAIL_FLOATS}
+    details.update({key: meta.get(key) or 0 for key in SPEC_DETAIL_INTS})
+    details.update({key: list(meta.get(key) or []) for key in SPEC_DETAIL_LISTS})
+    return details
+
+
+def sglext(meta: dict[str, Any], options: dict[str, Any]) -> dict[str, Any] | None:
+    """The response-level `sglext` object (SGLang's SglExt, None fields dropped), or None when nothing was asked for."""
+    details = spec_tokens_details(meta) if options.get("spec_details") else None
+    return {"spec_tokens_details": details} if details is not None else None
+
+
+def _with_sglext(response: dict[str, Any], meta: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    ext = sglext(meta, options)
+    if ext is not None:
+        response["sglext"] = ext
+    return response
 
 
 def _finish(meta: dict[str, Any]) -> tuple[str | None, Any]:
@@ -290,7 +349,9 @@ def completion_response(out: dict[str, Any], options: dict[str, Any], echo_text:
         "matched_stop": matched,
         "logprobs": _completion_choice_logprobs(meta, options, with_input=True),
     }
-    return {
+    if options.get("token_ids"):
+        choice.update(token_ids=list(out["output_ids"]), prompt_token_ids=out.get("prompt_token_ids"))
+    response = {
         "id": meta["id"],
         "object": "text_completion",
         "created": int(time.time()),
@@ -299,6 +360,7 @@ def completion_response(out: dict[str, Any], options: dict[str, Any], echo_text:
         "usage": usage(meta),
         "metadata": {"weight_version": meta.get("weight_version", "default")},
     }
+    return _with_sglext(response, meta, options)
 
 
 def chat_token_logprobs(entries: list, tops: list | None) -> list[dict[str, Any]]:
@@ -326,7 +388,11 @@ def chat_response(out: dict[str, Any], options: dict[str, Any]) -> dict[str, Any
     finish, matched = _finish(meta)
     message = {"role": "assistant", "content": out["text"], "reasoning_content": None, "tool_calls": None}
     choice = {"index": 0, "message": message, "logprobs": _chat_choice_logprobs(meta, options), "finish_reason": finish, "matched_stop": matched}
-    return {
+    if options.get("prompt_token_ids"):
+        choice["prompt_token_ids"] = out.get("prompt_token_ids")
+    if options.get("token_ids"):
+        choice["response_token_ids"] = list(out["output_ids"])
+    response = {
         "id": meta["id"],
         "object": "chat.completion",
         "created": int(time.time()),
@@ -335,6 +401,7 @@ def chat_response(out: dict[str, Any], options: dict[str, Any]) -> dict[str, Any
         "usage": usage(meta),
         "metadata": {"weight_version": meta.get("weight_version", "default")},
     }
+    return _with_sglext(response, meta, options)
 
 
 class StreamFormatter:
@@ -347,6 +414,7 @@ class StreamFormatter:
         self.created = int(time.time())
         self.sent_chars = 0
         self.sent_logprobs = 0
+        self.sent_ids = 0
         self.started = False
         self.last_meta: dict[str, Any] = {}
 
@@ -364,21 +432,36 @@ class StreamFormatter:
         delta = out["text"][self.sent_chars :]
         self.sent_chars = max(self.sent_chars, len(out["text"]))
         finish, matched = _finish(meta)
-        choice = self._chat_choice(meta, delta) if self.chat else self._completion_choice(meta, delta)
+        choice = self._chat_choice(meta, delta) if self.chat else self._completion_choice(out, delta)
         choice.update(finish_reason=finish, matched_stop=matched)
         self.sent_logprobs = len(meta.get("output_token_logprobs") or [])
         self.started = True
         chunks.append(self._envelope(meta["id"], [choice]))
         return chunks
 
-    def _completion_choice(self, meta: dict[str, Any], delta: str) -> dict[str, Any]:
-        first = not self.started
+    def _completion_choice(self, out: dict[str, Any], delta: str) -> dict[str, Any]:
+        meta, first = out["meta_info"], not self.started
         text = (self.echo_text if first and self.options.get("echo") else "") + delta
         logprobs = _completion_choice_logprobs(meta, self.options, start=self.sent_logprobs, with_input=first)
-        return {"index": 0, "text": text, "logprobs": logprobs}
+        choice = {"index": 0, "text": text, "logprobs": logprobs}
+        if self.options.get("token_ids"):  # the new ids of this chunk; the prompt's once, on the first
+            choice["token_ids"] = list(out["output_ids"][self.sent_ids :])
+            self.sent_ids = len(out["output_ids"])
+            if first:
+                choice["prompt_token_ids"] = out.get("prompt_token_ids")
+        return choice
 
     def _chat_choice(self, meta: dict[str, Any], delta: str) -> dict[str, Any]:
         return {"index": 0, "delta": {"content": delta}, "logprobs": _chat_choice_logprobs(meta, self.options, self.sent_logprobs)}
+
+    def sglext_chunk(self) -> dict[str, Any] | None:
+        """After the last choice chunk: empty choices and the response-level sglext, when one was asked for."""
+        ext = sglext(self.last_meta, self.options) if self.last_meta else None
+        if ext is None:
+            return None
+        chunk = self._envelope(self.last_meta["id"], [])
+        chunk["sglext"] = ext
+        return chunk
 
     def usage_chunk(self) -> dict[str, Any] | None:
         """The trailing chunk with empty choices and usage, when stream_options.include_usage asked for it."""
@@ -387,3 +470,7 @@ class StreamFormatter:
         chunk = self._envelope(self.last_meta["id"], [])
         chunk["usage"] = usage(self.last_meta)
         return chunk
+
+    def trailer(self) -> list[dict[str, Any]]:
+        """SGLang's order after the choice chunks: the sglext chunk, then the usage chunk."""
+        return [chunk for chunk in (self.sglext_chunk(), self.usage_chunk()) if chunk is not None]

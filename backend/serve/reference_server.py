@@ -2,6 +2,7 @@
 
 python -m backend.serve.reference_server --profile P --draft DIR --port N [--host 127.0.0.1]
        [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--served-model-name NAME]
+       [--device auto|cpu|cuda[:N]] [--static-cache] [--compile-steps]
        [--max-body-bytes B] [--request-timeout S] [--header-timeout S] [--max-connections N] [--max-waiting N]
 
 Native routes (/generate, /flush_cache, /health*, /get_server_info, /get_model_info) and the OpenAI ones
@@ -34,9 +35,9 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
-from backend.serve import hf_tokenizer, openai_api
+from backend.serve import hf_tokenizer, openai_api, serving_metrics
 from backend.serve.openai_api import OpenAIRequestError
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -79,7 +80,13 @@ UNSUPPORTED_GENERATE = (
     "session_params",
     "return_hidden_states",
     "custom_logit_processor",
+    "token_ids_logprob",
 )
+
+
+UNSUPPORTED_HINTS = {
+    "token_ids_logprob": "; ask for top_logprobs_num instead (top_logprobs_num = the vocab size returns every token's logprob)",
+}
 
 
 class RequestError(ValueError):
@@ -145,6 +152,7 @@ class NativeRequest:
     spec: GenerationSpec
     rid: str
     stream: bool
+    return_prompt_token_ids: bool = False  # the reply carries the prompt's ids as top-level `prompt_token_ids`
 
 
 @dataclass
@@ -187,11 +195,11 @@ def correct_drafts_histogram(accepted_per_round: list[int]) -> list[int]:
 # --------------------------------------------------------------------------- the engine
 
 
-def streaming_decoder_class():
-    """SpecDecoder whose stop rules (stop ids, stop strings) are set per request and which reports each emission."""
+def streaming_decoder_class(base: type | None = None):
+    """`base` (SpecDecoder, or StaticDecoder) whose stop rules (stop ids, stop strings) are set per request and which reports each emission."""
     from backend.serve.spec_decode import SpecDecoder
 
-    class StreamingDecoder(SpecDecoder):
+    class StreamingDecoder(base or SpecDecoder):  # type: ignore[misc]
         on_emit: Callable[[Any], None] | None = None
         stop_string_hit: Callable[[list[int]], bool] | None = None
 
@@ -254,7 +262,20 @@ def _finite(value: float | None) -> float | None:
 class Engine:
     """Target + optional draft behind one lock, with SGLang-style cumulative acceptance counters."""
 
-    def __init__(self, profile, draft_dir: str | None, feed: str, num_steps: int | None, speculative: bool):
+    def __init__(
+        self,
+        profile,
+        draft_dir: str | None,
+        feed: str,
+        num_steps: int | None,
+        speculative: bool,
+        device: str | None = None,
+        static_cache: bool | None = None,
+        compile_steps: bool = False,
+    ):
+        """device: "auto"/None picks cuda:0 when CUDA is available, else cpu. On CUDA the target loads in the profile's
+        [serve] dtype and decodes through the static-cache decoder under CUDA graphs; on CPU it loads as it always
+        did (the profile's target dtype) and decodes eagerly, unless static_cache=True asks for the static decoder."""
         import torch
 
         from backend.train.target import load_target
@@ -265,7 +286,11 @@ class Engine:
         self.profile = profile
         self.speculative = speculative
         self.draft_dir = draft_dir
-        self.target = load_target(profile)
+        self.device = self.resolve_device(device)
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.set_device(self.device)
+        self.target = load_target(profile, device=self.device, dtype=profile.serve.dtype) if on_cuda else load_target(profile)
         self.tokenizer = self.target.tokenizer
         self.tokenizer_path = hf_tokenizer.exposed_tokenizer_dir(self.target.path, log)
         self.num_steps = num_steps or profile.serve.num_steps
@@ -277,17 +302,47 @@ class Engine:
             from backend.train.checkpoint import load_checkpoint
 
             draft, config, _meta, _state = load_checkpoint(draft_dir, target_embedding=self.target.embed_weight())
-            draft.eval()
+            draft = draft.to(self.device).eval()
             self.expected_feature_width = config.aux_width
             aux_ids = list(config.aux_layer_ids)
-        self.decoder = streaming_decoder_class()(
-            self.target.model, draft, aux_layer_ids=aux_ids, num_steps=self.num_steps, feed=feed, eos_token_id=getattr(self.tokenizer, "eos_token_id", None)
-        )
+        kwargs = {"aux_layer_ids": aux_ids, "num_steps": self.num_steps, "feed": feed, "eos_token_id": getattr(self.tokenizer, "eos_token_id", None)}
+        self.decoder = self._build_decoder(draft, kwargs, on_cuda if static_cache is None else static_cache, compile_steps)
         self.eos_ids = frozenset(self.decoder.eos)
         self.lock = threading.Lock()
         self.counters_lock = threading.Lock()
         self.last_features: dict[str, Any] = {}
         self.flush()
+
+    @staticmethod
+    def resolve_device(name: str | None):
+        """"auto" (or None) -> cuda:0 when CUDA is available, else cpu; "cuda" -> cuda:0; anything else as torch reads it."""
+        import torch
+
+        if name in (None, "auto"):
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(name)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {name!r} was asked for but CUDA is not available here; nothing was loaded")
+            device = torch.device("cuda", device.index or 0)  # torch 2.11 refuses set_device("cuda") without an index
+        return device
+
+    def _build_decoder(self, draft, kwargs: dict[str, Any], static_cache: bool, compile_steps: bool):
+        """The static-cache decoder when asked (the default on CUDA) and the target is one it runs; else the eager one."""
+        self.decoder_kind = "eager"
+        if static_cache:
+            from backend.serve.static_decode import StaticDecoder, StaticUnsupported
+
+            try:
+                # + one verify's width: the server admits prompt + max_new_tokens <= context_len, a verify writes num_steps more
+                decoder = streaming_decoder_class(StaticDecoder)(
+                    self.target.model, draft, max_len=self.context_len + self.num_steps + 1, compile=compile_steps, **kwargs
+                )
+                self.decoder_kind = "static-cuda-graphs" if decoder.use_graphs else "static"
+                return decoder
+            except StaticUnsupported as exc:
+                log(f"{exc}; decoding eagerly instead")
+        return streaming_decoder_class()(self.target.model, draft, **kwargs)
 
     @property
     def context_len(self) -> int:
@@ -417,21 +472,24 @@ class Engine:
         return text if finish else text.rstrip("\ufffd")
 
     def meta_info(self, gen: Generation) -> dict[str, Any]:
+        """SGLang's meta_info; like its tokenizer manager, the latency and the speculative fields only once finished."""
         meta: dict[str, Any] = {
             "id": gen.rid,
             "finish_reason": gen.finish,
             "prompt_tokens": len(gen.spec.input_ids),
             "weight_version": WEIGHT_VERSION,
-            "completion_tokens": len(gen.output_ids),
-            "cached_tokens": 0,
+            "num_retractions": 0,  # one request at a time: nothing is ever retracted for memory
         }
-        meta.update(self.spec_meta(gen))
         if gen.spec.return_logprob:
             meta.update(input_token_logprobs=gen.input_logprobs, output_token_logprobs=gen.output_logprobs)
+            meta["output_token_logprobs_length"] = len(gen.output_logprobs)
             if gen.spec.top_logprobs_num > 0:
                 meta.update(input_top_logprobs=gen.input_top_logprobs, output_top_logprobs=gen.output_top_logprobs)
-        if gen.latency is not None:
-            meta["e2e_latency"] = gen.latency
+        meta.update(reasoning_tokens=0, completion_tokens=len(gen.output_ids), cached_tokens=0)  # no reasoning parser
+        if gen.finish is not None:
+            if gen.latency is not None:
+                meta["e2e_latency"] = gen.latency
+            meta.update(self.spec_meta(gen))
         return meta
 
     def spec_meta(self, gen: Generation) -> dict[str, Any]:
@@ -593,7 +651,7 @@ def parse_generate(body: Any, engine: Engine) -> NativeRequest:
         raise RequestError("the body must be a JSON object")
     for key in UNSUPPORTED_GENERATE:
         if body.get(key) not in (None, False, [], {}):
-            raise RequestError(f"'{key}' is not supported by the reference engine")
+            raise RequestError(f"'{key}' is not supported by the reference engine{UNSUPPORTED_HINTS.get(key, '')}")
     ids = _prompt_ids(body, engine)
     rid = _rid(body)
     params = body.get("sampling_params") or {}
@@ -609,7 +667,8 @@ def parse_generate(body: Any, engine: Engine) -> NativeRequest:
         skip_special_tokens=_flag(params, "skip_special_tokens", True, "sampling_params."),
         **_logprob_options(body, engine),
     )
-    return NativeRequest(spec=spec, rid=rid, stream=_flag(body, "stream", False, ""))
+    stream, prompt_ids = _flag(body, "stream", False, ""), _flag(body, "return_prompt_token_ids", False, "")
+    return NativeRequest(spec=spec, rid=rid, stream=stream, return_prompt_token_ids=prompt_ids)
 
 
 # --------------------------------------------------------------------------- request bodies
@@ -651,6 +710,9 @@ def parse_json(raw: bytes) -> Any:
 ROUTES = {
     "/health": {"GET": "health"},
     "/health_generate": {"GET": "health"},
+    "/ready": {"GET": "health"},  # SGLang: 200 once loaded and not paused (this engine never pauses)
+    "/ping": {"GET": "health"},  # SGLang's SageMaker health check
+    "/metrics": {"GET": "metrics"},  # only with --enable-metrics, as in SGLang; 404 otherwise
     "/get_server_info": {"GET": "server_info"},
     "/server_info": {"GET": "server_info"},
     "/get_model_info": {"GET": "model_info"},
@@ -673,7 +735,9 @@ METHOD_NOT_ALLOWED = {"detail": "Method Not Allowed"}
 # pool of their own, so health checks answer while generations hold the main pool); when a pool's queue is full
 # the request is answered 503 at once. After a kept-alive reply the connection goes back to the event loop.
 
-LIGHT_PATHS = frozenset({"/health", "/health_generate", "/get_server_info", "/server_info", "/get_model_info", "/model_info", "/v1/models"})
+LIGHT_PATHS = frozenset(
+    {"/health", "/health_generate", "/ready", "/ping", "/metrics", "/get_server_info", "/server_info", "/get_model_info", "/model_info", "/v1/models"}
+)
 LIGHT_WORKERS = 4
 LIGHT_QUEUE = 64
 HEAD_END = re.compile(rb"\r?\n\r?\n")
@@ -916,6 +980,7 @@ class ReferenceHTTPServer:
         self.engine: Engine | None = None
         self.info = info
         self.loading = True
+        self.metrics: serving_metrics.ServingMetrics | None = None  # set with --enable-metrics
         self.max_body_bytes = max_body_bytes
         self.request_timeout = request_timeout
         self.limits = limits or ConnectionLimits()
@@ -1371,6 +1436,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _route(self, path: str) -> Callable[[bytes], None]:
         methods = ROUTES.get(path) or ({"GET": "model"} if path.startswith("/v1/models/") else None)
+        if path == "/metrics" and self.server.metrics is None:
+            methods = None  # SGLang mounts /metrics only with --enable-metrics
         if methods is None:
             raise HttpError(404, payload=dict(NOT_FOUND))
         name = methods.get(self.command)
@@ -1388,6 +1455,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def route_health(self, _raw: bytes) -> None:
         self._send_empty(HTTPStatus.OK if self.server.engine is not None else HTTPStatus.SERVICE_UNAVAILABLE)
+
+    def route_metrics(self, _raw: bytes) -> None:
+        metrics, engine = self.server.metrics, self.server.engine
+        assert metrics is not None  # _route answers 404 without --enable-metrics
+        self._send_bytes(HTTPStatus.OK, metrics.render(metric_gauges(self.server.info, engine)).encode(), serving_metrics.CONTENT_TYPE)
 
     def route_server_info(self, _raw: bytes) -> None:
         engine = self.server.engine
@@ -1431,11 +1503,20 @@ class Handler(BaseHTTPRequestHandler):
             self._stream(engine, request, lambda out: [out], native_errors=True)
             return
         gen = self._run(engine, request)
-        self._send_json(HTTPStatus.OK, engine.output(gen))
+        self._send_json(HTTPStatus.OK, self._output(engine, request, gen))
+
+    def _output(self, engine: Engine, request: NativeRequest, gen: Generation) -> dict[str, Any]:
+        """The engine's {text, output_ids, meta_info}, plus SGLang's top-level prompt_token_ids when asked for."""
+        out = engine.output(gen)
+        if request.return_prompt_token_ids:
+            out["prompt_token_ids"] = list(request.spec.input_ids)
+        return out
 
     def _run(self, engine: Engine, request: NativeRequest, on_progress=None) -> Generation:
         gen = engine.run(request.spec, request.rid, on_progress)
         engine.log_generation(gen)
+        if self.server.metrics is not None:
+            self.server.metrics.finished(len(request.spec.input_ids), len(gen.output_ids), gen.verify_ct, gen.latency or 0.0, request.stream)
         return gen
 
     def _stream(
@@ -1447,7 +1528,7 @@ class Handler(BaseHTTPRequestHandler):
 
         def on_progress(gen: Generation) -> None:
             nonlocal sent_final
-            for event in to_events(engine.output(gen)):
+            for event in to_events(self._output(engine, request, gen)):
                 self._send_event(event)
             sent_final = gen.finish is not None
 
@@ -1458,6 +1539,8 @@ class Handler(BaseHTTPRequestHandler):
             for event in trailer():
                 self._send_event(event)
         except ClientGone:
+            if self.server.metrics is not None:
+                self.server.metrics.abandoned()
             raise
         except Exception as exc:  # mid-stream there is no status code left: SGLang sends an error event
             log(f"generate {request.rid} failed mid-stream:\n{traceback.format_exc()}")
@@ -1489,7 +1572,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def route_model(self, _raw: bytes) -> None:
         engine, name = self._engine(), self.server.info["served_model_name"]
-        wanted = urlsplit(self.path).path[len("/v1/models/") :]
+        wanted = unquote(urlsplit(self.path).path[len("/v1/models/") :])  # clients quote the id (a path: %2F for /)
         if wanted != name:
             self._send_json(HTTPStatus.NOT_FOUND, openai_api.model_not_found(wanted))
             return
@@ -1505,10 +1588,10 @@ class Handler(BaseHTTPRequestHandler):
         echo = engine.decode(request.spec.input_ids) if options["echo"] else ""
         if request.stream:
             formatter = openai_api.StreamFormatter(options, chat=False, echo_text=echo)
-            self._stream(engine, request, formatter.chunks, lambda: [c for c in [formatter.usage_chunk()] if c])
+            self._stream(engine, request, formatter.chunks, formatter.trailer)
             return
         gen = self._run(engine, request)
-        self._send_json(HTTPStatus.OK, openai_api.completion_response(engine.output(gen), options, echo))
+        self._send_json(HTTPStatus.OK, openai_api.completion_response(self._output(engine, request, gen), options, echo))
 
     def route_chat(self, raw: bytes) -> None:
         engine = self._engine()
@@ -1519,10 +1602,26 @@ class Handler(BaseHTTPRequestHandler):
         request, options = parsed
         if request.stream:
             formatter = openai_api.StreamFormatter(options, chat=True)
-            self._stream(engine, request, formatter.chunks, lambda: [c for c in [formatter.usage_chunk()] if c])
+            self._stream(engine, request, formatter.chunks, formatter.trailer)
             return
         gen = self._run(engine, request)
-        self._send_json(HTTPStatus.OK, openai_api.chat_response(engine.output(gen), options))
+        self._send_json(HTTPStatus.OK, openai_api.chat_response(self._output(engine, request, gen), options))
+
+
+def metric_gauges(info: dict[str, Any], engine: Engine | None) -> dict[str, tuple[str, float | None]]:
+    """SGLang's gauges this engine has values for: speculative settings and the accept length/rate since the last flush."""
+    gauges: dict[str, tuple[str, float | None]] = {
+        "sglang:num_running_reqs": ("The number of running requests.", float(engine is not None and engine.lock.locked())),
+    }
+    if info.get("speculative_algorithm"):
+        average = engine.avg_accept_length() if engine is not None else None
+        steps = info["speculative_num_steps"]
+        gauges["sglang:spec_accept_length"] = ("Mean acceptance length of speculative decoding (accepted drafts + bonus token per forward).", average)
+        rate = (average - 1) / steps if average is not None and steps else None
+        gauges["sglang:spec_accept_rate"] = ("Speculative acceptance rate (`accepted drafts / proposed drafts` in batch).", rate)
+        gauges["sglang:spec_num_steps"] = ("Currently active speculative_num_steps.", float(steps))
+        gauges["sglang:spec_num_draft_tokens"] = ("Currently active speculative_num_draft_tokens (decouples from steps under topk>1).", float(steps + 1))
+    return gauges
 
 
 # --------------------------------------------------------------------------- main
@@ -1556,6 +1655,7 @@ def server_info(profile, args, engine_path: str) -> dict[str, Any]:
         "header_timeout": args.header_timeout,
         "max_connections": args.max_connections,
         "max_waiting": args.max_waiting,
+        "enable_metrics": args.enable_metrics,
         "version": "eagle3-console-reference",
     }
 
@@ -1577,6 +1677,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-steps", type=int, help="draft steps per verify (default: the profile's)")
     parser.add_argument("--served-model-name", help="the model id /v1/models reports (default: the target's directory)")
     parser.add_argument("--no-speculation", action="store_true", help="plain target decoding (benchmark baseline)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda:0 when CUDA is available, else cpu), cpu, cuda or cuda:N; on CUDA: the [serve] dtype, static KV cache, CUDA graphs",
+    )
+    parser.add_argument("--static-cache", action="store_true", help="decode through the static-cache decoder on CPU too (on CUDA it always is)")
+    parser.add_argument("--compile-steps", action="store_true", help="torch.compile the static decoder's steps before capturing them (CUDA)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies are refused with 413 (default %(default)s)")
     parser.add_argument(
         "--request-timeout",
@@ -1602,6 +1709,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_MAX_WAITING,
         help="open connections still sending a request head (no thread each); past it the oldest is dropped (default %(default)s)",
     )
+    parser.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at GET /metrics (SGLang's flag and metric names)")
     args = parser.parse_args(argv)
     if not 0 < args.header_timeout < 86400 or not 1 <= args.max_connections <= 4096 or not 1 <= args.max_waiting <= 1_000_000:
         parser.error("--header-timeout must be in (0, 86400), --max-connections in 1..4096 and --max-waiting in 1..1000000")
@@ -1655,6 +1763,8 @@ def main(argv: list[str] | None = None) -> int:
         request_timeout=args.request_timeout,
         limits=limits,
     )
+    if args.enable_metrics:
+        server.metrics = serving_metrics.ServingMetrics(server.info["served_model_name"])
     outcome = {"code": 0}
 
     def stop(signum, _frame) -> None:
@@ -1667,7 +1777,16 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> None:
         started = time.monotonic()
         try:
-            engine = Engine(profile, args.draft, args.feed, args.num_steps, speculative=not args.no_speculation)
+            engine = Engine(
+                profile,
+                args.draft,
+                args.feed,
+                args.num_steps,
+                speculative=not args.no_speculation,
+                device=args.device,
+                static_cache=True if args.static_cache else None,
+                compile_steps=args.compile_steps,
+            )
         except Exception:  # any load failure ends the server with the traceback in its log
             log("loading failed:\n" + traceback.format_exc())
             outcome["code"] = 1
@@ -1676,9 +1795,12 @@ def main(argv: list[str] | None = None) -> int:
         server.info["resolved_model_path"] = engine.target.path
         server.info["served_model_name"] = args.served_model_name or engine.target.path
         server.info["tokenizer_path"] = engine.tokenizer_path
+        if server.metrics is not None:
+            server.metrics.model_name = server.info["served_model_name"]
         server.engine = engine
         server.loading = False
         mode = f"EAGLE3, {engine.num_steps} steps, feed {args.feed}" if engine.speculative else "no speculation"
+        mode += f"; {engine.device}, {engine.decoder_kind} decoder"
         log(f"ready in {time.monotonic() - started:.1f} s on http://{args.host}:{args.port} ({mode})")
 
     log(f"listening on http://{args.host}:{args.port}; loading {profile.name} target" + ("" if args.no_speculation else f" and draft {args.draft}"))
