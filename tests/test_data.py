@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from backend.train.data import (
+    bucket_length,
     BatchSampler,
     DataError,
     OfflineSource,
@@ -38,6 +39,17 @@ def test_collate_right_pads_and_masks():
     assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
     assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_batches_are_padded_to_a_short_ladder_of_lengths_and_count_real_tokens():
+    """Real conversations have every length up to seq_len; compiled training sees at most ~2 lengths per octave."""
+    lengths = {bucket_length(n) for n in range(1, 2049)}
+    assert lengths == {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048}
+    assert all(n <= bucket_length(n) <= max(2, 1.5 * n) for n in range(1, 5000))
+    assert bucket_length(700, cap=720) == 720 and bucket_length(1000, cap=900) == 1000  # the cap never cuts a sample
+    batch = collate([Sample(torch.arange(5), torch.ones(5)), Sample(torch.arange(2), torch.ones(2))], pad_id=0)
+    assert batch["input_ids"].shape == (2, 6) and batch["tokens"] == 7 and batch["loss_mask"][:, 5].sum() == 0
+    assert collate([Sample(torch.arange(5), torch.ones(5))], pad_id=0, bucket=False)["input_ids"].shape == (1, 5)
 
 
 def test_ranks_take_disjoint_slices_of_every_global_batch():

@@ -492,6 +492,31 @@ def test_optimised_step_gives_the_plain_steps_loss_and_gradients():
             assert (param.grad - ref_grads[name]).abs().max() <= 1e-4 * scale, name
 
 
+def test_padding_a_batch_to_its_bucket_changes_neither_loss_nor_gradients():
+    """Bucketed batches are right-padded (loss_mask 0, so causal attention never lets a real position see a pad): the
+    loss and every gradient equal the unpadded batch's; tokens counts only the real positions."""
+    from backend.train.data import TrainBatch, bucket_length
+
+    trainer, source = small_bench_trainer()
+    draft = trainer.draft
+    results = []
+    for pad in (0, bucket_length(129) - 128):
+        batch = source.batch("train", [0], "cpu")
+
+        def padded(tensor, pad=pad):
+            return torch.cat([tensor, torch.zeros((tensor.shape[0], pad, *tensor.shape[2:]), dtype=tensor.dtype)], dim=1)
+
+        batch = TrainBatch(padded(batch.input_ids), padded(batch.loss_mask), padded(batch.aux_hidden), padded(batch.target_logits), tokens=128)
+        draft.zero_grad(set_to_none=True)
+        result = trainer._forward(batch, trainer.model)
+        result.total.backward()
+        results.append((float(result.total), {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}))
+    (plain_loss, plain_grads), (padded_loss, padded_grads) = results
+    assert padded_loss == pytest.approx(plain_loss, rel=1e-5)
+    for name, grad in plain_grads.items():
+        assert (padded_grads[name] - grad).abs().max() <= 1e-4 * grad.abs().max(), name
+
+
 def test_master_weights_keep_fp32_checkpoints_and_the_fp32_loss_curve(tmp_path):
     """bf16 weights + fp32 masters (the CUDA layout, forced here on CPU): the checkpoint view holds the fp32 masters under
     the same keys, shapes and dtypes as an fp32 run, and the first 10 losses stay within 2 % of the fp32 run's."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 
 import torch
@@ -117,11 +118,24 @@ def flex_available() -> bool:
     return True
 
 
+@lru_cache(maxsize=1)
+def keep_compiles_in_process() -> None:
+    """Run inductor's compiles in this process, not in its pool of compile workers.
+
+    A stop signals the job's whole process group, the workers too: a worker killed mid-compile left the trainer waiting
+    on it for good, so a SIGTERM never reached the checkpoint. With bucketed lengths a run compiles a few graphs once.
+    EAGLE3_INDUCTOR_THREADS=N gives the pool back (N workers)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = int(os.environ.get("EAGLE3_INDUCTOR_THREADS", "1"))
+
+
 @lru_cache(maxsize=None)
 def _flex_function(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
     if device_type == "cuda":
+        keep_compiles_in_process()
         return torch.compile(flex_attention)
     return flex_attention  # CPU: unfused reference path (forward only), used for checks
 

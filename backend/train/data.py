@@ -46,13 +46,30 @@ class TrainBatch:
     loss_mask: torch.Tensor  # [B, S]
     aux_hidden: torch.Tensor  # [B, S, 3*Ht]
     target_logits: torch.Tensor | None  # [B, S, V]
+    tokens: int = 0  # real (unpadded) tokens in the batch; 0: every position is real
 
 
-def collate(samples: list[Sample], pad_id: int) -> dict:
-    """Right-pad to the longest sample: input_ids (pad_id), loss_mask (0), attention_mask (1 on real tokens)."""
+def bucket_length(length: int, cap: int | None = None) -> int:
+    """The padded length of a batch whose longest sample is `length`: the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, ...
+
+    Compiled training (torch.compile with static shapes, flex attention) builds one kernel per sequence length; real
+    conversations have hundreds of lengths, so batches are right-padded to this ladder (at most ~1.5x the tokens, ~11
+    lengths up to 2,048). Never past `cap` (the longest sample the source holds), never below `length`.
+    """
+    if length <= 2:
+        return length
+    power = 1 << (length - 1).bit_length()  # the smallest power of two >= length
+    padded = power * 3 // 4 if power * 3 // 4 >= length else power
+    return max(length, min(padded, cap)) if cap is not None else padded
+
+
+def collate(samples: list[Sample], pad_id: int, cap: int | None = None, bucket: bool = True) -> dict:
+    """Right-pad to the longest sample (to its bucket_length when `bucket`): input_ids (pad_id), loss_mask (0),
+    attention_mask (1 on real tokens); "tokens" counts the real ones."""
     import torch
 
-    length = max(len(s.input_ids) for s in samples)
+    longest = max(len(s.input_ids) for s in samples)
+    length = bucket_length(longest, cap) if bucket else longest
     ids = torch.full((len(samples), length), pad_id, dtype=torch.int64)
     loss = torch.zeros((len(samples), length), dtype=torch.uint8)
     attention = torch.zeros((len(samples), length), dtype=torch.int64)
@@ -61,7 +78,7 @@ def collate(samples: list[Sample], pad_id: int) -> dict:
         ids[row, :n] = torch.as_tensor(sample.input_ids, dtype=torch.int64)
         loss[row, :n] = torch.as_tensor(sample.loss_mask, dtype=torch.uint8)
         attention[row, :n] = 1
-    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attention}
+    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attention, "tokens": sum(len(s.input_ids) for s in samples)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,6 +474,7 @@ class OnlineSource:
         self.aux_width = target.aux_width
         self.hidden_size = target.hidden_size
         self.vocab_size = target.vocab_size
+        self.longest = max((len(sample.input_ids) for split in splits.values() for sample in split), default=None)
 
     def __len__(self) -> int:
         return len(self.splits["train"])
@@ -470,9 +488,11 @@ class OnlineSource:
             yield sample.input_ids, sample.loss_mask
 
     def batch(self, split: str, indices: list[int], device) -> TrainBatch:
-        data = collate([self.splits[split][i] for i in indices], self.pad_id)
+        data = collate([self.splits[split][i] for i in indices], self.pad_id, cap=self.longest)
         result = self.target.capture(data["input_ids"], data["attention_mask"], with_logits=True)
-        return TrainBatch(data["input_ids"].to(device), data["loss_mask"].to(device), result.aux_hidden.to(device), result.logits.to(device))
+        return TrainBatch(
+            data["input_ids"].to(device), data["loss_mask"].to(device), result.aux_hidden.to(device), result.logits.to(device), tokens=data["tokens"]
+        )
 
     def embed_weight(self):
         return self.target.embed_weight()
@@ -538,6 +558,7 @@ class OfflineSource:
         self.hidden_size = int(self.meta["hidden_size"])
         self.vocab_size = int(self.meta["vocab_size"])
         self.pad_id = 0
+        self.seq_len = profile.train.seq_len  # bucketed batches are never padded past it
         self._check_profile(profile)
         from safetensors.torch import load_file
 
@@ -581,7 +602,8 @@ class OfflineSource:
 
         shards = self.splits[split]
         rows = [shards.get(i, ("input_ids", "loss_mask", "aux_hidden_states", shards.teacher_key)) for i in indices]
-        length = max(row["input_ids"].shape[0] for row in rows)
+        real = [row["input_ids"].shape[0] for row in rows]
+        length = bucket_length(max(real), self.seq_len)
         pin = torch.cuda.is_available()
 
         def stack(key, fill=0):
@@ -592,18 +614,18 @@ class OfflineSource:
             return out.pin_memory() if pin else out
 
         keys = {"input_ids": self.pad_id, "loss_mask": 0, "aux_hidden_states": 0, shards.teacher_key: 0}
-        return {key: stack(key, fill) for key, fill in keys.items()} | {"teacher_key": shards.teacher_key}
+        return {key: stack(key, fill) for key, fill in keys.items()} | {"teacher_key": shards.teacher_key, "tokens": sum(real)}
 
     def to_batch(self, loaded: dict, device) -> TrainBatch:
         """Device side: copy, and turn a stored last hidden state into teacher logits with the target's lm_head."""
         import torch
 
-        move = {key: value.to(device, non_blocking=True) for key, value in loaded.items() if key != "teacher_key"}
+        move = {key: value.to(device, non_blocking=True) for key, value in loaded.items() if key not in ("teacher_key", "tokens")}
         teacher = move[loaded["teacher_key"]]
         if self._lm_head is not None:
             with torch.no_grad():
                 teacher = torch.nn.functional.linear(teacher.to(self._lm_head.dtype), self._lm_head)
-        return TrainBatch(move["input_ids"], move["loss_mask"], move["aux_hidden_states"], teacher)
+        return TrainBatch(move["input_ids"], move["loss_mask"], move["aux_hidden_states"], teacher, tokens=loaded["tokens"])
 
     def batch(self, split: str, indices: list[int], device) -> TrainBatch:
         return self.to_batch(self.load(split, indices), device)

@@ -169,7 +169,7 @@ def extract_split(
     for indices in _batches_by_length(samples, batch_size):
         if should_stop():
             raise KeyboardInterrupt("extraction stopped by a signal")
-        batch = collate([samples[i] for i in indices], pad_id)
+        batch = collate([samples[i] for i in indices], pad_id, bucket=False)
         result = target.capture(batch["input_ids"], batch["attention_mask"], with_logits=(store == "logits"))
         teacher = result.logits if store == "logits" else result.last_hidden
         if teacher is None:

@@ -734,7 +734,7 @@ class Trainer:
             batch = parts.prefetcher.next_batch(self.ctx.device)
         else:
             batch = parts.source.batch("train", parts.sampler.next(), self.ctx.device)
-        tokens = batch.input_ids.numel()
+        tokens = batch.tokens or batch.input_ids.numel()
         rows, seq = batch.input_ids.shape
         self.last_step_flops = rows * step_flops(parts.draft_config, seq, self.settings.ttt_length)
         parts.optimizer.zero_grad(set_to_none=True)
