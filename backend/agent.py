@@ -27,6 +27,7 @@ from backend.jsonl import JsonlFollower, read_complete_lines
 from backend.layout import STALL_AFTER_S, checkpoint_listing, default_data_dir, latest_checkpoint, list_results
 from backend.metrics import MetricsReader
 from backend.metrics_index import MetricsFeed, MetricsIndex
+from backend.metrics_parallel import backlog_step, close_scan
 from backend.protocol import (
     INDEX_FILENAME,
     METRICS_FILENAME,
@@ -388,6 +389,15 @@ class Agent:
 
     def _index_loop(self) -> None:
         """Scan backlogs (files the agent never saw whole) in chunks, report progress, save the sidecars."""
+        try:
+            self._index_backlogs()
+        finally:
+            with self._lock:
+                feeds = [files.metrics for files in self._files.values()]
+            for feed in feeds:
+                close_scan(feed)
+
+    def _index_backlogs(self) -> None:
         while not self.stopping.is_set() and not self.out.closed.is_set():
             busy = False
             with self._lock:
@@ -396,7 +406,7 @@ class Agent:
                 if self.stopping.is_set():
                     return
                 try:
-                    more = files.metrics.index_step()
+                    more = backlog_step(files.metrics)  # a large backlog on worker processes, merged on this thread
                 except OSError as exc:
                     print(f"agent: indexing {name} failed: {exc}", file=sys.stderr, flush=True)
                     continue

@@ -5,7 +5,7 @@ file: per-series buckets (backend.series_index), the val records (the accuracy t
 latest train records (the signals' recent window) and counts. `MetricsFeed` ties one to a metrics.jsonl:
 records the agent streams live are folded as they pass; a backlog (a file the agent never saw, or saw only
 in part) is scanned in bounded chunks by `index_step()`, which the agent runs on a background thread while
-live records keep flowing. The sidecar `metrics.index` beside the file is a rebuildable cache: it is trusted
+live records keep flowing; a large one by worker processes over the same chunks (backend.metrics_parallel). The sidecar `metrics.index` beside the file is a rebuildable cache: it is trusted
 only when its format, the file's first bytes and the file's size still agree, and rebuilt otherwise.
 """
 
@@ -214,6 +214,7 @@ class MetricsFeed:
         self.scanner = ChunkScanner()
         self.live_lines = LineReader()  # one reader per offset: each remembers the over-cap line it is reading past
         self.index_lines = LineReader()
+        self.cold_scan: Any = None  # a backend.metrics_parallel.ColdScan while worker processes scan the backlog
         self.sidecar_note = ""
         self.saved_version = -1
         self.head_length = 0
@@ -300,7 +301,9 @@ class MetricsFeed:
     # -- backlog ----------------------------------------------------------------------------------
 
     def index_step(self, max_bytes: int = INDEX_STEP_BYTES) -> bool:
-        """Scan up to max_bytes of the backlog; True while backlog remains."""
+        """Scan up to max_bytes of the backlog; True while backlog remains (or worker processes are scanning it)."""
+        if self.cold_scan is not None:
+            return True  # backend.metrics_parallel.backlog_step merges the workers' ranges, then scans on here
         with self.lock:
             start, stop = self.indexed_offset, self.live_offset
             if start >= stop:

@@ -170,7 +170,10 @@ def _part_for(key: str, value: Any) -> tuple[bytes | None, list[str]]:
 
 
 class ChunkScanner:
-    """Scans chunks of complete lines; keeps the shapes it learned for the next chunk."""
+    """Scans chunks of complete lines. Each chunk learns its own shapes from its own first lines, so a chunk's
+    result depends on its bytes alone, never on the chunks scanned before it: a worker process that starts at
+    any chunk reads it exactly as one process reading the file from its start does (backend.metrics_parallel).
+    `tokens` and `shapes` are what the last chunk used."""
 
     def __init__(self) -> None:
         self.shapes: list[Shape] = []
@@ -179,8 +182,8 @@ class ChunkScanner:
     def scan(self, chunk: bytes) -> ScanResult:
         result = ScanResult()
         chunk = normalize_nonfinite(chunk)
-        if self.tokens is None:
-            self.tokens = next((t for t in map(TokenShape.learn, _first_lines([chunk], 5)) if t is not None), None)
+        self.shapes = []
+        self.tokens = next((t for t in map(TokenShape.learn, _first_lines([chunk], 5)) if t is not None), None)
         if self.tokens is not None:
             handled = self.tokens.scan(chunk, result, self._fold_columns)
             if handled is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from array import array
 from bisect import bisect_left, bisect_right
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 FINE_WIDTH = 128  # steps per fine bucket in the linear part
 FINE_LINEAR_FROM = 8192  # below this step, buckets are log-spaced
@@ -90,6 +90,17 @@ def row_of(steps: Sequence[int], values: Sequence[float]) -> tuple:
         float(count),
         float(len(values) - count),
     )
+
+
+def column_rows(steps: Sequence[int], values: Sequence[float]) -> Iterator[tuple[int, tuple]]:
+    """(fine bucket, partial bucket) of aligned points, steps ascending: one row per bucket, buckets ascending."""
+    n = len(steps)
+    i = 0
+    while i < n:
+        bucket = bucket_of(steps[i])
+        end = bisect_left(steps, bucket_start(bucket + 1), i) if steps[-1] >= bucket_start(bucket + 1) else n
+        yield bucket, row_of(steps[i:end], values[i:end])
+        i = end
 
 
 def merge_rows(a: Sequence[float], b: Sequence[float]) -> tuple:
@@ -181,19 +192,42 @@ class Series:
 
     def add(self, steps: Sequence[int], values: Sequence[float]) -> None:
         """Fold points; steps must be ascending (ties in file order)."""
-        n = len(steps)
-        i = 0
         fine = self.fine
         first_changed = None
-        while i < n:
-            bucket = bucket_of(steps[i])
-            end = bisect_left(steps, bucket_start(bucket + 1), i) if steps[-1] >= bucket_start(bucket + 1) else n
-            fine.merge(bucket, row_of(steps[i:end], values[i:end]))
+        for bucket, row in column_rows(steps, values):
+            fine.merge(bucket, row)
             if first_changed is None:
                 first_changed = bucket
-            i = end
         if first_changed is not None:
-            self.dirty_from = first_changed if self.dirty_from is None else min(self.dirty_from, first_changed)
+            self._touched(first_changed)
+
+    def add_rows(self, ids: Sequence[int], cols: Sequence[Sequence[float]]) -> None:
+        """Fold partial buckets in the order they were made (what `add` would fold, row i = ids[i] and cols[f][i]).
+
+        A run of ids past the last fine bucket, each above the one before, is appended whole (what merge does
+        one by one); anything else merges row by row, so the result is `add`'s to the bit.
+        """
+        fine = self.fine
+        i, n = 0, len(ids)
+        if n:
+            self._touched(min(ids))
+        while i < n:
+            top = fine.ids[-1] if len(fine) else -1
+            j = i
+            while j < n and ids[j] > top:
+                top = ids[j]
+                j += 1
+            if j > i:
+                fine.ids.extend(ids[i:j])
+                for col, source in zip(fine.cols, cols):
+                    col.extend(source[i:j])
+                i = j
+            else:
+                fine.merge(ids[i], tuple(source[i] for source in cols))
+                i += 1
+
+    def _touched(self, bucket: int) -> None:
+        self.dirty_from = bucket if self.dirty_from is None else min(self.dirty_from, bucket)
 
     def level(self, number: int) -> Level:
         self._rebuild()
