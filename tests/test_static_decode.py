@@ -232,3 +232,34 @@ def test_on_the_real_smollm2_static_equals_eager_in_float32():
             result = static.generate(ids, 24)
             same(eager.generate(ids, 24), result)
             assert result.output_ids == plain and sum(result.accepted_per_round) > 0
+
+
+def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_profile, tmp_path):
+    from backend.serve.reference_server import Engine, GenerationSpec
+    from tests.reference_fixtures import save_untrained_draft
+
+    draft = str(save_untrained_draft(mini_profile, tmp_path / "run"))
+    eager = Engine(mini_profile, draft, "aux", 3, speculative=True, device="cpu")
+    static = Engine(mini_profile, draft, "aux", 3, speculative=True, device="cpu", static_cache=True)
+    assert (eager.decoder_kind, static.decoder_kind, str(static.device)) == ("eager", "static", "cpu")
+    for text in ["def main():", "hello world, "]:
+        ids = eager.encode(text)
+        first = eager.run(GenerationSpec(input_ids=ids, max_new_tokens=20, stop_token_ids=frozenset()), "e")
+        stops = [frozenset(), frozenset({first.output_ids[6]})]
+        for stop_ids in stops:
+            spec = GenerationSpec(input_ids=ids, max_new_tokens=20, stop_token_ids=stop_ids)
+            streamed: list[int] = []
+            expected, got = eager.run(spec, "e"), static.run(spec, "s", lambda gen: streamed.append(len(gen.output_ids)))
+            assert (got.output_ids, got.accepted_per_round, got.verify_ct, got.finish) == (
+                expected.output_ids,
+                expected.accepted_per_round,
+                expected.verify_ct,
+                expected.finish,
+            )
+            assert streamed == sorted(streamed) and streamed[-1] == len(got.output_ids)
+    assert static.avg_accept_length() == eager.avg_accept_length()
+    plain = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True)
+    spec = GenerationSpec(input_ids=eager.encode("abc"), max_new_tokens=12, stop_token_ids=frozenset())
+    assert plain.run(spec, "p").output_ids == eager.run(spec, "e").output_ids
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        Engine.resolve_device("cuda")

@@ -315,7 +315,7 @@ class Engine:
 
     @staticmethod
     def resolve_device(name: str | None):
-        """"auto" (or None) -> cuda:0 when CUDA is available, else cpu; "cuda" -> cuda:0; anything else as torch reads it."""
+        """The device to load on: auto (or None) is cuda:0 when CUDA is available, else cpu; cuda is cuda:0; else as torch reads it."""
         import torch
 
         if name in (None, "auto"):

@@ -73,7 +73,9 @@ def _stack(*modules) -> tuple[torch.Tensor, torch.Tensor | None]:
     biases = [m.bias for m in modules]
     if all(b is None for b in biases):
         return weight, None
-    return weight, torch.cat([b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype, device=weight.device) for m, b in zip(modules, biases)])
+    return weight, torch.cat(
+        [b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype, device=weight.device) for m, b in zip(modules, biases)]
+    )
 
 
 class StaticTarget:
@@ -102,7 +104,16 @@ class StaticTarget:
             gate_up, _ = _stack(mlp.gate_proj, mlp.up_proj)
             o_bias = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
             self.layers.append(
-                _Layer(layer.input_layernorm.weight.detach(), qkv, qkv_bias, attn.o_proj.weight.detach(), o_bias, layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.weight.detach())
+                _Layer(
+                    layer.input_layernorm.weight.detach(),
+                    qkv,
+                    qkv_bias,
+                    attn.o_proj.weight.detach(),
+                    o_bias,
+                    layer.post_attention_layernorm.weight.detach(),
+                    gate_up,
+                    mlp.down_proj.weight.detach(),
+                )
             )
         self.aux_layer_ids = list(aux_layer_ids)
         self.feed = feed
