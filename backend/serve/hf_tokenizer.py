@@ -1,11 +1,15 @@
 """Hugging Face tokenizer files for the tiny byte tokenizer, so AutoTokenizer clients (SGLang's bench_serving) load the served ids.
 
 The byte tokenizer (backend/train/tiny.py) maps byte b to token b and has three special tokens (bos 256, eos 257,
-pad 258). Its Hugging Face form is a tokenizers BPE model over the 256 GPT-2 byte characters with no merges, a
-ByteLevel pre-tokenizer and decoder without regex splitting or a prefix space, and no post-processor, so
-`AutoTokenizer(...)(text).input_ids == list(text.encode("utf-8"))` exactly as the server encodes it. The special
-tokens are never parsed out of text (split_special_tokens), as the server never does either. The chat template
-renders the same `role: content` transcript the server uses for a tokenizer without one.
+pad 258). Its Hugging Face form is built with the `tokenizers` package: a BPE model over the 256 GPT-2 byte
+characters (transformers' own bytes_to_unicode table) with no merges, a ByteLevel pre-tokenizer and decoder without
+regex splitting or a prefix space, and no post-processor, so `AutoTokenizer(...)(text).input_ids ==
+list(text.encode("utf-8"))` exactly as the server encodes it. `tokenizers` writes tokenizer.json (this replaced a
+hand-written JSON document and byte table). The special tokens are never parsed out of text (split_special_tokens),
+as the server never does either. The chat template renders the same `role: content` transcript the server uses for
+a tokenizer without one. tokenizer_config.json stays a small hand-written file naming PreTrainedTokenizerFast: what
+transformers 5's save_pretrained writes instead ("TokenizersBackend", chat_template.jinja) does not load in the
+transformers 4.x that SGLang's side venv may run.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from backend.train.tiny import BOS_ID, BYTE_VOCAB, EOS_ID, PAD_ID, TINY_VOCAB_SIZE, cache_root, is_tiny_target_dir
 
@@ -31,51 +35,24 @@ def transcript(messages: list[dict[str, str]]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
-def byte_characters() -> list[str]:
-    """GPT-2's reversible byte -> printable character table, which the ByteLevel pre-tokenizer and decoder use."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for byte in range(BYTE_VOCAB):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(BYTE_VOCAB + extra)
-            extra += 1
-    return [table[b] for b in range(BYTE_VOCAB)]
+def byte_level_tokenizer():
+    """The byte tokenizer as a `tokenizers.Tokenizer`: id b < 256 is byte b, then the special tokens in id order."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-
-def _byte_level() -> dict[str, Any]:
-    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    assert sorted(vocab.values()) == list(range(BYTE_VOCAB))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    specials = [AddedToken(text, special=True, normalized=False) for _, text in sorted(SPECIAL_TOKENS.items())]
+    tokenizer.add_special_tokens(specials)
+    assert [tokenizer.token_to_id(t.content) for t in specials] == sorted(SPECIAL_TOKENS)
+    return tokenizer
 
 
 def tokenizer_files() -> dict[str, str]:
     """File name -> text of the byte tokenizer's Hugging Face form."""
-    added = [
-        {"id": token_id, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
-        for token_id, text in sorted(SPECIAL_TOKENS.items())
-    ]
-    tokenizer: dict[str, Any] = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": _byte_level(),
-        "post_processor": None,
-        "decoder": _byte_level(),
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {char: byte for byte, char in enumerate(byte_characters())},
-            "merges": [],
-        },
-    }
     special = {"bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID], "pad_token": SPECIAL_TOKENS[PAD_ID]}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -89,7 +66,7 @@ def tokenizer_files() -> dict[str, str]:
         "eagle3_console": "byte tokenizer: token i < 256 is byte i (UTF-8); 256 <bos>, 257 <eos>, 258 <pad>",
     }
     return {
-        TOKENIZER_JSON: json.dumps(tokenizer, ensure_ascii=False, indent=1) + "\n",
+        TOKENIZER_JSON: byte_level_tokenizer().to_str(pretty=True) + "\n",
         TOKENIZER_CONFIG: json.dumps(config, indent=1) + "\n",
         SPECIAL_TOKENS_MAP: json.dumps(special, indent=1) + "\n",
     }
