@@ -16,6 +16,7 @@ from backend.safetext import say, visible
 
 KIND_CHOICES = ("train", "serve", "bench", "chain", "other")
 OK_OUTCOMES = {"exited_on_term", "killed", "already_gone", "stale_not_signalled"}
+ESCAPED_ROLE = "unproven"  # a process with a trace of the job but no proof: named, never signalled (jobs.JobRegistry._escapees)
 
 
 def register(subparsers, parent: argparse.ArgumentParser) -> None:
@@ -372,9 +373,15 @@ def cmd_job_stop(args) -> int:
         say("no job processes to stop")
     for note in registry.unrecorded():
         say(f"eagle3-host: warning: signals were sent but not recorded: {note}", file=sys.stderr)
-    survivors = [v for v in verdicts if v.outcome not in OK_OUTCOMES]
-    if survivors:
-        return fail(f"{len(survivors)} owned process(es) still alive after the stop: PID {', '.join(str(v.pid) for v in survivors)} (see OUTCOME/DETAIL above)")
+    escaped = [v for v in verdicts if v.role == ESCAPED_ROLE]
+    survivors = [v for v in verdicts if v.outcome not in OK_OUTCOMES and v.role != ESCAPED_ROLE]
+    for verdict in escaped:
+        say(f"eagle3-host: PID {verdict.pid} may have escaped the stop: {verdict.detail}", file=sys.stderr)
+    if survivors or escaped:
+        parts = [f"{len(survivors)} owned process(es) still alive after the stop: PID {', '.join(str(v.pid) for v in survivors)}"] if survivors else []
+        if escaped:
+            parts.append(f"{len(escaped)} process(es) escaped beyond proof and were NOT signalled: PID {', '.join(str(v.pid) for v in escaped)}")
+        return fail("; ".join(parts) + " (see OUTCOME/DETAIL above)")
     return 0
 
 

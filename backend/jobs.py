@@ -63,6 +63,7 @@ FREEZE_TIMEOUT_S = 5.0
 START_MIN_FREE = 256 << 10  # bytes a start needs on the run dir's disk: its record in jobs.db, logs, leader.json, slots
 FINISHED_KEPT = 100  # finished records listed; older ones are archived in jobs.db (JobRegistry._prune_finished)
 STOP_INCOMPLETE = "stop incomplete"
+ESCAPED_NOTE = "escaped the stop"
 NODE_COLUMNS = ("run_id", "node_rank", "nnodes", "rdzv_endpoint")  # a multi-node job's part on this host
 FAILURE_TAIL_LINES = 400  # stderr lines read for torchrun's failure summary when a distributed job fails
 PRIVATE_FILE = 0o600  # argv and logs may carry tokens
@@ -185,6 +186,7 @@ class JobPlan:
     group_signal: bool = False  # killpg(pgid) is safe: the leader is verified and still leads its group
     stale_reason: str | None = None
     protected: list[Target] = field(default_factory=list)  # the job's processes that are this stop's own process or its ancestors
+    escaped: list[ProcessVerdict] = field(default_factory=list)  # processes with a trace of the job but no proof: named, never signalled
 
 
 @dataclass
@@ -1084,8 +1086,13 @@ class JobRegistry:
         roots = {pid: r.id for r in records for pid in (r.info.pid, r.watcher_pid) if pid}
         return Discovery(table, token_pids, protected_pids(), roots, cgroup_pids)
 
-    def _plan_job(self, record: JobRecord, ctx: Discovery) -> JobPlan:
-        """Every live process provably belonging to this job; another job's leader or watcher ends a walk."""
+    def _plan_job(self, record: JobRecord, ctx: Discovery, proven: Iterable[Target] = ()) -> JobPlan:
+        """Every live process provably belonging to this job; another job's leader or watcher ends a walk.
+
+        Proof is any of: the verified leader, its group and (while the leader lives, pinning the number) its session;
+        a descendant of the leader, of the live watcher or of any process proven here (`proven`: found earlier in this
+        stop, identity checked again); a recorded descendant with its start time; the job token in the environment; the
+        job's cgroup."""
         state, detail, _, _ = self._evaluate(record)
         plan = JobPlan(record, state)
         info, table = record.info, ctx.table
@@ -1114,6 +1121,12 @@ class JobRegistry:
                     add(pid)
             for pid in table.descendants(info.pid, prune=others):
                 add(pid)
+            if table.stats[info.pid].sid == info.pid:  # it leads its session: nobody outside the job can join it
+                for pid in table.session(info.pid):
+                    add(pid, None if table.stats[pid].pgid == info.pgid else "session")
+        for target in proven:
+            if table.alive(target.pid, target.start):
+                add(target.pid, target.role)
         if record.watcher_pid and table.alive(record.watcher_pid, record.watcher_start):
             for pid in table.descendants(record.watcher_pid, prune=others):
                 add(pid)
@@ -1121,6 +1134,8 @@ class JobRegistry:
             if table.alive(row["pid"], row["start_time"]):
                 add(row["pid"], row["role"])
         for pid in ctx.token_pids.get(record.token or "", []) + ctx.cgroup_pids.get(record.id, []):
+            add(pid)
+        for pid in table.descendants_of([*targets, *protected], prune=others):  # a child of a proven process is the job's
             add(pid)
         plan.targets = sorted(targets.values(), key=lambda t: (t.role != "leader", t.pid))
         plan.protected = sorted(protected.values(), key=lambda t: t.pid)
@@ -1214,10 +1229,68 @@ class JobRegistry:
         with self._job_locks(selected, timeout=grace + kill_wait + gpu_release_timeout + 60):
             plans = [plan for plan in self._plans(names, all_jobs) if plan.record.id in {r.id for r in selected}]
             verdicts = self._stop_plans(plans, grace, kill_wait)
+            verdicts += self._escapees(plans, verdicts)
             self._confirm_gpu_released(verdicts, gpu_source, gpu_release_timeout)
             self._finish_records([plan for plan in plans if plan.targets or plan.protected], f"stopped by operator (grace {grace:g}s)", verdicts)
         self._mention_unrecorded(verdicts)
         return verdicts
+
+    def _escapees(self, plans: list[JobPlan], verdicts: list[ProcessVerdict]) -> list[ProcessVerdict]:
+        """After the kill: processes that still carry a trace of a stopped job but no proof. Named (the stop fails), never signalled.
+
+        A trace is: stdout or stderr on the job's own log; an environment naming the job's directory without its token;
+        the job's session or group number once its leader and watcher are gone (the number may be another program's
+        by now). A process holding any job's token, a watcher, a job's leader, this stop and its parents are skipped."""
+        if not plans:
+            return []
+        table = procs.ProcTable.scan()
+        records = self._active()
+        skip = protected_pids() | {pid for r in records for pid in (r.info.pid, r.watcher_pid) if pid}
+        skip |= {t.pid for plan in plans for t in plan.targets + plan.protected}
+        facts = {pid: _traces(pid) for pid, stat in table.stats.items() if pid not in skip and _signallable(stat)}
+        facts = {pid: fact for pid, fact in facts.items() if not (fact.env.get(JOB_TOKEN_ENV) or fact.env.get(WATCH_TOKEN_ENV))}
+        found = []
+        for plan in plans:
+            note = self._lost_watcher_note(plan.record)
+            for pid, why in self._job_traces(plan.record, table, facts).items():
+                command = procs.cmdline(pid)
+                detail = (
+                    f"job {plan.record.name}: NOT signalled: {'; '.join(why)}; but nothing proves it is the job's (outside its process tree,"
+                    f" session and cgroup, no job token){note}. Check it and end it by hand if it is: {command[:160]}"
+                )
+                plan.escaped.append(ProcessVerdict(pid, "unproven", "survived", detail))
+            if note:
+                for verdict in verdicts:
+                    if verdict.pid == plan.record.info.pid and verdict.role in ("leader", "stale"):
+                        verdict.detail += note
+            found += plan.escaped
+        return found
+
+    def _lost_watcher_note(self, record: JobRecord) -> str:
+        if not record.watcher_pid or self._watcher_alive(record) or read_exit_file(record.info.job_dir)[0] is not None:
+            return ""
+        return (
+            f"; the job's watcher (PID {record.watcher_pid}) died before recording the job's exit (killed?), so a process the job"
+            " detached after that could not be followed"
+        )
+
+    @staticmethod
+    def _job_traces(record: JobRecord, table: procs.ProcTable, facts: dict[int, Traces]) -> dict[int, list[str]]:
+        info = record.info
+        logs = {info.stdout_path: "stdout", info.stderr_path: "stderr"}
+        numbers_free = info.pid > 1 and info.pid not in table.stats and not (record.watcher_pid and table.alive(record.watcher_pid, record.watcher_start))
+        found: dict[int, list[str]] = {}
+        for pid, fact in facts.items():
+            stat = table.stats[pid]
+            why = [f"its {name} is the job's {logs[path]} log {path}" for name, path in fact.stdio.items() if path in logs]
+            if fact.env.get("EAGLE3_JOB_DIR") == info.job_dir:
+                why.append(f"its environment names the job's directory (EAGLE3_JOB_DIR={info.job_dir}) but lacks the job's token")
+            if numbers_free and (stat.sid == info.pid or stat.pgid == info.pgid > 1):
+                what = "session" if stat.sid == info.pid else "process group"
+                why.append(f"it is in the {what} of the job's leader PID {info.pid}, which is gone, so that number may belong to another program by now")
+            if why:
+                found[pid] = why
+        return found
 
     def _stop_plans(self, plans: list[JobPlan], grace: float, kill_wait: float) -> list[ProcessVerdict]:
         verdicts = [
@@ -1259,7 +1332,8 @@ class JobRegistry:
         sent = [target for plan in active for target in self._freeze_and_kill(plan, records, kill_wait)]
         survivors = {t.pid for t in self._wait_gone(sent, kill_wait)}
         status.update({t.pid: "survived" if t.pid in survivors else "killed" for t in sent})
-        status.update({pid: "exited_on_term" for pid, value in status.items() if value == "termed"})
+        termed = {t.pid: t for plan in active for t in plan.targets if status.get(t.pid) == "termed"}
+        status.update({pid: "survived" if procs.is_alive(pid, t.start) else "exited_on_term" for pid, t in termed.items()})
 
     def _freeze_and_kill(self, plan: JobPlan, records: list[JobRecord], kill_wait: float) -> list[Target]:
         """Freeze the job (its cgroup, else SIGSTOP until a fresh walk finds nothing new), then SIGKILL it; returns what was killed."""
@@ -1271,7 +1345,7 @@ class JobRegistry:
         def discover() -> dict[int, int]:
             inside.clear()
             inside.update(procs.cgroup_pids(frozen_cgroup) if frozen_cgroup is not None else ())
-            fresh = {t.pid: t for t in self._plan_job(plan.record, self._context(records, tokens=True)).targets}
+            fresh = {t.pid: t for t in self._plan_job(plan.record, self._context(records, tokens=True), [*plan.targets, *found.values()]).targets}
             found.update(fresh)
             return {pid: t.start for pid, t in fresh.items() if pid not in inside}
 
@@ -1453,6 +1527,8 @@ class JobRegistry:
                 note = f"{STOP_INCOMPLETE}: PID {', '.join(map(str, left))} still alive"
                 self._try_write("stop result", lambda db: self._update(db, plan.record.id, detail=note))
                 continue
+            if plan.escaped:
+                detail = f"{detail}; {ESCAPED_NOTE}: PID {', '.join(str(v.pid) for v in plan.escaped)} (not provably the job's, NOT signalled)"
             info = plan.record.info
             exit_code, ended_at = read_exit_file(info.job_dir)
             while exit_code is None and info.state == "running" and self._watcher_alive(plan.record) and time.monotonic() < deadline:
@@ -1485,6 +1561,21 @@ PROCESS_STATE_NOTES = {
     "t": "stopped by a debugger: cannot handle SIGTERM until the debugger lets it go",
     "D": "in uninterruptible sleep: handles SIGTERM only when its I/O returns",
 }
+
+
+@dataclass
+class Traces:
+    """What a process shows that could tie it to a job without proving it: where its stdout/stderr go, a few variables."""
+
+    stdio: dict[str, str]  # "stdout"/"stderr" -> the file it writes to
+    env: dict[str, str]
+
+
+TRACE_VARIABLES = (JOB_TOKEN_ENV, WATCH_TOKEN_ENV, "EAGLE3_JOB_DIR")
+
+
+def _traces(pid: int) -> Traces:
+    return Traces(procs.stdio_files(pid), procs.environ_values(pid, TRACE_VARIABLES))
 
 
 def _process_state(target: Target) -> str:

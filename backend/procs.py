@@ -8,7 +8,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TypeGuard
+from typing import Callable, Iterable, TypeGuard
 
 PROC = Path("/proc")
 GONE_STATES = frozenset("ZX")  # zombie or dead: the process no longer runs, whatever /proc still shows
@@ -160,6 +160,35 @@ def environ_value(pid: int, key: str) -> str | None:
     return None
 
 
+def environ_values(pid: int, keys: tuple[str, ...]) -> dict[str, str]:
+    """The variables among `keys` that the process was started with (empty when its environment is unreadable)."""
+    try:
+        raw = (PROC / str(pid) / "environ").read_bytes()
+    except OSError:
+        return {}
+    wanted = {key.encode() + b"=": key for key in keys}
+    found = {}
+    for entry in raw.split(b"\0"):
+        name, equals, _ = entry.partition(b"=")
+        key = wanted.get(name + equals)
+        if key is not None:
+            found[key] = entry[len(name) + 1 :].decode(errors="replace")
+    return found
+
+
+def stdio_files(pid: int) -> dict[str, str]:
+    """{"stdout"|"stderr": path} for those of the process's fd 1 and 2 that are files (not pipes, sockets or ttys)."""
+    found = {}
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        try:
+            target = os.readlink(PROC / str(pid) / "fd" / str(fd))
+        except OSError:
+            continue
+        if target.startswith("/") and not target.startswith("/dev/"):
+            found[name] = target.removesuffix(" (deleted)")
+    return found
+
+
 def list_pids() -> list[int]:
     return sorted(int(name) for name in os.listdir(PROC) if name.isdigit())
 
@@ -212,6 +241,21 @@ class ProcTable:
 
     def group(self, pgid: int) -> list[int]:
         return sorted(pid for pid, stat in self.stats.items() if stat.pgid == pgid and stat.running)
+
+    def session(self, sid: int) -> list[int]:
+        return sorted(pid for pid, stat in self.stats.items() if stat.sid == sid and stat.running)
+
+    def descendants_of(self, roots: Iterable[int], prune: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Every process below any of `roots` (the roots themselves not listed unless below another root)."""
+        found: set[int] = set()
+        stack = [child for root in roots for child in self.children.get(root, [])]
+        while stack:
+            child = stack.pop()
+            if child in found or child in prune:
+                continue
+            found.add(child)
+            stack.extend(self.children.get(child, []))
+        return sorted(found)
 
 
 def descendants(pid: int) -> list[int]:

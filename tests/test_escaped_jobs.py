@@ -1,0 +1,165 @@
+"""Jobs that try to escape the stop: they kill their watcher, double-fork, leave the job's group, session and cgroup,
+and exec with a clean environment. What can still be proved is killed; what cannot is named, never signalled, and
+the stop exits non-zero."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backend import procs
+from backend.jobs import JobRegistry
+from waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+MARK = "eagle3-escapee-marker"
+
+# The escapee after its exec: logs every catchable signal it gets, so a test sees whether the stop touched it.
+ESCAPEE = (
+    "import signal, sys, time\n"
+    "def note(signum, _):\n"
+    "    open(sys.argv[-1], 'a').write(f'{signum}\\n')\n"
+    "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR1):\n"
+    "    signal.signal(s, note)\n"
+    "while True:\n"
+    "    time.sleep(3600)\n"
+)
+
+# The job's leader: a child kills the watcher (the subreaper), double-forks so the grandchild is re-parented to init,
+# leaves the group (setpgid) or the session too (setsid), moves itself out of the job's cgroup, keeps or closes its
+# stdio, and execs with every EAGLE3_* variable (the job token among them) dropped.
+LEADER = r"""
+import os, signal, sys, time
+how, keep_stdio, escape_cgroup, ready, signals, leader_exits, mark = sys.argv[1:8]
+watcher = os.getppid()
+if os.fork() == 0:
+    os.kill(watcher, signal.SIGKILL)
+    def gone(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in "ZX"
+        except OSError:
+            return True
+    while not gone(watcher):
+        time.sleep(0.01)
+    middle = os.getpid()
+    if os.fork():
+        os._exit(0)
+    while os.getppid() == middle:
+        time.sleep(0.01)
+    os.setsid() if how == "setsid" else os.setpgid(0, 0)
+    if escape_cgroup != "-":
+        try:
+            with open(escape_cgroup, "w") as handle:
+                handle.write(str(os.getpid()))
+        except OSError:
+            pass
+    if keep_stdio != "1":
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+    os.chdir("/")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_")}
+    with open(ready + ".tmp", "w") as handle:
+        handle.write(str(os.getpid()))
+    os.rename(ready + ".tmp", ready)
+    os.execve(sys.executable, [mark, "-c", ESCAPEE, signals], env)  # argv[0] is the marker: the command line names it first
+if leader_exits == "1":
+    time.sleep(1.0)
+    os._exit(0)
+time.sleep(600)
+""".replace("ESCAPEE", repr(ESCAPEE))
+
+
+@pytest.fixture(params=["cgroup", "walk"])
+def mode(request, monkeypatch):
+    monkeypatch.setenv("EAGLE3_CGROUPS", "1" if request.param == "cgroup" else "0")
+    return request.param
+
+
+def escape_target() -> str:
+    """The cgroup.procs of this test's own cgroup: where the escapee moves to, out of the job's cgroup."""
+    mount, own = procs.cgroup2_mount(), procs.cgroup_of(os.getpid())
+    if mount is None or own is None:
+        return "-"
+    return str(mount.joinpath(*[part for part in own.split("/") if part], "cgroup.procs"))
+
+
+def start_escaper(registry: JobRegistry, tmp_path: Path, how: str, keep_stdio: bool, leader_exits: bool = False) -> tuple[int, int, Path]:
+    ready, signals = tmp_path / "escapee.pid", tmp_path / "escapee.signals"
+    args = [how, "1" if keep_stdio else "0", escape_target(), str(ready), str(signals), "1" if leader_exits else "0", MARK]
+    registry.start_job("esc", "other", [PY, "-c", LEADER, *args])
+    pid = int(wait_for(lambda: ready.exists() and ready.read_text(), what="the escapee"))
+    wait_for(lambda: MARK in procs.cmdline(pid), what="the escapee's exec")
+    assert procs.environ_value(pid, "EAGLE3_JOB_TOKEN") is None and procs.ppid_of(pid) != registry.get("esc").info.pid
+    record = registry.get("esc")
+    assert not procs.is_alive(record.watcher_pid, record.watcher_start)  # the watcher is dead
+    if record.cgroup:
+        assert pid not in procs.cgroup_pids(record.cgroup)  # and the escapee is out of the job's cgroup
+    return pid, procs.start_time(pid), signals
+
+
+def cli_stop(run_dir: Path) -> subprocess.CompletedProcess:
+    argv = [PY, "-m", "backend", "job", "stop", "--run-dir", str(run_dir), "--name", "esc", "--grace", "0.5", "--json"]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=90)
+
+
+def end(pid: int, start: int) -> None:
+    procs.send_signal(pid, start, signal.SIGKILL)
+
+
+def test_an_escapee_still_in_the_jobs_session_is_proved_and_killed(tmp_path, mode):
+    registry = JobRegistry(tmp_path / "run")
+    pid, start, signals = start_escaper(registry, tmp_path, "setpgid", keep_stdio=False)
+    try:
+        assert procs.read_stat(pid).sid == registry.get("esc").info.pid
+        done = cli_stop(registry.run_dir)
+        verdicts = {v["pid"]: v for v in json.loads(done.stdout)["verdicts"]}
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert verdicts[pid]["outcome"] in ("exited_on_term", "killed") and verdicts[pid]["role"] == "session"
+        assert "watcher" in verdicts[registry.get("esc").info.pid]["detail"]  # the lost watcher is said
+        assert not procs.is_alive(pid, start)
+    finally:
+        end(pid, start)
+
+
+@pytest.mark.parametrize("leader_exits", [False, True], ids=["leader-running", "record-stale"])
+def test_an_escapee_beyond_proof_is_named_never_signalled_and_the_stop_fails(tmp_path, mode, leader_exits):
+    registry = JobRegistry(tmp_path / "run")
+    pid, start, signals = start_escaper(registry, tmp_path, "setsid", keep_stdio=True, leader_exits=leader_exits)
+    log_reader = subprocess.Popen([PY, "-c", f"f = open({registry.get('esc').info.stdout_path!r}); import time; time.sleep(600)"])
+    try:
+        if leader_exits:
+            wait_for(lambda: registry.get("esc").info.state == "stale", what="the record to go stale")
+        done = cli_stop(registry.run_dir)
+        assert done.returncode == 1, done.stdout + done.stderr
+        verdicts = {v["pid"]: v for v in json.loads(done.stdout)["verdicts"]}
+        assert verdicts[pid]["outcome"] == "survived" and verdicts[pid]["role"] == "unproven"
+        assert "NOT signalled" in verdicts[pid]["detail"] and MARK in verdicts[pid]["detail"] and "stdout" in verdicts[pid]["detail"]
+        assert str(pid) in done.stderr and "escaped" in done.stderr and MARK in done.stderr
+        assert log_reader.pid not in verdicts  # a reader of the log is no trace: its stdio is not the log
+        assert procs.is_alive(pid, start) and not signals.exists() and not procs.read_stat(pid).stopped  # never signalled
+        assert procs.is_alive(log_reader.pid)
+        if not leader_exits:
+            assert "escaped the stop" in registry.get("esc").detail
+    finally:
+        end(pid, start)
+        log_reader.kill()
+        log_reader.wait()
+
+
+def test_an_escapee_that_closed_everything_is_unnamed_but_the_lost_watcher_is_said(tmp_path, mode):
+    """Nothing ties it to the job any more: the stop cannot name it, but says that its watcher was killed."""
+    registry = JobRegistry(tmp_path / "run")
+    pid, start, signals = start_escaper(registry, tmp_path, "setsid", keep_stdio=False)
+    try:
+        done = cli_stop(registry.run_dir)
+        verdicts = {v["pid"]: v for v in json.loads(done.stdout)["verdicts"]}
+        assert pid not in verdicts and procs.is_alive(pid, start) and not signals.exists()
+        assert "could not be followed" in verdicts[registry.get("esc").info.pid]["detail"]
+    finally:
+        end(pid, start)
