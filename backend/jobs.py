@@ -1285,7 +1285,7 @@ class JobRegistry:
             why = [f"its {name} is the job's {logs[path]} log {path}" for name, path in fact.stdio.items() if path in logs]
             if fact.env.get("EAGLE3_JOB_DIR") == info.job_dir:
                 why.append(f"its environment names the job's directory (EAGLE3_JOB_DIR={info.job_dir}) but lacks the job's token")
-            if numbers_free and (stat.sid == info.pid or stat.pgid == info.pgid > 1):
+            if numbers_free and (stat.sid == info.pid or stat.pgid == info.pgid == info.pid):
                 what = "session" if stat.sid == info.pid else "process group"
                 why.append(f"it is in the {what} of the job's leader PID {info.pid}, which is gone, so that number may belong to another program by now")
             if why:
