@@ -4,9 +4,10 @@ python -m backend.serve.reference_server --profile P --draft DIR --port N [--hos
        [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--served-model-name NAME]
        [--device auto|cpu|cuda[:N]] [--static-cache] [--compile-steps]
        [--max-body-bytes B] [--request-timeout S] [--header-timeout S] [--max-connections N] [--max-waiting N]
+       [--enable-metrics]
 
-Native routes (/generate, /flush_cache, /health*, /get_server_info, /get_model_info) and the OpenAI ones
-(/v1/models, /v1/completions, /v1/chat/completions; see openai_api.py). Greedy only (temperature 0). One
+Native routes (/generate, /flush_cache, /health*, /ready, /ping, /get_server_info, /get_model_info, and /metrics
+with --enable-metrics) and the OpenAI ones (/v1/models, /v1/completions, /v1/chat/completions; see openai_api.py). Greedy only (temperature 0). One
 generation at a time (a lock around the model). One event loop collects request heads (a deadline, a size and
 header-count cap, no thread per connection); bounded worker pools serve complete requests, a small one of its own
 for health and info GETs so they answer while generations run; past the queue, 503. Outputs equal plain greedy
