@@ -220,7 +220,7 @@ def test_optional_modules(agent, tmp_path):
     if importlib.util.find_spec("backend.external") is None:
         assert reply["ok"] is False and "not part of this build" in reply["error"]["message"]
     else:
-        assert reply["result"] == {"job": "ext:sf"}
+        assert reply["result"] == {"job": "ext:sf", "format": "tensorboard", "warning": None}
         _, missing = agent.request("watch_external", name="gone", path=str(tmp_path / "nope"))
         assert missing["error"]["code"] == "bad_params" and missing["error"]["message"].startswith("path:")
     assert agent.ok("ping")["pong"] is True
