@@ -459,6 +459,14 @@ def map_tag(tag: str) -> tuple[str, str, int | None] | None:
     return (split, key, None) if key else None
 
 
+EXTRAS_MAX = 64  # tags with no home in the schema kept per record, under "extras" as the tracker named them
+
+
+def extra_split(tag: str) -> str:
+    """The split of a tag the schema has no key for (eval/simulated_acc_len -> val): kept under the record's "extras"."""
+    return _split_and_name(tag.strip().lower().split("/"))[0]
+
+
 def _split_and_name(parts: list[str]) -> tuple[str, str]:
     """The first mode component ("train", "eval", ...) gives the split; what follows it is the metric name."""
     for i, part in enumerate(parts[:-1]):
@@ -487,6 +495,14 @@ class _Assembler:
         """Add one value; returns the records closed by it (groups of earlier steps)."""
         return self.add_values(split, step, [(key, index, value)], **extra)
 
+    def add_extra(self, step: int, tag: str, value: float, **extra: Any) -> list[dict]:
+        """A value whose tag has no key in the schema: kept as written under the record's "extras"."""
+        done = self.add_values(extra_split(tag), step, [], **extra)
+        extras = self._group(extra_split(tag), step).setdefault("extras", {})
+        if tag in extras or len(extras) < EXTRAS_MAX:
+            extras[tag] = value
+        return done
+
     def add_values(self, split: str, step: int, values: list[tuple[str, int | None, float]], **extra: Any) -> list[dict]:
         """Add (key, index, value) triples of one (split, step); returns the records closed by them."""
         done = self.close_before(step)
@@ -506,7 +522,11 @@ class _Assembler:
     def _group(self, split: str, step: int) -> dict[str, Any]:
         if (split, step) not in self.groups and (split, step) in self.flushed:
             old = self.flushed.pop((split, step))
-            self.groups[(split, step)] = {**old, "lists": {k: dict(v) for k, v in old["lists"].items()}}
+            self.groups[(split, step)] = {
+                **old,
+                "lists": {k: dict(v) for k, v in old["lists"].items()},
+                **({"extras": dict(old["extras"])} if "extras" in old else {}),
+            }
         return self.groups.setdefault((split, step), {"split": split, "step": step, "lists": {}})
 
     def close_before(self, step: int) -> list[dict[str, Any]]:
@@ -526,7 +546,7 @@ class _Assembler:
 
     @staticmethod
     def _record(group: dict[str, Any]) -> dict[str, Any]:
-        record = {k: v for k, v in group.items() if k != "lists"}
+        record = {k: (dict(v) if k == "extras" else v) for k, v in group.items() if k != "lists"}
         for key, by_index in group["lists"].items():
             record[key] = [by_index.get(i, math.nan) for i in range(max(by_index) + 1)]
         return _finished(record)
@@ -640,10 +660,14 @@ class TensorBoardSource(_ChunkedSource):
                 self.bad_events += 1
                 continue
             for tag, value in scalars:
+                if step < 0:
+                    continue
                 mapped = map_tag(tag)
-                if mapped is not None and step >= 0:
+                if mapped is not None:
                     split, key, index = mapped
                     records += self.assembler.add(split, step, key, index, value, time=wall_time)
+                else:
+                    records += self.assembler.add_extra(step, tag, value, time=wall_time)
         return records
 
 
@@ -779,7 +803,7 @@ class SpecForgeLogSource(_ChunkedSource):
         parsed = parse_step_dict(text)
         values = list(parsed.values())
         records = []
-        for split, scalars, lists in _layout_of(tuple(parsed), values).fields:
+        for split, scalars, lists, extras in _layout_of(tuple(parsed), values).fields:
             record: dict[str, Any] = {"split": split, "step": step}
             for name, pos in scalars:
                 value = values[pos]
@@ -787,6 +811,9 @@ class SpecForgeLogSource(_ChunkedSource):
                     record[name] = value
             for name, slots in lists:
                 record[name] = [_as_float(values[pos] if i < 0 else values[pos][i]) if pos >= 0 else math.nan for pos, i in slots]
+            kept = {tag: float(values[pos]) for tag, pos in extras if type(values[pos]) is float or type(values[pos]) is int}
+            if kept:
+                record["extras"] = kept
             if when is not None:
                 record["time"] = when
             if len(record) > 2:
@@ -1009,7 +1036,7 @@ class _Layout(NamedTuple):
     `shape` holds (item position, length) of the list items the layout was worked out for."""
 
     shape: tuple[tuple[int, int], ...]
-    fields: tuple[tuple[str, tuple[tuple[str, int], ...], tuple[tuple[str, tuple[tuple[int, int], ...]], ...]], ...]
+    fields: tuple[tuple[str, tuple[tuple[str, int], ...], tuple[tuple[str, tuple[tuple[int, int], ...]], ...], tuple[tuple[str, int], ...]], ...]
 
     def fits(self, values: list[Any]) -> bool:
         return all(type(values[pos]) is list and len(values[pos]) == length for pos, length in self.shape)
@@ -1035,11 +1062,15 @@ def _layout(keys: tuple[str, ...], shape: tuple[tuple[int, int], ...]) -> _Layou
     lengths = dict(shape)
     scalars: dict[str, dict[str, int]] = {}
     lists: dict[str, dict[str, dict[int, tuple[int, int]]]] = {}
+    extras: dict[str, dict[str, int]] = {}  # scalar items with no key in the schema: kept under "extras"
     for pos, key in enumerate(keys):
         tags = [(f"{key}/{i}", i) for i in range(lengths[pos])] if pos in lengths else [(key, -1)]
         for tag, item in tags:
             mapped = map_tag(tag)
             if mapped is None:
+                kept = extras.setdefault(extra_split(tag), {})
+                if item < 0 and len(kept) < EXTRAS_MAX:
+                    kept[tag] = pos
                 continue
             split, name, index = mapped
             if index is None:
@@ -1047,9 +1078,9 @@ def _layout(keys: tuple[str, ...], shape: tuple[tuple[int, int], ...]) -> _Layou
             else:
                 lists.setdefault(split, {}).setdefault(name, {})[index] = (pos, item)
     fields = []
-    for split in dict.fromkeys([*scalars, *lists]):
+    for split in dict.fromkeys([*scalars, *lists, *extras]):
         list_fields = tuple((name, tuple(slots.get(i, (-1, -1)) for i in range(max(slots) + 1))) for name, slots in lists.get(split, {}).items())
-        fields.append((split, tuple(scalars.get(split, {}).items()), list_fields))
+        fields.append((split, tuple(scalars.get(split, {}).items()), list_fields, tuple(extras.get(split, {}).items())))
     return _Layout(shape, tuple(fields))
 
 

@@ -630,6 +630,27 @@ async def test_a_freshly_watched_tensorboard_runs_training_screen_shows_its_reco
         await wait_until(lambda: "ext:tb · 30 records" in title(), timeout=20, what="the Training screen's record count", context=title)
 
 
+async def test_a_watched_specforge_runs_tags_without_a_schema_key_reach_the_dashboard(tmp_path):
+    """eval/simulated_acc_len (SpecForge's own accept-length estimate) and train/acceptance_rate used to be dropped."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "sf"))
+    for step in (10, 20):
+        writer.add_scalar("train/loss", 3.0, step)
+        writer.add_scalar("train/acceptance_rate", 0.5, step)
+        writer.add_scalar("eval/avg_loss", 3.5, step)
+        writer.add_scalar("eval/simulated_acc_len", 1.75, step)
+    writer.close()
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        await watch_with_modal(app, pilot, tmp_path / "sf", "sf")
+        await wait_until(lambda: app.selected_job == "ext:sf", what="the watched run selected")
+        panel = lambda: str(app.screen.query_one("#latest").render())
+        await wait_until(lambda: "eval/simulated_acc_len 1.75" in panel(), timeout=20, what="the extras on the Dashboard", context=panel)
+        assert "train/acceptance_rate 0.5" in panel()
+
+
 async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
     app = live_app(tmp_path, profile="no-such-profile")  # the started run fails fast instead of training on a shared CPU
     async with app.run_test(size=SIZE) as pilot:

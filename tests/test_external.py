@@ -210,8 +210,23 @@ def test_current_specforge_tensorboard_run_fills_the_accuracy_table_and_tau(tmp_
     assert val["acc"] == VAL_ACC  # the per-step accuracy table's source: acc[i] of val records
     assert val["acceptance_rate"] == [0.5, 0.375, 0.25]
     assert val["ploss"] == pytest.approx([2.0, 3.0, 4.0]) and val["loss"] == pytest.approx(2.0 + 0.8 * 3 + 0.64 * 4)
-    assert set(val) == {"split", "step", "time", "acc", "acceptance_rate", "ploss", "loss"}
+    assert set(val) == {"split", "step", "time", "acc", "acceptance_rate", "ploss", "loss", "extras"}
+    simulated = specforge_eval_metrics(200)["eval/simulated_acc_len"]  # float32 in the event file
+    assert val["extras"] == {"eval/avg_acc": 0.75, "eval/simulated_acc_len": pytest.approx(simulated, rel=1e-6)}
     train = got[("train", 200)]
+    assert train["extras"] == {  # every tag with no key in the schema is kept as written: none of the 56 is dropped
+        "train/acc": pytest.approx(0.75),
+        "train/acceptance_rate": 0.5,
+        "train/perf/optimizer_steps_per_hour": 3600.0,
+        "train/perf/data_wait_time_s": 0.125,
+        "train/perf/train_compute_time_s": 1.25,
+        "train/perf/durable_ack_time_s": 0.0,
+        "train/perf/global_samples_per_second": 8.0,
+    }
+    tags = len(tracked(specforge_train_metrics(200))) + len(tracked(specforge_eval_metrics(200)))
+    kept = sum(len(r) - 2 - ("time" in r) - ("extras" in r) + len(r.get("extras", {})) for r in (train, val))
+    per_position = sum(len(r[k]) - 1 for r in (train, val) for k in ("acc", "ploss", "acceptance_rate"))
+    assert kept + per_position == tags
     assert train["acc"] == [0.875, 0.75, 0.625] and train["acceptance_rate"] == [0.625, 0.5, 0.375]
     assert train["ploss"] == pytest.approx([1.5, 2.5, 3.5])
     assert train["loss"] == pytest.approx(1.5 + 0.8 * 2.5 + 0.64 * 3.5)
@@ -446,6 +461,9 @@ def test_current_specforge_console_log_with_and_without_a_tracker(tmp_path):
         assert train["acc"] == [0.875, 0.75, 0.625] and train["ploss"] == [1.0, 2.0, 3.0]
         assert train["lr"] == 1e-4 / 2 and train["grad_norm"] == 0.35 and train["step_time"] == 1.5
         assert estimate_tau(got[("val", 200)]["acc"]) == 1 + 0.75 + 0.75 * 0.5 + 0.75 * 0.5 * 0.25
+        prefix = "train/" if name == "tensorboard" else ""
+        assert train["extras"][prefix + "acceptance_rate"] == 0.5 and train["extras"][prefix + "perf/global_samples_per_second"] == 8.0
+        assert got[("val", 200)]["extras"]["eval/simulated_acc_len"] == specforge_eval_metrics(200)["eval/simulated_acc_len"]
 
 
 def test_console_log_non_finite_values_pass_the_schema(tmp_path):

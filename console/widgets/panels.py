@@ -58,7 +58,30 @@ def latest_metrics_text(state: ConsoleState, job: str | None) -> Text:
     hidden = metrics.nonfinite_count("train.loss", metrics.train_loss) + metrics.nonfinite_count("val.loss", metrics.val_loss)
     if hidden:
         text.append(f"\n{hidden} NaN/inf loss values in the run (red x on Training)", style="bold red")
+    extras = extras_text(train, val)
+    if extras:
+        text.append("\n" + extras)
     return text
+
+
+EXTRAS_FIRST = ("simulated_acc_len", "acceptance_rate", "acc")  # SpecForge's own accept-length estimate and means first
+EXTRAS_SHOWN = 4
+
+
+def extras_text(train: dict[str, Any], val: dict[str, Any]) -> str:
+    """A watched run's values with no key in the record schema (kept as its tracker named them), the telling ones first."""
+    values: dict[str, Any] = {}
+    for record in (val, train):
+        extras = record.get("extras")
+        if isinstance(extras, dict):
+            values.update({str(k): v for k, v in extras.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    if not values:
+        return ""
+    rank = lambda tag: next((i for i, name in enumerate(EXTRAS_FIRST) if tag.rsplit("/", 1)[-1] == name), len(EXTRAS_FIRST))
+    ordered = sorted(values, key=lambda tag: (rank(tag), tag))
+    shown = "   ".join(f"{visible(tag)} {number(values[tag], 4)}" for tag in ordered[:EXTRAS_SHOWN])
+    more = len(ordered) - EXTRAS_SHOWN
+    return f"also logged: {shown}" + (f"   (+{more} more)" if more > 0 else "")
 
 
 def _gap(train: object, val: object) -> float | None:
