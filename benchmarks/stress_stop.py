@@ -9,7 +9,12 @@ start time (a recycled PID). Then the job is stopped with the real CLI, and the 
   foreign signalled    decoys that got any signal (a logged catchable one, or dead, or stopped)
   owned left alive     processes carrying the trial's marker environment still alive after the stop
   stale signalled      stale-record processes that got any signal
-  wrong exit codes     a stop that exited 0 with an owned process alive, or non-zero with none
+  wrong exit codes     a stop that exited 0 with an owned process alive or an escapee named, or non-zero with neither
+  escape errors        (trials with an escaper: a child of the leader that kills the watcher, double-forks to init,
+                       leaves the job's group or session and cgroup and execs without the job's environment)
+                       a "session" escapee left alive (the live leader's session proves it), a "traced" one (stdout
+                       on the job's log, own session) not named, or any escapee signalled and left alive. Traced and
+                       "untraced" escapees are beyond proof: they must never be signalled.
 
 Owned processes are counted through an environment marker the stop itself never looks at. Half the trials use
 the job cgroup (where the host offers a writable cgroup v2) and half the SIGSTOP walk. Exit 1 if any count is
@@ -100,8 +105,53 @@ def stop_self(node):
         json.dump(report, handle)
     os.rename(node["report"] + ".tmp", node["report"])
 
+ESCAPEE = "import signal, sys, time\n" \
+    "def note(signum, _):\n    open(sys.argv[1], 'a').write(f'{signum}\\n')\n" \
+    "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR1):\n    signal.signal(s, note)\n" \
+    "while True:\n    time.sleep(3600)\n"
+
+def stat_field(pid, index):
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[index]
+
+def gone(pid):
+    try:
+        return stat_field(pid, 0) in "ZX"
+    except OSError:
+        return True
+
+def escape(node):
+    # kill the watcher (the leader's parent), double-fork to init, leave the group (or the session too), leave the
+    # job's cgroup, keep stdio on the job's log only when "traced", exec with no EAGLE3_* variables and no trial marker
+    watcher = int(stat_field(os.getppid(), 1))
+    os.kill(watcher, signal.SIGKILL)
+    while not gone(watcher):
+        time.sleep(0.005)
+    middle = os.getpid()
+    if os.fork():
+        os._exit(0)
+    while os.getppid() == middle:
+        time.sleep(0.005)
+    os.setpgid(0, 0) if node["escape"] == "session" else os.setsid()
+    try:
+        with open(node["cgroup_procs"], "w") as handle:
+            handle.write(str(os.getpid()))
+    except OSError:
+        pass
+    if node["escape"] != "traced":
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_") and k != "STRESS_TRIAL"}
+    env["STRESS_ESCAPEE"] = node["marker"] + ":" + node["escape"]
+    with open(node["ready"] + ".tmp", "w") as handle:
+        handle.write(str(os.getpid()))
+    os.rename(node["ready"] + ".tmp", node["ready"])
+    os.execve(sys.executable, [sys.executable, "-S", "-c", ESCAPEE, node["log"]], env)
+
 def run(node):
     kind = node["kind"]
+    if kind == "escaper":
+        escape(node)
     if kind in ("ignorer", "reforker"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     elif kind == "trapper":
@@ -133,11 +183,16 @@ class Totals:
     owned_alive: int = 0
     stale_signalled: int = 0
     wrong_exit: int = 0
+    escapers: dict[str, int] = field(default_factory=dict)  # variant -> escapees started
+    escapes_caught: int = 0  # killed because something still proved them the job's (the session variant must be)
+    escapes_named: int = 0  # beyond proof but traced: named, not signalled (the traced variant must be)
+    escapes_unnamed: int = 0  # beyond proof and untraced: alive, unsignalled, unnamed (nothing can find them)
+    escape_errors: int = 0  # a session escapee left alive, a traced one not named, or any escapee signalled yet alive
     slowest_s: float = 0.0
 
     @property
     def failures(self) -> int:
-        return self.foreign_signalled + self.owned_alive + self.stale_signalled + self.wrong_exit
+        return self.foreign_signalled + self.owned_alive + self.stale_signalled + self.wrong_exit + self.escape_errors
 
 
 # ---------------------------------------------------------------- random trees
@@ -155,6 +210,35 @@ def random_node(rng: random.Random, depth: int) -> dict:
     if depth < 2:
         node["children"] = [random_node(rng, depth + 1) for _ in range(rng.randint(0, 3 - depth))]
     return node
+
+
+def add_escaper(rng: random.Random, tree: dict, run_dir: Path, marker: str) -> dict:
+    """A child of the leader that escapes: "session" stays in the leader's session (provable), "traced" keeps its
+    stdio on the job's log (traced, not provable), "untraced" leaves nothing that ties it to the job."""
+    mount, own = procs.cgroup2_mount(), procs.cgroup_of(os.getpid())
+    cgroup_procs = str(mount.joinpath(*[p for p in own.split("/") if p], "cgroup.procs")) if mount and own else "/nonexistent"
+    node = {
+        "kind": "escaper",
+        "escape": rng.choice(["session", "traced", "untraced"]),
+        "setsid": False,
+        "double": False,
+        "marker": marker,
+        "ready": str(run_dir / "escapee.pid"),
+        "log": str(run_dir / "escapee.signals"),
+        "cgroup_procs": cgroup_procs,
+    }
+    tree.setdefault("children", []).append(node)
+    return node
+
+
+def escapees(marker: str) -> dict[int, str]:
+    """Live escapees of this trial: pid -> variant."""
+    found = {}
+    for pid in procs.list_pids():
+        value = procs.environ_value(pid, "STRESS_ESCAPEE") if procs.is_alive(pid) else None
+        if value and value.startswith(marker + ":"):
+            found[pid] = value.rsplit(":", 1)[1]
+    return found
 
 
 def add_stopper(rng: random.Random, tree: dict, run_dir: Path, job: str, report: Path) -> None:
@@ -275,10 +359,11 @@ def run_trial(index: int, rng: random.Random, mode: str, base: Path, totals: Tot
         if tree["kind"] == "reforker":  # the stopper's ancestors are never signalled: one that keeps forking could never be stopped from inside
             tree["kind"] = "ignorer"
         add_stopper(rng, tree, run_dir, "job", report)
+    escaper = add_escaper(rng, tree, run_dir, marker) if rng.random() < 0.3 and not inside else None
     argv = [PY, "-S", "-c", NODE, json.dumps(tree)]
     decoys: list[tuple[subprocess.Popen, Path, int, str]] = []
     registry = None
-    counts = dict(foreign=0, owned=0, stale=0, wrong=0)
+    counts = dict(foreign=0, owned=0, stale=0, wrong=0, escape=0)
     try:
         registry = JobRegistry(run_dir)
         for role in ["foreign"] * rng.randint(1, 3) + ["stale"] * rng.randint(1, 2):
@@ -298,13 +383,16 @@ def run_trial(index: int, rng: random.Random, mode: str, base: Path, totals: Tot
             os.environ.clear()
             os.environ.update(old_env)
         time.sleep(rng.uniform(0.1, 0.8))  # stop at a random moment of the tree's growth
+        escaped = wait_for_escapee(escaper, marker) if escaper else {}
         if inside:
             counts["owned"] += check_inside_stop(report, marker, counts)
         seen = len(marked(marker))
         stopped = cli_stop(run_dir, rng.choice([["--name", "job"], ["--all"]]) + ["--grace", f"{rng.uniform(0, 1):.2f}"], env)
         left = marked(marker)
         counts["owned"] += len(left)
-        counts["wrong"] += int((stopped.returncode != 0) != bool(left))
+        named = check_escapees(escaper, escaped, survivors_in(stopped), totals) if escaper else set()
+        counts["escape"] = 0 if named is not None else 1
+        counts["wrong"] += int((stopped.returncode != 0) != bool(left or named))
         if stopped.returncode not in (0, 1) or (left and verbose):
             print(f"  trial {index}: stop exit {stopped.returncode}, left {left}: {stopped.stderr[-500:]}", flush=True)
         totals.job_procs += seen
@@ -317,15 +405,54 @@ def run_trial(index: int, rng: random.Random, mode: str, base: Path, totals: Tot
         if registry is not None:
             registry.close()
         clean_up(marker)
+        kill_all(list(escapees(marker)))
         shutil.rmtree(run_dir, ignore_errors=True)
     elapsed = time.monotonic() - began
     tally(totals, mode, inside, decoys, counts, elapsed)
     if verbose or any(counts.values()):
         print(
             f"trial {index:4d} [{mode:6s}] procs {seen:3d} decoys {len(decoys)} inside-stop {'yes' if inside else 'no '}: "
-            f"foreign {counts['foreign']}, owned alive {counts['owned']}, stale {counts['stale']}, wrong exit {counts['wrong']} ({elapsed:.1f} s)",
+            f"foreign {counts['foreign']}, owned alive {counts['owned']}, stale {counts['stale']}, wrong exit {counts['wrong']},"
+            f" escape errors {counts['escape']} ({elapsed:.1f} s)",
             flush=True,
         )
+
+
+def wait_for_escapee(escaper: dict, marker: str) -> dict[int, str]:
+    """The escapee once it has exec'd (so the stop meets the finished escape, not one half done)."""
+    ready = Path(escaper["ready"])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        found = escapees(marker)
+        if ready.exists() and found:
+            return found
+        time.sleep(0.02)
+    return {}
+
+
+def check_escapees(escaper: dict, escaped: dict[int, str], survivors: set[int], totals: Totals) -> set[int] | None:
+    """Tally what the stop did with the escapee; returns the pids it rightly named (None on an escape error)."""
+    variant = escaper["escape"]
+    totals.escapers[variant] = totals.escapers.get(variant, 0) + 1
+    log = Path(escaper["log"])
+    named: set[int] = set()
+    for pid in escaped:
+        alive = procs.is_alive(pid)
+        signalled_alive = alive and ((log.exists() and log.read_text().strip() != "") or bool(procs.read_stat(pid) and procs.read_stat(pid).stopped))
+        if signalled_alive or (variant == "session" and alive) or (variant == "traced" and alive and pid not in survivors):
+            print(f"  escapee {pid} ({variant}): alive {alive}, signalled {signalled_alive}, named {pid in survivors}", flush=True)
+            return None
+        if not alive:
+            totals.escapes_caught += 1
+        elif pid in survivors:
+            totals.escapes_named += 1
+            named.add(pid)
+        else:
+            totals.escapes_unnamed += 1
+    if not escaped:
+        print(f"  the {variant} escapee never reached its exec", flush=True)
+        return None
+    return named
 
 
 def check_inside_stop(report: Path, marker: str, counts: dict) -> int:
@@ -362,6 +489,7 @@ def tally(totals: Totals, mode: str, inside: bool, decoys: list, counts: dict, e
     totals.owned_alive += counts["owned"]
     totals.stale_signalled += counts["stale"]
     totals.wrong_exit += counts["wrong"]
+    totals.escape_errors += counts["escape"]
     totals.slowest_s = max(totals.slowest_s, elapsed)
 
 
@@ -405,6 +533,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"foreign signalled {totals.foreign_signalled}, owned left alive {totals.owned_alive}, stale signalled {totals.stale_signalled}"
         f" (wrong exit codes {totals.wrong_exit})"
+    )
+    variants = ", ".join(f"{variant} {count}" for variant, count in sorted(totals.escapers.items())) or "none"
+    print(
+        f"escapees ({variants}): caught by proof {totals.escapes_caught}, named not signalled {totals.escapes_named},"
+        f" untraced {totals.escapes_unnamed} (escape errors {totals.escape_errors})"
     )
     return 1 if totals.failures else 0
 

@@ -296,3 +296,4 @@ def test_stress_stop_ci_sized():
     done = subprocess.run([PY, "benchmarks/stress_stop.py", "--trials", "20", "--seed", "11"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "foreign signalled 0, owned left alive 0, stale signalled 0" in done.stdout
+    assert "(escape errors 0)" in done.stdout
