@@ -896,7 +896,17 @@ class JobRegistry:
             raise JobNoSpace(f"cannot start job {name!r}: {self.db_path} can only be read ({why}). Nothing was started and nothing was written")
 
     def _insert_starting(self, name: str, kind: str, argv: list[str], cwd: str | None, job_dir: Path, token: str, node: dict[str, Any] | None) -> int:
-        """The record of a start, committed before anything runs; on a failed write the job dirs are put back as they were."""
+        """The record of a start, committed before anything runs."""
+        node_values = tuple((node or {}).get(column) for column in NODE_COLUMNS)
+        values = (name, kind, json.dumps(argv), cwd, str(job_dir), str(job_dir / "stdout.log"), str(job_dir / "stderr.log"), time.time(), token, *node_values)
+        sql = (
+            "INSERT INTO jobs (name, kind, state, detail, argv, cwd, job_dir, stdout_path, stderr_path, started_at, token,"
+            " run_id, node_rank, nnodes, rdzv_endpoint) VALUES (?, ?, 'unknown', 'starting', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        )
+        return self._insert_record(f"start job {name!r}", name, job_dir, "Nothing was started and no record was written", sql, values)
+
+    def _insert_record(self, what: str, name: str, job_dir: Path, untouched: str, sql: str, values: tuple) -> int:
+        """Claim the name, make the job dir and insert its row in one transaction; on a failed write the job dirs are put back as they were."""
         moved: list[tuple[Path, Path]] = []
         created = False
         try:
@@ -904,24 +914,7 @@ class JobRegistry:
                 self._claim_name(db, name, moved)
                 job_dir.mkdir(mode=PRIVATE_DIR, parents=True)
                 created = True
-                node_values = tuple((node or {}).get(column) for column in NODE_COLUMNS)
-                cursor = db.execute(
-                    "INSERT INTO jobs (name, kind, state, detail, argv, cwd, job_dir, stdout_path, stderr_path, started_at, token,"
-                    " run_id, node_rank, nnodes, rdzv_endpoint) VALUES (?, ?, 'unknown', 'starting', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        name,
-                        kind,
-                        json.dumps(argv),
-                        cwd,
-                        str(job_dir),
-                        str(job_dir / "stdout.log"),
-                        str(job_dir / "stderr.log"),
-                        time.time(),
-                        token,
-                        *node_values,
-                    ),
-                )
-                job_id = cursor.lastrowid
+                job_id = db.execute(sql, values).lastrowid
                 assert job_id is not None  # sqlite3 sets lastrowid after every INSERT that succeeded
             return job_id
         except WRITE_ERRORS as exc:
@@ -929,7 +922,7 @@ class JobRegistry:
                 _quietly(job_dir.rmdir)
             for old, new in reversed(moved):
                 _quietly(lambda: new.rename(old))
-            raise self._write_failed(name, exc, "Nothing was started and no record was written") from None
+            raise self._write_failed(what, exc, untouched) from None
 
     def _store_leader(self, db: sqlite3.Connection, job_id: int, leader: dict[str, Any]) -> None:
         if "error" in leader:
@@ -963,15 +956,13 @@ class JobRegistry:
             killed = f"; it was killed again (PID {leader['pid']})" + (f", but PID {', '.join(map(str, alive))} still run" if alive else ", nothing of it runs")
         dropped = self._try_write("drop a half-started record", lambda db: db.execute("DELETE FROM jobs WHERE id = ?", (job_id,)))
         left = "its record was removed" if dropped else "its record stays in jobs.db as 'starting' and will show stale"
-        return self._write_failed(name, exc, f"The job's start could not be recorded{killed}; {left}")
+        return self._write_failed(f"start job {name!r}", exc, f"The job's start could not be recorded{killed}; {left}")
 
-    def _write_failed(self, name: str, exc: BaseException, untouched: str) -> JobError:
+    def _write_failed(self, what: str, exc: BaseException, untouched: str) -> JobError:
         free = self._free_bytes()
         if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "full" in str(exc) or (free is not None and free < 65536):
-            return JobNoSpace(
-                f"no space left on the disk of {self.run_dir} ({free} bytes free) to start job {name!r} ({exc}). {untouched}; free space and retry"
-            )
-        return JobError(f"could not write job {name!r} to {self.db_path}: {exc}. {untouched}")
+            return JobNoSpace(f"no space left on the disk of {self.run_dir} ({free} bytes free) to {what} ({exc}). {untouched}; free space and retry")
+        return JobError(f"could not write to {self.db_path} to {what}: {exc}. {untouched}")
 
     def _spawn_watcher(self, job_id: int, job_dir: Path, argv: list[str], cwd: str | None, env: dict[str, str]) -> dict[str, Any]:
         with open(job_dir / "watcher.log", "ab", opener=private_opener) as watcher_log:
@@ -1023,24 +1014,13 @@ class JobRegistry:
         if owner is not None:
             raise JobConflict(f"PID {pid} already belongs to job {owner!r}; nothing was adopted")
         job_dir = self.jobs_dir / name
-        with self._write() as db:
-            self._claim_name(db, name)
-            job_dir.mkdir(mode=PRIVATE_DIR, parents=True)
-            db.execute(
-                "INSERT INTO jobs (name, kind, state, pid, pgid, start_time_ticks, argv, job_dir, stdout_path, stderr_path, started_at, adopted)"
-                " VALUES (?, 'adopted', 'running', ?, ?, ?, ?, ?, ?, ?, ?, 1)",
-                (
-                    name,
-                    pid,
-                    stat.pgid,
-                    stat.start_time,
-                    json.dumps(procs.cmdline_args(pid)),
-                    str(job_dir),
-                    _output_file(pid, 1) or str(job_dir / "stdout.log"),
-                    _output_file(pid, 2) or str(job_dir / "stderr.log"),
-                    time.time(),
-                ),
-            )
+        sql = (
+            "INSERT INTO jobs (name, kind, state, pid, pgid, start_time_ticks, argv, job_dir, stdout_path, stderr_path, started_at, adopted)"
+            " VALUES (?, 'adopted', 'running', ?, ?, ?, ?, ?, ?, ?, ?, 1)"
+        )
+        stdout_path, stderr_path = _output_file(pid, 1) or str(job_dir / "stdout.log"), _output_file(pid, 2) or str(job_dir / "stderr.log")
+        values = (name, pid, stat.pgid, stat.start_time, json.dumps(procs.cmdline_args(pid)), str(job_dir), stdout_path, stderr_path, time.time())
+        self._insert_record(f"adopt PID {pid} as job {name!r}", name, job_dir, "Nothing was adopted and no record was written", sql, values)
         return self.get(name).info
 
     @staticmethod

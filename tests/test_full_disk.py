@@ -104,3 +104,20 @@ def test_a_job_stopped_on_a_full_disk_settles_to_stopped_once_space_returns(disk
     assert (listed["state"], listed["exit_code"]) == ("stopped", -9) and "stopped by operator (grace 0.5s)" in listed["detail"], listed
     with sqlite3.connect(run / "jobs.db") as db:  # settled in jobs.db itself, not only in what a listing works out
         assert db.execute("SELECT state, exit_code FROM jobs WHERE name = 'full'").fetchall() == [("stopped", -9)]
+
+
+def test_adopt_on_a_full_disk_is_one_clear_line_and_adopts_nothing(disk):
+    run = disk / "run"
+    JobRegistry(run).close()
+    sleeper = subprocess.Popen([PY, "-c", f"import time; time.sleep(600)  # {MARK}"])
+    try:
+        filler = fill(disk)
+        done = cli(run, "adopt", str(sleeper.pid), "--name", "mine", "--yes")
+        assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+        assert "no space" in done.stderr and "Nothing was adopted" in done.stderr
+        filler.unlink()
+        assert JobRegistry(run).list_jobs() == [] and list((run / "jobs").iterdir()) == []
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
