@@ -354,7 +354,7 @@ class Agent:
                 self._files[record.name] = files = JobFiles(record, from_end)
             files.finished = record.info.state in TERMINAL
         for name in set(self._files) - names:
-            del self._files[name]
+            close_scan(self._files.pop(name).metrics)  # its worker processes, if a cold scan was running
         live_ids = {record.id for record in records}
         for record_id in set(self._finished_wires) - live_ids:
             del self._finished_wires[record_id]

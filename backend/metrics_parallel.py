@@ -166,10 +166,10 @@ def scan_range(path: str, chunks: list[Chunk], chunk_bytes: int, stop: int) -> P
     return partial
 
 
-def _lower_priority() -> None:
+def _lower_priority(nice: int) -> None:
     """Workers yield to the trainer and to the agent's live path when the CPUs are busy."""
     try:
-        os.nice(WORKER_NICE)
+        os.nice(nice)
     except OSError:
         pass
 
@@ -210,6 +210,7 @@ class ColdScan:
     workers: int
     chunk_bytes: int = INDEX_STEP_BYTES
     ranges_count: int | None = None
+    nice: int = WORKER_NICE  # added to the workers' niceness
     pool: "ProcessPoolExecutor | None" = None  # a caller's pool (tests); else one of `workers` spawned processes
     ranges: list[Range] = field(default_factory=list)
     error: str = ""
@@ -233,7 +234,7 @@ class ColdScan:
             from concurrent.futures import ProcessPoolExecutor
 
             spawn = multiprocessing.get_context("spawn")
-            self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=spawn, initializer=_lower_priority)
+            self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=spawn, initializer=_lower_priority, initargs=(self.nice,))
             self._own_pool = True
         for part in self.ranges:
             part.future = self.pool.submit(scan_range, str(feed.path), part.chunks, self.chunk_bytes, stop)
@@ -284,12 +285,13 @@ class ColdScan:
         self.close()
 
     def close(self) -> None:
-        """Cancel what has not started and let the pool go (a running range ends within its few seconds)."""
+        """Cancel what has not started and let the pool go without waiting (a running range ends within seconds,
+        then its worker exits)."""
         for part in self.ranges:
             if part.future is not None:
                 part.future.cancel()
         if self._own_pool and self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool.shutdown(wait=False, cancel_futures=True)
         self.pool = None
 
 
