@@ -263,3 +263,36 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
     assert plain.run(spec, "p").output_ids == eager.run(spec, "e").output_ids
     with pytest.raises(ValueError, match="CUDA is not available"):
         Engine.resolve_device("cuda")
+
+
+@pytest.mark.slow
+def test_decode_speed_benchmark_runs_on_cpu_with_tiny_settings(mini_target_dir, mini_profile, tmp_path):
+    """benchmarks/bench_decode_speed.py end to end in its own process: every row measured, the checks filled in."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, subprocess_env
+    from tests.reference_fixtures import save_untrained_draft, write_mini_profile
+
+    profile = write_mini_profile(mini_target_dir, tmp_path / "mini.toml")
+    draft = save_untrained_draft(mini_profile, tmp_path / "run")
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text('{"conversations": [{"role": "user", "content": "def add(a, b):"}]}\n{"prompt": "x = 1"}\n{"task_id": "t", "prompt": "for"}\n')
+    out = tmp_path / "speed.json"
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_speed.py"), "--profile", str(profile), "--draft", str(draft), "--device", "cpu"]
+    argv += ["--max-new-tokens", "8", "--num-prompts", "2", "--prompts", str(prompts), "--out", str(out)]
+    done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["anchors"]) == {"hf_generate_eager", "hf_generate_static_compile", "ours_eager_plain"}
+    rows = report["eval_sets"]["eval"]
+    assert set(rows) == {"ours_static_plain", "ours_static_eagle_k3", "ours_static_eagle_k7"}
+    for row in [*report["anchors"].values(), *rows.values()]:
+        assert "error" not in row and row["tokens"] == 16 and row["tok_s"] > 0, row
+    for steps in (3, 7):
+        eagle = rows[f"ours_static_eagle_k{steps}"]
+        assert eagle["speedup_vs_our_plain"] > 0 and eagle["accept_length"] >= 1 and eagle["breakdown_ms"]["verify_ms"] > 0
+        assert eagle["eagle_equals_plain"] == {"identical": 2, "of": 2, "mean_matching_prefix": 8.0}  # float32: exact
+    assert report["checks"]["static_plain_vs_eager_plain"]["identical"] == 2
+    assert "ours_static_eagle_k3" in done.stdout and "bandwidth bound" in done.stdout

@@ -1,0 +1,360 @@
+#!/usr/bin/env python3
+"""Batch-1 decode speed of the reference engine's decoders against transformers' generate, measured in one process.
+
+Rows (the same prompts, ignore-eos, fixed output lengths): transformers `generate` eager; transformers `generate`
+with cache_implementation="static" (compiled by transformers on CUDA); our eager plain decode (SpecDecoder); our
+static-cache plain decode (CUDA graphs on CUDA), with --compile also through torch.compile; our static EAGLE-3 decode at each
+--num-steps. Prints tok/s per row, EAGLE's speed-up over our plain decode, the fraction of
+the bandwidth bound (weight bytes / --hbm-tbs), accept lengths, a per-step breakdown (draft round, target verify,
+host work) and token-for-token checks (static vs eager; on CUDA also in float32); writes --out JSON.
+
+H200:  python3 benchmarks/bench_decode_speed.py --device cuda --draft RUN/draft --prompts DATA/eval.jsonl \
+         --prompts HumanEval.jsonl.gz --num-prompts 20 --max-new-tokens 256 --out benchmarks/results/h200_decode_speed.json
+CPU:   python3 benchmarks/bench_decode_speed.py --device cpu --max-new-tokens 8 --num-prompts 2 --out /tmp/speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gzip
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend.serve.spec_decode import SpecDecoder
+from backend.serve.static_decode import StaticDecoder, StepTimes
+
+NO_EOS = -1  # an id no tokenizer emits: every row decodes exactly --max-new-tokens
+BUILTIN_PROMPTS = [
+    "Write a Python function that reverses a string and explain how it works.",
+    "Give me three tips for writing a clear bug report.",
+    "How will electric cars affect traditional automobile industries over the next decade?",
+    "Summarize the plot of a heist movie in a few sentences.",
+]
+
+
+def read_prompt_file(path: Path) -> list[Any]:
+    """eval.jsonl records ({"conversations": [...]} or {"prompt": str}), HumanEval's {"prompt": code}, .gz or plain."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    records = []
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            conversation = record.get("conversations") if isinstance(record, dict) else None
+            if isinstance(conversation, list) and conversation:
+                messages = [{"role": m.get("role", "user"), "content": m.get("content", "")} for m in conversation]
+                records.append(messages if messages[-1]["role"] != "assistant" else messages[:-1])
+            elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                records.append(record["prompt"])
+            else:
+                raise SystemExit(f"{path}:{number}: expected a 'conversations' list or a 'prompt' string; nothing was measured")
+    return records
+
+
+def encode(tokenizer, prompt: Any, max_tokens: int) -> list[int]:
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    else:
+        ids = list(tokenizer.encode("\n".join(m["content"] for m in messages)))
+    return ids[-max_tokens:]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, run: Callable[[], Any]) -> tuple[Any, float]:
+    synchronize(device)
+    start = time.perf_counter()
+    result = run()
+    synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def measure(name: str, device, prompts: list[list[int]], run: Callable[[list[int]], Any], tokens_of: Callable[[Any], list[int]], warmup: int = 1) -> dict:
+    """Warm up on the longest prompt, then time each prompt; tok/s = generated tokens / wall seconds (prefill included)."""
+    row: dict[str, Any] = {"name": name, "prompts": len(prompts)}
+    try:
+        longest = max(prompts, key=len)
+        for _ in range(warmup):
+            run(longest)
+        outputs, seconds = [], 0.0
+        for ids in prompts:
+            result, elapsed = timed(device, lambda: run(ids))
+            outputs.append(result)
+            seconds += elapsed
+    except Exception as exc:  # a row that cannot run on this stack is reported, not fatal
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        row["traceback"] = traceback.format_exc(limit=4)
+        print(f"  {name}: FAILED {row['error']}", flush=True)
+        return row
+    tokens = [tokens_of(result) for result in outputs]
+    row.update(tokens=sum(len(t) for t in tokens), seconds=seconds, tok_s=sum(len(t) for t in tokens) / seconds if seconds else 0.0)
+    row["_outputs"] = tokens
+    row["_results"] = outputs
+    print(f"  {name}: {row['tok_s']:.1f} tok/s ({row['tokens']} tokens in {seconds:.2f} s)", flush=True)
+    return row
+
+
+def hf_rows(model, prompts: list[list[int]], max_new: int, device) -> list[dict]:
+    def generate(ids, **extra):
+        input_ids = torch.tensor([ids], device=device)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=0,
+            **extra,
+        )
+        return out[0, len(ids) :].tolist()
+
+    rows = [measure("hf_generate_eager", device, prompts, generate, lambda r: r)]
+    rows.append(measure("hf_generate_static_compile", device, prompts, lambda ids: generate(ids, cache_implementation="static"), lambda r: r, warmup=2))
+    rows[-1]["compiled_by_transformers"] = device.type == "cuda"
+    return rows
+
+
+def prefix_match(a: list[int], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def agreement(reference: dict, other: dict) -> dict | None:
+    if "_outputs" not in reference or "_outputs" not in other:
+        return None
+    pairs = list(zip(reference["_outputs"], other["_outputs"]))
+    return {
+        "identical": sum(a == b for a, b in pairs),
+        "of": len(pairs),
+        "mean_matching_prefix": sum(prefix_match(a, b) for a, b in pairs) / max(len(pairs), 1),
+    }
+
+
+def spec_stats(row: dict) -> None:
+    results = row.get("_results")
+    if not results:
+        return
+    completion = sum(r.completion_tokens for r in results)
+    verify = sum(r.verify_ct for r in results)
+    rounds = [a for r in results for a in r.accepted_per_round]
+    row["accept_length"] = completion / verify if verify else None
+    row["mean_accepted_drafts"] = sum(rounds) / len(rounds) if rounds else None
+    row["verify_ct"] = verify
+
+
+def static_row(name, decoder: StaticDecoder, device, prompts, max_new, speculative: bool) -> dict:
+    run = (lambda ids: decoder.generate(ids, max_new)) if speculative else (lambda ids: decoder.plain(ids, max_new))
+    row = measure(name, device, prompts, run, lambda r: r.output_ids, warmup=2)
+    if "error" in row:
+        return row
+    decoder.step_times = StepTimes()  # one more pass with the step clock on: the breakdown, not the tok/s
+    for ids in prompts[:4]:
+        run(ids)
+    row["breakdown_ms"] = decoder.step_times.summary()
+    decoder.step_times = None
+    row["graphs"] = decoder.use_graphs
+    row["compiled"] = decoder.compiled
+    row["graphs_captured"] = len(decoder.graphs)
+    if speculative:
+        spec_stats(row)
+    return row
+
+
+def fp32_check(profile, draft, aux, num_steps: list[int], prompts: list[list[int]], device, max_new: int) -> dict:
+    """On the device, in float32: static (graphs) and eager decoders agree token for token, acceptance counts too."""
+    from backend.train.target import load_target
+
+    target = load_target(profile, device=device, dtype="float32")
+    draft32 = copy.deepcopy(draft).float()
+    report: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": max_new}
+    for steps in num_steps:
+        eager = SpecDecoder(target.model, draft32, aux, num_steps=steps, eos_token_id=NO_EOS)
+        static = StaticDecoder(target.model, draft32, aux, num_steps=steps, eos_token_id=NO_EOS, max_len=max(len(p) for p in prompts) + max_new + 64)
+        plain_equal = spec_equal = counts_equal = 0
+        for ids in prompts:
+            plain_equal += eager.plain_generate(ids, max_new) == static.plain_generate(ids, max_new)
+            a, b = eager.generate(ids, max_new), static.generate(ids, max_new)
+            spec_equal += a.output_ids == b.output_ids
+            counts_equal += (a.accepted_per_round, a.verify_ct) == (b.accepted_per_round, b.verify_ct)
+        report[f"num_steps_{steps}"] = {"plain_identical": plain_equal, "speculative_identical": spec_equal, "acceptance_identical": counts_equal}
+    del target
+    return report
+
+
+def load_draft(args, profile, target, device):
+    from backend.train.draft import DraftModelConfig, Eagle3Draft
+
+    if args.draft:
+        from backend.serve.preflight import resolve_draft_dir
+        from backend.train.checkpoint import load_checkpoint
+
+        draft, config, _meta, _state = load_checkpoint(resolve_draft_dir(Path(args.draft).expanduser()), target_embedding=target.embed_weight())
+        return draft.to(device).eval(), list(config.aux_layer_ids), str(args.draft)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftModelConfig.from_profile(profile))
+    draft.load_target_embedding(target.embed_weight().float())
+    return draft.to(device=device, dtype=target.dtype).eval(), list(profile.target.aux_layer_ids), "untrained (no --draft)"
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for param in model.parameters():
+        if param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            total += param.numel() * param.element_size()
+    return total
+
+
+def public(row: dict) -> dict:
+    return {key: value for key, value in row.items() if not key.startswith("_")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from backend.profiles import load_profile
+    from backend.train.target import load_target
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="smollm2-135m")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", help="target dtype (default: the profile's [serve] dtype on CUDA, float32 on CPU)")
+    parser.add_argument("--draft", help="draft checkpoint dir (default: an untrained draft of the profile's shape)")
+    parser.add_argument("--prompts", action="append", type=Path, help="an eval set (JSONL, .gz too); repeat for several sets")
+    parser.add_argument("--num-prompts", type=int, default=20, help="prompts per eval set for our static rows")
+    parser.add_argument("--anchor-prompts", type=int, default=3, help="prompts for the slow eager rows (first eval set)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--num-steps", type=int, nargs="+", default=[3, 7])
+    parser.add_argument("--compile", action="store_true", help="add torch.compile variants of our static rows (CUDA; each cache prefix compiles once)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate anchors")
+    parser.add_argument("--no-fp32-check", action="store_true")
+    parser.add_argument("--hbm-tbs", type=float, default=4.8, help="memory bandwidth for the bound, TB/s (H200: 4.8)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
+    torch.set_grad_enabled(False)
+    profile = load_profile(args.profile)
+    dtype = args.dtype or (profile.serve.dtype if device.type == "cuda" else "float32")
+    started = time.perf_counter()
+    target = load_target(profile, device=device, dtype=dtype)
+    load_s = time.perf_counter() - started
+    model, tokenizer = target.model, target.tokenizer
+    draft, aux, draft_label = load_draft(args, profile, target, device)
+    sets = {path.name.split(".")[0]: read_prompt_file(path) for path in args.prompts} if args.prompts else {"builtin": list(BUILTIN_PROMPTS)}
+    encoded = {name: [encode(tokenizer, p, args.max_prompt_tokens) for p in prompts[: args.num_prompts]] for name, prompts in sets.items()}
+    first = next(iter(encoded))
+    anchors = encoded[first][: args.anchor_prompts]
+    max_new = args.max_new_tokens
+    max_len = max(len(ids) for batch in encoded.values() for ids in batch) + max_new + max(args.num_steps) + 1
+    print(f"target {profile.target.path} {dtype} on {device} (loaded in {load_s:.1f} s); draft {draft_label}; sets {list(encoded)}", flush=True)
+
+    rows: list[dict] = []
+    if not args.no_hf:
+        rows += hf_rows(model, anchors, max_new, device)
+    eager = SpecDecoder(model, None, aux, eos_token_id=NO_EOS)
+    eager_row = measure("ours_eager_plain", device, anchors, lambda ids: eager.plain(ids, max_new), lambda r: r.output_ids)
+    rows.append(eager_row)
+    variants = [False, True] if args.compile else [False]
+    per_set: dict[str, dict] = {name: {} for name in encoded}
+    checks: dict[str, Any] = {}
+    for compiled in variants:  # one decoder per variant, shared by the eval sets: graphs (and compiles) are made once
+        suffix = "_compiled" if compiled else ""
+        plain = StaticDecoder(model, None, aux, eos_token_id=NO_EOS, max_len=max_len, compile=compiled)
+        for name, prompts in encoded.items():
+            print(f"eval set {name}: {len(prompts)} prompts", flush=True)
+            row = static_row(f"ours_static_plain{suffix}", plain, device, prompts, max_new, speculative=False)
+            per_set[name][row["name"]] = row
+        for steps in args.num_steps:
+            decoder = StaticDecoder(model, draft, aux, num_steps=steps, eos_token_id=NO_EOS, max_len=max_len, compile=compiled)
+            for name, prompts in encoded.items():
+                plain_row = per_set[name][f"ours_static_plain{suffix}"]
+                row = static_row(f"ours_static_eagle_k{steps}{suffix}", decoder, device, prompts, max_new, speculative=True)
+                if "tok_s" in row and "tok_s" in plain_row:
+                    row["speedup_vs_our_plain"] = row["tok_s"] / plain_row["tok_s"]
+                row["eagle_equals_plain"] = agreement(plain_row, row)
+                per_set[name][row["name"]] = row
+    static_plain = per_set[first]["ours_static_plain"]
+    checks["static_plain_vs_eager_plain"] = agreement(eager_row, {**static_plain, "_outputs": static_plain.get("_outputs", [])[: len(anchors)]})
+    per_set = {name: {key: public(row) for key, row in rows_.items()} for name, rows_ in per_set.items()}
+    if device.type == "cuda" and not args.no_fp32_check:
+        try:
+            checks["float32_static_vs_eager"] = fp32_check(profile, draft, aux, args.num_steps, encoded[first][:2], device, min(max_new, 64))
+        except Exception as exc:
+            checks["float32_static_vs_eager"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    bytes_ = weight_bytes(model)
+    bound = args.hbm_tbs * 1e12 / bytes_
+    for row in rows + [r for s in per_set.values() for r in s.values()]:
+        if "tok_s" in row:
+            row["fraction_of_bandwidth_bound"] = row["tok_s"] / bound
+    report = {
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "target": profile.target.path,
+        "dtype": dtype,
+        "draft": draft_label,
+        "max_new_tokens": max_new,
+        "num_steps": args.num_steps,
+        "weight_bytes": bytes_,
+        "bandwidth_bound_tok_s": bound,
+        "hbm_tbs": args.hbm_tbs,
+        "anchors": {row["name"]: public(row) for row in rows},
+        "eval_sets": per_set,
+        "checks": checks,
+    }
+    print_summary(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def print_summary(report: dict) -> None:
+    print(f"\nbandwidth bound: {report['weight_bytes'] / 1e6:.0f} MB of weights at {report['hbm_tbs']} TB/s = {report['bandwidth_bound_tok_s']:.0f} tok/s")
+    print(f"{'row':42} {'tok/s':>9} {'x plain':>8} {'bound':>7} {'accept':>7}  breakdown per round (ms)")
+    rows = [("", r) for r in report["anchors"].values()] + [(f"{s}/", r) for s, rs in report["eval_sets"].items() for r in rs.values()]
+    for prefix, row in rows:
+        if "error" in row:
+            print(f"{prefix + row['name']:42} FAILED {row['error'][:80]}")
+            continue
+        speedup = f"{row['speedup_vs_our_plain']:.2f}x" if "speedup_vs_our_plain" in row else ""
+        accept = f"{row['accept_length']:.2f}" if row.get("accept_length") else ""
+        parts = row.get("breakdown_ms") or {}
+        if parts.get("verify_ms"):
+            detail = f"draft {parts['draft_ms']:.3f} verify {parts['verify_ms']:.3f} host {parts['host_ms']:.3f}"
+        elif parts:
+            detail = f"decode {parts['decode_ms']:.3f} host {parts['host_ms']:.3f}"
+        else:
+            detail = ""
+        print(f"{prefix + row['name']:42} {row['tok_s']:9.1f} {speedup:>8} {row['fraction_of_bandwidth_bound']:7.3f} {accept:>7}  {detail}")
+    for name, value in report["checks"].items():
+        print(f"check {name}: {json.dumps(value)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
