@@ -124,7 +124,8 @@ def _register_train(subparsers, parent) -> None:
     train.add_argument(
         "--conversations",
         type=Path,
-        help="chat data for online HF targets: ShareGPT, OpenAI messages or role/content (JSONL or a JSON array), or a `data prepare` dir "
+        help="chat data for online HF targets: ShareGPT, OpenAI messages or role/content (JSONL or a JSON array), a `data prepare` dir, "
+        "or a `data regenerate` dir (refused when another target wrote it) "
         "(default <data_dir>/conversations.jsonl; a profile data dir under its run dir moves with --run-dir)",
     )
     train.add_argument("--regenerate-tokens", type=int, default=0, help="regenerate assistant turns with the target (max new tokens; 0 = off)")
@@ -155,7 +156,9 @@ def _register_extract(subparsers, parent) -> None:
     extract.add_argument("--samples", type=int, help="training samples (tiny: generated; HF: first N conversations)")
     extract.add_argument("--val-samples", type=int, help="held-out samples (tiny only; default 1/10 of --samples)")
     extract.add_argument(
-        "--conversations", type=Path, help="chat file (any format `data prepare` reads) or a `data prepare` dir (default <data_dir>/conversations.jsonl)"
+        "--conversations",
+        type=Path,
+        help="chat file (any format `data prepare` reads), a `data prepare` dir or a `data regenerate` dir (default <data_dir>/conversations.jsonl)",
     )
     extract.add_argument("--regenerate-tokens", type=int, default=0)
     _add_chat_template(extract)
@@ -199,6 +202,17 @@ def chat_preflight(profile, spec: str | None, offline: bool = False, trust_remot
         return template
     template_text(load_tokenizer(path, trust_remote_code), template)
     return template
+
+
+def regenerated_preflight(profile, conversations: Path | None) -> None:
+    """Conversations that `data regenerate` answered with another target are refused before this run's target loads."""
+    if conversations is None:
+        return
+    from backend.train.regenerate import check_regenerated_target
+    from backend.train.target import BUILTIN_TINY, resolve_target_path
+
+    if profile.target.path != BUILTIN_TINY:
+        check_regenerated_target(conversations, resolve_target_path(profile), profile.target.path)
 
 
 def _fail(message: str) -> int:
@@ -261,6 +275,8 @@ def _train(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.profile)
         template = chat_preflight(profile, args.chat_template, offline=args.data is not None, trust_remote_code=profile.serve.trust_remote_code)
+        if args.data is None:
+            regenerated_preflight(profile, args.conversations)
     except known as exc:
         return _fail(str(exc))
     if int(os.environ.get("RANK", "0") or 0) == 0:
@@ -286,6 +302,7 @@ def _extract(args) -> int:
     try:
         profile = load_profile(args.profile)
         template = chat_preflight(profile, args.chat_template, trust_remote_code=profile.serve.trust_remote_code)
+        regenerated_preflight(profile, args.conversations)
     except _known_errors() as exc:
         return _fail(str(exc))
     apply_threads(args.threads)

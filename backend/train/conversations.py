@@ -598,6 +598,9 @@ def register(subparsers, parent) -> None:
     command.add_argument("--tokenizer", metavar="PATH", help="also check that the chat template renders with this tokenizer (a model dir)")
     command.add_argument("--chat-template", metavar="NAME|FILE", help="chatml, llama3, qwen or a Jinja file (default: the tokenizer's own)")
     command.set_defaults(handler=_prepare_command)
+    from backend.train.regenerate import register as register_regenerate  # standard library only at import time
+
+    register_regenerate(commands, parent)
 
 
 def _prepare_command(args) -> int:

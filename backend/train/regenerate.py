@@ -1,0 +1,634 @@
+"""`eagle3-host data regenerate`: the target's own answers to a `data prepare` dir's conversations, batched, greedy or
+sampled, resumable after a kill, written as reusable JSONL with a side file naming the target, template and settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+
+from backend.train.conversations import PREPARE_META, SPLIT_FILES, DataError, content_digest, iter_conversations
+from backend.train.fsutil import PRIVATE_DIR, PRIVATE_FILE, file_sha256, fsync_path
+
+REGENERATE_META = "regenerate.json"  # written first (settings) and again last (complete: true); a complete dir trains
+REGENERATE_FORMAT = "eagle3-console-regenerated-chat/1"
+SKIPPED_FILE = "skipped.jsonl"  # conversations that produced no answer (the first prompt was too long), so a resume skips them
+LOCK_FILE = ".regenerate.lock"
+SPLITS = ("train", "val")
+# Files whose bytes identify a target besides its weights (hashed whole); weights are hashed by size, head and tail.
+_IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "model.safetensors.index.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_SAMPLE_BYTES = 1 << 20
+
+Log = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The target's identity, and the check that reading a regenerated file makes
+# ----------------------------------------------------------------------------------------------
+
+
+def target_fingerprint(path: str | os.PathLike) -> str:
+    """A hash that tells one target directory from another without reading every weight byte.
+
+    config, generation config, tokenizer and template files are hashed whole; each weight file by its name, size and
+    its first and last MiB (a safetensors file opens with the name, shape and offset of every tensor). A copy of the
+    same directory elsewhere has the same fingerprint; retrained or other weights do not.
+    """
+    directory = Path(path).expanduser()
+    digest = hashlib.sha256(b"eagle3-target-fingerprint/1\n")
+    if not directory.is_dir():
+        raise DataError(f"target {directory} is not a model directory")
+    for entry in sorted(directory.iterdir()):
+        if entry.name in _IDENTITY_FILES and entry.is_file():
+            digest.update(f"{entry.name}\n".encode() + bytes.fromhex(file_sha256(entry)))
+        elif entry.suffix in _WEIGHT_SUFFIXES and entry.is_file():
+            size = entry.stat().st_size
+            digest.update(f"{entry.name} {size}\n".encode())
+            with open(entry, "rb") as handle:
+                digest.update(handle.read(_SAMPLE_BYTES))
+                handle.seek(max(0, size - _SAMPLE_BYTES))
+                digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def regenerated_meta_for(path: str | os.PathLike) -> tuple[dict, Path] | None:
+    """(regenerate.json, its dir) when `path` is a regenerated dir or one of its split files; None for other data.
+    A regeneration that has not finished is refused: it holds only part of the conversations."""
+    path = Path(path).expanduser()
+    directory = path if path.is_dir() else path.parent
+    meta_path = directory / REGENERATE_META
+    if not meta_path.is_file():
+        return None
+    if not path.is_dir() and path.name not in (SPLIT_FILES[s] for s in SPLITS):
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"{meta_path}: unreadable ({exc}); regenerate again") from None
+    if meta.get("format") != REGENERATE_FORMAT:
+        raise DataError(f"{meta_path}: format {meta.get('format')!r}, expected {REGENERATE_FORMAT!r}")
+    if not meta.get("complete"):
+        raise DataError(
+            f"{directory} is a regeneration that has not finished ({meta.get('counts', {}).get('done', 0)} conversations so far); "
+            "run the same `data regenerate` command again to resume it (nothing was trained)"
+        )
+    return meta, directory
+
+
+def check_regenerated_target(path: str | os.PathLike, target_path: str, profile_target: str | None = None) -> dict | None:
+    """Refuse regenerated data written by another target than `target_path` (a DataError: exit 2, one line).
+    Returns the regeneration's metadata (None for data that was not regenerated)."""
+    found = regenerated_meta_for(path)
+    if found is None:
+        return None
+    meta, directory = found
+    recorded = meta["target"]
+    if recorded["fingerprint"] != target_fingerprint(target_path):
+        shown = f"{profile_target} ({target_path})" if profile_target and profile_target != target_path else target_path
+        raise DataError(
+            f"{directory} was regenerated by the target {recorded['path']} ({recorded['resolved_path']}, fingerprint {recorded['fingerprint'][:12]}), "
+            f"not by this run's target {shown} (fingerprint {target_fingerprint(target_path)[:12]}); its answers would teach another model's "
+            f"distribution. Regenerate with this target or train with that one (nothing was trained)"
+        )
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------
+# Durable line output: one fsync'd write per finished conversation; a torn last line is cut off on resume
+# ----------------------------------------------------------------------------------------------
+
+
+def read_done_lines(path: Path) -> list[dict]:
+    """The complete records of an append-only JSONL file. A last line cut by a kill (no newline, or not JSON) is
+    truncated away, so that conversation is done again; a bad line in the middle is refused (the file is not ours)."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    records: list[dict] = []
+    good_end = start = 0
+    while start < len(data):
+        newline = data.find(b"\n", start)
+        line = data[start:] if newline < 0 else data[start:newline]
+        try:
+            record = json.loads(line) if newline >= 0 else None
+        except json.JSONDecodeError:
+            record = None
+        if record is None:
+            if newline >= 0 and data[newline + 1 :].strip():
+                raise DataError(f"{path}: line {len(records) + 1} is not JSON and is not the last line; this file is not a regeneration's output")
+            break
+        records.append(record)
+        good_end = start = newline + 1
+    if good_end < len(data):
+        with open(path, "r+b") as handle:
+            handle.truncate(good_end)
+            handle.flush()
+            os.fsync(handle.fileno())
+    return records
+
+
+class LineAppender:
+    """Append-only JSONL: each record is one write() of a whole line, then fsync, before the next is started."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        existed = path.exists()
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), PRIVATE_FILE)
+        if not existed:
+            fsync_path(path.parent)
+
+    def append(self, record: dict) -> None:
+        view = memoryview((json.dumps(record, ensure_ascii=False) + "\n").encode())
+        while view:
+            view = view[os.write(self.fd, view) :]
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batched generation: left-padded prompts, one KV cache, per-row stop, rows leave the batch when they stop
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise DataError(f"--max-new-tokens {self.max_new_tokens}: expected a positive count. Nothing was written.")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise DataError(f"--temperature {self.temperature} / --top-p {self.top_p}: expected temperature >= 0 and 0 < top-p <= 1. Nothing was written.")
+
+
+def pick_tokens(logits, rngs: list[random.Random], sampling: Sampling) -> list[int]:
+    """The next token of each row: argmax when greedy, else one draw from the row's own generator (inverse CDF over
+    the tokens sorted by probability, cut to the top-p mass), so a row's tokens never depend on the other rows."""
+    import torch
+
+    if sampling.temperature <= 0:
+        return logits.argmax(-1).tolist()
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    if sampling.top_p < 1:
+        before = ordered.cumsum(-1) - ordered
+        ordered = ordered.masked_fill(before >= sampling.top_p, 0.0)  # the smallest prefix holding top-p (the first always stays)
+    cumulative = ordered.cumsum(-1)
+    draws = torch.tensor([rng.random() for rng in rngs], dtype=cumulative.dtype, device=cumulative.device)
+    positions = torch.searchsorted(cumulative, (draws * cumulative[:, -1])[:, None]).clamp(max=ordered.shape[-1] - 1)
+    return order.gather(1, positions).squeeze(1).tolist()
+
+
+def _forward_kwargs(model) -> dict[str, Any]:
+    import inspect
+
+    parameters = inspect.signature(model.forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+
+
+def generate_batch(target, prompts: list[list[int]], rngs: list[random.Random], sampling: Sampling, stop_ids: set[int]) -> list[tuple[list[int], str]]:
+    """(answer ids without the stop token, "eos" | "length") for each prompt, generated together with one KV cache.
+
+    Prompts are left-padded and masked; positions count real tokens only, so a row sees what it would alone.
+    A row that stops leaves the batch (its cache rows are dropped) so the others do not pay for it.
+    """
+    import torch
+
+    from backend.train.target import _output_cache
+
+    model, device = target.model, target.device
+    pad_id = getattr(target.tokenizer, "pad_token_id", None)
+    pad_id = 0 if pad_id is None else int(pad_id)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.int64, device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.int64, device=device)
+    answers: list[list[int]] = [[] for _ in prompts]
+    finish = ["length"] * len(prompts)
+    live = list(range(len(prompts)))  # prompt index of each row still in the batch
+    extra, cache, step_input = _forward_kwargs(model), None, ids
+    with torch.no_grad():
+        for _ in range(sampling.max_new_tokens):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1] :]
+            cached: dict[str, Any] = {target._cache_kwarg: cache} if cache is not None else {}
+            output = model(input_ids=step_input, attention_mask=mask, position_ids=positions, use_cache=True, **cached, **extra)
+            cache = _output_cache(output)
+            tokens = pick_tokens(output.logits[:, -1], [rngs[row] for row in live], sampling)
+            keep = []
+            for slot, (row, token) in enumerate(zip(live, tokens)):
+                if token in stop_ids:
+                    finish[row] = "eos"
+                else:
+                    answers[row].append(token)
+                    keep.append(slot)
+            if not keep:
+                break
+            if len(keep) < len(live):
+                index = torch.tensor(keep, dtype=torch.int64, device=device)
+                cache.batch_select_indices(index)
+                mask, live, tokens = mask[index], [live[s] for s in keep], [tokens[s] for s in keep]
+            step_input = torch.tensor(tokens, dtype=torch.int64, device=device)[:, None]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+    return list(zip(answers, finish))
+
+
+def stop_token_ids(target) -> set[int]:
+    """The tokenizer's eos and the generation config's (one id or a list)."""
+    ids: set[int] = set()
+    for value in (getattr(target.tokenizer, "eos_token_id", None), getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, int):
+                ids.add(item)
+    if not ids:
+        raise DataError(f"the tokenizer of {target.path} names no eos token; regeneration cannot tell where an answer ends")
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversations: each assistant turn is replaced by the target's answer to the regenerated history before it
+# ----------------------------------------------------------------------------------------------
+
+
+def conversation_seed(seed: int, messages: list[dict]) -> int:
+    """The sampling seed of one conversation: fixed by its content and --seed, whatever batch it lands in."""
+    return int.from_bytes(hashlib.sha256(seed.to_bytes(8, "big", signed=True) + content_digest(messages)).digest()[:8], "big")
+
+
+@dataclass
+class Job:
+    """One conversation being regenerated: the source turns still to walk, and what has been produced so far."""
+
+    key: str  # "train:17": split and line (0-based) in the source file; what a resume skips
+    id: str | None
+    source: list[dict]
+    rng: random.Random
+    messages: list[dict] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finish: list[str] = field(default_factory=list)
+    position: int = 0
+    cut: str | None = None  # why the conversation ends early
+
+    def next_prompt(self, render: Callable[[list[dict]], list[int]], max_prompt_tokens: int) -> list[int] | None:
+        """The ids of the history before the next answer (through the chat template, generation prompt added);
+        None when no answer is left, or when the prompt is longer than max_prompt_tokens (the conversation ends there)."""
+        while self.position < len(self.source) and self.source[self.position]["role"] != "assistant":
+            self.messages.append(self.source[self.position])
+            self.position += 1
+        if self.position >= len(self.source):
+            return None
+        prompt = render(self.messages)
+        if len(prompt) > max_prompt_tokens:
+            self.cut = f"prompt of {len(prompt)} tokens > --max-prompt-tokens {max_prompt_tokens}"
+            return None
+        return prompt
+
+    def answer(self, text: str, count: int, finish: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+        self.tokens.append(count)
+        self.finish.append(finish)
+        self.position += 1
+
+    def record(self) -> dict:
+        """The output line: a role/content conversation (what every reader takes) and how each answer ended."""
+        while self.messages and self.messages[-1]["role"] != "assistant":  # a cut conversation ends on its last answer
+            self.messages.pop()
+        row: dict[str, Any] = {"key": self.key}
+        if self.id is not None:
+            row["id"] = self.id
+        return row | {"conversations": self.messages, "answer_tokens": self.tokens, "finish": self.finish} | ({"cut": self.cut} if self.cut else {})
+
+
+def source_jobs(source: Path, limits: dict[str, int | None], seed: int) -> Iterator[Job]:
+    """Every conversation of the prepare dir's splits, in file order (val after train), keyed by split and line."""
+    for split in SPLITS:
+        limit = limits.get(split)
+        if limit == 0:
+            continue
+        for index, conversation in enumerate(iter_conversations(source / SPLIT_FILES[split], limit=limit)):
+            yield Job(f"{split}:{index}", conversation.id, conversation.messages, random.Random(conversation_seed(seed, conversation.messages)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The run: settings checked against an earlier run's, done keys skipped, finished conversations appended
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RegenerateSettings:
+    source: Path
+    out: Path
+    sampling: Sampling
+    batch_size: int = 16
+    max_prompt_tokens: int = 2048
+    limit: int | None = None
+    val_limit: int | None = None
+    progress_seconds: float = 10.0
+
+
+def _source_identity(source: Path) -> dict:
+    if not (source / PREPARE_META).is_file():
+        raise DataError(f"--input {source} is not a `data prepare` output (no {PREPARE_META}); run `eagle3-host data prepare` first. Nothing was written.")
+    return {
+        "dir": str(source.resolve()),
+        "prepare_sha256": file_sha256(source / PREPARE_META),
+        "splits": {split: file_sha256(source / SPLIT_FILES[split]) for split in SPLITS},
+    }
+
+
+def _identity(settings: RegenerateSettings, target, template_name: str, template: str, dtype: str) -> dict:
+    """What the output depends on: an existing output dir is resumed only when all of it is the same."""
+    return {
+        "format": REGENERATE_FORMAT,
+        "target": {"path": target.profile.target.path, "resolved_path": str(target.path), "fingerprint": target_fingerprint(target.path), "dtype": dtype},
+        "template": {"name": template_name, "sha256": hashlib.sha256(template.encode()).hexdigest()},
+        "settings": {
+            "max_new_tokens": settings.sampling.max_new_tokens,
+            "temperature": settings.sampling.temperature,
+            "top_p": settings.sampling.top_p,
+            "seed": settings.sampling.seed,
+            "max_prompt_tokens": settings.max_prompt_tokens,
+            "limit": settings.limit,
+            "val_limit": settings.val_limit,
+        },
+        "source": _source_identity(settings.source),
+    }
+
+
+def _same_run(old: dict, new: dict) -> list[str]:
+    return [f"{name}: was {old.get(name)!r}, now {new[name]!r}" for name in ("target", "template", "settings", "source") if old.get(name) != new[name]]
+
+
+def _write_meta(out: Path, meta: dict) -> None:
+    from backend.durable import write_atomic
+
+    write_atomic(out / REGENERATE_META, json.dumps(meta, indent=1) + "\n", mode=PRIVATE_FILE)
+
+
+def _open_out(out: Path, identity: dict) -> dict:
+    """The output dir's metadata: a new one for a new or empty dir, the earlier run's when it matches, else refused."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file; data regenerate writes into a directory. Nothing was written.")
+    meta_path = out / REGENERATE_META
+    if meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        wrong = _same_run(old, identity)
+        if wrong:
+            raise DataError(f"--out {out} holds a regeneration with other inputs ({'; '.join(wrong)[:400]}); choose a new --out. Nothing was changed.")
+        return old
+    if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()):
+        raise DataError(f"--out {out} holds other files and no {REGENERATE_META}; choose a new or empty directory. Nothing was written.")
+    out.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    meta = identity | {"complete": False, "counts": {}, "runs": [], "created": time.time()}
+    _write_meta(out, meta)
+    return meta
+
+
+class _OutLock:
+    """One regeneration per output dir: an flock the kernel drops when its holder dies."""
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK_FILE
+        self.handle: IO[str] | None = None
+
+    def __enter__(self) -> _OutLock:
+        import fcntl
+
+        self.path.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), PRIVATE_FILE)
+        handle = os.fdopen(fd, "r+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            handle.close()
+            raise DataError(f"another `data regenerate` (pid {holder}) is writing {self.path.parent}; wait for it or stop it. Nothing was changed.") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self.handle = handle
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
+def _finalize(out: Path, source: Path, meta: dict, order: list[str]) -> None:
+    """Rewrite each split in source order (so equal settings give equal files, however the work was batched or
+    interrupted), copy the eval prompts, and mark the dir complete (last)."""
+    from backend.durable import write_atomic
+
+    position = {key: i for i, key in enumerate(order)}
+    counts: dict[str, int] = {}
+    for split in SPLITS:
+        path = out / SPLIT_FILES[split]
+        records = sorted(read_done_lines(path), key=lambda r: position[r["key"]])
+        write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), mode=PRIVATE_FILE)
+        counts[split] = len(records)
+    eval_file = source / SPLIT_FILES["eval"]
+    if eval_file.is_file():
+        write_atomic(out / SPLIT_FILES["eval"], eval_file.read_bytes(), mode=PRIVATE_FILE)
+    meta["counts"] |= counts | {"skipped": len(read_done_lines(out / SKIPPED_FILE))}
+    meta["complete"] = True
+    meta["splits"] = {split: {"file": SPLIT_FILES[split], "count": counts[split], "sha256": file_sha256(out / SPLIT_FILES[split])} for split in SPLITS}
+    _write_meta(out, meta)
+
+
+def _progress(done: int, total: int, resumed: int, started: float, tokens: int, width: int = 20) -> str:
+    """e.g. "regenerate [########------------] 80/200 conversations 40% (30 from an earlier run)  612 tok/s  41 s, ~62 s left"."""
+    elapsed = time.monotonic() - started
+    fraction = done / max(1, total)
+    filled = int(round(fraction * width))
+    fresh = done - resumed
+    left = f", ~{elapsed / fresh * (total - done):.0f} s left" if 0 < fresh and done < total else ""
+    earlier = f" ({resumed} from an earlier run)" if resumed else ""
+    rate = f"  {tokens / elapsed:.0f} tok/s" if elapsed > 0 and tokens else ""
+    return f"regenerate [{'#' * filled}{'-' * (width - filled)}] {done}/{total} conversations {100 * fraction:3.0f}%{earlier}{rate}  {elapsed:.0f} s{left}"
+
+
+def regenerate(target, settings: RegenerateSettings, template_name: str, template: str, dtype: str, device: str, log: Log = _stderr) -> dict:
+    """Regenerate every conversation of settings.source into settings.out; returns the final regenerate.json."""
+    from backend.train.data import _template_ids
+
+    settings.sampling.check()
+    if settings.batch_size <= 0 or settings.max_prompt_tokens <= 0:
+        raise DataError("--batch-size and --max-prompt-tokens must be positive. Nothing was written.")
+    settings = dataclasses.replace(settings, source=settings.source.expanduser(), out=settings.out.expanduser())
+    source, out = settings.source, settings.out
+    identity = _identity(settings, target, template_name, template, dtype)
+    stop_ids = stop_token_ids(target)
+    tokenizer = target.tokenizer
+    with _OutLock(out):
+        meta = _open_out(out, identity)
+        done = {r["key"] for split in SPLITS for r in read_done_lines(out / SPLIT_FILES[split])} | {r["key"] for r in read_done_lines(out / SKIPPED_FILE)}
+        jobs = list(source_jobs(source, {"train": settings.limit, "val": settings.val_limit}, settings.sampling.seed))
+        order = [job.key for job in jobs]
+        pending = [job for job in jobs if job.key not in done]
+        resumed = len(jobs) - len(pending)
+        if meta.get("complete") and not pending:
+            log(f"regenerate: {out} is complete ({len(jobs)} conversations); nothing to do")
+            return meta
+        log(
+            f"regenerate: {len(pending)} of {len(jobs)} conversations to do{f' ({resumed} done by an earlier run)' if resumed else ''}; "
+            f"batch {settings.batch_size}, {'greedy' if settings.sampling.temperature <= 0 else f'temperature {settings.sampling.temperature}, top-p {settings.sampling.top_p}'}, "
+            f"at most {settings.sampling.max_new_tokens} new tokens per answer, on {device}"
+        )
+        writers = {split: LineAppender(out / SPLIT_FILES[split]) for split in SPLITS} | {"skipped": LineAppender(out / SKIPPED_FILE)}
+        started, last_report, generated = time.monotonic(), 0.0, 0
+        finished = resumed
+
+        def render(messages: list[dict]) -> list[int]:
+            return _template_ids(tokenizer, messages, True, template)
+
+        def finish(job: Job) -> None:
+            nonlocal finished, last_report
+            if job.tokens:
+                writers[job.key.split(":")[0]].append(job.record())
+            else:
+                writers["skipped"].append({"key": job.key, "reason": job.cut or "no answer"})
+            finished += 1
+            now = time.monotonic()
+            if now - last_report >= settings.progress_seconds or finished == len(jobs):
+                last_report = now
+                log(_progress(finished, len(jobs), resumed, started, generated))
+
+        try:
+            queue = iter(pending)
+            active: list[tuple[Job, list[int]]] = []
+            while True:
+                while len(active) < settings.batch_size:
+                    job = next(queue, None)
+                    if job is None:
+                        break
+                    prompt = job.next_prompt(render, settings.max_prompt_tokens)
+                    if prompt is None:
+                        finish(job)
+                    else:
+                        active.append((job, prompt))
+                if not active:
+                    break
+                results = generate_batch(target, [p for _, p in active], [j.rng for j, _ in active], settings.sampling, stop_ids)
+                still = []
+                for (job, _prompt), (ids, why) in zip(active, results):
+                    generated += len(ids) + (why == "eos")
+                    job.answer(tokenizer.decode(ids, skip_special_tokens=True), len(ids), why)
+                    prompt = job.next_prompt(render, settings.max_prompt_tokens)
+                    if prompt is None:
+                        finish(job)
+                    else:
+                        still.append((job, prompt))
+                active = still
+        finally:
+            for writer in writers.values():
+                writer.close()
+            meta["runs"] = list(meta.get("runs", [])) + [
+                {
+                    "device": device,
+                    "batch_size": settings.batch_size,
+                    "conversations": finished - resumed,
+                    "tokens": generated,
+                    "seconds": round(time.monotonic() - started, 3),
+                    "ended": time.time(),
+                }
+            ]
+            meta["counts"] = {"done": finished, "total": len(jobs)}
+            _write_meta(out, meta)
+        _finalize(out, source, meta, order)
+        log(
+            f"regenerate: wrote {out}: train {meta['counts']['train']}, val {meta['counts']['val']}, skipped {meta['counts']['skipped']} "
+            f"({generated} tokens in {time.monotonic() - started:.1f} s)"
+        )
+        return meta
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------
+
+
+def register(commands, parent) -> None:
+    """`data regenerate`, registered under `data` by backend/train/conversations.py."""
+    command = commands.add_parser(
+        "regenerate",
+        parents=[parent],
+        help="replace each assistant turn of a `data prepare` dir with the target's own answer (batched, resumable)",
+        description="Re-generate every assistant turn with the profile's target: the conversation up to that turn goes through "
+        "the chat template and the target's answer replaces the dataset's. Finished conversations are appended (fsync'd) "
+        "to DIR/train.jsonl and val.jsonl; run the same command again after a kill to resume. DIR/regenerate.json records "
+        "the target, template and settings; `train --conversations DIR` and `extract --conversations DIR` read it.",
+    )
+    command.add_argument("--profile", required=True, help="profile whose target answers (name or TOML path)")
+    command.add_argument("--input", type=Path, required=True, metavar="DIR", help="a `data prepare` output dir")
+    command.add_argument("--out", type=Path, required=True, metavar="DIR", help="new or empty dir, or an unfinished regeneration to resume")
+    command.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens (default 256)")
+    command.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    command.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    command.add_argument("--seed", type=int, default=0, help="sampling seed; each conversation's draws are fixed by it and its content")
+    command.add_argument("--batch-size", type=int, default=16, help="conversations generated together (default 16)")
+    command.add_argument("--max-prompt-tokens", type=int, help="a conversation ends before an answer whose prompt is longer (default: the profile's seq_len)")
+    command.add_argument("--limit", type=int, metavar="N", help="regenerate the first N train conversations only")
+    command.add_argument("--val-limit", type=int, metavar="N", help="regenerate the first N val conversations only")
+    command.add_argument("--chat-template", metavar="NAME|FILE", help="chatml, llama3, qwen or a Jinja file (default: the tokenizer's own)")
+    command.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present)")
+    command.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="target dtype (default: the profile's)")
+    command.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (see `train --help`)")
+    command.set_defaults(handler=_regenerate_command)
+
+
+def _regenerate_command(args) -> int:
+    from backend.profiles import ProfileError, load_profile
+    from backend.train.chat_templates import template_text
+    from backend.train.cli import apply_threads, chat_preflight
+    from backend.train.target import TargetMismatchError, load_target
+    from backend.train.tiny import is_tiny_target_dir
+
+    try:
+        profile = load_profile(args.profile)
+        if args.limit is not None and args.limit <= 0 or args.val_limit is not None and args.val_limit < 0:
+            raise DataError("--limit must be > 0 and --val-limit >= 0. Nothing was written.")
+        _source_identity(args.input.expanduser())  # refuse a wrong --input before the target loads
+        chosen = chat_preflight(profile, args.chat_template, trust_remote_code=profile.serve.trust_remote_code)
+        apply_threads(args.threads)
+        import torch
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = args.dtype or profile.target.dtype
+        target = load_target(profile, device=device, dtype=dtype)
+        if is_tiny_target_dir(target.path):
+            raise DataError(
+                "the built-in tiny target trains on its own generated continuations and has no chat template; regenerate with a Hugging Face target"
+            )
+        template = template_text(target.tokenizer, chosen)
+        settings = RegenerateSettings(
+            source=args.input,
+            out=args.out,
+            sampling=Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed),
+            batch_size=args.batch_size,
+            max_prompt_tokens=args.max_prompt_tokens or profile.train.seq_len,
+            limit=args.limit,
+            val_limit=args.val_limit,
+        )
+        regenerate(target, settings, chosen.name if chosen else "tokenizer", template, dtype, device)
+    except (DataError, ProfileError, TargetMismatchError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(args.out)
+    return 0
