@@ -6,6 +6,7 @@ from textual.widgets import DataTable, Footer
 from textual.widgets._footer import FooterKey
 
 from console.app import ACTIONS, MULTI_HOST_ACTIONS, build_app
+from console.widgets.hosts import NARROW_WIDTH
 from test_console_chain import chain_records, chain_state
 from test_console_grokking import GROK_JOB, grok_state
 from test_console_hosts import multinode_states
@@ -91,11 +92,17 @@ async def test_the_jobs_table_keeps_its_key_columns(size):
         table = app.screen.query_one("#jobs", DataTable)
         right = table.region.right
         x = table.region.x
+        labels = []
         for column in table.ordered_columns:
             label = str(column.label)
-            if label in ("job", "state", "pid"):
+            labels.append(label)
+            if label in ("job", "state", "exit", "step", "train loss"):
                 assert x + column.get_render_width(table) <= right, f"{label} column cut at {size}"
+            if label == "detail":
+                assert x + 8 <= right, f"no room for the detail column at {size}"
             x += column.get_render_width(table)
+        assert {"job", "state", "exit", "step", "train loss", "detail"} <= set(labels)
+        assert "pid" in labels or size[0] < NARROW_WIDTH  # the stop modal shows the pids; a narrow table drops them
 
 
 async def test_readonly_hides_every_destructive_key_from_the_footer():

@@ -455,6 +455,22 @@ async def test_resuming_a_grok_run_keeps_its_own_schedule_weight_decay_and_max_s
         ]
 
 
+async def test_the_jobs_tables_loss_column_is_train_loss_even_when_a_val_record_came_last():
+    app = frozen_app()
+    async with app.run_test(size=(170, 45)) as pilot:
+        app.select_job("train-kimi")
+        metrics = app.state.metrics["train-kimi"]
+        train_loss = metrics.latest_train["loss"]
+        metrics.add({"split": "val", "step": 4000, "loss": 9.5})
+        app.state_changed({"metrics"})
+        app.redraw_now()
+        await pilot.pause()
+        table = app.screen.query_one("#jobs", DataTable)
+        labels = [str(c.label) for c in table.ordered_columns]
+        row = dict(zip(labels, (str(cell) for cell in table.get_row_at(0))))
+        assert row["train loss"] == f"{train_loss:.4g}" and "loss" not in labels
+
+
 async def test_a_stop_without_a_new_checkpoint_offers_no_resume():
     app = frozen_app()
     async with app.run_test(size=SIZE) as pilot:

@@ -11,13 +11,16 @@ from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 from console.widgets.panels import ConsoleFooter
 from console.widgets.gpu_panel import GpuPanel
-from console.widgets.hosts import JOB_COLUMNS, ROW_KEY_SEP, job_table_rows, nodes_text, row_key
+from textual import events
+
+from console.widgets.hosts import JOB_COLUMNS, NARROW_JOB_COLUMNS, NARROW_WIDTH, ROW_KEY_SEP, job_table_rows, nodes_text, row_key
 from console.widgets.panels import ActionLog, DiskPanel, LatestMetrics
 
 
 class DashboardScreen(ConsoleScreen):
     MODE = "dashboard"
     _drawn_selection: str | None = None  # the selection the jobs table was last drawn for
+    _columns: tuple[str, ...] = ()  # the jobs table's columns as drawn (fewer on a narrow terminal)
 
     BINDINGS = [Binding("h", "toggle_workers", "Workers")]
 
@@ -47,9 +50,23 @@ class DashboardScreen(ConsoleScreen):
         yield ConsoleFooter()
 
     def on_mount(self) -> None:
-        table = self.query_one("#jobs", DataTable)
-        table.add_columns(*(("host",) if self.console.multi_host else ()), *JOB_COLUMNS)
+        self._set_columns()
         self.show_state(None)
+
+    def on_resize(self, event: events.Resize) -> None:
+        if self._columns != self._columns_for(event.size.width):
+            self._set_columns()
+            self._draw_jobs()
+
+    @staticmethod
+    def _columns_for(width: int) -> tuple[str, ...]:
+        return NARROW_JOB_COLUMNS if width < NARROW_WIDTH else JOB_COLUMNS
+
+    def _set_columns(self) -> None:
+        table = self.query_one("#jobs", DataTable)
+        table.clear(columns=True)
+        self._columns = self._columns_for(self.app.size.width)
+        table.add_columns(*(("host",) if self.console.multi_host else ()), *self._columns)
 
     def draw(self, changed: set[str] | None) -> None:
         state = self.console.state
@@ -82,7 +99,7 @@ class DashboardScreen(ConsoleScreen):
         table.clear()
         multi = self.console.multi_host
         for row in job_table_rows(self.console):
-            table.add_row(*(row.cells if multi else row.cells[1:]), key=row.key)
+            table.add_row(*row.pick(self._columns, host=multi), key=row.key)
         selected = self._selection_key()
         self._drawn_selection = selected
         if selected is not None and selected in table.rows:

@@ -15,7 +15,9 @@ from console.widgets.format import duration, inert_text, number, plain_cell, siz
 if TYPE_CHECKING:
     from console.session import HostSession
 
-JOB_COLUMNS = ("job", "kind", "state", "pid", "pgid", "runtime", "exit", "step", "loss", "detail")
+JOB_COLUMNS = ("job", "kind", "state", "pid", "runtime", "exit", "step", "train loss", "detail")
+NARROW_JOB_COLUMNS = ("job", "state", "exit", "step", "train loss", "detail")  # under NARROW_WIDTH: what tells a job's health
+NARROW_WIDTH = 140  # terminal columns under which the jobs table drops kind, pid and runtime (the stop modal shows pids)
 HOST_COLUMNS = ("host", "link", "GPUs", "GPU memory", "util", "holders owned/foreign", "jobs running", "run dir free", "agent")
 STATE_STYLES = {"running": "green", "exited": "dim", "stopped": "yellow", "stale": "red", "unknown": "red"}
 ROW_KEY_SEP = "\x1f"  # host and job name in a row key: neither may contain it
@@ -48,7 +50,12 @@ class Node:
 @dataclass
 class JobRow:
     key: str
-    cells: tuple[Any, ...]  # host first; the one-host table drops it
+    cells: tuple[Any, ...]  # host first, then JOB_COLUMNS
+
+    def pick(self, columns: tuple[str, ...], *, host: bool) -> tuple[Any, ...]:
+        """The cells of `columns` (JOB_COLUMNS names), after the host cell when `host`."""
+        chosen = tuple(self.cells[1 + JOB_COLUMNS.index(name)] for name in columns)
+        return (self.cells[0], *chosen) if host else chosen
 
 
 def nodes_of(sessions: list["HostSession"], host: str, name: str | None) -> list[Node]:
@@ -86,7 +93,8 @@ def job_table_rows(console: Any) -> list[JobRow]:
 
 def _job_cells(state: ConsoleState, job: JobInfo, nodes: list[Node]) -> tuple[Any, ...]:
     latest = state.metrics.get(job.name)
-    record = (latest.latest_train or latest.latest) if latest else {}
+    record = latest.latest if latest else {}
+    train = latest.latest_train if latest else {}  # the loss column is train loss only: a val record's loss is not it
     end = job.ended_at if job.ended_at else state.clock()
     host = "+".join(n.host for n in nodes) if nodes else state.target
     detail = state.job_details.get(job.name, "")
@@ -98,14 +106,13 @@ def _job_cells(state: ConsoleState, job: JobInfo, nodes: list[Node]) -> tuple[An
     return (  # str cells are Rich markup to the DataTable: host strings go in as plain_cell
         plain_cell(host),
         plain_cell(job.name),
-        plain_cell(job.kind + (" (adopted)" if job.adopted else "")),
+        plain_cell(job.kind + (" (adopted)" if job.adopted and job.kind != "adopted" else "")),
         status,
-        str(job.pid),
-        str(job.pgid),
+        "-" if job.kind == "external" else str(job.pid),
         duration(end - job.started_at),
         "-" if job.exit_code is None else str(job.exit_code),
         str(record.get("step", "-")),
-        number(record.get("loss")),
+        number(train.get("loss")),
         plain_cell(visible(detail)[:60] if nodes else visible(detail)[:40]),
     )
 
