@@ -60,6 +60,8 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 START_TIMEOUT_S = 30.0
 MAX_GRACE_S = 86400.0
 FREEZE_TIMEOUT_S = 5.0
+READ_ONLY_RETRY_S = 5.0  # how often a read-only connection (opened on a full disk) tries read-write again
+UNRECORDED_KEPT = 20
 START_MIN_FREE = 256 << 10  # bytes a start needs on the run dir's disk: its record in jobs.db, logs, leader.json, slots
 FINISHED_KEPT = 100  # finished records listed; older ones are archived in jobs.db (JobRegistry._prune_finished)
 STOP_INCOMPLETE = "stop incomplete"
@@ -499,6 +501,16 @@ class JobRegistry:
             self._local.conn = conn
         return conn
 
+    def _retry_read_write(self) -> None:
+        """A connection opened read-only (the disk was full) is reopened now and then: space may have returned, and a
+        long-lived agent must be able to store what it could not (a stop's verdict) and start jobs again."""
+        if getattr(self._local, "read_only", None) is None or time.monotonic() < getattr(self._local, "retry_at", 0.0):
+            return
+        self.close()
+        self._db()
+        if getattr(self._local, "read_only", None) is not None:
+            self._local.retry_at = time.monotonic() + READ_ONLY_RETRY_S
+
     def _connect(self) -> sqlite3.Connection:
         """Read-write when possible; on a full or read-only disk a read-only view, so a stop can still find its targets.
 
@@ -521,6 +533,7 @@ class JobRegistry:
     def _connect_read_only(self, why: Exception) -> sqlite3.Connection:
         self._note_unrecorded(f"{self.db_path} opened read-only ({why})")
         self._local.read_only = why
+        self._local.retry_at = time.monotonic() + READ_ONLY_RETRY_S
         for mode in ("mode=ro", "immutable=1"):
             conn = None
             try:
@@ -589,6 +602,7 @@ class JobRegistry:
         if notes is None:
             notes = self._local.unrecorded = []
         notes.append(message)
+        del notes[:-UNRECORDED_KEPT]  # a thread that keeps failing (the agent's ticker on a full disk) must not grow without end
 
     def unrecorded(self) -> list[str]:
         """What this thread's last stop could not write to jobs.db (empty when everything was recorded)."""
@@ -700,6 +714,7 @@ class JobRegistry:
     def refresh(self) -> list[JobRecord]:
         """Re-check every active job and store what changed; returns the active records."""
         self._reap_watchers()
+        self._retry_read_write()
         records = self._prune_finished(self._active())
         changed = []
         for record in records:
@@ -885,6 +900,7 @@ class JobRegistry:
     def _check_room(self, name: str) -> None:
         """Refuse a start up front when the run dir's disk is (nearly) full or jobs.db can only be read: nothing is written."""
         self._db()
+        self._retry_read_write()
         free = self._free_bytes()
         if free is not None and free < START_MIN_FREE:
             raise JobNoSpace(

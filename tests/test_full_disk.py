@@ -121,3 +121,26 @@ def test_adopt_on_a_full_disk_is_one_clear_line_and_adopts_nothing(disk):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_registry_opened_on_the_full_disk_stores_the_stop_once_space_returns(disk, monkeypatch):
+    """Like an agent started while the disk was full: its read-only connection is retried, and the stop settles in jobs.db."""
+    monkeypatch.setattr(jobs, "READ_ONLY_RETRY_S", 0.2)
+    run = disk / "run"
+    starter = JobRegistry(run)
+    info = starter.start_job("late", "other", [PY, "-c", IGNORE_TERM])
+    wait_for(lambda: "ready" in Path(info.stdout_path).read_text(), what="SIGTERM to be ignored")
+    starter.close()
+    filler = fill(disk)
+    agent = JobRegistry(run)  # opened read-only: the disk is full
+    verdicts = agent.stop(["late"], grace=0.3)
+    assert [(v.pid, v.outcome) for v in verdicts] == [(info.pid, "killed")] and agent.unrecorded()
+    filler.unlink()
+
+    def stored() -> list:
+        agent.refresh()  # only this registry may store it: a raw read below, no other registry's refresh
+        with sqlite3.connect(f"file:{run / 'jobs.db'}?mode=ro", uri=True) as db:
+            return db.execute("SELECT state, exit_code FROM jobs WHERE name = 'late'").fetchall()
+
+    wait_for(lambda: stored() == [("stopped", -9)], what="the agent-like registry to store the stop")
+    assert agent.start_job("again", "other", [PY, "-c", "pass"]).name == "again"  # and it can start jobs again
