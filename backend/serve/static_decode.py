@@ -12,6 +12,7 @@ functions run eagerly, so the CPU tests exercise the code the graphs capture.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -308,7 +309,9 @@ class StaticDecoder(SpecDecoder):
         self.report = torch.zeros(width + num_steps, dtype=torch.long, device=device)  # verify's greedy ids, then the proposals
         self.decoded = torch.zeros(1, dtype=torch.long, device=device)
         self.graphs: dict[tuple[str, int], Any] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.device = device
+        with self._device_scope():
+            self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.step_times: StepTimes | None = None
         self.compiled = compile
         self._verify_fn, self._draft_fn, self._decode_fn = self._verify, self._draft_round, self._decode
@@ -364,6 +367,10 @@ class StaticDecoder(SpecDecoder):
         self.verify_tokens[0, 1:].copy_(torch.cat(proposals))
 
     # --- running them ----------------------------------------------------------------------------------
+
+    def _device_scope(self):
+        """The target's GPU as the current device: a request thread's default is cuda:0, graphs and streams are per device."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _bucket(self, needed: int) -> int:
         for size in self.buckets:
@@ -436,9 +443,17 @@ class StaticDecoder(SpecDecoder):
 
     # --- decoding --------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def plain(self, input_ids, max_new_tokens: int) -> GenerateResult:
         """Plain greedy decoding, one width-1 step per token (SpecDecoder.plain's stop rules and results)."""
+        with torch.no_grad(), self._device_scope():
+            return self._plain(input_ids, max_new_tokens)
+
+    def generate(self, input_ids, max_new_tokens: int) -> GenerateResult:
+        """Speculative greedy decoding; the same tokens, verify_ct and accepted_per_round as SpecDecoder.generate."""
+        with torch.no_grad(), self._device_scope():
+            return self._generate(input_ids, max_new_tokens)
+
+    def _plain(self, input_ids, max_new_tokens: int) -> GenerateResult:
         ids = self._prompt(input_ids)
         self._check_room(ids.shape[1], max_new_tokens, 1)
         logits, _ = self._prefill(ids)
@@ -460,9 +475,7 @@ class StaticDecoder(SpecDecoder):
         self._resolve_times()
         return result
 
-    @torch.no_grad()
-    def generate(self, input_ids, max_new_tokens: int) -> GenerateResult:
-        """Speculative greedy decoding; the same tokens, verify_ct and accepted_per_round as SpecDecoder.generate."""
+    def _generate(self, input_ids, max_new_tokens: int) -> GenerateResult:
         state = self.static_draft
         if state is None:
             raise ValueError(NO_DRAFT)
