@@ -1117,7 +1117,9 @@ class JobRegistry:
                     add(pid)
             for pid in table.descendants(info.pid, prune=others):
                 add(pid)
-            if table.stats[info.pid].sid == info.pid:  # it leads its session: nobody outside the job can join it
+            # A leader this tool started leads its own session: nobody outside the job can join it (an adopted one may
+            # lead a login shell's session, so only its tree and group count)
+            if table.stats[info.pid].sid == info.pid and not info.adopted:
                 for pid in table.session(info.pid):
                     add(pid, None if table.stats[pid].pgid == info.pgid else "session")
         for target in proven:
