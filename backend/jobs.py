@@ -1276,7 +1276,9 @@ class JobRegistry:
     def _job_traces(record: JobRecord, table: procs.ProcTable, facts: dict[int, Traces]) -> dict[int, list[str]]:
         info = record.info
         logs = {info.stdout_path: "stdout", info.stderr_path: "stderr"}
-        numbers_free = info.pid > 1 and info.pid not in table.stats and not (record.watcher_pid and table.alive(record.watcher_pid, record.watcher_start))
+        leader = table.stats.get(info.pid)
+        leader_gone = leader is None or (not leader.running and leader.start_time == info.start_time_ticks)  # a zombie leader is gone too
+        numbers_free = info.pid > 1 and leader_gone and not (record.watcher_pid and table.alive(record.watcher_pid, record.watcher_start))
         found: dict[int, list[str]] = {}
         for pid, fact in facts.items():
             stat = table.stats[pid]

@@ -163,3 +163,38 @@ def test_an_escapee_that_closed_everything_is_unnamed_but_the_lost_watcher_is_sa
         assert "could not be followed" in verdicts[registry.get("esc").info.pid]["detail"]
     finally:
         end(pid, start)
+
+
+def test_an_adopted_session_leaders_orphaned_session_member_is_never_signalled(tmp_path):
+    """An adopted process may lead a login shell's session: its session is no proof, only its tree and group are."""
+    ready, signals = tmp_path / "orphan.pid", tmp_path / "orphan.signals"
+    leader_code = (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    if os.fork():\n"
+        "        os._exit(0)\n"
+        "    os.setpgid(0, 0)\n"  # still in the session, out of the group, re-parented away from the leader
+        "    null = os.open(os.devnull, os.O_RDWR)\n"
+        "    [os.dup2(null, fd) for fd in (0, 1, 2)]\n"
+        f"    open({str(ready)!r}, 'w').write(str(os.getpid()))\n"
+        f"    os.execv(sys.executable, [{MARK!r}, '-c', {ESCAPEE!r}, {str(signals)!r}])\n"
+        "time.sleep(600)\n"
+    )
+    leader = subprocess.Popen([PY, "-c", leader_code], start_new_session=True)
+    registry = JobRegistry(tmp_path / "run")
+    orphan = start = 0
+    try:
+        orphan = int(wait_for(lambda: ready.exists() and ready.read_text(), what="the orphan"))
+        wait_for(lambda: MARK in procs.cmdline(orphan), what="the orphan's exec")
+        start = procs.start_time(orphan)
+        assert procs.read_stat(orphan).sid == leader.pid and procs.ppid_of(orphan) != leader.pid
+        registry.adopt(leader.pid, "adopted", confirm_pid=leader.pid)
+        verdicts = {v.pid: v for v in registry.stop(["adopted"], grace=0.5)}
+        assert verdicts[leader.pid].outcome == "exited_on_term"
+        assert procs.is_alive(orphan, start) and not signals.exists()  # never signalled
+        assert verdicts[orphan].role == "unproven" and "session" in verdicts[orphan].detail  # but named: a trace, no proof
+    finally:
+        leader.kill()
+        leader.wait()
+        if orphan:
+            end(orphan, start)
