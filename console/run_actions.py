@@ -183,10 +183,19 @@ class RunActions(App):
         info = (host or self.active).state.jobs.get(job) if job else None
         return job_profile(info.argv, self.profile) if info and info.argv else self.profile
 
-    def profile_facts(self, name: str) -> ProfileFacts:
-        if name not in self._profiles:
-            self._profiles[name] = profile_facts(name)
-        return self._profiles[name]
+    def profile_facts(self, name: str, run_dir: str | None = None) -> ProfileFacts:
+        """The profile's facts; its data dir moved with `run_dir` (a job's --run-dir, else its host's run dir)."""
+        key = f"{name}\x1f{run_dir or ''}"
+        if key not in self._profiles:
+            self._profiles[key] = profile_facts(name, run_dir)
+        return self._profiles[key]
+
+    def run_dir_of(self, job: str | None, host: HostSession | None = None) -> str | None:
+        """The run dir `job` ran under: its --run-dir, else its host's (hello.run_dir); None when neither is known."""
+        state = (host or self.active).state
+        info = state.jobs.get(job) if job else None
+        given = option_value(info.argv, "--run-dir") if info and info.argv else None
+        return given or (state.hello.run_dir if state.hello else None)
 
     def _grokking_active(self) -> bool:
         return getattr(self.screen, "MODE", None) == "grokking"
@@ -239,10 +248,14 @@ class RunActions(App):
     async def fetch_data_scaling(self, job: str) -> None:
         """Measured from the run's --data dir; else estimated from the profile's shapes (the agent says which)."""
         info = self.state.jobs.get(job)
+        if self.state.is_external(job):  # neither its data dir nor its shapes are known: the console's profile is not its
+            self.state.data_scaling[job] = {"error": f"{job} is a watched run: its data dir and sample shapes are not known here"}
+            self.state_changed({"data_scaling"})
+            return
         data_dir = option_value(info.argv, "--data") if info and info.argv else None
         params: dict[str, Any] = {"data_dir": data_dir} if data_dir else {}
         if not data_dir:
-            facts = self.profile_facts(self.profile_of(job))
+            facts = self.profile_facts(self.profile_of(job), self.run_dir_of(job))
             if facts.error:
                 self.state.data_scaling[job] = {"error": f"{job} has no --data dir and its profile cannot be read here: {facts.error}"}
                 self.state_changed({"data_scaling"})

@@ -651,6 +651,35 @@ async def test_a_watched_specforge_runs_tags_without_a_schema_key_reach_the_dash
         assert "train/acceptance_rate 0.5" in panel()
 
 
+async def test_grokking_judges_a_run_by_its_own_run_dir_and_a_watched_run_not_by_the_consoles_profile(tmp_path):
+    log = tmp_path / "specforge-train.log"
+    log.write_text(SPECFORGE_LOG)
+    elsewhere = tmp_path / "elsewhere"
+    app = live_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(app)
+        argv = [sys.executable, "-c", WRITER.format(steps=5, pause=0.0), "--profile", "tiny", "--run-dir", str(elsewhere)]
+        job = (await app.client.request(Request.START_JOB, name="moved", kind="train", argv=argv))["job"]
+        await wait_until(lambda: "moved" in app.state.jobs, what="the job listed")
+        app.select_job("moved")
+        await pilot.press("4")
+        report = await wait_until(lambda: app.state.data_scaling.get("moved"), what="data scaling")
+        assert report["path"].startswith(str(elsewhere)), report  # the profile's data dir moved with the job's --run-dir
+        await pilot.press("1")
+        await watch_with_modal(app, pilot, log, "sf")
+        await wait_until(lambda: app.selected_job == "ext:sf", what="the watched run selected")
+        await pilot.press("4")
+        await wait_until(lambda: app.state.signals.get("ext:sf"), what="signals of the watched run")
+        data = await wait_until(lambda: app.state.data_scaling.get("ext:sf"), what="the data panel of the watched run")
+        assert "watched run: its data dir and sample shapes are not known here" in data["error"]
+        app.redraw_now()
+        await pilot.pause()
+        norms = str(app.screen.query_one("#grok-norms").render())
+        assert "clip threshold: not known for a watched run" in norms and "clipped at" not in norms
+        await stop_everything(app)
+        assert not pid_alive(job["pid"])
+
+
 async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
     app = live_app(tmp_path, profile="no-such-profile")  # the started run fails fast instead of training on a shared CPU
     async with app.run_test(size=SIZE) as pilot:

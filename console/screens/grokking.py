@@ -90,7 +90,7 @@ class GrokkingScreen(ZoomableScreen):
             self.query_one("#grok-alerts", Static).update(alerts_text(signals))
             self.query_one("#grok-signals", Static).update(signals_text(signals))
             self.query_one("#grok-acceptance", Static).update(acceptance_text(signals))
-            self.query_one("#grok-norms", Static).update(norms_text(signals))
+            self.query_one("#grok-norms", Static).update(norms_text(signals, watched=state.is_external(job)))
         if touches(changed, "data_scaling", "selection", "jobs"):
             report = state.data_scaling.get(job) if job else None
             self.query_one("#grok-data", Static).update(data_scaling_text(report, console.profile_of(job) if job else None))

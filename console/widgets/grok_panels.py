@@ -132,7 +132,7 @@ def acceptance_text(signals: dict[str, Any] | None) -> Text:
 
 
 @inert_text
-def norms_text(signals: dict[str, Any] | None) -> Text:
+def norms_text(signals: dict[str, Any] | None, watched: bool = False) -> Text:
     """Weight norm (total and per module, with the relative change) and grad norm with its clip fraction."""
     if not signals:
         return Text("no signals yet", style="dim")
@@ -149,6 +149,9 @@ def norms_text(signals: dict[str, Any] | None) -> Text:
     if grads.get("median") is not None:
         before = grads.get("median_before")
         text.append(f"\nmedian {_num(grads.get('median'))} over the last 50 records" + (f" ({_num(before)} the 50 before)" if before is not None else ""))
+    if watched:  # the host judges by this tool's default clip; a watched run's own threshold is not known
+        text.append("\nclip threshold: not known for a watched run", style="dim")
+        return text
     text.append(f"\nclipped at {_num(grads.get('clip'))}: {percent(fraction)} of the last 50 records")
     if isinstance(fraction, (int, float)) and fraction > 0.5:  # a fact, not an alarm: the warning is a rising norm
         text.append(" (AdamW: a binding clip rescales the gradient, not the step)", style="dim")
