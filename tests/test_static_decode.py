@@ -295,3 +295,17 @@ def test_decode_speed_benchmark_runs_on_cpu_with_tiny_settings(mini_target_dir, 
         assert eagle["eagle_equals_plain"] == {"identical": 2, "of": 2, "mean_matching_prefix": 8.0}  # float32: exact
     assert report["checks"]["static_plain_vs_eager_plain"]["identical"] == 2
     assert "ours_static_eagle_k3" in done.stdout and "bandwidth bound" in done.stdout
+
+
+def test_the_device_option_reaches_the_reference_server_argv_and_only_that_engine(mini_profile):
+    from backend.serve.launch import build_argv
+    from backend.serve.reference_server import parse_args
+
+    argv = build_argv(mini_profile, None, "reference", 8123, speculative=False, device="cuda:1")
+    assert argv[argv.index("--device") + 1] == "cuda:1"
+    assert "--device" not in build_argv(mini_profile, None, "reference", 8123, speculative=False)
+    with pytest.raises(ValueError, match="--device exists only on the reference engine"):
+        build_argv(mini_profile, None, "sglang", 8123, speculative=False, device="cuda")
+    args = parse_args(argv[3:])
+    assert (args.device, args.static_cache, args.compile_steps) == ("cuda:1", False, False)
+    assert parse_args(["--profile", "p", "--port", "1", "--no-speculation"]).device == "auto"

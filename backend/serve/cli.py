@@ -41,6 +41,9 @@ def register(subparsers, parent) -> None:
     serve.add_argument(
         "--feed", choices=["aux", "last_hidden"], default="aux", help="reference engine only: last_hidden reproduces SGLang's silent 1 x H failure"
     )
+    serve.add_argument(
+        "--device", help="reference engine only: auto (default: cuda:0 when CUDA is available), cpu, cuda or cuda:N (CUDA: static KV cache, CUDA graphs)"
+    )
     serve.add_argument("--target-config", help="target config.json for preflight (default: from the profile)")
     serve.add_argument("--job-name", help="owned job name (default serve-<profile>-<engine>)")
     serve.add_argument("--force", action="store_true", help="launch even when preflight reports problems")
@@ -97,14 +100,17 @@ def handle_serve(args) -> int:
     if args.feed != "aux" and engine != "reference":
         print("error: --feed last_hidden exists only with --engine reference. Nothing was started.", file=sys.stderr)
         return EXIT_USAGE
+    if args.device is not None and engine != "reference":
+        print("error: --device exists only with --engine reference (SGLang places the model itself). Nothing was started.", file=sys.stderr)
+        return EXIT_USAGE
     if args.dry_run and args.baseline:
-        argv = launch_mod.build_argv(profile, None, engine, args.port or profile.serve.port, host=args.host, speculative=False)
+        argv = launch_mod.build_argv(profile, None, engine, args.port or profile.serve.port, host=args.host, speculative=False, device=args.device)
         print(json.dumps({"argv": argv, "preflight": None}, indent=1))
         return EXIT_OK
     if args.dry_run:
         draft = str(resolve_draft_dir(args.draft.expanduser()))
         port = args.port or profile.serve.port
-        argv = launch_mod.build_argv(profile, draft, engine, port, feed=args.feed, host=args.host)
+        argv = launch_mod.build_argv(profile, draft, engine, port, feed=args.feed, host=args.host, device=args.device)
         report = run_preflight(
             draft, launch_mod.target_config_for(profile, args.target_config), serving_argv=build_sglang_argv(profile, draft, port=port, host=args.host)
         )
@@ -124,6 +130,7 @@ def handle_serve(args) -> int:
         host=args.host,
         run_canary=not args.no_canary,
         speculative=not args.baseline,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))

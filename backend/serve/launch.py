@@ -77,9 +77,20 @@ def target_config_for(profile: Profile, explicit: str | None = None) -> str | di
 
 
 def reference_argv(
-    profile: Profile, draft_dir: str | None, port: int, *, host: str = "127.0.0.1", feed: str = "aux", num_steps: int | None = None, speculative: bool = True
+    profile: Profile,
+    draft_dir: str | None,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    feed: str = "aux",
+    num_steps: int | None = None,
+    speculative: bool = True,
+    device: str | None = None,
 ) -> list[str]:
+    """device: the reference server's --device (None: its default, auto = cuda:0 when CUDA is available)."""
     argv = [sys.executable, "-m", "backend.serve.reference_server", "--profile", profile.source or profile.name, "--host", host, "--port", str(port)]
+    if device is not None:
+        argv += ["--device", device]
     if speculative:
         if draft_dir is None:
             raise ValueError("a speculative reference server needs the draft checkpoint directory")
@@ -90,10 +101,20 @@ def reference_argv(
 
 
 def build_argv(
-    profile: Profile, draft_dir: str | None, engine: str, port: int, *, feed: str = "aux", host: str = "127.0.0.1", speculative: bool = True
+    profile: Profile,
+    draft_dir: str | None,
+    engine: str,
+    port: int,
+    *,
+    feed: str = "aux",
+    host: str = "127.0.0.1",
+    speculative: bool = True,
+    device: str | None = None,
 ) -> list[str]:
     if engine == "reference":
-        return reference_argv(profile, draft_dir, port, host=host, feed=feed, speculative=speculative)
+        return reference_argv(profile, draft_dir, port, host=host, feed=feed, speculative=speculative, device=device)
+    if device is not None:
+        raise ValueError("--device exists only on the reference engine (SGLang places the model itself)")
     if feed != "aux":
         raise ValueError("--feed last_hidden exists only on the reference engine (SGLang feeds what its target captures)")
     target = target_dir(profile) if profile.target.path.startswith(("builtin:", "wheel:")) else profile.target.path
@@ -212,6 +233,7 @@ def launch(
     run_canary: bool = True,
     env: dict[str, str] | None = None,
     speculative: bool = True,
+    device: str | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> LaunchResult:
     """speculative=False starts the same target without a draft (the benchmark baseline): no preflight, no canary."""
@@ -224,7 +246,7 @@ def launch(
         draft = str(resolve_draft_dir(Path(draft_dir).expanduser()))
     port = port or (http.free_port(host) if engine == "reference" else profile.serve.port)
     url = http.base_url("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
-    argv = build_argv(profile, draft, engine, port, feed=feed, host=host, speculative=speculative)
+    argv = build_argv(profile, draft, engine, port, feed=feed, host=host, speculative=speculative, device=device)
     result = LaunchResult(ok=False, state="refused", message="", engine=engine, url=url, argv=argv, forced=force)
     if draft is None:  # speculative=False
         return _start_and_wait(
