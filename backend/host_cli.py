@@ -376,7 +376,7 @@ def cmd_job_stop(args) -> int:
     escaped = [v for v in verdicts if v.role == ESCAPED_ROLE]
     survivors = [v for v in verdicts if v.outcome not in OK_OUTCOMES and v.role != ESCAPED_ROLE]
     for verdict in escaped:
-        say(f"eagle3-host: PID {verdict.pid} may have escaped the stop: {verdict.detail}", file=sys.stderr)
+        say(f"eagle3-host: PID {verdict.pid} may have escaped the stop: {visible(verdict.detail)}", file=sys.stderr)  # one line: a command's newlines shown
     if survivors or escaped:
         parts = [f"{len(survivors)} owned process(es) still alive after the stop: PID {', '.join(str(v.pid) for v in survivors)}"] if survivors else []
         if escaped:

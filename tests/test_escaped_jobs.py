@@ -141,6 +141,7 @@ def test_an_escapee_beyond_proof_is_named_never_signalled_and_the_stop_fails(tmp
         assert verdicts[pid]["outcome"] == "survived" and verdicts[pid]["role"] == "unproven"
         assert "NOT signalled" in verdicts[pid]["detail"] and MARK in verdicts[pid]["detail"] and "stdout" in verdicts[pid]["detail"]
         assert str(pid) in done.stderr and "escaped" in done.stderr and MARK in done.stderr
+        assert not any(line.startswith("def note") for line in done.stderr.splitlines())  # one line: its command's newlines shown as \x0a
         assert log_reader.pid not in verdicts  # a reader of the log is no trace: its stdio is not the log
         assert procs.is_alive(pid, start) and not signals.exists() and not procs.read_stat(pid).stopped  # never signalled
         assert procs.is_alive(log_reader.pid)
