@@ -800,7 +800,9 @@ class ConsoleApp(RunActions):
         except AgentError as exc:
             self.note(f"adopt {choice['pid']} refused: {exc}", severity="error")
             return
-        self.note(f"adopted pid {choice['pid']} as {(result.get('job') or {}).get('name', choice['name'])}")
+        name = str((result.get("job") or {}).get("name") or choice["name"])
+        self.note(f"adopted pid {choice['pid']} as {name}")
+        self.select_started_job(name, result.get("job"), host)  # the next s plans the stop of the job just adopted
         self.resync(host)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:

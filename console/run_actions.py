@@ -35,7 +35,7 @@ from backend.commands import (
     resume_job_name,
 )
 from console.screens.chain import CHAIN_STAGES
-from console.screens.grok_modal import GrokModal
+from console.screens.grok_modal import GrokModal, free_job_name
 from console.screens.modals import ResumeModal, StopAndBenchModal, WatchModal, bench_plan_text
 from console.state import EXTERNAL_PREFIX, ConsoleState
 from console.widgets.hosts import Node, nodes_of
@@ -460,7 +460,8 @@ class RunActions(App):
             self.note(f"grok run from {job}: could not list its checkpoints ({exc}); nothing was started", severity="error")
             return
         profile = self.profile_of(job, host)
-        modal = GrokModal(job, profile, checkpoints, lr=self.profile_facts(profile).learning_rate, weight_decay=GROK_WEIGHT_DECAY_DEFAULT)
+        facts = self.profile_facts(profile)
+        modal = GrokModal(job, profile, checkpoints, lr=facts.learning_rate, weight_decay=GROK_WEIGHT_DECAY_DEFAULT, taken=host.state.jobs)
         params = await self.push_screen_wait(modal)
         if not params:
             self.note(f"grok run from {job} cancelled; nothing was started")
@@ -644,10 +645,7 @@ class RunActions(App):
             return
         host = self.session_named(target["host"])
         argv = resume_argv(target["profile"], target["checkpoint"]) + list(target.get("options") or [])
-        base = name = resume_job_name(target["checkpoint"])
-        number = 2
-        while name in host.state.jobs:
-            name, number = f"{base}-{number}", number + 1
+        name = free_job_name(resume_job_name(target["checkpoint"]), host.state.jobs)
         if not await self.push_screen_wait(ResumeModal(target["job"], target["checkpoint"], name, argv)):
             self.note(f"resume of {target['job']} cancelled; nothing was started")
             return

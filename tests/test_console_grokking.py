@@ -708,5 +708,16 @@ async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
         await wait_until(lambda: app.selected_job == name, what="the grok run selected")
         assert any(text.startswith(f"started {name} (pid ") for _, text in app.state.actions)  # its exit alert may follow already
         await wait_until(lambda: app.state.jobs[name].state == "exited", timeout=60, what="the failing run to exit")
+        app.select_job("base")
+        await pilot.press("g")  # the same checkpoint again: a new name, the first grok run is not archived
+        modal = await screen_shown(app, GrokModal, "the grok modal again")
+        await pilot.pause()
+        modal.query_one("#grok-lr", Input).value = "2e-4"
+        modal.query_one("#grok-wd", Input).value = "0.5"
+        modal.query_one("#grok-alpha", Input).value = "0.9"
+        modal.query_one("#grok-lr", Input).focus()
+        await pilot.press("enter")
+        second = await wait_until(lambda: app.state.jobs.get(f"{name}-2"), what="the second grok run listed")
+        assert second.argv[-8:] == job.argv[-8:] and app.state.jobs[name].state == "exited"
         await stop_everything(app)
         assert not pid_alive(base["pid"])

@@ -192,6 +192,9 @@ async def test_adopt_refuses_a_mistyped_pid_and_adopts_the_confirmed_one(tmp_pat
     app = live_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await connected(app)
+        other = (await app.client.request(Request.START_JOB, name="other", kind="other", argv=["sleep", "300"]))["job"]
+        await wait_until(lambda: "other" in app.state.jobs, what="the other job listed")
+        app.select_job("other")
         await pilot.press("a")
         modal = await screen_shown(app, AdoptModal, "the adopt modal")
         modal.query_one("#adopt-pid", Input).value = str(foreign.pid)
@@ -201,7 +204,7 @@ async def test_adopt_refuses_a_mistyped_pid_and_adopts_the_confirmed_one(tmp_pat
         await pilot.pause()
         assert app.screen is modal  # still open
         assert "must match. Nothing adopted." in str(modal.query_one("#adopt-error").render())
-        assert (await app.client.request(Request.LIST_JOBS))["jobs"] == []
+        assert [j["name"] for j in (await app.client.request(Request.LIST_JOBS))["jobs"]] == ["other"]
 
         modal.query_one("#adopt-confirm", Input).value = str(foreign.pid)
         await pilot.press("enter")
@@ -209,8 +212,14 @@ async def test_adopt_refuses_a_mistyped_pid_and_adopts_the_confirmed_one(tmp_pat
         assert [t for _, t in app.state.actions if "adopt" in t] == [f"adopted pid {foreign.pid} as adopted-{foreign.pid}"]
         jobs = {j["name"]: j for j in (await app.client.request(Request.LIST_JOBS))["jobs"]}
         assert jobs[f"adopted-{foreign.pid}"]["adopted"] is True and jobs[f"adopted-{foreign.pid}"]["pid"] == foreign.pid
+        await wait_until(lambda: app.selected_job == f"adopted-{foreign.pid}", what="the adopted job selected")
+        await pilot.press("s")  # plans the stop of the job just adopted, not of the one selected before
+        await screen_shown(app, StopModal, "the stop modal")
+        assert app.screen.pids == [foreign.pid]
+        await pilot.press("escape")
         await stop_everything(app)
         assert not pid_alive(foreign.pid) or foreign.poll() is not None
+        assert not pid_alive(other["pid"])
 
 
 async def test_new_run_key_starts_eagle3_host_train_with_the_profile(tmp_path):

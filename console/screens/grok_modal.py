@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, Collection
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -48,13 +48,22 @@ def parse_grok_params(lr: str, weight_decay: str, alpha: str) -> tuple[float, fl
     return lr_value, wd_value, alpha_value
 
 
+def free_job_name(base: str, taken: Collection[str]) -> str:
+    """`base`, or base-2, base-3... when a job of that name exists: starting a job under a taken name archives it."""
+    name, number = base, 2
+    while name in taken:
+        name, number = f"{base}-{number}", number + 1
+    return name
+
+
 class GrokModal(FormModal):
     """Returns {"name", "argv", "checkpoint"} for start_job (kind train), or None when cancelled."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, job: str, profile: str, checkpoints: list[dict[str, Any]], *, lr: float | None, weight_decay: float):
+    def __init__(self, job: str, profile: str, checkpoints: list[dict[str, Any]], *, lr: float | None, weight_decay: float, taken: Collection[str] = ()):
         super().__init__()
+        self.taken = frozenset(taken)  # job names in use on the host
         self.job = job
         self.profile = profile
         self.checkpoints = checkpoints
@@ -112,7 +121,11 @@ class GrokModal(FormModal):
         lr, wd, alpha = parse_grok_params(
             self.query_one("#grok-lr", Input).value, self.query_one("#grok-wd", Input).value, self.query_one("#grok-alpha", Input).value
         )
-        return {"name": grok_job_name(checkpoint), "argv": grok_argv(self.profile, checkpoint, lr, wd, alpha), "checkpoint": checkpoint}
+        return {
+            "name": free_job_name(grok_job_name(checkpoint), self.taken),
+            "argv": grok_argv(self.profile, checkpoint, lr, wd, alpha),
+            "checkpoint": checkpoint,
+        }
 
     def _preview(self) -> None:
         try:
