@@ -58,6 +58,7 @@ STOP_SLOT_BYTES = 4096
 EXIT_RETRY_S = 3600.0  # how long a watcher keeps trying to record the exit status on a full disk
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 START_TIMEOUT_S = 30.0
+BUSY_TIMEOUT_S = 30.0  # how long a write waits for another process's write lock on jobs.db
 MAX_GRACE_S = 86400.0
 FREEZE_TIMEOUT_S = 5.0
 READ_ONLY_RETRY_S = 5.0  # how often a read-only connection (opened on a full disk) tries read-write again
@@ -517,9 +518,9 @@ class JobRegistry:
         Never opens a descriptor of jobs.db itself (see prepare_db_file): only SQLite does."""
         conn = None
         try:
-            conn = sqlite3.connect(self.db_path, timeout=30.0, isolation_level=None)
+            conn = sqlite3.connect(self.db_path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
             conn.row_factory = sqlite3.Row
-            conn.execute("PRAGMA busy_timeout = 30000")
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.executescript(SCHEMA)
@@ -537,7 +538,7 @@ class JobRegistry:
         for mode in ("mode=ro", "immutable=1"):
             conn = None
             try:
-                conn = sqlite3.connect(f"file:{quote(str(self.db_path))}?{mode}", uri=True, timeout=30.0, isolation_level=None)
+                conn = sqlite3.connect(f"file:{quote(str(self.db_path))}?{mode}", uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
                 conn.row_factory = sqlite3.Row
                 conn.execute("SELECT count(*) FROM jobs").fetchone()
                 return conn

@@ -5,6 +5,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,39 @@ def test_a_registry_opened_on_the_full_disk_stores_the_stop_once_space_returns(d
 
     wait_for(lambda: stored() == [("stopped", -9)], what="the agent-like registry to store the stop")
     assert agent.start_job("again", "other", [PY, "-c", "pass"]).name == "again"  # and it can start jobs again
+
+
+def test_a_leader_that_cannot_be_recorded_is_killed_again_not_left_running(tmp_path, monkeypatch):
+    """The start's second write (the leader's PID) fails for real: another process holds jobs.db's write lock from
+    the moment the start's record is committed. The job must not run on without a record that could stop it."""
+    monkeypatch.setattr(jobs, "BUSY_TIMEOUT_S", 0.5)
+    registry = JobRegistry(tmp_path / "run")
+    holder = sqlite3.connect(registry.db_path, timeout=0, isolation_level=None, check_same_thread=False)
+    locked = threading.Event()
+
+    def hold_the_lock_once_the_record_is_in() -> None:
+        while not locked.is_set():
+            try:
+                holder.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError:
+                continue
+            if holder.execute("SELECT count(*) FROM jobs WHERE name = 'unrecordable'").fetchone()[0]:
+                locked.set()
+                return
+            holder.execute("ROLLBACK")
+
+    grabber = threading.Thread(target=hold_the_lock_once_the_record_is_in, daemon=True)
+    grabber.start()
+    try:
+        with pytest.raises(jobs.JobError, match="could not be recorded; it was killed again") as raised:
+            registry.start_job("unrecordable", "other", [PY, "-c", f"import time; time.sleep(600)  # {MARK}"])
+        assert locked.is_set() and "nothing of it runs" in str(raised.value), raised.value
+        assert marked_processes() == []
+    finally:
+        locked.set()
+        grabber.join(5)
+        if holder.in_transaction:
+            holder.execute("ROLLBACK")
+        holder.close()
+    record = JobRegistry(tmp_path / "run").list_records()
+    assert [(r.name, r.info.pid) for r in record] in ([], [("unrecordable", 0)])  # removed, or a record with no process behind it
