@@ -45,8 +45,10 @@ def length_buckets(max_len: int) -> list[int]:
 
 
 def _rms(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalise in fp32, round to the input dtype, scale."""
+    """transformers' LlamaRMSNorm (normalise in fp32, round to the input dtype, scale), in one fused kernel where torch has it."""
     dtype = hidden.dtype
+    if hasattr(F, "rms_norm"):
+        return weight * F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=eps).to(dtype)
     hidden = hidden.float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
     return weight * hidden.to(dtype)
@@ -120,9 +122,9 @@ class StaticTarget:
         self.feed = feed
         self.max_len = max_len
         self.dtype, self.device = self.embed.dtype, self.embed.device
-        shape = (len(self.layers), 1, self.num_kv_heads, max_len, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        shape = (1, self.num_kv_heads, max_len, self.head_dim)  # one tensor per layer: whole buffers, no views, mutated in place
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
     @staticmethod
     def _check_supported(model, config) -> None:
@@ -174,12 +176,11 @@ class StaticTarget:
         for index, layer in enumerate(self.layers):
             normed = _rms(hidden, layer.w_input, self.eps)
             qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
-            query, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-            query = query.view(1, seq, heads, dim).transpose(1, 2)
-            key = key.view(1, seq, kv_heads, dim).transpose(1, 2)
+            query_key, value = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+            query_key = query_key.view(1, seq, heads + kv_heads, dim).transpose(1, 2)
+            query_key = query_key * cos + rotate_half(query_key) * sin  # RoPE of q and k in one pass
+            query, key = query_key.split([heads, kv_heads], dim=1)
             value = value.view(1, seq, kv_heads, dim).transpose(1, 2)
-            query = query * cos + rotate_half(query) * sin
-            key = key * cos + rotate_half(key) * sin
             keys, values = self.keys[index], self.values[index]
             keys.index_copy_(2, positions, key)
             values.index_copy_(2, positions, value)
@@ -297,7 +298,8 @@ class StaticDecoder(SpecDecoder):
         self.width = num_steps + 1
         limit = getattr(target_model.config, "max_position_embeddings", None) or 4096
         self.max_len = int(max_len or limit)
-        self.buckets = length_buckets(self.max_len)
+        # compiled steps attend over the whole cache: one compile per step kind instead of one per prefix
+        self.buckets = [self.max_len] if compile else length_buckets(self.max_len)
         self.static_target = StaticTarget(target_model, self.aux_layer_ids, feed, self.max_len)
         self.static_draft = StaticDraft(draft, self.max_len + self.width, num_steps) if draft is not None else None
         width, feature_width = self.width, self.static_target.feature_width
