@@ -7,14 +7,15 @@
 3. Attach over loopback SSH (OpenSSH sshd when /usr/sbin/sshd exists, else an in-process asyncssh server):
    warm: select the job -> whole-history curve drawn on the Training screen; cold: select -> newest records
    shown (metrics_window) and -> the whole history indexed, with the progress events counted.
-4. Training-screen frame with 1M points per series x 3 series: the host's buckets (what the console draws
-   now) vs downsampling 1M raw points per frame (what it did before).
+4. Training-screen frame at 2k, 100k and 1M points per series x 3 series (the host's buckets plus the live tail):
+   prepare + render_lines of the three plots with our canvas (console/widgets/curve_plot.py) vs the previous
+   plotext widget (console/widgets/plotext_plot.py) on the same state; target <= 16 ms (`--frame-only` runs only this).
 5. Live lag (file append on the host -> console client) p50/p99 at 10 lines/s over the same SSH link,
    and the agent's CPU (percent of one core) idle and under that load.
 6. Peak RSS of the console process and of the agent with the history attached, vs holding the history
    as records (measured on a 100k-record sample, scaled).
 
-    python benchmarks/bench_long_run.py [--size-mib 1024] [--dir /tmp/eagle3-long-run] [--json OUT]
+    python benchmarks/bench_long_run.py [--size-mib 1024] [--dir /tmp/eagle3-long-run] [--frame-only] [--json OUT]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from backend.metrics import normalize_record
 from backend.metrics_index import MetricsFeed
 from backend.protocol import INDEX_FILENAME, METRICS_FILENAME, Request
 from backend.series_index import Series, query
-from bench_console import show, summary, training_frame_times  # noqa: E402
+from bench_console import show, summary  # noqa: E402
 
 SIZE = (160, 48)
 MODULES = ("fc", "midlayer", "norm", "lm_head")
@@ -390,17 +391,97 @@ def frame_states(points: int):
     return ours, raw
 
 
-def bench_frame(points: int, reps: int = 7) -> dict:
-    ours_state, raw_state = frame_states(points)
-    ours = asyncio.run(training_frame_times(ours_state, raw=False, reps=reps))
-    raw = asyncio.run(training_frame_times(raw_state, raw=False, reps=max(3, reps // 2)))
+FRAME_POINTS = (2_000, 100_000, 1_000_000)
+FRAME_BUDGET_S = 1 / 60  # a terminal at 60 Hz
+
+
+async def frame_times(state, plot_class, reps: int) -> tuple[list[float], list[float], list[float]]:
+    """(whole frames, their prepare part, the CPU time of the whole frames) of the Training screen drawn with
+    `plot_class`, in seconds (on a shared machine the CPU time is the steadier of the two).
+
+    A frame: a new train and val point arrive (every cache is stale), the screen's show_state prepares the curves
+    (buckets + live tail -> downsampled, transformed points), then each plot renders its lines to segments through
+    render_lines, the call Textual's compositor makes when it paints a widget."""
+    from textual.geometry import Region
+
+    from console.app import build_app
+    from console.screens import training
+
+    saved = training.CurvePlot
+    training.CurvePlot = plot_class  # the screen queries its plots by this name
+    try:
+        app = build_app(state=state, poll_interval=None, refresh_throttle=0)
+        frames: list[float] = []
+        prepares: list[float] = []
+        cpus: list[float] = []
+        async with app.run_test(size=SIZE) as pilot:
+            app.select_job("run")
+            await pilot.press("2")
+            await pilot.pause()
+            screen = app.screen
+            plots = list(screen.query(plot_class))
+            assert len(plots) == 3, plots
+            metrics = state.metrics["run"]
+            for rep in range(reps + 1):  # the first frame warms caches that a running console has warm
+                step = metrics.train_loss.steps[-1] + 1
+                metrics.add({"step": step, "split": "train", "loss": 1.0, "lr": 1e-7})
+                metrics.add({"step": step, "split": "val", "loss": 1.3, "acc": [0.7]})
+                start, cpu = time.perf_counter(), time.thread_time()
+                screen.show_state({"metrics"})
+                prepared = time.perf_counter()
+                for plot in plots:
+                    lines = plot.render_lines(Region(0, 0, plot.size.width, plot.size.height))
+                    assert len(lines) == plot.size.height
+                done, cpu_done = time.perf_counter(), time.thread_time()
+                if rep:
+                    frames.append(done - start)
+                    prepares.append(prepared - start)
+                    cpus.append(cpu_done - cpu)
+                await pilot.pause()
+    finally:
+        training.CurvePlot = saved
+    return frames, prepares, cpus
+
+
+def bench_frame(points: int, reps: int = 15) -> dict:
+    """One size: our canvas against the previous plotext widget (the peer) on the same state, in the same run."""
+    from console.widgets.curve_plot import CurvePlot
+    from console.widgets.plotext_plot import PlotextCurvePlot
+
+    state, _ = frame_states(points)
+    ours, ours_prepare, ours_cpu = asyncio.run(frame_times(state, CurvePlot, reps))
+    peer, peer_prepare, peer_cpu = asyncio.run(frame_times(state, PlotextCurvePlot, max(5, reps // 2)))
     return {
         "points_per_series": points,
         "series": 3,
-        "ours_buckets_frame_s": summary(ours),
-        "peer_raw_points_frame_s": summary(raw),
-        "peer_over_ours": summary(raw)["median"] / summary(ours)["median"],
+        "ours_canvas_frame_s": summary(ours),
+        "ours_prepare_part_s": summary(ours_prepare),
+        "ours_canvas_frame_cpu_s": summary(ours_cpu),
+        "peer_plotext_frame_s": summary(peer),
+        "peer_prepare_part_s": summary(peer_prepare),
+        "peer_plotext_frame_cpu_s": summary(peer_cpu),
+        "peer_over_ours": summary(peer)["median"] / summary(ours)["median"],
+        "peer_over_ours_cpu": summary(peer_cpu)["median"] / summary(ours_cpu)["median"],
+        "ours_median_within_16ms": summary(ours)["median"] <= FRAME_BUDGET_S,
+        "ours_p95_within_16ms": summary(ours)["p95"] <= FRAME_BUDGET_S,
     }
+
+
+def bench_frames(sizes=FRAME_POINTS) -> dict:
+    return {f"{points}": bench_frame(points) for points in sizes}
+
+
+def show_frames(frames: dict) -> None:
+    print("\n== Training frame (prepare + render_lines of 3 plots), ms per frame: wall median / p95, CPU median")
+    print(f"  {'points x 3 series':>18}  {'ours (canvas)':>22}  {'peer (plotext)':>22}  {'peer/ours':>9}  {'(CPU)':>6}  median <= 16 ms")
+    for row in frames.values():
+        ours, peer = row["ours_canvas_frame_s"], row["peer_plotext_frame_s"]
+        ours_cpu, peer_cpu = row["ours_canvas_frame_cpu_s"], row["peer_plotext_frame_cpu_s"]
+        print(
+            f"  {row['points_per_series']:>18,}  {ours['median'] * 1e3:6.1f} / {ours['p95'] * 1e3:5.1f} / {ours_cpu['median'] * 1e3:5.1f}  "
+            f"{peer['median'] * 1e3:6.1f} / {peer['p95'] * 1e3:5.1f} / {peer_cpu['median'] * 1e3:5.1f}  "
+            f"{row['peer_over_ours']:8.2f}x  {row['peer_over_ours_cpu']:5.2f}x  {row['ours_median_within_16ms']}"
+        )
 
 
 def records_memory_mib(path: Path, records: int, sample: int = 100_000) -> float:
@@ -423,11 +504,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=1024, help="size of the generated metrics.jsonl (default 1024)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "eagle3-long-run", help="where the history is generated (kept for reruns)")
-    parser.add_argument("--frame-points", type=int, default=1_000_000)
+    parser.add_argument("--frame-only", action="store_true", help="only the frame section (no history file needed)")
     parser.add_argument("--live-lines", type=int, default=200, help="lines written at 10/s for the live lag")
     parser.add_argument("--skip-attach", action="store_true")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args()
+    if args.frame_only:
+        results = {"machine": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}, "frame": bench_frames()}
+        show_frames(results["frame"])
+        results["machine"]["loadavg_at_end"] = os.getloadavg()
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return 0
     args.dir.mkdir(parents=True, exist_ok=True)
     path = history_file(args.dir, args.size_mib)
     results: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}}
@@ -435,8 +523,8 @@ def main() -> int:
     show("cold index of a never-seen history (CPU time on one core)", cold)
     results["warm_query"] = bench_warm_query(path)
     show("warm `metrics series --points 200` (new process) vs grep '\"val\"' | tail", results["warm_query"])
-    results["frame"] = bench_frame(args.frame_points)
-    show(f"Training frame, {args.frame_points} points x 3 series", results["frame"])
+    results["frame"] = bench_frames()
+    show_frames(results["frame"])
     results["records_as_dicts_mib"] = records_memory_mib(path, cold["records"])
     if not args.skip_attach:  # in a fresh process, so its peak RSS is the console's, not this script's
         child = subprocess.run(

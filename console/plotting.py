@@ -1,8 +1,7 @@
-"""Curve preparation for the Training screen: EMA smoothing (backend/smoothing.py), log10 axes with our own ticks, spike-keeping min/max downsampling.
+"""Curve preparation for the plots: EMA smoothing (backend/smoothing.py), log10 axes with our own ticks, spike-keeping min/max downsampling.
 
-plotext's own log scale is never used: it re-takes the log of the stored data on every build and
-crashes on resize (plotext#209). Instead the values are transformed here and the ticks labelled
-with the original numbers.
+Values on a log axis are transformed here (log10) and the ticks labelled with the original numbers; linear ticks
+sit at 1, 2 or 5 times a power of ten (whole numbers on a step axis).
 """
 
 from __future__ import annotations
@@ -196,6 +195,65 @@ def log_ticks(lo: float, hi: float, *, si: bool = False, max_ticks: int = 8) -> 
     stride = max(1, math.ceil(len(inside) / max_ticks))
     positions = inside[::stride]
     return Ticks(positions=positions, labels=[format_number(round(10**p, 12), si=si) for p in positions])
+
+
+def linear_ticks(lo: float, hi: float, *, max_ticks: int = 6, integer: bool = False, si: bool = False) -> Ticks:
+    """Evenly spaced ticks at 1, 2 or 5 times a power of ten inside lo..hi; `integer` (steps) never steps below 1.
+
+    Labels get just enough digits to tell neighbours apart (2.35 / 2.4 / 2.45, not 2.35 / 2.4 / 2.5)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return Ticks()
+    if hi < lo:
+        lo, hi = hi, lo
+    if hi == lo:
+        return Ticks([lo], [_labels([lo], si=si)[0]])
+    rough = (hi - lo) / max(1, max_ticks - 1)
+    magnitude = 10 ** math.floor(math.log10(rough))
+    steps = [m * magnitude for m in (10, 5, 2, 1, 0.5, 0.2, 0.1)]
+    chosen = [step for step in steps if step >= rough * (1 - 1e-9)][-1]
+    positions: list[float] = []
+    for step in steps[steps.index(chosen) :]:  # the widest step that still puts two ticks inside
+        if integer:
+            step = max(1, round(step))
+        positions = _multiples(lo, hi, step, integer)
+        if len(positions) >= 2 or (integer and step == 1):
+            break
+    if len(positions) > max_ticks:  # a 1-step floor can give more than asked for: keep every other
+        positions = positions[:: math.ceil(len(positions) / max_ticks)]
+    return Ticks(positions, _labels(positions, si=si))
+
+
+def _multiples(lo: float, hi: float, step: float, integer: bool) -> list[float]:
+    first = math.ceil(lo / step - 1e-9)
+    positions: list[float] = []
+    while (first + len(positions)) * step <= hi + abs(step) * 1e-9:
+        value = (first + len(positions)) * step
+        positions.append(float(round(value)) if integer else float(round(value, 12)))
+    return positions
+
+
+def _labels(values: Sequence[float], *, si: bool) -> list[str]:
+    if si and all(v == int(v) for v in values):
+        return [format_number(v, si=True) for v in values]
+    big = max((abs(v) for v in values), default=0.0)
+    exponent = big >= 1e5 or 0 < big < 1e-3
+    for digits in range(1, 12):
+        labels = [_short(v, digits, exponent) for v in values]
+        if len(set(labels)) == len(labels):
+            return labels
+    return labels
+
+
+def _short(value: float, digits: int, exponent: bool) -> str:
+    if value == 0:
+        return "0"
+    if exponent:
+        mantissa, power = f"{value:.{digits - 1}e}".split("e")
+        mantissa = mantissa.rstrip("0").rstrip(".") if "." in mantissa else mantissa
+        return f"{mantissa}e{int(power)}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    text = f"{value:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def span(curves: Sequence[Curve], axis: str) -> tuple[float, float] | None:

@@ -1,44 +1,58 @@
-"""A PlotextPlot that draws prepared curves: downsampled to its width, log axes via log10 values and our ticks."""
+"""The plot widget of the Training and Grokking screens: prepared curves drawn on our own canvas straight into Strips.
+
+Each frame: the host's buckets plus the live tail -> a Curve per series (console/plotting.py, downsampled to the
+plot's width) -> a Canvas of quadrant dots (console/widgets/canvas.py) with axes, ticks, legend and NaN markers ->
+one Strip per row, the way Textual paints a widget. No plotext and no ANSI string round trip (the previous widget,
+kept for the benchmark's peer, is console/widgets/plotext_plot.py). Plots side by side in one container share
+their x range; a smoothed curve keeps its raw line faint behind it; the mouse reads values off the curves.
+"""
 
 from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from plotext import _utility as plotext_utility
-from textual_plotext import PlotextPlot
+from rich.segment import Segment
+from rich.style import Style
+from rich.text import Text
+from textual import events
+from textual.strip import Strip
+from textual.widget import Widget
 
 from backend.safetext import visible
-from console.plotting import Curve, Ticks, history_points, log_ticks, prepare_curve, span
+from console.plotting import Curve, Ticks, format_number, history_points, linear_ticks, log_ticks, prepare_curve, span
 from console.state import Series
+from console.widgets.canvas import NO_INK, Canvas, dot_index, dot_indices
 
-# plotext's frame around the canvas: one y-axis column on each side, and above/below the canvas the title, two x-axis
-# rows, the tick labels and the x label (plotext _build: width_canvas / height_canvas).
+# The frame around the canvas: the y-axis column on the left and the border on the right; above the canvas the title
+# and the top border, below it the x axis, its tick labels and the x label (or the cursor's read-out).
 FRAME_COLUMNS = 2
 FRAME_ROWS = 5
-PLOTEXT_Y_TICKS = 7  # plotext's default y frequency: the linear y labels we leave to it
+# With the plot's EMA on, a curve with under a tenth of the points of the densest curve in its row of plots (an eval
+# every N steps next to a train loss every step) is drawn raw: a few smoothed evals read as values they never had.
+SPARSE_SHARE = 10
+# plotext's colour names (what the screens pass) as terminal colours, and xterm-256 indices as they are.
+COLOR_NAMES = {"black": 0, "red": 1, "green": 2, "orange": 3, "yellow": 3, "blue": 4, "magenta": 5, "cyan": 6, "gray": 8, "white": 15, "gold": 220}
 
 
 def tick_column(value: float, lo: float, hi: float, cells: int) -> int:
-    """The canvas column (or row) plotext puts `value` of the axis lo..hi in (plotext _utility.get_matrix_data)."""
-    if hi == lo:
-        return 0
-    return math.floor(round(0.5 + (cells - 1) * (value - lo) / (hi - lo), 8))
+    """The cell (column, or row from the bottom) of a `cells`-long axis lo..hi that `value` is drawn in."""
+    return dot_index(value, lo, hi, 2 * cells) >> 1
 
 
-def spaced_x_ticks(ticks: Ticks, lo: float, hi: float, cells: int, offset: int = 0) -> Ticks:
-    """The ticks, left to right, whose labels cannot touch once plotext centres them on their columns.
+def spaced_x_ticks(ticks: Ticks, lo: float, hi: float, cells: int, offset: int = 0, width: int | None = None) -> Ticks:
+    """The ticks, left to right, whose labels, centred on their columns, keep clear of each other (and of the plot's
+    edges when `width` is given: a label that would cross one is moved inside).
 
-    plotext de-duplicates ticks through a set (hash-seeded order) and drops a label that lands next to one placed
-    before it, shifting the others: labels closer than that made the axis depend on PYTHONHASHSEED. Two labels
-    a < b are kept when b starts more than len(a) columns after a's tick and a ends more than len(b) columns before
-    b's tick (the span plotext's placement looks at), plus one spare column for the estimate of the canvas width.
+    Two labels a < b are kept when b starts more than len(a) columns after a's tick and a ends more than len(b)
+    columns before b's tick, so that no two labels read as one.
     """
     kept: list[tuple[float, str, int, int]] = []  # position, label, tick column, first column of the label
     for position, label in sorted(zip(ticks.positions, ticks.labels)):
         column = offset + tick_column(position, lo, hi, cells)
-        start = (2 * column + 1 - len(label)) // 2
+        start = label_start(column, label, width)
         if kept:
             _, last, last_column, last_start = kept[-1]
             if start <= last_column + len(last) + 1 or last_start + len(last) - 1 >= column - len(label) - 1:
@@ -47,8 +61,13 @@ def spaced_x_ticks(ticks: Ticks, lo: float, hi: float, cells: int, offset: int =
     return Ticks([k[0] for k in kept], [k[1] for k in kept])
 
 
+def label_start(column: int, label: str, width: int | None) -> int:
+    start = (2 * column + 1 - len(label)) // 2
+    return start if width is None else max(0, min(start, width - len(label)))
+
+
 def spaced_y_ticks(ticks: Ticks, lo: float, hi: float, rows: int) -> Ticks:
-    """The ticks, bottom to top, that land on rows of their own (two on one row overwrite each other in set order)."""
+    """The ticks, bottom to top, that land on rows of their own (two on one row would hide one label)."""
     kept: list[tuple[float, str]] = []
     used: set[int] = set()
     for position, label in sorted(zip(ticks.positions, ticks.labels)):
@@ -59,15 +78,17 @@ def spaced_y_ticks(ticks: Ticks, lo: float, hi: float, rows: int) -> Ticks:
     return Ticks([k[0] for k in kept], [k[1] for k in kept])
 
 
-def default_y_label_width(lo: float, hi: float) -> int:
-    """How wide plotext's own linear y labels for lo..hi are (plotext _build: get_lim, linspace, get_labels)."""
-    lo, hi = plotext_utility.get_lim([lo, hi])
-    return plotext_utility.max_length(plotext_utility.get_labels(plotext_utility.linspace(lo, hi, PLOTEXT_Y_TICKS)))
+def axis_limits(lo: float, hi: float) -> tuple[float, float]:
+    """lo..hi, widened around a single value so that it has an axis to sit on."""
+    if hi > lo:
+        return lo, hi
+    pad = abs(lo) * 0.1 or 1.0
+    return lo - pad, hi + pad
 
 
 def legend_labels(entries: list[tuple[str, str, int]], cells: int) -> list[str]:
-    """Legend texts for (prefix, label, points) entries that fit a canvas `cells` wide (plotext hides a legend whose
-    longest entry is wider than cells - 5): with point counts, then without, then shorter prefixes, then cut."""
+    """Legend texts for (prefix, label, points) entries that fit a canvas `cells` wide (3 columns go to the marker,
+    2 to the margins): with point counts, then without, then shorter prefixes, then cut."""
     room = cells - 5
     full = [f"{prefix}{label} ({points})" for prefix, label, points in entries]
     if max(map(len, full), default=0) <= room:
@@ -80,13 +101,20 @@ def legend_labels(entries: list[tuple[str, str, int]], cells: int) -> list[str]:
 
 
 def fitting_title(titles: list[str], label_width: int, cells: int, width: int) -> str:
-    """The first title plotext can place: it centres a title on the canvas and drops one that crosses the plot's edge."""
+    """The first title that, centred on the canvas, stays inside the plot; else the last (cut at the edge)."""
     centre = label_width + 1 + cells // 2
     for title in titles:
         start = centre - len(title) // 2
         if start >= 0 and start + len(title) <= width:
             return title
     return titles[-1]
+
+
+def color_of(color: str | int) -> str:
+    """A screen's colour (a plotext name or an xterm-256 index) as a Rich colour."""
+    if isinstance(color, int):
+        return f"color({color})"
+    return f"color({COLOR_NAMES[color]})" if color in COLOR_NAMES else color
 
 
 @dataclass(frozen=True)
@@ -113,30 +141,83 @@ class SeriesSpec:
     ema_weight: float | None = None  # this curve's own smoothing (None: the plot's options)
 
 
-class CurvePlot(PlotextPlot):
-    """Set `specs` and `options`, call `replot()`; resizing replots with the new bucket count.
+@dataclass
+class Layer:
+    """A curve as drawn: `faint` is the raw line under a smoothed one (no legend entry of its own); `smoothed` says
+    the plot's EMA (not the spec's own) smooths it, which its legend entry then says."""
 
-    Half-block ("hd") markers: half the build cost of braille, and 2 dots per cell match the
-    min/max pair each downsampling bucket (one per column) yields. Titles, legends and log-axis ticks are fitted to
-    the plot's size, since plotext silently drops whatever does not fit.
+    spec: SeriesSpec
+    curve: Curve
+    faint: bool = False
+    smoothed: bool = False
+
+
+@dataclass
+class PlotLayout:
+    """One frame of the plot: its rows as (text, style index) runs, and what was chosen to fit the size."""
+
+    lines: list[list[tuple[str, int]]]
+    styles: list[Style]
+    title: str
+    legend: list[str]
+    x_ticks: Ticks | None
+    y_ticks: Ticks | None
+    x_limits: tuple[float, float] | None = None
+    y_limits: tuple[float, float] | None = None
+    canvas_origin: tuple[int, int] = (0, 0)  # (column, row) of the canvas's top-left cell in the widget
+    canvas_size: tuple[int, int] = (0, 0)
+
+
+class CurvePlot(Widget):
+    """Set `specs` and `options` with `set_data`; resizing replots with the new bucket count.
+
+    `replot` prepares the curves (cached per series version); the layout and its Strips are built at paint time,
+    once per change, so that plots side by side can agree on one x range first.
+    """
+
+    DEFAULT_CSS = """
+    CurvePlot {
+        width: 1fr;
+        height: 1fr;
+        background: $surface;
+    }
     """
 
     def __init__(self, title: str, *shorter: str, raw: bool = False, **kwargs):
         super().__init__(**kwargs)
-        self.titles = [title, *shorter]  # the longest first; replot shows the first that fits
+        self.titles = [title, *shorter]  # the longest first; the layout shows the first that fits
         self.raw = raw  # plot every point (only the benchmark's peer uses this)
         self.specs: list[SeriesSpec] = []
         self.options = CurveOptions()
         self._cache: dict[str, tuple[tuple, Curve]] = {}
         self._drawn_key: tuple | None = None
-        self.x_ticks: Ticks | None = None  # the log-axis ticks handed to plotext by the last replot (None: plotext's own)
-        self.y_ticks: Ticks | None = None
-        self.shown_title = title  # what the last replot handed plotext
-        self.legend: list[str] = []
+        self._layers: list[Layer] = []
+        self._hidden = 0
+        self.own_x_span: tuple[float, float] | None = None  # the x range of this plot's own curves and markers
+        self._layout: PlotLayout | None = None
+        self._strips: list[Strip] | None = None
+        self.cursor: tuple[int, int] | None = None  # the mouse's cell over the canvas, for the read-out
 
     @property
     def title(self) -> str:
         return self.titles[0]
+
+    @property
+    def shown_title(self) -> str:
+        return self.drawn().title
+
+    @property
+    def legend(self) -> list[str]:
+        return self.drawn().legend
+
+    @property
+    def x_ticks(self) -> Ticks | None:
+        """Ticks of the x axis as drawn (after thinning to the width)."""
+        return self.drawn().x_ticks
+
+    @property
+    def y_ticks(self) -> Ticks | None:
+        return self.drawn().y_ticks
 
     def set_data(self, specs: list[SeriesSpec], options: CurveOptions) -> None:
         self.specs = specs
@@ -145,50 +226,67 @@ class CurvePlot(PlotextPlot):
 
     def set_title(self, *titles: str) -> None:
         """One title, or several from the longest to the shortest: the first that fits the plot is shown (job names in
-        it shown inert: plotext's output is read back as ANSI)."""
+        it shown inert)."""
         shown = [visible(title) for title in titles]
         if shown != self.titles:
             self.titles = shown
-            self._drawn_key = None
-            self.replot()
+            self._invalidate()
 
     def on_resize(self) -> None:
         self.replot()
 
-    def render(self):
-        started = time.perf_counter()
-        try:
-            return super().render()
-        finally:
-            note = getattr(self.app, "note_paint_cost", None)
-            if note is not None:
-                note(time.perf_counter() - started)
+    # -- curves -------------------------------------------------------------------------------------
 
     def buckets(self) -> int:
         return max(8, self.size.width - 8)
 
-    def curve(self, spec: SeriesSpec) -> Curve:
-        options = self.options
+    def smoothing(self, spec: SeriesSpec, densest: int) -> float:
+        """The EMA weight `spec` is drawn with: its own, else the plot's unless the series is sparse (an eval curve)."""
         if spec.ema_weight is not None:
-            options = CurveOptions(options.log_x, options.log_y, spec.ema_weight)
+            return spec.ema_weight
+        weight = self.options.ema_weight
+        return 0.0 if weight and self._points(spec) * SPARSE_SHARE < densest else weight
+
+    @staticmethod
+    def _points(spec: SeriesSpec) -> int:
+        return spec.total if spec.total is not None else len(spec.series)
+
+    def curve(self, spec: SeriesSpec, ema_weight: float | None = None) -> Curve:
+        """`spec` prepared for this plot's width and axes, smoothed with `ema_weight` (None: the spec's or the plot's)."""
+        weight = (self.options.ema_weight if spec.ema_weight is None else spec.ema_weight) if ema_weight is None else ema_weight
+        log_x, log_y = self.options.log_x, self.options.log_y
         if self.raw:
-            return prepare_curve(spec.series.steps, spec.series.values, buckets=10**9, log_x=options.log_x, log_y=options.log_y, ema_weight=options.ema_weight)
-        key = (id(spec.series), spec.series.version, len(spec.series), id(spec.buckets), spec.end_step, spec.step_from, spec.step_to, self.buckets(), options)
-        cached = self._cache.get(spec.prefix + spec.label)
+            return prepare_curve(spec.series.steps, spec.series.values, buckets=10**9, log_x=log_x, log_y=log_y, ema_weight=weight)
+        key = (
+            id(spec.series),
+            spec.series.version,
+            len(spec.series),
+            id(spec.buckets),
+            spec.end_step,
+            spec.step_from,
+            spec.step_to,
+            self.buckets(),
+            log_x,
+            log_y,
+            weight,
+        )
+        name = f"{spec.prefix}{spec.label}\0{weight}"
+        cached = self._cache.get(name)
         if cached is not None and cached[0] == key:
             return cached[1]
         steps, values = history_points(
-            spec.buckets, spec.series.steps, spec.series.values, spec.end_step, mean=options.ema_weight > 0, step_from=spec.step_from, step_to=spec.step_to
+            spec.buckets, spec.series.steps, spec.series.values, spec.end_step, mean=weight > 0, step_from=spec.step_from, step_to=spec.step_to
         )
-        curve = prepare_curve(steps, values, buckets=self.buckets(), log_x=options.log_x, log_y=options.log_y, ema_weight=options.ema_weight)
+        curve = prepare_curve(steps, values, buckets=self.buckets(), log_x=log_x, log_y=log_y, ema_weight=weight)
         if spec.total is not None:
             curve.source_points = spec.total
-        self._cache[spec.prefix + spec.label] = (key, curve)
+        self._cache[name] = (key, curve)
         return curve
 
     def replot(self) -> None:
+        """Prepare the curves of `specs` (when they, the options or the size changed) and schedule a new layout."""
         key = (
-            tuple((s.prefix, s.label, id(s.series), s.series.version, id(s.buckets), s.step_from, s.step_to, len(s.markers)) for s in self.specs),
+            tuple((s.prefix, s.label, id(s.series), s.series.version, id(s.buckets), s.step_from, s.step_to, len(s.markers), s.ema_weight) for s in self.specs),
             self.options,
             self.size.width,
             self.size.height,
@@ -196,61 +294,259 @@ class CurvePlot(PlotextPlot):
         if key == self._drawn_key and not self.raw:
             return
         self._drawn_key = key
-        plt = self.plt
-        plt.clear_data()
-        plt.clear_figure()
-        self.x_ticks = self.y_ticks = None
-        self.legend = []
-        width, height = self.size.width, self.size.height
-        curves = [(spec, self.curve(spec)) for spec in self.specs]
-        drawn = [(spec, c) for spec, c in curves if c.xs]
-        if not drawn:
-            self.shown_title = f"{self.title}: no data yet"
-            plt.title(self.shown_title)
-            self.refresh()
-            return
-        plotted = [c for _, c in drawn]
-        y_span = span(plotted, "y")
-        marker_xs = self._marker_xs()
-        if self.options.log_y and y_span:
-            y_lo, y_hi = plotext_utility.get_lim(list(y_span))
-            self.y_ticks = spaced_y_ticks(log_ticks(*y_span, max_ticks=max(3, height // 3)), y_lo, y_hi, max(1, height - FRAME_ROWS))
-            plt.yticks(self.y_ticks.positions, self.y_ticks.labels)
-        label_width = max(map(len, self.y_ticks.labels), default=0) if self.y_ticks is not None else default_y_label_width(*y_span) if y_span else 0
-        cells = max(1, width - FRAME_COLUMNS - label_width)
-        entries = [(visible(spec.prefix), visible(spec.label), curve.source_points) for spec, curve in drawn]  # metrics keys, job names
-        if marker_xs:
-            entries.append(("", "NaN/inf", len(marker_xs)))
-        self.legend = legend_labels(entries, cells)
-        rows = height - FRAME_ROWS
-        if len(entries) * (max(map(len, self.legend)) + 5) > rows * cells / 2:
-            self.legend = []  # it would cover more than half the canvas: the curves matter more
-        labels: list[str | None] = list(self.legend) or [None] * len(entries)
-        for (spec, curve), label in zip(drawn, labels):
-            plt.plot(curve.xs, curve.ys, label=label, color=spec.color, marker="hd")
-        if marker_xs and y_span:  # NaN/inf values as red x along the top edge, at their steps (they have no y of their own)
-            plt.scatter(marker_xs, [y_span[1]] * len(marker_xs), marker="x", color="red", label=labels[-1])
-        if self.options.log_x:
-            self._set_x_ticks(plotted, marker_xs, label_width, cells)
-        hidden = sum(c.hidden_points for _, c in curves)
-        suffix = f" ({hidden} pts ≤0 hidden on log axis)" if hidden else ""
-        titles = [title + suffix for title in self.titles] + ([f"{self.titles[-1]} ({hidden} hidden ≤0)"] if hidden else [])
-        self.shown_title = fitting_title(titles + self.titles[-1:], label_width, cells, width)
-        plt.title(self.shown_title)
-        plt.xlabel("step (log)" if self.options.log_x else "step")
-        self.refresh()
+        densest = max((self._points(s) for plot in (self, *self.row_plots()) for s in plot.specs), default=0)
+        unsmoothed = {id(s.series) for s in self.specs if self.smoothing(s, densest) == 0}
+        layers: list[Layer] = []
+        for spec in self.specs:
+            weight = self.smoothing(spec, densest)
+            if weight and id(spec.series) not in unsmoothed:  # its raw line, unless another curve of the plot draws it
+                layers.append(Layer(spec, self.curve(spec, 0.0), faint=True))
+            layers.append(Layer(spec, self.curve(spec, weight), smoothed=bool(weight) and spec.ema_weight is None))
+        self._layers = layers
+        self._hidden = sum(layer.curve.hidden_points for layer in layers if not layer.faint)
+        before = self.own_x_span
+        self.own_x_span = self._x_span()
+        self._invalidate()
+        if self.own_x_span != before:
+            for sibling in self.axis_mates():
+                sibling._invalidate()
+
+    def _x_span(self) -> tuple[float, float] | None:
+        xs = span([layer.curve for layer in self._layers], "x")
+        markers = self._marker_xs()
+        if markers and xs:
+            return min(xs[0], markers[0]), max(xs[1], markers[-1])
+        return xs
 
     def _marker_xs(self) -> list[float]:
         steps = sorted({m for spec in self.specs for m in spec.markers})
         return [math.log10(m) for m in steps if m > 0] if self.options.log_x else steps
 
-    def _set_x_ticks(self, curves: list[Curve], marker_xs: list[float], label_width: int, cells: int) -> None:
-        """Our log-step ticks, thinned so that no two labels touch at this width (plotext would resolve that in a
-        hash-seeded order); a linear axis keeps plotext's own evenly spaced ticks, placed in order."""
-        x_span = span(curves, "x")
-        if not x_span:
-            return
-        lo, hi = plotext_utility.get_lim([*x_span, *marker_xs])
-        ticks = log_ticks(*x_span, si=True, max_ticks=max(3, self.size.width // 12))
-        self.x_ticks = spaced_x_ticks(ticks, lo, hi, cells, offset=label_width + 1)
-        self.plt.xticks(self.x_ticks.positions, self.x_ticks.labels)
+    def row_plots(self) -> list[CurvePlot]:
+        """The other plots in this plot's container (one row of plots of one job)."""
+        parent = self.parent
+        return [] if parent is None else [w for w in parent.children if isinstance(w, CurvePlot) and w is not self]
+
+    def axis_mates(self) -> list[CurvePlot]:
+        """The neighbours on the same kind of step axis: they share one x range."""
+        return [w for w in self.row_plots() if w.options.log_x == self.options.log_x]
+
+    def shared_x_span(self) -> tuple[float, float] | None:
+        spans = [s for s in [self.own_x_span, *(w.own_x_span for w in self.axis_mates() if w._layers)] if s is not None]
+        if not spans or self.own_x_span is None:
+            return self.own_x_span
+        return min(s[0] for s in spans), max(s[1] for s in spans)
+
+    # -- layout and paint -----------------------------------------------------------------------------
+
+    def _invalidate(self) -> None:
+        self._layout = None
+        self._strips = None
+        self.refresh()
+
+    def drawn(self) -> PlotLayout:
+        if self._layout is None:
+            self._layout = self._build_layout()
+        return self._layout
+
+    def render_line(self, y: int) -> Strip:
+        strips = self._strips
+        if strips is None:
+            started = time.perf_counter()
+            strips = self._strips = self._build_strips()
+            note = getattr(self.app, "note_paint_cost", None)
+            if note is not None:
+                note(time.perf_counter() - started)
+        return strips[y] if 0 <= y < len(strips) else Strip.blank(self.size.width, self.rich_style)
+
+    def render(self) -> Text:
+        """The frame as plain text (for tests and tools; painting goes through render_line)."""
+        return Text("\n".join("".join(text for text, _ in line) for line in self.drawn().lines))
+
+    def _build_strips(self) -> list[Strip]:
+        layout = self.drawn()
+        base = self.rich_style
+        styles = [base + style for style in layout.styles]
+        width = self.size.width
+        strips = []
+        for line in layout.lines:
+            segments = [Segment(text, base if ink == NO_INK else styles[ink]) for text, ink in line if text]
+            strips.append(Strip(segments).adjust_cell_length(width, base))
+        return strips
+
+    def _build_layout(self) -> PlotLayout:
+        frame = Frame(
+            layers=self._layers,
+            markers=self._marker_xs(),
+            titles=self._titles(),
+            x_span=self.shared_x_span(),
+            options=self.options,
+            width=self.size.width,
+            height=self.size.height,
+            cursor=self.cursor,
+        )
+        return lay_out(frame)
+
+    def _titles(self) -> list[str]:
+        """The titles to try, longest first; with the count of points a log axis hides when there are any."""
+        hidden = self._hidden
+        if not hidden:
+            return list(self.titles)
+        return [f"{title} ({hidden} pts ≤0 hidden on log axis)" for title in self.titles] + [f"{self.titles[-1]} ({hidden} hidden ≤0)", self.titles[-1]]
+
+    # -- the read-out under the mouse -------------------------------------------------------------
+
+    def on_mouse_move(self, event: events.MouseMove) -> None:
+        offset = event.get_content_offset(self)
+        self._set_cursor(None if offset is None else (offset.x, offset.y))
+
+    def on_leave(self, event: events.Leave) -> None:
+        self._set_cursor(None)
+
+    def _set_cursor(self, cursor: tuple[int, int] | None) -> None:
+        if cursor != self.cursor:
+            self.cursor = cursor
+            self._invalidate()
+
+
+@dataclass
+class Frame:
+    """What one frame of a plot is drawn from: prepared layers, the NaN/inf marker steps (axis values), the titles to
+    try, the x range (shared with the plot's neighbours), the axes, the size and the mouse's cell."""
+
+    layers: list[Layer]
+    markers: list[float]
+    titles: list[str]
+    x_span: tuple[float, float] | None
+    options: CurveOptions
+    width: int
+    height: int
+    cursor: tuple[int, int] | None = None
+
+
+def lay_out(frame: Frame) -> PlotLayout:
+    """The plot as rows of runs: title, frame, y labels, the canvas with curves / NaN markers / legend, the x axis with
+    its labels, and the x label or the read-out under the mouse."""
+    width, height, options = frame.width, frame.height, frame.options
+    styles: list[Style] = [Style(color="red", bold=True)]  # 0: NaN/inf markers; then one per layer
+    drawn = [layer for layer in frame.layers if layer.curve.xs]
+    if not drawn or width < 4 or height < 1:
+        title = f"{frame.titles[0] if frame.titles else 'plot'}: no data yet"
+        return PlotLayout([[(_centred(title, width // 2, width), NO_INK)]], styles, title, [], None, None)
+    rows = max(1, height - FRAME_ROWS)
+    y_lo, y_hi = axis_limits(*(span([layer.curve for layer in drawn], "y") or (0.0, 1.0)))
+    if options.log_y:
+        y_ticks = spaced_y_ticks(log_ticks(y_lo, y_hi, max_ticks=max(3, rows // 3)), y_lo, y_hi, rows)
+    else:
+        y_ticks = spaced_y_ticks(linear_ticks(y_lo, y_hi, max_ticks=max(2, min(8, rows // 2 + 1))), y_lo, y_hi, rows)
+    label_width = max(map(len, y_ticks.labels), default=0)
+    cells = max(1, width - FRAME_COLUMNS - label_width)
+    x_lo, x_hi = axis_limits(*(frame.x_span or (0.0, 1.0)))
+    if options.log_x:
+        x_ticks = log_ticks(x_lo, x_hi, si=True, max_ticks=max(3, width // 12))
+    else:
+        x_ticks = linear_ticks(x_lo, x_hi, max_ticks=max(2, cells // 10), integer=True, si=True)
+    x_ticks = spaced_x_ticks(x_ticks, x_lo, x_hi, cells, offset=label_width + 1, width=width)
+
+    canvas = Canvas(cells, rows)
+    for layer in drawn:
+        styles.append(Style(color=color_of(layer.spec.color), dim=layer.faint))
+        canvas.polyline(dot_indices(layer.curve.xs, x_lo, x_hi, 2 * cells), dot_indices(layer.curve.ys, y_lo, y_hi, 2 * rows), len(styles) - 1)
+    for x in frame.markers:  # NaN/inf values as red x along the top edge, at their steps (they have no y of their own)
+        canvas.text(tick_column(x, x_lo, x_hi, cells), 0, "x", 0)
+    legend = draw_legend(canvas, drawn, len(frame.markers), cells, rows)
+
+    title = fitting_title(frame.titles, label_width, cells, width)
+    centre = label_width + 1 + cells // 2
+    lines: list[list[tuple[str, int]]] = [[(_centred(title, centre, width), NO_INK)]]
+    lines.append([(" " * label_width + "┌" + "─" * cells + "┐", NO_INK)])
+    labels_by_row = {rows - 1 - tick_column(p, y_lo, y_hi, rows): label for p, label in zip(y_ticks.positions, y_ticks.labels)}
+    for row in range(rows):
+        label = labels_by_row.get(row)
+        left = label.rjust(label_width) + "┤" if label is not None else " " * label_width + "│"
+        lines.append(merged([(left, NO_INK), *canvas.runs(row), ("│", NO_INK)]))
+    tick_columns = {tick_column(p, x_lo, x_hi, cells) for p in x_ticks.positions}
+    lines.append([(" " * label_width + "└" + "".join("┬" if c in tick_columns else "─" for c in range(cells)) + "┘", NO_INK)])
+    lines.append([(_placed(x_ticks, x_lo, x_hi, cells, label_width + 1, width), NO_INK)])
+    layout = PlotLayout(lines, styles, title, legend, x_ticks, y_ticks, (x_lo, x_hi), (y_lo, y_hi), (label_width + 1, 2), (cells, rows))
+    x_label = readout(frame, layout) or ("step (log)" if options.log_x else "step")
+    lines.append([(_centred(x_label, centre, width), NO_INK)])
+    layout.lines = lines[:height]
+    return layout
+
+
+def draw_legend(canvas: Canvas, drawn: list[Layer], markers: int, cells: int, rows: int) -> list[str]:
+    """The legend in the canvas's top-left corner (ink i+1 is drawn[i]'s); [] when it would cover the curves."""
+    shown = [(layer, index) for index, layer in enumerate(drawn) if not layer.faint]
+    entries = [  # metrics keys and job names, shown inert
+        (visible(layer.spec.prefix), visible(layer.spec.label) + (" EMA" if layer.smoothed else ""), layer.curve.source_points) for layer, _ in shown
+    ]
+    inks = [index + 1 for _, index in shown]
+    if markers:
+        entries.append(("", "NaN/inf", markers))
+        inks.append(0)
+    legend = legend_labels(entries, cells)
+    if not legend or len(legend) > rows or len(entries) * (max(map(len, legend)) + 5) > rows * cells / 2:
+        return []  # it would cover more than half the canvas: the curves matter more
+    room = max(map(len, legend)) + 4
+    for row, (text, ink) in enumerate(zip(legend, inks)):
+        canvas.text(0, row, " " * (room + 1), NO_INK)
+        canvas.text(1, row, "xx" if ink == 0 else "▞▞", ink)
+        canvas.text(4, row, text, NO_INK)
+    return legend
+
+
+def readout(frame: Frame, layout: PlotLayout) -> str | None:
+    """'step 1.2k: train 2.31 · val 2.45' for the canvas column under the mouse: each curve's nearest point."""
+    if frame.cursor is None or layout.x_limits is None:
+        return None
+    (left, top), (cells, rows) = layout.canvas_origin, layout.canvas_size
+    column, row = frame.cursor[0] - left, frame.cursor[1] - top
+    if not (0 <= column < cells and 0 <= row < rows):
+        return None
+    x_lo, x_hi = layout.x_limits
+    x = x_lo + (x_hi - x_lo) * (2 * column + 0.5) / max(1, 2 * cells - 1)
+    log_x, log_y = frame.options.log_x, frame.options.log_y
+    values = []
+    for layer in frame.layers:
+        if layer.faint or not layer.curve.xs:
+            continue
+        value = nearest(layer.curve, x)
+        values.append(f"{visible(layer.spec.prefix)}{visible(layer.spec.label)} {format_number(10**value if log_y else value)}")
+    step = f"step {format_number(round(10**x if log_x else x), si=True)}"
+    return step + (": " + " · ".join(values) if values else "")
+
+
+def nearest(curve: Curve, x: float) -> float:
+    """The y of the curve's point nearest to x (the later one of a min/max pair at one x)."""
+    xs = curve.xs
+    i = bisect_left(xs, x)
+    if i >= len(xs):
+        return curve.ys[-1]
+    if i > 0 and x - xs[i - 1] < xs[i] - x:
+        i -= 1
+    return curve.ys[i]
+
+
+def merged(runs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Neighbouring runs of one ink as one (fewer segments for Textual to walk at paint)."""
+    out: list[tuple[str, int]] = []
+    for text, ink in runs:
+        if out and out[-1][1] == ink:
+            out[-1] = (out[-1][0] + text, ink)
+        else:
+            out.append((text, ink))
+    return out
+
+
+def _centred(text: str, centre: int, width: int) -> str:
+    start = max(0, min(centre - len(text) // 2, width - len(text)))
+    return (" " * start + text)[:width]
+
+
+def _placed(ticks: Ticks, lo: float, hi: float, cells: int, offset: int, width: int) -> str:
+    row = [" "] * width
+    for position, label in zip(ticks.positions, ticks.labels):
+        start = label_start(offset + tick_column(position, lo, hi, cells), label, width)
+        row[start : start + len(label)] = label
+    return "".join(row[:width])
