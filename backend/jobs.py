@@ -67,6 +67,7 @@ START_MIN_FREE = 256 << 10  # bytes a start needs on the run dir's disk: its rec
 FINISHED_KEPT = 100  # finished records listed; older ones are archived in jobs.db (JobRegistry._prune_finished)
 STOP_INCOMPLETE = "stop incomplete"
 ESCAPED_NOTE = "escaped the stop"
+WATCHER_LOST = "its watcher (PID {pid}) is gone (killed?): its exit status will not be recorded and a process it detaches cannot be followed"
 NODE_COLUMNS = ("run_id", "node_rank", "nnodes", "rdzv_endpoint")  # a multi-node job's part on this host
 FAILURE_TAIL_LINES = 400  # stderr lines read for torchrun's failure summary when a distributed job fails
 PRIVATE_FILE = 0o600  # argv and logs may carry tokens
@@ -669,7 +670,10 @@ class JobRegistry:
             return "unknown", "starting", None, None
         stat = procs.read_stat(info.pid)
         if stat is not None and stat.running and stat.start_time == info.start_time_ticks:
-            return "running", record.detail if record.detail.startswith(STOP_INCOMPLETE) else "", None, None
+            if record.detail.startswith(STOP_INCOMPLETE):
+                return "running", record.detail, None, None
+            lost = record.watcher_pid and not self._watcher_alive(record)
+            return "running", WATCHER_LOST.format(pid=record.watcher_pid) if lost else "", None, None
         exit_code, ended_at = read_exit_file(info.job_dir)
         stop_at, stop_detail = record.stop_requested_at, record.detail
         if not stop_at:  # a stop that could not be written to jobs.db (a full disk) left its record in the job dir

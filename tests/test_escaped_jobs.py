@@ -98,6 +98,8 @@ def start_escaper(registry: JobRegistry, tmp_path: Path, how: str, keep_stdio: b
     assert procs.environ_value(pid, "EAGLE3_JOB_TOKEN") is None and procs.ppid_of(pid) != registry.get("esc").info.pid
     record = registry.get("esc")
     assert not procs.is_alive(record.watcher_pid, record.watcher_start)  # the watcher is dead
+    if not leader_exits:
+        assert record.info.state == "running" and f"watcher (PID {record.watcher_pid}) is gone" in record.detail  # and job list says so
     if record.cgroup:
         assert pid not in procs.cgroup_pids(record.cgroup)  # and the escapee is out of the job's cgroup
     return pid, procs.start_time(pid), signals
