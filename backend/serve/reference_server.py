@@ -339,11 +339,21 @@ class Engine:
                 decoder = streaming_decoder_class(StaticDecoder)(
                     self.target.model, draft, max_len=self.context_len + self.num_steps + 1, compile=compile_steps, **kwargs
                 )
+                self._warm(decoder)
                 self.decoder_kind = "static-cuda-graphs" if decoder.use_graphs else "static"
                 return decoder
             except StaticUnsupported as exc:
                 log(f"{exc}; decoding eagerly instead")
+            except Exception:  # a capture that fails here would fail every request: serve eagerly, say why
+                log("the static-cache decoder failed its warm-up; decoding eagerly instead:\n" + traceback.format_exc(limit=6))
         return streaming_decoder_class()(self.target.model, draft, **kwargs)
+
+    def _warm(self, decoder) -> None:
+        """One short plain (and speculative) decode at load: the first cache prefix's graphs are captured now."""
+        prompt = [0, 1, 2, 3]
+        decoder.plain(prompt, 3)
+        if decoder.draft is not None:
+            decoder.generate(prompt, 2 * self.num_steps + 2)
 
     @property
     def context_len(self) -> int:
