@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from array import array
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -129,6 +130,7 @@ class PartialIndex(MetricsIndex):
     def __init__(self) -> None:
         super().__init__()
         self.logs: dict[str, RowLog] = {}
+        self.cpu_s = 0.0  # the worker's CPU time for the range
 
     def _series(self, key: str) -> Any:
         log = self.logs.get(key)
@@ -151,6 +153,7 @@ def absorb(index: MetricsIndex, partial: PartialIndex) -> None:
 
 def scan_range(path: str, chunks: list[Chunk], chunk_bytes: int, stop: int) -> PartialIndex:
     """(In a worker) read and scan `chunks` as the one-process scan would; raises ValueError if the file changed."""
+    started = time.process_time()
     partial = PartialIndex()
     scanner = ChunkScanner()
     file = Path(path)
@@ -163,6 +166,7 @@ def scan_range(path: str, chunks: list[Chunk], chunk_bytes: int, stop: int) -> P
         if read.data:
             partial.fold_scan(scanner.scan(read.data))
         partial.fold_dropped(read.dropped)
+    partial.cpu_s = time.process_time() - started
     return partial
 
 
@@ -214,6 +218,7 @@ class ColdScan:
     pool: "ProcessPoolExecutor | None" = None  # a caller's pool (tests); else one of `workers` spawned processes
     ranges: list[Range] = field(default_factory=list)
     error: str = ""
+    worker_cpu_s: float = 0.0  # CPU time the merged ranges took in the workers
     _own_pool: bool = False
 
     def __post_init__(self) -> None:
@@ -274,6 +279,7 @@ class ColdScan:
                 self._abandon("the file changed while it was indexed")
                 return False
             absorb(feed.index, partial)
+            self.worker_cpu_s += partial.cpu_s
             feed.indexed_offset = part.end
             feed.index_lines._long = part.long_after
             feed._note_head()

@@ -159,6 +159,7 @@ def run_scan(path: Path, workers: int | None, nice: int = WORKER_NICE) -> tuple[
                 time.sleep(0.001)
             if cold.error:
                 raise RuntimeError(cold.error)
+            timing["workers_cpu_s"] = round(cold.worker_cpu_s, 3)
         while feed.index_step(INDEX_STEP_BYTES):
             time.sleep(0.001)  # what the agent's indexer does between chunks
         timing["wall_s"] = time.perf_counter() - started
@@ -222,6 +223,7 @@ def main() -> int:
     }
     print(f"{mib:.0f} MiB, {cpus} CPUs: the agent's rule gives {auto} worker(s)", flush=True)
     expected, one = run_scan(path, None)
+    one["mib_per_cpu_s"] = round(mib / one["main_process_cpu_s"], 1)  # the probe's CPU is in it too
     result["one_process"] = one
     result["records"] = expected.index.total_records
     print(f"one process : {one['wall_s']:7.2f} s wall  {one['mib_per_s']:7.1f} MiB/s  probe p99 {one['probe']['p99_ms']} ms", flush=True)
@@ -238,11 +240,13 @@ def main() -> int:
         timing["worker_nice"] = args.worker_nice
         timing["equal_to_one_process"] = snapshot(feed) == reference
         timing["speedup"] = round(one["wall_s"] / timing["wall_s"], 2)
+        timing["workers_mib_per_cpu_s"] = round(mib / timing["workers_cpu_s"], 1)
         del feed
         result["parallel"].append(timing)
         print(
             f"{count:2d} workers  : {timing['wall_s']:7.2f} s wall  {timing['mib_per_s']:7.1f} MiB/s  {timing['speedup']:.2f}x  "
-            f"equal={timing['equal_to_one_process']}  probe p99 {timing['probe']['p99_ms']} ms  ({timing['ranges']} ranges)",
+            f"equal={timing['equal_to_one_process']}  probe p99 {timing['probe']['p99_ms']} ms  ({timing['ranges']} ranges, "
+            f"{timing['workers_mib_per_cpu_s']} MiB per worker CPU s)",
             flush=True,
         )
         if not timing["equal_to_one_process"]:
