@@ -36,7 +36,7 @@ from backend.commands import (
 )
 from console.screens.chain import CHAIN_STAGES
 from console.screens.grok_modal import GrokModal, free_job_name
-from console.screens.modals import ResumeModal, StopAndBenchModal, WatchModal, bench_plan_text
+from console.screens.modals import ResumeModal, StopAndBenchModal, WatchModal, bench_plan_text, training_phases
 from console.state import EXTERNAL_PREFIX, ConsoleState
 from console.widgets.hosts import Node, nodes_of
 
@@ -402,6 +402,7 @@ class RunActions(App):
             option_value(self.chain_args, "--concurrency") or CHAIN_CONCURRENCY_DEFAULT,
             int(option_value(self.chain_args, "--num-prompts") or CHAIN_PROMPTS_DEFAULT),
             argv,
+            training_phases(host.state, [job]),  # what the stop modal knows about the checkpoint, the plan says too
         )
 
     async def start_chain(self, host: HostSession, job: str, argv: list[str]) -> None:

@@ -311,8 +311,10 @@ async def test_an_amber_canary_shows_in_yellow_with_its_reasons_and_the_bench_st
     records = amber_records()
     panel = result_panel_text(records)
     assert "VERDICT AMBER" in panel.plain and span_style(panel, " VERDICT AMBER ") == "bold black on yellow"
-    assert span_style(panel, f"canary: {AMBER_HEADLINE}") == "yellow"
-    assert span_style(panel, AMBER_REASONS[0]) == span_style(panel, AMBER_REASONS[1]) == "yellow"
+    shown = lambda host_text: host_text.replace("tau-hat", "τ̂")  # the host's ASCII name, as every screen names it
+    assert "tau-hat" not in panel.plain
+    assert span_style(panel, f"canary: {shown(AMBER_HEADLINE)}") == "yellow"
+    assert span_style(panel, shown(AMBER_REASONS[0])) == span_style(panel, shown(AMBER_REASONS[1])) == "yellow"
     assert "402.8 tok/s" in panel.plain
     state = chain_state(records)
     state.results["train-kimi"] = [EARLIER, {"path": SAVED, **records[-1]["result"]}]
@@ -401,9 +403,14 @@ async def test_stop_and_bench_modal_lists_the_plan_and_cancel_touches_nothing(tm
         modal = await screen_shown(app, StopAndBenchModal, "the plan modal")
         plan = str(modal.query_one("#bench-plan").render())
         assert f"{job['pid']}" in plan and "graceful and checkpoint-aware" in plan
-        assert "Checkpoint first: only if training steps have begun" in plan  # the plan is built without the job's metrics
+        latest = Path(job["job_dir"]) / "checkpoints" / "epoch_0_step_200"
+        if "Checkpoint first: YES" in plan:  # it logged a step: the stop writes the checkpoint, as the s modal says
+            assert f"the one the trainer writes at the stop (the new `latest`); latest now: {latest}" in plan
+        elif "Checkpoint first: NO" in plan:  # its metrics are loaded and hold no step: still in setup
+            assert f"the trainer is still setting up, so the stop writes none: the latest, {latest}" in plan
+        else:  # its metrics are not loaded yet
+            assert "Checkpoint first: only if training steps have begun" in plan and f"latest now: {latest}" in plan
         assert "Foreign GPU holders, left alone" in plan and "foreign holders are left untouched" in plan
-        assert f"latest now: {Path(job['job_dir']) / 'checkpoints' / 'epoch_0_step_200'}" in plan
         assert "engine reference" in plan and "serve.engine of profile tiny" in plan
         assert "Canary" in plan and "Benchmark: concurrency 1,4, 8 prompts" in plan
         assert "eagle3-host stop-and-bench --job train-x --json" in plan
@@ -582,3 +589,31 @@ def test_the_bench_plan_passes_the_training_phase_on_to_its_checkpoint_line():
     assert "Checkpoint first: NO" in str(bench_plan_text(*args, phases={"train-kimi": False}))
     assert "Checkpoint first: YES" in str(bench_plan_text(*args, phases={"train-kimi": True}))
     assert "green / amber (τ̂ too low to tell) / red" in str(bench_plan_text(*args))
+
+
+def test_a_green_verdict_with_a_break_in_served_acceptance_says_so_next_to_the_verdict():
+    plain = result_panel_text(chain_records()).plain
+    head = plain.split("served acceptance per draft position")[0]
+    assert "VERDICT GREEN" in head and "but served acceptance breaks at position 2: green judges the pooled accept length" in head
+    clean = chain_records()
+    clean[-1]["result"] = {**RESULT, "acceptance": {**ACCEPTANCE, "break": None}}
+    assert "but served acceptance breaks" not in result_panel_text(clean).plain
+
+
+def test_more_concurrency_with_less_throughput_gets_a_remark():
+    slow = chain_records()
+    throughput = [{"concurrency": 1, "output_tok_per_s": 21.8}, {"concurrency": 4, "output_tok_per_s": 8.4}]
+    slow[-1]["result"] = {**RESULT, "throughput": throughput}
+    assert "4 concurrent requests gave less total throughput than 1 (8.4 vs 21.8 tok/s)" in result_panel_text(slow).plain
+    assert "less total throughput" not in result_panel_text(chain_records()).plain  # 402.8 at 4 beats 151.3 at 1
+
+
+async def test_the_b_plan_knows_what_the_s_modal_knows_about_the_checkpoint():
+    """train-kimi has logged training steps: the plan no longer hedges "if training steps have begun"."""
+    checkpoints = [{"path": CHECKPOINT, "epoch": 2, "step": 4012, "latest": True}]
+    app = frozen_app(frozen_state())
+    async with app.run_test(size=SIZE):
+        text = app.chain_plan_text("train-kimi", app.active, STOP_PLAN, checkpoints, True, chain_argv("train-kimi")).plain
+    assert "Checkpoint first: YES" in text
+    assert f"3. Checkpoint to preflight: the one the trainer writes at the stop (the new `latest`); latest now: {CHECKPOINT}" in text
+    assert "if training steps have begun" not in text

@@ -96,10 +96,43 @@ def _canary_lines(text: Text, verdict: str | None, canary: dict[str, Any], resul
     """The canary's headline in the verdict's colour; for amber also why, and what to do."""
     headline = canary.get("headline") or result.get("verdict_headline")
     if headline:
-        text.append(f"canary: {visible(headline)}\n", style=verdict_style(verdict))
+        text.append(f"canary: {tau_symbol(visible(headline))}\n", style=verdict_style(verdict))
     if verdict == "amber":
         for reason in canary.get("reasons") or result.get("verdict_reasons") or []:
-            text.append(f"  {visible(reason)}\n", style="yellow")
+            text.append(f"  {tau_symbol(visible(reason))}\n", style="yellow")
+
+
+def tau_symbol(text: str) -> str:
+    """The host writes ASCII "tau-hat"; the screen says τ̂ everywhere, so one screen does not name it two ways."""
+    return text.replace("tau-hat", "τ̂")
+
+
+def _break_caveat(text: Text, result: dict[str, Any]) -> None:
+    """A green verdict judges the pooled accept length against τ̂; a break in served acceptance per position says more."""
+    acceptance = result.get("acceptance")
+    broken = acceptance.get("break") if isinstance(acceptance, dict) else None
+    if result.get("verdict") != "green" or not isinstance(broken, dict):
+        return
+    text.append(
+        f"  but served acceptance breaks at position {visible(broken.get('position', '?'))}: green judges the pooled accept "
+        "length against τ̂ only; the draft positions from there on are not served as validation predicts (table below)\n",
+        style="bold yellow",
+    )
+
+
+def concurrency_remark(rows: list[dict[str, Any]]) -> str:
+    """Said when more concurrent requests bring less total throughput than one: the server queued them, not batched."""
+    rates = [(row.get("concurrency"), row.get("output_tok_per_s")) for row in rows]
+    rates = [(c, r) for c, r in rates if isinstance(c, int) and isinstance(r, (int, float))]
+    single = next((r for c, r in rates if c == 1), None)
+    worse = [(c, r) for c, r in rates if c > 1 and single is not None and r < single]
+    if not worse:
+        return ""
+    level, rate = max(worse)
+    return (
+        f"{level} concurrent requests gave less total throughput than 1 ({number(rate, 4)} vs {number(single, 4)} tok/s): "
+        "the server queued them instead of batching them, or something else shares the GPU"
+    )
 
 
 def _accept_line(text: Text, data: dict[str, Any]) -> None:
@@ -166,7 +199,7 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
         _verdict_badge(text, "red")
         stage = outcome["failed_stage"]
         text.append(f"  FAILED at stage '{stage}' ({STAGE_TITLES.get(stage, stage)})\n", style="bold red")
-        head, causes, after = _causes_from_reason(visible(outcome["reason"] or "", keep="\n"))
+        head, causes, after = _causes_from_reason(tau_symbol(visible(outcome["reason"] or "", keep="\n")))
         text.append(head + "\n")
         if causes:
             text.append("Likely causes, most likely first:\n", style="bold")
@@ -183,6 +216,7 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
     _verdict_badge(text, result.get("verdict"))
     _accept_line(text, result)
     text.append("\n")
+    _break_caveat(text, result)
     _canary_lines(text, result.get("verdict"), canary, result)
     _acceptance_lines(text, result)
     text.append("throughput per concurrency:\n", style="bold")
@@ -192,6 +226,9 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
             f"  accept length {accept_length(row.get('accept_length'))} pooled"
             f" / {accept_length(row.get('accept_length_mean_of_request_means'))} per-request mean\n"
         )
+    slower = concurrency_remark(result.get("throughput") or [])
+    if slower:
+        text.append(f"  {slower}\n", style="yellow")
     text.append("checkpoint: ", style="bold")
     text.append(f"{visible(result.get('checkpoint') or '?')}\n")
     text.append("engine: ", style="bold")
@@ -299,7 +336,7 @@ class ChainScreen(ConsoleScreen):
                 STAGE_TITLES[stage],
                 Text(status, style=STATUS_STYLES.get(status, "")),
                 "-" if elapsed is None else f"{elapsed:.1f}s" if elapsed < 60 else duration(elapsed),
-                Text(visible(detail.splitlines()[0])[:110] if detail else "", style=detail_style(status, detail)),
+                Text(tau_symbol(visible(detail.splitlines()[0]))[:110] if detail else "", style=detail_style(status, detail)),
             )
 
     def _draw_results(self, train_job: str | None, current: str | None) -> None:

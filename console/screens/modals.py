@@ -250,7 +250,17 @@ def bench_plan_text(
     text.append("wait until no process of our jobs holds GPU memory (foreign holders are left untouched).\n")
     latest = next((c for c in reversed(checkpoints) if c.get("latest")), checkpoints[-1] if checkpoints else None)
     text.append("3. Checkpoint to preflight: ", style="bold")
-    if job_running and plan.get("checkpoint_first"):
+    started = (phases or {}).get(job)
+    if job_running and plan.get("checkpoint_first") and started is True:
+        text.append("the one the trainer writes at the stop (the new `latest`)")
+        text.append(f"; latest now: {visible(latest['path'])}\n" if latest else "\n")
+    elif job_running and plan.get("checkpoint_first") and started is False:
+        text.append("the trainer is still setting up, so the stop writes none: ")
+        if latest:
+            text.append(f"the latest, {visible(latest['path'])}\n")
+        else:
+            text.append("none exists, so the chain would stop here\n", style="bold red")
+    elif job_running and plan.get("checkpoint_first"):
         text.append("the one the trainer writes at the stop (the new `latest`), if training steps have begun")
         text.append(
             f"; latest now: {visible(latest['path'])}\n" if latest else "; none written yet, so a stop during setup leaves none and the chain would stop here\n"
