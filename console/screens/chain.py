@@ -125,7 +125,9 @@ def concurrency_remark(rows: list[dict[str, Any]]) -> str:
     rates = [(row.get("concurrency"), row.get("output_tok_per_s")) for row in rows]
     rates = [(c, r) for c, r in rates if isinstance(c, int) and isinstance(r, (int, float))]
     single = next((r for c, r in rates if c == 1), None)
-    worse = [(c, r) for c, r in rates if c > 1 and single is not None and r < single]
+    if single is None:
+        return ""
+    worse = [(c, r) for c, r in rates if c > 1 and r < single]
     if not worse:
         return ""
     level, rate = max(worse)
