@@ -122,8 +122,11 @@ def _break_caveat(text: Text, result: dict[str, Any]) -> None:
 
 def concurrency_remark(rows: list[dict[str, Any]]) -> str:
     """Said when more concurrent requests bring less total throughput than one: the server queued them, not batched."""
-    rates = [(row.get("concurrency"), row.get("output_tok_per_s")) for row in rows]
-    rates = [(c, r) for c, r in rates if isinstance(c, int) and isinstance(r, (int, float))]
+    rates: list[tuple[int, float]] = []
+    for row in rows:
+        level, rate = row.get("concurrency"), row.get("output_tok_per_s")
+        if isinstance(level, int) and isinstance(rate, (int, float)):
+            rates.append((level, float(rate)))
     single = next((r for c, r in rates if c == 1), None)
     if single is None:
         return ""
