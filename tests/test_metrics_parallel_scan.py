@@ -113,11 +113,18 @@ def test_the_plan_is_the_one_process_scans_own_reads(history, chunk_bytes):
     assert any(c.long is not None for c in plan) or chunk_bytes > MAX_LINE_BYTES, "the over-cap line was read past"
 
 
+@pytest.fixture(scope="module")
+def one_process_of(history):
+    """The one-process feed of the history per chunk size, built once for the module's tests."""
+    built: dict[int, MetricsFeed] = {}
+    return lambda chunk_bytes: built.setdefault(chunk_bytes, one_process(history[0], chunk_bytes))
+
+
 @pytest.mark.parametrize("ranges", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("chunk_bytes", [16 << 10, 40_001])
-def test_the_parallel_index_is_the_one_process_index_bit_for_bit(history, pool, ranges, chunk_bytes):
+def test_the_parallel_index_is_the_one_process_index_bit_for_bit(history, pool, one_process_of, ranges, chunk_bytes):
     path, marks = history
-    expected = one_process(path, chunk_bytes)
+    expected = one_process_of(chunk_bytes)
     index = expected.index
     assert index.bad_lines == 2 and expected.indexed_offset < path.stat().st_size, "torn line and over-cap line; the half line waits"
     assert sum(int(s.fine.cols[10][i]) for s in [index.series["train.loss"]] for i in range(len(s.fine))) > 0, "NaN/inf counted"
@@ -141,9 +148,9 @@ def test_the_parallel_index_is_the_one_process_index_bit_for_bit(history, pool, 
     assert snapshot(feed) == snapshot(expected)
 
 
-def test_backlog_step_spawns_its_own_workers_and_the_agent_rule_counts_them(history):
+def test_backlog_step_spawns_its_own_workers_and_the_agent_rule_counts_them(history, one_process_of):
     path, _ = history
-    expected = one_process(path, 64 << 10)
+    expected = one_process_of(64 << 10)
     feed = MetricsFeed(path, None, live_from_end=True)
     feed.cold_scan = ColdScan(feed, workers=2, chunk_bytes=64 << 10)  # what backlog_step starts for a large backlog
     seen_running = False
