@@ -199,6 +199,9 @@ def _with_console_footer(cls: type[ConsoleScreen]) -> type[ConsoleScreen]:
     return WithConsoleFooter
 
 
+STDERR_KINDS = ("train", "serve")  # jobs that write their log to stderr (print to stdout is for results)
+
+
 class ConsoleApp(RunActions):
     TITLE = "eagle3-console"
     CSS_PATH = "console.tcss"
@@ -246,7 +249,7 @@ class ConsoleApp(RunActions):
         self._redraw_cost = 0.0  # seconds the last redraw took (state -> widgets, plus plot paint)
         self._paint_cost = 0.0
         self._state_cost = 0.0
-        self.log_stream = "stdout"  # the stream the agent follows live; the other is re-tailed each poll
+        self._log_streams: dict[str, str] = {}  # job -> the stream the operator chose to follow live (key o)
         self._quit_warned_at = float("-inf")
         self._summary_timers: dict[tuple[str, str, bool], Any] = {}  # (host, job, log_x) -> the timer of a deferred summary ask
         self._modes["training"] = partial(_training_screen, raw_plots=raw_plots)
@@ -564,9 +567,20 @@ class ConsoleApp(RunActions):
         except AgentError:
             pass  # the banner shows the disconnect; the next tick tries again
 
+    @property
+    def log_stream(self) -> str:
+        """The stream the agent follows live for the selected job (the other is re-tailed each poll): the one chosen with
+        o, else the one the job writes to (the trainer and the servers log to stderr; other jobs print to stdout)."""
+        job = self.selected_job
+        if job in self._log_streams:
+            return self._log_streams[job]
+        info = self.state.jobs.get(job) if job else None
+        return "stderr" if info is not None and info.kind in STDERR_KINDS else "stdout"
+
     def set_log_stream(self, stream: str) -> None:
         """Which stream the agent follows live (Logs screen, key o)."""
-        self.log_stream = stream
+        if self.selected_job:
+            self._log_streams[self.selected_job] = stream
         if self.selected_job and self.client is not None and self.state.connection.connected:
             self.load_job(self.selected_job)
 

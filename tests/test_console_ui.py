@@ -480,6 +480,32 @@ async def test_the_jobs_tables_loss_column_is_train_loss_even_when_a_val_record_
         assert row["train loss"] == f"{train_loss:.4g}" and "loss" not in labels
 
 
+async def test_logs_follow_the_stream_the_job_writes_to_and_a_finished_job_opens_at_its_tail():
+    app = frozen_app()
+    lines = [f"bench line {i}" for i in range(300)]
+    app.state.apply({"type": "log", "job": "bench-old", "stream": "stdout", "lines": lines})
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")  # the trainer logs to stderr: that is the followed stream, with two thirds of the room
+        await pilot.press("3")
+        await pilot.pause()
+        assert app.log_stream == "stderr"
+        stdout, stderr = app.screen.query_one("#log-stdout"), app.screen.query_one("#log-stderr")
+        assert stderr.size.height > stdout.size.height
+        assert "stderr (followed live)" in str(app.screen.query_one("#title-stderr").render())
+        await pilot.press("o")
+        await pilot.pause()
+        assert app.log_stream == "stdout" and stdout.size.height > stderr.size.height
+        await pilot.press("1")
+        app.select_job("bench-old")  # a bench prints to stdout; it has ended: its log opens at the tail, not the head
+        await pilot.pause()
+        await pilot.press("3")
+        await pilot.pause()
+        await pilot.pause()
+        assert app.log_stream == "stdout"
+        log = app.screen.query_one("#log-stdout")
+        assert log.line_count == 300 and log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
+
+
 async def test_a_stop_without_a_new_checkpoint_offers_no_resume():
     app = frozen_app()
     async with app.run_test(size=SIZE) as pilot:

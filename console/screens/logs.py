@@ -44,9 +44,9 @@ class LogsScreen(ConsoleScreen):
         yield Header()
         yield ConnectionBanner(id="banner")
         yield Static(id="logs-title")
-        yield Static("stdout", classes="section-title")
+        yield Static("stdout", classes="section-title", id="title-stdout")
         yield Log(id="log-stdout", max_lines=2000)
-        yield Static("stderr", classes="section-title")
+        yield Static("stderr", classes="section-title", id="title-stderr")
         yield Log(id="log-stderr", max_lines=2000)
         yield Static("agent diagnostics (the agent's own stderr)", classes="section-title")
         yield Static(id="agent-stderr")
@@ -54,6 +54,15 @@ class LogsScreen(ConsoleScreen):
 
     def on_mount(self) -> None:
         self.show_state(None)
+
+    def on_screen_resume(self) -> None:
+        super().on_screen_resume()
+        if self.follow:  # lines written while the screen was hidden left the view at the head of the log
+            self.call_after_refresh(self._to_tail)
+
+    def _to_tail(self) -> None:
+        for stream in STREAMS:
+            self.query_one(f"#log-{stream}", Log).scroll_end(animate=False)
 
     def action_toggle_follow(self) -> None:
         self.follow = not self.follow
@@ -85,9 +94,12 @@ class LogsScreen(ConsoleScreen):
             buffer = state.logs.get((job, stream)) if job else None
             counts.append(lines_label(stream, buffer))
             self._draw_stream(stream, job, buffer)
+        live = self.console.log_stream
+        for stream in STREAMS:  # the followed stream gets two thirds of the height
+            self.query_one(f"#log-{stream}", Log).styles.height = "2fr" if stream == live else "1fr"
+            self.query_one(f"#title-{stream}", Static).update(f"{stream} (followed live)" if stream == live else stream)
         if job:
-            where = f" · {info.stdout_path}" if info else ""
-            live = self.console.log_stream
+            where = f" · {info.stderr_path if live == 'stderr' else info.stdout_path}" if info else ""
             title = f"{job} · {'scrolling' if self.follow else 'paused'} (f) · live: {live}, the other re-read every poll (o) · {' · '.join(counts)}{where}"
         else:
             title = "no job selected (press ] or [ to pick one)"
@@ -106,4 +118,6 @@ class LogsScreen(ConsoleScreen):
             lines = list(buffer.lines)[-new:] if new and buffer else []
         if lines:  # a host's log line may carry any bytes: its escapes are shown, never sent to the terminal
             log.write_lines([visible(line, keep="\t") for line in lines])
+            if self.follow:
+                log.scroll_end(animate=False)
         self._shown[stream] = (job, generation, total)
