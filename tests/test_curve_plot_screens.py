@@ -119,3 +119,42 @@ async def test_a_plot_paints_through_strips_of_its_own_width():
             assert [strip.text.rstrip() for strip in strips] == [row.rstrip() for row in plot.render().plain.splitlines()]
             colours = {segment.style.color.name for strip in strips for segment in strip if segment.style and segment.style.color}
             assert len(colours) >= (3 if plot.id == "loss-plot" else 2), (plot.id, colours)  # the axes, train, val
+
+
+async def test_live_points_after_the_hosts_buckets_redraw_only_the_tail():
+    """200k steps summarised by the host (512 buckets with a one-step spike), then live points: the bucket part is
+    prepared once per summary, each live point only adds to the tail, and spikes on both sides stay drawn."""
+    from textual.app import App
+
+    from backend.series_index import Series as IndexSeries, query
+    from console.state import Series
+    from console.widgets.curve_plot import CurveOptions, SeriesSpec
+
+    class OnePlot(App):
+        def compose(self):
+            yield CurvePlot("loss", id="plot")
+
+    steps = list(range(1, 200_001))
+    values = [3.0 - s / 100_000 for s in steps]
+    values[123_456] = 40.0  # one bad batch, inside the host's buckets
+    index = IndexSeries()
+    index.add(steps, values)
+    buckets = query(index, 1, 200_000, 512)
+    tail = Series(steps=[float(s) for s in steps[-500:]], values=values[-500:])
+    app = OnePlot()
+    async with app.run_test(size=(90, 24)) as pilot:
+        plot = app.query_one(CurvePlot)
+        spec = SeriesSpec("train", tail, "cyan", buckets=buckets, end_step=200_000.0)
+        plot.set_data([spec], CurveOptions())
+        first = plot.curve(spec)
+        head = plot._heads["train\0" + "0.0"][1]
+        assert max(first.ys) == 40.0 and first.xs == sorted(first.xs) and len(first.xs) <= 2 * plot.buckets() + 2
+        for step, value in ((200_001.0, 1.0), (200_002.0, 55.0), (200_003.0, 1.0)):  # a live spike
+            tail.steps.append(step)
+            tail.values.append(value)
+            tail.version += 1
+            plot.set_data([spec], CurveOptions())
+        curve = plot.curve(spec)
+        assert plot._heads["train\0" + "0.0"][1] is head  # the history was not prepared again
+        assert curve.xs[: len(head.xs)] == head.xs and curve.xs[-3:] == [200_001.0, 200_002.0, 200_003.0]
+        assert max(curve.ys) == 55.0 and 40.0 in curve.ys

@@ -14,6 +14,7 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+from rich.cells import cell_len
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -190,6 +191,10 @@ class CurvePlot(Widget):
         self.specs: list[SeriesSpec] = []
         self.options = CurveOptions()
         self._cache: dict[str, tuple[tuple, Curve]] = {}
+        self._heads: dict[str, tuple[tuple, Curve]] = {}  # the bucket part of each curve, per summary
+        self._repaint_pending = False
+        self._row_strips: dict[tuple, Strip] = {}  # the last frame's rows, by their runs
+        self._row_strips_key: tuple | None = None
         self._drawn_key: tuple | None = None
         self._layers: list[Layer] = []
         self._hidden = 0
@@ -257,31 +262,43 @@ class CurvePlot(Widget):
         log_x, log_y = self.options.log_x, self.options.log_y
         if self.raw:
             return prepare_curve(spec.series.steps, spec.series.values, buckets=10**9, log_x=log_x, log_y=log_y, ema_weight=weight)
-        key = (
-            id(spec.series),
-            spec.series.version,
-            len(spec.series),
-            id(spec.buckets),
-            spec.end_step,
-            spec.step_from,
-            spec.step_to,
-            self.buckets(),
-            log_x,
-            log_y,
-            weight,
-        )
         name = f"{spec.prefix}{spec.label}\0{weight}"
+        head_key = (id(spec.buckets), spec.end_step, spec.step_from, spec.step_to, self.buckets(), log_x, log_y, weight)
+        key = (*head_key, id(spec.series), spec.series.version, len(spec.series))
         cached = self._cache.get(name)
         if cached is not None and cached[0] == key:
             return cached[1]
-        steps, values = history_points(
-            spec.buckets, spec.series.steps, spec.series.values, spec.end_step, mean=weight > 0, step_from=spec.step_from, step_to=spec.step_to
-        )
-        curve = prepare_curve(steps, values, buckets=self.buckets(), log_x=log_x, log_y=log_y, ema_weight=weight)
+        if spec.buckets is not None and not weight:
+            curve = self._head_and_tail(spec, name, head_key)
+        else:  # a smoothed curve runs its EMA over the whole history: one pass
+            steps, values = history_points(
+                spec.buckets, spec.series.steps, spec.series.values, spec.end_step, mean=weight > 0, step_from=spec.step_from, step_to=spec.step_to
+            )
+            curve = prepare_curve(steps, values, buckets=self.buckets(), log_x=log_x, log_y=log_y, ema_weight=weight)
         if spec.total is not None:
             curve.source_points = spec.total
         self._cache[name] = (key, curve)
         return curve
+
+    def _head_and_tail(self, spec: SeriesSpec, name: str, head_key: tuple) -> Curve:
+        """The host's buckets prepared once per summary (the head), then only the live points after them (the tail),
+        downsampled at the same density: a new live point costs the tail, not the whole history."""
+        log_x, log_y, buckets = self.options.log_x, self.options.log_y, self.buckets()
+        cached = self._heads.get(name)
+        if cached is None or cached[0] != head_key:
+            steps, values = history_points(spec.buckets, [], [], spec.end_step, step_from=spec.step_from, step_to=spec.step_to)
+            cached = (head_key, prepare_curve(steps, values, buckets=buckets, log_x=log_x, log_y=log_y))
+            self._heads[name] = cached
+        head = cached[1]
+        tail_steps, tail_values = history_points([], spec.series.steps, spec.series.values, spec.end_step, step_from=spec.step_from, step_to=spec.step_to)
+        if not tail_steps:
+            return Curve(head.xs, head.ys, head.source_points, head.hidden_points)
+        lo = head.xs[0] if head.xs else tail_steps[0]
+        hi = math.log10(tail_steps[-1]) if log_x and tail_steps[-1] > 0 else tail_steps[-1]
+        first = math.log10(tail_steps[0]) if log_x and tail_steps[0] > 0 else tail_steps[0]
+        share = (hi - first) / (hi - lo) if hi > lo else 1.0
+        tail = prepare_curve(tail_steps, tail_values, buckets=max(1, math.ceil(buckets * share)), log_x=log_x, log_y=log_y)
+        return Curve(head.xs + tail.xs, head.ys + tail.ys, head.source_points + tail.source_points, head.hidden_points + tail.hidden_points)
 
     def replot(self) -> None:
         """Prepare the curves of `specs` (when they, the options or the size changed) and schedule a new layout."""
@@ -342,7 +359,9 @@ class CurvePlot(Widget):
     def _invalidate(self) -> None:
         self._layout = None
         self._strips = None
-        self.refresh()
+        if not self._repaint_pending:  # one refresh per paint: several changes in one redraw share it
+            self._repaint_pending = True
+            self.refresh()
 
     def drawn(self) -> PlotLayout:
         if self._layout is None:
@@ -350,6 +369,7 @@ class CurvePlot(Widget):
         return self._layout
 
     def render_line(self, y: int) -> Strip:
+        self._repaint_pending = False
         strips = self._strips
         if strips is None:
             started = time.perf_counter()
@@ -364,14 +384,24 @@ class CurvePlot(Widget):
         return Text("\n".join("".join(text for text, _ in line) for line in self.drawn().lines))
 
     def _build_strips(self) -> list[Strip]:
+        """One Strip per row; a row drawn the same as in the last frame (frame, axes, quiet canvas rows) is reused."""
         layout = self.drawn()
         base = self.rich_style
         styles = [base + style for style in layout.styles]
         width = self.size.width
-        strips = []
+        known = self._row_strips if self._row_strips_key == (width, base, tuple(styles)) else {}
+        strips: list[Strip] = []
+        rows: dict[tuple, Strip] = {}
         for line in layout.lines:
-            segments = [Segment(text, base if ink == NO_INK else styles[ink]) for text, ink in line if text]
-            strips.append(Strip(segments).adjust_cell_length(width, base))
+            key = tuple(line)
+            strip = known.get(key) or rows.get(key)
+            if strip is None:
+                segments = [Segment(text, base if ink == NO_INK else styles[ink]) for text, ink in line if text]
+                length = sum(cell_len(text) for text, _ in line)
+                strip = Strip(segments, length) if length == width else Strip(segments, length).adjust_cell_length(width, base)
+            rows[key] = strip
+            strips.append(strip)
+        self._row_strips, self._row_strips_key = rows, (width, base, tuple(styles))
         return strips
 
     def _build_layout(self) -> PlotLayout:
