@@ -142,7 +142,7 @@ async def test_live_points_after_the_hosts_buckets_redraw_only_the_tail():
     buckets = query(index, 1, 200_000, 512)
     tail = Series(steps=[float(s) for s in steps[-500:]], values=values[-500:])
     app = OnePlot()
-    async with app.run_test(size=(90, 24)) as pilot:
+    async with app.run_test(size=(90, 24)):
         plot = app.query_one(CurvePlot)
         spec = SeriesSpec("train", tail, "cyan", buckets=buckets, end_step=200_000.0)
         plot.set_data([spec], CurveOptions())
