@@ -506,6 +506,25 @@ async def test_logs_follow_the_stream_the_job_writes_to_and_a_finished_job_opens
         assert log.line_count == 300 and log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
 
 
+async def test_every_screen_names_itself_and_with_no_jobs_says_n_starts_one():
+    from console.state import ConsoleState
+    from textual.widgets._header import HeaderTitle
+
+    app = build_app(state=ConsoleState(target="gpu-host"), poll_interval=None, refresh_throttle=0)
+    names = {"1": "Dashboard (1)", "2": "Training (2)", "3": "Logs (3)", "4": "Grokking (4)", "5": "Stop & bench (5)"}  # 6: Hosts, with several hosts
+    async with app.run_test(size=SIZE) as pilot:
+        for key, name in names.items():
+            await pilot.press(key)
+            await pilot.pause()
+            assert f"eagle3-console · {name}" in str(app.screen.query_one(HeaderTitle).render()), key
+            if key in "234":
+                title = {"2": "#training-title", "3": "#logs-title", "4": "#grok-title"}[key]
+                assert "no jobs yet: n starts a training run" in str(app.screen.query_one(title).render())
+        await pilot.press("1")
+        await pilot.pause()
+        assert "no jobs yet: n starts a training run" in str(app.screen.query_one("#latest").render())
+
+
 async def test_a_stop_without_a_new_checkpoint_offers_no_resume():
     app = frozen_app()
     async with app.run_test(size=SIZE) as pilot:

@@ -38,5 +38,12 @@ class ConsoleScreen(Screen):
         raise NotImplementedError
 
 
+def no_job_text(console: "ConsoleApp") -> str:
+    """What to press when no job is selected: n when the host has none yet, ] or [ when it has some."""
+    if not console.state.jobs:
+        return "no jobs yet: n starts a training run, w watches a run, a adopts a running process"
+    return "no job selected (press ] or [ to pick one)"
+
+
 def touches(changed: set[str] | None, *sections: str) -> bool:
     return changed is None or bool(changed.intersection(sections))

@@ -261,6 +261,7 @@ class ChainScreen(ConsoleScreen):
     """Follows one chain job: the current one the `b` key started, else the selected or newest chain job."""
 
     MODE = "chain"
+    TITLE = "eagle3-console · Stop & bench (5)"  # the header names the screen
 
     def compose(self) -> ComposeResult:
         yield Header()

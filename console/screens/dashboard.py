@@ -19,6 +19,7 @@ from console.widgets.panels import ActionLog, DiskPanel, LatestMetrics
 
 class DashboardScreen(ConsoleScreen):
     MODE = "dashboard"
+    TITLE = "eagle3-console · Dashboard (1)"  # the header names the screen
     _drawn_selection: str | None = None  # the selection the jobs table was last drawn for
     _columns: tuple[str, ...] = ()  # the jobs table's columns as drawn (fewer on a narrow terminal)
 

@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Header, Static
 
-from console.screens.base import touches
+from console.screens.base import no_job_text, touches
 from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
 from console.state import JobMetrics
 from console.widgets.banner import ConnectionBanner
@@ -24,6 +24,7 @@ NARROW_WIDTH = 140  # below it the four panels go two by two (the acceptance tab
 
 class GrokkingScreen(ZoomableScreen):
     MODE = "grokking"
+    TITLE = "eagle3-console · Grokking (4)"  # the header names the screen
     LOG_X_DEFAULT = True
     BINDINGS = ZOOM_BINDINGS
 
@@ -98,7 +99,7 @@ class GrokkingScreen(ZoomableScreen):
     @inert_text
     def _title(self, job: str | None, metrics: JobMetrics | None, signals: dict | None) -> Text:
         if not job:
-            return Text("no job selected (press ] or [ to pick one)")
+            return Text(no_job_text(self.console))
         text = Text()
         text.append(job, style="bold")
         if self.console.state.is_external(job):

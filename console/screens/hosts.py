@@ -17,6 +17,7 @@ from console.widgets.panels import ConsoleFooter
 
 class HostsScreen(ConsoleScreen):
     MODE = "hosts"
+    TITLE = "eagle3-console · Hosts (6)"  # the header names the screen
     _drawn_active: str | None = None  # the active host the hosts table was last drawn for
 
     def compose(self) -> ComposeResult:

@@ -9,7 +9,7 @@ from textual.reactive import reactive
 from textual.widgets import Header, Log, Static
 
 from backend.safetext import visible
-from console.screens.base import ConsoleScreen, touches
+from console.screens.base import ConsoleScreen, no_job_text, touches
 from console.widgets.banner import ConnectionBanner
 from console.widgets.panels import ConsoleFooter
 from console.session import LOG_TAIL_LINES, STREAMS
@@ -28,6 +28,7 @@ def lines_label(stream: str, buffer) -> str:
 
 class LogsScreen(ConsoleScreen):
     MODE = "logs"
+    TITLE = "eagle3-console · Logs (3)"  # the header names the screen
 
     BINDINGS = [
         Binding("f", "toggle_follow", "Follow"),
@@ -102,7 +103,7 @@ class LogsScreen(ConsoleScreen):
             where = f" · {info.stderr_path if live == 'stderr' else info.stdout_path}" if info else ""
             title = f"{job} · {'scrolling' if self.follow else 'paused'} (f) · live: {live}, the other re-read every poll (o) · {' · '.join(counts)}{where}"
         else:
-            title = "no job selected (press ] or [ to pick one)"
+            title = no_job_text(self.console)
         self.query_one("#logs-title", Static).update(Text(visible(title)))
 
     def _draw_stream(self, stream: str, job: str | None, buffer) -> None:

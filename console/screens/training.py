@@ -12,7 +12,7 @@ from textual.containers import Horizontal
 from textual.reactive import reactive
 from textual.widgets import DataTable, Footer, Header, Static
 
-from console.screens.base import touches
+from console.screens.base import no_job_text, touches
 from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
 from console.state import JobMetrics, Series
 from console.widgets.banner import ConnectionBanner
@@ -31,6 +31,7 @@ TITLES = {"loss": "loss", "acc": "val acc@0", "lr": "learning rate"}
 
 class TrainingScreen(ZoomableScreen):
     MODE = "training"
+    TITLE = "eagle3-console · Training (2)"  # the header names the screen
 
     BINDINGS = [
         Binding("x", "toggle_log_step", "Log step"),
@@ -168,7 +169,7 @@ class TrainingScreen(ZoomableScreen):
     @inert_text
     def _title(self, job: str | None, metrics) -> Text:
         if not job:
-            return Text("no job selected (press ] or [ to pick one)")
+            return Text(no_job_text(self.console))
         on = lambda flag: "on" if flag else "off"
         text = Text(
             f"{job} · {history_text(metrics)} · {self.view_text()} (+ - , . 0) · log step {on(self.log_step)} (x) · "

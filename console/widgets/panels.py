@@ -22,7 +22,7 @@ from console.widgets.format import clock_time, count, inert_text, number, percen
 @inert_text
 def latest_metrics_text(state: ConsoleState, job: str | None) -> Text:
     if not job:
-        return Text("no job selected", style="dim")
+        return Text("no jobs yet: n starts a training run" if not state.jobs else "no job selected (] or [ picks one)", style="dim")
     info = state.jobs.get(job)
     metrics = state.metrics.get(job)
     text = Text()
