@@ -44,6 +44,8 @@ SIGNALS_INTERVAL_S = 5.0  # at most one `signals` request per job this often (th
 DATA_SCALING_EVERY_S = 60.0
 DISK_LOW_SHARE = 0.9  # used share at which the Dashboard draws a disk red: the "disk runs low" alert
 ENDED_STATES = ("exited", "stopped", "stale", "unknown")
+EXIT_REASON_LINES = 20  # stderr lines read back from a job that exited non-zero; the last non-empty one is its reason
+EXIT_REASON_CHARS = 200
 
 
 RESUME_DROPPED_OPTIONS = ("--resume", "--out", "--profile")  # the resume sets these itself; the agent gives the job dir
@@ -154,6 +156,7 @@ class RunActions(App):
         self._signals_timer: Any = None
         self._data_scaling_at: dict[str, float] = {}
         self._profiles: dict[str, ProfileFacts] = {}
+        self._exit_reasons_asked: set[tuple[str, str]] = set()  # (host, job) whose exit reason was asked for
         self.resume_target: dict[str, Any] | None = None  # {"job", "checkpoint", "profile", "host", "options"}: what the last stop wrote
         self.terminal_writes: list[str] = []  # notifications sent to the terminal (--notify), newest last
         self.alerts: list[str] = []  # every alert raised, newest last
@@ -517,6 +520,7 @@ class RunActions(App):
         state = session.state
         where = f" on {session.name}" if self.multi_host else ""
         if "jobs" in sections:
+            self._fetch_exit_reasons(session)
             self._alert_job_exits(state, where)
             self._alert_stalled_ranks(state, where)
         if "stages" in sections:
@@ -525,6 +529,32 @@ class RunActions(App):
             self._alert_onsets(state, where)
         if "disks" in sections:
             self._alert_disks(state, where)
+
+    def _fetch_exit_reasons(self, session: HostSession) -> None:
+        """A job that exited non-zero: its last stderr line is the reason ("exited 1" alone says nothing), asked once."""
+        state = session.state
+        for name, job in state.jobs.items():
+            key = (session.name, name)
+            if job.state in ENDED_STATES and job.exit_code not in (None, 0) and key not in self._exit_reasons_asked and not state.is_external(name):
+                self._exit_reasons_asked.add(key)
+                if session.connected:
+                    self.run_worker(self._exit_reason(session, name), group=f"exit-reason:{session.name}", exit_on_error=False)
+
+    async def _exit_reason(self, session: HostSession, name: str) -> None:
+        try:
+            result = await session.request(Request.TAIL_LOG, name=name, stream="stderr", lines=EXIT_REASON_LINES)
+        except AgentError:
+            self._exit_reasons_asked.discard((session.name, name))  # asked again with the next jobs list
+            return
+        lines = [str(line).strip() for line in result.get("lines") or [] if str(line).strip()]
+        if not lines:
+            return
+        session.state.exit_reasons[name] = lines[-1][:EXIT_REASON_CHARS]
+        job = session.state.jobs.get(name)
+        where = f" on {session.name}" if self.multi_host else ""
+        code = f" {job.exit_code}" if job is not None else ""
+        self.note(f"{name}{where} exited{code}: {visible(lines[-1][:EXIT_REASON_CHARS])}", severity="error")
+        session.changed({"jobs"})
 
     def _alert_job_exits(self, state: ConsoleState, where: str) -> None:
         states = {name: job.state for name, job in state.jobs.items()}

@@ -299,6 +299,7 @@ class ConsoleState:
     data_scaling: dict[str, dict[str, Any]] = field(default_factory=dict)  # job -> `data_scaling` reply (or {"error"})
     results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # training job -> saved stop-and-bench results
     externals: dict[str, str] = field(default_factory=dict)  # "ext:<name>" -> watched path (read-only runs)
+    exit_reasons: dict[str, str] = field(default_factory=dict)  # job -> the last stderr line of a job that exited non-zero
     external_formats: dict[str, str] = field(default_factory=dict)  # "ext:<name>" -> the line regex it was watched with
     external_read_as: dict[str, str] = field(default_factory=dict)  # "ext:<name>" -> the format the host reads it as
     disks: list[DiskUsage] = field(default_factory=list)

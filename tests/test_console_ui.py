@@ -525,6 +525,24 @@ async def test_every_screen_names_itself_and_with_no_jobs_says_n_starts_one():
         assert "no jobs yet: n starts a training run" in str(app.screen.query_one("#latest").render())
 
 
+async def test_a_job_that_exits_non_zero_shows_its_last_stderr_line_as_the_reason(tmp_path):
+    """A host Python without torch: "exited 1" alone said nothing; the job's last stderr line says why."""
+    app = live_app(tmp_path)
+    crash = "import sys; print('loading the target', file=sys.stderr); sys.exit(\"ModuleNotFoundError: No module named 'torch'\")"
+    async with app.run_test(size=(170, 45)) as pilot:
+        await connected(app)
+        await app.client.request(Request.START_JOB, name="no-torch", kind="train", argv=[sys.executable, "-c", crash])
+        await wait_until(lambda: app.state.exit_reasons.get("no-torch"), timeout=30, what="the exit reason")
+        app.select_job("no-torch")
+        app.redraw_now()
+        await pilot.pause()
+        table = app.screen.query_one("#jobs", DataTable)
+        row = [str(cell) for cell in table.get_row_at(table.get_row_index(next(k for k in table.rows if k.value.endswith("no-torch"))))]
+        assert row[-1] == "exit 1: ModuleNotFoundError: No module named 'torch'"
+        assert "exit 1: ModuleNotFoundError: No module named 'torch'" in str(app.screen.query_one("#latest").render())
+        assert any(line == "no-torch exited 1: ModuleNotFoundError: No module named 'torch'" for _, line in app.state.actions)
+
+
 async def test_a_stop_without_a_new_checkpoint_offers_no_resume():
     app = frozen_app()
     async with app.run_test(size=SIZE) as pilot:

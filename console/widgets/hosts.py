@@ -98,6 +98,9 @@ def _job_cells(state: ConsoleState, job: JobInfo, nodes: list[Node]) -> tuple[An
     end = job.ended_at if job.ended_at else state.clock()
     host = "+".join(n.host for n in nodes) if nodes else state.target
     detail = state.job_details.get(job.name, "")
+    reason = state.exit_reasons.get(job.name) if job.exit_code not in (None, 0) else None
+    if reason:
+        detail = f"exit {job.exit_code}: {reason}"
     status = Text(visible(job.state), style=STATE_STYLES.get(job.state, ""))
     if nodes:
         running = sum(n.job.state == "running" and not n.host_stale for n in nodes)
@@ -113,7 +116,7 @@ def _job_cells(state: ConsoleState, job: JobInfo, nodes: list[Node]) -> tuple[An
         "-" if job.exit_code is None else str(job.exit_code),
         str(record.get("step", "-")),
         number(train.get("loss")),
-        plain_cell(visible(detail)[:60] if nodes else visible(detail)[:40]),
+        plain_cell(visible(detail)[:60] if nodes or reason else visible(detail)[:40]),
     )
 
 

@@ -29,6 +29,9 @@ def latest_metrics_text(state: ConsoleState, job: str | None) -> Text:
     text.append(visible(job), style="bold")
     if info:
         text.append(f" ({visible(info.state)})")
+        reason = state.exit_reasons.get(job) if info.exit_code not in (None, 0) else None
+        if reason:
+            text.append(f"\nexit {info.exit_code}: {visible(reason)}", style="bold red")
     if not metrics or not metrics.latest:
         text.append("\nno metrics yet", style="dim")
         return text
