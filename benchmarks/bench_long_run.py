@@ -365,6 +365,8 @@ def frame_states(points: int):
         "train.loss": [6.0 / (1 + s / 5000) + rng.gauss(0, 0.05) for s in steps],
         "val.loss": [6.3 / (1 + s / 5000) for s in steps],
         "lr": [3e-4 * (1 - s / (points + 1)) + 1e-7 for s in steps],
+        "grad_norm": [0.5 + rng.random() for _ in steps],  # the Grokking screen's norms (buckets only)
+        "weight_norm": [120 + s * 1e-6 for s in steps],
     }
     ours = ConsoleState(target="bench", clock=lambda: 0.0)
     ours.set_connection(ConnectionStatus(state=CONNECTED))
@@ -395,9 +397,12 @@ FRAME_POINTS = (2_000, 100_000, 1_000_000)
 FRAME_BUDGET_S = 1 / 60  # a terminal at 60 Hz
 
 
-async def frame_times(state, plot_class, reps: int) -> tuple[list[float], list[float], list[float]]:
-    """(whole frames, their prepare part, the CPU time of the whole frames) of the Training screen drawn with
-    `plot_class`, in seconds (on a shared machine the CPU time is the steadier of the two).
+SCREEN_KEYS = {"training": ("2", 3), "grokking": ("4", 4)}  # the key that shows it, its plots
+
+
+async def frame_times(state, plot_class, reps: int, screen_name: str = "training") -> tuple[list[float], list[float], list[float]]:
+    """(whole frames, their prepare part, the CPU time of the whole frames) of the Training (or Grokking) screen drawn
+    with `plot_class`, in seconds (on a shared machine the CPU time is the steadier of the two).
 
     A frame: a new train and val point arrive (every cache is stale), the screen's show_state prepares the curves
     (buckets + live tail -> downsampled, transformed points), then each plot renders its lines to segments through
@@ -405,10 +410,11 @@ async def frame_times(state, plot_class, reps: int) -> tuple[list[float], list[f
     from textual.geometry import Region
 
     from console.app import build_app
-    from console.screens import training
+    from console.screens import grokking, training
 
     saved = training.CurvePlot
-    training.CurvePlot = plot_class  # the screen queries its plots by this name
+    training.CurvePlot = grokking.CurvePlot = plot_class  # the screens query their plots by this name
+    key, plot_count = SCREEN_KEYS[screen_name]
     try:
         app = build_app(state=state, poll_interval=None, refresh_throttle=0)
         frames: list[float] = []
@@ -416,11 +422,11 @@ async def frame_times(state, plot_class, reps: int) -> tuple[list[float], list[f
         cpus: list[float] = []
         async with app.run_test(size=SIZE) as pilot:
             app.select_job("run")
-            await pilot.press("2")
+            await pilot.press(key)
             await pilot.pause()
             screen = app.screen
             plots = list(screen.query(plot_class))
-            assert len(plots) == 3, plots
+            assert len(plots) == plot_count, plots
             metrics = state.metrics["run"]
             for rep in range(reps + 1):  # the first frame warms caches that a running console has warm
                 step = metrics.train_loss.steps[-1] + 1
@@ -439,19 +445,20 @@ async def frame_times(state, plot_class, reps: int) -> tuple[list[float], list[f
                     cpus.append(cpu_done - cpu)
                 await pilot.pause()
     finally:
-        training.CurvePlot = saved
+        training.CurvePlot = grokking.CurvePlot = saved
     return frames, prepares, cpus
 
 
-def bench_frame(points: int, reps: int = 15) -> dict:
+def bench_frame(points: int, reps: int = 15, screen_name: str = "training", state=None) -> dict:
     """One size: our canvas against the previous plotext widget (the peer) on the same state, in the same run."""
     from console.widgets.curve_plot import CurvePlot
     from console.widgets.plotext_plot import PlotextCurvePlot
 
-    state, _ = frame_states(points)
-    ours, ours_prepare, ours_cpu = asyncio.run(frame_times(state, CurvePlot, reps))
-    peer, peer_prepare, peer_cpu = asyncio.run(frame_times(state, PlotextCurvePlot, max(5, reps // 2)))
+    state = state or frame_states(points)[0]
+    ours, ours_prepare, ours_cpu = asyncio.run(frame_times(state, CurvePlot, reps, screen_name))
+    peer, peer_prepare, peer_cpu = asyncio.run(frame_times(state, PlotextCurvePlot, max(5, reps // 2), screen_name))
     return {
+        "screen": screen_name,
         "points_per_series": points,
         "series": 3,
         "ours_canvas_frame_s": summary(ours),
@@ -468,17 +475,24 @@ def bench_frame(points: int, reps: int = 15) -> dict:
 
 
 def bench_frames(sizes=FRAME_POINTS) -> dict:
-    return {f"{points}": bench_frame(points) for points in sizes}
+    """The Training frame at each size, and the Grokking frame (log-step axes, EMA curves) at the largest."""
+    frames = {}
+    for points in sizes:
+        state = frame_states(points)[0]
+        frames[f"training_{points}"] = bench_frame(points, state=state)
+        if points == max(sizes):
+            frames[f"grokking_{points}"] = bench_frame(points, screen_name="grokking", state=state)
+    return frames
 
 
 def show_frames(frames: dict) -> None:
-    print("\n== Training frame (prepare + render_lines of 3 plots), ms per frame: wall median / p95, CPU median")
-    print(f"  {'points x 3 series':>18}  {'ours (canvas)':>22}  {'peer (plotext)':>22}  {'peer/ours':>9}  {'(CPU)':>6}  median <= 16 ms")
+    print("\n== frame (prepare + render_lines of the screen's plots), ms per frame: wall median / p95 / CPU median")
+    print(f"  {'screen, points x 3 series':>26}  {'ours (canvas)':>22}  {'peer (plotext)':>22}  {'peer/ours':>9}  {'(CPU)':>6}  median <= 16 ms")
     for row in frames.values():
         ours, peer = row["ours_canvas_frame_s"], row["peer_plotext_frame_s"]
         ours_cpu, peer_cpu = row["ours_canvas_frame_cpu_s"], row["peer_plotext_frame_cpu_s"]
         print(
-            f"  {row['points_per_series']:>18,}  {ours['median'] * 1e3:6.1f} / {ours['p95'] * 1e3:5.1f} / {ours_cpu['median'] * 1e3:5.1f}  "
+            f"  {row['screen']:>16} {row['points_per_series']:>9,}  {ours['median'] * 1e3:6.1f} / {ours['p95'] * 1e3:5.1f} / {ours_cpu['median'] * 1e3:5.1f}  "
             f"{peer['median'] * 1e3:6.1f} / {peer['p95'] * 1e3:5.1f} / {peer_cpu['median'] * 1e3:5.1f}  "
             f"{row['peer_over_ours']:8.2f}x  {row['peer_over_ours_cpu']:5.2f}x  {row['ours_median_within_16ms']}"
         )

@@ -146,11 +146,16 @@ def history_points(
     mean: bool = False,
     step_from: float | None = None,
     step_to: float | None = None,
+    head: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Whole-history buckets, then the live tail's raw points after the buckets' last step (or the tail alone)."""
+    """Whole-history buckets, then the live tail's raw points after the buckets' last step (or the tail alone).
+
+    `head` is bucket_points(buckets, mean=mean) when the caller has it already."""
     if buckets is None:
         xs, ys = list(tail_steps), list(tail_values)
         end_step = None
+    elif head is not None:
+        xs, ys = list(head[0]), list(head[1])
     else:
         xs, ys = bucket_points(buckets, mean=mean)
     if end_step is not None:

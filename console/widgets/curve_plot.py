@@ -23,7 +23,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from backend.safetext import visible
-from console.plotting import Curve, Ticks, format_number, history_points, linear_ticks, log_ticks, prepare_curve, span
+from console.plotting import Curve, Ticks, bucket_points, format_number, history_points, linear_ticks, log_ticks, prepare_curve, span
 from console.state import Series
 from console.widgets.canvas import NO_INK, Canvas, dot_index, dot_indices
 
@@ -193,6 +193,7 @@ class CurvePlot(Widget):
         self._cache: dict[str, tuple[tuple, Curve]] = {}
         self._heads: dict[str, tuple[tuple, Curve]] = {}  # the bucket part of each curve, per summary
         self._repaint_pending = False
+        self._bucket_points: dict[tuple, tuple[list[dict], list[float], list[float]]] = {}
         self._row_strips: dict[tuple, Strip] = {}  # the last frame's rows, by their runs
         self._row_strips_key: tuple | None = None
         self._drawn_key: tuple | None = None
@@ -272,13 +273,33 @@ class CurvePlot(Widget):
             curve = self._head_and_tail(spec, name, head_key)
         else:  # a smoothed curve runs its EMA over the whole history: one pass
             steps, values = history_points(
-                spec.buckets, spec.series.steps, spec.series.values, spec.end_step, mean=weight > 0, step_from=spec.step_from, step_to=spec.step_to
+                spec.buckets,
+                spec.series.steps,
+                spec.series.values,
+                spec.end_step,
+                mean=weight > 0,
+                step_from=spec.step_from,
+                step_to=spec.step_to,
+                head=self._bucket_xy(spec.buckets, weight > 0),
             )
             curve = prepare_curve(steps, values, buckets=self.buckets(), log_x=log_x, log_y=log_y, ema_weight=weight)
         if spec.total is not None:
             curve.source_points = spec.total
         self._cache[name] = (key, curve)
         return curve
+
+    def _bucket_xy(self, buckets: list[dict] | None, mean: bool) -> tuple[list[float], list[float]] | None:
+        """bucket_points of a summary's buckets, kept while that summary is the one drawn."""
+        if buckets is None:
+            return None
+        key = (id(buckets), len(buckets), mean)
+        cached = self._bucket_points.get(key)
+        if cached is None or cached[0] is not buckets:
+            if len(self._bucket_points) > 32:
+                self._bucket_points.clear()
+            cached = (buckets, *bucket_points(buckets, mean=mean))
+            self._bucket_points[key] = cached
+        return cached[1], cached[2]
 
     def _head_and_tail(self, spec: SeriesSpec, name: str, head_key: tuple) -> Curve:
         """The host's buckets prepared once per summary (the head), then only the live points after them (the tail),
