@@ -630,10 +630,14 @@ class SSHTransport(Transport):
         shown = f"{presented.get_algorithm()} {presented.get_fingerprint()}" if presented else "(could not read it)"
         files = ", ".join(policy.files) or "(no known_hosts file)"
         if policy.had_entries:
+            # ssh-keygen -R alone edits ~/.ssh/known_hosts: name each file this console checked, the one in use first
+            removal = "; ".join(f"ssh-keygen -f {shlex.quote(f)} -R {shlex.quote(policy.pattern)}" for f in policy.files) or (
+                f"ssh-keygen -R {shlex.quote(policy.pattern)}"
+            )
             raise FatalTransportError(
                 f"REFUSED: the host key of {policy.pattern} has CHANGED. {files} lists a different key; the server "
                 f"now presents {shown}. This can be a man-in-the-middle attack or a reinstalled host. Nothing was sent "
-                f"to the host. If the change is expected, remove the old entry (ssh-keygen -R '{policy.pattern}') and "
+                f"to the host. If the change is expected, remove the old entry ({removal}) and "
                 f"reconnect; the console never replaces a known key."
             )
         if not self.accept_new_host_key or presented is None:

@@ -111,6 +111,7 @@ async def test_changed_host_key_is_always_refused(inproc, tmp_path):
         with pytest.raises(FatalTransportError) as refused:
             await transport_for(env, tmp_path, accept_new_host_key=accept_new).start()
         assert "has CHANGED" in str(refused.value) and "man-in-the-middle" in str(refused.value)
+        assert f"ssh-keygen -f {env.known_hosts} -R " in str(refused.value)  # the known_hosts file in use, not ~/.ssh's
     assert env.known_hosts.read_text() == before
     assert cache_dirs(env) == [] and inproc.commands == []
 
