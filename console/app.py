@@ -12,8 +12,10 @@ import time
 import zlib
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable
 
+from platformdirs import user_downloads_path  # Textual's own dependency: where its screenshots go
 from textual import work
 from textual.app import App
 from textual.binding import Binding
@@ -818,6 +820,14 @@ class ConsoleApp(RunActions):
         self.note(f"adopted pid {choice['pid']} as {name}")
         self.select_started_job(name, result.get("job"), host)  # the next s plans the stop of the job just adopted
         self.resync(host)
+
+    def deliver_screenshot(self, filename: str | None = None, path: str | None = None, time_format: str | None = None) -> str | None:
+        """The palette's Screenshot: into ~/Downloads when there is one, else the home directory (Textual's default
+        failed outright on a host or laptop without ~/Downloads); the note names the file."""
+        if path is None:
+            downloads = user_downloads_path()
+            path = str(downloads if downloads.is_dir() else Path.home())
+        return super().deliver_screenshot(filename, path, time_format)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         error = event.worker.error

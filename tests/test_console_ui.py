@@ -543,6 +543,45 @@ async def test_a_job_that_exits_non_zero_shows_its_last_stderr_line_as_the_reaso
         assert any(line == "no-torch exited 1: ModuleNotFoundError: No module named 'torch'" for _, line in app.state.actions)
 
 
+async def test_the_palettes_screenshot_works_without_a_downloads_dir(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_DOWNLOAD_DIR", raising=False)
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.deliver_screenshot("shot.svg")
+        await wait_until(lambda: (home / "shot.svg").exists(), timeout=10, what="the screenshot in the home dir")
+        await pilot.pause()
+    assert not (home / "Downloads").exists() and "eagle3-console" in (home / "shot.svg").read_text()
+
+
+async def test_the_metrics_panel_never_says_epoch_none_and_rounds_a_fractional_epoch():
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        metrics = app.state.metrics["train-kimi"]
+        for epoch, shown in ((None, "epoch -"), (1.3125, "epoch 1.31"), (2, "epoch 2")):
+            metrics.add({"split": "train", "step": 4100, "epoch": epoch, "loss": 1.5})
+            app.state_changed({"metrics"})
+            app.redraw_now()
+            await pilot.pause()
+            panel = str(app.screen.query_one("#latest").render())
+            assert f"step 4100  {shown}\n" in panel, panel
+
+
+async def test_the_stop_modal_cuts_a_long_command_line_after_a_whole_word():
+    long = "python -m backend train --profile kimi-k2.5 --data /data/shards/kimi --max-steps 40000 --eval-interval 500 --seed 7"
+    plan = {**STOP_PLAN, "will_signal": [{"pid": 1234, "job": "train-kimi", "cmdline": long, "role": "leader"}]}
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.push_screen(StopModal("train-kimi", plan, 30.0))
+        await pilot.pause()
+        shown = str(app.screen.query_one("#stop-plan").render())
+        assert "python -m backend train --profile kimi-k2.5 --data /data/shards/kimi --max-steps 40000 …\n" in shown
+
+
 async def test_a_stop_without_a_new_checkpoint_offers_no_resume():
     app = frozen_app()
     async with app.run_test(size=SIZE) as pilot:

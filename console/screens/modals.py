@@ -15,7 +15,7 @@ from textual.widgets import Button, Input, Static
 
 from backend.protocol import GpuHolder
 from backend.safetext import visible
-from console.widgets.format import inert, inert_text, mib
+from console.widgets.format import cut_words, inert, inert_text, mib
 
 
 class ConfirmModal(ModalScreen[bool]):
@@ -113,7 +113,9 @@ def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | 
         text.append("  (none: nothing of this job is running)\n", style="dim")
     for entry in will:
         text.append(f"  {visible(entry.get('pid', '?')):>7}", style="bold red")
-        text.append(f"  {visible(entry.get('role', '')):<10} {visible(entry.get('job', '') or '')}  {visible(entry.get('cmdline', ''))[:60]}\n")
+        text.append(
+            f"  {visible(entry.get('role', '')):<10} {visible(entry.get('job', '') or '')}  {cut_words(visible(entry.get('cmdline', '')), CMDLINE_WIDTH)}\n"
+        )
     stale = plan.get("stale") or []
     if stale:
         text.append("Stale records, NOT signalled (the PID is gone or belongs to another process now):\n", style="bold")
@@ -136,7 +138,9 @@ def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | 
         text.append("  (none)\n", style="dim")
     for entry in foreign:
         text.append(f"  {visible(entry.get('pid', '?')):>7}", style="yellow")
-        text.append(f"  {visible(entry.get('user', ''))}  {visible(entry.get('cmdline', ''))[:50]}  {mib(entry.get('used_memory_mib'))}\n")
+        text.append(
+            f"  {visible(entry.get('user', ''))}  {cut_words(visible(entry.get('cmdline', '')), CMDLINE_WIDTH - 20)}  {mib(entry.get('used_memory_mib'))}\n"
+        )
     text.append_text(checkpoint_line(plan, phases))
     return text
 
@@ -204,7 +208,9 @@ class AdoptModal(FormModal):
         if not self.candidates:
             text.append("  (none listed; any PID on the host can be typed)", style="dim")
         for holder in self.candidates:
-            text.append(f"  {holder.pid:>7}  {visible(holder.user or '?')}  {visible(holder.cmdline)[:50]}  {mib(holder.used_memory_mib)}\n")
+            text.append(
+                f"  {holder.pid:>7}  {visible(holder.user or '?')}  {cut_words(visible(holder.cmdline), CMDLINE_WIDTH - 20)}  {mib(holder.used_memory_mib)}\n"
+            )
         return inert(text)
 
     def submit(self) -> None:
@@ -348,6 +354,7 @@ class WatchModal(FormModal):
         self.dismiss({"name": name, "path": path, **({"line_format": line_format} if line_format else {})})
 
 
+CMDLINE_WIDTH = 100  # a process's command line in a modal: cut after a whole word beyond this (modals wrap)
 WATCH_HELP = (
     "A path on the host, read as one of: a TensorBoard directory or tfevents file; a SpecForge console log "
     "(step S: {...} or Eval - Step lines); a plain-text log of name-value pairs with a step "

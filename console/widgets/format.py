@@ -74,6 +74,13 @@ def clock_time(epoch: float | None) -> str:
     return time.strftime("%H:%M:%S", time.localtime(epoch))
 
 
+def epoch_text(epoch: object) -> str:
+    """A record's epoch: "-" when not logged (never "None"); a fractional epoch (the trainer's progress) to 2 places."""
+    if not isinstance(epoch, (int, float)) or isinstance(epoch, bool):
+        return "-"
+    return f"{epoch:g}" if float(epoch).is_integer() else f"{epoch:.2f}"
+
+
 def number(value: object, digits: int = 4) -> str:
     """A metric value: NaN/inf shown as such, small/large ones in e-notation."""
     if not isinstance(value, (int, float)):
@@ -129,6 +136,21 @@ def inert(text: Text) -> Text:
     result = text.blank_copy("".join(pieces))
     result.spans = [Span(starts[span.start], starts[min(span.end, len(plain))], span.style) for span in text.spans if span.start < len(plain)]
     return result
+
+
+def cut_words(text: str, width: int) -> str:
+    """`text` within `width` characters, cut after a whole word (or a whole shown escape such as \\x00) with "…";
+    unchanged when it fits."""
+    if len(text) <= width:
+        return text
+    head = text[: width - 1]
+    space = head.rfind(" ")
+    if space >= width // 2:
+        return head[:space] + " …"
+    escape_at = head.rfind("\\")  # a shown escape (\x1b, \u202e) is never split
+    if escape_at >= width - 6:
+        head = head[:escape_at]
+    return head + "…"
 
 
 def plain_cell(value: object) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 from rich.text import Text
 
 from backend.safetext import visible
-from console.widgets.format import accept_length, count, duration, inert_text, number, percent, size_bytes
+from console.widgets.format import accept_length, count, duration, epoch_text, inert_text, number, percent, size_bytes
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -95,7 +95,7 @@ def signals_text(signals: dict[str, Any] | None) -> Text:
     else:
         text.append("train loss still moving", style="dim")
     text.append("\ntokens seen ", style="bold")
-    text.append(f"{count(latest.get('tokens'))} · epoch {latest.get('epoch', '-')} · step {_steps(signals.get('latest_step'))}")
+    text.append(f"{count(latest.get('tokens'))} · epoch {epoch_text(latest.get('epoch'))} · step {_steps(signals.get('latest_step'))}")
     floor = signals.get("lr_floor") or {}
     text.append("\nlr ", style="bold")
     text.append(f"{_num(latest.get('lr'))} (peak {_num(floor.get('max_lr'))})")

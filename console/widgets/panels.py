@@ -16,7 +16,7 @@ from textual.widgets._footer import FooterKey, FooterLabel, KeyGroup
 
 from console.state import ConsoleState
 from backend.safetext import visible
-from console.widgets.format import clock_time, count, inert_text, number, percent, segmented_bar, size_bytes
+from console.widgets.format import clock_time, count, epoch_text, inert_text, number, percent, segmented_bar, size_bytes
 
 
 @inert_text
@@ -36,7 +36,7 @@ def latest_metrics_text(state: ConsoleState, job: str | None) -> Text:
         text.append("\nno metrics yet", style="dim")
         return text
     train, val, latest = metrics.latest_train, metrics.latest_val, metrics.latest
-    text.append(f"\nstep {visible(latest.get('step', '-'))}  epoch {visible(latest.get('epoch', '-'))}")
+    text.append(f"\nstep {visible(latest.get('step', '-'))}  epoch {epoch_text(latest.get('epoch'))}")
     text.append(f"\ntrain loss {number(train.get('loss'))}   val loss {number(val.get('loss'))}")
     gap = _gap(train.get("loss"), val.get("loss"))
     if gap is not None:
