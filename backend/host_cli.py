@@ -17,6 +17,7 @@ from backend.safetext import say, visible
 KIND_CHOICES = ("train", "serve", "bench", "chain", "other")
 OK_OUTCOMES = {"exited_on_term", "killed", "already_gone", "stale_not_signalled"}
 ESCAPED_ROLE = "unproven"  # a process with a trace of the job but no proof: named, never signalled (jobs.JobRegistry._escapees)
+UNVERIFIED = "unverified"  # the job's watcher was killed while it ran: the stop cannot vouch that nothing escaped
 
 
 def register(subparsers, parent: argparse.ArgumentParser) -> None:
@@ -374,13 +375,20 @@ def cmd_job_stop(args) -> int:
     for note in registry.unrecorded():
         say(f"eagle3-host: warning: signals were sent but not recorded: {note}", file=sys.stderr)
     escaped = [v for v in verdicts if v.role == ESCAPED_ROLE]
-    survivors = [v for v in verdicts if v.outcome not in OK_OUTCOMES and v.role != ESCAPED_ROLE]
+    unverified = [v for v in verdicts if v.outcome == UNVERIFIED]
+    survivors = [v for v in verdicts if v.outcome not in OK_OUTCOMES and v not in escaped + unverified]
     for verdict in escaped:
         say(f"eagle3-host: PID {verdict.pid} may have escaped the stop: {visible(verdict.detail)}", file=sys.stderr)  # one line: a command's newlines shown
-    if survivors or escaped:
+    for verdict in unverified:
+        say(f"eagle3-host: {visible(verdict.detail)}", file=sys.stderr)
+    if survivors or escaped or unverified:
         parts = [f"{len(survivors)} owned process(es) still alive after the stop: PID {', '.join(str(v.pid) for v in survivors)}"] if survivors else []
         if escaped:
             parts.append(f"{len(escaped)} process(es) escaped beyond proof and were NOT signalled: PID {', '.join(str(v.pid) for v in escaped)}")
+        if unverified:
+            parts.append(
+                f"the stop cannot vouch for {len(unverified)} job(s) whose watcher was killed: watcher PID {', '.join(str(v.pid) for v in unverified)}"
+            )
         return fail("; ".join(parts) + " (see OUTCOME/DETAIL above)")
     return 0
 

@@ -67,6 +67,8 @@ START_MIN_FREE = 256 << 10  # bytes a start needs on the run dir's disk: its rec
 FINISHED_KEPT = 100  # finished records listed; older ones are archived in jobs.db (JobRegistry._prune_finished)
 STOP_INCOMPLETE = "stop incomplete"
 ESCAPED_NOTE = "escaped the stop"
+WATCHER_ROLE = "watcher"
+UNVERIFIED = "unverified"  # a verdict on the stop itself: the watcher was killed, so it cannot vouch that nothing escaped
 WATCHER_LOST = "its watcher (PID {pid}) is gone (killed?): its exit status will not be recorded and a process it detaches cannot be followed"
 NODE_COLUMNS = ("run_id", "node_rank", "nnodes", "rdzv_endpoint")  # a multi-node job's part on this host
 FAILURE_TAIL_LINES = 400  # stderr lines read for torchrun's failure summary when a distributed job fails
@@ -1266,8 +1268,20 @@ class JobRegistry:
                 for verdict in verdicts:
                     if verdict.pid == plan.record.info.pid and verdict.role in ("leader", "stale"):
                         verdict.detail += note
+            if note and (plan.targets or plan.protected):  # it ran until this stop: what it detached may live on untraced
+                plan.escaped.append(self._unverified(plan.record))
             found += plan.escaped
         return found
+
+    @staticmethod
+    def _unverified(record: JobRecord) -> ProcessVerdict:
+        """The verdict for a running job whose watcher was killed: the stop cannot vouch that nothing escaped."""
+        detail = (
+            f"job {record.name}: its watcher (PID {record.watcher_pid}) died while the job ran (killed?), so processes the job"
+            " detached since then may live on with nothing left that ties them to it: this stop cannot vouch that nothing of the"
+            " job escaped. Look for them by hand (ps -eo pid,ppid,sid,lstart,args) and end what is yours"
+        )
+        return ProcessVerdict(record.watcher_pid or 0, WATCHER_ROLE, UNVERIFIED, detail)
 
     def _lost_watcher_note(self, record: JobRecord) -> str:
         if not record.watcher_pid or self._watcher_alive(record) or read_exit_file(record.info.job_dir)[0] is not None:
@@ -1532,8 +1546,11 @@ class JobRegistry:
                 note = f"{STOP_INCOMPLETE}: PID {', '.join(map(str, left))} still alive"
                 self._try_write("stop result", lambda db: self._update(db, plan.record.id, detail=note))
                 continue
-            if plan.escaped:
-                detail = f"{detail}; {ESCAPED_NOTE}: PID {', '.join(str(v.pid) for v in plan.escaped)} (not provably the job's, NOT signalled)"
+            escaped = [v.pid for v in plan.escaped if v.outcome != UNVERIFIED]
+            if escaped:
+                detail = f"{detail}; {ESCAPED_NOTE}: PID {', '.join(map(str, escaped))} (not provably the job's, NOT signalled)"
+            if any(v.outcome == UNVERIFIED for v in plan.escaped):
+                detail += f"; {UNVERIFIED}: its watcher had been killed, so a process it detached may have escaped untraced"
             info = plan.record.info
             exit_code, ended_at = read_exit_file(info.job_dir)
             while exit_code is None and info.state == "running" and self._watcher_alive(plan.record) and time.monotonic() < deadline:

@@ -9,7 +9,8 @@ start time (a recycled PID). Then the job is stopped with the real CLI, and the 
   foreign signalled    decoys that got any signal (a logged catchable one, or dead, or stopped)
   owned left alive     processes carrying the trial's marker environment still alive after the stop
   stale signalled      stale-record processes that got any signal
-  wrong exit codes     a stop that exited 0 with an owned process alive or an escapee named, or non-zero with neither
+  wrong exit codes     a stop that exited 0 with an owned process alive or after an escape (its watcher killed: the
+                       verdict "unverified"), or non-zero with neither
   escape errors        (trials with an escaper: a child of the leader that kills the watcher, double-forks to init,
                        leaves the job's group or session and cgroup and execs without the job's environment)
                        a "session" escapee left alive (the live leader's session proves it), a "traced" one (stdout
@@ -392,7 +393,7 @@ def run_trial(index: int, rng: random.Random, mode: str, base: Path, totals: Tot
         counts["owned"] += len(left)
         named = check_escapees(escaper, escaped, survivors_in(stopped), totals) if escaper else set()
         counts["escape"] = 0 if named is not None else 1
-        counts["wrong"] += int((stopped.returncode != 0) != bool(left or named))
+        counts["wrong"] += int((stopped.returncode != 0) != bool(left or named or escaper))  # a killed watcher: "unverified", exit 1
         if stopped.returncode not in (0, 1) or (left and verbose):
             print(f"  trial {index}: stop exit {stopped.returncode}, left {left}: {stopped.stderr[-500:]}", flush=True)
         totals.job_procs += seen

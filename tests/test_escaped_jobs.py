@@ -119,12 +119,14 @@ def test_an_escapee_still_in_the_jobs_session_is_proved_and_killed(tmp_path, mod
     pid, start, signals = start_escaper(registry, tmp_path, "setpgid", keep_stdio=False)
     try:
         assert procs.read_stat(pid).sid == registry.get("esc").info.pid
+        record = registry.get("esc")
         done = cli_stop(registry.run_dir)
         verdicts = {v["pid"]: v for v in json.loads(done.stdout)["verdicts"]}
-        assert done.returncode == 0, done.stdout + done.stderr
         assert verdicts[pid]["outcome"] in ("exited_on_term", "killed") and verdicts[pid]["role"] == "session"
-        assert "watcher" in verdicts[registry.get("esc").info.pid]["detail"]  # the lost watcher is said
         assert not procs.is_alive(pid, start)
+        # everything found was ended, but with its watcher killed the stop cannot vouch for the rest: it says so, exit 1
+        assert (verdicts[record.watcher_pid]["role"], verdicts[record.watcher_pid]["outcome"]) == ("watcher", "unverified")
+        assert done.returncode == 1 and "cannot vouch" in done.stderr, done.stdout + done.stderr
     finally:
         end(pid, start)
 
@@ -155,15 +157,18 @@ def test_an_escapee_beyond_proof_is_named_never_signalled_and_the_stop_fails(tmp
         log_reader.wait()
 
 
-def test_an_escapee_that_closed_everything_is_unnamed_but_the_lost_watcher_is_said(tmp_path, mode):
-    """Nothing ties it to the job any more: the stop cannot name it, but says that its watcher was killed."""
+def test_an_escapee_that_closed_everything_is_unnamed_but_the_stop_cannot_vouch_and_fails(tmp_path, mode):
+    """Nothing ties it to the job any more: the stop cannot name it, but says that the watcher was killed and exits 1."""
     registry = JobRegistry(tmp_path / "run")
     pid, start, signals = start_escaper(registry, tmp_path, "setsid", keep_stdio=False)
     try:
+        record = registry.get("esc")
         done = cli_stop(registry.run_dir)
         verdicts = {v["pid"]: v for v in json.loads(done.stdout)["verdicts"]}
         assert pid not in verdicts and procs.is_alive(pid, start) and not signals.exists()
-        assert "could not be followed" in verdicts[registry.get("esc").info.pid]["detail"]
+        assert "could not be followed" in verdicts[record.info.pid]["detail"]
+        assert verdicts[record.watcher_pid]["outcome"] == "unverified" and done.returncode == 1  # never a clean exit 0
+        assert f"watcher PID {record.watcher_pid}" in done.stderr and "escaped" in registry.get("esc").detail
     finally:
         end(pid, start)
 
