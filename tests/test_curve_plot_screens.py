@@ -158,3 +158,26 @@ async def test_live_points_after_the_hosts_buckets_redraw_only_the_tail():
         assert plot._heads["train\0" + "0.0"][1] is head  # the history was not prepared again
         assert curve.xs[: len(head.xs)] == head.xs and curve.xs[-3:] == [200_001.0, 200_002.0, 200_003.0]
         assert max(curve.ys) == 55.0 and 40.0 in curve.ys
+
+
+async def test_after_live_points_the_painted_rows_are_this_frames_rows():
+    """Only the rows that changed are refreshed after a redraw: what Textual paints (its line cache included) must
+    still be exactly this frame's picture, frame after frame and under the mouse."""
+    state = frozen_state()
+    app = build_app(state=state, poll_interval=None, refresh_throttle=0)
+    async with app.run_test(size=(170, 45)) as pilot:
+        plots = await on_screen(pilot, "train-kimi", "2")
+        metrics = state.metrics["train-kimi"]
+        for step in (4010, 4020, 4030):
+            metrics.add({"step": step, "split": "train", "loss": 9.5 if step == 4020 else 1.9, "lr": 1e-6})
+            app.screen.show_state({"metrics"})
+            await pilot.pause()
+            for plot in plots:
+                painted = [strip.text.rstrip() for strip in plot.render_lines(Region(0, 0, *plot.size))]
+                assert painted == [row.rstrip() for row in plot.render().plain.splitlines()], (plot.id, step)
+        loss = plots[0]
+        await pilot.hover(loss, offset=(20, 10))
+        await pilot.pause()
+        painted = [strip.text.rstrip() for strip in loss.render_lines(Region(0, 0, *loss.size))]
+        assert painted[-1].strip().startswith("step ") and ": train " in painted[-1]
+        assert painted == [row.rstrip() for row in loss.render().plain.splitlines()]

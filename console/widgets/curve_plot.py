@@ -19,6 +19,7 @@ from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual import events
+from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 
@@ -193,6 +194,8 @@ class CurvePlot(Widget):
         self._cache: dict[str, tuple[tuple, Curve]] = {}
         self._heads: dict[str, tuple[tuple, Curve]] = {}  # the bucket part of each curve, per summary
         self._repaint_pending = False
+        self._painted: list[Strip] | None = None  # the Strips Textual was last handed
+        self._painted_width = 0
         self._bucket_points: dict[tuple, tuple[list[dict], list[float], list[float]]] = {}
         self._row_strips: dict[tuple, Strip] = {}  # the last frame's rows, by their runs
         self._row_strips_key: tuple | None = None
@@ -378,26 +381,53 @@ class CurvePlot(Widget):
     # -- layout and paint -----------------------------------------------------------------------------
 
     def _invalidate(self) -> None:
+        """Forget the layout; once the current handler is done (every plot of the row has its data), lay out again
+        and repaint the rows that changed."""
         self._layout = None
         self._strips = None
-        if not self._repaint_pending:  # one refresh per paint: several changes in one redraw share it
+        if not self._repaint_pending:  # several changes in one redraw share one repaint
             self._repaint_pending = True
+            if self.is_attached:
+                self.call_next(self.repaint_changed_rows)
+            else:
+                self.refresh()
+
+    def repaint_changed_rows(self) -> None:
+        """Build this frame's Strips and refresh only the rows that differ from the ones on screen: with a new live
+        point most rows of a long run look the same, and Textual re-renders only the refreshed ones."""
+        if not self._repaint_pending:
+            return  # painted meanwhile
+        self._repaint_pending = False
+        before, width = self._painted, self.size.width
+        strips = self._ensure_strips()
+        if before is None or len(before) != len(strips) or self._painted_width != width:
             self.refresh()
+            return
+        changed = [Region(0, y, width, 1) for y, (old, new) in enumerate(zip(before, strips)) if old is not new]
+        if changed:
+            self.refresh(*changed)
 
     def drawn(self) -> PlotLayout:
         if self._layout is None:
             self._layout = self._build_layout()
         return self._layout
 
-    def render_line(self, y: int) -> Strip:
-        self._repaint_pending = False
+    def _ensure_strips(self) -> list[Strip]:
         strips = self._strips
-        if strips is None:
+        if strips is None or self._layout is None:
             started = time.perf_counter()
             strips = self._strips = self._build_strips()
             note = getattr(self.app, "note_paint_cost", None)
             if note is not None:
                 note(time.perf_counter() - started)
+        return strips
+
+    def render_line(self, y: int) -> Strip:
+        if self._repaint_pending:  # painted before the repaint ran: draw this frame now, and all of it next time
+            self._repaint_pending = False
+            self.refresh()
+        strips = self._ensure_strips()
+        self._painted, self._painted_width = strips, self.size.width
         return strips[y] if 0 <= y < len(strips) else Strip.blank(self.size.width, self.rich_style)
 
     def render(self) -> Text:
