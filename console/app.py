@@ -32,6 +32,7 @@ from console.client import AgentClient, AgentError
 from console.run_actions import SIGNALS_INTERVAL_S, RunActions, verdicts_phrase
 from console.screens.base import ConsoleScreen
 from console.screens.chain import ChainScreen
+from console.screens.help import HelpModal, keys_text
 from console.screens.dashboard import DashboardScreen
 from console.screens.hosts import HostsScreen
 from console.screens.logs import LogsScreen
@@ -136,6 +137,8 @@ ACTIONS = [
     ConsoleAction("adopt", "a", "Adopt PID", "adopt a foreign process as a job (PID typed to confirm)", needs_connection=True, destructive=True, short="Adopt"),
     ConsoleAction("resync", "r", "Resync", "re-read everything from the agent", needs_connection=True, short="Sync"),
     ConsoleAction("quit", "q", "Quit", "leave the console (jobs keep running on the host)"),
+    ConsoleAction("help", "?", "Help", "every key on one screen", short="Help"),
+    ConsoleAction("filter_jobs", "/", "Filter jobs", "Dashboard: show only the jobs whose row holds the typed text (esc clears)", screen="dashboard"),
     ConsoleAction("toggle_workers", "h", "Workers", "Dashboard: show / hide each job's helper processes under its GPU holder row", screen="dashboard"),
     ConsoleAction("toggle_log_step", "x", "Log step", "Training: step axis log10 on/off", screen="training"),
     ConsoleAction("toggle_log_y", "y", "Log y", "Training: loss and LR on a log10 axis on/off", screen="training"),
@@ -201,6 +204,7 @@ def _with_console_footer(cls: type[ConsoleScreen]) -> type[ConsoleScreen]:
     return WithConsoleFooter
 
 
+SCREEN_NAMES = {"dashboard": "Dashboard (1)", "training": "Training (2)", "logs": "Logs (3)", "grokking": "Grokking (4)", "chain": "Stop & bench (5)"}
 STDERR_KINDS = ("train", "serve")  # jobs that write their log to stderr (print to stdout is for results)
 
 
@@ -664,6 +668,13 @@ class ConsoleApp(RunActions):
             self.note(f"{', '.join(in_flight)} in flight on the host: press q again to quit; quitting waits for it to finish", severity="warning")
             return
         self.exit()
+
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpModal):
+            return
+        shown = [a for a in ACTIONS if not (a.destructive and self.readonly) and (a.name not in MULTI_HOST_ACTIONS or self.multi_host)]
+        disabled = {a.name: reason for a in shown if (reason := self.disabled_reason(a.name))}
+        self.push_screen(HelpModal(keys_text(shown, SCREEN_NAMES, disabled)))
 
     def action_show_dashboard(self) -> None:
         self.switch_mode("dashboard")

@@ -15,7 +15,7 @@ from test_console_snapshots import frozen_state
 SIZES = [(100, 30), (170, 45)]
 SCREENS = {"1": "dashboard", "2": "training", "3": "logs", "4": "grokking", "5": "chain"}
 SCREEN_KEYS = {
-    "dashboard": {"h"},
+    "dashboard": {"h", "/"},
     "training": {"x", "y", "e", "o", "+", "-", ",", ".", "0"},
     "logs": {"f", "o"},
     "grokking": {"+", "-", ",", ".", "0"},

@@ -582,6 +582,40 @@ async def test_the_stop_modal_cuts_a_long_command_line_after_a_whole_word():
         assert "python -m backend train --profile kimi-k2.5 --data /data/shards/kimi --max-steps 40000 …\n" in shown
 
 
+async def test_question_mark_lists_every_key_and_slash_filters_the_jobs_table():
+    from console.screens.help import HelpModal
+
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        await pilot.press("question_mark")
+        modal = await screen_shown(app, HelpModal, "the help screen")
+        keys = str(modal.query_one("#help-keys").render())
+        for action in ACTIONS:
+            if action.name not in MULTI_HOST_ACTIONS:
+                assert f"{action.key:>9}  {action.label}" in keys, action.name
+        assert "+ - , . 0" in keys and "Dashboard (1)" in keys and "(off: no host connection)" in keys
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, DashboardScreen)
+        table = app.screen.query_one("#jobs", DataTable)
+        assert table.row_count == 2
+        await pilot.press("slash")
+        await pilot.pause()
+        await pilot.press(*"bench")
+        await pilot.pause()
+        assert table.row_count == 1 and str(table.get_row_at(0)[0]) == "bench-old"
+        assert "filter 'bench': 1 of 2" in str(app.screen.query_one("#jobs-title").render())
+        await pilot.press("enter")  # keeps the filter, back to the table
+        await pilot.pause()
+        assert table.row_count == 1 and app.focused is table
+        await pilot.press("slash")
+        await pilot.press("escape")  # clears it
+        await pilot.pause()
+        assert table.row_count == 2 and str(app.screen.query_one("#jobs-title").render()) == "Jobs"
+
+
 async def test_a_stop_without_a_new_checkpoint_offers_no_resume():
     app = frozen_app()
     async with app.run_test(size=SIZE) as pilot:

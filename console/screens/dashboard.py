@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.widgets import DataTable, Header, Static
+from textual.widgets import DataTable, Header, Input, Static
 
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
@@ -23,7 +24,9 @@ class DashboardScreen(ConsoleScreen):
     _drawn_selection: str | None = None  # the selection the jobs table was last drawn for
     _columns: tuple[str, ...] = ()  # the jobs table's columns as drawn (fewer on a narrow terminal)
 
-    BINDINGS = [Binding("h", "toggle_workers", "Workers")]
+    BINDINGS = [Binding("h", "toggle_workers", "Workers"), Binding("slash", "filter_jobs", "Filter")]
+    AUTO_FOCUS = "#jobs"  # not the hidden filter box
+    job_filter = ""  # the jobs table shows only rows holding this text (any case); "" shows every job
 
     def action_toggle_workers(self) -> None:
         """Show or hide each job's helper processes (compile workers...) under its GPU holder row."""
@@ -37,7 +40,8 @@ class DashboardScreen(ConsoleScreen):
             with Vertical(id="dash-left"):
                 yield Static("GPUs", classes="section-title")
                 yield GpuPanel(id="gpus")
-                yield Static("Jobs", classes="section-title")
+                yield Static("Jobs", classes="section-title", id="jobs-title")
+                yield Input(placeholder="filter jobs: name, kind, state, detail (enter keeps it, esc clears)", id="jobs-filter")
                 yield DataTable(id="jobs", cursor_type="row", zebra_stripes=True)
             with Vertical(id="dash-right"):
                 yield Static("Latest metrics", classes="section-title")
@@ -53,6 +57,30 @@ class DashboardScreen(ConsoleScreen):
     def on_mount(self) -> None:
         self._set_columns()
         self.show_state(None)
+
+    def action_filter_jobs(self) -> None:
+        """/ : type to narrow the jobs table (k9s, htop); enter keeps the filter, esc clears it."""
+        box = self.query_one("#jobs-filter", Input)
+        box.display = True
+        box.focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "jobs-filter":
+            self.job_filter = event.value.strip()
+            self._draw_jobs()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "jobs-filter":
+            event.input.display = bool(self.job_filter)
+            self.query_one("#jobs", DataTable).focus()
+
+    def on_key(self, event: events.Key) -> None:
+        box = self.query_one("#jobs-filter", Input)
+        if event.key == "escape" and box.display:
+            box.value = ""
+            box.display = False
+            self.query_one("#jobs", DataTable).focus()
+            event.stop()
 
     def on_resize(self, event: events.Resize) -> None:
         if self._columns != self._columns_for(event.size.width):
@@ -99,8 +127,13 @@ class DashboardScreen(ConsoleScreen):
         table = self.query_one("#jobs", DataTable)
         table.clear()
         multi = self.console.multi_host
-        for row in job_table_rows(self.console):
+        rows = job_table_rows(self.console)
+        wanted = self.job_filter.lower()
+        shown = [row for row in rows if not wanted or any(wanted in str(cell).lower() for cell in row.cells)]
+        for row in shown:
             table.add_row(*row.pick(self._columns, host=multi), key=row.key)
+        title = f"Jobs · filter '{self.job_filter}': {len(shown)} of {len(rows)} (/ edits, esc clears)" if wanted else "Jobs"
+        self.query_one("#jobs-title", Static).update(Text(title))
         selected = self._selection_key()
         self._drawn_selection = selected
         if selected is not None and selected in table.rows:
