@@ -75,6 +75,16 @@ time.sleep(600)
 """.replace("ESCAPEE", repr(ESCAPEE))
 
 
+@pytest.fixture(autouse=True)
+def no_escapee_outlives_its_test(tmp_path):
+    """Whatever a failing test left: its escapee and leader (their command lines name the marker and this tmp_path)."""
+    yield
+    for pid in procs.list_pids():
+        command = procs.cmdline(pid)
+        if MARK in command and str(tmp_path) in command:  # the escapee, or a leader the test never got to stop
+            procs.send_signal(pid, procs.start_time(pid) or 0, signal.SIGKILL)
+
+
 @pytest.fixture(params=["cgroup", "walk"])
 def mode(request, monkeypatch):
     monkeypatch.setenv("EAGLE3_CGROUPS", "1" if request.param == "cgroup" else "0")
