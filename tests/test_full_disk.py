@@ -29,6 +29,8 @@ def disk(tmp_path):
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     yield path
+    for db in path.glob("*/jobs.db"):  # a failed test must not leave its job running
+        JobRegistry(db.parent).stop(all_jobs=True, grace=0)
     subprocess.run(["umount", "-l", str(path)], check=False)
 
 
