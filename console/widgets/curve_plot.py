@@ -398,6 +398,9 @@ class CurvePlot(Widget):
         if not self._repaint_pending:
             return  # painted meanwhile
         self._repaint_pending = False
+        if not self.screen.is_current:  # a screen in the background: draw it when it is shown
+            self.refresh()
+            return
         before, width = self._painted, self.size.width
         strips = self._ensure_strips()
         if before is None or len(before) != len(strips) or self._painted_width != width:
