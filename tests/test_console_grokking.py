@@ -680,6 +680,28 @@ async def test_grokking_judges_a_run_by_its_own_run_dir_and_a_watched_run_not_by
         assert not pid_alive(job["pid"])
 
 
+async def test_per_position_train_columns_keep_a_value_when_the_hosts_history_has_only_acc0():
+    """After a console restart the host's signals come from its whole-history index, which keeps train acc[0] only:
+    the other train columns turned to "-"; they now show the latest raw train record's values, starred."""
+    state = grok_state()
+    signals = state.signals[GROK_JOB]
+    for row in signals["per_position"][1:]:
+        row["train_acc"] = row["train_ploss"] = None
+    latest = state.metrics[GROK_JOB].latest_train
+    app = frozen_app(state)
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job(GROK_JOB)
+        await pilot.pause()
+        await pilot.press("4")
+        await pilot.pause()
+        app.redraw_now()
+        await pilot.pause()
+        panel = str(app.screen.query_one("#grok-acceptance").render())
+        row = next(line for line in panel.splitlines() if line.startswith(" 1 "))
+        assert row.split()[1] == f"{100 * latest['acc'][1]:.1f}%*", panel
+        assert "* latest raw train value" in panel and " - " not in row
+
+
 async def test_grok_key_starts_the_training_job_with_the_grok_argv(tmp_path):
     app = live_app(tmp_path, profile="no-such-profile")  # the started run fails fast instead of training on a shared CPU
     async with app.run_test(size=SIZE) as pilot:

@@ -90,8 +90,10 @@ class GrokkingScreen(ZoomableScreen):
         if touches(changed, "signals", "selection", "jobs"):
             self.query_one("#grok-alerts", Static).update(alerts_text(signals))
             self.query_one("#grok-signals", Static).update(signals_text(signals))
-            self.query_one("#grok-acceptance", Static).update(acceptance_text(signals))
             self.query_one("#grok-norms", Static).update(norms_text(signals, watched=state.is_external(job)))
+        if touches(changed, "signals", "selection", "jobs", "metrics"):  # metrics: the latest raw train values
+            latest_train = metrics.latest_train if metrics else None
+            self.query_one("#grok-acceptance", Static).update(acceptance_text(signals, latest_train))
         if touches(changed, "data_scaling", "selection", "jobs"):
             report = state.data_scaling.get(job) if job else None
             self.query_one("#grok-data", Static).update(data_scaling_text(report, console.profile_of(job) if job else None))

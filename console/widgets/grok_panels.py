@@ -108,8 +108,10 @@ def signals_text(signals: dict[str, Any] | None) -> Text:
 
 
 @inert_text
-def acceptance_text(signals: dict[str, Any] | None) -> Text:
-    """τ̂ from the latest val accuracies, and per TTT position smoothed acc and ploss, train vs val."""
+def acceptance_text(signals: dict[str, Any] | None, latest_train: dict[str, Any] | None = None) -> Text:
+    """τ̂ from the latest val accuracies, and per TTT position smoothed acc and ploss, train vs val. A train column the
+    host has no smoothed value for (its whole-history index keeps train acc[0] only, so after a console restart the
+    others are empty) shows the latest raw train record's value, starred."""
     if not signals:
         return Text("no signals yet", style="dim")
     text = Text()
@@ -122,13 +124,29 @@ def acceptance_text(signals: dict[str, Any] | None) -> Text:
     text.append("\n k tr.acc val.acc tr.pl val.pl   gap", style="bold")
     if not rows:
         text.append("\n (no per-position acc/ploss logged)", style="dim")
+    starred = False
     for row in rows[:8]:
-        text.append(
-            f"\n{row.get('k', '?'):>2} {percent(row.get('train_acc')):>6} {percent(row.get('val_acc')):>7}"
-            f" {_num(row.get('train_ploss')):>5} {_num(row.get('val_ploss')):>6} {_num(row.get('ploss_gap')):>5}"
-        )
+        k = row.get("k", "?")
+        train_acc, star_acc = _train_value(row.get("train_acc"), latest_train, "acc", k)
+        train_ploss, star_ploss = _train_value(row.get("train_ploss"), latest_train, "ploss", k)
+        starred = starred or star_acc or star_ploss
+        acc_cell = percent(train_acc) + ("*" if star_acc else "")
+        ploss_cell = _num(train_ploss) + ("*" if star_ploss else "")
+        text.append(f"\n{k:>2} {acc_cell:>6} {percent(row.get('val_acc')):>7} {ploss_cell:>5} {_num(row.get('val_ploss')):>6} {_num(row.get('ploss_gap')):>5}")
     text.append("\n(smoothed; pl = ploss, gap = val − train ploss)", style="dim")
+    if starred:
+        text.append("\n* latest raw train value: the host's history holds no smoothed one", style="dim")
     return text
+
+
+def _train_value(smoothed: Any, latest_train: dict[str, Any] | None, key: str, k: Any) -> tuple[Any, bool]:
+    """The host's smoothed value; else the latest train record's raw one at position k (and True)."""
+    if smoothed is not None or not latest_train or not isinstance(k, int):
+        return smoothed, False
+    values = latest_train.get(key)
+    if isinstance(values, list) and k < len(values) and isinstance(values[k], (int, float)):
+        return values[k], True
+    return smoothed, False
 
 
 @inert_text
