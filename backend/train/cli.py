@@ -128,7 +128,13 @@ def _register_train(subparsers, parent) -> None:
         "or a `data regenerate` dir (refused when another target wrote it) "
         "(default <data_dir>/conversations.jsonl; a profile data dir under its run dir moves with --run-dir)",
     )
-    train.add_argument("--regenerate-tokens", type=int, default=0, help="regenerate assistant turns with the target (max new tokens; 0 = off)")
+    train.add_argument(
+        "--regenerate-tokens",
+        type=int,
+        default=0,
+        help="regenerate assistant turns greedily in this run, one at a time, not saved (max new tokens; 0 = off); "
+        "`data regenerate` does it batched, resumable and once",
+    )
     _add_chat_template(train)
     train.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files under <out>/tensorboard")
     train.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present; LOCAL_RANK under torchrun)")

@@ -274,7 +274,7 @@ def conversation_seed(seed: int, messages: list[dict]) -> int:
 class Job:
     """One conversation being regenerated: the source turns still to walk, and what has been produced so far."""
 
-    key: str  # "train:17": split and line (0-based) in the source file; what a resume skips
+    key: str  # "train:17": split and index (0-based) of the conversation in the source file; what a resume skips
     id: str | None
     source: list[dict]
     rng: random.Random
