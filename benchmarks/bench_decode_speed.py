@@ -276,8 +276,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target {profile.target.path} {dtype} on {device} (loaded in {load_s:.1f} s); draft {draft_label}; sets {list(encoded)}", flush=True)
 
     rows: list[dict] = []
-    if not args.no_hf:
-        rows += hf_rows(model, anchors, max_new, device)
     eager = SpecDecoder(model, None, aux, eos_token_id=NO_EOS)
     eager_row = measure("ours_eager_plain", device, anchors, lambda ids: eager.plain(ids, max_new), lambda r: r.output_ids)
     rows.append(eager_row)
@@ -303,39 +301,48 @@ def main(argv: list[str] | None = None) -> int:
     static_plain = per_set[first]["ours_static_plain"]
     checks["static_plain_vs_eager_plain"] = agreement(eager_row, {**static_plain, "_outputs": static_plain.get("_outputs", [])[: len(anchors)]})
     per_set = {name: {key: public(row) for key, row in rows_.items()} for name, rows_ in per_set.items()}
+    bytes_ = weight_bytes(model)
+
+    def report() -> dict:
+        bound = args.hbm_tbs * 1e12 / bytes_
+        for row in rows + [r for s in per_set.values() for r in s.values()]:
+            if "tok_s" in row:
+                row["fraction_of_bandwidth_bound"] = row["tok_s"] / bound
+        return {
+            "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "target": profile.target.path,
+            "dtype": dtype,
+            "draft": draft_label,
+            "max_new_tokens": max_new,
+            "num_steps": args.num_steps,
+            "weight_bytes": bytes_,
+            "bandwidth_bound_tok_s": bound,
+            "hbm_tbs": args.hbm_tbs,
+            "anchors": {row["name"]: public(row) for row in rows},
+            "eval_sets": per_set,
+            "checks": checks,
+        }
+
+    def write() -> None:  # after our rows, then after the slower anchors and checks: a run cut short keeps what it measured
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report(), indent=1) + "\n")
+            print(f"wrote {args.out}", flush=True)
+
+    write()
+    if not args.no_hf:
+        rows[:0] = hf_rows(model, anchors, max_new, device)
+        write()
     if device.type == "cuda" and not args.no_fp32_check:
         try:
             checks["float32_static_vs_eager"] = fp32_check(profile, draft, aux, args.num_steps, encoded[first][:2], device, min(max_new, 64))
         except Exception as exc:
             checks["float32_static_vs_eager"] = {"error": f"{type(exc).__name__}: {exc}"}
-
-    bytes_ = weight_bytes(model)
-    bound = args.hbm_tbs * 1e12 / bytes_
-    for row in rows + [r for s in per_set.values() for r in s.values()]:
-        if "tok_s" in row:
-            row["fraction_of_bandwidth_bound"] = row["tok_s"] / bound
-    report = {
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "target": profile.target.path,
-        "dtype": dtype,
-        "draft": draft_label,
-        "max_new_tokens": max_new,
-        "num_steps": args.num_steps,
-        "weight_bytes": bytes_,
-        "bandwidth_bound_tok_s": bound,
-        "hbm_tbs": args.hbm_tbs,
-        "anchors": {row["name"]: public(row) for row in rows},
-        "eval_sets": per_set,
-        "checks": checks,
-    }
-    print_summary(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        write()
+    print_summary(report())
     return 0
 
 

@@ -442,7 +442,7 @@ def rerun_in_side_venv(argv: list[str], src: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, required=True, help="a `data prepare` dir (train.jsonl, val.jsonl, prepare.json)")
+    parser.add_argument("--data", type=Path, required=True, help="a `data prepare` or `data regenerate` dir (train.jsonl, val.jsonl)")
     parser.add_argument("--target-dir", type=Path, required=True, help="the prepared SmolLM2 HF dir (`eagle3-host target prepare smollm2-135m-instruct`)")
     parser.add_argument("--specforge-src", type=Path, default=None, help="a source export of SpecForge v0.3.0 (default: <cache>/specforge-v0.3.0)")
     parser.add_argument("--seconds", type=float, required=True, help="training wall-clock budget (the probe included, setup excluded)")
@@ -465,9 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     for flag, least in (("batch_size", 1), ("max_length", 1), ("total_steps", 1), ("probe_steps", 0)):
         if getattr(args, flag) is not None and getattr(args, flag) < least:
             parser.error(f"--{flag.replace('_', '-')} must be >= {least}; nothing was run")
-    for flag, path in (("--data", args.data / "prepare.json"), ("--target-dir", args.target_dir / "config.json")):
-        if not path.is_file():
-            parser.error(f"{flag}: {path} does not exist; nothing was run")
+    from backend.train.conversations import PREPARE_META
+    from backend.train.regenerate import REGENERATE_META
+
+    if not any((args.data / meta).is_file() for meta in (PREPARE_META, REGENERATE_META)):
+        parser.error(f"--data: {args.data} holds neither {PREPARE_META} nor {REGENERATE_META} (not a `data prepare` or `data regenerate` dir); nothing was run")
+    if not (args.target_dir / "config.json").is_file():
+        parser.error(f"--target-dir: {args.target_dir / 'config.json'} does not exist; nothing was run")
     if not (args.specforge_src / "specforge" / "algorithms" / "eagle3" / "model.py").is_file():
         print(
             f"peer_specforge_train: {args.specforge_src} holds no SpecForge v0.3.0 tree (specforge/algorithms/eagle3/model.py is missing); "
