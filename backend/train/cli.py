@@ -244,8 +244,8 @@ def training_estimate(profile, args: argparse.Namespace) -> str | None:
     """One honest line before a real-sized target trains on the CPU: what the profile asks for and what it costs there.
 
     Measured on this project's 2-core CPU machine (load 5-7 from other work) with SmolLM2-135M (30 layers, hidden 576,
-    32,000-token draft vocabulary): 3 steps of 2 x 128 tokens in float32 took ~20 s of wall time after setup, and a
-    step of 4 x 1,024 (the profile's) had not finished after 10 minutes, in bfloat16 or float32."""
+    32,000-token draft vocabulary): 3 steps of 2 x 128 tokens in float32 took ~20 s of wall time after setup; a step
+    of 4 x 1,024 (the profile's) had not finished after 10 minutes in bfloat16, nor after 27 (620 CPU-s) in float32."""
     import torch
 
     from backend.train.target import BUILTIN_TINY
