@@ -293,6 +293,8 @@ def run(args) -> dict:
     profile = load_profile(args.profile)
     args.torch_device = torch.device(args.device)
     if args.torch_device.type == "cuda":
+        # set_device wants an index: "cuda" alone was refused on the H200 (torch 2.11), so "cuda" means cuda:0
+        args.torch_device = torch.device("cuda", args.torch_device.index or 0)
         torch.cuda.set_device(args.torch_device)
     args.dtype = "bfloat16" if args.torch_device.type == "cuda" else "float32"
     args.attention_backend = args.attention_backend or (
