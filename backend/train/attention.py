@@ -119,15 +119,32 @@ def flex_available() -> bool:
 
 
 @lru_cache(maxsize=1)
-def keep_compiles_in_process() -> None:
-    """Run inductor's compiles in this process, not in its pool of compile workers.
+def shield_compile_workers() -> None:
+    """Start inductor's pool of compile workers now, with SIGTERM blocked in them for good.
 
-    A stop signals the job's whole process group, the workers too: a worker killed mid-compile left the trainer waiting
-    on it for good, so a SIGTERM never reached the checkpoint. With bucketed lengths a run compiles a few graphs once.
-    EAGLE3_INDUCTOR_THREADS=N gives the pool back (N workers)."""
+    A stop signals the job's whole process group, compile workers included. A worker killed mid-compile broke the
+    trainer's compiles: on the H200 a SIGTERM with flex attention wrote no checkpoint in 160 s. Compiling in process
+    instead (one thread) made the first step take over 60 s. So the pool is started here, before the first compile,
+    with SIGTERM blocked while it is spawned: the sidecar and its workers inherit the blocked mask (fork and exec keep
+    it), the trainer gets its SIGTERM afterwards as usual (a blocked signal waits, it is not lost), finishes its step and
+    writes the checkpoint, and its exit ends the pool. SIGKILL still ends them all. EAGLE3_INDUCTOR_THREADS=N sets the
+    pool size (1: compile in process)."""
+    import signal
+    import threading
+
     import torch._inductor.config as inductor_config
 
-    inductor_config.compile_threads = int(os.environ.get("EAGLE3_INDUCTOR_THREADS", "1"))
+    if "EAGLE3_INDUCTOR_THREADS" in os.environ:
+        inductor_config.compile_threads = int(os.environ["EAGLE3_INDUCTOR_THREADS"])
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+
+    if get_compile_threads() <= 1 or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        AsyncCompile.process_pool()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @lru_cache(maxsize=None)
@@ -135,7 +152,7 @@ def _flex_function(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
     if device_type == "cuda":
-        keep_compiles_in_process()
+        shield_compile_workers()
         return torch.compile(flex_attention)
     return flex_attention  # CPU: unfused reference path (forward only), used for checks
 

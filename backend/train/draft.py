@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from backend.train.attention import check_backend, default_backend, keep_compiles_in_process, ttt_attention
+from backend.train.attention import check_backend, default_backend, shield_compile_workers, ttt_attention
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONSOLE_BLOCK = "eagle3_console"
@@ -233,7 +233,7 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
         for name in ("recompile_limit", "cache_size_limit"):  # the diagonal merge compiles once per TTT step count
             if hasattr(dynamo_config, name):
                 setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
-        keep_compiles_in_process()
+        shield_compile_workers()
         found = _COMPILED[function] = torch.compile(function, dynamic=False)
     return found
 
