@@ -180,15 +180,7 @@ class SpecDecoder:
         ids = self._prompt(input_ids)
         logits, hidden_states, cache = self.target.forward(ids, None)
         features = self.features(hidden_states)
-        result = GenerateResult(
-            output_ids=[],
-            completion_tokens=0,
-            verify_ct=0,
-            feature_width=features.shape[-1],
-            feature_source=self.feature_source,
-            fc_applied=self._fc_applied(features.shape[-1]),
-            num_steps=self.num_steps,
-        )
+        result = self._speculative_result(features)
         if max_new_tokens <= 0:
             return result
         last = logits[0, -1].argmax().view(1)
@@ -212,6 +204,18 @@ class SpecDecoder:
             pending_tokens = emitted.view(1, -1)
             last = emitted[-1:].clone()
         return result
+
+    def _speculative_result(self, features: torch.Tensor) -> GenerateResult:
+        """An empty result of a speculative run whose draft reads `features` (their width and source recorded)."""
+        return GenerateResult(
+            output_ids=[],
+            completion_tokens=0,
+            verify_ct=0,
+            feature_width=features.shape[-1],
+            feature_source=self.feature_source,
+            fc_applied=self._fc_applied(features.shape[-1]),
+            num_steps=self.num_steps,
+        )
 
     def _propose(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: DraftKVCache) -> torch.Tensor:
         """Commit the new positions to the draft's KV, then chain `num_steps` greedy draft tokens (target ids)."""

@@ -485,15 +485,7 @@ class StaticDecoder(SpecDecoder):
         prompt_len, width = ids.shape[1], self.width
         self._check_room(prompt_len, max_new_tokens, width)
         logits, features = self._prefill(ids)
-        result = GenerateResult(
-            output_ids=[],
-            completion_tokens=0,
-            verify_ct=0,
-            feature_width=features.shape[-1],
-            feature_source=self.feature_source,
-            fc_applied=self._fc_applied(features.shape[-1]),
-            num_steps=self.num_steps,
-        )
+        result = self._speculative_result(features)
         if max_new_tokens <= 0:
             return result
         last = int(logits[0, -1].argmax())
