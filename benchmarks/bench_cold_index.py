@@ -42,6 +42,40 @@ MODULES = ("fc", "midlayer", "norm", "lm_head")
 PROBE_EVERY_S = 0.1
 
 
+def train_record(step: int, rng: random.Random) -> dict:
+    """One trainer-shaped train record: a decaying loss, NaN every 250k steps, a 20x spike every 99,991."""
+    loss: float | str = 3.0 * math.exp(-step / 3e5) + rng.random() * 0.05
+    loss = "NaN" if step % 250_000 == 0 else (loss * 20 if step % 99_991 == 0 else loss)
+    return {
+        "step": step,
+        "epoch": step / 50_000,
+        "split": "train",
+        "loss": loss,
+        "ploss": [round(rng.random(), 6) for _ in range(7)],
+        "acc": [round(rng.random(), 6) for _ in range(7)],
+        "step_time": 0.11 + rng.random() * 0.01,
+        "lr": 1e-4,
+        "grad_norm": rng.random(),
+        "weight_norm": 120 + step * 1e-6,
+        "weight_norm_modules": {m: rng.random() for m in MODULES},
+        "tokens": step * 2048,
+        "time": 1.79e9 + step * 0.11,
+    }
+
+
+def val_record(step: int, rng: random.Random) -> dict:
+    return {
+        "step": step,
+        "epoch": step / 50_000,
+        "split": "val",
+        "loss": 3.3 * math.exp(-step / 3e5),
+        "ploss": [rng.random() for _ in range(7)],
+        "acc": [rng.random() for _ in range(7)],
+        "tokens": step * 2048,
+        "time": 1.79e9 + step * 0.11,
+    }
+
+
 def generate(path: Path, size_bytes: int, seed: int = 0) -> None:
     """The trainer's lines up to size_bytes, with a resume 20k steps back every 1M steps and one torn line."""
     rng = random.Random(seed)
@@ -57,35 +91,8 @@ def generate(path: Path, size_bytes: int, seed: int = 0) -> None:
                 if step % 1_000_000 == 0 and step not in resumed:
                     resumed.add(step)
                     step -= 20_000  # resumed from an older checkpoint: these steps are written again
-                loss: float | str = 3.0 * math.exp(-step / 3e5) + rng.random() * 0.05
-                loss = "NaN" if step % 250_000 == 0 else (loss * 20 if step % 99_991 == 0 else loss)
-                record = {
-                    "step": step,
-                    "epoch": step / 50_000,
-                    "split": "train",
-                    "loss": loss,
-                    "ploss": [round(rng.random(), 6) for _ in range(7)],
-                    "acc": [round(rng.random(), 6) for _ in range(7)],
-                    "step_time": 0.11 + rng.random() * 0.01,
-                    "lr": 1e-4,
-                    "grad_norm": rng.random(),
-                    "weight_norm": 120 + step * 1e-6,
-                    "weight_norm_modules": {m: rng.random() for m in MODULES},
-                    "tokens": step * 2048,
-                    "time": 1.79e9 + step * 0.11,
-                }
-                lines.append(json.dumps(record, separators=(",", ":")))
-            val = {
-                "step": step,
-                "epoch": step / 50_000,
-                "split": "val",
-                "loss": 3.3 * math.exp(-step / 3e5),
-                "ploss": [rng.random() for _ in range(7)],
-                "acc": [rng.random() for _ in range(7)],
-                "tokens": step * 2048,
-                "time": 1.79e9 + step * 0.11,
-            }
-            lines.append(json.dumps(val, separators=(",", ":")))
+                lines.append(json.dumps(train_record(step, rng), separators=(",", ":")))
+            lines.append(json.dumps(val_record(step, rng), separators=(",", ":")))
             if not torn and written > size_bytes // 3:
                 lines.append(lines[-2][:80])  # a writer killed mid-line, then restarted
                 torn = True

@@ -44,10 +44,10 @@ from backend.metrics import normalize_record
 from backend.metrics_index import MetricsFeed
 from backend.protocol import INDEX_FILENAME, METRICS_FILENAME, Request
 from backend.series_index import Series, query
+from bench_cold_index import train_record, val_record  # noqa: E402  (the trainer-shaped records, one home)
 from bench_console import show, summary  # noqa: E402
 
 SIZE = (160, 48)
-MODULES = ("fc", "midlayer", "norm", "lm_head")
 SLEEPER = "import time; time.sleep(3600)"
 
 
@@ -63,43 +63,8 @@ def generate(path: Path, size_bytes: int, seed: int = 0) -> int:
             lines = []
             for _ in range(1000):
                 step += 1
-                loss = 3.0 * math.exp(-step / 3e5) + rng.random() * 0.05
-                loss = "NaN" if step % 250_000 == 0 else (loss * 20 if step % 99_991 == 0 else loss)
-                lines.append(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "epoch": step / 50_000,
-                            "split": "train",
-                            "loss": loss,
-                            "ploss": [round(rng.random(), 6) for _ in range(7)],
-                            "acc": [round(rng.random(), 6) for _ in range(7)],
-                            "step_time": 0.11 + rng.random() * 0.01,
-                            "lr": 1e-4,
-                            "grad_norm": rng.random(),
-                            "weight_norm": 120 + step * 1e-6,
-                            "weight_norm_modules": {m: rng.random() for m in MODULES},
-                            "tokens": step * 2048,
-                            "time": 1.79e9 + step * 0.11,
-                        },
-                        separators=(",", ":"),
-                    )
-                )
-            lines.append(
-                json.dumps(
-                    {
-                        "step": step,
-                        "epoch": step / 50_000,
-                        "split": "val",
-                        "loss": 3.3 * math.exp(-step / 3e5),
-                        "ploss": [rng.random() for _ in range(7)],
-                        "acc": [rng.random() for _ in range(7)],
-                        "tokens": step * 2048,
-                        "time": 1.79e9 + step * 0.11,
-                    },
-                    separators=(",", ":"),
-                )
-            )
+                lines.append(json.dumps(train_record(step, rng), separators=(",", ":")))
+            lines.append(json.dumps(val_record(step, rng), separators=(",", ":")))
             handle.write("\n".join(lines) + "\n")
     return step
 
