@@ -14,7 +14,7 @@ from textual_plotext import PlotextPlot
 
 from backend.safetext import visible
 from console.plotting import Curve, Ticks, history_points, log_ticks, prepare_curve, span
-from console.widgets.curve_plot import CurveOptions, SeriesSpec
+from console.widgets.curve_plot import CurveOptions, SeriesSpec, fitting_title, legend_labels
 
 # plotext's frame around the canvas: one y-axis column on each side, and above/below the canvas the title, two x-axis
 # rows, the tick labels and the x label (plotext _build: width_canvas / height_canvas).
@@ -66,30 +66,6 @@ def default_y_label_width(lo: float, hi: float) -> int:
     """How wide plotext's own linear y labels for lo..hi are (plotext _build: get_lim, linspace, get_labels)."""
     lo, hi = plotext_utility.get_lim([lo, hi])
     return plotext_utility.max_length(plotext_utility.get_labels(plotext_utility.linspace(lo, hi, PLOTEXT_Y_TICKS)))
-
-
-def legend_labels(entries: list[tuple[str, str, int]], cells: int) -> list[str]:
-    """Legend texts for (prefix, label, points) entries that fit a canvas `cells` wide (plotext hides a legend whose
-    longest entry is wider than cells - 5): with point counts, then without, then shorter prefixes, then cut."""
-    room = cells - 5
-    full = [f"{prefix}{label} ({points})" for prefix, label, points in entries]
-    if max(map(len, full), default=0) <= room:
-        return full
-    for keep in (None, 8, 4, 0):
-        texts = [(prefix if keep is None or len(prefix) <= keep + 1 else prefix[:keep] + "… " if keep else "") + label for prefix, label, _ in entries]
-        if max(map(len, texts), default=0) <= room:
-            return texts
-    return [text if len(text) <= room else text[: max(1, room - 1)] + "…" for text in texts]
-
-
-def fitting_title(titles: list[str], label_width: int, cells: int, width: int) -> str:
-    """The first title plotext can place: it centres a title on the canvas and drops one that crosses the plot's edge."""
-    centre = label_width + 1 + cells // 2
-    for title in titles:
-        start = centre - len(title) // 2
-        if start >= 0 and start + len(title) <= width:
-            return title
-    return titles[-1]
 
 
 class PlotextCurvePlot(PlotextPlot):
