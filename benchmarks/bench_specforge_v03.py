@@ -78,18 +78,19 @@ def log(*parts) -> None:
     print(*parts, flush=True)
 
 
-def import_specforge(src: Path) -> dict:
-    """Import the SpecForge modules this bench drives from `src`; a missing tree or package is a BenchError naming it."""
+def import_specforge(src: Path, names: tuple[str, ...] = SPECFORGE_MODULES) -> dict:
+    """Import SpecForge modules (this bench's by default) from `src`; a missing tree or package is a BenchError naming
+    it, and so is a module that came from anywhere else."""
     import importlib
 
     if not (src / "specforge" / "algorithms" / "eagle3" / "model.py").is_file():
         raise BenchError(
             f"{src} holds no SpecForge v0.3.0 tree (specforge/algorithms/eagle3/model.py is missing); "
-            f"export it with: git -C <SpecForge git dir> archive {V03_COMMIT} specforge configs | tar x -C {src}"
+            f"export it with: git -C <SpecForge git dir> archive {V03_COMMIT} specforge configs | tar x -C {src}; nothing was run"
         )
     sys.path.insert(0, str(src.resolve()))
     modules = {}
-    for name in SPECFORGE_MODULES:
+    for name in names:
         try:
             modules[name] = importlib.import_module(name)
         except ModuleNotFoundError as exc:

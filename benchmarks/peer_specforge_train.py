@@ -55,7 +55,6 @@ Writes OUT/result.json (steps, tokens, GPU-seconds, per-step loss/acc in OUT/met
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -70,7 +69,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_specforge_v03 import V03_COMMIT, BenchError, draft_config_dict, init_process_group  # noqa: E402
+from benchmarks.bench_specforge_v03 import V03_COMMIT, BenchError, draft_config_dict, import_specforge, init_process_group  # noqa: E402
 
 SPECFORGE_MODULES = (
     "specforge.config.schema",
@@ -99,25 +98,6 @@ def default_src() -> Path:
 
     cached = cache_root() / "specforge-v0.3.0"
     return cached if cached.is_dir() else ROOT / ".device" / "specforge-v0.3.0"
-
-
-def import_specforge(src: Path) -> dict:
-    if not (src / "specforge" / "algorithms" / "eagle3" / "model.py").is_file():
-        raise BenchError(
-            f"{src} holds no SpecForge v0.3.0 tree (specforge/algorithms/eagle3/model.py is missing); export it with: "
-            f"git -C <SpecForge git dir> archive {V03_COMMIT} specforge configs | tar x -C {src}; nothing was run"
-        )
-    sys.path.insert(0, str(src.resolve()))
-    modules = {}
-    for name in SPECFORGE_MODULES:
-        try:
-            modules[name] = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            raise BenchError(f"importing {name} from {src} needs the package {exc.name!r}, which this Python lacks; nothing was run") from exc
-    outside = sorted(m.__file__ for m in modules.values() if m.__file__ and not Path(m.__file__).resolve().is_relative_to(src.resolve()))
-    if outside:
-        raise BenchError(f"specforge was imported from outside {src}: {outside}")
-    return modules
 
 
 # --------------------------------------------------------------------------- the target's features (HF, in the loop)
@@ -281,7 +261,7 @@ def sync(device) -> None:
 
 def run(args) -> dict:
     started = time.perf_counter()
-    sf = import_specforge(args.specforge_src)
+    sf = import_specforge(args.specforge_src, SPECFORGE_MODULES)
     import torch
 
     from backend.profiles import load_profile
