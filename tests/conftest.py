@@ -256,15 +256,3 @@ def isolated_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     return home
-
-
-@pytest.fixture(autouse=True)
-def grad_mode_restored():
-    """The reference Engine turns autograd off for its process (a server never trains); a test that builds one in-process
-    must not leave the tests after it on the same worker without gradients."""
-    torch = sys.modules.get("torch")
-    enabled = torch.is_grad_enabled() if torch is not None else True
-    yield
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_grad_enabled(enabled)

@@ -279,11 +279,16 @@ class Engine:
         did (the profile's target dtype) and decodes eagerly, unless static_cache=True asks for the static decoder."""
         import torch
 
-        from backend.train.target import load_target
-
         if speculative and draft_dir is None:
             raise ValueError("a speculative engine needs a draft checkpoint directory; none was given, nothing was loaded")
-        torch.set_grad_enabled(False)
+        with torch.no_grad():  # loading and the warm-up decode; the caller's thread keeps its own grad mode
+            self._load(profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps)
+
+    def _load(self, profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps) -> None:
+        import torch
+
+        from backend.train.target import load_target
+
         self.profile = profile
         self.speculative = speculative
         self.draft_dir = draft_dir
