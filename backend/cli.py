@@ -11,12 +11,12 @@ from pathlib import Path
 # Modules that register subcommands. Each exposes register(subparsers, common_parent) and keeps
 # heavy imports (torch, transformers) inside its handlers so `eagle3-host --help` stays fast.
 COMMAND_MODULES = [
-    "backend.host_cli",  # gpus, holders, job, agent
+    "backend.host.cli",  # gpus, holders, job, agent
     "backend.train.cli",  # train, extract, export, convert, build-tiny
     "backend.serve.cli",  # preflight, serve
     "backend.bench.cli",  # bench
-    "backend.chain_cli",  # stop-and-bench, grok
-    "backend.metrics_cli",  # metrics series
+    "backend.chain.cli",  # stop-and-bench, grok
+    "backend.metrics.cli",  # metrics series
     "backend.train.conversations",  # data prepare
     "backend.train.target_prepare",  # target prepare, target profile
 ]

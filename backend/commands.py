@@ -1,6 +1,6 @@
 """The host command lines both sides build (training, multi-node torchrun, stop-and-bench chain, grokking run, the agent), their defaults, and profile facts.
 
-One home: `eagle3-host` (backend/chain_cli.py) reads its argparse defaults and builds its argv here, and the
+One home: `eagle3-host` (backend/chain/cli.py) reads its argparse defaults and builds its argv here, and the
 console imports this module (with backend/protocol.py and backend/layout.py, the only backend modules it may).
 """
 
@@ -88,7 +88,7 @@ def torchrun_train_argv(train: Sequence[str], *, run_id: str, node_rank: int, nn
     writes metrics and checkpoints, is on node 0. (torch's c10d backend ignores --node-rank and orders nodes by
     host name and pid, which would put the checkpoint on any node.) --max-restarts 0: a failed rank ends the run;
     the other nodes' ranks then fail in their next collective and their torchruns exit too. A leading "python"
-    is the agent's own interpreter (backend.jobs.resolve_argv), as "eagle3-host" is.
+    is the agent's own interpreter (backend.jobs.registry.resolve_argv), as "eagle3-host" is.
     """
     train = list(train)
     if train[:2] != ["eagle3-host", "train"]:

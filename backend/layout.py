@@ -2,11 +2,11 @@
 
 Standard library only (the agent imports it on any host Python >= 3.10).
 
-    <run_dir>/jobs.db                                 the owned-process registry (backend/jobs.py)
+    <run_dir>/jobs.db                                 the owned-process registry (backend/jobs/registry.py)
     <run_dir>/jobs/<job>/                             one job's directory (EAGLE3_JOB_DIR)
-        metrics.jsonl                                 training metrics, one record per line (backend/metrics.py)
-        metrics.index                                 the rebuildable whole-history summary (backend/metrics_index.py)
-        stages.jsonl                                  stop-and-bench stages (backend/chain.py)
+        metrics.jsonl                                 training metrics, one record per line (backend/metrics/records.py)
+        metrics.index                                 the rebuildable whole-history summary (backend/metrics/index.py)
+        stages.jsonl                                  stop-and-bench stages (backend/chain/run.py)
         checkpoints/epoch_E_step_S/                   config.json, model.safetensors, training_state.pt
         checkpoints/latest                            a file naming the current checkpoint directory
         results/stop-and-bench-*.json                 saved stop-and-bench results

@@ -1,10 +1,10 @@
-"""The agent's JSON-lines wire protocol: message types shared by backend/agent.py and console/.
+"""The agent's JSON-lines wire protocol: message types shared by backend/agent/server.py and console/.
 
 Standard library only: the console uploads this file with the agent to any host Python >= 3.10.
 
 Framing: one JSON object per line, UTF-8, "\n"-terminated. Every message has a "type". Non-finite
 floats travel as the bare tokens NaN / Infinity / -Infinity (Python's json on both ends); metrics records
-are already decoded from the file's encoding by backend.metrics.normalize_record before they are sent.
+are already decoded from the file's encoding by backend.metrics.records.normalize_record before they are sent.
 - console -> agent: requests, {"type": <Request kind>, "id": <int>, ...params}
 - agent -> console: events (no id, pushed on their own schedule) and replies
   ({"type": "reply", "id": <request id>, "ok": true, "result": {...}} or
@@ -57,9 +57,9 @@ class Request:
     STAGES_HISTORY = "stages_history"  # {"name"} -> {"records": [...], "offset": bytes read}
     FOLLOW_LOG = "follow_log"  # {"name"?, "stream"} -> {} ; then LOG events; name null stops following
     LIST_CHECKPOINTS = "list_checkpoints"  # {"name"} -> {"checkpoints": [{"path","epoch","step","latest"}]}
-    SIGNALS = "signals"  # {"name"} -> grokking/health signals computed from the job's metrics (backend/signals.py)
+    SIGNALS = "signals"  # {"name"} -> grokking/health signals computed from the job's metrics (backend/metrics/signals.py)
     WATCH_EXTERNAL = "watch_external"  # {"name", "path", "line_format"?} -> {"job", "format", "warning"}; follow a run read-only as "ext:<name>"
-    DATA_SCALING = "data_scaling"  # {"data_dir", "shape"?: {aux_width, teacher_width, dtype_bytes, seq_len}} -> backend/datascale.py
+    DATA_SCALING = "data_scaling"  # {"data_dir", "shape"?: {aux_width, teacher_width, dtype_bytes, seq_len}} -> backend/host/datascale.py
     RESULTS = "results"  # {"name"} -> {"results": [saved stop-and-bench results of that training job, oldest first]}
     SHUTDOWN = "shutdown"  # {} -> {} then the agent exits (jobs keep running)
 

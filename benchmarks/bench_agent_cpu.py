@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend.jobs import JobRegistry
-from backend.procs import PROC
+from backend.jobs.registry import JobRegistry
+from backend.host.procs import PROC
 
 TICKS = os.sysconf("SC_CLK_TCK")
 WRITER = """\

@@ -5,7 +5,7 @@ NaN losses, spikes, a resumed stretch (a run restarted from an older checkpoint 
 The page cache is warmed first (one read of the file, timed), then:
 
 - one process: `MetricsFeed.index_step()` until caught up (what the agent did before), wall and CPU;
-- parallel: `backend.metrics_parallel.ColdScan` over the same backlog with N spawn'd workers (start-up included),
+- parallel: `backend.metrics.parallel.ColdScan` over the same backlog with N spawn'd workers (start-up included),
   then `index_step()` for what is left (nothing), wall;
 - equality: both indexes' bytes (every level of every series, counts, val records), recent records and problems;
 - responsiveness: while each scan runs on a background thread (as in the agent), a probe thread answers a
@@ -35,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend.metrics_index import INDEX_STEP_BYTES, MetricsFeed  # noqa: E402
-from backend.metrics_parallel import WORKER_NICE, ColdScan, available_cpus, worker_count  # noqa: E402
+from backend.metrics.index import INDEX_STEP_BYTES, MetricsFeed  # noqa: E402
+from backend.metrics.parallel import WORKER_NICE, ColdScan, available_cpus, worker_count  # noqa: E402
 
 MODULES = ("fc", "midlayer", "norm", "lm_head")
 PROBE_EVERY_S = 0.1

@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.serve.spec_decode import SpecDecoder
-from backend.serve.static_decode import StaticDecoder, StepTimes
+from backend.serve.reference.spec_decode import SpecDecoder
+from backend.serve.reference.static_decode import StaticDecoder, StepTimes
 
 NO_EOS = -1  # an id no tokenizer emits: every row decodes exactly --max-new-tokens
 BUILTIN_PROMPTS = [

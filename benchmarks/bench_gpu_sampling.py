@@ -4,7 +4,7 @@ Run on a GPU host from the repository root (one command; exits cleanly with a me
 
     python3 benchmarks/bench_gpu_sampling.py --json gpu_sampling.json
 
-Each path goes through backend/gpu.py (the code the agent runs). Wall time is the latency of getting a full
+Each path goes through backend/host/gpu.py (the code the agent runs). Wall time is the latency of getting a full
 sample; CPU time counts this process plus its children (nvidia-smi), which is what a 1 Hz agent pays.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend import gpu
+from backend.host import gpu
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

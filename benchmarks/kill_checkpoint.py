@@ -1,7 +1,7 @@
 """SIGKILL real checkpoint saves and metrics writes at random moments, on a normal disk and on a tiny tmpfs that fills up.
 
 Each trial forks a saver from this (already torch-importing) process, so a trial costs well under a second.
-The saver loops: append one metrics record with backend.metrics.MetricsWriter, then save a freshly
+The saver loops: append one metrics record with backend.metrics.records.MetricsWriter, then save a freshly
 initialised tiny draft (seeded by its step, with an AdamW-shaped training state) through
 backend.train.checkpoint.save_checkpoint. Trials come in series of five sharing one run dir: each saver
 starts by re-saving the step `latest` names (what a resume followed by a stop does), then moves on. On the
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from backend.metrics import MetricsReader, MetricsWriter
+from backend.metrics.records import MetricsReader, MetricsWriter
 from backend.train.checkpoint import CheckpointDiskFullError, list_checkpoints, load_checkpoint, save_checkpoint
 from backend.train.draft import DraftModelConfig, Eagle3Draft
 

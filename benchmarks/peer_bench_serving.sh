@@ -16,7 +16,7 @@
 #    target's own corpus: human = 128-383 bytes of Python source, gpt = the 32-159 bytes that follow). With fewer
 #    conversations than --num-prompts, bench_serving sends each once. It finds the model id with GET /v1/models
 #    and loads the tokenizer named by GET /model_info's tokenizer_path with AutoTokenizer (the server writes the
-#    byte tokenizer's Hugging Face files: backend/serve/hf_tokenizer.py). HF_HUB_OFFLINE=1: nothing leaves the box.
+#    byte tokenizer's Hugging Face files: backend/serve/reference/hf_tokenizer.py). HF_HUB_OFFLINE=1: nothing leaves the box.
 # 4. The result (bench_serving's own JSON line, with the run's provenance around it) goes to --out, default
 #    benchmarks/results/peer_bench_serving_cpu.json, and a short summary is printed. Exit 1 when bench_serving
 #    fails or any request did not complete, 2 on a usage error, 3 when the side venv cannot be built (no PyPI).
@@ -105,7 +105,7 @@ fi
 PORT=$("$PY" -c "from backend.serve.http import free_port; print(free_port())")
 URL="http://127.0.0.1:$PORT"
 say "reference server on $URL (profile tiny, draft $DRAFT, $THREADS torch thread(s))"
-OMP_NUM_THREADS="$THREADS" "$PY" -m backend.serve.reference_server --profile tiny --draft "$DRAFT" --port "$PORT" \
+OMP_NUM_THREADS="$THREADS" "$PY" -m backend.serve.reference.server --profile tiny --draft "$DRAFT" --port "$PORT" \
     >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 for _ in $(seq 1 900); do

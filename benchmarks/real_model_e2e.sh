@@ -46,7 +46,7 @@ fi
 step preflight "${HOST[@]}" preflight --profile smollm2-135m --target-config "$MODEL_DIR/config.json" --json "$RUN/draft"
 step serve_spec "${HOST[@]}" serve --profile smollm2-135m --draft "$RUN/draft" --engine reference --job-name spec --json
 step serve_plain "${HOST[@]}" serve --profile smollm2-135m --baseline --engine reference --job-name plain --json
-url_of() { "$PY" -c 'import sys; from backend.jobs import JobRegistry; r=JobRegistry(sys.argv[1]).get(sys.argv[2]); a=r.info.argv; print("http://127.0.0.1:"+a[a.index("--port")+1])' "$RUN" "$1"; }
+url_of() { "$PY" -c 'import sys; from backend.jobs.registry import JobRegistry; r=JobRegistry(sys.argv[1]).get(sys.argv[2]); a=r.info.argv; print("http://127.0.0.1:"+a[a.index("--port")+1])' "$RUN" "$1"; }
 SPEC_URL=$(url_of spec) PLAIN_URL=$(url_of plain)
 step bench "${HOST[@]}" bench --url "$SPEC_URL" --baseline-url "$PLAIN_URL" --prompts "$DATA/eval.jsonl" --num-prompts "$NUM_PROMPTS" \
     --chat-template "$MODEL_DIR" --concurrency "$CONCURRENCY" --max-new-tokens "$MAX_NEW_TOKENS" --out "$OUT/bench.json" --json

@@ -56,7 +56,7 @@ def read_ledgers(folder: Path) -> set[str]:
 
 
 def registry_worker(run_dir: Path, ledger: Path, prefix: str, seed: int) -> None:
-    from backend.jobs import JobError, JobRegistry
+    from backend.jobs.registry import JobError, JobRegistry
 
     registry = JobRegistry(run_dir)
     rng = random.Random(seed)
@@ -240,7 +240,7 @@ def reader_check(run_dir: Path, ledgers: Path) -> tuple[int, int, list[str]]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from backend.jobs import JobRegistry
+    from backend.jobs.registry import JobRegistry
 
     base = Path(tempfile.mkdtemp(prefix="registry-stress-"))
     run_dir, ledgers = base / "run", base / "ledgers"

@@ -6,7 +6,7 @@ import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
-from backend.gpu import MIB, GpuParseError, parse_number
+from backend.host.gpu import MIB, GpuParseError, parse_number
 from backend.protocol import GpuProcess, GpuSample
 
 

@@ -64,7 +64,7 @@ def server_argv(profile_path: Path, port: int, draft: Path | None, *extra: str) 
     argv = [
         sys.executable,
         "-m",
-        "backend.serve.reference_server",
+        "backend.serve.reference.server",
         "--profile",
         str(profile_path),
         "--port",

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from backend import procs
+from backend.host import procs
 from backend.layout import checkpoint_listing as list_checkpoints
-from backend.disk import dir_size, disk_usage
+from backend.host.disk import dir_size, disk_usage
 from backend.protocol import PROTOCOL_VERSION
-from backend.jobs import JobRegistry
+from backend.jobs.registry import JobRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -212,12 +212,12 @@ def test_optional_modules(agent, tmp_path):
     agent.wait(lambda m: m["type"] == "hello")
     agent.ok("start_job", name="quiet", kind="other", argv=["true"])
     _, reply = agent.request("signals", name="quiet")
-    if importlib.util.find_spec("backend.signals") is None:
+    if importlib.util.find_spec("backend.metrics.signals") is None:
         assert reply["ok"] is False and "not part of this build" in reply["error"]["message"]
     else:
         assert reply["ok"] is True and isinstance(reply["result"], dict)
     _, reply = agent.request("watch_external", name="sf", path=str(tmp_path))
-    if importlib.util.find_spec("backend.external") is None:
+    if importlib.util.find_spec("backend.external.reader") is None:
         assert reply["ok"] is False and "not part of this build" in reply["error"]["message"]
     else:
         assert reply["result"] == {"job": "ext:sf", "format": "tensorboard", "warning": None}

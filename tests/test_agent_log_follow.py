@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from test_agent import PY, AgentProcess
 
-from backend.jobs import JobRegistry
+from backend.jobs.registry import JobRegistry
 
 
 @pytest.fixture

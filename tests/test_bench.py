@@ -10,7 +10,7 @@ import pytest
 
 from backend.bench import client, results
 from backend.bench.client import PromptFileError, load_prompts, percentile
-from backend.jobs import JobRegistry
+from backend.jobs.registry import JobRegistry
 from backend.serve.launch import launch
 from backend.serve.preflight import resolve_draft_dir
 

@@ -25,7 +25,7 @@ CHECKPOINT = "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_2_step_4012"
 SERVER_ARGV = [
     "python",
     "-m",
-    "backend.serve.reference_server",
+    "backend.serve.reference.server",
     "--model",
     "builtin:tiny",
     "--draft",

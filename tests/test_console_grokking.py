@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, OptionList
 
-from backend.jobs import safe_module_argv
+from backend.jobs.registry import safe_module_argv
 from backend.commands import profile_shape as host_profile_shape
 from backend.profiles import load_profile
 from backend.protocol import Request
-from backend.signals import compute_signals
+from backend.metrics.signals import compute_signals
 from console.app import build_app
 from backend.commands import grok_argv, grok_job_name
 from console.screens.grok_modal import GrokModal, GrokParamError, parse_grok_params

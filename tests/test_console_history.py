@@ -1,6 +1,6 @@
 """Long histories end to end: the trainer's writer -> agent index -> local transport -> console state -> screen.
 
-A NaN loss written by backend.metrics.MetricsWriter is counted and drawn as a marker; a history the agent
+A NaN loss written by backend.metrics.records.MetricsWriter is counted and drawn as a marker; a history the agent
 never saw is indexed in the background with progress while the newest records show at once; zoom keys ask
 the host for the zoomed range.
 """
@@ -9,7 +9,7 @@ import math
 import random
 import sys
 
-from backend.metrics import MetricsWriter
+from backend.metrics.records import MetricsWriter
 from backend.protocol import Request
 from console.screens.grokking import GrokkingScreen
 from console.screens.training import TrainingScreen
@@ -21,7 +21,7 @@ from test_series_index import trainer_record, val_record
 
 NAN_WRITER = """\
 import math, os, time
-from backend.metrics import MetricsWriter
+from backend.metrics.records import MetricsWriter
 writer = MetricsWriter(os.path.join(os.environ["EAGLE3_JOB_DIR"], "metrics.jsonl"))
 for step in range(1, 41):
     loss = math.nan if step in (17, 31) else (math.inf if step == 23 else 4.0 / step)

@@ -17,7 +17,7 @@ from ssh_fixtures import wait_until
 
 WRITER = """\
 import os, time
-from backend.metrics import MetricsWriter
+from backend.metrics.records import MetricsWriter
 writer = MetricsWriter(os.path.join(os.environ["EAGLE3_JOB_DIR"], "metrics.jsonl"))
 for step in range(1, 31):
     writer.write({"step": step, "split": "train", "loss": 3.0 / step, "lr": 1e-4, "grad_norm": 1.0})

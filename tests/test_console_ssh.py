@@ -141,7 +141,7 @@ async def test_agent_is_uploaded_only_when_its_content_changed(inproc, tmp_path)
     assert first.uploads == 1 and first.upload_method == "sftp" and client.hello["backend_hash"] == first.backend_hash
     await client.close()
     uploaded = Path(first.remote_dir)
-    assert (uploaded / "backend" / "agent.py").read_bytes() == (root / "backend" / "agent.py").read_bytes()
+    assert (uploaded / "backend" / "agent" / "server.py").read_bytes() == (root / "backend" / "agent" / "server.py").read_bytes()
     assert (uploaded / "profiles" / "tiny.toml").exists()
 
     second = transport_for(env, tmp_path, root=root)
@@ -179,10 +179,10 @@ async def test_hosts_without_sftp_get_the_agent_as_a_tar_stream(tmp_path):
 
 def test_content_hash_covers_names_and_bytes():
     files = backend_files(REPO_ROOT)
-    assert any(name == "backend/agent.py" for name, _ in files) and any(name == "profiles/tiny.toml" for name, _ in files)
+    assert any(name == "backend/agent/server.py" for name, _ in files) and any(name == "profiles/tiny.toml" for name, _ in files)
     assert not any("__pycache__" in name for name, _ in files)
     assert content_hash(files) == content_hash(list(reversed(files)))
-    renamed = [("backend/other.py" if n == "backend/agent.py" else n, d) for n, d in files]
+    renamed = [("backend/other.py" if n == "backend/agent/server.py" else n, d) for n, d in files]
     assert content_hash(renamed) != content_hash(files)
 
 

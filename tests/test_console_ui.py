@@ -11,7 +11,7 @@ import pytest
 from textual.command import CommandList, CommandPalette
 from textual.widgets import DataTable, Input
 
-from backend.jobs import safe_module_argv
+from backend.jobs.registry import safe_module_argv
 from backend.protocol import Request
 from console.app import ACTIONS, MULTI_HOST_ACTIONS, build_app
 from console.session import LOG_TAIL_LINES

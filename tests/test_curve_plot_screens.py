@@ -126,7 +126,7 @@ async def test_live_points_after_the_hosts_buckets_redraw_only_the_tail():
     prepared once per summary, each live point only adds to the tail, and spikes on both sides stay drawn."""
     from textual.app import App
 
-    from backend.series_index import Series as IndexSeries, query
+    from backend.metrics.series import Series as IndexSeries, query
     from console.state import Series
     from console.widgets.curve_plot import CurveOptions, SeriesSpec
 

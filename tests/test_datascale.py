@@ -8,7 +8,7 @@ import time
 import pytest
 
 from backend.commands import profile_shape
-from backend.datascale import data_scaling, estimated
+from backend.host.datascale import data_scaling, estimated
 from backend.profiles import load_profile
 
 

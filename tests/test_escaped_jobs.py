@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from backend import procs
-from backend.jobs import JobRegistry
+from backend.host import procs
+from backend.jobs.registry import JobRegistry
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

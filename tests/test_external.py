@@ -9,9 +9,9 @@ from tensorboard.compat.proto import summary_pb2, tensor_pb2, types_pb2
 from tensorboard.compat.tensorflow_stub import pywrap_tensorflow as tb_crc
 from torch.utils.tensorboard import SummaryWriter
 
-from backend.external import ExternalRunReader, TFRecordFollower, crc32c, map_tag, masked_crc32c, parse_event, parse_step_dict, plainly_clean
-from backend.metrics import check_record, normalize_record
-from backend.signals import estimate_tau
+from backend.external.reader import ExternalRunReader, TFRecordFollower, crc32c, map_tag, masked_crc32c, parse_event, parse_step_dict, plainly_clean
+from backend.metrics.records import check_record, normalize_record
+from backend.metrics.signals import estimate_tau
 
 TTT = 3
 VAL_ACC = [0.75, 0.5, 0.25]  # exact in float32, so TensorBoard values compare exactly
@@ -585,7 +585,7 @@ def test_specforge_log_old_epoch_format(tmp_path):
 
 
 def test_watched_tensorboard_run_feeds_the_grokking_signals(tmp_path):
-    from backend.signals import compute_signals
+    from backend.metrics.signals import compute_signals
 
     writer = SummaryWriter(str(tmp_path / "runs"))
     for step in range(10, 210, 10):

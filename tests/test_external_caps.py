@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
 
-from backend.external import MAX_RECORD_BYTES, ExternalRunReader, TFRecordFollower, masked_crc32c
+from backend.external.reader import MAX_RECORD_BYTES, ExternalRunReader, TFRecordFollower, masked_crc32c
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def test_a_2_gib_length_header_in_a_sparse_file_costs_no_memory(tmp_path):
     script = (
         "import json, re, resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # a reader that tries to hold the claim fails here\n"
-        "from backend.external import ExternalRunReader\n"
+        "from backend.external.reader import ExternalRunReader\n"
         "reader = ExternalRunReader(sys.argv[1])\nsteps, polls = [], 0\n"
         "while polls < 60 and (polls < 3 or reader.bytes_read < reader.bytes_total):\n"
         "    steps += [r['step'] for r in reader.poll()]\n    polls += 1\n"

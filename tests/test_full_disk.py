@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from backend import jobs, procs
-from backend.jobs import JobNoSpace, JobRegistry
+from backend.jobs import registry as jobs
+from backend.host import procs
+from backend.jobs.registry import JobNoSpace, JobRegistry
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import gpu_parsers
-from backend import gpu
-from backend.holders import FuserOutputError, parse_fuser_pids
+from backend.host import gpu
+from backend.host.holders import FuserOutputError, parse_fuser_pids
 from conftest import needs_shared
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

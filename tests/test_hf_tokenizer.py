@@ -6,7 +6,7 @@ import random
 
 from tokenizers import Tokenizer
 
-from backend.serve import hf_tokenizer
+from backend.serve.reference import hf_tokenizer
 from backend.train.tiny import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from backend import holders
-from backend.gpu import attach_apps, parse_query_apps, parse_query_gpu
-from backend.jobs import JobRegistry
+from backend.host import holders
+from backend.host.gpu import attach_apps, parse_query_apps, parse_query_gpu
+from backend.jobs.registry import JobRegistry
 from conftest import needs_shared
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"

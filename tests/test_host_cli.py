@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from backend import procs
+from backend.host import procs
 from backend.cli import main
-from backend.jobs import JobRegistry
+from backend.jobs.registry import JobRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

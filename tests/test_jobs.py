@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from backend import procs
-from backend.jobs import JobBadParams, JobConflict, JobError, JobNotFound, JobRefused, JobRegistry
+from backend.host import procs
+from backend.jobs.registry import JobBadParams, JobConflict, JobError, JobNotFound, JobRefused, JobRegistry
 from backend.protocol import GpuProcess, GpuSample
 from waiting import wait_for
 
@@ -300,7 +300,7 @@ def test_stop_confirms_gpu_memory_is_released(registry, sticky):
 
 
 def test_tail_lines_is_bounded_and_treats_carriage_returns_as_line_ends(tmp_path):
-    from backend.jobs import TAIL_LINE_SHOWN, tail_lines
+    from backend.jobs.registry import TAIL_LINE_SHOWN, tail_lines
 
     log = tmp_path / "progress.log"
     with open(log, "wb") as handle:
@@ -318,7 +318,7 @@ def test_tail_lines_is_bounded_and_treats_carriage_returns_as_line_ends(tmp_path
 
 def test_an_older_jobs_db_gains_the_node_columns_and_keeps_its_records(tmp_path):
     """A jobs.db written before multi-node jobs: opened, migrated in place, its records listed with no node."""
-    from backend.jobs import SCHEMA
+    from backend.jobs.registry import SCHEMA
 
     old_schema = SCHEMA
     for column in ("run_id TEXT", "node_rank INTEGER", "nnodes INTEGER", "rdzv_endpoint TEXT", "cgroup TEXT"):

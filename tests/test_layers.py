@@ -7,22 +7,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_PATH_MODULES = [
-    "backend.agent",
+    "backend.agent.server",
     "backend.protocol",
     "backend.layout",
     "backend.jsonl",
-    "backend.gpu",
-    "backend.jobs",
-    "backend.holders",
-    "backend.metrics",
-    "backend.metrics_scan",
-    "backend.metrics_index",
-    "backend.series_index",
-    "backend.signals",
+    "backend.host.gpu",
+    "backend.jobs.registry",
+    "backend.host.holders",
+    "backend.metrics.records",
+    "backend.metrics.scan",
+    "backend.metrics.index",
+    "backend.metrics.series",
+    "backend.metrics.signals",
     "backend.smoothing",
-    "backend.external",
-    "backend.datascale",
-    "backend.chain",
+    "backend.external.reader",
+    "backend.host.datascale",
+    "backend.chain.run",
     "backend.safetext",
 ]
 # backend.smoothing: the one EMA, so a curve the console smooths and a signal the agent computes agree (stdlib, no state).
@@ -77,7 +77,7 @@ def test_agent_path_imports_only_the_standard_library():
 def test_the_agent_loads_no_chain_training_or_serving_code():
     code = (
         "import sys, backend.agent\n"
-        "print(sorted(m for m in sys.modules if m == 'backend.chain' or m.startswith(('backend.train', 'backend.serve', 'backend.bench'))))\n"
+        "print(sorted(m for m in sys.modules if m == 'backend.chain.run' or m.startswith(('backend.train', 'backend.serve', 'backend.bench'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"the agent imported: {out.stdout}"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from backend.metrics import MetricsReader, MetricsRecordError, MetricsWriter, check_record, read_metrics, record_loss, series, validate_record
+from backend.metrics.records import MetricsReader, MetricsRecordError, MetricsWriter, check_record, read_metrics, record_loss, series, validate_record
 
 
 def strict_json(line: str):

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from backend.jsonl import MAX_LINE_BYTES, JsonlFollower, LineReader
-from backend.metrics import MetricsReader
-from backend.metrics_index import MetricsFeed, MetricsIndex
+from backend.metrics.records import MetricsReader
+from backend.metrics.index import MetricsFeed, MetricsIndex
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,7 @@ def test_reading_past_a_long_line_keeps_memory_bounded(tmp_path):
     with open(path, "ab") as handle:
         handle.write(b"\n" + line(1))
     script = (
-        "import json, re, sys\nfrom pathlib import Path\nfrom backend.metrics_index import MetricsFeed\n"
+        "import json, re, sys\nfrom pathlib import Path\nfrom backend.metrics.index import MetricsFeed\n"
         "feed = MetricsFeed(Path(sys.argv[1]), None, live_from_end=False)\nsteps = []\n"
         "for _ in range(100):\n    records, start, end = feed.poll_live()\n    steps += [r['step'] for r in records]\n"
         "    if start == end: break\n"

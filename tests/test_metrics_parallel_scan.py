@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from backend.jobs import JobRegistry
+from backend.jobs.registry import JobRegistry
 from backend.jsonl import MAX_LINE_BYTES, LineReader
-from backend.metrics import encode_nonfinite
-from backend.metrics_index import MetricsFeed
-from backend.metrics_scan import ChunkScanner
-from backend.metrics_parallel import WORKERS_ENV, ColdScan, backlog_step, plan_chunks, worker_count
+from backend.metrics.records import encode_nonfinite
+from backend.metrics.index import MetricsFeed
+from backend.metrics.scan import ChunkScanner
+from backend.metrics.parallel import WORKERS_ENV, ColdScan, backlog_step, plan_chunks, worker_count
 from test_series_index import trainer_record, val_record
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from backend import procs
+from backend.host import procs
 from backend.commands import NODE_ENV, data_dir_for, node_spec, profile_facts, torchrun_train_argv, train_argv
-from backend.jobs import JobRegistry, torchrun_failure
+from backend.jobs.registry import JobRegistry, torchrun_failure
 from backend.serve.http import free_port
 from backend.layout import heartbeat_path, list_checkpoints, rank_heartbeats
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from backend import procs
+from backend.host import procs
 
 
 def test_parse_stat_with_hostile_comm():

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backend.jobs import JobRegistry, read_exit_file
+from backend.jobs.registry import JobRegistry, read_exit_file
 from backend.serve import http
 from backend.serve.launch import canary_prompts, reference_argv, wait_ready
 
@@ -20,7 +20,7 @@ THREADS = {"OMP_NUM_THREADS": os.environ.get("EAGLE3_TEST_THREADS", "1")}
 
 def test_draft_is_required_with_speculation():
     out = subprocess.run(
-        [sys.executable, "-m", "backend.serve.reference_server", "--profile", "tiny", "--port", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "backend.serve.reference.server", "--profile", "tiny", "--port", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and "--draft is required" in out.stderr
 

@@ -12,7 +12,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from backend.serve import hf_tokenizer, http
+from backend.serve.reference import hf_tokenizer
+from backend.serve import http
 from backend.train.tiny import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, ByteTokenizer
 
 SAMPLES = [

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from backend.serve import http
-from backend.serve.reference_server import FLUSH_BODY
+from backend.serve.reference.server import FLUSH_BODY
 from tests.reference_fixtures import (
     MAX_BODY_BYTES,
     REQUEST_TIMEOUT_S,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from backend import durable
-from backend.jobs import JobRegistry, UnsafeRunDir
+from backend.jobs.registry import JobRegistry, UnsafeRunDir
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def test_records_survive_a_sigkill_of_the_writer_after_other_processes_used_the_
         f"""
         import subprocess, sys, threading
         sys.path.insert(0, {str(ROOT)!r})
-        from backend.jobs import JobRegistry
+        from backend.jobs.registry import JobRegistry
         reg = JobRegistry({str(run_dir)!r})
         reg.start_job("a", "other", ["sleep", "60"])
         threading.Thread(target=reg.list_jobs).start()
@@ -215,7 +215,7 @@ def add_finished(run_dir: Path, count: int) -> None:
 
 
 def test_old_finished_records_are_archived_not_lost_and_running_ones_stay(registry):
-    from backend.jobs import FINISHED_KEPT
+    from backend.jobs.registry import FINISHED_KEPT
 
     running = registry.start_job("still-running", "other", SLEEP)
     add_finished(registry.run_dir, FINISHED_KEPT + 50)
@@ -233,7 +233,7 @@ def test_old_finished_records_are_archived_not_lost_and_running_ones_stay(regist
 
 
 def test_a_log_whose_last_line_is_longer_than_the_tail_window_tails_as_that_line_cut(tmp_path):
-    from backend.jobs import TAIL_LINE_SHOWN, display_lines, tail_lines
+    from backend.jobs.registry import TAIL_LINE_SHOWN, display_lines, tail_lines
 
     log = tmp_path / "stdout.log"
     log.write_bytes(b"first line\n" + b"x" * (17 << 20))

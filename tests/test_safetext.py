@@ -278,7 +278,7 @@ def test_job_list_and_tail_print_hostile_job_text_inert(tmp_path):
     pipe too), `--json` stays exact JSON, `job tail` shows escapes on a terminal and copies the log exactly into a pipe."""
     started = host_process(tmp_path, "job", "start", "--name", "evil", "--", PY, "-c", "# torch.distributed.run\n" + FAKE_TORCHRUN, ALL)
     assert started.returncode == 0, started.stderr
-    from backend.jobs import JobRegistry
+    from backend.jobs.registry import JobRegistry
 
     registry = JobRegistry(tmp_path)
     deadline = time.monotonic() + 30

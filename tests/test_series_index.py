@@ -11,10 +11,10 @@ from typing import Any, Sequence
 
 import pytest
 
-from backend.metrics import MetricsWriter, normalize_record
-from backend.metrics_index import INDEX_FORMAT, MetricsFeed, MetricsIndex
-from backend.metrics_scan import ChunkScanner, points_of_records
-from backend.series_index import Series, bucket_start, first_bucket_from, query, query_cuts, row_of, to_bucket
+from backend.metrics.records import MetricsWriter, normalize_record
+from backend.metrics.index import INDEX_FORMAT, MetricsFeed, MetricsIndex
+from backend.metrics.scan import ChunkScanner, points_of_records
+from backend.metrics.series import Series, bucket_start, first_bucket_from, query, query_cuts, row_of, to_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"fc": 1.0, "midlayer": 2.0, "norm": 0.5, "lm_head": 3.0}
@@ -89,7 +89,7 @@ def brute_points(path: Path) -> dict[str, list[tuple[int, float]]]:
             records.append(clean)
     out: dict[str, list[tuple[int, float]]] = {}
     for record in records:
-        from backend.metrics_scan import record_points
+        from backend.metrics.scan import record_points
 
         for key, value in record_points(record):
             out.setdefault(key, []).append((record["step"], value))
@@ -300,7 +300,7 @@ def test_signal_records_cover_a_long_history_with_few_records(tmp_path):
     records = feed.index.signal_records()
     assert len(records) < 5_000
     assert records[-1]["step"] == 20_000 and any(r["split"] == "val" for r in records)
-    from backend.signals import compute_signals
+    from backend.metrics.signals import compute_signals
 
     signals = compute_signals(records)
     assert signals["n_val"] == 80 and signals["latest"]["train_loss"] is not None

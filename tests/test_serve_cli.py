@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from backend.cli import main
-from backend.jobs import JobRegistry
+from backend.jobs.registry import JobRegistry
 from backend.serve.canary import MEAN_OF_MEANS_LABEL, POOLED_LABEL, acceptance_lines, acceptance_report
 from backend.serve.cli import render
 from backend.serve.launch import LaunchResult

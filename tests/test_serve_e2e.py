@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from backend.jobs import JobRegistry
+from backend.jobs.registry import JobRegistry
 from backend.serve.launch import launch
 from backend.serve.preflight import resolve_draft_dir
 
@@ -125,7 +125,7 @@ def test_serve_dry_run_prints_argv_and_preflight(tmp_path, tiny_profile, trained
     )
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
-    assert body["argv"][1:3] == ["-m", "backend.serve.reference_server"]
+    assert body["argv"][1:3] == ["-m", "backend.serve.reference.server"]
     assert body["preflight"]["ok"] is True
     assert not (tmp_path / "run" / "jobs.db").exists()  # nothing started
     out = subprocess.run(

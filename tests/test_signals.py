@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from backend.signals import (
+from backend.metrics.signals import (
     LR_FLOOR_WARNING,
     GrokConfig,
     clip_fraction,

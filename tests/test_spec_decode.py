@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from backend.serve.spec_decode import SpecDecoder
+from backend.serve.reference.spec_decode import SpecDecoder
 from backend.train.draft import DraftModelConfig, Eagle3Draft, FeatureWidthError
 
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 259, 192

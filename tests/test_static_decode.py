@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from backend.serve.spec_decode import SpecDecoder
-from backend.serve.static_decode import ContextTooLong, StaticDecoder, StaticUnsupported, length_buckets
+from backend.serve.reference.spec_decode import SpecDecoder
+from backend.serve.reference.static_decode import ContextTooLong, StaticDecoder, StaticUnsupported, length_buckets
 from backend.train.draft import Eagle3Draft
 from tests.test_spec_decode import AUX, HIDDEN, VOCAB, constant_target, draft_config, draft_predicting, prompts, random_draft, random_target
 
@@ -183,7 +183,7 @@ def test_unsupported_targets_and_missing_draft_are_refused():
 
 
 def test_step_times_are_recorded_when_asked():
-    from backend.serve.static_decode import StepTimes
+    from backend.serve.reference.static_decode import StepTimes
 
     target = random_target()
     static = StaticDecoder(target, random_draft(target), AUX, num_steps=3, max_len=128)
@@ -234,7 +234,7 @@ def test_on_the_real_smollm2_static_equals_eager_in_float32():
 
 
 def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_profile, tmp_path):
-    from backend.serve.reference_server import Engine, GenerationSpec
+    from backend.serve.reference.server import Engine, GenerationSpec
     from tests.reference_fixtures import save_untrained_draft
 
     draft = str(save_untrained_draft(mini_profile, tmp_path / "run"))
@@ -299,7 +299,7 @@ def test_decode_speed_benchmark_runs_on_cpu_with_tiny_settings(mini_target_dir, 
 
 def test_the_device_option_reaches_the_reference_server_argv_and_only_that_engine(mini_profile):
     from backend.serve.launch import build_argv
-    from backend.serve.reference_server import parse_args
+    from backend.serve.reference.server import parse_args
 
     argv = build_argv(mini_profile, None, "reference", 8123, speculative=False, device="cuda:1")
     assert argv[argv.index("--device") + 1] == "cuda:1"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from backend import procs
-from backend.jobs import JOB_TOKEN_ENV, JobBadParams, JobRefused, JobRegistry
+from backend.host import procs
+from backend.jobs.registry import JOB_TOKEN_ENV, JobBadParams, JobRefused, JobRegistry
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def test_a_group_signal_never_reaches_a_stopper_in_the_group(registry, mode, tmp
     info = registry.start_job("grp", "other", [PY, "-c", code])
     member = int(wait_for(lambda: mark.exists() and mark.read_text(), what="the group member"))
     member_start = procs.start_time(member)
-    from backend import jobs
+    from backend.jobs import registry as jobs
 
     real = jobs.protected_pids
     monkeypatch.setattr(jobs, "protected_pids", lambda: real() | {member})  # as if that member ran this stop

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from backend.cli import main as cli_main
-from backend.metrics import validate_record
+from backend.metrics.records import validate_record
 from backend.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from backend.train.data import OnlineSource, Sample, TinyDataSettings, tiny_data_settings, tiny_samples
 from backend.train.draft import FeatureWidthError

@@ -88,7 +88,7 @@ def reference_argv(
     device: str | None = None,
 ) -> list[str]:
     """device: the reference server's --device (None: its default, auto = cuda:0 when CUDA is available)."""
-    argv = [sys.executable, "-m", "backend.serve.reference_server", "--profile", profile.source or profile.name, "--host", host, "--port", str(port)]
+    argv = [sys.executable, "-m", "backend.serve.reference.server", "--profile", profile.source or profile.name, "--host", host, "--port", str(port)]
     if device is not None:
         argv += ["--device", device]
     if speculative:
@@ -187,10 +187,10 @@ def server_mismatches(info: dict[str, Any], expected: dict[str, Any]) -> list[st
 
 
 def gpu_release_check(pids: list[int]) -> dict[str, Any]:
-    """After a server exited: does any of its processes still hold a GPU? (backend.holders when usable)."""
+    """After a server exited: does any of its processes still hold a GPU? (backend.host.holders when usable)."""
     try:
-        from backend.gpu import open_gpu_source
-        from backend.holders import list_holders
+        from backend.host.gpu import open_gpu_source
+        from backend.host.holders import list_holders
     except ImportError as exc:
         return {"checked": False, "note": f"GPU holder check unavailable: {exc}"}
     try:
@@ -320,7 +320,7 @@ def _start_and_wait(
     expected: dict[str, Any],
 ) -> LaunchResult:
     """Start the owned job, wait for health, read and check the server info; fills `result` in place."""
-    from backend.jobs import JobRegistry
+    from backend.jobs.registry import JobRegistry
 
     registry = JobRegistry(Path(run_dir or "~/.eagle3").expanduser())
     try:
@@ -385,7 +385,7 @@ def _job_exit_code(registry: Any, name: str) -> int | None:
 
 
 def _log_tail(job: dict[str, Any], lines: int = 30) -> list[str]:
-    from backend.jobs import tail_lines
+    from backend.jobs.registry import tail_lines
 
     tail: list[str] = []
     for key, label in (("stdout_path", "stdout"), ("stderr_path", "stderr")):

@@ -39,7 +39,7 @@ from backend.train.schedule import GrokfastEMA, LRSchedule
 from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
 
 if TYPE_CHECKING:
-    from backend.metrics import MetricsWriter
+    from backend.metrics.records import MetricsWriter
     from backend.train.chat_templates import ChatTemplate
 
 RUN_FILE = "run.json"
@@ -695,7 +695,7 @@ class Trainer:
     def _open_outputs(self, out_dir: Path, resume_dir: Path | None) -> None:
         if not self.ctx.is_main:
             return
-        from backend.metrics import MetricsWriter
+        from backend.metrics.records import MetricsWriter
 
         # On a full disk the writer keeps records in memory and retries; the job log says when it fails and recovers.
         self.metrics = MetricsWriter(out_dir / "metrics.jsonl", on_error=self.log)

@@ -16,7 +16,7 @@ from console.widgets.banner import ConnectionBanner
 from backend.safetext import visible
 from console.widgets.format import accept_length, duration, inert, inert_text, number, plain_cell
 
-# The chain's stages in order (backend/chain.py STAGES; the console may not import it).
+# The chain's stages in order (backend/chain/run.py STAGES; the console may not import it).
 CHAIN_STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
 STAGE_TITLES = {
     "stop": "stop training (checkpoint first)",

@@ -114,7 +114,7 @@ class StopAndBench:
     """The chain, one method per stage; run() drives them and turns exceptions into a failed stage."""
 
     def __init__(self, options: ChainOptions, on_stage: Callable[[dict[str, Any]], None] | None = None):
-        from backend.jobs import JobRegistry
+        from backend.jobs.registry import JobRegistry
 
         self.options = options
         self.registry = JobRegistry(options.run_dir)
@@ -182,7 +182,7 @@ class StopAndBench:
 
     # ------------------------------------------------------------------ stages
     def stop_training(self) -> tuple[str, Any]:
-        from backend.jobs import JobNotFound
+        from backend.jobs.registry import JobNotFound
         from backend.profiles import load_profile
 
         try:
@@ -210,7 +210,7 @@ class StopAndBench:
         return f"stopped {info.name!r}: {len(verdicts)} process(es), leader {how}", result
 
     def confirm_release(self) -> tuple[str, Any]:
-        from backend.holders import list_holders
+        from backend.host.holders import list_holders
 
         source = self._gpu_source()
         try:
@@ -368,6 +368,6 @@ class StopAndBench:
 
     @staticmethod
     def _gpu_source():
-        from backend.gpu import open_gpu_source
+        from backend.host.gpu import open_gpu_source
 
         return open_gpu_source(stream=False)

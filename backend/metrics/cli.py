@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backend.metrics_index import MetricsFeed
+from backend.metrics.index import MetricsFeed
 from backend.protocol import INDEX_FILENAME, METRICS_FILENAME
 from backend.safetext import say, visible
 
@@ -37,7 +37,7 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
 def metrics_path(args) -> Path:
     if args.file is not None:
         return args.file
-    from backend.jobs import JobError, JobRegistry
+    from backend.jobs.registry import JobError, JobRegistry
 
     registry = JobRegistry(args.run_dir)
     try:

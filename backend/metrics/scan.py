@@ -3,7 +3,7 @@
 Standard library only. The scan learns the shape of the trainer's train lines (key order, list and module
 names) and reads a chunk either by splitting it into tokens (every line of one shape: TokenShape) or with one
 regular expression per learned shape, converting only the values the index keeps; every line that fits no
-shape (val records, other writers, odd values) goes through json.loads and backend.metrics.normalize_record,
+shape (val records, other writers, odd values) goes through json.loads and backend.metrics.records.normalize_record,
 the one decoder of the file's encoding. Both paths give
 the same points, which tests/test_series_index.py checks against a plain pass.
 """
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.metrics import NONNEGATIVE_KEYS, normalize_record, record_loss
+from backend.metrics.records import NONNEGATIVE_KEYS, normalize_record, record_loss
 
 # Train records: the scalars the screens plot, acc[0] for the train/val accuracy gap, per-module weight norms.
 TRAIN_SCALARS = {"loss": "train.loss", "lr": "lr", "grad_norm": "grad_norm", "weight_norm": "weight_norm", "step_time": "step_time", "tokens": "tokens"}
@@ -43,7 +43,7 @@ _SKIP_SCALAR = rb"[^,{}\[\]\"\n]+"
 
 
 def record_points(record: dict[str, Any]) -> list[tuple[str, float]]:
-    """(series key, value) pairs of one cleaned record (backend.metrics.normalize_record's output)."""
+    """(series key, value) pairs of one cleaned record (backend.metrics.records.normalize_record's output)."""
     split = record.get("split")
     out: list[tuple[str, float]] = []
     loss = record_loss(record)
@@ -172,7 +172,7 @@ def _part_for(key: str, value: Any) -> tuple[bytes | None, list[str]]:
 class ChunkScanner:
     """Scans chunks of complete lines. Each chunk learns its own shapes from its own first lines, so a chunk's
     result depends on its bytes alone, never on the chunks scanned before it: a worker process that starts at
-    any chunk reads it exactly as one process reading the file from its start does (backend.metrics_parallel).
+    any chunk reads it exactly as one process reading the file from its start does (backend.metrics.parallel).
     `tokens` and `shapes` are what the last chunk used."""
 
     def __init__(self) -> None:

@@ -10,7 +10,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from backend import procs
+from backend.host import procs
 from backend.protocol import GpuHolder, GpuSample, to_dict
 
 DEVICE_GLOB = "/dev/nvidia*"

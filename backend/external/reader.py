@@ -1,7 +1,7 @@
 """Read-only watching of runs this tool did not start: TensorBoard event files and SpecForge logs -> records.
 
 Standard library only. Nothing here writes to the watched run. `ExternalRunReader(path).poll()` returns
-new cleaned records (backend.metrics.normalize_record) each time, resuming by byte offset per file:
+new cleaned records (backend.metrics.records.normalize_record) each time, resuming by byte offset per file:
 - a directory: every *tfevents* file under it (new files are picked up on later polls);
 - a file named *tfevents*: that event file;
 - any other file: a log, its format decided by its first lines (WATCH_FORMATS): a SpecForge console log
@@ -16,7 +16,7 @@ A `step S: {...}` line is whole records and is handed out at once. Otherwise val
 several events or lines. A (split, step) group is handed out when a later step shows up in the same source,
 or when a poll has read to the end of a source that has not grown since the previous poll: the newest step
 of a quiet run comes one poll late. If values of an already handed-out group arrive after that (a writer
-that paused mid-step), the group is handed out again, complete; series() in backend/metrics.py keeps the
+that paused mid-step), the group is handed out again, complete; series() in backend/metrics/records.py keeps the
 latest record per step.
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterator, NamedTuple, overload
 
 from backend.jsonl import read_complete_lines
-from backend.metrics import LIST_KEYS, NONNEGATIVE_KEYS, PLOSS_DECAY, SCALAR_KEYS, SPLITS, normalize_record
+from backend.metrics.records import LIST_KEYS, NONNEGATIVE_KEYS, PLOSS_DECAY, SCALAR_KEYS, SPLITS, normalize_record
 
 # ---------------------------------------------------------------- CRC32C (Castagnoli), for TFRecord framing
 

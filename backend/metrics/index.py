@@ -1,11 +1,11 @@
 """One run's metrics summary: the series index fed from metrics.jsonl (fast backlog scan, live records), its sidecar, the val and recent records.
 
 Standard library only. `MetricsIndex` holds what the console asks about a run without touching the raw
-file: per-series buckets (backend.series_index), the val records (the accuracy table, grokking evals), the
+file: per-series buckets (backend.metrics.series), the val records (the accuracy table, grokking evals), the
 latest train records (the signals' recent window) and counts. `MetricsFeed` ties one to a metrics.jsonl:
 records the agent streams live are folded as they pass; a backlog (a file the agent never saw, or saw only
 in part) is scanned in bounded chunks by `index_step()`, which the agent runs on a background thread while
-live records keep flowing; a large one by worker processes over the same chunks (backend.metrics_parallel). The sidecar `metrics.index` beside the file is a rebuildable cache: it is trusted
+live records keep flowing; a large one by worker processes over the same chunks (backend.metrics.parallel). The sidecar `metrics.index` beside the file is a rebuildable cache: it is trusted
 only when its format, the file's first bytes and the file's size still agree, and rebuilt otherwise.
 """
 
@@ -23,8 +23,8 @@ from typing import Any, Iterable
 
 from backend.durable import write_atomic
 from backend.jsonl import MAX_LINE_BYTES, LineReader, describe_dropped
-from backend.metrics_scan import ChunkScanner, ScanResult, decode_line, points_of_records
-from backend.series_index import Level, Series, query
+from backend.metrics.scan import ChunkScanner, ScanResult, decode_line, points_of_records
+from backend.metrics.series import Level, Series, query
 
 INDEX_FORMAT = 4
 HEAD_BYTES = 4096
@@ -116,7 +116,7 @@ class MetricsIndex:
         return list(self.val_records)[-count:]
 
     def signal_records(self, coarse_points: int = 2000) -> list[dict[str, Any]]:
-        """Records for backend.signals: older train history as bucket means (log-spaced), then the recent raw train
+        """Records for backend.metrics.signals: older train history as bucket means (log-spaced), then the recent raw train
         records and every kept val record, in step order."""
         recent = list(self.recent_train)
         synthetic = self._coarse_train(recent[0]["step"] - 1 if recent else None, coarse_points)
@@ -214,7 +214,7 @@ class MetricsFeed:
         self.scanner = ChunkScanner()
         self.live_lines = LineReader()  # one reader per offset: each remembers the over-cap line it is reading past
         self.index_lines = LineReader()
-        self.cold_scan: Any = None  # a backend.metrics_parallel.ColdScan while worker processes scan the backlog
+        self.cold_scan: Any = None  # a backend.metrics.parallel.ColdScan while worker processes scan the backlog
         self.sidecar_note = ""
         self.saved_version = -1
         self.head_length = 0
@@ -303,7 +303,7 @@ class MetricsFeed:
     def index_step(self, max_bytes: int = INDEX_STEP_BYTES) -> bool:
         """Scan up to max_bytes of the backlog; True while backlog remains (or worker processes are scanning it)."""
         if self.cold_scan is not None:
-            return True  # backend.metrics_parallel.backlog_step merges the workers' ranges, then scans on here
+            return True  # backend.metrics.parallel.backlog_step merges the workers' ranges, then scans on here
         with self.lock:
             start, stop = self.indexed_offset, self.live_offset
             if start >= stop:

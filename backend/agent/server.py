@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from backend import holders as holders_mod
-from backend.disk import dir_size, disks_for
-from backend.gpu import GpuSource, driver_state, open_gpu_source
-from backend.jobs import TAIL_LINE_SHOWN, TERMINAL, JobError, JobNotFound, JobRecord, JobRegistry, UnsafeRunDir, display_lines, tail_lines
+from backend.host import holders as holders_mod
+from backend.host.disk import dir_size, disks_for
+from backend.host.gpu import GpuSource, driver_state, open_gpu_source
+from backend.jobs.registry import TAIL_LINE_SHOWN, TERMINAL, JobError, JobNotFound, JobRecord, JobRegistry, UnsafeRunDir, display_lines, tail_lines
 from backend.jsonl import JsonlFollower, read_complete_lines
 from backend.layout import STALL_AFTER_S, checkpoint_listing, default_data_dir, latest_checkpoint, list_results
-from backend.metrics import MetricsReader
-from backend.metrics_index import MetricsFeed, MetricsIndex
-from backend.metrics_parallel import backlog_step, close_scan
+from backend.metrics.records import MetricsReader
+from backend.metrics.index import MetricsFeed, MetricsIndex
+from backend.metrics.parallel import backlog_step, close_scan
 from backend.protocol import (
     INDEX_FILENAME,
     METRICS_FILENAME,
@@ -74,7 +74,7 @@ class BadParams(Exception):
 
 
 class Unavailable(Exception):
-    """An optional module (backend.signals, backend.external) is not part of this build."""
+    """An optional module (backend.metrics.signals, backend.external.reader) is not part of this build."""
 
 
 def param(message: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ..., choices: tuple | None = None) -> Any:
@@ -783,7 +783,7 @@ class Agent:
     def _signals(self, message: dict) -> Any:
         """Grokking signals from the run's index (no re-read of metrics.jsonl), recomputed only when it changed."""
         name = param(message, "name", str)
-        module = _optional_module("backend.signals", "grokking/health signals")
+        module = _optional_module("backend.metrics.signals", "grokking/health signals")
         source = self._source(name)
         cached = source.cache.get("signals")
         if cached is not None and cached[0] == source.index.version:
@@ -801,7 +801,7 @@ class Agent:
         name = param(message, "name", str)
         path = param(message, "path", str)
         line_format = param(message, "line_format", str, None)
-        module = _optional_module("backend.external", "watching external runs")
+        module = _optional_module("backend.external.reader", "watching external runs")
         try:
             reader = module.ExternalRunReader(path, line_format=line_format or None)
         except (OSError, ValueError, RuntimeError) as exc:
@@ -811,7 +811,7 @@ class Agent:
         return {"job": job, "format": reader.format, "warning": reader.warning}
 
     def _data_scaling(self, message: dict) -> dict:
-        from backend.datascale import data_scaling
+        from backend.host.datascale import data_scaling
 
         shape = param(message, "shape", dict, None)
         try:
@@ -922,7 +922,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agent: --stall-after must be in (0, {STALL_AFTER_MAX_S:g}] seconds", file=sys.stderr)
         return 2
     return run_agent(args.run_dir, args.interval, args.data_dir, args.stall_after)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
-from backend.metrics import series
+from backend.metrics.records import series
 from backend.smoothing import debiased_ema, is_finite
 
 LR_FLOOR_WARNING = "a cosine run that decayed to ~0 LR cannot grok; resume with a constant LR"
@@ -482,7 +482,7 @@ def _per_position(view: RunView, cfg: GrokConfig) -> list[dict[str, Any]]:
 def compute_signals(
     records: Iterable[dict[str, Any]], *, window: int = 8, clip: float = 0.5, num_steps: int | None = None, config: GrokConfig | None = None
 ) -> dict[str, Any]:
-    """All signals of the Grokking screen from cleaned metrics records (backend.metrics), as a JSON-able dict.
+    """All signals of the Grokking screen from cleaned metrics records (backend.metrics.records), as a JSON-able dict.
 
     window: val evals per slope window (and points per LR-floor / weight-norm window); clip: the run's
     grad-clip threshold; num_steps: served chain length for τ̂ (None: every TTT position).

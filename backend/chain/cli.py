@@ -81,7 +81,7 @@ def _print_stage(record: dict, as_json: bool) -> None:
 
 
 def handle_stop_and_bench(args) -> int:
-    from backend.chain import ChainOptions, StopAndBench
+    from backend.chain.run import ChainOptions, StopAndBench
 
     options = ChainOptions(
         job=args.job,
@@ -112,7 +112,7 @@ def handle_stop_and_bench(args) -> int:
 
 
 def handle_grok(args) -> int:
-    from backend.jobs import JobError, JobRegistry
+    from backend.jobs.registry import JobError, JobRegistry
     from backend.serve.preflight import resolve_draft_dir
 
     checkpoint = resolve_draft_dir(args.checkpoint.expanduser())
@@ -138,7 +138,7 @@ def handle_grok(args) -> int:
 
 def handle_data_scaling(args) -> int:
     from backend.commands import data_dir_for, profile_shape
-    from backend.datascale import data_scaling
+    from backend.host.datascale import data_scaling
     from backend.profiles import ProfileError, load_profile
 
     try:
@@ -162,7 +162,7 @@ def handle_data_scaling(args) -> int:
 
 def handle_results(args) -> int:
     from backend.layout import list_results
-    from backend.jobs import JobNotFound, JobRegistry
+    from backend.jobs.registry import JobNotFound, JobRegistry
 
     try:
         record = JobRegistry(Path(args.run_dir).expanduser()).get(args.job)

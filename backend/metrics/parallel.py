@@ -1,7 +1,7 @@
 """The cold backlog scan on worker processes: a metrics.jsonl cut into ranges of whole chunks, merged in order into the one-process index, bit for bit.
 
 Standard library only (the agent path). `MetricsFeed.index_step()` reads a backlog one chunk at a time: a
-LineReader read of up to INDEX_STEP_BYTES ending at a line end, scanned (backend.metrics_scan, whose result
+LineReader read of up to INDEX_STEP_BYTES ending at a line end, scanned (backend.metrics.scan, whose result
 depends on the chunk's bytes alone) and folded into the series as partial buckets. Float sums depend on how
 the points are grouped, so the parallel scan keeps the very same chunks: `plan_chunks` finds where each of
 those reads would end by peeking at the last bytes before each chunk's limit (a few KiB per chunk, not the
@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from backend.jsonl import LineReader
-from backend.metrics_index import INDEX_STEP_BYTES, MetricsFeed, MetricsIndex
-from backend.metrics_scan import ChunkScanner
-from backend.series_index import FIELDS, column_rows
+from backend.metrics.index import INDEX_STEP_BYTES, MetricsFeed, MetricsIndex
+from backend.metrics.scan import ChunkScanner
+from backend.metrics.series import FIELDS, column_rows
 
 if TYPE_CHECKING:
     from concurrent.futures import ProcessPoolExecutor

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from backend import procs
+from backend.host import procs
 from backend.layout import STALL_AFTER_S
 from backend.protocol import to_dict
 from backend.safetext import say, visible
@@ -126,7 +126,7 @@ def _mib(value: float | None) -> str:
 
 
 def _registry(args):
-    from backend.jobs import JobRegistry
+    from backend.jobs.registry import JobRegistry
 
     return JobRegistry(args.run_dir)
 
@@ -135,7 +135,7 @@ def _job_errors(handler):
     """JobError -> message on stderr; exit 2 for bad parameters and a start refused for want of disk space, 1 for other failures."""
 
     def wrapped(args) -> int:
-        from backend.jobs import JobBadParams, JobError, JobNoSpace
+        from backend.jobs.registry import JobBadParams, JobError, JobNoSpace
 
         try:
             return handler(args)
@@ -152,7 +152,7 @@ def _job_errors(handler):
 
 
 def cmd_gpus(args) -> int:
-    from backend.gpu import GpuParseError, driver_state, open_gpu_source
+    from backend.host.gpu import GpuParseError, driver_state, open_gpu_source
 
     source = open_gpu_source(stream=False)
     try:
@@ -194,8 +194,8 @@ def _unit(value: float | None, unit: str) -> str:
 
 
 def cmd_holders(args) -> int:
-    from backend.gpu import open_gpu_source
-    from backend.holders import FuserOutputError, list_holders
+    from backend.host.gpu import open_gpu_source
+    from backend.host.holders import FuserOutputError, list_holders
 
     registry = _registry(args)
     source = open_gpu_source(stream=False)
@@ -256,7 +256,7 @@ def _node_arg(values: list[str] | None) -> dict[str, Any] | None:
     if values is None:
         return None
     run_id, node_rank, nnodes, endpoint = values
-    from backend.jobs import JobBadParams
+    from backend.jobs.registry import JobBadParams
 
     if not (node_rank.isdigit() and nnodes.isdigit()):
         raise JobBadParams(f"--node: NODE_RANK {node_rank!r} and NNODES {nnodes!r} must be whole numbers; nothing was started")
@@ -318,8 +318,8 @@ def _node_column(record) -> str:
 
 
 def _plan_foreign(registry) -> list[dict]:
-    from backend.gpu import open_gpu_source
-    from backend.holders import list_holders
+    from backend.host.gpu import open_gpu_source
+    from backend.host.holders import list_holders
 
     source = open_gpu_source(stream=False)
     try:
@@ -356,7 +356,7 @@ def print_plan(plan) -> None:
 
 @_job_errors
 def cmd_job_stop(args) -> int:
-    from backend.gpu import open_gpu_source
+    from backend.host.gpu import open_gpu_source
 
     if not math.isfinite(args.grace) or args.grace < 0:
         return fail(f"--grace {args.grace}: expected a finite number of seconds >= 0; nothing was signalled", 2)
@@ -412,7 +412,7 @@ def cmd_job_adopt(args) -> int:
 
 @_job_errors
 def cmd_job_tail(args) -> int:
-    from backend.jobs import tail_lines
+    from backend.jobs.registry import tail_lines
 
     if args.n < 0:
         return fail("-n must be >= 0", 2)
@@ -429,7 +429,7 @@ def cmd_job_tail(args) -> int:
 
 
 def cmd_agent(args) -> int:
-    from backend.agent import run_agent
+    from backend.agent.server import run_agent
 
     if args.interval <= 0:
         return fail("--interval must be > 0", 2)

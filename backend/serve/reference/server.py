@@ -1,6 +1,6 @@
 """Reference engine: an HTTP server speaking SGLang 0.5.23's wire format over the project's own speculative decoder.
 
-python -m backend.serve.reference_server --profile P --draft DIR --port N [--host 127.0.0.1]
+python -m backend.serve.reference.server --profile P --draft DIR --port N [--host 127.0.0.1]
        [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--served-model-name NAME]
        [--device auto|cpu|cuda[:N]] [--static-cache] [--compile-steps]
        [--max-body-bytes B] [--request-timeout S] [--header-timeout S] [--max-connections N] [--max-waiting N]
@@ -38,8 +38,8 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
 
-from backend.serve import hf_tokenizer, openai_api, serving_metrics
-from backend.serve.openai_api import OpenAIRequestError
+from backend.serve.reference import hf_tokenizer, openai_api, serving_metrics
+from backend.serve.reference.openai_api import OpenAIRequestError
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -198,7 +198,7 @@ def correct_drafts_histogram(accepted_per_round: list[int]) -> list[int]:
 
 def streaming_decoder_class(base: type | None = None):
     """`base` (SpecDecoder, or StaticDecoder) whose stop rules (stop ids, stop strings) are set per request and which reports each emission."""
-    from backend.serve.spec_decode import SpecDecoder
+    from backend.serve.reference.spec_decode import SpecDecoder
 
     class StreamingDecoder(base or SpecDecoder):  # type: ignore[misc]
         on_emit: Callable[[Any], None] | None = None
@@ -337,7 +337,7 @@ class Engine:
         """The static-cache decoder when asked (the default on CUDA) and the target is one it runs; else the eager one."""
         self.decoder_kind = "eager"
         if static_cache:
-            from backend.serve.static_decode import StaticDecoder, StaticUnsupported
+            from backend.serve.reference.static_decode import StaticDecoder, StaticUnsupported
 
             try:
                 # + one verify's width: the server admits prompt + max_new_tokens <= context_len, a verify writes num_steps more
@@ -1678,7 +1678,7 @@ def server_info(profile, args, engine_path: str) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m backend.serve.reference_server", description="SGLang-compatible HTTP server over the project's speculative decoder"
+        prog="python -m backend.serve.reference.server", description="SGLang-compatible HTTP server over the project's speculative decoder"
     )
     parser.add_argument("--profile", required=True)
     parser.add_argument("--draft", help="draft checkpoint dir (required unless --no-speculation)")

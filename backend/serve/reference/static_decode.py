@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from backend.serve.spec_decode import NO_DRAFT, GenerateResult, SpecDecoder
+from backend.serve.reference.spec_decode import NO_DRAFT, GenerateResult, SpecDecoder
 from backend.train.draft import Eagle3Draft, rotate_half
 
 MIN_BUCKET = 256  # smallest cache prefix a step attends over; prefixes double up to max_len

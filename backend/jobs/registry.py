@@ -1,6 +1,6 @@
 """Owned jobs: the SQLite registry at run_dir/jobs.db, starting through a watcher, reaping, stop plans and identity-checked stops.
 
-How a job runs (why there is a watcher): the agent or CLI spawns `python -m backend.jobs watch JOB_DIR -- CMD...`
+How a job runs (why there is a watcher): the agent or CLI spawns `python -m backend.jobs.registry watch JOB_DIR -- CMD...`
 in a new session. The watcher starts CMD in another new session, so CMD is the job's leader (its pid is the
 job pid, pgid and session id), writes leader.json, then waits for CMD and writes its exit status to the
 `exit_code` file (negative = killed by that signal). The watcher is outside the job's process group, so
@@ -41,7 +41,8 @@ from stat import S_ISDIR, S_ISREG
 from typing import Any, Callable, Iterable, Iterator, TypeGuard
 from urllib.parse import quote
 
-from backend import durable, procs
+from backend import durable
+from backend.host import procs
 from backend.commands import NODE_ENV, check_node, node_argv_conflicts
 from backend.layout import rank_heartbeats
 from backend.protocol import ErrorCode, JobInfo, ProcessVerdict, StopPlan, to_dict
@@ -74,7 +75,7 @@ NODE_COLUMNS = ("run_id", "node_rank", "nnodes", "rdzv_endpoint")  # a multi-nod
 FAILURE_TAIL_LINES = 400  # stderr lines read for torchrun's failure summary when a distributed job fails
 PRIVATE_FILE = 0o600  # argv and logs may carry tokens
 PRIVATE_DIR = 0o700
-PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -209,7 +210,7 @@ class Discovery:
 # The watcher is standard library only: -I (no PYTHON* variables, no user site, no script dir or cwd on sys.path),
 # and the backend is imported from where this file lies, whatever the cwd: a `backend/` planted in a directory
 # another user can write is never imported by root.
-WATCHER_BOOT = f"import sys; sys.path.insert(0, {PACKAGE_PARENT!r}); from backend.jobs import main; sys.exit(main(sys.argv[1:]))"
+WATCHER_BOOT = f"import sys; sys.path.insert(0, {PACKAGE_PARENT!r}); from backend.jobs.registry import main; sys.exit(main(sys.argv[1:]))"
 # Our own Python commands keep PYTHONPATH and site-packages (torch lives there) but never put the cwd or the
 # script's directory first on sys.path: -P on Python >= 3.11, the same by hand on 3.10; PYTHONSAFEPATH=1 in
 # their environment carries it to every Python they start (torchrun's workers).
@@ -1778,7 +1779,7 @@ def _reap_all(child: subprocess.Popen, job_dir: Path) -> tuple[int, bool]:
 def main(argv: list[str]) -> int:
     if len(argv) >= 4 and argv[0] == "watch" and argv[2] == "--":
         return watch(Path(argv[1]), argv[3:])
-    print("usage: python -m backend.jobs watch JOB_DIR -- CMD [ARGS...]  (started by JobRegistry.start_job)", file=sys.stderr)
+    print("usage: python -m backend.jobs.registry watch JOB_DIR -- CMD [ARGS...]  (started by JobRegistry.start_job)", file=sys.stderr)
     return 2
 
 

@@ -1,0 +1,1 @@
+"""The chains the console's keys run: stop & bench, grokking runs, data scaling."""
