@@ -9,7 +9,11 @@ from tensorboard.compat.proto import summary_pb2, tensor_pb2, types_pb2
 from tensorboard.compat.tensorflow_stub import pywrap_tensorflow as tb_crc
 from torch.utils.tensorboard import SummaryWriter
 
-from backend.external.reader import ExternalRunReader, TFRecordFollower, crc32c, map_tag, masked_crc32c, parse_event, parse_step_dict, plainly_clean
+from backend.external.reader import ExternalRunReader, plainly_clean
+from backend.external.specforge_log import parse_step_dict
+from backend.external.tags import map_tag
+from backend.external.tfevent import parse_event
+from backend.external.tfrecord import TFRecordFollower, crc32c, masked_crc32c
 from backend.metrics.records import check_record, normalize_record
 from backend.metrics.signals import estimate_tau
 

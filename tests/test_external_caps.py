@@ -10,7 +10,8 @@ from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
 
-from backend.external.reader import MAX_RECORD_BYTES, ExternalRunReader, TFRecordFollower, masked_crc32c
+from backend.external.reader import ExternalRunReader
+from backend.external.tfrecord import MAX_RECORD_BYTES, TFRecordFollower, masked_crc32c
 
 ROOT = Path(__file__).resolve().parents[1]
 
