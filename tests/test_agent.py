@@ -1,6 +1,5 @@
 """The agent over a real subprocess: hello, telemetry, jobs, metrics streaming, stop while streaming, malformed input, EOF."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -208,21 +207,14 @@ def test_malformed_input_gets_errors_and_the_agent_keeps_answering(agent):
     assert agent.proc.poll() is None and agent.bad_lines == []
 
 
-def test_optional_modules(agent, tmp_path):
+def test_signals_and_watch_external_answer_over_the_wire(agent, tmp_path):
+    """A job with no records yet has signals; a directory is watched as TensorBoard; a missing path is a bad param."""
     agent.wait(lambda m: m["type"] == "hello")
     agent.ok("start_job", name="quiet", kind="other", argv=["true"])
-    _, reply = agent.request("signals", name="quiet")
-    if importlib.util.find_spec("backend.metrics.signals") is None:
-        assert reply["ok"] is False and "not part of this build" in reply["error"]["message"]
-    else:
-        assert reply["ok"] is True and isinstance(reply["result"], dict)
-    _, reply = agent.request("watch_external", name="sf", path=str(tmp_path))
-    if importlib.util.find_spec("backend.external.reader") is None:
-        assert reply["ok"] is False and "not part of this build" in reply["error"]["message"]
-    else:
-        assert reply["result"] == {"job": "ext:sf", "format": "tensorboard", "warning": None}
-        _, missing = agent.request("watch_external", name="gone", path=str(tmp_path / "nope"))
-        assert missing["error"]["code"] == "bad_params" and missing["error"]["message"].startswith("path:")
+    assert isinstance(agent.ok("signals", name="quiet"), dict)
+    assert agent.ok("watch_external", name="sf", path=str(tmp_path)) == {"job": "ext:sf", "format": "tensorboard", "warning": None}
+    _, missing = agent.request("watch_external", name="gone", path=str(tmp_path / "nope"))
+    assert missing["error"]["code"] == "bad_params" and missing["error"]["message"].startswith("path:")
     assert agent.ok("ping")["pong"] is True
 
 

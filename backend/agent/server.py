@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.metadata
 import json
 import os
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
+from backend.external.reader import ExternalRunReader
 from backend.host import holders as holders_mod
 from backend.host.disk import dir_size, disks_for
 from backend.host.gpu import GpuSource, driver_state, open_gpu_source
@@ -28,6 +28,7 @@ from backend.layout import STALL_AFTER_S, checkpoint_listing, default_data_dir, 
 from backend.metrics.records import MetricsReader
 from backend.metrics.index import MetricsFeed, MetricsIndex
 from backend.metrics.parallel import backlog_step, close_scan
+from backend.metrics.signals import compute_signals
 from backend.protocol import (
     INDEX_FILENAME,
     METRICS_FILENAME,
@@ -71,10 +72,6 @@ class BadParams(Exception):
     def __init__(self, param: str, problem: str):
         super().__init__(f"{param}: {problem}")
         self.param = param
-
-
-class Unavailable(Exception):
-    """An optional module (backend.metrics.signals, backend.external.reader) is not part of this build."""
 
 
 def param(message: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ..., choices: tuple | None = None) -> Any:
@@ -572,8 +569,6 @@ class Agent:
             reply = reply_error(request_id, ErrorCode.BAD_PARAMS, str(exc))
         except JobError as exc:
             reply = reply_error(request_id, exc.code, str(exc))
-        except Unavailable as exc:
-            reply = reply_error(request_id, ErrorCode.INTERNAL, str(exc))
         except Exception as exc:
             print(f"agent: {message['type']} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             reply = reply_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -783,7 +778,6 @@ class Agent:
     def _signals(self, message: dict) -> Any:
         """Grokking signals from the run's index (no re-read of metrics.jsonl), recomputed only when it changed."""
         name = param(message, "name", str)
-        module = _optional_module("backend.metrics.signals", "grokking/health signals")
         source = self._source(name)
         cached = source.cache.get("signals")
         if cached is not None and cached[0] == source.index.version:
@@ -792,7 +786,7 @@ class Agent:
             version = source.index.version
             records = source.index.signal_records()
             total = source.index.total_records
-        signals = module.compute_signals(records)
+        signals = compute_signals(records)
         signals["n_records"] = total
         source.cache["signals"] = (version, signals)
         return signals
@@ -801,9 +795,8 @@ class Agent:
         name = param(message, "name", str)
         path = param(message, "path", str)
         line_format = param(message, "line_format", str, None)
-        module = _optional_module("backend.external.reader", "watching external runs")
         try:
-            reader = module.ExternalRunReader(path, line_format=line_format or None)
+            reader = ExternalRunReader(path, line_format=line_format or None)
         except (OSError, ValueError, RuntimeError) as exc:
             raise BadParams("path", f"{path!r} cannot be watched: {exc}") from None
         job = f"ext:{name}"
@@ -845,15 +838,6 @@ def _filesystem(path: Path) -> int | None:
         return path.stat().st_dev
     except OSError:
         return None
-
-
-def _optional_module(name: str, purpose: str):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name == name:
-            raise Unavailable(f"{name} is not part of this build, so {purpose} are unavailable on this host") from None
-        raise
 
 
 def _id_of(line: bytes) -> Any:
