@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from backend.bench import client, results
-from backend.bench.client import PromptFileError, load_prompts, percentile
+from backend.bench.client import percentile
 from backend.jobs.registry import JobRegistry
 from backend.serve.launch import launch
 from backend.serve.preflight import resolve_draft_dir
+from backend.serve.prompts import PromptFileError, load_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,9 +12,9 @@ from backend.serve.canary import (
     REPRODUCE_RATIO,
     feature_mismatch,
     judge,
-    tau_hat,
     zero_acceptance_ceiling,
 )
+from backend.serve.acceptance import tau_hat
 
 EAGLE3 = {"speculative_algorithm": "EAGLE3"}
 GOOD_FEATURES = {"feature_width": 384, "expected_feature_width": 384, "feature_source": "aux", "fc_applied": True}
@@ -132,7 +132,7 @@ def test_zero_acceptance_with_few_verify_steps_is_never_green():
 
 # --- per-position acceptance from spec_correct_drafts_histogram -------------------------------------------------
 
-from backend.serve.canary import (  # noqa: E402
+from backend.serve.acceptance import (  # noqa: E402
     BREAK_ABS_TOL,
     MIN_STEPS_AT_POSITION,
     acceptance_lines,

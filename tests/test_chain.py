@@ -72,6 +72,7 @@ def stubbed_chain(tmp_path: Path, monkeypatch, accept_length: float, val_acc: li
     from backend.profiles import load_profile
     from backend.serve import canary as canary_mod
     from backend.serve import launch as launch_mod
+    from backend.serve.acceptance import tau_hat
 
     chain = StopAndBench(ChainOptions(job="train-x", run_dir=tmp_path / "run", stages_path=tmp_path / STAGES_FILENAME))
     chain.profile = load_profile("tiny")
@@ -81,7 +82,7 @@ def stubbed_chain(tmp_path: Path, monkeypatch, accept_length: float, val_acc: li
     monkeypatch.setattr(
         canary_mod,
         "run_canary",
-        lambda url, prompts, *, num_steps, val_acc, **_: judged_canary(canary_mod, accept_length, canary_mod.tau_hat(val_acc, num_steps)),
+        lambda url, prompts, *, num_steps, val_acc, **_: judged_canary(canary_mod, accept_length, tau_hat(val_acc, num_steps)),
     )
 
     def launched():
@@ -209,6 +210,7 @@ def test_stop_and_bench_end_to_end_on_tiny(trained_tiny_run, tmp_path):
 
 def test_the_saved_result_carries_per_position_acceptance_and_the_first_break(tmp_path, monkeypatch):
     from backend.serve import canary as canary_mod
+    from backend.serve.acceptance import acceptance_report
 
     chain, _ = stubbed_chain(tmp_path, monkeypatch, accept_length=3.6, val_acc=[0.825] * 7)
     real = canary_mod.run_canary
@@ -216,7 +218,7 @@ def test_the_saved_result_carries_per_position_acceptance_and_the_first_break(tm
     def with_histogram(url, prompts, *, num_steps, val_acc, **kw):
         outcome = real(url, prompts, num_steps=num_steps, val_acc=val_acc, **kw)  # the stub: a judged accept length
         # 200 steps: positions 0-1 as validation predicts, position 2 collapses
-        outcome.acceptance = canary_mod.acceptance_report([(720, 200, [35, 29, 110, 26])], num_steps, val_acc)
+        outcome.acceptance = acceptance_report([(720, 200, [35, 29, 110, 26])], num_steps, val_acc)
         outcome.accept_length_mean_of_request_means = outcome.acceptance["mean_of_request_means"]
         return outcome
 

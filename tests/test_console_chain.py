@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from backend.protocol import Request
-from backend.serve.canary import acceptance_report
+from backend.serve.acceptance import acceptance_report
 from console.app import build_app
 from backend.commands import chain_argv
 from console.screens.chain import ChainScreen, chain_outcome, result_panel_text, stage_elapsed

@@ -10,7 +10,7 @@ import json
 
 from backend.cli import main
 from backend.jobs.registry import JobRegistry
-from backend.serve.canary import MEAN_OF_MEANS_LABEL, POOLED_LABEL, acceptance_lines, acceptance_report
+from backend.serve.acceptance import MEAN_OF_MEANS_LABEL, POOLED_LABEL, acceptance_lines, acceptance_report
 from backend.serve.cli import render
 from backend.serve.launch import LaunchResult
 from backend.serve.preflight import problems_text

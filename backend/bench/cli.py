@@ -42,8 +42,9 @@ def register(subparsers, parent) -> None:
 
 async def run(args) -> dict:
     from backend.bench import client, results
+    from backend.serve.prompts import load_prompts
 
-    prompts = client.load_prompts(args.prompts, tag=args.tag, limit=args.num_prompts)
+    prompts = load_prompts(args.prompts, tag=args.tag, limit=args.num_prompts)
     if args.chat_template:
         prompts = client.templated(prompts, args.chat_template)
     started = time.time()
@@ -70,10 +71,11 @@ def handle_bench(args) -> int:
     import asyncio  # here, not at the top: every `eagle3-host` command builds this parser
 
     from backend.bench import client, results
+    from backend.serve.prompts import PromptFileError
 
     try:
         document = asyncio.run(run(args))
-    except (client.PromptFileError, client.TemplateError) as exc:
+    except (PromptFileError, client.TemplateError) as exc:
         print(f"bench: {exc}. Nothing was sent.", file=sys.stderr)
         return 2
     except ConnectionError as exc:

@@ -11,34 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backend.bench.client import LevelResult, PromptSet
-from backend.serve.canary import acceptance_lines, break_line, compare_with_validation, tau_hat
+from backend.bench.client import LevelResult
+from backend.serve.acceptance import acceptance_lines, break_line, compare_with_validation, tau_hat
+from backend.serve.launch import server_summary
+from backend.serve.prompts import PromptSet
 
 SCHEMA = 1
-SERVER_INFO_KEYS = (
-    "model_path",
-    "speculative_algorithm",
-    "speculative_draft_model_path",
-    "speculative_num_steps",
-    "speculative_eagle_topk",
-    "speculative_num_draft_tokens",
-    "dtype",
-    "tp_size",
-    "version",
-    "engine",
-    "mem_fraction_static",
-    "cuda_graph_max_bs",
-    "disable_cuda_graph",
-)
-
-
-def server_summary(info: dict[str, Any]) -> dict[str, Any]:
-    """The fields that identify what was served (the full /get_server_info is hundreds of keys)."""
-    summary = {k: info.get(k) for k in SERVER_INFO_KEYS if k in info}
-    states = info.get("internal_states")
-    if isinstance(states, list) and states and isinstance(states[0], dict):
-        summary["internal_state"] = {k: v for k, v in states[0].items() if not isinstance(v, (dict, list))}
-    return summary
 
 
 def speedups(spec: list[LevelResult], baseline: list[LevelResult]) -> list[dict[str, Any]]:

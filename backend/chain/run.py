@@ -359,8 +359,8 @@ class StopAndBench:
         }
 
     def _bench_prompts(self) -> list[str]:
-        from backend.bench.client import load_prompts
         from backend.serve.launch import canary_prompts
+        from backend.serve.prompts import load_prompts
 
         if self.profile.target.path == "builtin:tiny":
             return canary_prompts(self.profile, count=self.options.num_prompts)

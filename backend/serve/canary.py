@@ -1,16 +1,6 @@
 """Runtime canary: a few greedy /generate calls, the measured accept length, and a green/amber/red verdict with causes.
 
-Accept length = sum(completion_tokens) / sum(spec_verify_ct) over the canary requests (the prefill token is not
-a verify step, so zero accepted drafts gives 1 + requests/sum(verify_ct), not exactly 1.0).
-tau-hat = 1 + sum_{k=1..K} prod_{j<=k} acc_j from the per-TTT-step validation accuracy the checkpoint recorded,
-truncated to the K draft steps the server runs: the accept length training predicts for greedy chain decoding.
-
-Per-position acceptance comes from SGLang's spec_correct_drafts_histogram (entry i = verify steps that accepted
-exactly i drafts): served acceptance at draft position k (0-based, like val acc_k) is the fraction of verify steps
-that accepted at least k+1 drafts, and the conditional rate is that fraction given k were accepted. The conditional
-rate is what validation acc_k predicts (tau-hat treats acc_k that way), so the first position whose conditional
-rate falls below acc_k by more than the tolerance (BREAK_ABS_TOL, or two binomial standard errors when fewer
-steps reached the position) is where serving breaks. See docs/serving.md, "Per-position acceptance".
+The accept length, tau-hat and per-position acceptance it judges are defined in backend/serve/acceptance.py.
 """
 
 from __future__ import annotations
@@ -20,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from backend.serve import http
+from backend.serve.acceptance import acceptance_report, histogram_from_meta, tau_hat
+
 
 ZERO_ACCEPT_EPS = 0.02
 # Red when measured < REPRODUCE_RATIO x tau-hat. Chosen from real runs of the tiny draft through the reference
@@ -34,226 +26,9 @@ BROKEN_FEED_ACCEPT_LENGTHS = (1.25, 1.44)
 # broken feed gives, so a green says nothing: the verdict is amber, inconclusive. 1.44 / 0.6 = 2.4.
 MIN_TAU_HAT = round(BROKEN_FEED_ACCEPT_LENGTHS[1] / REPRODUCE_RATIO, 2)
 
-# Per-position break: served conditional acceptance at position k below val acc_k - max(BREAK_ABS_TOL, BREAK_Z x SE),
-# SE = sqrt(acc_k (1 - acc_k) / n_k) over the n_k verify steps that reached position k. 0.10: a uniform shortfall of
-# 0.10 per position at the calibrated draft's acc 0.825 (K = 5) gives 0.79 x tau-hat, the low end of what healthy
-# serving reached on the calibration runs (0.80-0.98 x tau-hat, docs/serving.md); a larger shortfall at one position is
-# more than healthy runs showed. BREAK_Z = 2: one-sided 2.3 % false alarms per position from sampling noise alone.
-BREAK_ABS_TOL = 0.10
-BREAK_Z = 2.0
-# Fewer verify steps than this reached a position: its served rate is not judged (SE would exceed ~0.1 anyway).
-MIN_STEPS_AT_POSITION = 20
-POOLED_LABEL = "pooled over verify steps (SGLang, vLLM: sum completion_tokens / sum verify_ct)"
-MEAN_OF_MEANS_LABEL = "mean of per-request means (SpecForge benchmark)"
-HISTOGRAM_KEY = "spec_correct_drafts_histogram"
-LEGACY_HISTOGRAM_KEY = "spec_accept_histogram"  # SGLang's older name, still sent beside the new one
-
 GREEN = "green"
 AMBER = "amber"
 RED = "red"
-
-
-def tau_hat(val_acc: list[float] | None, num_steps: int) -> float | None:
-    """Expected accept length of a greedy chain of num_steps drafts, from per-step validation accuracies."""
-    if not val_acc:
-        return None
-    total, running = 1.0, 1.0
-    for acc in list(val_acc)[:num_steps]:
-        running *= max(0.0, min(1.0, float(acc)))
-        total += running
-    return total
-
-
-# --------------------------------------------------------------------------- per-position acceptance (pure)
-
-
-def histogram_from_meta(meta: dict[str, Any]) -> tuple[list[int] | None, str | None]:
-    """(histogram, note) from one request's meta_info; None with a note when absent or not what it claims to be.
-
-    Checked against the counts sent beside it: the entries must sum to spec_verify_ct and, when
-    spec_num_correct_drafts (or the older spec_accepted_drafts) is present, sum(i x h[i]) must equal it. A histogram
-    that fails is dropped (with a note) rather than trusted: older servers may index it differently.
-    """
-    key = HISTOGRAM_KEY if HISTOGRAM_KEY in meta else LEGACY_HISTOGRAM_KEY if LEGACY_HISTOGRAM_KEY in meta else None
-    if key is None:
-        return None, f"the server reports no {HISTOGRAM_KEY} (SGLang before 0.5.14, or another engine)"
-    raw = meta.get(key)
-    if not isinstance(raw, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in raw):
-        return None, f"{key} is not a list of non-negative counts: {str(raw)[:60]}"
-    verify = meta.get("spec_verify_ct")
-    if isinstance(verify, int) and sum(raw) != verify:
-        return None, f"{key} sums to {sum(raw)} verify steps but spec_verify_ct is {verify}: not trusted"
-    correct = meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts"))
-    if isinstance(correct, int) and sum(i * v for i, v in enumerate(raw)) != correct:
-        return None, f"{key} counts {sum(i * v for i, v in enumerate(raw))} accepted drafts but the server reports {correct}: not trusted"
-    return list(raw), None
-
-
-def merge_histograms(histograms: list[list[int]]) -> list[int]:
-    """Element-wise sum (histograms grow as needed, so lengths differ): pooled over every verify step."""
-    merged = [0] * max((len(h) for h in histograms), default=0)
-    for histogram in histograms:
-        for accepted, count in enumerate(histogram):
-            merged[accepted] += count
-    return merged
-
-
-def per_position_acceptance(histogram: list[int], num_steps: int | None = None) -> list[dict[str, Any]]:
-    """Served acceptance per draft position k = 0..K-1 from a histogram of drafts accepted per verify step.
-
-    reached: fraction of verify steps that accepted at least k+1 drafts (position k accepted);
-    conditional: reached_k / reached_{k-1} (reached_{-1} = 1), the rate at position k given k drafts were accepted,
-    None when no step got that far; steps_at_position: verify steps that accepted at least k (the conditional's n).
-    1 + sum(reached) is the accept length per verify step (prefill token excluded).
-    """
-    total = sum(histogram)
-    if total <= 0:
-        return []
-    positions = num_steps if num_steps is not None else len(histogram) - 1
-    rows = []
-    at_least = total  # steps that accepted >= k drafts
-    for k in range(max(positions, 0)):
-        accepted = sum(histogram[k + 1 :])  # steps that accepted >= k+1
-        rows.append(
-            {
-                "position": k,
-                "reached": accepted / total,
-                "conditional": accepted / at_least if at_least else None,
-                "steps_at_position": at_least,
-                "steps_accepted": accepted,
-            }
-        )
-        at_least = accepted
-    return rows
-
-
-def break_tolerance(predicted: float, steps_at_position: int) -> float:
-    """How far below val acc_k the served conditional rate may fall before it counts as a break."""
-    p = max(0.0, min(1.0, predicted))
-    spread = BREAK_Z * (p * (1.0 - p) / steps_at_position) ** 0.5 if steps_at_position > 0 else 1.0
-    return max(BREAK_ABS_TOL, spread)
-
-
-def compare_with_validation(per_position: list[dict[str, Any]], val_acc: list[float] | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Rows with predicted (val acc_k) and predicted_reached (prod acc_j, j <= k) added; the first break or None."""
-    rows, first = [], None
-    running = 1.0
-    for row in per_position:
-        k = row["position"]
-        out = dict(row)
-        acc = float(val_acc[k]) if val_acc and k < len(val_acc) else None
-        if acc is None:
-            out.update(predicted=None, predicted_reached=None, tolerance=None, judged=False, broken=False)
-            rows.append(out)
-            continue
-        running *= max(0.0, min(1.0, acc))
-        n = row["steps_at_position"]
-        tol = break_tolerance(acc, n)
-        judged = n >= MIN_STEPS_AT_POSITION and row["conditional"] is not None
-        broken = bool(judged and row["conditional"] < acc - tol)
-        out.update(predicted=acc, predicted_reached=running, tolerance=tol, judged=judged, broken=broken)
-        rows.append(out)
-        if broken and first is None:
-            first = {
-                "position": k,
-                "served": row["conditional"],
-                "predicted": acc,
-                "tolerance": tol,
-                "served_reached": row["reached"],
-                "predicted_reached": running,
-                "steps_at_position": n,
-            }
-    return rows, first
-
-
-def break_line(first: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
-    """One sentence: where served acceptance breaks, or that it holds (and up to where it could be judged)."""
-    if first is not None:
-        return (
-            f"served acceptance breaks at position {first['position']}: {first['served']:.2f} served vs "
-            f"{first['predicted']:.2f} predicted (val acc_{first['position']}; tolerance {first['tolerance']:.2f}, "
-            f"{first['steps_at_position']} verify steps reached it)"
-        )
-    judged = [r["position"] for r in rows if r.get("judged")]
-    if not any(r.get("predicted") is not None for r in rows):
-        return "no validation accuracy recorded: served acceptance per position shown without a prediction"
-    if not judged:
-        return f"too few verify steps reached any position to judge (each needs {MIN_STEPS_AT_POSITION})"
-    return f"no break: served acceptance within tolerance of validation at positions 0-{max(judged)}"
-
-
-def mean_of_request_means(pairs: list[tuple[int, int]]) -> float | None:
-    """SpecForge's benchmark: the mean over requests of completion_tokens / verify_ct (requests without a verify step left out)."""
-    means = [completion / verify for completion, verify in pairs if verify > 0]
-    return sum(means) / len(means) if means else None
-
-
-def acceptance_report(
-    requests: list[tuple[int, int, list[int] | None]], num_steps: int | None, val_acc: list[float] | None = None, histogram_notes: Sequence[str] = ()
-) -> dict[str, Any]:
-    """Both accept-length definitions, served acceptance per position, and the first break against validation.
-
-    requests: (completion_tokens, verify_ct, histogram or None) per finished request. Requests without a histogram
-    degrade the per-position part to nothing, with a note; the pooled number is always there when verify steps ran.
-    """
-    completion = sum(c for c, _, _ in requests)
-    verify = sum(v for _, v, _ in requests)
-    notes = list(dict.fromkeys(n for n in histogram_notes if n))
-    histograms = [h for _, v, h in requests if h is not None and v > 0]
-    missing = sum(1 for _, v, h in requests if h is None and v > 0)
-    per_position: list[dict[str, Any]] = []
-    first = None
-    histogram = None
-    if missing:
-        notes.append(
-            f"{missing} of {missing + len(histograms)} requests came without a usable histogram: "
-            "per-position acceptance not computed, pooled accept length only"
-        )
-    elif histograms:
-        histogram = merge_histograms(histograms)
-        per_position, first = compare_with_validation(per_position_acceptance(histogram, num_steps), val_acc)
-    report: dict[str, Any] = {
-        "pooled": completion / verify if verify else None,
-        "pooled_label": POOLED_LABEL,
-        "mean_of_request_means": mean_of_request_means([(c, v) for c, v, _ in requests]),
-        "mean_of_request_means_label": MEAN_OF_MEANS_LABEL,
-        "requests": len(requests),
-        "sum_verify_ct": verify,
-        "histogram": histogram,
-        "per_position": per_position,
-        "val_acc": list(val_acc) if val_acc else None,
-        "tau_hat": tau_hat(val_acc, num_steps or 0) if val_acc and num_steps else None,
-        "break": first,
-        "break_line": break_line(first, per_position) if per_position else None,
-        "tolerance": {"abs": BREAK_ABS_TOL, "z": BREAK_Z, "min_steps": MIN_STEPS_AT_POSITION},
-        "notes": notes,
-    }
-    return report
-
-
-def acceptance_lines(report: dict[str, Any]) -> list[str]:
-    """The report as labelled text lines (canary output, benchmark table)."""
-    lines = [
-        f"accept length {_num(report.get('pooled'))}  {report.get('pooled_label', POOLED_LABEL)}",
-        f"accept length {_num(report.get('mean_of_request_means'))}  {report.get('mean_of_request_means_label', MEAN_OF_MEANS_LABEL)}",
-    ]
-    rows = report.get("per_position") or []
-    if rows:
-        lines.append("pos  val acc  served|k  predicted reach  served reach  steps")
-        for row in rows:
-            mark = "  <- break" if row.get("broken") else ""
-            lines.append(
-                f"{row['position']:>3}  {_num(row.get('predicted')):>7}  {_num(row.get('conditional')):>8}  "
-                f"{_num(row.get('predicted_reached')):>15}  {_num(row.get('reached')):>12}  {row['steps_at_position']:>5}{mark}"
-            )
-    if report.get("break_line"):
-        lines.append(report["break_line"])
-    lines += [f"note: {note}" for note in report.get("notes") or []]
-    return lines
-
-
-def _num(value: Any) -> str:
-    return "-" if not isinstance(value, (int, float)) else f"{value:.2f}"
 
 
 def zero_acceptance_ceiling(requests: int, verify_ct: int) -> float:

@@ -154,7 +154,7 @@ def render(result, problems_text) -> str:
         )
         lines += [f"  - {reason}" for reason in canary["reasons"]]
         if canary.get("acceptance"):
-            from backend.serve.canary import acceptance_lines
+            from backend.serve.acceptance import acceptance_lines
 
             lines += [f"  {line}" for line in acceptance_lines(canary["acceptance"])]
     for rank, cause in enumerate(result.causes, 1):

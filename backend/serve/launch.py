@@ -14,6 +14,7 @@ from backend.profiles import Profile
 from backend.serve import canary as canary_mod
 from backend.serve import http
 from backend.serve.preflight import resolve_draft_dir, run_preflight
+from backend.serve.prompts import load_prompts
 from backend.serve.sglang_args import build_sglang_argv, expected_spec_settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -139,8 +140,6 @@ def canary_prompts(profile: Profile, count: int = 4) -> list[str]:
         stride = max(TINY_PROMPT_BYTES, len(text) // (count + 1))
         windows = [text[i * stride : i * stride + TINY_PROMPT_BYTES] for i in range(count)]
         return [w.decode("utf-8", errors="ignore") for w in windows]
-    from backend.bench.client import load_prompts
-
     return apply_chat_template(profile, load_prompts(tag="chat", limit=count).prompts)
 
 
@@ -351,7 +350,7 @@ def _start_and_wait(
             )
         return result
     info_reply = http.get(f"{url}/get_server_info", timeout=60)
-    result.server_info = _server_summary(info_reply.body if isinstance(info_reply.body, dict) else {})
+    result.server_info = server_summary(info_reply.body if isinstance(info_reply.body, dict) else {})
     result.server_check = server_mismatches(result.server_info, expected)
     result.state = "ready"
     result.ok = not result.server_check
@@ -359,10 +358,30 @@ def _start_and_wait(
     return result
 
 
-def _server_summary(info: dict[str, Any]) -> dict[str, Any]:
-    from backend.bench.results import server_summary
+SERVER_INFO_KEYS = (
+    "model_path",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "dtype",
+    "tp_size",
+    "version",
+    "engine",
+    "mem_fraction_static",
+    "cuda_graph_max_bs",
+    "disable_cuda_graph",
+)
 
-    return server_summary(info)
+
+def server_summary(info: dict[str, Any]) -> dict[str, Any]:
+    """The fields that identify what was served (the full /get_server_info is hundreds of keys)."""
+    summary = {k: info.get(k) for k in SERVER_INFO_KEYS if k in info}
+    states = info.get("internal_states")
+    if isinstance(states, list) and states and isinstance(states[0], dict):
+        summary["internal_state"] = {k: v for k, v in states[0].items() if not isinstance(v, (dict, list))}
+    return summary
 
 
 # --------------------------------------------------------------------------- job adapters
