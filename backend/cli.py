@@ -17,7 +17,7 @@ COMMAND_MODULES = [
     "backend.bench.cli",  # bench
     "backend.chain.cli",  # stop-and-bench, grok
     "backend.metrics.cli",  # metrics series
-    "backend.train.conversations",  # data prepare
+    "backend.train.data_cli",  # data prepare, data regenerate
     "backend.train.target_prepare",  # target prepare, target profile
 ]
 

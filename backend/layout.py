@@ -12,6 +12,7 @@ Standard library only (the agent imports it on any host Python >= 3.10).
         results/stop-and-bench-*.json                 saved stop-and-bench results
         heartbeat/rank<R>.json                        each local training rank's liveness and step (trainer writes, agent reads)
     <run_dir>/data/                                   the default data dir (a profile's data dir under its run dir moves with --run-dir)
+    <extract out>/meta.json                           offline shards' index (backend/train/extract.py); <split>/shard-NNNNN.safetensors
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ HEARTBEAT_EVERY_S = 1.0  # how often each rank rewrites its heartbeat
 STALL_AFTER_S = 30.0  # a running job's rank whose heartbeat is older than this is stalled (agent --stall-after changes it)
 HEARTBEAT_DONE_PHASES = ("done", "stopped", "failed")  # a rank that said it ended is never stalled
 DATA_DIRNAME = "data"
+SHARD_META = "meta.json"  # an `extract` output dir's index: its format, target, splits and shard files
+SHARD_FORMAT = "eagle3-console-shards/1"  # the format stamp in SHARD_META; readers refuse any other
 
 
 def default_data_dir(run_dir: str | Path) -> Path:

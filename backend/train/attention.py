@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from functools import lru_cache
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +148,23 @@ def shield_compile_workers() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile(function), built once per process (CUDA training path; see Eagle3Draft.compile_regions)."""
+    found = _COMPILED.get(function)
+    if found is None:
+        import torch._dynamo.config as dynamo_config
+
+        for name in ("recompile_limit", "cache_size_limit"):  # the diagonal merge compiles once per TTT step count
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+        shield_compile_workers()
+        found = _COMPILED[function] = torch.compile(function, dynamic=False)
+    return found
+
+
 @lru_cache(maxsize=None)
 def _flex_function(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
@@ -184,8 +202,6 @@ def _flex(query, key0, value0, diag_keys, diag_values, compiled_merge: bool = Fa
     if not diag_keys:
         return out
     if compiled_merge:
-        from backend.train.draft import compiled
-
         return compiled(_merge_diagonal)(out, lse, query, key0.shape[1], diag_keys, diag_values)
     return _merge_diagonal(out, lse, query, key0.shape[1], diag_keys, diag_values)
 

@@ -80,3 +80,15 @@ def template_text(tokenizer, template: ChatTemplate | None) -> str:
             f"{'|'.join(BUILTIN_TEMPLATES)} or a Jinja file (nothing was tokenized)"
         )
     return str(own)
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, template: str | None, tokenize: bool):
+    """The conversation through the template: its text, or (tokenize) its token ids as a list."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt, chat_template=template)
+    if tokenize and (isinstance(rendered, dict) or hasattr(rendered, "keys")):
+        rendered = rendered["input_ids"]
+    return list(rendered) if tokenize else rendered
+
+
+def template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, template: str | None = None) -> list[int]:
+    return render_chat(tokenizer, messages, add_generation_prompt, template, tokenize=True)

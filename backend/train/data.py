@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from backend import durable
-from backend.train.chat_templates import ChatTemplate, template_text, tokenizer_name
+from backend.layout import SHARD_FORMAT, SHARD_META
+from backend.train.chat_templates import ChatTemplate, render_chat, template_ids, template_text, tokenizer_name
 from backend.train.conversations import PREPARE_META, DataError, read_conversation_file
-from backend.train.extract import SHARD_FORMAT, SHARD_META
 from backend.train.fsutil import file_sha256
+from backend.train.regenerate import REGENERATE_META, check_regenerated_target, regenerated_meta_for
 
 if TYPE_CHECKING:
     import torch
@@ -223,27 +224,16 @@ def read_conversations(path: str | os.PathLike, limit: int | None = None) -> lis
     return [c.messages for c in conversations]
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, template: str | None, tokenize: bool):
-    rendered = tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt, chat_template=template)
-    if tokenize and (isinstance(rendered, dict) or hasattr(rendered, "keys")):
-        rendered = rendered["input_ids"]
-    return list(rendered) if tokenize else rendered
-
-
-def _template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, template: str | None = None) -> list[int]:
-    return _render(tokenizer, messages, add_generation_prompt, template, tokenize=True)
-
-
 def _assistant_spans(tokenizer, messages: list[dict], template: str | None) -> tuple[str, list[tuple[int, int]]] | None:
     """The rendered conversation and the character span of each assistant turn, or None when the template's
     renderings of prefixes are not prefixes of the whole (then the masks come from tokenizing each prefix)."""
-    text = _render(tokenizer, messages, False, template, tokenize=False)
+    text = render_chat(tokenizer, messages, False, template, tokenize=False)
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:index], True, template, tokenize=False) if index else ""
-        through = _render(tokenizer, messages[: index + 1], False, template, tokenize=False)
+        before = render_chat(tokenizer, messages[:index], True, template, tokenize=False) if index else ""
+        through = render_chat(tokenizer, messages[: index + 1], False, template, tokenize=False)
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
             return None
         spans.append((len(before), len(through)))
@@ -265,15 +255,15 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int, chat_te
         ids = list(encoded["input_ids"])
         mask = [int(any(start <= begin < end for start, end in spans)) for begin, _ in encoded["offset_mapping"]]
     else:
-        ids = _template_ids(tokenizer, messages, False, chat_template)
+        ids = template_ids(tokenizer, messages, False, chat_template)
         mask = [0] * len(ids)
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            start = len(_template_ids(tokenizer, messages[:index], True, chat_template)) if index else 0
+            start = len(template_ids(tokenizer, messages[:index], True, chat_template)) if index else 0
             if start >= max_len:
                 break
-            end = len(_template_ids(tokenizer, messages[: index + 1], False, chat_template))
+            end = len(template_ids(tokenizer, messages[: index + 1], False, chat_template))
             for position in range(start, min(end, len(ids))):
                 mask[position] = 1
     ids, mask = ids[:max_len], mask[:max_len]
@@ -292,7 +282,7 @@ def regenerate_conversation(target, messages: list[dict], max_new_tokens: int, c
         if message["role"] != "assistant":
             result.append(message)
             continue
-        prompt = torch.tensor([_template_ids(tokenizer, result, True, chat_template)], dtype=torch.int64)
+        prompt = torch.tensor([template_ids(tokenizer, result, True, chat_template)], dtype=torch.int64)
         generated = target.greedy_generate(prompt, max_new_tokens, stop_token_id=tokenizer.eos_token_id)[0].tolist()
         if tokenizer.eos_token_id in generated:
             generated = generated[: generated.index(tokenizer.eos_token_id)]
@@ -349,8 +339,6 @@ def _chat_inputs(path: Path) -> dict[str, Path] | None:
     """A `data prepare` output dir: its train and val files (the split is already made); None for a plain file."""
     if not path.is_dir():
         return None
-    from backend.train.regenerate import REGENERATE_META, regenerated_meta_for
-
     if (path / REGENERATE_META).is_file():  # a `data regenerate` output: the prepare dir's split, the target's answers
         regenerated_meta_for(path)  # refuses one that has not finished
         return {"train": path / "train.jsonl", "val": path / "val.jsonl"}
@@ -421,8 +409,6 @@ def conversation_samples(
 
 def _check_regenerated(path: Path, target, regenerate_tokens: int, log) -> None:
     """Data that `data regenerate` wrote is refused for another target than the one that answered it."""
-    from backend.train.regenerate import check_regenerated_target, regenerated_meta_for
-
     if target is None:
         found = regenerated_meta_for(path)
         meta = found[0] if found else None

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from backend.train.attention import check_backend, default_backend, shield_compile_workers, ttt_attention
+from backend.train.attention import check_backend, compiled, default_backend, ttt_attention
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONSOLE_BLOCK = "eagle3_console"
@@ -219,23 +219,6 @@ def _post_attention(
     gate = torch.nn.functional.linear(normed, gate_weight)
     up = torch.nn.functional.linear(normed, up_weight)
     return hidden + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_weight)
-
-
-_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
-
-
-def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
-    """torch.compile(function), built once per process (CUDA training path; see Eagle3Draft.compile_regions)."""
-    found = _COMPILED.get(function)
-    if found is None:
-        import torch._dynamo.config as dynamo_config
-
-        for name in ("recompile_limit", "cache_size_limit"):  # the diagonal merge compiles once per TTT step count
-            if hasattr(dynamo_config, name):
-                setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
-        shield_compile_workers()
-        found = _COMPILED[function] = torch.compile(function, dynamic=False)
-    return found
 
 
 class RMSNorm(nn.Module):

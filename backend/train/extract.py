@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from backend.durable import write_atomic
+from backend.layout import SHARD_FORMAT, SHARD_META
+from backend.train.data import collate
 from backend.train.target import TargetModel, torch_dtype
 
-SHARD_META = "meta.json"
 TARGET_HEAD_FILE = "target_head.safetensors"
-SHARD_FORMAT = "eagle3-console-shards/1"
 # Teacher logits are stored when the vocabulary is small; beyond this the final normed hidden state is
 # stored instead and the logits are recomputed from the target's lm_head (as SpecForge's offline mode does).
 LOGITS_STORE_MAX_VOCAB = 4096
@@ -146,8 +146,6 @@ def extract_split(
 ) -> dict:
     """Run the target over the samples and write shard-XXXXX.safetensors files with per-sample tensors."""
     import torch
-
-    from backend.train.data import collate
 
     split_dir.mkdir(parents=True, exist_ok=True)
     pad_id = getattr(target.tokenizer, "pad_token_id", 0) or 0

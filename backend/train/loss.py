@@ -218,7 +218,7 @@ def fused_ttt_loss(states, head_weight, teacher: Teacher, decay: float = PLOSS_D
     flat = states[:scored].reshape(scored * batch * seq, hidden)
     math = _chunk_math
     if compiled and states.device.type == "cuda":
-        from backend.train.draft import compiled as compile_once
+        from backend.train.attention import compiled as compile_once
 
         math = compile_once(_chunk_math)
     total, ce, hits = _FUSED["function"].apply(flat, head_weight, probs, teacher_rows.reshape(-1), row_weight, index, chunk_rows or batch * seq, math)

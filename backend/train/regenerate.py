@@ -1,4 +1,4 @@
-"""`eagle3-host data regenerate`: the target's own answers to a `data prepare` dir's conversations, batched, greedy or
+"""Regeneration (`eagle3-host data regenerate`, backend/train/data_cli.py): the target's own answers to a `data prepare` dir's conversations, batched, greedy or
 sampled, resumable after a kill, written as reusable JSONL with a side file naming the target, template and settings."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
+from backend.train.chat_templates import template_ids
 from backend.train.conversations import PREPARE_META, SPLIT_FILES, DataError, content_digest, iter_conversations
 from backend.train.fsutil import PRIVATE_DIR, PRIVATE_FILE, file_sha256, fsync_path
 
@@ -341,7 +342,7 @@ class RegenerateSettings:
     progress_seconds: float = 10.0
 
 
-def _source_identity(source: Path) -> dict:
+def source_identity(source: Path) -> dict:
     if not (source / PREPARE_META).is_file():
         raise DataError(f"--input {source} is not a `data prepare` output (no {PREPARE_META}); run `eagle3-host data prepare` first. Nothing was written.")
     return {
@@ -366,7 +367,7 @@ def _identity(settings: RegenerateSettings, target, template_name: str, template
             "limit": settings.limit,
             "val_limit": settings.val_limit,
         },
-        "source": _source_identity(settings.source),
+        "source": source_identity(settings.source),
     }
 
 
@@ -466,8 +467,6 @@ def _progress(done: int, total: int, resumed: int, started: float, tokens: int, 
 
 def regenerate(target, settings: RegenerateSettings, template_name: str, template: str, dtype: str, device: str, log: Log = _stderr) -> dict:
     """Regenerate every conversation of settings.source into settings.out; returns the final regenerate.json."""
-    from backend.train.data import _template_ids
-
     settings.sampling.check()
     if settings.batch_size <= 0 or settings.max_prompt_tokens <= 0:
         raise DataError("--batch-size and --max-prompt-tokens must be positive. Nothing was written.")
@@ -496,7 +495,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
         finished = resumed
 
         def render(messages: list[dict]) -> list[int]:
-            return _template_ids(tokenizer, messages, True, template)
+            return template_ids(tokenizer, messages, True, template)
 
         def finish(job: Job) -> None:
             nonlocal finished, last_report
@@ -557,78 +556,3 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
             f"({generated} tokens in {time.monotonic() - started:.1f} s)"
         )
         return meta
-
-
-# ----------------------------------------------------------------------------------------------
-# The command
-# ----------------------------------------------------------------------------------------------
-
-
-def register(commands, parent) -> None:
-    """`data regenerate`, registered under `data` by backend/train/conversations.py."""
-    command = commands.add_parser(
-        "regenerate",
-        parents=[parent],
-        help="replace each assistant turn of a `data prepare` dir with the target's own answer (batched, resumable)",
-        description="Re-generate every assistant turn with the profile's target: the conversation up to that turn goes through "
-        "the chat template and the target's answer replaces the dataset's. Finished conversations are appended (fsync'd) "
-        "to DIR/train.jsonl and val.jsonl; run the same command again after a kill to resume. DIR/regenerate.json records "
-        "the target, template and settings; `train --conversations DIR` and `extract --conversations DIR` read it.",
-    )
-    command.add_argument("--profile", required=True, help="profile whose target answers (name or TOML path)")
-    command.add_argument("--input", type=Path, required=True, metavar="DIR", help="a `data prepare` output dir")
-    command.add_argument("--out", type=Path, required=True, metavar="DIR", help="new or empty dir, or an unfinished regeneration to resume")
-    command.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens (default 256)")
-    command.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    command.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    command.add_argument("--seed", type=int, default=0, help="sampling seed; each conversation's draws are fixed by it and its content")
-    command.add_argument("--batch-size", type=int, default=16, help="conversations generated together (default 16)")
-    command.add_argument("--max-prompt-tokens", type=int, help="a conversation ends before an answer whose prompt is longer (default: the profile's seq_len)")
-    command.add_argument("--limit", type=int, metavar="N", help="regenerate the first N train conversations only")
-    command.add_argument("--val-limit", type=int, metavar="N", help="regenerate the first N val conversations only")
-    command.add_argument("--chat-template", metavar="NAME|FILE", help="chatml, llama3, qwen or a Jinja file (default: the tokenizer's own)")
-    command.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present)")
-    command.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="target dtype (default: the profile's)")
-    command.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (see `train --help`)")
-    command.set_defaults(handler=_regenerate_command)
-
-
-def _regenerate_command(args) -> int:
-    from backend.profiles import ProfileError, load_profile
-    from backend.train.chat_templates import template_text
-    from backend.train.cli import apply_threads, chat_preflight
-    from backend.train.target import TargetMismatchError, load_target
-    from backend.train.tiny import is_tiny_target_dir
-
-    try:
-        profile = load_profile(args.profile)
-        if args.limit is not None and args.limit <= 0 or args.val_limit is not None and args.val_limit < 0:
-            raise DataError("--limit must be > 0 and --val-limit >= 0. Nothing was written.")
-        _source_identity(args.input.expanduser())  # refuse a wrong --input before the target loads
-        chosen = chat_preflight(profile, args.chat_template, trust_remote_code=profile.serve.trust_remote_code)
-        apply_threads(args.threads)
-        import torch
-
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = args.dtype or profile.target.dtype
-        target = load_target(profile, device=device, dtype=dtype)
-        if is_tiny_target_dir(target.path):
-            raise DataError(
-                "the built-in tiny target trains on its own generated continuations and has no chat template; regenerate with a Hugging Face target"
-            )
-        template = template_text(target.tokenizer, chosen)
-        settings = RegenerateSettings(
-            source=args.input,
-            out=args.out,
-            sampling=Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed),
-            batch_size=args.batch_size,
-            max_prompt_tokens=args.max_prompt_tokens or profile.train.seq_len,
-            limit=args.limit,
-            val_limit=args.val_limit,
-        )
-        regenerate(target, settings, chosen.name if chosen else "tokenizer", template, dtype, device)
-    except (DataError, ProfileError, TargetMismatchError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    print(args.out)
-    return 0
