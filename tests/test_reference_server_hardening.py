@@ -20,9 +20,9 @@ from backend.serve import http
 from tests.reference_fixtures import ServerProcess, raw_exchange, server_argv, write_mini_profile
 from tests.waiting import wait_for
 
-MAX_CONNECTIONS = 4  # main pool threads; 4x as many complete requests may queue (reference_server.ConnectionLimits)
+MAX_CONNECTIONS = 4  # main pool threads; 4x as many complete requests may queue (reference/server.py ConnectionLimits)
 QUEUED = 4 * MAX_CONNECTIONS
-LIGHT_WORKERS = 4  # the health/info pool (reference_server.LIGHT_WORKERS)
+LIGHT_WORKERS = 4  # the health/info pool (reference/server.py LIGHT_WORKERS)
 HEADER_TIMEOUT_S = 3.0
 DRIPPERS = 300
 

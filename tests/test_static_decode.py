@@ -234,7 +234,7 @@ def test_on_the_real_smollm2_static_equals_eager_in_float32():
 
 
 def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_profile, tmp_path):
-    from backend.serve.reference.server import Engine, GenerationSpec
+    from backend.serve.reference.engine import Engine, GenerationSpec
     from tests.reference_fixtures import save_untrained_draft
 
     draft = str(save_untrained_draft(mini_profile, tmp_path / "run"))

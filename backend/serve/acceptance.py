@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-
 # Per-position break: served conditional acceptance at position k below val acc_k - max(BREAK_ABS_TOL, BREAK_Z x SE),
 # SE = sqrt(acc_k (1 - acc_k) / n_k) over the n_k verify steps that reached position k. 0.10: a uniform shortfall of
 # 0.10 per position at the calibrated draft's acc 0.825 (K = 5) gives 0.79 x tau-hat, the low end of what healthy

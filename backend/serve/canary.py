@@ -12,7 +12,6 @@ from typing import Any, Sequence
 from backend.serve import http
 from backend.serve.acceptance import acceptance_report, histogram_from_meta, tau_hat
 
-
 ZERO_ACCEPT_EPS = 0.02
 # Red when measured < REPRODUCE_RATIO x tau-hat. Chosen from real runs of the tiny draft through the reference
 # engine (docs/serving.md has the numbers): healthy serving lands near 0.8-1.1 x tau-hat, the broken feed

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 
 
