@@ -397,10 +397,3 @@ def reply_ok(request_id: Any, result: Any) -> dict[str, Any]:
 
 def reply_error(request_id: Any, code: str, message: str) -> dict[str, Any]:
     return {"type": Event.REPLY, "id": request_id, "ok": False, "error": {"code": code, "message": message}}
-
-
-# Metrics records (one JSON object per line of <job_dir>/metrics.jsonl) and chain stage records
-# (<job_dir>/stages.jsonl): their file names live in backend/layout.py with the rest of the run-dir layout.
-from backend.layout import INDEX_FILENAME as INDEX_FILENAME  # noqa: E402
-from backend.layout import METRICS_FILENAME as METRICS_FILENAME  # noqa: E402
-from backend.layout import STAGES_FILENAME as STAGES_FILENAME  # noqa: E402

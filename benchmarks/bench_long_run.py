@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from backend.jobs.registry import JobRegistry
 from backend.metrics.records import normalize_record
 from backend.metrics.index import MetricsFeed
-from backend.protocol import INDEX_FILENAME, METRICS_FILENAME, Request
+from backend.layout import INDEX_FILENAME, METRICS_FILENAME
+from backend.protocol import Request
 from backend.metrics.series import Series, query
 from bench_cold_index import train_record, val_record  # noqa: E402  (the trainer-shaped records, one home)
 from bench_console import show, summary  # noqa: E402

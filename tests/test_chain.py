@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from backend.chain.run import STAGES, ChainOptions, StopAndBench, profile_from_argv
-from backend.layout import list_results
+from backend.layout import METRICS_FILENAME, STAGES_FILENAME, list_results
 from backend.jobs.registry import JobRegistry
-from backend.protocol import METRICS_FILENAME, STAGES_FILENAME
 from tests.conftest import ROOT, subprocess_env
 
 

@@ -24,16 +24,22 @@ from backend.host.disk import dir_size, disks_for
 from backend.host.gpu import GpuSource, driver_state, open_gpu_source
 from backend.jobs.registry import TAIL_LINE_SHOWN, TERMINAL, JobError, JobNotFound, JobRecord, JobRegistry, UnsafeRunDir, display_lines, tail_lines
 from backend.jsonl import JsonlFollower, read_complete_lines
-from backend.layout import STALL_AFTER_S, checkpoint_listing, default_data_dir, latest_checkpoint, list_results
+from backend.layout import (
+    INDEX_FILENAME,
+    METRICS_FILENAME,
+    STAGES_FILENAME,
+    STALL_AFTER_S,
+    checkpoint_listing,
+    default_data_dir,
+    latest_checkpoint,
+    list_results,
+)
 from backend.metrics.records import MetricsReader
 from backend.metrics.index import MetricsFeed, MetricsIndex
 from backend.metrics.parallel import backlog_step, close_scan
 from backend.metrics.signals import compute_signals
 from backend.protocol import (
-    INDEX_FILENAME,
-    METRICS_FILENAME,
     PROTOCOL_VERSION,
-    STAGES_FILENAME,
     ErrorCode,
     Event,
     MAX_LINE_BYTES,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.metrics.index import MetricsFeed
-from backend.protocol import INDEX_FILENAME, METRICS_FILENAME
+from backend.layout import INDEX_FILENAME, METRICS_FILENAME
 from backend.safetext import say, visible
 
 KEY_HELP = "train.loss | val.loss | lr | grad_norm | weight_norm | step_time | tokens | train.acc.0 | val.acc.K | val.ploss.K | weight_norm.MODULE"

@@ -1,8 +1,8 @@
-"""Training metrics records: schema and validator, the trainer's writer, the tailing reader, series, downsampling.
+"""Training metrics records: schema and validator, the trainer's writer, the tailing reader, per-key series and latest values.
 
 Standard library only (runs inside the agent on any host Python >= 3.10).
 
-One record per line of <job_dir>/metrics.jsonl (see backend/protocol.py):
+One record per line of <job_dir>/metrics.jsonl (METRICS_FILENAME in backend/layout.py):
   step (int >= 0, required), split ("train" | "val", required), epoch (number >= 0), loss (number),
   ploss (list of numbers, one per TTT position), acc (list of fractions in [0, 1], one per TTT position),
   acceptance_rate (list, SpecForge's expected acceptance per position; optional extension),
