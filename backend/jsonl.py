@@ -62,12 +62,13 @@ def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
     Under an exclusive flock (so our writers never interleave a check and a write), the file's last byte
     is checked first: a file that does not end in a newline (an earlier write cut short by a full disk, or
     a writer killed mid-line) gets one in the same write, so readers drop only the torn line. A write that
-    fails or comes back short raises AppendError naming the path, the bytes needed and the bytes free.
+    fails or comes back short raises AppendError naming the path, the bytes needed and the bytes free. The file is
+    created 0600 and never opened through a symbolic link (a link there is refused with AppendError).
     """
     line = (json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n").encode()
     name = os.fspath(path)
     try:
-        fd = os.open(name, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)  # metrics may name data and paths: private
+        fd = os.open(name, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)  # metrics may name data and paths: private
     except OSError as exc:
         raise _append_error(name, exc.errno, len(line), 0, f"cannot open ({exc.strerror})") from exc
     try:

@@ -34,7 +34,21 @@ from backend.layout import (  # the layout's names, re-exported for the trainer 
     list_checkpoints as list_checkpoints,
 )
 from backend.train.draft import CONSOLE_BLOCK, DraftModelConfig, Eagle3Draft
-from backend.train.fsutil import copy_new_file, exchange_paths, free_bytes, fsync_path, pid_alive, staging_dir, symlink_at_or_under, tree_bytes, write_new_file
+from backend.train.fsutil import (
+    PRIVATE_DIR,
+    ForeignPathError,
+    copy_new_file,
+    exchange_paths,
+    free_bytes,
+    fsync_path,
+    open_new_file,
+    pid_alive,
+    private_dir,
+    staging_dir,
+    symlink_at_or_under,
+    tree_bytes,
+    write_new_file,
+)
 
 TEMP_PREFIX = ".tmp-"
 NAME_PATTERN = CHECKPOINT_NAME
@@ -289,7 +303,7 @@ def save_checkpoint(
     from safetensors.torch import save_file
 
     checkpoints_dir = Path(run_out_dir) / CHECKPOINTS_DIR
-    checkpoints_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_checkpoints_dir(checkpoints_dir)
     clean_stale_temps(checkpoints_dir)
     name = checkpoint_name(epoch, step)
     tensors = draft_tensors(draft)
@@ -304,13 +318,14 @@ def save_checkpoint(
     if check_space and free is not None and free < needed:
         raise CheckpointDiskFullError(checkpoints_dir, needed, free, _full_message(checkpoints_dir, name, needed, free, "nothing was written"))
     temp = checkpoints_dir / _temp_name(name)
-    temp.mkdir()
+    temp.mkdir(mode=PRIVATE_DIR)
     placed = False
     try:
         write_bytes_durably(temp / CONFIG_FILE, config_bytes)
+        open_new_file(temp / WEIGHTS_FILE).close()  # created 0600 first: safetensors rewrites it and keeps the mode
         save_file(tensors, str(temp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "eagle3-console"})
         fsync_path(temp / WEIGHTS_FILE)
-        with open(temp / STATE_FILE, "wb") as handle:
+        with open_new_file(temp / STATE_FILE) as handle:
             torch.save(state, handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -328,6 +343,14 @@ def save_checkpoint(
         raise
     clean_stale_temps(checkpoints_dir)
     return checkpoints_dir / name
+
+
+def private_checkpoints_dir(checkpoints_dir: Path) -> None:
+    """checkpoints/ made, or an existing one tightened, to 0700; refused (CheckpointError) when it is a link or not ours."""
+    try:
+        private_dir(checkpoints_dir)
+    except ForeignPathError as exc:
+        raise CheckpointError(f"checkpoints: {exc}") from None
 
 
 def _full_message(checkpoints_dir: Path, name: str, needed: int, free: int | None, done: str) -> str:

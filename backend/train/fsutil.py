@@ -1,15 +1,17 @@
 """Small standard-library helpers for durable writes: fsync by path, new files and staging dirs that never follow a
-symbolic link, free space, an atomic directory swap, pid liveness."""
+symbolic link, private (0700/0600, ours only) outputs, free space, an atomic directory swap, pid liveness."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import errno
+import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 from backend.jsonl import free_bytes as free_bytes  # re-exported for checkpoint.py
 
@@ -41,10 +43,14 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def open_new_file(path: Path) -> BinaryIO:
+    """Create `path` for writing, mode 0600 (it must not exist, not even as a link)."""
+    return os.fdopen(os.open(path, _NEW_FILE_FLAGS, PRIVATE_FILE), "wb")
+
+
 def write_new_file(path: Path, data: bytes) -> None:
-    """Create `path` (it must not exist, not even as a link), write `data`, fsync."""
-    fd = os.open(path, _NEW_FILE_FLAGS, PRIVATE_FILE)
-    with os.fdopen(fd, "wb") as handle:
+    """Create `path` (it must not exist, not even as a link), mode 0600, write `data`, fsync."""
+    with open_new_file(path) as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
@@ -64,6 +70,54 @@ def staging_dir(parent: Path, prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     os.chmod(path, PRIVATE_DIR)
     return path
+
+
+class ForeignPathError(PermissionError):
+    """A path this tool would write into or chmod is a symbolic link or belongs to another user: refused, untouched."""
+
+    def __init__(self, path: Path, why: str):
+        self.message = f"{path} {why}; refused, nothing was changed"
+        super().__init__(errno.EPERM, self.message, str(path))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def private_dir(path: Path) -> None:
+    """Make `path` (and missing parents) a directory of ours with mode 0700, tightening one that exists.
+
+    Refused with ForeignPathError when it is a symbolic link or another user owns it (their dir could be swapped under us).
+    """
+    path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    _tighten(path, PRIVATE_DIR, os.O_RDONLY | os.O_DIRECTORY, stat.S_ISDIR)
+
+
+def private_file_if_present(path: Path) -> None:
+    """Tighten an existing file of ours to 0600 (nothing when it is absent); a link or another user's file is refused."""
+    try:
+        _tighten(path, PRIVATE_FILE, os.O_RDONLY | os.O_NONBLOCK, stat.S_ISREG)
+    except FileNotFoundError:
+        pass
+
+
+def _tighten(path: Path, mode: int, flags: int, is_kind: Callable[[int], bool]) -> None:
+    """chmod through a descriptor opened without following a link, after checking who owns what was opened."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and path.is_symlink():
+            raise ForeignPathError(path, "is a symbolic link (writes never follow one)") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise ForeignPathError(path, f"belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}), who could change what is written there")
+        if not is_kind(info.st_mode):
+            raise ForeignPathError(path, "is not a " + ("directory" if is_kind is stat.S_ISDIR else "regular file"))
+        if stat.S_IMODE(info.st_mode) != mode:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def symlink_at_or_under(path: Path) -> Path | None:

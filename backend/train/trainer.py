@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from backend.commands import NVLINK_MULTICAST_OFF, data_dir_for
-from backend.layout import HeartbeatWriter
+from backend.layout import CHECKPOINTS_DIR, METRICS_FILENAME, HeartbeatWriter
 from backend.profiles import Profile
 from backend.train.data import (
     BatchSampler,
@@ -34,6 +34,7 @@ from backend.train.data import (
     tiny_samples,
 )
 from backend.train.draft import DraftModelConfig, Eagle3Draft
+from backend.train.fsutil import ForeignPathError, private_dir, private_file_if_present
 from backend.train.loss import TTTLoss, fused_ttt_loss, make_teacher
 from backend.train.schedule import GrokfastEMA, LRSchedule
 from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
@@ -584,6 +585,7 @@ class Trainer:
         out_dir = self.out_dir = Path(ctx.broadcast_object(str(out) if out else None)).expanduser()
         if ctx.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
+            _private_outputs(out_dir)
         # Every rank beats into its own host's job dir (its agent reads it); the output dir only when run by hand.
         job_dir = os.environ.get("EAGLE3_JOB_DIR")
         self.heartbeat = HeartbeatWriter(Path(job_dir).expanduser() if job_dir else out_dir, ctx.rank, ctx.local_rank, ctx.world_size, log=self._log_any_rank)
@@ -698,7 +700,7 @@ class Trainer:
         from backend.metrics.records import MetricsWriter
 
         # On a full disk the writer keeps records in memory and retries; the job log says when it fails and recovers.
-        self.metrics = MetricsWriter(out_dir / "metrics.jsonl", on_error=self.log)
+        self.metrics = MetricsWriter(out_dir / METRICS_FILENAME, on_error=self.log)
         if self.options.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -976,6 +978,17 @@ class Trainer:
                 self.log(f"checkpoint at step {self.step} NOT saved: {exc}")
         self.ctx.barrier()
         self._beat("train")
+
+
+def _private_outputs(out_dir: Path) -> None:
+    """A reused output dir's checkpoints/ and metrics.jsonl tightened to 0700/0600 before anything is written; refused
+    when either is a link or another user's (checkpoint.py and jsonl.py keep new ones private)."""
+    try:
+        if os.path.lexists(out_dir / CHECKPOINTS_DIR):
+            private_dir(out_dir / CHECKPOINTS_DIR)
+        private_file_if_present(out_dir / METRICS_FILENAME)
+    except ForeignPathError as exc:
+        raise TrainSetupError(f"{exc}; nothing was trained") from None
 
 
 def _check_widths(source: Source, config: DraftModelConfig) -> None:
