@@ -1,17 +1,24 @@
-"""`eagle3-host` (= `python -m backend`): the host-side command line; each area registers its own subcommands."""
+"""`eagle3-host` (= `python -m backend`): the host-side command line; each area registers its own subcommands and shares these output helpers."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
+
+from backend.protocol import to_dict
+from backend.safetext import say, visible
 
 # Modules that register subcommands. Each exposes register(subparsers, common_parent) and keeps
 # heavy imports (torch, transformers) inside its handlers so `eagle3-host --help` stays fast.
 COMMAND_MODULES = [
-    "backend.host.cli",  # gpus, holders, job, agent
+    "backend.host.cli",  # gpus, holders
+    "backend.jobs.cli",  # job, torchrun-argv
+    "backend.agent.cli",  # agent
     "backend.train.cli",  # train, extract, export, convert, build-tiny
     "backend.serve.cli",  # preflight, serve
     "backend.bench.cli",  # bench
@@ -49,6 +56,27 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(subparsers, parent)
     return parser
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[visible(value) for value in row] for row in rows]  # host text: escapes shown, one line per row
+    widths = [max([len(header)] + [len(row[i]) for row in cells]) for i, header in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def emit_json(data: Any) -> None:
+    print(json.dumps(to_dict(data), indent=2))
+
+
+def fail(message: str, code: int = 1) -> int:
+    say(f"eagle3-host: {message}", file=sys.stderr)
+    return code
+
+
+def mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:

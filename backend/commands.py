@@ -23,9 +23,13 @@ GROK_WEIGHT_DECAY_DEFAULT = 0.1
 # NVLink multicast stays off for every distributed job (the device notes: NVLS/multicast hangs or fails on the
 # shared H200 hosts); the trainer sets them before init_process_group too, so a bare torchrun keeps them.
 NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# The most a stop waits between SIGTERM and SIGKILL (the agent's stop_job and `eagle3-host job stop --grace`), and
+# the bound on its other waits. An hour: ample for a trainer to write its checkpoint, while a stop that holds a job's
+# lock for a day (the jobs side once allowed 86400 s) would only hide a mistyped grace.
+STOP_GRACE_MAX_S = 3600.0
 # torchrun SIGKILLs its workers this long after forwarding a SIGTERM (its default, 30 s, can cut rank 0's
-# checkpoint short); the stop's own grace (<= 3600 s) is what bounds a stop. Read by torch >= 2.11's launcher.
-TORCHRUN_SHUTDOWN_TIMEOUT_S = 3600
+# checkpoint short); the stop's own grace (<= STOP_GRACE_MAX_S) is what bounds a stop. Read by torch >= 2.11's launcher.
+TORCHRUN_SHUTDOWN_TIMEOUT_S = int(STOP_GRACE_MAX_S)
 NODE_ENV = {**NVLINK_MULTICAST_OFF, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(TORCHRUN_SHUTDOWN_TIMEOUT_S)}
 NODE_KEYS = ("run_id", "node_rank", "nnodes", "rdzv_endpoint")
 NNODES_MAX = 1024

@@ -56,7 +56,8 @@ def read_ledgers(folder: Path) -> set[str]:
 
 
 def registry_worker(run_dir: Path, ledger: Path, prefix: str, seed: int) -> None:
-    from backend.jobs.registry import JobError, JobRegistry
+    from backend.jobs.records import JobError
+    from backend.jobs.registry import JobRegistry
 
     registry = JobRegistry(run_dir)
     rng = random.Random(seed)

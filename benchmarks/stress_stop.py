@@ -267,7 +267,7 @@ def marked(marker: str) -> list[int]:
     """Live processes started with this trial's marker, minus watchers (they exit on their own once the tree is gone)."""
     found = []
     for pid in procs.list_pids():
-        if procs.is_alive(pid) and procs.environ_value(pid, MARK) == marker and "backend.jobs.registry" not in procs.cmdline(pid):
+        if procs.is_alive(pid) and procs.environ_value(pid, MARK) == marker and "backend.jobs.watcher" not in procs.cmdline(pid):
             found.append(pid)
     return found
 

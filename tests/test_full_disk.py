@@ -12,7 +12,8 @@ import pytest
 
 from backend.jobs import registry as jobs
 from backend.host import procs
-from backend.jobs.registry import JobNoSpace, JobRegistry
+from backend.jobs.records import JobError, JobNoSpace
+from backend.jobs.registry import JobRegistry
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,7 +173,7 @@ def test_a_leader_that_cannot_be_recorded_is_killed_again_not_left_running(tmp_p
     grabber = threading.Thread(target=hold_the_lock_once_the_record_is_in, daemon=True)
     grabber.start()
     try:
-        with pytest.raises(jobs.JobError, match="could not be recorded; it was killed again") as raised:
+        with pytest.raises(JobError, match="could not be recorded; it was killed again") as raised:
             registry.start_job("unrecordable", "other", [PY, "-c", f"import time; time.sleep(600)  # {MARK}"])
         assert locked.is_set() and "nothing of it runs" in str(raised.value), raised.value
         assert marked_processes() == []

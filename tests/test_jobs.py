@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from backend.host import procs
-from backend.jobs.registry import JobBadParams, JobConflict, JobError, JobNotFound, JobRefused, JobRegistry
+from backend.jobs.records import JobBadParams, JobConflict, JobError, JobNotFound, JobRefused
+from backend.jobs.registry import JobRegistry
 from backend.protocol import GpuProcess, GpuSample
 from waiting import wait_for
 
@@ -300,7 +301,7 @@ def test_stop_confirms_gpu_memory_is_released(registry, sticky):
 
 
 def test_tail_lines_is_bounded_and_treats_carriage_returns_as_line_ends(tmp_path):
-    from backend.jobs.registry import TAIL_LINE_SHOWN, tail_lines
+    from backend.jobs.logs import TAIL_LINE_SHOWN, tail_lines
 
     log = tmp_path / "progress.log"
     with open(log, "wb") as handle:

@@ -19,7 +19,8 @@ import pytest
 
 from backend.host import procs
 from backend.commands import NODE_ENV, data_dir_for, node_spec, profile_facts, torchrun_train_argv, train_argv
-from backend.jobs.registry import JobRegistry, torchrun_failure
+from backend.jobs.logs import torchrun_failure
+from backend.jobs.registry import JobRegistry
 from backend.serve.http import free_port
 from backend.layout import heartbeat_path, list_checkpoints, rank_heartbeats
 

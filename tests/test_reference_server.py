@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backend.jobs.registry import JobRegistry, read_exit_file
+from backend.jobs.records import read_exit_file
+from backend.jobs.registry import JobRegistry
 from backend.serve import http
 from backend.serve.launch import canary_prompts, reference_argv, wait_ready
 

@@ -1,5 +1,6 @@
 """One truth in jobs.db across threads, registries and processes; a run dir another user could change is refused."""
 
+import ctypes
 import json
 import os
 import signal
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from backend import durable
-from backend.jobs.registry import JobRegistry, UnsafeRunDir
+from backend.host import procs
+from backend.jobs.records import UnsafeRunDir
+from backend.jobs.registry import JobRegistry
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,6 +202,30 @@ def test_a_sigstopped_job_is_continued_so_its_sigterm_handler_checkpoints(regist
     assert [(v.pid, v.outcome) for v in verdicts] == [(info.pid, "exited_on_term")]
 
 
+PTRACE_ATTACH, PTRACE_DETACH = 16, 17
+
+
+def test_a_trainer_held_by_a_debugger_is_planned_without_a_checkpoint(registry):
+    """A leader in tracing stop (state t) keeps its SIGTERM pending until the debugger lets go, and a stop does not
+    continue it as it does a SIGSTOPped one: the plan must not promise a checkpoint."""
+    info = registry.start_job("traced-trainer", "train", [PY, "-c", "import time; print('ready', flush=True); time.sleep(600)"])
+    wait_for(lambda: "ready" in Path(info.stdout_path).read_text(), what="the trainer's ready line")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    if libc.ptrace(PTRACE_ATTACH, info.pid, None, None) != 0:  # this test process is the job's ancestor: Yama allows it
+        registry.stop(["traced-trainer"], grace=0)
+        pytest.skip(f"cannot ptrace the job here: {os.strerror(ctypes.get_errno())}")
+    try:
+        wait_for(lambda: getattr(procs.read_stat(info.pid), "state", "") == "t", what="the tracing stop")
+        plan = registry.stop_plan(["traced-trainer"])
+    finally:
+        libc.ptrace(PTRACE_DETACH, info.pid, None, None)
+    assert not plan.checkpoint_first
+    assert [target.get("state", "") for target in plan.will_signal] == ["stopped by a debugger: cannot handle SIGTERM until the debugger lets it go"]
+    registry.stop(["traced-trainer"], grace=0)
+    assert not procs.is_alive(info.pid, info.start_time_ticks)
+
+
 def add_finished(run_dir: Path, count: int) -> None:
     """`count` jobs that ran and exited long ago (no watcher left), as the registry records them."""
     conn = sqlite3.connect(run_dir / "jobs.db")
@@ -233,7 +260,7 @@ def test_old_finished_records_are_archived_not_lost_and_running_ones_stay(regist
 
 
 def test_a_log_whose_last_line_is_longer_than_the_tail_window_tails_as_that_line_cut(tmp_path):
-    from backend.jobs.registry import TAIL_LINE_SHOWN, display_lines, tail_lines
+    from backend.jobs.logs import TAIL_LINE_SHOWN, display_lines, tail_lines
 
     log = tmp_path / "stdout.log"
     log.write_bytes(b"first line\n" + b"x" * (17 << 20))

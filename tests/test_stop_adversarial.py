@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from backend.host import procs
-from backend.jobs.registry import JOB_TOKEN_ENV, JobBadParams, JobRefused, JobRegistry
+from backend.jobs.records import JOB_TOKEN_ENV, JobBadParams, JobRefused
+from backend.jobs.registry import JobRegistry
 from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,14 +123,14 @@ def test_a_group_signal_never_reaches_a_stopper_in_the_group(registry, mode, tmp
     info = registry.start_job("grp", "other", [PY, "-c", code])
     member = int(wait_for(lambda: mark.exists() and mark.read_text(), what="the group member"))
     member_start = procs.start_time(member)
-    from backend.jobs import registry as jobs
+    from backend.jobs import discovery
 
-    real = jobs.protected_pids
-    monkeypatch.setattr(jobs, "protected_pids", lambda: real() | {member})  # as if that member ran this stop
+    real = discovery.protected_pids
+    monkeypatch.setattr(discovery, "protected_pids", lambda: real() | {member})  # as if that member ran this stop
     verdicts = {v.pid: v for v in registry.stop(["grp"], grace=2)}
     assert procs.is_alive(member, member_start), "the stopper was signalled"
     assert verdicts[info.pid].outcome == "exited_on_term" and verdicts[member].outcome == "survived"
-    monkeypatch.setattr(jobs, "protected_pids", real)
+    monkeypatch.setattr(discovery, "protected_pids", real)
     registry.stop(["grp"], grace=0)
     assert not procs.is_alive(member, member_start)
 

@@ -18,11 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
+from backend.commands import STOP_GRACE_MAX_S
 from backend.external.reader import ExternalRunReader
 from backend.host import holders as holders_mod
 from backend.host.disk import dir_size, disks_for
 from backend.host.gpu import GpuSource, driver_state, open_gpu_source
-from backend.jobs.registry import TAIL_LINE_SHOWN, TERMINAL, JobError, JobNotFound, JobRecord, JobRegistry, UnsafeRunDir, display_lines, tail_lines
+from backend.jobs.logs import TAIL_LINE_SHOWN, display_lines, tail_lines
+from backend.jobs.records import TERMINAL, JobError, JobNotFound, JobRecord, UnsafeRunDir
+from backend.jobs.registry import JobRegistry
 from backend.jsonl import JsonlFollower, read_complete_lines
 from backend.layout import (
     INDEX_FILENAME,
@@ -68,7 +71,6 @@ SIDECAR_SAVE_EVERY_S = 60.0
 SERIES_POINTS_MAX = 4096
 WINDOW_RECORDS_MAX = 5000
 SERIES_KEYS_MAX = 64
-GRACE_MAX_S = 3600.0
 LOG_CHUNK_BYTES = 1 << 20
 TAIL_LINES_MAX = 10_000
 STALL_AFTER_MAX_S = 86400.0
@@ -632,8 +634,8 @@ class Agent:
     def _stop_job(self, message: dict) -> dict:
         names, all_jobs = self._names(message)
         grace = param(message, "grace", float, 30.0)
-        if not 0 <= grace <= GRACE_MAX_S:  # also refuses NaN
-            raise BadParams("grace", f"must be a number of seconds in 0..{GRACE_MAX_S:g}, got {grace!r}")
+        if not 0 <= grace <= STOP_GRACE_MAX_S:  # also refuses NaN
+            raise BadParams("grace", f"must be a number of seconds in 0..{STOP_GRACE_MAX_S:g}, got {grace!r}")
         verdicts = self.registry.stop(names, all_jobs, grace=grace, gpu_source=self.gpu)
         self._jobs_dirty.set()
         return {"verdicts": verdicts, "unrecorded": self.registry.unrecorded()}

@@ -112,7 +112,8 @@ def handle_stop_and_bench(args) -> int:
 
 
 def handle_grok(args) -> int:
-    from backend.jobs.registry import JobError, JobRegistry
+    from backend.jobs.records import JobError
+    from backend.jobs.registry import JobRegistry
     from backend.serve.preflight import resolve_draft_dir
 
     checkpoint = resolve_draft_dir(args.checkpoint.expanduser())
@@ -162,7 +163,8 @@ def handle_data_scaling(args) -> int:
 
 def handle_results(args) -> int:
     from backend.layout import list_results
-    from backend.jobs.registry import JobNotFound, JobRegistry
+    from backend.jobs.records import JobNotFound
+    from backend.jobs.registry import JobRegistry
 
     try:
         record = JobRegistry(Path(args.run_dir).expanduser()).get(args.job)

@@ -182,7 +182,7 @@ class StopAndBench:
 
     # ------------------------------------------------------------------ stages
     def stop_training(self) -> tuple[str, Any]:
-        from backend.jobs.registry import JobNotFound
+        from backend.jobs.records import JobNotFound
         from backend.profiles import load_profile
 
         try:

@@ -37,7 +37,8 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
 def metrics_path(args) -> Path:
     if args.file is not None:
         return args.file
-    from backend.jobs.registry import JobError, JobRegistry
+    from backend.jobs.records import JobError
+    from backend.jobs.registry import JobRegistry
 
     registry = JobRegistry(args.run_dir)
     try:

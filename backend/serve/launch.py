@@ -404,7 +404,7 @@ def _job_exit_code(registry: Any, name: str) -> int | None:
 
 
 def _log_tail(job: dict[str, Any], lines: int = 30) -> list[str]:
-    from backend.jobs.registry import tail_lines
+    from backend.jobs.logs import tail_lines
 
     tail: list[str] = []
     for key, label in (("stdout_path", "stdout"), ("stderr_path", "stderr")):
