@@ -216,3 +216,18 @@ def test_an_adopted_session_leaders_orphaned_session_member_is_never_signalled(t
         leader.wait()
         if orphan:
             end(orphan, start)
+
+
+def test_a_stop_of_several_jobs_names_an_escapee_only_in_its_own_jobs_record(tmp_path):
+    registry = JobRegistry(tmp_path / "run")
+    pid, start, _ = start_escaper(registry, tmp_path, "setsid", keep_stdio=True)
+    registry.start_job("plain", "other", [PY, "-c", f"import time; time.sleep(600)  # {MARK} {tmp_path}"])
+    try:
+        argv = [PY, "-m", "backend", "job", "stop", "--run-dir", str(registry.run_dir), "--all", "--grace", "0.5", "--json"]
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=90)
+        assert done.returncode == 1, done.stdout + done.stderr  # the escapee survived, named
+        assert f"PID {pid}" in registry.get("esc").detail
+        plain = registry.get("plain")
+        assert plain.info.state == "stopped" and str(pid) not in plain.detail and "escaped" not in plain.detail, plain.detail
+    finally:
+        end(pid, start)

@@ -316,7 +316,7 @@ def _finish_records(store: JobStore, plans: list[JobPlan], detail: str, verdicts
         if left:
             store.try_update("stop result", [plan.record.id], detail=f"{STOP_INCOMPLETE}: PID {', '.join(map(str, left))} still alive")
             continue
-        detail = _stopped_detail(plan, detail)
+        job_detail = _stopped_detail(plan, detail)  # per job: one job's escapees never appear in another's record
         info = plan.record.info
         exit_code, ended_at = read_exit_file(info.job_dir)
         while exit_code is None and info.state == "running" and discovery.watcher_alive(plan.record) and time.monotonic() < deadline:
@@ -325,10 +325,10 @@ def _finish_records(store: JobStore, plans: list[JobPlan], detail: str, verdicts
         if info.state == "running":
             # detail again: a refresh from another process may have written a transient one meanwhile
             values = dict(
-                state="stopped", detail=detail, exit_code=exit_code, ended_at=ended_at or time.time(), stop_requested_at=plan.record.stop_requested_at
+                state="stopped", detail=job_detail, exit_code=exit_code, ended_at=ended_at or time.time(), stop_requested_at=plan.record.stop_requested_at
             )
             if not store.try_update("stopped state", [plan.record.id], **values):
-                _keep_in_slots(store, [plan], plan.record.stop_requested_at or time.time(), detail)
+                _keep_in_slots(store, [plan], plan.record.stop_requested_at or time.time(), job_detail)
     store.refresh()
 
 
