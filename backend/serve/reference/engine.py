@@ -40,6 +40,9 @@ class GenerationSpec:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    # False: decode this request without speculation even on a speculative engine (the reference-only
+    # "speculative" body field, for a same-engine baseline); a plain engine decodes plainly either way.
+    speculative: bool = True
 
 
 @dataclass
@@ -304,15 +307,19 @@ class Engine:
             self._update(gen, result, tracker)
         gen.finish = gen.finish or {"type": "length", "length": spec.max_new_tokens}
         gen.latency = gen.latency if gen.latency is not None else time.perf_counter() - gen.started
-        self._count(result)
+        self._count(spec, result)
         return gen
+
+    def speculates(self, spec: GenerationSpec) -> bool:
+        """Whether this request runs speculatively: on a speculative engine, unless it asked for plain decoding."""
+        return self.speculative and spec.speculative
 
     def _decode(self, spec: GenerationSpec, emitted: Callable[[Any], None]):
         decoder = self.decoder
         decoder.eos, decoder.on_emit = set(spec.stop_token_ids), emitted
         decoder.stop_string_hit = (lambda ids: self._stop_string(spec, ids) is not None) if spec.stop_strings else None
         try:
-            if self.speculative:
+            if self.speculates(spec):
                 return decoder.generate(spec.input_ids, spec.max_new_tokens)
             return decoder.plain(spec.input_ids, spec.max_new_tokens)
         finally:
@@ -347,10 +354,11 @@ class Engine:
         tail = self.decode(output_ids[-(longest + 1) :], spec.skip_special_tokens)
         return next((s for s in spec.stop_strings if s in tail), None)
 
-    def _count(self, result) -> None:
+    def _count(self, spec: GenerationSpec, result) -> None:
+        """Every request counts in requests_since_flush; only speculative ones in the acceptance counters."""
         with self.counters_lock:
             self.requests += 1
-            if not self.speculative:
+            if not self.speculates(spec):
                 return
             self.verify_ct += result.verify_ct
             self.verify_tokens += sum(int(a) + 1 for a in result.accepted_per_round)
@@ -396,7 +404,7 @@ class Engine:
 
     def spec_meta(self, gen: Generation) -> dict[str, Any]:
         """SGLang's per-request speculative fields; present once at least one verify step ran."""
-        if not self.speculative or gen.verify_ct == 0:
+        if not self.speculates(gen.spec) or gen.verify_ct == 0:
             return {}
         correct = sum(gen.accepted_per_round)
         proposed = gen.verify_ct * self.num_steps  # verify_ct x (num_draft_tokens - 1); topk 1 chains
@@ -428,5 +436,7 @@ class Engine:
 
     def log_generation(self, gen: Generation) -> None:
         meta = self.spec_meta(gen)
-        spec = f", verify {gen.verify_ct}, accept len {meta.get('spec_accept_length', 0):.2f}" if self.speculative else ""
+        spec = f", verify {gen.verify_ct}, accept len {meta.get('spec_accept_length', 0):.2f}" if self.speculates(gen.spec) else ""
+        if self.speculative and not gen.spec.speculative:
+            spec = ", plain decode (asked per request)"
         log(f"generate {gen.rid}: prompt {len(gen.spec.input_ids)} tokens, completion {len(gen.output_ids)}{spec}, {gen.latency or 0:.2f} s")

@@ -43,6 +43,12 @@ UNSUPPORTED_GENERATE = (
 )
 
 
+# Reference-only extension of the body (SGLang has none): `"speculative": false` decodes this one request without
+# speculation on a speculative engine, so a benchmark can measure plain decoding in the same engine and process.
+# /get_server_info advertises it as PLAIN_SWITCH_INFO; on a plain engine every request is plain whatever it says.
+PLAIN_SWITCH = "speculative"
+PLAIN_SWITCH_INFO = "plain_decode_per_request"
+
 UNSUPPORTED_HINTS = {
     "token_ids_logprob": "; ask for top_logprobs_num instead (top_logprobs_num = the vocab size returns every token's logprob)",
 }
@@ -193,6 +199,7 @@ def parse_generate(body: Any, engine: Engine) -> NativeRequest:
         no_stop_trim=_flag(params, "no_stop_trim", False, "sampling_params."),
         skip_special_tokens=_flag(params, "skip_special_tokens", True, "sampling_params."),
         **_logprob_options(body, engine),
+        speculative=_flag(body, PLAIN_SWITCH, True, ""),
     )
     stream, prompt_ids = _flag(body, "stream", False, ""), _flag(body, "return_prompt_token_ids", False, "")
     return NativeRequest(spec=spec, rid=rid, stream=stream, return_prompt_token_ids=prompt_ids)

@@ -38,7 +38,7 @@ from urllib.parse import unquote, urlsplit
 
 from backend.serve.reference import openai_api, serving_metrics
 from backend.serve.reference.engine import WEIGHT_VERSION, Engine, Generation, log
-from backend.serve.reference.native_api import NativeRequest, RequestError, parse_generate
+from backend.serve.reference.native_api import PLAIN_SWITCH_INFO, NativeRequest, RequestError, parse_generate
 from backend.serve.reference.openai_api import OpenAIRequestError
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -1059,6 +1059,8 @@ def server_info(profile, args, engine_path: str) -> dict[str, Any]:
         "speculative_num_draft_tokens": steps + 1 if speculative else None,
         "speculative_draft_model_path": args.draft if speculative else None,
         "feed": args.feed if speculative else None,
+        # reference-only: a /generate body may say "speculative": false to be decoded plainly (a same-engine baseline)
+        PLAIN_SWITCH_INFO: True,
         "dtype": profile.target.dtype,
         "tp_size": 1,
         "host": args.host,
