@@ -1,17 +1,22 @@
 """Stress jobs.db with many processes at once: agents, CLIs and in-process registries on one run dir, random SIGKILLs.
 
-Workers of three kinds share one run dir:
+Workers of five kinds share one run dir:
   registry  a process with a JobRegistry used from two threads (starts, lists, stops of its own jobs)
   agent     a real `python -m backend.agent` driven over its stdin/stdout protocol (start_job, stop_job, list)
   cli       the real `eagle3-host job start/list/stop` command lines
+  chain     a training-kind job, then the real `eagle3-host stop-and-bench` started as an owned chain job (what the
+            `b` key does): it stops the training job from its own process and ends at its checkpoint stage
+  console   the console's own AgentClient over a LocalTransport (a real agent it starts) folding every `jobs` event
+            into a ConsoleState: each few seconds it checks that its view holds every record committed 3 s before
 Each worker appends the name of every job whose start was committed (the call returned, or the reply said ok) to
 its own ledger, after the commit. Readers (`eagle3-host job list --json` in a fresh process, and a plain sqlite3
-read) read every ledger first and then the registry: every name in a ledger read before must be listed. Every few
-seconds a random worker (or the agent behind one) is SIGKILLed and replaced. At the end a fresh process lists the
-registry once more and PRAGMA integrity_check runs.
+read) read every ledger first and then the registry: every name in a ledger read before must be listed; consoles
+check their own view the same way and write what they missed beside the ledgers. Every few seconds a random worker
+(or the agent behind one) is SIGKILLed and replaced. At the end a fresh process lists the registry once more and
+PRAGMA integrity_check runs.
 
-Prints records committed, checks by readers, records unseen by a reader (goal 0), records lost at the end (goal 0),
-integrity errors (goal 0), kills. Exit 1 if any goal is missed.
+Prints records committed, checks by readers and consoles, records unseen by a reader or a console (goal 0), records
+lost at the end (goal 0), integrity errors (goal 0), kills. Exit 1 if any goal is missed.
 Usage: python benchmarks/registry_stress.py [--workers 6] [--seconds 60] [--kill-every 3] [--seed 1] [--json OUT]
 """
 
@@ -34,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PY = sys.executable
-KINDS = ("registry", "agent", "cli")
+KINDS = ("registry", "agent", "cli", "chain", "console")
 JOB_ARGV = ["sleep", "30"]
 
 
@@ -148,7 +153,85 @@ def cli_worker(run_dir: Path, ledger: Path, prefix: str, seed: int) -> None:
             append_ledger(ledger, name)
 
 
-WORKERS = {"registry": registry_worker, "agent": agent_worker, "cli": cli_worker}
+def chain_worker(run_dir: Path, ledger: Path, prefix: str, seed: int) -> None:
+    rng = random.Random(seed)
+    host = [PY, "-m", "backend", "--run-dir", str(run_dir)]
+    number = 0
+    while True:
+        number += 1
+        train, chain = f"{prefix}-{number}", f"{prefix}-{number}-chain"
+        if subprocess.run([*host, "job", "start", "--name", train, "--kind", "train", "--", *JOB_ARGV], cwd=ROOT, capture_output=True).returncode:
+            continue
+        append_ledger(ledger, train)
+        time.sleep(rng.uniform(0.0, 1.0))
+        bench = [*host, "stop-and-bench", "--job", train, "--profile", "tiny", "--grace", "2"]
+        if subprocess.run([*host, "job", "start", "--name", chain, "--kind", "chain", "--", *bench], cwd=ROOT, capture_output=True).returncode == 0:
+            append_ledger(ledger, chain)
+            wait_until_finished(host, chain, timeout=60)
+
+
+def wait_until_finished(host: list[str], name: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = subprocess.run([*host, "job", "list", "--json"], cwd=ROOT, capture_output=True, text=True)
+        jobs = {job["name"]: job for job in json.loads(listed.stdout or "[]")} if listed.returncode == 0 else {}
+        if jobs.get(name, {}).get("state", "running") != "running":
+            return
+        time.sleep(0.5)
+
+
+CONSOLE_LAG_S = 3.0  # a record committed this long before a `jobs` event must be in the console's view
+
+
+def console_worker(run_dir: Path, ledger: Path, prefix: str, seed: int) -> None:
+    import asyncio
+
+    asyncio.run(console_loop(run_dir, ledger.with_suffix(".console")))
+
+
+async def console_loop(run_dir: Path, report: Path) -> None:
+    """Fold every event into a ConsoleState, as the app does; compare its jobs with the ledgers of CONSOLE_LAG_S ago."""
+    from console.client import AgentClient
+    from console.state import ConsoleState
+    from console.transport import LocalTransport
+
+    client = AgentClient(LocalTransport(run_dir), timeout=60)
+    await client.start(retry=True)
+    state = ConsoleState(target="stress")
+    waiting: list[tuple[float, set[str]]] = []
+    while True:
+        event = await client.next_event()
+        if not isinstance(event, dict):
+            continue
+        state.apply(event)
+        if event.get("type") != "jobs":
+            continue
+        now = time.monotonic()
+        due, waiting = [w for w in waiting if w[0] <= now], [w for w in waiting if w[0] > now]
+        for _, committed in due:
+            missing = committed - set(state.jobs)
+            if missing:  # finished records beyond the newest ones are archived: listed by sqlite, not sent
+                missing -= listed_by_sqlite(run_dir, archived_only=True)
+            with open(report, "a") as handle:
+                handle.write(json.dumps(sorted(missing)) + "\n")
+        waiting.append((now + CONSOLE_LAG_S, read_ledgers(report.parent)))
+
+
+def console_checks(ledgers: Path) -> tuple[int, list[str]]:
+    """(checks made by consoles, names a console did not hold though they were committed CONSOLE_LAG_S before)."""
+    checks, missing = 0, []
+    for report in ledgers.glob("*.console"):
+        for line in report.read_text().splitlines():
+            try:
+                names = json.loads(line)
+            except ValueError:
+                continue  # a line cut by the worker's SIGKILL
+            checks += 1
+            missing.extend(names)
+    return checks, missing
+
+
+WORKERS = {"registry": registry_worker, "agent": agent_worker, "cli": cli_worker, "chain": chain_worker, "console": console_worker}
 
 
 # ------------------------------------------------------------------ the driver
@@ -183,11 +266,13 @@ class Driver:
         self.rng = random.Random(seed)
         self.spawned = 0
         self.workers: dict[str, subprocess.Popen] = {}
+        self.kinds: dict[str, str] = {}
         self.kills = 0
 
     def spawn(self, kind: str) -> None:
         self.spawned += 1
-        prefix = f"{kind[0]}{self.spawned}"
+        prefix = f"{kind[:2]}{self.spawned}"
+        self.kinds[prefix] = kind
         ledger = self.ledgers / f"{prefix}.ledger"
         argv = [
             PY,
@@ -209,7 +294,7 @@ class Driver:
         prefix = self.rng.choice(sorted(self.workers))
         worker = self.workers.pop(prefix)
         victim = worker.pid
-        if prefix.startswith("a") and self.rng.random() < 0.5 and worker.stdout is not None:
+        if self.kinds[prefix] == "agent" and self.rng.random() < 0.5 and worker.stdout is not None:
             line = worker.stdout.readline()  # "agent-pid N": kill the agent itself, mid-request
             if line.startswith("agent-pid"):
                 victim = int(line.split()[1])
@@ -221,7 +306,7 @@ class Driver:
             worker.kill()
         worker.wait()
         self.kills += 1
-        self.spawn(KINDS[{"r": 0, "a": 1, "c": 2}[prefix[0]]])
+        self.spawn(self.kinds.pop(prefix))
 
     def stop_all(self) -> None:
         for worker in self.workers.values():
@@ -263,6 +348,7 @@ def run(args: argparse.Namespace) -> dict:
         unseen_total += len(unseen)
         unseen_examples.extend(unseen[:3])
     driver.stop_all()
+    console_check_count, console_missing = console_checks(ledgers)
     committed = read_ledgers(ledgers)
     final = (listed_by_cli(run_dir) or set()) | listed_by_sqlite(run_dir, archived_only=True)
     lost = sorted(committed - final)
@@ -278,6 +364,9 @@ def run(args: argparse.Namespace) -> dict:
         "reader_checks": checks,
         "unseen_by_a_reader": unseen_total,
         "unseen_examples": unseen_examples[:10],
+        "console_checks": console_check_count,
+        "unseen_by_a_console": len(console_missing),
+        "unseen_by_a_console_examples": console_missing[:10],
         "lost_at_end": len(lost),
         "lost_examples": lost[:10],
         "integrity": verdict,
@@ -302,13 +391,15 @@ def main() -> int:
         WORKERS[args.worker](args.run_dir, args.ledger, args.prefix, args.seed)
         return 0
     result = run(args)
-    for key in ("workers", "seconds", "kills", "records_committed", "reader_checks", "unseen_by_a_reader", "lost_at_end", "integrity", "integrity_errors"):
+    keys = ("workers", "seconds", "kills", "records_committed", "reader_checks", "unseen_by_a_reader", "console_checks", "unseen_by_a_console")
+    for key in (*keys, "lost_at_end", "integrity", "integrity_errors"):
         print(f"{key:>20}: {result[key]}")
-    if result["unseen_examples"] or result["lost_examples"]:
-        print(f"{'examples':>20}: unseen {result['unseen_examples']} lost {result['lost_examples']}")
+    if result["unseen_examples"] or result["lost_examples"] or result["unseen_by_a_console_examples"]:
+        examples = f"unseen {result['unseen_examples']} by a console {result['unseen_by_a_console_examples']} lost {result['lost_examples']}"
+        print(f"{'examples':>20}: {examples}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 1 if result["unseen_by_a_reader"] or result["lost_at_end"] or result["integrity_errors"] else 0
+    return 1 if result["unseen_by_a_reader"] or result["unseen_by_a_console"] or result["lost_at_end"] or result["integrity_errors"] else 0
 
 
 if __name__ == "__main__":

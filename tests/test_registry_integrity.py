@@ -300,9 +300,9 @@ def test_metrics_lines_and_checkpoint_files_are_private(tmp_path):
 
 @pytest.mark.slow
 def test_registry_stress_ci_sized():
-    """benchmarks/registry_stress.py at CI size: agents, CLIs and registries with SIGKILLs lose and hide nothing."""
+    """benchmarks/registry_stress.py at CI size: registries, agents, CLIs, chains and consoles with SIGKILLs lose and hide nothing."""
     done = subprocess.run(
-        [PY, "benchmarks/registry_stress.py", "--workers", "4", "--seconds", "20", "--kill-every", "3", "--seed", "3"],
+        [PY, "benchmarks/registry_stress.py", "--workers", "5", "--seconds", "25", "--kill-every", "3", "--seed", "3"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -312,3 +312,4 @@ def test_registry_stress_ci_sized():
     counts = dict(line.strip().split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
     assert int(counts["records_committed"]) > 0 and int(counts["kills"]) > 0
     assert (counts["unseen_by_a_reader"], counts["lost_at_end"], counts["integrity"]) == ("0", "0", "ok")
+    assert int(counts["console_checks"]) > 0 and counts["unseen_by_a_console"] == "0"
