@@ -136,6 +136,7 @@ def _register_train(subparsers, parent) -> None:
         "`data regenerate` does it batched, resumable and once",
     )
     _add_chat_template(train)
+    _add_target_placement(train)
     train.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files under <out>/tensorboard")
     train.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present; LOCAL_RANK under torchrun)")
     train.add_argument("--batch-size", type=int)
@@ -177,7 +178,8 @@ def _register_extract(subparsers, parent) -> None:
     extract.add_argument("--batch-size", type=int, default=8)
     extract.add_argument("--shard-samples", type=int, default=256)
     extract.add_argument("--keep-free-gb", type=float, default=1.0, help="refuse unless this much disk stays free afterwards")
-    extract.add_argument("--device")
+    extract.add_argument("--device", help="where the shards' tensors are gathered, and the target when no device map is given")
+    _add_target_placement(extract)
     _add_threads(extract)
     extract.set_defaults(handler=_extract)
 
@@ -188,6 +190,39 @@ def _add_chat_template(parser) -> None:
         metavar="NAME|FILE",
         help="chat template for the conversations: chatml, llama3, qwen or a Jinja file (default: the tokenizer's own; refused when it has none)",
     )
+
+
+def _add_target_placement(parser) -> None:
+    group = parser.add_argument_group("a target larger than one device (transformers/accelerate device_map; online targets only)")
+    group.add_argument(
+        "--target-device-map",
+        metavar="auto|balanced|balanced_low_0|sequential|cpu|FILE.json",
+        help="spread the target's layers over this host's GPUs, CPU and disk (default: the whole target on --device). "
+        "FILE.json maps module names to a GPU index, 'cpu' or 'disk'",
+    )
+    group.add_argument(
+        "--target-max-memory", metavar="cuda:0=60GiB,cpu=200GiB", help="per-device caps for the device map (leave room for the draft on --device)"
+    )
+    group.add_argument("--target-offload-folder", type=Path, metavar="DIR", help="where weights placed on 'disk' are kept")
+
+
+def target_placement(args: argparse.Namespace):
+    """The --target-* flags, checked before anything loads: a device map places one copy of the target per process, so
+    several ranks on one host (each would fill every GPU) and offline --data (no target runs) are refused."""
+    from backend.train.target import TargetPlacementError, parse_placement
+
+    placement = parse_placement(args.target_device_map, args.target_max_memory, args.target_offload_folder)
+    if placement is None:
+        return None
+    if getattr(args, "data", None) is not None:
+        raise TargetPlacementError("--target-device-map places the target for online training; with --data no target runs. Nothing was started.")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if local_ranks > 1:
+        raise TargetPlacementError(
+            f"--target-device-map with {local_ranks} ranks on this host: each would place its own copy of the target over every GPU. "
+            "Run one process per host (the draft trains on --device). Nothing was started."
+        )
+    return placement
 
 
 def chat_preflight(profile, spec: str | None, offline: bool = False, trust_remote_code: bool = False):
@@ -274,13 +309,23 @@ def _known_errors() -> tuple:
     from backend.train.data import DataError
     from backend.train.draft import DraftConfigError, FeatureWidthError
     from backend.train.extract import ExtractError
-    from backend.train.target import TargetMismatchError
+    from backend.train.target import TargetMismatchError, TargetPlacementError
     from backend.train.trainer import TrainSetupError
 
-    return (ProfileError, CheckpointError, DataError, DraftConfigError, FeatureWidthError, ExtractError, TargetMismatchError, TrainSetupError)
+    return (
+        ProfileError,
+        CheckpointError,
+        DataError,
+        DraftConfigError,
+        FeatureWidthError,
+        ExtractError,
+        TargetMismatchError,
+        TargetPlacementError,
+        TrainSetupError,
+    )
 
 
-def train_options(args: argparse.Namespace, chat_template=None) -> TrainOptions:
+def train_options(args: argparse.Namespace, chat_template=None, target_placement=None) -> TrainOptions:
     """The typed profile and the flags given (None where a flag was left out: the profile's value holds)."""
     from backend.profiles import load_profile
     from backend.train.trainer import TrainOptions
@@ -302,6 +347,7 @@ def train_options(args: argparse.Namespace, chat_template=None) -> TrainOptions:
         data_dir=args.data,
         conversations=args.conversations,
         regenerate_tokens=args.regenerate_tokens,
+        target_placement=target_placement,
         tensorboard=args.tensorboard,
         device=args.device,
         batch_size=args.batch_size,
@@ -325,6 +371,7 @@ def _train(args: argparse.Namespace) -> int:
         template = chat_preflight(profile, args.chat_template, offline=args.data is not None, trust_remote_code=profile.serve.trust_remote_code)
         if args.data is None:
             regenerated_preflight(profile, args.conversations)
+        placement = target_placement(args)
     except known as exc:
         return _fail(str(exc))
     first_rank = int(os.environ.get("RANK", "0") or 0) == 0
@@ -339,7 +386,7 @@ def _train(args: argparse.Namespace) -> int:
     except known as exc:
         return _fail(str(exc))
     try:
-        return train(train_options(args, template))
+        return train(train_options(args, template, placement))
     except known as exc:
         return _fail(str(exc))
 
@@ -358,6 +405,7 @@ def _extract(args) -> int:
         profile = load_profile(args.profile)
         template = chat_preflight(profile, args.chat_template, trust_remote_code=profile.serve.trust_remote_code)
         regenerated_preflight(profile, args.conversations)
+        placement = target_placement(args)
     except _known_errors() as exc:
         return _fail(str(exc))
     apply_threads(args.threads)
@@ -365,7 +413,9 @@ def _extract(args) -> int:
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: stop.update(signal=signum))
     try:
         device = args.device or ("cuda" if _cuda() else "cpu")
-        target = load_target(profile, device=device)
+        target = load_target(profile, device=device, placement=placement)
+        if target.placement():
+            print(f"extract: target placed by {placement.describe() if placement else 'its device map'}: {target.placement()}", file=sys.stderr, flush=True)
         if is_tiny_target_dir(target.path):
             settings = tiny_data_settings(profile.train.seq_len, args.samples, args.val_samples, seed=profile.train.seed)
             splits = tiny_samples(target, settings, log=lambda m: print(m, file=sys.stderr, flush=True))

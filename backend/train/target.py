@@ -1,10 +1,14 @@
-"""The target side: load a HF causal LM, check it against the profile, capture its aux hidden states + teacher logits, greedy-generate."""
+"""The target side: load a HF causal LM (on one device or placed across several), check it against the profile, capture its
+aux hidden states + teacher logits, greedy-generate."""
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,6 +20,96 @@ WHEEL_PREFIX = "wheel:"  # a known target shipped in a wheel, prepared into this
 
 class TargetMismatchError(ValueError):
     """The loaded target disagrees with its profile (hidden size, layers, vocab, aux layer ids)."""
+
+
+class TargetPlacementError(ValueError):
+    """A --target-device-map, --target-max-memory or --target-offload-folder that cannot place the target."""
+
+
+PLACEMENT_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential", "cpu")
+_SIZE = re.compile(r"^\d+(\.\d+)?\s*([KMGT]i?B)?$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class TargetPlacement:
+    """A target larger than one device: transformers' device_map (a strategy, or module name -> GPU index, "cpu" or
+    "disk"), optional per-device caps (max_memory) and the folder for weights offloaded to disk."""
+
+    device_map: str | dict[str, int | str]
+    max_memory: dict[int | str, str] | None = None
+    offload_folder: str | None = None
+
+    def load_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"device_map": self.device_map}
+        if self.max_memory:
+            kwargs["max_memory"] = dict(self.max_memory)
+        if self.offload_folder:
+            kwargs["offload_folder"] = self.offload_folder
+        return kwargs
+
+    def describe(self) -> str:
+        where = self.device_map if isinstance(self.device_map, str) else f"a map of {len(self.device_map)} modules"
+        caps = f", max memory {', '.join(f'{_device_name(k)}={v}' for k, v in self.max_memory.items())}" if self.max_memory else ""
+        return f"device_map {where}{caps}" + (f", offload folder {self.offload_folder}" if self.offload_folder else "")
+
+
+def _device_name(key: int | str) -> str:
+    return f"cuda:{key}" if isinstance(key, int) else key
+
+
+def parse_placement(device_map: str | None, max_memory: str | None = None, offload_folder: str | os.PathLike | None = None) -> TargetPlacement | None:
+    """The --target-* flags as a TargetPlacement; None when no device map was given (the target loads whole onto one device)."""
+    if device_map is None:
+        if max_memory or offload_folder:
+            raise TargetPlacementError("--target-max-memory and --target-offload-folder need --target-device-map (e.g. auto); nothing was loaded")
+        return None
+    mapping = device_map if device_map in PLACEMENT_STRATEGIES else _read_device_map(Path(device_map).expanduser())
+    folder = str(Path(offload_folder).expanduser()) if offload_folder else None
+    return TargetPlacement(mapping, parse_max_memory(max_memory) if max_memory else None, folder)
+
+
+def _read_device_map(path: Path) -> dict[str, int | str]:
+    """A JSON object of module name -> GPU index (0, "cuda:0"), "cpu" or "disk", as transformers' hf_device_map prints it."""
+    if not path.is_file():
+        raise TargetPlacementError(f"--target-device-map {path}: neither one of {', '.join(PLACEMENT_STRATEGIES)} nor a JSON file; nothing was loaded")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TargetPlacementError(f"--target-device-map {path}: cannot read it as JSON ({exc}); nothing was loaded") from None
+    if not isinstance(raw, dict) or not raw:
+        raise TargetPlacementError(f"--target-device-map {path}: expected a JSON object of module name -> device; nothing was loaded")
+    return {str(name): _map_device(path, str(name), device) for name, device in raw.items()}
+
+
+def _map_device(path: Path, name: str, device: object) -> int | str:
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return device
+    if device in ("cpu", "disk"):
+        return str(device)
+    if isinstance(device, str) and re.fullmatch(r"cuda:\d+", device):
+        return int(device.split(":")[1])
+    raise TargetPlacementError(f"--target-device-map {path}: {name!r} -> {device!r}; a device is a GPU index, 'cuda:N', 'cpu' or 'disk'")
+
+
+def parse_max_memory(spec: str) -> dict[int | str, str]:
+    """'cuda:0=60GiB,cuda:1=70GiB,cpu=200GiB' (or '0=60GiB') -> {0: '60GiB', 1: '70GiB', 'cpu': '200GiB'}."""
+    caps: dict[int | str, str] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        device, _, size = item.partition("=")
+        device, size = device.strip(), size.strip()
+        key: int | str
+        if device.isdigit() or re.fullmatch(r"cuda:\d+", device):
+            key = int(device.rsplit(":", 1)[-1])
+        elif device == "cpu":
+            key = device
+        else:
+            raise TargetPlacementError(f"--target-max-memory {spec!r}: device {device!r} is not cuda:N, N or cpu")
+        if not _SIZE.match(size):
+            raise TargetPlacementError(f"--target-max-memory {spec!r}: size {size!r} for {device} is not like 60GiB, 500MB or a byte count")
+        caps[key] = size.replace(" ", "")
+    if not caps:
+        raise TargetPlacementError(f"--target-max-memory {spec!r}: expected DEVICE=SIZE pairs, e.g. cuda:0=60GiB,cpu=200GiB")
+    return caps
 
 
 @dataclass
@@ -120,7 +214,7 @@ def _output_cache(output):
 class TargetModel:
     """A frozen target that produces the draft's inputs: aux hidden states, teacher logits, greedy continuations."""
 
-    def __init__(self, model, tokenizer, profile, path: str, aux_layer_ids: list[int] | None = None):
+    def __init__(self, model, tokenizer, profile, path: str, aux_layer_ids: list[int] | None = None, output_device=None):
         self.model = model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
@@ -136,6 +230,9 @@ class TargetModel:
         self.num_layers = text.num_hidden_layers
         self.vocab_size = text.vocab_size
         check_aux_layer_ids(self.aux_layer_ids, self.num_layers)
+        # Where capture() gathers its tensors (the draft's device): None = the input device. A placed target's layers sit
+        # on several devices; each captured state is moved here once.
+        self._output_device = output_device
 
     @property
     def aux_width(self) -> int:
@@ -143,17 +240,32 @@ class TargetModel:
 
     @property
     def device(self):
-        return self.model.get_input_embeddings().weight.device
+        """Where inputs go: the embedding's device (for a placed target, the device its embedding runs on)."""
+        return _execution_device(self.model.get_input_embeddings())
+
+    @property
+    def output_device(self):
+        return self.device if self._output_device is None else self._output_device
 
     @property
     def dtype(self):
         return self.model.get_input_embeddings().weight.dtype
 
     def embed_weight(self):
-        return self.model.get_input_embeddings().weight
+        return _materialized_weight(self.model.get_input_embeddings())
 
     def lm_head_weight(self):
-        return self.model.get_output_embeddings().weight
+        return _materialized_weight(self.model.get_output_embeddings())
+
+    def placement(self) -> str | None:
+        """For a target placed by a device map: how many of its mapped modules sit where, e.g. "cuda:0 31, cuda:1 30, cpu 2"; else None."""
+        device_map = getattr(self.model, "hf_device_map", None)
+        if not device_map:
+            return None
+        counts: dict[str, int] = {}
+        for device in device_map.values():
+            counts[_device_name(device)] = counts.get(_device_name(device), 0) + 1
+        return ", ".join(f"{device} {count}" for device, count in counts.items())
 
     def describe(self) -> dict:
         return {
@@ -191,12 +303,13 @@ class TargetModel:
         missing = [layer for layer in self.aux_layer_ids if layer not in captured]
         if missing:
             raise TargetMismatchError(f"aux layers {missing} produced no output during the target forward")
-        aux = torch.cat([captured[layer] for layer in self.aux_layer_ids], dim=-1)
+        out = self.output_device
+        aux = torch.cat([captured[layer].to(out) for layer in self.aux_layer_ids], dim=-1)
         last = output.last_hidden_state
         if with_logits:
             with torch.no_grad():
-                return TargetBatch(aux_hidden=aux, logits=self.model.get_output_embeddings()(last))
-        return TargetBatch(aux_hidden=aux, last_hidden=last)
+                return TargetBatch(aux_hidden=aux, logits=self.model.get_output_embeddings()(last).to(out))
+        return TargetBatch(aux_hidden=aux, last_hidden=last.to(out))
 
     def greedy_generate(self, prompt_ids, max_new_tokens: int, prompt_mask=None, stop_token_id: int | None = None):
         """KV-cached greedy continuation of left-padded prompts [B, P] -> generated ids [B, N] (pad after a stop)."""
@@ -229,8 +342,14 @@ class TargetModel:
         return torch.stack(generated, dim=1)
 
 
-def load_target(profile, device="cpu", dtype: str | None = None, device_map=None, aux_layer_ids: list[int] | None = None) -> TargetModel:
-    """Load the profile's target ('builtin:tiny' builds the cached tiny target, 'wheel:NAME' prepares a wheel's) and check it against the profile."""
+def load_target(
+    profile, device="cpu", dtype: str | None = None, placement: TargetPlacement | None = None, aux_layer_ids: list[int] | None = None
+) -> TargetModel:
+    """Load the profile's target ('builtin:tiny' builds the cached tiny target, 'wheel:NAME' prepares a wheel's) and check it against the profile.
+
+    Without a placement the whole target goes to `device`. With one, transformers/accelerate spread its layers over the
+    GPUs, the CPU and disk as the placement says, and `device` (the draft's) is where capture() gathers its tensors.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_target_path(profile)
@@ -238,9 +357,39 @@ def load_target(profile, device="cpu", dtype: str | None = None, device_map=None
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
     check_config_matches_profile(config, profile)
     kwargs = {"dtype": torch_dtype(dtype or profile.target.dtype), "attn_implementation": "sdpa", "trust_remote_code": trust}
-    if device_map is not None:
-        kwargs["device_map"] = device_map
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if device_map is None:
-        model = model.to(device)
-    return TargetModel(model, load_tokenizer(path, trust), profile, path, aux_layer_ids)
+    if placement is None:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
+        return TargetModel(model, load_tokenizer(path, trust), profile, path, aux_layer_ids)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs, **placement.load_kwargs())
+    except (ValueError, KeyError) as exc:  # transformers' refusals of a map (no offload folder, unknown module, ...)
+        raise TargetPlacementError(f"cannot place target {path} with {placement.describe()}: {exc}") from None
+    return TargetModel(model, load_tokenizer(path, trust), profile, path, aux_layer_ids, output_device=device)
+
+
+def _hooks(module) -> list:
+    """accelerate's hooks on a module (one AlignDevicesHook, or a SequentialHook of several); [] when it was not dispatched."""
+    hook = getattr(module, "_hf_hook", None)
+    return [] if hook is None else list(getattr(hook, "hooks", [hook]))
+
+
+def _execution_device(module):
+    """The device a module runs on: its accelerate hook's execution device when dispatched, else its weight's device."""
+    import torch
+
+    for hook in _hooks(module):
+        if getattr(hook, "execution_device", None) is not None:
+            return torch.device(hook.execution_device)
+    return module.weight.device
+
+
+def _materialized_weight(module):
+    """module.weight, read back from accelerate's CPU or disk offload store when the module holds only a meta tensor."""
+    weight = module.weight
+    if weight.device.type != "meta":
+        return weight
+    for hook in _hooks(module):
+        store = getattr(hook, "weights_map", None)
+        if store is not None:
+            return store["weight"]
+    raise TargetMismatchError(f"{type(module).__name__}.weight is offloaded but no accelerate hook holds it; cannot read the target's weights")

@@ -42,6 +42,7 @@ from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
 if TYPE_CHECKING:
     from backend.metrics.records import MetricsWriter
     from backend.train.chat_templates import ChatTemplate
+    from backend.train.target import TargetPlacement
 
 RUN_FILE = "run.json"
 ADAM_BETAS = (0.9, 0.95)  # EAGLE-3 paper
@@ -109,6 +110,7 @@ class TrainOptions:
     conversations: Path | None = None  # online HF target: a chat file (any format conversations.py reads) or a `data prepare` dir
     chat_template: ChatTemplate | None = None  # None: the tokenizer's own
     regenerate_tokens: int = 0
+    target_placement: TargetPlacement | None = None  # online: the target spread over GPUs/CPU/disk; None: whole on `device`
     tensorboard: bool = False
     device: str | None = None
     batch_size: int | None = None
@@ -635,7 +637,9 @@ class Trainer:
         from backend.train.target import load_target
         from backend.train.tiny import is_tiny_target_dir
 
-        target = load_target(profile, device=self.ctx.device)
+        target = load_target(profile, device=self.ctx.device, placement=options.target_placement)
+        if target.placement():
+            self.log(f"target placed by {options.target_placement.describe() if options.target_placement else 'its device map'}: {target.placement()}")
         if is_tiny_target_dir(target.path):
             settings = options.tiny_data or tiny_data_settings(self.settings.seq_len, seed=self.settings.seed)
             splits = tiny_samples(target, settings, log=self.log)
