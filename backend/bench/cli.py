@@ -1,4 +1,4 @@
-"""`eagle3-host bench`: benchmark an SGLang-compatible server (optionally against a non-speculative baseline)."""
+"""`eagle3-host bench`: benchmark an SGLang-compatible server over eval sets, against plain decoding (same engine or a second server)."""
 
 from __future__ import annotations
 
@@ -24,45 +24,75 @@ def register(subparsers, parent) -> None:
     parser = subparsers.add_parser(
         "bench",
         parents=[parent],
-        help="benchmark a server: tok/s, accept length, TTFT, ITL, speedup",
-        description="Greedy streaming benchmark over a prompt set at several concurrency levels.",
+        help="benchmark a server: tok/s, accept length, TTFT, ITL, speedup over plain decoding",
+        description="Greedy streaming benchmark over one or more eval sets at several concurrency levels, against a baseline.",
     )
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
-    parser.add_argument("--prompts", type=Path, help="JSONL with {prompt}|{text}|{conversations} per line (default: shipped set)")
-    parser.add_argument("--tag", help="only prompts with this tag from the prompt file (the shipped set has chat, code)")
-    parser.add_argument("--num-prompts", type=int, help="use only the first N prompts")
+    parser.add_argument(
+        "--prompts",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="an eval set (repeat for several): a JSONL file with {prompt}|{text}|{conversations} per line, a `data prepare` "
+        "output dir (its held-out eval.jsonl), or `humaneval` (HumanEval's 164 prompts); NAME defaults to the file's stem "
+        "(default: the shipped set)",
+    )
+    parser.add_argument("--tag", help="only prompts with this tag from JSONL sets (the shipped set has chat, code)")
+    parser.add_argument("--num-prompts", type=int, help="use only the first N prompts of each set")
     parser.add_argument("--chat-template", metavar="MODEL_DIR", help="wrap each prompt in this tokenizer's chat template (as the draft saw chats in training)")
     parser.add_argument("--concurrency", type=concurrency_levels, default=[1, 4, 16], help="levels, e.g. 1,4,16 (default)")
-    parser.add_argument("--baseline-url", help="a non-speculative server of the same target, for the speedup")
+    parser.add_argument(
+        "--baseline",
+        metavar="same-engine|URL|none",
+        help="what the speed-up is measured against: plain decoding asked per request of the same server (the reference engine "
+        "offers it), a non-speculative server of the same target, or nothing (default: same-engine where the server offers "
+        "it, else none)",
+    )
+    parser.add_argument("--baseline-url", help="a non-speculative server of the same target (the same as --baseline URL)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, help="result file (default: RUN_DIR/benchmarks/bench-<time>.json)")
     parser.add_argument("--json", action="store_true", help="print the result document as JSON")
     parser.set_defaults(handler=handle_bench)
 
 
+def baseline_choice(args) -> str | None:
+    from backend.bench.client import BaselineError
+
+    if args.baseline and args.baseline_url and args.baseline != args.baseline_url:
+        raise BaselineError(f"--baseline {args.baseline} and --baseline-url {args.baseline_url} disagree; give one")
+    return args.baseline or args.baseline_url
+
+
+def eval_sets(args):
+    from backend.bench import client, eval_sets
+
+    specs = [eval_sets.parse_spec(text) for text in args.prompts] if args.prompts else [eval_sets.default_spec()]
+    sets = eval_sets.load_eval_sets(specs, tag=args.tag, limit=args.num_prompts)
+    if args.chat_template:
+        sets = [eval_sets.EvalSet(s.name, client.templated(s.prompts, args.chat_template)) for s in sets]
+    return sets
+
+
 async def run(args) -> dict:
     from backend.bench import client, results
-    from backend.serve.prompts import load_prompts
 
-    prompts = load_prompts(args.prompts, tag=args.tag, limit=args.num_prompts)
-    if args.chat_template:
-        prompts = client.templated(prompts, args.chat_template)
+    sets = eval_sets(args)
     started = time.time()
     url = args.url.rstrip("/")
-    info, levels = await client.run_server(url, prompts.prompts, args.concurrency, args.max_new_tokens)
-    baseline_info = baseline_levels = None
-    if args.baseline_url:
-        baseline_info, baseline_levels = await client.run_server(args.baseline_url.rstrip("/"), prompts.prompts, args.concurrency, args.max_new_tokens)
+    info = await client.fetch_server_info(url)
+    baseline = client.resolve_baseline(baseline_choice(args), info)
+    baseline_info = await client.fetch_server_info(baseline.url) if baseline.mode == client.BASELINE_URL and baseline.url else None
+    runs = []
+    for eval_set in sets:
+        levels, baseline_levels = await client.measure_set(url, baseline, eval_set.prompts.prompts, args.concurrency, args.max_new_tokens)
+        runs.append(results.SetRun(eval_set.name, eval_set.prompts, levels, baseline_levels))
     return results.build_document(
         url=url,
         server_info=info,
-        levels=levels,
-        prompts=prompts,
+        sets=runs,
         max_new_tokens=args.max_new_tokens,
         concurrency=args.concurrency,
-        baseline_url=args.baseline_url,
+        baseline=baseline,
         baseline_info=baseline_info,
-        baseline_levels=baseline_levels,
         started_at=started,
     )
 
@@ -75,8 +105,8 @@ def handle_bench(args) -> int:
 
     try:
         document = asyncio.run(run(args))
-    except (PromptFileError, client.TemplateError) as exc:
-        print(f"bench: {exc}. Nothing was sent.", file=sys.stderr)
+    except (PromptFileError, client.TemplateError, client.BaselineError) as exc:
+        print(f"bench: {exc}. Nothing was measured.", file=sys.stderr)
         return 2
     except ConnectionError as exc:
         print(f"bench: {exc}. Is the server up? Nothing was measured or saved.", file=sys.stderr)
@@ -89,8 +119,7 @@ def handle_bench(args) -> int:
     else:
         print(results.table(document))
         print(f"saved {path}")
-    failed = sum(level["failed"] for level in document["levels"])
-    total = sum(level["requests"] for level in document["levels"])
+    failed, total = results.request_counts(document)
     if failed:
-        print(f"bench: {failed} of {total} requests failed; first: {document['levels'][0]['errors'][:1]}", file=sys.stderr)
+        print(f"bench: {failed} of {total} requests failed; first: {results.first_error(document)}", file=sys.stderr)
     return 1 if failed == total else 0

@@ -1,4 +1,4 @@
-"""Async benchmark client: streams greedy /generate requests at several concurrency levels and measures them."""
+"""Async benchmark client: streams greedy /generate requests at several concurrency levels, speculative and a baseline."""
 
 from __future__ import annotations
 
@@ -14,10 +14,67 @@ import httpx
 from backend.serve import http
 from backend.serve.acceptance import acceptance_report, histogram_from_meta
 from backend.serve.prompts import PromptSet
+from backend.serve.reference.native_api import PLAIN_SWITCH, PLAIN_SWITCH_INFO
+
+SAME_ENGINE = "same-engine"  # plain decoding asked per request of the speculative server itself
+BASELINE_URL = "url"  # a second server of the same target without speculation
+NO_BASELINE = "none"
 
 
 class TemplateError(ValueError):
     """The --chat-template tokenizer could not be loaded or has no chat template."""
+
+
+class BaselineError(ValueError):
+    """The baseline asked for cannot be measured against this server."""
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """How one side of a comparison asks: ignore_eos for fixed lengths, plain for the reference engine's per-request switch."""
+
+    ignore_eos: bool = False
+    plain: bool = False
+
+    def payload(self, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+        params: dict[str, Any] = {"temperature": 0, "max_new_tokens": max_new_tokens}
+        if self.ignore_eos:
+            params["ignore_eos"] = True
+        payload: dict[str, Any] = {"text": prompt, "stream": True, "sampling_params": params}
+        if self.plain:
+            payload[PLAIN_SWITCH] = False
+        return payload
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What the speculative side is compared with: mode SAME_ENGINE, BASELINE_URL (with url) or NO_BASELINE."""
+
+    mode: str
+    url: str | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.mode != NO_BASELINE
+
+
+def plain_per_request(info: dict[str, Any]) -> bool:
+    """A speculative server that decodes a request plainly when asked (the reference engine advertises it)."""
+    return bool(info.get(PLAIN_SWITCH_INFO)) and bool(info.get("speculative_algorithm"))
+
+
+def resolve_baseline(choice: str | None, info: dict[str, Any]) -> Baseline:
+    """choice: SAME_ENGINE, NO_BASELINE, a URL, or None for SAME_ENGINE where the server offers it, else none."""
+    if choice is None:
+        return Baseline(SAME_ENGINE) if plain_per_request(info) else Baseline(NO_BASELINE)
+    if choice == NO_BASELINE:
+        return Baseline(NO_BASELINE)
+    if choice == SAME_ENGINE:
+        if not plain_per_request(info):
+            why = "it does not speculate" if not info.get("speculative_algorithm") else f"it does not advertise {PLAIN_SWITCH_INFO} (SGLang has no such switch)"
+            raise BaselineError(f"--baseline {SAME_ENGINE}: the server cannot decode a request plainly on request: {why}; give a baseline server's URL instead")
+        return Baseline(SAME_ENGINE)
+    return Baseline(BASELINE_URL, choice.rstrip("/"))
 
 
 def templated(prompts: PromptSet, model_dir: str) -> PromptSet:
@@ -48,8 +105,10 @@ class RequestResult:
     histogram_note: str | None = None  # why histogram is None
 
 
-async def stream_generate(client: httpx.AsyncClient, url: str, prompt: str, index: int, max_new_tokens: int) -> RequestResult:
-    payload = {"text": prompt, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
+async def stream_generate(
+    client: httpx.AsyncClient, url: str, prompt: str, index: int, max_new_tokens: int, options: RequestOptions = RequestOptions()
+) -> RequestResult:
+    payload = options.payload(prompt, max_new_tokens)
     started = time.perf_counter()
     result = RequestResult(index=index, ok=False)
     last_chunk: float | None = None
@@ -116,6 +175,8 @@ class LevelResult:
     errors: list[str] = field(default_factory=list)
     texts: list[str] = field(default_factory=list, repr=False)
     accept_length_mean_of_request_means: float | None = None  # SpecForge's benchmark: mean of completion/verify_ct
+    completion_tokens_min: int | None = None  # per completed request; both equal max_new_tokens under ignore_eos
+    completion_tokens_max: int | None = None
     # acceptance.acceptance_report without validation: both definitions labelled, served acceptance per draft position
     acceptance: dict[str, Any] = field(default_factory=dict)
 
@@ -126,7 +187,9 @@ class LevelResult:
         return data
 
 
-async def run_level(url: str, prompts: list[str], concurrency: int, max_new_tokens: int, timeout_s: float = 600.0) -> LevelResult:
+async def run_level(
+    url: str, prompts: list[str], concurrency: int, max_new_tokens: int, timeout_s: float = 600.0, options: RequestOptions = RequestOptions()
+) -> LevelResult:
     """All prompts at one concurrency level, after /flush_cache so the server's average covers this level only."""
     async with http.async_client(timeout=timeout_s, connections=max(concurrency, 1)) as client:
         await client.post(f"{url}/flush_cache")
@@ -134,7 +197,7 @@ async def run_level(url: str, prompts: list[str], concurrency: int, max_new_toke
 
         async def one(index: int, prompt: str) -> RequestResult:
             async with gate:
-                return await stream_generate(client, url, prompt, index, max_new_tokens)
+                return await stream_generate(client, url, prompt, index, max_new_tokens, options)
 
         started = time.perf_counter()
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
@@ -182,6 +245,8 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float, s
         errors=[f"prompt {r.index}: {r.error}" for r in results if not r.ok][:10],
         texts=[r.text for r in by_index],
         accept_length_mean_of_request_means=acceptance["mean_of_request_means"],
+        completion_tokens_min=min((r.completion_tokens for r in done), default=None),
+        completion_tokens_max=max((r.completion_tokens for r in done), default=None),
         acceptance=acceptance,
     )
 
@@ -197,7 +262,26 @@ async def fetch_server_info(url: str) -> dict[str, Any]:
     return reply.json()
 
 
-async def run_server(url: str, prompts: list[str], levels: list[int], max_new_tokens: int) -> tuple[dict[str, Any], list[LevelResult]]:
-    info = await fetch_server_info(url)
-    results = [await run_level(url, prompts, level, max_new_tokens) for level in levels]
-    return info, results
+async def warm_up(url: str, prompt: str, max_new_tokens: int, options: RequestOptions) -> None:
+    """One request that is not counted: the first one pays one-off costs (CUDA graph capture, lazy initialisation)."""
+    async with http.async_client(timeout=600.0, connections=1) as client:
+        await stream_generate(client, url, prompt, -1, max_new_tokens, options)
+
+
+async def measure_set(
+    url: str, baseline: Baseline, prompts: list[str], concurrency: list[int], max_new_tokens: int
+) -> tuple[list[LevelResult], list[LevelResult]]:
+    """(speculative levels, baseline levels) over one prompt set; with a baseline every request ignores eos, so both
+    sides decode exactly max_new_tokens per prompt, and the two sides alternate level by level."""
+    spec_side = RequestOptions(ignore_eos=baseline.measured)
+    plain_side = RequestOptions(ignore_eos=True, plain=baseline.mode == SAME_ENGINE)
+    plain_url = url if baseline.mode == SAME_ENGINE else baseline.url or url
+    await warm_up(url, prompts[0], max_new_tokens, spec_side)
+    if baseline.measured:
+        await warm_up(plain_url, prompts[0], max_new_tokens, plain_side)
+    levels, baseline_levels = [], []
+    for level in concurrency:
+        levels.append(await run_level(url, prompts, level, max_new_tokens, options=spec_side))
+        if baseline.measured:
+            baseline_levels.append(await run_level(plain_url, prompts, level, max_new_tokens, options=plain_side))
+    return levels, baseline_levels

@@ -1,4 +1,4 @@
-"""Benchmark result documents: assemble, compute speedups, save atomically as JSON, print as a table."""
+"""Benchmark result documents: one section per eval set with its speed-up; saved atomically as JSON, printed as a table."""
 
 from __future__ import annotations
 
@@ -8,41 +8,84 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.bench.client import LevelResult
+from backend.bench.client import NO_BASELINE, SAME_ENGINE, Baseline, LevelResult
 from backend.serve.acceptance import acceptance_lines, break_line, compare_with_validation, tau_hat
 from backend.serve.launch import server_summary
 from backend.serve.prompts import PromptSet
 
-SCHEMA = 1
+SCHEMA = 2  # 2: one section per eval set ("sets"), each with its baseline levels and per-concurrency comparison
+LATENCY_KEYS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")  # compared side by side with the baseline
 
 
-def speedups(spec: list[LevelResult], baseline: list[LevelResult]) -> list[dict[str, Any]]:
+@dataclass
+class SetRun:
+    """One eval set's measurement: its prompts, the speculative levels and the baseline's (empty without one)."""
+
+    name: str
+    prompts: PromptSet
+    levels: list[LevelResult]
+    baseline_levels: list[LevelResult] = field(default_factory=list)
+
+
+def outputs_equal(level: LevelResult, base: LevelResult) -> dict[str, Any]:
+    """Greedy speculative decoding must reproduce the baseline's text, prompt by prompt."""
+    pairs = [(a, b) for a, b in zip(level.texts, base.texts) if a and b]
+    first_diff = next((i for i, (a, b) in enumerate(zip(level.texts, base.texts)) if a and b and a != b), None)
+    return {"compared": len(pairs), "equal": sum(1 for a, b in pairs if a == b), "first_different_prompt": first_diff}
+
+
+def exact_lengths(level: LevelResult, max_new_tokens: int) -> bool:
+    """Every completed request produced exactly max_new_tokens (what ignore_eos promises)."""
+    return level.completion_tokens_min == level.completion_tokens_max == max_new_tokens
+
+
+def compare(spec: list[LevelResult], baseline: list[LevelResult], max_new_tokens: int) -> list[dict[str, Any]]:
+    """Per concurrency level both sides ran: tok/s both ways, the speed-up, TTFT and ITL of both, accept length, equality."""
     by_level = {b.concurrency: b for b in baseline}
     rows = []
     for level in spec:
         base = by_level.get(level.concurrency)
         if base is None:
             continue
-        ratio = level.output_tok_per_s / base.output_tok_per_s if base.output_tok_per_s > 0 else None
         rows.append(
-            {"concurrency": level.concurrency, "output_tok_per_s": level.output_tok_per_s, "baseline_output_tok_per_s": base.output_tok_per_s, "speedup": ratio}
+            {
+                "concurrency": level.concurrency,
+                "output_tok_per_s": level.output_tok_per_s,
+                "baseline_output_tok_per_s": base.output_tok_per_s,
+                "speedup": level.output_tok_per_s / base.output_tok_per_s if base.output_tok_per_s > 0 else None,
+                **{key: getattr(level, key) for key in LATENCY_KEYS},
+                **{f"baseline_{key}": getattr(base, key) for key in LATENCY_KEYS},
+                "accept_length": level.accept_length,
+                "accept_length_mean_of_request_means": level.accept_length_mean_of_request_means,
+                "output_tokens": level.output_tokens,
+                "baseline_output_tokens": base.output_tokens,
+                "exact_lengths": exact_lengths(level, max_new_tokens) and exact_lengths(base, max_new_tokens),
+                "failed": level.failed,
+                "baseline_failed": base.failed,
+                "outputs_equal": outputs_equal(level, base),
+            }
         )
     return rows
 
 
-def outputs_equal(spec: list[LevelResult], baseline: list[LevelResult]) -> dict[str, Any]:
-    """Greedy speculative decoding must reproduce the baseline's text; compared at the first common level."""
-    common = [(s, b) for s in spec for b in baseline if s.concurrency == b.concurrency]
-    if not common:
-        return {"compared": 0, "equal": 0}
-    level, base = common[0]
-    pairs = [(a, b) for a, b in zip(level.texts, base.texts) if a and b]
-    equal = sum(1 for a, b in pairs if a == b)
-    first_diff = next((i for i, (a, b) in enumerate(zip(level.texts, base.texts)) if a and b and a != b), None)
-    return {"concurrency": level.concurrency, "compared": len(pairs), "equal": equal, "first_different_prompt": first_diff}
+def speedup_at(rows: list[dict[str, Any]], concurrency: int) -> float | None:
+    return next((row["speedup"] for row in rows if row["concurrency"] == concurrency), None)
+
+
+def set_section(run: SetRun, max_new_tokens: int, val_acc: list[float] | None, steps: Any) -> dict[str, Any]:
+    rows = compare(run.levels, run.baseline_levels, max_new_tokens)
+    return {
+        "name": run.name,
+        "prompts": run.prompts.describe(),
+        "levels": [with_validation(level.to_dict(), val_acc, steps) for level in run.levels],
+        "baseline_levels": [level.to_dict() for level in run.baseline_levels],
+        "comparison": rows,
+        "speedup_c1": speedup_at(rows, 1),
+    }
 
 
 def checkpoint_val_acc(path: Any) -> list[float] | None:
@@ -76,13 +119,11 @@ def build_document(
     *,
     url: str,
     server_info: dict[str, Any],
-    levels: list[LevelResult],
-    prompts: PromptSet,
+    sets: list[SetRun],
     max_new_tokens: int,
     concurrency: list[int],
-    baseline_url: str | None = None,
+    baseline: Baseline = Baseline(NO_BASELINE),
     baseline_info: dict[str, Any] | None = None,
-    baseline_levels: list[LevelResult] | None = None,
     started_at: float | None = None,
     val_acc: list[float] | None = None,
 ) -> dict[str, Any]:
@@ -90,7 +131,8 @@ def build_document(
     if val_acc is None:
         val_acc = checkpoint_val_acc(server_info.get("speculative_draft_model_path"))
     steps = server_info.get("speculative_num_steps")
-    document: dict[str, Any] = {
+    sections = [set_section(run, max_new_tokens, val_acc, steps) for run in sets]
+    return {
         "schema": SCHEMA,
         "kind": "eagle3-bench",
         "time": started_at or time.time(),
@@ -104,18 +146,30 @@ def build_document(
             k: server_info.get(k)
             for k in ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "dtype", "tp_size")
         },
-        "prompts": prompts.describe(),
         "max_new_tokens": max_new_tokens,
         "temperature": 0,
+        "ignore_eos": baseline.measured,
         "concurrency": concurrency,
-        "levels": [with_validation(level.to_dict(), val_acc, steps) for level in levels],
+        "baseline": {
+            "mode": baseline.mode,
+            "url": url if baseline.mode == SAME_ENGINE else baseline.url,
+            "server": server_summary(baseline_info) if baseline_info else None,
+        },
+        "sets": sections,
+        "speedup_c1": {section["name"]: section["speedup_c1"] for section in sections},
         "validation": {"val_acc": val_acc, "tau_hat": tau_hat(val_acc, steps) if val_acc and isinstance(steps, int) else None},
     }
-    if baseline_url is not None and baseline_levels is not None:
-        document["baseline"] = {"url": baseline_url, "server": server_summary(baseline_info or {}), "levels": [level.to_dict() for level in baseline_levels]}
-        document["speedup"] = speedups(levels, baseline_levels)
-        document["outputs_equal"] = outputs_equal(levels, baseline_levels)
-    return document
+
+
+def request_counts(document: dict[str, Any]) -> tuple[int, int]:
+    """(failed, total) requests over every set and side."""
+    levels = [level for section in document["sets"] for level in section["levels"] + section["baseline_levels"]]
+    return sum(level["failed"] for level in levels), sum(level["requests"] for level in levels)
+
+
+def first_error(document: dict[str, Any]) -> str | None:
+    levels = [level for section in document["sets"] for level in section["levels"] + section["baseline_levels"]]
+    return next((level["errors"][0] for level in levels if level.get("errors")), None)
 
 
 def default_path(run_dir: Path, started_at: float) -> Path:
@@ -150,36 +204,63 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
+LEVEL_HEADER = (
+    f"{'conc':>4} {'tok/s':>9} {'pooled':>7} {'req_mean':>8} {'srv_acc':>7} {'ttft50':>8} {'ttft99':>8} "
+    f"{'itl50':>7} {'itl99':>7} {'tpot50':>7} {'fail':>4}   (times in ms)"
+)
+
+
+def level_line(level: dict[str, Any]) -> str:
+    return (
+        f"{level['concurrency']:>4} {level['output_tok_per_s']:>9.1f} {_fmt(level['accept_length']):>7} "
+        f"{_fmt(level.get('accept_length_mean_of_request_means')):>8} {_fmt(level['server_avg_accept_length']):>7} {_fmt(level['ttft_p50_s'], 1000, 1):>8} "
+        f"{_fmt(level['ttft_p99_s'], 1000, 1):>8} {_fmt(level['itl_p50_s'], 1000, 1):>7} "
+        f"{_fmt(level['itl_p99_s'], 1000, 1):>7} {_fmt(level['tpot_p50_s'], 1000, 1):>7} {level['failed']:>4}"
+    )
+
+
+def comparison_line(row: dict[str, Any]) -> str:
+    equal = row["outputs_equal"]
+    return (
+        f"speedup at concurrency {row['concurrency']}: {_fmt(row['speedup'])}x "
+        f"({row['output_tok_per_s']:.1f} vs {row['baseline_output_tok_per_s']:.1f} tok/s baseline; "
+        f"ttft50 {_fmt(row['ttft_p50_s'], 1000, 1)} vs {_fmt(row['baseline_ttft_p50_s'], 1000, 1)} ms, "
+        f"itl50 {_fmt(row['itl_p50_s'], 1000, 1)} vs {_fmt(row['baseline_itl_p50_s'], 1000, 1)} ms; "
+        f"outputs equal {equal['equal']}/{equal['compared']}" + ("" if row["exact_lengths"] else "; NOT all exactly max_new_tokens") + ")"
+    )
+
+
+def set_block(section: dict[str, Any], baseline_mode: str) -> list[str]:
+    prompts = section["prompts"]
+    lines = [
+        f"set {section['name']}: {prompts['count']} prompts from {prompts['source']}",
+        f"  {LEVEL_HEADER}",
+        "  speculative",
+        *[f"  {level_line(lv)}" for lv in section["levels"]],
+    ]
+    if section["baseline_levels"]:
+        lines += [f"  baseline ({baseline_mode})", *[f"  {level_line(lv)}" for lv in section["baseline_levels"]]]
+    lines += [f"  {comparison_line(row)}" for row in section["comparison"]]
+    for level in section["levels"]:
+        if level.get("acceptance"):
+            lines.append(f"  concurrency {level['concurrency']}:")
+            lines += [f"    {line}" for line in acceptance_lines(level["acceptance"])]
+    return lines
+
+
 def table(document: dict[str, Any]) -> str:
+    baseline = document["baseline"]
+    against = {SAME_ENGINE: "plain decoding in the same engine", NO_BASELINE: "no baseline"}.get(baseline["mode"], f"baseline {baseline['url']}")
     lines = [
         f"benchmark of {document['url']}  ({document['flags'].get('speculative_algorithm')}, "
-        f"steps {document['flags'].get('speculative_num_steps')}, prompts {document['prompts']['count']}, "
-        f"max_new_tokens {document['max_new_tokens']})",
-        f"{'conc':>4} {'tok/s':>9} {'pooled':>7} {'req_mean':>8} {'srv_acc':>7} {'ttft50':>8} {'ttft99':>8} "
-        f"{'itl50':>7} {'itl99':>7} {'tpot50':>7} {'fail':>4}   (times in ms)",
+        f"steps {document['flags'].get('speculative_num_steps')}, max_new_tokens {document['max_new_tokens']}, "
+        f"{against}{', ignore_eos' if document['ignore_eos'] else ''})",
         "  accept length: pooled = over verify steps (SGLang, vLLM: sum completion / sum verify_ct); "
         "req_mean = mean of per-request means (SpecForge benchmark)",
     ]
-    for level in document["levels"]:
-        lines.append(
-            f"{level['concurrency']:>4} {level['output_tok_per_s']:>9.1f} {_fmt(level['accept_length']):>7} "
-            f"{_fmt(level.get('accept_length_mean_of_request_means')):>8} {_fmt(level['server_avg_accept_length']):>7} {_fmt(level['ttft_p50_s'], 1000, 1):>8} "
-            f"{_fmt(level['ttft_p99_s'], 1000, 1):>8} {_fmt(level['itl_p50_s'], 1000, 1):>7} "
-            f"{_fmt(level['itl_p99_s'], 1000, 1):>7} {_fmt(level['tpot_p50_s'], 1000, 1):>7} {level['failed']:>4}"
-        )
-    for row in document.get("speedup", []):
-        lines.append(
-            f"speedup at concurrency {row['concurrency']}: {_fmt(row['speedup'])}x "
-            f"({row['output_tok_per_s']:.1f} vs {row['baseline_output_tok_per_s']:.1f} tok/s baseline)"
-        )
-    if "outputs_equal" in document:
-        eq = document["outputs_equal"]
-        lines.append(f"outputs equal to baseline: {eq['equal']}/{eq['compared']}")
     validation = document.get("validation") or {}
     if validation.get("val_acc"):
         lines.append(f"validation: tau-hat {_fmt(validation.get('tau_hat'))}, val acc " + " ".join(f"{a:.2f}" for a in validation["val_acc"]))
-    for level in document["levels"]:
-        if level.get("acceptance"):
-            lines.append(f"concurrency {level['concurrency']}:")
-            lines += [f"  {line}" for line in acceptance_lines(level["acceptance"])]
+    for section in document["sets"]:
+        lines += set_block(section, baseline["mode"])
     return "\n".join(lines)

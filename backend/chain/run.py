@@ -110,6 +110,19 @@ def acceptance_summary(acceptance: Any, val_acc: Any) -> dict[str, Any] | None:
     return summary
 
 
+def throughput_row(level: dict[str, Any]) -> dict[str, Any]:
+    keys = ("concurrency", "output_tok_per_s", "accept_length", "accept_length_mean_of_request_means")
+    return {key: level.get(key) for key in keys}
+
+
+def speedup_row(comparison: dict[str, Any] | None) -> dict[str, Any]:
+    """A level's comparison with plain decoding in the same engine, for the result screen (empty without one)."""
+    if not comparison:
+        return {}
+    keys = ("baseline_output_tok_per_s", "speedup", "ttft_p50_s", "baseline_ttft_p50_s", "itl_p50_s", "baseline_itl_p50_s", "exact_lengths")
+    return {**{key: comparison.get(key) for key in keys}, "outputs_equal": comparison.get("outputs_equal")}
+
+
 class StopAndBench:
     """The chain, one method per stage; run() drives them and turns exceptions into a failed stage."""
 
@@ -299,21 +312,33 @@ class StopAndBench:
         return f"{outcome.verdict}: {outcome.headline}", canary
 
     def bench(self) -> tuple[str, Any]:
+        """The benchmark; where the server decodes plainly on request (the reference engine), against that same engine."""
         import asyncio
 
-        from backend.bench import client
+        from backend.bench import client, results
 
         prompts = self._bench_prompts()
-        info, levels = asyncio.run(client.run_server(self.summary["url"], prompts, self.options.concurrency, self.options.max_new_tokens))
+        url = self.summary["url"]
+        info = asyncio.run(client.fetch_server_info(url))
+        baseline = client.resolve_baseline(None, info)
+        levels, plain_levels = asyncio.run(client.measure_set(url, baseline, prompts, self.options.concurrency, self.options.max_new_tokens))
         rows = [level.to_dict() for level in levels]
         self.summary["bench"] = rows
+        self.summary["bench_baseline"] = {
+            "mode": baseline.mode,
+            "ignore_eos": baseline.measured,
+            "levels": [level.to_dict() for level in plain_levels],
+            "comparison": results.compare(levels, plain_levels, self.options.max_new_tokens),
+        }
         failed = sum(row.get("failed", 0) for row in rows)
         if failed == sum(row.get("requests", 0) for row in rows):
             raise ChainFailed(f"every benchmark request failed: {rows[0].get('errors', [])[:1]}")
         best = max(rows, key=lambda row: row.get("output_tok_per_s") or 0)
-        return (
-            f"{best.get('output_tok_per_s') or 0:.1f} tok/s at concurrency {best.get('concurrency')}, accept length {best.get('accept_length') or 0:.2f}"
-        ), rows
+        detail = f"{best.get('output_tok_per_s') or 0:.1f} tok/s at concurrency {best.get('concurrency')}, accept length {best.get('accept_length') or 0:.2f}"
+        first = next(iter(self.summary["bench_baseline"]["comparison"]), None)
+        if first is not None and first["speedup"] is not None:
+            detail += f", {first['speedup']:.2f}x plain decoding in the same engine at concurrency {first['concurrency']}"
+        return detail, rows
 
     def save_result(self) -> tuple[str, Any]:
         result = self.result_panel()
@@ -332,6 +357,8 @@ class StopAndBench:
     def result_panel(self) -> dict[str, Any]:
         canary = self.summary.get("canary") or {}
         rows = self.summary.get("bench") or []
+        baseline = self.summary.get("bench_baseline") or {}
+        speedups = {row["concurrency"]: row for row in baseline.get("comparison") or []}
         return {
             "verdict": canary.get("verdict"),
             "verdict_headline": canary.get("headline"),
@@ -342,15 +369,10 @@ class StopAndBench:
             "ratio_to_tau_hat": canary.get("ratio_to_tau_hat"),
             # the canary's served acceptance per draft position next to val acc_k, and the first break
             "acceptance": acceptance_summary(canary.get("acceptance"), self.summary.get("val_acc")),
-            "throughput": [
-                {
-                    "concurrency": r.get("concurrency"),
-                    "output_tok_per_s": r.get("output_tok_per_s"),
-                    "accept_length": r.get("accept_length"),
-                    "accept_length_mean_of_request_means": r.get("accept_length_mean_of_request_means"),
-                }
-                for r in rows
-            ],
+            "throughput": [{**throughput_row(r), **speedup_row(speedups.get(r.get("concurrency")))} for r in rows],
+            # "same-engine": every row also holds the plain decode of the same prompts (ignore_eos) and the speed-up
+            "speedup_baseline": baseline.get("mode"),
+            "speedup_c1": (speedups.get(1) or {}).get("speedup"),
             "checkpoint": self.summary.get("checkpoint"),
             "engine": self.summary.get("engine"),
             "argv": self.summary.get("argv"),
