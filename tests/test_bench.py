@@ -376,3 +376,17 @@ def test_same_engine_against_a_plain_server_is_refused_with_exit_2(tmp_path, min
     argv = [sys.executable, "-m", "backend", "bench", "--url", mini_servers["plain"].url, "--baseline", "same-engine", "--run-dir", str(tmp_path)]
     done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "it does not speculate" in done.stderr and not (tmp_path / "benchmarks").exists()
+
+
+def test_baseline_url_still_means_a_second_server(tmp_path, mini_servers):
+    out_file = tmp_path / "result.json"
+    argv = [sys.executable, "-m", "backend", "bench", "--url", mini_servers["spec"].url, "--baseline-url", mini_servers["plain"].url]
+    argv += ["--tag", "code", "--num-prompts", "2", "--concurrency", "1", "--max-new-tokens", "8", "--out", str(out_file), "--run-dir", str(tmp_path)]
+    done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    doc = results.load(out_file)
+    assert doc["baseline"]["mode"] == "url" and doc["baseline"]["url"] == mini_servers["plain"].url and doc["ignore_eos"] is True
+    assert doc["baseline"]["server"]["speculative_algorithm"] is None
+    (section,) = doc["sets"]
+    assert section["name"] == "default" and section["comparison"][0]["exact_lengths"] is True
+    assert section["comparison"][0]["outputs_equal"]["equal"] == 2
