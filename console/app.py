@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -18,8 +17,6 @@ from typing import Any, Callable
 from platformdirs import user_downloads_path  # Textual's own dependency: where its screenshots go
 from textual import work
 from textual.app import App
-from textual.binding import Binding
-from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen
 from textual.widgets import Footer
@@ -28,6 +25,7 @@ from textual.worker import Worker
 from backend.commands import node_spec, torchrun_train_argv, train_argv
 from backend.safetext import visible
 from backend.protocol import Request
+from console.actions import ACTIONS, ACTIONS_BY_NAME, SCREEN_NAMES, ConsoleCommands, app_bindings, disabled_reason, offered
 from console.client import AgentClient, AgentError
 from console.run_actions import SIGNALS_INTERVAL_S, RunActions, verdicts_phrase
 from console.screens.base import ConsoleScreen
@@ -46,150 +44,8 @@ from console.widgets.panels import ConsoleFooter
 GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)
 QUIT_CONFIRM_S = 10.0
 REDRAW_SHARE = 4.0
-MULTI_HOST_ACTIONS = ("show_hosts", "start_multinode")  # offered only when the console holds several hosts
 # What a host other than the active one may redraw: its row in the Hosts view and its jobs in the jobs table.
 CROSS_HOST_SECTIONS = frozenset({"connection", "hello", "gpus", "holders", "jobs", "disks", "hosts"})
-
-
-@dataclass(frozen=True)
-class ConsoleAction:
-    """One operator action: its key, footer label, palette title and what it needs."""
-
-    name: str
-    key: str
-    label: str
-    help: str
-    needs_connection: bool = False
-    needs_job: bool = False
-    screen: str | None = None  # only on the screen of this mode (its own binding)
-    owned_job: bool = False  # refused on external (watched, read-only) runs
-    job_kinds: tuple[str, ...] = ()  # the selected job must be one of these kinds
-    destructive: bool = False  # starts, stops or takes over a process: disabled and hidden under --readonly
-    short: str = ""  # footer label on a narrow terminal
-
-
-ACTIONS = [
-    ConsoleAction("show_dashboard", "1", "Dashboard", "GPUs, jobs, latest metrics, disks"),
-    ConsoleAction("show_training", "2", "Training", "loss / LR curves and validation accuracy"),
-    ConsoleAction("show_logs", "3", "Logs", "stdout and stderr of the selected job"),
-    ConsoleAction("show_grokking", "4", "Grokking", "log-step loss, gap, val slope, norms, tau, LR floor, data scaling"),
-    ConsoleAction("show_chain", "5", "Bench result", "stages and result of the latest stop-and-bench run"),
-    ConsoleAction("show_hosts", "6", "Hosts", "every host at a glance; pick the one the other screens show; nodes of a multi-node job"),
-    ConsoleAction("prev_job", "[", "Prev job", "select the previous job"),
-    ConsoleAction("next_job", "]", "Next job", "select the next job"),
-    ConsoleAction(
-        "start_training", "n", "New tiny run", "start a training job with the console's profile", needs_connection=True, destructive=True, short="New"
-    ),
-    ConsoleAction(
-        "start_multinode",
-        "m",
-        "Multi-node run",
-        "start one training job across every connected host (torchrun; shows each node's command first)",
-        needs_connection=True,
-        destructive=True,
-        short="Nodes",
-    ),
-    ConsoleAction(
-        "stop_job",
-        "s",
-        "Stop job",
-        "stop the selected job (shows the PIDs first)",
-        needs_connection=True,
-        needs_job=True,
-        owned_job=True,
-        destructive=True,
-        short="Stop",
-    ),
-    ConsoleAction(
-        "stop_and_bench",
-        "b",
-        "Stop & bench",
-        "stop training with a checkpoint, serve it, canary, benchmark (shows the plan first)",
-        needs_connection=True,
-        needs_job=True,
-        owned_job=True,
-        job_kinds=("train",),
-        destructive=True,
-        short="Bench",
-    ),
-    ConsoleAction(
-        "resume",
-        "c",
-        "Resume ckpt",
-        "resume training from the checkpoint the last stop wrote, as a new job (shows the command first)",
-        needs_connection=True,
-        destructive=True,
-        short="Resume",
-    ),
-    ConsoleAction(
-        "grok",
-        "g",
-        "Grok run",
-        "resume a checkpoint with a constant LR, weight decay, optional Grokfast",
-        needs_connection=True,
-        needs_job=True,
-        owned_job=True,
-        job_kinds=("train",),
-        destructive=True,
-        short="Grok",
-    ),
-    ConsoleAction("watch_external", "w", "Watch run", "watch a TensorBoard dir or SpecForge log read-only as ext:<name>", needs_connection=True, short="Watch"),
-    ConsoleAction("adopt", "a", "Adopt PID", "adopt a foreign process as a job (PID typed to confirm)", needs_connection=True, destructive=True, short="Adopt"),
-    ConsoleAction("resync", "r", "Resync", "re-read everything from the agent", needs_connection=True, short="Sync"),
-    ConsoleAction("quit", "q", "Quit", "leave the console (jobs keep running on the host)"),
-    ConsoleAction("help", "?", "Help", "every key on one screen", short="Help"),
-    ConsoleAction("filter_jobs", "/", "Filter jobs", "Dashboard: show only the jobs whose row holds the typed text (esc clears)", screen="dashboard"),
-    ConsoleAction("toggle_workers", "h", "Workers", "Dashboard: show / hide each job's helper processes under its GPU holder row", screen="dashboard"),
-    ConsoleAction("toggle_log_step", "x", "Log step", "Training: step axis log10 on/off", screen="training"),
-    ConsoleAction("toggle_log_y", "y", "Log y", "Training: loss and LR on a log10 axis on/off", screen="training"),
-    ConsoleAction("toggle_ema", "e", "EMA", "Training: EMA smoothing (0.9) on/off", screen="training"),
-    ConsoleAction("next_overlay", "o", "Overlay", "Training: draw another training job or watched run on the same axes (cycles, then off)", screen="training"),
-    ConsoleAction("toggle_follow", "f", "Follow", "Logs: scroll to new lines on/off", screen="logs"),
-    ConsoleAction("switch_stream", "o", "Live stream", "Logs: follow stdout or stderr live", screen="logs"),
-]
-ACTIONS_BY_NAME = {a.name: a for a in ACTIONS}
-_SCREENS = Binding.Group("Screens", compact=True)  # the footer shows "12345 Screens": room for every action key
-_JOBS = Binding.Group("Prev/next job", compact=True)
-FOOTER_GROUPS = {
-    "show_dashboard": _SCREENS,
-    "show_training": _SCREENS,
-    "show_logs": _SCREENS,
-    "show_grokking": _SCREENS,
-    "show_chain": _SCREENS,
-    "show_hosts": _SCREENS,
-    "prev_job": _JOBS,
-    "next_job": _JOBS,
-}
-
-
-class ConsoleCommands(Provider):
-    """Every console action in the command palette; disabled ones say why."""
-
-    def _entries(self) -> list[tuple[str, str, Callable[[], Any]]]:
-        app: ConsoleApp = self.app  # type: ignore[assignment]
-        entries: list[tuple[str, str, Callable[[], Any]]] = []
-        for action in ACTIONS:
-            if action.screen is not None and getattr(self.screen, "MODE", None) != action.screen:
-                continue
-            if (action.destructive and app.readonly) or (action.name in MULTI_HOST_ACTIONS and not app.multi_host):
-                continue  # --readonly, or one host: not offered at all
-            reason = app.disabled_reason(action.name)
-            # The palette parses help as markup: "[n]" would vanish as a tag, so every "[" is escaped, and the key is
-            # shown bare ("key [ · ...") because a bracketed "[[]" reads as noise.
-            help_text = (f"key {action.key} · {action.help}" + (f" (disabled: {reason})" if reason else "")).replace("[", r"\[")
-            entries.append((action.label, help_text, partial(app.run_console_action, action.name, self.screen)))
-        return entries
-
-    async def discover(self) -> Hits:
-        for title, help_text, callback in self._entries():
-            yield DiscoveryHit(title, callback, help=help_text)
-
-    async def search(self, query: str) -> Hits:
-        matcher = self.matcher(query)
-        for title, help_text, callback in self._entries():
-            score = max(matcher.match(title), matcher.match(help_text) * 0.5)
-            if score > 0:
-                yield Hit(score, matcher.highlight(title), callback, text=title, help=help_text)
 
 
 def _with_console_footer(cls: type[ConsoleScreen]) -> type[ConsoleScreen]:
@@ -204,7 +60,6 @@ def _with_console_footer(cls: type[ConsoleScreen]) -> type[ConsoleScreen]:
     return WithConsoleFooter
 
 
-SCREEN_NAMES = {"dashboard": "Dashboard (1)", "training": "Training (2)", "logs": "Logs (3)", "grokking": "Grokking (4)", "chain": "Stop & bench (5)"}
 STDERR_KINDS = ("train", "serve")  # jobs that write their log to stderr (print to stdout is for results)
 
 
@@ -219,7 +74,7 @@ class ConsoleApp(RunActions):
     }  # "training", "grokking" added per instance
     DEFAULT_MODE = "dashboard"
     COMMANDS = App.COMMANDS | {ConsoleCommands}
-    BINDINGS = [Binding(a.key, a.name, a.label, group=FOOTER_GROUPS.get(a.name)) for a in ACTIONS if a.screen is None]
+    BINDINGS = app_bindings()
 
     def __init__(
         self,
@@ -593,30 +448,7 @@ class ConsoleApp(RunActions):
     # -- guarded actions --------------------------------------------------------------------------
 
     def disabled_reason(self, action: str) -> str | None:
-        spec = ACTIONS_BY_NAME.get(action)
-        if spec is None:
-            return None
-        if spec.destructive and self.readonly:
-            return "read-only console (--readonly)"
-        if spec.name in MULTI_HOST_ACTIONS and not self.multi_host:
-            return "this console holds one host (give --host once per host)"
-        if spec.needs_connection and (self.client is None or not self.state.connection.connected):
-            return "disconnected from the host" if self.client is not None else "no host connection"
-        if spec.needs_job and not self.selected_job:
-            return "no job selected"
-        if spec.name == "start_multinode" and sum(s.connected for s in self.sessions) < 2:
-            return "needs two or more connected hosts (give --host once per host)"
-        if spec.name == "resume" and self.resume_target is None:
-            return "no stop has written a checkpoint yet"
-        job = self.selected_job
-        if spec.owned_job and self.state.is_external(job):
-            return f"{job} is an external run, watched read-only"
-        if spec.job_kinds and job:
-            info = self.state.jobs.get(job)
-            kind = info.kind if info else "unknown"
-            if kind not in spec.job_kinds:
-                return f"{job} is a {kind} job; select a training job"
-        return None
+        return disabled_reason(self, action)
 
     def footer_short_label(self, action: str) -> str | None:
         spec = ACTIONS_BY_NAME.get(action)
@@ -626,10 +458,8 @@ class ConsoleApp(RunActions):
         if action in ACTIONS_BY_NAME and self.modal_open:
             return False  # the modal's own keys only: a second "s" must not stack another stop
         spec = ACTIONS_BY_NAME.get(action)
-        if spec is not None and spec.destructive and self.readonly:
-            return False  # hidden from the footer, not merely greyed
-        if action in MULTI_HOST_ACTIONS and not self.multi_host:
-            return False  # one host: no Hosts view, no multi-node run
+        if spec is not None and not offered(spec, self):
+            return False  # --readonly or one host: hidden from the footer, not merely greyed
         return None if self.disabled_reason(action) else True
 
     def on_key(self, event) -> None:
@@ -672,7 +502,7 @@ class ConsoleApp(RunActions):
     def action_help(self) -> None:
         if isinstance(self.screen, HelpModal):
             return
-        shown = [a for a in ACTIONS if not (a.destructive and self.readonly) and (a.name not in MULTI_HOST_ACTIONS or self.multi_host)]
+        shown = [a for a in ACTIONS if offered(a, self)]
         disabled = {a.name: reason for a in shown if (reason := self.disabled_reason(a.name))}
         self.push_screen(HelpModal(keys_text(shown, SCREEN_NAMES, disabled)))
 

@@ -5,7 +5,8 @@ import pytest
 from textual.widgets import DataTable, Footer
 from textual.widgets._footer import FooterKey
 
-from console.app import ACTIONS, MULTI_HOST_ACTIONS, build_app
+from console.actions import ACTIONS, MULTI_HOST_ACTIONS
+from console.app import build_app
 from console.widgets.hosts import NARROW_WIDTH
 from test_console_chain import chain_records, chain_state
 from test_console_grokking import GROK_JOB, grok_state

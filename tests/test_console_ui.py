@@ -13,7 +13,8 @@ from textual.widgets import DataTable, Input
 
 from backend.jobs.registry import safe_module_argv
 from backend.protocol import Request
-from console.app import ACTIONS, MULTI_HOST_ACTIONS, build_app
+from console.actions import ACTIONS, MULTI_HOST_ACTIONS
+from console.app import build_app
 from console.session import LOG_TAIL_LINES
 from console.screens.dashboard import DashboardScreen
 from console.screens.logs import TAIL_LINES, LogsScreen, lines_label
