@@ -18,6 +18,7 @@ from textual.notifications import SeverityLevel
 
 from backend.safetext import visible
 from backend.protocol import JobInfo, Request, from_dict
+from console.alerts import ENDED_STATES, AlertMemory, new_alerts
 from console.client import AgentError
 from backend.commands import (
     CHAIN_CONCURRENCY_DEFAULT,
@@ -42,8 +43,6 @@ from console.widgets.hosts import Node, nodes_of
 
 SIGNALS_INTERVAL_S = 5.0  # at most one `signals` request per job this often (the host computes them on request)
 DATA_SCALING_EVERY_S = 60.0
-DISK_LOW_SHARE = 0.9  # used share at which the Dashboard draws a disk red: the "disk runs low" alert
-ENDED_STATES = ("exited", "stopped", "stale", "unknown")
 EXIT_REASON_LINES = 20  # stderr lines read back from a job that exited non-zero; the last non-empty one is its reason
 EXIT_REASON_CHARS = 200
 
@@ -160,8 +159,7 @@ class RunActions(App):
         self.resume_target: dict[str, Any] | None = None  # {"job", "checkpoint", "profile", "host", "options"}: what the last stop wrote
         self.terminal_writes: list[str] = []  # notifications sent to the terminal (--notify), newest last
         self.alerts: list[str] = []  # every alert raised, newest last
-        self._job_states: dict[str, dict[str, str]] = {}  # per host (its label, "" with one host): job -> state last seen
-        self._alerted: set[tuple] = set()
+        self._alert_memory: dict[str, AlertMemory] = {}  # per host: what its alerts have seen
 
     def select_started_job(self, name: str, wire: dict[str, Any] | None, host: HostSession | None = None) -> None:
         """Select a job the console just started on `host` (the active one by default, else it becomes active): listed and
@@ -517,18 +515,13 @@ class RunActions(App):
 
     def check_alerts(self, sections: set[str], session: HostSession) -> None:
         """Called with each state change of a host: each alert is raised once (a toast); with --notify also on the terminal."""
-        state = session.state
-        where = f" on {session.name}" if self.multi_host else ""
         if "jobs" in sections:
             self._fetch_exit_reasons(session)
-            self._alert_job_exits(state, where)
-            self._alert_stalled_ranks(state, where)
-        if "stages" in sections:
-            self._alert_canaries(state, where)
-        if "signals" in sections:
-            self._alert_onsets(state, where)
-        if "disks" in sections:
-            self._alert_disks(state, where)
+        where = f" on {session.name}" if self.multi_host else ""
+        memory, alerts = new_alerts(self._alert_memory.get(session.name, AlertMemory()), session.state, sections, where)
+        self._alert_memory[session.name] = memory
+        for alert in alerts:
+            self.alert(alert.text, severity=alert.severity)
 
     def _fetch_exit_reasons(self, session: HostSession) -> None:
         """A job that exited non-zero: its last stderr line is the reason ("exited 1" alone says nothing), asked once."""
@@ -555,67 +548,6 @@ class RunActions(App):
         code = f" {job.exit_code}" if job is not None else ""
         self.note(f"{name}{where} exited{code}: {visible(lines[-1][:EXIT_REASON_CHARS])}", severity="error")
         session.changed({"jobs"})
-
-    def _alert_job_exits(self, state: ConsoleState, where: str) -> None:
-        states = {name: job.state for name, job in state.jobs.items()}
-        before, self._job_states[where] = self._job_states.get(where), states
-        if before is None:
-            return  # the first list: jobs that ended before the console came are not news
-        for name, job_state in states.items():
-            if before.get(name) == "running" and job_state in ENDED_STATES:
-                job = state.jobs[name]
-                code = f" with exit code {job.exit_code}" if job.exit_code is not None else ""
-                self.alert(f"job {name}{where} {job_state}{code}", severity="error" if job.exit_code not in (None, 0) else "warning")
-
-    def _alert_stalled_ranks(self, state: ConsoleState, where: str) -> None:
-        """A rank of a running job whose heartbeat the agent has not seen for its threshold: once, until it reports again."""
-        for job in state.jobs.values():
-            stalled = set(job.stalled_ranks) if job.state == "running" else set()
-            for rank in job.ranks:
-                number = rank.get("rank")
-                key = ("stalled", where, job.name, number)
-                if number in stalled and key not in self._alerted:
-                    self._alerted.add(key)
-                    node = f"node {job.node_rank} " if job.node_rank is not None else ""
-                    self.alert(
-                        f"{job.name}: {node}rank {number}{where} not reporting for {float(rank.get('age_s') or 0):.0f} s (last step {rank.get('step', '?')})",
-                        severity="error",
-                    )
-                elif number not in stalled:
-                    self._alerted.discard(key)
-
-    def _alert_canaries(self, state: ConsoleState, where: str) -> None:
-        for job, records in state.stages.items():
-            for record in records:
-                if record.get("stage") != "canary" or record.get("_received") is None:
-                    continue  # only what arrived live: a history re-read on attach is not news
-                raw = record.get("result")
-                result: dict[str, Any] = raw if isinstance(raw, dict) else {}
-                if record.get("status") == "failed" or result.get("verdict") == "red":
-                    key = ("canary", where, job, record.get("time"))
-                    if key not in self._alerted:
-                        self._alerted.add(key)
-                        self.alert(f"canary RED in {job}{where}: {str(record.get('detail') or result.get('headline') or '')[:120]}", severity="error")
-
-    def _alert_onsets(self, state: ConsoleState, where: str) -> None:
-        for job, signals in state.signals.items():
-            onset = signals.get("onset") if isinstance(signals, dict) else None
-            if isinstance(onset, dict) and onset.get("detected") and ("onset", where, job) not in self._alerted:
-                self._alerted.add(("onset", where, job))
-                self.alert(f"grokking onset in {job}{where} at step {onset.get('step')}")
-
-    def _alert_disks(self, state: ConsoleState, where: str) -> None:
-        for disk in state.disks:
-            share = disk.used_bytes / disk.total_bytes if disk.total_bytes else 0.0
-            no_room = disk.checkpoint_bytes is not None and disk.free_bytes < disk.checkpoint_bytes
-            key = ("disk", where, disk.path)
-            if share > DISK_LOW_SHARE or no_room:
-                if key not in self._alerted:
-                    self._alerted.add(key)
-                    why = "less free than a checkpoint needs" if no_room else f"{share:.0%} used"
-                    self.alert(f"disk low{where}: {disk.label} {disk.path} ({why})", severity="error")
-            else:
-                self._alerted.discard(key)  # recovered: alert again if it runs low again
 
     def alert(self, text: str, *, severity: SeverityLevel = "warning") -> None:
         """A toast (not an Actions line: those are the operator's actions and their outcomes); with --notify also the terminal."""
