@@ -120,6 +120,8 @@ def test_the_baseline_is_the_same_engine_where_the_server_offers_it():
     assert client.resolve_baseline(None, {"plain_decode_per_request": True, "speculative_algorithm": None}).mode == client.NO_BASELINE
     assert client.resolve_baseline("http://b:1/", reference) == client.Baseline(client.BASELINE_URL, "http://b:1")
     assert client.resolve_baseline("none", reference).measured is False
+    with pytest.raises(client.BaselineError, match="expected same-engine, none or a server URL"):
+        client.resolve_baseline("same_engine", reference)
     with pytest.raises(client.BaselineError, match="SGLang has no such switch"):
         client.resolve_baseline("same-engine", {"speculative_algorithm": "EAGLE3"})
     assert client.RequestOptions(ignore_eos=True, plain=True).payload("p", 8) == {

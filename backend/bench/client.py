@@ -74,6 +74,8 @@ def resolve_baseline(choice: str | None, info: dict[str, Any]) -> Baseline:
             why = "it does not speculate" if not info.get("speculative_algorithm") else f"it does not advertise {PLAIN_SWITCH_INFO} (SGLang has no such switch)"
             raise BaselineError(f"--baseline {SAME_ENGINE}: the server cannot decode a request plainly on request: {why}; give a baseline server's URL instead")
         return Baseline(SAME_ENGINE)
+    if not choice.startswith(("http://", "https://")):
+        raise BaselineError(f"--baseline {choice!r}: expected {SAME_ENGINE}, {NO_BASELINE} or a server URL (http://HOST:PORT)")
     return Baseline(BASELINE_URL, choice.rstrip("/"))
 
 
