@@ -1,15 +1,15 @@
-"""The Textual app: wires the agent client to the state and the screens; guarded actions; command palette.
+"""The Textual app: modes, keys, the hosts' sessions folded into the state, workers that load data, coalesced redraws.
 
-Built by `build_app()` so tests can hand it a transport (or none) and fixed data. Agent I/O runs in
-async workers; state changes are folded in at once and screen redraws are coalesced (at most one per
-`refresh_throttle` seconds) and held back while a modal is open.
+Built by `build_app()` so tests can hand it a transport (or none) and fixed data. The keys and their guards are the table
+in console/actions.py; each multi-step action is a flow (console/flows/) that holds this app. Agent I/O runs in async
+workers; state changes are folded in at once and screen redraws are coalesced (at most one per `refresh_throttle`
+seconds) and held back while a modal is open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -22,23 +22,30 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer
 from textual.worker import Worker
 
-from backend.commands import node_spec, torchrun_train_argv, train_argv
+from backend.commands import ProfileFacts, job_profile, profile_facts
+from backend.protocol import JobInfo, Request, from_dict
 from backend.safetext import visible
-from backend.protocol import Request
 from console.actions import ACTIONS, ACTIONS_BY_NAME, SCREEN_NAMES, ConsoleCommands, app_bindings, disabled_reason, offered
 from console.client import AgentClient, AgentError
-from console.run_actions import SIGNALS_INTERVAL_S, RunActions, verdicts_phrase
+from console.flows.alerting import Alerting
+from console.flows.chain import ChainFlow
+from console.flows.grok import GrokFlow
+from console.flows.multinode import MultiNodeFlow
+from console.flows.resume import ResumeFlow
+from console.flows.signals import SIGNALS_INTERVAL_S, SignalsFeed
+from console.flows.start import StartFlow
+from console.flows.stop import StopFlow
+from console.flows.watch import AdoptFlow, WatchFlow
 from console.screens.base import ConsoleScreen
 from console.screens.chain import ChainScreen
-from console.screens.help import HelpModal, keys_text
 from console.screens.dashboard import DashboardScreen
+from console.screens.help import HelpModal, keys_text
 from console.screens.hosts import HostsScreen
 from console.screens.logs import LogsScreen
-from console.screens.modals import AdoptModal, MultiNodeModal, StopModal
 from console.session import STREAMS, HostSession, Severity
 from console.state import CONNECTED, ConnectionStatus, ConsoleState
 from console.transport import Transport
-from console.widgets.hosts import Node
+from console.widgets.hosts import Node, nodes_of
 from console.widgets.panels import ConsoleFooter
 
 GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)
@@ -63,7 +70,7 @@ def _with_console_footer(cls: type[ConsoleScreen]) -> type[ConsoleScreen]:
 STDERR_KINDS = ("train", "serve")  # jobs that write their log to stderr (print to stdout is for results)
 
 
-class ConsoleApp(RunActions):
+class ConsoleApp(App):
     TITLE = "eagle3-console"
     CSS_PATH = "console.tcss"
     MODES = {
@@ -94,7 +101,6 @@ class ConsoleApp(RunActions):
         super().__init__()
         self.rdzv_endpoint = rdzv_endpoint  # HOST:PORT of a multi-node run's rendezvous (default: the first host, a port from the run id)
         self.readonly = readonly
-        self.notify_terminal = notify_terminal  # --notify: bell + OSC 9 / OSC 777 desktop notifications on alerts
         self.holders_expanded = False
         self.sessions = [HostSession(client, state, self) for client, state in hosts]
         self.active = self.sessions[0]
@@ -115,9 +121,41 @@ class ConsoleApp(RunActions):
         self._summary_timers: dict[tuple[str, str, bool], Any] = {}  # (host, job, log_x) -> the timer of a deferred summary ask
         self._modes["training"] = partial(_training_screen, raw_plots=raw_plots)
         self._modes["grokking"] = _grokking_screen
-        self._init_run_actions(chain_args, signals_interval)
+        self._profiles: dict[str, ProfileFacts] = {}
+        self.resume_target: dict[str, Any] | None = None  # {"job", "checkpoint", "profile", "host", "options"}: what the last stop wrote
+        self.alerting = Alerting(self, notify_terminal)
+        self.signals = SignalsFeed(self, signals_interval)
+        self.resume_flow = ResumeFlow(self)
+        self.stop_flow = StopFlow(self, self.resume_flow)
+        self.chain_flow = ChainFlow(self, self.stop_flow, self.resume_flow, chain_args)
+        self.start_flow = StartFlow(self)
+        self.multinode_flow = MultiNodeFlow(self)
+        self.grok_flow = GrokFlow(self)
+        self.watch_flow = WatchFlow(self)
+        self.adopt_flow = AdoptFlow(self)
 
     # -- hosts and their sessions ------------------------------------------------------------------
+
+    @property
+    def state(self) -> ConsoleState:
+        """The active host's state: what the screens draw (the selected job's host)."""
+        return self.active.state
+
+    @property
+    def client(self) -> AgentClient | None:
+        return self.active.client
+
+    @client.setter
+    def client(self, client: AgentClient | None) -> None:
+        self.active.client = client
+
+    @property
+    def multi_host(self) -> bool:
+        return len(self.sessions) > 1
+
+    def nodes_of(self, name: str | None) -> list[Node]:
+        """The nodes of the active host's job `name` across every host (one for a one-node job)."""
+        return nodes_of(self.sessions, self.active.name, name)
 
     @property
     def events_seen(self) -> int:
@@ -152,7 +190,7 @@ class ConsoleApp(RunActions):
         if session is self.active:
             self.state_changed(sections | ({"hosts"} if self.multi_host else set()))
             return
-        self.check_alerts(sections, session)
+        self.alerting.check(sections, session)
         shown = {s for s in sections if s in CROSS_HOST_SECTIONS}  # other hosts only feed the Hosts view and the jobs table
         if shown:
             self._schedule_redraw(shown | {"hosts"})
@@ -174,13 +212,13 @@ class ConsoleApp(RunActions):
             return
         kind, job = event.get("type"), event.get("job")
         if kind == "metrics" and job == self.selected_job:
-            self.request_signals(self.selected_job)
+            self.signals.request(self.selected_job)
             self._history_grew()
         if kind == "index_progress" and job == self.selected_job:
             session.summary_at.clear()  # the index grew by a chunk (or finished): redraw from it
             self._history_grew()
         if kind == "stages" and "stages" in changed:
-            self._on_chain_progress(str(job))
+            self.chain_flow.progressed(str(job))
         if kind == "jobs" and self.selected_job is None:
             self._select_default_job()
 
@@ -212,7 +250,7 @@ class ConsoleApp(RunActions):
     def state_changed(self, sections: set[str]) -> None:
         if not sections:
             return
-        self.check_alerts(sections, self.active)
+        self.alerting.check(sections, self.active)
         self._schedule_redraw(sections)
 
     def _schedule_redraw(self, sections: set[str]) -> None:
@@ -276,10 +314,10 @@ class ConsoleApp(RunActions):
         self.selected_job = name
         self.refresh_bindings()
         self.state_changed({"selection"})
-        self._cancel_signals_timer()
+        self.signals.cancel_timer()
         if name and session.connected:
             self.load_job(name)
-            self.grokking_shown()
+            self.signals.grokking_shown()
 
     def select_host(self, host: str) -> None:
         """Make `host` the active one (the Hosts view): its GPUs and holders on the Dashboard, its newest job selected."""
@@ -289,6 +327,17 @@ class ConsoleApp(RunActions):
         self.set_active(session)
         self.selected_job = None
         self._select_default_job()
+
+    def select_started_job(self, name: str, wire: dict[str, Any] | None, host: HostSession | None = None) -> None:
+        """Select a job the console just started on `host` (the active one by default, else it becomes active): listed and
+        drawn at once, so a jobs-table highlight that a redraw posted for the previous selection (the agent's jobs event
+        races with the reply) cannot take it back."""
+        self.set_active(host or self.active)
+        if name not in self.state.jobs and isinstance(wire, dict):
+            self.state.jobs[name] = from_dict(JobInfo, wire)
+        self.selected_job = None
+        self.select_job(name)
+        self.redraw_now()
 
     def job_rows(self) -> list[tuple[HostSession, str]]:
         """Every host's jobs, newest first per host, hosts in the order given (the jobs table's order)."""
@@ -324,8 +373,8 @@ class ConsoleApp(RunActions):
             if self.selected_job:
                 await self._load_job(self.selected_job)
             if isinstance(self.screen, ChainScreen):
-                self.attach_chain(self.current_chain_job())
-            self.grokking_shown(force=True)
+                self.chain_flow.attach(self.chain_flow.current_job())
+            self.signals.grokking_shown(force=True)
         except AgentError as exc:
             self.note(f"resync of {session.name} failed: {exc}")
 
@@ -445,10 +494,37 @@ class ConsoleApp(RunActions):
         if self.selected_job and self.client is not None and self.state.connection.connected:
             self.load_job(self.selected_job)
 
+    def profile_of(self, job: str | None, host: HostSession | None = None) -> str:
+        """The profile `job` (on `host`, the active one by default) was started with; the console's own when unknown."""
+        info = (host or self.active).state.jobs.get(job) if job else None
+        return job_profile(info.argv, self.profile) if info and info.argv else self.profile
+
+    def profile_facts(self, name: str, run_dir: str | None = None) -> ProfileFacts:
+        """The profile's facts; its data dir moved with `run_dir` (a job's --run-dir, else its host's run dir)."""
+        key = f"{name}\x1f{run_dir or ''}"
+        if key not in self._profiles:
+            self._profiles[key] = profile_facts(name, run_dir)
+        return self._profiles[key]
+
+    # -- what the screens ask of the flows ---------------------------------------------------------
+
+    def grokking_shown(self, force: bool = False) -> None:
+        self.signals.grokking_shown(force)
+
+    def current_chain_job(self) -> str | None:
+        return self.chain_flow.current_job()
+
+    def attach_chain(self, chain: str | None) -> None:
+        self.chain_flow.attach(chain)
+
     # -- guarded actions --------------------------------------------------------------------------
 
     def disabled_reason(self, action: str) -> str | None:
         return disabled_reason(self, action)
+
+    def refusal(self, action: str, host: HostSession) -> str | None:
+        """Why `action`, just confirmed in a modal, must not go to `host` now: its key's own guard, or that host's link."""
+        return self.disabled_reason(action) or (None if host.connected else f"disconnected from {host.name}")
 
     def footer_short_label(self, action: str) -> str | None:
         spec = ACTIONS_BY_NAME.get(action)
@@ -536,131 +612,35 @@ class ConsoleApp(RunActions):
 
     @work(group="actions", exit_on_error=False)
     async def action_start_training(self) -> None:
-        host = self.active
-        name = f"train-{_short_profile(self.profile)}-{time.strftime('%H%M%S', time.localtime(self.state.clock()))}"
-        argv = train_argv(self.profile)
-        try:
-            result = await host.request(Request.START_JOB, name=name, kind="train", argv=argv)
-        except AgentError as exc:
-            self.note(f"start {name} failed: {exc}", severity="error")
-            return
-        job = result.get("job") or {}
-        self.note(f"started {name} (pid {job.get('pid', '?')}): {' '.join(argv)}")
-        self.select_started_job(name, job, host)
-
-    @work(group="actions", exit_on_error=False)
-    async def action_stop_job(self) -> None:
-        """The stop goes to the host the job was selected on when s was pressed, even if the selection moves while the
-        plan is on screen: the PIDs confirmed are the PIDs signalled."""
-        name, host = self.selected_job, self.active
-        if name is None:
-            return
-        nodes = self.nodes_of(name)
-        if len(nodes) > 1:
-            await self._stop_nodes(name, nodes)
-            return
-        try:
-            plan = await host.request(Request.STOP_PLAN, name=name)
-        except AgentError as exc:
-            self.note(f"stop {name}: could not get the stop plan ({exc}); nothing was signalled", severity="error")
-            return
-        before = await self.checkpoint_before_stop(name, plan, host)
-        if not await self.push_screen_wait(StopModal(name, plan, self.stop_grace)):
-            self.note(f"stop {name} cancelled; nothing was signalled")
-            return
-        reason = self.refusal("stop_job", host)
-        if reason:
-            self.note(f"stop {name} not sent: {reason}", severity="error")
-            return
-        try:
-            result = await host.request(Request.STOP_JOB, name=name, grace=self.stop_grace, timeout=self.stop_grace + 60)
-        except AgentError as exc:
-            self.note(f"stop {name} failed: {exc}", severity="error")
-            return
-        self.note(f"stop {name}: {verdicts_phrase(result)}{await self.offer_resume(name, before, host)}")
-        self.resync(host)
-
-    async def _stop_nodes(self, name: str, nodes: list[Node]) -> None:
-        """A multi-node job: one plan from every reachable node's host, one confirmation, then stop_job on those hosts at
-        once (rank 0 checkpoints first: every rank hears the stop and they agree on it at the step's end); a verdict per
-        node. A node whose host does not answer is named and left alone: its ranks end when their next collective finds
-        the others gone, or stop it once its host is back."""
-        planned = await self.node_stop_plan(name, nodes)
-        if planned is None:
-            return
-        reachable, merged = planned
-        before = await self.checkpoint_before_stop(reachable[0].job.name, merged, reachable[0].session) if reachable[0].rank == 0 else None
-        if not await self.push_screen_wait(StopModal(f"{name} on {len(nodes)} nodes", merged, self.stop_grace)):
-            self.note(f"stop {name} cancelled; nothing was signalled on any node")
-            return
-        verdict, trouble = await self.stop_nodes_now(name, nodes, reachable)
-        if verdict:
-            resume = await self.offer_resume(reachable[0].job.name, before, reachable[0].session)
-            self.note(f"stop {name}: {verdict}{resume}", severity="error" if trouble else "information")
+        await self.start_flow.run()
 
     @work(group="actions", exit_on_error=False)
     async def action_start_multinode(self) -> None:
-        sessions = [s for s in self.sessions if s.connected]
-        run_id = f"mn-{_short_profile(self.profile)}-{time.strftime('%H%M%S', time.localtime(self.state.clock()))}"
-        endpoint = self.rdzv_endpoint or f"{rendezvous_host(sessions[0])}:{rendezvous_port(run_id)}"
-        base = train_argv(self.profile)
-        try:
-            plan = [
-                (
-                    s,
-                    torchrun_train_argv(base, run_id=run_id, node_rank=rank, nnodes=len(sessions), rdzv_endpoint=endpoint),
-                    node_spec(run_id, rank, len(sessions), endpoint),
-                )
-                for rank, s in enumerate(sessions)
-            ]
-        except ValueError as exc:
-            self.note(f"multi-node run not started: {exc}", severity="error")
-            return
-        if not await self.push_screen_wait(MultiNodeModal(run_id, endpoint, [(s.name, argv) for s, argv, _ in plan])):
-            self.note(f"multi-node run {run_id} cancelled; nothing was started")
-            return
-        if self.disabled_reason("start_multinode") or any(not s.connected for s, _, _ in plan):
-            self.note(f"multi-node run {run_id} not started: a host disconnected meanwhile", severity="error")
-            return
-        results = await asyncio.gather(
-            *(s.request(Request.START_JOB, name=run_id, kind="train", argv=argv, node=node) for s, argv, node in plan), return_exceptions=True
-        )
-        failed = [(s, r) for (s, _, _), r in zip(plan, results) if isinstance(r, BaseException)]
-        if failed:
-            started = [s for (s, _, _), r in zip(plan, results) if not isinstance(r, BaseException)]
-            self.note(
-                f"multi-node run {run_id}: {failed[0][0].name} refused it ({failed[0][1]}); "
-                f"{len(started)} node(s) started and will wait for it at the rendezvous: stop them with s",
-                severity="error",
-            )
-        else:
-            self.note(f"started {run_id} on {len(plan)} nodes ({', '.join(s.name for s, _, _ in plan)}), rendezvous {endpoint}")
-        lead = plan[0][0]
-        if not isinstance(results[0], BaseException):
-            self.set_active(lead)
-            self.select_started_job(run_id, results[0].get("job"))
+        await self.multinode_flow.run()
+
+    @work(group="actions", exit_on_error=False)
+    async def action_stop_job(self) -> None:
+        await self.stop_flow.run()
+
+    @work(group="actions", exit_on_error=False)
+    async def action_stop_and_bench(self) -> None:
+        await self.chain_flow.run()
+
+    @work(group="actions", exit_on_error=False)
+    async def action_resume(self) -> None:
+        await self.resume_flow.run()
+
+    @work(group="actions", exit_on_error=False)
+    async def action_grok(self) -> None:
+        await self.grok_flow.run()
+
+    @work(group="actions", exit_on_error=False)
+    async def action_watch_external(self) -> None:
+        await self.watch_flow.run()
 
     @work(group="actions", exit_on_error=False)
     async def action_adopt(self) -> None:
-        host = self.active
-        foreign = [h for h in host.state.holders if not h.owned]
-        choice = await self.push_screen_wait(AdoptModal(foreign, foreign[0].pid if len(foreign) == 1 else None))
-        if not choice:
-            self.note("adopt cancelled; nothing adopted")
-            return
-        reason = self.refusal("adopt", host)
-        if reason:
-            self.note(f"adopt not sent: {reason}", severity="error")
-            return
-        try:
-            result = await host.request(Request.ADOPT_JOB, **choice)
-        except AgentError as exc:
-            self.note(f"adopt {choice['pid']} refused: {exc}", severity="error")
-            return
-        name = str((result.get("job") or {}).get("name") or choice["name"])
-        self.note(f"adopted pid {choice['pid']} as {name}")
-        self.select_started_job(name, result.get("job"), host)  # the next s plans the stop of the job just adopted
-        self.resync(host)
+        await self.adopt_flow.run()
 
     def deliver_screenshot(self, filename: str | None = None, path: str | None = None, time_format: str | None = None) -> str | None:
         """The palette's Screenshot: into ~/Downloads when there is one, else the home directory (Textual's default
@@ -684,17 +664,6 @@ def error_text(error: BaseException) -> str:
     return message if isinstance(error, AgentError) else f"{type(error).__name__}: {message}"
 
 
-def rendezvous_host(session: HostSession) -> str:
-    """How the other nodes reach the first host: its SSH host name (as this laptop resolves it), 127.0.0.1 for the local agent."""
-    transport = session.client.transport if session.client is not None else None
-    return str(getattr(transport, "host", None) or "127.0.0.1")
-
-
-def rendezvous_port(run_id: str) -> int:
-    """A port in 29400-29999 picked from the run id, so two runs started the same second by two consoles rarely collide."""
-    return 29400 + zlib.crc32(run_id.encode()) % 600
-
-
 def _training_screen(**kwargs: Any) -> ConsoleScreen:
     """Imported on first use: plotext costs ~0.15 s at start-up, before the first frame."""
     from console.screens.training import TrainingScreen
@@ -706,11 +675,6 @@ def _grokking_screen() -> ConsoleScreen:
     from console.screens.grokking import GrokkingScreen
 
     return _with_console_footer(GrokkingScreen)()
-
-
-def _short_profile(profile: str) -> str:
-    stem = profile.rsplit("/", 1)[-1]
-    return stem[:-5] if stem.endswith(".toml") else stem
 
 
 def build_app(

@@ -613,7 +613,7 @@ async def test_the_b_plan_knows_what_the_s_modal_knows_about_the_checkpoint():
     checkpoints = [{"path": CHECKPOINT, "epoch": 2, "step": 4012, "latest": True}]
     app = frozen_app(frozen_state())
     async with app.run_test(size=SIZE):
-        text = app.chain_plan_text("train-kimi", app.active, STOP_PLAN, checkpoints, True, chain_argv("train-kimi")).plain
+        text = app.chain_flow.plan_text("train-kimi", app.active, STOP_PLAN, checkpoints, True, chain_argv("train-kimi")).plain
     assert "Checkpoint first: YES" in text
     assert f"3. Checkpoint to preflight: the one the trainer writes at the stop (the new `latest`); latest now: {CHECKPOINT}" in text
     assert "if training steps have begun" not in text

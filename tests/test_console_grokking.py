@@ -386,7 +386,7 @@ async def test_grokking_screen_draws_host_signals_and_log_step_curves():
         assert "τ̂" in str(screen.query_one("#grok-acceptance").render())
         assert "lm_head" in str(screen.query_one("#grok-norms").render())
         assert "ESTIMATE" in str(screen.query_one("#grok-data").render())
-        assert app.signals_fetches == 0  # no host: nothing asked
+        assert app.signals.fetches == 0  # no host: nothing asked
 
 
 def test_grokking_screen_snapshot(snap_compare):
@@ -498,9 +498,9 @@ async def test_signals_follow_new_metrics_at_a_modest_rate_and_data_scaling_is_e
         await wait_until(lambda: app.state.signals.get("writer", {}).get("n_records") == total, timeout=60, what="signals computed over every record")
         # Throttled to one request per signals_interval (2 s) plus the selection's and the screen's own, however many
         # metrics events came (on a loaded machine the history load may carry every record and no event comes at all).
-        assert 1 <= app.signals_fetches <= 2 + math.ceil((time.monotonic() - hooked) / 2.0)
+        assert 1 <= app.signals.fetches <= 2 + math.ceil((time.monotonic() - hooked) / 2.0)
         if len(events) >= 10:
-            assert app.signals_fetches < len(events), "one request per metrics event"
+            assert app.signals.fetches < len(events), "one request per metrics event"
         signals = app.state.signals["writer"]
         assert signals["latest"]["tokens"] == steps * 1000 and signals["tau_hat"] == pytest.approx(1 + 0.5 + 0.15)
         report = await wait_until(lambda: app.state.data_scaling.get("writer"), what="data scaling")
@@ -508,9 +508,9 @@ async def test_signals_follow_new_metrics_at_a_modest_rate_and_data_scaling_is_e
         assert report["more_samples_fit"] > 0 and report["bytes_per_sample"] == pytest.approx((384 + 259) * 4 * 128 + 9 * 128)
         assert "ESTIMATE" in str(app.screen.query_one("#grok-data").render())
         await pilot.pause(2.5)  # a request scheduled by the last metrics event runs now
-        fetched = app.signals_fetches
+        fetched = app.signals.fetches
         await pilot.pause(2.5)
-        assert app.signals_fetches == fetched, "no new metrics: no new request"
+        assert app.signals.fetches == fetched, "no new metrics: no new request"
         await stop_everything(app)
         assert not pid_alive(job["pid"])
 

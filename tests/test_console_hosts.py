@@ -13,7 +13,7 @@ from textual.widgets import DataTable
 
 from backend.protocol import JobInfo, Request
 from console.app import build_app
-from console.run_actions import merge_stop_plans
+from console.flows.stop import merge_stop_plans
 from console.screens.hosts import HostsScreen
 from console.screens.modals import MultiNodeModal, StopModal
 from console.state import CONNECTED, FAILED, RECONNECTING, ConnectionStatus, ConsoleState
@@ -298,7 +298,7 @@ async def test_a_multinode_job_is_one_row_and_the_rank_that_stopped_reporting_is
     app = build_app(state=multinode_states(stalled=True), poll_interval=None, refresh_throttle=0)
     async with app.run_test(size=(170, 45)) as pilot:
         app.select_job("mn-1", "gpu-a")
-        app.check_alerts({"jobs"}, app.sessions[1])
+        app.alerting.check({"jobs"}, app.sessions[1])
         await pilot.pause()
         app.redraw_now()
         await pilot.pause()
@@ -309,7 +309,7 @@ async def test_a_multinode_job_is_one_row_and_the_rank_that_stopped_reporting_is
         assert sorted(r[0] for r in rows if r[1] == "solo") == ["gpu-a", "gpu-b"]  # one-node jobs stay one row per host
         nodes = str(app.screen.query_one("#nodes").render())
         assert "└ rank 1: step 80, 42.0 s ago  NOT REPORTING" in nodes and "node 0 · gpu-a · running" in nodes
-        assert any("mn-1: node 1 rank 1 on gpu-b not reporting for 42 s (last step 80)" in a for a in app.alerts)
+        assert any("mn-1: node 1 rank 1 on gpu-b not reporting for 42 s (last step 80)" in a for a in app.alerting.alerts)
 
 
 async def test_ranks_that_disagree_mark_the_slowest_and_a_one_node_job_shows_no_nodes_panel():
@@ -320,7 +320,7 @@ async def test_ranks_that_disagree_mark_the_slowest_and_a_one_node_job_shows_no_
         app.redraw_now()
         nodes = str(app.screen.query_one("#nodes").render())
         assert "└ rank 1: step 80, 0.4 s ago  slowest" in nodes and "NOT REPORTING" not in nodes
-        assert not app.alerts
+        assert not app.alerting.alerts
         app.select_job("solo", "gpu-a")
         await pilot.pause()
         app.redraw_now()

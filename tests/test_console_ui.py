@@ -700,14 +700,14 @@ async def test_notify_sends_bell_and_osc_9_and_777_on_each_alert_once():
     async with app.run_test(size=SIZE) as pilot:
         app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "running")]})  # the first list: no news
         app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "running")]})
-        assert app.terminal_writes == []
+        assert app.alerting.terminal_writes == []
         app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "exited", 1)]})
-        assert len(app.terminal_writes) == 1
-        sent = app.terminal_writes[0]
+        assert len(app.alerting.terminal_writes) == 1
+        sent = app.alerting.terminal_writes[0]
         assert sent.startswith("\a") and "\x1b]9;eagle3: job train-a exited with exit code 1\x07" in sent
         assert "\x1b]777;notify;eagle3-console;job train-a exited with exit code 1\x07" in sent
         app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "exited", 1)]})
-        assert len(app.terminal_writes) == 1
+        assert len(app.alerting.terminal_writes) == 1
 
         app.handle_event(
             {
@@ -716,17 +716,17 @@ async def test_notify_sends_bell_and_osc_9_and_777_on_each_alert_once():
                 "records": [{"stage": "canary", "status": "failed", "time": 5.0, "elapsed": 1.0, "detail": "canary RED: accept length 1.00; zero acceptance"}],
             }
         )
-        assert "canary RED in chain-train-a" in app.terminal_writes[-1] and len(app.terminal_writes) == 2
+        assert "canary RED in chain-train-a" in app.alerting.terminal_writes[-1] and len(app.alerting.terminal_writes) == 2
 
         app.state.signals["train-a"] = {"onset": {"detected": True, "step": 14000}}
         app.state_changed({"signals"})
         app.state_changed({"signals"})
-        assert "grokking onset in train-a at step 14000" in app.terminal_writes[-1] and len(app.terminal_writes) == 3
+        assert "grokking onset in train-a at step 14000" in app.alerting.terminal_writes[-1] and len(app.alerting.terminal_writes) == 3
 
         disk = {"path": "/root/.eagle3", "label": "run_dir", "total_bytes": 100, "used_bytes": 95, "free_bytes": 5}
         app.handle_event({"type": "disk", "disks": [disk]})
         app.handle_event({"type": "disk", "disks": [disk]})
-        assert "disk low: run_dir /root/.eagle3 (95% used)" in app.terminal_writes[-1] and len(app.terminal_writes) == 4
+        assert "disk low: run_dir /root/.eagle3 (95% used)" in app.alerting.terminal_writes[-1] and len(app.alerting.terminal_writes) == 4
         await pilot.pause()
 
 
@@ -736,7 +736,7 @@ async def test_without_notify_alerts_stay_in_the_console():
         app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "running")]})
         app.handle_event({"type": "jobs", "jobs": [job_wire("train-a", "stopped")]})
         await pilot.pause()
-        assert app.terminal_writes == [] and app.alerts == ["job train-a stopped"]
+        assert app.alerting.terminal_writes == [] and app.alerting.alerts == ["job train-a stopped"]
 
 
 def test_an_h200_training_job_with_17_compile_workers_is_one_holder_row():
