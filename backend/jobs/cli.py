@@ -1,4 +1,4 @@
-"""`eagle3-host job start | list | plan | stop | adopt | tail` and `torchrun-argv`: owned jobs from the command line."""
+"""`eagle3-host job start | list | plan | stop | adopt | tail`, `holders` and `torchrun-argv`: owned jobs from the command line."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from backend.cli import emit_json, fail, mib, table
 from backend.commands import torchrun_train_argv
 from backend.host import procs
 from backend.host.gpu import open_gpu_source
-from backend.host.holders import list_holders
+from backend.host.holders import FuserOutputError, list_holders
 from backend.jobs.logs import tail_lines
 from backend.jobs.records import ESCAPED_ROLE, KINDS, UNVERIFIED, JobBadParams, JobError, JobNoSpace, JobRecord
 from backend.jobs.registry import JobRegistry
@@ -26,6 +26,9 @@ OK_OUTCOMES = {"exited_on_term", "killed", "already_gone", "stale_not_signalled"
 
 
 def register(subparsers, parent: argparse.ArgumentParser) -> None:
+    holders = subparsers.add_parser("holders", parents=[parent], help="processes holding a GPU, marked owned (a job's) or foreign")
+    holders.add_argument("--json", action="store_true", help="print JSON")
+    holders.set_defaults(handler=cmd_holders)
     _register_job(subparsers, parent)
     _register_torchrun_argv(subparsers, parent)
 
@@ -299,4 +302,36 @@ def cmd_job_tail(args) -> int:
     raw = not sys.stdout.isatty()  # a copy of the log into a file or pipe stays exact; a terminal sees escapes, not their effect
     for line in lines:
         print(line if raw else visible(line, keep="\t"))
+    return 0
+
+
+def cmd_holders(args) -> int:
+    registry = JobRegistry(args.run_dir)
+    source = open_gpu_source(stream=False)
+    try:
+        report = list_holders(source, owner_lookup=registry.owned_pids)
+    except FuserOutputError as exc:
+        return fail(f"fuser output was not PIDs only, nothing reported: {exc}")
+    finally:
+        source.close()
+    if args.json:
+        emit_json(report.to_dict())
+        return 0
+    if report.holders:
+        rows = [
+            [
+                h.pid,
+                f"job {h.job}" if h.owned else "FOREIGN",
+                h.user,
+                ",".join(map(str, h.gpu_indices)) or "-",
+                mib(h.used_memory_mib),
+                "+".join(h.sources),
+                h.cmdline[:80],
+            ]
+            for h in report.holders
+        ]
+        say(table(["PID", "OWNER", "USER", "GPUS", "MiB", "SEEN BY", "COMMAND"], rows))
+    else:
+        say("nobody holds a GPU")
+    say(f"gpu source: {report.gpu_source}; fuser: {report.fuser.state} ({report.fuser.message}; {report.fuser.stderr_lines} stderr lines ignored)")
     return 0
