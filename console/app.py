@@ -45,7 +45,7 @@ from console.screens.logs import LogsScreen
 from console.session import STREAMS, HostSession, Severity
 from console.state import CONNECTED, ConnectionStatus, ConsoleState
 from console.transport import Transport
-from console.widgets.hosts import Node, nodes_of
+from console.nodes import Node, nodes_of
 from console.widgets.panels import ConsoleFooter
 
 GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)

@@ -1,4 +1,5 @@
-"""Curve preparation for the plots: EMA smoothing (backend/smoothing.py), log10 axes with our own ticks, spike-keeping min/max downsampling.
+"""Curve preparation for the plots: what a plot is asked to draw (SeriesSpec, CurveOptions), EMA smoothing
+(backend/smoothing.py), log10 axes with our own ticks, spike-keeping min/max downsampling.
 
 Values on a log axis are transformed here (log10) and the ticks labelled with the original numbers; linear ticks
 sit at 1, 2 or 5 times a power of ten (whole numbers on a step axis).
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from backend.smoothing import debiased_ema
+from console.state import Series
 
 
 @dataclass
@@ -28,6 +30,32 @@ class Curve:
 class Ticks:
     positions: list[float] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CurveOptions:
+    """How a plot draws its curves: log axes, and the EMA weight of its smoothing (0: raw)."""
+
+    log_x: bool = False
+    log_y: bool = False
+    ema_weight: float = 0.0
+
+
+@dataclass
+class SeriesSpec:
+    """One curve: the live tail `series`, drawn after the host's `buckets` (whole history or a zoomed range) when given."""
+
+    label: str
+    series: Series
+    color: str | int  # a plotext colour name or an xterm-256 index
+    prefix: str = ""  # whose curve, in the legend ("grok-1 "): shortened first when the legend does not fit
+    buckets: list[dict] | None = None
+    end_step: float | None = None  # the last step the buckets cover
+    step_from: float | None = None  # a zoomed view's range
+    step_to: float | None = None
+    markers: list[float] = field(default_factory=list)  # steps of NaN/inf values, drawn as red x at the top
+    total: int | None = None  # points in the whole history (label), when known
+    ema_weight: float | None = None  # this curve's own smoothing (None: the plot's options)
 
 
 def minmax_downsample(xs: Sequence[float], ys: Sequence[float], buckets: int) -> tuple[list[float], list[float]]:

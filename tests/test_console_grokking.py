@@ -21,7 +21,7 @@ from backend.commands import grok_argv, grok_job_name
 from console.screens.grok_modal import GrokModal, GrokParamError, parse_grok_params
 from console.screens.modals import WatchModal
 from console.screens.chain import result_panel_text
-from console.widgets.format import accept_length
+from console.format import accept_length
 from console.widgets.grok_panels import acceptance_text, data_scaling_text, norms_text, signals_text
 from ssh_fixtures import connected, job_argv, pid_alive, screen_shown, stop_everything, wait_until
 from test_console_chain import amber_records

@@ -18,7 +18,7 @@ from console.screens.hosts import HostsScreen
 from console.screens.modals import MultiNodeModal, StopModal
 from console.state import CONNECTED, FAILED, RECONNECTING, ConnectionStatus, ConsoleState
 from console.transport import SSHTransport
-from console.widgets.hosts import nodes_of
+from console.nodes import nodes_of
 from ssh_fixtures import RealSSHD, free_port, job_argv, pid_alive, screen_shown, sshd_available, wait_until
 
 needs_sshd = pytest.mark.skipif(not sshd_available(), reason="OpenSSH sshd not installed (/usr/sbin/sshd); CI installs openssh-server")

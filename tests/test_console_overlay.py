@@ -13,7 +13,7 @@ from console.plotting import bucket_points
 from console.screens.training import OVERLAY_COLORS, TrainingScreen
 from console.state import ConsoleState
 from console.widgets.curve_plot import CurvePlot
-from console.widgets.history import next_overlay, overlay_candidates
+from console.zoom import next_overlay, overlay_candidates
 from ssh_fixtures import connected, pid_alive, stop_everything, wait_until
 from test_console_snapshots import NOW, frozen_state
 

@@ -5,9 +5,9 @@ import math
 import pytest
 from textual.app import App
 
-from console.plotting import Curve, Ticks, format_number, log_ticks, minmax_downsample, prepare_curve, span
+from console.plotting import Curve, CurveOptions, SeriesSpec, Ticks, format_number, log_ticks, minmax_downsample, prepare_curve, span
 from console.state import Series
-from console.widgets.curve_plot import CurveOptions, CurvePlot, SeriesSpec, spaced_x_ticks, spaced_y_ticks
+from console.widgets.curve_plot import CurvePlot, spaced_x_ticks, spaced_y_ticks
 
 
 def test_downsample_keeps_a_single_point_spike_and_bounds_the_output():

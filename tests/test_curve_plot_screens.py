@@ -128,7 +128,7 @@ async def test_live_points_after_the_hosts_buckets_redraw_only_the_tail():
 
     from backend.metrics.series import Series as IndexSeries, query
     from console.state import Series
-    from console.widgets.curve_plot import CurveOptions, SeriesSpec
+    from console.plotting import CurveOptions, SeriesSpec
 
     class OnePlot(App):
         def compose(self):

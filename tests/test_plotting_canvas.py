@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from console.plotting import linear_ticks, prepare_curve, span
+from console.plotting import CurveOptions, SeriesSpec, linear_ticks, prepare_curve, span
 from console.state import Series
 from console.widgets.canvas import NO_INK, QUADRANTS, Canvas, dot_index
-from console.widgets.curve_plot import FRAME_ROWS, CurveOptions, Frame, Layer, PlotLayout, SeriesSpec, lay_out
+from console.widgets.curve_plot import FRAME_ROWS, Frame, Layer, PlotLayout, lay_out
 
 FIXTURE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200_smollm2_e2e_metrics.jsonl"
 

@@ -21,7 +21,7 @@ from console.app import build_app
 from console.screens.chain import result_panel_text
 from console.screens.modals import AdoptModal, StopModal
 from console.widgets.curve_plot import CurvePlot
-from console.widgets.format import inert, inert_text, plain_cell
+from console.format import inert, inert_text, plain_cell
 from backend.protocol import GpuHolder
 from ssh_fixtures import screen_shown, wait_until
 from test_console_chain import chain_records, chain_state

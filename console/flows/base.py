@@ -10,7 +10,7 @@ from textual.screen import Screen
 from backend.commands import ProfileFacts
 from console.session import HostSession
 from console.state import ConsoleState
-from console.widgets.hosts import Node
+from console.nodes import Node
 
 ResultT = TypeVar("ResultT")
 

@@ -10,7 +10,7 @@ from console.client import AgentError
 from console.flows.base import FlowHost
 from console.flows.resume import ResumeFlow
 from console.screens.modals import StopModal
-from console.widgets.hosts import Node
+from console.nodes import Node
 
 
 class StopFlow:

@@ -14,7 +14,7 @@ from backend.commands import chain_training_job
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 from backend.safetext import visible
-from console.widgets.format import accept_length, duration, inert, inert_text, number, plain_cell
+from console.format import accept_length, duration, inert, inert_text, number, plain_cell
 
 # The chain's stages in order (backend/chain/run.py STAGES; the console may not import it).
 CHAIN_STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")

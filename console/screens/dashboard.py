@@ -14,7 +14,8 @@ from console.widgets.panels import ConsoleFooter
 from console.widgets.gpu_panel import GpuPanel
 from textual import events
 
-from console.widgets.hosts import JOB_COLUMNS, NARROW_JOB_COLUMNS, NARROW_WIDTH, ROW_KEY_SEP, job_table_rows, nodes_text, row_key
+from console.nodes import JOB_COLUMNS
+from console.widgets.hosts import NARROW_JOB_COLUMNS, NARROW_WIDTH, ROW_KEY_SEP, job_table_rows, nodes_text, row_key
 from console.widgets.panels import ActionLog, DiskPanel, LatestMetrics
 
 
@@ -127,7 +128,7 @@ class DashboardScreen(ConsoleScreen):
         table = self.query_one("#jobs", DataTable)
         table.clear()
         multi = self.console.multi_host
-        rows = job_table_rows(self.console)
+        rows = job_table_rows(self.console.job_rows(), self.console.sessions)
         wanted = self.job_filter.lower()
         shown = [row for row in rows if not wanted or any(wanted in str(cell).lower() for cell in row.cells)]
         for row in shown:

@@ -11,10 +11,11 @@ from console.screens.base import no_job_text, touches
 from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
 from console.state import JobMetrics
 from console.widgets.banner import ConnectionBanner
-from console.widgets.curve_plot import CurveOptions, CurvePlot
-from console.widgets.format import clock_time, inert_text
+from console.plotting import CurveOptions
+from console.widgets.curve_plot import CurvePlot
+from console.format import clock_time, inert_text
 from console.widgets.grok_panels import acceptance_text, alerts_text, data_scaling_text, norms_text, signals_text
-from console.widgets.history import history_spec, history_text, indexing_text
+from console.zoom import history_spec, history_text, indexing_text
 
 TRAIN_EMA = 0.9  # the host's signals use the same weights (docs/grokking.md)
 VAL_EMA = 0.3

@@ -15,7 +15,7 @@ from textual.widgets import Button, Input, Static
 
 from backend.protocol import GpuHolder
 from backend.safetext import visible
-from console.widgets.format import cut_words, inert, inert_text, mib
+from console.format import cut_words, inert, inert_text, mib
 
 
 class ConfirmModal(ModalScreen[bool]):

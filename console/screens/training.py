@@ -16,9 +16,10 @@ from console.screens.base import no_job_text, touches
 from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
 from console.state import JobMetrics, Series
 from console.widgets.banner import ConnectionBanner
-from console.widgets.curve_plot import CurveOptions, CurvePlot, SeriesSpec
-from console.widgets.format import inert_text, percent
-from console.widgets.history import acc_tail, history_spec, history_text, indexing_text, next_overlay, overlay_candidates
+from console.plotting import CurveOptions, SeriesSpec
+from console.widgets.curve_plot import CurvePlot
+from console.format import inert_text, percent
+from console.zoom import acc_tail, history_spec, history_text, indexing_text, next_overlay, overlay_candidates
 
 EMA_WEIGHT = 0.9
 ACC_ROWS = 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.binding import Binding, BindingType
 
 from console.screens.base import ConsoleScreen
-from console.widgets.history import StepView, followed, panned, run_span, view_label, zoomed
+from console.zoom import StepView, followed, panned, run_span, view_label, zoomed
 
 ZOOM_GROUP = Binding.Group("Zoom/pan", compact=True)
 ZOOM_BINDINGS: list[BindingType] = [

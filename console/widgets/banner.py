@@ -7,7 +7,7 @@ from textual.widgets import Static
 
 from console.state import CONNECTED, CONNECTING, FAILED, RECONNECTING, ConsoleState
 from backend.safetext import visible
-from console.widgets.format import clock_time, duration, inert_text
+from console.format import clock_time, duration, inert_text
 
 DISABLED_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled until the connection is back"
 GAVE_UP_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled: this console will not retry; fix the cause and start it again"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rich.cells import cell_len
 from rich.segment import Segment
@@ -24,8 +24,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from backend.safetext import visible
-from console.plotting import Curve, Ticks, bucket_points, format_number, history_points, linear_ticks, log_ticks, prepare_curve, span
-from console.state import Series
+from console.plotting import Curve, CurveOptions, SeriesSpec, Ticks, bucket_points, format_number, history_points, linear_ticks, log_ticks, prepare_curve, span
 from console.widgets.canvas import NO_INK, Canvas, dot_index, dot_indices
 
 # The frame around the canvas: the y-axis column on the left and the border on the right; above the canvas the title
@@ -117,30 +116,6 @@ def color_of(color: str | int) -> str:
     if isinstance(color, int):
         return f"color({color})"
     return f"color({COLOR_NAMES[color]})" if color in COLOR_NAMES else color
-
-
-@dataclass(frozen=True)
-class CurveOptions:
-    log_x: bool = False
-    log_y: bool = False
-    ema_weight: float = 0.0
-
-
-@dataclass
-class SeriesSpec:
-    """One curve: the live tail `series`, drawn after the host's `buckets` (whole history or a zoomed range) when given."""
-
-    label: str
-    series: Series
-    color: str | int  # a plotext colour name or an xterm-256 index
-    prefix: str = ""  # whose curve, in the legend ("grok-1 "): shortened first when the legend does not fit
-    buckets: list[dict] | None = None
-    end_step: float | None = None  # the last step the buckets cover
-    step_from: float | None = None  # a zoomed view's range
-    step_to: float | None = None
-    markers: list[float] = field(default_factory=list)  # steps of NaN/inf values, drawn as red x at the top
-    total: int | None = None  # points in the whole history (label), when known
-    ema_weight: float | None = None  # this curve's own smoothing (None: the plot's options)
 
 
 @dataclass

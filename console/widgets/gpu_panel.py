@@ -8,7 +8,7 @@ from textual.widgets import Static
 from backend.protocol import GpuHolder, GpuSample
 from console.state import ConsoleState
 from backend.safetext import visible
-from console.widgets.format import inert_text, mib, segmented_bar
+from console.format import inert_text, mib, segmented_bar
 
 OWNED_STYLE = "green"
 FOREIGN_STYLE = "yellow"

@@ -8,7 +8,7 @@ from typing import Any
 from rich.text import Text
 
 from backend.safetext import visible
-from console.widgets.format import accept_length, count, duration, epoch_text, inert_text, number, percent, size_bytes
+from console.format import accept_length, count, duration, epoch_text, inert_text, number, percent, size_bytes
 
 
 def _num(value: Any, digits: int = 3) -> str:

@@ -1,21 +1,18 @@
-"""Rows across hosts: the jobs table (a host column; a multi-node job as one row), the Hosts view, the nodes panel."""
+"""Rich cells across hosts: the jobs table's rows (a host column; a multi-node job as one row), the Hosts view, the nodes panel."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.text import Text
 
 from backend.protocol import JobInfo
+from console.nodes import JobRow, Node, nodes_of, nodes_problem, slowest_rank
+from console.session import HostSession
 from console.state import CONNECTED, ConsoleState
 from backend.safetext import visible
-from console.widgets.format import duration, inert_text, number, plain_cell, size_bytes
+from console.format import duration, inert_text, number, plain_cell, size_bytes
 
-if TYPE_CHECKING:
-    from console.session import HostSession
-
-JOB_COLUMNS = ("job", "kind", "state", "pid", "runtime", "exit", "step", "train loss", "detail")
 NARROW_JOB_COLUMNS = ("job", "state", "exit", "step", "train loss", "detail")  # under NARROW_WIDTH: what tells a job's health
 NARROW_WIDTH = 140  # terminal columns under which the jobs table drops kind, pid and runtime (the stop modal shows pids)
 HOST_COLUMNS = ("host", "link", "GPUs", "GPU memory", "util", "holders owned/foreign", "jobs running", "run dir free", "agent")
@@ -27,61 +24,14 @@ def row_key(host: str, name: str) -> str:
     return f"{host}{ROW_KEY_SEP}{name}"
 
 
-@dataclass
-class Node:
-    """One node of a job: the host it runs on and that host's record of it."""
-
-    session: "HostSession"
-    job: JobInfo
-
-    @property
-    def host(self) -> str:
-        return self.session.name
-
-    @property
-    def rank(self) -> int:
-        return self.job.node_rank if self.job.node_rank is not None else 0
-
-    @property
-    def host_stale(self) -> bool:
-        return self.session.state.connection.state != CONNECTED
-
-
-@dataclass
-class JobRow:
-    key: str
-    cells: tuple[Any, ...]  # host first, then JOB_COLUMNS
-
-    def pick(self, columns: tuple[str, ...], *, host: bool) -> tuple[Any, ...]:
-        """The cells of `columns` (JOB_COLUMNS names), after the host cell when `host`."""
-        chosen = tuple(self.cells[1 + JOB_COLUMNS.index(name)] for name in columns)
-        return (self.cells[0], *chosen) if host else chosen
-
-
-def nodes_of(sessions: list["HostSession"], host: str, name: str | None) -> list[Node]:
-    """Every host's node of the job `name` on `host` (the same run id), node rank order; [] when it is not there."""
-    session = next((s for s in sessions if s.name == host), None)
-    job = session.state.jobs.get(name) if session and name else None
-    if session is None or job is None:
-        return []
-    if not job.run_id or not job.nnodes or job.nnodes < 2:
-        return [Node(session, job)]
-    nodes = []
-    for other in sessions:
-        same = [j for j in other.state.jobs.values() if j.run_id == job.run_id]
-        if same:
-            nodes.append(Node(other, max(same, key=lambda j: j.started_at)))
-    return sorted(nodes, key=lambda n: n.rank)
-
-
-def job_table_rows(console: Any) -> list[JobRow]:
-    """The jobs table: every host's jobs newest first; the nodes of a multi-node job folded into one row at its first node."""
+def job_table_rows(jobs: list[tuple[HostSession, str]], sessions: list[HostSession]) -> list[JobRow]:
+    """The jobs table from `jobs` (every host's, newest first): the nodes of a multi-node job folded into one row at its first node."""
     rows: list[JobRow] = []
     folded: set[tuple[str, str]] = set()
-    for session, name in console.job_rows():
+    for session, name in jobs:
         if (session.name, name) in folded:
             continue
-        nodes = nodes_of(console.sessions, session.name, name)
+        nodes = nodes_of(sessions, session.name, name)
         if len(nodes) > 1:
             folded.update((n.host, n.job.name) for n in nodes)
             lead = nodes[0]
@@ -120,31 +70,6 @@ def _job_cells(state: ConsoleState, job: JobInfo, nodes: list[Node]) -> tuple[An
     )
 
 
-def nodes_problem(nodes: list[Node]) -> str | None:
-    """The first thing wrong with a multi-node job, in words: a host not answering, a node ended, a rank not reporting."""
-    for node in nodes:
-        if node.host_stale:
-            return f"node {node.rank} ({node.host}): host not answering"
-    for node in nodes:
-        if node.job.state != "running":
-            return f"node {node.rank} ({node.host}) {node.job.state}"
-    for node in nodes:
-        stalled = [r for r in node.job.ranks if r.get("rank") in node.job.stalled_ranks]
-        if stalled:
-            age = max(float(r.get("age_s") or 0.0) for r in stalled)
-            return f"node {node.rank} ({node.host}) not reporting for {age:.0f} s"
-    return None
-
-
-def slowest_rank(nodes: list[Node]) -> tuple[str, int] | None:
-    """(host, rank) of the rank with the lowest step, when the ranks disagree."""
-    ranks = [(int(r.get("step") or 0), node.host, int(r.get("rank") or 0)) for node in nodes for r in node.job.ranks]
-    if len({step for step, _, _ in ranks}) < 2:
-        return None
-    _, host, rank = min(ranks)
-    return host, rank
-
-
 @inert_text
 def nodes_text(nodes: list[Node]) -> Text:
     """Per node: host, state, pid; per rank: step and how long ago it last reported (the agent's clock), slowest marked."""
@@ -172,7 +97,7 @@ def nodes_text(nodes: list[Node]) -> Text:
     return text
 
 
-def host_cells(session: "HostSession") -> tuple[Any, ...]:
+def host_cells(session: HostSession) -> tuple[Any, ...]:
     """One Hosts-view row: link, GPUs at a glance, holders owned/foreign, running jobs, run-dir free space, agent."""
     state = session.state
     now = state.clock()

@@ -16,7 +16,7 @@ from textual.widgets._footer import FooterKey, FooterLabel, KeyGroup
 
 from console.state import ConsoleState
 from backend.safetext import visible
-from console.widgets.format import clock_time, count, epoch_text, inert_text, number, percent, segmented_bar, size_bytes
+from console.format import clock_time, count, epoch_text, inert_text, number, percent, segmented_bar, size_bytes
 
 
 @inert_text

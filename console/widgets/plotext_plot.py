@@ -13,8 +13,8 @@ from plotext import _utility as plotext_utility
 from textual_plotext import PlotextPlot
 
 from backend.safetext import visible
-from console.plotting import Curve, Ticks, history_points, log_ticks, prepare_curve, span
-from console.widgets.curve_plot import CurveOptions, SeriesSpec, fitting_title, legend_labels
+from console.plotting import Curve, CurveOptions, SeriesSpec, Ticks, history_points, log_ticks, prepare_curve, span
+from console.widgets.curve_plot import fitting_title, legend_labels
 
 # plotext's frame around the canvas: one y-axis column on each side, and above/below the canvas the title, two x-axis
 # rows, the tick labels and the x label (plotext _build: width_canvas / height_canvas).

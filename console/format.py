@@ -1,4 +1,5 @@
-"""Text helpers for the widgets: bars, sizes, durations, percentages, metric numbers, τ̂ and accept lengths."""
+"""Text for the screens and widgets: bars, sizes, durations, percentages, metric numbers, τ̂ and accept lengths, and host
+strings made inert."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from console.state import ConsoleState, JobMetrics, Series, Summary
-from console.widgets.curve_plot import SeriesSpec
+from console.plotting import SeriesSpec
 
 MIN_VIEW_STEPS = 16
 OVERLAY_KINDS = ("train",)  # besides watched runs (external), the jobs whose curves the Training screen can overlay
