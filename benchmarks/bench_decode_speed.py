@@ -3,12 +3,13 @@
 
 Rows (the same prompts, ignore-eos, fixed output lengths): transformers `generate` eager; transformers `generate`
 with cache_implementation="static" (compiled by transformers on CUDA); our eager plain decode (SpecDecoder); our
-static-cache plain decode (CUDA graphs on CUDA), with --compile also through torch.compile; our static EAGLE-3 decode at each
---num-steps. Prints tok/s per row, EAGLE's speed-up over our plain decode, the fraction of
-the bandwidth bound (weight bytes / --hbm-tbs), accept lengths, a per-step breakdown (draft round, target verify,
-host work) and token-for-token checks (static vs eager; on CUDA also in float32); writes --out JSON.
+static-cache plain decode (CUDA graphs on CUDA), with --compile also through torch.compile; our static EAGLE-3 decode
+at each --num-steps, for each --draft (repeat it as NAME=DIR: several drafts share the target, the prompts and the
+plain rows). Prints tok/s per row, EAGLE's speed-up over our plain decode, the fraction of the bandwidth bound
+(weight bytes / --hbm-tbs), accept lengths, a per-step breakdown (draft round, target verify, host work) and
+token-for-token checks (static vs eager; on CUDA also in float32, first draft); writes --out JSON.
 
-H200:  python3 benchmarks/bench_decode_speed.py --device cuda --draft RUN/draft --prompts DATA/eval.jsonl \
+H200:  python3 benchmarks/bench_decode_speed.py --device cuda --draft RUN/draft [--draft specforge=SF/draft] --prompts DATA/eval.jsonl \
          --prompts HumanEval.jsonl.gz --num-prompts 20 --max-new-tokens 256 --out benchmarks/results/h200_decode_speed.json
 CPU:   python3 benchmarks/bench_decode_speed.py --device cpu --max-new-tokens 8 --num-prompts 2 --out /tmp/speed.json
 """
@@ -205,19 +206,34 @@ def fp32_check(profile, draft, aux, num_steps: list[int], prompts: list[list[int
     return report
 
 
-def load_draft(args, profile, target, device):
+def load_draft(path: str | None, profile, target, device):
+    """A trained draft from its checkpoint dir, or (path None) an untrained draft of the profile's shape."""
     from backend.train.draft import DraftModelConfig, Eagle3Draft
 
-    if args.draft:
+    if path:
         from backend.serve.preflight import resolve_draft_dir
         from backend.train.checkpoint import load_checkpoint
 
-        draft, config, _meta, _state = load_checkpoint(resolve_draft_dir(Path(args.draft).expanduser()), target_embedding=target.embed_weight())
-        return draft.to(device).eval(), list(config.aux_layer_ids), str(args.draft)
+        draft, config, _meta, _state = load_checkpoint(resolve_draft_dir(Path(path).expanduser()), target_embedding=target.embed_weight())
+        return draft.to(device).eval(), list(config.aux_layer_ids), path
     torch.manual_seed(0)
     draft = Eagle3Draft(DraftModelConfig.from_profile(profile))
     draft.load_target_embedding(target.embed_weight().float())
     return draft.to(device=device, dtype=target.dtype).eval(), list(profile.target.aux_layer_ids), "untrained (no --draft)"
+
+
+def draft_specs(values: list[str] | None) -> list[tuple[str, str, str | None]]:
+    """--draft values as (name, row suffix, dir): the first draft's rows keep their plain names, a later NAME=DIR's end in _NAME."""
+    specs: list[tuple[str, str, str | None]] = []
+    for index, value in enumerate(values or [""]):
+        name, sep, path = value.partition("=")
+        if not sep or Path(value).exists():
+            name, path = ("ours" if index == 0 else f"draft{index + 1}"), value
+        specs.append((name, "" if index == 0 else f"_{name}", path or None))
+    names = [name for name, _, _ in specs]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--draft names must differ: {values}; nothing was measured")
+    return specs
 
 
 def weight_bytes(model) -> int:
@@ -241,7 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="smollm2-135m")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", help="target dtype (default: the profile's [serve] dtype on CUDA, float32 on CPU)")
-    parser.add_argument("--draft", help="draft checkpoint dir (default: an untrained draft of the profile's shape)")
+    parser.add_argument(
+        "--draft",
+        action="append",
+        metavar="[NAME=]DIR",
+        help="draft checkpoint dir (default: an untrained draft of the profile's shape); repeat as NAME=DIR to decode more drafts with the "
+        "same target, prompts and plain rows in one process (a later draft's rows end in _NAME)",
+    )
     parser.add_argument("--prompts", action="append", type=Path, help="an eval set (JSONL, .gz too); repeat for several sets")
     parser.add_argument("--num-prompts", type=int, default=20, help="prompts per eval set for our static rows")
     parser.add_argument("--anchor-prompts", type=int, default=3, help="prompts for the slow eager rows (first eval set)")
@@ -266,14 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(profile, device=device, dtype=dtype)
     load_s = time.perf_counter() - started
     model, tokenizer = target.model, target.tokenizer
-    draft, aux, draft_label = load_draft(args, profile, target, device)
+    specs = draft_specs(args.draft)
+    drafts = [(suffix, *load_draft(path, profile, target, device)) for _name, suffix, path in specs]
+    _, draft, aux, draft_label = drafts[0]
     sets = {path.name.split(".")[0]: read_prompt_file(path) for path in args.prompts} if args.prompts else {"builtin": list(BUILTIN_PROMPTS)}
     encoded = {name: [encode(tokenizer, p, args.max_prompt_tokens) for p in prompts[: args.num_prompts]] for name, prompts in sets.items()}
     first = next(iter(encoded))
     anchors = encoded[first][: args.anchor_prompts]
     max_new = args.max_new_tokens
     max_len = max(len(ids) for batch in encoded.values() for ids in batch) + max_new + max(args.num_steps) + 1
-    print(f"target {profile.target.path} {dtype} on {device} (loaded in {load_s:.1f} s); draft {draft_label}; sets {list(encoded)}", flush=True)
+    labels = ", ".join(f"{label} (rows *{suffix})" if suffix else label for suffix, _, _, label in drafts)
+    print(f"target {profile.target.path} {dtype} on {device} (loaded in {load_s:.1f} s); drafts {labels}; sets {list(encoded)}", flush=True)
 
     rows: list[dict] = []
     eager = SpecDecoder(model, None, aux, eos_token_id=NO_EOS)
@@ -290,14 +315,16 @@ def main(argv: list[str] | None = None) -> int:
             row = static_row(f"ours_static_plain{suffix}", plain, device, prompts, max_new, speculative=False)
             per_set[name][row["name"]] = row
         for steps in args.num_steps:
-            decoder = StaticDecoder(model, draft, aux, num_steps=steps, eos_token_id=NO_EOS, max_len=max_len, compile=compiled)
-            for name, prompts in encoded.items():
-                plain_row = per_set[name][f"ours_static_plain{suffix}"]
-                row = static_row(f"ours_static_eagle_k{steps}{suffix}", decoder, device, prompts, max_new, speculative=True)
-                if "tok_s" in row and "tok_s" in plain_row:
-                    row["speedup_vs_our_plain"] = row["tok_s"] / plain_row["tok_s"]
-                row["eagle_equals_plain"] = agreement(plain_row, row)
-                per_set[name][row["name"]] = row
+            for draft_suffix, one_draft, one_aux, _label in drafts:
+                decoder = StaticDecoder(model, one_draft, one_aux, num_steps=steps, eos_token_id=NO_EOS, max_len=max_len, compile=compiled)
+                for name, prompts in encoded.items():
+                    plain_row = per_set[name][f"ours_static_plain{suffix}"]
+                    row = static_row(f"ours_static_eagle_k{steps}{suffix}{draft_suffix}", decoder, device, prompts, max_new, speculative=True)
+                    if "tok_s" in row and "tok_s" in plain_row:
+                        row["speedup_vs_our_plain"] = row["tok_s"] / plain_row["tok_s"]
+                    row["eagle_equals_plain"] = agreement(plain_row, row)
+                    per_set[name][row["name"]] = row
+                del decoder
     static_plain = per_set[first]["ours_static_plain"]
     checks["static_plain_vs_eager_plain"] = agreement(eager_row, {**static_plain, "_outputs": static_plain.get("_outputs", [])[: len(anchors)]})
     per_set = {name: {key: public(row) for key, row in rows_.items()} for name, rows_ in per_set.items()}
@@ -316,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             "target": profile.target.path,
             "dtype": dtype,
             "draft": draft_label,
+            "drafts": {name: {"dir": label, "row_suffix": suffix} for (name, suffix, _), (_, _, _, label) in zip(specs, drafts)},
             "max_new_tokens": max_new,
             "num_steps": args.num_steps,
             "weight_bytes": bytes_,

