@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from console.session import Severity
-from console.state import ConsoleState
+from console.state import ConsoleState, Section
 
 ENDED_STATES = ("exited", "stopped", "stale", "unknown")
 DISK_LOW_SHARE = 0.9  # used share at which the Dashboard draws a disk red: the "disk runs low" alert
@@ -33,15 +33,15 @@ def new_alerts(before: AlertMemory, state: ConsoleState, sections: set[str], whe
 
     `where` names the host in each text (" on gpu-a"; empty with one host)."""
     job_states, raised, alerts = before.job_states, set(before.raised), []
-    if "jobs" in sections:
+    if Section.JOBS in sections:
         job_states = {name: job.state for name, job in state.jobs.items()}
         alerts += _job_exits(before.job_states, state, where)
         alerts += _stalled_ranks(state, where, raised)
-    if "stages" in sections:
+    if Section.STAGES in sections:
         alerts += _red_canaries(state, where, raised)
-    if "signals" in sections:
+    if Section.SIGNALS in sections:
         alerts += _onsets(state, where, raised)
-    if "disks" in sections:
+    if Section.DISKS in sections:
         alerts += _low_disks(state, where, raised)
     return AlertMemory(job_states, frozenset(raised)), alerts
 

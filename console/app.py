@@ -23,7 +23,7 @@ from textual.widgets import Footer
 from textual.worker import Worker
 
 from backend.commands import ProfileFacts, job_profile, profile_facts
-from backend.protocol import JobInfo, Request, from_dict
+from backend.protocol import Event, JobInfo, Request, from_dict
 from backend.safetext import visible
 from console.actions import ACTIONS, ACTIONS_BY_NAME, SCREEN_NAMES, ConsoleCommands, app_bindings, disabled_reason, offered
 from console.client import AgentClient, AgentError
@@ -43,7 +43,7 @@ from console.screens.help import HelpModal, keys_text
 from console.screens.hosts import HostsScreen
 from console.screens.logs import LogsScreen
 from console.session import STREAMS, HostSession, Severity
-from console.state import CONNECTED, ConnectionStatus, ConsoleState
+from console.state import CONNECTED, ConnectionStatus, ConsoleState, Section
 from console.transport import Transport
 from console.nodes import Node, nodes_of
 from console.widgets.panels import ConsoleFooter
@@ -51,8 +51,23 @@ from console.widgets.panels import ConsoleFooter
 GUARDED_REQUESTS = (Request.STOP_JOB, Request.ADOPT_JOB, Request.START_JOB)
 QUIT_CONFIRM_S = 10.0
 REDRAW_SHARE = 4.0
+# What a change of the active host redraws: everything the screens draw of one host.
+ACTIVE_HOST_SECTIONS = frozenset(
+    {
+        Section.HOSTS,
+        Section.SELECTION,
+        Section.GPUS,
+        Section.HOLDERS,
+        Section.DISKS,
+        Section.JOBS,
+        Section.CONNECTION,
+        Section.METRICS,
+        Section.LOGS,
+        Section.HELLO,
+    }
+)
 # What a host other than the active one may redraw: its row in the Hosts view and its jobs in the jobs table.
-CROSS_HOST_SECTIONS = frozenset({"connection", "hello", "gpus", "holders", "jobs", "disks", "hosts"})
+CROSS_HOST_SECTIONS = frozenset({Section.CONNECTION, Section.HELLO, Section.GPUS, Section.HOLDERS, Section.JOBS, Section.DISKS, Section.HOSTS})
 
 
 def _with_console_footer(cls: type[ConsoleScreen]) -> type[ConsoleScreen]:
@@ -170,7 +185,7 @@ class ConsoleApp(App):
         self.active = session
         self.sub_title = session.name
         self.refresh_bindings()
-        self.state_changed({"hosts", "selection", "gpus", "holders", "disks", "jobs", "connection", "metrics", "logs", "hello"})
+        self.state_changed(set(ACTIVE_HOST_SECTIONS))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -188,12 +203,12 @@ class ConsoleApp(App):
 
     def session_changed(self, session: HostSession, sections: set[str]) -> None:
         if session is self.active:
-            self.state_changed(sections | ({"hosts"} if self.multi_host else set()))
+            self.state_changed(sections | ({Section.HOSTS} if self.multi_host else set()))
             return
         self.alerting.check(sections, session)
         shown = {s for s in sections if s in CROSS_HOST_SECTIONS}  # other hosts only feed the Hosts view and the jobs table
         if shown:
-            self._schedule_redraw(shown | {"hosts"})
+            self._schedule_redraw(shown | {Section.HOSTS})
 
     def session_note(self, session: HostSession, text: str, severity: Severity) -> None:
         self.note(text, severity=severity)
@@ -204,22 +219,22 @@ class ConsoleApp(App):
             return
         if not isinstance(event, dict):
             return
-        if "metrics_gap" in changed and session.client is not None:
+        if Section.METRICS_GAP in changed and session.client is not None:
             self.catch_up_metrics(session)
-        if "stages_gap" in changed and session.client is not None:
+        if Section.STAGES_GAP in changed and session.client is not None:
             self.run_worker(self._catch_up_stages(session, str(event.get("job"))), group=f"stages:{session.name}", exit_on_error=False)
         if session is not self.active:
             return
         kind, job = event.get("type"), event.get("job")
-        if kind == "metrics" and job == self.selected_job:
+        if kind == Event.METRICS and job == self.selected_job:
             self.signals.request(self.selected_job)
             self._history_grew()
-        if kind == "index_progress" and job == self.selected_job:
+        if kind == Event.INDEX_PROGRESS and job == self.selected_job:
             session.summary_at.clear()  # the index grew by a chunk (or finished): redraw from it
             self._history_grew()
-        if kind == "stages" and "stages" in changed:
+        if kind == Event.STAGES and Section.STAGES in changed:
             self.chain_flow.progressed(str(job))
-        if kind == "jobs" and self.selected_job is None:
+        if kind == Event.JOBS and self.selected_job is None:
             self._select_default_job()
 
     def handle_event(self, event: Any, host: str | None = None) -> None:
@@ -313,7 +328,7 @@ class ConsoleApp(App):
         self.set_active(session)
         self.selected_job = name
         self.refresh_bindings()
-        self.state_changed({"selection"})
+        self.state_changed({Section.SELECTION})
         self.signals.cancel_timer()
         if name and session.connected:
             self.load_job(name)
@@ -466,7 +481,7 @@ class ConsoleApp(App):
         for session in self.sessions:
             if session.connected:
                 self.run_worker(self._poll(session), group=f"poll:{session.name}", exclusive=True, exit_on_error=False)
-        self.state_changed({"connection", "hosts"})  # keeps "N s ago" in the banners moving
+        self.state_changed({Section.CONNECTION, Section.HOSTS})  # keeps "N s ago" in the banners moving
 
     async def _poll(self, session: HostSession) -> None:
         try:
@@ -562,7 +577,7 @@ class ConsoleApp(App):
 
     def note(self, text: str, *, severity: SeverityLevel = "information") -> None:
         self.state.note_action(text)
-        self.state_changed({"actions"})
+        self.state_changed({Section.ACTIONS})
         self.notify(visible(text), severity=severity, timeout=6, markup=False)  # host text in it: inert, never markup
 
     async def action_quit(self) -> None:

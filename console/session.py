@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 from backend.protocol import PROTOCOL_VERSION, Request
 from backend.protocol import cut_text
 from console.client import AgentClient, AgentError, ClientNote
-from console.state import EXTERNAL_PREFIX, FAILED, STRING_CAP, SUMMARY_KEYS, ConnectionStatus, ConsoleState
+from console.state import EXTERNAL_PREFIX, FAILED, STRING_CAP, SUMMARY_KEYS, ConnectionStatus, ConsoleState, Section
 from console.transport import AgentStderr, TransportError
 
 LOG_TAIL_LINES = 500
@@ -117,14 +117,14 @@ class HostSession:
             return self.state.set_connection(event)
         if isinstance(event, AgentStderr):
             self.state.agent_stderr.append(cut_text(event.text, STRING_CAP))
-            return {"agent_stderr"}
+            return {Section.AGENT_STDERR}
         if isinstance(event, ClientNote):
             self.state.refuse(event.text)
-            return {"notes"}
+            return {Section.NOTES}
         if isinstance(event, dict):
             changed = self.state.apply(event)
             hello = self.state.hello
-            if "hello" in changed and hello is not None and hello.protocol != PROTOCOL_VERSION and hello.protocol != self._protocol_told:
+            if Section.HELLO in changed and hello is not None and hello.protocol != PROTOCOL_VERSION and hello.protocol != self._protocol_told:
                 self._protocol_told = hello.protocol  # once per protocol seen, not per hello
                 self.note(f"the agent on {self.name} speaks protocol {hello.protocol}, this console {PROTOCOL_VERSION}: some views may be empty", "warning")
             return changed
@@ -148,7 +148,7 @@ class HostSession:
         latest = self.state.notes[-1][1] if self.state.notes else "data refused"
         more = f" (and {new - 1} more refused since the last note; all in the host's notes)" if new > 1 else ""
         self.note(f"{self.name}: {latest}{more}", "warning")
-        self.changed({"notes"})
+        self.changed({Section.NOTES})
 
     def _refusal_due(self) -> None:
         self._refusal_timer = None
@@ -323,7 +323,7 @@ class HostSession:
                     raise
                 result = {"lines": [f"(no {stream} to show: {exc.message})"]}  # e.g. an adopted process's log
             self.state.log(name, stream).replace([str(line) for line in result.get("lines") or []])
-        self.changed({"logs"})
+        self.changed({Section.LOGS})
 
     async def close(self) -> None:
         if self.client is not None:

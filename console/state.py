@@ -61,6 +61,35 @@ FAILED = "failed"
 CLOSED = "closed"
 
 
+class Section:
+    """The parts of the state a change touches: `ConsoleState.apply` and the app return and pass these, and each screen
+    redraws what `touches` them (a name that is not here fails at once instead of never redrawing)."""
+
+    CONNECTION = "connection"
+    HELLO = "hello"
+    GPUS = "gpus"
+    HOLDERS = "holders"
+    JOBS = "jobs"
+    DISKS = "disks"
+    METRICS = "metrics"
+    METRICS_GAP = "metrics_gap"  # a metrics event that does not follow what is held: re-read from the held offset
+    METRICS_PROGRESS = "metrics_progress"  # the host's indexing of a backlog moved
+    STAGES = "stages"
+    STAGES_GAP = "stages_gap"  # a stages event after lines never received: re-read the chain's history
+    LOGS = "logs"
+    AGENT_STDERR = "agent_stderr"
+    NOTES = "notes"  # something a host sent was refused
+    ACTIONS = "actions"  # the operator's actions and their outcomes
+    SIGNALS = "signals"
+    DATA_SCALING = "data_scaling"
+    RESULTS = "results"  # saved stop-and-bench results
+    CHAIN = "chain"  # a stop-and-bench chain was started
+    HOSTS = "hosts"  # another host's row changed (the Hosts view, the jobs table)
+    SELECTION = "selection"  # the selected job or host
+    OPTIONS = "options"  # a screen's own view options (log axes, zoom, overlay, followed stream)
+    TICK = "tick"  # time passed: "N s ago" and running stages
+
+
 @dataclass
 class ConnectionStatus:
     """Where the link to the agent stands; anything but CONNECTED means the screens show stale data."""
@@ -373,7 +402,7 @@ class ConsoleState:
 
     def set_connection(self, status: ConnectionStatus) -> set[str]:
         self.connection = status
-        return {"connection"}
+        return {Section.CONNECTION}
 
     # -- folding agent messages -------------------------------------------------------------
 
@@ -420,7 +449,7 @@ class ConsoleState:
                     metrics.latest = record
                     bucket = "latest_val" if record.get("split") == "val" else "latest_train"
                     setattr(metrics, bucket, record)
-                changed.add("metrics")
+                changed.add(Section.METRICS)
         if "holders" in result:
             changed |= self.apply_holders(result["holders"])
         return changed
@@ -428,8 +457,8 @@ class ConsoleState:
     @_refusing("holders reply")
     def apply_holders(self, holders: list[dict[str, Any]]) -> set[str]:
         self.holders = _parse_items(self, GpuHolder, holders, "holders", HOLDERS_MAX)
-        self.updated_at["holders"] = self.clock()
-        return {"holders"}
+        self.updated_at[Section.HOLDERS] = self.clock()
+        return {Section.HOLDERS}
 
     @_refusing("metrics_history reply")
     def apply_metrics_history(self, job: str, result: dict[str, Any], *, reset: bool) -> set[str]:
@@ -445,7 +474,7 @@ class ConsoleState:
             metrics.offset = offset
         metrics.history_loaded = True
         metrics.needs_catchup = metrics.seen_end > metrics.offset
-        return {"metrics"}
+        return {Section.METRICS}
 
     @_refusing("metrics_series reply")
     def apply_series(self, job: str, result: dict[str, Any], *, zoom: bool = False) -> set[str]:
@@ -477,7 +506,7 @@ class ConsoleState:
             metrics.summaries[summary.log_x] = summary
             metrics.total_records = result.get("total_records")
         metrics.progress = progress
-        return {"metrics"}
+        return {Section.METRICS}
 
     @_refusing("metrics_window reply")
     def apply_window(self, job: str, result: dict[str, Any]) -> set[str]:
@@ -513,7 +542,7 @@ class ConsoleState:
             fresh.offset = offset
         fresh.history_loaded = True
         fresh.needs_catchup = fresh.seen_end > fresh.offset
-        return {"metrics"}
+        return {Section.METRICS}
 
     @staticmethod
     def _fold_progress(metrics: JobMetrics, result: dict[str, Any]) -> None:
@@ -532,7 +561,7 @@ class ConsoleState:
         in_history = {_stage_key(r) for r in fresh}
         fresh += [r for r in known if _stage_key(r) not in in_history]
         self.stages[job] = fresh[-STAGES_KEPT:]
-        return {"stages"}
+        return {Section.STAGES}
 
     def add_external(self, job: str, path: str, *, line_format: str | None = None, fmt: str | None = None) -> set[str]:
         """A run this tool did not start, watched read-only: listed as a job of kind "external"."""
@@ -543,7 +572,7 @@ class ConsoleState:
             self.external_read_as[job] = fmt
         self.jobs[job] = _external_info(job, path, self.clock())
         self.job_details[job] = _external_detail(self, job)
-        return {"jobs"}
+        return {Section.JOBS}
 
     def is_external(self, job: str | None) -> bool:
         return bool(job) and (job in self.externals or str(job).startswith(EXTERNAL_PREFIX))
@@ -640,7 +669,7 @@ def _offsets(message: dict[str, Any], what: str) -> tuple[int | None, int | None
 
 def _on_hello(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     state.hello = parse(HelloInfo, message, LIMITS, "hello")
-    return {"hello", "gpus"}
+    return {Section.HELLO, Section.GPUS}
 
 
 def _on_gpus(state: ConsoleState, message: dict[str, Any]) -> set[str]:
@@ -650,7 +679,7 @@ def _on_gpus(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     state.gpus = _parse_items(state, GpuSample, message.get("gpus"), "gpus", GPUS_MAX)
     if isinstance(driver, dict):
         state.driver = check_fields(driver, {"available": (bool, OPTIONAL), "message": (str, OPTIONAL)}, "gpus.driver", LIMITS)
-    return {"gpus"}
+    return {Section.GPUS}
 
 
 RANK_FIELDS = {k: (int, OPTIONAL) for k in ("rank", "local_rank", "node_rank", "step", "pid")} | {
@@ -683,7 +712,7 @@ def _on_jobs(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     state.jobs = {j.name: j for j in sorted([*jobs, *watched.values()], key=lambda j: j.started_at)}
     state.job_details = details
     state.job_details.update({name: _external_detail(state, name) for name in state.externals})
-    return {"jobs"}
+    return {Section.JOBS}
 
 
 def _external_detail(state: ConsoleState, job: str) -> str:
@@ -717,18 +746,18 @@ def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
             return set()  # already folded in through metrics_history
         if isinstance(start, int) and start != metrics.offset:
             metrics.needs_catchup = True  # a hole or an overlap: re-read from our offset instead
-            return {"metrics_gap"}
+            return {Section.METRICS_GAP}
     elif metrics.offset and isinstance(start, int) and start != metrics.offset:
         # Records from live events only (no history loaded yet), and this event does not follow them: e.g. a new agent
         # after a reconnect streams from the file's end. Appending would show a hole as if it were the curve; load instead.
         metrics.needs_catchup = True
-        return {"metrics_gap"}
+        return {Section.METRICS_GAP}
     for record in records:
         if isinstance(record, dict):
             metrics.add(record)
     if isinstance(end, int):
         metrics.offset = end
-    return {"metrics"}
+    return {Section.METRICS}
 
 
 def _acc_row(acc: list[Any]) -> list[float]:
@@ -739,7 +768,7 @@ def _acc_row(acc: list[Any]) -> list[float]:
 def _on_index_progress(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     progress = _progress(message, "index_progress")
     state.event_metrics(message.get("job"), "index_progress.job").progress = progress
-    return {"metrics_progress"}
+    return {Section.METRICS_PROGRESS}
 
 
 def _on_stages(state: ConsoleState, message: dict[str, Any]) -> set[str]:
@@ -763,15 +792,15 @@ def _on_stages(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     if isinstance(start, int) and start > state.stages_offset.get(job, 0):
         # Lines before this event's were never received (a new agent after a reconnect follows the file from its end,
         # or this console attached late): the offset stays put, so every event says so until stages_history fills it.
-        return {"stages", "stages_gap"}
+        return {Section.STAGES, Section.STAGES_GAP}
     if isinstance(end, int):
         state.stages_offset[job] = max(state.stages_offset.get(job, 0), end)
-    return {"stages"}
+    return {Section.STAGES}
 
 
 def _on_disk(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     state.disks = _parse_items(state, DiskUsage, message.get("disks"), "disks", DISKS_MAX)
-    return {"disks"}
+    return {Section.DISKS}
 
 
 def _on_log(state: ConsoleState, message: dict[str, Any]) -> set[str]:
@@ -782,7 +811,7 @@ def _on_log(state: ConsoleState, message: dict[str, Any]) -> set[str]:
         raise InvalidMessage(f"log.stream: {cut_text(str(stream), 40)!r} is not one of stdout, stderr")
     lines = _expect(message.get("lines") or [], list, "log.lines")
     state.log(cut_text(job, STRING_CAP), stream).extend(lines)
-    return {"logs"}
+    return {Section.LOGS}
 
 
 _HANDLERS: dict[str, Callable[[ConsoleState, dict[str, Any]], set[str]]] = {

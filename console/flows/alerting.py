@@ -9,6 +9,7 @@ from console.alerts import ENDED_STATES, AlertMemory, new_alerts
 from console.client import AgentError
 from console.flows.base import FlowHost
 from console.session import HostSession, Severity
+from console.state import Section
 
 EXIT_REASON_LINES = 20  # stderr lines read back from a job that exited non-zero; the last non-empty one is its reason
 EXIT_REASON_CHARS = 200
@@ -27,7 +28,7 @@ class Alerting:
 
     def check(self, sections: set[str], session: HostSession) -> None:
         """Called with each state change of a host: each alert is raised once (a toast); with --notify also on the terminal."""
-        if "jobs" in sections:
+        if Section.JOBS in sections:
             self._fetch_exit_reasons(session)
         where = f" on {session.name}" if self.app.multi_host else ""
         memory, alerts = new_alerts(self._memory.get(session.name, AlertMemory()), session.state, sections, where)
@@ -73,7 +74,7 @@ class Alerting:
         where = f" on {session.name}" if self.app.multi_host else ""
         code = f" {job.exit_code}" if job is not None else ""
         self.app.note(f"{name}{where} exited{code}: {visible(lines[-1][:EXIT_REASON_CHARS])}", severity="error")
-        session.changed({"jobs"})
+        session.changed({Section.JOBS})
 
 
 def terminal_notification(text: str) -> str:

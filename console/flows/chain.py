@@ -25,6 +25,7 @@ from console.flows.stop import StopFlow
 from console.screens.chain import CHAIN_STAGES
 from console.screens.modals import StopAndBenchModal, bench_plan_text, training_phases
 from console.session import HostSession
+from console.state import Section
 
 
 class ChainFlow:
@@ -95,7 +96,7 @@ class ChainFlow:
                 app.note(f"results of {train_job}: {exc}", severity="warning")
             return
         app.state.results[train_job] = [r for r in result.get("results") or [] if isinstance(r, dict)]
-        app.state_changed({"results"})
+        app.state_changed({Section.RESULTS})
 
     async def run(self) -> None:
         """Every request goes to the host the job was selected on when b was pressed (node 0's for a multi-node job), even
@@ -185,4 +186,4 @@ class ChainFlow:
         self.chain_job = name
         app.note(started_note(name, result, argv))
         app.switch_mode("chain")
-        app.state_changed({"chain"})
+        app.state_changed({Section.CHAIN})

@@ -11,6 +11,7 @@ from backend.commands import option_value
 from backend.protocol import Request
 from console.client import AgentError
 from console.flows.base import FlowHost
+from console.state import Section
 
 SIGNALS_INTERVAL_S = 5.0  # at most one `signals` request per job this often (the host computes them on request)
 DATA_SCALING_EVERY_S = 60.0
@@ -75,7 +76,7 @@ class SignalsFeed:
             return
         app.state.signals[job] = result
         app.state.signals_at[job] = app.state.clock()
-        app.state_changed({"signals"})
+        app.state_changed({Section.SIGNALS})
 
     async def _fetch_data_scaling(self, job: str) -> None:
         """Measured from the run's --data dir; else estimated from the profile's shapes (the agent says which)."""
@@ -83,7 +84,7 @@ class SignalsFeed:
         info = state.jobs.get(job)
         if state.is_external(job):  # neither its data dir nor its shapes are known: the console's profile is not its
             state.data_scaling[job] = {"error": f"{job} is a watched run: its data dir and sample shapes are not known here"}
-            app.state_changed({"data_scaling"})
+            app.state_changed({Section.DATA_SCALING})
             return
         data_dir = option_value(info.argv, "--data") if info and info.argv else None
         params: dict[str, Any] = {"data_dir": data_dir} if data_dir else {}
@@ -91,7 +92,7 @@ class SignalsFeed:
             facts = app.profile_facts(app.profile_of(job), self._run_dir_of(job))
             if facts.error:
                 state.data_scaling[job] = {"error": f"{job} has no --data dir and its profile cannot be read here: {facts.error}"}
-                app.state_changed({"data_scaling"})
+                app.state_changed({Section.DATA_SCALING})
                 return
             params = {"data_dir": facts.data_dir, "shape": facts.shape}
         try:
@@ -101,7 +102,7 @@ class SignalsFeed:
                 return
             result = {"error": exc.message}
         app.state.data_scaling[job] = result
-        app.state_changed({"data_scaling"})
+        app.state_changed({Section.DATA_SCALING})
 
     def _run_dir_of(self, job: str) -> str | None:
         """The run dir `job` ran under: its --run-dir, else its host's (hello.run_dir); None when neither is known."""

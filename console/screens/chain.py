@@ -15,6 +15,7 @@ from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 from backend.safetext import visible
 from console.format import accept_length, duration, inert, inert_text, number, plain_cell
+from console.state import Section
 
 # The chain's stages in order (backend/chain/run.py STAGES; the console may not import it).
 CHAIN_STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
@@ -285,10 +286,10 @@ class ChainScreen(ConsoleScreen):
         self.console.attach_chain(self.console.current_chain_job())
 
     def _tick(self) -> None:
-        self.show_state({"tick"})
+        self.show_state({Section.TICK})
 
     def draw(self, changed: set[str] | None) -> None:
-        if not touches(changed, "stages", "jobs", "selection", "results", "tick", "chain"):
+        if not touches(changed, Section.STAGES, Section.JOBS, Section.SELECTION, Section.RESULTS, Section.TICK, Section.CHAIN):
             return
         console = self.console
         job = console.current_chain_job()
@@ -302,9 +303,9 @@ class ChainScreen(ConsoleScreen):
             self._ticker.pause()
         self.query_one("#chain-title", Static).update(self._title(job, info, train_job, records))
         self._draw_stages(records)
-        if touches(changed, "stages", "jobs", "selection", "chain"):
+        if touches(changed, Section.STAGES, Section.JOBS, Section.SELECTION, Section.CHAIN):
             self.query_one("#chain-result", Static).update(result_panel_text(records) if job else Text(""))
-        if touches(changed, "results", "jobs", "selection", "chain", "stages"):
+        if touches(changed, Section.RESULTS, Section.JOBS, Section.SELECTION, Section.CHAIN, Section.STAGES):
             self._draw_results(train_job, chain_outcome(records).get("saved_to"))
 
     def _title(self, job: str | None, info, train_job: str | None, records: list[dict[str, Any]]) -> Text:

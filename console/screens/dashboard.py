@@ -17,6 +17,7 @@ from textual import events
 from console.nodes import JOB_COLUMNS
 from console.widgets.hosts import NARROW_JOB_COLUMNS, NARROW_WIDTH, ROW_KEY_SEP, job_table_rows, nodes_text, row_key
 from console.widgets.panels import ActionLog, DiskPanel, LatestMetrics
+from console.state import Section
 
 
 class DashboardScreen(ConsoleScreen):
@@ -100,16 +101,16 @@ class DashboardScreen(ConsoleScreen):
 
     def draw(self, changed: set[str] | None) -> None:
         state = self.console.state
-        if touches(changed, "gpus", "holders", "hello", "jobs"):
+        if touches(changed, Section.GPUS, Section.HOLDERS, Section.HELLO, Section.JOBS):
             self.query_one(GpuPanel).show_state(state, self.console.holders_expanded)
-        if touches(changed, "jobs", "metrics", "selection", "connection", "hosts"):
+        if touches(changed, Section.JOBS, Section.METRICS, Section.SELECTION, Section.CONNECTION, Section.HOSTS):
             self._draw_jobs()
-        if touches(changed, "metrics", "jobs", "selection", "hosts"):
+        if touches(changed, Section.METRICS, Section.JOBS, Section.SELECTION, Section.HOSTS):
             self.query_one(LatestMetrics).show_state(state, self.console.selected_job)
             self._draw_nodes()
-        if touches(changed, "disks"):
+        if touches(changed, Section.DISKS):
             self.query_one(DiskPanel).show_state(state)
-        if touches(changed, "actions"):
+        if touches(changed, Section.ACTIONS):
             self.query_one(ActionLog).show_state(state)
 
     def _draw_nodes(self) -> None:

@@ -9,7 +9,7 @@ from textual.widgets import Footer, Header, Static
 
 from console.screens.base import no_job_text, touches
 from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
-from console.state import JobMetrics
+from console.state import JobMetrics, Section
 from console.widgets.banner import ConnectionBanner
 from console.plotting import CurveOptions
 from console.widgets.curve_plot import CurvePlot
@@ -82,20 +82,20 @@ class GrokkingScreen(ZoomableScreen):
         state = console.state
         metrics = state.metrics.get(job) if job else None
         signals = state.signals.get(job) if job else None
-        if touches(changed, "selection"):
+        if touches(changed, Section.SELECTION):
             self.view = None
-        if touches(changed, "metrics", "selection", "jobs", "signals", "data_scaling", "metrics_progress", "options"):
+        if touches(changed, Section.METRICS, Section.SELECTION, Section.JOBS, Section.SIGNALS, Section.DATA_SCALING, Section.METRICS_PROGRESS, Section.OPTIONS):
             self.query_one("#grok-title", Static).update(self._title(job, metrics, signals))
-        if touches(changed, "metrics", "selection", "jobs", "options"):
+        if touches(changed, Section.METRICS, Section.SELECTION, Section.JOBS, Section.OPTIONS):
             self._draw_plots(metrics)
-        if touches(changed, "signals", "selection", "jobs"):
+        if touches(changed, Section.SIGNALS, Section.SELECTION, Section.JOBS):
             self.query_one("#grok-alerts", Static).update(alerts_text(signals))
             self.query_one("#grok-signals", Static).update(signals_text(signals))
             self.query_one("#grok-norms", Static).update(norms_text(signals, watched=state.is_external(job)))
-        if touches(changed, "signals", "selection", "jobs", "metrics"):  # metrics: the latest raw train values
+        if touches(changed, Section.SIGNALS, Section.SELECTION, Section.JOBS, Section.METRICS):  # metrics: the latest raw train values
             latest_train = metrics.latest_train if metrics else None
             self.query_one("#grok-acceptance", Static).update(acceptance_text(signals, latest_train))
-        if touches(changed, "data_scaling", "selection", "jobs"):
+        if touches(changed, Section.DATA_SCALING, Section.SELECTION, Section.JOBS):
             report = state.data_scaling.get(job) if job else None
             self.query_one("#grok-data", Static).update(data_scaling_text(report, console.profile_of(job) if job else None))
 

@@ -13,6 +13,7 @@ from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 from console.widgets.hosts import HOST_COLUMNS, host_cells, nodes_text
 from console.widgets.panels import ConsoleFooter
+from console.state import Section
 
 
 class HostsScreen(ConsoleScreen):
@@ -35,7 +36,7 @@ class HostsScreen(ConsoleScreen):
         self.show_state(None)
 
     def draw(self, changed: set[str] | None) -> None:
-        if touches(changed, "hosts", "connection", "gpus", "holders", "jobs", "disks", "hello", "selection"):
+        if touches(changed, Section.HOSTS, Section.CONNECTION, Section.GPUS, Section.HOLDERS, Section.JOBS, Section.DISKS, Section.HELLO, Section.SELECTION):
             table = self.query_one("#hosts", DataTable)
             table.clear()
             for session in self.console.sessions:

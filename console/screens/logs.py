@@ -13,6 +13,7 @@ from console.screens.base import ConsoleScreen, no_job_text, touches
 from console.widgets.banner import ConnectionBanner
 from console.widgets.panels import ConsoleFooter
 from console.session import LOG_TAIL_LINES, STREAMS
+from console.state import Section
 
 AGENT_LINES = 4
 TAIL_LINES = LOG_TAIL_LINES  # what the session asks the agent for: a tail this long may be cut
@@ -70,7 +71,7 @@ class LogsScreen(ConsoleScreen):
 
     def action_switch_stream(self) -> None:
         self.console.set_log_stream("stderr" if self.console.log_stream == "stdout" else "stdout")
-        self.show_state({"options"})
+        self.show_state({Section.OPTIONS})
 
     def watch_follow(self, follow: bool) -> None:
         for stream in STREAMS:
@@ -78,14 +79,14 @@ class LogsScreen(ConsoleScreen):
             log.auto_scroll = follow
             if follow:
                 log.scroll_end(animate=False)
-        self.show_state({"options"})
+        self.show_state({Section.OPTIONS})
 
     def draw(self, changed: set[str] | None) -> None:
-        if touches(changed, "agent_stderr"):
+        if touches(changed, Section.AGENT_STDERR):
             lines = list(self.console.state.agent_stderr)[-AGENT_LINES:]
             shown = "\n".join(visible(line) for line in lines)
             self.query_one("#agent-stderr", Static).update(Text(shown if lines else "(nothing)", style="dim"))
-        if not touches(changed, "logs", "selection", "options", "jobs"):
+        if not touches(changed, Section.LOGS, Section.SELECTION, Section.OPTIONS, Section.JOBS):
             return
         job = self.console.selected_job
         state = self.console.state

@@ -14,7 +14,7 @@ from textual.widgets import DataTable, Footer, Header, Static
 
 from console.screens.base import no_job_text, touches
 from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
-from console.state import JobMetrics, Series
+from console.state import JobMetrics, Section, Series
 from console.widgets.banner import ConnectionBanner
 from console.plotting import CurveOptions, SeriesSpec
 from console.widgets.curve_plot import CurvePlot
@@ -88,7 +88,7 @@ class TrainingScreen(ZoomableScreen):
             self.overlay = next_overlay(candidates, self.overlay)
         if self.overlay:
             self.console.ensure_summary(self.overlay, log_x=self.log_step)
-        self.show_state({"options"})
+        self.show_state({Section.OPTIONS})
 
     def watch_log_step(self) -> None:
         if self.log_step:
@@ -99,10 +99,10 @@ class TrainingScreen(ZoomableScreen):
         return self.log_step
 
     def watch_log_y(self) -> None:
-        self.show_state({"options"})
+        self.show_state({Section.OPTIONS})
 
     def watch_smooth(self) -> None:
-        self.show_state({"options"})
+        self.show_state({Section.OPTIONS})
 
     def options(self) -> CurveOptions:
         return CurveOptions(log_x=self.log_step, log_y=self.log_y, ema_weight=EMA_WEIGHT if self.smooth else 0.0)
@@ -114,13 +114,13 @@ class TrainingScreen(ZoomableScreen):
         return self.overlay
 
     def draw(self, changed: set[str] | None) -> None:
-        if touches(changed, "metrics_progress") and not touches(changed, "metrics", "selection", "options", "jobs"):
+        if touches(changed, Section.METRICS_PROGRESS) and not touches(changed, Section.METRICS, Section.SELECTION, Section.OPTIONS, Section.JOBS):
             job = self.console.selected_job
             self.query_one("#training-title", Static).update(self._title(job, self.console.state.metrics.get(job) if job else None))
             return
-        if not touches(changed, "metrics", "selection", "options", "jobs"):
+        if not touches(changed, Section.METRICS, Section.SELECTION, Section.OPTIONS, Section.JOBS):
             return
-        if touches(changed, "selection"):
+        if touches(changed, Section.SELECTION):
             self.view = None
         job = self.console.selected_job
         metrics = self.console.state.metrics.get(job) if job else None

@@ -6,6 +6,7 @@ from textual.binding import Binding, BindingType
 
 from console.screens.base import ConsoleScreen
 from console.zoom import StepView, followed, panned, run_span, view_label, zoomed
+from console.state import Section
 
 ZOOM_GROUP = Binding.Group("Zoom/pan", compact=True)
 ZOOM_BINDINGS: list[BindingType] = [
@@ -41,7 +42,7 @@ class ZoomableScreen(ConsoleScreen):
         job = self.console.selected_job
         if view is not None and job:
             self.console.request_zoom(job, view.lo, view.hi, self.plot_width(), self.view_is_log())
-        self.show_state({"options"})
+        self.show_state({Section.OPTIONS})
 
     def follow_run(self) -> None:
         """New data moved the end of the run: a following view moves with it."""
