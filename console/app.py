@@ -36,7 +36,7 @@ from console.flows.signals import SIGNALS_INTERVAL_S, SignalsFeed
 from console.flows.start import StartFlow
 from console.flows.stop import StopFlow
 from console.flows.watch import AdoptFlow, WatchFlow
-from console.screens.base import ConsoleScreen
+from console.screens.base import ConsoleScreen, ConsoleView
 from console.screens.chain import ChainScreen
 from console.screens.dashboard import DashboardScreen
 from console.screens.help import HelpModal, keys_text
@@ -669,6 +669,9 @@ class ConsoleApp(App):
         error = event.worker.error
         if error is not None and not event.worker.group.startswith("agent"):
             self.note(f"{event.worker.name or event.worker.group} failed: {error_text(error)}", severity="error")
+
+
+_SCREENS_VIEW: type[ConsoleView] = ConsoleApp  # mypy checks here that the app is the ConsoleView its screens are typed against
 
 
 def error_text(error: BaseException) -> str:

@@ -16,6 +16,7 @@ from backend.protocol import Request
 from console.actions import ACTIONS, MULTI_HOST_ACTIONS
 from console.app import build_app
 from console.session import LOG_TAIL_LINES
+from console.screens.base import ConsoleView
 from console.screens.dashboard import DashboardScreen
 from console.screens.logs import TAIL_LINES, LogsScreen, lines_label
 from console.screens.modals import AdoptModal, ResumeModal, StopModal, checkpoint_line, pids_phrase, stop_plan_text, training_phases
@@ -52,6 +53,10 @@ def banner_text(app) -> str:
 
 
 # -- frozen data, no host ------------------------------------------------------------------------
+
+
+def test_the_app_has_every_member_of_the_view_its_screens_are_typed_against():
+    assert isinstance(frozen_app(), ConsoleView)
 
 
 async def test_keys_switch_screens_and_toggle_the_plot_options():

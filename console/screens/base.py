@@ -1,15 +1,59 @@
-"""What every main screen shares: the connection banner, and redrawing from the app's state when shown."""
+"""What every main screen shares: the connection banner, redrawing from the app's state when shown, and the protocol of
+what a screen may use of the app (ConsoleView), so that no screen imports the app."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol, cast, runtime_checkable
 
 from textual.screen import Screen
 
+from console.nodes import Node
+from console.session import HostSession, Severity
+from console.state import ConsoleState
 from console.widgets.banner import ConnectionBanner
 
-if TYPE_CHECKING:
-    from console.app import ConsoleApp
+
+@runtime_checkable
+class ConsoleView(Protocol):
+    """The console app as its screens see it: the hosts and the selection, what to load, and the keys' effects."""
+
+    sessions: list[HostSession]
+    active: HostSession
+    selected_job: str | None
+    holders_expanded: bool
+
+    @property
+    def state(self) -> ConsoleState: ...
+
+    @property
+    def multi_host(self) -> bool: ...
+
+    @property
+    def log_stream(self) -> str: ...
+
+    def job_rows(self) -> list[tuple[HostSession, str]]: ...
+
+    def nodes_of(self, name: str | None) -> list[Node]: ...
+
+    def select_job(self, name: str | None, host: str | None = None) -> None: ...
+
+    def select_host(self, host: str) -> None: ...
+
+    def set_log_stream(self, stream: str) -> None: ...
+
+    def ensure_summary(self, name: str | None, *, log_x: bool) -> None: ...
+
+    def request_zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None: ...
+
+    def profile_of(self, job: str | None, host: HostSession | None = None) -> str: ...
+
+    def grokking_shown(self, force: bool = False) -> None: ...
+
+    def current_chain_job(self) -> str | None: ...
+
+    def attach_chain(self, chain: str | None) -> None: ...
+
+    def note(self, text: str, *, severity: Severity = "information") -> None: ...
 
 
 class ConsoleScreen(Screen):
@@ -18,8 +62,8 @@ class ConsoleScreen(Screen):
     MODE = ""  # the app mode that shows this screen
 
     @property
-    def console(self) -> "ConsoleApp":
-        return self.app  # type: ignore[return-value]
+    def console(self) -> ConsoleView:
+        return cast(ConsoleView, self.app)
 
     def on_screen_resume(self) -> None:
         self.show_state(None)
@@ -38,7 +82,7 @@ class ConsoleScreen(Screen):
         raise NotImplementedError
 
 
-def no_job_text(console: "ConsoleApp") -> str:
+def no_job_text(console: ConsoleView) -> str:
     """What to press when no job is selected: n when the host has none yet, ] or [ when it has some."""
     if not console.state.jobs:
         return "no jobs yet: n starts a training run, w watches a run, a adopts a running process"
