@@ -121,7 +121,7 @@ def main() -> int:
     parser.add_argument("--profile", default="smollm2-135m")
     parser.add_argument("--data", type=Path, required=True, help="a `data prepare` dir (or any chat file the trainer reads)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, help="default: the profile's train.batch_size")
     parser.add_argument("--attn-backend", choices=["eager", "sdpa", "flex"])
     parser.add_argument("--seq-len", type=int, help="override the profile's train.seq_len")
     parser.add_argument("--steps", type=int, default=300)
@@ -132,6 +132,7 @@ def main() -> int:
     from backend.profiles import load_profile
 
     profile = load_profile(args.profile)
+    args.batch_size = args.batch_size or profile.train.batch_size
     if args.seq_len:
         profile = profile.model_copy(update={"train": profile.train.model_copy(update={"seq_len": args.seq_len})})
     setup_start = time.perf_counter()

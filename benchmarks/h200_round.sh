@@ -32,7 +32,7 @@ PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580}
 TRAIN_S=${TRAIN_S:-120} SF_S=${SF_S:-120} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa}
 OURS_STEPS=${OURS_STEPS:-$((TRAIN_S * 8))} # the cosine's length: ~0.12 s a step at 4 x 1,024 (sdpa); SIGTERM at TRAIN_S if slower
 EVAL_INTERVAL=${EVAL_INTERVAL:-200} VAL_BATCHES=${VAL_BATCHES:-16} SF_VAL=${SF_VAL:-64}
-REGEN_LIMIT=${REGEN_LIMIT:-608} REGEN_VAL=${REGEN_VAL:-32} REGEN_BATCH=${REGEN_BATCH:-256} REGEN_NEW=${REGEN_NEW:-160}
+REGEN_LIMIT=${REGEN_LIMIT:-512} REGEN_VAL=${REGEN_VAL:-32} REGEN_BATCH=${REGEN_BATCH:-256} REGEN_NEW=${REGEN_NEW:-160}
 REGEN_PROMPT=${REGEN_PROMPT:-384} REGEN_S=${REGEN_S:-130} COLD_MIB=${COLD_MIB:-1024} COLD_S=${COLD_S:-150}
 # serve phase
 NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
@@ -42,7 +42,7 @@ REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30}
 #      PEER_SPECFORGE_VENV=/tmp/h200-build/peer-venv TRAIN_S=5 SF_S=5 OURS_STEPS=4 EVAL_INTERVAL=2 VAL_BATCHES=1 SF_VAL=1
 #      REGEN_LIMIT=3 REGEN_VAL=1 REGEN_BATCH=4 REGEN_NEW=4 REGEN_PROMPT=64 REGEN_S=400 COLD_MIB=8 NUM_PROMPTS=1 MAX_NEW=4
 #      PROMPT_TOKENS=32 CHAIN_PROMPTS=1 CHAIN_NEW=4 BENCH_PROMPTS=1 BENCH_NEW=4 REAL_STEPS=1 REAL_WARMUP=1
-#      PHASE_S=3000 HARD_S=3600   (the CPU profile: seq_len 64, batch 1, float32, written to $DEV/profile.toml)
+#      PHASE_S=3000 HARD_S=3600   (the CPU profile: seq_len 128, batch 1, float32, written to $DEV/profile.toml)
 
 START=$(date +%s)
 mkdir -p "$OUT" "$DEV"
@@ -142,13 +142,13 @@ EOF
     export H200_GUARD_ALSO=${H200_GUARD_ALSO:-httpx2 httpcore2 truststore}
 }
 
-use_profile() { # PROFILE: the shipped smollm2-135m on CUDA; on CPU a copy with CPU sizes (seq_len 64, batch 1, float32)
+use_profile() { # PROFILE: the shipped smollm2-135m on CUDA; on CPU a copy with CPU sizes (seq_len 128, batch 1, float32)
     if [ "$DEVICE" != cpu ]; then
         PROFILE=${PROFILE:-smollm2-135m}
         return
     fi
     PROFILE=${PROFILE:-$DEV/profile.toml}
-    [ -f "$PROFILE" ] || sed -e 's/^name = "smollm2-135m"/name = "smollm2-135m-cpu"/' -e 's/^seq_len = 1024/seq_len = 64/' \
+    [ -f "$PROFILE" ] || sed -e 's/^name = "smollm2-135m"/name = "smollm2-135m-cpu"/' -e 's/^seq_len = 1024/seq_len = 128/' \
         -e 's/^batch_size = 4/batch_size = 1/' -e 's/"bfloat16"/"float32"/' -e 's/^engine = "sglang"/engine = "reference"/' \
         -e 's/^warmup_steps = 50/warmup_steps = 1/' profiles/smollm2-135m.toml >"$PROFILE"
 }
@@ -184,14 +184,13 @@ if phase == "carry1":
     summary["imports"] = read("imports.json")
 if phase == "train":
     metrics = records("ours/metrics.jsonl")
-    train = [m for m in metrics if m.get("split") == "train"]
     regen = read("regen/regenerate.json")
     if isinstance(regen, dict):
         regen.pop("target", None)
     summary.update(
         nproc=read("nproc"),
         regenerate_meta=regen,
-        ours={**(read("ours_timing.json") or {}), "steps": train[-1]["step"] if train else 0,
+        ours={**(read("ours_timing.json") or {}), "last_step": max((m.get("step", 0) for m in metrics), default=0),
               "val": [m for m in metrics if m.get("split") == "val"]},
         specforge_result=read("sf/result.json"),
         cold_index=read("cold_index.json"),
