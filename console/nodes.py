@@ -1,5 +1,4 @@
-"""A job across hosts: the nodes of a multi-node job (one per host, the same run id), what is wrong with them, and a jobs
-table row (a host column, a multi-node job folded into one row)."""
+"""A job across hosts: the nodes of a multi-node job, what is wrong with them, and the jobs table's row model."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""The console's multi-step actions, each a class that holds the app through a narrow protocol: stop, stop & bench, grok, resume, watch and adopt, start, multi-node; and the composed parts that ask the host on a schedule."""
+"""The console's multi-step actions, one class per key, each holding the app through a narrow protocol (base.py)."""

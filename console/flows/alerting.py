@@ -1,5 +1,6 @@
-"""Alerts shown: each host's state changes through console/alerts.py, each alert a toast (with --notify also the
-terminal's bell and desktop notification); and the reason of each job that exited non-zero, asked of its host once."""
+"""Alerts shown: each host's state changes through console/alerts.py to toasts (with --notify the terminal), and exit reasons.
+
+The reason of each job that exited non-zero (its last stderr line) is asked of its host once."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Stop & bench: stop training with a checkpoint, serve it, canary, benchmark, as one chain job on the host (key b); and
-following that chain: its stages, the saved results it adds to, the checkpoint it picked."""
+"""Stop & bench (key b): stop training with a checkpoint, serve it, canary, benchmark; and follow that chain job.
+
+Following it: its stages, the saved results it adds to, the checkpoint it picked (offered for resume)."""
 
 from __future__ import annotations
 

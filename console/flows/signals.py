@@ -1,5 +1,4 @@
-"""The Grokking screen's numbers the host computes on request: the grokking signals of the selected job (throttled) and
-its data scaling (now and then), folded into the active host's state."""
+"""The Grokking screen's host-computed numbers: the selected job's signals (throttled) and its data scaling."""
 
 from __future__ import annotations
 

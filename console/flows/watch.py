@@ -1,5 +1,4 @@
-"""Watch and adopt: bring a run or a process this console did not start under its eye, a watched run read-only (key w),
-an adopted process as a job it may stop (key a)."""
+"""Watch (key w) a run this console did not start, read-only; adopt (key a) a process as a job it may stop."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What every main screen shares: the connection banner, redrawing from the app's state when shown, and the protocol of
-what a screen may use of the app (ConsoleView), so that no screen imports the app."""
+"""What every main screen shares: the banner, redrawing when shown, and ConsoleView, what a screen may use of the app."""
 
 from __future__ import annotations
 
