@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence, TypeGuard
 
+# The EMA factors of the train and the val curves wherever they are smoothed: the host's grokking signals, the Grokking
+# screen's curves, the Training screen's EMA key. Train records come per log interval; val points are sparse.
+TRAIN_EMA_BETA = 0.9
+VAL_EMA_BETA = 0.3
+
 
 def is_finite(value: Any) -> TypeGuard[float]:
     """A real number (bool excluded) that is neither NaN nor infinite."""

@@ -9,6 +9,7 @@ from typing import Any, Callable, Protocol, cast
 from textual.binding import Binding, BindingType
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
+from backend.smoothing import TRAIN_EMA_BETA
 from console.client import AgentClient
 from console.session import HostSession
 from console.state import ConsoleState
@@ -105,7 +106,7 @@ ACTIONS = [
     ConsoleAction("toggle_workers", "h", "Workers", "Dashboard: show / hide each job's helper processes under its GPU holder row", screen="dashboard"),
     ConsoleAction("toggle_log_step", "x", "Log step", "Training: step axis log10 on/off", screen="training"),
     ConsoleAction("toggle_log_y", "y", "Log y", "Training: loss and LR on a log10 axis on/off", screen="training"),
-    ConsoleAction("toggle_ema", "e", "EMA", "Training: EMA smoothing (0.9) on/off", screen="training"),
+    ConsoleAction("toggle_ema", "e", "EMA", f"Training: EMA smoothing ({TRAIN_EMA_BETA}) on/off", screen="training"),
     ConsoleAction("next_overlay", "o", "Overlay", "Training: draw another training job or watched run on the same axes (cycles, then off)", screen="training"),
     ConsoleAction("toggle_follow", "f", "Follow", "Logs: scroll to new lines on/off", screen="logs"),
     ConsoleAction("switch_stream", "o", "Live stream", "Logs: follow stdout or stderr live", screen="logs"),

@@ -1,5 +1,6 @@
-"""Alerts as a pure function of what one host's alerts saw before and its state now: job exits, ranks not reporting, a red
-canary, grokking onset, a disk running low. No Textual: the app shows what this returns (a toast; with --notify the terminal)."""
+"""Alerts as a pure function: what one host's alerts saw before and its state now in, the alerts to raise out.
+
+Job exits, ranks not reporting, a red canary, grokking onset, a low disk. No Textual: flows/alerting.py shows them."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from console.session import Severity
-from console.state import ConsoleState, Section
+from console.state import ConsoleState, Section, disk_low, used_share
 
 ENDED_STATES = ("exited", "stopped", "stale", "unknown")
-DISK_LOW_SHARE = 0.9  # used share at which the Dashboard draws a disk red: the "disk runs low" alert
 
 
 @dataclass(frozen=True)
@@ -103,13 +103,11 @@ def _onsets(state: ConsoleState, where: str, raised: set[tuple[Any, ...]]) -> li
 def _low_disks(state: ConsoleState, where: str, raised: set[tuple[Any, ...]]) -> list[Alert]:
     alerts = []
     for disk in state.disks:
-        share = disk.used_bytes / disk.total_bytes if disk.total_bytes else 0.0
-        no_room = disk.checkpoint_bytes is not None and disk.free_bytes < disk.checkpoint_bytes
         key = ("disk", disk.path)
-        if not (share > DISK_LOW_SHARE or no_room):
+        if not disk_low(disk):
             raised.discard(key)  # recovered: alert again if it runs low again
         elif key not in raised:
             raised.add(key)
-            why = "less free than a checkpoint needs" if no_room else f"{share:.0%} used"
+            why = "less free than two checkpoints need" if disk.checkpoint_bytes else f"{used_share(disk):.0%} used"
             alerts.append(Alert(f"disk low{where}: {disk.label} {disk.path} ({why})", "error"))
     return alerts

@@ -33,7 +33,18 @@ def segmented_bar(parts: list[tuple[float, str]], total: float, width: int) -> T
     return text
 
 
+MIB = 2**20
+GIB = 2**30
+
+
+def figure(amount: float | None, unit: int, digits: int = 1, *, amount_unit: int = 1) -> str:
+    """`amount` bytes (or `amount_unit`s of them, MIB for GPU memory) as a bare number of `unit` ("12.3" for GIB), for a
+    "used/total GiB" pair or a sentence that names the unit once; "?" when unknown."""
+    return "?" if amount is None else f"{amount * amount_unit / unit:.{digits}f}"
+
+
 def mib(value: float | None) -> str:
+    """MiB (GPU memory as the host reports it) as "512 MiB", or in GiB from 1 GiB on."""
     if value is None:
         return "?"
     if value >= 1024:
@@ -42,6 +53,7 @@ def mib(value: float | None) -> str:
 
 
 def size_bytes(value: int | float | None) -> str:
+    """Bytes in the largest unit that keeps the number under 1024: "512 B", "1.5 GiB"."""
     if value is None:
         return "?"
     units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]

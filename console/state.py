@@ -54,6 +54,8 @@ NONFINITE_STEPS_KEPT = 1000
 VAL_ACC_ROWS_KEPT = 64
 SUMMARY_KEYS = ["train.loss", "val.loss", "val.acc.0", "lr", "grad_norm", "weight_norm", "weight_norm.*"]  # what the screens plot (metrics_series keys)
 EXTERNAL_PREFIX = "ext:"
+DISK_LOW_SHARE = 0.9  # a disk more than this full is low, when no checkpoint size says better (disk_low)
+CHECKPOINTS_OF_ROOM = 2  # a disk with room for fewer of the running jobs' checkpoints is low
 CONNECTED = "connected"
 CONNECTING = "connecting"
 RECONNECTING = "reconnecting"
@@ -357,18 +359,6 @@ class ConsoleState:
     def gpu_status_text(self) -> str:
         return str(self.driver.get("message") or (self.hello.nvml if self.hello else "") or "")
 
-    @property
-    def disk_warning(self) -> str | None:
-        """Red before a checkpoint fails: the run dir's disk has less than two of the running jobs' checkpoints free."""
-        for disk in self.disks:
-            need = disk.checkpoint_bytes
-            if need and disk.free_bytes < 2 * need:
-                return (
-                    f"disk nearly full: {disk.free_bytes / 2**30:.1f} GiB free on {disk.path}, a checkpoint needs "
-                    f"~{need / 2**30:.1f} GiB: the next save may fail (the previous checkpoint stays); free space now"
-                )
-        return None
-
     def job_metrics(self, name: str) -> JobMetrics:
         if name not in self.metrics:
             self.metrics[name] = JobMetrics()
@@ -595,6 +585,18 @@ class ConsoleState:
             for index in holder.gpu_indices:
                 totals[index] = totals.get(index, 0.0) + share
         return totals
+
+
+def used_share(disk: DiskUsage) -> float:
+    return disk.used_bytes / disk.total_bytes if disk.total_bytes else 0.0
+
+
+def disk_low(disk: DiskUsage) -> bool:
+    """The one rule of "the disk is low" (the banner, the alert, the Dashboard's disk bar): room for fewer than two of the
+    running jobs' checkpoints when their size is known (the next save may fail), else more than 90% used."""
+    if disk.checkpoint_bytes:
+        return disk.free_bytes < CHECKPOINTS_OF_ROOM * disk.checkpoint_bytes
+    return used_share(disk) > DISK_LOW_SHARE
 
 
 def _is_number(value: Any) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from console.state import ConsoleState, JobMetrics, Series, Summary
+from console.format import MIB, figure
 from console.plotting import SeriesSpec
 
 MIN_VIEW_STEPS = 16
@@ -114,7 +115,7 @@ def indexing_text(metrics) -> str:
         return ""
     done, total = progress.get("indexed_bytes") or 0, progress.get("file_bytes") or 0
     percent_done = f"{100 * done / total:.0f}%" if total else "?"
-    return f"indexing the history {percent_done} ({done / 2**20:.0f}/{total / 2**20:.0f} MiB), newest records shown meanwhile"
+    return f"indexing the history {percent_done} ({figure(done, MIB, 0)}/{figure(total, MIB, 0)} MiB), newest records shown meanwhile"
 
 
 def overlay_candidates(state: ConsoleState, selected: str | None) -> list[str]:

@@ -109,8 +109,8 @@ def test_a_low_disk_is_alerted_once_and_again_after_it_recovered():
     assert alerts == []
     memory, alerts = new_alerts(memory, with_disk(used=50, free=50), {"disks"})
     assert alerts == []
-    _, alerts = new_alerts(memory, with_disk(used=50, free=50, checkpoint=60), {"disks"})
-    assert texts(alerts) == ["disk low: run_dir /root/.eagle3 (less free than a checkpoint needs)"]
+    _, alerts = new_alerts(memory, with_disk(used=50, free=50, checkpoint=30), {"disks"})
+    assert texts(alerts) == ["disk low: run_dir /root/.eagle3 (less free than two checkpoints need)"]
 
 
 def test_the_memory_handed_in_is_not_changed():

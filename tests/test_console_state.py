@@ -1,6 +1,7 @@
 """The console state folds agent messages: jobs, GPUs, no-driver state, metrics with exact offsets, logs."""
 
-from console.state import CONNECTED, RECONNECTING, ConnectionStatus, ConsoleState
+from backend.protocol import DiskUsage
+from console.state import CONNECTED, RECONNECTING, ConnectionStatus, ConsoleState, disk_low
 
 JOB = {
     "name": "train-1",
@@ -198,15 +199,24 @@ def test_latest_metrics_panel_shows_the_trainers_own_speed_and_memory():
 
 
 def test_disk_warning_fires_below_two_checkpoints_of_free_space():
+    from console.widgets.banner import banner_text, disk_warning
+
     state = ConsoleState()
     disk = {"path": "/runs", "label": "run_dir", "total_bytes": 100 << 30, "used_bytes": 95 << 30, "free_bytes": 5 << 30}
     state.apply({"type": "disk", "disks": [{**disk, "checkpoint_bytes": 2 << 30}]})
-    assert state.disk_warning is None
+    assert disk_warning(state) is None
     state.apply({"type": "disk", "disks": [{**disk, "checkpoint_bytes": 3 << 30}]})
-    assert state.disk_warning.startswith("disk nearly full: 5.0 GiB free on /runs, a checkpoint needs ~3.0 GiB")
-    from console.widgets.banner import banner_text
-
+    assert disk_warning(state).startswith("disk nearly full: 5.0 GiB free on /runs, a checkpoint needs ~3.0 GiB")
     assert "DISK  disk nearly full" in str(banner_text(state))
+
+
+def test_one_rule_says_a_disk_is_low_two_checkpoints_of_room_when_known_else_90_percent_used():
+    def disk(used: int, checkpoint: int | None = None) -> DiskUsage:
+        return DiskUsage(path="/runs", label="run_dir", total_bytes=100, used_bytes=used, free_bytes=100 - used, checkpoint_bytes=checkpoint)
+
+    assert disk_low(disk(91)) and not disk_low(disk(90))
+    assert not disk_low(disk(95, checkpoint=2))  # room for two more saves: not low, however full
+    assert disk_low(disk(50, checkpoint=30))  # 50 free, two checkpoints need 60
 
 
 def test_banner_after_giving_up_does_not_promise_a_reconnect():

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
 from backend.metrics.records import series
-from backend.smoothing import debiased_ema, is_finite
+from backend.smoothing import TRAIN_EMA_BETA, VAL_EMA_BETA, debiased_ema, is_finite
 
 LR_FLOOR_WARNING = "a cosine run that decayed to ~0 LR cannot grok; resume with a constant LR"
 
@@ -236,8 +236,8 @@ def lr_floor(steps: Sequence[int], lrs: Sequence[float], *, window: int = 5, flo
 class GrokConfig:
     """Thresholds of the heuristics (defaults from grokking notes §3.9; all are judgement calls)."""
 
-    train_beta: float = 0.9  # EMA factor for train points (records are per log interval, not per step)
-    val_beta: float = 0.3  # small for sparse val points
+    train_beta: float = TRAIN_EMA_BETA  # EMA factor for train points (records are per log interval, not per step)
+    val_beta: float = VAL_EMA_BETA  # small for sparse val points
     z_threshold: float = 3.0  # |z| of the val slope that counts as significant
     fit_acc: float = 0.99  # memorized: train acc[0] EMA at least this ...
     fit_loss: float = 0.05  # ... or train loss EMA at most this

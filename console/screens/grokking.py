@@ -7,6 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Header, Static
 
+from backend.smoothing import TRAIN_EMA_BETA, VAL_EMA_BETA
 from console.screens.base import no_job_text, touches
 from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
 from console.state import JobMetrics, Section
@@ -17,8 +18,6 @@ from console.format import clock_time, inert_text
 from console.widgets.grok_panels import acceptance_text, alerts_text, data_scaling_text, norms_text, signals_text
 from console.zoom import history_spec, history_text, indexing_text
 
-TRAIN_EMA = 0.9  # the host's signals use the same weights (docs/grokking.md)
-VAL_EMA = 0.3
 MODULE_COLORS = ("green", "magenta", "orange", "blue", "red", "gold")
 NARROW_WIDTH = 140  # below it the four panels go two by two (the acceptance table needs ~35 columns)
 
@@ -107,7 +106,7 @@ class GrokkingScreen(ZoomableScreen):
         text.append(job, style="bold")
         if self.console.state.is_external(job):
             text.append(" (external, read-only)", style="yellow")
-        text.append(f" · {history_text(metrics)} · log step axis · {self.view_text()} (+ - , . 0) · EMA train {TRAIN_EMA} / val {VAL_EMA}")
+        text.append(f" · {history_text(metrics)} · log step axis · {self.view_text()} (+ - , . 0) · EMA train {TRAIN_EMA_BETA} / val {VAL_EMA_BETA}")
         indexing = indexing_text(metrics)
         if indexing:
             text.append(f" · {indexing}", style="yellow")
@@ -129,8 +128,8 @@ class GrokkingScreen(ZoomableScreen):
         plots["loss"].set_data(
             [
                 history_spec("train raw", metrics, "train.loss", metrics.train_loss, "gray", log_x=log, view=view),
-                history_spec("train EMA", metrics, "train.loss", metrics.train_loss, "cyan", log_x=log, view=view, ema_weight=TRAIN_EMA),
-                history_spec("val EMA", metrics, "val.loss", metrics.val_loss, "orange", log_x=log, view=view, ema_weight=VAL_EMA),
+                history_spec("train EMA", metrics, "train.loss", metrics.train_loss, "cyan", log_x=log, view=view, ema_weight=TRAIN_EMA_BETA),
+                history_spec("val EMA", metrics, "val.loss", metrics.val_loss, "orange", log_x=log, view=view, ema_weight=VAL_EMA_BETA),
             ],
             log_x,
         )

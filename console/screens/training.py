@@ -12,6 +12,7 @@ from textual.containers import Horizontal
 from textual.reactive import reactive
 from textual.widgets import DataTable, Footer, Header, Static
 
+from backend.smoothing import TRAIN_EMA_BETA
 from console.screens.base import no_job_text, touches
 from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
 from console.state import JobMetrics, Section, Series
@@ -21,7 +22,6 @@ from console.widgets.curve_plot import CurvePlot
 from console.format import inert_text, percent
 from console.zoom import acc_tail, history_spec, history_text, indexing_text, next_overlay, overlay_candidates
 
-EMA_WEIGHT = 0.9
 ACC_ROWS = 8
 ACC_KEY = "val.acc.0"  # the host index's series of val acc[0]; drawn from the val rows held here when the summary lacks it
 # The overlay's curves: dim shades (xterm-256) of the selected job's cyan / orange / green.
@@ -105,7 +105,7 @@ class TrainingScreen(ZoomableScreen):
         self.show_state({Section.OPTIONS})
 
     def options(self) -> CurveOptions:
-        return CurveOptions(log_x=self.log_step, log_y=self.log_y, ema_weight=EMA_WEIGHT if self.smooth else 0.0)
+        return CurveOptions(log_x=self.log_step, log_y=self.log_y, ema_weight=TRAIN_EMA_BETA if self.smooth else 0.0)
 
     def current_overlay(self) -> str | None:
         """The overlay while it is still one of the candidates (not gone, not the selected job itself)."""
@@ -174,7 +174,7 @@ class TrainingScreen(ZoomableScreen):
         on = lambda flag: "on" if flag else "off"
         text = Text(
             f"{job} · {history_text(metrics)} · {self.view_text()} (+ - , . 0) · log step {on(self.log_step)} (x) · "
-            f"log y {on(self.log_y)} (y) · EMA {'0.9' if self.smooth else 'off'} (e) · overlay "
+            f"log y {on(self.log_y)} (y) · EMA {TRAIN_EMA_BETA if self.smooth else 'off'} (e) · overlay "
         )
         overlay = self.overlay
         if overlay:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from console.state import CONNECTED, CONNECTING, FAILED, RECONNECTING, ConsoleState
+from backend.protocol import DiskUsage
 from backend.safetext import visible
-from console.format import clock_time, duration, inert_text
+from console.format import GIB, clock_time, duration, figure, inert_text
+from console.state import CONNECTED, CONNECTING, FAILED, RECONNECTING, ConsoleState, disk_low, used_share
 
 DISABLED_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled until the connection is back"
 GAVE_UP_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled: this console will not retry; fix the cause and start it again"
@@ -23,12 +24,25 @@ def banner_text(state: ConsoleState, readonly: bool = False) -> Text:
         text.append(" READ-ONLY ", style="bold black on cyan")
         text.append(f" {READONLY_NOTE} · ", style="italic")
     text.append_text(_connection_text(state, readonly))
-    warning = state.disk_warning
+    warning = disk_warning(state)
     if warning:
         text.append("\n")
         text.append(" DISK ", style="bold white on red")
         text.append(f" {visible(warning)}", style="bold red")
     return text
+
+
+def disk_warning(state: ConsoleState) -> str | None:
+    """The first low disk (console/state.py disk_low) in words: red before a checkpoint fails."""
+    disk = next((d for d in state.disks if disk_low(d)), None)
+    return _low_disk_text(disk) if disk is not None else None
+
+
+def _low_disk_text(disk: DiskUsage) -> str:
+    free = f"disk nearly full: {figure(disk.free_bytes, GIB)} GiB free on {disk.path}"
+    if disk.checkpoint_bytes:
+        return f"{free}, a checkpoint needs ~{figure(disk.checkpoint_bytes, GIB)} GiB: the next save may fail (the previous checkpoint stays); free space now"
+    return f"{free} ({used_share(disk):.0%} used); free space now"
 
 
 def _connection_text(state: ConsoleState, readonly: bool) -> Text:

@@ -8,7 +8,7 @@ from textual.widgets import Static
 from backend.protocol import GpuHolder, GpuSample
 from console.state import ConsoleState
 from backend.safetext import visible
-from console.format import inert_text, mib, segmented_bar
+from console.format import GIB, MIB, figure, inert_text, mib, segmented_bar
 
 OWNED_STYLE = "green"
 FOREIGN_STYLE = "yellow"
@@ -58,7 +58,8 @@ def _gpu_line(gpu: GpuSample, owned: float, foreign: float, narrow: bool = False
     other = max(used - owned - foreign, 0.0)
     text.append("mem ")
     text.append_text(segmented_bar([(owned, OWNED_STYLE), (foreign, FOREIGN_STYLE), (other, OTHER_STYLE)], total, BAR_WIDTH))
-    text.append(f" {_gib(gpu.memory_used_mib)}/{_gib(gpu.memory_total_mib)} GiB" + ("\n     " if narrow else "  "))
+    memory = f"{figure(gpu.memory_used_mib, GIB, amount_unit=MIB)}/{figure(gpu.memory_total_mib, GIB, amount_unit=MIB)} GiB"
+    text.append(f" {memory}" + ("\n     " if narrow else "  "))
     util = gpu.utilization_pct
     text.append("util ")
     text.append_text(segmented_bar([(util or 0.0, "cyan")], 100.0, 8))
@@ -68,10 +69,6 @@ def _gpu_line(gpu: GpuSample, owned: float, foreign: float, narrow: bool = False
     if gpu.power_w is not None:
         text.append(f" {gpu.power_w:.0f}W")
     return text
-
-
-def _gib(value: float | None) -> str:
-    return "?" if value is None else f"{value / 1024:.1f}"
 
 
 def _holder_lines(holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, int] | None = None, expanded: bool = False, narrow: bool = False) -> Text:

@@ -11,7 +11,7 @@ from console.nodes import JobRow, Node, nodes_of, nodes_problem, slowest_rank
 from console.session import HostSession
 from console.state import CONNECTED, ConsoleState
 from backend.safetext import visible
-from console.format import duration, inert_text, number, plain_cell, size_bytes
+from console.format import GIB, MIB, duration, figure, inert_text, number, plain_cell, size_bytes
 
 NARROW_JOB_COLUMNS = ("job", "state", "exit", "step", "train loss", "detail")  # under NARROW_WIDTH: what tells a job's health
 NARROW_WIDTH = 140  # terminal columns under which the jobs table drops kind, pid and runtime (the stop modal shows pids)
@@ -110,7 +110,7 @@ def host_cells(session: HostSession) -> tuple[Any, ...]:
     used = sum(g.memory_used_mib or 0.0 for g in state.gpus)
     total = sum(g.memory_total_mib or 0.0 for g in state.gpus)
     utils = [g.utilization_pct for g in state.gpus if g.utilization_pct is not None]
-    memory = f"{used / 1024:.1f}/{total / 1024:.0f} GiB" if total else ("no GPU" if state.no_driver else "-")
+    memory = f"{figure(used, GIB, amount_unit=MIB)}/{figure(total, GIB, 0, amount_unit=MIB)} GiB" if total else ("no GPU" if state.no_driver else "-")
     owned = sum(h.owned for h in state.holders)
     run_dir = next((d for d in state.disks if d.label == "run_dir"), None)
     hello = state.hello

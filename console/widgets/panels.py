@@ -14,7 +14,7 @@ from textual.containers import HorizontalGroup
 from textual.widgets import Footer, Static
 from textual.widgets._footer import FooterKey, FooterLabel, KeyGroup
 
-from console.state import ConsoleState
+from console.state import ConsoleState, disk_low, used_share
 from backend.safetext import visible
 from console.format import clock_time, count, epoch_text, inert_text, number, percent, segmented_bar, size_bytes
 
@@ -101,8 +101,7 @@ def disks_text(state: ConsoleState) -> Text:
     for i, disk in enumerate(state.disks):
         if i:
             text.append("\n")
-        share = disk.used_bytes / disk.total_bytes if disk.total_bytes else 0.0
-        style = "red" if share > 0.9 else "yellow" if share > 0.75 else "green"
+        style = "red" if disk_low(disk) else "yellow" if used_share(disk) > 0.75 else "green"
         text.append(f"{visible(disk.label):<9} ", style="bold")
         text.append_text(segmented_bar([(disk.used_bytes, style)], disk.total_bytes, 14))
         text.append(f" {size_bytes(disk.free_bytes)} free / {size_bytes(disk.total_bytes)}")
