@@ -59,6 +59,7 @@ class Request:
     LIST_CHECKPOINTS = "list_checkpoints"  # {"name"} -> {"checkpoints": [{"path","epoch","step","latest"}]}
     SIGNALS = "signals"  # {"name"} -> grokking/health signals computed from the job's metrics (backend/metrics/signals.py)
     WATCH_EXTERNAL = "watch_external"  # {"name", "path", "line_format"?} -> {"job", "format", "warning"}; follow a run read-only as "ext:<name>"
+    UNWATCH_EXTERNAL = "unwatch_external"  # {"name": "ext:<name>"} -> {"job", "path"}; stop reading that run (nothing on the host is touched)
     DATA_SCALING = "data_scaling"  # {"data_dir", "shape"?: {aux_width, teacher_width, dtype_bytes, seq_len}} -> backend/host/datascale.py
     RESULTS = "results"  # {"name"} -> {"results": [saved stop-and-bench results of that training job, oldest first]}
     SHUTDOWN = "shutdown"  # {} -> {} then the agent exits (jobs keep running)
@@ -137,6 +138,10 @@ class JobInfo:
     # agent's clock: [{"rank", "local_rank", "node_rank", "step", "age_s", "step_age_s", "pid", "phase"}]
     ranks: list[dict[str, Any]] = field(default_factory=list)
     stalled_ranks: list[int] = field(default_factory=list)  # running, heartbeat older than the agent's threshold
+    # A running job's processes (leader, group, descendants, recorded ones) as the agent measured them last (every few
+    # seconds; None before the first two looks): CPU % over the interval between looks (100 = one core) and resident memory.
+    cpu_pct: float | None = None
+    rss_bytes: int | None = None
 
 
 @dataclass

@@ -382,3 +382,52 @@ def test_a_path_naming_an_unknown_user_is_a_bad_param_not_an_internal_error(agen
     agent.wait(lambda m: m["type"] == "hello")
     _, reply = agent.request("data_scaling", data_dir="~no-such-user-xyz/data")
     assert reply["ok"] is False and reply["error"]["code"] == "bad_params", reply
+
+
+# -- per-job CPU % and RSS (issue 26) -------------------------------------------------------------------
+
+BURNER = """\
+import os, subprocess, sys
+ballast = bytearray(64 << 20)  # 64 MiB resident in the leader
+for page in range(0, len(ballast), 4096):
+    ballast[page] = 1
+child = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the CPU is burnt by a descendant
+child.wait()
+"""
+
+
+def test_jobs_carry_the_cpu_and_rss_of_their_whole_process_tree(agent):
+    """The leader holds 64 MiB, its child spins: the job's RSS counts the leader, its CPU % the child (nvitop's columns)."""
+    agent.wait(lambda m: m["type"] == "hello")
+    agent.ok("start_job", name="burner", kind="other", argv=[PY, "-c", BURNER])
+
+    def measured(message: dict) -> bool:
+        job = next((j for j in message.get("jobs", []) if j["name"] == "burner"), None) if message["type"] == "jobs" else None
+        return bool(job and job.get("cpu_pct") is not None and job["rss_bytes"] >= 64 << 20)
+
+    _, event = agent.wait(measured, timeout=30)
+    job = next(j for j in event["jobs"] if j["name"] == "burner")
+    assert job["cpu_pct"] > 10.0, job  # a busy loop on a shared machine gets well over a tenth of a core
+    assert 64 << 20 <= job["rss_bytes"] < 1 << 30
+    listed = next(j for j in agent.ok("list_jobs")["jobs"] if j["name"] == "burner")
+    assert listed["rss_bytes"] >= 64 << 20  # the replies carry the latest measure too
+    agent.ok("stop_job", name="burner", grace=2)
+    _, stopped = agent.wait(lambda m: m["type"] == "jobs" and any(j["name"] == "burner" and j["state"] != "running" for j in m["jobs"]))
+    assert next(j for j in stopped["jobs"] if j["name"] == "burner")["cpu_pct"] is None  # a finished job has no usage
+
+
+def test_an_unwatched_run_sends_no_more_events_and_its_files_stay(agent, tmp_path):
+    agent.wait(lambda m: m["type"] == "hello")
+    log = tmp_path / "train.log"
+    log.write_text("step 1 loss 2.0\n")
+    assert agent.ok("watch_external", name="mine", path=str(log))["job"] == "ext:mine"
+    agent.wait(lambda m: m["type"] == "metrics" and m["job"] == "ext:mine")
+    assert agent.ok("unwatch_external", name="ext:mine") == {"job": "ext:mine", "path": str(log)}
+    mark = len(agent.messages)
+    log.write_text("step 1 loss 2.0\nstep 2 loss 1.5\n")
+    agent.wait(lambda m: m["type"] == "gpus", start=mark)  # a few ticks go by
+    agent.wait(lambda m: m["type"] == "gpus", start=len(agent.messages))
+    assert not [m for m in agent.messages[mark:] if m.get("job") == "ext:mine"]
+    assert log.read_text().endswith("step 2 loss 1.5\n")  # nothing on the host was touched
+    _, again = agent.request("unwatch_external", name="mine")
+    assert again["error"]["code"] == "not_found" and "no watched run named 'ext:mine'" in again["error"]["message"]

@@ -26,6 +26,7 @@ from backend.host.gpu import GpuSource, driver_state, open_gpu_source
 from backend.jobs.logs import TAIL_LINE_SHOWN, display_lines, tail_lines
 from backend.jobs.records import TERMINAL, JobError, JobNotFound, JobRecord, UnsafeRunDir
 from backend.jobs.registry import JobRegistry
+from backend.jobs.usage import JobUsage, UsageMeter
 from backend.jsonl import JsonlFollower, read_complete_lines
 from backend.layout import (
     INDEX_FILENAME,
@@ -58,6 +59,8 @@ from backend.protocol import (
 )
 
 JOBS_EVERY_TICKS = 5
+USAGE_EVERY_TICKS = JOBS_EVERY_TICKS  # CPU % and RSS ride along with the jobs event sent every JOBS_EVERY_TICKS
+USAGE_FIELDS = ("cpu_pct", "rss_bytes")
 DESCENDANTS_EVERY_TICKS = 5
 DISK_EVERY_TICKS = 10
 DIR_SIZE_EVERY_S = 60.0
@@ -74,6 +77,7 @@ SERIES_KEYS_MAX = 64
 LOG_CHUNK_BYTES = 1 << 20
 TAIL_LINES_MAX = 10_000
 STALL_AFTER_MAX_S = 86400.0
+EXTERNAL_PREFIX = "ext:"  # a watched run's job name is this and the name it was watched as
 
 
 class BadParams(Exception):
@@ -212,6 +216,8 @@ class Agent:
         self._jobs_dirty = threading.Event()
         self._followed_log: dict[str, Any] | None = None
         self._externals: dict[str, dict[str, Any]] = {}
+        self._usage_meter = UsageMeter()
+        self._usage: dict[str, JobUsage] = {}
         self._handlers: dict[str, Callable[[dict], Any]] = {
             Request.PING: self._ping,
             Request.SNAPSHOT: self._snapshot,
@@ -230,6 +236,7 @@ class Agent:
             Request.LIST_CHECKPOINTS: self._list_checkpoints,
             Request.SIGNALS: self._signals,
             Request.WATCH_EXTERNAL: self._watch_external,
+            Request.UNWATCH_EXTERNAL: self._unwatch_external,
             Request.DATA_SCALING: self._data_scaling,
             Request.RESULTS: self._results,
             Request.SHUTDOWN: self._shutdown,
@@ -302,8 +309,10 @@ class Agent:
 
     def tick(self, tick: int) -> None:
         """One telemetry round; a failing part is reported on stderr and the others still run."""
-        parts: list[tuple[str, Callable[[], object]]] = [
-            ("gpus", self._emit_gpus),
+        parts: list[tuple[str, Callable[[], object]]] = [("gpus", self._emit_gpus)]
+        if tick % USAGE_EVERY_TICKS == 0:
+            parts.append(("usage", self._measure_usage))
+        parts += [
             ("jobs", lambda: self._emit_jobs(force=tick % JOBS_EVERY_TICKS == 0)),
             ("log", self._emit_log),
             ("external", self._emit_externals),
@@ -328,8 +337,8 @@ class Agent:
     def _emit_jobs(self, force: bool = False) -> None:
         records = self.registry.list_records()
         wire = [self._wire(record) for record in records]
-        # Heartbeat ages change every second: they ride along with the forced event; a new stalled rank is a change.
-        steady = [{key: value for key, value in job.items() if key != "ranks"} for job in wire]
+        # Heartbeat ages and CPU/RSS change all the time: they ride along with the forced event; a new stalled rank is a change.
+        steady = [{key: value for key, value in job.items() if key != "ranks" and key not in USAGE_FIELDS} for job in wire]
         with self._lock:
             changed = steady != self._last_jobs
             self._last_jobs = steady
@@ -342,12 +351,22 @@ class Agent:
         """A record as sent; a finished one's never changes again, so it is built once (a host keeps up to
         FINISHED_KEPT of them, and to_wire reads heartbeat files)."""
         if record.info.state not in TERMINAL:
-            return record.to_wire(self.stall_after)
+            return self._with_usage(record, record.to_wire(self.stall_after))
         key = (record.id, record.info.state, record.detail, record.info.exit_code, record.info.ended_at)
         cached = self._finished_wires.get(record.id)
         if cached is None or cached[0] != key:
             cached = self._finished_wires[record.id] = (key, record.to_wire(self.stall_after))
         return dict(cached[1])
+
+    def _measure_usage(self) -> None:
+        """Every running job's CPU % (since the last measure) and RSS, for the jobs events and replies."""
+        self._usage = self._usage_meter.measure(self.registry.list_records(), self.registry.recorded_procs())
+
+    def _with_usage(self, record: JobRecord, wire: dict[str, Any]) -> dict[str, Any]:
+        usage = self._usage.get(record.name) if record.info.state == "running" else None
+        if usage is not None:
+            wire["cpu_pct"], wire["rss_bytes"] = usage.cpu_pct, usage.rss_bytes
+        return wire
 
     def _sync_files(self, records: list[JobRecord]) -> None:
         names = set()
@@ -490,29 +509,34 @@ class Agent:
     def _emit_externals(self) -> None:
         for name, watch in list(self._externals.items()):
             reader = watch["reader"]
-            start = watch["count"]
             records = reader.poll()
-            if records:
-                with watch["lock"]:  # requests read the same index and records
-                    watch["index"].fold_records(records)
-                    watch["records"].extend(records)
-                    del watch["records"][:-WINDOW_RECORDS_MAX]
-                    watch["count"] += len(records)
-            behind = getattr(reader, "bytes_read", 0) < getattr(reader, "bytes_total", 0)
-            if behind or watch.get("catching_up"):  # a big backlog: progress and the index, not megabytes of events
-                watch["catching_up"] = behind
-                self.out.send(
-                    {
-                        "type": Event.INDEX_PROGRESS,
-                        "job": name,
-                        "indexed_bytes": reader.bytes_read,
-                        "file_bytes": reader.bytes_total,
-                        "caught_up": not behind,
-                        "total_records": watch["index"].total_records,
-                    }
-                )
-            elif records:
-                self.out.send({"type": Event.METRICS, "job": name, "records": records, "offset": watch["count"], "start_offset": start})
+            with watch["lock"]:  # requests read the same index and records; an unwatch waits for this round's events
+                if not watch.get("unwatched"):
+                    self._emit_external(name, watch, records)
+
+    def _emit_external(self, name: str, watch: dict[str, Any], records: list[dict[str, Any]]) -> None:
+        reader = watch["reader"]
+        start = watch["count"]
+        if records:
+            watch["index"].fold_records(records)
+            watch["records"].extend(records)
+            del watch["records"][:-WINDOW_RECORDS_MAX]
+            watch["count"] += len(records)
+        behind = getattr(reader, "bytes_read", 0) < getattr(reader, "bytes_total", 0)
+        if behind or watch.get("catching_up"):  # a big backlog: progress and the index, not megabytes of events
+            watch["catching_up"] = behind
+            self.out.send(
+                {
+                    "type": Event.INDEX_PROGRESS,
+                    "job": name,
+                    "indexed_bytes": reader.bytes_read,
+                    "file_bytes": reader.bytes_total,
+                    "caught_up": not behind,
+                    "total_records": watch["index"].total_records,
+                }
+            )
+        elif records:
+            self.out.send({"type": Event.METRICS, "job": name, "records": records, "offset": watch["count"], "start_offset": start})
 
     def reported_data_dirs(self) -> list[str]:
         """The data dirs whose disks are reported: those given, else <run_dir>/data when it is on another filesystem."""
@@ -600,7 +624,7 @@ class Agent:
             "hello": to_dict(self.hello()),
             "gpus": self._last_gpus,
             "driver": driver_state(self.gpu),
-            "jobs": [record.to_wire(self._stall_after(message)) for record in self.registry.list_records()],
+            "jobs": [self._with_usage(record, record.to_wire(self._stall_after(message))) for record in self.registry.list_records()],
             "metrics": latest,
             "disks": self._last_disks,
         }
@@ -649,7 +673,7 @@ class Agent:
 
     def _list_jobs(self, message: dict) -> dict:
         stall_after = self._stall_after(message)
-        return {"jobs": [record.to_wire(stall_after) for record in self.registry.list_records()]}
+        return {"jobs": [self._with_usage(record, record.to_wire(stall_after)) for record in self.registry.list_records()]}
 
     def _holders(self, message: dict) -> dict:
         return holders_mod.list_holders(self.gpu, owner_lookup=self.registry.owned_pids).to_dict()
@@ -807,9 +831,22 @@ class Agent:
             reader = ExternalRunReader(path, line_format=line_format or None)
         except (OSError, ValueError, RuntimeError) as exc:
             raise BadParams("path", f"{path!r} cannot be watched: {exc}") from None
-        job = f"ext:{name}"
-        self._externals[job] = {"reader": reader, "records": [], "count": 0, "index": MetricsIndex(), "lock": threading.RLock(), "cache": {}}
+        job = f"{EXTERNAL_PREFIX}{name}"
+        self._externals[job] = {"reader": reader, "path": path, "records": [], "count": 0, "index": MetricsIndex(), "lock": threading.RLock(), "cache": {}}
         return {"job": job, "format": reader.format, "warning": reader.warning}
+
+    def _unwatch_external(self, message: dict) -> dict:
+        """Stop reading a watched run: its reader and index go; nothing on the host is touched (the agent only ever read it)."""
+        name = param(message, "name", str)
+        job = name if name.startswith(EXTERNAL_PREFIX) else f"{EXTERNAL_PREFIX}{name}"
+        watch = self._externals.get(job)
+        if watch is None:
+            raise JobNotFound(f"no watched run named {job!r}; watched: {', '.join(sorted(self._externals)) or 'none'}")
+        with watch["lock"]:  # after this, no event of it is sent (the ticker checks the mark under the same lock)
+            watch["unwatched"] = True
+            if self._externals.get(job) is watch:  # not a new watch of that name registered meanwhile
+                del self._externals[job]
+        return {"job": job, "path": watch["path"]}
 
     def _data_scaling(self, message: dict) -> dict:
         from backend.host.datascale import data_scaling

@@ -31,6 +31,8 @@ class ProcStat:
     sid: int
     start_time: int  # field 22, clock ticks since boot: with pid, the identity of a process
     flags: int = 0  # field 9, the kernel's PF_* flags
+    cpu_ticks: int = 0  # fields 14 + 15, utime + stime: CPU time used so far, in clock ticks
+    rss_pages: int = 0  # field 24, resident set size in pages (the same counter as /proc/PID/statm's second field)
 
     @property
     def running(self) -> bool:
@@ -62,6 +64,8 @@ def parse_stat(text: str) -> ProcStat:
         sid=int(rest[3]),
         start_time=int(rest[19]),
         flags=int(rest[6]),
+        cpu_ticks=int(rest[11]) + int(rest[12]),
+        rss_pages=int(rest[21]),
     )
 
 
