@@ -128,6 +128,7 @@ def test_the_parallel_index_is_the_one_process_index_bit_for_bit(history, pool, 
     index = expected.index
     assert index.bad_lines == 2 and expected.indexed_offset < path.stat().st_size, "torn line and over-cap line; the half line waits"
     assert sum(int(s.fine.cols[10][i]) for s in [index.series["train.loss"]] for i in range(len(s.fine))) > 0, "NaN/inf counted"
+    assert "time" in index.series, "the wall time of each step is indexed (the plots' time axis)"
 
     feed = MetricsFeed(path, None, live_from_end=True)
     scan = ColdScan(feed, workers=3, chunk_bytes=chunk_bytes, ranges_count=ranges, pool=pool)

@@ -49,6 +49,7 @@ def trainer_record(step: int, rng: random.Random, loss: float | None = None) -> 
         "weight_norm": 100 + rng.random(),
         "weight_norm_modules": {k: v + rng.random() for k, v in MODULES.items()},
         "tokens": step * 2048,
+        "time": 1.7e9 + step * 0.25 + rng.random() * 0.01,  # last, as MetricsWriter puts it
     }
 
 
@@ -346,3 +347,34 @@ def test_a_line_that_breaks_the_token_shape_sends_its_chunk_down_the_regex_path(
     index.fold_scan(scanner.scan(path.read_bytes()))
     assert scanner.shapes, "the mixed chunk fell back to the per-shape regex"
     assert_index_matches(index, brute_points(path))
+
+
+def test_the_wall_time_is_indexed_by_the_token_regex_and_decoder_paths(tmp_path):
+    """`time` (MetricsWriter writes it last on every line) is a series whatever path reads the line: the token path
+    reads a value that ends the line, the regex path and the decoder read it too, and all agree with a plain pass."""
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    rng = random.Random(3)
+    for step in range(1, 301):
+        record = trainer_record(step, rng)
+        del record["time"]  # the writer adds it, last
+        writer.write(record)
+    assert json.loads(path.read_bytes().splitlines()[0]).popitem()[0] == "time"
+    token_scanner = ChunkScanner()
+    tokens = MetricsIndex()
+    tokens.fold_scan(token_scanner.scan(path.read_bytes()))
+    assert token_scanner.tokens is not None and not token_scanner.shapes
+    lines = path.read_bytes().splitlines(keepends=True)
+    mixed = lines[:150] + [b'{"step":150,"split":"train","loss":9.5,"time":1700000099.5,"lr":0.001}\n'] + lines[150:]
+    regex_scanner = ChunkScanner()
+    regex = MetricsIndex()
+    regex.fold_scan(regex_scanner.scan(b"".join(mixed)))
+    assert regex_scanner.shapes, "the mixed chunk took the regex path"
+    decoded = points_of_records([normalize_record(json.loads(line))[0] for line in lines])
+    truth = brute_points(path)
+    assert decoded["time"] == ([s for s, _ in truth["time"]], [v for _, v in truth["time"]])
+    assert_index_matches(tokens, truth)
+    mixed_path = tmp_path / "mixed.jsonl"
+    mixed_path.write_bytes(b"".join(mixed))
+    assert_index_matches(regex, brute_points(mixed_path))
+    assert len(brute_points(mixed_path)["time"]) == 301

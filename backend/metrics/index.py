@@ -26,7 +26,7 @@ from backend.jsonl import MAX_LINE_BYTES, LineReader, describe_dropped
 from backend.metrics.scan import ChunkScanner, ScanResult, decode_line, points_of_records
 from backend.metrics.series import Level, Series, query
 
-INDEX_FORMAT = 4
+INDEX_FORMAT = 5  # 5: the wall-time series "time"; an older sidecar lacks it and is rebuilt
 HEAD_BYTES = 4096
 SCAN_CHUNK_BYTES = 8 << 20
 INDEX_STEP_BYTES = 2 << 20  # one backlog step holds the GIL for ~tens of ms: requests answer between steps

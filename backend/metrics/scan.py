@@ -17,8 +17,17 @@ from typing import Any
 
 from backend.metrics.records import NONNEGATIVE_KEYS, normalize_record, record_loss
 
-# Train records: the scalars the screens plot, acc[0] for the train/val accuracy gap, per-module weight norms.
-TRAIN_SCALARS = {"loss": "train.loss", "lr": "lr", "grad_norm": "grad_norm", "weight_norm": "weight_norm", "step_time": "step_time", "tokens": "tokens"}
+# Train records: the scalars the screens plot, acc[0] for the train/val accuracy gap, per-module weight norms, and the
+# wall time (epoch seconds) that maps a step to when it ran (the plots' wall-time axis).
+TRAIN_SCALARS = {
+    "loss": "train.loss",
+    "lr": "lr",
+    "grad_norm": "grad_norm",
+    "weight_norm": "weight_norm",
+    "step_time": "step_time",
+    "tokens": "tokens",
+    "time": "time",
+}
 TRAIN_FIRST_OF_LIST = {"acc": "train.acc.0"}
 MODULE_PREFIX = "weight_norm."
 MAX_SHAPES = 4
@@ -264,11 +273,13 @@ class TokenShape:
     With brackets and braces deleted and `":` turned into `,`, a line of that shape splits on `,` into the
     same n tokens every time (keys and values at fixed places), and a chunk of L such lines into L*(n-1)+1
     tokens (each line's last token runs into the next line's first). Every key is checked at its place in
-    every line (list.count) before any value is used; val lines are cut out first and go to the decoder.
+    every line (list.count) before any value is used; val lines are cut out first and go to the decoder. A value
+    that ends the line (the writer puts `time` last) runs into the next line's first key: it is read up to the newline.
     """
 
     def __init__(self, roles: list[tuple[str, Any]], shape: Shape):
         self.width = len(roles)
+        self.last_is_value = roles[-1][0] == "value"
         self.checks = [(j, value) for j, (role, value) in enumerate(roles) if role == "key" and j > 0]
         self.values = [(j, value) for j, (role, value) in enumerate(roles) if role == "value"]
         self.shape = shape  # its targets and non-negative set; columns are fed in the same order
@@ -300,8 +311,6 @@ class TokenShape:
         tokens = line.rstrip(b"\n").translate(_TOKEN_TABLE, _TOKEN_DELETE).split(b",")
         if len(tokens) != len(roles) or any(role == "key" and tokens[j] != value for j, (role, value) in enumerate(roles)):
             return None
-        if roles[-1][0] == "value":
-            return None  # the last value runs into the next line's first token
         targets = [target for role, target in roles if role == "value"]
         return cls(roles, Shape(shape.regex, targets, shape.nonnegative))
 
@@ -321,7 +330,10 @@ class TokenShape:
         for j, key in self.checks:
             if tokens[j::period].count(key) != lines:
                 return None
-        if not tokens[0].endswith(b'"step"') or not fold(self.shape, [tokens[j::period] for j, _ in self.values], result):
+        columns = [tokens[j::period] for j, _ in self.values]
+        if self.last_is_value:  # 'value\n"step"': the next line's first key follows the newline
+            columns[-1] = [token.partition(b"\n")[0] for token in columns[-1]]
+        if not tokens[0].endswith(b'"step"') or not fold(self.shape, columns, result):
             return None
         return others
 
