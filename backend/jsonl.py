@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from backend.durable import free_bytes
+
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -25,18 +27,6 @@ class AppendError(OSError):
 
     def __str__(self) -> str:
         return self.message
-
-
-def free_bytes(path: str | os.PathLike) -> int | None:
-    """Bytes an unprivileged writer may still use on the filesystem holding `path` (its folder if it is missing)."""
-    target = Path(path)
-    for candidate in (target, target.parent):
-        try:
-            stats = os.statvfs(candidate)
-        except OSError:
-            continue
-        return stats.f_bavail * stats.f_frsize
-    return None
 
 
 def _ends_with_newline(fd: int) -> bool:

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from backend.durable import write_atomic
+
 METRICS_FILENAME = "metrics.jsonl"
 INDEX_FILENAME = "metrics.index"
 STAGES_FILENAME = "stages.jsonl"
@@ -116,22 +118,16 @@ class HeartbeatWriter:
 
     def write(self) -> bool:
         record = {**self.fixed, "step": self.step, "step_time": self.step_time, "phase": self.phase, "time": time.time()}
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             if not self.path.parent.is_dir():
                 if not self.path.parent.parent.is_dir():  # another host's output dir (no agent job dir here): nowhere to beat
                     return False
                 self.path.parent.mkdir(exist_ok=True)
-            temporary.write_text(json.dumps(record) + "\n")
-            os.replace(temporary, self.path)
+            write_atomic(self.path, json.dumps(record) + "\n", durable=False)  # rewritten every few seconds: no fsync
         except OSError as exc:
             if not self.failing:
                 self.log(f"heartbeat {self.path} not written ({exc}); retrying every {self.every:g} s")
-            self.failing = True
-            try:
-                temporary.unlink()
-            except OSError:
-                pass
+            self.failing = True  # write_atomic removed its temp file
             return False
         if self.failing:
             self.log(f"heartbeat {self.path} written again")

@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from backend.metrics.records import MetricsReader, MetricsWriter
-from backend.train.checkpoint import CheckpointDiskFullError, list_checkpoints, load_checkpoint, save_checkpoint
+from backend.train.checkpoint import CheckpointDiskFullError, load_checkpoint, save_checkpoint
+from backend.layout import list_checkpoints
 from backend.train.draft import DraftModelConfig, Eagle3Draft
 
 SERIES = 5  # trials sharing one run dir

@@ -18,13 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from backend.profiles import load_profile
-from backend.train.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-)
+from backend.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from backend.layout import latest_checkpoint, list_checkpoints
 from backend.train.draft import DraftModelConfig, Eagle3Draft
 from backend.train.vocab import build_vocab_mapping
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.jsonl import AppendError, JsonlFollower, append_record, free_bytes
+from backend.durable import free_bytes
+from backend.jsonl import AppendError, JsonlFollower, append_record
 
 
 def test_partial_last_line_is_left_for_next_poll(tmp_path):

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from backend.cli import main as cli_main
 from backend.metrics.records import validate_record
-from backend.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from backend.train.checkpoint import load_checkpoint
+from backend.layout import latest_checkpoint, list_checkpoints
 from backend.train.data import OnlineSource, Sample, TinyDataSettings, tiny_data_settings, tiny_samples
 from backend.train.draft import FeatureWidthError
 from backend.train.loss import make_teacher, ttt_loss

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backend.durable import write_atomic
 from backend.bench.client import NO_BASELINE, SAME_ENGINE, Baseline, LevelResult
 from backend.serve.acceptance import acceptance_lines, break_line, compare_with_validation, tau_hat
 from backend.serve.launch import server_summary
@@ -178,18 +177,9 @@ def default_path(run_dir: Path, started_at: float) -> Path:
 
 
 def save(document: dict[str, Any], path: Path) -> Path:
-    """Write to a temp file in the same directory, fsync, rename: a reader never sees half a result."""
+    """Written atomically and durably (backend.durable): a reader never sees half a result."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(document, out, indent=1)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(document, indent=1))
     return path
 
 

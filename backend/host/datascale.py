@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
+
+from backend.durable import free_bytes
 
 META_FILE = "meta.json"
 KEEP_FREE_BYTES = 1 << 30
 
 
-def _shard_bytes(directory: Path) -> int:
+def shard_bytes(directory: Path) -> int:
+    """The shards' own bytes (not the directory's: meta.json is no per-sample cost)."""
     return sum(path.stat().st_size for path in directory.rglob("*.safetensors") if path.is_file())
-
-
-def _existing_parent(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def measured(data_dir: str | os.PathLike, keep_free_bytes: int = KEEP_FREE_BYTES) -> dict[str, Any]:
@@ -34,7 +30,7 @@ def measured(data_dir: str | os.PathLike, keep_free_bytes: int = KEEP_FREE_BYTES
     splits = meta.get("splits") or {}
     samples = sum(int(split.get("samples", 0)) for split in splits.values())
     tokens = sum(int(split.get("tokens", 0)) for split in splits.values())
-    total = _shard_bytes(directory)
+    total = shard_bytes(directory)
     seconds = max(meta_path.stat().st_mtime - float(meta.get("created", meta_path.stat().st_mtime)), 0.0)
     return _summary(directory, "measured", samples, tokens, total, seconds, keep_free_bytes)
 
@@ -56,9 +52,11 @@ def estimated(shape: dict[str, int], data_dir: str | os.PathLike, keep_free_byte
 
 
 def _summary(directory: Path, kind: str, samples: int, tokens: int, total_bytes: int, seconds: float | None, keep_free_bytes: int) -> dict[str, Any]:
-    usage = shutil.disk_usage(_existing_parent(directory))
+    free = free_bytes(directory)
+    if free is None:
+        raise OSError(f"cannot read the free space of the filesystem holding {directory}")
     per_sample = total_bytes / samples if samples else None
-    room = max(usage.free - keep_free_bytes, 0)
+    room = max(free - keep_free_bytes, 0)
     more = int(room // per_sample) if per_sample else None
     per_sample_s = seconds / samples if seconds and samples else None
     return {
@@ -68,7 +66,7 @@ def _summary(directory: Path, kind: str, samples: int, tokens: int, total_bytes:
         "tokens": tokens,
         "bytes": total_bytes,
         "bytes_per_sample": per_sample,
-        "free_bytes": usage.free,
+        "free_bytes": free,
         "keep_free_bytes": keep_free_bytes,
         "more_samples_fit": more,
         "fit_multiple_of_current": (more / samples) if more is not None and samples else None,

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
 from pathlib import Path
 
+from backend.durable import nearest_existing
 from backend.protocol import DiskUsage
 
 
-def dir_size(path: str | Path, max_entries: int = 200_000, max_seconds: float = 2.0) -> int | None:
-    """Bytes under path (files counted once, symlinks not followed); None when the walk exceeds its bounds.
+def dir_size(path: str | Path, max_entries: int | None = 200_000, max_seconds: float | None = 2.0) -> int | None:
+    """Bytes the files under path take on disk (allocated blocks; symlinks not followed); None when the walk exceeds
+    its bounds (None: unbounded, for a directory this process is writing and knows to be small or must measure whole).
 
     A partial number would read as a measurement, so an unfinished walk reports nothing rather than too little.
     """
-    deadline = time.monotonic() + max_seconds
+    entry_limit = math.inf if max_entries is None else max_entries
+    deadline = time.monotonic() + (math.inf if max_seconds is None else max_seconds)
     total, seen, stack = 0, 0, [str(path)]
     while stack:
         try:
@@ -25,7 +29,7 @@ def dir_size(path: str | Path, max_entries: int = 200_000, max_seconds: float = 
         with entries:
             for entry in entries:
                 seen += 1
-                if seen > max_entries or (seen % 1000 == 0 and time.monotonic() > deadline):
+                if seen > entry_limit or (seen % 1000 == 0 and time.monotonic() > deadline):
                     return None
                 try:
                     if entry.is_dir(follow_symlinks=False):
@@ -37,16 +41,10 @@ def dir_size(path: str | Path, max_entries: int = 200_000, max_seconds: float = 
     return total
 
 
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def disk_usage(path: str | Path, label: str, measure_dir: bool = False, max_entries: int = 200_000, max_seconds: float = 2.0) -> DiskUsage:
     """Usage of the filesystem holding path (its nearest existing parent if path is missing yet)."""
     path = Path(path).expanduser()
-    usage = shutil.disk_usage(_existing(path))
+    usage = shutil.disk_usage(nearest_existing(path))
     measured = dir_size(path, max_entries, max_seconds) if measure_dir and path.is_dir() else None
     return DiskUsage(str(path), label, usage.total, usage.used, usage.free, measured)
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import quote
 
 from backend.commands import NODE_ENV, check_node, node_argv_conflicts
+from backend.durable import free_bytes
 from backend.host import procs
 from backend.jobs import discovery
 from backend.jobs.discovery import RecordedProc, Target
@@ -287,10 +288,7 @@ class JobRegistry:
         return self._try_write(what, update)
 
     def _free_bytes(self) -> int | None:
-        try:
-            return shutil.disk_usage(self.run_dir).free
-        except OSError:
-            return None
+        return free_bytes(self.run_dir)
 
     def _free_space_note(self) -> str:
         free = self._free_bytes()

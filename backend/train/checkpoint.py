@@ -20,33 +20,31 @@ from typing import Any, Protocol
 
 import torch
 
-from backend.layout import (  # the layout's names, re-exported for the trainer and tests
-    CHECKPOINT_NAME as CHECKPOINT_NAME,
-    CHECKPOINTS_DIR as CHECKPOINTS_DIR,
-    CONFIG_FILE as CONFIG_FILE,
-    LATEST_FILE as LATEST_FILE,
-    STATE_FILE as STATE_FILE,
-    WEIGHTS_FILE as WEIGHTS_FILE,
-    checkpoint_name as checkpoint_name,
-    checkpoints_dir_of as checkpoints_dir_of,
-    is_complete as is_complete,
-    latest_checkpoint as latest_checkpoint,
-    list_checkpoints as list_checkpoints,
+from backend.layout import (
+    CHECKPOINT_NAME,
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    LATEST_FILE,
+    STATE_FILE,
+    WEIGHTS_FILE,
+    checkpoint_name,
+    checkpoints_dir_of,
+    latest_checkpoint,
+    list_checkpoints,
 )
+from backend.durable import free_bytes, fsync_path
+from backend.host.disk import dir_size
 from backend.train.draft import CONSOLE_BLOCK, DraftModelConfig, Eagle3Draft
 from backend.train.fsutil import (
     PRIVATE_DIR,
     ForeignPathError,
     copy_new_file,
     exchange_paths,
-    free_bytes,
-    fsync_path,
     open_new_file,
     pid_alive,
     private_dir,
     staging_dir,
     symlink_at_or_under,
-    tree_bytes,
     write_new_file,
 )
 
@@ -335,7 +333,7 @@ def save_checkpoint(
         _write_latest(checkpoints_dir, name)
     except BaseException as exc:
         free_then = free_bytes(checkpoints_dir)
-        remaining = needed - tree_bytes(temp)
+        remaining = needed - (dir_size(temp, max_entries=None, max_seconds=None) or 0)
         shutil.rmtree(temp, ignore_errors=True)
         if isinstance(exc, Exception) and _is_disk_full(exc, free_then, remaining):
             done = f"{name} is complete but `latest` could not be updated" if placed else "the partial checkpoint was removed"

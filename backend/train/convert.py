@@ -214,7 +214,8 @@ def convert_checkpoint(src, dst, *, aux_layer_ids: list[int] | None = None, dry_
     embed_tokens, builds t2d from d2t when absent, fixes an alias architecture. Any key it cannot map, or a
     result that does not match the config exactly, is refused with ConvertError and dst stays absent.
     """
-    from backend.train.checkpoint import fsync_path, tensor_problems, write_json_durably
+    from backend.durable import fsync_path
+    from backend.train.checkpoint import tensor_problems, write_json_durably
     from backend.train.fsutil import symlink_at_or_under
     from backend.train.draft import CONSOLE_BLOCK, DraftConfigError, DraftModelConfig
 

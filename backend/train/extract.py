@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from backend.durable import write_atomic
+from backend.durable import free_bytes, publish, write_atomic
 from backend.layout import SHARD_FORMAT, SHARD_META
 from backend.train.data import collate
 from backend.train.target import TargetModel, torch_dtype
@@ -74,10 +73,10 @@ class ExtractPlan:
 
 
 def _free_bytes(path: Path) -> int:
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
+    free = free_bytes(path)
+    if free is None:
+        raise OSError(f"cannot read the free space of the filesystem holding {path}")
+    return free
 
 
 def plan_extract(target: TargetModel, lengths: list[int], out_dir: Path, dtype: str, store: str, keep_free_bytes: int) -> ExtractPlan:
@@ -118,9 +117,7 @@ def _write_safetensors_atomic(tensors: dict, path: Path, metadata: dict | None =
 
     temp = path.with_name(path.name + ".tmp")
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(temp), metadata=metadata)
-    with open(temp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.rename(temp, path)
+    publish(temp, path)
 
 
 def _write_json_atomic(data: dict, path: Path) -> None:

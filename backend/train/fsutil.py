@@ -13,19 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from backend.jsonl import free_bytes as free_bytes  # re-exported for checkpoint.py
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 _NOT_SUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM}
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # Create-only, and never through a link: a name that exists (a symbolic link included) fails with FileExistsError.
@@ -163,18 +154,6 @@ def exchange_paths(first: Path, second: Path) -> bool:
     if code in _NOT_SUPPORTED:
         return False
     raise OSError(code, os.strerror(code), str(first), None, str(second))
-
-
-def tree_bytes(path: Path) -> int:
-    """Bytes the files under `path` hold (0 when it is gone)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def pid_alive(pid: int) -> bool:

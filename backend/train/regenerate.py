@@ -16,7 +16,8 @@ from typing import IO, Any, Callable, Iterator
 
 from backend.train.chat_templates import template_ids
 from backend.train.conversations import PREPARE_META, SPLIT_FILES, DataError, content_digest, iter_conversations
-from backend.train.fsutil import PRIVATE_DIR, PRIVATE_FILE, file_sha256, fsync_path
+from backend.durable import fsync_path
+from backend.train.fsutil import PRIVATE_DIR, PRIVATE_FILE, file_sha256
 
 REGENERATE_META = "regenerate.json"  # written first (settings) and again last (complete: true); a complete dir trains
 REGENERATE_FORMAT = "eagle3-console-regenerated-chat/1"

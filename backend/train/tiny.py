@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from backend.train.fsutil import fsync_path, pid_alive
+from backend.durable import fsync_path
+from backend.train.fsutil import pid_alive
 
 BYTE_VOCAB = 256
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258

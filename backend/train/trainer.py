@@ -614,7 +614,7 @@ class Trainer:
         self._parts = TrainingParts(self.options, self.settings, ctx, source, draft, draft.config)
 
     def _resume_checkpoint(self, out_dir: Path) -> Path | None:
-        from backend.train.checkpoint import latest_checkpoint
+        from backend.layout import latest_checkpoint
 
         resume = self.options.resume
         if not resume:

@@ -15,10 +15,10 @@ transformers 4.x that SGLang's side venv may run.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Callable
 
+from backend.durable import write_atomic
 from backend.train.tiny import BOS_ID, BYTE_VOCAB, EOS_ID, PAD_ID, TINY_VOCAB_SIZE, cache_root, is_tiny_target_dir
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -73,7 +73,7 @@ def tokenizer_files() -> dict[str, str]:
 
 
 def write_tokenizer_files(directory: Path) -> bool:
-    """Write the files that are missing or differ (each through a temp file and a rename); True when any was written."""
+    """Write the files that are missing or differ (each atomically); True when any was written."""
     wrote = False
     for name, text in tokenizer_files().items():
         path = directory / name
@@ -82,12 +82,7 @@ def write_tokenizer_files(directory: Path) -> bool:
                 continue
         except (OSError, UnicodeDecodeError):
             pass
-        staging = directory / f".{name}.{os.getpid()}.tmp"
-        try:
-            staging.write_text(text, encoding="utf-8")
-            os.replace(staging, path)
-        finally:
-            staging.unlink(missing_ok=True)
+        write_atomic(path, text.encode("utf-8"))
         wrote = True
     return wrote
 
