@@ -1,6 +1,7 @@
 """Checkpoints and metrics are private: 0700 dirs and 0600 files whatever the umask, a reused output dir tightened,
 another user's checkpoints dir or a symbolic link refused, metrics appends never through a link."""
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -90,8 +91,11 @@ def test_the_trainer_tightens_a_reused_checkpoints_dir_and_metrics_file(mini_pro
     (out / "metrics.jsonl").write_text("")
     (out / "checkpoints").chmod(0o755)
     (out / "metrics.jsonl").chmod(0o644)
+    (out / "run.json").write_text("{}")
+    (out / "run.json").chmod(0o644)
     assert train(mini_options(mini_profile, out)) == 0
     assert mode(out / "metrics.jsonl") == 0o600 and (out / "metrics.jsonl").read_text().count("\n") >= 2
+    assert mode(out / "run.json") == 0o600 and json.loads((out / "run.json").read_text())["profile"] == "mini"
     assert (out / "checkpoints" / "latest").is_file()
     assert_private(out / "checkpoints")
 

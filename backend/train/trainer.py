@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from backend.commands import NVLINK_MULTICAST_OFF, data_dir_for
+from backend.durable import write_atomic
 from backend.layout import CHECKPOINTS_DIR, METRICS_FILENAME, HeartbeatWriter
 from backend.profiles import Profile
 from backend.train.data import (
@@ -34,7 +35,7 @@ from backend.train.data import (
     tiny_samples,
 )
 from backend.train.draft import DraftModelConfig, Eagle3Draft
-from backend.train.fsutil import ForeignPathError, private_dir, private_file_if_present
+from backend.train.fsutil import PRIVATE_FILE, ForeignPathError, private_dir, private_file_if_present
 from backend.train.loss import TTTLoss, fused_ttt_loss, make_teacher
 from backend.train.schedule import GrokfastEMA, LRSchedule
 from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
@@ -719,7 +720,7 @@ class Trainer:
             "started": time.time(),
             "pid": os.getpid(),
         }
-        (out_dir / RUN_FILE).write_text(json.dumps(run, indent=1, default=str) + "\n")
+        write_atomic(out_dir / RUN_FILE, json.dumps(run, indent=1, default=str) + "\n", mode=PRIVATE_FILE)  # argv may hold paths and tokens
 
     # --- steps -----------------------------------------------------------------------------------
 
