@@ -12,7 +12,7 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 from backend.smoothing import TRAIN_EMA_BETA
 from console.client import AgentClient
 from console.session import HostSession
-from console.state import ConsoleState
+from console.state import RECONNECTING, ConsoleState
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class ConsoleAction:
     needs_job: bool = False
     screen: str | None = None  # only on the screen of this mode (its own binding)
     owned_job: bool = False  # refused on external (watched, read-only) runs
+    external_job: bool = False  # only on an external (watched) run
     job_kinds: tuple[str, ...] = ()  # the selected job must be one of these kinds
     destructive: bool = False  # starts, stops or takes over a process: disabled and hidden under --readonly
     short: str = ""  # footer label on a narrow terminal
@@ -99,11 +100,29 @@ ACTIONS = [
     ),
     ConsoleAction("watch_external", "w", "Watch run", "watch a TensorBoard dir or SpecForge log read-only as ext:<name>", needs_connection=True, short="Watch"),
     ConsoleAction("adopt", "a", "Adopt PID", "adopt a foreign process as a job (PID typed to confirm)", needs_connection=True, destructive=True, short="Adopt"),
-    ConsoleAction("resync", "r", "Resync", "re-read everything from the agent", needs_connection=True, short="Sync"),
+    ConsoleAction("resync", "r", "Resync", "re-read everything from the agent; while disconnected: reconnect now", needs_connection=True, short="Sync"),
     ConsoleAction("quit", "q", "Quit", "leave the console (jobs keep running on the host)"),
     ConsoleAction("help", "?", "Help", "every key on one screen", short="Help"),
-    ConsoleAction("filter_jobs", "/", "Filter jobs", "Dashboard: show only the jobs whose row holds the typed text (esc clears)", screen="dashboard"),
+    ConsoleAction(
+        "filter_jobs",
+        "/",
+        "Filter",
+        "Dashboard: show only the jobs and GPU holders whose row holds the typed text, both at once (esc clears)",
+        screen="dashboard",
+    ),
     ConsoleAction("toggle_workers", "h", "Workers", "Dashboard: show / hide each job's helper processes under its GPU holder row", screen="dashboard"),
+    ConsoleAction("sort_jobs", ">", "Sort", "Dashboard: sort the jobs by the next of name, state, started, CPU %, RSS, step", screen="dashboard"),
+    ConsoleAction("reverse_sort", "<", "Reverse", "Dashboard: reverse the jobs table's sort", screen="dashboard", short="Rev"),
+    ConsoleAction(
+        "unwatch_external",
+        "u",
+        "Unwatch",
+        "Dashboard: stop watching the selected ext: run (asks first; nothing on the host is touched)",
+        needs_connection=True,
+        needs_job=True,
+        external_job=True,
+        screen="dashboard",
+    ),
     ConsoleAction("toggle_log_step", "x", "Log step", "Training: step axis log10 on/off", screen="training"),
     ConsoleAction("toggle_log_y", "y", "Log y", "Training: loss and LR on a log10 axis on/off", screen="training"),
     ConsoleAction("toggle_ema", "e", "EMA", f"Training: EMA smoothing ({TRAIN_EMA_BETA}) on/off", screen="training"),
@@ -165,6 +184,8 @@ def disabled_reason(console: ActionGuard, name: str) -> str | None:
         return "read-only console (--readonly)"
     if spec.name in MULTI_HOST_ACTIONS and not console.multi_host:
         return "this console holds one host (give --host once per host)"
+    if spec.name == "resync" and console.client is not None and console.state.connection.state == RECONNECTING:
+        return None  # r while disconnected tries at once
     if spec.needs_connection and (console.client is None or not console.state.connection.connected):
         return "disconnected from the host" if console.client is not None else "no host connection"
     if spec.needs_job and not console.selected_job:
@@ -181,6 +202,8 @@ def _job_reason(spec: ConsoleAction, console: ActionGuard) -> str | None:
     job = console.selected_job
     if spec.owned_job and console.state.is_external(job):
         return f"{job} is an external run, watched read-only"
+    if spec.external_job and not console.state.is_external(job):
+        return f"{job} is not a watched run (w watches one)"
     if spec.job_kinds and job:
         info = console.state.jobs.get(job)
         kind = info.kind if info else "unknown"

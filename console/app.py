@@ -35,7 +35,7 @@ from console.flows.resume import ResumeFlow
 from console.flows.signals import SIGNALS_INTERVAL_S, SignalsFeed
 from console.flows.start import StartFlow
 from console.flows.stop import StopFlow
-from console.flows.watch import AdoptFlow, WatchFlow
+from console.flows.watch import AdoptFlow, UnwatchFlow, WatchFlow
 from console.screens.base import ConsoleScreen, ConsoleView
 from console.screens.chain import ChainScreen
 from console.screens.dashboard import DashboardScreen
@@ -147,6 +147,7 @@ class ConsoleApp(App):
         self.multinode_flow = MultiNodeFlow(self)
         self.grok_flow = GrokFlow(self)
         self.watch_flow = WatchFlow(self)
+        self.unwatch_flow = UnwatchFlow(self)
         self.adopt_flow = AdoptFlow(self)
 
     # -- hosts and their sessions ------------------------------------------------------------------
@@ -622,6 +623,10 @@ class ConsoleApp(App):
         self._cycle_job(-1)
 
     def action_resync(self) -> None:
+        if not self.active.connected:  # disconnected: r cuts the reconnect backoff short
+            hurried = self.active.retry_now()
+            self.note(f"reconnecting to {self.active.name} now" if hurried else f"a reconnect to {self.active.name} is already under way")
+            return
         self.note("resyncing: snapshot, holders, the selected job's history and logs")
         self.resync()
 
@@ -652,6 +657,10 @@ class ConsoleApp(App):
     @work(group="actions", exit_on_error=False)
     async def action_watch_external(self) -> None:
         await self.watch_flow.run()
+
+    @work(group="actions", exit_on_error=False)
+    async def action_unwatch_external(self) -> None:
+        await self.unwatch_flow.run()
 
     @work(group="actions", exit_on_error=False)
     async def action_adopt(self) -> None:

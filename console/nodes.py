@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from backend.protocol import JobInfo
 from console.session import HostSession
 from console.state import CONNECTED
 
-JOB_COLUMNS = ("job", "kind", "state", "pid", "runtime", "exit", "step", "train loss", "detail")
+JOB_COLUMNS = ("job", "kind", "state", "pid", "runtime", "cpu%", "rss", "exit", "step", "train loss", "detail")
 
 
 @dataclass
@@ -36,6 +36,7 @@ class Node:
 class JobRow:
     key: str
     cells: tuple[Any, ...]  # host first, then JOB_COLUMNS
+    sort_values: dict[str, Any] = field(default_factory=dict)  # what the jobs table sorts by (console/widgets/hosts.py SORT_KEYS); None: unknown
 
     def pick(self, columns: tuple[str, ...], *, host: bool) -> tuple[Any, ...]:
         """The cells of `columns` (JOB_COLUMNS names), after the host cell when `host`."""

@@ -66,6 +66,10 @@ class HostSession:
     def connected(self) -> bool:
         return self.client is not None and self.state.connection.connected
 
+    def retry_now(self) -> bool:
+        """Reconnect at once with the backoff reset (key r while disconnected); False when no reconnect is waiting."""
+        return self.client is not None and self.client.transport.retry_now()
+
     def changed(self, sections: set[str]) -> None:
         if sections:
             self.listener.session_changed(self, sections)

@@ -52,7 +52,9 @@ NOTES_KEPT = 200
 TAIL_POINTS_MAX = 20_000  # raw points kept per series; the rest of the history is the host's index (buckets)
 NONFINITE_STEPS_KEPT = 1000
 VAL_ACC_ROWS_KEPT = 64
-SUMMARY_KEYS = ["train.loss", "val.loss", "val.acc.0", "lr", "grad_norm", "weight_norm", "weight_norm.*"]  # what the screens plot (metrics_series keys)
+# What the screens plot (metrics_series keys; "x.*" is every series under x): val accuracy at every draft position, and
+# each train step's wall time for the wall-time axis.
+SUMMARY_KEYS = ["train.loss", "val.loss", "val.acc.*", "lr", "grad_norm", "weight_norm", "weight_norm.*", "time"]
 EXTERNAL_PREFIX = "ext:"
 DISK_LOW_SHARE = 0.9  # a disk more than this full is low, when no checkpoint size says better (disk_low)
 CHECKPOINTS_OF_ROOM = 2  # a disk with room for fewer of the running jobs' checkpoints is low
@@ -105,6 +107,11 @@ class ConnectionStatus:
     @property
     def connected(self) -> bool:
         return self.state == CONNECTED
+
+    @property
+    def next_try_at(self) -> float | None:
+        """When the next reconnect try starts (wall clock); None while one is under way or none is planned."""
+        return self.since + self.retry_in if self.state == RECONNECTING and self.retry_in is not None else None
 
 
 @dataclass
@@ -201,6 +208,7 @@ class JobMetrics:
     train_loss: Series = field(default_factory=Series)
     val_loss: Series = field(default_factory=Series)
     lr: Series = field(default_factory=Series)
+    wall_time: Series = field(default_factory=Series)  # train records' `time` (epoch seconds): the wall-time axis
     grad_norm: Series = field(default_factory=Series)
     weight_norm: Series = field(default_factory=Series)
     weight_norm_modules: dict[str, Series] = field(default_factory=dict)
@@ -236,6 +244,8 @@ class JobMetrics:
         else:
             self.latest_train = record
             self.train_loss.append(step, record.get("loss"))
+            if "time" in record:
+                self.wall_time.append(step, record.get("time"))
             self._add_norms(step, record)
         if "lr" in record:
             self.lr.append(step, record.get("lr"))
@@ -333,6 +343,7 @@ class ConsoleState:
     exit_reasons: dict[str, str] = field(default_factory=dict)  # job -> the last stderr line of a job that exited non-zero
     external_formats: dict[str, str] = field(default_factory=dict)  # "ext:<name>" -> the line regex it was watched with
     external_read_as: dict[str, str] = field(default_factory=dict)  # "ext:<name>" -> the format the host reads it as
+    unwatched: set[str] = field(default_factory=set)  # "ext:<name>" runs unwatched here: a late event of theirs is dropped
     disks: list[DiskUsage] = field(default_factory=list)
     logs: dict[tuple[str, str], LogBuffer] = field(default_factory=dict)
     updated_at: dict[str, float] = field(default_factory=dict)
@@ -556,6 +567,7 @@ class ConsoleState:
     def add_external(self, job: str, path: str, *, line_format: str | None = None, fmt: str | None = None) -> set[str]:
         """A run this tool did not start, watched read-only: listed as a job of kind "external"."""
         self.externals[job] = path
+        self.unwatched.discard(job)
         if line_format:
             self.external_formats[job] = line_format
         if fmt:
@@ -563,6 +575,13 @@ class ConsoleState:
         self.jobs[job] = _external_info(job, path, self.clock())
         self.job_details[job] = _external_detail(self, job)
         return {Section.JOBS}
+
+    def remove_external(self, job: str) -> set[str]:
+        """A watched run no longer watched: it leaves the jobs table with everything held of it; its late events are dropped."""
+        for table in (self.externals, self.external_formats, self.external_read_as, self.jobs, self.job_details, self.metrics, self.signals, self.signals_at):
+            table.pop(job, None)
+        self.unwatched.add(job)
+        return {Section.JOBS, Section.METRICS}
 
     def is_external(self, job: str | None) -> bool:
         return bool(job) and (job in self.externals or str(job).startswith(EXTERNAL_PREFIX))
@@ -738,6 +757,8 @@ def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     """Append new records; once a job's history is loaded, byte offsets keep it exact (no duplicate, no hole)."""
     records, _ = _records_and_offset(message, "metrics")
     start, end = _offsets(message, "metrics")
+    if _unwatched(state, message):
+        return set()  # sent just before the agent dropped the watch
     metrics = state.event_metrics(message.get("job"), "metrics.job")
     if metrics.loading and isinstance(end, int):
         # The reply in flight covers part of this; whatever lies beyond it is re-read right after.
@@ -762,6 +783,11 @@ def _on_metrics(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     return {Section.METRICS}
 
 
+def _unwatched(state: ConsoleState, message: dict[str, Any]) -> bool:
+    job = message.get("job")
+    return isinstance(job, str) and job in state.unwatched
+
+
 def _acc_row(acc: list[Any]) -> list[float]:
     """A val record's per-step accuracies, numbers only (the accuracy table's row)."""
     return [a for a in acc[:VAL_ACC_ROWS_KEPT] if _is_number(a)]
@@ -769,6 +795,8 @@ def _acc_row(acc: list[Any]) -> list[float]:
 
 def _on_index_progress(state: ConsoleState, message: dict[str, Any]) -> set[str]:
     progress = _progress(message, "index_progress")
+    if _unwatched(state, message):
+        return set()
     state.event_metrics(message.get("job"), "index_progress.job").progress = progress
     return {Section.METRICS_PROGRESS}
 

@@ -195,6 +195,8 @@ class Transport:
         self._last_failure: str | None = None
         self._queued_bytes = 0
         self._room_free = asyncio.Event()
+        self._retry_now = asyncio.Event()
+        self.waiting_to_retry = False  # between a failed or dropped link and the next try (retry_now cuts it short)
 
     # -- public -----------------------------------------------------------------------------
 
@@ -248,6 +250,14 @@ class Transport:
             pump.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)
         self._emit(CLOSED, "closed")
+
+    def retry_now(self) -> bool:
+        """Try to reconnect at once, with the backoff back at its start (key r while disconnected); False when no reconnect
+        is waiting (connected, a try already under way, or given up)."""
+        if not self.waiting_to_retry:
+            return False
+        self._retry_now.set()
+        return True
 
     async def drop(self) -> None:
         """Close the current session as if the link had dropped (the supervisor reconnects)."""
@@ -361,7 +371,8 @@ class Transport:
             attempt += 1
             wait = delay * random.uniform(0.8, 1.2)
             self._emit(RECONNECTING, detail, attempt=attempt, retry_in=wait)
-            await asyncio.sleep(wait)
+            hurried = await self._wait_to_retry(wait)
+            self._emit(RECONNECTING, detail, attempt=attempt)  # no retry_in: this try is under way
             try:
                 return await self._open_checked()
             except FatalTransportError as exc:
@@ -370,8 +381,20 @@ class Transport:
                 return None
             except (TransportError, OSError, asyncio.TimeoutError) as exc:
                 detail = f"reconnect attempt {attempt} failed: {exc}"
-            delay = min(delay * 2, self.backoff_max)
+            delay = self.backoff_initial if hurried else min(delay * 2, self.backoff_max)
         return None
+
+    async def _wait_to_retry(self, wait: float) -> bool:
+        """Sleep `wait` seconds before the next try, or less when retry_now() is called; True when it was."""
+        self._retry_now.clear()
+        self.waiting_to_retry = True
+        try:
+            await asyncio.wait_for(self._retry_now.wait(), wait)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self.waiting_to_retry = False
 
 
 # -- local subprocess ----------------------------------------------------------------------

@@ -96,6 +96,8 @@ def frozen_state(points: int = 400, *, gpus: bool = True) -> ConsoleState:
                     "stderr_path": "/root/.eagle3/jobs/train-kimi/stderr.log",
                     "started_at": NOW - 3725,
                     "detail": "",
+                    "cpu_pct": 312.4,
+                    "rss_bytes": 10_522_669_875,
                 },
                 {
                     "name": "bench-old",

@@ -1,4 +1,4 @@
-"""Watch (key w) a run this console did not start, read-only; adopt (key a) a process as a job it may stop."""
+"""Watch (key w) a run this console did not start, read-only, and unwatch it (key u); adopt (key a) a process as a job it may stop."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from backend.safetext import visible
 from console.client import AgentError
 from console.flows.base import FlowHost
 from console.screens.modals import AdoptModal, WatchModal
-from console.state import EXTERNAL_PREFIX
+from console.screens.unwatch_modal import UnwatchModal
+from console.state import EXTERNAL_PREFIX, Section
 
 
 class WatchFlow:
@@ -46,6 +47,42 @@ class WatchFlow:
         if isinstance(warning, str) and warning:
             app.note(f"{job}: {visible(warning)}", severity="warning")
         app.select_started_job(job, None)
+
+
+class UnwatchFlow:
+    """Stop watching the selected ext: run, after a confirmation: the agent drops its reader; nothing on the host is touched."""
+
+    def __init__(self, app: FlowHost):
+        self.app = app
+
+    async def run(self) -> None:
+        app, host, job = self.app, self.app.active, self.app.selected_job
+        if not job or not host.state.is_external(job):
+            app.note(f"unwatch: {job or 'no job'} is not a watched run")
+            return
+        path = host.state.externals.get(job, "?")
+        if not await app.push_screen_wait(UnwatchModal(job, path)):
+            app.note(f"unwatch cancelled; still watching {job}")
+            return
+        reason = app.refusal("unwatch_external", host)
+        if reason:
+            app.note(f"unwatch not sent: {reason}", severity="error")
+            return
+        try:
+            await host.request(Request.UNWATCH_EXTERNAL, name=job)
+        except AgentError as exc:
+            if exc.code != "not_found":  # not_found: this agent had no such watch (a re-watch failed); forget it here too
+                app.note(f"cannot unwatch {job}: {exc}", severity="error")
+                return
+        app.state_changed(host.state.remove_external(job))
+        app.note(f"stopped watching {path} as {job}; nothing on the host was touched")
+        remaining = list(host.state.jobs.values())
+        running = [j for j in remaining if j.state == "running"]
+        if remaining:
+            app.select_started_job((running or remaining)[-1].name, None, host)
+        else:
+            app.selected_job = None
+            app.state_changed({Section.SELECTION})
 
 
 class AdoptFlow:

@@ -15,7 +15,19 @@ from console.widgets.gpu_panel import GpuPanel
 from textual import events
 
 from console.nodes import JOB_COLUMNS
-from console.widgets.hosts import NARROW_JOB_COLUMNS, NARROW_WIDTH, ROW_KEY_SEP, job_table_rows, nodes_text, row_key
+from console.widgets.hosts import (
+    DEFAULT_SORT,
+    NARROW_JOB_COLUMNS,
+    NARROW_WIDTH,
+    ROW_KEY_SEP,
+    SORT_KEYS,
+    column_label,
+    job_table_rows,
+    nodes_text,
+    row_key,
+    sort_label,
+    sort_rows,
+)
 from console.widgets.panels import ActionLog, DiskPanel, LatestMetrics
 from console.state import Section
 
@@ -26,24 +38,54 @@ class DashboardScreen(ConsoleScreen):
     _drawn_selection: str | None = None  # the selection the jobs table was last drawn for
     _columns: tuple[str, ...] = ()  # the jobs table's columns as drawn (fewer on a narrow terminal)
 
-    BINDINGS = [Binding("h", "toggle_workers", "Workers"), Binding("slash", "filter_jobs", "Filter")]
+    BINDINGS = [
+        Binding("h", "toggle_workers", "Workers"),
+        Binding("slash", "filter_jobs", "Filter"),
+        Binding("greater_than_sign", "sort_jobs", "Sort"),
+        Binding("less_than_sign", "reverse_sort", "Reverse"),
+        Binding("u", "unwatch_external", "Unwatch"),
+    ]
     AUTO_FOCUS = "#jobs"  # not the hidden filter box
-    job_filter = ""  # the jobs table shows only rows holding this text (any case); "" shows every job
+    job_filter = ""  # the jobs table and the GPU holders show only rows holding this text (any case); "" shows all
+    job_sort = DEFAULT_SORT  # the jobs table's sort key (console/widgets/hosts.py SORT_KEYS)
+    sort_reversed = False
 
     def action_toggle_workers(self) -> None:
         """Show or hide each job's helper processes (compile workers...) under its GPU holder row."""
         self.console.holders_expanded = not self.console.holders_expanded
-        self.query_one(GpuPanel).show_state(self.console.state, self.console.holders_expanded)
+        self._draw_gpus()
+
+    def action_sort_jobs(self) -> None:
+        """> : sort the jobs table by the next of SORT_KEYS (htop's < >, k9s's sort keys); the header marks it."""
+        self.job_sort = SORT_KEYS[(SORT_KEYS.index(self.job_sort) + 1) % len(SORT_KEYS)]
+        self.sort_reversed = False
+        self._set_columns()
+        self._draw_jobs()
+
+    def action_reverse_sort(self) -> None:
+        """< : the same sort, the other way round (htop's I)."""
+        self.sort_reversed = not self.sort_reversed
+        self._set_columns()
+        self._draw_jobs()
+
+    async def action_unwatch_external(self) -> None:
+        """u : stop watching the selected ext: run (the app's flow asks first)."""
+        await self.app.run_action("unwatch_external")
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "unwatch_external":
+            return self.app.check_action(action, parameters)  # the app's guard: greyed in the footer when off
+        return True
 
     def compose(self) -> ComposeResult:
         yield Header()
         yield ConnectionBanner(id="banner")
         with Horizontal(id="dash-body"):
             with Vertical(id="dash-left"):
-                yield Static("GPUs", classes="section-title")
+                yield Static("GPUs", classes="section-title", id="gpus-title")
                 yield GpuPanel(id="gpus")
                 yield Static("Jobs", classes="section-title", id="jobs-title")
-                yield Input(placeholder="filter jobs: name, kind, state, detail (enter keeps it, esc clears)", id="jobs-filter")
+                yield Input(placeholder="filter jobs and GPU holders: name, state, pid, user, command (enter keeps, esc clears)", id="jobs-filter")
                 yield DataTable(id="jobs", cursor_type="row", zebra_stripes=True)
             with Vertical(id="dash-right"):
                 yield Static("Latest metrics", classes="section-title")
@@ -61,7 +103,7 @@ class DashboardScreen(ConsoleScreen):
         self.show_state(None)
 
     def action_filter_jobs(self) -> None:
-        """/ : type to narrow the jobs table (k9s, htop); enter keeps the filter, esc clears it."""
+        """/ : type to narrow the jobs table and the GPU holders at once (k9s, htop); enter keeps the filter, esc clears it."""
         box = self.query_one("#jobs-filter", Input)
         box.display = True
         box.focus()
@@ -70,6 +112,7 @@ class DashboardScreen(ConsoleScreen):
         if event.input.id == "jobs-filter":
             self.job_filter = event.value.strip()
             self._draw_jobs()
+            self._draw_gpus()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         if event.input.id == "jobs-filter":
@@ -97,12 +140,15 @@ class DashboardScreen(ConsoleScreen):
         table = self.query_one("#jobs", DataTable)
         table.clear(columns=True)
         self._columns = self._columns_for(self.app.size.width)
-        table.add_columns(*(("host",) if self.console.multi_host else ()), *self._columns)
+        narrow = self._columns == NARROW_JOB_COLUMNS
+        labels = [column_label(name, narrow=narrow, sort=self.job_sort, reverse=self.sort_reversed) for name in self._columns]
+        table.header_height = max(label.count("\n") + 1 for label in labels)
+        table.add_columns(*(("host",) if self.console.multi_host else ()), *labels)
 
     def draw(self, changed: set[str] | None) -> None:
         state = self.console.state
         if touches(changed, Section.GPUS, Section.HOLDERS, Section.HELLO, Section.JOBS):
-            self.query_one(GpuPanel).show_state(state, self.console.holders_expanded)
+            self._draw_gpus()
         if touches(changed, Section.JOBS, Section.METRICS, Section.SELECTION, Section.CONNECTION, Section.HOSTS):
             self._draw_jobs()
         if touches(changed, Section.METRICS, Section.JOBS, Section.SELECTION, Section.HOSTS):
@@ -112,6 +158,14 @@ class DashboardScreen(ConsoleScreen):
             self.query_one(DiskPanel).show_state(state)
         if touches(changed, Section.ACTIONS):
             self.query_one(ActionLog).show_state(state)
+
+    def _draw_gpus(self) -> None:
+        panel = self.query_one(GpuPanel)
+        panel.holder_filter = self.job_filter
+        panel.show_state(self.console.state, self.console.holders_expanded)
+        shown, total = panel.holders_shown
+        title = f"GPUs · filter '{self.job_filter}': {shown} of {total} holders" if self.job_filter else "GPUs"
+        self.query_one("#gpus-title", Static).update(Text(title))
 
     def _draw_nodes(self) -> None:
         """The selected multi-node job's nodes and ranks (hidden for a one-node job)."""
@@ -132,10 +186,14 @@ class DashboardScreen(ConsoleScreen):
         rows = job_table_rows(self.console.job_rows(), self.console.sessions)
         wanted = self.job_filter.lower()
         shown = [row for row in rows if not wanted or any(wanted in str(cell).lower() for cell in row.cells)]
-        for row in shown:
+        for row in sort_rows(shown, self.job_sort, self.sort_reversed):
             table.add_row(*row.pick(self._columns, host=multi), key=row.key)
-        title = f"Jobs · filter '{self.job_filter}': {len(shown)} of {len(rows)} (/ edits, esc clears)" if wanted else "Jobs"
-        self.query_one("#jobs-title", Static).update(Text(title))
+        parts = ["Jobs"]
+        if self.job_sort != DEFAULT_SORT or self.sort_reversed:
+            parts.append(f"by {sort_label(self.job_sort, self.sort_reversed)}")
+        if wanted:
+            parts.append(f"filter '{self.job_filter}': {len(shown)} of {len(rows)} (/ edits, esc clears)")
+        self.query_one("#jobs-title", Static).update(Text(" · ".join(parts)))
         selected = self._selection_key()
         self._drawn_selection = selected
         if selected is not None and selected in table.rows:

@@ -8,9 +8,10 @@ from textual.widgets import Static
 from backend.protocol import DiskUsage
 from backend.safetext import visible
 from console.format import GIB, clock_time, duration, figure, inert_text
-from console.state import CONNECTED, CONNECTING, FAILED, RECONNECTING, ConsoleState, disk_low, used_share
+from console.state import CONNECTED, CONNECTING, FAILED, RECONNECTING, ConnectionStatus, ConsoleState, disk_low, used_share
 
 DISABLED_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled until the connection is back"
+RETRY_NOTE = "r retries now"
 GAVE_UP_NOTE = "stop, stop & bench, resume, grok, adopt and start are disabled: this console will not retry; fix the cause and start it again"
 
 
@@ -69,8 +70,8 @@ def _connection_text(state: ConsoleState, readonly: bool) -> Text:
     else:
         text.append(" no data received yet", style="bold")
     if status.state == RECONNECTING:
-        retry = f", next try in {status.retry_in:.1f}s" if status.retry_in is not None else ""
-        text.append(f" · reconnecting to {state.target} (attempt {status.attempt}{retry})")
+        text.append(f" · reconnecting to {state.target} (attempt {status.attempt}, {_next_try(status, now)})")
+        text.append(f" · {RETRY_NOTE}", style="bold")
     elif status.state == FAILED:
         text.append(f" · {state.target}: gave up")
     if status.detail:
@@ -79,6 +80,14 @@ def _connection_text(state: ConsoleState, readonly: bool) -> Text:
         note = DISABLED_NOTE if status.state != FAILED else GAVE_UP_NOTE
         text.append(f" · {note}", style="italic")
     return text
+
+
+def _next_try(status: ConnectionStatus, now: float) -> str:
+    """'next try at 14:02:31, in 12s', or 'trying now' while a try is under way (an SSH connect can take a while)."""
+    at = status.next_try_at
+    if at is None or at <= now:
+        return "trying now"
+    return f"next try at {clock_time(at)}, in {duration(at - now)}"
 
 
 class ConnectionBanner(Static):

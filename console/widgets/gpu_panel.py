@@ -19,9 +19,18 @@ BAR_WIDTH = 20
 NARROW = 90  # below this many columns a GPU's util/temperature go on their own line and command lines are cut shorter
 
 
+def holder_matches(holder: GpuHolder, wanted: str) -> bool:
+    """Whether a holder's row holds `wanted` (any case): its pid, user, command line, job name, or "ours"/"foreign"."""
+    if not wanted:
+        return True
+    text = f"{holder.pid} {holder.user} {holder.cmdline} {holder.job or ''} {'ours' if holder.owned else 'foreign'}"
+    return wanted.lower() in text.lower()
+
+
 @inert_text
-def gpu_text(state: ConsoleState, expanded: bool = False, width: int = 120) -> Text:
-    """The panel's text; every name, user and command line a host sent shown inert (backend.safetext)."""
+def gpu_text(state: ConsoleState, expanded: bool = False, width: int = 120, wanted: str = "") -> Text:
+    """The panel's text; every name, user and command line a host sent shown inert (backend.safetext). With `wanted`,
+    only the holders whose row holds it (the Dashboard's / filter); each GPU line stays, saying how many were hidden."""
     if state.no_driver:
         text = Text("No NVIDIA driver on this host: GPU telemetry is off.", style="bold yellow")
         detail = state.gpu_status_text
@@ -40,7 +49,10 @@ def gpu_text(state: ConsoleState, expanded: bool = False, width: int = 120) -> T
             text.append("\n")
         text.append_text(_gpu_line(gpu, owned.get(gpu.index, 0.0), foreign.get(gpu.index, 0.0), narrow=width < NARROW))
         holders = [h for h in state.holders if gpu.index in h.gpu_indices]
-        text.append_text(_holder_lines(holders, gpu, leaders, expanded, narrow=width < NARROW))
+        matching = [h for h in holders if holder_matches(h, wanted)]
+        text.append_text(_holder_lines(matching, gpu, leaders, expanded, narrow=width < NARROW, filtered=bool(wanted)))
+        if len(matching) < len(holders):
+            text.append(f"\n      ({len(holders) - len(matching)} of {len(holders)} holders hidden by the filter)", style="dim")
     text.append("\n")
     text.append("█ ours ", style=OWNED_STYLE)
     text.append("█ foreign ", style=FOREIGN_STYLE)
@@ -71,10 +83,14 @@ def _gpu_line(gpu: GpuSample, owned: float, foreign: float, narrow: bool = False
     return text
 
 
-def _holder_lines(holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, int] | None = None, expanded: bool = False, narrow: bool = False) -> Text:
+def _holder_lines(
+    holders: list[GpuHolder], gpu: GpuSample, leaders: dict[str, int] | None = None, expanded: bool = False, narrow: bool = False, filtered: bool = False
+) -> Text:
     indent, cmd = ("\n  ", 12) if narrow else ("\n      ", 40)
     text = Text()
     if not holders:
+        if filtered:
+            return text  # the filter hid them: the line under says how many
         pids = [p.pid for p in gpu.processes]
         if pids:
             text.append(f"\n      processes (not yet attributed): {', '.join(map(str, pids))}", style="dim")
@@ -135,9 +151,18 @@ def _helpers_memory(helpers: list[GpuHolder]) -> Text:
     return Text(f", {len(using)} use{'s' if len(using) == 1 else ''} {mib(sum(h.used_memory_mib or 0.0 for h in using))}", style="bold")
 
 
+def holders_shown(state: ConsoleState, wanted: str) -> tuple[int, int]:
+    """(holders the filter keeps, all holders) of this host."""
+    return sum(holder_matches(h, wanted) for h in state.holders), len(state.holders)
+
+
 class GpuPanel(Static):
+    holder_filter = ""  # the Dashboard's / filter: only holders whose row holds it are listed
+    holders_shown: tuple[int, int] = (0, 0)  # (listed, all) at the last draw
+
     def show_state(self, state: ConsoleState, expanded: bool = False) -> None:
-        self.update(gpu_text(state, expanded, self.size.width or 120))
+        self.holders_shown = holders_shown(state, self.holder_filter)
+        self.update(gpu_text(state, expanded, self.size.width or 120, self.holder_filter))
 
     def on_resize(self) -> None:
         app = self.app

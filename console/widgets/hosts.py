@@ -13,8 +13,18 @@ from console.state import CONNECTED, ConsoleState
 from backend.safetext import visible
 from console.format import GIB, MIB, duration, figure, inert_text, number, plain_cell, size_bytes
 
-NARROW_JOB_COLUMNS = ("job", "state", "exit", "step", "train loss", "detail")  # under NARROW_WIDTH: what tells a job's health
-NARROW_WIDTH = 140  # terminal columns under which the jobs table drops kind, pid and runtime (the stop modal shows pids)
+# Under NARROW_WIDTH the jobs table keeps what tells a job's health and drops kind, pid and runtime (the stop modal shows
+# the pids); its two-line header narrows "train loss" so that exit, step and loss stay on screen beside cpu% and rss.
+NARROW_JOB_COLUMNS = ("job", "state", "cpu%", "rss", "exit", "step", "train loss", "detail")
+NARROW_WIDTH = 140
+NARROW_LABELS = {"train loss": "train\nloss"}
+# The jobs table's sort keys in the order > cycles them, the column each marks, and which sort biggest (or newest) first.
+SORT_KEYS = ("name", "state", "started", "cpu", "rss", "step")
+DEFAULT_SORT = "started"  # the order jobs are listed in: each host's newest first, hosts in the order given
+SORT_COLUMNS = {"name": "job", "state": "state", "started": "runtime", "cpu": "cpu%", "rss": "rss", "step": "step"}
+SORT_TITLES = {"name": "name", "state": "state", "started": "started", "cpu": "CPU %", "rss": "RSS", "step": "step"}
+DESCENDING = frozenset({"started", "cpu", "rss", "step"})
+STATE_ORDER = ("running", "stale", "unknown", "watching", "stopped", "exited")  # what needs an eye first
 HOST_COLUMNS = ("host", "link", "GPUs", "GPU memory", "util", "holders owned/foreign", "jobs running", "run dir free", "agent")
 STATE_STYLES = {"running": "green", "exited": "dim", "stopped": "yellow", "stale": "red", "unknown": "red"}
 ROW_KEY_SEP = "\x1f"  # host and job name in a row key: neither may contain it
@@ -35,13 +45,69 @@ def job_table_rows(jobs: list[tuple[HostSession, str]], sessions: list[HostSessi
         if len(nodes) > 1:
             folded.update((n.host, n.job.name) for n in nodes)
             lead = nodes[0]
-            rows.append(JobRow(row_key(lead.host, lead.job.name), _job_cells(lead.session.state, lead.job, nodes)))
+            rows.append(_job_row(row_key(lead.host, lead.job.name), lead.session.state, lead.job, nodes))
         else:
-            rows.append(JobRow(row_key(session.name, name), _job_cells(session.state, session.state.jobs[name], [])))
+            rows.append(_job_row(row_key(session.name, name), session.state, session.state.jobs[name], []))
     return rows
 
 
-def _job_cells(state: ConsoleState, job: JobInfo, nodes: list[Node]) -> tuple[Any, ...]:
+def sort_rows(rows: list[JobRow], key: str, reverse: bool = False) -> list[JobRow]:
+    """`rows` by `key` (SORT_KEYS), biggest or newest first for DESCENDING keys; rows with no value last either way.
+    The default, started, is the listing order itself (so `[` and `]` walk the table as shown)."""
+    if key == DEFAULT_SORT:
+        return list(reversed(rows)) if reverse else list(rows)
+    known = [row for row in rows if row.sort_values.get(key) is not None]
+    unknown = [row for row in rows if row.sort_values.get(key) is None]
+    return sorted(known, key=lambda row: row.sort_values[key], reverse=(key in DESCENDING) != reverse) + unknown
+
+
+def sort_label(key: str, reverse: bool) -> str:
+    """'CPU % ▼': the sort key and its direction (▼ biggest, newest or first-in-order on top)."""
+    return f"{SORT_TITLES[key]} {'▲' if reverse else '▼'}"
+
+
+def column_label(name: str, *, narrow: bool, sort: str, reverse: bool) -> str:
+    """A jobs-table header: two lines for a wide name on a narrow table; the sort column marked with its direction (on a
+    narrow table under the name, so the column does not widen)."""
+    label = NARROW_LABELS.get(name, name) if narrow else name
+    if SORT_COLUMNS.get(sort) == name and (sort != DEFAULT_SORT or reverse):
+        label += ("\n" if narrow and "\n" not in label else " ") + ("▲" if reverse else "▼")
+    return label
+
+
+def cpu_cell(percent: float | None) -> str:
+    return "-" if percent is None else f"{percent:.0f}%"
+
+
+def rss_cell(size: int | None) -> str:
+    """Resident memory in at most four characters and a unit: '9.8G', '512M' (htop's RES)."""
+    if size is None:
+        return "-"
+    amount = float(size)
+    for unit in "BKMGT":
+        if amount < 1000 or unit == "T":
+            return f"{amount:.0f}{unit}" if unit == "B" or amount >= 10 else f"{amount:.1f}{unit}"
+        amount /= 1024
+    return "-"
+
+
+def _usage(jobs: list[JobInfo]) -> tuple[float | None, int | None]:
+    """CPU % and RSS of a job's nodes added up (one node: its own); None when no node has been measured."""
+    cpus = [j.cpu_pct for j in jobs if j.cpu_pct is not None]
+    sizes = [j.rss_bytes for j in jobs if j.rss_bytes is not None]
+    return (sum(cpus) if cpus else None), (sum(sizes) if sizes else None)
+
+
+def _job_row(key: str, state: ConsoleState, job: JobInfo, nodes: list[Node]) -> JobRow:
+    cpu, rss = _usage([n.job for n in nodes] or [job])
+    latest = state.metrics.get(job.name)
+    step = (latest.latest if latest else {}).get("step")
+    order = STATE_ORDER.index(job.state) if job.state in STATE_ORDER else len(STATE_ORDER)
+    values = {"name": job.name.lower(), "state": order, "cpu": cpu, "rss": rss, "step": step if isinstance(step, (int, float)) else None}
+    return JobRow(key, _job_cells(state, job, nodes, cpu, rss), values)
+
+
+def _job_cells(state: ConsoleState, job: JobInfo, nodes: list[Node], cpu: float | None, rss: int | None) -> tuple[Any, ...]:
     latest = state.metrics.get(job.name)
     record = latest.latest if latest else {}
     train = latest.latest_train if latest else {}  # the loss column is train loss only: a val record's loss is not it
@@ -63,6 +129,8 @@ def _job_cells(state: ConsoleState, job: JobInfo, nodes: list[Node]) -> tuple[An
         status,
         "-" if job.kind == "external" else str(job.pid),
         duration(end - job.started_at),
+        cpu_cell(cpu),
+        rss_cell(rss),
         "-" if job.exit_code is None else str(job.exit_code),
         str(record.get("step", "-")),
         number(train.get("loss")),
