@@ -11,6 +11,7 @@ from pathlib import Path
 from backend.profiles import ProfileError, load_profile, resolve_profile_path
 from backend.protocol import Request
 
+from console.config import ConfigError, ConsoleConfig, apply_config, load_config, save_config, session_watches, updated_config
 from console.transport import LocalTransport, SSHTransport, Transport, TransportError
 
 DEFAULT_PROFILE = "tiny"
@@ -32,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="SSH host as [user@]name[:port] (a name from ~/.ssh/config works), or 'local' (default); repeat it to watch several hosts in one console",
     )
     parser.add_argument("--hosts-file", help="a file naming more hosts, one [user@]name[:port] per line ('#' starts a comment)")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="config file: hosts, watched runs per host, theme (default: $XDG_CONFIG_HOME/eagle3-console/config.toml, "
+        "else ~/.config/...); --host and --hosts-file win over its hosts",
+    )
     parser.add_argument("--port", type=int, help="SSH port for hosts that name none (default: from ssh config, else 22)")
     parser.add_argument("--user", help="SSH user (default: from ssh config, else your login name)")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="profile name (tiny, llama3.1-8b, kimi-k2.5) or path to a TOML file")
@@ -64,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="ring the terminal bell and send a desktop notification (OSC 9 and OSC 777) when a job exits, a canary turns red, "
         "grokking onset is detected or a disk runs low (off by default)",
     )
+    parser.set_defaults(config_hosts=[])  # the config file's hosts, used when the command line names none
     return parser
 
 
@@ -72,7 +80,8 @@ class HostListError(ValueError):
 
 
 def host_list(args: argparse.Namespace) -> list[str]:
-    """The hosts to connect to, in order: every --host, then the hosts file's lines; ["local"] when none is named."""
+    """The hosts to connect to, in order: every --host, then the hosts file's lines; else the config file's hosts;
+    ["local"] when none is named."""
     hosts = list(args.hosts or [])
     if args.hosts_file:
         path = Path(args.hosts_file).expanduser()
@@ -81,6 +90,7 @@ def host_list(args: argparse.Namespace) -> list[str]:
         except OSError as exc:
             raise HostListError(f"cannot read the hosts file {path}: {exc.strerror or exc}") from None
         hosts += [entry for entry in (line.split("#", 1)[0].strip() for line in lines) if entry]
+    hosts = hosts or list(args.config_hosts)
     if not hosts:
         return ["local"]
     labels = [_canonical(host, args.port) for host in hosts]  # raises on a bad entry before anything connects
@@ -222,9 +232,40 @@ def run_snapshot(transports: list[Transport]) -> int:
     return 2 if failed else 0
 
 
+def read_config(args: argparse.Namespace) -> ConsoleConfig:
+    """The config file --config names (or the default one), its hosts checked like --host values; raises ConfigError."""
+    config = load_config(Path(args.config) if args.config else None)
+    for i, host in enumerate(config.hosts):
+        try:
+            split_host(host, args.port)
+        except HostListError as exc:
+            raise ConfigError(f"{config.path}: hosts[{i}]: {exc}") from None
+    return config
+
+
+def save_session(config: ConsoleConfig, app, entries: list[str], applied: dict) -> None:
+    """At quit: the theme and each host's watches back into the config file, when the operator changed them (re-read
+    first, so an edit made to the file meanwhile is kept). A failure is one line; the console has already quit."""
+    try:
+        fresh = load_config(config.path)
+        theme = getattr(app, "theme", None)  # a stand-in app in a test may have none
+        updated = updated_config(fresh, config, theme, applied, session_watches(app, entries))
+        if updated != fresh:
+            save_config(updated)
+    except (ConfigError, OSError) as exc:
+        print(f"eagle3-console: the config file was not saved: {exc}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        config = read_config(args)
+    except ConfigError as exc:
+        print(f"eagle3-console: {exc}; nothing was started", file=sys.stderr)
+        return 2
+    args.config_hosts = config.hosts
+    try:
+        entries = host_list(args)
         transports, profile_arg = make_transports(args)
     except (ProfileError, HostListError) as exc:
         print(f"eagle3-console: {exc}; nothing was started", file=sys.stderr)
@@ -240,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         notify_terminal=args.notify,
         rdzv_endpoint=args.rdzv_endpoint,
     )
+    applied = apply_config(config, app, entries)
     app.run()
+    save_session(config, app, entries, applied)
     failed = [s for s in app.sessions if not s.state.connection.connected and s.state.connection.detail and s.state.last_data_at is None]
     for session in failed:
         print(f"eagle3-console: {session.state.connection.detail}", file=sys.stderr)
