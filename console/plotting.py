@@ -1,8 +1,10 @@
 """Curve preparation for the plots: what a plot is asked to draw (SeriesSpec, CurveOptions), EMA smoothing
-(backend/smoothing.py), log10 axes with our own ticks, spike-keeping min/max downsampling.
+(backend/smoothing.py), log10 axes with our own ticks, spike-keeping min/max downsampling, and the wall-time axis
+(StepClock: a step's time since the run's first step).
 
 Values on a log axis are transformed here (log10) and the ticks labelled with the original numbers; linear ticks
-sit at 1, 2 or 5 times a power of ten (whole numbers on a step axis).
+sit at 1, 2 or 5 times a power of ten (whole numbers on a step axis); wall-time ticks at round durations labelled
+as elapsed time (0:00, 30:00, 1:30:00).
 """
 
 from __future__ import annotations
@@ -34,11 +36,55 @@ class Ticks:
 
 @dataclass(frozen=True)
 class CurveOptions:
-    """How a plot draws its curves: log axes, and the EMA weight of its smoothing (0: raw)."""
+    """How a plot draws its curves: log axes, the EMA weight of its smoothing (0: raw), and whether x is the wall
+    time since the run's first step (each spec's `clock` maps its steps; log_x is then off)."""
 
     log_x: bool = False
     log_y: bool = False
     ema_weight: float = 0.0
+    wall_time: bool = False
+
+
+class StepClock:
+    """Step -> seconds since the run's first step, interpolated linearly between known (step, wall time) points.
+
+    The points come from the host's `time` buckets (each bucket's first and last) and the live records. Times are
+    made non-decreasing in step (a resume from an older checkpoint writes steps again, later), so the axis never
+    folds back; a step outside the known points takes the nearest end's time. `key` names the data (cache key).
+    """
+
+    def __init__(self, points: Sequence[tuple[float, float]], key: tuple = ()):
+        by_step: dict[float, float] = {}
+        for step, when in points:
+            if math.isfinite(step) and math.isfinite(when):
+                by_step[step] = max(when, by_step.get(step, when))
+        steps = sorted(by_step)
+        times: list[float] = []
+        for step in steps:
+            times.append(max(by_step[step], times[-1]) if times else by_step[step])
+        self.steps = steps
+        self.start = times[0] if times else 0.0
+        self.seconds = [t - self.start for t in times]
+        self.key = key
+
+    def __bool__(self) -> bool:
+        return bool(self.steps)
+
+    def elapsed(self, steps: Sequence[float]) -> list[float]:
+        """The seconds since the first step at which each of `steps` ran."""
+        known, seconds = self.steps, self.seconds
+        last = len(known) - 1
+        out: list[float] = []
+        for step in steps:
+            i = bisect_left(known, step)
+            if i > last:
+                out.append(seconds[last])
+            elif known[i] == step or i == 0:
+                out.append(seconds[i])
+            else:
+                lo, hi = known[i - 1], known[i]
+                out.append(seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (step - lo) / (hi - lo))
+        return out
 
 
 @dataclass
@@ -56,6 +102,7 @@ class SeriesSpec:
     markers: list[float] = field(default_factory=list)  # steps of NaN/inf values, drawn as red x at the top
     total: int | None = None  # points in the whole history (label), when known
     ema_weight: float | None = None  # this curve's own smoothing (None: the plot's options)
+    clock: StepClock | None = None  # its run's step -> wall time, for a wall-time axis (None: no times known)
 
 
 def minmax_downsample(xs: Sequence[float], ys: Sequence[float], buckets: int) -> tuple[list[float], list[float]]:
@@ -208,6 +255,39 @@ def format_number(value: float, *, si: bool = False) -> str:
         mantissa, exponent = f"{value:.0e}".split("e")
         return f"{mantissa}e{int(exponent)}"
     return f"{value:.3g}"
+
+
+# Wall-time tick spacings: round seconds, minutes, hours, days.
+TIME_TICK_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 432000, 864000)
+
+
+def elapsed_label(seconds: float) -> str:
+    """Elapsed time as a clock reads it: 0:00, 1:30 and 59:59 under an hour, 1:30:00 and 27:00:00 from one."""
+    total = int(round(seconds))
+    sign = "-" if total < 0 else ""
+    hours, rest = divmod(abs(total), 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{sign}{hours}:{minutes:02d}:{secs:02d}" if hours else f"{sign}{minutes}:{secs:02d}"
+
+
+def time_ticks(lo: float, hi: float, *, max_ticks: int = 6) -> Ticks:
+    """Ticks of a wall-time axis of seconds lo..hi at a round spacing (10 s, 15 min, 6 h...), labelled as elapsed time."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return Ticks()
+    if hi < lo:
+        lo, hi = hi, lo
+    if hi == lo:
+        return Ticks([lo], [elapsed_label(lo)])
+    wanted = (hi - lo) / max(1, max_ticks - 1)
+    widest = TIME_TICK_STEPS[-1] * max(1, math.ceil(wanted / TIME_TICK_STEPS[-1]))
+    candidates = [s for s in TIME_TICK_STEPS if s < widest] + [widest]
+    first = next(i for i, s in enumerate(candidates) if s >= wanted)
+    positions: list[float] = []
+    for step in reversed(candidates[: first + 1]):  # the widest spacing that still puts two ticks inside
+        positions = [float(p) for p in _multiples(lo, hi, step, True)]
+        if len(positions) >= 2:
+            break
+    return Ticks(positions, [elapsed_label(p) for p in positions])
 
 
 def log_ticks(lo: float, hi: float, *, si: bool = False, max_ticks: int = 8) -> Ticks:

@@ -1,15 +1,19 @@
 """Curves of a job's whole history: the host's buckets (the whole run, or a zoomed step range) joined to the live tail, with
-NaN/inf markers; which other job's curves the Training screen can overlay."""
+NaN/inf markers; a run's step -> wall-time clock; val accuracy per draft position; which other job's curves the Training
+screen can overlay."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 from console.state import ConsoleState, JobMetrics, Series, Summary
 from console.format import MIB, figure
-from console.plotting import SeriesSpec
+from console.plotting import SeriesSpec, StepClock
 
 MIN_VIEW_STEPS = 16
+TIME_KEY = "time"  # the host index's series of each train step's wall time (epoch seconds)
+ACC_PREFIX = "val.acc."  # the host index's series of val accuracy per draft position: val.acc.0, val.acc.1, ...
 OVERLAY_KINDS = ("train",)  # besides watched runs (external), the jobs whose curves the Training screen can overlay
 
 
@@ -31,7 +35,16 @@ def view_summary(metrics: JobMetrics, log_x: bool, view: StepView | None) -> Sum
 
 
 def history_spec(
-    label: str, metrics: JobMetrics, key: str, tail: Series, color: str | int, *, log_x: bool, view: StepView | None, ema_weight: float | None = None
+    label: str,
+    metrics: JobMetrics,
+    key: str,
+    tail: Series,
+    color: str | int,
+    *,
+    log_x: bool,
+    view: StepView | None,
+    ema_weight: float | None = None,
+    clock: StepClock | None = None,
 ) -> SeriesSpec:
     summary = view_summary(metrics, log_x, view)
     buckets, end, markers = None, None, []
@@ -51,7 +64,50 @@ def history_spec(
         markers=markers,
         total=metrics.history_points(key),
         ema_weight=ema_weight,
+        clock=clock,
     )
+
+
+def step_clock(metrics: JobMetrics, view: StepView | None = None) -> StepClock:
+    """The run's step -> wall-time map: the first and last time of each whole-history bucket (and of the zoomed range's
+    finer buckets when they are held), then the live records after them. Empty when the run logs no times."""
+    whole, zoom = _time_summaries(metrics, view)
+    points: list[tuple[float, float]] = []
+    for summary in (whole, zoom):
+        for bucket in summary.buckets[TIME_KEY] if summary is not None else []:
+            if bucket.get("count"):
+                points += [(bucket["step_lo"], bucket["first"]), (bucket["step_hi"], bucket["last"])]
+    tail = metrics.wall_time
+    end = whole.end_step if whole is not None else None
+    start = 0 if end is None else bisect_right(tail.steps, end)
+    points += zip(tail.steps[start:], tail.values[start:])
+    return StepClock(points, clock_key(metrics, view))
+
+
+def clock_key(metrics: JobMetrics, view: StepView | None) -> tuple:
+    """What step_clock reads (a new summary, zoom reply or live time changes it): the clock's cache key."""
+    whole, zoom = _time_summaries(metrics, view)
+    return (id(metrics), *(id(s.buckets[TIME_KEY]) if s is not None else None for s in (whole, zoom)), metrics.wall_time.version)
+
+
+def _time_summaries(metrics: JobMetrics, view: StepView | None) -> tuple[Summary | None, Summary | None]:
+    """The whole-history summary and the zoom reply of `view`, each only when it holds the time series."""
+    whole = metrics.summary(False)
+    zoom = metrics.zoom if view is not None and metrics.zoom is not None and (metrics.zoom.step_from, metrics.zoom.step_to) == (view.lo, view.hi) else None
+    return _with_time(whole), _with_time(zoom)
+
+
+def _with_time(summary: Summary | None) -> Summary | None:
+    return summary if summary is not None and TIME_KEY in summary.buckets else None
+
+
+def acc_positions(metrics: JobMetrics) -> int:
+    """How many draft positions the run's val accuracy has: the host index's val.acc.N series, or the rows held here."""
+    summary = metrics.summary(False)
+    indexed = [
+        int(key[len(ACC_PREFIX) :]) + 1 for key in (summary.buckets if summary else {}) if key.startswith(ACC_PREFIX) and key[len(ACC_PREFIX) :].isdigit()
+    ]
+    return max([*indexed, *(len(acc) for _, acc in metrics.val_acc)], default=0)
 
 
 def run_span(metrics: JobMetrics | None) -> tuple[int, int] | None:

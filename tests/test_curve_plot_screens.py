@@ -58,10 +58,11 @@ async def test_ema_keeps_the_raw_line_faint_and_leaves_sparse_evals_raw():
         assert loss.legend == ["train EMA (400)", "val (10)"]
         val = next(layer for layer in loss._layers if layer.spec.label == "val")
         assert val.curve.ys == metrics.val_loss.values  # 10 evals drawn as they are
-        table_acc = [acc_row[0] for _, acc_row in metrics.val_acc]
-        (acc_layer,) = acc._layers
-        assert acc_layer.curve.ys == pytest.approx(table_acc)  # the plot reads what the table says
-        assert max(acc_layer.curve.ys) == pytest.approx(max(table_acc))
+        assert [layer.spec.label for layer in acc._layers] == [f"acc@{k}" for k in range(7)]  # sparse: no faint lines
+        for position, acc_layer in enumerate(acc._layers):
+            table_acc = [acc_row[position] for _, acc_row in metrics.val_acc]
+            assert acc_layer.curve.ys == pytest.approx(table_acc)  # the plot reads what the table says
+            assert max(acc_layer.curve.ys) == pytest.approx(max(table_acc))
         dim = [style.dim for style in loss.drawn().styles[1:]]
         assert dim == [True, False, False]
         assert [layer.faint for layer in lr._layers] == [True, False]  # LR is dense: smoothed, raw behind

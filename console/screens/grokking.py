@@ -1,6 +1,10 @@
-"""Grokking: loss (EMA) on a log-step axis, weight and grad norms, LR; the host's grokking signals and the data-scaling numbers."""
+"""Grokking: loss (EMA) on a log-step (or wall-time) axis, weight and grad norms, LR; the host's grokking signals and the
+data-scaling numbers."""
 
 from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -9,7 +13,7 @@ from textual.widgets import Footer, Header, Static
 
 from backend.smoothing import TRAIN_EMA_BETA, VAL_EMA_BETA
 from console.screens.base import no_job_text, touches
-from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
+from console.screens.zoomable import WALL_TIME_BINDING, ZOOM_BINDINGS, ZoomableScreen
 from console.state import JobMetrics, Section
 from console.widgets.banner import ConnectionBanner
 from console.plotting import CurveOptions
@@ -26,7 +30,7 @@ class GrokkingScreen(ZoomableScreen):
     MODE = "grokking"
     TITLE = "eagle3-console · Grokking (4)"  # the header names the screen
     LOG_X_DEFAULT = True
-    BINDINGS = ZOOM_BINDINGS
+    BINDINGS = [WALL_TIME_BINDING, *ZOOM_BINDINGS]
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -106,7 +110,10 @@ class GrokkingScreen(ZoomableScreen):
         text.append(job, style="bold")
         if self.console.state.is_external(job):
             text.append(" (external, read-only)", style="yellow")
-        text.append(f" · {history_text(metrics)} · log step axis · {self.view_text()} (+ - , . 0) · EMA train {TRAIN_EMA_BETA} / val {VAL_EMA_BETA}")
+        axis = "wall time axis" if self.wall_time else "log step axis"
+        text.append(f" · {history_text(metrics)} · {axis} (t) · {self.view_text()} (+ - , . 0) · EMA train {TRAIN_EMA_BETA} / val {VAL_EMA_BETA}")
+        if self.wall_time and metrics is not None and not self.clock_of(job, metrics):
+            text.append(" · no wall time in this run's records: t shows steps again", style="yellow")
         indexing = indexing_text(metrics)
         if indexing:
             text.append(f" · {indexing}", style="yellow")
@@ -118,25 +125,27 @@ class GrokkingScreen(ZoomableScreen):
         return text
 
     def _draw_plots(self, metrics: JobMetrics | None) -> None:
-        log_x = CurveOptions(log_x=True)
+        log = self.view_is_log()
+        axis = CurveOptions(log_x=log, wall_time=self.wall_time)
         plots = {name: self.query_one(f"#grok-{name}", CurvePlot) for name in ("loss", "weight", "grad", "lr")}
         if metrics is None:
             for plot in plots.values():
-                plot.set_data([], log_x)
+                plot.set_data([], axis)
             return
-        log, view = True, self.view
+        job = self.console.selected_job
+        clock = self.clock_of(job, metrics) if self.wall_time and job else None
+        spec = partial(history_spec, metrics=metrics, log_x=log, view=self.view, clock=clock)
         plots["loss"].set_data(
             [
-                history_spec("train raw", metrics, "train.loss", metrics.train_loss, "gray", log_x=log, view=view),
-                history_spec("train EMA", metrics, "train.loss", metrics.train_loss, "cyan", log_x=log, view=view, ema_weight=TRAIN_EMA_BETA),
-                history_spec("val EMA", metrics, "val.loss", metrics.val_loss, "orange", log_x=log, view=view, ema_weight=VAL_EMA_BETA),
+                spec("train raw", key="train.loss", tail=metrics.train_loss, color="gray"),
+                spec("train EMA", key="train.loss", tail=metrics.train_loss, color="cyan", ema_weight=TRAIN_EMA_BETA),
+                spec("val EMA", key="val.loss", tail=metrics.val_loss, color="orange", ema_weight=VAL_EMA_BETA),
             ],
-            log_x,
+            axis,
         )
-        weights = [history_spec("total", metrics, "weight_norm", metrics.weight_norm, "cyan", log_x=log, view=view)]
+        weights = [spec("total", key="weight_norm", tail=metrics.weight_norm, color="cyan")]
         for index, (module, series) in enumerate(sorted(metrics.weight_norm_modules.items())):
-            color = MODULE_COLORS[index % len(MODULE_COLORS)]
-            weights.append(history_spec(module, metrics, f"weight_norm.{module}", series, color, log_x=log, view=view))
-        plots["weight"].set_data(weights, log_x)
-        plots["grad"].set_data([history_spec("grad", metrics, "grad_norm", metrics.grad_norm, "red", log_x=log, view=view)], log_x)
-        plots["lr"].set_data([history_spec("lr", metrics, "lr", metrics.lr, "green", log_x=log, view=view)], CurveOptions(log_x=True, log_y=True))
+            weights.append(spec(module, key=f"weight_norm.{module}", tail=series, color=MODULE_COLORS[index % len(MODULE_COLORS)]))
+        plots["weight"].set_data(weights, axis)
+        plots["grad"].set_data([spec("grad", key="grad_norm", tail=metrics.grad_norm, color="red")], axis)
+        plots["lr"].set_data([spec("lr", key="lr", tail=metrics.lr, color="green")], replace(axis, log_y=True))

@@ -1,5 +1,5 @@
-"""Training: loss, validation accuracy and LR curves of the selected job, optionally over a second job's (the overlay), and
-validation accuracy per TTT step."""
+"""Training: loss, validation accuracy at every draft position and LR curves of the selected job, on a step or wall-time
+axis, optionally over a second job's (the overlay), and validation accuracy per TTT step."""
 
 from __future__ import annotations
 
@@ -14,20 +14,23 @@ from textual.widgets import DataTable, Footer, Header, Static
 
 from backend.smoothing import TRAIN_EMA_BETA
 from console.screens.base import no_job_text, touches
-from console.screens.zoomable import ZOOM_BINDINGS, ZoomableScreen
+from console.screens.zoomable import WALL_TIME_BINDING, ZOOM_BINDINGS, ZoomableScreen
 from console.state import JobMetrics, Section, Series
 from console.widgets.banner import ConnectionBanner
-from console.plotting import CurveOptions, SeriesSpec
+from console.plotting import CurveOptions, SeriesSpec, StepClock
 from console.widgets.curve_plot import CurvePlot
 from console.format import inert_text, percent
-from console.zoom import acc_tail, history_spec, history_text, indexing_text, next_overlay, overlay_candidates
+from console.zoom import ACC_PREFIX, acc_positions, acc_tail, history_spec, history_text, indexing_text, next_overlay, overlay_candidates
 
 ACC_ROWS = 8
-ACC_KEY = "val.acc.0"  # the host index's series of val acc[0]; drawn from the val rows held here when the summary lacks it
 # The overlay's curves: dim shades (xterm-256) of the selected job's cyan / orange / green.
-COLORS: dict[str, str | int] = {"train": "cyan", "val": "orange", "lr": "green", "acc": "orange"}
-OVERLAY_COLORS: dict[str, str | int] = {"train": 66, "val": 137, "lr": 65, "acc": 137}
-TITLES = {"loss": "loss", "acc": "val acc@0", "lr": "learning rate"}
+COLORS: dict[str, str | int] = {"train": "cyan", "val": "orange", "lr": "green"}
+OVERLAY_COLORS: dict[str, str | int] = {"train": 66, "val": 137, "lr": 65}
+# Val accuracy per draft position (val.acc.0, val.acc.1, ...; from the val rows held here where the index lacks one):
+# a hue per position, the overlay's a dim shade of the same hue, so acc@k of both runs reads as one colour.
+ACC_COLORS: tuple[str | int, ...] = ("orange", 220, 113, 44, 75, 141, 205, 250)
+OVERLAY_ACC_COLORS: tuple[str | int, ...] = (137, 136, 65, 30, 67, 97, 132, 243)
+TITLES = {"loss": ("loss",), "acc": ("val acc per draft position", "val acc@k"), "lr": ("learning rate",)}
 
 
 class TrainingScreen(ZoomableScreen):
@@ -39,6 +42,7 @@ class TrainingScreen(ZoomableScreen):
         Binding("y", "toggle_log_y", "Log y"),
         Binding("e", "toggle_ema", "EMA"),
         Binding("o", "next_overlay", "Overlay", tooltip="draw another training job or watched run on the same axes (cycles, then off)"),
+        WALL_TIME_BINDING,
         *ZOOM_BINDINGS,
     ]
 
@@ -50,7 +54,7 @@ class TrainingScreen(ZoomableScreen):
         super().__init__(**kwargs)
         self.raw_plots = raw_plots
         self.overlay: str | None = None  # the job whose curves are drawn dim under the selected one's
-        self._acc_tails: dict[str, tuple[tuple, Series]] = {}
+        self._acc_tails: dict[tuple[str, int], tuple[tuple, Series]] = {}
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -58,7 +62,7 @@ class TrainingScreen(ZoomableScreen):
         yield Static(id="training-title")
         with Horizontal(id="plots"):
             yield CurvePlot("loss", id="loss-plot", raw=self.raw_plots)
-            acc = CurvePlot("val acc@0", id="acc-plot", raw=self.raw_plots)
+            acc = CurvePlot(*TITLES["acc"], id="acc-plot", raw=self.raw_plots)
             acc.styles.width = "2fr"
             yield acc
             yield CurvePlot("learning rate", id="lr-plot", raw=self.raw_plots)
@@ -87,7 +91,7 @@ class TrainingScreen(ZoomableScreen):
         else:
             self.overlay = next_overlay(candidates, self.overlay)
         if self.overlay:
-            self.console.ensure_summary(self.overlay, log_x=self.log_step)
+            self.console.ensure_summary(self.overlay, log_x=self.view_is_log())
         self.show_state({Section.OPTIONS})
 
     def watch_log_step(self) -> None:
@@ -96,7 +100,7 @@ class TrainingScreen(ZoomableScreen):
         self.set_view(self.view)
 
     def view_is_log(self) -> bool:
-        return self.log_step
+        return self.log_step and not self.wall_time
 
     def watch_log_y(self) -> None:
         self.show_state({Section.OPTIONS})
@@ -105,7 +109,7 @@ class TrainingScreen(ZoomableScreen):
         self.show_state({Section.OPTIONS})
 
     def options(self) -> CurveOptions:
-        return CurveOptions(log_x=self.log_step, log_y=self.log_y, ema_weight=TRAIN_EMA_BETA if self.smooth else 0.0)
+        return CurveOptions(log_x=self.view_is_log(), log_y=self.log_y, ema_weight=TRAIN_EMA_BETA if self.smooth else 0.0, wall_time=self.wall_time)
 
     def current_overlay(self) -> str | None:
         """The overlay while it is still one of the candidates (not gone, not the selected job itself)."""
@@ -127,44 +131,55 @@ class TrainingScreen(ZoomableScreen):
         overlay = self.current_overlay()
         other = self.console.state.metrics.get(overlay) if overlay else None
         if overlay:
-            self.console.ensure_summary(overlay, log_x=self.log_step)  # at most every few seconds (the app's summary refresh)
+            self.console.ensure_summary(overlay, log_x=self.view_is_log())  # at most every few seconds (the app's summary refresh)
         self.query_one("#training-title", Static).update(self._title(job, metrics))
         options = self.options()
         plots = {name: self.query_one(f"#{name}-plot", CurvePlot) for name in ("loss", "acc", "lr")}
         for name, plot in plots.items():
-            what = TITLES[name]
-            plot.set_title(*([f"{what}: {job} vs {overlay} (dim)", f"{what} vs {overlay} (dim)", f"{what} + overlay (dim)", what] if overlay else [what]))
+            what, *shorter = TITLES[name]
+            plot.set_title(
+                *(
+                    [f"{what}: {job} vs {overlay} (dim)", f"{what} vs {overlay} (dim)", f"{what} + overlay (dim)", *shorter, what]
+                    if overlay
+                    else [what, *shorter]
+                )
+            )
         specs: dict[str, list[SeriesSpec]] = {"loss": [], "acc": [], "lr": []}
-        layers: list[tuple[str | None, JobMetrics | None, dict[str, str | int], str]] = [
-            (overlay, other, OVERLAY_COLORS, f"{overlay} "),
-            (job, metrics, COLORS, ""),
+        layers: list[tuple[str | None, JobMetrics | None, dict[str, str | int], tuple[str | int, ...], str]] = [
+            (overlay, other, OVERLAY_COLORS, OVERLAY_ACC_COLORS, f"{overlay} "),
+            (job, metrics, COLORS, ACC_COLORS, ""),
         ]
-        for owner, source, colors, prefix in layers:  # the overlay first, so the selected job's curves are drawn over it
+        for owner, source, colors, acc_colors, prefix in layers:  # the overlay first, so the selected job's curves are drawn over it
             if owner is None or source is None:
                 continue
+            clock = self.clock_of(owner, source) if self.wall_time else None
             specs["loss"] += [
-                self._spec(prefix, "train", source, "train.loss", source.train_loss, colors["train"]),
-                self._spec(prefix, "val", source, "val.loss", source.val_loss, colors["val"]),
+                self._spec(prefix, "train", source, "train.loss", source.train_loss, colors["train"], clock),
+                self._spec(prefix, "val", source, "val.loss", source.val_loss, colors["val"], clock),
             ]
-            specs["acc"].append(self._spec(prefix, "acc@0", source, ACC_KEY, self._acc_tail(owner, source), colors["acc"]))
-            specs["lr"].append(self._spec(prefix, "lr", source, "lr", source.lr, colors["lr"]))
+            for position in range(acc_positions(source)):
+                color = acc_colors[position % len(acc_colors)]
+                tail = self._acc_tail(owner, source, position)
+                specs["acc"].append(self._spec(prefix, f"acc@{position}", source, f"{ACC_PREFIX}{position}", tail, color, clock))
+            specs["lr"].append(self._spec(prefix, "lr", source, "lr", source.lr, colors["lr"], clock))
         for name, plot in plots.items():  # log y is for loss and LR (the key's help): accuracies stay linear
             plot.set_data(specs[name], replace(options, log_y=False) if name == "acc" else options)
         self._draw_accuracy(metrics)
 
-    def _spec(self, prefix: str, label: str, metrics: JobMetrics, key: str, tail: Series, color: str | int) -> SeriesSpec:
-        spec = history_spec(label, metrics, key, tail, color, log_x=self.log_step, view=self.view)
+    def _spec(self, prefix: str, label: str, metrics: JobMetrics, key: str, tail: Series, color: str | int, clock: StepClock | None) -> SeriesSpec:
+        spec = history_spec(label, metrics, key, tail, color, log_x=self.view_is_log(), view=self.view, clock=clock)
         spec.prefix = prefix
         return spec
 
-    def _acc_tail(self, job: str, metrics: JobMetrics) -> Series:
-        """acc@0 of the val rows held for `job`, rebuilt only when they changed (its version keeps the plot's cache)."""
+    def _acc_tail(self, job: str, metrics: JobMetrics, position: int) -> Series:
+        """Val acc at `position` of the val rows held for `job`, rebuilt only when they changed (its version keeps the
+        plot's cache)."""
         rows = metrics.val_acc
         key = (id(metrics), len(rows), rows[-1][0] if rows else None)
-        cached = self._acc_tails.get(job)
+        cached = self._acc_tails.get((job, position))
         if cached is None or cached[0] != key:
-            cached = (key, acc_tail(metrics))
-            self._acc_tails[job] = cached
+            cached = (key, acc_tail(metrics, position))
+            self._acc_tails[(job, position)] = cached
         return cached[1]
 
     @inert_text
@@ -172,8 +187,9 @@ class TrainingScreen(ZoomableScreen):
         if not job:
             return Text(no_job_text(self.console))
         on = lambda flag: "on" if flag else "off"
+        axis = "wall time" if self.wall_time else "log step" if self.log_step else "step"
         text = Text(
-            f"{job} · {history_text(metrics)} · {self.view_text()} (+ - , . 0) · log step {on(self.log_step)} (x) · "
+            f"{job} · {history_text(metrics)} · {self.view_text()} (+ - , . 0) · x {axis} (x t) · "
             f"log y {on(self.log_y)} (y) · EMA {TRAIN_EMA_BETA if self.smooth else 'off'} (e) · overlay "
         )
         overlay = self.overlay
@@ -183,6 +199,8 @@ class TrainingScreen(ZoomableScreen):
             text.append(f" dim, {history_text(other)} (o)" if other else " dim, loading (o)")
         else:
             text.append("off (o)")
+        if self.wall_time and metrics is not None and not self.clock_of(job, metrics):
+            text.append(" · no wall time in this run's records: t shows steps again", style="yellow")
         indexing = indexing_text(metrics)
         if indexing:
             text.append(f" · {indexing}", style="yellow")

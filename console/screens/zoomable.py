@@ -1,12 +1,15 @@
-"""Screens that plot a job's history on a step axis: zoom and pan keys, and asking the host for the zoomed buckets."""
+"""Screens that plot a job's history on a step axis: zoom and pan keys, asking the host for the zoomed buckets, and the
+wall-time axis (key t: x is the time since the run's first step, each run's steps mapped by its own StepClock)."""
 
 from __future__ import annotations
 
 from textual.binding import Binding, BindingType
+from textual.reactive import reactive
 
 from console.screens.base import ConsoleScreen
-from console.zoom import StepView, followed, panned, run_span, view_label, zoomed
-from console.state import Section
+from console.plotting import StepClock
+from console.zoom import StepView, clock_key, followed, panned, run_span, step_clock, view_label, zoomed
+from console.state import JobMetrics, Section
 
 ZOOM_GROUP = Binding.Group("Zoom/pan", compact=True)
 ZOOM_BINDINGS: list[BindingType] = [
@@ -16,22 +19,43 @@ ZOOM_BINDINGS: list[BindingType] = [
     Binding("full_stop", "pan_right", "Later", group=ZOOM_GROUP),
     Binding("0", "whole_run", "Whole run", group=ZOOM_GROUP),
 ]
+WALL_TIME_BINDING = Binding("t", "toggle_wall_time", "Wall time", tooltip="x axis: the wall time since the run's first step, or the step")
 
 
 class ZoomableScreen(ConsoleScreen):
-    """`view` is None for the whole run, else a StepView; changing it asks the app for that range's buckets."""
+    """`view` is None for the whole run, else a StepView; changing it asks the app for that range's buckets. With
+    `wall_time` on, x is each step's wall time (zoom and pan still move in steps)."""
 
     LOG_X_DEFAULT = False
+
+    wall_time: reactive[bool] = reactive(False, init=False)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.view: StepView | None = None
+        self._clocks: dict[str, tuple[tuple, StepClock]] = {}
 
     def plot_width(self) -> int:
         return max(40, self.size.width)
 
     def view_is_log(self) -> bool:
-        return self.LOG_X_DEFAULT
+        return self.LOG_X_DEFAULT and not self.wall_time
+
+    def action_toggle_wall_time(self) -> None:
+        self.wall_time = not self.wall_time
+
+    def watch_wall_time(self) -> None:
+        self.console.ensure_summary(self.console.selected_job, log_x=self.view_is_log())
+        self.set_view(self.view)  # a zoomed range is asked again with the axis's bucket spacing
+
+    def clock_of(self, job: str, metrics: JobMetrics) -> StepClock:
+        """`job`'s step -> wall-time map, rebuilt only when its time buckets or live times changed."""
+        key = clock_key(metrics, self.view)
+        cached = self._clocks.get(job)
+        if cached is None or cached[0] != key:
+            cached = (key, step_clock(metrics, self.view))
+            self._clocks[job] = cached
+        return cached[1]
 
     def _span(self):
         job = self.console.selected_job

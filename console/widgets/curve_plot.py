@@ -4,7 +4,8 @@ Each frame: the host's buckets plus the live tail -> a Curve per series (console
 plot's width) -> a Canvas of quadrant dots (console/widgets/canvas.py) with axes, ticks, legend and NaN markers ->
 one Strip per row, the way Textual paints a widget. No plotext and no ANSI string round trip (the previous widget,
 kept for the benchmark's peer, is console/widgets/plotext_plot.py). Plots side by side in one container share
-their x range; a smoothed curve keeps its raw line faint behind it; the mouse reads values off the curves.
+their x range; a smoothed curve keeps its raw line faint behind it; the mouse reads values off the curves. On a
+wall-time axis each curve's steps go through its run's StepClock after the zoom range is cut, so zoom stays in steps.
 """
 
 from __future__ import annotations
@@ -24,7 +25,21 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from backend.safetext import visible
-from console.plotting import Curve, CurveOptions, SeriesSpec, Ticks, bucket_points, format_number, history_points, linear_ticks, log_ticks, prepare_curve, span
+from console.plotting import (
+    Curve,
+    CurveOptions,
+    SeriesSpec,
+    Ticks,
+    bucket_points,
+    elapsed_label,
+    format_number,
+    history_points,
+    linear_ticks,
+    log_ticks,
+    prepare_curve,
+    span,
+    time_ticks,
+)
 from console.widgets.canvas import NO_INK, Canvas, dot_index, dot_indices
 
 # The frame around the canvas: the y-axis column on the left and the border on the right; above the canvas the title
@@ -34,6 +49,8 @@ FRAME_ROWS = 5
 # With the plot's EMA on, a curve with under a tenth of the points of the densest curve in its row of plots (an eval
 # every N steps next to a train loss every step) is drawn raw: a few smoothed evals read as values they never had.
 SPARSE_SHARE = 10
+WALL_TIME_LABELS = ("wall time since the first step", "wall time")  # the x label of a wall-time axis, the first that fits
+COLUMN_LEGEND_MAX = 4  # more entries than this go on rows (compact_legend), run by run
 # plotext's colour names (what the screens pass) as terminal colours, and xterm-256 indices as they are.
 COLOR_NAMES = {"black": 0, "red": 1, "green": 2, "orange": 3, "yellow": 3, "blue": 4, "magenta": 5, "cyan": 6, "gray": 8, "white": 15, "gold": 220}
 
@@ -239,10 +256,13 @@ class CurvePlot(Widget):
         """`spec` prepared for this plot's width and axes, smoothed with `ema_weight` (None: the spec's or the plot's)."""
         weight = (self.options.ema_weight if spec.ema_weight is None else spec.ema_weight) if ema_weight is None else ema_weight
         log_x, log_y = self.options.log_x, self.options.log_y
+        if self.options.wall_time and not spec.clock:
+            return Curve([], [], self._points(spec))  # no times known for this run: nothing to place on the axis
         if self.raw:
-            return prepare_curve(spec.series.steps, spec.series.values, buckets=10**9, log_x=log_x, log_y=log_y, ema_weight=weight)
+            return prepare_curve(self.xs(spec, spec.series.steps), spec.series.values, buckets=10**9, log_x=log_x, log_y=log_y, ema_weight=weight)
         name = f"{spec.prefix}{spec.label}\0{weight}"
-        head_key = (id(spec.buckets), spec.end_step, spec.step_from, spec.step_to, self.buckets(), log_x, log_y, weight)
+        clock = spec.clock.key if self.options.wall_time and spec.clock else None
+        head_key = (id(spec.buckets), spec.end_step, spec.step_from, spec.step_to, self.buckets(), log_x, log_y, weight, clock)
         key = (*head_key, id(spec.series), spec.series.version, len(spec.series))
         cached = self._cache.get(name)
         if cached is not None and cached[0] == key:
@@ -260,11 +280,15 @@ class CurvePlot(Widget):
                 step_to=spec.step_to,
                 head=self._bucket_xy(spec.buckets, weight > 0),
             )
-            curve = prepare_curve(steps, values, buckets=self.buckets(), log_x=log_x, log_y=log_y, ema_weight=weight)
+            curve = prepare_curve(self.xs(spec, steps), values, buckets=self.buckets(), log_x=log_x, log_y=log_y, ema_weight=weight)
         if spec.total is not None:
             curve.source_points = spec.total
         self._cache[name] = (key, curve)
         return curve
+
+    def xs(self, spec: SeriesSpec, steps: list[float]) -> list[float]:
+        """The x of each step: the step, or on a wall-time axis the seconds since the run's first step."""
+        return spec.clock.elapsed(steps) if self.options.wall_time and spec.clock else steps
 
     def _bucket_xy(self, buckets: list[dict] | None, mean: bool) -> tuple[list[float], list[float]] | None:
         """bucket_points of a summary's buckets, kept while that summary is the one drawn."""
@@ -286,10 +310,11 @@ class CurvePlot(Widget):
         cached = self._heads.get(name)
         if cached is None or cached[0] != head_key:
             steps, values = history_points(spec.buckets, [], [], spec.end_step, step_from=spec.step_from, step_to=spec.step_to)
-            cached = (head_key, prepare_curve(steps, values, buckets=buckets, log_x=log_x, log_y=log_y))
+            cached = (head_key, prepare_curve(self.xs(spec, steps), values, buckets=buckets, log_x=log_x, log_y=log_y))
             self._heads[name] = cached
         head = cached[1]
         tail_steps, tail_values = history_points([], spec.series.steps, spec.series.values, spec.end_step, step_from=spec.step_from, step_to=spec.step_to)
+        tail_steps = self.xs(spec, tail_steps)
         if not tail_steps:
             return Curve(head.xs, head.ys, head.source_points, head.hidden_points)
         lo = head.xs[0] if head.xs else tail_steps[0]
@@ -302,7 +327,21 @@ class CurvePlot(Widget):
     def replot(self) -> None:
         """Prepare the curves of `specs` (when they, the options or the size changed) and schedule a new layout."""
         key = (
-            tuple((s.prefix, s.label, id(s.series), s.series.version, id(s.buckets), s.step_from, s.step_to, len(s.markers), s.ema_weight) for s in self.specs),
+            tuple(
+                (
+                    s.prefix,
+                    s.label,
+                    id(s.series),
+                    s.series.version,
+                    id(s.buckets),
+                    s.step_from,
+                    s.step_to,
+                    len(s.markers),
+                    s.ema_weight,
+                    s.clock and s.clock.key,
+                )
+                for s in self.specs
+            ),
             self.options,
             self.size.width,
             self.size.height,
@@ -335,6 +374,8 @@ class CurvePlot(Widget):
         return xs
 
     def _marker_xs(self) -> list[float]:
+        if self.options.wall_time:
+            return sorted({x for spec in self.specs if spec.clock for x in spec.clock.elapsed(spec.markers)})
         steps = sorted({m for spec in self.specs for m in spec.markers})
         return [math.log10(m) for m in steps if m > 0] if self.options.log_x else steps
 
@@ -345,7 +386,7 @@ class CurvePlot(Widget):
 
     def axis_mates(self) -> list[CurvePlot]:
         """The neighbours on the same kind of step axis: they share one x range."""
-        return [w for w in self.row_plots() if w.options.log_x == self.options.log_x]
+        return [w for w in self.row_plots() if (w.options.log_x, w.options.wall_time) == (self.options.log_x, self.options.wall_time)]
 
     def shared_x_span(self) -> tuple[float, float] | None:
         spans = [s for s in [self.own_x_span, *(w.own_x_span for w in self.axis_mates() if w._layers)] if s is not None]
@@ -501,7 +542,9 @@ def lay_out(frame: Frame) -> PlotLayout:
     label_width = max(map(len, y_ticks.labels), default=0)
     cells = max(1, width - FRAME_COLUMNS - label_width)
     x_lo, x_hi = axis_limits(*(frame.x_span or (0.0, 1.0)))
-    if options.log_x:
+    if options.wall_time:
+        x_ticks = time_ticks(x_lo, x_hi, max_ticks=max(2, cells // 10))
+    elif options.log_x:
         x_ticks = log_ticks(x_lo, x_hi, si=True, max_ticks=max(3, width // 12))
     else:
         x_ticks = linear_ticks(x_lo, x_hi, max_ticks=max(2, cells // 10), integer=True, si=True)
@@ -528,14 +571,17 @@ def lay_out(frame: Frame) -> PlotLayout:
     lines.append([(" " * label_width + "└" + "".join("┬" if c in tick_columns else "─" for c in range(cells)) + "┘", NO_INK)])
     lines.append([(_placed(x_ticks, x_lo, x_hi, cells, label_width + 1, width), NO_INK)])
     layout = PlotLayout(lines, styles, title, legend, x_ticks, y_ticks, (x_lo, x_hi), (y_lo, y_hi), (label_width + 1, 2), (cells, rows))
-    x_label = readout(frame, layout) or ("step (log)" if options.log_x else "step")
+    axis_label = next(label for label in WALL_TIME_LABELS if len(label) <= width or label == WALL_TIME_LABELS[-1]) if options.wall_time else ""
+    x_label = readout(frame, layout) or axis_label or ("step (log)" if options.log_x else "step")
     lines.append([(_centred(x_label, centre, width), NO_INK)])
     layout.lines = lines[:height]
     return layout
 
 
 def draw_legend(canvas: Canvas, drawn: list[Layer], markers: int, cells: int, rows: int) -> list[str]:
-    """The legend in the canvas's top-left corner (ink i+1 is drawn[i]'s); [] when it would cover the curves."""
+    """The legend in the canvas's top-left corner (ink i+1 is drawn[i]'s): one entry a row, else, when that column would
+    hide much of the curves (many curves: val acc per draft position), each run's entries on a row of their own with the
+    labels' common start said once (`acc@ ▞▞0 ▞▞1 ▞▞2`); [] when neither fits in half the canvas."""
     shown = [(layer, index) for index, layer in enumerate(drawn) if not layer.faint]
     entries = [  # metrics keys and job names, shown inert
         (visible(layer.spec.prefix), visible(layer.spec.label) + (" EMA" if layer.smoothed else ""), layer.curve.source_points) for layer, _ in shown
@@ -545,14 +591,79 @@ def draw_legend(canvas: Canvas, drawn: list[Layer], markers: int, cells: int, ro
         entries.append(("", "NaN/inf", markers))
         inks.append(0)
     legend = legend_labels(entries, cells)
-    if not legend or len(legend) > rows or len(entries) * (max(map(len, legend)) + 5) > rows * cells / 2:
-        return []  # it would cover more than half the canvas: the curves matter more
+    if not legend:
+        return []
+    area = len(entries) * (max(map(len, legend)) + 5)
+    if len(legend) > min(COLUMN_LEGEND_MAX, max(2, rows // 2)) or area > rows * cells / 4:  # a column would hide the curves
+        compact = compact_legend(canvas, entries, inks, cells, rows)
+        if compact or len(legend) > rows or area > rows * cells / 2:
+            return compact
     room = max(map(len, legend)) + 4
     for row, (text, ink) in enumerate(zip(legend, inks)):
         canvas.text(0, row, " " * (room + 1), NO_INK)
         canvas.text(1, row, "xx" if ink == 0 else "▞▞", ink)
         canvas.text(4, row, text, NO_INK)
     return legend
+
+
+def common_start(labels: list[str]) -> str:
+    """What every label starts with, up to its last non-alphanumeric character ("acc@" of acc@0..acc@11); "" for one label."""
+    if len(labels) < 2:
+        return ""
+    start = labels[0]
+    for label in labels[1:]:
+        while not label.startswith(start):
+            start = start[:-1]
+    cut = max((i for i, char in enumerate(start) if not char.isalnum()), default=-1)
+    return start[: cut + 1]
+
+
+def compact_legend(canvas: Canvas, entries: list[tuple[str, str, int]], inks: list[int], cells: int, rows: int) -> list[str]:
+    """Each run's (prefix's) entries on one row, or a few when they do not fit: `acc@ ▞▞0 ▞▞1`; a run whose labels are
+    another run's (the overlay: the same hues, dim) is one short row, `dim: grok-1`. At most a third of the canvas's
+    rows; [] when more are needed."""
+    groups: dict[str | None, list[tuple[str, int]]] = {}
+    for (run, label, points), ink in zip(entries, inks):
+        groups.setdefault(None if ink == 0 else run, []).append((f"{label} ({points})" if ink == 0 else label, ink))
+    labels = {run: [label for label, _ in members] for run, members in groups.items()}
+    lines: list[list[tuple[str, int]]] = []
+    dim: list[list[tuple[str, int]]] = []
+    for group, members in groups.items():
+        if group and any(other != group and labels[other] == labels[group] for other in labels):
+            dim.append([(f"dim: {group.strip()}", NO_INK)])
+            continue
+        lines += legend_rows(group, members, cells)
+    lines += dim
+    if len(lines) > max(1, rows // 3) or any(run_length(line) > cells - 1 for line in lines):
+        return []
+    for row, line in enumerate(lines):
+        canvas.text(0, row, " " * (run_length(line) + 1), NO_INK)
+        column = 1
+        for text, ink in line:
+            canvas.text(column, row, text, ink)
+            column += len(text)
+    return ["".join(text for text, _ in line).rstrip() for line in lines]
+
+
+def legend_rows(prefix: str | None, members: list[tuple[str, int]], cells: int) -> list[list[tuple[str, int]]]:
+    """One run's legend entries as rows of runs, the labels' common start said once, wrapped at the canvas's width."""
+    common = common_start([label for label, _ in members]) if prefix is not None else ""
+    head = f"{prefix or ''}{common}"
+    rows: list[list[tuple[str, int]]] = []
+    line: list[tuple[str, int]] = [(head + " ", NO_INK)] if head else []
+    filled = False
+    for label, ink in members:
+        piece = [("xx" if ink == 0 else "▞▞", ink), (label[len(common) :] + " ", NO_INK)]
+        if filled and run_length(line + piece) > cells - 1:
+            rows.append(line)
+            line = [("  ", NO_INK)]
+        line += piece
+        filled = True
+    return rows + [line]
+
+
+def run_length(line: list[tuple[str, int]]) -> int:
+    return sum(len(text) for text, _ in line)
 
 
 def readout(frame: Frame, layout: PlotLayout) -> str | None:
@@ -572,8 +683,11 @@ def readout(frame: Frame, layout: PlotLayout) -> str | None:
             continue
         value = nearest(layer.curve, x)
         values.append(f"{visible(layer.spec.prefix)}{visible(layer.spec.label)} {format_number(10**value if log_y else value)}")
-    step = f"step {format_number(round(10**x if log_x else x), si=True)}"
-    return step + (": " + " · ".join(values) if values else "")
+    if frame.options.wall_time:
+        where = f"at {elapsed_label(x)}"
+    else:
+        where = f"step {format_number(round(10**x if log_x else x), si=True)}"
+    return where + (": " + " · ".join(values) if values else "")
 
 
 def nearest(curve: Curve, x: float) -> float:
