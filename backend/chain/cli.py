@@ -17,6 +17,13 @@ from backend.commands import (
     grok_job_name,
 )
 from backend.safetext import say
+from backend.chain.run import ChainOptions, StopAndBench
+from backend.jobs.records import JobError, JobNotFound
+from backend.jobs.registry import JobRegistry
+from backend.serve.preflight import resolve_draft_dir
+from backend.commands import data_dir_for, profile_shape
+from backend.host.datascale import data_scaling
+from backend.layout import list_results
 
 
 def register(subparsers, parent) -> None:
@@ -81,7 +88,6 @@ def _print_stage(record: dict, as_json: bool) -> None:
 
 
 def handle_stop_and_bench(args) -> int:
-    from backend.chain.run import ChainOptions, StopAndBench
 
     options = ChainOptions(
         job=args.job,
@@ -112,9 +118,6 @@ def handle_stop_and_bench(args) -> int:
 
 
 def handle_grok(args) -> int:
-    from backend.jobs.records import JobError
-    from backend.jobs.registry import JobRegistry
-    from backend.serve.preflight import resolve_draft_dir
 
     checkpoint = resolve_draft_dir(args.checkpoint.expanduser())
     if not (checkpoint / "config.json").is_file():
@@ -138,8 +141,6 @@ def handle_grok(args) -> int:
 
 
 def handle_data_scaling(args) -> int:
-    from backend.commands import data_dir_for, profile_shape
-    from backend.host.datascale import data_scaling
     from backend.profiles import ProfileError, load_profile
 
     try:
@@ -162,9 +163,6 @@ def handle_data_scaling(args) -> int:
 
 
 def handle_results(args) -> int:
-    from backend.layout import list_results
-    from backend.jobs.records import JobNotFound
-    from backend.jobs.registry import JobRegistry
 
     try:
         record = JobRegistry(Path(args.run_dir).expanduser()).get(args.job)

@@ -20,6 +20,12 @@ from typing import TYPE_CHECKING, Any, Callable
 from backend.durable import write_atomic
 from backend.jsonl import append_record
 from backend.layout import RESULTS_DIRNAME, STAGES_FILENAME
+from backend.jobs.registry import JobRegistry
+from backend.jobs.records import JobNotFound
+from backend.host.holders import list_holders
+from backend.serve.preflight import resolve_draft_dir, run_preflight
+from backend.serve.prompts import load_prompts
+from backend.host.gpu import open_gpu_source
 
 if TYPE_CHECKING:
     from backend.profiles import Profile
@@ -127,7 +133,6 @@ class StopAndBench:
     """The chain, one method per stage; run() drives them and turns exceptions into a failed stage."""
 
     def __init__(self, options: ChainOptions, on_stage: Callable[[dict[str, Any]], None] | None = None):
-        from backend.jobs.registry import JobRegistry
 
         self.options = options
         self.registry = JobRegistry(options.run_dir)
@@ -195,7 +200,6 @@ class StopAndBench:
 
     # ------------------------------------------------------------------ stages
     def stop_training(self) -> tuple[str, Any]:
-        from backend.jobs.records import JobNotFound
         from backend.profiles import load_profile
 
         try:
@@ -223,7 +227,6 @@ class StopAndBench:
         return f"stopped {info.name!r}: {len(verdicts)} process(es), leader {how}", result
 
     def confirm_release(self) -> tuple[str, Any]:
-        from backend.host.holders import list_holders
 
         source = self._gpu_source()
         try:
@@ -244,7 +247,6 @@ class StopAndBench:
         return detail, {"gpu_source": report.gpu_source, "foreign": foreign}
 
     def pick_checkpoint(self) -> tuple[str, Any]:
-        from backend.serve.preflight import resolve_draft_dir
 
         job_dir = Path(self.summary["train_job_dir"])
         checkpoints = job_dir / "checkpoints"
@@ -259,7 +261,6 @@ class StopAndBench:
 
     def preflight(self) -> tuple[str, Any]:
         from backend.serve.launch import target_config_for
-        from backend.serve.preflight import run_preflight
         from backend.serve.sglang_args import build_sglang_argv
 
         checkpoint = self.summary["checkpoint"]
@@ -382,7 +383,6 @@ class StopAndBench:
 
     def _bench_prompts(self) -> list[str]:
         from backend.serve.launch import canary_prompts
-        from backend.serve.prompts import load_prompts
 
         if self.profile.target.path == "builtin:tiny":
             return canary_prompts(self.profile, count=self.options.num_prompts)
@@ -390,6 +390,5 @@ class StopAndBench:
 
     @staticmethod
     def _gpu_source():
-        from backend.host.gpu import open_gpu_source
 
         return open_gpu_source(stream=False)

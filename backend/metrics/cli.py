@@ -13,6 +13,8 @@ from typing import Any
 from backend.metrics.index import MetricsFeed
 from backend.layout import INDEX_FILENAME, METRICS_FILENAME
 from backend.safetext import say, visible
+from backend.jobs.records import JobError
+from backend.jobs.registry import JobRegistry
 
 KEY_HELP = "train.loss | val.loss | lr | grad_norm | weight_norm | step_time | tokens | train.acc.0 | val.acc.K | val.ploss.K | weight_norm.MODULE"
 
@@ -37,8 +39,6 @@ def register(subparsers, parent: argparse.ArgumentParser) -> None:
 def metrics_path(args) -> Path:
     if args.file is not None:
         return args.file
-    from backend.jobs.records import JobError
-    from backend.jobs.registry import JobRegistry
 
     registry = JobRegistry(args.run_dir)
     try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from backend.serve.preflight import problems_text, run_preflight, resolve_draft_dir, PreflightReport, Problem
+from backend.serve.acceptance import acceptance_lines
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
@@ -65,7 +67,6 @@ def _load_profile(name: str):
 
 
 def handle_preflight(args) -> int:
-    from backend.serve.preflight import problems_text, run_preflight
     from backend.serve.sglang_args import build_sglang_argv
 
     if not args.target_config.is_file():
@@ -87,7 +88,6 @@ def handle_preflight(args) -> int:
 
 def handle_serve(args) -> int:
     from backend.serve import launch as launch_mod
-    from backend.serve.preflight import problems_text, resolve_draft_dir, run_preflight
     from backend.serve.sglang_args import build_sglang_argv
 
     profile = _load_profile(args.profile)
@@ -142,8 +142,6 @@ def handle_serve(args) -> int:
 def render(result, problems_text) -> str:
     lines = [f"{result.state}: {result.message}", f"url: {result.url}", "argv: " + " ".join(result.argv)]
     if result.preflight and result.preflight["problems"]:
-        from backend.serve.preflight import PreflightReport, Problem
-
         report = PreflightReport(ok=False, problems=[Problem(**p) for p in result.preflight["problems"]])
         lines += list(problems_text(report))
     canary = result.canary
@@ -154,8 +152,6 @@ def render(result, problems_text) -> str:
         )
         lines += [f"  - {reason}" for reason in canary["reasons"]]
         if canary.get("acceptance"):
-            from backend.serve.acceptance import acceptance_lines
-
             lines += [f"  {line}" for line in acceptance_lines(canary["acceptance"])]
     for rank, cause in enumerate(result.causes, 1):
         evidence = f" [{cause['evidence']}]" if cause.get("evidence") else ""

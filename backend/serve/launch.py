@@ -16,6 +16,13 @@ from backend.serve import http
 from backend.serve.preflight import resolve_draft_dir, run_preflight
 from backend.serve.prompts import load_prompts
 from backend.serve.sglang_args import build_sglang_argv, expected_spec_settings
+from backend.train.target import resolve_target_path, load_tokenizer
+from backend.train.tiny import read_corpus
+from backend.host.gpu import open_gpu_source
+from backend.host.holders import list_holders
+from backend.jobs.registry import JobRegistry
+from backend.protocol import to_dict
+from backend.jobs.logs import tail_lines
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINES = ("sglang", "reference")
@@ -53,7 +60,6 @@ class LaunchResult:
 
 def target_dir(profile: Profile) -> str:
     """Local path of the target (builds the cached tiny target for 'builtin:tiny')."""
-    from backend.train.target import resolve_target_path
 
     return resolve_target_path(profile)
 
@@ -134,8 +140,6 @@ def draft_val_acc(draft_dir: str) -> list[float] | None:
 def canary_prompts(profile: Profile, count: int = 4) -> list[str]:
     """Prompts like the training data: held-out corpus windows for the tiny target, the shipped set otherwise."""
     if profile.target.path == "builtin:tiny":
-        from backend.train.tiny import read_corpus
-
         text = read_corpus(target_dir(profile), "val")
         stride = max(TINY_PROMPT_BYTES, len(text) // (count + 1))
         windows = [text[i * stride : i * stride + TINY_PROMPT_BYTES] for i in range(count)]
@@ -146,8 +150,6 @@ def canary_prompts(profile: Profile, count: int = 4) -> list[str]:
 def apply_chat_template(profile: Profile, prompts: list[str]) -> list[str]:
     """Chat-format prompts with the target's tokenizer (drafts are trained on templated chats); raw when unavailable."""
     try:
-        from backend.train.target import load_tokenizer
-
         tokenizer = load_tokenizer(target_dir(profile), profile.serve.trust_remote_code)
         return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
     except Exception:  # no tokenizer files, no template, no transformers: the raw prompts still exercise the draft
@@ -186,12 +188,7 @@ def server_mismatches(info: dict[str, Any], expected: dict[str, Any]) -> list[st
 
 
 def gpu_release_check(pids: list[int]) -> dict[str, Any]:
-    """After a server exited: does any of its processes still hold a GPU? (backend.host.holders when usable)."""
-    try:
-        from backend.host.gpu import open_gpu_source
-        from backend.host.holders import list_holders
-    except ImportError as exc:
-        return {"checked": False, "note": f"GPU holder check unavailable: {exc}"}
+    """After a server exited: does any of its processes still hold a GPU? (backend.host.holders)."""
     try:
         source = open_gpu_source(stream=False)
         try:
@@ -319,7 +316,6 @@ def _start_and_wait(
     expected: dict[str, Any],
 ) -> LaunchResult:
     """Start the owned job, wait for health, read and check the server info; fills `result` in place."""
-    from backend.jobs.registry import JobRegistry
 
     registry = JobRegistry(Path(run_dir or "~/.eagle3").expanduser())
     try:
@@ -390,7 +386,6 @@ def server_summary(info: dict[str, Any]) -> dict[str, Any]:
 def _job_dict(job: Any) -> dict[str, Any]:
     if isinstance(job, dict):
         return job
-    from backend.protocol import to_dict
 
     return to_dict(job)
 
@@ -404,7 +399,6 @@ def _job_exit_code(registry: Any, name: str) -> int | None:
 
 
 def _log_tail(job: dict[str, Any], lines: int = 30) -> list[str]:
-    from backend.jobs.logs import tail_lines
 
     tail: list[str] = []
     for key, label in (("stdout_path", "stdout"), ("stderr_path", "stderr")):

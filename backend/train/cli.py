@@ -7,6 +7,20 @@ import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+from backend.train.target import (
+    TargetPlacementError,
+    parse_placement,
+    BUILTIN_TINY,
+    load_tokenizer,
+    resolve_target_path,
+    WHEEL_PREFIX,
+    TargetMismatchError,
+    load_target,
+)
+from backend.train.chat_templates import resolve_chat_template, template_text
+from backend.train.tiny import is_tiny_target_dir, cache_root, ensure_tiny_target
+from backend.commands import data_dir_for
+from backend.train.conversations import ensure_sharegpt_sample
 
 if TYPE_CHECKING:
     from backend.train.trainer import TrainOptions
@@ -209,7 +223,6 @@ def _add_target_placement(parser) -> None:
 def target_placement(args: argparse.Namespace):
     """The --target-* flags, checked before anything loads: a device map places one copy of the target per process, so
     several ranks on one host (each would fill every GPU) and offline --data (no target runs) are refused."""
-    from backend.train.target import TargetPlacementError, parse_placement
 
     placement = parse_placement(args.target_device_map, args.target_max_memory, args.target_offload_folder)
     if placement is None:
@@ -228,13 +241,10 @@ def target_placement(args: argparse.Namespace):
 def chat_preflight(profile, spec: str | None, offline: bool = False, trust_remote_code: bool = False):
     """The --chat-template asked for, checked before anything heavy starts: a tokenizer without a template and none
     given is refused here (one line, exit 2) rather than after the target is loaded. Tiny and offline runs need none."""
-    from backend.train.chat_templates import resolve_chat_template, template_text
 
     template = resolve_chat_template(spec)
     if offline:
         return template
-    from backend.train.target import BUILTIN_TINY, load_tokenizer, resolve_target_path
-    from backend.train.tiny import is_tiny_target_dir
 
     if profile.target.path == BUILTIN_TINY:
         return template
@@ -250,7 +260,6 @@ def regenerated_preflight(profile, conversations: Path | None) -> None:
     if conversations is None:
         return
     from backend.train.regenerate import check_regenerated_target
-    from backend.train.target import BUILTIN_TINY, resolve_target_path
 
     if profile.target.path != BUILTIN_TINY:
         check_regenerated_target(conversations, resolve_target_path(profile), profile.target.path)
@@ -262,10 +271,6 @@ def default_conversations(profile, conversations: Path | None, run_dir, log) -> 
     console's `n` key) works on a fresh host with no data of its own."""
     if conversations is not None:
         return conversations
-    from backend.commands import data_dir_for
-    from backend.train.conversations import ensure_sharegpt_sample
-    from backend.train.target import WHEEL_PREFIX
-    from backend.train.tiny import cache_root
 
     if not profile.target.path.startswith(WHEEL_PREFIX):
         return None
@@ -282,8 +287,6 @@ def training_estimate(profile, args: argparse.Namespace) -> str | None:
     32,000-token draft vocabulary): 3 steps of 2 x 128 tokens in float32 took ~20 s of wall time after setup; a step
     of 4 x 1,024 (the profile's) had not finished after 10 minutes in bfloat16, nor after 27 (620 CPU-s) in float32."""
     import torch
-
-    from backend.train.target import BUILTIN_TINY
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if profile.target.path == BUILTIN_TINY or not str(device).startswith("cpu") or profile.target.hidden_size < 512 or args.data is not None:
@@ -309,7 +312,6 @@ def _known_errors() -> tuple:
     from backend.train.data import DataError
     from backend.train.draft import DraftConfigError, FeatureWidthError
     from backend.train.extract import ExtractError
-    from backend.train.target import TargetMismatchError, TargetPlacementError
     from backend.train.trainer import TrainSetupError
 
     return (
@@ -394,12 +396,9 @@ def _train(args: argparse.Namespace) -> int:
 def _extract(args) -> int:
     import signal
 
-    from backend.commands import data_dir_for
     from backend.profiles import load_profile
     from backend.train.data import conversation_samples, tiny_data_settings, tiny_samples
     from backend.train.extract import extract
-    from backend.train.target import load_target
-    from backend.train.tiny import is_tiny_target_dir
 
     try:
         profile = load_profile(args.profile)
@@ -472,7 +471,6 @@ def _export(args) -> int:
 
 
 def _build_tiny(args) -> int:
-    from backend.train.tiny import ensure_tiny_target
 
     apply_threads(args.threads)
     print(ensure_tiny_target())

@@ -16,6 +16,7 @@ from typing import IO, Any, Iterator
 
 from backend.durable import fsync_dir, publish, write_atomic
 from backend.train.fsutil import PRIVATE_DIR, PRIVATE_FILE, file_sha256
+from backend.train.tiny import cache_lock
 
 
 class DataError(ValueError):
@@ -651,7 +652,6 @@ def sharegpt_json(cache: Path, log=None) -> Path:
 
 def ensure_sharegpt_sample(out: Path, cache: Path, limit: int = SHAREGPT_SAMPLE, log=None) -> Path:
     """A `data prepare` dir of the first `limit` ShareGPT V3 conversations at `out` (made once, under a lock)."""
-    from backend.train.tiny import cache_lock
 
     if (out / PREPARE_META).is_file():
         return out

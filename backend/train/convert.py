@@ -8,6 +8,8 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from backend.durable import fsync_path
+from backend.train.fsutil import symlink_at_or_under, copy_new_file, staging_dir
 
 KNOWN_PREFIXES = ("draft_model.", "module.", "_orig_mod.", "model.")
 LAYER_PREFIX = "layers.0."
@@ -214,9 +216,7 @@ def convert_checkpoint(src, dst, *, aux_layer_ids: list[int] | None = None, dry_
     embed_tokens, builds t2d from d2t when absent, fixes an alias architecture. Any key it cannot map, or a
     result that does not match the config exactly, is refused with ConvertError and dst stays absent.
     """
-    from backend.durable import fsync_path
     from backend.train.checkpoint import tensor_problems, write_json_durably
-    from backend.train.fsutil import symlink_at_or_under
     from backend.train.draft import CONSOLE_BLOCK, DraftConfigError, DraftModelConfig
 
     src, dst = Path(src), Path(dst)
@@ -275,8 +275,6 @@ def convert_checkpoint(src, dst, *, aux_layer_ids: list[int] | None = None, dry_
 
 def _write(dst: Path, config_json: dict, tensors: dict, src: Path, copied: list[str], fsync_path, write_json_durably) -> None:
     from safetensors.torch import save_file
-
-    from backend.train.fsutil import copy_new_file, staging_dir
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     temp = staging_dir(dst.parent, f".tmp-convert-{dst.name}-")  # a fresh private name: no old dir or link is reused

@@ -17,6 +17,7 @@ from backend.train.chat_templates import ChatTemplate, render_chat, template_ids
 from backend.train.conversations import PREPARE_META, DataError, read_conversation_file
 from backend.train.fsutil import file_sha256
 from backend.train.regenerate import REGENERATE_META, check_regenerated_target, regenerated_meta_for
+from backend.train.tiny import cache_root, cache_lock, progress_every, progress_line, read_corpus
 
 if TYPE_CHECKING:
     import torch
@@ -137,7 +138,6 @@ def _generate_split(target, prompts: list[bytes], settings: TinyDataSettings, pr
 
 def tiny_data_cache_path(target, settings: TinyDataSettings, cache_dir: Path | None = None) -> Path:
     """Where tiny_samples caches the continuations of this target and these settings (its lock: `.<name>.lock` beside it)."""
-    from backend.train.tiny import cache_root
 
     key = hashlib.sha256(json.dumps({"target": Path(target.path).name, "settings": dataclasses.asdict(settings)}, sort_keys=True).encode()).hexdigest()[:16]
     return (Path(cache_dir) if cache_dir else cache_root()) / f"tiny-data-{key}.safetensors"
@@ -151,8 +151,6 @@ def tiny_samples(
     The greedy continuations depend only on the target and these settings, so they are cached beside it.
     """
     import time
-
-    from backend.train.tiny import cache_lock, progress_every, progress_line, read_corpus
 
     cache = tiny_data_cache_path(target, settings, cache_dir)
     if cache.is_file():
@@ -305,7 +303,6 @@ def tokenizer_identity(tokenizer, template_text: str) -> dict:
 
 def chat_cache_path(key: dict, cache_dir: Path | None = None) -> Path:
     """Where conversation_samples caches the tokenized splits for this key (its lock: `.<name>.lock` beside it)."""
-    from backend.train.tiny import cache_root
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return (Path(cache_dir) if cache_dir else cache_root()) / "chat-tokens" / f"chat-tokens-{digest}.safetensors"
@@ -369,8 +366,6 @@ def conversation_samples(
     """
     import time
 
-    from backend.train.tiny import cache_lock
-
     template = template_text(tokenizer, chat_template)  # refuses a tokenizer without one before any reading
     jinja = chat_template.text if chat_template is not None else None
     path = Path(path).expanduser()
@@ -427,8 +422,6 @@ def _check_regenerated(path: Path, target, regenerate_tokens: int, log) -> None:
 
 def _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, target, regenerate_tokens, jinja, log) -> dict[str, list[Sample]]:
     import time
-
-    from backend.train.tiny import progress_every, progress_line
 
     read = {name: read_conversation_file(file, limit) for name, file in files.items()}
     if log:

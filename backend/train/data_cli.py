@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from backend.train.conversations import SPLIT_FILES, DataError, prepare, prepare_report
+from backend.train.chat_templates import resolve_chat_template, template_text
+from backend.train.target import load_tokenizer, TargetMismatchError, load_target
+from backend.train.tiny import is_tiny_target_dir
 
 
 def register(subparsers, parent) -> None:
@@ -33,14 +36,11 @@ def register(subparsers, parent) -> None:
 
 
 def _prepare_command(args) -> int:
-    from backend.train.chat_templates import resolve_chat_template, template_text
 
     try:
         template = resolve_chat_template(args.chat_template)
         tokenizer = None
         if args.tokenizer:
-            from backend.train.target import load_tokenizer
-
             tokenizer = load_tokenizer(os.path.expanduser(args.tokenizer))
             template_text(tokenizer, template)
         elif template is not None:
@@ -90,11 +90,8 @@ def _register_regenerate(commands, parent) -> None:
 
 def _regenerate_command(args) -> int:
     from backend.profiles import ProfileError, load_profile
-    from backend.train.chat_templates import template_text
     from backend.train.cli import apply_threads, chat_preflight
     from backend.train.regenerate import RegenerateSettings, Sampling, regenerate, source_identity
-    from backend.train.target import TargetMismatchError, load_target
-    from backend.train.tiny import is_tiny_target_dir
 
     try:
         profile = load_profile(args.profile)

@@ -18,6 +18,8 @@ from backend.train.chat_templates import template_ids
 from backend.train.conversations import PREPARE_META, SPLIT_FILES, DataError, content_digest, iter_conversations
 from backend.durable import fsync_path
 from backend.train.fsutil import PRIVATE_DIR, PRIVATE_FILE, file_sha256
+from backend.train.target import _output_cache
+from backend.durable import write_atomic
 
 REGENERATE_META = "regenerate.json"  # written first (settings) and again last (complete: true); a complete dir trains
 REGENERATE_FORMAT = "eagle3-console-regenerated-chat/1"
@@ -213,8 +215,6 @@ def generate_batch(target, prompts: list[list[int]], rngs: list[random.Random], 
     """
     import torch
 
-    from backend.train.target import _output_cache
-
     model, device = target.model, target.device
     pad_id = getattr(target.tokenizer, "pad_token_id", None)
     pad_id = 0 if pad_id is None else int(pad_id)
@@ -377,7 +377,6 @@ def _same_run(old: dict, new: dict) -> list[str]:
 
 
 def _write_meta(out: Path, meta: dict) -> None:
-    from backend.durable import write_atomic
 
     write_atomic(out / REGENERATE_META, json.dumps(meta, indent=1) + "\n", mode=PRIVATE_FILE)
 
@@ -436,7 +435,6 @@ class _OutLock:
 def _finalize(out: Path, source: Path, meta: dict, order: list[str]) -> None:
     """Rewrite each split in source order (so equal settings give equal files, however the work was batched or
     interrupted), copy the eval prompts, and mark the dir complete (last)."""
-    from backend.durable import write_atomic
 
     position = {key: i for i, key in enumerate(order)}
     counts: dict[str, int] = {}

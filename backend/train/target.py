@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from backend.train.tiny import ensure_tiny_target, ByteTokenizer, is_tiny_target_dir
+from backend.train.target_prepare import resolve_wheel_target
 
 if TYPE_CHECKING:
     import torch
@@ -169,18 +171,13 @@ def check_config_matches_profile(config, profile) -> None:
 
 def resolve_target_path(profile) -> str:
     if profile.target.path == BUILTIN_TINY:
-        from backend.train.tiny import ensure_tiny_target
-
         return str(ensure_tiny_target())
     if profile.target.path.startswith(WHEEL_PREFIX):
-        from backend.train.target_prepare import resolve_wheel_target
-
         return resolve_wheel_target(profile.target.path)
     return os.path.expanduser(profile.target.path)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from backend.train.tiny import ByteTokenizer, is_tiny_target_dir
 
     if is_tiny_target_dir(path):
         return ByteTokenizer.from_dir(path)

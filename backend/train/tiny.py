@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 from backend.durable import fsync_path
 from backend.train.fsutil import pid_alive
+from backend.train.schedule import LRSchedule
 
 BYTE_VOCAB = 256
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
@@ -209,8 +210,6 @@ def _train_tiny(model, corpus: bytes, settings: TinySettings, log: Callable[[str
     """Fixed-step AdamW on random windows of the corpus (a ~20-epoch memorising run). Returns the loss per step."""
     import torch
     import torch.nn.functional as F
-
-    from backend.train.schedule import LRSchedule
 
     data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
     generator = torch.Generator().manual_seed(settings.seed)

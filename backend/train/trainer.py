@@ -39,6 +39,10 @@ from backend.train.fsutil import PRIVATE_FILE, ForeignPathError, private_dir, pr
 from backend.train.loss import TTTLoss, fused_ttt_loss, make_teacher
 from backend.train.schedule import GrokfastEMA, LRSchedule
 from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
+from backend.layout import latest_checkpoint
+from backend.train.target import load_target
+from backend.train.tiny import is_tiny_target_dir
+from backend.metrics.records import MetricsWriter
 
 if TYPE_CHECKING:
     from backend.metrics.records import MetricsWriter
@@ -615,7 +619,6 @@ class Trainer:
         self._parts = TrainingParts(self.options, self.settings, ctx, source, draft, draft.config)
 
     def _resume_checkpoint(self, out_dir: Path) -> Path | None:
-        from backend.layout import latest_checkpoint
 
         resume = self.options.resume
         if not resume:
@@ -635,8 +638,6 @@ class Trainer:
         options, profile = self.options, self.profile
         if options.data_dir is not None:
             return OfflineSource(options.data_dir, profile, device=self.ctx.device)
-        from backend.train.target import load_target
-        from backend.train.tiny import is_tiny_target_dir
 
         target = load_target(profile, device=self.ctx.device, placement=options.target_placement)
         if target.placement():
@@ -702,7 +703,6 @@ class Trainer:
     def _open_outputs(self, out_dir: Path, resume_dir: Path | None) -> None:
         if not self.ctx.is_main:
             return
-        from backend.metrics.records import MetricsWriter
 
         # On a full disk the writer keeps records in memory and retries; the job log says when it fails and recovers.
         self.metrics = MetricsWriter(out_dir / METRICS_FILENAME, on_error=self.log)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from backend.serve.reference import hf_tokenizer
+from backend.train.target import load_target
 
 WEIGHT_VERSION = "default"
 
@@ -175,8 +176,6 @@ class Engine:
 
     def _load(self, profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps) -> None:
         import torch
-
-        from backend.train.target import load_target
 
         self.profile = profile
         self.speculative = speculative
