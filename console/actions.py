@@ -129,6 +129,9 @@ ACTIONS = [
     ConsoleAction("next_overlay", "o", "Overlay", "Training: draw another training job or watched run on the same axes (cycles, then off)", screen="training"),
     ConsoleAction("toggle_follow", "f", "Follow", "Logs: scroll to new lines on/off", screen="logs"),
     ConsoleAction("switch_stream", "o", "Live stream", "Logs: follow stdout or stderr live", screen="logs"),
+    ConsoleAction("search_logs", "/", "Search", "Logs: find text in the shown lines of both streams; n / N next / previous match, esc clears", screen="logs"),
+    ConsoleAction("toggle_wall_time", "t", "Wall time", "Training: x is each step's wall time since the run's first step, or the step", screen="training"),
+    ConsoleAction("toggle_wall_time", "t", "Wall time", "Grokking: x is each step's wall time since the run's first step, or the log step", screen="grokking"),
 ]
 ACTIONS_BY_NAME = {a.name: a for a in ACTIONS}
 MULTI_HOST_ACTIONS = ("show_hosts", "start_multinode")  # offered only when the console holds several hosts

@@ -556,6 +556,9 @@ class ConsoleApp(App):
 
     def on_key(self, event) -> None:
         """A key whose action is disabled says why, instead of doing nothing silently."""
+        active = self.screen.active_bindings.get(event.key)
+        if active is not None and active.node is not self and active.enabled:
+            return  # the screen's own key for now (n on Logs while a search is on), not the app's action
         for action in ACTIONS:
             if action.key == event.key or (event.character and action.key == event.character):
                 reason = self.disabled_reason(action.name)
