@@ -1,5 +1,6 @@
 """Layout at 100x30 and 170x45: every key of every screen is on screen in the footer, tables keep their key columns,
-and snapshots of Dashboard, Training, Logs, Grokking and Bench result at both sizes (frozen data and time)."""
+and snapshots of Dashboard, Training, Logs, Grokking and Bench result, the ? help and a filtered Dashboard at both sizes
+(frozen data and time)."""
 
 import pytest
 from textual.widgets import DataTable, Footer
@@ -7,16 +8,18 @@ from textual.widgets._footer import FooterKey
 
 from console.actions import ACTIONS, MULTI_HOST_ACTIONS
 from console.app import build_app
+from console.screens.help import HelpModal
 from console.widgets.hosts import NARROW_WIDTH
 from test_console_chain import chain_records, chain_state
 from test_console_grokking import GROK_JOB, grok_state
 from test_console_hosts import multinode_states
 from test_console_snapshots import frozen_state
+from ssh_fixtures import screen_shown
 
 SIZES = [(100, 30), (170, 45)]
 SCREENS = {"1": "dashboard", "2": "training", "3": "logs", "4": "grokking", "5": "chain"}
 SCREEN_KEYS = {
-    "dashboard": {"h", "/"},
+    "dashboard": {"h", "/", ">", "<", "u"},
     "training": {"x", "y", "e", "o", "+", "-", ",", ".", "0"},
     "logs": {"f", "o"},
     "grokking": {"+", "-", ",", ".", "0"},
@@ -95,14 +98,14 @@ async def test_the_jobs_table_keeps_its_key_columns(size):
         x = table.region.x
         labels = []
         for column in table.ordered_columns:
-            label = str(column.label)
+            label = " ".join(str(column.label).split())  # a narrow table's header takes two lines ("train\nloss")
             labels.append(label)
-            if label in ("job", "state", "exit", "step", "train loss"):
+            if label in ("job", "state", "cpu%", "rss", "exit", "step", "train loss"):
                 assert x + column.get_render_width(table) <= right, f"{label} column cut at {size}"
-            if label == "detail":
-                assert x + 8 <= right, f"no room for the detail column at {size}"
+            if label == "detail":  # room for "exit 0"; the selected job's whole exit reason is in Latest metrics
+                assert x + 6 <= right, f"no room for the detail column at {size}"
             x += column.get_render_width(table)
-        assert {"job", "state", "exit", "step", "train loss", "detail"} <= set(labels)
+        assert {"job", "state", "cpu%", "rss", "exit", "step", "train loss", "detail"} <= set(labels)
         assert "pid" in labels or size[0] < NARROW_WIDTH  # the stop modal shows the pids; a narrow table drops them
 
 
@@ -167,3 +170,31 @@ def test_multi_host_snapshot(snap_compare, key, size):
         await show_multi_host(pilot, key)
 
     assert snap_compare(multi_host_app(), terminal_size=size, run_before=run_before)
+
+
+# -- the ? help and a Dashboard filtered with / (issue 26) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_help_snapshot(snap_compare, size):
+    async def run_before(pilot):
+        await show(pilot, "1")
+        await pilot.press("question_mark")
+        await screen_shown(pilot.app, HelpModal, "the help screen")
+        await pilot.pause()
+
+    assert snap_compare(app_for("dashboard"), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_filtered_dashboard_snapshot(snap_compare, size):
+    """/ kimi: the jobs table and the GPU holders both keep only what holds it (bob's server is hidden, and counted)."""
+
+    async def run_before(pilot):
+        await show(pilot, "1")
+        await pilot.press("slash", *"kimi", "enter")
+        await pilot.pause()
+        pilot.app.redraw_now()
+        await pilot.pause()
+
+    assert snap_compare(app_for("dashboard"), terminal_size=size, run_before=run_before)

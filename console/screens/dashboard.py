@@ -17,6 +17,7 @@ from textual import events
 from console.nodes import JOB_COLUMNS
 from console.widgets.hosts import (
     DEFAULT_SORT,
+    NARROW_HOSTS_JOB_COLUMNS,
     NARROW_JOB_COLUMNS,
     NARROW_WIDTH,
     ROW_KEY_SEP,
@@ -132,15 +133,16 @@ class DashboardScreen(ConsoleScreen):
             self._set_columns()
             self._draw_jobs()
 
-    @staticmethod
-    def _columns_for(width: int) -> tuple[str, ...]:
-        return NARROW_JOB_COLUMNS if width < NARROW_WIDTH else JOB_COLUMNS
+    def _columns_for(self, width: int) -> tuple[str, ...]:
+        if width >= NARROW_WIDTH:
+            return JOB_COLUMNS
+        return NARROW_HOSTS_JOB_COLUMNS if self.console.multi_host else NARROW_JOB_COLUMNS
 
     def _set_columns(self) -> None:
         table = self.query_one("#jobs", DataTable)
         table.clear(columns=True)
         self._columns = self._columns_for(self.app.size.width)
-        narrow = self._columns == NARROW_JOB_COLUMNS
+        narrow = self._columns != JOB_COLUMNS
         labels = [column_label(name, narrow=narrow, sort=self.job_sort, reverse=self.sort_reversed) for name in self._columns]
         table.header_height = max(label.count("\n") + 1 for label in labels)
         table.add_columns(*(("host",) if self.console.multi_host else ()), *labels)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from rich.console import Group, RenderableType
+from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -20,32 +22,30 @@ EXTRA_KEYS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def keys_text(actions: Sequence[Any], screen_names: dict[str, str], disabled: dict[str, str]) -> Text:
-    """The keys as a table: app-wide first, then per screen; `disabled` maps an action name to why it is off now."""
-    text = Text()
-    text.append("Everywhere\n", style="bold underline")
-    for action in actions:
-        if action.screen is None:
-            _row(text, action.key, action.label, action.help, disabled.get(action.name))
+def keys_text(actions: Sequence[Any], screen_names: dict[str, str], disabled: dict[str, str]) -> RenderableType:
+    """The keys as tables: app-wide first, then per screen; `disabled` maps an action name to why it is off now. A long
+    description wraps inside its own column, under itself, on a narrow terminal."""
+    sections: list[RenderableType] = [Text("Everywhere", style="bold underline")]
+    sections.append(_table([(a.key, a.label, a.help, disabled.get(a.name)) for a in actions if a.screen is None]))
     for mode, name in screen_names.items():
         own = [a for a in actions if a.screen == mode]
         if own:
-            text.append(f"\n{name}\n", style="bold underline")
-            for action in own:
-                _row(text, action.key, action.label, action.help, disabled.get(action.name))
-    text.append("\nAlso\n", style="bold underline")
-    for key, label, what in EXTRA_KEYS:
-        _row(text, key, label, what, None)
-    return text
+            sections += [Text(f"\n{name}", style="bold underline"), _table([(a.key, a.label, a.help, disabled.get(a.name)) for a in own])]
+    sections += [Text("\nAlso", style="bold underline"), _table([(key, label, what, None) for key, label, what in EXTRA_KEYS])]
+    return Group(*sections)
 
 
-def _row(text: Text, key: str, label: str, what: str, reason: str | None) -> None:
-    text.append(f"  {key:>9}  ", style="bold cyan")
-    text.append(f"{label:<14} ", style="bold" if reason is None else "dim")
-    text.append(what, style="" if reason is None else "dim")
-    if reason:
-        text.append(f"  (off: {reason})", style="dim yellow")
-    text.append("\n")
+def _table(rows: list[tuple[str, str, str, str | None]]) -> Table:
+    table = Table.grid(padding=(0, 1))
+    table.add_column(width=11, justify="right", style="bold cyan", no_wrap=True)
+    table.add_column(width=14, no_wrap=True)
+    table.add_column(ratio=1)
+    for key, label, what, reason in rows:
+        description = Text(what, style="" if reason is None else "dim")
+        if reason:
+            description.append(f"  (off: {reason})", style="dim yellow")
+        table.add_row(key, Text(label, style="bold" if reason is None else "dim"), description)
+    return table
 
 
 class HelpModal(ModalScreen[None]):
@@ -53,7 +53,7 @@ class HelpModal(ModalScreen[None]):
 
     BINDINGS = [Binding("escape", "close", "Close"), Binding("question_mark", "close", "Close"), Binding("q", "close", "Close")]
 
-    def __init__(self, text: Text):
+    def __init__(self, text: RenderableType):
         super().__init__()
         self.text = text
 

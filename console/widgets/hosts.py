@@ -16,6 +16,7 @@ from console.format import GIB, MIB, duration, figure, inert_text, number, plain
 # Under NARROW_WIDTH the jobs table keeps what tells a job's health and drops kind, pid and runtime (the stop modal shows
 # the pids); its two-line header narrows "train loss" so that exit, step and loss stay on screen beside cpu% and rss.
 NARROW_JOB_COLUMNS = ("job", "state", "cpu%", "rss", "exit", "step", "train loss", "detail")
+NARROW_HOSTS_JOB_COLUMNS = ("job", "state", "cpu%", "exit", "step", "train loss", "detail")  # beside a host column: no rss
 NARROW_WIDTH = 140
 NARROW_LABELS = {"train loss": "train\nloss"}
 # The jobs table's sort keys in the order > cycles them, the column each marks, and which sort biggest (or newest) first.
