@@ -51,10 +51,38 @@ RESULT = {
     "ratio_to_tau_hat": 0.869,
     "accept_length_mean_of_request_means": 2.64,
     "acceptance": ACCEPTANCE,
-    "throughput": [
-        {"concurrency": 1, "output_tok_per_s": 151.3, "accept_length": 2.69, "accept_length_mean_of_request_means": 2.61},
-        {"concurrency": 4, "output_tok_per_s": 402.8, "accept_length": 2.74, "accept_length_mean_of_request_means": 2.66},
+    "throughput": [  # with the same-engine baseline the reference engine offers (backend/chain/run.py speedup_row)
+        {
+            "concurrency": 1,
+            "output_tok_per_s": 151.3,
+            "accept_length": 2.69,
+            "accept_length_mean_of_request_means": 2.61,
+            "baseline_output_tok_per_s": 82.2,
+            "speedup": 151.3 / 82.2,
+            "ttft_p50_s": 0.021,
+            "baseline_ttft_p50_s": 0.019,
+            "itl_p50_s": 0.0171,
+            "baseline_itl_p50_s": 0.0122,
+            "exact_lengths": True,
+            "outputs_equal": {"compared": 8, "equal": 8, "first_different_prompt": None},
+        },
+        {
+            "concurrency": 4,
+            "output_tok_per_s": 402.8,
+            "accept_length": 2.74,
+            "accept_length_mean_of_request_means": 2.66,
+            "baseline_output_tok_per_s": 231.5,
+            "speedup": 402.8 / 231.5,
+            "ttft_p50_s": 0.034,
+            "baseline_ttft_p50_s": 0.030,
+            "itl_p50_s": 0.0252,
+            "baseline_itl_p50_s": 0.0169,
+            "exact_lengths": True,
+            "outputs_equal": {"compared": 8, "equal": 8, "first_different_prompt": None},
+        },
     ],
+    "speedup_baseline": "same-engine",
+    "speedup_c1": 151.3 / 82.2,
     "checkpoint": CHECKPOINT,
     "engine": "reference",
     "argv": SERVER_ARGV,
@@ -225,7 +253,8 @@ async def test_result_panel_shows_verdict_accept_length_next_to_tau_hat_throughp
         assert isinstance(app.screen, ChainScreen)
         panel = text_of(app, "#chain-result")
         assert "VERDICT GREEN" in panel and "accept length 2.71" in panel and "vs τ̂ 3.12" in panel and "ratio 0.87" in panel
-        assert "151.3 tok/s" in panel and "402.8 tok/s" in panel
+        assert "speed-up 1.84x over plain decoding in the same engine (82.2 -> 151.3 tok/s at c=1)" in panel
+        assert "     4    402.8    231.5     1.74x" in panel
         assert f"checkpoint: {CHECKPOINT}" in panel and "--speculative-algorithm EAGLE3" in panel and "engine: reference" in panel
         assert "finished" in text_of(app, "#chain-title")
         stages = app.screen.query_one("#stages")
@@ -250,7 +279,7 @@ def test_result_panel_shows_served_acceptance_per_position_next_to_validation_an
     ]
     assert [("← break" in line) for line in lines] == [False, False, True, False, False]
     assert span_style(panel, lines[2].strip()) == "bold red" and span_style(panel, BREAK_LINE) == "bold red"
-    assert "2.69 pooled / 2.61 per-request mean" in plain
+    assert "accept length pooled / per-request" in plain and "2.69 / 2.61" in plain
 
 
 def test_without_histogram_the_panel_shows_the_pooled_number_and_the_note():
@@ -315,7 +344,7 @@ async def test_an_amber_canary_shows_in_yellow_with_its_reasons_and_the_bench_st
     assert "tau-hat" not in panel.plain
     assert span_style(panel, f"canary: {shown(AMBER_HEADLINE)}") == "yellow"
     assert span_style(panel, shown(AMBER_REASONS[0])) == span_style(panel, shown(AMBER_REASONS[1])) == "yellow"
-    assert "402.8 tok/s" in panel.plain
+    assert "402.8    231.5     1.74x" in panel.plain
     state = chain_state(records)
     state.results["train-kimi"] = [EARLIER, {"path": SAVED, **records[-1]["result"]}]
     app = frozen_app(state)
@@ -565,6 +594,7 @@ async def test_stop_and_bench_key_end_to_end_on_tiny(trained_tiny_run, tmp_path,
             panel = text_of(app, "#chain-result")
             assert "accept length" in panel and outcome["result"]["accept_length"] > 1.5
             assert f"{outcome['result']['accept_length']:.3g}" in panel
+            assert outcome["result"]["speedup_baseline"] == "same-engine" and "over plain decoding in the same engine" in panel
             new_checkpoint = Path(outcome["result"]["checkpoint"])
             assert new_checkpoint.parent == Path(train["job_dir"]) / "checkpoints" and int(new_checkpoint.name.split("_step_")[1]) > 300
             await wait_until(lambda: app.screen.query_one("#results-table").row_count == 1, what="the saved result listed")
@@ -617,3 +647,61 @@ async def test_the_b_plan_knows_what_the_s_modal_knows_about_the_checkpoint():
     assert "Checkpoint first: YES" in text
     assert f"3. Checkpoint to preflight: the one the trainer writes at the stop (the new `latest`); latest now: {CHECKPOINT}" in text
     assert "if training steps have begun" not in text
+
+
+# -- the wall-time speed-up beside accept length (issue 24) ------------------------------------------------------------
+
+
+def with_result(**changes) -> list[dict]:
+    records = chain_records()
+    records[-1]["result"] = {**RESULT, **changes}
+    return records
+
+
+def test_the_speed_up_over_plain_decoding_stands_beside_accept_length():
+    panel = result_panel_text(chain_records())
+    lines = panel.plain.splitlines()
+    assert "accept length 2.71" in lines[0]
+    assert lines[1].strip() == "speed-up 1.84x over plain decoding in the same engine (82.2 -> 151.3 tok/s at c=1)"
+    assert span_style(panel, lines[1].strip()) == "bold green"
+    assert "greedy output equal to plain decoding on 8 of 8 prompts" in lines[2]
+    assert "     1    151.3     82.2     1.84x      21 / 19  17.1 / 12.2  2.69 / 2.61" in panel.plain  # TTFT, ITL p50 both ways
+
+
+def test_without_a_baseline_the_panel_says_so_and_how_to_measure_one():
+    sglang_rows = [
+        {k: row[k] for k in ("concurrency", "output_tok_per_s", "accept_length", "accept_length_mean_of_request_means")} for row in RESULT["throughput"]
+    ]
+    panel = result_panel_text(with_result(throughput=sglang_rows, speedup_baseline="none", speedup_c1=None))
+    line = next(line.strip() for line in panel.plain.splitlines() if line.strip().startswith("speed-up"))
+    assert line.startswith("speed-up: no baseline was measured, so no speed-up") and "--baseline-url" in line
+    assert span_style(panel, line) == "yellow" and "x over plain decoding" not in panel.plain
+    assert "throughput per concurrency (speculative decoding; no plain baseline measured)" in panel.plain
+    assert "     1    151.3        -         -        - / -        - / -  2.69 / 2.61" in panel.plain
+    legacy = {k: v for k, v in RESULT.items() if k not in ("speedup_baseline", "speedup_c1")} | {"throughput": sglang_rows}
+    records = chain_records()
+    records[-1]["result"] = legacy  # saved before the chain measured speed-ups
+    assert "speed-up: not in this result (saved before the chain measured one)" in result_panel_text(records).plain
+
+
+def test_different_greedy_outputs_or_lengths_are_said_under_the_speed_up():
+    rows = [dict(row) for row in RESULT["throughput"]]
+    rows[0] |= {"exact_lengths": False, "outputs_equal": {"compared": 8, "equal": 6, "first_different_prompt": 3}}
+    panel = result_panel_text(with_result(throughput=rows))
+    differs = "greedy output differs from plain decoding on 2 of 8 prompts (first: prompt 3): speculation should not change greedy text"
+    assert differs in panel.plain and span_style(panel, differs) == "bold red"
+    lengths = "the two sides did not all decode the same number of tokens: the ratio compares different work"
+    assert span_style(panel, lengths) == "yellow"
+    only_c4 = [{k: v for k, v in rows[0].items() if k not in ("speedup", "baseline_output_tok_per_s")}, rows[1]]
+    panel = result_panel_text(with_result(throughput=only_c4, speedup_c1=None))
+    assert "speed-up 1.74x over plain decoding in the same engine (231.5 -> 402.8 tok/s at c=4)" in panel.plain
+
+
+async def test_earlier_results_list_their_speed_up():
+    app = frozen_app(chain_state(chain_records()))
+    async with app.run_test(size=SIZE) as pilot:
+        await show_chain(pilot)
+        results = app.screen.query_one("#results-table")
+        labels = [str(column.label) for column in results.ordered_columns]
+        column = labels.index("speed-up")
+        assert [str(results.get_row_at(i)[column]) for i in range(results.row_count)] == ["1.84x", "-"]  # this run, then EARLIER

@@ -1,7 +1,9 @@
-"""Stop & bench: the chain job's stages as they run (status, elapsed), then the result panel and earlier results of the run."""
+"""Stop & bench: the chain job's stages as they run (status, elapsed), then the result panel (verdict, accept length and the
+wall-time speed-up over plain decoding) and earlier results of the run."""
 
 from __future__ import annotations
 
+import math
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -148,6 +150,97 @@ def _accept_line(text: Text, data: dict[str, Any]) -> None:
     text.append(f"  ratio {number(ratio, 2)}", style="bold" if isinstance(ratio, (int, float)) else "")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def speedup_row(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The throughput row the headline speed-up comes from: concurrency 1 when measured there, else the first with one."""
+    rows = [row for row in result.get("throughput") or [] if isinstance(row, dict) and _is_number(row.get("speedup"))]
+    return next((row for row in rows if row.get("concurrency") == 1), rows[0] if rows else None)
+
+
+def speedup_headline(result: dict[str, Any]) -> tuple[str, str]:
+    """(line, style): the wall-time speed-up over plain decoding in the same engine, or plainly why there is none."""
+    row = speedup_row(result)
+    if result.get("speedup_baseline") == "same-engine" and row is not None:
+        return (
+            f"speed-up {row['speedup']:.2f}x over plain decoding in the same engine ({number(row.get('baseline_output_tok_per_s'), 4)} -> "
+            f"{number(row.get('output_tok_per_s'), 4)} tok/s at c={row.get('concurrency', '?')})",
+            "bold green" if row["speedup"] >= 1 else "bold yellow",
+        )
+    mode = result.get("speedup_baseline")
+    if mode == "same-engine":
+        return "speed-up: not measured (the plain decoding baseline produced no throughput)", "yellow"
+    if mode is None:
+        return "speed-up: not in this result (saved before the chain measured one); eagle3-host bench measures it", "yellow"
+    return (
+        "speed-up: no baseline was measured, so no speed-up: the server cannot decode plainly on request (SGLang); "
+        "measure one with eagle3-host bench --baseline-url URL, a server of the same target without speculation",
+        "yellow",
+    )
+
+
+def _speedup_lines(text: Text, result: dict[str, Any]) -> None:
+    """The speed-up line beside accept length, and what would make it read wrong: unequal lengths, different outputs."""
+    line, style = speedup_headline(result)
+    text.append(f"  {line}\n", style=style)
+    row = speedup_row(result)
+    if row is None or result.get("speedup_baseline") != "same-engine":
+        return
+    if row.get("exact_lengths") is False:
+        text.append("    the two sides did not all decode the same number of tokens: the ratio compares different work\n", style="yellow")
+    equal = row.get("outputs_equal")
+    if isinstance(equal, dict) and _is_number(equal.get("compared")):
+        same, compared = equal.get("equal"), equal.get("compared")
+        if same == compared:
+            text.append(f"    greedy output equal to plain decoding on {compared} of {compared} prompts\n", style="dim")
+        else:
+            first = equal.get("first_different_prompt")
+            text.append(
+                f"    greedy output differs from plain decoding on {_count(compared, same)} of {compared} prompts"
+                + (f" (first: prompt {visible(first)})" if first is not None else "")
+                + ": speculation should not change greedy text\n",
+                style="bold red",
+            )
+
+
+def _count(compared: Any, same: Any) -> str:
+    return str(int(compared) - int(same)) if _is_number(compared) and _is_number(same) else "?"
+
+
+def _ms(value: Any) -> str:
+    return f"{value * 1000:.3g}" if _is_number(value) else "-"
+
+
+def _throughput_lines(text: Text, result: dict[str, Any]) -> None:
+    """Per concurrency level: tok/s speculative and plain, the speed-up, TTFT and ITL p50 both ways, accept length."""
+    rows = [row for row in result.get("throughput") or [] if isinstance(row, dict)]
+    compared = any(_is_number(row.get("baseline_output_tok_per_s")) for row in rows)
+    against = "speculative / plain decoding in the same engine" if compared else "speculative decoding; no plain baseline measured"
+    text.append(f"throughput per concurrency ({against}):\n", style="bold")
+    header = ("c", "tok/s", "plain", "speed-up", "TTFT p50 ms", "ITL p50 ms", "accept length pooled / per-request")
+    text.append(_throughput_row(header) + "\n", style="dim")
+    for row in rows:
+        speedup = row.get("speedup")
+        cells = (
+            visible(row.get("concurrency", "?")),
+            number(row.get("output_tok_per_s"), 4),
+            number(row.get("baseline_output_tok_per_s"), 4),
+            f"{speedup:.2f}x" if _is_number(speedup) else "-",
+            f"{_ms(row.get('ttft_p50_s'))} / {_ms(row.get('baseline_ttft_p50_s'))}",
+            f"{_ms(row.get('itl_p50_s'))} / {_ms(row.get('baseline_itl_p50_s'))}",
+            f"{accept_length(row.get('accept_length'))} / {accept_length(row.get('accept_length_mean_of_request_means'))}",
+        )
+        text.append(_throughput_row(cells) + "\n")
+
+
+def _throughput_row(cells: tuple[str, ...]) -> str:
+    """One row of the throughput table, right-aligned to its header's columns."""
+    widths = (4, 7, 7, 8, 11, 11)
+    return "  " + "  ".join(cell.rjust(width) for cell, width in zip(cells, widths)) + "  " + cells[-1]
+
+
 def _acceptance_lines(text: Text, data: dict[str, Any]) -> None:
     """Both accept-length definitions, labelled; served acceptance per draft position next to val acc_k; the first break."""
     raw = data.get("acceptance")
@@ -222,16 +315,11 @@ def result_panel_text(records: list[dict[str, Any]]) -> Text:
     _verdict_badge(text, result.get("verdict"))
     _accept_line(text, result)
     text.append("\n")
+    _speedup_lines(text, result)
     _break_caveat(text, result)
     _canary_lines(text, result.get("verdict"), canary, result)
     _acceptance_lines(text, result)
-    text.append("throughput per concurrency:\n", style="bold")
-    for row in result.get("throughput") or []:
-        text.append(
-            f"  {row.get('concurrency', '?'):>4} concurrent  {number(row.get('output_tok_per_s'), 4):>8} tok/s"
-            f"  accept length {accept_length(row.get('accept_length'))} pooled"
-            f" / {accept_length(row.get('accept_length_mean_of_request_means'))} per-request mean\n"
-        )
+    _throughput_lines(text, result)
     slower = concurrency_remark(result.get("throughput") or [])
     if slower:
         text.append(f"  {slower}\n", style="yellow")
@@ -277,7 +365,7 @@ class ChainScreen(ConsoleScreen):
 
     def on_mount(self) -> None:
         self.query_one("#stages", DataTable).add_columns("stage", "what", "status", "elapsed", "detail")
-        self.query_one("#results-table", DataTable).add_columns("saved", "verdict", "accept", "τ̂", "ratio", "best tok/s", "checkpoint", "engine")
+        self.query_one("#results-table", DataTable).add_columns("saved", "verdict", "accept", "τ̂", "ratio", "speed-up", "best tok/s", "checkpoint", "engine")
         self._ticker = self.set_interval(TICK_S, self._tick, pause=True)
         self.show_state(None)
 
@@ -360,6 +448,7 @@ class ChainScreen(ConsoleScreen):
                 accept_length(row.get("accept_length")),
                 accept_length(row.get("tau_hat")),
                 number(row.get("ratio_to_tau_hat"), 2),
+                f"{row['speedup_c1']:.2f}x" if _is_number(row.get("speedup_c1")) else "-",
                 number(best_throughput(row), 4),
                 plain_cell(PurePosixPath(str(row.get("checkpoint") or "?")).name),
                 plain_cell(row.get("engine") or "?"),
