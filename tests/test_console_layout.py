@@ -20,9 +20,9 @@ SIZES = [(100, 30), (170, 45)]
 SCREENS = {"1": "dashboard", "2": "training", "3": "logs", "4": "grokking", "5": "chain"}
 SCREEN_KEYS = {
     "dashboard": {"h", "/", ">", "<", "u"},
-    "training": {"x", "y", "e", "o", "+", "-", ",", ".", "0"},
-    "logs": {"f", "o"},
-    "grokking": {"+", "-", ",", ".", "0"},
+    "training": {"x", "y", "e", "o", "t", "+", "-", ",", ".", "0"},
+    "logs": {"f", "o", "/"},
+    "grokking": {"t", "+", "-", ",", ".", "0"},
     "chain": set(),
 }
 APP_KEYS = {a.key for a in ACTIONS if a.screen is None and a.name not in MULTI_HOST_ACTIONS}  # a one-host console's keys
