@@ -86,7 +86,7 @@ async def test_keys_switch_screens_and_toggle_the_plot_options():
         assert plot.options.log_x and plot.options.log_y and plot.options.ema_weight == 0.9
         train = plot.curve(plot.specs[0])
         assert train.source_points == 400 and max(train.xs) == pytest.approx(3.602, abs=1e-3)  # log10(4000)
-        assert "log step on (x)" in str(app.screen.query_one("#training-title").render())
+        assert "x log step (x t)" in str(app.screen.query_one("#training-title").render())  # the title names the x axis
         await pilot.press("3")
         assert isinstance(app.screen, LogsScreen)
         assert app.screen.query_one("#log-stdout").line_count == 40
