@@ -214,15 +214,6 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """Build a dataclass from a dict, ignoring unknown keys (newer agents may add fields)."""
-    names = {f.name for f in fields(cls)}
-    kwargs = {k: v for k, v in data.items() if k in names}
-    if cls is GpuSample and "processes" in kwargs:
-        kwargs["processes"] = [from_dict(GpuProcess, p) for p in kwargs["processes"]]
-    return cls(**kwargs)
-
-
 class InvalidMessage(ValueError):
     """A message (or part of one) that does not have the contract's shape; the text says where and what."""
 

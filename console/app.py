@@ -23,7 +23,7 @@ from textual.widgets import Footer
 from textual.worker import Worker
 
 from backend.commands import ProfileFacts, job_profile, profile_facts
-from backend.protocol import Event, JobInfo, Request, from_dict
+from backend.protocol import Event, InvalidMessage, JobInfo, Request, parse
 from backend.safetext import visible
 from console.actions import ACTIONS, ACTIONS_BY_NAME, SCREEN_NAMES, ConsoleCommands, app_bindings, disabled_reason, offered
 from console.client import AgentClient, AgentError
@@ -43,7 +43,7 @@ from console.screens.help import HelpModal, keys_text
 from console.screens.hosts import HostsScreen
 from console.screens.logs import LogsScreen
 from console.session import STREAMS, HostSession, Severity
-from console.state import CONNECTED, ConnectionStatus, ConsoleState, Section
+from console.state import CONNECTED, LIMITS, ConnectionStatus, ConsoleState, Section
 from console.transport import Transport
 from console.nodes import Node, nodes_of
 from console.widgets.panels import ConsoleFooter
@@ -350,7 +350,10 @@ class ConsoleApp(App):
         races with the reply) cannot take it back."""
         self.set_active(host or self.active)
         if name not in self.state.jobs and isinstance(wire, dict):
-            self.state.jobs[name] = from_dict(JobInfo, wire)
+            try:
+                self.state.jobs[name] = parse(JobInfo, wire, LIMITS, "the started job")
+            except InvalidMessage as exc:
+                self.state.refuse(f"refused the started job's record: {exc}; it is listed with the next jobs event")
         self.selected_job = None
         self.select_job(name)
         self.redraw_now()

@@ -204,9 +204,6 @@ class AgentClient:
             self._events_room.set()
         return event
 
-    def pending_events(self) -> int:
-        return self._events.qsize()
-
     # -- reading -----------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:

@@ -11,8 +11,7 @@ import asyncio
 import time
 from typing import Any, Literal, Protocol
 
-from backend.protocol import PROTOCOL_VERSION, Request
-from backend.protocol import cut_text
+from backend.protocol import Request, cut_text
 from console.client import AgentClient, AgentError, ClientNote
 from console.state import EXTERNAL_PREFIX, FAILED, STRING_CAP, SUMMARY_KEYS, ConnectionStatus, ConsoleState, Section
 from console.transport import AgentStderr, TransportError
@@ -55,7 +54,6 @@ class HostSession:
         self._refusals_told = 0  # state.notes_added when the operator was last told
         self._refusal_told_at = -REFUSED_NOTE_INTERVAL_S
         self._refusal_timer: asyncio.TimerHandle | None = None
-        self._protocol_told: int | None = None
 
     @property
     def name(self) -> str:
@@ -126,12 +124,7 @@ class HostSession:
             self.state.refuse(event.text)
             return {Section.NOTES}
         if isinstance(event, dict):
-            changed = self.state.apply(event)
-            hello = self.state.hello
-            if Section.HELLO in changed and hello is not None and hello.protocol != PROTOCOL_VERSION and hello.protocol != self._protocol_told:
-                self._protocol_told = hello.protocol  # once per protocol seen, not per hello
-                self.note(f"the agent on {self.name} speaks protocol {hello.protocol}, this console {PROTOCOL_VERSION}: some views may be empty", "warning")
-            return changed
+            return self.state.apply(event)
         return None
 
     def _tell_refusals(self) -> None:
@@ -224,14 +217,8 @@ class HostSession:
             metrics = self.state.job_metrics(name)
             metrics.loading, metrics.seen_end = True, 0
             try:
-                try:
-                    await self.fetch_summary(name, log_x=False)
-                    window = await self.request(Request.METRICS_WINDOW, name=name, last=TAIL_RECORDS, val=VAL_ROWS, timeout=60)
-                except AgentError as exc:
-                    if exc.code != "unknown_request":
-                        raise
-                    await self.load_history_pages(name)  # an agent of protocol 1
-                    return []
+                await self.fetch_summary(name, log_x=False)
+                window = await self.request(Request.METRICS_WINDOW, name=name, last=TAIL_RECORDS, val=VAL_ROWS, timeout=60)
                 self.changed(self.state.apply_window(name, window))
                 if log_x_too:
                     await self.fetch_summary(name, log_x=True)
@@ -289,7 +276,7 @@ class HostSession:
 
     async def load_history_pages(self, name: str) -> None:
         """metrics_history pages from our offset (from 0 the first time) while the agent says `more`: the catch-up
-        after a gap in the live events, and the whole load from an agent that predates metrics_series."""
+        after a gap in the live events."""
         for _ in range(HISTORY_BATCHES_MAX):
             metrics = self.state.job_metrics(name)
             reset = not metrics.history_loaded

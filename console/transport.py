@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
+from backend.commands import agent_args
 from backend.protocol import encode
 
 from console.state import CLOSED, CONNECTED, CONNECTING, FAILED, RECONNECTING, ConnectionStatus
@@ -439,7 +440,7 @@ class LocalTransport(Transport):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.root), env.get("PYTHONPATH", "")) if p)
-        argv = [self.python, "-m", "backend.agent", "--run-dir", str(self.run_dir)]
+        argv = [self.python, *agent_args(str(self.run_dir))]
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -583,7 +584,7 @@ class SSHTransport(Transport):
             remote_dir = await self._ensure_agent(conn)
             command = (
                 f"cd {shlex.quote(remote_dir)} && EAGLE3_BACKEND_HASH={self.backend_hash} "
-                f"exec {remote_path_expr(self.python)} -m backend.agent --run-dir {remote_path_expr(self.run_dir)}"
+                f"exec {' '.join(remote_path_expr(word) for word in [self.python, *agent_args(self.run_dir)])}"
             )
             process = await conn.create_process(command, encoding=None)
         except BaseException:
