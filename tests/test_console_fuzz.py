@@ -9,10 +9,18 @@ every cap, and keep its event loop free (a `q` is handled within a second).
 """
 
 import asyncio
+import fcntl
+import os
+import pty
+import select
+import struct
+import subprocess
 import sys
+import termios
 import time
 from collections import deque
 from dataclasses import is_dataclass
+from pathlib import Path
 
 from console.app import build_app
 from console.client import AgentClient
@@ -255,3 +263,56 @@ async def test_the_app_quits_on_q_within_a_second_while_a_host_floods_it(tmp_pat
         quit_after = time.monotonic() - pressed
     assert quit_after < 1.0, f"q took {quit_after:.2f}s to be handled"
     assert app.return_code in (0, None)
+
+
+# Sequences only the hostile host sends: Textual itself never writes an OSC 52 clipboard write, a window title of
+# "owned", a C1 CSI or a bidi override, so any of them on the terminal came from the host unsanitized.
+HOST_ONLY = (b"\x1b]52;", b"\x1b]0;owned", b"\xc2\x9b", "\u202e".encode())
+
+PTY_CONSOLE = r"""
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from pathlib import Path
+from test_console_fuzz import hostile_transport
+from console.app import build_app
+build_app(hostile_transport(Path(sys.argv[3]), seed=5), poll_interval=1.0, refresh_throttle=0.2).run()
+"""
+
+
+def test_nothing_the_hostile_host_sends_reaches_a_real_terminal_raw(tmp_path):
+    """The real app on a pseudo-terminal: once the flood is on screen (its escapes drawn visibly), every screen is
+    shown, the filter opened and closed, and the app quit; no host-only sequence is among all the bytes it wrote."""
+    tests, root = Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]
+    main, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 45, 140, 0, 0))
+    env = {**os.environ, "TERM": "xterm-256color"}
+    command = [sys.executable, "-c", PTY_CONSOLE, str(tests), str(root), str(tmp_path)]
+    process = subprocess.Popen(command, stdin=follower, stdout=follower, stderr=follower, env=env, start_new_session=True)
+    os.close(follower)
+    written = bytearray()
+
+    def read_for(seconds: float, until: bytes | None = None) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and process.poll() is None and not (until and until in written):
+            if select.select([main], [], [], 0.05)[0]:
+                try:
+                    written.extend(os.read(main, 1 << 16))
+                except OSError:
+                    return
+
+    try:
+        read_for(60, until=b"job-")  # the hostile jobs are drawn (their names carry escapes)
+        read_for(2)
+        for key in (b"2", b"3", b"1", b"/", b"\x1b", b"q"):
+            os.write(main, key)
+            read_for(1.5)
+        read_for(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        os.close(main)
+    assert b"job-" in written, f"the hostile jobs never reached the screen: {bytes(written[-800:])!r}"
+    leaked = [marker for marker in HOST_ONLY if marker in written]
+    assert not leaked, f"host sequences reached the terminal raw: {leaked}"
+    assert b"\\x1b" in written  # they are on screen, visibly escaped
