@@ -20,7 +20,7 @@ from textual.app import App
 from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen
 from textual.widgets import Footer
-from textual.worker import Worker
+from textual.worker import Worker, WorkerState
 
 from backend.commands import ProfileFacts, job_profile, profile_facts
 from backend.protocol import Event, InvalidMessage, JobInfo, Request, parse
@@ -682,7 +682,9 @@ class ConsoleApp(App):
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         error = event.worker.error
-        if error is not None and not event.worker.group.startswith("agent"):
+        if event.state != WorkerState.ERROR or error is None or isinstance(error, asyncio.CancelledError):
+            return  # a cancelled worker (an exclusive one replaced by the next poll or resync) did not fail
+        if not event.worker.group.startswith("agent"):
             self.note(f"{event.worker.name or event.worker.group} failed: {error_text(error)}", severity="error")
 
 
