@@ -117,6 +117,7 @@ class ConsoleApp(App):
         self.rdzv_endpoint = rdzv_endpoint  # HOST:PORT of a multi-node run's rendezvous (default: the first host, a port from the run id)
         self.readonly = readonly
         self.holders_expanded = False
+        self.table_order: list[tuple[str, str]] = []  # the jobs table sets it as it draws (console/screens/dashboard.py)
         self.sessions = [HostSession(client, state, self) for client, state in hosts]
         self.active = self.sessions[0]
         self.profile = profile
@@ -363,7 +364,10 @@ class ConsoleApp(App):
         return [(session, name) for session in self.sessions for name in reversed(list(session.state.jobs))]
 
     def _cycle_job(self, step: int) -> None:
-        rows = self.job_rows()
+        """[ and ]: the previous or next job in the jobs table's order as last drawn (its sort and filter), else listed."""
+        by_name = {(session.name, name): (session, name) for session, name in self.job_rows()}
+        shown = [by_name[key] for key in self.table_order if key in by_name]
+        rows = shown or self.job_rows()
         if not rows:
             return
         current = (self.active, self.selected_job)

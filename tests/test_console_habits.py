@@ -121,6 +121,27 @@ async def test_sort_keys_cycle_the_column_reverse_it_and_the_header_says_which()
         assert "cpu% ▲" in labels  # the sorted column is marked in the header too
 
 
+async def test_brackets_walk_the_jobs_in_the_tables_sorted_order():
+    app = frozen()
+    async with app.run_test(size=WIDE) as pilot:
+        for _ in range(2):  # started -> CPU % -> RSS
+            await pilot.press("greater_than_sign")
+            await pilot.pause()
+        assert title(app) == "Jobs · by RSS ▼"
+        order = column(app, "job")
+        app.select_job(order[0])
+        await pilot.pause()
+        walked = []
+        for _ in range(len(order) - 1):
+            await pilot.press("right_square_bracket")
+            await pilot.pause()
+            walked.append(app.selected_job)
+        assert walked == order[1:]
+        await pilot.press("left_square_bracket")
+        await pilot.pause()
+        assert app.selected_job == order[-2]
+
+
 # -- 3. one / filter for the jobs table and the GPU holders -----------------------------------------------
 
 

@@ -20,6 +20,7 @@ class ConsoleView(Protocol):
     active: HostSession
     selected_job: str | None
     holders_expanded: bool
+    table_order: list[tuple[str, str]]  # (host, job) as the jobs table last drew them: sorted and filtered
 
     @property
     def state(self) -> ConsoleState: ...

@@ -20,7 +20,6 @@ from console.widgets.hosts import (
     NARROW_HOSTS_JOB_COLUMNS,
     NARROW_JOB_COLUMNS,
     NARROW_WIDTH,
-    ROW_KEY_SEP,
     SORT_KEYS,
     column_label,
     job_table_rows,
@@ -28,6 +27,7 @@ from console.widgets.hosts import (
     row_key,
     sort_label,
     sort_rows,
+    split_row_key,
 )
 from console.widgets.panels import ActionLog, DiskPanel, LatestMetrics
 from console.state import Section
@@ -188,8 +188,10 @@ class DashboardScreen(ConsoleScreen):
         rows = job_table_rows(self.console.job_rows(), self.console.sessions)
         wanted = self.job_filter.lower()
         shown = [row for row in rows if not wanted or any(wanted in str(cell).lower() for cell in row.cells)]
-        for row in sort_rows(shown, self.job_sort, self.sort_reversed):
+        ordered = sort_rows(shown, self.job_sort, self.sort_reversed)
+        for row in ordered:
             table.add_row(*row.pick(self._columns, host=multi), key=row.key)
+        self.console.table_order = [split_row_key(row.key) for row in ordered]  # what [ and ] walk
         parts = ["Jobs"]
         if self.job_sort != DEFAULT_SORT or self.sort_reversed:
             parts.append(f"by {sort_label(self.job_sort, self.sort_reversed)}")
@@ -209,5 +211,5 @@ class DashboardScreen(ConsoleScreen):
             return  # stale: posted by a rebuild before the cursor was put back on the selected job (row or key moved since)
         if self._selection_key() != self._drawn_selection:
             return  # stale: the selection changed (a key, a click elsewhere) and this table has not been redrawn for it yet
-        host, _, name = event.row_key.value.partition(ROW_KEY_SEP)
+        host, name = split_row_key(event.row_key.value)
         self.console.select_job(name, host)

@@ -35,6 +35,11 @@ def row_key(host: str, name: str) -> str:
     return f"{host}{ROW_KEY_SEP}{name}"
 
 
+def split_row_key(key: str) -> tuple[str, str]:
+    host, _, name = key.partition(ROW_KEY_SEP)
+    return host, name
+
+
 def job_table_rows(jobs: list[tuple[HostSession, str]], sessions: list[HostSession]) -> list[JobRow]:
     """The jobs table from `jobs` (every host's, newest first): the nodes of a multi-node job folded into one row at its first node."""
     rows: list[JobRow] = []
