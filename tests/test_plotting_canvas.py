@@ -3,6 +3,7 @@ values say, on linear and log axes, with NaN markers, faint raw lines, whole-num
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,28 @@ def test_tiny_plots_still_lay_out(size):
     layout = frame([layer(smollm2("train"))], width=size[0], height=size[1])
     assert len(layout.lines) <= size[1]
     assert all(len(row) <= size[0] for row in text_rows(layout))
+
+
+def test_many_curves_share_a_compact_legend_and_an_overlay_with_the_same_labels_is_one_dim_row():
+    acc = [Series(steps=[100.0, 200.0, 300.0], values=[0.8 - 0.05 * k, 0.82 - 0.05 * k, 0.85 - 0.05 * k]) for k in range(7)]
+    ours = [layer(series, f"acc@{k}") for k, series in enumerate(acc)]
+    assert frame(ours, width=60, height=20).legend == ["acc@ ▞▞0 ▞▞1 ▞▞2 ▞▞3 ▞▞4 ▞▞5 ▞▞6"]
+    theirs = [layer(series, f"acc@{k}") for k, series in enumerate(acc)]
+    for item in theirs:
+        item.spec.prefix = "grok-1 "
+    assert frame(theirs + ours, width=60, height=20).legend == ["acc@ ▞▞0 ▞▞1 ▞▞2 ▞▞3 ▞▞4 ▞▞5 ▞▞6", "dim: grok-1"]
+    assert frame(ours, width=30, height=20).legend == ["acc@ ▞▞0 ▞▞1 ▞▞2 ▞▞3", "  ▞▞4 ▞▞5 ▞▞6"]  # wrapped at the width
+    assert frame(ours, width=30, height=8).legend == []  # 2 rows of a 3-row canvas would hide the curves
+    few = [layer(smollm2("train"), "train"), layer(smollm2("val"), "val")]
+    assert frame(few).legend == ["train (100)", "val (6)"]  # up to four: one a row, with their counts
+
+
+def test_the_wall_time_axis_reads_elapsed_time_under_the_mouse():
+    train = layer(Series(steps=[0.0, 1800.0, 5400.0], values=[3.0, 2.0, 1.0]))
+    options = CurveOptions(wall_time=True)
+    layout = frame([train], options=options, width=64, height=20)
+    assert layout.x_ticks.labels[0] == "0:00" and layout.x_ticks.labels[-1] == "1:30:00"
+    assert text_rows(layout)[-1].strip() == "wall time since the first step"
+    left, top = layout.canvas_origin
+    last = frame([train], options=options, width=64, height=20, cursor=(left + layout.canvas_size[0] - 1, top + 1))
+    assert re.fullmatch(r"at 1:29:\d\d: train 1", text_rows(last)[-1].strip())  # the last column: the end of the run
