@@ -197,7 +197,7 @@ if phase == "train":
     summary.update(
         nproc=read("nproc"),
         regenerate_meta=regen,
-        ours={**(read("ours_timing.json") or {}), "last_step": max((m.get("step", 0) for m in metrics), default=0),
+        ours={**(read("ours_timing.json") or {}), "checkpoint": read("ours/checkpoints/latest"),
               "val": [m for m in metrics if m.get("split") == "val"]},
         specforge_result=read("sf/result.json"),
         cold_index=read("cold_index.json"),
