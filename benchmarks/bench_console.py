@@ -252,7 +252,7 @@ async def e2e_delays(transport, lines: int) -> tuple[list[float], list[float]]:
 
 
 async def e2e_over_inprocess_ssh(tmp: Path, lines: int) -> tuple[list[float], list[float]]:
-    from ssh_fixtures import InProcessSSHServer
+    from tests.fixtures.ssh import InProcessSSHServer
 
     server = await InProcessSSHServer(tmp / "ssh").start()
     try:
@@ -274,7 +274,7 @@ async def e2e_over_inprocess_ssh(tmp: Path, lines: int) -> tuple[list[float], li
 
 
 async def e2e_over_real_sshd(tmp: Path, lines: int) -> tuple[list[float], list[float]]:
-    from ssh_fixtures import RealSSHD
+    from tests.fixtures.ssh import RealSSHD
 
     server = RealSSHD(tmp / "sshd").start()
     try:
@@ -296,7 +296,7 @@ async def e2e_over_real_sshd(tmp: Path, lines: int) -> tuple[list[float], list[f
 
 
 def bench_e2e(lines: int) -> dict:
-    from ssh_fixtures import sshd_available
+    from tests.fixtures.ssh import sshd_available
 
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)

@@ -157,7 +157,7 @@ def bench_warm_query(path: Path, reps: int = 5) -> dict:
 def ssh_server(tmp: Path, run_dir: Path):
     """(kind, a transport factory to call inside the event loop, stop): OpenSSH's sshd on 127.0.0.1, else the local subprocess."""
     from console.transport import LocalTransport, SSHTransport
-    from ssh_fixtures import RealSSHD, sshd_available
+    from tests.fixtures.ssh import RealSSHD, sshd_available
 
     if not sshd_available():
         return "local_subprocess (no /usr/sbin/sshd)", lambda: LocalTransport(run_dir), lambda: None

@@ -10,44 +10,17 @@ A test that requests one of the tiny-build fixtures without @pytest.mark.slow fa
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"  # the shared/ checkout beside this one (real H200 captures, references)
-TRAINED_TINY_STEPS = 300
+from tests.fixtures.env import MINI_SETTINGS, TRAINED_TINY_STEPS, trained_run_key, mini_profile_dict, train_tiny
+
 # Session fixtures that build the tiny target (and train a draft on it): tens of CPU minutes, so slow tests only.
 TINY_BUILD_FIXTURES = ("trained_tiny_run", "tiny_target_dir", "tiny_target")
 # Everything that decides what `train --profile tiny` produces.
-TRAINING_CODE = [
-    "draft.py",
-    "attention.py",
-    "checkpoint.py",
-    "trainer.py",
-    "loss.py",
-    "data.py",
-    "vocab.py",
-    "schedule.py",
-    "target.py",
-    "tiny.py",
-    "extract.py",
-]
-
-
-def threads_for_tests() -> str:
-    return os.environ.get("EAGLE3_TEST_THREADS", "1")
-
-
-def needs_shared(relative: str):
-    """Skip mark for tests that read ../shared/<relative>, saying where it was looked for."""
-    path = SHARED / relative
-    return pytest.mark.skipif(not path.exists(), reason=f"needs ../shared beside the checkout (shared/{relative}); not found at {path}")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -60,17 +33,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             'minutes): mark the test @pytest.mark.slow so that `-m "not slow"` never runs it',
             pytrace=False,
         )
-
-
-def subprocess_env(**extra: str) -> dict:
-    """Environment for backend subprocesses: repo on the path, limited threads, no job dir leaking in."""
-    env = dict(os.environ)
-    env.pop("EAGLE3_JOB_DIR", None)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["OMP_NUM_THREADS"] = threads_for_tests()
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
 
 
 @pytest.fixture(scope="session")
@@ -95,21 +57,6 @@ def tiny_target(tiny_profile, tiny_target_dir):
     return load_target(tiny_profile)
 
 
-def _trained_run_key(profile_source: str) -> str:
-    digest = hashlib.sha256()
-    for name in TRAINING_CODE:
-        path = ROOT / "backend" / "train" / name
-        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"") + b"\0")
-    digest.update(Path(profile_source).read_bytes())
-    digest.update(f"steps={TRAINED_TINY_STEPS}".encode())
-    return digest.hexdigest()[:16]
-
-
-def train_tiny(out: Path, *extra: str, timeout: float = 1800) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "backend", "train", "--profile", "tiny", "--out", str(out), *extra]
-    return subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="session")
 def trained_tiny_run(tiny_profile, tiny_target_dir, tmp_path_factory) -> Path:
     """A run dir (metrics.jsonl, run.json, checkpoints/latest) of `train --profile tiny --max-steps 300` on CPU.
@@ -118,7 +65,7 @@ def trained_tiny_run(tiny_profile, tiny_target_dir, tmp_path_factory) -> Path:
     """
     from backend.train.tiny import cache_root
 
-    cached = cache_root() / "test-runs" / f"trained-tiny-{_trained_run_key(tiny_profile.source)}"
+    cached = cache_root() / "test-runs" / f"trained-tiny-{trained_run_key(tiny_profile.source)}"
     if os.environ.get("EAGLE3_TEST_RETRAIN") == "1" and cached.exists():
         shutil.rmtree(cached)
     cached.parent.mkdir(parents=True, exist_ok=True)
@@ -141,58 +88,6 @@ def trained_tiny_run(tiny_profile, tiny_target_dir, tmp_path_factory) -> Path:
 
 
 # --- the mini target: same recipe as tiny, small enough to build in seconds for fast tests -------------
-
-MINI_SETTINGS = dict(
-    num_layers=4,
-    hidden_size=32,
-    num_heads=2,
-    intermediate_size=64,
-    max_position_embeddings=256,
-    corpus_bytes=8192,
-    val_corpus_bytes=2048,
-    seq_len=64,
-    batch_size=8,
-    steps=12,
-    warmup_steps=3,
-    learning_rate=3e-3,
-)
-
-
-def mini_profile_dict(target_dir: Path, **train) -> dict:
-    return {
-        "name": "mini",
-        "target": {
-            "path": str(target_dir),
-            "architecture": "LlamaForCausalLM",
-            "hidden_size": 32,
-            "num_layers": 4,
-            "vocab_size": 259,
-            "aux_layer_ids": [0, 1, 2],
-            "dtype": "float32",
-        },
-        "draft": {
-            "hidden_size": 32,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "intermediate_size": 64,
-            "draft_vocab_size": 48,
-            "max_position_embeddings": 256,
-            "rope_theta": 10000.0,
-        },
-        "train": {
-            "learning_rate": 3e-3,
-            "min_lr_ratio": 0.1,
-            "warmup_steps": 2,
-            "max_steps": 6,
-            "batch_size": 4,
-            "seq_len": 32,
-            "eval_interval": 3,
-            "save_interval": 3,
-            "log_interval": 2,
-            "dtype": "float32",
-            **train,
-        },
-    }
 
 
 @pytest.fixture(scope="session")
@@ -220,10 +115,10 @@ def mini_profile(mini_target_dir):
 def mini_servers(tmp_path_factory, mini_target_dir, mini_profile):
     """{"spec", "plain": ServerProcess, "profile", "draft"}: one speculative and one plain reference server per test process.
 
-    Shared by every module (tests/reference_fixtures.py): each test there reads its own requests' results and none
+    Shared by every module (tests/fixtures/reference.py): each test there reads its own requests' results and none
     changes the servers, and starting a pair costs ~10 CPU-s.
     """
-    from tests.reference_fixtures import run_mini_servers
+    from tests.fixtures.reference import run_mini_servers
 
     yield from run_mini_servers(tmp_path_factory.mktemp("mini-reference"), mini_target_dir, mini_profile)
 

@@ -4,9 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +13,9 @@ from backend.layout import checkpoint_listing as list_checkpoints
 from backend.host.disk import dir_size, disk_usage
 from backend.protocol import PROTOCOL_VERSION
 from backend.jobs.registry import JobRegistry
+from tests.fixtures.agent import AgentProcess, PY
+from tests.fixtures.env import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
 
 WRITER = """\
 import os, signal, sys, time
@@ -34,76 +31,6 @@ for step in range(100000):
     print(f"step {step}", flush=True)
     time.sleep(0.05)
 """
-
-
-class AgentProcess:
-    """`python -m backend.agent` with a reader thread that keeps every stdout line (each must be one JSON object)."""
-
-    def __init__(self, run_dir: Path, interval: float = 0.2, args: tuple[str, ...] = (), env: dict | None = None):
-        self.proc = subprocess.Popen(
-            [PY, "-m", "backend.agent", "--run-dir", str(run_dir), "--interval", str(interval), *args],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-        )
-        self.messages: list[dict] = []
-        self.bad_lines: list[bytes] = []
-        self._cond = threading.Condition()
-        self._next_id = 100
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                message = json.loads(line)
-                assert isinstance(message, dict) and "type" in message
-            except (ValueError, AssertionError):
-                self.bad_lines.append(line)
-                continue
-            with self._cond:
-                self.messages.append(message)
-                self._cond.notify_all()
-
-    def wait(self, predicate, timeout: float = 30.0, start: int = 0) -> tuple[int, dict]:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            index = start
-            while True:
-                while index < len(self.messages):
-                    if predicate(self.messages[index]):
-                        return index, self.messages[index]
-                    index += 1
-                remaining = deadline - time.monotonic()
-                assert remaining > 0, f"timed out; last messages: {self.messages[-5:]}; stderr: {self.stderr_so_far()}"
-                self._cond.wait(remaining)
-
-    def stderr_so_far(self) -> str:
-        return "" if self.proc.poll() is None else self.proc.stderr.read().decode(errors="replace")
-
-    def send_raw(self, data: bytes) -> int:
-        with self._cond:
-            mark = len(self.messages)
-        self.proc.stdin.write(data)
-        self.proc.stdin.flush()
-        return mark
-
-    def request(self, request_type: str, timeout: float = 30.0, **params) -> tuple[int, dict]:
-        self._next_id += 1
-        request_id = self._next_id
-        mark = self.send_raw((json.dumps({"type": request_type, "id": request_id, **params}) + "\n").encode())
-        return self.wait(lambda m: m["type"] == "reply" and m["id"] == request_id, timeout, mark)
-
-    def ok(self, request_type: str, **params) -> dict:
-        _, reply = self.request(request_type, **params)
-        assert reply["ok"], reply
-        return reply["result"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture
@@ -276,7 +203,7 @@ def test_checkpoints_and_disk_helpers(tmp_path):
 
 
 def test_metrics_series_and_window_answer_from_the_index(tmp_path):
-    from test_series_index import write_run
+    from tests.fixtures.metrics_records import write_run
 
     registry = JobRegistry(tmp_path / "run")
     info = registry.start_job("long", "train", [PY, "-c", "import time; time.sleep(60)"])

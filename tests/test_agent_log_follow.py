@@ -4,7 +4,7 @@ jumped over, so the lines after it arrive within a few ticks (the old follower r
 from pathlib import Path
 
 import pytest
-from test_agent import PY, AgentProcess
+from tests.fixtures.agent import PY, AgentProcess
 
 from backend.jobs.registry import JobRegistry
 

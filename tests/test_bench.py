@@ -19,7 +19,7 @@ from backend.serve import http
 from backend.serve.launch import launch
 from backend.serve.preflight import resolve_draft_dir
 from backend.serve.prompts import PromptFileError, load_prompts
-from tests.conftest import subprocess_env
+from tests.fixtures.env import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,7 @@ import pytest
 from backend.chain.run import STAGES, ChainOptions, StopAndBench, profile_from_argv
 from backend.layout import METRICS_FILENAME, STAGES_FILENAME, list_results
 from backend.jobs.registry import JobRegistry
-from tests.conftest import ROOT, subprocess_env
+from tests.fixtures.env import ROOT, subprocess_env
 
 
 def run_chain(run_dir: Path, job: str, *extra: str, timeout: float = 600) -> tuple[int, list[dict]]:

@@ -17,11 +17,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from backend.profiles import load_profile
 from backend.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from backend.layout import latest_checkpoint, list_checkpoints
 from backend.train.draft import DraftModelConfig, Eagle3Draft
-from backend.train.vocab import build_vocab_mapping
+from tests.fixtures.drafts import SYMLINK_KINDS, symlinked_destination, tiny_draft, tree_listing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,19 +42,6 @@ TINY_KEYS = {
     "d2t": ([192], torch.int64),
     "t2d": ([259], torch.bool),
 }
-
-
-def tiny_draft(seed=0):
-    config = DraftModelConfig.from_profile(load_profile("tiny"))
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(config)
-    draft.load_target_embedding(torch.randn(259, 128))
-    counts = torch.randint(0, 1000, (259,), generator=torch.Generator().manual_seed(seed))
-    draft.set_vocab_mapping(*build_vocab_mapping(counts, 192))
-    for param in draft.parameters():
-        if param.requires_grad:
-            param.data.normal_()  # norms too, so a dropped or swapped tensor cannot go unnoticed
-    return draft, config
 
 
 def test_checkpoint_has_exactly_the_sglang_key_set_shapes_and_config(tmp_path):
@@ -307,7 +293,7 @@ def assert_latest_intact(run, name, state_step):
 
 
 def test_disk_full_is_refused_before_writing_and_latest_stays(tmp_path):
-    from test_jsonl import mounted_tmpfs
+    from tests.fixtures.disks import mounted_tmpfs
 
     from backend.train.checkpoint import CheckpointDiskFullError
 
@@ -329,7 +315,7 @@ def test_disk_full_is_refused_before_writing_and_latest_stays(tmp_path):
 def test_disk_full_mid_save_removes_the_partial_dir_and_latest_stays(tmp_path, room):
     """The disk fills between the space check and the write (another job's data, say): safetensors says
     'os error 28', torch.save only 'unexpected pos'; both come out as disk full, naming the sizes."""
-    from test_jsonl import fill_up, mounted_tmpfs
+    from tests.fixtures.disks import fill_up, mounted_tmpfs
 
     from backend.train.checkpoint import CheckpointDiskFullError
 
@@ -368,7 +354,7 @@ def test_resaving_the_same_step_never_leaves_latest_naming_a_missing_dir(tmp_pat
         textwrap.dedent("""
         import sys, torch
         sys.path.insert(0, sys.argv[2])
-        from test_checkpoint import tiny_draft
+        from tests.fixtures.drafts import tiny_draft
         from backend.train.checkpoint import save_checkpoint
         torch.set_num_threads(1)
         draft, config = tiny_draft()
@@ -395,7 +381,7 @@ def test_resaving_the_same_step_never_leaves_latest_naming_a_missing_dir(tmp_pat
             sys.executable,
             str(script),
             str(run),
-            str(ROOT / "tests"),
+            str(ROOT),
             "3",
         ],
         cwd=ROOT,
@@ -433,33 +419,6 @@ def test_kill_checkpoint_benchmark_ci_size():
 
 
 # --- writes never follow a symbolic link -------------------------------------------------------------
-
-
-def tree_listing(root: Path) -> list[tuple[str, bool]]:
-    """Every path under root (links listed, never followed) and whether it is a link: what "nothing written" compares."""
-    listing = []
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = Path(folder) / name
-            listing.append((str(path.relative_to(root)), path.is_symlink()))
-    return sorted(listing)
-
-
-def symlinked_destination(tmp_path: Path, kind: str) -> Path:
-    """A write destination that is a link to an empty dir, a dangling link, or a dir holding a link."""
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    if kind == "link to an empty dir":
-        (tmp_path / "dest").symlink_to(elsewhere, target_is_directory=True)
-    elif kind == "dangling link":
-        (tmp_path / "dest").symlink_to(tmp_path / "nowhere")
-    else:
-        (tmp_path / "dest").mkdir()
-        (tmp_path / "dest" / "config.json").symlink_to(elsewhere / "config.json")
-    return tmp_path / "dest"
-
-
-SYMLINK_KINDS = ["link to an empty dir", "dangling link", "dir holding a link"]
 
 
 @pytest.mark.parametrize("kind", SYMLINK_KINDS)

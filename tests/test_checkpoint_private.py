@@ -13,8 +13,8 @@ from backend.jsonl import AppendError, append_record
 from backend.train.checkpoint import CheckpointError, save_checkpoint
 from backend.train.data import TinyDataSettings
 from backend.train.trainer import TrainOptions, TrainSetupError, train
-from conftest import threads_for_tests
-from tests.test_checkpoint import tiny_draft
+from tests.fixtures.env import threads_for_tests
+from tests.fixtures.drafts import tiny_draft
 
 MINI_DATA = TinyDataSettings(prompt_len=12, total_len=32, train_samples=8, val_samples=4)
 FOREIGN_UID = 65534  # nobody

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, subprocess_env
+from tests.fixtures.env import ROOT, subprocess_env
 
 JOB = textwrap.dedent(
     """

@@ -9,97 +9,30 @@ from pathlib import Path
 import pytest
 
 from backend.protocol import Request
-from backend.serve.acceptance import acceptance_report
 from console.app import build_app
 from backend.commands import chain_argv
 from console.screens.chain import ChainScreen, chain_outcome, result_panel_text, stage_elapsed
 from console.screens.modals import StopAndBenchModal, bench_plan_text
 from console.transport import LocalTransport
-from ssh_fixtures import connected, free_port, job_argv, pid_alive, screen_shown, stop_everything, wait_until
-from test_console_snapshots import NOW, STOP_PLAN, frozen_state, wire_jobs
-from tests.conftest import threads_for_tests
+from tests.fixtures.ssh import connected, free_port, job_argv, pid_alive, screen_shown, stop_everything, wait_until
+from tests.fixtures.console_states import NOW, STOP_PLAN, frozen_state
+from tests.fixtures.env import threads_for_tests
+from tests.fixtures.console_states import (
+    ACCEPTANCE,
+    AMBER_HEADLINE,
+    AMBER_REASONS,
+    CHAIN,
+    CHECKPOINT,
+    EARLIER,
+    RESULT,
+    SAVED,
+    amber_records,
+    chain_records,
+    chain_state,
+)
 
 SIZE = (160, 48)
-CHAIN = "chain-train-kimi"
-CHECKPOINT = "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_2_step_4012"
-SERVER_ARGV = [
-    "python",
-    "-m",
-    "backend.serve.reference.server",
-    "--model",
-    "builtin:tiny",
-    "--draft",
-    CHECKPOINT,
-    "--speculative-algorithm",
-    "EAGLE3",
-    "--speculative-num-steps",
-    "5",
-    "--port",
-    "30123",
-]
-# The canary's 412 verify steps: positions 0-1 as validation predicts, position 2 collapses (0.31 served vs 0.68).
-VAL_ACC = [0.80, 0.72, 0.68, 0.66, 0.62, 0.60, 0.58]
-ACCEPTANCE = {**acceptance_report([(1120, 412, [87, 84, 166, 33, 21, 21])], 5, VAL_ACC), "mean_of_request_means": 2.64}
 BREAK_LINE = "served acceptance breaks at position 2: 0.31 served vs 0.68 predicted"
-NO_HISTOGRAM = acceptance_report(
-    [(260, 184, None)], 5, [0.002] * 7, histogram_notes=["the server reports no spec_correct_drafts_histogram (SGLang before 0.5.14, or another engine)"]
-)
-RESULT = {
-    "verdict": "green",
-    "accept_length": 2.71,
-    "tau_hat": 3.12,
-    "ratio_to_tau_hat": 0.869,
-    "accept_length_mean_of_request_means": 2.64,
-    "acceptance": ACCEPTANCE,
-    "throughput": [  # with the same-engine baseline the reference engine offers (backend/chain/run.py speedup_row)
-        {
-            "concurrency": 1,
-            "output_tok_per_s": 151.3,
-            "accept_length": 2.69,
-            "accept_length_mean_of_request_means": 2.61,
-            "baseline_output_tok_per_s": 82.2,
-            "speedup": 151.3 / 82.2,
-            "ttft_p50_s": 0.021,
-            "baseline_ttft_p50_s": 0.019,
-            "itl_p50_s": 0.0171,
-            "baseline_itl_p50_s": 0.0122,
-            "exact_lengths": True,
-            "outputs_equal": {"compared": 8, "equal": 8, "first_different_prompt": None},
-        },
-        {
-            "concurrency": 4,
-            "output_tok_per_s": 402.8,
-            "accept_length": 2.74,
-            "accept_length_mean_of_request_means": 2.66,
-            "baseline_output_tok_per_s": 231.5,
-            "speedup": 402.8 / 231.5,
-            "ttft_p50_s": 0.034,
-            "baseline_ttft_p50_s": 0.030,
-            "itl_p50_s": 0.0252,
-            "baseline_itl_p50_s": 0.0169,
-            "exact_lengths": True,
-            "outputs_equal": {"compared": 8, "equal": 8, "first_different_prompt": None},
-        },
-    ],
-    "speedup_baseline": "same-engine",
-    "speedup_c1": 151.3 / 82.2,
-    "checkpoint": CHECKPOINT,
-    "engine": "reference",
-    "argv": SERVER_ARGV,
-    "server_job": "serve-train-kimi",
-    "server": "stopped after the benchmark (--stop-server-after)",
-}
-SAVED = "/root/.eagle3/jobs/train-kimi/results/stop-and-bench-20251009-084500.json"
-EARLIER = {
-    "path": "/root/.eagle3/jobs/train-kimi/results/stop-and-bench-20251008-120000.json",
-    "verdict": "red",
-    "accept_length": 1.0,
-    "tau_hat": 2.9,
-    "ratio_to_tau_hat": 0.345,
-    "throughput": [{"concurrency": 1, "output_tok_per_s": 80.0}],
-    "checkpoint": "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_1_step_2000",
-    "engine": "sglang",
-}
 CANARY_RED = (
     "canary RED: accept length 1.00 is at the zero-acceptance ceiling (1.03): the draft accepted nothing. "
     "Likely causes, in order: --speculative-algorithm EAGLE (or NEXTN) instead of EAGLE3: the target never captures the "
@@ -107,108 +40,12 @@ CANARY_RED = (
     "silently dropped by SGLang < 0.5.14: a random decoder layer; d2t missing or wrong while the draft vocab is smaller: "
     "draft ids are read as target ids. The server job 'serve-train-kimi' this chain started was stopped (exited_on_term)."
 )
-STAGE_DETAILS = {
-    "stop": "stopped 'train-kimi': 2 process(es), leader exited_on_term",
-    "release": "our GPU memory is released; 1 foreign holder(s) left untouched",
-    "checkpoint": "latest checkpoint epoch_2_step_4012",
-    "preflight": "no problems",
-    "launch": "reference ready at http://127.0.0.1:30123 as job 'serve-train-kimi' in 41.2s",
-    "canary": "green: accept length 2.71 (tau-hat 3.12, ratio 0.87)",
-    "bench": "402.8 tok/s at concurrency 4, accept length 2.74",
-    "result": f"saved {SAVED}",
-}
-ELAPSED = {"stop": 14.2, "release": 2.1, "checkpoint": 0.0, "preflight": 1.3, "launch": 41.2, "canary": 6.4, "bench": 22.9, "result": 0.1}
-
-
-def chain_records(until: str | None = None, fail: tuple[str, str] | None = None) -> list[dict]:
-    """Stage records as the chain writes them: running then ok for each stage, up to `until` (left running), or a failure."""
-    records, t = [], NOW - 200
-    for stage, detail in STAGE_DETAILS.items():
-        records.append({"stage": stage, "status": "running", "time": t, "elapsed": 0.0, "detail": ""})
-        if stage == until:
-            return records
-        if fail and stage == fail[0]:
-            records.append({"stage": stage, "status": "failed", "time": t + 1, "elapsed": 1.0, "detail": fail[1]})
-            skipping = False
-            for later in STAGE_DETAILS:
-                skipping = skipping or later == stage
-                if skipping and later != stage:
-                    records.append({"stage": later, "status": "skipped", "time": t + 1, "elapsed": 0.0, "detail": f"not run: {stage} failed"})
-            return records
-        t += ELAPSED[stage]
-        record = {"stage": stage, "status": "ok", "time": t, "elapsed": ELAPSED[stage], "detail": detail}
-        if stage == "canary":
-            record["result"] = {"verdict": "green", "headline": "accept length 2.71 (tau-hat 3.12, ratio 0.87)", "causes": []}
-        if stage == "result":
-            record["result"] = RESULT
-        records.append(record)
-    return records
-
-
-AMBER_HEADLINE = "inconclusive: the draft has not learned yet (tau-hat 1.00 < 2.40)"
-AMBER_REASONS = [
-    "accept length 1.41; tau-hat 1.00 is too close to 1 for a verdict: green would need only accept length >= 0.60, "
-    "and a broken aux feed reached 1.25-1.44 on the calibration runs (docs/serving.md)",
-    "train longer (a verdict needs tau-hat >= 2.40), then run the canary again",
-]
-
-
-def amber_records() -> list[dict]:
-    """A finished chain whose canary was amber (issue 12's 13-step draft): it went on to the benchmark."""
-    records = chain_records()
-    for record in records:
-        if record["stage"] == "canary" and record["status"] == "ok":
-            record["detail"] = f"amber: {AMBER_HEADLINE}"
-            record["result"] = {"verdict": "amber", "headline": AMBER_HEADLINE, "reasons": AMBER_REASONS, "causes": []}
-        if record["stage"] == "result" and record["status"] == "ok":
-            record["result"] = {
-                **RESULT,
-                "verdict": "amber",
-                "accept_length": 1.41,
-                "tau_hat": 1.0,
-                "ratio_to_tau_hat": 1.41,
-                "verdict_headline": AMBER_HEADLINE,
-                "verdict_reasons": AMBER_REASONS,
-                "accept_length_mean_of_request_means": 1.43,
-                "acceptance": NO_HISTOGRAM,
-            }
-    return records
 
 
 def span_style(text, fragment: str) -> str:
     """The style of the span that holds `fragment` in a rich Text."""
     start = text.plain.index(fragment)
     return next(str(span.style) for span in text.spans if span.start <= start < span.end)
-
-
-def chain_state(records: list[dict], *, clock=None):
-    state = frozen_state()
-    jobs = wire_jobs(state)
-    done = chain_outcome(records)["state"] in ("ok", "failed")
-    jobs.append(
-        {
-            "name": CHAIN,
-            "kind": "chain",
-            "state": "exited" if done else "running",
-            "pid": 3456,
-            "pgid": 3456,
-            "start_time_ticks": 1,
-            "argv": ["python", "-m", "backend", *chain_argv("train-kimi")[1:]],
-            "job_dir": f"/root/.eagle3/jobs/{CHAIN}",
-            "stdout_path": "o",
-            "stderr_path": "e",
-            "started_at": NOW - 200,
-            "ended_at": NOW - 10 if done else None,
-            "exit_code": (0 if chain_outcome(records)["state"] == "ok" else 1) if done else None,
-        }
-    )
-    state.apply({"type": "jobs", "jobs": jobs})
-    if clock is not None:
-        state.clock = clock
-    state.apply({"type": "stages", "job": CHAIN, "records": records})
-    if done:
-        state.results["train-kimi"] = [EARLIER, {"path": SAVED, **RESULT}] if chain_outcome(records)["state"] == "ok" else [EARLIER]
-    return state
 
 
 def frozen_app(state):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from console.cli import HostListError, build_parser, host_list, split_host
-from ssh_fixtures import RealSSHD, free_port, sshd_available
+from tests.fixtures.ssh import RealSSHD, free_port, sshd_available
 
 ROOT = Path(__file__).resolve().parent.parent
 SNAPSHOT_KEYS = {"hello", "gpus", "jobs", "metrics", "disks"}

@@ -11,7 +11,7 @@ from backend.protocol import PROTOCOL_VERSION, Request
 from console.client import AgentClient, AgentError
 from console.state import CONNECTED, RECONNECTING, ConnectionStatus
 from console.transport import LocalTransport, TransportError
-from ssh_fixtures import job_argv, pid_alive, wait_until
+from tests.fixtures.ssh import job_argv, pid_alive, wait_until
 
 
 class Recorder:

@@ -7,8 +7,8 @@ import pytest
 from console import cli
 from console.app import build_app
 from console.config import ConsoleConfig, Watch, apply_config, config_text, default_path, load_config, save_config, toml_string
-from ssh_fixtures import connected, wait_until
-from test_console_ui import live_app
+from tests.fixtures.ssh import connected, wait_until
+from tests.fixtures.console_apps import live_app
 
 GOOD = """\
 hosts = ["gpu-box", "root@10.0.0.5:2222"]

@@ -26,136 +26,8 @@ from console.app import build_app
 from console.client import AgentClient
 from console.session import HostSession
 from console.state import GPUS_MAX, JOBS_MAX, LOG_BUFFERS_MAX, LOG_LINES_KEPT, METRICS_JOBS_MAX, STRING_CAP, ConsoleState
-from console.transport import LocalTransport
-from ssh_fixtures import wait_until
-
-HOSTILE_AGENT = r"""
-import json, os, random, sys, threading, time
-seed = int(os.environ.get("FUZZ_SEED", "1"))
-rng = random.Random(seed)
-out = sys.stdout.buffer
-lock = threading.Lock()
-ESC = ["\x1b[2J\x1b[H", "\x1b]0;owned\x07", "\x1b]52;c;aGk=\x07", "\r\x1b[1A", "\x9b31m", "\u202e", "\x00", "[red]x[/]"]
-
-def write(data):
-    with lock:
-        out.write(data)
-        out.flush()
-
-def send(message):
-    write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
-
-def junk():
-    return rng.choice([None, True, 7, -1, 2.5, float("nan"), 2 ** 70, "", rng.choice(ESC) * 3, "x" * rng.randrange(1, 9000),
-                       [], [1, "a"], {}, {"a": {"b": [None]}}])
-
-def mutate(obj):
-    obj = dict(obj)
-    for _ in range(rng.randrange(0, 3)):
-        key = rng.choice(list(obj))
-        if rng.random() < 0.3:
-            obj.pop(key)
-        else:
-            obj[key] = junk()
-    return obj
-
-def gpu(i):
-    return {"index": i, "name": "H200" + rng.choice(ESC), "uuid": "GPU-%d" % i, "memory_used_mib": 1.0,
-            "memory_total_mib": 143771.0, "utilization_pct": 50.0, "temperature_c": 40.0, "power_w": 300.0,
-            "processes": [{"pid": 100 + i, "used_memory_mib": 1.0}]}
-
-def job(i):
-    return {"name": "job-%d%s" % (i, rng.choice(ESC)), "kind": rng.choice(["train", "serve", "zombie"]),
-            "state": rng.choice(["running", "exited", "undead"]), "pid": 1000 + i, "pgid": 1000 + i,
-            "start_time_ticks": 5, "argv": ["python", "-c", rng.choice(ESC) * 2], "job_dir": "/r/%d" % i,
-            "stdout_path": "/r/o", "stderr_path": "/r/e", "started_at": 100.0 + i, "detail": rng.choice(ESC),
-            "ranks": [{"rank": 0, "step": rng.choice([1, "lots"]), "age_s": 0.5}]}
-
-def record(step):
-    return {"step": step, "split": rng.choice(["train", "val"]), "loss": rng.choice([1.0, "NaN", None, float("inf")]),
-            "acc": [0.5, "x"], "lr": 1e-4, "weight_norm_modules": {"m%d" % rng.randrange(100): 1.0}, "note": rng.choice(ESC) * 500}
-
-def event():
-    roll = rng.random()
-    if roll < 0.01:
-        return {"type": "gpus", "gpus": [{"index": i, "name": "fake"} for i in range(200_000)], "driver": {"available": True}}  # ~5 MiB
-    if roll < 0.015:
-        return {"type": "gpus", "gpus": [gpu(i) for i in range(200_000)]}  # ~50 MiB: over the event line cap
-    if roll < 0.03:
-        return {"type": "log", "job": "job-1", "stream": "stdout", "lines": ["L" * (5 << 20) + rng.choice(ESC)]}
-    if roll < 0.04:
-        return {"type": "jobs", "jobs": [job(0) | {"argv": ["y" * (3 << 20)]}]}
-    kind = rng.choice(["gpus", "jobs", "metrics", "log", "stages", "disk", "hello", "index_progress", "bogus"])
-    if kind == "gpus":
-        return mutate({"type": "gpus", "gpus": [mutate(gpu(i)) for i in range(rng.randrange(1, 9))], "driver": mutate({"available": True, "message": "ok"})})
-    if kind == "jobs":
-        return mutate({"type": "jobs", "jobs": [mutate(job(i)) for i in range(rng.randrange(1, 400))]})
-    if kind == "metrics":
-        start = rng.randrange(0, 10_000)
-        return mutate({"type": "metrics", "job": "job-%d" % rng.randrange(60), "records": [record(s) for s in range(rng.randrange(1, 50))],
-                       "start_offset": start, "offset": start + 100})
-    if kind == "log":
-        return mutate({"type": "log", "job": "job-%d" % rng.randrange(40), "stream": rng.choice(["stdout", "stderr", "stdin"]),
-                       "lines": [rng.choice(ESC) + "line %d" % n for n in range(rng.randrange(1, 3000))]})
-    if kind == "stages":
-        return mutate({"type": "stages", "job": "chain-%d" % rng.randrange(50), "records": [mutate({"stage": "bench", "status": "ok", "time": 1.0})],
-                       "start_offset": 0, "offset": 10})
-    if kind == "disk":
-        return mutate({"type": "disk", "disks": [mutate({"path": "/r", "label": "run_dir", "total_bytes": 10, "used_bytes": 5, "free_bytes": 5})]})
-    if kind == "hello":
-        return mutate({"type": "hello", "protocol": 2, "host": "h" + rng.choice(ESC), "python": "3", "agent_pid": os.getpid(), "run_dir": "/r",
-                       "driver": None, "nvml": "none", "gpu_source": rng.choice(["nvml", "psychic"]), "sglang": None})
-    if kind == "index_progress":
-        return mutate({"type": "index_progress", "job": "job-1", "indexed_bytes": 5, "file_bytes": 10, "caught_up": False})
-    return {"type": rng.choice(["bogus", "reply"]), "id": junk()}
-
-def raw_line():
-    return rng.choice([b"not json\n", b"\xff\xfe\n", b"[1,2]\n", b"[" * 100_000 + b"\n", b'{"type": 5}\n',
-                       b'{"type":"gpus","gpus":' + b"9" * 5000 + b"}\n"])
-
-def answer(request):
-    if request.get("type") == "ping":
-        send({"type": "reply", "id": request["id"], "ok": True, "result": {"pong": True, "time": time.time()}})
-        return
-    result = rng.choice([junk(), {"holders": junk(), "records": junk(), "hello": junk(), "jobs": junk(), "gpus": junk(),
-                                  "series": {"train.loss": [junk()]}, "step_range": junk(), "offset": junk()}])
-    reply = {"type": "reply", "id": request.get("id"), "ok": rng.choice([True, False, "yes"]), "result": result, "error": junk()}
-    send(reply)
-
-def requests():
-    for line in sys.stdin.buffer:
-        try:
-            answer(json.loads(line))
-        except Exception as exc:
-            print("fuzz agent:", exc, file=sys.stderr, flush=True)
-    os._exit(0)
-
-send({"type": "hello", "protocol": 2, "host": "fuzz", "python": "3", "agent_pid": os.getpid(), "run_dir": "/r",
-      "driver": None, "nvml": "none", "gpu_source": "none", "sglang": None})
-threading.Thread(target=requests, daemon=True).start()
-sent_over_cap = False
-started = time.monotonic()
-while True:
-    if not sent_over_cap and time.monotonic() - started > 1.0:
-        sent_over_cap = True
-        write(b'{"type":"log","job":"big","stream":"stdout","lines":["' + b"z" * (65 << 20) + b'"]}\n')
-    if rng.random() < 0.05:
-        write(raw_line())
-    else:
-        send(event())
-    if rng.random() < 0.01:
-        print("fuzz stderr " + "e" * rng.randrange(0, 200_000), file=sys.stderr, flush=True)
-"""
-
-
-def hostile_transport(tmp_path, seed: int) -> LocalTransport:
-    """The local transport with the hostile script as its agent command (it ignores -m backend.agent --run-dir ...)."""
-    script = tmp_path / "hostile_agent.py"
-    script.write_text(HOSTILE_AGENT)
-    wrapper = tmp_path / "hostile-python"
-    wrapper.write_text(f'#!/bin/sh\nFUZZ_SEED={seed} exec {sys.executable} {script} "$@"\n')
-    wrapper.chmod(0o755)
-    return LocalTransport(tmp_path / "run", python=str(wrapper), reconnect=False)
+from tests.fixtures.ssh import wait_until
+from tests.fixtures.hostile import hostile_transport
 
 
 class Heard:
@@ -273,7 +145,7 @@ PTY_CONSOLE = r"""
 import sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 from pathlib import Path
-from test_console_fuzz import hostile_transport
+from tests.fixtures.hostile import hostile_transport
 from console.app import build_app
 build_app(hostile_transport(Path(sys.argv[3]), seed=5), poll_interval=1.0, refresh_throttle=0.2).run()
 """

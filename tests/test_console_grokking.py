@@ -2,7 +2,6 @@
 
 import json
 import math
-import random
 import re
 import sys
 import time
@@ -23,74 +22,13 @@ from console.screens.modals import WatchModal
 from console.screens.chain import result_panel_text
 from console.format import accept_length
 from console.widgets.grok_panels import acceptance_text, data_scaling_text, norms_text, signals_text
-from ssh_fixtures import connected, job_argv, pid_alive, screen_shown, stop_everything, wait_until
-from test_console_chain import amber_records
-from test_console_snapshots import NOW, frozen_state, wire_jobs
+from tests.fixtures.ssh import connected, job_argv, pid_alive, screen_shown, stop_everything, wait_until
+from tests.fixtures.console_states import amber_records
+from tests.fixtures.console_states import DATA_SCALING_ESTIMATE, GROK_JOB, grok_state
 
 SIZE = (160, 48)
-GROK_JOB = "train-grok"
 
 
-def grok_records(end: int = 30000, seed: int = 0) -> list[dict]:
-    """A run that memorizes by step 1000 (train loss ~0.01, train acc ~1, val flat ~4) and groks from step 12000;
-    cosine LR decays to its floor; weight norm falls during the plateau (weight decay on)."""
-    rng = random.Random(seed)
-    records, tokens = [], 0
-    for step in range(20, end + 1, 20):
-        f = max(0.0, 1 - math.log10(step) / 3)
-        tokens += 20 * 4096
-        lr = 1e-6 + 1e-3 * 0.5 * (1 + math.cos(math.pi * min(step, 20000) / 20000))
-        norm = 120.0 - 10.0 * math.log10(step)
-        records.append(
-            {
-                "step": step,
-                "epoch": step // 5000,
-                "split": "train",
-                "loss": (0.01 + 5 * f * f) * (1 + 0.03 * rng.gauss(0, 1)),
-                "acc": [min(0.999, 1 - 0.99 * f), min(0.99, 0.95 - 0.9 * f)],
-                "ploss": [0.01 + 5 * f * f, 0.02 + 6 * f * f],
-                "lr": lr,
-                "tokens": tokens,
-                "grad_norm": 0.3 + 0.4 * rng.random(),
-                "weight_norm": norm,
-                "weight_norm_modules": {"fc": norm * 0.4, "midlayer": norm * 0.5, "lm_head": 12.0 + 0.0001 * step},
-            }
-        )
-        if step % 500:
-            continue
-        val, acc = (6 - 2 * step / 1000, 0.2) if step < 1000 else (4.0, 0.2)
-        if step >= 12000:
-            frac = min(1.0, math.log10(step / 12000) / 0.25)
-            val, acc = 4.0 - 3.5 * frac, 0.2 + 0.7 * frac
-        records.append(
-            {
-                "step": step,
-                "epoch": step // 5000,
-                "split": "val",
-                "loss": val * (1 + 0.03 * rng.gauss(0, 1)),
-                "acc": [acc, acc * 0.8, acc * 0.6],
-                "ploss": [val, val * 1.3, val * 1.6],
-            }
-        )
-    return records
-
-
-DATA_SCALING_ESTIMATE = {
-    "kind": "estimated",
-    "path": "/root/.eagle3/data",
-    "samples": 0,
-    "tokens": 0,
-    "bytes": 0,
-    "bytes_per_sample": 199808.0,
-    "free_bytes": 412 * 1024**3,
-    "keep_free_bytes": 1024**3,
-    "more_samples_fit": 2_208_000,
-    "fit_multiple_of_current": None,
-    "seconds_per_sample": None,
-    "estimated_seconds_for_fit": None,
-    "shape": {"aux_width": 384, "teacher_width": 259, "dtype_bytes": 4, "seq_len": 128},
-    "note": "no extracted shards here: bytes per sample estimated from the profile's shapes",
-}
 DATA_SCALING_MEASURED = {
     "kind": "measured",
     "path": "/data/shards",
@@ -105,34 +43,6 @@ DATA_SCALING_MEASURED = {
     "seconds_per_sample": 0.25,
     "estimated_seconds_for_fit": 44625.0,
 }
-
-
-def grok_state():
-    """frozen_state() plus a grokking run with host-side signals and a data-scaling estimate."""
-    state = frozen_state()
-    jobs = wire_jobs(state)
-    jobs.append(
-        {
-            "name": GROK_JOB,
-            "kind": "train",
-            "state": "running",
-            "pid": 2345,
-            "pgid": 2345,
-            "start_time_ticks": 1,
-            "argv": ["python", "-m", "backend", "train", "--profile", "tiny"],
-            "job_dir": f"/root/.eagle3/jobs/{GROK_JOB}",
-            "stdout_path": "o",
-            "stderr_path": "e",
-            "started_at": NOW - 600,
-        }
-    )
-    state.apply({"type": "jobs", "jobs": jobs})
-    records = grok_records()
-    state.apply_metrics_history(GROK_JOB, {"records": records, "offset": 99}, reset=True)
-    state.signals[GROK_JOB] = json.loads(json.dumps(compute_signals(records)))
-    state.signals_at[GROK_JOB] = NOW - 2
-    state.data_scaling[GROK_JOB] = DATA_SCALING_ESTIMATE
-    return state
 
 
 def frozen_app(state=None):

@@ -14,9 +14,9 @@ from console.screens.unwatch_modal import UnwatchModal
 from console.state import RECONNECTING, ConnectionStatus
 from console.transport import Transport, TransportError
 from console.widgets.hosts import rss_cell
-from ssh_fixtures import connected, screen_shown, wait_until
-from test_console_snapshots import NOW, frozen_state, wire_jobs
-from test_console_ui import banner_text, live_app
+from tests.fixtures.ssh import connected, screen_shown, wait_until
+from tests.fixtures.console_states import NOW, frozen_state, wire_jobs
+from tests.fixtures.console_apps import banner_text, live_app
 
 WIDE = (170, 45)
 

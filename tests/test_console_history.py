@@ -15,9 +15,9 @@ from console.screens.grokking import GrokkingScreen
 from console.screens.training import TrainingScreen
 from console.widgets.curve_plot import CurvePlot
 from console.widgets.panels import latest_metrics_text
-from ssh_fixtures import connected, stop_everything, wait_until
-from test_console_ui import live_app
-from test_series_index import trainer_record, val_record
+from tests.fixtures.ssh import connected, stop_everything, wait_until
+from tests.fixtures.console_apps import live_app
+from tests.fixtures.metrics_records import trainer_record, val_record
 
 NAN_WRITER = """\
 import math, os, time

@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 from textual.widgets import DataTable
 
-from backend.protocol import JobInfo, Request
+from backend.protocol import Request
 from console.app import build_app
 from console.flows.stop import merge_stop_plans
 from console.screens.hosts import HostsScreen
 from console.screens.modals import MultiNodeModal, StopModal
-from console.state import CONNECTED, FAILED, RECONNECTING, ConnectionStatus, ConsoleState
+from console.state import CONNECTED, FAILED, RECONNECTING
 from console.transport import SSHTransport
 from console.nodes import nodes_of
-from ssh_fixtures import RealSSHD, free_port, job_argv, pid_alive, screen_shown, sshd_available, wait_until
+from tests.fixtures.ssh import RealSSHD, free_port, job_argv, pid_alive, screen_shown, sshd_available, wait_until
+from tests.fixtures.console_states import multinode_states
 
 needs_sshd = pytest.mark.skipif(not sshd_available(), reason="OpenSSH sshd not installed (/usr/sbin/sshd); CI installs openssh-server")
-NOW = 1_800_000_000.0
 
 
 pytestmark = pytest.mark.usefixtures("isolated_home")
@@ -229,7 +229,7 @@ async def test_a_stop_goes_to_the_host_whose_pids_were_confirmed_even_if_the_sel
 @needs_sshd
 @pytest.mark.sshd
 async def test_a_changed_host_key_on_one_host_refuses_only_that_host(three_hosts, tmp_path):
-    from ssh_fixtures import other_host_public_key
+    from tests.fixtures.ssh import other_host_public_key
 
     servers, known = three_hosts
     lines = known.read_text().splitlines()
@@ -241,57 +241,6 @@ async def test_a_changed_host_key_on_one_host_refuses_only_that_host(three_hosts
         await wait_until(lambda: a.connected and c.connected and b.state.connection.state == FAILED, timeout=60, what="a and c connected, b refused")
         assert "CHANGED" in b.state.connection.detail.upper() or "mismatch" in b.state.connection.detail.lower()
         assert app.disabled_reason("start_multinode") is None  # two hosts are still connected
-
-
-def multinode_states(stalled: bool) -> list[ConsoleState]:
-    """Two hosts each holding its node of run mn-1 (rank 0 on a, rank 1 on b), as their agents list them."""
-    states = []
-    for rank, host in enumerate(("gpu-a", "gpu-b")):
-        state = ConsoleState(target=host, clock=lambda: NOW)
-        state.set_connection(ConnectionStatus(state=CONNECTED, since=NOW - 60))
-        beat = {
-            "rank": rank,
-            "local_rank": 0,
-            "node_rank": rank,
-            "step": 120 - 40 * rank,
-            "pid": 4000 + rank,
-            "age_s": 42.0 if (stalled and rank == 1) else 0.4,
-            "step_age_s": 42.0 if (stalled and rank == 1) else 0.4,
-        }
-        state.jobs["mn-1"] = JobInfo(
-            name="mn-1",
-            kind="train",
-            state="running",
-            pid=3000 + rank,
-            pgid=3000 + rank,
-            start_time_ticks=1,
-            argv=["python", "-m", "torch.distributed.run"],
-            job_dir="/r/jobs/mn-1",
-            stdout_path="",
-            stderr_path="",
-            started_at=NOW - 300,
-            run_id="mn-1",
-            node_rank=rank,
-            nnodes=2,
-            rdzv_endpoint="gpu-a:29500",
-            ranks=[beat],
-            stalled_ranks=[1] if (stalled and rank == 1) else [],
-        )
-        state.jobs["solo"] = JobInfo(
-            name="solo",
-            kind="serve",
-            state="running",
-            pid=5000 + rank,
-            pgid=5000 + rank,
-            start_time_ticks=1,
-            argv=["x"],
-            job_dir="/r/jobs/solo",
-            stdout_path="",
-            stderr_path="",
-            started_at=NOW - 30,
-        )
-        states.append(state)
-    return states
 
 
 async def test_a_multinode_job_is_one_row_and_the_rank_that_stopped_reporting_is_named():
@@ -374,8 +323,8 @@ def test_a_multinode_stop_plan_names_every_nodes_host():
 @pytest.fixture
 def console_profile(mini_target_dir, tmp_path):
     """The mini profile as a file the console uploads with the backend; it trains until stopped, checkpointing only then."""
-    from conftest import mini_profile_dict
-    from reference_fixtures import toml_text
+    from tests.fixtures.env import mini_profile_dict
+    from tests.fixtures.reference import toml_text
 
     path = tmp_path / "mini-nodes.toml"
     path.write_text(toml_text(mini_profile_dict(mini_target_dir, max_steps=100000, save_interval=100000, eval_interval=100000, log_interval=1, warmup_steps=2)))

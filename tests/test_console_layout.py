@@ -10,11 +10,11 @@ from console.actions import ACTIONS, MULTI_HOST_ACTIONS
 from console.app import build_app
 from console.screens.help import HelpModal
 from console.widgets.hosts import NARROW_WIDTH
-from test_console_chain import chain_records, chain_state
-from test_console_grokking import GROK_JOB, grok_state
-from test_console_hosts import multinode_states
-from test_console_snapshots import frozen_state
-from ssh_fixtures import screen_shown
+from tests.fixtures.console_states import chain_records, chain_state
+from tests.fixtures.console_states import GROK_JOB, grok_state
+from tests.fixtures.console_states import multinode_states
+from tests.fixtures.console_states import frozen_state
+from tests.fixtures.ssh import screen_shown
 
 SIZES = [(100, 30), (170, 45)]
 SCREENS = {"1": "dashboard", "2": "training", "3": "logs", "4": "grokking", "5": "chain"}

@@ -8,7 +8,7 @@ from textual.widgets import Input
 from console.app import build_app
 from console.state import Section
 from console.screens.logs import MATCH_STYLE, LogsScreen, Match, SearchableLog, find_matches, line_matches, step_match
-from test_console_snapshots import frozen_state
+from tests.fixtures.console_states import frozen_state
 
 SIZES = [(100, 30), (170, 45)]
 JOB = "train-kimi"

@@ -14,8 +14,8 @@ from console.screens.training import OVERLAY_COLORS, TrainingScreen
 from console.state import ConsoleState
 from console.widgets.curve_plot import CurvePlot
 from console.zoom import next_overlay, overlay_candidates
-from ssh_fixtures import connected, pid_alive, stop_everything, wait_until
-from test_console_snapshots import NOW, frozen_state
+from tests.fixtures.ssh import connected, pid_alive, stop_everything, wait_until
+from tests.fixtures.console_states import NOW, frozen_state
 
 BASE, CONTINUATION, EXTERNAL = "train-kimi", "grok-kimi", "ext:specforge"
 SIZES = [(100, 30), (170, 45)]

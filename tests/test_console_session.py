@@ -13,7 +13,7 @@ from console.client import AgentClient
 from console.session import HostSession
 from console.state import CONNECTED, ConnectionStatus, ConsoleState
 from console.transport import LocalTransport
-from ssh_fixtures import wait_until
+from tests.fixtures.ssh import wait_until
 
 WRITER = """\
 import os, time

@@ -20,7 +20,7 @@ from console.app import build_app
 from console.client import AgentClient
 from console.state import CONNECTED, RECONNECTING
 from console.transport import REPO_ROOT, FatalTransportError, SSHTransport, content_hash, backend_files
-from ssh_fixtures import (
+from tests.fixtures.ssh import (
     transport_for,
     InProcessSSHServer,
     RealSSHD,

@@ -24,20 +24,15 @@ from console.screens.dashboard import DashboardScreen
 from console.screens.logs import TAIL_LINES, LogsScreen, lines_label
 from console.screens.modals import AdoptModal, ResumeModal, StopModal, checkpoint_line, pids_phrase, stop_plan_text, training_phases
 from console.screens.training import TrainingScreen
-from console.transport import LocalTransport
-from ssh_fixtures import connected, job_argv, pid_alive, screen_shown, stop_everything, wait_until
-from test_console_snapshots import STOP_PLAN, frozen_state
+from tests.fixtures.ssh import connected, job_argv, pid_alive, screen_shown, stop_everything, wait_until
+from tests.fixtures.console_states import STOP_PLAN, frozen_state
+from tests.fixtures.console_apps import banner_text, live_app
 
 SIZE = (150, 45)
 
 
 def frozen_app():
     return build_app(state=frozen_state(), poll_interval=None, refresh_throttle=0)
-
-
-def live_app(tmp_path, **kwargs):
-    transport = LocalTransport(tmp_path / "run", backoff_initial=kwargs.pop("backoff", 0.2), backoff_max=kwargs.pop("backoff_max", 1.0))
-    return build_app(transport, poll_interval=None, refresh_throttle=0, stop_grace=5, **kwargs)
 
 
 @pytest.fixture
@@ -56,10 +51,6 @@ def plain(renderable, width: int = 200) -> str:
     console = Console(width=width, record=True, file=io.StringIO())
     console.print(renderable)
     return console.export_text()
-
-
-def banner_text(app) -> str:
-    return str(app.screen.query_one("#banner").render())
 
 
 # -- frozen data, no host ------------------------------------------------------------------------
@@ -757,7 +748,7 @@ async def test_without_notify_alerts_stay_in_the_console():
 
 def test_an_h200_training_job_with_17_compile_workers_is_one_holder_row():
     from console.widgets.gpu_panel import gpu_text
-    from test_console_snapshots import compile_workers_state
+    from tests.fixtures.console_states import compile_workers_state
 
     state = compile_workers_state(17)
     collapsed = gpu_text(state).plain
@@ -771,7 +762,7 @@ def test_an_h200_training_job_with_17_compile_workers_is_one_holder_row():
 
 
 async def test_h_expands_and_collapses_the_workers_on_the_dashboard():
-    from test_console_snapshots import compile_workers_state
+    from tests.fixtures.console_states import compile_workers_state
 
     app = build_app(state=compile_workers_state(5), poll_interval=None, refresh_throttle=0)
     async with app.run_test(size=SIZE) as pilot:

@@ -13,8 +13,8 @@ from console.screens.training import TrainingScreen
 from console.state import ConsoleState
 from console.widgets.curve_plot import CurvePlot
 from console.zoom import StepView, step_clock
-from test_console_grokking import GROK_JOB, grok_records, grok_state
-from test_console_snapshots import NOW, frozen_state
+from tests.fixtures.console_states import GROK_JOB, grok_records, grok_state
+from tests.fixtures.console_states import NOW, frozen_state
 
 SIZES = [(100, 30), (170, 45)]
 JOB = "train-kimi"

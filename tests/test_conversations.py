@@ -15,7 +15,8 @@ from backend.train import conversations as conv
 from backend.train.chat_templates import BUILTIN_TEMPLATES, resolve_chat_template
 from backend.train.conversations import DataError, ReadSummary, iter_conversations, prepare, read_conversation_file
 from backend.train.data import _assistant_spans, conversation_samples, read_conversations, tokenize_conversation
-from conftest import mini_profile_dict
+from tests.fixtures.env import mini_profile_dict
+from tests.fixtures.chat import CountingTokenizer, bpe_tokenizer, sharegpt, write_jsonl, write_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,15 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def read_all(path, limit=None):
     summary = ReadSummary(str(path))
     return list(iter_conversations(path, summary, limit)), summary
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def sharegpt(*turns, **extra):
-    return {"conversations": [{"from": who, "value": text} for who, text in turns], **extra}
 
 
 SHAREGPT_RECORDS = [
@@ -143,46 +135,6 @@ def test_a_file_with_nothing_usable_is_refused_naming_its_first_problems(tmp_pat
 # --- chat templates ---------------------------------------------------------------------------
 
 
-def bpe_tokenizer(template=None, counting=False):
-    """A small real BPE tokenizer trained offline on a few strings, with the built-in templates' markers as special tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<pad>", "<s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    core = Tokenizer(models.BPE(unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    texts = ["hello there, how are you?", "fine thanks, and you?", "system user assistant", "be brief. what is two plus two? four."] * 20
-    core.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    from tokenizers import decoders
-
-    core.decoder = decoders.ByteLevel()
-    cls = CountingTokenizer if counting else PreTrainedTokenizerFast
-    tokenizer = cls(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", additional_special_tokens=specials[3:])
-    tokenizer.chat_template = template
-    return tokenizer
-
-
-def _counting_class():
-    from transformers import PreTrainedTokenizerFast
-
-    class Counting(PreTrainedTokenizerFast):
-        """Counts the calls that tokenize or render (the cache must make none)."""
-
-        calls = 0
-
-        def __call__(self, *args, **kwargs):
-            type(self).calls += 1
-            return super().__call__(*args, **kwargs)
-
-        def apply_chat_template(self, *args, **kwargs):
-            type(self).calls += 1
-            return super().apply_chat_template(*args, **kwargs)
-
-    return Counting
-
-
-CountingTokenizer = _counting_class()
-
 CHAT = [
     {"role": "system", "content": "be brief."},
     {"role": "user", "content": "what is two plus two?"},
@@ -219,18 +171,6 @@ def test_a_template_file_and_bad_template_arguments(tmp_path):
     (tmp_path / "not.jinja").write_text("hello")
     with pytest.raises(DataError, match="does not look like a Jinja chat template"):
         resolve_chat_template(str(tmp_path / "not.jinja"))
-
-
-def write_toml(path, data):
-    lines = []
-    for section, values in data.items():
-        if isinstance(values, dict):
-            lines.append(f"[{section}]")
-            lines.extend(f"{key} = {json.dumps(value)}" for key, value in values.items())
-        else:
-            lines.insert(0, f"{section} = {json.dumps(values)}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def run_host(*args, cwd, timeout=300):

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from backend.train.checkpoint import load_checkpoint, save_checkpoint
 from backend.train.convert import ConvertError, convert_checkpoint, register_convert
-from tests.test_checkpoint import ROOT, SYMLINK_KINDS, symlinked_destination, tiny_draft, tree_listing
+from tests.fixtures.env import ROOT
+from tests.fixtures.drafts import SYMLINK_KINDS, symlinked_destination, tiny_draft, tree_listing
 
 
 def broken_checkpoint(tmp_path, mutate_keys=None, mutate_config=None):

@@ -6,8 +6,8 @@ from textual.geometry import Region
 
 from console.app import build_app
 from console.widgets.curve_plot import CurvePlot
-from test_console_grokking import GROK_JOB, grok_state
-from test_console_snapshots import frozen_state
+from tests.fixtures.console_states import GROK_JOB, grok_state
+from tests.fixtures.console_states import frozen_state
 
 pytestmark = pytest.mark.usefixtures("utc")
 

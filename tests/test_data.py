@@ -1,7 +1,6 @@
 """Draft training data: target-generated tiny samples, chat templates with assistant masks, offline shards, rank sharding."""
 
 import fcntl
-import json
 import threading
 import time
 
@@ -27,6 +26,8 @@ from backend.train.data import (
 from backend.train.extract import extract
 from backend.train.target import load_target
 from backend.train.tiny import read_corpus
+from tests.fixtures.chat import chat_tokenizer
+from tests.fixtures.chat import write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -131,22 +132,6 @@ def test_a_second_generator_waits_for_the_first_says_so_and_reads_its_cache(mini
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(result["splits"]["train"], produced["train"]))
 
 
-def chat_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["[UNK]", "[PAD]", "<|user|>", "<|assistant|>", "<|end|>", "hello", "there", "how", "are", "you", "fine", "thanks", "bye", "?", "!"]
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]", additional_special_tokens=["<|user|>", "<|assistant|>", "<|end|>"]
-    )
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
-    )
-    return tokenizer
-
-
 def test_chat_template_masks_exactly_the_assistant_turns():
     tokenizer = chat_tokenizer()
     messages = [
@@ -162,11 +147,6 @@ def test_chat_template_masks_exactly_the_assistant_turns():
     truncated = tokenize_conversation(tokenizer, messages, max_len=6)
     assert len(truncated.input_ids) == 6
     assert tokenize_conversation(tokenizer, messages[:1], max_len=100) is None  # nothing to train on
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def test_conversation_file_errors_name_the_line(tmp_path):

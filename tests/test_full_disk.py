@@ -14,7 +14,7 @@ from backend.jobs import registry as jobs
 from backend.host import procs
 from backend.jobs.records import JobError, JobNoSpace
 from backend.jobs.registry import JobRegistry
-from waiting import wait_for
+from tests.fixtures.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

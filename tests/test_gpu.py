@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-import gpu_parsers
+from tests.fixtures import gpu_parsers
 from backend.host import gpu
 from backend.host.holders import FuserOutputError, parse_fuser_pids
-from conftest import needs_shared
+from tests.fixtures.env import needs_shared
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 FIXTURES = SHARED / "fixtures"

@@ -11,7 +11,7 @@ import pytest
 from backend.host import holders
 from backend.host.gpu import attach_apps, parse_query_apps, parse_query_gpu
 from backend.jobs.registry import JobRegistry
-from conftest import needs_shared
+from tests.fixtures.env import needs_shared
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 needs_fixtures = needs_shared("fixtures")  # real H200 captures

@@ -15,7 +15,7 @@ from backend.host import procs
 from backend.jobs.records import JobBadParams, JobConflict, JobError, JobNotFound, JobRefused
 from backend.jobs.registry import JobRegistry
 from backend.protocol import GpuProcess, GpuSample
-from waiting import wait_for
+from tests.fixtures.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

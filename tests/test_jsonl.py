@@ -1,17 +1,13 @@
 """JSON-lines writer and follower: partial last lines wait, bad lines are skipped, offsets resume, a full disk glues nothing."""
 
-import contextlib
 import errno
 import json
 import multiprocessing
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
-from backend.durable import free_bytes
 from backend.jsonl import AppendError, JsonlFollower, append_record
+from tests.fixtures.disks import fill_up, mounted_tmpfs
 
 
 def test_partial_last_line_is_left_for_next_poll(tmp_path):
@@ -71,40 +67,6 @@ def test_concurrent_writers_never_tear_lines(tmp_path):
 
 
 # --- full disk: real tmpfs mounts (root only; skipped with the reason otherwise) ----------------------------
-
-
-@contextlib.contextmanager
-def mounted_tmpfs(base: Path, size: str):
-    """A real tmpfs of `size` at base/tmpfs, unmounted on exit; skips the test where mounting is not permitted."""
-    mount = base / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"needs a small real tmpfs to fill up (`mount -t tmpfs` as root); mount said: {done.stderr.strip() or done.returncode}")
-    try:
-        yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-
-
-def fill_up(directory: Path) -> Path:
-    """Write a filler file until the filesystem refuses another byte; returns it (delete it to free the space)."""
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        for chunk in (1 << 16, 1 << 12, 1):
-            while True:
-                try:
-                    if os.write(fd, b"\0" * chunk) < chunk:
-                        break
-                except OSError as exc:
-                    assert exc.errno == errno.ENOSPC, exc
-                    break
-    finally:
-        os.close(fd)
-    assert free_bytes(directory) == 0
-    return filler
 
 
 def test_a_line_torn_by_a_killed_writer_is_terminated_not_glued(tmp_path):

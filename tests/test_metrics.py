@@ -166,7 +166,7 @@ def test_validate_record_returns_clean_copy():
 
 
 def test_writer_holds_records_on_a_full_disk_and_loses_none(tmp_path):
-    from test_jsonl import fill_up, mounted_tmpfs
+    from tests.fixtures.disks import fill_up, mounted_tmpfs
 
     told = []
     with mounted_tmpfs(tmp_path, "64k") as disk:

@@ -19,7 +19,7 @@ from backend.metrics.records import encode_nonfinite
 from backend.metrics.index import MetricsFeed
 from backend.metrics.scan import ChunkScanner
 from backend.metrics.parallel import WORKERS_ENV, ColdScan, backlog_step, plan_chunks, worker_count
-from test_series_index import trainer_record, val_record
+from tests.fixtures.metrics_records import trainer_record, val_record
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -211,7 +211,7 @@ time.sleep(120)
 
 
 def test_a_real_agent_answers_live_requests_while_its_workers_index_a_cold_history(tmp_path):
-    from test_agent import AgentProcess
+    from tests.fixtures.agent import AgentProcess
 
     registry = JobRegistry(tmp_path / "run")
     info = registry.start_job("cold", "train", [PY, "-c", LIVE_WRITER])

@@ -24,8 +24,8 @@ from backend.jobs.registry import JobRegistry
 from backend.serve.http import free_port
 from backend.layout import heartbeat_path, list_checkpoints, rank_heartbeats
 
-from conftest import subprocess_env
-from test_agent import PY, AgentProcess
+from tests.fixtures.env import subprocess_env
+from tests.fixtures.agent import PY, AgentProcess
 
 SLEEPER = "import os, sys, time\nprint(' '.join(f'{k}={os.environ.get(k)}' for k in sys.argv[1:]), flush=True)\ntime.sleep(120)\n"
 
@@ -264,8 +264,8 @@ def test_the_data_dir_follows_the_run_dir_unless_given(two_agents, tmp_path):
 
 @pytest.fixture
 def mini_profile_file(mini_target_dir, tmp_path) -> Path:
-    from conftest import mini_profile_dict
-    from reference_fixtures import toml_text
+    from tests.fixtures.env import mini_profile_dict
+    from tests.fixtures.reference import toml_text
 
     path = tmp_path / "mini-multinode.toml"
     path.write_text(toml_text(mini_profile_dict(mini_target_dir, max_steps=100000, save_interval=100000, eval_interval=100000, log_interval=1, warmup_steps=2)))

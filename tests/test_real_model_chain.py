@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import subprocess_env
-from test_conversations import write_toml
+from tests.fixtures.env import subprocess_env
+from tests.fixtures.chat import write_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 

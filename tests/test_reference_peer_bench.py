@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, subprocess_env
+from tests.fixtures.env import ROOT, subprocess_env
 
 CONVERSATIONS = 6
 

@@ -1,6 +1,6 @@
 """The reference-only per-request switch `"speculative": false`: a speculative mini server decodes that request plainly.
 
-Fast: the mini target and an untrained draft (tests/reference_fixtures.py), servers on 127.0.0.1, no training.
+Fast: the mini target and an untrained draft (tests/fixtures/reference.py), servers on 127.0.0.1, no training.
 """
 
 from __future__ import annotations

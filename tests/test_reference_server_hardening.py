@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from backend.serve import http
-from tests.reference_fixtures import ServerProcess, raw_exchange, server_argv, write_mini_profile
-from tests.waiting import wait_for
+from tests.fixtures.reference import ServerProcess, raw_exchange, server_argv, write_mini_profile
+from tests.fixtures.waiting import wait_for
 
 MAX_CONNECTIONS = 4  # main pool threads; 4x as many complete requests may queue (reference/server.py ConnectionLimits)
 QUEUED = 4 * MAX_CONNECTIONS

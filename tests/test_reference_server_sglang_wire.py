@@ -1,6 +1,6 @@
 """Where SGLang 0.5.23's own clients look (issue 26): sglext, models.retrieve, final-only spec fields, meta_info, ids, health, /metrics.
 
-Each test runs against real reference servers of the mini target on 127.0.0.1 (tests/reference_fixtures.py), through
+Each test runs against real reference servers of the mini target on 127.0.0.1 (tests/fixtures/reference.py), through
 httpx or the real `openai` client. The SGLang facts each one checks are cited from the 0.5.23 wheel's source.
 """
 
@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from backend.serve import http
-from tests.reference_fixtures import ServerProcess, save_untrained_draft, server_argv, write_mini_profile
+from tests.fixtures.reference import ServerProcess, save_untrained_draft, server_argv, write_mini_profile
 
 PROMPT = "def parse(line):\n    "
 SPEC_DETAIL_KEYS = {  # SGLang 0.5.23 entrypoints/openai/protocol.py: SpecTokensDetails

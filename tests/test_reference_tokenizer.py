@@ -1,7 +1,7 @@
 """The byte tokenizer the reference server exposes to AutoTokenizer clients (SGLang's bench_serving): same ids, same text.
 
 Fast: Hugging Face files written to a temp dir and loaded by the real transformers AutoTokenizer, then the mini
-reference servers (tests/reference_fixtures.py) report where to load it from and are checked against it.
+reference servers (tests/fixtures/reference.py) report where to load it from and are checked against it.
 """
 
 from __future__ import annotations

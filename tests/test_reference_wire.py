@@ -1,6 +1,6 @@
 """The reference server against SGLang 0.5.23's documented wire format, the real `openai` client, and malformed requests.
 
-Fast: the mini target and an untrained draft (tests/reference_fixtures.py), servers on 127.0.0.1, no training.
+Fast: the mini target and an untrained draft (tests/fixtures/reference.py), servers on 127.0.0.1, no training.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from backend.serve import http
 from backend.serve.reference.server import FLUSH_BODY
-from tests.reference_fixtures import (
+from tests.fixtures.reference import (
     MAX_BODY_BYTES,
     REQUEST_TIMEOUT_S,
     parse_raw_response,

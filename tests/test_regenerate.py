@@ -27,8 +27,8 @@ from backend.train.regenerate import (
     target_fingerprint,
 )
 from backend.train.target import load_target
-from conftest import mini_profile_dict
-from test_conversations import bpe_tokenizer, sharegpt, write_jsonl, write_toml
+from tests.fixtures.env import mini_profile_dict
+from tests.fixtures.chat import bpe_tokenizer, sharegpt, write_jsonl, write_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 COUNT = 20  # conversations in the prepare dir: 16 train, 4 val

@@ -17,7 +17,7 @@ from backend import durable
 from backend.host import procs
 from backend.jobs.records import UnsafeRunDir
 from backend.jobs.registry import JobRegistry
-from waiting import wait_for
+from tests.fixtures.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -23,10 +23,10 @@ from console.screens.modals import AdoptModal, StopModal
 from console.widgets.curve_plot import CurvePlot
 from console.format import inert, inert_text, plain_cell
 from backend.protocol import GpuHolder
-from ssh_fixtures import screen_shown, wait_until
-from test_console_chain import chain_records, chain_state
-from test_console_grokking import GROK_JOB, grok_state
-from test_console_snapshots import STOP_PLAN, frozen_state, wire_jobs
+from tests.fixtures.ssh import screen_shown, wait_until
+from tests.fixtures.console_states import chain_records, chain_state
+from tests.fixtures.console_states import GROK_JOB, grok_state
+from tests.fixtures.console_states import STOP_PLAN, frozen_state, wire_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -15,9 +15,9 @@ from backend.metrics.records import MetricsWriter, normalize_record
 from backend.metrics.index import INDEX_FORMAT, MetricsFeed, MetricsIndex
 from backend.metrics.scan import ChunkScanner, points_of_records
 from backend.metrics.series import Series, bucket_start, first_bucket_from, query, query_cuts, row_of, to_bucket
+from tests.fixtures.metrics_records import trainer_record, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = {"fc": 1.0, "midlayer": 2.0, "norm": 0.5, "lm_head": 3.0}
 
 
 def brute_force_buckets(points: Sequence[tuple[int, float]], cuts: Sequence[int]) -> list[dict[str, Any]]:
@@ -32,51 +32,6 @@ def brute_force_buckets(points: Sequence[tuple[int, float]], cuts: Sequence[int]
         row = row_of([s for s, _ in ordered], [v for _, v in ordered])
         out.append(to_bucket(row))
     return out
-
-
-def trainer_record(step: int, rng: random.Random, loss: float | None = None) -> dict:
-    """A train record shaped like backend/train/trainer.py's _write_train."""
-    return {
-        "step": step,
-        "epoch": step / 5000,
-        "split": "train",
-        "loss": loss if loss is not None else 3 * math.exp(-step / 4000) + rng.random() * 0.05,
-        "ploss": [rng.random() for _ in range(7)],
-        "acc": [rng.random() for _ in range(7)],
-        "step_time": 0.1 + rng.random() * 0.01,
-        "lr": 1e-4,
-        "grad_norm": rng.random(),
-        "weight_norm": 100 + rng.random(),
-        "weight_norm_modules": {k: v + rng.random() for k, v in MODULES.items()},
-        "tokens": step * 2048,
-        "time": 1.7e9 + step * 0.25 + rng.random() * 0.01,  # last, as MetricsWriter puts it
-    }
-
-
-def val_record(step: int, rng: random.Random) -> dict:
-    return {
-        "step": step,
-        "epoch": step / 5000,
-        "split": "val",
-        "loss": 3 * math.exp(-step / 4000) + 0.3,
-        "ploss": [rng.random() for _ in range(7)],
-        "acc": [rng.random() for _ in range(7)],
-        "tokens": step * 2048,
-    }
-
-
-def write_run(path: Path, steps: int, seed: int = 0, spikes=(), nans=(), infs=(), resume_at: int | None = None) -> None:
-    """A metrics.jsonl through the trainer's own writer, with planted spikes, NaN/inf losses and a resumed stretch."""
-    rng = random.Random(seed)
-    writer = MetricsWriter(path)
-    order = list(range(1, steps + 1))
-    if resume_at is not None:
-        order += list(range(resume_at, resume_at + 200))  # a resume from an older checkpoint writes steps again
-    for step in order:
-        loss = 50.0 if step in spikes else math.nan if step in nans else math.inf if step in infs else None
-        writer.write(trainer_record(step, rng, loss))
-        if step % 250 == 0:
-            writer.write(val_record(step, rng))
 
 
 def brute_points(path: Path) -> dict[str, list[tuple[int, float]]]:

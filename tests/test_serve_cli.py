@@ -14,7 +14,7 @@ from backend.serve.acceptance import MEAN_OF_MEANS_LABEL, POOLED_LABEL, acceptan
 from backend.serve.cli import render
 from backend.serve.launch import LaunchResult
 from backend.serve.preflight import problems_text
-from tests.reference_fixtures import save_untrained_draft, write_mini_profile
+from tests.fixtures.reference import save_untrained_draft, write_mini_profile
 
 
 def canary_dict(acceptance: dict) -> dict:

@@ -2,13 +2,10 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from backend.serve.reference.spec_decode import SpecDecoder
 from backend.train.draft import DraftModelConfig, Eagle3Draft, FeatureWidthError
-
-HIDDEN, VOCAB, DRAFT_VOCAB = 64, 259, 192
-AUX = [1, 3, 4]
+from tests.fixtures.drafts import AUX, HIDDEN, VOCAB, constant_target, draft_config, draft_predicting, prompts, random_draft, random_target
 
 
 @pytest.fixture(autouse=True)
@@ -18,70 +15,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def random_target(seed=0, layers=8) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
-    for param in model.parameters():
-        param.data.normal_(0, 0.3)  # large weights: confident, non-degenerate greedy text
-    return model
-
-
-def draft_config(**overrides) -> DraftModelConfig:
-    values = dict(
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=16,
-        intermediate_size=128,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        vocab_size=VOCAB,
-        draft_vocab_size=DRAFT_VOCAB,
-        target_hidden_size=HIDDEN,
-        aux_layer_ids=AUX,
-        torch_dtype="float32",
-    )
-    values.update(overrides)
-    return DraftModelConfig(**values)
-
-
-def mapping_including(token: int):
-    """A d2t/t2d whose draft vocab holds `token`; for a token beyond Vd the d2t offsets matter."""
-    used = list(range(DRAFT_VOCAB)) if token < DRAFT_VOCAB else list(range(DRAFT_VOCAB - 1)) + [token]
-    d2t = torch.tensor(used) - torch.arange(DRAFT_VOCAB)
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[used] = True
-    return d2t, t2d, used.index(token)
-
-
-def random_draft(target, seed=1) -> Eagle3Draft:
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_config(), init_std=0.3).eval()
-    draft.load_target_embedding(target.get_input_embeddings().weight)
-    d2t, t2d, _ = mapping_including(230)
-    draft.set_vocab_mapping(d2t, t2d)
-    return draft
-
-
-def prompts(count, seed=5):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (int(length),), generator=generator) for length in torch.randint(3, 20, (count,), generator=generator)]
 
 
 @pytest.mark.parametrize("num_steps", [1, 4])
@@ -157,46 +90,6 @@ def test_eos_stops_both_decoders_at_the_same_token():
     assert decoder.plain_generate(prompt, 30) == expected
     spec = decoder.generate(prompt, 30)
     assert spec.output_ids == expected and spec.completion_tokens == len(expected)
-
-
-def constant_target(token: int) -> LlamaForCausalLM:
-    """Every decoder layer is an identity (o_proj, down_proj = 0), embeddings share a large dim 0, and lm_head
-    reads dim 0 only for `token`: greedy decoding emits `token` after any prompt."""
-    target = random_target(seed=3, layers=8)
-    with torch.no_grad():
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        embed = target.get_input_embeddings().weight
-        embed.normal_(0, 0.1)
-        embed[:, 0] = 5.0
-        target.model.norm.weight.fill_(1.0)
-        target.lm_head.weight.normal_(0, 0.1)
-        target.lm_head.weight[:, 0] = 0.0
-        target.lm_head.weight[token, 0] = 10.0
-    return target
-
-
-def draft_predicting(target, token: int) -> Eagle3Draft:
-    """A draft whose attention averages the (dim-0 dominated) token embeddings and whose lm_head row for
-    `token` reads dim 0: it proposes `token` at every step, whatever its inputs."""
-    config = draft_config(num_key_value_heads=4)
-    draft = Eagle3Draft(config).eval()
-    draft.load_target_embedding(target.get_input_embeddings().weight)
-    d2t, t2d, draft_id = mapping_including(token)
-    draft.set_vocab_mapping(d2t, t2d)
-    attn, mlp = draft.midlayer.self_attn, draft.midlayer.mlp
-    with torch.no_grad():
-        draft.fc.weight.zero_()
-        attn.q_proj.weight.zero_()
-        attn.k_proj.weight.zero_()
-        attn.v_proj.weight.copy_(torch.cat([torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)], dim=1))
-        attn.o_proj.weight.copy_(torch.eye(HIDDEN))
-        mlp.down_proj.weight.zero_()
-        draft.lm_head.weight.normal_(0, 0.1)
-        draft.lm_head.weight[:, 0] = 0.0
-        draft.lm_head.weight[draft_id, 0] = 10.0
-    return draft
 
 
 def test_agreeing_draft_is_accepted_every_step_and_counted_like_sglang():

@@ -6,7 +6,7 @@ import torch
 from backend.serve.reference.spec_decode import SpecDecoder
 from backend.serve.reference.static_decode import ContextTooLong, StaticDecoder, StaticUnsupported, length_buckets
 from backend.train.draft import Eagle3Draft
-from tests.test_spec_decode import AUX, HIDDEN, VOCAB, constant_target, draft_config, draft_predicting, prompts, random_draft, random_target
+from tests.fixtures.drafts import AUX, HIDDEN, VOCAB, constant_target, draft_config, draft_predicting, prompts, random_draft, random_target
 
 
 @pytest.fixture(autouse=True)
@@ -235,7 +235,7 @@ def test_on_the_real_smollm2_static_equals_eager_in_float32():
 
 def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_profile, tmp_path):
     from backend.serve.reference.engine import Engine, GenerationSpec
-    from tests.reference_fixtures import save_untrained_draft
+    from tests.fixtures.reference import save_untrained_draft
 
     draft = str(save_untrained_draft(mini_profile, tmp_path / "run"))
     eager = Engine(mini_profile, draft, "aux", 3, speculative=True, device="cpu")
@@ -271,8 +271,8 @@ def test_decode_speed_benchmark_runs_on_cpu_with_tiny_settings(mini_target_dir, 
     import subprocess
     import sys
 
-    from tests.conftest import ROOT, subprocess_env
-    from tests.reference_fixtures import save_untrained_draft, write_mini_profile
+    from tests.fixtures.env import ROOT, subprocess_env
+    from tests.fixtures.reference import save_untrained_draft, write_mini_profile
 
     profile = write_mini_profile(mini_target_dir, tmp_path / "mini.toml")
     draft = save_untrained_draft(mini_profile, tmp_path / "run")

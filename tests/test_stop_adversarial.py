@@ -16,7 +16,7 @@ import pytest
 from backend.host import procs
 from backend.jobs.records import JOB_TOKEN_ENV, JobBadParams, JobRefused
 from backend.jobs.registry import JobRegistry
-from waiting import wait_for
+from tests.fixtures.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -11,7 +11,7 @@ from backend.profiles import parse_profile
 from backend.train.data import Sample
 from backend.train.extract import ExtractError, ProgressBar, bytes_per_token, extract
 from backend.train.target import TargetMismatchError, TargetModel, check_aux_layer_ids, hf_layer_index, load_target
-from conftest import mini_profile_dict
+from tests.fixtures.env import mini_profile_dict
 
 
 @pytest.fixture(scope="module")

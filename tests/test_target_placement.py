@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from backend.cli import main as cli_main
 from backend.train.target import TargetPlacement, TargetPlacementError, load_target, parse_max_memory, parse_placement
-from conftest import mini_profile_dict, threads_for_tests
-from tests.test_trainer import toml_of
+from tests.fixtures.env import mini_profile_dict, threads_for_tests
+from tests.fixtures.chat import toml_of
 
 # Float32 on one CPU either way: the same kernels run on the same numbers, so the results are expected bit-identical;
 # the tolerance only allows for a different summation order should accelerate ever split a matmul.

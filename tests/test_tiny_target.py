@@ -28,7 +28,7 @@ from backend.train.tiny import (
     tiny_corpus,
     tiny_key,
 )
-from conftest import MINI_SETTINGS, ROOT, subprocess_env
+from tests.fixtures.env import MINI_SETTINGS, ROOT, subprocess_env
 
 
 def test_byte_tokenizer_round_trips_utf8_and_special_ids():

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, subprocess_env
+from tests.fixtures.env import ROOT, subprocess_env
 
 
 @pytest.mark.slow  # spawns `train --profile tiny`, which starts building the tiny target

@@ -26,7 +26,8 @@ from backend.train.target import load_target
 from backend.train.trainer import TrainOptions, Trainer, module_group, train
 from backend.train.tiny import read_corpus
 from backend.train.vocab import build_vocab_mapping, count_tokens
-from conftest import ROOT, mini_profile_dict, subprocess_env, threads_for_tests
+from tests.fixtures.env import ROOT, mini_profile_dict, subprocess_env, threads_for_tests
+from tests.fixtures.chat import toml_of
 
 MINI_DATA = TinyDataSettings(prompt_len=12, total_len=32, train_samples=24, val_samples=8)
 
@@ -207,18 +208,6 @@ def test_offline_shards_train_like_the_online_target(mini_profile, mini_env, tmp
     assert [r["loss"] for r in offline] == pytest.approx([r["loss"] for r in online], rel=1e-4)
     state = torch.load(latest_checkpoint(tmp_path / "offline") / "training_state.pt", weights_only=False)
     assert (state["sampler"]["epoch"], state["sampler"]["cursor"]) == (0, 3)  # the batch read ahead is not skipped on resume
-
-
-def toml_of(data: dict) -> str:
-    lines = []
-    for key, value in data.items():
-        if not isinstance(value, dict):
-            lines.append(f"{key} = {json.dumps(value)}")
-    for section, table in data.items():
-        if isinstance(table, dict):
-            lines.append(f"[{section}]")
-            lines.extend(f"{k} = {json.dumps(v)}" for k, v in table.items())
-    return "\n".join(lines) + "\n"
 
 
 # --- the real tiny run (slow; shared with the serving tests through conftest) ------------------------------
@@ -416,7 +405,8 @@ def test_a_hugging_face_target_trains_online_on_regenerated_chat_conversations(t
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from backend.profiles import parse_profile
-    from test_data import chat_tokenizer, write_jsonl
+    from tests.fixtures.chat import chat_tokenizer
+    from tests.fixtures.chat import write_jsonl
 
     tokenizer = chat_tokenizer()
     tokenizer.eos_token = "<|end|>"

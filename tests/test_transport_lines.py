@@ -14,7 +14,7 @@ import pytest
 import console.transport as transport_module
 from console.client import AgentClient, AgentError, ClientNote
 from console.transport import LINE_CAP, LineReader, LineTooLong, LocalTransport
-from ssh_fixtures import InProcessSSHServer, transport_for, wait_until
+from tests.fixtures.ssh import InProcessSSHServer, transport_for, wait_until
 
 BLOB_AGENT = r"""
 import json, os, sys
