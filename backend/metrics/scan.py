@@ -5,7 +5,7 @@ names) and reads a chunk either by splitting it into tokens (every line of one s
 regular expression per learned shape, converting only the values the index keeps; every line that fits no
 shape (val records, other writers, odd values) goes through json.loads and backend.metrics.records.normalize_record,
 the one decoder of the file's encoding. Both paths give
-the same points, which tests/test_series_index.py checks against a plain pass.
+the same points, which tests/backend/metrics/test_series_index.py checks against a plain pass.
 """
 
 from __future__ import annotations

