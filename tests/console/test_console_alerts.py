@@ -6,24 +6,7 @@ from typing import Any
 
 from console.alerts import Alert, AlertMemory, new_alerts
 from console.state import ConsoleState
-
-
-def job(name: str, state: str, exit_code: int | None = None, **extra: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "kind": "train",
-        "state": state,
-        "pid": 1234,
-        "pgid": 1234,
-        "start_time_ticks": 1,
-        "argv": ["eagle3-host", "train"],
-        "job_dir": "/x",
-        "stdout_path": "o",
-        "stderr_path": "e",
-        "started_at": 1.0,
-        "exit_code": exit_code,
-        **extra,
-    }
+from tests.fixtures.console_states import job_wire
 
 
 def with_jobs(*jobs: dict[str, Any]) -> ConsoleState:
@@ -44,36 +27,36 @@ def texts(alerts: list[Alert]) -> list[str]:
 
 
 def test_the_first_jobs_list_is_not_news_and_an_exit_after_it_is_alerted_once():
-    memory, alerts = new_alerts(AlertMemory(), with_jobs(job("a", "exited", 1)), {"jobs"})
+    memory, alerts = new_alerts(AlertMemory(), with_jobs(job_wire("a", "exited", 1)), {"jobs"})
     assert alerts == []
-    memory, alerts = new_alerts(memory, with_jobs(job("a", "running")), {"jobs"})
+    memory, alerts = new_alerts(memory, with_jobs(job_wire("a", "running")), {"jobs"})
     assert alerts == []
-    memory, alerts = new_alerts(memory, with_jobs(job("a", "exited", 1)), {"jobs"})
+    memory, alerts = new_alerts(memory, with_jobs(job_wire("a", "exited", 1)), {"jobs"})
     assert alerts == [Alert("job a exited with exit code 1", "error")]
-    _, alerts = new_alerts(memory, with_jobs(job("a", "exited", 1)), {"jobs"})
+    _, alerts = new_alerts(memory, with_jobs(job_wire("a", "exited", 1)), {"jobs"})
     assert alerts == []
 
 
 def test_a_clean_stop_is_a_warning_and_the_host_is_named_when_given():
-    memory, _ = new_alerts(AlertMemory(), with_jobs(job("a", "running")), {"jobs"})
-    _, alerts = new_alerts(memory, with_jobs(job("a", "stopped")), {"jobs"}, " on gpu-b")
+    memory, _ = new_alerts(AlertMemory(), with_jobs(job_wire("a", "running")), {"jobs"})
+    _, alerts = new_alerts(memory, with_jobs(job_wire("a", "stopped")), {"jobs"}, " on gpu-b")
     assert alerts == [Alert("job a on gpu-b stopped", "warning")]
 
 
 def test_only_the_sections_that_changed_are_looked_at():
-    memory, _ = new_alerts(AlertMemory(), with_jobs(job("a", "running")), {"jobs"})
-    _, alerts = new_alerts(memory, with_jobs(job("a", "exited", 1)), {"metrics", "disks"})
+    memory, _ = new_alerts(AlertMemory(), with_jobs(job_wire("a", "running")), {"jobs"})
+    _, alerts = new_alerts(memory, with_jobs(job_wire("a", "exited", 1)), {"metrics", "disks"})
     assert alerts == []
 
 
 def test_a_rank_not_reporting_is_alerted_once_and_again_after_it_reported():
     ranks = [{"rank": 0, "step": 90, "age_s": 1.0}, {"rank": 1, "step": 80, "age_s": 42.0}]
-    stalled = with_jobs(job("mn", "running", node_rank=1, ranks=ranks, stalled_ranks=[1]))
+    stalled = with_jobs(job_wire("mn", "running", node_rank=1, ranks=ranks, stalled_ranks=[1]))
     memory, alerts = new_alerts(AlertMemory(), stalled, {"jobs"})
     assert alerts == [Alert("mn: node 1 rank 1 not reporting for 42 s (last step 80)", "error")]
     memory, alerts = new_alerts(memory, stalled, {"jobs"})
     assert alerts == []
-    memory, alerts = new_alerts(memory, with_jobs(job("mn", "running", node_rank=1, ranks=ranks)), {"jobs"})
+    memory, alerts = new_alerts(memory, with_jobs(job_wire("mn", "running", node_rank=1, ranks=ranks)), {"jobs"})
     assert alerts == []
     _, alerts = new_alerts(memory, stalled, {"jobs"})
     assert len(alerts) == 1

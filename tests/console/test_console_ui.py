@@ -25,7 +25,7 @@ from console.screens.logs import TAIL_LINES, LogsScreen, lines_label
 from console.screens.modals import AdoptModal, ResumeModal, StopModal, checkpoint_line, pids_phrase, stop_plan_text, training_phases
 from console.screens.training import TrainingScreen
 from tests.fixtures.ssh import connected, job_argv, pid_alive, screen_shown, stop_everything, wait_until
-from tests.fixtures.console_states import STOP_PLAN, frozen_state
+from tests.fixtures.console_states import STOP_PLAN, frozen_state, job_wire
 from tests.fixtures.console_apps import banner_text, live_app
 
 SIZE = (150, 45)
@@ -683,23 +683,6 @@ async def test_readonly_disables_and_hides_every_destructive_action():
         for action in destructive:
             assert action.label not in joined
         assert "Resync" in joined and "Watch run" in joined
-
-
-def job_wire(name: str, state: str, exit_code=None) -> dict:
-    return {
-        "name": name,
-        "kind": "train",
-        "state": state,
-        "pid": 1234,
-        "pgid": 1234,
-        "start_time_ticks": 1,
-        "argv": ["eagle3-host", "train"],
-        "job_dir": "/x",
-        "stdout_path": "o",
-        "stderr_path": "e",
-        "started_at": 1.0,
-        "exit_code": exit_code,
-    }
 
 
 async def test_notify_sends_bell_and_osc_9_and_777_on_each_alert_once():
