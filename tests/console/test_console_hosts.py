@@ -143,9 +143,7 @@ async def sleeping_nodes(app, run_id: str) -> list[dict]:
     ]
     # running, not just listed: a poll between the record's insert and its leader shows it "starting", and a plan made
     # then has nothing to stop (stop & bench's y stays disabled; seen on a loaded CI machine)
-    await wait_until(
-        lambda: all(run_id in s.state.jobs and s.state.jobs[run_id].state == "running" for s in app.sessions), what="every node listed as running"
-    )
+    await wait_until(lambda: all(run_id in s.state.jobs and s.state.jobs[run_id].state == "running" for s in app.sessions), what="every node listed as running")
     app.select_job(run_id, app.sessions[0].name)
     return jobs
 

@@ -1,6 +1,6 @@
 """Layout at 100x30 and 170x45: every key of every screen is on screen in the footer, tables keep their key columns,
-and snapshots of Dashboard, Training, Logs, Grokking and Bench result, the ? help and a filtered Dashboard at both sizes
-(frozen data and time)."""
+and snapshots of Dashboard, Training, Logs, Grokking and Bench result, every modal, the ? help and a filtered
+Dashboard at both sizes (frozen data and time)."""
 
 import pytest
 from textual.widgets import DataTable, Footer
@@ -133,6 +133,79 @@ def test_screen_snapshot(snap_compare, key, size):
         await show(pilot, key)
 
     assert snap_compare(app_for(SCREENS[key]), terminal_size=size, run_before=run_before)
+
+
+# -- the modals at both sizes: every plan and form fits, its buttons on screen --------------------------------------
+
+CHECKPOINT = "/root/.eagle3/jobs/train-kimi/checkpoints/epoch_1_step_3000"
+
+
+def modal_for(name: str):
+    """Each modal as its flow opens it on the frozen state's train-kimi (plans and forms as the flows build them)."""
+    from backend.commands import chain_argv
+    from backend.protocol import GpuHolder
+    from console.screens.grok_modal import GrokModal
+    from console.screens.modals import AdoptModal, ResumeModal, StopAndBenchModal, StopModal, WatchModal, bench_plan_text
+    from console.screens.unwatch_modal import UnwatchModal
+    from tests.fixtures.console_states import STOP_PLAN
+
+    checkpoints = [{"path": CHECKPOINT, "epoch": 1, "step": 3000, "latest": True}]
+    if name == "stop":
+        return StopModal("train-kimi", STOP_PLAN, 30.0)
+    if name == "stop-and-bench":
+        text = bench_plan_text(
+            "train-kimi", STOP_PLAN, checkpoints, True, "sglang", "serve.engine of profile kimi-k2.5", 120.0, "1,4", 8, chain_argv("train-kimi")
+        )
+        return StopAndBenchModal("train-kimi", text, can_start=True)
+    if name == "resume":
+        return ResumeModal("train-kimi", CHECKPOINT, "resume-epoch-1-step-3000", ["eagle3-host", "train", "--profile", "kimi-k2.5", "--resume", CHECKPOINT])
+    if name == "adopt":
+        foreign = [GpuHolder(pid=448, owned=False, user="bob", cmdline="python3 serve.py --port 8000", used_memory_mib=40960.0)]
+        return AdoptModal(foreign, 448)
+    if name == "watch":
+        return WatchModal()
+    if name == "grok":
+        return GrokModal("train-kimi", "kimi-k2.5", checkpoints, lr=1e-4, weight_decay=0.1, taken={"train-kimi"})
+    assert name == "unwatch"
+    return UnwatchModal("ext:specforge", "/data/sf/runs")
+
+
+MODALS = ["stop", "stop-and-bench", "resume", "adopt", "watch", "grok", "unwatch"]
+MODAL_CASES = [pytest.param(name, size, id=f"{name}-{size[0]}x{size[1]}") for name in MODALS for size in SIZES]
+
+
+@pytest.mark.parametrize("name,size", MODAL_CASES)
+async def test_every_modals_buttons_are_on_screen(name, size):
+    app = app_for("dashboard")
+    async with app.run_test(size=size) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+        app.push_screen(modal_for(name))
+        await pilot.pause()
+        await pilot.pause()
+        buttons = list(app.screen.query("Button"))
+        assert buttons, f"{name}: no buttons"
+        for button in buttons:
+            region = button.region
+            assert region.width > 0 and region.height > 0, f"{name} at {size}: {button.id} has no room"
+            assert region.right <= size[0] and region.bottom <= size[1], f"{name} at {size}: {button.id} ends at {region} (off screen)"
+            centre = region.center
+            shown, _ = app.screen.get_widget_at(*centre)
+            assert shown is button or button in shown.ancestors, f"{name} at {size}: {button.id} is covered or scrolled away ({shown!r} at {centre})"
+
+
+@pytest.mark.parametrize("name,size", MODAL_CASES)
+def test_modal_snapshot(snap_compare, name, size):
+    async def run_before(pilot):
+        pilot.app.select_job("train-kimi")
+        await pilot.pause()
+        pilot.app.push_screen(modal_for(name))
+        await pilot.pause()
+        for field in pilot.app.screen.query("Input"):
+            field.cursor_blink = False
+        await pilot.pause()
+
+    assert snap_compare(app_for("dashboard"), terminal_size=size, run_before=run_before)
 
 
 # -- several hosts: the Hosts view and the Dashboard with a host column and a multi-node job ---------------------------
