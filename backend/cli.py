@@ -48,13 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     parent = common_parent()
     for module_name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:
-                continue  # area not present in this build
-            raise
-        module.register(subparsers, parent)
+        importlib.import_module(module_name).register(subparsers, parent)
     return parser
 
 
@@ -73,6 +67,15 @@ def emit_json(data: Any) -> None:
 def fail(message: str, code: int = 1) -> int:
     say(f"eagle3-host: {message}", file=sys.stderr)
     return code
+
+
+def human_bytes(count: float) -> str:
+    """A byte count for people: 512 B, 1.5 KiB ... 2.0 TiB (the host side's one byte formatter besides mib)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024:
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return f"{count:.1f} TiB"
 
 
 def mib(value: float | None) -> str:

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 
 CHAIN_PREFIX = "chain-"
+# stop-and-bench's stages in order: the chain writes them (backend/chain/run.py), the console draws them
+CHAIN_STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CHAIN_GRACE_DEFAULT_S = 120.0  # `stop-and-bench --grace` default
 CHAIN_CONCURRENCY_DEFAULT = "1,4"

@@ -190,7 +190,7 @@ class HelloInfo:
 
 @dataclass
 class SeriesBucket:
-    """One bucket of a `metrics_series` reply (backend/series_index.to_bucket): None where nothing finite was seen."""
+    """One bucket of a `metrics_series` reply (backend/metrics/series.to_bucket): None where nothing finite was seen."""
 
     step_lo: int
     step_hi: int

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from backend.bench.cli import concurrency_levels
+from backend.cli import human_bytes
 from backend.commands import (
     CHAIN_CONCURRENCY_DEFAULT,
     CHAIN_GRACE_DEFAULT_S,
@@ -153,10 +154,9 @@ def handle_data_scaling(args) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    gib = 1 << 30
-    per_sample = report["bytes_per_sample"] or 0
-    say(f"{report['kind']}: {per_sample / (1 << 20):.2f} MiB per sample at {report['path']}")
-    say(f"free {report['free_bytes'] / gib:.1f} GiB (keeping {report['keep_free_bytes'] / gib:.0f} GiB free): {report['more_samples_fit']} more samples fit")
+    say(f"{report['kind']}: {human_bytes(report['bytes_per_sample'] or 0)} per sample at {report['path']}")
+    free, keep = human_bytes(report["free_bytes"]), human_bytes(report["keep_free_bytes"])
+    say(f"free {free} (keeping {keep} free): {report['more_samples_fit']} more samples fit")
     if report.get("estimated_seconds_for_fit"):
         say(f"extracting them takes about {report['estimated_seconds_for_fit'] / 3600:.1f} h at the measured speed")
     return 0

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from backend.commands import CHAIN_STAGES
 from backend.durable import write_atomic
 from backend.jsonl import append_record
 from backend.layout import RESULTS_DIRNAME, STAGES_FILENAME
@@ -29,8 +30,6 @@ from backend.host.gpu import open_gpu_source
 
 if TYPE_CHECKING:
     from backend.profiles import Profile
-
-STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
 
 
 class ChainFailed(Exception):
@@ -185,7 +184,7 @@ class StopAndBench:
         self.summary["stages"][stage] = {"status": "failed", "detail": detail}
         self.summary.update(ok=False, failed_stage=stage, reason=detail)
         self.reporter.emit(stage, "failed", detail)
-        for later in STAGES[STAGES.index(stage) + 1 :]:
+        for later in CHAIN_STAGES[CHAIN_STAGES.index(stage) + 1 :]:
             self.reporter.emit(later, "skipped", f"not run: {stage} failed")
 
     def _cleanup_after_failure(self, stage: str) -> str:

@@ -255,6 +255,8 @@ def clean_stale_temps(checkpoints_dir: Path) -> list[Path]:
 
 
 def _write_latest(checkpoints_dir: Path, name: str) -> None:
+    """Not durable.write_atomic: the temp carries this dir's TEMP_PREFIX and owner pid, so clean_stale_temps removes
+    what a SIGKILLed save left (benchmarks/kill_checkpoint.py)."""
     temp = checkpoints_dir / _temp_name("latest")
     try:
         write_bytes_durably(temp, (name + "\n").encode())

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from backend.cli import human_bytes
 from backend.durable import free_bytes, publish, write_atomic
 from backend.layout import SHARD_FORMAT, SHARD_META
 from backend.train.data import collate
@@ -38,14 +39,6 @@ def choose_store(vocab_size: int, store: str = "auto") -> str:
     if store not in ("logits", "last_hidden"):
         raise ValueError(f"store must be 'auto', 'logits' or 'last_hidden', got {store!r}")
     return store
-
-
-def human_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
-            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
-        count /= 1024
-    return f"{count:.1f} TiB"
 
 
 @dataclass

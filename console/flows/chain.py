@@ -10,6 +10,7 @@ from typing import Any
 from rich.text import Text
 
 from backend.commands import (
+    CHAIN_STAGES,
     CHAIN_CONCURRENCY_DEFAULT,
     CHAIN_GRACE_DEFAULT_S,
     CHAIN_PROMPTS_DEFAULT,
@@ -23,7 +24,6 @@ from console.client import AgentError
 from console.flows.base import FlowHost, started_note
 from console.flows.resume import ResumeFlow
 from console.flows.stop import StopFlow
-from console.screens.chain import CHAIN_STAGES
 from console.screens.modals import StopAndBenchModal, bench_plan_text, training_phases
 from console.session import HostSession
 from console.state import Section

@@ -12,15 +12,13 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Footer, Header, Static
 
-from backend.commands import chain_training_job
+from backend.commands import CHAIN_STAGES, chain_training_job
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 from backend.safetext import visible
 from console.format import accept_length, duration, inert, inert_text, number, plain_cell
 from console.state import Section
 
-# The chain's stages in order (backend/chain/run.py STAGES; the console may not import it).
-CHAIN_STAGES = ("stop", "release", "checkpoint", "preflight", "launch", "canary", "bench", "result")
 STAGE_TITLES = {
     "stop": "stop training (checkpoint first)",
     "release": "GPU memory released",

@@ -326,7 +326,7 @@ STAGE_WRITER = (
 
 async def test_chain_stages_survive_a_reconnect_without_gaps_or_duplicates(tmp_path):
     """Records written while the link is down reach the screen through stages_history on re-attach, each once."""
-    from console.screens.chain import CHAIN_STAGES
+    from backend.commands import CHAIN_STAGES
 
     app = live_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
@@ -351,7 +351,7 @@ async def test_chain_stages_written_while_the_link_was_down_arrive_with_the_chai
     """The chain screen is not shown, so its re-attach does not run on reconnect: the resync re-reads every chain the
     console holds, and a stages event that starts past what it holds fetches the lines in between (they used to be
     lost: the chain read stop..launch, then bench ok)."""
-    from console.screens.chain import CHAIN_STAGES
+    from backend.commands import CHAIN_STAGES
 
     app = live_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:

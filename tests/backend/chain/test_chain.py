@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.chain.run import STAGES, ChainOptions, StopAndBench, profile_from_argv
+from backend.commands import CHAIN_STAGES
+from backend.chain.run import ChainOptions, StopAndBench, profile_from_argv
 from backend.layout import METRICS_FILENAME, STAGES_FILENAME, list_results
 from backend.jobs.registry import JobRegistry
 from tests.fixtures.env import ROOT, subprocess_env
@@ -47,7 +48,7 @@ def test_unknown_job_stops_the_chain_before_anything_is_touched(tmp_path):
     assert "no job named 'no-such-job'" in summary["reason"]
     recorded = [json.loads(line) for line in stages_file.read_text().splitlines()]
     final = {r["stage"]: r["status"] for r in recorded}
-    assert final == {"stop": "failed", **{stage: "skipped" for stage in STAGES[1:]}}
+    assert final == {"stop": "failed", **{stage: "skipped" for stage in CHAIN_STAGES[1:]}}
 
 
 def test_a_finished_job_without_checkpoint_launches_nothing(tmp_path):
@@ -186,7 +187,7 @@ def test_stop_and_bench_end_to_end_on_tiny(trained_tiny_run, tmp_path):
     summary = lines[-1]
     stages = {r["stage"]: r for r in lines if r.get("status") in ("ok", "failed")}
     assert code == 0, json.dumps(summary, indent=1, default=str)[-3000:]
-    assert [s for s in STAGES if stages[s]["status"] == "ok"] == list(STAGES)
+    assert [s for s in CHAIN_STAGES if stages[s]["status"] == "ok"] == list(CHAIN_STAGES)
 
     result = summary["result"]
     assert result["verdict"] == "green"
