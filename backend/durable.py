@@ -52,9 +52,10 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o644, *, durable: bool = True) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o600, *, durable: bool = True) -> None:
     """Replace `path` with `data` atomically, and durably unless `durable` is False (a file rewritten every few
-    seconds, whose loss in a crash costs nothing); `mode` for a file that is created."""
+    seconds, whose loss in a crash costs nothing); `mode` for a file that is created: private unless asked (results,
+    heartbeats, the metrics index and job status hold paths and argv that other users of the host need not read)."""
     path = Path(path)
     payload = data.encode() if isinstance(data, str) else data
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -157,10 +157,11 @@ class StopPlan:
     """What a stop would do, computed without signalling anything (shown in the console's modal)."""
 
     jobs: list[str]
-    will_signal: list[dict[str, Any]]  # [{"pid", "job", "cmdline", "role"}]
+    will_signal: list[dict[str, Any]]  # [{"pid", "job", "cmdline", "role", "state"?}]: "state" when it will not handle SIGTERM at once
     stale: list[dict[str, Any]]  # records not signalled: [{"job", "pid", "reason"}]
     foreign_gpu_holders: list[dict[str, Any]]  # left alone: [{"pid", "user", "cmdline", "used_memory_mib"}]
     checkpoint_first: bool  # True when a training job will write a checkpoint on SIGTERM
+    checkpoint_note: str = ""  # why a training job in this stop will write none (its leader is held by a debugger)
 
 
 @dataclass

@@ -44,7 +44,7 @@ REPLY_HEAD = re.compile(rb'^\s*\{\s*"type"\s*:\s*"reply"\s*,\s*"id"\s*:\s*(\d{1,
 
 REPLY_LIMITS = Limits(string=4096, items=20_000, depth=10)  # what a reply the console keeps may hold
 PID_ENTRY = {"pid": (int,), "job": (str, OPTIONAL), "cmdline": (str, OPTIONAL), "role": (str,), "user": (str, OPTIONAL)}
-PID_ENTRY_FIELDS = PID_ENTRY | {"reason": (str, OPTIONAL), "used_memory_mib": NUMBER + (OPTIONAL,)}
+PID_ENTRY_FIELDS = PID_ENTRY | {"reason": (str, OPTIONAL), "used_memory_mib": NUMBER + (OPTIONAL,), "state": (str, OPTIONAL)}
 CHECKPOINT_FIELDS = {"path": (str,), "epoch": (int, OPTIONAL), "step": (int, OPTIONAL), "latest": (bool, OPTIONAL)}
 
 
@@ -60,6 +60,8 @@ def _entries(result: dict[str, Any], key: str, check: Any) -> list:
 def _stop_plan(result: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(result.get("checkpoint_first", False), bool):
         raise InvalidMessage(f"checkpoint_first: expected a boolean, got {type_name(result.get('checkpoint_first'))}")
+    if not isinstance(result.get("checkpoint_note", ""), str):
+        raise InvalidMessage(f"checkpoint_note: expected a string, got {type_name(result.get('checkpoint_note'))}")
     checked = dict(result)
     for key in ("will_signal", "stale", "foreign_gpu_holders"):
         checked[key] = _entries(result, key, lambda e, where: check_fields(e, PID_ENTRY_FIELDS, where, REPLY_LIMITS))

@@ -225,6 +225,9 @@ def print_plan(plan: StopPlan) -> None:
     if plan.will_signal:
         say("will signal (SIGTERM to the group, SIGKILL after the grace period):")
         say(table(["PID", "JOB", "ROLE", "COMMAND"], [[w["pid"], w["job"], w["role"], w["cmdline"][:80]] for w in plan.will_signal]))
+        for entry in plan.will_signal:
+            if entry.get("state"):
+                say(f"note: pid {entry['pid']} is {entry['state']}")
     else:
         say("nothing to signal")
     for stale in plan.stale:
@@ -233,6 +236,8 @@ def print_plan(plan: StopPlan) -> None:
         say(f"foreign GPU holder, left alone: pid {holder['pid']} user {holder['user']} {mib(holder['used_memory_mib'])} MiB: {holder['cmdline'][:80]}")
     if plan.checkpoint_first:
         say("a training job is among them: it writes a checkpoint on SIGTERM, so give it its grace period")
+    if plan.checkpoint_note:
+        say(f"no checkpoint: {plan.checkpoint_note}")
 
 
 @_job_errors

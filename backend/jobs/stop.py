@@ -78,6 +78,7 @@ def preview(plans: list[JobPlan], foreign_holders: list[dict] | None = None) -> 
         stale=[{"job": plan.record.name, "pid": plan.record.info.pid, "reason": plan.stale_reason} for plan in plans if plan.stale_reason],
         foreign_gpu_holders=foreign_holders or [],
         checkpoint_first=any(plan.record.info.kind == "train" and _can_checkpoint(plan, states) for plan in plans),
+        checkpoint_note="; ".join(_no_checkpoint_reason(plan) for plan in plans if plan.record.info.kind == "train" and not _can_checkpoint(plan, states)),
     )
 
 
@@ -87,6 +88,15 @@ def _process_state(target: Target) -> str:
     if stat is None or stat.start_time != target.start or stat.state not in PROCESS_STATE_NOTES:
         return ""
     return stat.state
+
+
+def _no_checkpoint_reason(plan: JobPlan) -> str:
+    if not plan.targets:
+        return f"{plan.record.name} has no process left to signal"
+    return (
+        f"{plan.record.name}'s leader is stopped by a debugger: its SIGTERM stays pending until the debugger lets it go, "
+        "so it writes no checkpoint and gets SIGKILL after the grace"
+    )
 
 
 def _can_checkpoint(plan: JobPlan, states: dict[int, str]) -> bool:

@@ -20,7 +20,7 @@ from backend.train.target import resolve_target_path, load_tokenizer
 from backend.train.tiny import read_corpus
 from backend.host.gpu import open_gpu_source
 from backend.host.holders import list_holders
-from backend.jobs.registry import JobRegistry
+from backend.jobs.registry import SAFE_PATH_ENV, JobRegistry
 from backend.protocol import to_dict
 from backend.jobs.logs import tail_lines
 
@@ -319,7 +319,9 @@ def _start_and_wait(
 
     registry = JobRegistry(Path(run_dir or "~/.eagle3").expanduser())
     try:
-        info = registry.start_job(job_name, "serve", argv, cwd=str(REPO_ROOT), env=env)
+        # the safe path: neither our server nor SGLang's imports a package planted in its cwd (PYTHONSAFEPATH, which a
+        # Python before 3.11 ignores; the job's PYTHONPATH names this package's parent, so backend still imports)
+        info = registry.start_job(job_name, "serve", argv, cwd=str(REPO_ROOT), env={**SAFE_PATH_ENV, **(env or {})})
     except Exception as exc:  # JobConflict (name in use), JobBadParams, spawn failures: nothing else was started
         result.state = "start_failed"
         result.message = f"could not start job {job_name!r}: {exc}"

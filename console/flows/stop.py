@@ -116,6 +116,7 @@ def merge_stop_plans(name: str, nodes: list[Node], plans: list[dict[str, Any]], 
         "stale": [],
         "foreign_gpu_holders": [],
         "checkpoint_first": any(n.rank == 0 and p.get("checkpoint_first") for n, p in zip(nodes, plans)),
+        "checkpoint_note": next((p.get("checkpoint_note") for n, p in zip(nodes, plans) if n.rank == 0 and p.get("checkpoint_note")), ""),
     }
     for node, plan in zip(nodes, plans):
         where = f"node {node.rank} {node.host}"

@@ -82,6 +82,8 @@ def training_phases(state: Any, jobs: list[str]) -> dict[str, bool | None]:
 @inert_text
 def checkpoint_line(plan: dict[str, Any], phases: dict[str, bool | None] | None) -> Text:
     """What a stop really does about checkpoints: the trainer writes one on SIGTERM only once it runs training steps."""
+    if plan.get("checkpoint_note") and not plan.get("checkpoint_first"):
+        return Text(f"Checkpoint first: NO. {visible(plan['checkpoint_note'])}.", style="bold yellow")
     if not plan.get("checkpoint_first"):
         return Text("Checkpoint first: no (no training job in this stop).", style="bold")
     in_setup = [name for name, started in (phases or {}).items() if started is False]
@@ -116,6 +118,8 @@ def stop_plan_text(plan: dict[str, Any], grace: float, phases: dict[str, bool | 
         text.append(
             f"  {visible(entry.get('role', '')):<10} {visible(entry.get('job', '') or '')}  {cut_words(visible(entry.get('cmdline', '')), CMDLINE_WIDTH)}\n"
         )
+        if entry.get("state"):
+            text.append(f"           this process is {visible(entry['state'])}\n", style="yellow")
     stale = plan.get("stale") or []
     if stale:
         text.append("Stale records, NOT signalled (the PID is gone or belongs to another process now):\n", style="bold")

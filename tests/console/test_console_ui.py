@@ -56,6 +56,28 @@ def plain(renderable, width: int = 200) -> str:
 # -- frozen data, no host ------------------------------------------------------------------------
 
 
+def test_the_stop_plan_says_which_process_will_not_handle_sigterm_and_why_no_checkpoint():
+    plan = {
+        "jobs": ["traced"],
+        "will_signal": [
+            {
+                "pid": 77,
+                "job": "traced",
+                "cmdline": "python -m backend train",
+                "role": "leader",
+                "state": "stopped by a debugger: cannot handle SIGTERM until the debugger lets it go",
+            }
+        ],
+        "stale": [],
+        "foreign_gpu_holders": [],
+        "checkpoint_first": False,
+        "checkpoint_note": "traced's leader is stopped by a debugger: its SIGTERM stays pending until the debugger lets it go, so it writes no checkpoint and gets SIGKILL after the grace",
+    }
+    text = str(stop_plan_text(plan, 30.0))
+    assert "this process is stopped by a debugger: cannot handle SIGTERM" in text
+    assert "Checkpoint first: NO. traced's leader is stopped by a debugger" in text and "no training job in this stop" not in text
+
+
 def test_the_app_has_every_member_of_the_view_its_screens_are_typed_against():
     assert isinstance(frozen_app(), ConsoleView)
 

@@ -205,7 +205,7 @@ def test_a_sigstopped_job_is_continued_so_its_sigterm_handler_checkpoints(regist
 PTRACE_ATTACH, PTRACE_DETACH = 16, 17
 
 
-def test_a_trainer_held_by_a_debugger_is_planned_without_a_checkpoint(registry):
+def test_a_trainer_held_by_a_debugger_is_planned_without_a_checkpoint(registry, capsys):
     """A leader in tracing stop (state t) keeps its SIGTERM pending until the debugger lets go, and a stop does not
     continue it as it does a SIGSTOPped one: the plan must not promise a checkpoint."""
     info = registry.start_job("traced-trainer", "train", [PY, "-c", "import time; print('ready', flush=True); time.sleep(600)"])
@@ -222,6 +222,12 @@ def test_a_trainer_held_by_a_debugger_is_planned_without_a_checkpoint(registry):
         libc.ptrace(PTRACE_DETACH, info.pid, None, None)
     assert not plan.checkpoint_first
     assert [target.get("state", "") for target in plan.will_signal] == ["stopped by a debugger: cannot handle SIGTERM until the debugger lets it go"]
+    assert "traced-trainer's leader is stopped by a debugger" in plan.checkpoint_note and "no checkpoint" in plan.checkpoint_note
+    from backend.jobs.cli import print_plan
+
+    print_plan(plan)  # `eagle3-host job plan` says both, per PID and for the checkpoint
+    printed = capsys.readouterr().out
+    assert f"note: pid {info.pid} is stopped by a debugger" in printed and "no checkpoint: traced-trainer's leader" in printed
     registry.stop(["traced-trainer"], grace=0)
     assert not procs.is_alive(info.pid, info.start_time_ticks)
 
@@ -296,6 +302,22 @@ def test_metrics_lines_and_checkpoint_files_are_private(tmp_path):
     write_new_file(staged / "model.safetensors", b"weights")
     assert (tmp_path / "metrics.jsonl").stat().st_mode & 0o777 == 0o600
     assert staged.stat().st_mode & 0o777 == 0o700 and (staged / "model.safetensors").stat().st_mode & 0o777 == 0o600
+
+
+def test_status_results_heartbeats_and_the_index_sidecar_are_written_private(tmp_path):
+    """Everything written through durable.write_atomic is 0600 unless a caller asks otherwise: bench and chain results,
+    the rank heartbeats, the job's leader and exit files, the metrics index sidecar."""
+    from backend.durable import write_atomic
+    from backend.layout import HeartbeatWriter, heartbeat_path
+
+    write_atomic(tmp_path / "result.json", "{}")
+    (tmp_path / "job").mkdir()
+    beats = HeartbeatWriter(tmp_path / "job", rank=0, every=60.0, log=lambda line: None)
+    beats.close("done")
+    assert (tmp_path / "result.json").stat().st_mode & 0o777 == 0o600
+    assert heartbeat_path(tmp_path / "job", 0).stat().st_mode & 0o777 == 0o600
+    write_atomic(tmp_path / "shared.txt", "x", mode=0o644)
+    assert (tmp_path / "shared.txt").stat().st_mode & 0o777 == 0o644  # a caller may still ask
 
 
 @pytest.mark.slow

@@ -39,6 +39,8 @@ def test_good_draft_is_green(tmp_path, tiny_profile, trained_tiny_run):
         assert canary["tau_hat"] is not None and canary["ratio_to_tau_hat"] >= canary["threshold_ratio"]
         assert canary["features"]["feature_width"] == canary["features"]["expected_feature_width"] == 384
         assert {"preflight_s", "ready_s", "canary_s"} <= set(result.timings)
+        environ = open(f"/proc/{result.job['pid']}/environ", "rb").read().split(b"\0")
+        assert b"PYTHONSAFEPATH=1" in environ  # the server imports nothing planted in its cwd
         json.dumps(result.to_dict())  # JSON-able as promised
         print(f"\ngood feed: accept {canary['accept_length']:.3f}, tau-hat {canary['tau_hat']:.3f}, ratio {canary['ratio_to_tau_hat']:.3f}")
     finally:
