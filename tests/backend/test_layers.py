@@ -2,12 +2,15 @@
 
 The rules themselves are import-linter contracts in pyproject.toml (checked by `lint-imports` in CI). These tests
 prove what a static reading cannot: that importing every module of the agent path's folders in a fresh interpreter
-loads nothing outside the standard library, and that a planted violation breaks the contracts.
+loads nothing outside the standard library, that a planted violation breaks the contracts, and that every
+function-local import has its reason listed.
 """
 
+import ast
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from tests.fixtures.env import ROOT
 
@@ -72,3 +75,35 @@ def test_the_contracts_hold_and_a_planted_violation_breaks_them(tmp_path):
     assert "backend components are layered: a folder imports only the folders below it BROKEN" in broken.stdout
     assert "the agent path loads only the standard library BROKEN" in broken.stdout
     assert "the console imports only backend's contract modules BROKEN" in broken.stdout
+
+
+def deferred_project_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of backend/console made inside a function of `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                names = (
+                    [inner.module]
+                    if isinstance(inner, ast.ImportFrom) and inner.module
+                    else [a.name for a in getattr(inner, "names", [])]
+                    if isinstance(inner, ast.Import)
+                    else []
+                )
+                found += [(inner.lineno, name) for name in names if name.split(".")[0] in ("backend", "console")]
+    return sorted(set(found))
+
+
+def test_every_deferred_import_is_listed_with_its_reason():
+    """A function-local import hides an edge from a reader; pyproject.toml [tool.eagle3-console.deferred-imports] says
+    why each file has them, and an entry goes when its file no longer needs one."""
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["eagle3-console"]["deferred-imports"]
+    deferring = {}
+    for path in sorted([*(ROOT / "backend").rglob("*.py"), *(ROOT / "console").rglob("*.py")]):
+        imports = deferred_project_imports(path)
+        if imports:
+            deferring[path.relative_to(ROOT).as_posix()] = imports
+    unlisted = {name: imports for name, imports in deferring.items() if name not in listed}
+    assert not unlisted, f"function-local imports without a reason in pyproject.toml: {unlisted}"
+    assert not set(listed) - set(deferring), f"entries whose file defers no import any more: {sorted(set(listed) - set(deferring))}"
+    assert all(isinstance(reason, str) and len(reason) > 20 for reason in listed.values())
