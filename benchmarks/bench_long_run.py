@@ -206,14 +206,14 @@ async def attach(make_transport, records: int, live_lines: int) -> dict:
     app = build_app(make_transport(), poll_interval=None, refresh_throttle=0)
     result: dict = {}
     progress_events = []
-    original = app.handle_event
+    original = app.session_event  # every folded host event reaches the app here (console/session.py)
 
-    def counting(event):
+    def counting(session, event, changed):
         if isinstance(event, dict) and event.get("type") == "index_progress":
             progress_events.append(event)
-        original(event)
+        original(session, event, changed)
 
-    app.handle_event = counting
+    app.session_event = counting
     async with app.run_test(size=SIZE) as pilot:
         try:
             await wait_for(lambda: app.state.connection.connected and app.state.hello, 60, "the agent")
@@ -265,16 +265,16 @@ async def live_lag(app, agent_pid: int, lines: int) -> tuple[dict, float]:
     job = (await app.client.request(Request.START_JOB, name="live", kind="other", argv=[sys.executable, "-c", SLEEPER]))["job"]
     path = Path(job["job_dir"]) / METRICS_FILENAME
     received: dict[int, float] = {}
-    original = app.handle_event
+    original = app.session_event
 
-    def stamping(event):
+    def stamping(session, event, changed):
         if isinstance(event, dict) and event.get("type") == "metrics" and event.get("job") == "live":
             now = time.time()
             for record in event.get("records") or []:
                 received.setdefault(record["step"], now)
-        original(event)
+        original(session, event, changed)
 
-    app.handle_event = stamping
+    app.session_event = stamping
     await asyncio.sleep(1.0)
     written: dict[int, float] = {}
     cpu_before, t0 = agent_cpu_s(agent_pid), time.monotonic()
