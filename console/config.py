@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from backend.durable import write_atomic
 from console.state import EXTERNAL_PREFIX
 
 if sys.version_info >= (3, 11):
@@ -179,11 +180,10 @@ def updated_config(
 
 
 def save_config(config: ConsoleConfig) -> None:
-    """Write `config` (atomically: a temporary file renamed over the old one). Comments in the old file are not kept."""
+    """Write `config` atomically and durably (backend.durable: a crash leaves the old file or the new one, never half;
+    a link planted at the temporary name is not followed). 0600: it names hosts and paths. Comments are not kept."""
     config.path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = config.path.with_name(f".{config.path.name}.{os.getpid()}.tmp")
-    temporary.write_text(config_text(config), encoding="utf-8")
-    os.replace(temporary, config.path)
+    write_atomic(config.path, config_text(config).encode("utf-8"))
 
 
 def config_text(config: ConsoleConfig) -> str:

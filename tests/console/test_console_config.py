@@ -46,8 +46,10 @@ def test_a_good_file_gives_hosts_theme_and_watches(tmp_path):
         Watch("local", "mine", "/tmp/x.log", r"it=(?P<step>\d+) L=(?P<loss>\S+)"),
     ]
     assert load_config(path) == config
+    path.unlink()  # a new file: private, as durable.write_atomic creates it
     save_config(config)
     assert load_config(path) == config  # what the console writes it reads back unchanged
+    assert path.stat().st_mode & 0o777 == 0o600 and not list(tmp_path.glob(".config.toml.*"))
 
 
 @pytest.mark.parametrize(
