@@ -35,6 +35,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         )
 
 
+@pytest.fixture
+def limited_torch_threads():
+    """torch on EAGLE3_TEST_THREADS threads (default 1) for one test: tiny models run faster on one thread, and far
+    faster when the CPU is shared; a module opts in with pytestmark = pytest.mark.usefixtures("limited_torch_threads")."""
+    import torch
+
+    from tests.fixtures.env import threads_for_tests
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(threads_for_tests()))
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_profile():
     from backend.profiles import load_profile
@@ -121,6 +135,18 @@ def mini_servers(tmp_path_factory, mini_target_dir, mini_profile):
     from tests.fixtures.reference import run_mini_servers
 
     yield from run_mini_servers(tmp_path_factory.mktemp("mini-reference"), mini_target_dir, mini_profile)
+
+
+@pytest.fixture(scope="session")
+def spec_url(mini_servers) -> str:
+    """The speculative mini reference server's base URL."""
+    return mini_servers["spec"].url
+
+
+@pytest.fixture(scope="session")
+def plain_url(mini_servers) -> str:
+    """The plain (no speculation) mini reference server's base URL."""
+    return mini_servers["plain"].url
 
 
 @pytest.fixture

@@ -56,16 +56,6 @@ def sse(url, path, body):
 
 
 @pytest.fixture(scope="module")
-def spec_url(mini_servers):
-    return mini_servers["spec"].url
-
-
-@pytest.fixture(scope="module")
-def plain_url(mini_servers):
-    return mini_servers["plain"].url
-
-
-@pytest.fixture(scope="module")
 def model_name(spec_url):
     return http.get(f"{spec_url}/v1/models").body["data"][0]["id"]
 

@@ -49,16 +49,6 @@ def native_stream(url, body):
 
 
 @pytest.fixture(scope="module")
-def spec_url(mini_servers):
-    return mini_servers["spec"].url
-
-
-@pytest.fixture(scope="module")
-def plain_url(mini_servers):
-    return mini_servers["plain"].url
-
-
-@pytest.fixture(scope="module")
 def model_name(spec_url):
     return http.get(f"{spec_url}/get_model_info").body["served_model_name"]
 

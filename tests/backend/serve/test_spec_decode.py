@@ -8,13 +8,7 @@ from backend.train.draft import DraftModelConfig, Eagle3Draft, FeatureWidthError
 from tests.fixtures.drafts import AUX, HIDDEN, VOCAB, constant_target, draft_config, draft_predicting, prompts, random_draft, random_target
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models run faster on one thread, and far faster when the CPU is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("limited_torch_threads")
 
 
 @pytest.mark.parametrize("num_steps", [1, 4])

@@ -9,12 +9,7 @@ from backend.train.draft import Eagle3Draft
 from tests.fixtures.drafts import AUX, HIDDEN, VOCAB, constant_target, draft_config, draft_predicting, prompts, random_draft, random_target
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("limited_torch_threads")
 
 
 def same(eager, static) -> None:

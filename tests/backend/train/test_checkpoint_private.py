@@ -7,13 +7,11 @@ import stat
 from pathlib import Path
 
 import pytest
-import torch
 
 from backend.jsonl import AppendError, append_record
 from backend.train.checkpoint import CheckpointError, save_checkpoint
 from backend.train.data import TinyDataSettings
 from backend.train.trainer import TrainOptions, TrainSetupError, train
-from tests.fixtures.env import threads_for_tests
 from tests.fixtures.drafts import tiny_draft
 
 MINI_DATA = TinyDataSettings(prompt_len=12, total_len=32, train_samples=8, val_samples=4)
@@ -28,12 +26,7 @@ def open_umask():
     os.umask(before)
 
 
-@pytest.fixture(autouse=True)
-def limited_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(threads_for_tests()))
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("limited_torch_threads")
 
 
 def mode(path: Path) -> int:

@@ -24,13 +24,7 @@ def bench_attention():
     return bench_attention
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models run faster on one thread, and far faster when the CPU is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("limited_torch_threads")
 
 
 def small_config(**overrides) -> DraftModelConfig:

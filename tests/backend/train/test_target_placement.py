@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from backend.cli import main as cli_main
 from backend.train.target import TargetPlacement, TargetPlacementError, load_target, parse_max_memory, parse_placement
-from tests.fixtures.env import mini_profile_dict, threads_for_tests
+from tests.fixtures.env import mini_profile_dict
 from tests.fixtures.chat import toml_of
 
 # Float32 on one CPU either way: the same kernels run on the same numbers, so the results are expected bit-identical;
@@ -19,12 +19,7 @@ from tests.fixtures.chat import toml_of
 ATOL = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def limited_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(threads_for_tests()))
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("limited_torch_threads")
 
 
 def split_map(num_layers: int = 4) -> dict[str, str]:

@@ -26,18 +26,13 @@ from backend.train.target import load_target
 from backend.train.trainer import TrainOptions, Trainer, module_group, train
 from backend.train.tiny import read_corpus
 from backend.train.vocab import build_vocab_mapping, count_tokens
-from tests.fixtures.env import ROOT, mini_profile_dict, subprocess_env, threads_for_tests
+from tests.fixtures.env import ROOT, mini_profile_dict, subprocess_env
 from tests.fixtures.chat import toml_of
 
 MINI_DATA = TinyDataSettings(prompt_len=12, total_len=32, train_samples=24, val_samples=8)
 
 
-@pytest.fixture(autouse=True)
-def limited_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(threads_for_tests()))
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("limited_torch_threads")
 
 
 def read_records(run: Path) -> list[dict]:
