@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from backend.jobs.registry import JobRegistry
+from backend.agent.server import FINISHED_SETTLE_S
 from backend.host.procs import PROC
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -133,10 +134,14 @@ def main() -> int:
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--rate", type=float, default=10.0, help="lines per second per file")
     parser.add_argument("--interval", type=float, default=1.0, help="agent tick (1.0 = 1 Hz)")
-    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument(
+        "--warmup", type=float, help="seconds before measuring (default 3; with --finished, FINISHED_SETTLE_S + 5: finished jobs' files settle)"
+    )
     parser.add_argument("--finished", type=int, default=0, help="finished job records in the first agent's registry")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    if args.warmup is None:
+        args.warmup = FINISHED_SETTLE_S + 5 if args.finished else 3.0
 
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
         busy_run, idle_run = Path(tmp) / "busy", Path(tmp) / "idle"

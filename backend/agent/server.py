@@ -69,6 +69,9 @@ BACKLOG_BYTES = 4 << 20
 LIVE_POLL_S = 0.05  # metrics and stages files are checked this often (a stat each when nothing changed)
 QUOTED_CHARS = 80  # a request's value quoted in an error reply (a 3 MB type was echoed whole)
 FINISHED_POLL_S = 1.0  # a finished job's files: a last line written as it exited still arrives within a second
+# ... and once it has been finished this long and a poll found nothing new, its files are settled: not polled or
+# scanned again (the watcher reaped the job's last process before it exited; a host keeps up to FINISHED_KEPT)
+FINISHED_SETTLE_S = 30.0
 PROGRESS_EVERY_S = 0.5
 SIDECAR_SAVE_EVERY_S = 60.0
 SERIES_POINTS_MAX = 4096
@@ -175,6 +178,8 @@ class JobFiles:
         self.saved_at = time.monotonic()
         self.cache: dict[str, Any] = {}  # "signals": (index version, signals)
         self.finished = False  # the job's record is terminal: its files are polled once a FINISHED_POLL_S
+        self.finished_seen: float | None = None  # when this agent first saw the record terminal (monotonic)
+        self.settled = False  # finished FINISHED_SETTLE_S ago and a poll since found nothing: no more polls or scans
         self.polled_at = float("-inf")
 
     @staticmethod
@@ -377,6 +382,8 @@ class Agent:
                 from_end = record.name in self._initial_jobs and files is None
                 self._files[record.name] = files = JobFiles(record, from_end)
             files.finished = record.info.state in TERMINAL
+            if files.finished and files.finished_seen is None:
+                files.finished_seen = time.monotonic()
         for name in set(self._files) - names:
             close_scan(self._files.pop(name).metrics)  # its worker processes, if a cold scan was running
         live_ids = {record.id for record in records}
@@ -398,7 +405,7 @@ class Agent:
         now = time.monotonic()
         for name, files in items:
             if files.finished:  # nothing writes a finished job's files any more but a last straggler: a poll a second
-                if now - files.polled_at < FINISHED_POLL_S:
+                if files.settled or now - files.polled_at < FINISHED_POLL_S:
                     continue
                 files.polled_at = now
             records, start, end = files.metrics.poll_live()
@@ -410,6 +417,9 @@ class Agent:
             stages = files.stages.poll()
             if stages:
                 self.out.send({"type": Event.STAGES, "job": name, "records": stages, "offset": files.stages.offset, "start_offset": stages_start})
+            quiet = end == start and not stages
+            if files.finished and quiet and files.finished_seen is not None and now - files.finished_seen >= FINISHED_SETTLE_S:
+                files.settled = True
 
     def _index_loop(self) -> None:
         """Scan backlogs (files the agent never saw whole) in chunks, report progress, save the sidecars."""
@@ -429,6 +439,8 @@ class Agent:
             for name, files in items:
                 if self.stopping.is_set():
                     return
+                if files.settled and files.metrics.caught_up:
+                    continue  # a finished job's whole file is indexed and nothing writes it any more
                 try:
                     more = backlog_step(files.metrics)  # a large backlog on worker processes, merged on this thread
                 except OSError as exc:
@@ -436,7 +448,8 @@ class Agent:
                     continue
                 busy = busy or more
                 self._report_progress(name, files, done=not more)
-                time.sleep(0.001)  # let request threads take the GIL between chunks
+                if more:
+                    time.sleep(0.001)  # let request threads take the GIL between chunks (not after a file with nothing to do)
             self._save_sidecars()
             if not busy:
                 self.stopping.wait(self.interval)

@@ -180,6 +180,7 @@ class JobRegistry:
         self.db_path = self.run_dir / "jobs.db"
         prepare_db_file(self.db_path)
         self._local = threading.local()
+        self._writes = 0
         self._watchers: dict[int, subprocess.Popen] = {}  # job id -> watcher we spawned (reaped by refresh)
         self._watchers_lock = threading.Lock()
         self._stop_locks = StopLocks()
@@ -250,6 +251,7 @@ class JobRegistry:
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, taken up front (BEGIN IMMEDIATE) so check-then-insert is atomic across processes."""
         db = self._db()
+        self._writes += 1  # a write of this process, which PRAGMA data_version does not count on its own connection
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db
@@ -316,6 +318,7 @@ class JobRegistry:
             conn.close()
             self._local.conn = None
             self._local.read_only = None
+        self._local.settled = None  # a new connection's data_version says nothing about the old one's
 
     @staticmethod
     def _record(row: sqlite3.Row) -> JobRecord:
@@ -362,9 +365,16 @@ class JobRegistry:
                     del self._watchers[job_id]
 
     def refresh(self) -> list[JobRecord]:
-        """Re-check every active job and store what changed; returns the active records."""
+        """Re-check every active job and store what changed; returns the active records.
+
+        When every record is finished (terminal states stick) and jobs.db has not changed since this thread last
+        read it, the records read then are returned again: an idle agent on a host with many finished records
+        reads nothing (PRAGMA data_version counts other connections' commits, self._writes this process's)."""
         self._reap_watchers()
         self._retry_read_write()
+        settled = getattr(self._local, "settled", None)
+        if settled is not None and settled[0] == self._db_version():
+            return list(settled[1])
         records = self._prune_finished(self.active())
         changed = []
         for record in records:
@@ -375,7 +385,14 @@ class JobRegistry:
                 changed.append(record)
         if changed:
             self._try_write("job states", lambda db: self._store_states(db, changed))
+        all_finished = all(record.info.state in TERMINAL for record in records)
+        # not on a read-only fallback: an immutable view never sees another process's commit
+        reusable = all_finished and not changed and getattr(self._local, "read_only", None) is None
+        self._local.settled = (self._db_version(), list(records)) if reusable else None
         return records
+
+    def _db_version(self) -> tuple[int, int]:
+        return self._db().execute("PRAGMA data_version").fetchone()[0], self._writes
 
     def _prune_finished(self, records: list[JobRecord]) -> list[JobRecord]:
         """Archive the oldest finished records beyond FINISHED_KEPT (kept in jobs.db, archived = 1, as a reused name's are).

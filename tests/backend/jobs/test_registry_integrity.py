@@ -293,6 +293,29 @@ def test_an_unknown_request_type_is_quoted_cut_in_the_error(tmp_path):
         agent.wait()
 
 
+def test_an_idle_refresh_reads_nothing_until_jobs_db_changes_and_sees_every_change(registry):
+    """With only finished records, refresh() returns what it read last while jobs.db is unchanged (an idle agent's
+    tick reads nothing); a start by another connection or by this registry, and a stop, are seen at once."""
+    quick = registry.start_job("quick", "other", [PY, "-c", "pass"])
+    wait_for(lambda: registry.get("quick").info.state == "exited", what="the quick job's end")
+    first = registry.refresh()
+    again = registry.refresh()
+    assert [r.name for r in again] == ["quick"] and again[0] is first[0]  # nothing was read again
+    other = JobRegistry(registry.run_dir)  # another connection, as the CLI or a second agent holds
+    try:
+        other.start_job("elsewhere", "other", SLEEP)
+        seen = {r.name: r.info.state for r in registry.refresh()}
+        assert seen == {"quick": "exited", "elsewhere": "running"}
+        registry.stop(["elsewhere"], grace=5)
+        assert {r.name: r.info.state for r in registry.refresh()}["elsewhere"] == "stopped"
+        mine = registry.start_job("mine", "other", [PY, "-c", "pass"])  # this registry's own write
+        assert "mine" in {r.name for r in registry.refresh()}
+        wait_for(lambda: registry.get("mine").info.state == "exited", what="its end")
+    finally:
+        other.close()
+    assert quick.name == "quick" and mine.name == "mine"
+
+
 def test_metrics_lines_and_checkpoint_files_are_private(tmp_path):
     from backend.jsonl import append_record
     from backend.train.fsutil import staging_dir, write_new_file
