@@ -9,6 +9,9 @@
 #                 prepare -> data regenerate (a subset sized to fit) -> our draft and SpecForge v0.3.0's, trained on the
 #                 same data for the same wall-clock budget each (TRAIN_S, SF_S) -> both exported for our engine.
 #                 The agent's cold index runs in the background during prepare/regenerate (timing-free stages). ~450 s.
+#   PHASE=more    carries nothing: resumes our trainer from the checkpoint its SIGTERM wrote for MORE_S more seconds
+#                 (repeat it; set OURS_STEPS in every phase to the whole run's cosine, ~14 a second), then exports
+#                 it again. SpecForge's draft keeps its train-phase budget. ~MORE_S + 60 s.
 #   PHASE=serve   carries nothing. Both drafts decoded in one process (bench_decode_speed.py: held-out ShareGPT and
 #                 HumanEval, 3 and 7 steps, the transformers anchors); headless `eagle3-host stop-and-bench --engine
 #                 reference` of a short training job (our draft, resumed), then `eagle3-host bench --baseline
@@ -39,7 +42,7 @@ DEV=${DEV:-/tmp/dev} DEVICE=${DEVICE:-cuda} PY=${PY:-python3} SITE=${SITE:-/tmp/
 C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
 PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580} LIMIT_SCALE=${LIMIT_SCALE:-1}
 # train phase
-TRAIN_S=${TRAIN_S:-120} SF_S=${SF_S:-120} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa}
+TRAIN_S=${TRAIN_S:-120} SF_S=${SF_S:-120} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa} MORE_S=${MORE_S:-480}
 # the cosine's length for our trainer: ~0.07 s a step at 4 x 1,024 with sdpa (the last e2e run's median step 0.056 s,
 # plus evals); faster, it ends by itself before TRAIN_S; slower, SIGTERM at TRAIN_S cuts the cosine short (ended_by says which)
 OURS_STEPS=${OURS_STEPS:-$((TRAIN_S * 14))}
@@ -204,6 +207,12 @@ if phase == "train":
         cold_index=read("cold_index.json"),
         cold_index_log_tail=read("cold.log", tail=1500),
     )
+if phase == "more":
+    metrics = records("ours/metrics.jsonl")
+    summary.update(
+        ours={**(read("ours_timing.json") or {}), "checkpoint": read("ours/checkpoints/latest"),
+              "val": [m for m in metrics if m.get("split") == "val"]},
+    )
 if phase == "serve":
     chain = records("chain.jsonl")
     summary.update(chain_setup=read("chain_setup.json"), chain_summary=next((r for r in chain if r.get("type") == "summary"), None))
@@ -258,18 +267,24 @@ EOF
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=train
-train_ours() { # setup, then TRAIN_S seconds of steps from the step-0 validation, then SIGTERM (unless done): times to ours_timing.json
+train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of steps from its first metrics line, then SIGTERM
     local pid t_start t_val t_stop t_exit watchdog="" rc=0 how=finished limit_at=$(($(date +%s) + STAGE_LIMIT - 30))
+    local budget=$TRAIN_S resume=() lines0=0 metrics=$DEV/ours/metrics.jsonl
+    if [ "${1:-}" = resume ]; then
+        budget=$MORE_S resume=(--resume latest) lines0=$(wc -l <"$metrics")
+    fi
     t_start=$(date +%s%N)
     setsid "${HOST[@]}" train --profile "$PROFILE" --conversations "$DATA" --out "$DEV/ours" --max-steps "$OURS_STEPS" --attn-backend "$ATTN" \
-        --eval-interval "$EVAL_INTERVAL" --max-val-batches "$VAL_BATCHES" --save-interval 1000000 --log-interval 10 --device "$DEVICE" >"$DEV/ours.log" 2>&1 &
+        --eval-interval "$EVAL_INTERVAL" --max-val-batches "$VAL_BATCHES" --save-interval 1000000 --log-interval 10 --device "$DEVICE" \
+        ${resume[@]+"${resume[@]}"} >>"$DEV/ours.log" 2>&1 &
     pid=$!
-    until grep -q '"split": *"val"' "$DEV/ours/metrics.jsonl" 2>/dev/null || ! kill -0 "$pid" 2>/dev/null || [ "$(date +%s)" -ge "$limit_at" ]; do
+    # the first new metrics line: the step-0 validation of a fresh run, the first logged step of a resumed one
+    until [ "$(wc -l <"$metrics" 2>/dev/null || echo 0)" -gt "$lines0" ] || ! kill -0 "$pid" 2>/dev/null || [ "$(date +%s)" -ge "$limit_at" ]; do
         sleep 0.2
     done
     t_val=$(date +%s%N)
-    echo "our trainer: step-0 validation after $(((t_val - t_start) / 1000000)) ms (setup and the validation)"
-    while kill -0 "$pid" 2>/dev/null && [ $(($(date +%s%N) - t_val)) -lt $((TRAIN_S * 1000000000)) ] && [ "$(date +%s)" -lt "$limit_at" ]; do
+    echo "our trainer: its first metrics line after $(((t_val - t_start) / 1000000)) ms (setup, then the step-0 validation or the resume)"
+    while kill -0 "$pid" 2>/dev/null && [ $(($(date +%s%N) - t_val)) -lt $((budget * 1000000000)) ] && [ "$(date +%s)" -lt "$limit_at" ]; do
         sleep 0.2
     done
     t_stop=$(date +%s%N)
@@ -282,10 +297,12 @@ train_ours() { # setup, then TRAIN_S seconds of steps from the step-0 validation
     wait "$pid" || rc=$?
     t_exit=$(date +%s%N)
     [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null
-    printf '{"setup_and_step0_val_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "attn_backend": "%s"}\n' \
-        "$(((t_val - t_start) / 1000000))e-3" "$(((t_stop - t_val) / 1000000))e-3" "$how" "$(((t_exit - t_stop) / 1000000))e-3" "$rc" "$OURS_STEPS" "$ATTN" |
-        tee "$DEV/ours_timing.json"
+    printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "attn_backend": "%s", "resumed": %s}\n' \
+        "$(((t_val - t_start) / 1000000))e-3" "$(((t_stop - t_val) / 1000000))e-3" "$how" "$(((t_exit - t_stop) / 1000000))e-3" "$rc" "$OURS_STEPS" "$ATTN" \
+        "$([ -n "${resume[*]:-}" ] && echo true || echo false)" | tee "$DEV/ours_timing.json"
+    [ -n "${resume[*]:-}" ] && cat "$DEV/ours_timing.json" >>"$DEV/ours_timings.jsonl"
     tail -5 "$DEV/ours.log"
+    rm -rf "$DEV/ours_draft"
     "${HOST[@]}" export "$DEV/ours" "$DEV/ours_draft"
 }
 
@@ -324,6 +341,16 @@ phase_train() {
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
     cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
     cp "$DEV/sf/metrics.jsonl" "$OUT/specforge_metrics.jsonl" 2>/dev/null
+}
+
+# ------------------------------------------------------------------------------------------------ PHASE=more
+phase_more() {
+    [ -f "$DEV/ours/checkpoints/latest" ] && [ -f "$DEV/data.json" ] ||
+        die "the train phase's state is gone from $DEV (was the machine still warm?): start again from PHASE=carry1"
+    DATA=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json")
+    stage train_more $((MORE_S + 60)) $((MORE_S + 150)) train_ours resume
+    cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
+    cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=serve
@@ -382,8 +409,9 @@ note "phase $PHASE on $DEVICE (profile $PROFILE, state in $DEV)"
 case "$PHASE" in
 carry1) phase_carry1 ;;
 train) phase_train ;;
+more) phase_more ;;
 serve) phase_serve ;;
-*) die "unknown PHASE (carry1, train or serve)" ;;
+*) die "unknown PHASE (carry1, train, more or serve)" ;;
 esac
 summarize "$PHASE"
 failed=$(awk -F'\t' '$3 != 0 {print $1}' "$TIMES" | tr '\n' ' ')
