@@ -68,6 +68,7 @@ def check_stop_seconds(**values: float) -> None:
 def preview(plans: list[JobPlan], foreign_holders: list[dict] | None = None) -> StopPlan:
     """What stop would do with these plans, computed without signalling anything."""
     states = {t.pid: _process_state(t) for plan in plans for t in plan.targets}
+    blockers = [_checkpoint_blocker(plan, states) for plan in plans if plan.record.info.kind == "train"]
     return StopPlan(
         jobs=[plan.record.name for plan in plans],
         will_signal=[
@@ -77,8 +78,8 @@ def preview(plans: list[JobPlan], foreign_holders: list[dict] | None = None) -> 
         ],
         stale=[{"job": plan.record.name, "pid": plan.record.info.pid, "reason": plan.stale_reason} for plan in plans if plan.stale_reason],
         foreign_gpu_holders=foreign_holders or [],
-        checkpoint_first=any(plan.record.info.kind == "train" and _can_checkpoint(plan, states) for plan in plans),
-        checkpoint_note="; ".join(_no_checkpoint_reason(plan) for plan in plans if plan.record.info.kind == "train" and not _can_checkpoint(plan, states)),
+        checkpoint_first=any(blocker is None for blocker in blockers),
+        checkpoint_note="; ".join(blocker for blocker in blockers if blocker),
     )
 
 
@@ -90,19 +91,18 @@ def _process_state(target: Target) -> str:
     return stat.state
 
 
-def _no_checkpoint_reason(plan: JobPlan) -> str:
-    if not plan.targets:
-        return f"{plan.record.name} has no process left to signal"
-    return (
-        f"{plan.record.name}'s leader is stopped by a debugger: its SIGTERM stays pending until the debugger lets it go, "
-        "so it writes no checkpoint and gets SIGKILL after the grace"
-    )
-
-
-def _can_checkpoint(plan: JobPlan, states: dict[int, str]) -> bool:
-    """A training job checkpoints on SIGTERM unless its leader is held by a debugger (a SIGSTOPped one is continued)."""
+def _checkpoint_blocker(plan: JobPlan, states: dict[int, str]) -> str | None:
+    """Why this training job writes no checkpoint on SIGTERM, or None when it does (a SIGSTOPped leader is continued;
+    one held by a debugger keeps its SIGTERM pending)."""
     leaders = [t for t in plan.targets if t.role == "leader"] or plan.targets
-    return bool(leaders) and not any(states.get(t.pid) == "t" for t in leaders)
+    if not leaders:
+        return f"{plan.record.name} has no process left to signal"
+    if any(states.get(t.pid) == "t" for t in leaders):
+        return (
+            f"{plan.record.name}'s leader is stopped by a debugger: its SIGTERM stays pending until the debugger lets it go, "
+            "so it writes no checkpoint and gets SIGKILL after the grace"
+        )
+    return None
 
 
 # ---------------------------------------------------------------- the stop
