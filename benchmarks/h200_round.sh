@@ -4,14 +4,18 @@
 #
 #   PHASE=carry1  carry .h200-carry1: the GGUF's first half to $DEV, the wheels the image lacks into $SITE, SpecForge
 #                 v0.3.0's source to $DEV; then imports everything the later phases import (a missing package shows
-#                 here, not 5 minutes into training). ~15 s.
+#                 here, not 5 minutes into training), and times `data regenerate`'s batched generation against
+#                 transformers' generate on a random model of the target's shape (bench_regenerate.py): the batch size
+#                 with the most answer tokens/s is the train phase's REGEN_BATCH. ~90 s.
 #   PHASE=train   carry .h200-carry2: the GGUF's second half, the ShareGPT `data prepare` dir, HumanEval. target
-#                 prepare -> data regenerate (a subset sized to fit) -> our draft and SpecForge v0.3.0's, trained on the
+#                 prepare -> data regenerate for REGEN_S seconds (--max-seconds: the val split first, then as many train
+#                 conversations as fit) -> our draft and SpecForge v0.3.0's, trained on the
 #                 same data for the same wall-clock budget each (TRAIN_S, SF_S) -> both exported for our engine.
 #                 The agent's cold index runs in the background during prepare/regenerate (timing-free stages). ~450 s.
 #   PHASE=more    carries nothing: resumes our trainer from the checkpoint its SIGTERM wrote for MORE_S more seconds
 #                 (repeat it; set OURS_STEPS in every phase to the whole run's cosine, ~14 a second), then exports
-#                 it again. SpecForge's draft keeps its train-phase budget. ~MORE_S + 60 s.
+#                 it again. SpecForge's draft keeps its train-phase budget; our train-phase draft is kept beside it
+#                 (ours_draft_at_train_s: the equal-time comparison). ~MORE_S + 60 s.
 #   PHASE=serve   carries nothing. Both drafts decoded in one process (bench_decode_speed.py: held-out ShareGPT and
 #                 HumanEval, 3 and 7 steps, the transformers anchors); headless `eagle3-host stop-and-bench --engine
 #                 reference` of a short training job (our draft, resumed), then `eagle3-host bench --baseline
@@ -35,6 +39,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
     : "${REGEN_LIMIT:=3}" "${REGEN_VAL:=1}" "${REGEN_BATCH:=4}" "${REGEN_NEW:=4}" "${REGEN_PROMPT:=64}" "${REGEN_S:=400}" "${COLD_MIB:=8}"
     : "${NUM_PROMPTS:=1}" "${MAX_NEW:=4}" "${PROMPT_TOKENS:=32}" "${CHAIN_PROMPTS:=1}" "${CHAIN_NEW:=4}" "${BENCH_PROMPTS:=1}"
     : "${BENCH_NEW:=4}" "${REAL_STEPS:=1}" "${REAL_WARMUP:=1}" "${PHASE_S:=5000}" "${HARD_S:=6000}"
+    : "${REGEN_BENCH_BATCHES:=2 4}" "${REGEN_BENCH_EXTRA:=--dtype float32 --layers 2 --new-tokens 4 --prompt-tokens 48}"
     : "${LIMIT_SCALE:=5}" # stage limits are sized for the H200; a shared 2-core machine runs the CPU stages 2-3x slower at load 5
     export PEER_SPECFORGE_VENV=${PEER_SPECFORGE_VENV:-/tmp/h200-build/peer-venv} # SpecForge's triton loss, interpreted
 fi
@@ -42,18 +47,26 @@ DEV=${DEV:-/tmp/dev} DEVICE=${DEVICE:-cuda} PY=${PY:-python3} SITE=${SITE:-/tmp/
 C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
 PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580} LIMIT_SCALE=${LIMIT_SCALE:-1}
 # train phase
-TRAIN_S=${TRAIN_S:-120} SF_S=${SF_S:-120} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa} MORE_S=${MORE_S:-480}
+TRAIN_S=${TRAIN_S:-100} SF_S=${SF_S:-100} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa} MORE_S=${MORE_S:-360}
 # the cosine's length for our trainer: ~0.07 s a step at 4 x 1,024 with sdpa (the last e2e run's median step 0.056 s,
 # plus evals); faster, it ends by itself before TRAIN_S; slower, SIGTERM at TRAIN_S cuts the cosine short (ended_by says which)
-OURS_STEPS=${OURS_STEPS:-$((TRAIN_S * 14))}
+[ -n "${OURS_STEPS:-}" ] && OURS_STEPS_GIVEN=1
+OURS_STEPS=${OURS_STEPS:-$(((TRAIN_S + MORE_S) * 14))} # PHASE=more re-fits it to the measured rate unless given
 EVAL_INTERVAL=${EVAL_INTERVAL:-200} VAL_BATCHES=${VAL_BATCHES:-16} SF_VAL=${SF_VAL:-64}
-# 2026-12-02: 512 + 32 conversations reached 531 of 544 in 106 s and were cut at 130 s (the last batch's long answers): 150 s now
-REGEN_LIMIT=${REGEN_LIMIT:-512} REGEN_VAL=${REGEN_VAL:-32} REGEN_BATCH=${REGEN_BATCH:-256} REGEN_NEW=${REGEN_NEW:-160}
-REGEN_PROMPT=${REGEN_PROMPT:-384} REGEN_S=${REGEN_S:-150} COLD_MIB=${COLD_MIB:-1024} COLD_S=${COLD_S:-150}
+# 2026-12-02: 512 + 32 conversations reached 531 of 544 in 106 s and were cut at 130 s, so nothing was regenerated.
+# Now a time budget: `data regenerate --max-seconds REGEN_S` finalizes what it did (val first), whatever the limit.
+# REGEN_BATCH: carry1's measured best (bench_regenerate.py --choose), else 256.
+REGEN_LIMIT=${REGEN_LIMIT:-4000} REGEN_VAL=${REGEN_VAL:-64} REGEN_BATCH=${REGEN_BATCH:-} REGEN_NEW=${REGEN_NEW:-160}
+REGEN_PROMPT=${REGEN_PROMPT:-384} REGEN_S=${REGEN_S:-120} COLD_MIB=${COLD_MIB:-1024} COLD_S=${COLD_S:-150}
+REGEN_BENCH_BATCHES=${REGEN_BENCH_BATCHES:-256 512 1024 2048}
 # serve phase
 NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
 CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-10} BENCH_NEW=${BENCH_NEW:-128}
 REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30}
+# serve stages beyond `decode`: COMPILED (our final draft, 3 steps, graphs + torch.compile, with its plain row), CHAIN
+# (stop-and-bench + per-set HTTP bench), REAL (real vs fixed-length steps); 0 skips one (each was measured on 2026-12-02)
+COMPILED=${COMPILED:-1} CHAIN=${CHAIN:-1} REAL=${REAL:-0}
+REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
 
 START=$(date +%s)
 mkdir -p "$OUT" "$DEV"
@@ -264,6 +277,9 @@ found.update(torch=torch.__version__, cuda=torch.cuda.is_available(),
 (dev / "imports.json").write_text(json.dumps(found, indent=1) + "\n")
 print(json.dumps(found, indent=1))
 EOF
+    # shellcheck disable=SC2086 # word lists on purpose
+    stage regen_bench 90 170 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" --batch $REGEN_BENCH_BATCHES \
+        --profile-batch "${REGEN_BENCH_BATCHES%% *}" --choose "$DEV/regen_batch.json" --out "$OUT/regen_bench.json" $REGEN_BENCH_EXTRA
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=train
@@ -319,13 +335,21 @@ phase_train() {
     local cold=$! regen_rc
     stage prepare 45 150 "${HOST[@]}" target prepare smollm2-135m-instruct --gguf "$DEV/smol.gguf" || die "target prepare failed: nothing to train"
     MODEL_DIR=$(model_dir)
-    stage regenerate 100 "$REGEN_S" "${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" --limit "$REGEN_LIMIT" \
-        --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" --device "$DEVICE"
+    [ -n "$REGEN_BATCH" ] || REGEN_BATCH=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["batch_size"])' "$DEV/regen_batch.json" 2>/dev/null || echo 256)
+    stage regenerate $((REGEN_S + 45)) $((REGEN_S + 120)) "${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" \
+        --limit "$REGEN_LIMIT" --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" \
+        --max-seconds "$REGEN_S" --device "$DEVICE"
     regen_rc=$?
-    if [ "$regen_rc" -eq 0 ] && grep -q '"complete": *true' "$DEV/regen/regenerate.json" 2>/dev/null; then
+    if [ "$regen_rc" -eq 0 ] && grep -q '"finalized": *true' "$DEV/regen/regenerate.json" 2>/dev/null; then
         DATA=$DEV/regen
-        printf '{"dir": "%s", "regenerated": true, "note": "the target'"'"'s own answers (data regenerate, %s train + %s val conversations)"}\n' \
-            "$DATA" "$REGEN_LIMIT" "$REGEN_VAL" >"$DEV/data.json"
+        "$PY" - "$DEV/regen/regenerate.json" "$DATA" "$REGEN_BATCH" "$REGEN_S" >"$DEV/data.json" <<'EOF'
+import json, sys
+meta, data, batch, seconds = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3], sys.argv[4]
+counts = meta["counts"]
+note = (f"the target's own answers (data regenerate, batch {batch}, --max-seconds {seconds}): {counts['train']} train + {counts['val']} val "
+        f"conversations of {counts['total']} asked ({'complete' if meta['complete'] else 'cut by the time budget'})")
+print(json.dumps({"dir": data, "regenerated": True, "counts": counts, "runs": meta["runs"], "note": note}))
+EOF
     else
         DATA=$DEV/sgdev
         printf '{"dir": "%s", "regenerated": false, "note": "NOT REGENERATED: data regenerate exited %s (incomplete); both drafts train on ShareGPT'"'"'s own (ChatGPT) answers"}\n' \
@@ -348,6 +372,21 @@ phase_more() {
     [ -f "$DEV/ours/checkpoints/latest" ] && [ -f "$DEV/data.json" ] ||
         die "the train phase's state is gone from $DEV (was the machine still warm?): start again from PHASE=carry1"
     DATA=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json")
+    [ -d "$DEV/ours_draft_at_train_s" ] || cp -r "$DEV/ours_draft" "$DEV/ours_draft_at_train_s" # the equal-time draft, served beside SpecForge's
+    if [ -z "${OURS_STEPS_GIVEN:-}" ]; then # the cosine ends where this phase's steps will: the last step plus the measured rate x MORE_S
+        OURS_STEPS=$("$PY" - "$DEV/ours/metrics.jsonl" "$MORE_S" "$OURS_STEPS" <<'EOF'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if '"split": "train"' in l or '"split":"train"' in l]
+if len(lines) < 2:
+    print(sys.argv[3])
+else:
+    first, last = lines[len(lines) // 2], lines[-1]  # the later half: warm, evals included
+    rate = (last["step"] - first["step"]) / max(1e-6, last["time"] - first["time"])
+    print(int(last["step"] + 0.97 * rate * float(sys.argv[2])))
+EOF
+)
+        note "more: cosine to step $OURS_STEPS (the measured steps a second x MORE_S $MORE_S past the last step)"
+    fi
     stage train_more $((MORE_S + 60)) $((MORE_S + 150)) train_ours resume
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
     cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
@@ -390,6 +429,7 @@ phase_serve() {
     DATA=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json")
     MODEL_DIR=$(model_dir)
     local drafts=(--draft "$DEV/ours_draft")
+    [ -d "$DEV/ours_draft_at_train_s" ] && drafts+=(--draft "ours${TRAIN_S}s=$DEV/ours_draft_at_train_s")
     if [ -d "$DEV/sf/draft" ]; then
         drafts+=(--draft "specforge=$DEV/sf/draft")
     else
@@ -398,8 +438,11 @@ phase_serve() {
     stage decode 200 330 "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" "${drafts[@]}" --prompts "$DEV/sgdev/eval.jsonl" \
         --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 7 \
         --anchor-prompts "$ANCHORS" --out "$OUT/decode.json"
-    stage chain 150 240 chain
-    stage real_steps 100 150 "$PY" benchmarks/bench_real_steps.py --profile "$PROFILE" --data "$DATA" --device "$DEVICE" --attn-backend "$ATTN" \
+    [ "$COMPILED" = 1 ] && stage decode_compiled 150 240 "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" \
+        --draft "$DEV/ours_draft" --prompts "$DEV/sgdev/eval.jsonl" --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" \
+        --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 --compile --no-hf --no-fp32-check --out "$OUT/decode_compiled.json"
+    [ "$CHAIN" = 1 ] && stage chain 150 240 chain
+    [ "$REAL" = 1 ] && stage real_steps 100 150 "$PY" benchmarks/bench_real_steps.py --profile "$PROFILE" --data "$DATA" --device "$DEVICE" --attn-backend "$ATTN" \
         --steps "$REAL_STEPS" --warmup "$REAL_WARMUP" --out "$OUT/real_steps.json"
 }
 

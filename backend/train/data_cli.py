@@ -82,6 +82,12 @@ def _register_regenerate(commands, parent) -> None:
     command.add_argument("--limit", type=int, metavar="N", help="regenerate the first N train conversations only")
     command.add_argument("--val-limit", type=int, metavar="N", help="regenerate the first N val conversations only")
     command.add_argument("--chat-template", metavar="NAME|FILE", help="chatml, llama3, qwen or a Jinja file (default: the tokenizer's own)")
+    command.add_argument(
+        "--max-seconds",
+        type=float,
+        metavar="S",
+        help="start no answer after S seconds; what is done is written as usable data (the val split comes first) and the same command resumes the rest",
+    )
     command.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present)")
     command.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="target dtype (default: the profile's)")
     command.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (see `train --help`)")
@@ -97,6 +103,8 @@ def _regenerate_command(args) -> int:
         profile = load_profile(args.profile)
         if args.limit is not None and args.limit <= 0 or args.val_limit is not None and args.val_limit < 0:
             raise DataError("--limit must be > 0 and --val-limit >= 0. Nothing was written.")
+        if args.max_seconds is not None and args.max_seconds <= 0:
+            raise DataError(f"--max-seconds {args.max_seconds:g}: expected a positive number of seconds. Nothing was written.")
         source_identity(args.input.expanduser())  # refuse a wrong --input before the target loads
         chosen = chat_preflight(profile, args.chat_template, trust_remote_code=profile.serve.trust_remote_code)
         apply_threads(args.threads)
@@ -118,6 +126,7 @@ def _regenerate_command(args) -> int:
             max_prompt_tokens=args.max_prompt_tokens or profile.train.seq_len,
             limit=args.limit,
             val_limit=args.val_limit,
+            max_seconds=args.max_seconds,
         )
         regenerate(target, settings, chosen.name if chosen else "tokenizer", template, dtype, device)
     except (DataError, ProfileError, TargetMismatchError) as exc:

@@ -83,7 +83,7 @@ def regenerated_meta_for(path: str | os.PathLike) -> tuple[dict, Path] | None:
         raise DataError(f"{meta_path}: unreadable ({exc}); regenerate again") from None
     if meta.get("format") != REGENERATE_FORMAT:
         raise DataError(f"{meta_path}: format {meta.get('format')!r}, expected {REGENERATE_FORMAT!r}")
-    if not meta.get("complete"):
+    if not meta.get("complete") and not meta.get("finalized"):
         raise DataError(
             f"{directory} is a regeneration that has not finished ({meta.get('counts', {}).get('done', 0)} conversations so far); "
             "run the same `data regenerate` command again to resume it (nothing was trained)"
@@ -317,8 +317,9 @@ class Job:
 
 
 def source_jobs(source: Path, limits: dict[str, int | None], seed: int) -> Iterator[Job]:
-    """Every conversation of the prepare dir's splits, in file order (val after train), keyed by split and line."""
-    for split in SPLITS:
+    """Every conversation of the prepare dir's splits, in file order, the (small) val split first so that a run cut
+    by --max-seconds still has a validation split; keyed by split and line."""
+    for split in sorted(SPLITS, key=lambda name: name != "val"):
         limit = limits.get(split)
         if limit == 0:
             continue
@@ -341,6 +342,7 @@ class RegenerateSettings:
     limit: int | None = None
     val_limit: int | None = None
     progress_seconds: float = 10.0
+    max_seconds: float | None = None  # no new answer is started after this; what is done is finalized (a run control, not identity)
 
 
 def source_identity(source: Path) -> dict:
@@ -432,9 +434,10 @@ class _OutLock:
             self.handle.close()
 
 
-def _finalize(out: Path, source: Path, meta: dict, order: list[str]) -> None:
+def _finalize(out: Path, source: Path, meta: dict, order: list[str], complete: bool = True) -> None:
     """Rewrite each split in source order (so equal settings give equal files, however the work was batched or
-    interrupted), copy the eval prompts, and mark the dir complete (last)."""
+    interrupted), copy the eval prompts, and mark the dir finalized, and complete when no conversation is pending (last).
+    A finalized, incomplete dir (cut by --max-seconds) is readable data; the same command resumes and re-finalizes it."""
 
     position = {key: i for i, key in enumerate(order)}
     counts: dict[str, int] = {}
@@ -447,7 +450,8 @@ def _finalize(out: Path, source: Path, meta: dict, order: list[str]) -> None:
     if eval_file.is_file():
         write_atomic(out / SPLIT_FILES["eval"], eval_file.read_bytes(), mode=PRIVATE_FILE)
     meta["counts"] |= counts | {"skipped": len(read_done_lines(out / SKIPPED_FILE))}
-    meta["complete"] = True
+    meta["complete"] = complete
+    meta["finalized"] = True
     meta["splits"] = {split: {"file": SPLIT_FILES[split], "count": counts[split], "sha256": file_sha256(out / SPLIT_FILES[split])} for split in SPLITS}
     _write_meta(out, meta)
 
@@ -511,7 +515,13 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
         try:
             queue = iter(pending)
             active: list[tuple[Job, list[int]]] = []
+            deadline = None if settings.max_seconds is None else started + settings.max_seconds
             while True:
+                if deadline is not None and time.monotonic() >= deadline:
+                    for job, _prompt in active:  # each has an answer; its later turns are not started
+                        job.cut = f"--max-seconds {settings.max_seconds:g} reached"
+                        finish(job)
+                    break
                 while len(active) < settings.batch_size:
                     job = next(queue, None)
                     if job is None:
@@ -549,9 +559,11 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
             ]
             meta["counts"] = {"done": finished, "total": len(jobs)}
             _write_meta(out, meta)
-        _finalize(out, source, meta, order)
+        left = len(jobs) - finished
+        _finalize(out, source, meta, order, complete=left == 0)
         log(
             f"regenerate: wrote {out}: train {meta['counts']['train']}, val {meta['counts']['val']}, skipped {meta['counts']['skipped']} "
             f"({generated} tokens in {time.monotonic() - started:.1f} s)"
+            + (f"; --max-seconds {settings.max_seconds:g} reached with {left} conversations not started: the same command does them" if left else "")
         )
         return meta

@@ -197,6 +197,7 @@ def test_a_killed_regeneration_resumes_without_losing_or_repeating_a_conversatio
     first.wait()
     written = read_done_lines(out / "train.jsonl")
     assert 3 <= len(written) < reference_train(world) and not json.loads((out / "regenerate.json").read_text())["complete"]
+    written += read_done_lines(out / "val.jsonl")  # the val split goes first
     with open(out / "train.jsonl", "ab") as handle:  # what a kill in the middle of a write would leave
         handle.write(b'{"key": "train:15", "id": "c2')
     refused = subprocess.run(
@@ -218,6 +219,45 @@ def test_a_killed_regeneration_resumes_without_losing_or_repeating_a_conversatio
         assert (out / f"{split}.jsonl").read_bytes() == (tmp_path / "reference" / f"{split}.jsonl").read_bytes()
     meta = json.loads((out / "regenerate.json").read_text())
     assert meta["complete"] and meta["counts"]["done"] == COUNT and meta["runs"][-1]["conversations"] == COUNT - len(written)
+
+
+def test_a_time_budget_finalizes_what_is_done_and_the_same_command_resumes_the_rest(world, tmp_path, monkeypatch):
+    """--max-seconds: the val split goes first, conversations in flight end at their current answer, none is started
+    after the budget; the output is readable data, and a run without the budget does the rest with no key twice."""
+    import backend.train.regenerate as module
+
+    real = module.generate_batch
+
+    def slow(*args, **kwargs):  # each batch outlasts the budget, so the cut comes after the first one
+        result = real(*args, **kwargs)
+        time.sleep(0.3)
+        return result
+
+    monkeypatch.setattr(module, "generate_batch", slow)
+    out = tmp_path / "out"
+    settings = RegenerateSettings(world["prep"], out, Sampling(max_new_tokens=12), batch_size=6, progress_seconds=0, max_seconds=0.2)
+    meta = regenerate(world["target"], settings, "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
+    assert meta["finalized"] and not meta["complete"] and meta["counts"]["done"] == 6
+    first_val, first_train = rows(out, "val"), rows(out, "train")
+    val_count = json.loads((world["prep"] / "prepare.json").read_text())["splits"]["val"]["count"]
+    assert 0 < val_count < 6 and len(first_val) == val_count and len(first_train) == 6 - val_count  # val first: a cut run still validates
+    cut = [r for r in first_val + first_train if "cut" in r]
+    assert cut and all(r["cut"] == "--max-seconds 0.2 reached" and len(r["answer_tokens"]) == 1 for r in cut)
+    target = world["target"]
+    splits = conversation_samples(target.tokenizer, out, 256, target=target, cache_dir=tmp_path / "cache")
+    assert splits["val"] and splits["train"]
+    monkeypatch.setattr(module, "generate_batch", real)
+    import dataclasses
+
+    meta = regenerate(world["target"], dataclasses.replace(settings, max_seconds=None), "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
+    assert meta["complete"] and meta["counts"]["done"] == COUNT and meta["runs"][-1]["conversations"] == COUNT - 6
+    reference = run_regenerate(world, tmp_path / "reference", batch_size=6)
+    for split in ("train", "val"):
+        mine, theirs = rows(out, split), rows(tmp_path / "reference", split)
+        assert [r["key"] for r in mine] == [r["key"] for r in theirs]  # every conversation once, in source order
+        cut_keys = {r["key"] for r in cut}
+        assert [r for r in mine if r["key"] not in cut_keys] == [r for r in theirs if r["key"] not in cut_keys]
+    assert reference["complete"]
 
 
 def test_train_and_extract_read_a_regeneration_and_refuse_another_targets(world, tmp_path, capfd):

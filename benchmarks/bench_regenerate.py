@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Answer throughput of `data regenerate`'s batched generation (regenerate.generate_batch) against transformers'
+own `generate`, at several batch sizes, on one device, in one process.
+
+The model is a randomly initialised Llama of the profile's target shape (hidden, layers, heads, vocabulary from the
+profile), so the numbers need no weights and no tokenizer: decode speed does not depend on the weights' values. Every
+row of a batch gets a random prompt of 100..--prompt-tokens ids (left-padded, as regeneration pads them) and answers
+--new-tokens ids greedily with no stop token, so no row leaves early: the figure is the per-step cost at that batch.
+
+Per batch size: prefill seconds (a 1-token call), seconds per decode step and answer tokens/s for ours, and the
+same for transformers' `generate` (greedy, the same prompts and padding) as the peer measured in the same run, their
+ratio, and the GPU memory peak. --profile-batch adds a torch.profiler table of the top operators for one call.
+--choose FILE writes {"batch_size": B} for the batch size with the most tokens/s (h200_round.sh's train phase reads it).
+
+  H200:  python benchmarks/bench_regenerate.py --profile smollm2-135m --device cuda --batch 256 512 1024 --out r.json
+  CPU:   python benchmarks/bench_regenerate.py --profile smollm2-135m --device cpu --batch 2 4 --new-tokens 4 \
+             --prompt-tokens 48 --layers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def random_target(profile, device: str, dtype: str, layers: int | None):
+    """A target-shaped Llama with random weights, wrapped as generate_batch reads a target (model, device, pad id, cache arg)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from backend.train.target import _cache_kwarg
+
+    target, draft = profile.target, profile.draft
+    config = LlamaConfig(
+        vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
+        num_hidden_layers=layers or target.num_layers,
+        num_attention_heads=draft.num_attention_heads,  # the shipped draft copies its target's attention shape
+        num_key_value_heads=draft.num_key_value_heads,
+        head_dim=draft.head_dim,
+        intermediate_size=draft.intermediate_size,
+        rope_theta=draft.rope_theta,
+        max_position_embeddings=draft.max_position_embeddings,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device=device, dtype=getattr(torch, dtype)).eval()
+    return SimpleNamespace(model=model, device=torch.device(device), tokenizer=SimpleNamespace(pad_token_id=0), _cache_kwarg=_cache_kwarg(model))
+
+
+def prompts_for(batch: int, vocab: int, longest: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(min(100, longest), longest))] for _ in range(batch)]
+
+
+def timed(device, call) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def ours(target, prompts, new_tokens: int) -> None:
+    from backend.train.regenerate import Sampling, generate_batch
+
+    rngs = [random.Random(i) for i in range(len(prompts))]
+    answers = generate_batch(target, prompts, rngs, Sampling(max_new_tokens=new_tokens), stop_ids=set())
+    assert all(len(ids) == new_tokens for ids, _ in answers), "a row stopped early: the timing would not be per full step"
+
+
+def theirs(target, prompts, new_tokens: int) -> None:
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=target.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
+    with torch.no_grad():
+        target.model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+
+
+def measure(target, batch: int, args) -> dict:
+    import torch
+
+    prompts = prompts_for(batch, target.model.config.vocab_size, args.prompt_tokens, seed=batch)
+    row: dict = {"batch": batch, "prompt_tokens_mean": sum(map(len, prompts)) / batch}
+    for name, call in (("ours", ours), ("transformers_generate", theirs)):
+        call(target, prompts[: min(batch, 8)], 2)  # warm-up: kernels and allocator
+        if target.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            prefill = min(timed(target.device, lambda: call(target, prompts, 1)) for _ in range(2))
+            whole = timed(target.device, lambda: call(target, prompts, args.new_tokens))
+        except torch.OutOfMemoryError as exc:
+            row[name] = {"error": f"out of memory: {str(exc)[:200]}"}
+            print(f"batch {batch:5d} {name:22s} out of memory", flush=True)
+            continue
+        step = (whole - prefill) / (args.new_tokens - 1)
+        row[name] = {
+            "prefill_s": round(prefill, 4),
+            "call_s": round(whole, 3),
+            "step_ms": round(1000 * step, 3),
+            "answer_tokens_per_s": round(batch / step, 1),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if target.device.type == "cuda" else None,
+        }
+        print(f"batch {batch:5d} {name:22s} prefill {prefill:6.3f} s  step {1000 * step:7.2f} ms  {batch / step:9.0f} tok/s", flush=True)
+    if all("answer_tokens_per_s" in row[name] for name in ("ours", "transformers_generate")):
+        row["ours_over_transformers"] = round(row["ours"]["answer_tokens_per_s"] / row["transformers_generate"]["answer_tokens_per_s"], 3)
+    return row
+
+
+def profile_table(target, batch: int, args) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = prompts_for(batch, target.model.config.vocab_size, args.prompt_tokens, seed=batch)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if target.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        ours(target, prompts, min(args.new_tokens, 16))
+    key = "self_cuda_time_total" if target.device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", default="smollm2-135m")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--prompt-tokens", type=int, default=384, help="longest prompt (rows draw 100..N)")
+    parser.add_argument("--layers", type=int, help="fewer layers than the profile's (a quick CPU check)")
+    parser.add_argument("--profile-batch", type=int, help="also profile one call at this batch size")
+    parser.add_argument("--choose", type=Path, help='write {"batch_size": B} (the most tokens/s) here')
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2 (one step is timed against the 1-token prefill)")
+    import torch
+
+    from backend.profiles import load_profile
+
+    profile = load_profile(args.profile)
+    target = random_target(profile, args.device, args.dtype, args.layers)
+    result: dict = {
+        "bench": "regenerate",
+        "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+        "profile": profile.name,
+        "dtype": args.dtype,
+        "layers": target.model.config.num_hidden_layers,
+        "new_tokens": args.new_tokens,
+        "rows": [],
+    }
+    for batch in args.batch:
+        result["rows"].append(measure(target, batch, args))
+    measured = [r for r in result["rows"] if "answer_tokens_per_s" in r["ours"]]
+    if measured:
+        best = max(measured, key=lambda r: r["ours"]["answer_tokens_per_s"])
+        result["best_batch"] = best["batch"]
+        if args.choose:
+            args.choose.write_text(json.dumps({"batch_size": best["batch"]}) + "\n")
+    if args.profile_batch:
+        result["profile_table"] = profile_table(target, args.profile_batch, args)
+        print(result["profile_table"])
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
