@@ -518,9 +518,9 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
             deadline = None if settings.max_seconds is None else started + settings.max_seconds
             while True:
                 if deadline is not None and time.monotonic() >= deadline:
-                    for job, _prompt in active:  # each has an answer; its later turns are not started
-                        job.cut = f"--max-seconds {settings.max_seconds:g} reached"
-                        finish(job)
+                    for cut, _prompt in active:  # each has an answer; its later turns are not started
+                        cut.cut = f"--max-seconds {settings.max_seconds:g} reached"
+                        finish(cut)
                     break
                 while len(active) < settings.batch_size:
                     job = next(queue, None)
