@@ -391,6 +391,8 @@ def print_summary(report: dict) -> None:
             detail = f"decode {parts['decode_ms']:.3f} host {parts['host_ms']:.3f}"
         else:
             detail = ""
+        if parts.get("prefill_ms"):
+            detail += f" prefill {parts['prefill_ms']:.2f}"
         print(f"{prefix + row['name']:42} {row['tok_s']:9.1f} {speedup:>8} {row['fraction_of_bandwidth_bound']:7.3f} {accept:>7}  {detail}")
     for name, value in report["checks"].items():
         print(f"check {name}: {json.dumps(value)}")

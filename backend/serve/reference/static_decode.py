@@ -253,6 +253,7 @@ class StepTimes:
     draft: list[float] = field(default_factory=list)
     verify: list[float] = field(default_factory=list)
     decode: list[float] = field(default_factory=list)
+    prefill: list[float] = field(default_factory=list)  # per request: the prompt through the target (and the draft), to the first token
     round_wall: list[float] = field(default_factory=list)
     pending: list[tuple[str, Any, Any]] = field(default_factory=list)
 
@@ -268,6 +269,7 @@ class StepTimes:
             "draft_ms": mean_ms(self.draft),
             "verify_ms": mean_ms(self.verify),
             "decode_ms": mean_ms(self.decode),
+            "prefill_ms": mean_ms(self.prefill),
             "round_wall_ms": mean_ms(self.round_wall),
             "host_ms": mean_ms(host),
         }
@@ -458,9 +460,11 @@ class StaticDecoder(SpecDecoder):
     def _plain(self, input_ids, max_new_tokens: int) -> GenerateResult:
         ids = self._prompt(input_ids)
         self._check_room(ids.shape[1], max_new_tokens, 1)
+        begin = self._clock()
         logits, _ = self._prefill(ids)
         result = GenerateResult(output_ids=[], completion_tokens=0, verify_ct=0)
         token, position = int(logits[0, -1].argmax()), ids.shape[1]
+        self._interval("prefill", begin, self._clock())
         while not self._done(result, max_new_tokens):
             self._emit(result, [token], max_new_tokens)
             if self._done(result, max_new_tokens):
@@ -484,6 +488,7 @@ class StaticDecoder(SpecDecoder):
         ids = self._prompt(input_ids)
         prompt_len, width = ids.shape[1], self.width
         self._check_room(prompt_len, max_new_tokens, width)
+        prefill_begin = self._clock()
         logits, features = self._prefill(ids)
         result = self._speculative_result(features)
         if max_new_tokens <= 0:
@@ -496,6 +501,7 @@ class StaticDecoder(SpecDecoder):
             draft.midlayer(positions, draft._embed(ids[:, 1:]), hidden[:, :-1], state.commit(positions, self._bucket(prompt_len)))
         self.pending_features[:, :1].copy_(features[:, -1:])
         self.pending_tokens[0, 0] = last
+        self._interval("prefill", prefill_begin, self._clock())
         target_start, draft_start, count = prompt_len, prompt_len - 1, 1
         while not self._done(result, max_new_tokens):
             bucket = self._bucket(target_start + width)
