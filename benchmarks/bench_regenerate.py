@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Answer throughput of `data regenerate`'s batched generation (regenerate.generate_batch) against transformers'
-own `generate`, at several batch sizes, on one device, in one process.
+"""Answer throughput of `data regenerate`'s batched generation (regenerate.generate_batch: greedy, which goes through
+transformers' generate since 2026-12-02, and sampled, our own loop) against transformers' own `generate` called
+directly, at several batch sizes, on one device, in one process.
 
 The model is a randomly initialised Llama of the profile's target shape (hidden, layers, heads, vocabulary from the
 profile), so the numbers need no weights and no tokenizer: decode speed does not depend on the weights' values. Every
 row of a batch gets a random prompt of 100..--prompt-tokens ids (left-padded, as regeneration pads them) and answers
 --new-tokens ids greedily with no stop token, so no row leaves early: the figure is the per-step cost at that batch.
 
-Per batch size: prefill seconds (a 1-token call), seconds per decode step and answer tokens/s for ours, and the
-same for transformers' `generate` (greedy, the same prompts and padding) as the peer measured in the same run, their
-ratio, and the GPU memory peak. --profile-batch adds a torch.profiler table of the top operators for one call.
+Per batch size: prefill seconds (a 1-token call), seconds per decode step and answer tokens/s for ours (greedy and
+sampled at temperature 1), and the same for transformers' `generate` (greedy, the same prompts and padding) as the
+peer measured in the same run, the ratio of our greedy to it, and the GPU memory peak. (On the H200 before the switch,
+2026-12-02, our loop ran greedy at 0.27x / 0.61x the peer at batch 256 / 2,048.) --profile-batch adds a torch.profiler table of the top operators for one call.
 --choose FILE writes {"batch_size": B} for the batch size with the most tokens/s (h200_round.sh's train phase reads it).
 
   H200:  python benchmarks/bench_regenerate.py --profile smollm2-135m --device cuda --batch 256 512 1024 --out r.json
@@ -73,12 +75,16 @@ def timed(device, call) -> float:
     return time.perf_counter() - started
 
 
-def ours(target, prompts, new_tokens: int) -> None:
+def ours(target, prompts, new_tokens: int, temperature: float = 0.0) -> None:
     from backend.train.regenerate import Sampling, generate_batch
 
     rngs = [random.Random(i) for i in range(len(prompts))]
-    answers = generate_batch(target, prompts, rngs, Sampling(max_new_tokens=new_tokens), stop_ids=set())
+    answers = generate_batch(target, prompts, rngs, Sampling(max_new_tokens=new_tokens, temperature=temperature), stop_ids=set())
     assert all(len(ids) == new_tokens for ids, _ in answers), "a row stopped early: the timing would not be per full step"
+
+
+def ours_sampled(target, prompts, new_tokens: int) -> None:
+    ours(target, prompts, new_tokens, temperature=1.0)
 
 
 def theirs(target, prompts, new_tokens: int) -> None:
@@ -98,7 +104,7 @@ def measure(target, batch: int, args) -> dict:
 
     prompts = prompts_for(batch, target.model.config.vocab_size, args.prompt_tokens, seed=batch)
     row: dict = {"batch": batch, "prompt_tokens_mean": sum(map(len, prompts)) / batch}
-    for name, call in (("ours", ours), ("transformers_generate", theirs)):
+    for name, call in (("ours", ours), ("ours_sampled", ours_sampled), ("transformers_generate", theirs)):
         call(target, prompts[: min(batch, 8)], 2)  # warm-up: kernels and allocator
         if target.device.type == "cuda":
             torch.cuda.empty_cache()
