@@ -15,7 +15,8 @@
 #   PHASE=more    carries nothing: resumes our trainer from the checkpoint its SIGTERM wrote for MORE_S more seconds
 #                 (repeat it; set OURS_STEPS in every phase to the whole run's cosine, ~14 a second), then exports
 #                 it again. SpecForge's draft keeps its train-phase budget; our train-phase draft is kept beside it
-#                 (ours_draft_at_train_s: the equal-time comparison). ~MORE_S + 60 s.
+#                 (ours_draft_at_train_s: the equal-time comparison). ~MORE_S + 60 s. RETURN_DRAFT=1 sends the
+#                 exported draft back in 16 MiB pieces (~48 MB in bf16: 3 files) instead of the trainer's log.
 #   PHASE=serve   carries nothing. Both drafts decoded in one process (bench_decode_speed.py: held-out ShareGPT and
 #                 HumanEval, 3 and 7 steps, the transformers anchors); headless `eagle3-host stop-and-bench --engine
 #                 reference` of a short training job (our draft, resumed), then `eagle3-host bench --baseline
@@ -389,7 +390,23 @@ EOF
     fi
     stage train_more $((MORE_S + 60)) $((MORE_S + 150)) train_ours resume
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
-    cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
+    if [ "${RETURN_DRAFT:-0}" = 1 ]; then # the exported draft comes back in pieces a returned file may hold (16 MiB), log.txt aside
+        "$PY" - "$DEV/ours_draft" "$DEV/return/ours_draft" <<'EOF' # float weights as bf16 (what serving loads), so 3 pieces, not 6
+import shutil, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+source, target = Path(sys.argv[1]), Path(sys.argv[2])
+shutil.rmtree(target, ignore_errors=True)
+shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors"))
+for path in source.glob("*.safetensors"):
+    tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
+    save_file(tensors, str(target / path.name), metadata={"format": "pt"})
+EOF
+        tar cf - -C "$DEV/return" ours_draft | split -b 16700000 -d -a 1 - "$OUT/ours_draft.tar.part"
+        note "the draft comes back as $(ls "$OUT"/ours_draft.tar.part* | wc -l) pieces: cat ours_draft.tar.part* | tar xf -"
+    else
+        cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
+    fi
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=serve
