@@ -51,6 +51,9 @@ PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580} LIMIT_SCALE=${LIMIT_SCALE:-1}
 TRAIN_S=${TRAIN_S:-100} SF_S=${SF_S:-100} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa} MORE_S=${MORE_S:-360}
 # the cosine's length for our trainer: ~0.07 s a step at 4 x 1,024 with sdpa (the last e2e run's median step 0.056 s,
 # plus evals); faster, it ends by itself before TRAIN_S; slower, SIGTERM at TRAIN_S cuts the cosine short (ended_by says which)
+# OURS_BATCH: our trainer's sequences a step (default: the profile's 4). Regenerated conversations are short (prompt
+# <= REGEN_PROMPT + answer <= REGEN_NEW tokens), so 4 of them held ~1,400 tokens a step on 2026-12-02 at the same
+# launch-bound ~0.06-0.08 s a step as 4 x 1,024; 12 would hold about the profile's 4,096.
 [ -n "${OURS_STEPS:-}" ] && OURS_STEPS_GIVEN=1
 OURS_STEPS=${OURS_STEPS:-$(((TRAIN_S + MORE_S) * 14))} # PHASE=more re-fits it to the measured rate unless given
 EVAL_INTERVAL=${EVAL_INTERVAL:-200} VAL_BATCHES=${VAL_BATCHES:-16} SF_VAL=${SF_VAL:-64}
@@ -286,14 +289,15 @@ EOF
 # ------------------------------------------------------------------------------------------------ PHASE=train
 train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of steps from its first metrics line, then SIGTERM
     local pid t_start t_val t_stop t_exit watchdog="" rc=0 how=finished limit_at=$(($(date +%s) + STAGE_LIMIT - 30))
-    local budget=$TRAIN_S resume=() lines0=0 metrics=$DEV/ours/metrics.jsonl
+    local budget=$TRAIN_S resume=() lines0=0 metrics=$DEV/ours/metrics.jsonl batch=()
+    [ -n "${OURS_BATCH:-}" ] && batch=(--batch-size "$OURS_BATCH")
     if [ "${1:-}" = resume ]; then
         budget=$MORE_S resume=(--resume latest) lines0=$(wc -l <"$metrics")
     fi
     t_start=$(date +%s%N)
     setsid "${HOST[@]}" train --profile "$PROFILE" --conversations "$DATA" --out "$DEV/ours" --max-steps "$OURS_STEPS" --attn-backend "$ATTN" \
         --eval-interval "$EVAL_INTERVAL" --max-val-batches "$VAL_BATCHES" --save-interval 1000000 --log-interval 10 --device "$DEVICE" \
-        ${resume[@]+"${resume[@]}"} >>"$DEV/ours.log" 2>&1 &
+        ${resume[@]+"${resume[@]}"} ${batch[@]+"${batch[@]}"} >>"$DEV/ours.log" 2>&1 &
     pid=$!
     # the first new metrics line: the step-0 validation of a fresh run, the first logged step of a resumed one
     until [ "$(wc -l <"$metrics" 2>/dev/null || echo 0)" -gt "$lines0" ] || ! kill -0 "$pid" 2>/dev/null || [ "$(date +%s)" -ge "$limit_at" ]; do
@@ -314,8 +318,8 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
     wait "$pid" || rc=$?
     t_exit=$(date +%s%N)
     [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null
-    printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "attn_backend": "%s", "resumed": %s}\n' \
-        "$(((t_val - t_start) / 1000000))e-3" "$(((t_stop - t_val) / 1000000))e-3" "$how" "$(((t_exit - t_stop) / 1000000))e-3" "$rc" "$OURS_STEPS" "$ATTN" \
+    printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "attn_backend": "%s", "batch_size": "%s", "resumed": %s}\n' \
+        "$(((t_val - t_start) / 1000000))e-3" "$(((t_stop - t_val) / 1000000))e-3" "$how" "$(((t_exit - t_stop) / 1000000))e-3" "$rc" "$OURS_STEPS" "$ATTN" "${OURS_BATCH:-profile}" \
         "$([ -n "${resume[*]:-}" ] && echo true || echo false)" | tee "$DEV/ours_timing.json"
     [ -n "${resume[*]:-}" ] && cat "$DEV/ours_timing.json" >>"$DEV/ours_timings.jsonl"
     tail -5 "$DEV/ours.log"
