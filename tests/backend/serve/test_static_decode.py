@@ -186,9 +186,11 @@ def test_step_times_are_recorded_when_asked():
     result = static.generate(prompts(1)[0], 10)
     summary = static.step_times.summary()
     assert summary["rounds"] == result.verify_ct and summary["draft_ms"] > 0 and summary["verify_ms"] > 0
+    assert len(static.step_times.prefill) == 1 and summary["prefill_ms"] > 0  # one request: one prompt pass to the first token
     static.step_times = StepTimes()
     static.plain(prompts(1)[0], 6)
     assert static.step_times.summary()["rounds"] == 5 and static.step_times.summary()["decode_ms"] > 0
+    assert len(static.step_times.prefill) == 1 and static.step_times.summary()["prefill_ms"] > 0
 
 
 @pytest.mark.slow
