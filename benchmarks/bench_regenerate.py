@@ -111,7 +111,7 @@ def measure(target, batch: int, args) -> dict:
             torch.cuda.reset_peak_memory_stats()
         try:
             prefill = min(timed(target.device, lambda: call(target, prompts, 1)) for _ in range(2))
-            whole = timed(target.device, lambda: call(target, prompts, args.new_tokens))
+            whole = min(timed(target.device, lambda: call(target, prompts, args.new_tokens)) for _ in range(2))
         except torch.OutOfMemoryError as exc:
             row[name] = {"error": f"out of memory: {str(exc)[:200]}"}
             print(f"batch {batch:5d} {name:22s} out of memory", flush=True)

@@ -344,3 +344,22 @@ def test_on_the_real_smollm2_batched_regeneration_equals_one_at_a_time_in_float3
     assert "Paris" in found["fact"]["conversations"][1]["content"]  # measured: "The capital of France is Paris"
     assert len(found["tips"]["answer_tokens"]) == 2 and found["tips"]["conversations"][1]["content"] != "1."
     assert {f for r in found.values() for f in r["finish"]} == {"eos", "length"}
+
+
+def test_the_regeneration_benchmark_measures_each_path_and_chooses_a_batch(tmp_path):
+    """benchmarks/bench_regenerate.py in its own process on the CPU: a one-layer model of SmolLM2's shape, every row
+    measured for our greedy and sampled paths and for transformers' generate, and the fastest batch written."""
+    out, choose = tmp_path / "bench.json", tmp_path / "choose.json"
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_regenerate.py"), "--profile", "smollm2-135m", "--device", "cpu"]
+    argv += ["--dtype", "float32", "--layers", "1", "--batch", "1", "2", "--new-tokens", "8", "--prompt-tokens", "8"]
+    result = subprocess.run(
+        argv + ["--out", str(out), "--choose", str(choose)], capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [row["batch"] for row in report["rows"]] == [1, 2] and report["layers"] == 1
+    for row in report["rows"]:
+        for name in ("ours", "ours_sampled", "transformers_generate"):
+            assert row[name]["answer_tokens_per_s"] > 0 and row[name]["prefill_s"] > 0
+        assert row["ours_over_transformers"] > 0
+    assert json.loads(choose.read_text()) == {"batch_size": report["best_batch"]} and report["best_batch"] in (1, 2)
