@@ -530,6 +530,9 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
             f"batch {settings.batch_size}, {'greedy' if settings.sampling.temperature <= 0 else f'temperature {settings.sampling.temperature}, top-p {settings.sampling.top_p}'}, "
             f"at most {settings.sampling.max_new_tokens} new tokens per answer, on {device}"
         )
+        if meta.get("finalized"):  # appending again: readers refuse the dir until it is finalized anew (a kill leaves it refused)
+            meta.update(finalized=False, complete=False)
+            _write_meta(out, meta)
         writers = {split: LineAppender(out / SPLIT_FILES[split]) for split in SPLITS} | {"skipped": LineAppender(out / SKIPPED_FILE)}
         started, last_report, generated = time.monotonic(), 0.0, 0
         finished = resumed

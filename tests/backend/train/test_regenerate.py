@@ -249,6 +249,16 @@ def test_a_time_budget_finalizes_what_is_done_and_the_same_command_resumes_the_r
     monkeypatch.setattr(module, "generate_batch", real)
     import dataclasses
 
+    def killed(*_args, **_kwargs):  # a resume that dies before its first batch ends: the dir is refused again, not half-read
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "generate_batch", killed)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(world["target"], dataclasses.replace(settings, max_seconds=None), "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
+    with pytest.raises(DataError, match="has not finished"):
+        conversation_samples(target.tokenizer, out, 256, target=target, cache_dir=tmp_path / "cache")
+    monkeypatch.setattr(module, "generate_batch", real)
+
     meta = regenerate(world["target"], dataclasses.replace(settings, max_seconds=None), "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
     assert meta["complete"] and meta["counts"]["done"] == COUNT and meta["runs"][-1]["conversations"] == COUNT - 6
     reference = run_regenerate(world, tmp_path / "reference", batch_size=6)
