@@ -262,7 +262,8 @@ async def test_stop_and_bench_modal_lists_the_plan_and_cancel_touches_nothing(tm
         await connected(app)
         job = (await app.client.request(Request.START_JOB, name="train-x", kind="train", argv=fake_training(sys.executable)))["job"]
         add_checkpoints(job["job_dir"], "epoch_0_step_100", "epoch_0_step_200")
-        await wait_until(lambda: "train-x" in app.state.jobs, what="the job listed")
+        # running, not only listed: a poll between the record's insert and its leader shows it "starting" (nothing to stop)
+        await wait_until(lambda: "train-x" in app.state.jobs and app.state.jobs["train-x"].state == "running", what="the job running")
         app.select_job("train-x")
         await pilot.pause()
         await pilot.press("b")
