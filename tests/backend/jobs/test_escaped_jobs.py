@@ -104,7 +104,9 @@ def start_escaper(registry: JobRegistry, tmp_path: Path, how: str, keep_stdio: b
     args = [how, "1" if keep_stdio else "0", escape_target(), str(ready), str(signals), "1" if leader_exits else "0", MARK]
     registry.start_job("esc", "other", [PY, "-c", LEADER, *args])
     pid = int(wait_for(lambda: ready.exists() and ready.read_text(), what="the escapee"))
-    wait_for(lambda: MARK in procs.cmdline(pid), what="the escapee's exec")
+    # argv[0] is the marker only after the exec (before it, the forked child's argv is the leader's, which holds the
+    # marker as its last argument): under load the environment was read before the exec had happened
+    wait_for(lambda: procs.cmdline_args(pid)[:1] == [MARK], what="the escapee's exec")
     assert procs.environ_value(pid, "EAGLE3_JOB_TOKEN") is None and procs.ppid_of(pid) != registry.get("esc").info.pid
     record = registry.get("esc")
     assert not procs.is_alive(record.watcher_pid, record.watcher_start)  # the watcher is dead
@@ -203,7 +205,7 @@ def test_an_adopted_session_leaders_orphaned_session_member_is_never_signalled(t
     orphan = start = 0
     try:
         orphan = int(wait_for(lambda: ready.exists() and ready.read_text(), what="the orphan"))
-        wait_for(lambda: MARK in procs.cmdline(orphan), what="the orphan's exec")
+        wait_for(lambda: procs.cmdline_args(orphan)[:1] == [MARK], what="the orphan's exec")  # argv[0]: after the exec only
         start = procs.start_time(orphan)
         assert procs.read_stat(orphan).sid == leader.pid and procs.ppid_of(orphan) != leader.pid
         registry.adopt(leader.pid, "adopted", confirm_pid=leader.pid)
