@@ -6,8 +6,9 @@ with cache_implementation="static" (compiled by transformers on CUDA); our eager
 static-cache plain decode (CUDA graphs on CUDA), with --compile also through torch.compile; our static EAGLE-3 decode
 at each --num-steps, for each --draft (repeat it as NAME=DIR: several drafts share the target, the prompts and the
 plain rows). Prints tok/s per row, EAGLE's speed-up over our plain decode, the fraction of the bandwidth bound
-(weight bytes / --hbm-tbs), accept lengths, a per-step breakdown (draft round, target verify, host work) and
-token-for-token checks (static vs eager; on CUDA also in float32, first draft); writes --out JSON.
+(weight bytes / --hbm-tbs), accept lengths, a per-step breakdown (draft round, target verify, host work),
+token-for-token checks (static vs eager; on CUDA also in float32, first draft) and, per draft at the first --num-steps,
+the served step-0 acceptance beside the teacher-forced step-0 hits on the same tokens (acceptance_anatomy); writes --out JSON.
 
 H200:  python3 benchmarks/bench_decode_speed.py --device cuda --draft RUN/draft [--draft specforge=SF/draft] --prompts DATA/eval.jsonl \
          --prompts HumanEval.jsonl.gz --num-prompts 20 --max-new-tokens 256 --out benchmarks/results/h200_decode_speed.json
@@ -30,8 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.serve.reference.spec_decode import SpecDecoder
+from backend.serve.reference.spec_decode import SpecDecoder, eos_ids
 from backend.serve.reference.static_decode import StaticDecoder, StepTimes
+from backend.train.draft import DraftKVCache
 
 NO_EOS = -1  # an id no tokenizer emits: every row decodes exactly --max-new-tokens
 BUILTIN_PROMPTS = [
@@ -165,6 +167,62 @@ def spec_stats(row: dict) -> None:
     row["accept_length"] = completion / verify if verify else None
     row["mean_accepted_drafts"] = sum(rounds) / len(rounds) if rounds else None
     row["verify_ct"] = verify
+
+
+def _mean(flags: list[bool]) -> float | None:
+    return sum(flags) / len(flags) if flags else None
+
+
+def acceptance_anatomy(model, draft, aux: list[int], prompts: list[list[int]], results: list, eos: set[int]) -> dict:
+    """The served rounds' step-0 acceptance beside the same draft's teacher-forced step-0 hits on the same tokens.
+
+    One eager target pass over prompt + output and the draft's step 0 over every row (fresh cache): row t (the
+    target's features at t, token t+1) predicts token t+2, so output index j is predicted by row prompt_len + j - 2.
+    Round r's step 0 proposed output index s_r = 1 + sum over earlier rounds of (accepted + 1). At those indices the
+    teacher-forced hit and the served acceptance should agree (same features, same rows; bf16 noise aside): a low
+    agreement is a serving bug; a gap between every index and the round starts is selection (rounds start after a
+    rejection). Indices past the first eos (this bench ignores eos) and targets outside the draft vocab are split out.
+    """
+    runner = SpecDecoder(model, draft, aux, num_steps=1, eos_token_id=NO_EOS)
+    hits, in_vocab, before_eos = [], [], []
+    served, forced, after_reject = [], [], []
+    for ids, result in zip(prompts, results):
+        output, start = list(result.output_ids), len(ids)
+        if len(output) < 2:
+            continue
+        seq = torch.tensor([ids + output], dtype=torch.long, device=runner.target.device)
+        _, hidden_states, _ = runner.target.forward(seq, None)
+        _, logits = draft.extend(runner._draft_input(runner.features(hidden_states)[:, :-1]), seq[:, 1:], DraftKVCache())
+        predicted = draft.draft_to_target_ids(logits[0].argmax(-1)).tolist()
+        first_eos = next((j for j, token in enumerate(output) if token in eos), len(output))
+        row_hits = [predicted[start + j - 2] == output[j] for j in range(1, len(output))]
+        hits += row_hits
+        in_vocab += [bool(draft.t2d[output[j]]) for j in range(1, len(output))]
+        before_eos += [j < first_eos for j in range(1, len(output))]
+        index, previous_full = 1, True
+        for accepted in result.accepted_per_round:
+            if index >= len(output):
+                break
+            served.append(accepted >= 1)
+            forced.append(row_hits[index - 1])
+            after_reject.append(not previous_full)
+            previous_full = accepted == result.num_steps
+            index += accepted + 1
+    pre = [h for h, b in zip(hits, before_eos) if b]
+    return {
+        "positions": len(hits),
+        "teacher_forced_step0_all": _mean(hits),
+        "teacher_forced_step0_in_draft_vocab": _mean([h for h, v in zip(hits, in_vocab) if v]),
+        "teacher_forced_step0_before_eos": _mean(pre),
+        "positions_before_eos": len(pre),
+        "outside_draft_vocab": _mean([not v for v in in_vocab]),
+        "round_starts": len(served),
+        "served_step0": _mean(served),
+        "teacher_forced_step0_at_round_starts": _mean(forced),
+        "served_vs_teacher_forced_agreement": _mean([a == b for a, b in zip(served, forced)]),
+        "teacher_forced_step0_after_rejection": _mean([f for f, r in zip(forced, after_reject) if r]),
+        "teacher_forced_step0_after_full_accept": _mean([f for f, r in zip(forced, after_reject) if not r]),
+    }
 
 
 def static_row(name, decoder: StaticDecoder, device, prompts, max_new, speculative: bool) -> dict:
@@ -301,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target {profile.target.path} {dtype} on {device} (loaded in {load_s:.1f} s); drafts {labels}; sets {list(encoded)}", flush=True)
 
     rows: list[dict] = []
+    eos = eos_ids(model, tokenizer.eos_token_id)  # only to split the anatomy at the first eos: every row ignores it
     eager = SpecDecoder(model, None, aux, eos_token_id=NO_EOS)
     eager_row = measure("ours_eager_plain", device, anchors, lambda ids: eager.plain(ids, max_new), lambda r: r.output_ids)
     rows.append(eager_row)
@@ -323,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                     if "tok_s" in row and "tok_s" in plain_row:
                         row["speedup_vs_our_plain"] = row["tok_s"] / plain_row["tok_s"]
                     row["eagle_equals_plain"] = agreement(plain_row, row)
+                    if not compiled and steps == args.num_steps[0] and "_results" in row:
+                        row["acceptance_anatomy"] = acceptance_anatomy(model, one_draft, one_aux, prompts, row["_results"], eos)
                     per_set[name][row["name"]] = row
                 del decoder
     static_plain = per_set[first]["ours_static_plain"]
@@ -394,6 +455,13 @@ def print_summary(report: dict) -> None:
         if parts.get("prefill_ms"):
             detail += f" prefill {parts['prefill_ms']:.2f}"
         print(f"{prefix + row['name']:42} {row['tok_s']:9.1f} {speedup:>8} {row['fraction_of_bandwidth_bound']:7.3f} {accept:>7}  {detail}")
+        anatomy = row.get("acceptance_anatomy")
+        if anatomy and anatomy["round_starts"]:
+            print(
+                f"{'':42} step 0: served {anatomy['served_step0']:.3f} at {anatomy['round_starts']} round starts, teacher-forced there "
+                f"{anatomy['teacher_forced_step0_at_round_starts']:.3f} (agree {anatomy['served_vs_teacher_forced_agreement']:.3f}), "
+                f"every row {anatomy['teacher_forced_step0_all']:.3f}, outside draft vocab {anatomy['outside_draft_vocab']:.3f}"
+            )
     for name, value in report["checks"].items():
         print(f"check {name}: {json.dumps(value)}")
 

@@ -63,7 +63,7 @@ EVAL_INTERVAL=${EVAL_INTERVAL:-200} VAL_BATCHES=${VAL_BATCHES:-16} SF_VAL=${SF_V
 # REGEN_BATCH: carry1's measured best (bench_regenerate.py --choose), else 256.
 REGEN_LIMIT=${REGEN_LIMIT:-12000} REGEN_VAL=${REGEN_VAL:-64} REGEN_BATCH=${REGEN_BATCH:-} REGEN_NEW=${REGEN_NEW:-160}
 REGEN_PROMPT=${REGEN_PROMPT:-384} REGEN_S=${REGEN_S:-120} COLD_MIB=${COLD_MIB:-1024} COLD_S=${COLD_S:-150}
-REGEN_BENCH_BATCHES=${REGEN_BENCH_BATCHES:-256 512 1024 2048}
+REGEN_BENCH_BATCHES=${REGEN_BENCH_BATCHES:-256 512 1024 2048} REGEN_BENCH=${REGEN_BENCH:-1} # 0: carry1 skips it (REGEN_BATCH given)
 # serve phase
 NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
 CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-10} BENCH_NEW=${BENCH_NEW:-128}
@@ -282,6 +282,7 @@ found.update(torch=torch.__version__, cuda=torch.cuda.is_available(),
 (dev / "imports.json").write_text(json.dumps(found, indent=1) + "\n")
 print(json.dumps(found, indent=1))
 EOF
+    [ "$REGEN_BENCH" = 1 ] || { note "regen_bench skipped (REGEN_BENCH=0): the train phase takes REGEN_BATCH=${REGEN_BATCH:-256}"; return 0; }
     # shellcheck disable=SC2086 # word lists on purpose
     stage regen_bench 90 170 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" --batch $REGEN_BENCH_BATCHES \
         --profile-batch "${REGEN_BENCH_BATCHES%% *}" --choose "$DEV/regen_batch.json" --out "$OUT/regen_bench.json" $REGEN_BENCH_EXTRA
@@ -451,6 +452,8 @@ chain() { # a training job resumed from our draft, stopped by stop-and-bench (re
         [ "$rc" -ne 0 ] || rc=1
     fi
     "${HOST[@]}" job stop --all --grace 15 >/dev/null
+    # the server's side of TTFT: each request's first token, from its log (bench's TTFT adds the client and the socket)
+    grep -h "first token after" "$run_dir/jobs/serve-chain-train/"*.log 2>/dev/null | tail -80
     return "$rc"
 }
 

@@ -62,6 +62,7 @@ class Generation:
     input_logprobs: list[list] = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
     latency: float | None = None
+    first_emission: float | None = None  # seconds from the request's start to its first token (the server's side of TTFT)
 
 
 def finish_reason(spec: GenerationSpec, output_ids: list[int], stop_string: str | None) -> dict[str, Any] | None:
@@ -339,6 +340,8 @@ class Engine:
             entries, tops = tracker.extend(new)
             gen.output_logprobs += entries
             gen.output_top_logprobs += tops
+        if new and not gen.output_ids:
+            gen.first_emission = time.perf_counter() - gen.started
         gen.output_ids += new
         gen.verify_ct = result.verify_ct
         gen.accepted_per_round = [int(a) for a in result.accepted_per_round]
@@ -438,4 +441,5 @@ class Engine:
         spec = f", verify {gen.verify_ct}, accept len {meta.get('spec_accept_length', 0):.2f}" if self.speculates(gen.spec) else ""
         if self.speculative and not gen.spec.speculative:
             spec = ", plain decode (asked per request)"
-        log(f"generate {gen.rid}: prompt {len(gen.spec.input_ids)} tokens, completion {len(gen.output_ids)}{spec}, {gen.latency or 0:.2f} s")
+        first = f", first token after {1000 * gen.first_emission:.1f} ms" if gen.first_emission is not None else ""
+        log(f"generate {gen.rid}: prompt {len(gen.spec.input_ids)} tokens, completion {len(gen.output_ids)}{spec}, {gen.latency or 0:.2f} s{first}")

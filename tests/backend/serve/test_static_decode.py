@@ -93,6 +93,32 @@ def test_partial_acceptance_rolls_back_both_caches_like_the_eager_crop(num_steps
         same(expected, static.generate(torch.tensor(prompt), 36))
 
 
+def test_acceptance_anatomy_agrees_with_the_served_rounds_and_counts_the_wrong_rows():
+    """bench_decode_speed's served-vs-teacher-forced anatomy on a draft wrong at known rows: every round start's
+    teacher-forced hit equals the served one, and the all-rows rate is the share of rows the oracle gets right."""
+    from benchmarks.bench_decode_speed import acceptance_anatomy
+
+    target = random_target()
+    draft = oracle_draft(target)
+    eager = SpecDecoder(target, draft, AUX, num_steps=3, eos_token_id=-1)
+    prompt = prompts(1, seed=11)[0].tolist()
+    plain = eager.plain_generate(torch.tensor(prompt), 30)
+    wrong = {len(prompt) + i for i in (1, 2, 8, 9, 10, 20)}  # output indices the oracle misses
+    draft.setup(prompt + plain, wrong)
+    result = eager.generate(torch.tensor(prompt), 30)
+    anatomy = acceptance_anatomy(target, draft, AUX, [prompt], [result], eos={int(plain[12])})
+    assert anatomy["positions"] == 29 and anatomy["outside_draft_vocab"] == 0
+    assert anatomy["teacher_forced_step0_all"] == pytest.approx(23 / 29)  # indices 1..29, six of them wrong
+    assert anatomy["served_vs_teacher_forced_agreement"] == 1.0
+    index, starts = 1, []  # output index each round's step 0 proposed, while inside the 30 emitted tokens
+    for accepted in result.accepted_per_round:
+        if index < 30:
+            starts.append(accepted >= 1)
+        index += accepted + 1
+    assert anatomy["round_starts"] == len(starts) and anatomy["served_step0"] == pytest.approx(sum(starts) / len(starts))
+    assert anatomy["positions_before_eos"] == plain.index(plain[12]) - 1
+
+
 def test_full_acceptance_counts_and_max_new_tokens_edges():
     target = constant_target(230)
     draft = draft_predicting(target, 230)
@@ -253,6 +279,7 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
                 expected.finish,
             )
             assert streamed == sorted(streamed) and streamed[-1] == len(got.output_ids)
+            assert 0 < got.first_emission <= got.latency and streamed[0] == 1  # the first token goes out before any round
     assert static.avg_accept_length() == eager.avg_accept_length()
     plain = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True)
     spec = GenerationSpec(input_ids=eager.encode("abc"), max_new_tokens=12, stop_token_ids=frozenset())
@@ -291,6 +318,8 @@ def test_decode_speed_benchmark_runs_on_cpu_with_tiny_settings(mini_target_dir, 
         assert eagle["speedup_vs_our_plain"] > 0 and eagle["accept_length"] >= 1 and eagle["breakdown_ms"]["verify_ms"] > 0
         assert eagle["eagle_equals_plain"] == {"identical": 2, "of": 2, "mean_matching_prefix": 8.0}  # float32: exact
     assert report["checks"]["static_plain_vs_eager_plain"]["identical"] == 2
+    anatomy = rows["ours_static_eagle_k3"]["acceptance_anatomy"]
+    assert anatomy["positions"] == 14 and anatomy["served_vs_teacher_forced_agreement"] == 1.0  # float32: the same rows
     assert "ours_static_eagle_k3" in done.stdout and "bandwidth bound" in done.stdout
 
 
