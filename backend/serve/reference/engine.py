@@ -243,8 +243,10 @@ class Engine:
         return streaming_decoder_class()(self.target.model, draft, **kwargs)
 
     def _warm(self, decoder) -> None:
-        """One short plain (and speculative) decode at load: the first cache prefix's graphs are captured now."""
+        """Every padded prompt width once (static decoder on CUDA), then one short plain (and speculative) decode at load:
+        the first cache prefix's graphs are captured now."""
         prompt = [0, 1, 2, 3]
+        decoder.warm_prefill()
         decoder.plain(prompt, 3)
         if decoder.draft is not None:
             decoder.generate(prompt, 2 * self.num_steps + 2)

@@ -24,9 +24,9 @@ def same(eager, static) -> None:
     )
 
 
-def pair(target, draft, num_steps, **kwargs):
+def pair(target, draft, num_steps, pad_prefill=False, **kwargs):
     eager = SpecDecoder(target, draft, AUX, num_steps=num_steps, **kwargs)
-    return eager, StaticDecoder(target, draft, AUX, num_steps=num_steps, max_len=512, **kwargs)
+    return eager, StaticDecoder(target, draft, AUX, num_steps=num_steps, max_len=512, pad_prefill=pad_prefill, **kwargs)
 
 
 class PositionOracle(Eagle3Draft):
@@ -60,16 +60,34 @@ def oracle_draft(target) -> PositionOracle:
     return draft
 
 
+def test_padded_prompts_take_few_widths_and_warming_runs_each_once(monkeypatch):
+    from backend.serve.reference import static_decode
+
+    assert static_decode.prefill_widths(100) == [16, 32, 64, 100]
+    target = random_target()
+    static = StaticDecoder(target, random_draft(target), AUX, num_steps=3, max_len=100, pad_prefill=True)
+    assert [static._width(rows) for rows in (1, 16, 17, 65, 100)] == [16, 16, 32, 100, 100]
+    seen: list[int] = []
+    forward = static.static_target.forward
+    monkeypatch.setattr(static.static_target, "forward", lambda tokens, *a, **k: seen.append(tokens.shape[1]) or forward(tokens, *a, **k))
+    static.warm_prefill()
+    assert seen == [16, 32, 64, 100]
+    seen.clear()
+    static.generate(prompts(1)[0], 4)
+    assert seen[0] in (16, 32) and set(seen[1:]) == {4}  # the prompt at a warmed width, then verify rounds of num_steps + 1
+    assert StaticDecoder(target, None, AUX, max_len=100).pad_prefill is False  # CPU: prompts run at their own width
+
+
 def test_length_buckets_double_from_256_and_end_at_max_len():
     assert length_buckets(512) == [256, 512]
     assert length_buckets(1000) == [256, 512, 1000]
     assert length_buckets(100) == [100]
 
 
-@pytest.mark.parametrize("num_steps", [3, 7])
-def test_random_draft_static_equals_eager_plain_and_speculative(num_steps):
+@pytest.mark.parametrize("num_steps, pad_prefill", [(3, False), (7, False), (3, True)])
+def test_random_draft_static_equals_eager_plain_and_speculative(num_steps, pad_prefill):
     target = random_target()
-    eager, static = pair(target, random_draft(target), num_steps)
+    eager, static = pair(target, random_draft(target), num_steps, pad_prefill=pad_prefill)
     for prompt in prompts(3, seed=num_steps):
         plain = eager.plain(prompt, 24)
         static_plain = static.plain(prompt, 24)
@@ -78,11 +96,12 @@ def test_random_draft_static_equals_eager_plain_and_speculative(num_steps):
         same(eager.generate(prompt, 24), static.generate(prompt, 24))
 
 
-@pytest.mark.parametrize("num_steps", [3, 7])
-def test_partial_acceptance_rolls_back_both_caches_like_the_eager_crop(num_steps):
+@pytest.mark.parametrize("num_steps, pad_prefill", [(3, False), (7, False), (3, True), (7, True)])
+def test_partial_acceptance_rolls_back_both_caches_like_the_eager_crop(num_steps, pad_prefill):
+    """pad_prefill: the prompt's padded rows (target K/V and draft K/V past the prompt) are never read."""
     target = random_target()
     draft = oracle_draft(target)
-    eager, static = pair(target, draft, num_steps)
+    eager, static = pair(target, draft, num_steps, pad_prefill=pad_prefill)
     for seed, wrong_at in ((11, (3, 4, 9, 16, 17, 18, 19, 25, 31)), (12, (1, 2, 8, 14, 15, 29))):
         prompt = prompts(1, seed=seed)[0].tolist()
         plain = eager.plain_generate(torch.tensor(prompt), 44)
