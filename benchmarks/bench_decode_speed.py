@@ -186,13 +186,18 @@ def acceptance_anatomy(model, draft, aux: list[int], prompts: list[list[int]], r
     runner = SpecDecoder(model, draft, aux, num_steps=1, eos_token_id=NO_EOS)
     hits, in_vocab, before_eos = [], [], []
     served, forced, after_reject = [], [], []
+    steps = results[0].num_steps if results else 0
+    served_rounds, replayed = [0] * (steps + 1), [0] * (steps + 1)
     for ids, result in zip(prompts, results):
         output, start = list(result.output_ids), len(ids)
         if len(output) < 2:
             continue
         seq = torch.tensor([ids + output], dtype=torch.long, device=runner.target.device)
-        _, hidden_states, _ = runner.target.forward(seq, None)
-        _, logits = draft.extend(runner._draft_input(runner.features(hidden_states)[:, :-1]), seq[:, 1:], DraftKVCache())
+        target_logits, hidden_states, _ = runner.target.forward(seq, None)
+        features = runner.features(hidden_states)
+        for accepted, count in enumerate(replay_rounds(draft, features, seq, target_logits, start, steps)):
+            replayed[accepted] += count
+        _, logits = draft.extend(runner._draft_input(features[:, :-1]), seq[:, 1:], DraftKVCache())
         predicted = draft.draft_to_target_ids(logits[0].argmax(-1)).tolist()
         first_eos = next((j for j, token in enumerate(output) if token in eos), len(output))
         row_hits = [predicted[start + j - 2] == output[j] for j in range(1, len(output))]
@@ -204,6 +209,7 @@ def acceptance_anatomy(model, draft, aux: list[int], prompts: list[list[int]], r
             if index >= len(output):
                 break
             served.append(accepted >= 1)
+            served_rounds[accepted] += 1
             forced.append(row_hits[index - 1])
             after_reject.append(not previous_full)
             previous_full = accepted == result.num_steps
@@ -222,7 +228,23 @@ def acceptance_anatomy(model, draft, aux: list[int], prompts: list[list[int]], r
         "served_vs_teacher_forced_agreement": _mean([a == b for a, b in zip(served, forced)]),
         "teacher_forced_step0_after_rejection": _mean([f for f, r in zip(forced, after_reject) if r]),
         "teacher_forced_step0_after_full_accept": _mean([f for f, r in zip(forced, after_reject) if not r]),
+        "served_rounds": served_rounds,
+        "replayed_rounds": replayed,
     }
+
+
+def replay_rounds(draft, features, seq, target_logits, start: int, steps: int) -> list[int]:
+    """The trainer's validation replay (TTT hits -> chain_round_histogram) on these served tokens: rounds from the
+    prompt's last row on, as serving starts them. Equal to the served rounds when training's TTT unroll is the
+    decoder's chain (bf16 near-ties aside)."""
+    from backend.train.loss import chain_round_histogram, fused_ttt_loss, make_teacher
+
+    scored = torch.zeros(seq.shape, dtype=torch.bool, device=seq.device)
+    scored[0, start : seq.shape[1] - 1] = True  # the teacher at p predicts token p + 1: the output's tokens 1..
+    teacher = make_teacher(target_logits.float(), scored, draft.t2d)
+    states = draft.ttt_hidden(features.to(draft.fc.weight.dtype), seq, steps)
+    result = fused_ttt_loss(states, draft.lm_head.weight, teacher, keep_hits=True)
+    return chain_round_histogram(result.hits, teacher.scored, steps)
 
 
 def static_row(name, decoder: StaticDecoder, device, prompts, max_new, speculative: bool) -> dict:
@@ -462,6 +484,7 @@ def print_summary(report: dict) -> None:
                 f"{anatomy['teacher_forced_step0_at_round_starts']:.3f} (agree {anatomy['served_vs_teacher_forced_agreement']:.3f}), "
                 f"every row {anatomy['teacher_forced_step0_all']:.3f}, outside draft vocab {anatomy['outside_draft_vocab']:.3f}"
             )
+            print(f"{'':42} rounds by drafts accepted: served {anatomy['served_rounds']}, validation's replay on the same tokens {anatomy['replayed_rounds']}")
     for name, value in report["checks"].items():
         print(f"check {name}: {json.dumps(value)}")
 

@@ -12,7 +12,16 @@ from typing import Any
 
 from backend.durable import write_atomic
 from backend.bench.client import NO_BASELINE, SAME_ENGINE, Baseline, LevelResult
-from backend.serve.acceptance import acceptance_lines, break_line, compare_with_validation, tau_hat
+from backend.serve.acceptance import (
+    acceptance_lines,
+    break_line,
+    checkpoint_validation,
+    compare_with_validation,
+    prediction_label,
+    replayed_accept_length,
+    replayed_rounds,
+    tau_hat,
+)
 from backend.serve.launch import server_summary
 from backend.serve.prompts import PromptSet
 
@@ -75,41 +84,36 @@ def speedup_at(rows: list[dict[str, Any]], concurrency: int) -> float | None:
     return next((row["speedup"] for row in rows if row["concurrency"] == concurrency), None)
 
 
-def set_section(run: SetRun, max_new_tokens: int, val_acc: list[float] | None, steps: Any) -> dict[str, Any]:
+def set_section(run: SetRun, max_new_tokens: int, val_acc: list[float] | None, steps: Any, val_rounds: Any = None) -> dict[str, Any]:
     rows = compare(run.levels, run.baseline_levels, max_new_tokens)
     return {
         "name": run.name,
         "prompts": run.prompts.describe(),
-        "levels": [with_validation(level.to_dict(), val_acc, steps) for level in run.levels],
+        "levels": [with_validation(level.to_dict(), val_acc, steps, val_rounds) for level in run.levels],
         "baseline_levels": [level.to_dict() for level in run.baseline_levels],
         "comparison": rows,
         "speedup_c1": speedup_at(rows, 1),
     }
 
 
-def checkpoint_val_acc(path: Any) -> list[float] | None:
-    """The per-step validation accuracy a checkpoint recorded (config.json eagle3_console.val_acc), if readable here."""
-    if not isinstance(path, str) or not path:
-        return None
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    acc = (config.get("eagle3_console") or {}).get("val_acc") if isinstance(config, dict) else None
-    if not isinstance(acc, list) or not acc or not all(isinstance(a, (int, float)) for a in acc):
-        return None
-    return [float(a) for a in acc]
-
-
-def with_validation(level: dict[str, Any], val_acc: list[float] | None, num_steps: Any) -> dict[str, Any]:
-    """A level's acceptance block with val acc_k, tau-hat and the first break added (unchanged without val_acc)."""
+def with_validation(level: dict[str, Any], val_acc: list[float] | None, num_steps: Any, val_rounds: Any = None) -> dict[str, Any]:
+    """A level's acceptance block with val acc_k, tau-hat, the replayed chain rounds (when the checkpoint has them)
+    and the first break added (unchanged without val_acc)."""
     acceptance = dict(level.get("acceptance") or {})
     if not val_acc or not acceptance:
         return level
-    rows, first = compare_with_validation(acceptance.get("per_position") or [], val_acc)
-    steps = num_steps if isinstance(num_steps, int) and num_steps > 0 else len(rows) or len(val_acc)
+    steps = num_steps if isinstance(num_steps, int) and num_steps > 0 else len(acceptance.get("per_position") or []) or len(val_acc)
+    replay = replayed_rounds(val_rounds, steps)
+    rows, first = compare_with_validation(acceptance.get("per_position") or [], val_acc, replay)
     acceptance.update(
-        per_position=rows, val_acc=list(val_acc), tau_hat=tau_hat(val_acc, steps), **{"break": first}, break_line=break_line(first, rows) if rows else None
+        per_position=rows,
+        val_acc=list(val_acc),
+        tau_hat=tau_hat(val_acc, steps),
+        val_rounds=replay,
+        accept_replayed=replayed_accept_length(replay),
+        **{"break": first},
+        break_line=break_line(first, rows) if rows else None,
+        prediction_label=prediction_label(rows),
     )
     return {**level, "acceptance": acceptance}
 
@@ -126,11 +130,13 @@ def build_document(
     started_at: float | None = None,
     val_acc: list[float] | None = None,
 ) -> dict[str, Any]:
-    """val_acc: the served checkpoint's per-step validation accuracy; read from its config.json when not given."""
+    """val_acc: the served checkpoint's per-step validation accuracy; read from its config.json when not given
+    (with its replayed chain rounds, val_rounds, when it recorded them)."""
+    recorded_acc, val_rounds = checkpoint_validation(server_info.get("speculative_draft_model_path"))
     if val_acc is None:
-        val_acc = checkpoint_val_acc(server_info.get("speculative_draft_model_path"))
+        val_acc = recorded_acc
     steps = server_info.get("speculative_num_steps")
-    sections = [set_section(run, max_new_tokens, val_acc, steps) for run in sets]
+    sections = [set_section(run, max_new_tokens, val_acc, steps, val_rounds) for run in sets]
     return {
         "schema": SCHEMA,
         "kind": "eagle3-bench",
@@ -156,7 +162,11 @@ def build_document(
         },
         "sets": sections,
         "speedup_c1": {section["name"]: section["speedup_c1"] for section in sections},
-        "validation": {"val_acc": val_acc, "tau_hat": tau_hat(val_acc, steps) if val_acc and isinstance(steps, int) else None},
+        "validation": {
+            "val_acc": val_acc,
+            "tau_hat": tau_hat(val_acc, steps) if val_acc and isinstance(steps, int) else None,
+            "accept_replayed": replayed_accept_length(replayed_rounds(val_rounds, steps if isinstance(steps, int) else None)),
+        },
     }
 
 
@@ -250,7 +260,8 @@ def table(document: dict[str, Any]) -> str:
     ]
     validation = document.get("validation") or {}
     if validation.get("val_acc"):
-        lines.append(f"validation: tau-hat {_fmt(validation.get('tau_hat'))}, val acc " + " ".join(f"{a:.2f}" for a in validation["val_acc"]))
+        replayed = f", chain rounds replayed {_fmt(validation['accept_replayed'])}" if validation.get("accept_replayed") is not None else ""
+        lines.append(f"validation: tau-hat {_fmt(validation.get('tau_hat'))}{replayed}, val acc " + " ".join(f"{a:.2f}" for a in validation["val_acc"]))
     for section in document["sets"]:
         lines += set_block(section, baseline["mode"])
     return "\n".join(lines)

@@ -104,6 +104,8 @@ def acceptance_summary(acceptance: Any, val_acc: Any) -> dict[str, Any] | None:
         "per_position",
         "val_acc",
         "tau_hat",
+        "accept_replayed",
+        "prediction_label",
         "break",
         "break_line",
         "tolerance",
@@ -256,6 +258,7 @@ class StopAndBench:
         meta = config.get("eagle3_console") or {}
         self.summary["checkpoint"] = str(path)
         self.summary["val_acc"] = meta.get("val_acc")
+        self.summary["val_rounds"] = meta.get("val_rounds")
         return f"latest checkpoint {path.name}", {"path": str(path), "val_acc": meta.get("val_acc"), "val_acc_step": meta.get("val_acc_step")}
 
     def preflight(self) -> tuple[str, Any]:
@@ -301,7 +304,12 @@ class StopAndBench:
         info = self.summary.get("server_info") or {}
         steps = int(info.get("speculative_num_steps") or self.profile.serve.num_steps)
         outcome = canary_mod.run_canary(
-            self.summary["url"], canary_prompts(self.profile), num_steps=steps, val_acc=self.summary.get("val_acc"), max_new_tokens=self.options.max_new_tokens
+            self.summary["url"],
+            canary_prompts(self.profile),
+            num_steps=steps,
+            val_acc=self.summary.get("val_acc"),
+            max_new_tokens=self.options.max_new_tokens,
+            val_rounds=self.summary.get("val_rounds"),
         )
         canary = outcome.to_dict()
         canary.pop("requests", None)

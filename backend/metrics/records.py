@@ -7,7 +7,9 @@ One record per line of <job_dir>/metrics.jsonl (METRICS_FILENAME in backend/layo
   ploss (list of numbers, one per TTT position), acc (list of fractions in [0, 1], one per TTT position),
   acceptance_rate (list, SpecForge's expected acceptance per position; optional extension),
   lr, grad_norm (pre-clip), weight_norm, step_time (seconds) (numbers), weight_norm_modules
-  ({module name: number}), tokens (cumulative int), time (epoch seconds).
+  ({module name: number}), tokens (cumulative int), time (epoch seconds). Validation lines also carry rounds
+  ({draft steps: histogram of drafts accepted per chain round replayed on the val split}) and accept_sim
+  ({draft steps: the accept length of those rounds}).
 Keys other than these are kept and not checked, so newer writers can add fields.
 
 Non-finite floats are written as the JSON strings "NaN", "Infinity", "-Infinity" (strict JSON, and a

@@ -441,6 +441,18 @@ def _latest_list(records: list[dict[str, Any]], split: str, key: str) -> tuple[i
     return None, None
 
 
+def _latest_replayed(records: list[dict[str, Any]], num_steps: int | None) -> float | None:
+    """The latest val record's accept length of its replayed chain rounds (`accept_sim`) at num_steps, if it has one."""
+    if not num_steps:
+        return None
+    for record in reversed(records):
+        replayed = record.get("accept_sim") if record.get("split") == "val" else None
+        if isinstance(replayed, dict):
+            value = replayed.get(str(num_steps))
+            return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    return None
+
+
 def _tokens_past(view: RunView, start_step: int | None) -> int | None:
     steps, tokens = finite_points(*view.series("tokens", "train"))
     if start_step is None or not tokens:
@@ -550,6 +562,7 @@ def compute_signals(
         "tau_hat": estimate_tau(val_acc, num_steps),
         "tau_hat_step": tau_step,
         "tau_hat_acceptance": estimate_tau(val_accept, num_steps),
+        "accept_replayed": _latest_replayed(records, num_steps),  # validation's chain rounds replayed (trainer's accept_sim)
         "weight_norm": _weight_norms(view, window),
         "grad_norm": {
             "latest": _last(finite_points(gn_steps, gns)[1]),

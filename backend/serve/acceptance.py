@@ -15,6 +15,8 @@ steps reached the position) is where serving breaks. See docs/serving.md, "Per-p
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Sequence
 
 # Per-position break: served conditional acceptance at position k below val acc_k - max(BREAK_ABS_TOL, BREAK_Z x SE),
@@ -30,6 +32,22 @@ POOLED_LABEL = "pooled over verify steps (SGLang, vLLM: sum completion_tokens / 
 MEAN_OF_MEANS_LABEL = "mean of per-request means (SpecForge benchmark)"
 HISTOGRAM_KEY = "spec_correct_drafts_histogram"
 LEGACY_HISTOGRAM_KEY = "spec_accept_histogram"  # SGLang's older name, still sent beside the new one
+
+
+def checkpoint_validation(draft_dir: Any) -> tuple[list[float] | None, dict[str, Any] | None]:
+    """(val_acc, val_rounds) a checkpoint recorded in its config.json (eagle3_console), each None when absent or unreadable."""
+    if not isinstance(draft_dir, (str, Path)) or not str(draft_dir):
+        return None, None
+    try:
+        config = json.loads((Path(draft_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    meta = config.get("eagle3_console") if isinstance(config, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
+    acc, rounds = meta.get("val_acc"), meta.get("val_rounds")
+    if not (isinstance(acc, list) and acc and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in acc)):
+        acc = None
+    return ([float(a) for a in acc] if acc else None), (rounds if isinstance(rounds, dict) else None)
 
 
 def tau_hat(val_acc: list[float] | None, num_steps: int) -> float | None:
@@ -113,30 +131,62 @@ def break_tolerance(predicted: float, steps_at_position: int) -> float:
     return max(BREAK_ABS_TOL, spread)
 
 
-def compare_with_validation(per_position: list[dict[str, Any]], val_acc: list[float] | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Rows with predicted (val acc_k) and predicted_reached (prod acc_j, j <= k) added; the first break or None."""
+REPLAYED = "replayed"  # a row's prediction: validation's chain rounds replayed (the trainer's val_rounds)
+VAL_ACC = "val_acc"  # a row's prediction: val acc_k (what tau-hat assumes)
+
+
+def replayed_rounds(val_rounds: Any, num_steps: int | None) -> list[int] | None:
+    """The histogram of chain rounds validation replayed at num_steps (a checkpoint's val_rounds), or None.
+
+    Replayed rounds start where serving starts them (after a rejection as often as serving does), so their rate
+    at position k is the served rate to expect; val acc_k is the rate over every position, which is higher."""
+    if not isinstance(val_rounds, dict) or not num_steps:
+        return None
+    histogram = val_rounds.get(str(num_steps))
+    if not isinstance(histogram, list) or len(histogram) != num_steps + 1 or sum(histogram) <= 0:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in histogram):
+        return None
+    return list(histogram)
+
+
+def compare_with_validation(
+    per_position: list[dict[str, Any]], val_acc: list[float] | None, replay: list[int] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Rows with predicted and predicted_reached added, and the first break or None.
+
+    predicted is the replayed rounds' conditional rate at k when `replay` (replayed_rounds) has it, else val acc_k
+    (predicted_reached: prod acc_j, j <= k); `basis` says which, val_acc keeps acc_k beside it."""
+    replayed = {row["position"]: row for row in per_position_acceptance(replay, len(replay) - 1)} if replay else {}
     rows, first = [], None
     running = 1.0
     for row in per_position:
         k = row["position"]
         out = dict(row)
         acc = float(val_acc[k]) if val_acc and k < len(val_acc) else None
-        if acc is None:
-            out.update(predicted=None, predicted_reached=None, tolerance=None, judged=False, broken=False)
+        expected = replayed.get(k)
+        if expected is not None and expected["conditional"] is not None:
+            predicted, basis = float(expected["conditional"]), REPLAYED
+            running = float(expected["reached"])
+        elif acc is not None:
+            predicted, basis = acc, VAL_ACC
+            running *= max(0.0, min(1.0, acc))
+        else:
+            out.update(predicted=None, predicted_reached=None, tolerance=None, judged=False, broken=False, val_acc=None, basis=None)
             rows.append(out)
             continue
-        running *= max(0.0, min(1.0, acc))
         n = row["steps_at_position"]
-        tol = break_tolerance(acc, n)
+        tol = break_tolerance(predicted, n)
         judged = n >= MIN_STEPS_AT_POSITION and row["conditional"] is not None
-        broken = bool(judged and row["conditional"] < acc - tol)
-        out.update(predicted=acc, predicted_reached=running, tolerance=tol, judged=judged, broken=broken)
+        broken = bool(judged and row["conditional"] < predicted - tol)
+        out.update(predicted=predicted, predicted_reached=running, tolerance=tol, judged=judged, broken=broken, val_acc=acc, basis=basis)
         rows.append(out)
         if broken and first is None:
             first = {
                 "position": k,
                 "served": row["conditional"],
-                "predicted": acc,
+                "predicted": predicted,
+                "basis": basis,
                 "tolerance": tol,
                 "served_reached": row["reached"],
                 "predicted_reached": running,
@@ -148,9 +198,10 @@ def compare_with_validation(per_position: list[dict[str, Any]], val_acc: list[fl
 def break_line(first: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
     """One sentence: where served acceptance breaks, or that it holds (and up to where it could be judged)."""
     if first is not None:
+        source = "validation's chain rounds replayed" if first.get("basis") == REPLAYED else f"val acc_{first['position']}"
         return (
             f"served acceptance breaks at position {first['position']}: {first['served']:.2f} served vs "
-            f"{first['predicted']:.2f} predicted (val acc_{first['position']}; tolerance {first['tolerance']:.2f}, "
+            f"{first['predicted']:.2f} predicted ({source}; tolerance {first['tolerance']:.2f}, "
             f"{first['steps_at_position']} verify steps reached it)"
         )
     judged = [r["position"] for r in rows if r.get("judged")]
@@ -158,7 +209,8 @@ def break_line(first: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
         return "no validation accuracy recorded: served acceptance per position shown without a prediction"
     if not judged:
         return f"too few verify steps reached any position to judge (each needs {MIN_STEPS_AT_POSITION})"
-    return f"no break: served acceptance within tolerance of validation at positions 0-{max(judged)}"
+    replayed = " (its chain rounds replayed)" if any(r.get("basis") == REPLAYED for r in rows) else ""
+    return f"no break: served acceptance within tolerance of validation{replayed} at positions 0-{max(judged)}"
 
 
 def mean_of_request_means(pairs: list[tuple[int, int]]) -> float | None:
@@ -167,16 +219,29 @@ def mean_of_request_means(pairs: list[tuple[int, int]]) -> float | None:
     return sum(means) / len(means) if means else None
 
 
+def replayed_accept_length(replay: list[int] | None) -> float | None:
+    """Tokens per verify round of replayed rounds (accepted drafts + the bonus token)."""
+    if not replay or sum(replay) <= 0:
+        return None
+    return 1 + sum(i * n for i, n in enumerate(replay)) / sum(replay)
+
+
 def acceptance_report(
-    requests: list[tuple[int, int, list[int] | None]], num_steps: int | None, val_acc: list[float] | None = None, histogram_notes: Sequence[str] = ()
+    requests: list[tuple[int, int, list[int] | None]],
+    num_steps: int | None,
+    val_acc: list[float] | None = None,
+    histogram_notes: Sequence[str] = (),
+    val_rounds: Any = None,
 ) -> dict[str, Any]:
-    """Both accept-length definitions, served acceptance per position, and the first break against validation.
+    """Both accept-length definitions, served acceptance per position, and the first break against validation
+    (its replayed chain rounds when the checkpoint recorded val_rounds for num_steps, else val acc_k).
 
     requests: (completion_tokens, verify_ct, histogram or None) per finished request. Requests without a histogram
     degrade the per-position part to nothing, with a note; the pooled number is always there when verify steps ran.
     """
     completion = sum(c for c, _, _ in requests)
     verify = sum(v for _, v, _ in requests)
+    replay = replayed_rounds(val_rounds, num_steps)
     notes = list(dict.fromkeys(n for n in histogram_notes if n))
     histograms = [h for _, v, h in requests if h is not None and v > 0]
     missing = sum(1 for _, v, h in requests if h is None and v > 0)
@@ -190,7 +255,7 @@ def acceptance_report(
         )
     elif histograms:
         histogram = merge_histograms(histograms)
-        per_position, first = compare_with_validation(per_position_acceptance(histogram, num_steps), val_acc)
+        per_position, first = compare_with_validation(per_position_acceptance(histogram, num_steps), val_acc, replay)
     report: dict[str, Any] = {
         "pooled": completion / verify if verify else None,
         "pooled_label": POOLED_LABEL,
@@ -202,8 +267,11 @@ def acceptance_report(
         "per_position": per_position,
         "val_acc": list(val_acc) if val_acc else None,
         "tau_hat": tau_hat(val_acc, num_steps or 0) if val_acc and num_steps else None,
+        "val_rounds": replay,
+        "accept_replayed": replayed_accept_length(replay),
         "break": first,
         "break_line": break_line(first, per_position) if per_position else None,
+        "prediction_label": prediction_label(per_position),
         "tolerance": {"abs": BREAK_ABS_TOL, "z": BREAK_Z, "min_steps": MIN_STEPS_AT_POSITION},
         "notes": notes,
     }
@@ -216,9 +284,11 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
         f"accept length {_num(report.get('pooled'))}  {report.get('pooled_label', POOLED_LABEL)}",
         f"accept length {_num(report.get('mean_of_request_means'))}  {report.get('mean_of_request_means_label', MEAN_OF_MEANS_LABEL)}",
     ]
+    if report.get("accept_replayed") is not None:
+        lines.append(f"accept length {_num(report['accept_replayed'])}  predicted: validation's chain rounds replayed (tau-hat {_num(report.get('tau_hat'))})")
     rows = report.get("per_position") or []
     if rows:
-        lines.append("pos  val acc  served|k  predicted reach  served reach  steps")
+        lines.append(f"pos  {prediction_label(rows):>7}  served|k  predicted reach  served reach  steps")
         for row in rows:
             mark = "  <- break" if row.get("broken") else ""
             lines.append(
@@ -229,6 +299,11 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
         lines.append(report["break_line"])
     lines += [f"note: {note}" for note in report.get("notes") or []]
     return lines
+
+
+def prediction_label(rows: list[dict[str, Any]]) -> str:
+    """The per-position table's prediction column: replayed chain rounds or val acc_k."""
+    return "replay" if any(row.get("basis") == REPLAYED for row in rows) else "val acc"
 
 
 def _num(value: Any) -> str:

@@ -262,6 +262,7 @@ def run_canary(
     val_acc: list[float] | None = None,
     max_new_tokens: int = 128,
     preflight_codes: Sequence[str] = (),
+    val_rounds: dict | None = None,
     ratio: float = REPRODUCE_RATIO,
     timeout_s: float = 600.0,
 ) -> CanaryResult:
@@ -298,7 +299,11 @@ def run_canary(
     if not done:
         verdict, headline = RED, reasons[-1] if failed else "no canary request completed"
     acceptance = acceptance_report(
-        [(r.completion_tokens, r.verify_ct, r.histogram) for r in done], num_steps, val_acc, [r.histogram_note for r in done if r.histogram_note]
+        [(r.completion_tokens, r.verify_ct, r.histogram) for r in done],
+        num_steps,
+        val_acc,
+        [r.histogram_note for r in done if r.histogram_note],
+        val_rounds=val_rounds,
     )
     return CanaryResult(
         verdict=verdict,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -13,6 +12,7 @@ from typing import Any, Callable
 from backend.profiles import Profile
 from backend.serve import canary as canary_mod
 from backend.serve import http
+from backend.serve.acceptance import checkpoint_validation
 from backend.serve.preflight import resolve_draft_dir, run_preflight
 from backend.serve.prompts import load_prompts
 from backend.serve.sglang_args import build_sglang_argv, expected_spec_settings
@@ -126,15 +126,6 @@ def build_argv(
         raise ValueError("--feed last_hidden exists only on the reference engine (SGLang feeds what its target captures)")
     target = target_dir(profile) if profile.target.path.startswith(("builtin:", "wheel:")) else profile.target.path
     return build_sglang_argv(profile, draft_dir, target_path=target, port=port, host=host, speculative=speculative)
-
-
-def draft_val_acc(draft_dir: str) -> list[float] | None:
-    try:
-        config = json.loads((Path(draft_dir) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    acc = (config.get("eagle3_console") or {}).get("val_acc")
-    return [float(a) for a in acc] if isinstance(acc, list) and acc else None
 
 
 def canary_prompts(profile: Profile, count: int = 4) -> list[str]:
@@ -283,11 +274,13 @@ def launch(
         return result
 
     canary_started = time.monotonic()
+    val_acc, val_rounds = checkpoint_validation(draft)
     outcome = canary_mod.run_canary(
         url,
         prompts or canary_prompts(profile),
         num_steps=int(result.server_info.get("speculative_num_steps") or profile.serve.num_steps),
-        val_acc=draft_val_acc(draft),
+        val_acc=val_acc,
+        val_rounds=val_rounds,
         max_new_tokens=max_new_tokens,
         preflight_codes=report.codes(),
     )

@@ -17,6 +17,8 @@ class TTTLoss:
     plosses: list  # scalar tensors (with grad), one per TTT step
     accs: list  # scalar tensors (no grad), one per TTT step
     counts: list  # number of masked positions per TTT step (int tensors)
+    hits: Any = None  # fused_ttt_loss(keep_hits=True): [K, B, S] bool, step k at t hit a scored target (t+1+k)
+    scored: Any = None  # with hits: Teacher.scored of the same batch
 
 
 @dataclass
@@ -26,6 +28,7 @@ class Teacher:
     probs: torch.Tensor  # [B, S, Vd] float32 softmax(target_logits[..., t2d])
     index: torch.Tensor  # [B, S] the target's argmax as a draft-vocab index
     valid: torch.Tensor  # [B, S] bool: loss_mask and the target argmax lies in the draft vocab
+    scored: Any = None  # [B, S] bool: loss_mask alone (the positions a served draft would be asked to predict)
 
 
 def make_teacher(target_logits, loss_mask, t2d, draft_ids=None, probs_dtype=None) -> Teacher:
@@ -48,7 +51,7 @@ def make_teacher(target_logits, loss_mask, t2d, draft_ids=None, probs_dtype=None
         probs = torch.softmax(restricted.float(), dim=-1)
         if probs_dtype is not None:
             probs = probs.to(probs_dtype)
-        return Teacher(probs=probs, index=index, valid=valid)
+        return Teacher(probs=probs, index=index, valid=valid, scored=loss_mask.to(target_logits.device).bool())
 
 
 def step_masks(teacher: Teacher, ttt_length: int) -> list:
@@ -182,13 +185,15 @@ def _fused_function():
 _FUSED: dict[str, Any] = {}
 
 
-def fused_ttt_loss(states, head_weight, teacher: Teacher, decay: float = PLOSS_DECAY, chunk_rows: int | None = None, compiled: bool = False) -> TTTLoss:
+def fused_ttt_loss(
+    states, head_weight, teacher: Teacher, decay: float = PLOSS_DECAY, chunk_rows: int | None = None, compiled: bool = False, keep_hits: bool = False
+) -> TTTLoss:
     """ttt_loss(lm_head(states[k]) for each k, teacher) without keeping any logits: see the note above.
 
     states: [K, B, S, H], norm(output state) of TTT step k at position t (draft.ttt_hidden); step k at t is
     scored against the teacher at t+1+k, as in ttt_loss. Steps with no position left (k >= S-1) are not
     scored. chunk_rows: rows per chunk (default B*S, one step). compiled: torch.compile the per-chunk math.
-    Returns the same TTTLoss; only `total` carries a gradient.
+    Returns the same TTTLoss; only `total` carries a gradient. keep_hits: also the per-position hits (TTTLoss.hits).
     """
     import torch
 
@@ -226,4 +231,32 @@ def fused_ttt_loss(states, head_weight, teacher: Teacher, decay: float = PLOSS_D
         maskf = mask.to(torch.float32)
         plosses = (ce.view(scored, -1) * maskf).sum(-1) / denom
         accs = (hits.view(scored, -1) & mask).sum(-1).to(torch.float32) / denom
-    return TTTLoss(total=total, plosses=list(plosses.unbind()), accs=list(accs.unbind()), counts=list(counts.unbind()))
+        grid = (hits.view(scored, -1) & mask).view(scored, batch, seq) if keep_hits else None
+    return TTTLoss(total=total, plosses=list(plosses.unbind()), accs=list(accs.unbind()), counts=list(counts.unbind()), hits=grid)
+
+
+def chain_round_histogram(hits, scored, num_steps: int) -> list[int]:
+    """Chain drafting of num_steps replayed on teacher-forced hits: entry i = rounds that accepted exactly i drafts.
+
+    hits [K, B, S] (TTTLoss.hits: step k at row t predicted the target at t+1+k); scored [B, S] (Teacher.scored).
+    A round starts at a row t whose next position is scored (an answer token), accepts the leading run of steps
+    that hit, and the next round starts at t + accepted + 1, as a served round does after its bonus token. So
+    rounds start after rejections as often as serving makes them, which per-position accuracy (tau-hat) does not
+    see: on SmolLM2 the step after a rejected round hit 0.40 of the time against 0.70 after a full accept.
+    """
+    import torch
+
+    steps = min(num_steps, hits.shape[0])
+    lead = hits[:steps].to(torch.long).cumprod(0).sum(0).cpu().tolist() if steps > 0 else None  # [B, S] leading hits
+    starts = scored[:, 1:].cpu().tolist()  # row t may start a round when position t+1 is scored
+    histogram = [0] * (num_steps + 1)
+    for row, allowed in enumerate(starts):
+        t = 0
+        while t < len(allowed):
+            if not allowed[t]:
+                t += 1
+                continue
+            accepted = lead[row][t] if lead is not None else 0
+            histogram[accepted] += 1
+            t += accepted + 1
+    return histogram

@@ -36,7 +36,7 @@ from backend.train.data import (
 )
 from backend.train.draft import DraftModelConfig, Eagle3Draft
 from backend.train.fsutil import PRIVATE_FILE, ForeignPathError, private_dir, private_file_if_present
-from backend.train.loss import TTTLoss, fused_ttt_loss, make_teacher
+from backend.train.loss import TTTLoss, chain_round_histogram, fused_ttt_loss, make_teacher
 from backend.train.schedule import GrokfastEMA, LRSchedule
 from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
 from backend.layout import latest_checkpoint
@@ -225,15 +225,18 @@ class _TTTModule(torch.nn.Module):
     Returns (total loss, per-row CE, per-row hits) as tensors; fused_ttt_loss builds the TTTLoss from them.
     """
 
-    def __init__(self, draft: Eagle3Draft, ttt_length: int, compiled: bool = False):
+    def __init__(self, draft: Eagle3Draft, ttt_length: int, compiled: bool = False, keep_hits: bool = False):
         super().__init__()
         self.draft = draft
         self.ttt_length = ttt_length
         self.compiled = compiled
+        self.keep_hits = keep_hits
 
     def forward(self, aux_hidden, input_ids, teacher):
         states = self.draft.ttt_hidden(aux_hidden, input_ids, self.ttt_length)
-        result = fused_ttt_loss(states, self.draft.lm_head.weight, teacher, compiled=self.compiled)
+        result = fused_ttt_loss(states, self.draft.lm_head.weight, teacher, compiled=self.compiled, keep_hits=self.keep_hits)
+        if self.keep_hits:
+            result.scored = teacher.scored
         return result.total, result
 
 
@@ -314,6 +317,12 @@ def weight_norms(draft: torch.nn.Module) -> tuple[float, dict[str, float]]:
                 group = module_group(name)
                 squares[group] = squares.get(group, 0.0) + float(param.detach().float().pow(2).sum())
     return math.sqrt(sum(squares.values())), {group: math.sqrt(value) for group, value in squares.items()}
+
+
+def _accept_length(histogram: list[int]) -> float | None:
+    """Tokens per verify round (accepted drafts + the bonus token) of a rounds histogram; None without rounds."""
+    rounds = sum(histogram)
+    return 1 + sum(i * n for i, n in enumerate(histogram)) / rounds if rounds else None
 
 
 class _Interval:
@@ -794,15 +803,30 @@ class Trainer:
         s, ctx, parts = self.settings, self.ctx, self.parts
         limit = None if self.options.max_val_batches is None else self.options.max_val_batches * s.batch_size * ctx.world_size
         interval = _Interval(s.ttt_length, ctx.device)
-        module = _TTTModule(parts.draft, s.ttt_length, parts.compiled)
+        module = _TTTModule(parts.draft, s.ttt_length, parts.compiled, keep_hits=True)
+        chains = self.simulated_chains()
+        rounds = torch.zeros(len(chains), s.ttt_length + 1, dtype=torch.float64)
         parts.draft.eval()
         with torch.no_grad():
             for indices in eval_batches(parts.source.size("val"), s.batch_size, ctx.rank, ctx.world_size, limit):
-                interval.add(self._forward(parts.source.batch("val", indices, ctx.device), module))
+                result = self._forward(parts.source.batch("val", indices, ctx.device), module)
+                interval.add(result)
+                for row, steps in enumerate(chains):
+                    histogram = chain_round_histogram(result.hits, result.scored, steps)
+                    rounds[row, : len(histogram)] += torch.tensor(histogram, dtype=torch.float64)
         parts.draft.train()
         reduced = interval.reduced(ctx)
         reduced.pop("steps")
+        summed = ctx.all_reduce(rounds.to(ctx.device)).tolist()
+        reduced["rounds"] = {str(steps): [int(v) for v in summed[row][: steps + 1]] for row, steps in enumerate(chains)}
+        reduced["accept_sim"] = {key: _accept_length(histogram) for key, histogram in reduced["rounds"].items()}
         return reduced
+
+    def simulated_chains(self) -> list[int]:
+        """Draft-step counts whose chain rounds validation replays: the profile's served num_steps and the TTT length."""
+        served = getattr(getattr(self.profile, "serve", None), "num_steps", None)
+        ttt = self.settings.ttt_length
+        return sorted({ttt} | ({served} if isinstance(served, int) and 0 < served <= ttt else set()))
 
     def _loop(self) -> None:
         s, ctx = self.settings, self.ctx
@@ -920,7 +944,11 @@ class Trainer:
         record = {"step": self.step, "epoch": self.epoch_progress, "split": "val", **values, "tokens": self.tokens}
         self.metrics.write(record)
         self._tensorboard("val", record)
-        self.log(f"validation at step {self.step}: loss {values['loss']:.4f} acc {' '.join(f'{a:.3f}' for a in values['acc'])}")
+        simulated = " ".join(f"{steps} steps {value:.2f}" for steps, value in values["accept_sim"].items() if value is not None)
+        self.log(
+            f"validation at step {self.step}: loss {values['loss']:.4f} acc {' '.join(f'{a:.3f}' for a in values['acc'])}"
+            + (f"; chain rounds replayed: accept length {simulated}" if simulated else "")
+        )
 
     def _tensorboard(self, split: str, record: dict) -> None:
         if self.tb is None:
@@ -960,6 +988,7 @@ class Trainer:
             parts = self.parts
             extra = {
                 "val_acc": self.latest_val.get("acc"),
+                "val_rounds": self.latest_val.get("rounds"),  # chain rounds replayed on validation (chain_round_histogram)
                 "val_loss": self.latest_val.get("loss"),
                 "val_acc_step": self.latest_val.get("step"),
                 "trained_aux_width": parts.draft_config.aux_width,

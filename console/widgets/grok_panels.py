@@ -120,6 +120,9 @@ def acceptance_text(signals: dict[str, Any] | None, latest_train: dict[str, Any]
     text.append(f" (val acc at step {_steps(signals.get('tau_hat_step'))})")
     if signals.get("tau_hat_acceptance") is not None:
         text.append(f" · from acceptance rate {accept_length(signals.get('tau_hat_acceptance'))}")
+    if signals.get("accept_replayed") is not None:  # rounds start after rejections too: what serving gives, closer than τ̂
+        text.append(" · chain rounds replayed ")
+        text.append(accept_length(signals["accept_replayed"]), style="bold cyan")
     rows = signals.get("per_position") or []
     text.append("\n k tr.acc val.acc tr.pl val.pl   gap", style="bold")
     if not rows:

@@ -260,7 +260,9 @@ def test_tau_hat_and_accept_lengths_are_printed_one_way_on_every_screen():
         "inf",
     ]
     grok = str(acceptance_text({"tau_hat": 1.0, "tau_hat_step": 13, "tau_hat_acceptance": 2.9444, "per_position": []}))
-    assert "τ̂ 1.00 (val acc at step 13) · from acceptance rate 2.94" in grok
+    assert "τ̂ 1.00 (val acc at step 13) · from acceptance rate 2.94" in grok and "replayed" not in grok
+    replayed = str(acceptance_text({"tau_hat": 2.47, "tau_hat_step": 5800, "accept_replayed": 2.104, "per_position": []}))
+    assert "τ̂ 2.47 (val acc at step 5,800) · chain rounds replayed 2.10" in replayed
     records = amber_records()  # issue 12's 13-step draft: τ̂ 1.0, accept length 1.41
     for record in records:
         if record["stage"] == "result" and record["status"] == "ok":

@@ -236,6 +236,10 @@ def test_compute_signals_reports_norms_grads_tau_and_positions():
     signals = compute_signals(records, window=8, clip=0.5, num_steps=2)
     json.dumps(signals, allow_nan=False)
     assert signals["tau_hat"] == pytest.approx(2.2) and signals["tau_hat_step"] == 5000
+    assert signals["accept_replayed"] is None  # no val line carries replayed rounds
+    next(r for r in reversed(records) if r["split"] == "val")["accept_sim"] = {"2": 1.93, "7": 2.4}
+    assert compute_signals(records, window=8, clip=0.5, num_steps=2)["accept_replayed"] == pytest.approx(1.93)
+    assert compute_signals(records, window=8, clip=0.5, num_steps=3)["accept_replayed"] is None
     assert signals["weight_norm"]["latest"] == pytest.approx(100.0 - 0.01 * 499)
     assert signals["weight_norm"]["relative_change"] < 0 and signals["weight_norm"]["lag_steps"] == 80
     assert signals["weight_norm"]["modules"]["fc"]["relative_change"] == 0.0

@@ -312,3 +312,45 @@ def test_canary_reads_the_reference_engines_histogram(mini_servers):
     assert acceptance["pooled"] == pytest.approx(result.accept_length)
     assert acceptance["mean_of_request_means"] == pytest.approx(sum(r.completion_tokens / r.verify_ct for r in result.requests) / len(result.requests))
     assert acceptance["break_line"]  # an untrained draft against 0.9: a break, or too few steps to judge
+
+
+def test_replayed_chain_rounds_predict_the_served_rate_where_val_acc_cannot():
+    """The SmolLM2 shape of 2026-12-02: val acc_0 0.70, but rounds start after rejections, so served position 0
+    runs ~0.5. Judged against val acc_0 that is a break; against the checkpoint's replayed rounds it is not, and a
+    real collapse (0.05 served) still is."""
+    from backend.serve.acceptance import replayed_accept_length, replayed_rounds
+
+    served = [530, 200, 120, 150]  # 1,000 verify steps: position 0 accepted 0.47 of the time
+    val_acc = [0.70, 0.67, 0.65]
+    replay = [480, 190, 130, 200]  # validation's rounds replayed at 3 steps: position 0 at 0.52
+    request = [(sum(i * h for i, h in enumerate(served)) + 1000 + 1, 1000, served)]
+    by_val = acceptance_report(request, num_steps=3, val_acc=val_acc)
+    assert by_val["break"]["position"] == 0 and by_val["break"]["basis"] == "val_acc"
+    report = acceptance_report(request, num_steps=3, val_acc=val_acc, val_rounds={"3": replay, "7": [1] * 8})
+    assert report["break"] is None and report["break_line"].startswith("no break: served acceptance within tolerance of validation (its chain rounds")
+    rows = report["per_position"]
+    assert [r["basis"] for r in rows] == ["replayed"] * 3 and [r["val_acc"] for r in rows] == val_acc
+    assert rows[0]["predicted"] == pytest.approx(0.52) and rows[1]["predicted"] == pytest.approx(330 / 520)
+    assert rows[2]["predicted_reached"] == pytest.approx(0.2)
+    assert report["accept_replayed"] == pytest.approx(1 + (190 + 260 + 600) / 1000) == replayed_accept_length(replay)
+    assert report["prediction_label"] == "replay" and by_val["prediction_label"] == "val acc"
+    text = "\n".join(acceptance_lines(report))
+    assert "pos   replay  served|k" in text and "predicted: validation's chain rounds replayed" in text
+    collapsed = [950, 30, 10, 10]
+    broken = acceptance_report([(1100, 1000, collapsed)], num_steps=3, val_acc=val_acc, val_rounds={"3": replay})
+    assert broken["break"]["position"] == 0 and "validation's chain rounds replayed" in broken["break_line"]
+    # a histogram for other steps, a malformed one, or none: val acc_k is the prediction again
+    for rounds in ({"7": [1] * 8}, {"3": [1, 2]}, {"3": [1, -1, 0, 0]}, {"3": [0, 0, 0, 0]}, ["3"], None):
+        assert replayed_rounds(rounds, 3) is None
+
+
+def test_a_checkpoints_validation_record_is_read_with_its_replayed_rounds(tmp_path):
+    import json
+
+    from backend.serve.acceptance import checkpoint_validation
+
+    (tmp_path / "config.json").write_text(json.dumps({"eagle3_console": {"val_acc": [0.7, 0.6], "val_rounds": {"3": [1, 2, 3, 4]}}}))
+    assert checkpoint_validation(str(tmp_path)) == ([0.7, 0.6], {"3": [1, 2, 3, 4]})
+    (tmp_path / "config.json").write_text(json.dumps({"eagle3_console": {"val_acc": [0.7, True]}}))
+    assert checkpoint_validation(tmp_path) == (None, None)
+    assert checkpoint_validation(str(tmp_path / "missing")) == (None, None) and checkpoint_validation(None) == (None, None)

@@ -339,6 +339,7 @@ def test_decode_speed_benchmark_runs_on_cpu_with_tiny_settings(mini_target_dir, 
     assert report["checks"]["static_plain_vs_eager_plain"]["identical"] == 2
     anatomy = rows["ours_static_eagle_k3"]["acceptance_anatomy"]
     assert anatomy["positions"] == 14 and anatomy["served_vs_teacher_forced_agreement"] == 1.0  # float32: the same rows
+    assert anatomy["replayed_rounds"] == anatomy["served_rounds"] and sum(anatomy["served_rounds"]) == anatomy["round_starts"]
     assert "ours_static_eagle_k3" in done.stdout and "bandwidth bound" in done.stdout
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from backend.train.loss import eagle3_loss, make_teacher, step_masks, ttt_loss
+from backend.train.loss import chain_round_histogram, eagle3_loss, make_teacher, step_masks, ttt_loss
 
 V, VD, B, S = 12, 6, 2, 9
 
@@ -177,3 +177,40 @@ def test_bf16_teacher_probabilities_stay_within_rounding_of_fp32():
     bf16 = make_teacher(target_logits, loss_mask, t2d, draft_ids=torch.nonzero(t2d).flatten(), probs_dtype=torch.bfloat16)
     assert bf16.probs.dtype == torch.bfloat16 and torch.equal(bf16.valid, fp32.valid) and torch.equal(bf16.index, fp32.index)
     assert (bf16.probs.float() - fp32.probs).abs().max() <= 2**-8 * fp32.probs.max()
+
+
+def test_chain_rounds_replay_serving_on_teacher_forced_hits():
+    """Rounds start where an answer token follows, take the leading run of hits, and jump past the bonus token."""
+    hits = torch.zeros(3, 1, 12, dtype=torch.bool)
+    hits[:, 0, 1] = True  # a round at row 1 accepts all 3 drafts -> the next starts at row 5
+    hits[0, 0, 5] = True  # row 5: step 0 hits, step 1 misses -> accepts 1, next at row 7
+    hits[1, 0, 5] = False
+    hits[:2, 0, 7] = True  # row 7: accepts 2 (step 2 misses) -> next at row 10
+    hits[0, 0, 2] = hits[0, 0, 3] = True  # rows 2-4 are skipped by the full accept: they never start a round
+    scored = torch.zeros(1, 12, dtype=torch.bool)
+    scored[0, 2:] = True  # row t may start when position t+1 is scored: rows 1..10
+    # rounds: row 1 (3), row 5 (1), row 7 (2), row 10 (0: nothing hits there)
+    assert chain_round_histogram(hits, scored, 3) == [1, 1, 1, 1]
+    # one step: rows 1 (1) -> 3 (1) -> 5 (1) -> 7 (1) -> 9 (0) -> 10 (0)
+    assert chain_round_histogram(hits, scored, 1) == [2, 4]
+    scored[0, 6:9] = False  # rows 5..7 may not start a round (prompt there): row 1 (3) -> 5 skipped to 8 (0) -> 9 (0) -> 10 (0)
+    assert chain_round_histogram(hits, scored, 3) == [3, 0, 0, 1]
+
+
+def test_fused_loss_keeps_the_per_position_hits_it_counted():
+    from backend.train.loss import fused_ttt_loss
+
+    torch.manual_seed(3)
+    batch, seq, hidden, vocab, steps = 2, 9, 8, 5, 3
+    states = torch.randn(steps, batch, seq, hidden)
+    head = torch.randn(vocab, hidden)
+    target_logits = torch.randn(batch, seq, vocab)
+    loss_mask = torch.ones(batch, seq, dtype=torch.bool)
+    loss_mask[0, :3] = False
+    teacher = make_teacher(target_logits, loss_mask, torch.ones(vocab, dtype=torch.bool))
+    result = fused_ttt_loss(states, head, teacher, keep_hits=True)
+    assert result.hits.shape == (steps, batch, seq) and torch.equal(teacher.scored, loss_mask)
+    for k in range(steps):
+        assert result.hits[k].sum() == round(float(result.accs[k]) * int(result.counts[k]))
+        assert not result.hits[k, :, seq - 1 - k :].any()  # no target past the end
+    assert fused_ttt_loss(states, head, teacher).hits is None

@@ -132,6 +132,10 @@ def test_checkpoints_carry_validation_accuracy_aux_width_and_target(mini_run, mi
     meta = config["eagle3_console"]
     val = [r for r in read_records(mini_run) if r["split"] == "val"][-1]
     assert meta["val_acc"] == val["acc"] and meta["val_acc_step"] == 6
+    assert meta["val_rounds"] == val["rounds"] and set(val["rounds"]) == {"3", "7"}  # the profile serves 3 steps; TTT 7
+    for steps, histogram in val["rounds"].items():
+        assert len(histogram) == int(steps) + 1 and sum(histogram) > 0
+        assert val["accept_sim"][steps] == pytest.approx(1 + sum(i * n for i, n in enumerate(histogram)) / sum(histogram))
     assert meta["trained_aux_width"] == 96 and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     assert meta["target"]["resolved_path"] == mini_profile.target.path
     assert meta["target"]["architecture"] == "LlamaForCausalLM" and meta["target"]["hidden_size"] == 32
