@@ -63,6 +63,7 @@ EVAL_INTERVAL=${EVAL_INTERVAL:-200} VAL_BATCHES=${VAL_BATCHES:-16} SF_VAL=${SF_V
 # REGEN_BATCH: carry1's measured best (bench_regenerate.py --choose), else 256.
 REGEN_LIMIT=${REGEN_LIMIT:-12000} REGEN_VAL=${REGEN_VAL:-64} REGEN_BATCH=${REGEN_BATCH:-} REGEN_NEW=${REGEN_NEW:-160}
 REGEN_PROMPT=${REGEN_PROMPT:-384} REGEN_S=${REGEN_S:-120} COLD_MIB=${COLD_MIB:-1024} COLD_S=${COLD_S:-150}
+# REGEN_ANSWERS=N: `data regenerate --max-answers N` (first N answers of each conversation: more conversations per second)
 REGEN_BENCH_BATCHES=${REGEN_BENCH_BATCHES:-256 512 1024 2048} REGEN_BENCH=${REGEN_BENCH:-1} # 0: carry1 skips it (REGEN_BATCH given)
 # serve phase
 NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
@@ -353,7 +354,7 @@ phase_train() {
     [ -n "$REGEN_BATCH" ] || REGEN_BATCH=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["batch_size"])' "$DEV/regen_batch.json" 2>/dev/null || echo 256)
     stage regenerate $((REGEN_S + 45)) $((REGEN_S + 120)) "${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" \
         --limit "$REGEN_LIMIT" --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" \
-        --max-seconds "$REGEN_S" --device "$DEVICE"
+        --max-seconds "$REGEN_S" --device "$DEVICE" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"}
     regen_rc=$?
     if [ "$regen_rc" -eq 0 ] && grep -q '"finalized": *true' "$DEV/regen/regenerate.json" 2>/dev/null; then
         DATA=$DEV/regen

@@ -81,6 +81,13 @@ def _register_regenerate(commands, parent) -> None:
     command.add_argument("--max-prompt-tokens", type=int, help="a conversation ends before an answer whose prompt is longer (default: the profile's seq_len)")
     command.add_argument("--limit", type=int, metavar="N", help="regenerate the first N train conversations only")
     command.add_argument("--val-limit", type=int, metavar="N", help="regenerate the first N val conversations only")
+    command.add_argument(
+        "--max-answers",
+        type=int,
+        metavar="N",
+        help="answer at most the first N assistant turns of each conversation, leaving its later turns out: more conversations "
+        "in the same time (default: every turn)",
+    )
     command.add_argument("--chat-template", metavar="NAME|FILE", help="chatml, llama3, qwen or a Jinja file (default: the tokenizer's own)")
     command.add_argument(
         "--max-seconds",
@@ -103,6 +110,8 @@ def _regenerate_command(args) -> int:
         profile = load_profile(args.profile)
         if args.limit is not None and args.limit <= 0 or args.val_limit is not None and args.val_limit < 0:
             raise DataError("--limit must be > 0 and --val-limit >= 0. Nothing was written.")
+        if args.max_answers is not None and args.max_answers <= 0:
+            raise DataError(f"--max-answers {args.max_answers}: expected at least 1 answer per conversation. Nothing was written.")
         if args.max_seconds is not None and args.max_seconds <= 0:
             raise DataError(f"--max-seconds {args.max_seconds:g}: expected a positive number of seconds. Nothing was written.")
         source_identity(args.input.expanduser())  # refuse a wrong --input before the target loads
@@ -127,6 +136,7 @@ def _regenerate_command(args) -> int:
             limit=args.limit,
             val_limit=args.val_limit,
             max_seconds=args.max_seconds,
+            max_answers=args.max_answers,
         )
         regenerate(target, settings, chosen.name if chosen else "tokenizer", template, dtype, device)
     except (DataError, ProfileError, TargetMismatchError) as exc:

@@ -323,9 +323,12 @@ class Job:
     position: int = 0
     cut: str | None = None  # why the conversation ends early
 
-    def next_prompt(self, render: Callable[[list[dict]], list[int]], max_prompt_tokens: int) -> list[int] | None:
+    def next_prompt(self, render: Callable[[list[dict]], list[int]], max_prompt_tokens: int, max_answers: int | None = None) -> list[int] | None:
         """The ids of the history before the next answer (through the chat template, generation prompt added);
-        None when no answer is left, or when the prompt is longer than max_prompt_tokens (the conversation ends there)."""
+        None when no answer is left, when max_answers are answered (the later turns are left out), or when the prompt
+        is longer than max_prompt_tokens (the conversation ends there)."""
+        if max_answers is not None and len(self.tokens) >= max_answers:
+            return None
         while self.position < len(self.source) and self.source[self.position]["role"] != "assistant":
             self.messages.append(self.source[self.position])
             self.position += 1
@@ -380,6 +383,7 @@ class RegenerateSettings:
     val_limit: int | None = None
     progress_seconds: float = 10.0
     max_seconds: float | None = None  # no new answer is started after this; what is done is finalized (a run control, not identity)
+    max_answers: int | None = None  # answer at most the first N assistant turns of each conversation
 
 
 def source_identity(source: Path) -> dict:
@@ -406,6 +410,7 @@ def _identity(settings: RegenerateSettings, target, template_name: str, template
             "max_prompt_tokens": settings.max_prompt_tokens,
             "limit": settings.limit,
             "val_limit": settings.val_limit,
+            **({"max_answers": settings.max_answers} if settings.max_answers is not None else {}),  # absent: runs made before it resume
         },
         "source": source_identity(settings.source),
     }
@@ -566,7 +571,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
                     job = next(queue, None)
                     if job is None:
                         break
-                    prompt = job.next_prompt(render, settings.max_prompt_tokens)
+                    prompt = job.next_prompt(render, settings.max_prompt_tokens, settings.max_answers)
                     if prompt is None:
                         finish(job)
                     else:
@@ -578,7 +583,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
                 for (job, _prompt), (ids, why) in zip(active, results):
                     generated += len(ids) + (why == "eos")
                     job.answer(tokenizer.decode(ids, skip_special_tokens=True), len(ids), why)
-                    prompt = job.next_prompt(render, settings.max_prompt_tokens)
+                    prompt = job.next_prompt(render, settings.max_prompt_tokens, settings.max_answers)
                     if prompt is None:
                         finish(job)
                     else:

@@ -373,3 +373,54 @@ def test_the_regeneration_benchmark_measures_each_path_and_chooses_a_batch(tmp_p
             assert row[name]["answer_tokens_per_s"] > 0 and row[name]["prefill_s"] > 0
         assert row["ours_over_transformers"] > 0
     assert json.loads(choose.read_text()) == {"batch_size": report["best_batch"]} and report["best_batch"] in (1, 2)
+
+
+def test_max_answers_keeps_each_conversations_first_turns_only(world, tmp_path):
+    """--max-answers 1: every conversation ends after its first answer (the follow-ups of every third are left out,
+    not marked cut); the setting is part of the run's identity, and a run without it resumes as before."""
+    out = tmp_path / "first"
+    settings = RegenerateSettings(world["prep"], out, Sampling(max_new_tokens=12), batch_size=6, progress_seconds=0, max_answers=1)
+    meta = regenerate(world["target"], settings, "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
+    assert meta["complete"] and meta["settings"]["max_answers"] == 1
+    full = run_regenerate(world, tmp_path / "full", batch_size=6)
+    assert "max_answers" not in full["settings"]
+    for split in ("train", "val"):
+        mine, theirs = rows(out, split), rows(tmp_path / "full", split)
+        assert [r["key"] for r in mine] == [r["key"] for r in theirs]
+        assert all(len(r["answer_tokens"]) == 1 and "cut" not in r for r in mine)
+        for short, long in zip(mine, theirs):  # the first answer is the same; only the later turns are gone
+            first = next(i for i, message in enumerate(long["conversations"]) if message["role"] == "assistant")
+            assert short["conversations"] == long["conversations"][: first + 1]
+            assert short["answer_tokens"] == long["answer_tokens"][:1]
+    assert any(len(r["answer_tokens"]) == 2 for r in rows(tmp_path / "full") + rows(tmp_path / "full", "val"))  # follow-ups were there
+    with pytest.raises(DataError, match="settings"):
+        regenerate(world["target"], dataclasses.replace(settings, max_answers=2), "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
+
+
+def test_bad_answer_and_time_limits_are_refused_in_one_line_before_the_target_loads(world, tmp_path):
+    profile = write_toml(tmp_path / "mini.toml", world["raw"])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), EAGLE3_CACHE_DIR=str(tmp_path / "cache"))
+    for flag, value, words in (("--max-answers", "0", "expected at least 1 answer"), ("--max-seconds", "-1", "expected a positive number")):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "backend",
+                "data",
+                "regenerate",
+                "--profile",
+                str(profile),
+                "--input",
+                str(world["prep"]),
+                "--out",
+                str(tmp_path / "out"),
+                flag,
+                value,
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and words in result.stderr, result.stderr
+        assert not (tmp_path / "out").exists()
