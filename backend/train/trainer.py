@@ -944,7 +944,7 @@ class Trainer:
         record = {"step": self.step, "epoch": self.epoch_progress, "split": "val", **values, "tokens": self.tokens}
         self.metrics.write(record)
         self._tensorboard("val", record)
-        simulated = " ".join(f"{steps} steps {value:.2f}" for steps, value in values["accept_sim"].items() if value is not None)
+        simulated = ", ".join(f"{value:.2f} at {steps} steps" for steps, value in values["accept_sim"].items() if value is not None)
         self.log(
             f"validation at step {self.step}: loss {values['loss']:.4f} acc {' '.join(f'{a:.3f}' for a in values['acc'])}"
             + (f"; chain rounds replayed: accept length {simulated}" if simulated else "")
