@@ -12,13 +12,13 @@ from typing import Any
 
 from backend.durable import write_atomic
 from backend.bench.client import NO_BASELINE, SAME_ENGINE, Baseline, LevelResult
+from backend.train.loss import rounds_accept_length
 from backend.serve.acceptance import (
     acceptance_lines,
     break_line,
     checkpoint_validation,
     compare_with_validation,
     prediction_label,
-    replayed_accept_length,
     replayed_rounds,
     tau_hat,
 )
@@ -110,7 +110,7 @@ def with_validation(level: dict[str, Any], val_acc: list[float] | None, num_step
         val_acc=list(val_acc),
         tau_hat=tau_hat(val_acc, steps),
         val_rounds=replay,
-        accept_replayed=replayed_accept_length(replay),
+        accept_replayed=rounds_accept_length(replay),
         **{"break": first},
         break_line=break_line(first, rows) if rows else None,
         prediction_label=prediction_label(rows),
@@ -165,7 +165,7 @@ def build_document(
         "validation": {
             "val_acc": val_acc,
             "tau_hat": tau_hat(val_acc, steps) if val_acc and isinstance(steps, int) else None,
-            "accept_replayed": replayed_accept_length(replayed_rounds(val_rounds, steps if isinstance(steps, int) else None)),
+            "accept_replayed": rounds_accept_length(replayed_rounds(val_rounds, steps if isinstance(steps, int) else None)),
         },
     }
 

@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from backend.train.loss import rounds_accept_length
+
 # Per-position break: served conditional acceptance at position k below val acc_k - max(BREAK_ABS_TOL, BREAK_Z x SE),
 # SE = sqrt(acc_k (1 - acc_k) / n_k) over the n_k verify steps that reached position k. 0.10: a uniform shortfall of
 # 0.10 per position at the calibrated draft's acc 0.825 (K = 5) gives 0.79 x tau-hat, the low end of what healthy
@@ -219,13 +221,6 @@ def mean_of_request_means(pairs: list[tuple[int, int]]) -> float | None:
     return sum(means) / len(means) if means else None
 
 
-def replayed_accept_length(replay: list[int] | None) -> float | None:
-    """Tokens per verify round of replayed rounds (accepted drafts + the bonus token)."""
-    if not replay or sum(replay) <= 0:
-        return None
-    return 1 + sum(i * n for i, n in enumerate(replay)) / sum(replay)
-
-
 def acceptance_report(
     requests: list[tuple[int, int, list[int] | None]],
     num_steps: int | None,
@@ -268,7 +263,7 @@ def acceptance_report(
         "val_acc": list(val_acc) if val_acc else None,
         "tau_hat": tau_hat(val_acc, num_steps or 0) if val_acc and num_steps else None,
         "val_rounds": replay,
-        "accept_replayed": replayed_accept_length(replay),
+        "accept_replayed": rounds_accept_length(replay),
         "break": first,
         "break_line": break_line(first, per_position) if per_position else None,
         "prediction_label": prediction_label(per_position),

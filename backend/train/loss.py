@@ -235,6 +235,13 @@ def fused_ttt_loss(
     return TTTLoss(total=total, plosses=list(plosses.unbind()), accs=list(accs.unbind()), counts=list(counts.unbind()), hits=grid)
 
 
+def rounds_accept_length(histogram: list[int] | None) -> float | None:
+    """Tokens per verify round (accepted drafts + the bonus token) of a rounds histogram; None without rounds."""
+    if not histogram or sum(histogram) <= 0:
+        return None
+    return 1 + sum(i * n for i, n in enumerate(histogram)) / sum(histogram)
+
+
 def chain_round_histogram(hits, scored, num_steps: int) -> list[int]:
     """Chain drafting of num_steps replayed on teacher-forced hits: entry i = rounds that accepted exactly i drafts.
 

@@ -36,7 +36,7 @@ from backend.train.data import (
 )
 from backend.train.draft import DraftModelConfig, Eagle3Draft
 from backend.train.fsutil import PRIVATE_FILE, ForeignPathError, private_dir, private_file_if_present
-from backend.train.loss import TTTLoss, chain_round_histogram, fused_ttt_loss, make_teacher
+from backend.train.loss import TTTLoss, chain_round_histogram, fused_ttt_loss, make_teacher, rounds_accept_length
 from backend.train.schedule import GrokfastEMA, LRSchedule
 from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
 from backend.layout import latest_checkpoint
@@ -317,12 +317,6 @@ def weight_norms(draft: torch.nn.Module) -> tuple[float, dict[str, float]]:
                 group = module_group(name)
                 squares[group] = squares.get(group, 0.0) + float(param.detach().float().pow(2).sum())
     return math.sqrt(sum(squares.values())), {group: math.sqrt(value) for group, value in squares.items()}
-
-
-def _accept_length(histogram: list[int]) -> float | None:
-    """Tokens per verify round (accepted drafts + the bonus token) of a rounds histogram; None without rounds."""
-    rounds = sum(histogram)
-    return 1 + sum(i * n for i, n in enumerate(histogram)) / rounds if rounds else None
 
 
 class _Interval:
@@ -819,7 +813,7 @@ class Trainer:
         reduced.pop("steps")
         summed = ctx.all_reduce(rounds.to(ctx.device)).tolist()
         reduced["rounds"] = {str(steps): [int(v) for v in summed[row][: steps + 1]] for row, steps in enumerate(chains)}
-        reduced["accept_sim"] = {key: _accept_length(histogram) for key, histogram in reduced["rounds"].items()}
+        reduced["accept_sim"] = {key: rounds_accept_length(histogram) for key, histogram in reduced["rounds"].items()}
         return reduced
 
     def simulated_chains(self) -> list[int]:

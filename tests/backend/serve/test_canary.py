@@ -318,7 +318,8 @@ def test_replayed_chain_rounds_predict_the_served_rate_where_val_acc_cannot():
     """The SmolLM2 shape of 2026-12-02: val acc_0 0.70, but rounds start after rejections, so served position 0
     runs ~0.5. Judged against val acc_0 that is a break; against the checkpoint's replayed rounds it is not, and a
     real collapse (0.05 served) still is."""
-    from backend.serve.acceptance import replayed_accept_length, replayed_rounds
+    from backend.serve.acceptance import replayed_rounds
+    from backend.train.loss import rounds_accept_length
 
     served = [530, 200, 120, 150]  # 1,000 verify steps: position 0 accepted 0.47 of the time
     val_acc = [0.70, 0.67, 0.65]
@@ -332,7 +333,7 @@ def test_replayed_chain_rounds_predict_the_served_rate_where_val_acc_cannot():
     assert [r["basis"] for r in rows] == ["replayed"] * 3 and [r["val_acc"] for r in rows] == val_acc
     assert rows[0]["predicted"] == pytest.approx(0.52) and rows[1]["predicted"] == pytest.approx(330 / 520)
     assert rows[2]["predicted_reached"] == pytest.approx(0.2)
-    assert report["accept_replayed"] == pytest.approx(1 + (190 + 260 + 600) / 1000) == replayed_accept_length(replay)
+    assert report["accept_replayed"] == pytest.approx(1 + (190 + 260 + 600) / 1000) == rounds_accept_length(replay)
     assert report["prediction_label"] == "replay" and by_val["prediction_label"] == "val acc"
     text = "\n".join(acceptance_lines(report))
     assert "pos   replay  served|k" in text and "predicted: validation's chain rounds replayed" in text
