@@ -211,7 +211,7 @@ def break_line(first: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
         return "no validation accuracy recorded: served acceptance per position shown without a prediction"
     if not judged:
         return f"too few verify steps reached any position to judge (each needs {MIN_STEPS_AT_POSITION})"
-    replayed = " (its chain rounds replayed)" if any(r.get("basis") == REPLAYED for r in rows) else ""
+    replayed = " (its chain rounds replayed)" if _replayed(rows) else ""
     return f"no break: served acceptance within tolerance of validation{replayed} at positions 0-{max(judged)}"
 
 
@@ -296,9 +296,14 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _replayed(rows: list[dict[str, Any]]) -> bool:
+    """Whether the rows' predictions come from validation's replayed chain rounds (compare_with_validation's basis)."""
+    return any(row.get("basis") == REPLAYED for row in rows)
+
+
 def prediction_label(rows: list[dict[str, Any]]) -> str:
     """The per-position table's prediction column: replayed chain rounds or val acc_k."""
-    return "replay" if any(row.get("basis") == REPLAYED for row in rows) else "val acc"
+    return "replay" if _replayed(rows) else "val acc"
 
 
 def _num(value: Any) -> str:

@@ -254,7 +254,7 @@ def _acceptance_lines(text: Text, data: dict[str, Any]) -> None:
         text.append(
             f"served acceptance per draft position (canary, {acceptance.get('sum_verify_ct', '?')} verify steps) next to validation accuracy:\n", style="bold"
         )
-        label = str(acceptance.get("prediction_label") or "val acc")[:7]  # "replay": validation's chain rounds replayed
+        label = visible(acceptance.get("prediction_label") or "val acc")[:7]  # "replay": validation's chain rounds replayed
         text.append(f"   pos  {label:>7}  served|k   pred reach  served reach  steps\n", style="dim")
         for row in rows:
             broken = bool(row.get("broken"))

@@ -317,6 +317,7 @@ class StaticDecoder(SpecDecoder):
         self.max_len = int(max_len or limit)
         # compiled steps attend over the whole cache: one compile per step kind instead of one per prefix
         self.buckets = [self.max_len] if compile else length_buckets(self.max_len)
+        self.prefill_widths = prefill_widths(self.max_len)
         self.static_target = StaticTarget(target_model, self.aux_layer_ids, feed, self.max_len)
         self.static_draft = StaticDraft(draft, self.max_len + self.width, num_steps) if draft is not None else None
         width, feature_width = self.width, self.static_target.feature_width
@@ -456,7 +457,7 @@ class StaticDecoder(SpecDecoder):
 
     def _width(self, rows: int) -> int:
         """The width `rows` prompt rows run at: the next of prefill_widths when padding, else their own."""
-        return next(w for w in prefill_widths(self.max_len) if w >= rows) if self.pad_prefill else rows
+        return next(w for w in self.prefill_widths if w >= rows) if self.pad_prefill else rows
 
     def _prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt through the static target, eagerly, padded to _width: the rows past the prompt write K/V at
@@ -483,7 +484,7 @@ class StaticDecoder(SpecDecoder):
         if not self.pad_prefill:
             return
         with torch.no_grad(), self._device_scope():
-            for width in prefill_widths(self.max_len):
+            for width in self.prefill_widths:
                 ids = torch.zeros(1, width, dtype=torch.long, device=self.device)
                 _, features = self._prefill(ids)
                 if self.static_draft is not None:
