@@ -24,6 +24,7 @@ from backend.layout import RESULTS_DIRNAME, STAGES_FILENAME
 from backend.jobs.registry import JobRegistry
 from backend.jobs.records import JobNotFound
 from backend.host.holders import list_holders
+from backend.serve.acceptance import checkpoint_validation
 from backend.serve.preflight import resolve_draft_dir, run_preflight
 from backend.serve.prompts import load_prompts
 from backend.host.gpu import open_gpu_source
@@ -254,12 +255,9 @@ class StopAndBench:
         if not (checkpoints / "latest").exists():
             raise ChainFailed(f"no complete checkpoint under {checkpoints} (no 'latest' pointer); nothing was launched")
         path = resolve_draft_dir(checkpoints)
-        config = json.loads((path / "config.json").read_text())
-        meta = config.get("eagle3_console") or {}
-        self.summary["checkpoint"] = str(path)
-        self.summary["val_acc"] = meta.get("val_acc")
-        self.summary["val_rounds"] = meta.get("val_rounds")
-        return f"latest checkpoint {path.name}", {"path": str(path), "val_acc": meta.get("val_acc"), "val_acc_step": meta.get("val_acc_step")}
+        val_acc, val_rounds = checkpoint_validation(path)
+        self.summary.update(checkpoint=str(path), val_acc=val_acc, val_rounds=val_rounds)
+        return f"latest checkpoint {path.name}", {"path": str(path), "val_acc": val_acc, "val_rounds": val_rounds}
 
     def preflight(self) -> tuple[str, Any]:
         from backend.serve.launch import target_config_for
