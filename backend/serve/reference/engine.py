@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -172,8 +173,20 @@ class Engine:
 
         if speculative and draft_dir is None:
             raise ValueError("a speculative engine needs a draft checkpoint directory; none was given, nothing was loaded")
-        with torch.no_grad():  # loading and the warm-up decode; the caller's thread keeps its own grad mode
-            self._load(profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps)
+        # One thread loads, warms up and runs every generation. A CUDA call from a thread that never made one costs
+        # 45-90 ms more to the first token on an H200 (benchmarks/probe_first_token.py: 60-108 ms from a new thread,
+        # 14-30 ms from the loading one, whatever the prompt width), and the HTTP server gives each connection a thread.
+        self._decode_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-decode")
+
+        def load() -> None:
+            with torch.no_grad():  # loading and the warm-up decode
+                self._load(profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps)
+
+        try:
+            self._decode_thread.submit(load).result()
+        except BaseException:
+            self._decode_thread.shutdown(wait=False)
+            raise
 
     def _load(self, profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps) -> None:
         import torch
@@ -296,7 +309,11 @@ class Engine:
 
     def run(self, spec: GenerationSpec, rid: str, on_progress: Callable[[Generation], None] | None = None) -> Generation:
         """Greedy continuation; on_progress(generation) after every emission (one verify round, or one plain token)."""
-        gen = Generation(spec=spec, rid=rid, started=time.perf_counter())
+        gen = Generation(spec=spec, rid=rid, started=time.perf_counter())  # waiting for the decode thread counts
+        return self._decode_thread.submit(self._run, gen, on_progress).result()
+
+    def _run(self, gen: Generation, on_progress: Callable[[Generation], None] | None) -> Generation:
+        spec = gen.spec
         with self.lock:
             tracker = self._tracker(spec, gen)
 

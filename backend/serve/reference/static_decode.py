@@ -37,9 +37,9 @@ class ContextTooLong(ValueError):
 
 
 def prefill_widths(max_len: int) -> list[int]:
-    """Widths a prompt is padded to on CUDA: 16, 32, ... and max_len. A prompt of a width never seen before costs
-    ~40 ms more on an H200 (cuBLAS and attention pick kernels per shape: measured 55-68 ms vs 14-18 ms to the first
-    token on 2026-12-02), so every width is run once at load and a prompt never brings a new one."""
+    """Widths a prompt is padded to on CUDA: 16, 32, ... and max_len; every one is run once at load, so a prompt
+    never brings a shape the decoder has not run. (The 55-68 ms first tokens that suggested per-shape costs on
+    2026-12-02 were requests on new threads: engine.Engine decodes on one thread; probe_first_token.py.)"""
     widths, size = [], MIN_PREFILL
     while size < max_len:
         widths.append(size)

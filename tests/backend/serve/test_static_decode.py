@@ -307,6 +307,34 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
         Engine.resolve_device("cuda")
 
 
+def test_every_generation_runs_on_the_engine_thread_whatever_thread_asks(mini_profile, tmp_path):
+    """A first CUDA call from a new thread cost 45-90 ms to the first token on the H200 (probe_first_token.py), and the
+    HTTP server answers each connection on its own thread: so one engine thread loads, warms up and decodes."""
+    import threading
+
+    from backend.serve.reference.engine import Engine, GenerationSpec
+    from tests.fixtures.reference import save_untrained_draft
+
+    engine = Engine(mini_profile, str(save_untrained_draft(mini_profile, tmp_path / "run")), "aux", 3, speculative=True, device="cpu")
+    spec = GenerationSpec(input_ids=engine.encode("def main():"), max_new_tokens=8, stop_token_ids=frozenset())
+    decoding_threads: list[int] = []
+    outputs: list[list[int]] = []
+
+    def request() -> None:
+        gen = engine.run(spec, "r", lambda _gen: decoding_threads.append(threading.get_ident()))
+        outputs.append(gen.output_ids)
+
+    callers = [threading.Thread(target=request) for _ in range(3)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(outputs) == 3 and outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) == 8
+    assert len(set(decoding_threads)) == 1 and decoding_threads[0] not in {c.ident for c in callers} | {threading.get_ident()}
+    with pytest.raises(ValueError, match="needs a draft"):
+        Engine(mini_profile, None, "aux", 3, speculative=True, device="cpu")  # refused before any thread is started
+
+
 @pytest.mark.slow
 def test_decode_speed_benchmark_runs_on_cpu_with_tiny_settings(mini_target_dir, mini_profile, tmp_path):
     """benchmarks/bench_decode_speed.py end to end in its own process: every row measured, the checks filled in."""
