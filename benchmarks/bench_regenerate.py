@@ -14,9 +14,19 @@ peer measured in the same run, the ratio of our greedy to it, and the GPU memory
 2026-12-02, our loop ran greedy at 0.27x / 0.61x the peer at batch 256 / 2,048.) --profile-batch adds a torch.profiler table of the top operators for one call.
 --choose FILE writes {"batch_size": B} for the batch size with the most tokens/s (h200_round.sh's train phase reads it).
 
+--grouping PREPARE_DIR --tokenizer TARGET_DIR measures instead what batching by prompt length saves
+(regenerate.LengthGroupedQueue): the first prompts of a `data prepare` dir's train split, rendered through the
+target's tokenizer and chat template (those over --prompt-tokens dropped, as regeneration skips them), batched in
+arrival order (window 1) and grouped (--window), the peer being arrival order in the same run: the padded prompt
+tokens and the decode steps' attended KV rows (batch x (longest prompt + step), every batch decoding --new-tokens
+steps, as a `generate` batch runs to its longest answer) of the whole split, then the wall-clock of generating
+--grouping-prompts of them both ways with the random model, no stop token.
+
   H200:  python benchmarks/bench_regenerate.py --profile smollm2-135m --device cuda --batch 256 512 1024 --out r.json
   CPU:   python benchmarks/bench_regenerate.py --profile smollm2-135m --device cpu --batch 2 4 --new-tokens 4 \
              --prompt-tokens 48 --layers 2
+  Grouping (any host): python benchmarks/bench_regenerate.py --grouping sgdev --tokenizer ~/.cache/eagle3-console/smollm2-135m-instruct-* \
+             --device cpu --dtype float32 --layers 2 --batch 32 --new-tokens 16 --grouping-prompts 256
 """
 
 from __future__ import annotations
@@ -130,6 +140,91 @@ def measure(target, batch: int, args) -> dict:
     return row
 
 
+def first_prompts(prepare_dir: Path, tokenizer_dir: Path, longest: int) -> list[list[int]]:
+    """Each train conversation's first prompt (the turns before its first answer) as regeneration renders it."""
+    from transformers import AutoTokenizer
+
+    from backend.train.chat_templates import template_ids
+    from backend.train.conversations import SPLIT_FILES, iter_conversations
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    prompts = []
+    for conversation in iter_conversations(prepare_dir / SPLIT_FILES["train"]):
+        messages = conversation.messages
+        first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        ids = template_ids(tokenizer, messages[:first_answer], True, tokenizer.chat_template)
+        if len(ids) <= longest:
+            prompts.append(ids)
+    return prompts
+
+
+def batches_of(prompts: list[list[int]], batch: int, window: int) -> list[list[list[int]]]:
+    """The batches regeneration's queue hands out for these prompts (all waiting from the start, none continued)."""
+    from backend.train.regenerate import Job, LengthGroupedQueue
+
+    queue, batches, pending = LengthGroupedQueue(batch, window), [], iter(enumerate(prompts))
+    while True:
+        while queue.room() > 0 and (item := next(pending, None)) is not None:
+            queue.add(Job(f"train:{item[0]}", None, [], random.Random(0)), item[1])
+        if not len(queue):
+            return batches
+        batches.append([prompt for _, prompt in queue.next_batch()])
+
+
+def attended_rows(batches: list[list[list[int]]], new_tokens: int) -> int:
+    """KV rows the decode steps read: each step of a batch attends over its longest prompt plus the answers so far."""
+    return sum(len(b) * (new_tokens * max(map(len, b)) + new_tokens * (new_tokens - 1) // 2) for b in batches)
+
+
+def grouping(target, args) -> dict:
+    from backend.train.regenerate import padded_prompt_tokens
+
+    prompts = first_prompts(args.grouping, args.tokenizer, args.prompt_tokens)
+    lengths = sorted(map(len, prompts))
+    result: dict = {
+        "prompts": len(prompts),
+        "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1),
+        "prompt_tokens_median": lengths[len(lengths) // 2],
+        "window": args.window,
+        "rows": [],
+    }
+    for batch in args.batch:
+        row: dict = {"batch": batch}
+        for name, window in (("arrival", 1), ("grouped", args.window)):
+            batches = batches_of(prompts, batch, window)
+            row[name] = {
+                "batches": len(batches),
+                "padded_prompt_tokens": sum(padded_prompt_tokens(b) for b in batches),
+                "attended_kv_rows": attended_rows(batches, args.new_tokens),
+            }
+        for key in ("padded_prompt_tokens", "attended_kv_rows"):
+            row[f"{key}_grouped_over_arrival"] = round(row["grouped"][key] / row["arrival"][key], 3)
+        subset = prompts[: args.grouping_prompts]
+        if len(subset) < 2 * batch:  # one batch either way: nothing to group
+            print(
+                f"batch {batch:5d}  padded prompt tokens x{row['padded_prompt_tokens_grouped_over_arrival']}  attended KV rows "
+                f"x{row['attended_kv_rows_grouped_over_arrival']} (grouped over arrival, {len(prompts)} prompts)",
+                flush=True,
+            )
+            result["rows"].append(row)
+            continue
+        for name, window in (("arrival", 1), ("grouped", args.window)):
+            batches = batches_of(subset, batch, window)
+            ours(target, batches[0][: min(batch, 4)], 2)  # warm-up
+            seconds = timed(target.device, lambda: [ours(target, b, args.new_tokens) for b in batches])
+            row[name]["wall_s_first_prompts"] = round(seconds, 3)
+        row["wall_arrival_over_grouped"] = round(row["arrival"]["wall_s_first_prompts"] / row["grouped"]["wall_s_first_prompts"], 3)
+        print(
+            f"batch {batch:5d}  padded prompt tokens x{row['padded_prompt_tokens_grouped_over_arrival']}  attended KV rows "
+            f"x{row['attended_kv_rows_grouped_over_arrival']} (grouped over arrival, {len(prompts)} prompts)  wall "
+            f"{row['arrival']['wall_s_first_prompts']} s arrival vs {row['grouped']['wall_s_first_prompts']} s grouped = "
+            f"{row['wall_arrival_over_grouped']}x ({len(subset)} prompts)",
+            flush=True,
+        )
+        result["rows"].append(row)
+    return result
+
+
 def profile_table(target, batch: int, args) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -152,8 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, help="fewer layers than the profile's (a quick CPU check)")
     parser.add_argument("--profile-batch", type=int, help="also profile one call at this batch size")
     parser.add_argument("--choose", type=Path, help='write {"batch_size": B} (the most tokens/s) here')
+    parser.add_argument("--grouping", type=Path, help="a `data prepare` dir: measure batching by prompt length instead")
+    parser.add_argument("--tokenizer", type=Path, help="with --grouping: the target dir whose tokenizer and chat template render the prompts")
+    parser.add_argument("--window", type=int, default=4, help="with --grouping: batches of prompts grouped (regenerate's default)")
+    parser.add_argument("--grouping-prompts", type=int, default=256, help="with --grouping: prompts generated for the wall-clock rows")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.grouping and not args.tokenizer:
+        parser.error("--grouping needs --tokenizer TARGET_DIR (the prompts are rendered through its chat template)")
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (one step is timed against the 1-token prefill)")
     import torch
@@ -171,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": args.new_tokens,
         "rows": [],
     }
+    if args.grouping:
+        result["grouping"] = grouping(target, args)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     for batch in args.batch:
         result["rows"].append(measure(target, batch, args))
     measured = [r for r in result["rows"] if "answer_tokens_per_s" in r["ours"]]

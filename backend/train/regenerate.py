@@ -368,6 +368,56 @@ def source_jobs(source: Path, limits: dict[str, int | None], seed: int) -> Itera
 
 
 # ----------------------------------------------------------------------------------------------
+# Batches of similar prompt lengths
+# ----------------------------------------------------------------------------------------------
+
+
+class LengthGroupedQueue:
+    """Prompts waiting for an answer, handed out in batches of neighbouring lengths.
+
+    A left-padded batch costs every row its longest prompt, in the prefill and in every decode step's attention
+    and KV cache; ShareGPT's first prompts run from a few tokens to the 384 cut, so a batch in arrival order pays
+    ~384 for most rows. Up to `window` batches of prompts are held, ordered by (val before train, length), and a
+    batch is the run of neighbours ending at the longest-waiting prompt (val's, while any waits): the shortest
+    padding that still serves that prompt now, so none waits behind more than the window, and val goes first.
+    """
+
+    def __init__(self, batch_size: int, window: int):
+        self.batch_size, self.capacity = batch_size, batch_size * max(1, window)
+        self.items: list[tuple[int, Job, list[int]]] = []  # (arrival, job, prompt)
+        self.arrivals = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def room(self) -> int:
+        return self.capacity - len(self.items)
+
+    def add(self, job: Job, prompt: list[int]) -> None:
+        self.items.append((self.arrivals, job, prompt))
+        self.arrivals += 1
+
+    def next_batch(self) -> list[tuple[Job, list[int]]]:
+        order = sorted(range(len(self.items)), key=lambda i: (not self.items[i][1].key.startswith("val:"), len(self.items[i][2]), self.items[i][0]))
+        val = [i for i in range(len(self.items)) if self.items[i][1].key.startswith("val:")]
+        oldest = min(val or range(len(self.items)), key=lambda i: self.items[i][0])
+        end = max(order.index(oldest) + 1, min(self.batch_size, len(order)))
+        chosen = set(order[max(0, end - self.batch_size) : end])
+        batch = [(job, prompt) for i, (_, job, prompt) in enumerate(self.items) if i in chosen]
+        self.items = [item for i, item in enumerate(self.items) if i not in chosen]
+        return batch
+
+    def drain(self) -> list[tuple[Job, list[int]]]:
+        batch, self.items = [(job, prompt) for _, job, prompt in self.items], []
+        return batch
+
+
+def padded_prompt_tokens(prompts: list[list[int]]) -> int:
+    """What a left-padded batch of `prompts` holds: every row as long as the longest."""
+    return len(prompts) * max((len(p) for p in prompts), default=0)
+
+
+# ----------------------------------------------------------------------------------------------
 # The run: settings checked against an earlier run's, done keys skipped, finished conversations appended
 # ----------------------------------------------------------------------------------------------
 
@@ -384,6 +434,7 @@ class RegenerateSettings:
     progress_seconds: float = 10.0
     max_seconds: float | None = None  # no new answer is started after this; what is done is finalized (a run control, not identity)
     max_answers: int | None = None  # answer at most the first N assistant turns of each conversation
+    window: int = 4  # batches of prompts held to group by length (LengthGroupedQueue); 1: arrival order only
 
 
 def source_identity(source: Path) -> dict:
@@ -540,6 +591,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
             _write_meta(out, meta)
         writers = {split: LineAppender(out / SPLIT_FILES[split]) for split in SPLITS} | {"skipped": LineAppender(out / SKIPPED_FILE)}
         started, last_report, generated = time.monotonic(), 0.0, 0
+        prompt_tokens = padded_tokens = 0  # the prompts' own tokens, and what their left-padded batches held
         finished = resumed
 
         def render(messages: list[dict]) -> list[int]:
@@ -559,15 +611,16 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
 
         try:
             queue = iter(pending)
-            active: list[tuple[Job, list[int]]] = []
+            waiting = LengthGroupedQueue(settings.batch_size, settings.window)
             deadline = None if settings.max_seconds is None else started + settings.max_seconds
             while True:
                 if deadline is not None and time.monotonic() >= deadline:
-                    for cut, _prompt in active:  # each has an answer; its later turns are not started
-                        cut.cut = f"--max-seconds {settings.max_seconds:g} reached"
-                        finish(cut)
+                    for cut, _prompt in waiting.drain():  # one with an answer ends there; one without is left for a resume
+                        if cut.tokens:
+                            cut.cut = f"--max-seconds {settings.max_seconds:g} reached"
+                            finish(cut)
                     break
-                while len(active) < settings.batch_size:
+                while waiting.room() > 0:
                     job = next(queue, None)
                     if job is None:
                         break
@@ -575,11 +628,13 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
                     if prompt is None:
                         finish(job)
                     else:
-                        active.append((job, prompt))
-                if not active:
+                        waiting.add(job, prompt)
+                if not len(waiting):
                     break
+                active = waiting.next_batch()
+                prompt_tokens += sum(len(p) for _, p in active)
+                padded_tokens += padded_prompt_tokens([p for _, p in active])
                 results = generate_batch(target, [p for _, p in active], [j.rng for j, _ in active], settings.sampling, stop_ids)
-                still = []
                 for (job, _prompt), (ids, why) in zip(active, results):
                     generated += len(ids) + (why == "eos")
                     job.answer(tokenizer.decode(ids, skip_special_tokens=True), len(ids), why)
@@ -587,8 +642,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
                     if prompt is None:
                         finish(job)
                     else:
-                        still.append((job, prompt))
-                active = still
+                        waiting.add(job, prompt)
         finally:
             for writer in writers.values():
                 writer.close()
@@ -598,6 +652,8 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
                     "batch_size": settings.batch_size,
                     "conversations": finished - resumed,
                     "tokens": generated,
+                    "prompt_tokens": prompt_tokens,
+                    "padded_prompt_tokens": padded_tokens,
                     "seconds": round(time.monotonic() - started, 3),
                     "ended": time.time(),
                 }
@@ -608,7 +664,9 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
         _finalize(out, source, meta, order, complete=left == 0)
         log(
             f"regenerate: wrote {out}: train {meta['counts']['train']}, val {meta['counts']['val']}, skipped {meta['counts']['skipped']} "
-            f"({generated} tokens in {time.monotonic() - started:.1f} s)"
+            f"({generated} tokens in {time.monotonic() - started:.1f} s"
+            + (f"; prompts filled {prompt_tokens / padded_tokens:.0%} of their padded batches" if padded_tokens else "")
+            + ")"
             + (f"; --max-seconds {settings.max_seconds:g} reached with {left} conversations not started: the same command does them" if left else "")
         )
         return meta

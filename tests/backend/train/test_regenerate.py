@@ -4,6 +4,7 @@ losing or repeating a conversation, and `train`/`extract` read the output but re
 import dataclasses
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -424,3 +425,48 @@ def test_bad_answer_and_time_limits_are_refused_in_one_line_before_the_target_lo
         )
         assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and words in result.stderr, result.stderr
         assert not (tmp_path / "out").exists()
+
+
+def queued(key: str, length: int):
+    from backend.train.regenerate import Job
+
+    return Job(key, None, [], random.Random(0)), [7] * length
+
+
+def test_batches_group_neighbouring_prompt_lengths_and_pad_less_than_arrival_order():
+    from backend.train.regenerate import LengthGroupedQueue, padded_prompt_tokens
+
+    lengths = [300, 12, 40, 290, 15, 44, 280, 10, 38, 310, 14, 41]  # long, short and middling prompts interleaved
+    grouped, arrival = LengthGroupedQueue(batch_size=3, window=4), LengthGroupedQueue(batch_size=3, window=1)
+    for index, length in enumerate(lengths):
+        grouped.add(*queued(f"train:{index}", length))
+    batches = []
+    while len(grouped):
+        batches.append(sorted(len(p) for _, p in grouped.next_batch()))
+    assert batches == [[280, 290, 300], [10, 12, 14], [15, 38, 40], [41, 44, 310]]  # each ends at the longest-waiting prompt
+    padded = sum(padded_prompt_tokens([[0] * n for n in batch]) for batch in batches)
+    in_order = sum(padded_prompt_tokens([[0] * n for n in lengths[i : i + 3]]) for i in range(0, len(lengths), 3))
+    assert sorted(n for batch in batches for n in batch) == sorted(lengths) and padded == 1_992 and in_order == 3_540
+    for index, length in enumerate(lengths[:3]):  # a window of one batch is arrival order
+        arrival.add(*queued(f"train:{index}", length))
+    assert arrival.room() == 0 and [len(p) for _, p in arrival.next_batch()] == lengths[:3]
+
+
+def test_a_long_prompt_waits_no_more_than_the_window_and_val_goes_first():
+    from backend.train.regenerate import LengthGroupedQueue
+
+    waiting = LengthGroupedQueue(batch_size=4, window=3)
+    waiting.add(*queued("train:0", 380))  # the longest, first to arrive, among a stream of short ones
+    served_after, arrivals = None, 1
+    for batch_number in range(1, 10):
+        while waiting.room() > 0:
+            waiting.add(*queued(f"train:{arrivals}", 5 + arrivals % 7))
+            arrivals += 1
+        if any(job.key == "train:0" for job, _ in waiting.next_batch()):
+            served_after = batch_number
+            break
+    assert served_after == 1  # the oldest prompt is in the very next batch, with its nearest neighbours
+    waiting = LengthGroupedQueue(batch_size=2, window=4)
+    for key, length in [("train:0", 3), ("train:1", 4), ("val:0", 200), ("val:1", 150)]:
+        waiting.add(*queued(key, length))
+    assert sorted(job.key for job, _ in waiting.next_batch()) == ["val:0", "val:1"]  # a cut run still has its val split
