@@ -21,37 +21,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-LENGTHS = [13, 19, 49, 82, 235, 375, 1500, 3397]
+LENGTHS = [13, 19, 49, 82, 235, 375, 1500, 3397]  # ShareGPT and HumanEval prompt lengths of the round, and two long ones
 
 
-def build(profile_name: str, dtype, device):
+def build(profile_name: str, dtype: str, device):
+    """A random target of the profile's shape (bench_regenerate's) and a random draft of the profile's."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
+    from benchmarks.bench_regenerate import random_target
     from backend.profiles import load_profile
     from backend.train.draft import DraftModelConfig, Eagle3Draft
     from backend.train.vocab import build_vocab_mapping
 
     profile = load_profile(profile_name)
-    target, draft_shape = profile.target, profile.draft
-    config = LlamaConfig(
-        vocab_size=target.vocab_size,
-        hidden_size=target.hidden_size,
-        intermediate_size=draft_shape.intermediate_size,
-        num_hidden_layers=target.num_layers,
-        num_attention_heads=draft_shape.num_attention_heads,
-        num_key_value_heads=draft_shape.num_key_value_heads,
-        max_position_embeddings=draft_shape.max_position_embeddings,
-        rope_theta=draft_shape.rope_theta,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    model = random_target(profile, str(device), dtype, None).model
     draft = Eagle3Draft(DraftModelConfig.from_profile(profile))
     draft.load_target_embedding(model.get_input_embeddings().weight.float().cpu())
-    counts = torch.randint(0, 1000, (target.vocab_size,), generator=torch.Generator().manual_seed(0))
-    draft.set_vocab_mapping(*build_vocab_mapping(counts, draft_shape.draft_vocab_size))
-    return model, draft.to(device=device, dtype=dtype).eval(), list(target.aux_layer_ids), draft_shape.max_position_embeddings
+    counts = torch.randint(0, 1000, (profile.target.vocab_size,), generator=torch.Generator().manual_seed(0))
+    draft.set_vocab_mapping(*build_vocab_mapping(counts, profile.draft.draft_vocab_size))
+    draft = draft.to(device=device, dtype=getattr(torch, dtype)).eval()
+    return model, draft, list(profile.target.aux_layer_ids), profile.draft.max_position_embeddings
 
 
 def first_emission(decoder, prompt, speculative: bool, new_thread: bool) -> float:
@@ -85,7 +74,7 @@ def main(argv=None) -> int:
     from backend.serve.reference.static_decode import StaticDecoder
 
     device = torch.device(args.device)
-    model, draft, aux, context = build(args.profile, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    model, draft, aux, context = build(args.profile, "bfloat16" if device.type == "cuda" else "float32", device)
     rows = []
     for order in (f"{args.first} first",):  # one order a process: a kernel loaded once stays loaded
         began = time.perf_counter()
