@@ -21,7 +21,8 @@
 #   PHASE=serve   carries nothing. Both drafts decoded in one process (bench_decode_speed.py: held-out ShareGPT and
 #                 HumanEval, 3 and 7 steps, the transformers anchors); headless `eagle3-host stop-and-bench --engine
 #                 reference` of a short training job (our draft, resumed), then `eagle3-host bench --baseline
-#                 same-engine` per eval set on that server; real vs fixed-length step time. ~420 s.
+#                 same-engine` per eval set on that server; regeneration's length-grouped batches against arrival
+#                 order (bench_regenerate.py --grouping); real vs fixed-length step time (REAL=1). ~520 s.
 #
 #   PHASE=carry1 OUT=$OUT bash benchmarks/h200_round.sh      (likewise carry3, train, more, serve, in that order)
 #   CPU dry run of a phase, tiny sizes, on this machine (benchmarks/h200_carry.sh builds the carried folders first):
@@ -41,6 +42,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
     : "${REGEN_LIMIT:=3}" "${REGEN_VAL:=1}" "${REGEN_BATCH:=4}" "${REGEN_NEW:=4}" "${REGEN_PROMPT:=64}" "${REGEN_S:=400}" "${COLD_MIB:=8}"
     : "${NUM_PROMPTS:=1}" "${MAX_NEW:=4}" "${PROMPT_TOKENS:=32}" "${CHAIN_PROMPTS:=1}" "${CHAIN_NEW:=4}" "${BENCH_PROMPTS:=1}"
     : "${BENCH_NEW:=4}" "${REAL_STEPS:=1}" "${REAL_WARMUP:=1}" "${PHASE_S:=5000}" "${HARD_S:=6000}"
+    : "${GROUPING_EXTRA:=--dtype float32 --layers 2 --batch 4 --new-tokens 4 --grouping-prompts 16}"
     : "${REGEN_BENCH_BATCHES:=2 4}" "${REGEN_BENCH_EXTRA:=--dtype float32 --layers 2 --new-tokens 4 --prompt-tokens 48}"
     : "${LIMIT_SCALE:=5}" # stage limits are sized for the H200; a shared 2-core machine runs the CPU stages 2-3x slower at load 5
     export PEER_SPECFORGE_VENV=${PEER_SPECFORGE_VENV:-/tmp/h200-build/peer-venv} # SpecForge's triton loss, interpreted
@@ -70,8 +72,11 @@ NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PRO
 CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-10} BENCH_NEW=${BENCH_NEW:-128}
 REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30}
 # serve stages beyond `decode`: COMPILED (our final draft, 3 steps, graphs + torch.compile, with its plain row), CHAIN
-# (stop-and-bench + per-set HTTP bench), REAL (real vs fixed-length steps); 0 skips one (each was measured on 2026-12-02)
-COMPILED=${COMPILED:-1} CHAIN=${CHAIN:-1} REAL=${REAL:-0}
+# (stop-and-bench + per-set HTTP bench), REAL (real vs fixed-length steps), GROUPING (regeneration's batches by prompt
+# length against arrival order: bench_regenerate.py --grouping, a random target-shaped model on the carried prompts);
+# 0 skips one (each but GROUPING was measured on 2026-12-02)
+COMPILED=${COMPILED:-1} CHAIN=${CHAIN:-1} REAL=${REAL:-0} GROUPING=${GROUPING:-1}
+GROUPING_EXTRA=${GROUPING_EXTRA:---batch 2048 --new-tokens 64 --grouping-prompts 8192}
 REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
 
 START=$(date +%s)
@@ -476,6 +481,9 @@ phase_serve() {
         --draft "$DEV/ours_draft" --prompts "$DEV/sgdev/eval.jsonl" --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" \
         --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 --compile --no-hf --no-fp32-check --out "$OUT/decode_compiled.json"
     [ "$CHAIN" = 1 ] && stage chain 150 240 chain
+    # shellcheck disable=SC2086 # GROUPING_EXTRA is a list of options
+    [ "$GROUPING" = 1 ] && stage regen_grouping 90 150 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" \
+        --grouping "$DEV/sgdev" --tokenizer "$MODEL_DIR" $GROUPING_EXTRA --out "$OUT/regen_grouping.json"
     [ "$REAL" = 1 ] && stage real_steps 100 150 "$PY" benchmarks/bench_real_steps.py --profile "$PROFILE" --data "$DATA" --device "$DEVICE" --attn-backend "$ATTN" \
         --steps "$REAL_STEPS" --warmup "$REAL_WARMUP" --out "$OUT/real_steps.json"
 }

@@ -376,6 +376,23 @@ def test_the_regeneration_benchmark_measures_each_path_and_chooses_a_batch(tmp_p
     assert json.loads(choose.read_text()) == {"batch_size": report["best_batch"]} and report["best_batch"] in (1, 2)
 
 
+def test_the_regeneration_benchmark_measures_length_grouping_against_arrival_order(world, tmp_path):
+    """bench_regenerate.py --grouping in its own process: the prepare dir's first prompts through the target's template,
+    padded tokens and attended KV rows of both orders over the whole split, and the wall time of both on a subset."""
+    out = tmp_path / "grouping.json"
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_regenerate.py"), "--profile", "smollm2-135m", "--device", "cpu", "--dtype", "float32"]
+    argv += ["--layers", "1", "--batch", "2", "--new-tokens", "2", "--grouping", str(world["prep"]), "--tokenizer", str(world["target_dir"])]
+    result = subprocess.run(argv + ["--grouping-prompts", "8", "--out", str(out)], capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())["grouping"]
+    train_count = json.loads((world["prep"] / "prepare.json").read_text())["splits"]["train"]["count"]
+    assert report["prompts"] == train_count and report["window"] == 4
+    (row,) = report["rows"]
+    assert row["arrival"]["batches"] == row["grouped"]["batches"] == -(-train_count // 2)
+    assert 0 < row["grouped"]["padded_prompt_tokens"] <= row["arrival"]["padded_prompt_tokens"]
+    assert row["arrival"]["wall_s_first_prompts"] > 0 and row["grouped"]["wall_s_first_prompts"] > 0 and row["wall_arrival_over_grouped"] > 0
+
+
 def test_max_answers_keeps_each_conversations_first_turns_only(world, tmp_path):
     """--max-answers 1: every conversation ends after its first answer (the follow-ups of every third are left out,
     not marked cut); the setting is part of the run's identity, and a run without it resumes as before."""
