@@ -382,7 +382,9 @@ def test_the_regeneration_benchmark_measures_length_grouping_against_arrival_ord
     out = tmp_path / "grouping.json"
     argv = [sys.executable, str(ROOT / "benchmarks" / "bench_regenerate.py"), "--profile", "smollm2-135m", "--device", "cpu", "--dtype", "float32"]
     argv += ["--layers", "1", "--batch", "2", "--new-tokens", "2", "--grouping", str(world["prep"]), "--tokenizer", str(world["target_dir"])]
-    result = subprocess.run(argv + ["--grouping-prompts", "8", "--out", str(out)], capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    result = subprocess.run(
+        argv + ["--grouping-prompts", "8", "--out", str(out)], capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())["grouping"]
     train_count = json.loads((world["prep"] / "prepare.json").read_text())["splits"]["train"]["count"]
