@@ -153,7 +153,7 @@ def _finite(value: float | None) -> float | None:
 
 
 class Engine:
-    """Target + optional draft behind one lock, with SGLang-style cumulative acceptance counters."""
+    """Target + optional draft on one decode thread behind one lock, with SGLang-style cumulative acceptance counters."""
 
     def __init__(
         self,
@@ -175,7 +175,7 @@ class Engine:
             raise ValueError("a speculative engine needs a draft checkpoint directory; none was given, nothing was loaded")
         # One thread loads, warms up and runs every generation. A CUDA call from a thread that never made one costs
         # 45-90 ms more to the first token on an H200 (benchmarks/probe_first_token.py: 60-108 ms from a new thread,
-        # 14-30 ms from the loading one, whatever the prompt width), and the HTTP server gives each connection a thread.
+        # 14-32 ms from the loading one, whatever the prompt width), and the HTTP server gives each connection a thread.
         self._decode_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-decode")
 
         def load() -> None:
