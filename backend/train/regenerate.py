@@ -384,8 +384,7 @@ class LengthGroupedQueue:
 
     def __init__(self, batch_size: int, window: int):
         self.batch_size, self.capacity = batch_size, batch_size * max(1, window)
-        self.items: list[tuple[int, Job, list[int]]] = []  # (arrival, job, prompt)
-        self.arrivals = 0
+        self.items: list[tuple[Job, list[int]]] = []  # in arrival order: items[0] has waited longest
 
     def __len__(self) -> int:
         return len(self.items)
@@ -394,21 +393,20 @@ class LengthGroupedQueue:
         return self.capacity - len(self.items)
 
     def add(self, job: Job, prompt: list[int]) -> None:
-        self.items.append((self.arrivals, job, prompt))
-        self.arrivals += 1
+        self.items.append((job, prompt))
 
     def next_batch(self) -> list[tuple[Job, list[int]]]:
-        order = sorted(range(len(self.items)), key=lambda i: (not self.items[i][1].key.startswith("val:"), len(self.items[i][2]), self.items[i][0]))
-        val = [i for i in range(len(self.items)) if self.items[i][1].key.startswith("val:")]
-        oldest = min(val or range(len(self.items)), key=lambda i: self.items[i][0])
+        is_val = [job.key.startswith("val:") for job, _ in self.items]
+        order = sorted(range(len(self.items)), key=lambda i: (not is_val[i], len(self.items[i][1]), i))
+        oldest = is_val.index(True) if any(is_val) else 0
         end = max(order.index(oldest) + 1, min(self.batch_size, len(order)))
         chosen = set(order[max(0, end - self.batch_size) : end])
-        batch = [(job, prompt) for i, (_, job, prompt) in enumerate(self.items) if i in chosen]
+        batch = [item for i, item in enumerate(self.items) if i in chosen]
         self.items = [item for i, item in enumerate(self.items) if i not in chosen]
         return batch
 
     def drain(self) -> list[tuple[Job, list[int]]]:
-        batch, self.items = [(job, prompt) for _, job, prompt in self.items], []
+        batch, self.items = self.items, []
         return batch
 
 

@@ -36,24 +36,25 @@ class ContextTooLong(ValueError):
     """A request needs more positions than the static cache holds."""
 
 
+def _doublings(smallest: int, max_len: int) -> list[int]:
+    """smallest, 2 x smallest, ... below max_len, then max_len itself."""
+    sizes, size = [], smallest
+    while size < max_len:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_len]
+
+
 def prefill_widths(max_len: int) -> list[int]:
     """Widths a prompt is padded to on CUDA: 16, 32, ... and max_len; every one is run once at load, so a prompt
     never brings a shape the decoder has not run. (The 55-68 ms first tokens that suggested per-shape costs on
     2026-12-02 were requests on new threads: engine.Engine decodes on one thread; probe_first_token.py.)"""
-    widths, size = [], MIN_PREFILL
-    while size < max_len:
-        widths.append(size)
-        size *= 2
-    return widths + [max_len]
+    return _doublings(MIN_PREFILL, max_len)
 
 
 def length_buckets(max_len: int) -> list[int]:
     """Cache prefixes a step may attend over: 256, 512, ... and max_len itself."""
-    buckets, size = [], MIN_BUCKET
-    while size < max_len:
-        buckets.append(size)
-        size *= 2
-    return buckets + [max_len]
+    return _doublings(MIN_BUCKET, max_len)
 
 
 def _rms(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
