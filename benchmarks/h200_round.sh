@@ -4,7 +4,8 @@
 #
 #   PHASE=carry1  carry .h200-carry1: the GGUF's first half to $DEV, the wheels the image lacks into $SITE, SpecForge
 #                 v0.3.0's source to $DEV; then imports everything the later phases import (a missing package shows
-#                 here, not 5 minutes into training), and times `data regenerate`'s batched generation against
+#                 here, not 5 minutes into training), profiles a decode step's kernels per compile variant
+#                 (profile_decode_step.py, DECODE_PROFILE=1, ~150 s), and times `data regenerate`'s batched generation against
 #                 transformers' generate on a random model of the target's shape (bench_regenerate.py): the batch size
 #                 with the most answer tokens/s is the train phase's REGEN_BATCH. ~90 s.
 #   PHASE=carry3  carry .h200-carry3: the ShareGPT `data prepare` dir (13,000 conversations) to $DEV. ~5 s.
@@ -43,7 +44,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
     : "${NUM_PROMPTS:=1}" "${MAX_NEW:=4}" "${PROMPT_TOKENS:=32}" "${CHAIN_PROMPTS:=1}" "${CHAIN_NEW:=4}" "${BENCH_PROMPTS:=1}"
     : "${BENCH_NEW:=4}" "${REAL_STEPS:=1}" "${REAL_WARMUP:=1}" "${PHASE_S:=5000}" "${HARD_S:=6000}"
     : "${GROUPING_EXTRA:=--dtype float32 --layers 2 --batch 4 --new-tokens 4 --grouping-prompts 16}"
-    : "${REGEN_BENCH_BATCHES:=2 4}" "${REGEN_BENCH_EXTRA:=--dtype float32 --layers 2 --new-tokens 4 --prompt-tokens 48}"
+    : "${DECODE_PROFILE:=0}" "${REGEN_BENCH_BATCHES:=2 4}" "${REGEN_BENCH_EXTRA:=--dtype float32 --layers 2 --new-tokens 4 --prompt-tokens 48}"
     : "${LIMIT_SCALE:=5}" # stage limits are sized for the H200; a shared 2-core machine runs the CPU stages 2-3x slower at load 5
     export PEER_SPECFORGE_VENV=${PEER_SPECFORGE_VENV:-/tmp/h200-build/peer-venv} # SpecForge's triton loss, interpreted
 fi
@@ -67,6 +68,8 @@ REGEN_LIMIT=${REGEN_LIMIT:-12000} REGEN_VAL=${REGEN_VAL:-64} REGEN_BATCH=${REGEN
 REGEN_PROMPT=${REGEN_PROMPT:-384} REGEN_S=${REGEN_S:-120} COLD_MIB=${COLD_MIB:-1024} COLD_S=${COLD_S:-150}
 # REGEN_ANSWERS=N: `data regenerate --max-answers N` (first N answers of each conversation: more conversations per second)
 REGEN_BENCH_BATCHES=${REGEN_BENCH_BATCHES:-256 512 1024 2048} REGEN_BENCH=${REGEN_BENCH:-1} # 0: carry1 skips it (REGEN_BATCH given)
+# DECODE_PROFILE=1: carry1 also runs benchmarks/profile_decode_step.py (where a decode step's time goes, per compile variant)
+DECODE_PROFILE=${DECODE_PROFILE:-1} DECODE_PROFILE_EXTRA=${DECODE_PROFILE_EXTRA:---variants graphs compiled compiled_coordinate_descent --budget-s 150}
 # serve phase
 NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
 CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-10} BENCH_NEW=${BENCH_NEW:-128}
@@ -288,6 +291,10 @@ found.update(torch=torch.__version__, cuda=torch.cuda.is_available(),
 (dev / "imports.json").write_text(json.dumps(found, indent=1) + "\n")
 print(json.dumps(found, indent=1))
 EOF
+    if [ "$DECODE_PROFILE" = 1 ]; then # kernels of one decode step by kind, per compile variant (a random target: no GGUF needed)
+        # shellcheck disable=SC2086 # word lists on purpose
+        stage decode_profile 150 240 "$PY" benchmarks/profile_decode_step.py --profile "$PROFILE" --out "$OUT/decode_profile.json" $DECODE_PROFILE_EXTRA
+    fi
     [ "$REGEN_BENCH" = 1 ] || { note "regen_bench skipped (REGEN_BENCH=0): the train phase takes REGEN_BATCH=${REGEN_BATCH:-256}"; return 0; }
     # shellcheck disable=SC2086 # word lists on purpose
     stage regen_bench 90 170 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" --batch $REGEN_BENCH_BATCHES \

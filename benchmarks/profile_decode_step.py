@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""Where one static-cache decode step's time goes on a GPU: kernels by kind, kernel time against the graphed step.
+
+The reference engine's plain decode on one H200 ran 1.66 ms a token compiled (2.22 ms with graphs alone) for
+SmolLM2-135M, whose weights take ~0.06 ms to read: the step is a chain of ~300-900 small kernels. This script builds
+StaticDecoder on a random target of the profile's shape (weights do not change the timing) and, per variant (graphs
+alone; graphs + torch.compile; the same with inductor's coordinate-descent tuning; with max-autotune's GEMM templates):
+
+  - tok/s of plain and of EAGLE-3 (3 steps; a random draft, so rounds accept ~nothing: the per-round cost is what counts)
+    decoding under CUDA graphs, with the per-step breakdown (StepTimes) and the prompt's prefill;
+  - the replay time of the captured decode graph alone (CUDA events over many replays);
+  - a torch.profiler trace of the same step run without a graph: kernels per step, their summed time by kind (GEMM,
+    attention, fused Triton, element-wise, copies) and the top kernels. The summed kernel time against the graph's
+    replay time says how much is work and how much is the gaps between kernels.
+
+    python benchmarks/profile_decode_step.py --out decode_profile.json          # on a GPU host; ~2-4 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+VARIANTS = {
+    "graphs": {"compile": False},
+    "compiled": {"compile": True},
+    "compiled_coordinate_descent": {"compile": True, "inductor": {"coordinate_descent_tuning": True}},
+    "compiled_max_autotune": {"compile": True, "inductor": {"coordinate_descent_tuning": True, "max_autotune_gemm": True}},
+}
+KINDS = (  # kernel name fragments, first match wins
+    ("attention", ("fmha", "flash", "attention", "efficient_attention")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "cublas", "splitk", "mm_")),
+    ("triton_fused", ("triton",)),
+    ("copy_index", ("copy", "index", "scatter", "gather", "cat")),
+    ("reduce_softmax_argmax", ("reduce", "softmax", "argmax", "max")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, fragments in KINDS:
+        if any(fragment in lowered for fragment in fragments):
+            return kind
+    return "other"
+
+
+def kernel_table(run_step, steps: int) -> dict:
+    """Profile `steps` calls of run_step (no graph): kernels per step, microseconds per step by kind, top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        run_step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run_step()
+        torch.cuda.synchronize()
+    by_kind: dict[str, float] = defaultdict(float)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    count = 0
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        micros = event.time_range.elapsed_us()
+        count += 1
+        by_kind[kind_of(event.name)] += micros
+        by_name[event.name][0] += 1
+        by_name[event.name][1] += micros
+    top = sorted(by_name.items(), key=lambda item: -item[1][1])[:15]
+    return {
+        "kernels_per_step": count / steps,
+        "kernel_us_per_step": sum(by_kind.values()) / steps,
+        "us_per_step_by_kind": {kind: round(total / steps, 2) for kind, total in sorted(by_kind.items(), key=lambda item: -item[1])},
+        "top_kernels": [{"name": name[:120], "per_step": calls / steps, "us_per_step": round(total / steps, 2)} for name, (calls, total) in top],
+    }
+
+
+def replay_ms(graph, replays: int) -> float:
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(10):
+        graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def decode_rate(decoder, prompts, max_new: int, speculative: bool) -> dict:
+    import torch
+
+    from backend.serve.reference.static_decode import StepTimes
+
+    call = decoder.generate if speculative else decoder.plain
+    call(prompts[0], 16)  # captures (and compiles) every shape these prompts use before the clock runs
+    for prompt in prompts:
+        call(prompt, 4)
+    decoder.step_times = StepTimes()
+    torch.cuda.synchronize()
+    began, tokens = time.perf_counter(), 0
+    for prompt in prompts:
+        tokens += call(prompt, max_new).completion_tokens
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
+    summary = decoder.step_times.summary()
+    decoder.step_times = None
+    return {"tok_s": round(tokens / seconds, 1), "tokens": tokens, "seconds": round(seconds, 3), "breakdown_ms": summary}
+
+
+def set_inductor(options: dict) -> dict:
+    import torch._inductor.config as inductor_config
+
+    previous = {name: getattr(inductor_config, name) for name in options}
+    for name, value in options.items():
+        setattr(inductor_config, name, value)
+    return previous
+
+
+def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: int, max_len: int, profile_steps: int) -> dict:
+
+    from backend.serve.reference.static_decode import StaticDecoder
+
+    previous = set_inductor(spec.get("inductor", {}))
+    began = time.perf_counter()
+    try:
+        plain = StaticDecoder(model, None, aux, eos_token_id=-1, max_len=max_len, compile=spec["compile"])
+        row: dict = {"variant": name, "inductor": spec.get("inductor", {})}
+        row["plain"] = decode_rate(plain, prompts, max_new, speculative=False)
+        bucket = plain._bucket(max(len(p) for p in prompts) + max_new)
+        graph = plain.graphs.get(("decode", bucket))
+        row["decode_graph_replay_ms"] = round(replay_ms(graph, 500), 4) if graph is not None else None
+        plain._set_scalars(max(len(p) for p in prompts), 0, 0, 1)
+        row["decode_kernels"] = kernel_table(lambda: plain._decode_fn(bucket), profile_steps)
+        eagle = StaticDecoder(model, draft, aux, num_steps=3, eos_token_id=-1, max_len=max_len, compile=spec["compile"])
+        row["eagle_k3"] = decode_rate(eagle, prompts, max_new, speculative=True)
+        row["eagle_k3"]["speedup_per_round_vs_plain_token"] = round(
+            row["plain"]["breakdown_ms"]["round_wall_ms"] / max(row["eagle_k3"]["breakdown_ms"]["round_wall_ms"], 1e-9), 3
+        )
+        row["verify_kernels"] = kernel_table(lambda: eagle._verify_fn(bucket), profile_steps)
+        row["draft_round_kernels"] = kernel_table(lambda: eagle._draft_fn(bucket), profile_steps)
+        row["seconds_to_measure"] = round(time.perf_counter() - began, 1)
+        return row
+    finally:
+        set_inductor(previous)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="smollm2-135m")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[40, 180, 420])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--budget-s", type=float, default=400, help="skip the variants that would start after this many seconds")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    import torch
+
+    from benchmarks.probe_first_token import build
+
+    device = torch.device("cuda")
+    model, draft, aux, _ = build(args.profile, "bfloat16", device)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 1000, (length,), generator=generator).tolist() for length in args.prompt_lengths]
+    max_len = max(args.prompt_lengths) + args.max_new_tokens + 64
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "weight_bytes": weight_bytes, "max_len": max_len, "variants": []}
+    started = time.perf_counter()
+    for name in args.variants:
+        if time.perf_counter() - started > args.budget_s:
+            report["variants"].append({"variant": name, "skipped": f"past --budget-s {args.budget_s}"})
+            continue
+        try:
+            row = measure_variant(name, VARIANTS[name], model, draft, aux, prompts, args.max_new_tokens, max_len, args.profile_steps)
+        except Exception as error:  # one variant's failure (an inductor option this torch lacks) leaves the others measured
+            row = {"variant": name, "error": f"{type(error).__name__}: {error}"[:500]}
+        report["variants"].append(row)
+        torch.cuda.empty_cache()  # the variant's decoders (caches, graph pools) are garbage now
+        brief = {k: row[k] for k in ("variant", "decode_graph_replay_ms", "seconds_to_measure", "error") if k in row}
+        if "plain" in row:
+            brief.update(plain_tok_s=row["plain"]["tok_s"], eagle_tok_s=row["eagle_k3"]["tok_s"], decode_kernels=row["decode_kernels"]["us_per_step_by_kind"])
+        print(json.dumps(brief), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
