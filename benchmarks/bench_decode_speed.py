@@ -74,6 +74,23 @@ def encode(tokenizer, prompt: Any, max_tokens: int) -> list[int]:
     return ids[-max_tokens:]
 
 
+def apply_inductor_options(pairs: list[str]) -> dict[str, Any]:
+    """NAME=VALUE pairs into torch._inductor.config (VALUE as a Python literal: True, 3, 'x'); returns what was set."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    applied: dict[str, Any] = {}
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        if not hasattr(inductor_config, name):
+            raise SystemExit(f"--inductor {pair}: torch._inductor.config has no option {name!r}; nothing was measured")
+        value = ast.literal_eval(text)
+        setattr(inductor_config, name, value)
+        applied[name] = value
+    return applied
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -351,6 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--num-steps", type=int, nargs="+", default=[3, 7])
     parser.add_argument("--compile", action="store_true", help="add torch.compile variants of our static rows (CUDA; each cache prefix compiles once)")
+    parser.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a torch._inductor.config option for the --compile rows (repeat; e.g. coordinate_descent_tuning=True)",
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate anchors")
     parser.add_argument("--no-fp32-check", action="store_true")
     parser.add_argument("--hbm-tbs", type=float, default=4.8, help="memory bandwidth for the bound, TB/s (H200: 4.8)")
@@ -386,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     eager_row = measure("ours_eager_plain", device, anchors, lambda ids: eager.plain(ids, max_new), lambda r: r.output_ids)
     rows.append(eager_row)
     variants = [False, True] if args.compile else [False]
+    inductor_options = apply_inductor_options(args.inductor) if args.compile else {}
     per_set: dict[str, dict] = {name: {} for name in encoded}
     checks: dict[str, Any] = {}
     for compiled in variants:  # one decoder per variant, shared by the eval sets: graphs (and compiles) are made once
@@ -432,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             "weight_bytes": bytes_,
             "bandwidth_bound_tok_s": bound,
             "hbm_tbs": args.hbm_tbs,
+            "inductor_options": inductor_options,
             "anchors": {row["name"]: public(row) for row in rows},
             "eval_sets": per_set,
             "checks": checks,

@@ -79,6 +79,7 @@ REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30}
 # length against arrival order: bench_regenerate.py --grouping, a random target-shaped model on the carried prompts);
 # 0 skips one (each but GROUPING was measured on 2026-12-02)
 COMPILED=${COMPILED:-1} CHAIN=${CHAIN:-1} REAL=${REAL:-0} GROUPING=${GROUPING:-1}
+COMPILED_EXTRA=${COMPILED_EXTRA:-} # e.g. "--inductor coordinate_descent_tuning=True" (what carry1's decode_profile found faster)
 GROUPING_EXTRA=${GROUPING_EXTRA:---batch 2048 --new-tokens 64 --grouping-prompts 8192}
 REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
 
@@ -484,9 +485,10 @@ phase_serve() {
     stage decode 200 330 "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" "${drafts[@]}" --prompts "$DEV/sgdev/eval.jsonl" \
         --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 7 \
         --anchor-prompts "$ANCHORS" --out "$OUT/decode.json"
+    # shellcheck disable=SC2086 # COMPILED_EXTRA is a list of options
     [ "$COMPILED" = 1 ] && stage decode_compiled 150 240 "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" \
         --draft "$DEV/ours_draft" --prompts "$DEV/sgdev/eval.jsonl" --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" \
-        --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 --compile --no-hf --no-fp32-check --out "$OUT/decode_compiled.json"
+        --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 --compile --no-hf --no-fp32-check --out "$OUT/decode_compiled.json" $COMPILED_EXTRA
     [ "$CHAIN" = 1 ] && stage chain 150 240 chain
     # shellcheck disable=SC2086 # GROUPING_EXTRA is a list of options
     [ "$GROUPING" = 1 ] && stage regen_grouping 90 150 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" \

@@ -118,6 +118,36 @@ def decode_rate(decoder, prompts, max_new: int, speculative: bool) -> dict:
     return {"tok_s": round(tokens / seconds, 1), "tokens": tokens, "seconds": round(seconds, 3), "breakdown_ms": summary}
 
 
+def fresh_prefills(model, draft, aux, max_len: int, lengths: list[int]) -> list[dict]:
+    """First and second time to the first token of prompts of lengths no request brought before, on the loading
+    thread, with prompts padded to prefill_widths (all run once at load, as the engine does) and unpadded: is a
+    new prompt shape itself slow, so that the padding earns its keep?"""
+    import torch
+
+    from backend.serve.reference.static_decode import StaticDecoder
+
+    rows = []
+    generator = torch.Generator().manual_seed(1)
+    for pad in (True, False):
+        decoder = StaticDecoder(model, draft, aux, num_steps=3, eos_token_id=-1, max_len=max_len, pad_prefill=pad)
+        decoder.warm_prefill()
+        decoder.plain([1, 2, 3, 4], 3)
+        decoder.generate([1, 2, 3, 4], 8)
+        for length in lengths:
+            prompt = torch.randint(1, 1000, (length + (0 if pad else 1),), generator=generator).tolist()
+            for attempt in (1, 2):
+                for speculative in (True, False):
+                    torch.cuda.synchronize()
+                    began = time.perf_counter()
+                    (decoder.generate if speculative else decoder.plain)(prompt, 1)
+                    torch.cuda.synchronize()
+                    ms = 1000 * (time.perf_counter() - began)
+                    rows.append(
+                        {"padded": pad, "length": len(prompt), "attempt": attempt, "kind": "speculative" if speculative else "plain", "ms": round(ms, 2)}
+                    )
+    return rows
+
+
 def set_inductor(options: dict) -> dict:
     import torch._inductor.config as inductor_config
 
@@ -149,6 +179,8 @@ def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: 
         )
         row["verify_kernels"] = kernel_table(lambda: eagle._verify_fn(bucket), profile_steps)
         row["draft_round_kernels"] = kernel_table(lambda: eagle._draft_fn(bucket), profile_steps)
+        if not spec["compile"]:
+            row["fresh_prefills"] = fresh_prefills(model, draft, aux, max_len, [23, 77, 301, 613])
         row["seconds_to_measure"] = round(time.perf_counter() - began, 1)
         return row
     finally:
