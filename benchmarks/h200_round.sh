@@ -5,7 +5,7 @@
 #   PHASE=carry1  carry .h200-carry1: the GGUF's first half to $DEV, the wheels the image lacks into $SITE, SpecForge
 #                 v0.3.0's source to $DEV; then imports everything the later phases import (a missing package shows
 #                 here, not 5 minutes into training), profiles a decode step's kernels per compile variant
-#                 (profile_decode_step.py, DECODE_PROFILE=1, ~150 s), and times `data regenerate`'s batched generation against
+#                 (profile_decode_step.py, DECODE_PROFILE=1, ~300 s: its default variants), and times `data regenerate`'s batched generation against
 #                 transformers' generate on a random model of the target's shape (bench_regenerate.py): the batch size
 #                 with the most answer tokens/s is the train phase's REGEN_BATCH. ~90 s.
 #   PHASE=carry3  carry .h200-carry3: the ShareGPT `data prepare` dir (13,000 conversations) to $DEV. ~5 s.
@@ -69,7 +69,7 @@ REGEN_PROMPT=${REGEN_PROMPT:-384} REGEN_S=${REGEN_S:-120} COLD_MIB=${COLD_MIB:-1
 # REGEN_ANSWERS=N: `data regenerate --max-answers N` (first N answers of each conversation: more conversations per second)
 REGEN_BENCH_BATCHES=${REGEN_BENCH_BATCHES:-256 512 1024 2048} REGEN_BENCH=${REGEN_BENCH:-1} # 0: carry1 skips it (REGEN_BATCH given)
 # DECODE_PROFILE=1: carry1 also runs benchmarks/profile_decode_step.py (where a decode step's time goes, per compile variant)
-DECODE_PROFILE=${DECODE_PROFILE:-1} DECODE_PROFILE_EXTRA=${DECODE_PROFILE_EXTRA:---variants graphs compiled compiled_coordinate_descent --budget-s 150}
+DECODE_PROFILE=${DECODE_PROFILE:-1} DECODE_PROFILE_EXTRA=${DECODE_PROFILE_EXTRA:---budget-s 280}
 # serve phase
 NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
 CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-10} BENCH_NEW=${BENCH_NEW:-128}
@@ -79,7 +79,9 @@ REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30}
 # length against arrival order: bench_regenerate.py --grouping, a random target-shaped model on the carried prompts);
 # 0 skips one (each but GROUPING was measured on 2026-12-02)
 COMPILED=${COMPILED:-1} CHAIN=${CHAIN:-1} REAL=${REAL:-0} GROUPING=${GROUPING:-1}
-COMPILED_EXTRA=${COMPILED_EXTRA:-} # e.g. "--inductor coordinate_descent_tuning=True" (what carry1's decode_profile found faster)
+# COMPILED_EXTRA: more options for decode_compiled, e.g. "--attention math" or "--inductor NAME=VALUE" (what carry1's
+# decode_profile found faster; coordinate_descent_tuning=True was not, 2026-12-02: 649 vs 639 tok/s plain, 523 vs 533 EAGLE)
+COMPILED_EXTRA=${COMPILED_EXTRA:-}
 GROUPING_EXTRA=${GROUPING_EXTRA:---batch 2048 --new-tokens 64 --grouping-prompts 8192}
 REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
 
@@ -294,7 +296,7 @@ print(json.dumps(found, indent=1))
 EOF
     if [ "$DECODE_PROFILE" = 1 ]; then # kernels of one decode step by kind, per compile variant (a random target: no GGUF needed)
         # shellcheck disable=SC2086 # word lists on purpose
-        stage decode_profile 150 240 "$PY" benchmarks/profile_decode_step.py --profile "$PROFILE" --out "$OUT/decode_profile.json" $DECODE_PROFILE_EXTRA
+        stage decode_profile 300 420 "$PY" benchmarks/profile_decode_step.py --profile "$PROFILE" --out "$OUT/decode_profile.json" $DECODE_PROFILE_EXTRA
     fi
     [ "$REGEN_BENCH" = 1 ] || { note "regen_bench skipped (REGEN_BENCH=0): the train phase takes REGEN_BATCH=${REGEN_BATCH:-256}"; return 0; }
     # shellcheck disable=SC2086 # word lists on purpose

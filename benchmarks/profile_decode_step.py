@@ -4,7 +4,8 @@
 The reference engine's plain decode on one H200 ran 1.66 ms a token compiled (2.22 ms with graphs alone) for
 SmolLM2-135M, whose weights take ~0.06 ms to read: the step is a chain of ~300-900 small kernels. This script builds
 StaticDecoder on a random target of the profile's shape (weights do not change the timing) and, per variant (graphs
-alone; graphs + torch.compile; the same with inductor's coordinate-descent tuning; with max-autotune's GEMM templates):
+alone; graphs + torch.compile; the same with inductor's coordinate-descent tuning or max-autotune's GEMM templates;
+each attention kind of static_decode.ATTENTION_KINDS):
 
   - tok/s of plain and of EAGLE-3 (3 steps; a random draft, so rounds accept ~nothing: the per-round cost is what counts)
     decoding under CUDA graphs, with the per-step breakdown (StepTimes) and the prompt's prefill;
@@ -32,12 +33,17 @@ VARIANTS = {
     "compiled": {"compile": True},
     "compiled_coordinate_descent": {"compile": True, "inductor": {"coordinate_descent_tuning": True}},
     "compiled_max_autotune": {"compile": True, "inductor": {"coordinate_descent_tuning": True, "max_autotune_gemm": True}},
+    # the attention kinds of static_decode.ATTENTION_KINDS beside "sdpa" (cuDNN's flash kernel: 34 % of a compiled step)
+    "graphs_attention_efficient": {"compile": False, "attention": "efficient"},
+    "graphs_attention_math": {"compile": False, "attention": "math"},
+    "compiled_attention_efficient": {"compile": True, "attention": "efficient"},
+    "compiled_attention_math": {"compile": True, "attention": "math"},
 }
 KINDS = (  # kernel name fragments, first match wins
     ("attention", ("fmha", "flash", "attention", "efficient_attention")),
-    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "cublas", "splitk", "mm_")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "cublas", "splitk", "nvjet", "mm_")),
     ("triton_fused", ("triton",)),
-    ("copy_index", ("copy", "index", "scatter", "gather", "cat")),
+    ("copy_index", ("copy", "index", "scatter", "gather", "cat", "memset", "memcpy")),
     ("reduce_softmax_argmax", ("reduce", "softmax", "argmax", "max")),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
 )
@@ -118,7 +124,7 @@ def decode_rate(decoder, prompts, max_new: int, speculative: bool) -> dict:
     return {"tok_s": round(tokens / seconds, 1), "tokens": tokens, "seconds": round(seconds, 3), "breakdown_ms": summary}
 
 
-def fresh_prefills(model, draft, aux, max_len: int, lengths: list[int]) -> list[dict]:
+def fresh_prefills(model, draft, aux, lengths: list[int]) -> list[dict]:
     """First and second time to the first token of prompts of lengths no request brought before, on the loading
     thread, with prompts padded to prefill_widths (all run once at load, as the engine does) and unpadded: is a
     new prompt shape itself slow, so that the padding earns its keep?"""
@@ -128,6 +134,7 @@ def fresh_prefills(model, draft, aux, max_len: int, lengths: list[int]) -> list[
 
     rows = []
     generator = torch.Generator().manual_seed(1)
+    max_len = max(lengths) + 64
     for pad in (True, False):
         decoder = StaticDecoder(model, draft, aux, num_steps=3, eos_token_id=-1, max_len=max_len, pad_prefill=pad)
         decoder.warm_prefill()
@@ -163,24 +170,28 @@ def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: 
 
     previous = set_inductor(spec.get("inductor", {}))
     began = time.perf_counter()
+    attention = spec.get("attention", "sdpa")
     try:
-        plain = StaticDecoder(model, None, aux, eos_token_id=-1, max_len=max_len, compile=spec["compile"])
-        row: dict = {"variant": name, "inductor": spec.get("inductor", {})}
+        plain = StaticDecoder(model, None, aux, eos_token_id=-1, max_len=max_len, compile=spec["compile"], attention=attention)
+        row: dict = {"variant": name, "inductor": spec.get("inductor", {}), "attention": attention}
         row["plain"] = decode_rate(plain, prompts, max_new, speculative=False)
         bucket = plain._bucket(max(len(p) for p in prompts) + max_new)
         graph = plain.graphs.get(("decode", bucket))
         row["decode_graph_replay_ms"] = round(replay_ms(graph, 500), 4) if graph is not None else None
         plain._set_scalars(max(len(p) for p in prompts), 0, 0, 1)
         row["decode_kernels"] = kernel_table(lambda: plain._decode_fn(bucket), profile_steps)
-        eagle = StaticDecoder(model, draft, aux, num_steps=3, eos_token_id=-1, max_len=max_len, compile=spec["compile"])
+        eagle = StaticDecoder(model, draft, aux, num_steps=3, eos_token_id=-1, max_len=max_len, compile=spec["compile"], attention=attention)
         row["eagle_k3"] = decode_rate(eagle, prompts, max_new, speculative=True)
         row["eagle_k3"]["speedup_per_round_vs_plain_token"] = round(
             row["plain"]["breakdown_ms"]["round_wall_ms"] / max(row["eagle_k3"]["breakdown_ms"]["round_wall_ms"], 1e-9), 3
         )
         row["verify_kernels"] = kernel_table(lambda: eagle._verify_fn(bucket), profile_steps)
         row["draft_round_kernels"] = kernel_table(lambda: eagle._draft_fn(bucket), profile_steps)
-        if not spec["compile"]:
-            row["fresh_prefills"] = fresh_prefills(model, draft, aux, max_len, [23, 77, 301, 613])
+        if name == "graphs":
+            try:  # its own decoders (context for the longest), so a failure here keeps the row measured above
+                row["fresh_prefills"] = fresh_prefills(model, draft, aux, [23, 77, 301, 613])
+            except Exception as error:
+                row["fresh_prefills"] = {"error": f"{type(error).__name__}: {error}"[:500]}
         row["seconds_to_measure"] = round(time.perf_counter() - began, 1)
         return row
     finally:
@@ -190,7 +201,12 @@ def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="smollm2-135m")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["graphs", "compiled", "graphs_attention_math", "compiled_attention_math", "compiled_attention_efficient"],
+        choices=list(VARIANTS),
+    )
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[40, 180, 420])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--profile-steps", type=int, default=20)

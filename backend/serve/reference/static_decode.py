@@ -20,12 +20,19 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backend.serve.reference.spec_decode import NO_DRAFT, GenerateResult, SpecDecoder
 from backend.train.draft import Eagle3Draft, rotate_half
 
 MIN_BUCKET = 256  # smallest cache prefix a step attends over; prefixes double up to max_len
 MIN_PREFILL = 16  # smallest padded prompt width (pad_prefill)
+# How the target's steps attend over the cache. "sdpa": F.scaled_dot_product_attention with the backend torch picks
+# (cuDNN's flash kernel on an H200 with torch 2.11: 12.8 us a layer for one query over 612 keys, 34 % of a compiled
+# decode step; benchmarks/results/h200_round5_decode_profile.json). "efficient": SDPA held to the memory-efficient
+# kernel (math where that is missing, as on CPU). "math": matmul, masked softmax in float32, matmul, which
+# torch.compile fuses around the two products. Which is fastest on a GPU is measured by profile_decode_step.py.
+ATTENTION_KINDS = ("sdpa", "efficient", "math")
 
 
 class StaticUnsupported(ValueError):
@@ -97,9 +104,12 @@ def _stack(*modules) -> tuple[torch.Tensor, torch.Tensor | None]:
 class StaticTarget:
     """A Llama-family causal LM run from its own weights over a preallocated KV cache [layers, 1, kv_heads, max_len, d]."""
 
-    def __init__(self, model, aux_layer_ids: list[int], feed: str, max_len: int):
+    def __init__(self, model, aux_layer_ids: list[int], feed: str, max_len: int, attention: str = "sdpa"):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self._check_supported(model, config)
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention {attention!r}: expected one of {', '.join(ATTENTION_KINDS)}")
+        self.attention = attention
         inner = model.model
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -199,7 +209,7 @@ class StaticTarget:
             keys.index_copy_(2, positions, key)
             values.index_copy_(2, positions, value)
             grouped = query.reshape(1, kv_heads, groups * seq, dim)
-            out = F.scaled_dot_product_attention(grouped, keys[:, :, :bucket], values[:, :, :bucket], attn_mask=visible, scale=self.scale)
+            out = self._attend(grouped, keys[:, :, :bucket], values[:, :, :bucket], visible)
             out = out.reshape(1, heads, seq, dim).transpose(1, 2).reshape(1, seq, heads * dim)
             hidden = hidden + F.linear(out, layer.o_proj, layer.o_bias)
             gate, up = F.linear(_rms(hidden, layer.w_post, self.eps), layer.gate_up).chunk(2, dim=-1)
@@ -210,6 +220,17 @@ class StaticTarget:
         logits = F.linear(normed if all_logits else normed[:, logits_row:][:, :1], self.lm_head)
         features = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if self.feed == "aux" else normed
         return logits, features
+
+    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """query [1, kv_heads, rows, d] over keys/values [1, kv_heads, bucket, d]; visible [rows, bucket]."""
+        if self.attention == "math":
+            scores = torch.matmul(query, keys.transpose(-1, -2)) * self.scale
+            scores = scores.masked_fill(~visible, float("-inf"))
+            return torch.matmul(torch.softmax(scores.float(), dim=-1).to(query.dtype), values)
+        if self.attention == "efficient":
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=self.scale)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=self.scale)
 
 
 class StaticDraft:
@@ -292,7 +313,8 @@ class StepTimes:
 class StaticDecoder(SpecDecoder):
     """SpecDecoder's decoding from a static KV cache: the same tokens and acceptance counts, fixed-shape steps,
     CUDA graphs on CUDA (use_graphs=None: on when the target is on CUDA). compile=True runs the steps through
-    torch.compile (fusion of the small element-wise kernels) before they are captured."""
+    torch.compile (fusion of the small element-wise kernels) before they are captured; `attention` picks how the
+    target's steps attend (ATTENTION_KINDS)."""
 
     def __init__(
         self,
@@ -306,6 +328,7 @@ class StaticDecoder(SpecDecoder):
         use_graphs: bool | None = None,
         compile: bool = False,
         pad_prefill: bool | None = None,
+        attention: str = "sdpa",
     ):
         super().__init__(target_model, draft, aux_layer_ids, num_steps, feed, eos_token_id)
         device = self.target.device
@@ -319,7 +342,7 @@ class StaticDecoder(SpecDecoder):
         # compiled steps attend over the whole cache: one compile per step kind instead of one per prefix
         self.buckets = [self.max_len] if compile else length_buckets(self.max_len)
         self.prefill_widths = prefill_widths(self.max_len)
-        self.static_target = StaticTarget(target_model, self.aux_layer_ids, feed, self.max_len)
+        self.static_target = StaticTarget(target_model, self.aux_layer_ids, feed, self.max_len, attention)
         self.static_draft = StaticDraft(draft, self.max_len + self.width, num_steps) if draft is not None else None
         width, feature_width = self.width, self.static_target.feature_width
         self.scalars = torch.zeros(4, dtype=torch.long, device=device)  # target start, draft start, pending rows, decode token

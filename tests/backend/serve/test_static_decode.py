@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from backend.serve.reference.spec_decode import SpecDecoder
-from backend.serve.reference.static_decode import ContextTooLong, StaticDecoder, StaticUnsupported, length_buckets
+from backend.serve.reference.static_decode import ATTENTION_KINDS, ContextTooLong, StaticDecoder, StaticUnsupported, length_buckets
 from backend.train.draft import Eagle3Draft
 from tests.fixtures.drafts import AUX, HIDDEN, VOCAB, constant_target, draft_config, draft_predicting, prompts, random_draft, random_target
 
@@ -110,6 +110,44 @@ def test_partial_acceptance_rolls_back_both_caches_like_the_eager_crop(num_steps
         assert expected.output_ids == plain[:36]
         assert {0, num_steps} & set(expected.accepted_per_round) and any(0 < a < num_steps for a in expected.accepted_per_round)
         same(expected, static.generate(torch.tensor(prompt), 36))
+
+
+@pytest.mark.parametrize("attention", ATTENTION_KINDS)
+def test_every_attention_kind_gives_the_eager_tokens_and_rounds(attention):
+    """sdpa, efficient (math on CPU) and the explicit math form: the same tokens and accepted drafts per round."""
+    target = random_target()
+    draft = oracle_draft(target)
+    eager = SpecDecoder(target, draft, AUX, num_steps=3)
+    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=512, attention=attention)
+    assert static.static_target.attention == attention
+    prompt = prompts(1, seed=13)[0].tolist()
+    plain = eager.plain_generate(torch.tensor(prompt), 30)
+    assert static.plain_generate(torch.tensor(prompt), 30) == plain
+    draft.setup(prompt + plain, {len(prompt) + i for i in (2, 3, 11, 12, 13)})
+    expected = eager.generate(torch.tensor(prompt), 26)
+    assert 0 in expected.accepted_per_round and 3 in expected.accepted_per_round
+    same(expected, static.generate(torch.tensor(prompt), 26))
+
+
+@pytest.mark.slow
+def test_compiled_steps_with_math_attention_give_the_eager_tokens_and_rounds():
+    """compile=True on CPU (~100 s of inductor): the fused masked softmax between the two products keeps every token
+    and round; the GPU captures these same compiled steps."""
+    attention = "math"
+    target = random_target()
+    draft = oracle_draft(target)
+    eager = SpecDecoder(target, draft, AUX, num_steps=3)
+    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=256, compile=True, attention=attention)
+    prompt = prompts(1, seed=14)[0].tolist()
+    plain = eager.plain_generate(torch.tensor(prompt), 20)
+    assert static.plain_generate(torch.tensor(prompt), 20) == plain
+    draft.setup(prompt + plain, {len(prompt) + i for i in (1, 7, 8)})
+    same(eager.generate(torch.tensor(prompt), 16), static.generate(torch.tensor(prompt), 16))
+
+
+def test_an_unknown_attention_kind_is_refused():
+    with pytest.raises(ValueError, match="attention 'flash': expected one of sdpa, efficient, math"):
+        StaticDecoder(random_target(), None, AUX, max_len=128, attention="flash")
 
 
 def test_acceptance_anatomy_agrees_with_the_served_rounds_and_counts_the_wrong_rows():
