@@ -80,7 +80,7 @@ REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30}
 # 0 skips one (each but GROUPING was measured on 2026-12-02)
 COMPILED=${COMPILED:-1} CHAIN=${CHAIN:-1} REAL=${REAL:-0} GROUPING=${GROUPING:-1}
 # COMPILED_EXTRA: more options for decode_compiled, e.g. "--attention math" or "--inductor NAME=VALUE" (what carry1's
-# decode_profile found faster; coordinate_descent_tuning=True was not, 2026-12-02: 649 vs 639 tok/s plain, 523 vs 533 EAGLE)
+# decode_profile found faster; its coordinate_descent_tuning variant of 2026-12-02 reused the first compile: unmeasured)
 COMPILED_EXTRA=${COMPILED_EXTRA:-}
 GROUPING_EXTRA=${GROUPING_EXTRA:---batch 2048 --new-tokens 64 --grouping-prompts 8192}
 REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
