@@ -165,10 +165,9 @@ def set_inductor(options: dict) -> dict:
 
 
 def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: int, max_len: int, profile_steps: int) -> dict:
+    import torch._dynamo
 
     from backend.serve.reference.static_decode import StaticDecoder
-
-    import torch._dynamo
 
     # A new StaticDecoder passes the guards of the last one's compiled steps (same code, same shapes): without a reset
     # a later variant reuses the first one's kernels whatever its inductor options (2026-12-02: a 5.8 s "compile").
@@ -180,10 +179,11 @@ def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: 
         plain = StaticDecoder(model, None, aux, eos_token_id=-1, max_len=max_len, compile=spec["compile"], attention=attention)
         row: dict = {"variant": name, "inductor": spec.get("inductor", {}), "attention": attention}
         row["plain"] = decode_rate(plain, prompts, max_new, speculative=False)
-        bucket = plain._bucket(max(len(p) for p in prompts) + max_new)
+        longest = max(len(p) for p in prompts)
+        bucket = plain._bucket(longest + max_new)
         graph = plain.graphs.get(("decode", bucket))
         row["decode_graph_replay_ms"] = round(replay_ms(graph, 500), 4) if graph is not None else None
-        plain._set_scalars(max(len(p) for p in prompts), 0, 0, 1)
+        plain._set_scalars(longest, 0, 0, 1)
         row["decode_kernels"] = kernel_table(lambda: plain._decode_fn(bucket), profile_steps)
         eagle = StaticDecoder(model, draft, aux, num_steps=3, eos_token_id=-1, max_len=max_len, compile=spec["compile"], attention=attention)
         row["eagle_k3"] = decode_rate(eagle, prompts, max_new, speculative=True)
