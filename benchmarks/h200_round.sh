@@ -11,7 +11,7 @@
 #   PHASE=carry3  carry .h200-carry3: the ShareGPT `data prepare` dir (13,000 conversations) to $DEV. ~5 s.
 #   PHASE=train   carry .h200-carry2: the GGUF's second half and HumanEval (the data from carry3). target
 #                 prepare -> data regenerate for REGEN_S seconds (--max-seconds: the val split first, then as many train
-#                 conversations as fit) -> our draft and SpecForge v0.3.0's, trained on the
+#                 conversations as fit) -> our draft and SpecForge v0.3.0's (SPECFORGE=0: ours only), trained on the
 #                 same data for the same wall-clock budget each (TRAIN_S, SF_S) -> both exported for our engine.
 #                 The agent's cold index runs in the background during prepare/regenerate (timing-free stages). ~450 s.
 #   PHASE=more    carries nothing: resumes our trainer from the checkpoint its SIGTERM wrote for MORE_S more seconds
@@ -20,7 +20,8 @@
 #                 (ours_draft_at_train_s: the equal-time comparison). ~MORE_S + 60 s. RETURN_DRAFT=1 sends the
 #                 exported draft back in 16 MiB pieces (~48 MB in bf16: 3 files) instead of the trainer's log.
 #   PHASE=serve   carries nothing. Both drafts decoded in one process (bench_decode_speed.py: held-out ShareGPT and
-#                 HumanEval, 3 and 7 steps, the transformers anchors); headless `eagle3-host stop-and-bench --engine
+#                 HumanEval, 3 and 7 steps, the transformers anchors); our final draft's compiled steps with SDPA and
+#                 with the Triton attention (decode_compiled, decode_compiled_triton); headless `eagle3-host stop-and-bench --engine
 #                 reference` of a short training job (our draft, resumed), then `eagle3-host bench --baseline
 #                 same-engine` per eval set on that server; regeneration's length-grouped batches against arrival
 #                 order (bench_regenerate.py --grouping); real vs fixed-length step time (REAL=1). ~520 s.
@@ -53,6 +54,9 @@ C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} WHEEL_DIR=$
 PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580} LIMIT_SCALE=${LIMIT_SCALE:-1}
 # train phase
 TRAIN_S=${TRAIN_S:-100} SF_S=${SF_S:-100} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa} MORE_S=${MORE_S:-360}
+# SPECFORGE=0: the train phase trains our draft only (the equal-time peer was measured in one call on 2026-12-02;
+# its ~110 s then go to our longer cosine)
+SPECFORGE=${SPECFORGE:-1}
 # the cosine's length for our trainer: ~0.07 s a step at 4 x 1,024 with sdpa (the last e2e run's median step 0.056 s,
 # plus evals); faster, it ends by itself before TRAIN_S; slower, SIGTERM at TRAIN_S cuts the cosine short (ended_by says which)
 # OURS_BATCH: our trainer's sequences a step (default: the profile's 4). Regenerated conversations are short (prompt
@@ -82,6 +86,8 @@ COMPILED=${COMPILED:-1} CHAIN=${CHAIN:-1} REAL=${REAL:-0} GROUPING=${GROUPING:-1
 # COMPILED_EXTRA: more options for decode_compiled, e.g. "--attention math" or "--inductor NAME=VALUE" (what carry1's
 # decode_profile found faster; its coordinate_descent_tuning variant of 2026-12-02 reused the first compile: unmeasured)
 COMPILED_EXTRA=${COMPILED_EXTRA:-}
+# COMPILED_TRITON=1: decode_compiled_triton, the same rows with --attention triton (triton_attention.py), same call
+COMPILED_TRITON=${COMPILED_TRITON:-1}
 GROUPING_EXTRA=${GROUPING_EXTRA:---batch 2048 --new-tokens 64 --grouping-prompts 8192}
 REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
 
@@ -390,7 +396,8 @@ EOF
     note "training data: $(cat "$DEV/data.json")"
     wait "$cold" # bounded by COLD_S; it must not run while the trainers are timed
     stage train_ours $((TRAIN_S + 70)) $((TRAIN_S + 180)) train_ours
-    stage train_specforge $((SF_S + 60)) $((SF_S + 150)) "$PY" benchmarks/peer_specforge_train.py --profile "$PROFILE" --data "$DATA" \
+    [ "$SPECFORGE" = 1 ] || note "train_specforge skipped (SPECFORGE=0): our draft only"
+    [ "$SPECFORGE" = 1 ] && stage train_specforge $((SF_S + 60)) $((SF_S + 150)) "$PY" benchmarks/peer_specforge_train.py --profile "$PROFILE" --data "$DATA" \
         --target-dir "$MODEL_DIR" --specforge-src "$DEV/specforge-v0.3.0" --seconds "$SF_S" --device "$DEVICE" --attention-backend "$SF_ATTN" \
         --val-samples "$SF_VAL" --out "$DEV/sf"
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
@@ -473,24 +480,31 @@ chain() { # a training job resumed from our draft, stopped by stop-and-bench (re
     return "$rc"
 }
 
+decode_compiled() { # OUT_JSON [OPTIONS...]: our final draft, 3 steps, compiled steps under graphs, with its plain row
+    local out=$1
+    shift
+    timeout --signal=TERM --kill-after=15 "$STAGE_LIMIT" "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" \
+        --draft "$DEV/ours_draft" --prompts "$DEV/sgdev/eval.jsonl" --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" \
+        --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 --compile --no-hf --no-fp32-check --out "$out" "$@"
+}
+
 phase_serve() {
     [ -f "$DEV/data.json" ] && [ -d "$DEV/ours_draft" ] || die "the train phase's state is gone from $DEV (was the machine still warm?)"
     DATA=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json")
     MODEL_DIR=$(model_dir)
     local drafts=(--draft "$DEV/ours_draft")
-    [ -d "$DEV/ours_draft_at_train_s" ] && drafts+=(--draft "ours${TRAIN_S}s=$DEV/ours_draft_at_train_s")
-    if [ -d "$DEV/sf/draft" ]; then
+    if [ -d "$DEV/sf/draft" ]; then # our equal-time draft beside SpecForge's
+        [ -d "$DEV/ours_draft_at_train_s" ] && drafts+=(--draft "ours${TRAIN_S}s=$DEV/ours_draft_at_train_s")
         drafts+=(--draft "specforge=$DEV/sf/draft")
     else
-        note "no SpecForge draft (see the train phase): decoding ours only"
+        note "no SpecForge draft (see the train phase): decoding our final draft only"
     fi
     stage decode 200 330 "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" "${drafts[@]}" --prompts "$DEV/sgdev/eval.jsonl" \
         --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 7 \
         --anchor-prompts "$ANCHORS" --out "$OUT/decode.json"
     # shellcheck disable=SC2086 # COMPILED_EXTRA is a list of options
-    [ "$COMPILED" = 1 ] && stage decode_compiled 150 240 "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" \
-        --draft "$DEV/ours_draft" --prompts "$DEV/sgdev/eval.jsonl" --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" \
-        --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 --compile --no-hf --no-fp32-check --out "$OUT/decode_compiled.json" $COMPILED_EXTRA
+    [ "$COMPILED" = 1 ] && stage decode_compiled 150 240 decode_compiled "$OUT/decode_compiled.json" $COMPILED_EXTRA
+    [ "$COMPILED_TRITON" = 1 ] && stage decode_compiled_triton 150 240 decode_compiled "$OUT/decode_compiled_triton.json" --attention triton
     [ "$CHAIN" = 1 ] && stage chain 150 240 chain
     # shellcheck disable=SC2086 # GROUPING_EXTRA is a list of options
     [ "$GROUPING" = 1 ] && stage regen_grouping 90 150 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" \

@@ -10,6 +10,8 @@ each attention kind of static_decode.ATTENTION_KINDS):
   - tok/s of plain and of EAGLE-3 (3 steps; a random draft, so rounds accept ~nothing: the per-round cost is what counts)
     decoding under CUDA graphs, with the per-step breakdown (StepTimes) and the prompt's prefill;
   - the replay time of the captured decode graph alone (CUDA events over many replays);
+  - for graphs_attention_triton: the Triton attention's agreement with SDPA in bf16 on this GPU (kernel errors
+    against float32 SDPA beside bf16 SDPA's own; plain decoding's tokens with each kind);
   - a torch.profiler trace of the same step run without a graph: kernels per step, their summed time by kind (GEMM,
     attention, fused Triton, element-wise, copies) and the top kernels. The summed kernel time against the graph's
     replay time says how much is work and how much is the gaps between kernels.
@@ -38,6 +40,11 @@ VARIANTS = {
     "graphs_attention_math": {"compile": False, "attention": "math"},
     "compiled_attention_efficient": {"compile": True, "attention": "efficient"},
     "compiled_attention_math": {"compile": True, "attention": "math"},
+    # triton_attention.decode_attention: reads only the keys up to the step's positions (a compiled step attends
+    # over the whole cache, so there the saving grows with the cache)
+    "graphs_attention_triton": {"compile": False, "attention": "triton"},
+    "compiled_attention_triton": {"compile": True, "attention": "triton"},
+    "compiled_attention_triton_coordinate_descent": {"compile": True, "attention": "triton", "inductor": {"coordinate_descent_tuning": True}},
 }
 KINDS = (  # kernel name fragments, first match wins
     ("attention", ("fmha", "flash", "attention", "efficient_attention")),
@@ -155,6 +162,43 @@ def fresh_prefills(model, draft, aux, lengths: list[int]) -> list[dict]:
     return rows
 
 
+def triton_agreement(model, aux, prompts, max_new: int, max_len: int) -> dict:
+    """The Triton attention against SDPA on this GPU in bf16: the kernel's largest error against a float32 SDPA
+    beside bf16 SDPA's own, per shape; and plain greedy decoding's tokens with each kind (bf16 rounding may part
+    them after a while: the matching prefix says when)."""
+    import torch
+    import torch.nn.functional as F
+
+    from backend.serve.reference.static_decode import StaticDecoder
+    from backend.serve.reference.triton_attention import decode_attention
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shapes = []
+    for rows_per_head, bucket, last in ((3, 612, 300), (12, 612, 300), (3, 1160, 1100), (12, 4096, 100)):
+        seq = rows_per_head // 3
+        q = torch.randn(1, 3, rows_per_head, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+        k = torch.randn(1, 3, bucket, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+        v = torch.randn(1, 3, bucket, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+        positions = torch.arange(last - seq + 1, last + 1, device="cuda")
+        visible = (torch.arange(bucket, device="cuda")[None, :] <= positions[:, None]).repeat(3, 1)
+        exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=visible, scale=0.125)
+        sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.125)
+        ours = decode_attention(q, k, v, positions, 0.125)
+        shapes.append(
+            {"rows": rows_per_head, "bucket": bucket, "last_position": last,
+             "triton_max_abs_error": float((ours.float() - exact).abs().max()), "sdpa_bf16_max_abs_error": float((sdpa.float() - exact).abs().max())}
+        )  # fmt: skip
+    outputs = {}
+    for kind in ("sdpa", "triton"):
+        decoder = StaticDecoder(model, None, aux, eos_token_id=-1, max_len=max_len, attention=kind)
+        outputs[kind] = [decoder.plain(prompt, max_new).output_ids for prompt in prompts]
+    prefixes = []
+    for a, b in zip(outputs["sdpa"], outputs["triton"]):
+        prefixes.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    return {"kernel_vs_float32_sdpa": shapes, "plain_tokens_identical": sum(a == b for a, b in zip(outputs["sdpa"], outputs["triton"])),
+            "of": len(prompts), "matching_prefix": prefixes, "new_tokens": max_new}  # fmt: skip
+
+
 def set_inductor(options: dict) -> dict:
     import torch._inductor.config as inductor_config
 
@@ -192,6 +236,11 @@ def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: 
         )
         row["verify_kernels"] = kernel_table(lambda: eagle._verify_fn(bucket), profile_steps)
         row["draft_round_kernels"] = kernel_table(lambda: eagle._draft_fn(bucket), profile_steps)
+        if name == "graphs_attention_triton":
+            try:
+                row["triton_agreement"] = triton_agreement(model, aux, prompts, max_new, max_len)
+            except Exception as error:
+                row["triton_agreement"] = {"error": f"{type(error).__name__}: {error}"[:500]}
         if name == "graphs":
             try:  # its own decoders (context for the longest), so a failure here keeps the row measured above
                 row["fresh_prefills"] = fresh_prefills(model, draft, aux, [23, 77, 301, 613])
@@ -209,11 +258,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=["graphs", "compiled", "compiled_coordinate_descent", "compiled_attention_math", "compiled_attention_efficient"],
+        default=["graphs_attention_triton", "compiled_attention_triton", "compiled", "compiled_coordinate_descent", "compiled_attention_math"],
         choices=list(VARIANTS),
     )
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[40, 180, 420])
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-len", type=int, help="the static cache's positions (default: the longest prompt + new tokens + 64)")
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--budget-s", type=float, default=400, help="skip the variants that would start after this many seconds")
     parser.add_argument("--out", type=Path)
@@ -226,7 +276,7 @@ def main(argv=None) -> int:
     model, draft, aux, _ = build(args.profile, "bfloat16", device)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 1000, (length,), generator=generator).tolist() for length in args.prompt_lengths]
-    max_len = max(args.prompt_lengths) + args.max_new_tokens + 64
+    max_len = args.max_len or max(args.prompt_lengths) + args.max_new_tokens + 64
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "weight_bytes": weight_bytes, "max_len": max_len, "variants": []}
     started = time.perf_counter()

@@ -18,6 +18,10 @@ import pytest
 
 from tests.fixtures.env import MINI_SETTINGS, TRAINED_TINY_STEPS, trained_run_key, mini_profile_dict, train_tiny
 
+# Triton's language module is defined for the interpreter or for a GPU when triton is first imported (any import:
+# torch's inductor probes for it), so the whole suite sets it here: these machines have no GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Session fixtures that build the tiny target (and train a draft on it): tens of CPU minutes, so slow tests only.
 TINY_BUILD_FIXTURES = ("trained_tiny_run", "tiny_target_dir", "tiny_target")
 # Everything that decides what `train --profile tiny` produces.
@@ -47,6 +51,14 @@ def limited_torch_threads():
     torch.set_num_threads(int(threads_for_tests()))
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def triton_interpreter():
+    """Triton's kernels in its interpreter on the CPU (TRITON_INTERPRET=1, set for the whole suite above)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail("TRITON_INTERPRET is not 1: the Triton tests need the interpreter (no GPU here)")
+    pytest.importorskip("triton", reason="triton is in the dev dependencies: scripts/setup installs it")
 
 
 @pytest.fixture(scope="session")

@@ -97,13 +97,16 @@ async def test_a_hostile_agent_cannot_freeze_crash_or_bloat_a_host_session(tmp_p
         deadline = time.monotonic() + 8.0
         seen: set[str] = set()  # every note while it is in the (bounded) deque
         lag = await loop_lag_while(lambda: time.monotonic() < deadline, lambda: seen.update(text for _, text in state.notes))
+        over_cap_reported = lambda: any("65.0 MiB" in text and "line cap" in text for text in seen)  # noqa: E731
+        # the 65 MiB line leaves the agent at 1 s; on a loaded machine reading it through the flood can take past 8 s
+        await loop_lag_while(lambda: not over_cap_reported() and time.monotonic() < deadline + 30, lambda: seen.update(text for _, text in state.notes))
         assert not pump.done(), pump.exception() if pump.done() else None  # the pump did not die on any event
         assert session.connected and session.events_seen > 200
         pong = await session.request("ping")
         assert pong["pong"] is True  # the connection goes on, and answers
         assert lag < 1.0, f"the event loop was blocked for {lag:.2f}s by the flood"
         assert state.notes_added > 50 and any("refused" in text or "left out" in text for _, text in state.notes)
-        assert any("65.0 MiB" in text and "line cap" in text for text in seen), "the 65 MiB line was not reported"
+        assert over_cap_reported(), "the 65 MiB line was not reported"
         assert heard.notes and len(heard.notes) <= 8 / 5 + 2  # refusals are told at most once per 5 s, not per event
         assert len(state.gpus) <= GPUS_MAX and len(state.jobs) <= JOBS_MAX and len(state.logs) <= LOG_BUFFERS_MAX
         assert len(state.metrics) <= METRICS_JOBS_MAX and all(len(b.lines) <= LOG_LINES_KEPT for b in state.logs.values())

@@ -165,10 +165,12 @@ class Engine:
         device: str | None = None,
         static_cache: bool | None = None,
         compile_steps: bool = False,
+        attention: str = "sdpa",
     ):
         """device: "auto"/None picks cuda:0 when CUDA is available, else cpu. On CUDA the target loads in the profile's
         [serve] dtype and decodes through the static-cache decoder under CUDA graphs; on CPU it loads as it always
-        did (the profile's target dtype) and decodes eagerly, unless static_cache=True asks for the static decoder."""
+        did (the profile's target dtype) and decodes eagerly, unless static_cache=True asks for the static decoder.
+        attention: how the static decoder's target attends (static_decode.ATTENTION_KINDS)."""
         import torch
 
         if speculative and draft_dir is None:
@@ -180,7 +182,7 @@ class Engine:
 
         def load() -> None:
             with torch.no_grad():  # loading and the warm-up decode
-                self._load(profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps)
+                self._load(profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, attention)
 
         try:
             self._decode_thread.submit(load).result()
@@ -188,8 +190,13 @@ class Engine:
             self._decode_thread.shutdown(wait=False)
             raise
 
-    def _load(self, profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps) -> None:
+    def _load(self, profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, attention) -> None:
         import torch
+
+        from backend.serve.reference.static_decode import ATTENTION_KINDS
+
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention {attention!r}: expected one of {', '.join(ATTENTION_KINDS)}; nothing was loaded")
 
         self.profile = profile
         self.speculative = speculative
@@ -214,7 +221,7 @@ class Engine:
             self.expected_feature_width = config.aux_width
             aux_ids = list(config.aux_layer_ids)
         kwargs = {"aux_layer_ids": aux_ids, "num_steps": self.num_steps, "feed": feed, "eos_token_id": getattr(self.tokenizer, "eos_token_id", None)}
-        self.decoder = self._build_decoder(draft, kwargs, on_cuda if static_cache is None else static_cache, compile_steps)
+        self.decoder = self._build_decoder(draft, kwargs, on_cuda if static_cache is None else static_cache, compile_steps, attention)
         self.eos_ids = frozenset(self.decoder.eos)
         self.lock = threading.Lock()
         self.counters_lock = threading.Lock()
@@ -235,7 +242,7 @@ class Engine:
             device = torch.device("cuda", device.index or 0)  # torch 2.11 refuses set_device("cuda") without an index
         return device
 
-    def _build_decoder(self, draft, kwargs: dict[str, Any], static_cache: bool, compile_steps: bool):
+    def _build_decoder(self, draft, kwargs: dict[str, Any], static_cache: bool, compile_steps: bool, attention: str):
         """The static-cache decoder when asked (the default on CUDA) and the target is one it runs; else the eager one."""
         self.decoder_kind = "eager"
         if static_cache:
@@ -244,7 +251,7 @@ class Engine:
             try:
                 # + one verify's width: the server admits prompt + max_new_tokens <= context_len, a verify writes num_steps more
                 decoder = streaming_decoder_class(StaticDecoder)(
-                    self.target.model, draft, max_len=self.context_len + self.num_steps + 1, compile=compile_steps, **kwargs
+                    self.target.model, draft, max_len=self.context_len + self.num_steps + 1, compile=compile_steps, attention=attention, **kwargs
                 )
                 self._warm(decoder)
                 self.decoder_kind = "static-cuda-graphs" if decoder.use_graphs else "static"

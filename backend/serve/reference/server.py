@@ -2,7 +2,7 @@
 
 python -m backend.serve.reference.server --profile P --draft DIR --port N [--host 127.0.0.1]
        [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--served-model-name NAME]
-       [--device auto|cpu|cuda[:N]] [--static-cache] [--compile-steps]
+       [--device auto|cpu|cuda[:N]] [--static-cache] [--compile-steps] [--attention sdpa|efficient|math|triton]
        [--max-body-bytes B] [--request-timeout S] [--header-timeout S] [--max-connections N] [--max-waiting N]
        [--enable-metrics]
 
@@ -1100,6 +1100,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--static-cache", action="store_true", help="decode through the static-cache decoder on CPU too (on CUDA it always is)")
     parser.add_argument("--compile-steps", action="store_true", help="torch.compile the static decoder's steps before capturing them (CUDA)")
+    parser.add_argument(
+        "--attention",
+        default="sdpa",
+        help="how the static decoder's target attends: sdpa, efficient, math or triton (reads only the keys a step needs; CUDA)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies are refused with 413 (default %(default)s)")
     parser.add_argument(
         "--request-timeout",
@@ -1202,6 +1207,7 @@ def main(argv: list[str] | None = None) -> int:
                 device=args.device,
                 static_cache=True if args.static_cache else None,
                 compile_steps=args.compile_steps,
+                attention=args.attention,
             )
         except Exception:  # any load failure ends the server with the traceback in its log
             log("loading failed:\n" + traceback.format_exc())

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from backend.serve.reference import triton_attention
 from backend.serve.reference.spec_decode import NO_DRAFT, GenerateResult, SpecDecoder
 from backend.train.draft import Eagle3Draft, rotate_half
 
@@ -31,8 +32,9 @@ MIN_PREFILL = 16  # smallest padded prompt width (pad_prefill)
 # (cuDNN's flash kernel on an H200 with torch 2.11: 12.8 us a layer for one query over 612 keys, 34 % of a compiled
 # decode step; benchmarks/results/h200_round5_decode_profile.json). "efficient": SDPA held to the memory-efficient
 # kernel (math where that is missing, as on CPU). "math": matmul, masked softmax in float32, matmul, which
-# torch.compile fuses around the two products. Which is fastest on a GPU is measured by profile_decode_step.py.
-ATTENTION_KINDS = ("sdpa", "efficient", "math")
+# torch.compile fuses around the two products. "triton": triton_attention.decode_attention for steps (it reads only
+# the keys up to the step's positions; a prompt goes to SDPA). Which is fastest on a GPU: profile_decode_step.py.
+ATTENTION_KINDS = ("sdpa", "efficient", "math", "triton")
 
 
 class StaticUnsupported(ValueError):
@@ -114,6 +116,12 @@ class StaticTarget:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        if attention == "triton":
+            from backend.serve.reference.triton_attention import unavailable_reason
+
+            reason = unavailable_reason(inner.embed_tokens.weight.device, self.head_dim)
+            if reason:
+                raise ValueError(f"attention 'triton' cannot run here: {reason}")
         self.groups = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight.detach()
@@ -209,7 +217,7 @@ class StaticTarget:
             keys.index_copy_(2, positions, key)
             values.index_copy_(2, positions, value)
             grouped = query.reshape(1, kv_heads, groups * seq, dim)
-            out = self._attend(grouped, keys[:, :, :bucket], values[:, :, :bucket], visible)
+            out = self._attend(grouped, keys[:, :, :bucket], values[:, :, :bucket], visible, positions)
             out = out.reshape(1, heads, seq, dim).transpose(1, 2).reshape(1, seq, heads * dim)
             hidden = hidden + F.linear(out, layer.o_proj, layer.o_bias)
             gate, up = F.linear(_rms(hidden, layer.w_post, self.eps), layer.gate_up).chunk(2, dim=-1)
@@ -221,8 +229,11 @@ class StaticTarget:
         features = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if self.feed == "aux" else normed
         return logits, features
 
-    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """query [1, kv_heads, rows, d] over keys/values [1, kv_heads, bucket, d]; visible [rows, bucket]."""
+    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """query [1, kv_heads, rows, d] over keys/values [1, kv_heads, bucket, d]; visible [rows, bucket] (row r is
+        position positions[r % len(positions)])."""
+        if self.attention == "triton" and triton_attention.fits(query.shape[2]):
+            return triton_attention.decode_attention(query, keys, values, positions, self.scale)
         if self.attention == "math":
             scores = torch.matmul(query, keys.transpose(-1, -2)) * self.scale
             scores = scores.masked_fill(~visible, float("-inf"))

@@ -112,9 +112,12 @@ def test_partial_acceptance_rolls_back_both_caches_like_the_eager_crop(num_steps
         same(expected, static.generate(torch.tensor(prompt), 36))
 
 
-@pytest.mark.parametrize("attention", ATTENTION_KINDS)
-def test_every_attention_kind_gives_the_eager_tokens_and_rounds(attention):
-    """sdpa, efficient (math on CPU) and the explicit math form: the same tokens and accepted drafts per round."""
+@pytest.mark.parametrize("attention", [pytest.param(kind, marks=pytest.mark.slow) if kind == "triton" else kind for kind in ATTENTION_KINDS])
+def test_every_attention_kind_gives_the_eager_tokens_and_rounds(attention, request):
+    """sdpa, efficient (math on CPU), the explicit math form and the Triton kernels (in Triton's interpreter here):
+    the same tokens and accepted drafts per round."""
+    if attention == "triton":
+        request.getfixturevalue("triton_interpreter")
     target = random_target()
     draft = oracle_draft(target)
     eager = SpecDecoder(target, draft, AUX, num_steps=3)
@@ -130,10 +133,13 @@ def test_every_attention_kind_gives_the_eager_tokens_and_rounds(attention):
 
 
 @pytest.mark.slow
-def test_compiled_steps_with_math_attention_give_the_eager_tokens_and_rounds():
-    """compile=True on CPU (~100 s of inductor): the fused masked softmax between the two products keeps every token
-    and round; the GPU captures these same compiled steps."""
-    attention = "math"
+@pytest.mark.parametrize("attention", ["math", "triton"])
+def test_compiled_steps_with_math_or_triton_attention_give_the_eager_tokens_and_rounds(attention, request):
+    """compile=True on CPU (~100 s of inductor each): the fused masked softmax between the two products, or the
+    Triton kernels as one opaque op in the compiled graph (run by Triton's interpreter here), keep every token and
+    round; the GPU captures these same compiled steps."""
+    if attention == "triton":
+        request.getfixturevalue("triton_interpreter")
     target = random_target()
     draft = oracle_draft(target)
     eager = SpecDecoder(target, draft, AUX, num_steps=3)
@@ -146,8 +152,14 @@ def test_compiled_steps_with_math_attention_give_the_eager_tokens_and_rounds():
 
 
 def test_an_unknown_attention_kind_is_refused():
-    with pytest.raises(ValueError, match="attention 'flash': expected one of sdpa, efficient, math"):
+    with pytest.raises(ValueError, match="attention 'flash': expected one of sdpa, efficient, math, triton"):
         StaticDecoder(random_target(), None, AUX, max_len=128, attention="flash")
+
+
+def test_triton_attention_on_a_cpu_target_outside_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention 'triton' cannot run here: it needs a CUDA device \\(the target is on cpu"):
+        StaticDecoder(random_target(), None, AUX, max_len=128, attention="triton")
 
 
 def test_acceptance_anatomy_agrees_with_the_served_rounds_and_counts_the_wrong_rows():
@@ -343,6 +355,10 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
     assert plain.run(spec, "p").output_ids == eager.run(spec, "e").output_ids
     with pytest.raises(ValueError, match="CUDA is not available"):
         Engine.resolve_device("cuda")
+    with pytest.raises(ValueError, match="attention 'flash': expected one of sdpa, efficient, math, triton; nothing was loaded"):
+        Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="flash")
+    math = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="math")
+    assert math.decoder.static_target.attention == "math" and math.run(spec, "m").output_ids == eager.run(spec, "e").output_ids
 
 
 def test_every_generation_runs_on_the_engine_thread_whatever_thread_asks(mini_profile, tmp_path):

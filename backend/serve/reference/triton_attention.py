@@ -1,0 +1,157 @@
+"""Decode attention in Triton: a step's few query rows over the static KV cache, reading only the keys they may see.
+
+A decode or verify step of StaticTarget has a handful of query rows per KV head (heads per group x step width) and
+attends over a fixed cache prefix (`bucket`: the whole cache when compiled). SDPA reads the whole prefix (cuDNN's
+flash kernel: 12.8 us a layer over 612 keys on an H200, 34 % of a compiled decode step). Here the prefix is cut into
+blocks of keys, one program per (KV head, block) in the manner of flash-decoding: a block past the step's last
+position loads nothing (masked loads) and costs only its launch slot, so the work follows the sequence's length,
+not the cache's. A second kernel merges the blocks' partial softmaxes. Under CUDA graphs the grid is fixed per
+bucket and the positions are read on the device, so one captured graph serves every position.
+
+Row r of a KV head's query block is head r // seq of its group at position positions[r % seq] (StaticTarget's
+grouped layout). Softmax in float32; the probabilities are rounded to the values' dtype before their product, as
+flash kernels do. On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1), which
+is how the CPU tests check them against SDPA.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+MAX_ROWS = 64  # query rows per KV head the kernel takes (steps); wider calls (a prompt) go to SDPA
+MAX_BLOCKS = 128  # key blocks per KV head; a longer cache takes wider blocks
+MIN_BLOCK = 64
+
+
+def unavailable_reason(device: torch.device, head_dim: int) -> str | None:
+    """Why the Triton attention cannot run for this device and head size, or None when it can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed (it ships with CUDA builds of torch)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"it needs a CUDA device (the target is on {device}; TRITON_INTERPRET=1 runs it, slowly, on the CPU)"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two of at least 16"
+    return None
+
+
+def fits(rows: int) -> bool:
+    """Whether a call with `rows` query rows per KV head goes to the kernel (else SDPA)."""
+    return rows <= MAX_ROWS
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+def block_size(bucket: int) -> int:
+    """Keys per program: 64, or wider so that a long cache stays within MAX_BLOCKS programs per KV head."""
+    return max(MIN_BLOCK, _next_power_of_two(-(-bucket // MAX_BLOCKS)))
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_partials(
+        q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+        seq, rows, bucket, scale, blocks,
+        stride_qh, stride_qr, stride_kh, stride_kn, stride_vh, stride_vn,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, PRECISE: tl.constexpr,
+    ):  # fmt: skip
+        head, block = tl.program_id(0), tl.program_id(1)
+        row = tl.arange(0, ROWS)
+        key = block * BLOCK + tl.arange(0, BLOCK)
+        dim = tl.arange(0, DIM)
+        real = row < rows
+        position = tl.load(pos_ptr + row % seq, mask=real, other=-1)
+        key_needed = (key <= tl.max(position, axis=0)) & (key < bucket)  # past the last position: nothing is read
+        q = tl.load(q_ptr + head * stride_qh + row[:, None] * stride_qr + dim[None, :], mask=real[:, None], other=0.0)
+        k = tl.load(k_ptr + head * stride_kh + key[:, None] * stride_kn + dim[None, :], mask=key_needed[:, None], other=0.0)
+        v = tl.load(v_ptr + head * stride_vh + key[:, None] * stride_vn + dim[None, :], mask=key_needed[:, None], other=0.0)
+        if PRECISE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        visible = (key[None, :] <= position[:, None]) & key_needed[None, :]
+        scores = tl.where(visible, scores * scale, float("-inf"))
+        peak = tl.max(scores, axis=1)
+        peak = tl.where(peak == float("-inf"), 0.0, peak)  # a row that sees no key here: all its weights are 0
+        weights = tl.exp(scores - peak[:, None])
+        if PRECISE:
+            acc = tl.dot(weights, v, input_precision="ieee")
+        else:
+            acc = tl.dot(weights.to(v.dtype), v)
+        out = (head * blocks + block) * ROWS + row
+        tl.store(m_ptr + out, tl.where(tl.sum(visible.to(tl.int32), axis=1) > 0, peak, float("-inf")))
+        tl.store(l_ptr + out, tl.sum(weights, axis=1))
+        tl.store(acc_ptr + out[:, None] * DIM + dim[None, :], acc)
+
+    @triton.jit
+    def merge_blocks(
+        m_ptr, l_ptr, acc_ptr, o_ptr, blocks, stride_oh, stride_or,
+        ROWS: tl.constexpr, BLOCKS: tl.constexpr, DIM: tl.constexpr,
+    ):  # fmt: skip
+        head, row = tl.program_id(0), tl.program_id(1)
+        block = tl.arange(0, BLOCKS)
+        dim = tl.arange(0, DIM)
+        used = block < blocks
+        at = (head * blocks + block) * ROWS + row
+        peaks = tl.load(m_ptr + at, mask=used, other=float("-inf"))
+        top = tl.max(peaks, axis=0)
+        scale = tl.where(peaks == float("-inf"), 0.0, tl.exp(peaks - top))
+        total = tl.sum(scale * tl.load(l_ptr + at, mask=used, other=0.0), axis=0)
+        acc = tl.load(acc_ptr + at[:, None] * DIM + dim[None, :], mask=used[:, None], other=0.0)
+        out = tl.sum(acc * scale[:, None], axis=0) / total
+        tl.store(o_ptr + head * stride_oh + row * stride_or + dim, out.to(o_ptr.dtype.element_ty))
+
+    return block_partials, merge_blocks
+
+
+# An opaque custom op (registered at import; triton itself is imported at the first call): torch.compile keeps it
+# as one call in its graph, shapes from the fake below, instead of breaking the graph around the kernels.
+@torch.library.custom_op("eagle3::decode_attention", mutates_args=())
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    block_partials, merge_blocks = _kernels()
+    _, kv_heads, rows, dim = query.shape
+    bucket, seq = keys.shape[2], positions.shape[0]
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    block = block_size(bucket)
+    blocks = -(-bucket // block)
+    padded_rows = max(16, _next_power_of_two(rows))  # tl.dot takes 16 rows at least
+    peaks = torch.empty(kv_heads, blocks, padded_rows, dtype=torch.float32, device=query.device)
+    totals = torch.empty_like(peaks)
+    partial = torch.empty(kv_heads, blocks, padded_rows, dim, dtype=torch.float32, device=query.device)
+    out = torch.empty(1, kv_heads, rows, dim, dtype=query.dtype, device=query.device)
+    block_partials[(kv_heads, blocks)](
+        query, keys, values, positions, peaks, totals, partial,
+        seq, rows, bucket, scale, blocks,
+        query.stride(1), query.stride(2), keys.stride(1), keys.stride(2), values.stride(1), values.stride(2),
+        ROWS=padded_rows, BLOCK=block, DIM=dim, PRECISE=query.dtype == torch.float32,
+    )  # fmt: skip
+    merge_blocks[(kv_heads, rows)](
+        peaks, totals, partial, out, blocks, out.stride(1), out.stride(2),
+        ROWS=padded_rows, BLOCKS=max(2, _next_power_of_two(blocks)), DIM=dim,
+    )  # fmt: skip
+    return out
+
+
+@_attend.register_fake
+def _attend_shape(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [1, kv_heads, rows, d] (rows = heads per group x len(positions), group-major) over keys/values
+    [1, kv_heads, bucket, d] (strided views of the cache are fine); row r sees keys 0..positions[r % len(positions)].
+    Returns [1, kv_heads, rows, d] in the query's dtype."""
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys and values need unit stride along the head dimension")
+    return _attend(query, keys, values, positions, scale)

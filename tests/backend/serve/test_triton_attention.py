@@ -1,0 +1,53 @@
+"""The Triton decode attention against SDPA on the same rows, in Triton's interpreter (float32: its bf16 products are wrong)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.serve.reference.triton_attention import MAX_ROWS, block_size, decode_attention, fits
+
+pytestmark = pytest.mark.usefixtures("triton_interpreter", "limited_torch_threads")
+
+
+def reference(query, keys, values, positions, groups, scale):
+    visible = (torch.arange(keys.shape[2])[None, :] <= positions[:, None]).repeat(groups, 1)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale)
+
+
+@pytest.mark.parametrize(
+    "groups, positions, bucket",
+    [
+        (3, [0], 256),  # the first token: one key
+        (3, [200], 256),  # plain decode
+        (3, [120, 121, 122, 123], 300),  # a verify of 4 rows, a bucket that is no multiple of a block
+        (3, [63, 64, 65, 66], 512),  # rows on both sides of a block edge
+        (1, list(range(5, 21)), 64),  # 16 rows of one head per group: no padding
+        (4, [1000], 1160),  # most blocks past the position: nothing read there
+    ],
+)
+def test_equals_sdpa_over_the_keys_each_row_may_see(groups, positions, bucket):
+    torch.manual_seed(len(positions) * bucket)
+    kv_heads, dim, cache = 2, 64, 2048
+    cache_keys = torch.randn(1, kv_heads, cache, dim)
+    cache_values = torch.randn(1, kv_heads, cache, dim)
+    where = torch.tensor(positions)
+    query = torch.randn(1, kv_heads, groups * len(positions), dim)
+    keys, values = cache_keys[:, :, :bucket], cache_values[:, :, :bucket]  # strided views, as StaticTarget passes them
+    out = decode_attention(query, keys, values, where, dim**-0.5)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    torch.testing.assert_close(out, reference(query, keys, values, where, groups, dim**-0.5), atol=2e-6, rtol=1e-5)
+
+
+def test_keys_past_the_last_position_change_nothing():
+    """What lies in the cache past a row's position (a rejected draft's rows, stale steps) never reaches its output."""
+    torch.manual_seed(3)
+    keys, values = torch.randn(1, 2, 256, 32), torch.randn(1, 2, 256, 32)
+    query, where = torch.randn(1, 2, 8, 32), torch.tensor([40, 41, 42, 43])
+    before = decode_attention(query, keys, values, where, 0.2)
+    keys[:, :, 44:], values[:, :, 44:] = 1e4, -1e4
+    torch.testing.assert_close(decode_attention(query, keys, values, where, 0.2), before, atol=0, rtol=0)
+
+
+def test_a_long_cache_takes_wider_blocks_and_a_prompt_goes_to_sdpa():
+    assert [block_size(n) for n in (256, 8192, 8193, 32768, 100_000)] == [64, 64, 128, 256, 1024]
+    assert fits(MAX_ROWS) and not fits(MAX_ROWS + 1)
