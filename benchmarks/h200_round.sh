@@ -331,7 +331,7 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
         ${resume[@]+"${resume[@]}"} ${batch[@]+"${batch[@]}"} >>"$DEV/ours.log" 2>&1 &
     pid=$!
     # the first new metrics line: the step-0 validation of a fresh run, the first logged step of a resumed one
-    until [ "$(wc -l <"$metrics" 2>/dev/null || echo 0)" -gt "$lines0" ] || ! kill -0 "$pid" 2>/dev/null || [ "$(date +%s)" -ge "$limit_at" ]; do
+    until [ "$(wc -l 2>/dev/null <"$metrics" || echo 0)" -gt "$lines0" ] || ! kill -0 "$pid" 2>/dev/null || [ "$(date +%s)" -ge "$limit_at" ]; do
         sleep 0.2
     done
     t_val=$(date +%s%N)
@@ -395,6 +395,11 @@ EOF
     fi
     note "training data: $(cat "$DEV/data.json")"
     wait "$cold" # bounded by COLD_S; it must not run while the trainers are timed
+    local room=$((PHASE_S - $(elapsed) - 70 - (SPECFORGE == 1 ? SF_S + 60 : 0)))
+    if [ "$room" -lt "$TRAIN_S" ] && [ "$room" -ge 60 ]; then # a slow regeneration shortens training instead of skipping it
+        note "TRAIN_S cut from $TRAIN_S to $room s: what is left of the phase (2026-12-03: a 182 s regeneration skipped a 250 s training)"
+        TRAIN_S=$room
+    fi
     stage train_ours $((TRAIN_S + 70)) $((TRAIN_S + 180)) train_ours
     [ "$SPECFORGE" = 1 ] || note "train_specforge skipped (SPECFORGE=0): our draft only"
     [ "$SPECFORGE" = 1 ] && stage train_specforge $((SF_S + 60)) $((SF_S + 150)) "$PY" benchmarks/peer_specforge_train.py --profile "$PROFILE" --data "$DATA" \

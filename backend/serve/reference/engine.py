@@ -165,12 +165,13 @@ class Engine:
         device: str | None = None,
         static_cache: bool | None = None,
         compile_steps: bool = False,
-        attention: str = "sdpa",
+        attention: str = "auto",
     ):
         """device: "auto"/None picks cuda:0 when CUDA is available, else cpu. On CUDA the target loads in the profile's
         [serve] dtype and decodes through the static-cache decoder under CUDA graphs; on CPU it loads as it always
         did (the profile's target dtype) and decodes eagerly, unless static_cache=True asks for the static decoder.
-        attention: how the static decoder's target attends (static_decode.ATTENTION_KINDS)."""
+        attention: how the static decoder's target attends (static_decode.ATTENTION_CHOICES; auto: the Triton
+        kernels on CUDA where they run, else SDPA)."""
         import torch
 
         if speculative and draft_dir is None:
@@ -193,10 +194,10 @@ class Engine:
     def _load(self, profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, attention) -> None:
         import torch
 
-        from backend.serve.reference.static_decode import ATTENTION_KINDS
+        from backend.serve.reference.static_decode import ATTENTION_CHOICES
 
-        if attention not in ATTENTION_KINDS:
-            raise ValueError(f"attention {attention!r}: expected one of {', '.join(ATTENTION_KINDS)}; nothing was loaded")
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention {attention!r}: expected one of {', '.join(ATTENTION_CHOICES)}; nothing was loaded")
 
         self.profile = profile
         self.speculative = speculative

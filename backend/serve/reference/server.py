@@ -2,7 +2,7 @@
 
 python -m backend.serve.reference.server --profile P --draft DIR --port N [--host 127.0.0.1]
        [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--served-model-name NAME]
-       [--device auto|cpu|cuda[:N]] [--static-cache] [--compile-steps] [--attention sdpa|efficient|math|triton]
+       [--device auto|cpu|cuda[:N]] [--static-cache] [--compile-steps] [--attention auto|sdpa|efficient|math|triton]
        [--max-body-bytes B] [--request-timeout S] [--header-timeout S] [--max-connections N] [--max-waiting N]
        [--enable-metrics]
 
@@ -1102,8 +1102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile-steps", action="store_true", help="torch.compile the static decoder's steps before capturing them (CUDA)")
     parser.add_argument(
         "--attention",
-        default="sdpa",
-        help="how the static decoder's target attends: sdpa, efficient, math or triton (reads only the keys a step needs; CUDA)",
+        default="auto",
+        help="how the static decoder's target attends: auto (triton on CUDA where it runs, else sdpa), sdpa, efficient, math, "
+        "or triton (reads only the keys a step needs)",
     )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies are refused with 413 (default %(default)s)")
     parser.add_argument(

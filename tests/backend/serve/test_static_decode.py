@@ -152,7 +152,7 @@ def test_compiled_steps_with_math_or_triton_attention_give_the_eager_tokens_and_
 
 
 def test_an_unknown_attention_kind_is_refused():
-    with pytest.raises(ValueError, match="attention 'flash': expected one of sdpa, efficient, math, triton"):
+    with pytest.raises(ValueError, match="attention 'flash': expected one of auto, sdpa, efficient, math, triton"):
         StaticDecoder(random_target(), None, AUX, max_len=128, attention="flash")
 
 
@@ -355,10 +355,11 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
     assert plain.run(spec, "p").output_ids == eager.run(spec, "e").output_ids
     with pytest.raises(ValueError, match="CUDA is not available"):
         Engine.resolve_device("cuda")
-    with pytest.raises(ValueError, match="attention 'flash': expected one of sdpa, efficient, math, triton; nothing was loaded"):
+    with pytest.raises(ValueError, match="attention 'flash': expected one of auto, sdpa, efficient, math, triton; nothing was loaded"):
         Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="flash")
     math = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="math")
     assert math.decoder.static_target.attention == "math" and math.run(spec, "m").output_ids == eager.run(spec, "e").output_ids
+    assert plain.decoder.static_target.attention == "sdpa"  # auto on a CPU: the interpreter is never chosen for you
 
 
 def test_every_generation_runs_on_the_engine_thread_whatever_thread_asks(mini_profile, tmp_path):
