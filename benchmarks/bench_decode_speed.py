@@ -74,6 +74,16 @@ def encode(tokenizer, prompt: Any, max_tokens: int) -> list[int]:
     return ids[-max_tokens:]
 
 
+def set_inductor(options: dict[str, Any]) -> dict[str, Any]:
+    """Set torch._inductor.config options; returns their previous values (to set back)."""
+    import torch._inductor.config as inductor_config
+
+    previous = {name: getattr(inductor_config, name) for name in options}
+    for name, value in options.items():
+        setattr(inductor_config, name, value)
+    return previous
+
+
 def apply_inductor_options(pairs: list[str]) -> dict[str, Any]:
     """NAME=VALUE pairs into torch._inductor.config (VALUE as a Python literal: True, 3, 'x'); returns what was set."""
     import ast
@@ -85,9 +95,8 @@ def apply_inductor_options(pairs: list[str]) -> dict[str, Any]:
         name, _, text = pair.partition("=")
         if not hasattr(inductor_config, name):
             raise SystemExit(f"--inductor {pair}: torch._inductor.config has no option {name!r}; nothing was measured")
-        value = ast.literal_eval(text)
-        setattr(inductor_config, name, value)
-        applied[name] = value
+        applied[name] = ast.literal_eval(text)
+    set_inductor(applied)
     return applied
 
 

@@ -199,19 +199,11 @@ def triton_agreement(model, aux, prompts, max_new: int, max_len: int) -> dict:
             "of": len(prompts), "matching_prefix": prefixes, "new_tokens": max_new}  # fmt: skip
 
 
-def set_inductor(options: dict) -> dict:
-    import torch._inductor.config as inductor_config
-
-    previous = {name: getattr(inductor_config, name) for name in options}
-    for name, value in options.items():
-        setattr(inductor_config, name, value)
-    return previous
-
-
 def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: int, max_len: int, profile_steps: int) -> dict:
     import torch._dynamo
 
     from backend.serve.reference.static_decode import StaticDecoder
+    from benchmarks.bench_decode_speed import set_inductor
 
     # A new StaticDecoder passes the guards of the last one's compiled steps (same code, same shapes): without a reset
     # a later variant reuses the first one's kernels whatever its inductor options (2026-12-02: a 5.8 s "compile").
