@@ -328,7 +328,7 @@ class StaticDecoder(SpecDecoder):
     """SpecDecoder's decoding from a static KV cache: the same tokens and acceptance counts, fixed-shape steps,
     CUDA graphs on CUDA (use_graphs=None: on when the target is on CUDA). compile=True runs the steps through
     torch.compile (fusion of the small element-wise kernels) before they are captured; `attention` picks how the
-    target's steps attend (ATTENTION_KINDS)."""
+    target's steps attend (ATTENTION_CHOICES)."""
 
     def __init__(
         self,

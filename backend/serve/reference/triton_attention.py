@@ -28,15 +28,16 @@ MIN_BLOCK = 64
 
 
 def unavailable_reason(device: torch.device, head_dim: int) -> str | None:
-    """Why the Triton attention cannot run for this device and head size, or None when it can."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "Triton is not installed (it ships with CUDA builds of torch)"
+    """Why the Triton attention cannot run for this device and head size, or None when it can (cheap checks first:
+    a CPU engine asking for `auto` never imports Triton)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"it needs a CUDA device (the target is on {device}; TRITON_INTERPRET=1 runs it, slowly, on the CPU)"
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two of at least 16"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed (it ships with CUDA builds of torch)"
     return None
 
 

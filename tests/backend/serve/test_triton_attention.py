@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.serve.reference.triton_attention import MAX_ROWS, block_size, decode_attention, fits
+from backend.serve.reference.triton_attention import MAX_ROWS, block_size, decode_attention, fits, unavailable_reason
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter", "limited_torch_threads")
 
@@ -51,3 +51,12 @@ def test_keys_past_the_last_position_change_nothing():
 def test_a_long_cache_takes_wider_blocks_and_a_prompt_goes_to_sdpa():
     assert [block_size(n) for n in (256, 8192, 8193, 32768, 100_000)] == [64, 64, 128, 256, 1024]
     assert fits(MAX_ROWS) and not fits(MAX_ROWS + 1)
+
+
+def test_what_cannot_run_says_why(monkeypatch):
+    cpu = torch.device("cpu")
+    assert unavailable_reason(cpu, 64) is None  # the interpreter (this suite)
+    assert unavailable_reason(cpu, 48) == "head_dim 48 is not a power of two of at least 16"
+    assert unavailable_reason(cpu, 8) == "head_dim 8 is not a power of two of at least 16"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert unavailable_reason(cpu, 64).startswith("it needs a CUDA device (the target is on cpu")
