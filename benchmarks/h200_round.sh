@@ -401,10 +401,13 @@ EOF
         TRAIN_S=$room
     fi
     stage train_ours $((TRAIN_S + 70)) $((TRAIN_S + 180)) train_ours
-    [ "$SPECFORGE" = 1 ] || note "train_specforge skipped (SPECFORGE=0): our draft only"
-    [ "$SPECFORGE" = 1 ] && stage train_specforge $((SF_S + 60)) $((SF_S + 150)) "$PY" benchmarks/peer_specforge_train.py --profile "$PROFILE" --data "$DATA" \
-        --target-dir "$MODEL_DIR" --specforge-src "$DEV/specforge-v0.3.0" --seconds "$SF_S" --device "$DEVICE" --attention-backend "$SF_ATTN" \
-        --val-samples "$SF_VAL" --out "$DEV/sf"
+    if [ "$SPECFORGE" = 1 ]; then
+        stage train_specforge $((SF_S + 60)) $((SF_S + 150)) "$PY" benchmarks/peer_specforge_train.py --profile "$PROFILE" --data "$DATA" \
+            --target-dir "$MODEL_DIR" --specforge-src "$DEV/specforge-v0.3.0" --seconds "$SF_S" --device "$DEVICE" --attention-backend "$SF_ATTN" \
+            --val-samples "$SF_VAL" --out "$DEV/sf"
+    else
+        note "train_specforge skipped (SPECFORGE=0): our draft only"
+    fi
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
     cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
     cp "$DEV/sf/metrics.jsonl" "$OUT/specforge_metrics.jsonl" 2>/dev/null

@@ -171,6 +171,7 @@ def triton_agreement(model, aux, prompts, max_new: int, max_len: int) -> dict:
 
     from backend.serve.reference.static_decode import StaticDecoder
     from backend.serve.reference.triton_attention import decode_attention
+    from benchmarks.bench_decode_speed import prefix_match
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     shapes = []
@@ -192,9 +193,7 @@ def triton_agreement(model, aux, prompts, max_new: int, max_len: int) -> dict:
     for kind in ("sdpa", "triton"):
         decoder = StaticDecoder(model, None, aux, eos_token_id=-1, max_len=max_len, attention=kind)
         outputs[kind] = [decoder.plain(prompt, max_new).output_ids for prompt in prompts]
-    prefixes = []
-    for a, b in zip(outputs["sdpa"], outputs["triton"]):
-        prefixes.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    prefixes = [prefix_match(a, b) for a, b in zip(outputs["sdpa"], outputs["triton"])]
     return {"kernel_vs_float32_sdpa": shapes, "plain_tokens_identical": sum(a == b for a, b in zip(outputs["sdpa"], outputs["triton"])),
             "of": len(prompts), "matching_prefix": prefixes, "new_tokens": max_new}  # fmt: skip
 

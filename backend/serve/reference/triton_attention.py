@@ -83,15 +83,14 @@ def _kernels() -> tuple[Any, Any]:
             scores = tl.dot(q, tl.trans(k))
         visible = (key[None, :] <= position[:, None]) & key_needed[None, :]
         scores = tl.where(visible, scores * scale, float("-inf"))
-        peak = tl.max(scores, axis=1)
-        peak = tl.where(peak == float("-inf"), 0.0, peak)  # a row that sees no key here: all its weights are 0
-        weights = tl.exp(scores - peak[:, None])
+        peak = tl.max(scores, axis=1)  # -inf for a row that sees no key in this block: the merge gives it weight 0
+        weights = tl.exp(scores - tl.where(peak == float("-inf"), 0.0, peak)[:, None])
         if PRECISE:
             acc = tl.dot(weights, v, input_precision="ieee")
         else:
             acc = tl.dot(weights.to(v.dtype), v)
         out = (head * blocks + block) * ROWS + row
-        tl.store(m_ptr + out, tl.where(tl.sum(visible.to(tl.int32), axis=1) > 0, peak, float("-inf")))
+        tl.store(m_ptr + out, peak)
         tl.store(l_ptr + out, tl.sum(weights, axis=1))
         tl.store(acc_ptr + out[:, None] * DIM + dim[None, :], acc)
 
