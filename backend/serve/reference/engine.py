@@ -247,7 +247,7 @@ class Engine:
         """The static-cache decoder when asked (the default on CUDA) and the target is one it runs; else the eager one."""
         self.decoder_kind = "eager"
         if static_cache:
-            from backend.serve.reference.static_decode import StaticDecoder, StaticUnsupported
+            from backend.serve.reference.static_decode import AttentionUnavailable, StaticDecoder, StaticUnsupported
 
             try:
                 # + one verify's width: the server admits prompt + max_new_tokens <= context_len, a verify writes num_steps more
@@ -257,6 +257,8 @@ class Engine:
                 self._warm(decoder)
                 self.decoder_kind = "static-cuda-graphs" if decoder.use_graphs else "static"
                 return decoder
+            except AttentionUnavailable as exc:  # asked for by name: an error, not a quiet fallback to eager decoding
+                raise AttentionUnavailable(f"{exc}; nothing is served") from None
             except StaticUnsupported as exc:
                 log(f"{exc}; decoding eagerly instead")
             except Exception:  # a capture that fails here would fail every request: serve eagerly, say why

@@ -44,6 +44,10 @@ class StaticUnsupported(ValueError):
     """The target is not a model the static runner implements (the eager SpecDecoder still serves it)."""
 
 
+class AttentionUnavailable(ValueError):
+    """The attention kind asked for by name cannot run on this device or target (the reason says why)."""
+
+
 class ContextTooLong(ValueError):
     """A request needs more positions than the static cache holds."""
 
@@ -123,7 +127,7 @@ class StaticTarget:
         if attention == "auto":
             attention = "triton" if device.type == "cuda" and reason is None else "sdpa"
         elif reason:
-            raise ValueError(f"attention 'triton' cannot run here: {reason}")
+            raise AttentionUnavailable(f"attention 'triton' cannot run here: {reason}")
         self.attention = attention
         self.groups = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5

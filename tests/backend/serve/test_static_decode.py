@@ -357,6 +357,10 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
         Engine.resolve_device("cuda")
     with pytest.raises(ValueError, match="attention 'flash': expected one of auto, sdpa, efficient, math, triton; nothing was loaded"):
         Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="flash")
+    with pytest.MonkeyPatch.context() as patch:  # triton asked for by name where it cannot run: refused, not served eagerly
+        patch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="attention 'triton' cannot run here: it needs a CUDA device .*; nothing is served"):
+            Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="triton")
     math = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="math")
     assert math.decoder.static_target.attention == "math" and math.run(spec, "m").output_ids == eager.run(spec, "e").output_ids
     assert plain.decoder.static_target.attention == "sdpa"  # auto on a CPU: the interpreter is never chosen for you
