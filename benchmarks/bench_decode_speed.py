@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.serve.reference.spec_decode import SpecDecoder, eos_ids
-from backend.serve.reference.static_decode import ATTENTION_KINDS, StaticDecoder, StepTimes
+from backend.serve.reference.static_decode import ATTENTION_KINDS, LINEAR_KINDS, StaticDecoder, StepTimes
 from backend.train.draft import DraftKVCache
 
 NO_EOS = -1  # an id no tokenizer emits: every row decodes exactly --max-new-tokens
@@ -379,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="add torch.compile variants of our static rows (CUDA; each cache prefix compiles once)")
     parser.add_argument("--attention", choices=ATTENTION_KINDS, default="sdpa", help="how our static rows' target attends (static_decode.ATTENTION_KINDS)")
     parser.add_argument(
+        "--linear", choices=LINEAR_KINDS, default="torch", help="how our static rows' steps multiply by the weights (static_decode.LINEAR_KINDS)"
+    )
+    parser.add_argument(
         "--inductor",
         action="append",
         default=[],
@@ -425,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     checks: dict[str, Any] = {}
     for compiled in variants:  # one decoder per variant, shared by the eval sets: graphs (and compiles) are made once
         suffix = "_compiled" if compiled else ""
-        plain = StaticDecoder(model, None, aux, eos_token_id=NO_EOS, max_len=max_len, compile=compiled, attention=args.attention)
+        plain = StaticDecoder(model, None, aux, eos_token_id=NO_EOS, max_len=max_len, compile=compiled, attention=args.attention, linear=args.linear)
         for name, prompts in encoded.items():
             print(f"eval set {name}: {len(prompts)} prompts", flush=True)
             row = static_row(f"ours_static_plain{suffix}", plain, device, prompts, max_new, speculative=False)
@@ -433,7 +436,15 @@ def main(argv: list[str] | None = None) -> int:
         for steps in args.num_steps:
             for draft_suffix, one_draft, one_aux, _label in drafts:
                 decoder = StaticDecoder(
-                    model, one_draft, one_aux, num_steps=steps, eos_token_id=NO_EOS, max_len=max_len, compile=compiled, attention=args.attention
+                    model,
+                    one_draft,
+                    one_aux,
+                    num_steps=steps,
+                    eos_token_id=NO_EOS,
+                    max_len=max_len,
+                    compile=compiled,
+                    attention=args.attention,
+                    linear=args.linear,
                 )
                 for name, prompts in encoded.items():
                     plain_row = per_set[name][f"ours_static_plain{suffix}"]
@@ -471,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             "hbm_tbs": args.hbm_tbs,
             "inductor_options": inductor_options,
             "attention": args.attention,
+            "linear": args.linear,
             "anchors": {row["name"]: public(row) for row in rows},
             "eval_sets": per_set,
             "checks": checks,

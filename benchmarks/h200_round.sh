@@ -21,7 +21,8 @@
 #                 exported draft back in 16 MiB pieces (~48 MB in bf16: 3 files) instead of the trainer's log.
 #   PHASE=serve   carries nothing. Both drafts decoded in one process (bench_decode_speed.py: held-out ShareGPT and
 #                 HumanEval, 3 and 7 steps, the transformers anchors); our final draft's compiled steps with SDPA and
-#                 with the Triton attention (decode_compiled, decode_compiled_triton); headless `eagle3-host stop-and-bench --engine
+#                 with the Triton attention, and with the Triton linear too (decode_compiled, decode_compiled_triton,
+#                 decode_compiled_linear); headless `eagle3-host stop-and-bench --engine
 #                 reference` of a short training job (our draft, resumed), then `eagle3-host bench --baseline
 #                 same-engine` per eval set on that server; regeneration's length-grouped batches against arrival
 #                 order (bench_regenerate.py --grouping); real vs fixed-length step time (REAL=1). ~520 s.
@@ -88,6 +89,8 @@ COMPILED=${COMPILED:-1} CHAIN=${CHAIN:-1} REAL=${REAL:-0} GROUPING=${GROUPING:-1
 COMPILED_EXTRA=${COMPILED_EXTRA:-}
 # COMPILED_TRITON=1: decode_compiled_triton, the same rows with --attention triton (triton_attention.py), same call
 COMPILED_TRITON=${COMPILED_TRITON:-1}
+# COMPILED_LINEAR=1: decode_compiled_linear, the same rows with --attention triton --linear triton (triton_linear.py)
+COMPILED_LINEAR=${COMPILED_LINEAR:-1}
 GROUPING_EXTRA=${GROUPING_EXTRA:---batch 2048 --new-tokens 64 --grouping-prompts 8192}
 REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
 
@@ -513,6 +516,7 @@ phase_serve() {
     # shellcheck disable=SC2086 # COMPILED_EXTRA is a list of options
     [ "$COMPILED" = 1 ] && stage decode_compiled 150 240 decode_compiled "$OUT/decode_compiled.json" $COMPILED_EXTRA
     [ "$COMPILED_TRITON" = 1 ] && stage decode_compiled_triton 150 240 decode_compiled "$OUT/decode_compiled_triton.json" --attention triton
+    [ "$COMPILED_LINEAR" = 1 ] && stage decode_compiled_linear 150 240 decode_compiled "$OUT/decode_compiled_linear.json" --attention triton --linear triton
     [ "$CHAIN" = 1 ] && stage chain 150 240 chain
     # shellcheck disable=SC2086 # GROUPING_EXTRA is a list of options
     [ "$GROUPING" = 1 ] && stage regen_grouping 90 150 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" \

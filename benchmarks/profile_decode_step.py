@@ -12,6 +12,9 @@ each attention kind of static_decode.ATTENTION_KINDS):
   - the replay time of the captured decode graph alone (CUDA events over many replays);
   - for graphs_attention_triton: the Triton attention's agreement with SDPA in bf16 on this GPU (kernel errors
     against float32 SDPA beside bf16 SDPA's own; plain decoding's tokens with each kind);
+  - for graphs_linear_triton: the same for the Triton skinny linear against the eager ops, and each of the target's
+    products at 1 and 4 rows timed alone under a CUDA graph: cuBLAS with the eager norm / gate / residual, cuBLAS
+    alone, and the kernel at its default tile and wider / narrower column blocks;
   - a torch.profiler trace of the same step run without a graph: kernels per step, their summed time by kind (GEMM,
     attention, fused Triton, element-wise, copies) and the top kernels. The summed kernel time against the graph's
     replay time says how much is work and how much is the gaps between kernels.
@@ -45,6 +48,10 @@ VARIANTS = {
     "graphs_attention_triton": {"compile": False, "attention": "triton"},
     "compiled_attention_triton": {"compile": True, "attention": "triton"},
     "compiled_attention_triton_coordinate_descent": {"compile": True, "attention": "triton", "inductor": {"coordinate_descent_tuning": True}},
+    # triton_linear.skinny_linear for every product of a step (the norm, the gate and the residual inside): the GEMMs
+    # were 58 % of a compiled step with the Triton attention (2026-12-03)
+    "graphs_linear_triton": {"compile": False, "attention": "triton", "linear": "triton"},
+    "compiled_linear_triton": {"compile": True, "attention": "triton", "linear": "triton"},
 }
 KINDS = (  # kernel name fragments, first match wins
     ("attention", ("fmha", "flash", "attention", "efficient_attention")),
@@ -198,6 +205,129 @@ def triton_agreement(model, aux, prompts, max_new: int, max_len: int) -> dict:
             "of": len(prompts), "matching_prefix": prefixes, "new_tokens": max_new}  # fmt: skip
 
 
+def _products(model) -> dict[str, tuple[int, int, dict]]:
+    """The target layer's products as (columns, inner, which parts ride along), as StaticTarget calls them."""
+    config = model.config
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    qkv = (heads + 2 * (getattr(config, "num_key_value_heads", None) or heads)) * head_dim
+    return {
+        "qkv": (qkv, hidden, {"norm": True}),
+        "o_proj": (hidden, heads * head_dim, {"residual": True}),
+        "gate_up": (2 * config.intermediate_size, hidden, {"norm": True}),
+        "down": (hidden, config.intermediate_size, {"gated": True, "residual": True}),
+        "lm_head": (config.vocab_size, hidden, {}),
+    }
+
+
+def _operands(rows: int, columns: int, inner: int, parts: dict, generator):
+    import torch
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=generator) * scale).to(torch.bfloat16)
+
+    x = randn(1, rows, 2 * inner if parts.get("gated") else inner)
+    norm = randn(inner) if parts.get("norm") else None
+    residual = randn(1, rows, columns) if parts.get("residual") else None
+    return x, randn(columns, inner, scale=inner**-0.5), norm, residual
+
+
+def _eager_product(x, weight, norm, residual, gated: bool):
+    import torch.nn.functional as F
+
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    if norm is not None:
+        x = norm * F.rms_norm(x.float(), (x.shape[-1],), eps=1e-5).to(x.dtype)
+    out = F.linear(x, weight)
+    return out if residual is None else residual + out
+
+
+def _graphed_us(call, repeats: int = 20, replays: int = 20) -> float:
+    """Microseconds per call of `call`, captured `repeats` times in a row in one CUDA graph (the kernels' chain as a
+    decode step runs them), replayed."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            call()
+    return 1000 * replay_ms(graph, replays) / repeats
+
+
+def linear_shapes(model, aux, prompts, max_new: int, max_len: int) -> list[dict]:
+    """Each product of the target's step at 1 and 4 rows, timed alone under a CUDA graph: the eager ops around
+    cuBLAS, cuBLAS alone, and triton_linear's kernel at its default tile and at half / double / 4x the columns."""
+    import torch
+    import torch.nn.functional as F
+
+    from backend.serve.reference.triton_linear import MAX_TILE, launch, tiles
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    rows_out = []
+    for rows in (1, 4):
+        for name, (columns, inner, parts) in _products(model).items():
+            x, weight, norm, residual = _operands(rows, columns, inner, parts, generator)
+            gated = bool(parts.get("gated"))
+            plain_x = x[..., :inner] if gated else x
+            row: dict = {"product": name, "rows": rows, "columns": columns, "inner": inner, "weight_mb": round(weight.numel() * 2 / 1e6, 2)}
+            row["eager_ops_us"] = round(_graphed_us(lambda: _eager_product(x, weight, norm, residual, gated)), 2)
+            row["cublas_alone_us"] = round(_graphed_us(lambda: F.linear(plain_x, weight)), 2)
+            default = tiles(rows, columns, inner)
+            row["triton_default_tile"] = list(default)
+            row["triton_us"] = {}
+            for factor in (0.5, 1, 2, 4):
+                column_block = int(default[1] * factor)
+                if column_block < 2 or column_block > 128:
+                    continue
+                inner_block = max(16, min(default[2], MAX_TILE * 2 // (default[0] * column_block)))
+                tile = (default[0], column_block, inner_block)
+                row["triton_us"][f"{column_block}x{inner_block}"] = round(
+                    _graphed_us(lambda tile=tile: launch(x, weight, None, norm, 1e-5, residual, gated, tile)), 2
+                )
+            rows_out.append(row)
+    return rows_out
+
+
+def linear_agreement(model, aux, prompts, max_new: int, max_len: int) -> dict:
+    """triton_linear against the eager ops on this GPU in bf16: the largest error of each against a float32
+    computation, per product at 4 rows; and plain greedy decoding's tokens with each linear kind."""
+    import torch
+
+    from backend.serve.reference.static_decode import StaticDecoder
+    from backend.serve.reference.triton_linear import skinny_linear
+    from benchmarks.bench_decode_speed import prefix_match
+
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    shapes = []
+    for name, (columns, inner, parts) in _products(model).items():
+        x, weight, norm, residual = _operands(4, columns, inner, parts, generator)
+        gated = bool(parts.get("gated"))
+        exact = _eager_product(x.float(), weight.float(), None if norm is None else norm.float(), None if residual is None else residual.float(), gated)
+        ours = skinny_linear(x, weight, norm=norm, eps=1e-5, residual=residual, gated=gated)
+        eager = _eager_product(x, weight, norm, residual, gated)
+        shapes.append(
+            {
+                "product": name,
+                "triton_max_abs_error": float((ours.float() - exact).abs().max()),
+                "eager_bf16_max_abs_error": float((eager.float() - exact).abs().max()),
+            }
+        )
+    outputs = {}
+    for linear in ("torch", "triton"):
+        decoder = StaticDecoder(model, None, aux, eos_token_id=-1, max_len=max_len, attention="triton", linear=linear)
+        outputs[linear] = [decoder.plain(prompt, max_new).output_ids for prompt in prompts]
+    pairs = list(zip(outputs["torch"], outputs["triton"]))
+    return {"kernel_vs_float32": shapes, "plain_tokens_identical": sum(a == b for a, b in pairs), "of": len(prompts),
+            "matching_prefix": [prefix_match(a, b) for a, b in pairs], "new_tokens": max_new}  # fmt: skip
+
+
 def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: int, max_len: int, profile_steps: int) -> dict:
     import torch._dynamo
 
@@ -209,10 +339,10 @@ def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: 
     torch._dynamo.reset()
     previous = set_inductor(spec.get("inductor", {}))
     began = time.perf_counter()
-    attention = spec.get("attention", "sdpa")
+    kernels = {"attention": spec.get("attention", "sdpa"), "linear": spec.get("linear", "torch")}
     try:
-        plain = StaticDecoder(model, None, aux, eos_token_id=-1, max_len=max_len, compile=spec["compile"], attention=attention)
-        row: dict = {"variant": name, "inductor": spec.get("inductor", {}), "attention": attention}
+        plain = StaticDecoder(model, None, aux, eos_token_id=-1, max_len=max_len, compile=spec["compile"], **kernels)
+        row: dict = {"variant": name, "inductor": spec.get("inductor", {}), **kernels}
         row["plain"] = decode_rate(plain, prompts, max_new, speculative=False)
         longest = max(len(p) for p in prompts)
         bucket = plain._bucket(longest + max_new)
@@ -220,7 +350,7 @@ def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: 
         row["decode_graph_replay_ms"] = round(replay_ms(graph, 500), 4) if graph is not None else None
         plain._set_scalars(longest, 0, 0, 1)
         row["decode_kernels"] = kernel_table(lambda: plain._decode_fn(bucket), profile_steps)
-        eagle = StaticDecoder(model, draft, aux, num_steps=3, eos_token_id=-1, max_len=max_len, compile=spec["compile"], attention=attention)
+        eagle = StaticDecoder(model, draft, aux, num_steps=3, eos_token_id=-1, max_len=max_len, compile=spec["compile"], **kernels)
         row["eagle_k3"] = decode_rate(eagle, prompts, max_new, speculative=True)
         row["eagle_k3"]["speedup_per_round_vs_plain_token"] = round(
             row["plain"]["breakdown_ms"]["round_wall_ms"] / max(row["eagle_k3"]["breakdown_ms"]["round_wall_ms"], 1e-9), 3
@@ -232,6 +362,12 @@ def measure_variant(name: str, spec: dict, model, draft, aux, prompts, max_new: 
                 row["triton_agreement"] = triton_agreement(model, aux, prompts, max_new, max_len)
             except Exception as error:
                 row["triton_agreement"] = {"error": f"{type(error).__name__}: {error}"[:500]}
+        if name == "graphs_linear_triton":
+            for key, check in (("linear_agreement", linear_agreement), ("linear_shapes", linear_shapes)):
+                try:
+                    row[key] = check(model, aux, prompts, max_new, max_len)
+                except Exception as error:
+                    row[key] = {"error": f"{type(error).__name__}: {error}"[:500]}
         if name == "graphs":
             try:  # its own decoders (context for the longest), so a failure here keeps the row measured above
                 row["fresh_prefills"] = fresh_prefills(model, draft, aux, [23, 77, 301, 613])

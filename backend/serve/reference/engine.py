@@ -166,12 +166,14 @@ class Engine:
         static_cache: bool | None = None,
         compile_steps: bool = False,
         attention: str = "auto",
+        linear: str = "torch",
     ):
         """device: "auto"/None picks cuda:0 when CUDA is available, else cpu. On CUDA the target loads in the profile's
         [serve] dtype and decodes through the static-cache decoder under CUDA graphs; on CPU it loads as it always
         did (the profile's target dtype) and decodes eagerly, unless static_cache=True asks for the static decoder.
         attention: how the static decoder's target attends (static_decode.ATTENTION_CHOICES; auto: the Triton
-        kernels on CUDA where they run, else SDPA)."""
+        kernels on CUDA where they run, else SDPA); linear: how its steps multiply by the weights
+        (static_decode.LINEAR_KINDS)."""
         import torch
 
         if speculative and draft_dir is None:
@@ -183,7 +185,7 @@ class Engine:
 
         def load() -> None:
             with torch.no_grad():  # loading and the warm-up decode
-                self._load(profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, attention)
+                self._load(profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, {"attention": attention, "linear": linear})
 
         try:
             self._decode_thread.submit(load).result()
@@ -191,13 +193,14 @@ class Engine:
             self._decode_thread.shutdown(wait=False)
             raise
 
-    def _load(self, profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, attention) -> None:
+    def _load(self, profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, kernels: dict[str, str]) -> None:
         import torch
 
-        from backend.serve.reference.static_decode import ATTENTION_CHOICES
+        from backend.serve.reference.static_decode import ATTENTION_CHOICES, LINEAR_KINDS
 
-        if attention not in ATTENTION_CHOICES:
-            raise ValueError(f"attention {attention!r}: expected one of {', '.join(ATTENTION_CHOICES)}; nothing was loaded")
+        for name, choices in (("attention", ATTENTION_CHOICES), ("linear", LINEAR_KINDS)):
+            if kernels[name] not in choices:
+                raise ValueError(f"{name} {kernels[name]!r}: expected one of {', '.join(choices)}; nothing was loaded")
 
         self.profile = profile
         self.speculative = speculative
@@ -222,7 +225,7 @@ class Engine:
             self.expected_feature_width = config.aux_width
             aux_ids = list(config.aux_layer_ids)
         kwargs = {"aux_layer_ids": aux_ids, "num_steps": self.num_steps, "feed": feed, "eos_token_id": getattr(self.tokenizer, "eos_token_id", None)}
-        self.decoder = self._build_decoder(draft, kwargs, on_cuda if static_cache is None else static_cache, compile_steps, attention)
+        self.decoder = self._build_decoder(draft, kwargs, on_cuda if static_cache is None else static_cache, compile_steps, kernels)
         self.eos_ids = frozenset(self.decoder.eos)
         self.lock = threading.Lock()
         self.counters_lock = threading.Lock()
@@ -243,22 +246,22 @@ class Engine:
             device = torch.device("cuda", device.index or 0)  # torch 2.11 refuses set_device("cuda") without an index
         return device
 
-    def _build_decoder(self, draft, kwargs: dict[str, Any], static_cache: bool, compile_steps: bool, attention: str):
+    def _build_decoder(self, draft, kwargs: dict[str, Any], static_cache: bool, compile_steps: bool, kernels: dict[str, str]):
         """The static-cache decoder when asked (the default on CUDA) and the target is one it runs; else the eager one."""
         self.decoder_kind = "eager"
         if static_cache:
-            from backend.serve.reference.static_decode import AttentionUnavailable, StaticDecoder, StaticUnsupported
+            from backend.serve.reference.static_decode import KernelUnavailable, StaticDecoder, StaticUnsupported
 
             try:
                 # + one verify's width: the server admits prompt + max_new_tokens <= context_len, a verify writes num_steps more
                 decoder = streaming_decoder_class(StaticDecoder)(
-                    self.target.model, draft, max_len=self.context_len + self.num_steps + 1, compile=compile_steps, attention=attention, **kwargs
+                    self.target.model, draft, max_len=self.context_len + self.num_steps + 1, compile=compile_steps, **kernels, **kwargs
                 )
                 self._warm(decoder)
                 self.decoder_kind = "static-cuda-graphs" if decoder.use_graphs else "static"
                 return decoder
-            except AttentionUnavailable as exc:  # asked for by name: an error, not a quiet fallback to eager decoding
-                raise AttentionUnavailable(f"{exc}; nothing is served") from None
+            except KernelUnavailable as exc:  # asked for by name: an error, not a quiet fallback to eager decoding
+                raise KernelUnavailable(f"{exc}; nothing is served") from None
             except StaticUnsupported as exc:
                 log(f"{exc}; decoding eagerly instead")
             except Exception:  # a capture that fails here would fail every request: serve eagerly, say why

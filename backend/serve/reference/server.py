@@ -3,6 +3,7 @@
 python -m backend.serve.reference.server --profile P --draft DIR --port N [--host 127.0.0.1]
        [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--served-model-name NAME]
        [--device auto|cpu|cuda[:N]] [--static-cache] [--compile-steps] [--attention auto|sdpa|efficient|math|triton]
+       [--linear torch|triton]
        [--max-body-bytes B] [--request-timeout S] [--header-timeout S] [--max-connections N] [--max-waiting N]
        [--enable-metrics]
 
@@ -1106,6 +1107,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="how the static decoder's target attends: auto (triton on CUDA where it runs, else sdpa), sdpa, efficient, math, "
         "or triton (reads only the keys a step needs)",
     )
+    parser.add_argument(
+        "--linear",
+        default="torch",
+        help="how the static decoder's steps multiply by the target's weights: torch (F.linear) or triton (one kernel with the norm, gate and residual inside)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies are refused with 413 (default %(default)s)")
     parser.add_argument(
         "--request-timeout",
@@ -1209,6 +1215,7 @@ def main(argv: list[str] | None = None) -> int:
                 static_cache=True if args.static_cache else None,
                 compile_steps=args.compile_steps,
                 attention=args.attention,
+                linear=args.linear,
             )
         except Exception:  # any load failure ends the server with the traceback in its log
             log("loading failed:\n" + traceback.format_exc())

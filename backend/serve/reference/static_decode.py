@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from backend.serve.reference import triton_attention
+from backend.serve.reference import triton_attention, triton_linear
 from backend.serve.reference.spec_decode import NO_DRAFT, GenerateResult, SpecDecoder
 from backend.train.draft import Eagle3Draft, rotate_half
 
@@ -38,14 +38,18 @@ ATTENTION_KINDS = ("sdpa", "efficient", "math", "triton")
 # "auto": triton on a CUDA device where its kernels run, else sdpa. On one H200 (2026-12-03, one call, SmolLM2-135M,
 # compiled steps) triton took a decode step from 1.69 to 1.02 ms and a 4-row verify from 1.71 to 1.09 ms.
 ATTENTION_CHOICES = ("auto", *ATTENTION_KINDS)
+# How the target's steps (at most triton_linear.MAX_ROWS rows) multiply by their weights. "torch": F.linear (cuBLAS on
+# a GPU), the RMSNorm and the SiLU gate as kernels of their own. "triton": triton_linear.skinny_linear, the norm, the
+# gate, the bias and the residual inside the product. A prompt always goes to F.linear.
+LINEAR_KINDS = ("torch", "triton")
 
 
 class StaticUnsupported(ValueError):
     """The target is not a model the static runner implements (the eager SpecDecoder still serves it)."""
 
 
-class AttentionUnavailable(ValueError):
-    """The attention kind asked for by name cannot run on this device or target (the reason says why)."""
+class KernelUnavailable(ValueError):
+    """An attention or linear kind asked for by name cannot run on this device or target (the reason says why)."""
 
 
 class ContextTooLong(ValueError):
@@ -113,11 +117,13 @@ def _stack(*modules) -> tuple[torch.Tensor, torch.Tensor | None]:
 class StaticTarget:
     """A Llama-family causal LM run from its own weights over a preallocated KV cache [layers, 1, kv_heads, max_len, d]."""
 
-    def __init__(self, model, aux_layer_ids: list[int], feed: str, max_len: int, attention: str = "sdpa"):
+    def __init__(self, model, aux_layer_ids: list[int], feed: str, max_len: int, attention: str = "sdpa", linear: str = "torch"):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self._check_supported(model, config)
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention {attention!r}: expected one of {', '.join(ATTENTION_CHOICES)}")
+        if linear not in LINEAR_KINDS:
+            raise ValueError(f"linear {linear!r}: expected one of {', '.join(LINEAR_KINDS)}")
         inner = model.model
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -127,8 +133,11 @@ class StaticTarget:
         if attention == "auto":
             attention = "triton" if device.type == "cuda" and reason is None else "sdpa"
         elif reason:
-            raise AttentionUnavailable(f"attention 'triton' cannot run here: {reason}")
-        self.attention = attention
+            raise KernelUnavailable(f"attention 'triton' cannot run here: {reason}")
+        linear_reason = triton_linear.unavailable_reason(device) if linear == "triton" else None
+        if linear_reason:
+            raise KernelUnavailable(f"linear 'triton' cannot run here: {linear_reason}")
+        self.attention, self.linear = attention, linear
         self.groups = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight.detach()
@@ -198,9 +207,12 @@ class StaticTarget:
         angles = torch.cat([angles, angles], dim=-1)
         return (angles.cos() * self.rope_scaling).to(self.dtype), (angles.sin() * self.rope_scaling).to(self.dtype)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, bucket: int, all_logits: bool, logits_row: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, bucket: int, all_logits: bool, logits_row: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [1, S] at positions [S] (consecutive): writes their K/V, attends over cache[:bucket].
-        Without all_logits only row `logits_row` gets logits (a padded prompt's last real row).
+        Without all_logits only one row gets logits: the last, or `logits_row` (a one-element index on the device:
+        a padded prompt's last real row).
 
         Returns (logits [1, S or 1, V], features [1, S, F]: the aux layers' outputs concatenated, or the final
         normed hidden state for feed last_hidden). Rows at or past the position counter are never read unmasked.
@@ -213,8 +225,7 @@ class StaticTarget:
         visible = visible.repeat(groups, 1)  # query rows grouped by kv head: row j*S + s is head j of position s
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers):
-            normed = _rms(hidden, layer.w_input, self.eps)
-            qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
+            qkv = self._linear(hidden, layer.qkv, layer.qkv_bias, norm=layer.w_input)
             query_key, value = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
             query_key = query_key.view(1, seq, heads + kv_heads, dim).transpose(1, 2)
             query_key = query_key * cos + rotate_half(query_key) * sin  # RoPE of q and k in one pass
@@ -226,15 +237,30 @@ class StaticTarget:
             grouped = query.reshape(1, kv_heads, groups * seq, dim)
             out = self._attend(grouped, keys[:, :, :bucket], values[:, :, :bucket], visible, positions)
             out = out.reshape(1, heads, seq, dim).transpose(1, 2).reshape(1, seq, heads * dim)
-            hidden = hidden + F.linear(out, layer.o_proj, layer.o_bias)
-            gate, up = F.linear(_rms(hidden, layer.w_post, self.eps), layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            hidden = self._linear(out, layer.o_proj, layer.o_bias, residual=hidden)
+            gate_up = self._linear(hidden, layer.gate_up, norm=layer.w_post)
+            hidden = self._linear(gate_up, layer.down, residual=hidden, gated=True)
             if index in self.aux_layer_ids:
                 captured[index] = hidden
         normed = _rms(hidden, self.final_norm, self.eps)
-        logits = F.linear(normed if all_logits else normed[:, logits_row:][:, :1], self.lm_head)
+        if not all_logits:
+            normed_rows = normed[:, -1:] if logits_row is None else normed.index_select(1, logits_row)
+        logits = self._linear(normed if all_logits else normed_rows, self.lm_head)
         features = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if self.feed == "aux" else normed
         return logits, features
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None, residual=None, gated=False) -> torch.Tensor:
+        """residual + linear(rms_norm(x) * norm, weight, bias), each part optional; gated: x is gate | up and the
+        input is silu(gate) * up. One Triton kernel for a step's rows with linear "triton", else the eager ops."""
+        if self.linear == "triton" and triton_linear.fits(x.shape[1]):
+            return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=self.eps, residual=residual, gated=gated)
+        if gated:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        if norm is not None:
+            x = _rms(x, norm, self.eps)
+        out = F.linear(x, weight, bias)
+        return out if residual is None else residual + out
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """query [1, kv_heads, rows, d] over keys/values [1, kv_heads, bucket, d]; visible [rows, bucket] (row r is
@@ -332,7 +358,7 @@ class StaticDecoder(SpecDecoder):
     """SpecDecoder's decoding from a static KV cache: the same tokens and acceptance counts, fixed-shape steps,
     CUDA graphs on CUDA (use_graphs=None: on when the target is on CUDA). compile=True runs the steps through
     torch.compile (fusion of the small element-wise kernels) before they are captured; `attention` picks how the
-    target's steps attend (ATTENTION_CHOICES)."""
+    target's steps attend (ATTENTION_CHOICES), `linear` how they multiply by their weights (LINEAR_KINDS)."""
 
     def __init__(
         self,
@@ -347,6 +373,7 @@ class StaticDecoder(SpecDecoder):
         compile: bool = False,
         pad_prefill: bool | None = None,
         attention: str = "sdpa",
+        linear: str = "torch",
     ):
         super().__init__(target_model, draft, aux_layer_ids, num_steps, feed, eos_token_id)
         device = self.target.device
@@ -360,11 +387,17 @@ class StaticDecoder(SpecDecoder):
         # compiled steps attend over the whole cache: one compile per step kind instead of one per prefix
         self.buckets = [self.max_len] if compile else length_buckets(self.max_len)
         self.prefill_widths = prefill_widths(self.max_len)
-        self.static_target = StaticTarget(target_model, self.aux_layer_ids, feed, self.max_len, attention)
+        self.static_target = StaticTarget(target_model, self.aux_layer_ids, feed, self.max_len, attention, linear)
         self.static_draft = StaticDraft(draft, self.max_len + self.width, num_steps) if draft is not None else None
         width, feature_width = self.width, self.static_target.feature_width
-        self.scalars = torch.zeros(4, dtype=torch.long, device=device)  # target start, draft start, pending rows, decode token
-        self._staged = torch.zeros(4, dtype=torch.long, pin_memory=device.type == "cuda")
+        # target start, draft start, pending rows, decode token, the prompt's last row
+        self.scalars = torch.zeros(5, dtype=torch.long, device=device)
+        self._staged = torch.zeros(5, dtype=torch.long, pin_memory=device.type == "cuda")
+        # the prompt (padded with zeros; one more for the draft's shifted tokens), its last row's logits, its features
+        self.prompt_tokens = torch.zeros(1, self.max_len + 1, dtype=torch.long, device=device)
+        self.prompt_positions = torch.arange(self.max_len + 1, device=device)
+        self.prompt_logits = torch.zeros(1, 1, self.static_target.lm_head.shape[0], dtype=self.static_target.dtype, device=device)
+        self.prompt_features = torch.zeros(1, self.max_len, feature_width, dtype=self.static_target.dtype, device=device)
         self.pending_features = torch.zeros(1, width, feature_width, dtype=self.static_target.dtype, device=device)
         self.pending_tokens = torch.zeros(1, width, dtype=torch.long, device=device)
         self.verify_tokens = torch.zeros(1, width, dtype=torch.long, device=device)
@@ -428,6 +461,22 @@ class StaticDecoder(SpecDecoder):
         self.verify_tokens[0, :1].copy_(self.pending_tokens[0].index_select(0, row))
         self.verify_tokens[0, 1:].copy_(torch.cat(proposals))
 
+    def _prompt_step(self, width: int) -> None:
+        """The target's prefill of prompt_tokens[:, :width] at positions 0..width-1: the logits of row scalars[4] (the
+        prompt's last real row) into prompt_logits, every row's features into prompt_features."""
+        tokens, positions = self.prompt_tokens[:, :width], self.prompt_positions[:width]
+        logits, features = self.static_target.forward(tokens, positions, self._bucket(width), all_logits=False, logits_row=self.scalars[4:5])
+        self.prompt_logits.copy_(logits)
+        self.prompt_features[:, :width].copy_(features)
+
+    def _draft_prompt_step(self, width: int) -> None:
+        """The draft's prompt rows at positions 0..width-1: prompt features t with prompt token t + 1."""
+        draft, state = self._required_draft, self.static_draft
+        assert state is not None
+        positions = self.prompt_positions[:width]
+        hidden = self._draft_input(self.prompt_features[:, :width])
+        draft.midlayer(positions, draft._embed(self.prompt_tokens[:, 1 : width + 1]), hidden, state.commit(positions, self._bucket(width)))
+
     # --- running them ----------------------------------------------------------------------------------
 
     def _device_scope(self):
@@ -448,10 +497,12 @@ class StaticDecoder(SpecDecoder):
                 f"the static cache holds {self.max_len}. Nothing was decoded."
             )
 
-    def _set_scalars(self, *values: int) -> None:
-        for index, value in enumerate(values):
+    def _set_scalars(self, *values: int, first: int = 0) -> None:
+        """scalars[first], scalars[first + 1], ... = values, copied to the device behind the work already queued."""
+        end = first + len(values)
+        for index, value in enumerate(values, start=first):
             self._staged[index] = value
-        self.scalars[: len(values)].copy_(self._staged[: len(values)], non_blocking=True)
+        self.scalars[first:end].copy_(self._staged[first:end], non_blocking=True)
 
     def _run(self, kind: str, function: Callable[[int], None], bucket: int) -> None:
         if not self.use_graphs:
@@ -502,35 +553,40 @@ class StaticDecoder(SpecDecoder):
         return next(w for w in self.prefill_widths if w >= rows) if self.pad_prefill else rows
 
     def _prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt through the static target, eagerly, padded to _width: the rows past the prompt write K/V at
-        positions no step reads before overwriting them (every step writes its rows before it attends)."""
+        """The prompt through the static target, padded to _width (a graph per width when padding on CUDA): the rows
+        past the prompt write K/V at positions no step reads before overwriting them (every step writes its rows
+        before it attends). Returns (the last row's logits [1, 1, V], features [1, S, F]): views of the decoder's
+        buffers, good until the next prompt."""
         seq = ids.shape[1]
-        width = self._width(seq)
-        padded = F.pad(ids, (0, width - seq))
-        positions = torch.arange(width, device=ids.device)
-        logits, features = self.static_target.forward(padded, positions, self._bucket(width), all_logits=False, logits_row=seq - 1)
-        return logits, features[:, :seq]
+        self.prompt_tokens[0, :seq].copy_(ids[0])
+        self.prompt_tokens[0, seq:].zero_()
+        self._set_scalars(seq - 1, first=4)
+        self._run_prompt("prompt", self._prompt_step, self._width(seq))
+        return self.prompt_logits, self.prompt_features[:, :seq]
 
-    def _draft_prompt(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Commit the draft's prompt rows (features t with token t + 1) at positions 0.., padded like _prefill."""
-        draft, state, rows = self._required_draft, self.static_draft, tokens.shape[1]
-        assert state is not None
-        width = self._width(rows)
-        positions = torch.arange(width, device=tokens.device)
-        tokens, hidden = F.pad(tokens, (0, width - rows)), F.pad(hidden, (0, 0, 0, width - rows))
-        draft.midlayer(positions, draft._embed(tokens), hidden, state.commit(positions, self._bucket(width)))
+    def _draft_prompt(self, rows: int) -> None:
+        """Commit the draft's first `rows` prompt rows (after _prefill of that prompt), padded like _prefill."""
+        self._run_prompt("draft_prompt", self._draft_prompt_step, self._width(rows))
+
+    def _run_prompt(self, kind: str, function: Callable[[int], None], width: int) -> None:
+        """A prompt step: captured per padded width when padding under graphs, else run eagerly (an unpadded prompt
+        would capture a graph per length)."""
+        if self.pad_prefill:
+            self._run(kind, function, width)
+        else:
+            function(width)
 
     def warm_prefill(self) -> None:
-        """Run every padded prompt width once (the target's prefill and the draft's prompt commit): no request
-        brings a width first. Only when padding (on CUDA); a CPU decoder has no per-shape cost worth it."""
+        """Run every padded prompt width once (the target's prefill and the draft's prompt commit; on CUDA each is
+        captured then): no request brings a width first. Only when padding (on CUDA); a CPU decoder has no per-shape
+        cost worth it."""
         if not self.pad_prefill:
             return
         with torch.no_grad(), self._device_scope():
             for width in self.prefill_widths:
-                ids = torch.zeros(1, width, dtype=torch.long, device=self.device)
-                _, features = self._prefill(ids)
+                self._prefill(torch.zeros(1, width, dtype=torch.long, device=self.device))
                 if self.static_draft is not None:
-                    self._draft_prompt(ids, self._draft_input(features))
+                    self._draft_prompt(width)
 
     # --- decoding --------------------------------------------------------------------------------------
 
@@ -582,9 +638,9 @@ class StaticDecoder(SpecDecoder):
             return result
         last = int(logits[0, -1].argmax())
         self._emit(result, [last])
-        hidden = self._draft_input(features)  # also refuses a feature of the wrong width before anything is captured
-        if prompt_len > 1:  # the draft's prompt rows but the last, eagerly; the last one rides the first round
-            self._draft_prompt(ids[:, 1:], hidden[:, :-1])
+        self._draft_input(features[:, -1:])  # refuses a feature of the wrong width before anything is captured
+        if prompt_len > 1:  # the draft's prompt rows but the last; the last one rides the first round
+            self._draft_prompt(prompt_len - 1)
         self.pending_features[:, :1].copy_(features[:, -1:])
         self.pending_tokens[0, 0] = last
         self._interval("prefill", prefill_begin, self._clock())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from backend.serve.reference.spec_decode import SpecDecoder
-from backend.serve.reference.static_decode import ATTENTION_KINDS, ContextTooLong, StaticDecoder, StaticUnsupported, length_buckets
+from backend.serve.reference.static_decode import ATTENTION_KINDS, ContextTooLong, KernelUnavailable, StaticDecoder, StaticUnsupported, length_buckets
 from backend.train.draft import Eagle3Draft
 from tests.fixtures.drafts import AUX, HIDDEN, VOCAB, constant_target, draft_config, draft_predicting, prompts, random_draft, random_target
 
@@ -112,17 +112,12 @@ def test_partial_acceptance_rolls_back_both_caches_like_the_eager_crop(num_steps
         same(expected, static.generate(torch.tensor(prompt), 36))
 
 
-@pytest.mark.parametrize("attention", [pytest.param(kind, marks=pytest.mark.slow) if kind == "triton" else kind for kind in ATTENTION_KINDS])
-def test_every_attention_kind_gives_the_eager_tokens_and_rounds(attention, request):
-    """sdpa, efficient (math on CPU), the explicit math form and the Triton kernels (in Triton's interpreter here):
-    the same tokens and accepted drafts per round."""
-    if attention == "triton":
-        request.getfixturevalue("triton_interpreter")
+def gives_the_eager_tokens_and_rounds(**kernels) -> None:
     target = random_target()
     draft = oracle_draft(target)
     eager = SpecDecoder(target, draft, AUX, num_steps=3)
-    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=512, attention=attention)
-    assert static.static_target.attention == attention
+    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=512, **kernels)
+    assert (static.static_target.attention, static.static_target.linear) == (kernels.get("attention", "sdpa"), kernels.get("linear", "torch"))
     prompt = prompts(1, seed=13)[0].tolist()
     plain = eager.plain_generate(torch.tensor(prompt), 30)
     assert static.plain_generate(torch.tensor(prompt), 30) == plain
@@ -132,18 +127,33 @@ def test_every_attention_kind_gives_the_eager_tokens_and_rounds(attention, reque
     same(expected, static.generate(torch.tensor(prompt), 26))
 
 
+@pytest.mark.parametrize("attention", [pytest.param(kind, marks=pytest.mark.slow) if kind == "triton" else kind for kind in ATTENTION_KINDS])
+def test_every_attention_kind_gives_the_eager_tokens_and_rounds(attention, request):
+    """sdpa, efficient (math on CPU), the explicit math form and the Triton kernels (in Triton's interpreter here):
+    the same tokens and accepted drafts per round."""
+    if attention == "triton":
+        request.getfixturevalue("triton_interpreter")
+    gives_the_eager_tokens_and_rounds(attention=attention)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["math", "triton"])
-def test_compiled_steps_with_math_or_triton_attention_give_the_eager_tokens_and_rounds(attention, request):
+def test_the_triton_linear_gives_the_eager_tokens_and_rounds(triton_interpreter):
+    """Every product of a step (norm, gate, bias and residual inside) in the Triton kernel, the prompt's in F.linear."""
+    gives_the_eager_tokens_and_rounds(linear="triton")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention, linear", [("math", "torch"), ("triton", "triton")])
+def test_compiled_steps_with_math_or_triton_kernels_give_the_eager_tokens_and_rounds(attention, linear, request):
     """compile=True on CPU (~100 s of inductor each): the fused masked softmax between the two products, or the
-    Triton kernels as one opaque op in the compiled graph (run by Triton's interpreter here), keep every token and
+    Triton kernels as opaque ops in the compiled graph (run by Triton's interpreter here), keep every token and
     round; the GPU captures these same compiled steps."""
     if attention == "triton":
         request.getfixturevalue("triton_interpreter")
     target = random_target()
     draft = oracle_draft(target)
     eager = SpecDecoder(target, draft, AUX, num_steps=3)
-    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=256, compile=True, attention=attention)
+    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=256, compile=True, attention=attention, linear=linear)
     prompt = prompts(1, seed=14)[0].tolist()
     plain = eager.plain_generate(torch.tensor(prompt), 20)
     assert static.plain_generate(torch.tensor(prompt), 20) == plain
@@ -156,10 +166,17 @@ def test_an_unknown_attention_kind_is_refused():
         StaticDecoder(random_target(), None, AUX, max_len=128, attention="flash")
 
 
-def test_triton_attention_on_a_cpu_target_outside_the_interpreter_is_refused(monkeypatch):
+def test_an_unknown_linear_kind_is_refused():
+    with pytest.raises(ValueError, match="linear 'cublas': expected one of torch, triton"):
+        StaticDecoder(random_target(), None, AUX, max_len=128, linear="cublas")
+
+
+@pytest.mark.parametrize("kernels", [{"attention": "triton"}, {"linear": "triton"}])
+def test_triton_kernels_on_a_cpu_target_outside_the_interpreter_are_refused(kernels, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="attention 'triton' cannot run here: it needs a CUDA device \\(the target is on cpu"):
-        StaticDecoder(random_target(), None, AUX, max_len=128, attention="triton")
+    (kind,) = kernels
+    with pytest.raises(KernelUnavailable, match=f"{kind} 'triton' cannot run here: it needs a CUDA device \\(the target is on cpu"):
+        StaticDecoder(random_target(), None, AUX, max_len=128, **kernels)
 
 
 def test_acceptance_anatomy_agrees_with_the_served_rounds_and_counts_the_wrong_rows():
@@ -361,8 +378,11 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
         patch.delenv("TRITON_INTERPRET")
         with pytest.raises(ValueError, match="attention 'triton' cannot run here: it needs a CUDA device .*; nothing is served"):
             Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="triton")
-    math = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="math")
-    assert math.decoder.static_target.attention == "math" and math.run(spec, "m").output_ids == eager.run(spec, "e").output_ids
+    with pytest.raises(ValueError, match="linear 'cublas': expected one of torch, triton; nothing was loaded"):
+        Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, linear="cublas")
+    math = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="math", linear="triton")
+    assert (math.decoder.static_target.attention, math.decoder.static_target.linear) == ("math", "triton")
+    assert math.run(spec, "m").output_ids == eager.run(spec, "e").output_ids
     assert plain.decoder.static_target.attention == "sdpa"  # auto on a CPU: the interpreter is never chosen for you
 
 

@@ -1,0 +1,172 @@
+"""Skinny linear layers in Triton: a step's few rows times a weight, with the RMSNorm before it and the residual after.
+
+A decode or verify step of StaticTarget multiplies 1 to 16 rows by each weight. cuBLAS runs those products as small
+GEMMs (on an H200 with torch 2.11, SmolLM2-135M: 3.6-3.9 us each for matrices of 0.7-3.5 MB, 471 us of a 0.81 ms
+compiled step, 58 %; benchmarks/results/h200_round6_decode_profile.json), and the RMSNorm before a product and the
+SiLU gate before the down projection are kernels of their own. Here one program computes a few output columns for
+every row: it streams its slice of the weight once, normalises (or gates) the rows on the fly (the rows are tiny
+and stay in cache, so every program redoes that), and adds the bias and the residual before it stores.
+
+Rounding follows the eager layer step by step (StaticTarget.forward): the RMSNorm in float32, rounded to the
+dtype, then scaled by its weight and rounded; SiLU rounded, times up rounded; the product accumulated in float32,
+plus bias, rounded; plus the residual, rounded. On a machine without a GPU the kernel runs in Triton's interpreter
+(TRITON_INTERPRET=1), which is how the CPU tests check it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+MAX_ROWS = 16  # rows a call may have (steps); a prompt goes to F.linear
+MAX_TILE = 4096  # float32 products a program holds at once (rows x columns x inner block)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the kernel cannot run on this device, or None when it can (no Triton import for a CPU without the interpreter)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"it needs a CUDA device (the target is on {device}; TRITON_INTERPRET=1 runs it, slowly, on the CPU)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed (it ships with CUDA builds of torch)"
+    return None
+
+
+def fits(rows: int) -> bool:
+    """Whether a call with `rows` rows goes to the kernel (else F.linear)."""
+    return rows <= MAX_ROWS
+
+
+def _power_of_two_at_most(value: int) -> int:
+    return 1 << max(0, value.bit_length() - 1)
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+def tiles(rows: int, columns: int, inner: int, interpreted: bool = False) -> tuple[int, int, int]:
+    """(row block, column block, inner block): on a GPU, enough programs to spread the weight over the H200's 132
+    SMs (about 256, at most 64 columns each) and a tile of at most MAX_TILE float32 products; in Triton's
+    interpreter (interpreted), where each program costs milliseconds of Python, few programs with wide tiles."""
+    row_block = _next_power_of_two(max(rows, 1))
+    if interpreted:
+        return row_block, min(256, _next_power_of_two(columns)), min(256, _next_power_of_two(inner))
+    column_block = min(64, max(2, _power_of_two_at_most(max(columns // 256, 1))), MAX_TILE // (row_block * 16))
+    inner_block = max(16, min(_next_power_of_two(inner), MAX_TILE // (row_block * column_block)))
+    return row_block, column_block, inner_block
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def skinny_linear(
+        x_ptr, w_ptr, bias_ptr, norm_ptr, residual_ptr, out_ptr,
+        rows, columns, stride_x, stride_w, stride_residual, stride_out, eps,
+        INNER: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+    ):  # fmt: skip
+        dtype = out_ptr.dtype.element_ty
+        row = tl.arange(0, ROWS)
+        column = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        real_row, real_column = row < rows, column < columns
+        if HAS_NORM:
+            squares = tl.zeros([ROWS], dtype=tl.float32)
+            for start in range(0, INNER, BLOCK_K):
+                k = start + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=real_row[:, None] & (k < INNER)[None, :], other=0.0)
+                x = x.to(tl.float32)
+                squares += tl.sum(x * x, axis=1)
+            inverse = 1.0 / tl.sqrt(squares / INNER + eps)
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for start in range(0, INNER, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            real_k = k < INNER
+            x = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=real_row[:, None] & real_k[None, :], other=0.0)
+            if GATED:  # x holds gate | up: silu(gate) * up, rounded as the eager ops round
+                up = tl.load(x_ptr + row[:, None] * stride_x + INNER + k[None, :], mask=real_row[:, None] & real_k[None, :], other=0.0)
+                gate = x.to(tl.float32)
+                x = (gate * tl.sigmoid(gate)).to(dtype)
+                x = (x.to(tl.float32) * up.to(tl.float32)).to(dtype)
+            if HAS_NORM:
+                scale = tl.load(norm_ptr + k, mask=real_k, other=0.0)
+                x = (x.to(tl.float32) * inverse[:, None]).to(dtype)
+                x = (x.to(tl.float32) * scale[None, :].to(tl.float32)).to(dtype)
+            w = tl.load(w_ptr + column[:, None] * stride_w + k[None, :], mask=real_column[:, None] & real_k[None, :], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + column, mask=real_column, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(dtype)
+        where = real_row[:, None] & real_column[None, :]
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + row[:, None] * stride_residual + column[None, :], mask=where, other=0.0)
+            out = (residual.to(tl.float32) + out.to(tl.float32)).to(dtype)
+        tl.store(out_ptr + row[:, None] * stride_out + column[None, :], out, mask=where)
+
+    return skinny_linear
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """[..., width] as [rows, width] with unit stride along the width (a view where it can be)."""
+    flat = tensor.reshape(-1, tensor.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def launch(x, weight, bias, norm, eps: float, residual, gated: bool, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The kernel on x's rows (skinny_linear's arguments); `tile` (row, column, inner block) overrides tiles()."""
+    columns = weight.shape[0]
+    inner = x.shape[-1] // 2 if gated else x.shape[-1]
+    flat = _rows(x)
+    rows = flat.shape[0]
+    out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
+    flat_residual = _rows(residual) if residual is not None else out
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    row_block, column_block, inner_block = tile or tiles(rows, columns, inner, interpreted=x.device.type == "cpu")
+    _kernel()[(-(-columns // column_block),)](
+        flat, weight, bias if bias is not None else out, norm if norm is not None else out, flat_residual, out,
+        rows, columns, flat.stride(0), weight.stride(0), flat_residual.stride(0), out.stride(0), eps,
+        INNER=inner, ROWS=row_block, BLOCK_N=column_block, BLOCK_K=inner_block,
+        HAS_BIAS=bias is not None, HAS_NORM=norm is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], columns)
+
+
+# An opaque custom op (registered at import; triton itself is imported at the first call), as decode_attention is.
+@torch.library.custom_op("eagle3::skinny_linear", mutates_args=())
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None, eps: float, residual: torch.Tensor | None, gated: bool
+) -> torch.Tensor:
+    return launch(x, weight, bias, norm, eps, residual, gated)
+
+
+@_linear.register_fake
+def _linear_shape(x, weight, bias, norm, eps, residual, gated):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    """residual + linear(rms_norm(x) * norm, weight, bias), each part optional; gated: x is gate | up and the input is
+    silu(gate) * up. x [..., in] with at most MAX_ROWS rows; weight [out, in]; returns [..., out] in x's dtype."""
+    rows = x.numel() // x.shape[-1]
+    if not fits(rows):
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {rows}")
+    inner = x.shape[-1] // 2 if gated else x.shape[-1]
+    if weight.shape[1] != inner or (norm is not None and norm.shape[0] != inner):
+        raise ValueError(f"shapes: x {tuple(x.shape)} (gated={gated}), weight {tuple(weight.shape)}, norm {None if norm is None else tuple(norm.shape)}")
+    return _linear(x, weight, bias, norm, float(eps), residual, gated)

@@ -1,0 +1,102 @@
+"""The Triton skinny linear against the eager ops it replaces (RMSNorm, SiLU gate, F.linear, bias, residual), in
+Triton's interpreter."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.serve.reference.triton_linear import MAX_ROWS, fits, launch, skinny_linear, tiles, unavailable_reason
+
+pytestmark = pytest.mark.usefixtures("triton_interpreter", "limited_torch_threads")
+
+EPS = 1e-5
+
+
+def eager(x, weight, bias=None, norm=None, residual=None, gated=False):
+    """StaticTarget's eager layer ops, in their order."""
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    if norm is not None:
+        x = norm * F.rms_norm(x.float(), (x.shape[-1],), eps=EPS).to(x.dtype)
+    out = F.linear(x, weight, bias)
+    return out if residual is None else residual + out
+
+
+def operands(rows, columns, inner, seed, dtype=torch.float32, gated=False):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+
+    x = randn(1, rows, 2 * inner if gated else inner)
+    return x, randn(columns, inner, scale=inner**-0.5), randn(columns), randn(inner), randn(1, rows, columns)
+
+
+PARTS = {  # (bias, norm, residual, gated): the four ways StaticTarget calls it, and a bare product
+    "bare": (False, False, False, False),
+    "qkv: norm + bias": (True, True, False, False),
+    "o_proj: bias + residual": (True, False, True, False),
+    "gate_up: norm": (False, True, False, False),
+    "down: gate + residual": (False, False, True, True),
+}
+
+
+@pytest.mark.parametrize("parts", list(PARTS))
+@pytest.mark.parametrize("rows, columns, inner", [(1, 40, 24), (4, 136, 72), (16, 8, 200)])
+@pytest.mark.parametrize("gpu_tiles", [False, True], ids=["interpreter-tiles", "gpu-tiles"])
+def test_equals_the_eager_ops(parts, rows, columns, inner, gpu_tiles):
+    """Widths that are no multiple of any block; the GPU's small tiles (many programs, inner loops) and the
+    interpreter's wide ones, so both sets of masks are exercised."""
+    has_bias, has_norm, has_residual, gated = PARTS[parts]
+    x, weight, bias, norm, residual = operands(rows, columns, inner, seed=rows * columns, gated=gated)
+    kwargs = {"bias": bias if has_bias else None, "norm": norm if has_norm else None, "residual": residual if has_residual else None}
+    expected = eager(x, weight, gated=gated, **kwargs)
+    tile = tiles(rows, columns, inner) if gpu_tiles else None
+    out = launch(x, weight, kwargs["bias"], kwargs["norm"], EPS, kwargs["residual"], gated, tile)
+    assert out.shape == expected.shape == (1, rows, columns) and out.dtype == x.dtype
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(skinny_linear(x, weight, gated=gated, eps=EPS, **kwargs), out, atol=0, rtol=0)
+
+
+def test_bfloat16_rounds_where_the_eager_ops_round():
+    """Each eager op rounds its result to bf16 (norm, scale, SiLU, product, residual); the kernel rounds at the same
+    places, so the two differ by accumulation order only: within one bf16 step of the values."""
+    x, weight, bias, norm, residual = operands(4, 96, 64, seed=5, dtype=torch.bfloat16)
+    expected = eager(x, weight, bias, norm, residual)
+    out = skinny_linear(x, weight, bias, norm=norm, eps=EPS, residual=residual)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=1.6e-2)
+    gated_x = operands(2, 32, 64, seed=6, dtype=torch.bfloat16, gated=True)[0]
+    torch.testing.assert_close(skinny_linear(gated_x, weight[:32], gated=True).float(), eager(gated_x, weight[:32], gated=True).float(), atol=2e-2, rtol=1.6e-2)
+
+
+def test_strided_rows_are_read_as_rows():
+    """The attention's output reaches o_proj as a transposed view: it is made contiguous, not misread."""
+    base = torch.randn(1, 3, 2, 8)  # [1, heads, seq, dim] -> [1, seq, heads * dim]
+    x = base.transpose(1, 2).reshape(1, 2, 24)
+    weight = torch.randn(10, 24)
+    torch.testing.assert_close(skinny_linear(base.transpose(1, 2).flatten(2), weight), F.linear(x, weight), atol=2e-6, rtol=1e-5)
+
+
+def test_tiles_spread_the_weight_and_bound_the_tile():
+    for rows in (1, 4, 8, 16):
+        for columns, inner in ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)):
+            row_block, column_block, inner_block = tiles(rows, columns, inner)
+            assert row_block >= rows and row_block * column_block * inner_block <= 4096
+            assert 128 <= -(-columns // column_block) <= 4096 and 2 <= column_block <= 64 and inner_block >= 16
+    assert tiles(3, 100, 30, interpreted=True) == (4, 128, 32)
+
+
+def test_bad_calls_say_what_was_wrong():
+    assert fits(MAX_ROWS) and not fits(MAX_ROWS + 1)
+    with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows, got 17"):
+        skinny_linear(torch.randn(1, 17, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"shapes: x \(1, 2, 8\) \(gated=True\), weight \(4, 8\)"):
+        skinny_linear(torch.randn(1, 2, 8), torch.randn(4, 8), gated=True)
+
+
+def test_a_cpu_outside_the_interpreter_is_refused_with_the_reason(monkeypatch):
+    assert unavailable_reason(torch.device("cpu")) is None
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert "it needs a CUDA device" in unavailable_reason(torch.device("cpu"))
