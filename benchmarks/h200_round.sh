@@ -2,13 +2,13 @@
 # The real-model round on one lent H200, in phases that each end well inside one device call (600 s); each leaves under
 # $DEV (default /tmp/dev) what the next needs, so the calls must follow each other on a warm machine (within ~30 s).
 #
-#   PHASE=carry1  carry .h200-carry1: the GGUF's first half to $DEV, the wheels the image lacks into $SITE, SpecForge
+#   PHASE=carry1  carry .h200-carry1: the GGUF's first 44 MB to $DEV, the wheels the image lacks into $SITE, SpecForge
 #                 v0.3.0's source to $DEV; then imports everything the later phases import (a missing package shows
 #                 here, not 5 minutes into training), profiles a decode step's kernels per compile variant
 #                 (profile_decode_step.py, DECODE_PROFILE=1, ~300 s: its default variants), and times `data regenerate`'s batched generation against
 #                 transformers' generate on a random model of the target's shape (bench_regenerate.py): the batch size
 #                 with the most answer tokens/s is the train phase's REGEN_BATCH. ~90 s.
-#   PHASE=carry3  carry .h200-carry3: the ShareGPT `data prepare` dir (13,000 conversations) to $DEV. ~5 s.
+#   PHASE=carry3  carry .h200-carry3: the rest of the GGUF's first half and the ShareGPT `data prepare` dir to $DEV. ~5 s.
 #   PHASE=train   carry .h200-carry2: the GGUF's second half and HumanEval (the data from carry3). target
 #                 prepare -> data regenerate for REGEN_S seconds (--max-seconds: the val split first, then as many train
 #                 conversations as fit) -> our draft and SpecForge v0.3.0's (SPECFORGE=0: ours only), trained on the
@@ -316,8 +316,8 @@ EOF
 # ------------------------------------------------------------------------------------------------ PHASE=carry3
 phase_carry3() {
     [ -f "$DEV/smol.part.aa" ] || die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again"
-    [ -f "$C3/sgdev.tar.xz" ] || die "$C3/sgdev.tar.xz is missing: run benchmarks/h200_carry.sh here and carry $C3"
-    cp "$C3/sgdev.tar.xz" "$DEV/" && note "carry3: $(du -h "$DEV/sgdev.tar.xz" | cut -f1) of ShareGPT data in $DEV"
+    [ -f "$C3/sgdev.tar.xz" ] && [ -f "$C3/smol.part.ab" ] || die "$C3/sgdev.tar.xz or smol.part.ab is missing: run benchmarks/h200_carry.sh here and carry $C3"
+    cp "$C3/sgdev.tar.xz" "$C3/smol.part.ab" "$DEV/" && note "carry3: $(du -h "$DEV/sgdev.tar.xz" | cut -f1) of ShareGPT data in $DEV"
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=train
@@ -364,9 +364,10 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
 phase_train() {
     [ -f "$DEV/smol.part.aa" ] && [ -d "$DEV/specforge-v0.3.0" ] && [ -d "$SITE/pydantic" ] ||
         die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again, then PHASE=train at once"
-    [ -f "$C2/smol.part.ab" ] || die "$C2/smol.part.ab is missing: carry $C2"
+    [ -f "$C2/smol.part.ac" ] || die "$C2/smol.part.ac is missing: carry $C2"
+    [ -f "$DEV/smol.part.ab" ] || die "no smol.part.ab in $DEV: run PHASE=carry3 (carry $C3) between carry1 and train"
     rm -rf "$DEV/regen" "$DEV/ours" "$DEV/ours_draft" "$DEV/sf" "$DEV/sgdev" "$DEV/data.json"
-    cat "$DEV/smol.part.aa" "$C2/smol.part.ab" >"$DEV/smol.gguf" && rm "$DEV/smol.part.aa"
+    cat "$DEV/smol.part.aa" "$DEV/smol.part.ab" "$C2/smol.part.ac" >"$DEV/smol.gguf" && rm "$DEV/smol.part.aa" "$DEV/smol.part.ab"
     [ -f "$DEV/sgdev.tar.xz" ] || die "no sgdev.tar.xz in $DEV: run PHASE=carry3 (carry $C3) between carry1 and train"
     "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$DEV/sgdev.tar.xz" "$DEV"
     cp "$C2/humaneval.jsonl" "$DEV/"
