@@ -166,14 +166,14 @@ class Engine:
         static_cache: bool | None = None,
         compile_steps: bool = False,
         attention: str = "auto",
-        linear: str = "torch",
+        linear: str = "auto",
     ):
         """device: "auto"/None picks cuda:0 when CUDA is available, else cpu. On CUDA the target loads in the profile's
         [serve] dtype and decodes through the static-cache decoder under CUDA graphs; on CPU it loads as it always
         did (the profile's target dtype) and decodes eagerly, unless static_cache=True asks for the static decoder.
         attention: how the static decoder's target attends (static_decode.ATTENTION_CHOICES; auto: the Triton
         kernels on CUDA where they run, else SDPA); linear: how its steps multiply by the weights
-        (static_decode.LINEAR_KINDS)."""
+        (static_decode.LINEAR_CHOICES; auto: the Triton kernel on CUDA where it runs, else F.linear)."""
         import torch
 
         if speculative and draft_dir is None:
@@ -196,9 +196,9 @@ class Engine:
     def _load(self, profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, kernels: dict[str, str]) -> None:
         import torch
 
-        from backend.serve.reference.static_decode import ATTENTION_CHOICES, LINEAR_KINDS
+        from backend.serve.reference.static_decode import ATTENTION_CHOICES, LINEAR_CHOICES
 
-        for name, choices in (("attention", ATTENTION_CHOICES), ("linear", LINEAR_KINDS)):
+        for name, choices in (("attention", ATTENTION_CHOICES), ("linear", LINEAR_CHOICES)):
             if kernels[name] not in choices:
                 raise ValueError(f"{name} {kernels[name]!r}: expected one of {', '.join(choices)}; nothing was loaded")
 

@@ -3,7 +3,7 @@
 python -m backend.serve.reference.server --profile P --draft DIR --port N [--host 127.0.0.1]
        [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--served-model-name NAME]
        [--device auto|cpu|cuda[:N]] [--static-cache] [--compile-steps] [--attention auto|sdpa|efficient|math|triton]
-       [--linear torch|triton]
+       [--linear auto|torch|triton]
        [--max-body-bytes B] [--request-timeout S] [--header-timeout S] [--max-connections N] [--max-waiting N]
        [--enable-metrics]
 
@@ -1109,8 +1109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--linear",
-        default="torch",
-        help="how the static decoder's steps multiply by the target's weights: torch (F.linear) or triton (one kernel with the norm, gate and residual inside)",
+        default="auto",
+        help="how the static decoder's steps multiply by the target's weights: auto (triton on CUDA where it runs, else "
+        "torch), torch (F.linear), or triton (one kernel with the norm, gate and residual inside, where it beats cuBLAS)",
     )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies are refused with 413 (default %(default)s)")
     parser.add_argument(

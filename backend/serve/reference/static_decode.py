@@ -38,10 +38,14 @@ ATTENTION_KINDS = ("sdpa", "efficient", "math", "triton")
 # "auto": triton on a CUDA device where its kernels run, else sdpa. On one H200 (2026-12-03, one call, SmolLM2-135M,
 # compiled steps) triton took a decode step from 1.69 to 1.02 ms and a 4-row verify from 1.71 to 1.09 ms.
 ATTENTION_CHOICES = ("auto", *ATTENTION_KINDS)
-# How the target's steps (at most triton_linear.MAX_ROWS rows) multiply by their weights. "torch": F.linear (cuBLAS on
-# a GPU), the RMSNorm and the SiLU gate as kernels of their own. "triton": triton_linear.skinny_linear, the norm, the
-# gate, the bias and the residual inside the product. A prompt always goes to F.linear.
+# How the target's steps multiply by their weights. "torch": F.linear (cuBLAS on a GPU), the RMSNorm and the SiLU gate
+# as kernels of their own. "triton": triton_linear.skinny_linear, the norm, the gate, the bias and the residual inside
+# the product, for the products where it beat cuBLAS on an H200 (triton_linear.prefers: one row, not the LM head; a
+# decode step went from 1.01 to 0.83 ms, plain decoding from 897-955 to 1,124-1,127 tok/s in one call, 2026-12-03);
+# the rest (a verify's rows, the LM head, a prompt) go to F.linear.
 LINEAR_KINDS = ("torch", "triton")
+# "auto": triton on a CUDA device where its kernel runs, else torch.
+LINEAR_CHOICES = ("auto", *LINEAR_KINDS)
 
 
 class StaticUnsupported(ValueError):
@@ -122,8 +126,8 @@ class StaticTarget:
         self._check_supported(model, config)
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention {attention!r}: expected one of {', '.join(ATTENTION_CHOICES)}")
-        if linear not in LINEAR_KINDS:
-            raise ValueError(f"linear {linear!r}: expected one of {', '.join(LINEAR_KINDS)}")
+        if linear not in LINEAR_CHOICES:
+            raise ValueError(f"linear {linear!r}: expected one of {', '.join(LINEAR_CHOICES)}")
         inner = model.model
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -134,8 +138,10 @@ class StaticTarget:
             attention = "triton" if device.type == "cuda" and reason is None else "sdpa"
         elif reason:
             raise KernelUnavailable(f"attention 'triton' cannot run here: {reason}")
-        linear_reason = triton_linear.unavailable_reason(device) if linear == "triton" else None
-        if linear_reason:
+        linear_reason = triton_linear.unavailable_reason(device) if linear in ("auto", "triton") else None
+        if linear == "auto":
+            linear = "triton" if device.type == "cuda" and linear_reason is None else "torch"
+        elif linear_reason:
             raise KernelUnavailable(f"linear 'triton' cannot run here: {linear_reason}")
         self.attention, self.linear = attention, linear
         self.groups = self.num_heads // self.num_kv_heads
@@ -251,8 +257,8 @@ class StaticTarget:
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None, residual=None, gated=False) -> torch.Tensor:
         """residual + linear(rms_norm(x) * norm, weight, bias), each part optional; gated: x is gate | up and the
-        input is silu(gate) * up. One Triton kernel for a step's rows with linear "triton", else the eager ops."""
-        if self.linear == "triton" and triton_linear.fits(x.shape[1]):
+        input is silu(gate) * up. One Triton kernel where linear "triton" prefers it, else the eager ops."""
+        if self.linear == "triton" and triton_linear.prefers(x.shape[1], weight.shape[0]):
             return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=self.eps, residual=residual, gated=gated)
         if gated:
             gate, up = x.chunk(2, dim=-1)

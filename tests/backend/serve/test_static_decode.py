@@ -138,7 +138,8 @@ def test_every_attention_kind_gives_the_eager_tokens_and_rounds(attention, reque
 
 @pytest.mark.slow
 def test_the_triton_linear_gives_the_eager_tokens_and_rounds(triton_interpreter):
-    """Every product of a step (norm, gate, bias and residual inside) in the Triton kernel, the prompt's in F.linear."""
+    """A plain step's products (norm, gate, bias and residual inside) in the Triton kernel; a verify's rows, the LM
+    head if it were wide, and the prompt's in F.linear (triton_linear.prefers)."""
     gives_the_eager_tokens_and_rounds(linear="triton")
 
 
@@ -167,7 +168,7 @@ def test_an_unknown_attention_kind_is_refused():
 
 
 def test_an_unknown_linear_kind_is_refused():
-    with pytest.raises(ValueError, match="linear 'cublas': expected one of torch, triton"):
+    with pytest.raises(ValueError, match="linear 'cublas': expected one of auto, torch, triton"):
         StaticDecoder(random_target(), None, AUX, max_len=128, linear="cublas")
 
 
@@ -378,12 +379,13 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
         patch.delenv("TRITON_INTERPRET")
         with pytest.raises(ValueError, match="attention 'triton' cannot run here: it needs a CUDA device .*; nothing is served"):
             Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="triton")
-    with pytest.raises(ValueError, match="linear 'cublas': expected one of torch, triton; nothing was loaded"):
+    with pytest.raises(ValueError, match="linear 'cublas': expected one of auto, torch, triton; nothing was loaded"):
         Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, linear="cublas")
     math = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="math", linear="triton")
     assert (math.decoder.static_target.attention, math.decoder.static_target.linear) == ("math", "triton")
     assert math.run(spec, "m").output_ids == eager.run(spec, "e").output_ids
-    assert plain.decoder.static_target.attention == "sdpa"  # auto on a CPU: the interpreter is never chosen for you
+    # auto on a CPU: the interpreter is never chosen for you
+    assert (plain.decoder.static_target.attention, plain.decoder.static_target.linear) == ("sdpa", "torch")
 
 
 def test_every_generation_runs_on_the_engine_thread_whatever_thread_asks(mini_profile, tmp_path):

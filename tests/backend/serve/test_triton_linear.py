@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.serve.reference.triton_linear import MAX_ROWS, fits, launch, skinny_linear, tiles, unavailable_reason
+from backend.serve.reference.triton_linear import MAX_ROWS, fits, launch, prefers, skinny_linear, tiles, unavailable_reason
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter", "limited_torch_threads")
 
@@ -86,6 +86,12 @@ def test_tiles_spread_the_weight_and_bound_the_tile():
             assert row_block >= rows and row_block * column_block * inner_block <= 4096
             assert 128 <= -(-columns // column_block) <= 4096 and 2 <= column_block <= 64 and inner_block >= 16
     assert tiles(3, 100, 30, interpreted=True) == (4, 128, 32)
+
+
+def test_only_what_beat_cublas_on_the_h200_is_routed_to_the_kernel():
+    """One row, outputs up to 8,192 wide (a decode step's qkv, o, gate_up, down); not a verify's rows nor an LM head."""
+    assert prefers(1, 960) and prefers(1, 3072) and prefers(1, 8192)
+    assert not prefers(4, 960) and not prefers(1, 49152) and not prefers(16, 576)
 
 
 def test_bad_calls_say_what_was_wrong():
