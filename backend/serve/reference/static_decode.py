@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from backend.serve.reference import triton_attention, triton_linear
+from backend.serve.reference import triton_attention, triton_linear, triton_runtime
 from backend.serve.reference.spec_decode import NO_DRAFT, GenerateResult, SpecDecoder
 from backend.train.draft import Eagle3Draft, rotate_half
 
@@ -138,7 +138,7 @@ class StaticTarget:
             attention = "triton" if device.type == "cuda" and reason is None else "sdpa"
         elif reason:
             raise KernelUnavailable(f"attention 'triton' cannot run here: {reason}")
-        linear_reason = triton_linear.unavailable_reason(device) if linear in ("auto", "triton") else None
+        linear_reason = triton_runtime.unavailable_reason(device) if linear in ("auto", "triton") else None
         if linear == "auto":
             linear = "triton" if device.type == "cuda" and linear_reason is None else "torch"
         elif linear_reason:

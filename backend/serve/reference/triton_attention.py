@@ -17,10 +17,12 @@ is how the CPU tests check them against SDPA.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
+
+from backend.serve.reference import triton_runtime
+from backend.serve.reference.triton_runtime import next_power_of_two
 
 MAX_ROWS = 64  # query rows per KV head the kernel takes (steps); wider calls (a prompt) go to SDPA
 MAX_BLOCKS = 128  # key blocks per KV head; a longer cache takes wider blocks
@@ -28,17 +30,11 @@ MIN_BLOCK = 64
 
 
 def unavailable_reason(device: torch.device, head_dim: int) -> str | None:
-    """Why the Triton attention cannot run for this device and head size, or None when it can (cheap checks first:
-    a CPU engine asking for `auto` never imports Triton)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"it needs a CUDA device (the target is on {device}; TRITON_INTERPRET=1 runs it, slowly, on the CPU)"
-    if head_dim < 16 or head_dim & (head_dim - 1):
+    """Why the Triton attention cannot run for this device and head size, or None when it can."""
+    reason = triton_runtime.unavailable_reason(device)
+    if reason is None and (head_dim < 16 or head_dim & (head_dim - 1)):
         return f"head_dim {head_dim} is not a power of two of at least 16"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "Triton is not installed (it ships with CUDA builds of torch)"
-    return None
+    return reason
 
 
 def fits(rows: int) -> bool:
@@ -46,13 +42,9 @@ def fits(rows: int) -> bool:
     return rows <= MAX_ROWS
 
 
-def _next_power_of_two(value: int) -> int:
-    return 1 << max(0, value - 1).bit_length()
-
-
 def block_size(bucket: int) -> int:
     """Keys per program: 64, or wider so that a long cache stays within MAX_BLOCKS programs per KV head."""
-    return max(MIN_BLOCK, _next_power_of_two(-(-bucket // MAX_BLOCKS)))
+    return max(MIN_BLOCK, next_power_of_two(-(-bucket // MAX_BLOCKS)))
 
 
 @functools.cache
@@ -125,7 +117,7 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, posit
     query = query if query.stride(-1) == 1 else query.contiguous()
     block = block_size(bucket)
     blocks = -(-bucket // block)
-    padded_rows = max(16, _next_power_of_two(rows))  # tl.dot takes 16 rows at least
+    padded_rows = max(16, next_power_of_two(rows))  # tl.dot takes 16 rows at least
     peaks = torch.empty(kv_heads, blocks, padded_rows, dtype=torch.float32, device=query.device)
     totals = torch.empty_like(peaks)
     partial = torch.empty(kv_heads, blocks, padded_rows, dim, dtype=torch.float32, device=query.device)
@@ -138,7 +130,7 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, posit
     )  # fmt: skip
     merge_blocks[(kv_heads, rows)](
         peaks, totals, partial, out, blocks, out.stride(1), out.stride(2),
-        ROWS=padded_rows, BLOCKS=max(2, _next_power_of_two(blocks)), DIM=dim,
+        ROWS=padded_rows, BLOCKS=max(2, next_power_of_two(blocks)), DIM=dim,
     )  # fmt: skip
     return out
 

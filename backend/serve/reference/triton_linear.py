@@ -16,25 +16,15 @@ plus bias, rounded; plus the residual, rounded. On a machine without a GPU the k
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
+from backend.serve.reference.triton_runtime import next_power_of_two
+
 MAX_ROWS = 16  # rows a call may have (steps); a prompt goes to F.linear
 MAX_TILE = 4096  # float32 products a program holds at once (rows x columns x inner block)
 MAX_PREFERRED_COLUMNS = 8192  # wider outputs (an LM head) go to cuBLAS: prefers()
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why the kernel cannot run on this device, or None when it can (no Triton import for a CPU without the interpreter)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"it needs a CUDA device (the target is on {device}; TRITON_INTERPRET=1 runs it, slowly, on the CPU)"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "Triton is not installed (it ships with CUDA builds of torch)"
-    return None
 
 
 def fits(rows: int) -> bool:
@@ -55,19 +45,15 @@ def _power_of_two_at_most(value: int) -> int:
     return 1 << max(0, value.bit_length() - 1)
 
 
-def _next_power_of_two(value: int) -> int:
-    return 1 << max(0, value - 1).bit_length()
-
-
 def tiles(rows: int, columns: int, inner: int, interpreted: bool = False) -> tuple[int, int, int]:
     """(row block, column block, inner block): on a GPU, enough programs to spread the weight over the H200's 132
     SMs (about 256, at most 64 columns each) and a tile of at most MAX_TILE float32 products; in Triton's
     interpreter (interpreted), where each program costs milliseconds of Python, few programs with wide tiles."""
-    row_block = _next_power_of_two(max(rows, 1))
+    row_block = next_power_of_two(max(rows, 1))
     if interpreted:
-        return row_block, min(256, _next_power_of_two(columns)), min(256, _next_power_of_two(inner))
+        return row_block, min(256, next_power_of_two(columns)), min(256, next_power_of_two(inner))
     column_block = min(64, max(2, _power_of_two_at_most(max(columns // 256, 1))), MAX_TILE // (row_block * 16))
-    inner_block = max(16, min(_next_power_of_two(inner), MAX_TILE // (row_block * column_block)))
+    inner_block = max(16, min(next_power_of_two(inner), MAX_TILE // (row_block * column_block)))
     return row_block, column_block, inner_block
 
 

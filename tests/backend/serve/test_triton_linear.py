@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.serve.reference.triton_linear import MAX_ROWS, fits, launch, prefers, skinny_linear, tiles, unavailable_reason
+from backend.serve.reference.triton_linear import MAX_ROWS, fits, launch, prefers, skinny_linear, tiles
+from backend.serve.reference.triton_runtime import unavailable_reason
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter", "limited_torch_threads")
 
