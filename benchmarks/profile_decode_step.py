@@ -263,11 +263,13 @@ def _graphed_us(call, repeats: int = 20, replays: int = 20) -> float:
 
 def linear_shapes(model, aux, prompts, max_new: int, max_len: int) -> list[dict]:
     """Each product of the target's step at 1 and 4 rows, timed alone under a CUDA graph: the eager ops around
-    cuBLAS, cuBLAS alone, and triton_linear's kernel at its default tile and at half / double / 4x the columns."""
+    cuBLAS, cuBLAS alone, and triton_linear's kernel at its default tile and at half / double / 4x the columns (its
+    rows in turn against each weight tile where there are several)."""
     import torch
     import torch.nn.functional as F
 
     from backend.serve.reference.triton_linear import MAX_TILE, launch, tiles
+    from backend.serve.reference.triton_runtime import next_power_of_two
 
     generator = torch.Generator(device="cuda").manual_seed(1)
     rows_out = []
@@ -286,7 +288,7 @@ def linear_shapes(model, aux, prompts, max_new: int, max_len: int) -> list[dict]
                 column_block = int(default[1] * factor)
                 if column_block < 2 or column_block > 128:
                     continue
-                inner_block = max(16, min(default[2], MAX_TILE * 2 // (default[0] * column_block)))
+                inner_block = max(16, min(next_power_of_two(inner), 2 * MAX_TILE // column_block, MAX_TILE // default[0]))
                 tile = (default[0], column_block, inner_block)
                 row["triton_us"][f"{column_block}x{inner_block}"] = round(
                     _graphed_us(lambda tile=tile: launch(x, weight, None, norm, 1e-5, residual, gated, tile)), 2

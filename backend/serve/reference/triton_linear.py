@@ -23,7 +23,7 @@ import torch
 from backend.serve.reference.triton_runtime import next_power_of_two
 
 MAX_ROWS = 16  # rows a call may have (steps); a prompt goes to F.linear
-MAX_TILE = 4096  # float32 products a program holds at once (rows x columns x inner block)
+MAX_TILE = 4096  # float32 values of a program's weight tile (columns x inner block), and of its rows tile
 MAX_PREFERRED_COLUMNS = 8192  # wider outputs (an LM head) go to cuBLAS: prefers()
 
 
@@ -36,8 +36,9 @@ def prefers(rows: int, columns: int) -> bool:
     """Whether a product of `rows` rows and `columns` outputs should go to the kernel rather than cuBLAS, as measured
     on one H200 (2026-12-03, profile_decode_step.py's linear_shapes, SmolLM2-135M's products, each alone under a
     CUDA graph): at one row the kernel with the norm / gate / residual inside took 2.0-4.1 us where cuBLAS alone
-    took 3.2-4.8 us and the eager ops around it 4.8-10.7 us; but its products over 4 rows (3-D tiles, no tensor
-    cores) lost to cuBLAS (gate_up 12.8 vs 3.2 us), and so did the 49,152-wide lm_head at any row count (42 vs 16 us)."""
+    took 3.2-4.8 us and the eager ops around it 4.8-10.7 us; but its products over 4 rows (then a rows x columns x
+    inner tile in registers, now a loop over the rows: not measured yet) lost to cuBLAS (gate_up 12.8 vs 3.2 us),
+    and so did the 49,152-wide lm_head at any row count (42 vs 16 us)."""
     return rows == 1 and columns <= MAX_PREFERRED_COLUMNS
 
 
@@ -47,13 +48,14 @@ def _power_of_two_at_most(value: int) -> int:
 
 def tiles(rows: int, columns: int, inner: int, interpreted: bool = False) -> tuple[int, int, int]:
     """(row block, column block, inner block): on a GPU, enough programs to spread the weight over the H200's 132
-    SMs (about 256, at most 64 columns each) and a tile of at most MAX_TILE float32 products; in Triton's
-    interpreter (interpreted), where each program costs milliseconds of Python, few programs with wide tiles."""
+    SMs (about 256, at most 64 columns each; the same for any number of rows), a weight tile and a rows tile of at
+    most MAX_TILE float32 values each; in Triton's interpreter (interpreted), where each program costs milliseconds
+    of Python, few wide programs."""
     row_block = next_power_of_two(max(rows, 1))
     if interpreted:
         return row_block, min(256, next_power_of_two(columns)), min(256, next_power_of_two(inner))
-    column_block = min(64, max(2, _power_of_two_at_most(max(columns // 256, 1))), MAX_TILE // (row_block * 16))
-    inner_block = max(16, min(next_power_of_two(inner), MAX_TILE // (row_block * column_block)))
+    column_block = min(64, max(2, _power_of_two_at_most(max(columns // 256, 1))))
+    inner_block = max(16, min(next_power_of_two(inner), MAX_TILE // column_block, MAX_TILE // row_block))
     return row_block, column_block, inner_block
 
 
@@ -96,7 +98,13 @@ def _kernel() -> Any:
                 x = (x.to(tl.float32) * inverse[:, None]).to(dtype)
                 x = (x.to(tl.float32) * scale[None, :].to(tl.float32)).to(dtype)
             w = tl.load(w_ptr + column[:, None] * stride_w + k[None, :], mask=real_column[:, None] & real_k[None, :], other=0.0)
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            w, x = w.to(tl.float32), x.to(tl.float32)
+            if ROWS == 1:
+                acc += tl.sum(w * x, axis=1)[None, :]
+            else:  # the weight tile once, each row against it in turn: no rows x columns x inner tile in registers
+                for r in tl.static_range(ROWS):
+                    x_row = tl.sum(tl.where(row[:, None] == r, x, 0.0), axis=0)
+                    acc = tl.where(row[:, None] == r, acc + tl.sum(w * x_row[None, :], axis=1)[None, :], acc)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + column, mask=real_column, other=0.0).to(tl.float32)[None, :]
         out = acc.to(dtype)

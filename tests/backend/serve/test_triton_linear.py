@@ -84,8 +84,9 @@ def test_tiles_spread_the_weight_and_bound_the_tile():
     for rows in (1, 4, 8, 16):
         for columns, inner in ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)):
             row_block, column_block, inner_block = tiles(rows, columns, inner)
-            assert row_block >= rows and row_block * column_block * inner_block <= 4096
-            assert 128 <= -(-columns // column_block) <= 4096 and 2 <= column_block <= 64 and inner_block >= 16
+            assert row_block >= rows and column_block * inner_block <= 4096 and row_block * inner_block <= 4096
+            assert 128 <= -(-columns // column_block) <= 1024 and 2 <= column_block <= 64 and inner_block >= 16
+            assert tiles(1, columns, inner)[1] == column_block
     assert tiles(3, 100, 30, interpreted=True) == (4, 128, 32)
 
 
