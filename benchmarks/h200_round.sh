@@ -27,6 +27,9 @@
 #                 same-engine` per eval set on that server; regeneration's length-grouped batches against arrival
 #                 order (bench_regenerate.py --grouping); real vs fixed-length step time (REAL=1). ~520 s.
 #
+#   PHASE=profile carries nothing: after carry1, at any point (the round's spare device time), profile_decode_step.py
+#                 with DECODE_PROFILE_EXTRA (e.g. "--variants compiled_linear_triton --budget-s 100"). ~110 s a variant.
+#
 #   PHASE=carry1 OUT=$OUT bash benchmarks/h200_round.sh      (likewise carry3, train, more, serve, in that order)
 #   CPU dry run of a phase, tiny sizes, on this machine (benchmarks/h200_carry.sh builds the carried folders first):
 #   DRY=1 PHASE=train OUT=/tmp/h200-dry-out/train bash benchmarks/h200_round.sh
@@ -38,7 +41,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
-: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more or serve}"
+: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more, serve or profile}"
 if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny sizes (CPU profile: seq_len 128, batch 1, float32)
     : "${DEVICE:=cpu}" "${PY:=.venv/bin/python}" "${WHEEL_DIR:=/tmp/h200-build/whl-local}" "${IMAGE_GUARD:=1}" "${DEV:=/tmp/h200-dry}"
     : "${SITE:=/tmp/h200-dry-site}" "${TRAIN_S:=5}" "${SF_S:=5}" "${OURS_STEPS:=4}" "${EVAL_INTERVAL:=2}" "${VAL_BATCHES:=1}" "${SF_VAL:=1}"
@@ -303,10 +306,7 @@ found.update(torch=torch.__version__, cuda=torch.cuda.is_available(),
 (dev / "imports.json").write_text(json.dumps(found, indent=1) + "\n")
 print(json.dumps(found, indent=1))
 EOF
-    if [ "$DECODE_PROFILE" = 1 ]; then # kernels of one decode step by kind, per compile variant (a random target: no GGUF needed)
-        # shellcheck disable=SC2086 # word lists on purpose
-        stage decode_profile 300 420 "$PY" benchmarks/profile_decode_step.py --profile "$PROFILE" --out "$OUT/decode_profile.json" $DECODE_PROFILE_EXTRA
-    fi
+    [ "$DECODE_PROFILE" = 1 ] && decode_profile
     [ "$REGEN_BENCH" = 1 ] || { note "regen_bench skipped (REGEN_BENCH=0): the train phase takes REGEN_BATCH=${REGEN_BATCH:-256}"; return 0; }
     # shellcheck disable=SC2086 # word lists on purpose
     stage regen_bench 90 170 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" --batch $REGEN_BENCH_BATCHES \
@@ -314,6 +314,16 @@ EOF
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=carry3
+decode_profile() { # kernels of one decode step by kind, per compile variant (a random target: no GGUF needed)
+    # shellcheck disable=SC2086 # word lists on purpose
+    stage decode_profile 300 420 "$PY" benchmarks/profile_decode_step.py --profile "$PROFILE" --out "$OUT/decode_profile.json" $DECODE_PROFILE_EXTRA
+}
+
+phase_profile() { # after carry1 (its wheels in $SITE), at any point: the device time a round has left, spent on a profile
+    [ -d "$SITE/pydantic" ] || die "carry1's wheels are gone from $SITE (was the machine still warm?): run PHASE=carry1 again"
+    decode_profile
+}
+
 phase_carry3() {
     [ -f "$DEV/smol.part.aa" ] || die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again"
     [ -f "$C3/sgdev.tar.xz" ] && [ -f "$C3/smol.part.ab" ] || die "$C3/sgdev.tar.xz or smol.part.ab is missing: run benchmarks/h200_carry.sh here and carry $C3"
@@ -535,7 +545,8 @@ carry3) phase_carry3 ;;
 train) phase_train ;;
 more) phase_more ;;
 serve) phase_serve ;;
-*) die "unknown PHASE (carry1, carry3, train, more or serve)" ;;
+profile) phase_profile ;;
+*) die "unknown PHASE (carry1, carry3, train, more, serve or profile)" ;;
 esac
 summarize "$PHASE"
 failed=$(awk -F'\t' '$3 != 0 {print $1}' "$TIMES" | tr '\n' ' ')
