@@ -295,6 +295,12 @@ class StaticDraft:
         self.values = torch.zeros_like(self.keys)
         self.diag_keys = torch.zeros(1, attn.num_kv_heads, max(num_steps - 1, 1), attn.head_dim, dtype=dtype, device=device)
         self.diag_values = torch.zeros_like(self.diag_keys)
+        # q|k|v stacked once: the layer otherwise concatenates its weights (2.2 MB for SmolLM2's draft) at every step
+        self.qkv = draft.midlayer.qkv_weight().detach()
+
+    def layer(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor, attend) -> torch.Tensor:
+        """The draft's decoder layer over these rows, with the stacked q|k|v weight."""
+        return self.draft.midlayer(positions, embeds, hidden, attend, qkv_weight=self.qkv)
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """draft._attend_prefix's math over fixed-width keys: visible [S, K] marks what each query row sees."""
@@ -452,7 +458,7 @@ class StaticDecoder(SpecDecoder):
         start, count = self.scalars[1:2], self.scalars[2:3]
         positions = self._positions(start, width)
         hidden = self._draft_input(self.pending_features)
-        out = draft.midlayer(positions, draft._embed(self.pending_tokens), hidden, state.commit(positions, bucket))
+        out = state.layer(positions, draft._embed(self.pending_tokens), hidden, state.commit(positions, bucket))
         row = count - 1
         logits = draft.logits(out).index_select(1, row)[:, -1]
         out = out.index_select(1, row)
@@ -462,7 +468,7 @@ class StaticDecoder(SpecDecoder):
             token = draft.draft_to_target_ids(logits.argmax(-1))
             proposals.append(token)
             if step + 1 < self.num_steps:
-                out = draft.midlayer(committed + step, draft._embed(token.view(1, 1)), out, state.step(committed, step, bucket))
+                out = state.layer(committed + step, draft._embed(token.view(1, 1)), out, state.step(committed, step, bucket))
                 logits = draft.logits(out)[:, -1]
         self.verify_tokens[0, :1].copy_(self.pending_tokens[0].index_select(0, row))
         self.verify_tokens[0, 1:].copy_(torch.cat(proposals))
@@ -481,7 +487,7 @@ class StaticDecoder(SpecDecoder):
         assert state is not None
         positions = self.prompt_positions[:width]
         hidden = self._draft_input(self.prompt_features[:, :width])
-        draft.midlayer(positions, draft._embed(self.prompt_tokens[:, 1 : width + 1]), hidden, state.commit(positions, self._bucket(width)))
+        state.layer(positions, draft._embed(self.prompt_tokens[:, 1 : width + 1]), hidden, state.commit(positions, self._bucket(width)))
 
     # --- running them ----------------------------------------------------------------------------------
 
