@@ -233,15 +233,9 @@ def _operands(rows: int, columns: int, inner: int, parts: dict, generator):
 
 
 def _eager_product(x, weight, norm, residual, gated: bool):
-    import torch.nn.functional as F
+    from backend.serve.reference.static_decode import eager_linear
 
-    if gated:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
-    if norm is not None:
-        x = norm * F.rms_norm(x.float(), (x.shape[-1],), eps=1e-5).to(x.dtype)
-    out = F.linear(x, weight)
-    return out if residual is None else residual + out
+    return eager_linear(x, weight, norm=norm, eps=1e-5, residual=residual, gated=gated)
 
 
 def _graphed_us(call, repeats: int = 20, replays: int = 20) -> float:

@@ -96,6 +96,40 @@ def _norm_eps(norm) -> float:
     return float(eps if eps is not None else norm.eps)
 
 
+def eager_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    """residual + linear(rms_norm(x) * norm, weight, bias) in eager ops, each part optional; gated: x is gate | up
+    and the input is silu(gate) * up (what triton_linear.skinny_linear does in one kernel)."""
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    if norm is not None:
+        x = _rms(x, norm, eps)
+    out = F.linear(x, weight, bias)
+    return out if residual is None else residual + out
+
+
+def _resolve_kind(what: str, choice: str, device: torch.device, triton_reason: Callable[[], str | None], fallback: str) -> str:
+    """An attention or linear choice as run on `device`: "auto" is triton on a CUDA device where its kernels run,
+    else `fallback`; "triton" where they cannot run is refused with the reason (KernelUnavailable)."""
+    if choice not in ("auto", "triton"):
+        return choice
+    reason = triton_reason()
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and reason is None else fallback
+    if reason:
+        raise KernelUnavailable(f"{what} 'triton' cannot run here: {reason}")
+    return choice
+
+
 @dataclass
 class _Layer:
     w_input: torch.Tensor
@@ -133,17 +167,8 @@ class StaticTarget:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         device = inner.embed_tokens.weight.device
-        reason = triton_attention.unavailable_reason(device, self.head_dim) if attention in ("auto", "triton") else None
-        if attention == "auto":
-            attention = "triton" if device.type == "cuda" and reason is None else "sdpa"
-        elif reason:
-            raise KernelUnavailable(f"attention 'triton' cannot run here: {reason}")
-        linear_reason = triton_runtime.unavailable_reason(device) if linear in ("auto", "triton") else None
-        if linear == "auto":
-            linear = "triton" if device.type == "cuda" and linear_reason is None else "torch"
-        elif linear_reason:
-            raise KernelUnavailable(f"linear 'triton' cannot run here: {linear_reason}")
-        self.attention, self.linear = attention, linear
+        self.attention = _resolve_kind("attention", attention, device, lambda: triton_attention.unavailable_reason(device, self.head_dim), "sdpa")
+        self.linear = _resolve_kind("linear", linear, device, lambda: triton_runtime.unavailable_reason(device), "torch")
         self.groups = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight.detach()
@@ -260,13 +285,7 @@ class StaticTarget:
         input is silu(gate) * up. One Triton kernel where linear "triton" prefers it, else the eager ops."""
         if self.linear == "triton" and triton_linear.prefers(x.shape[1], weight.shape[0]):
             return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=self.eps, residual=residual, gated=gated)
-        if gated:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
-        if norm is not None:
-            x = _rms(x, norm, self.eps)
-        out = F.linear(x, weight, bias)
-        return out if residual is None else residual + out
+        return eager_linear(x, weight, bias, norm=norm, eps=self.eps, residual=residual, gated=gated)
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """query [1, kv_heads, rows, d] over keys/values [1, kv_heads, bucket, d]; visible [rows, bucket] (row r is
