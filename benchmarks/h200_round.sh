@@ -21,8 +21,8 @@
 #                 exported draft back in 16 MiB pieces (~48 MB in bf16: 3 files) instead of the trainer's log.
 #   PHASE=serve   carries nothing. Both drafts decoded in one process (bench_decode_speed.py: held-out ShareGPT and
 #                 HumanEval, 3 and 7 steps, the transformers anchors); our final draft's compiled steps with SDPA and
-#                 with the Triton attention, and with the Triton linear too (decode_compiled, decode_compiled_triton,
-#                 decode_compiled_linear); headless `eagle3-host stop-and-bench --engine
+#                 with the Triton attention, and with the Triton linear too, for one-row products and for every
+#                 step's (decode_compiled, decode_compiled_triton, decode_compiled_linear, decode_compiled_linear_all); headless `eagle3-host stop-and-bench --engine
 #                 reference` of a short training job (our draft, resumed), then `eagle3-host bench --baseline
 #                 same-engine` per eval set on that server; regeneration's length-grouped batches against arrival
 #                 order (bench_regenerate.py --grouping); real vs fixed-length step time (REAL=1). ~520 s.
@@ -94,6 +94,8 @@ COMPILED_EXTRA=${COMPILED_EXTRA:-}
 COMPILED_TRITON=${COMPILED_TRITON:-1}
 # COMPILED_LINEAR=1: decode_compiled_linear, the same rows with --attention triton --linear triton (triton_linear.py)
 COMPILED_LINEAR=${COMPILED_LINEAR:-1}
+# COMPILED_LINEAR_ALL=1: decode_compiled_linear_all, the same rows with --linear triton-all (the kernel for a verify's rows too)
+COMPILED_LINEAR_ALL=${COMPILED_LINEAR_ALL:-1}
 GROUPING_EXTRA=${GROUPING_EXTRA:---batch 2048 --new-tokens 64 --grouping-prompts 8192}
 REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
 
@@ -528,6 +530,7 @@ phase_serve() {
     [ "$COMPILED" = 1 ] && stage decode_compiled 150 240 decode_compiled "$OUT/decode_compiled.json" $COMPILED_EXTRA
     [ "$COMPILED_TRITON" = 1 ] && stage decode_compiled_triton 150 240 decode_compiled "$OUT/decode_compiled_triton.json" --attention triton
     [ "$COMPILED_LINEAR" = 1 ] && stage decode_compiled_linear 150 240 decode_compiled "$OUT/decode_compiled_linear.json" --attention triton --linear triton
+    [ "$COMPILED_LINEAR_ALL" = 1 ] && stage decode_compiled_linear_all 150 240 decode_compiled "$OUT/decode_compiled_linear_all.json" --attention triton --linear triton-all
     [ "$CHAIN" = 1 ] && stage chain 150 240 chain
     # shellcheck disable=SC2086 # GROUPING_EXTRA is a list of options
     [ "$GROUPING" = 1 ] && stage regen_grouping 90 150 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" \

@@ -13,7 +13,7 @@ each attention kind of static_decode.ATTENTION_KINDS):
   - for graphs_attention_triton: the Triton attention's agreement with SDPA in bf16 on this GPU (kernel errors
     against float32 SDPA beside bf16 SDPA's own; plain decoding's tokens with each kind);
   - for graphs_linear_triton: the same for the Triton skinny linear against the eager ops, and each of the target's
-    products at 1 and 4 rows timed alone under a CUDA graph: cuBLAS with the eager norm / gate / residual, cuBLAS
+    products at 1, 2, 4 and 8 rows timed alone under a CUDA graph: cuBLAS with the eager norm / gate / residual, cuBLAS
     alone, and the kernel at its default tile and wider / narrower column blocks;
   - a torch.profiler trace of the same step run without a graph: kernels per step, their summed time by kind (GEMM,
     attention, fused Triton, element-wise, copies) and the top kernels. The summed kernel time against the graph's
@@ -52,6 +52,9 @@ VARIANTS = {
     # were 58 % of a compiled step with the Triton attention (2026-12-03)
     "graphs_linear_triton": {"compile": False, "attention": "triton", "linear": "triton"},
     "compiled_linear_triton": {"compile": True, "attention": "triton", "linear": "triton"},
+    # the kernel for a verify's (and the draft commit's) rows too: its loop over the rows inside whole steps
+    "graphs_linear_triton_all": {"compile": False, "attention": "triton", "linear": "triton-all"},
+    "compiled_linear_triton_all": {"compile": True, "attention": "triton", "linear": "triton-all"},
 }
 KINDS = (  # kernel name fragments, first match wins
     ("attention", ("fmha", "flash", "attention", "efficient_attention")),
@@ -256,7 +259,7 @@ def _graphed_us(call, repeats: int = 20, replays: int = 20) -> float:
 
 
 def linear_shapes(model, aux, prompts, max_new: int, max_len: int) -> list[dict]:
-    """Each product of the target's step at 1 and 4 rows, timed alone under a CUDA graph: the eager ops around
+    """Each product of the target's step at 1, 2, 4 and 8 rows (a decode, a verify of 1, 3 and 7 steps), timed alone under a CUDA graph: the eager ops around
     cuBLAS, cuBLAS alone, and triton_linear's kernel at its default tile and at half / double / 4x the columns (its
     rows in turn against each weight tile where there are several)."""
     import torch
@@ -267,7 +270,7 @@ def linear_shapes(model, aux, prompts, max_new: int, max_len: int) -> list[dict]
 
     generator = torch.Generator(device="cuda").manual_seed(1)
     rows_out = []
-    for rows in (1, 4):
+    for rows in (1, 2, 4, 8):
         for name, (columns, inner, parts) in _products(model).items():
             x, weight, norm, residual = _operands(rows, columns, inner, parts, generator)
             gated = bool(parts.get("gated"))

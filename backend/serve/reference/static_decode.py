@@ -42,8 +42,10 @@ ATTENTION_CHOICES = ("auto", *ATTENTION_KINDS)
 # as kernels of their own. "triton": triton_linear.skinny_linear, the norm, the gate, the bias and the residual inside
 # the product, for the products where it beat cuBLAS on an H200 (triton_linear.prefers: one row, not the LM head; a
 # decode step went from 1.01 to 0.83 ms, plain decoding from 897-955 to 1,124-1,127 tok/s in one call, 2026-12-03);
-# the rest (a verify's rows, the LM head, a prompt) go to F.linear.
-LINEAR_KINDS = ("torch", "triton")
+# the rest (a verify's rows, the LM head, a prompt) go to F.linear. "triton-all": the kernel for a verify's rows too
+# (up to triton_linear.MAX_ROWS; its loop over the rows, to measure against "triton" in whole steps). The draft's
+# steps take the target's kinds.
+LINEAR_KINDS = ("torch", "triton", "triton-all")
 # "auto": triton on a CUDA device where its kernel runs, else torch.
 LINEAR_CHOICES = ("auto", *LINEAR_KINDS)
 
@@ -117,16 +119,26 @@ def eager_linear(
     return out if residual is None else residual + out
 
 
+def routed_linear(
+    kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None, eps: float, residual=None, gated=False
+) -> torch.Tensor:
+    """eager_linear's result for a step's rows x [1, rows, in], through the Triton kernel where linear kind `kind`
+    (LINEAR_KINDS, resolved) prefers it, else the eager ops."""
+    if kind != "torch" and triton_linear.prefers(x.shape[1], weight.shape[0], many_rows=kind == "triton-all"):
+        return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated)
+    return eager_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated)
+
+
 def _resolve_kind(what: str, choice: str, device: torch.device, triton_reason: Callable[[], str | None], fallback: str) -> str:
     """An attention or linear choice as run on `device`: "auto" is triton on a CUDA device where its kernels run,
     else `fallback`; "triton" where they cannot run is refused with the reason (KernelUnavailable)."""
-    if choice not in ("auto", "triton"):
+    if choice != "auto" and not choice.startswith("triton"):
         return choice
     reason = triton_reason()
     if choice == "auto":
         return "triton" if device.type == "cuda" and reason is None else fallback
     if reason:
-        raise KernelUnavailable(f"{what} 'triton' cannot run here: {reason}")
+        raise KernelUnavailable(f"{what} {choice!r} cannot run here: {reason}")
     return choice
 
 
@@ -282,10 +294,8 @@ class StaticTarget:
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None, residual=None, gated=False) -> torch.Tensor:
         """residual + linear(rms_norm(x) * norm, weight, bias), each part optional; gated: x is gate | up and the
-        input is silu(gate) * up. One Triton kernel where linear "triton" prefers it, else the eager ops."""
-        if self.linear == "triton" and triton_linear.prefers(x.shape[1], weight.shape[0]):
-            return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=self.eps, residual=residual, gated=gated)
-        return eager_linear(x, weight, bias, norm=norm, eps=self.eps, residual=residual, gated=gated)
+        input is silu(gate) * up. One Triton kernel where the linear kind prefers it, else the eager ops."""
+        return routed_linear(self.linear, x, weight, bias, norm=norm, eps=self.eps, residual=residual, gated=gated)
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """query [1, kv_heads, rows, d] over keys/values [1, kv_heads, bucket, d]; visible [rows, bucket] (row r is
@@ -303,57 +313,64 @@ class StaticTarget:
 
 
 class StaticDraft:
-    """The draft's decoding state in fixed buffers: step-0 K/V of committed positions, this round's diagonal K/V."""
+    """The draft's decoder layer over a preallocated KV cache [1, kv_heads, max_len, d], from its own weights.
 
-    def __init__(self, draft: Eagle3Draft, max_len: int, num_steps: int):
-        attn = draft.midlayer.self_attn
+    A round's chained steps write their K/V at the positions right after the committed ones (where the next round's
+    commit will overwrite them), so every step attends causally by position over one cache: the committed rows and
+    its own chain, the keys EAGLE-3's test-time training shows each step (TTTAttention). The products go through
+    routed_linear and the attention through the Triton kernel when the target's kinds say so."""
+
+    def __init__(self, draft: Eagle3Draft, max_len: int, attention: str = "math", linear: str = "torch"):
+        layer = draft.midlayer
+        attn, mlp = layer.self_attn, layer.mlp
         self.draft = draft
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.groups = self.heads // self.kv_heads
+        self.eps = layer.input_layernorm.eps
+        self.attention = "triton" if attention == "triton" else "math"  # math: the eager draft's own formula
+        self.linear = linear
         dtype, device = draft.fc.weight.dtype, draft.fc.weight.device
-        self.groups = attn.num_heads // attn.num_kv_heads
-        self.keys = torch.zeros(1, attn.num_kv_heads, max_len, attn.head_dim, dtype=dtype, device=device)
+        self.keys = torch.zeros(1, self.kv_heads, max_len, self.head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
-        self.diag_keys = torch.zeros(1, attn.num_kv_heads, max(num_steps - 1, 1), attn.head_dim, dtype=dtype, device=device)
-        self.diag_values = torch.zeros_like(self.diag_keys)
-        # q|k|v stacked once: the layer otherwise concatenates its weights (2.2 MB for SmolLM2's draft) at every step
-        self.qkv = draft.midlayer.qkv_weight().detach()
+        # weights stacked once: q|k|v (2.2 MB for SmolLM2's draft, re-concatenated at every step before), gate|up
+        self.w_input, self.w_hidden = layer.input_layernorm.weight.detach(), layer.hidden_norm.weight.detach()
+        self.qkv = layer.qkv_weight().detach()
+        self.o_proj, self.w_post = attn.o_proj.weight.detach(), layer.post_attention_layernorm.weight.detach()
+        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        self.down = mlp.down_proj.weight.detach()
 
-    def layer(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor, attend) -> torch.Tensor:
-        """The draft's decoder layer over these rows, with the stacked q|k|v weight."""
-        return self.draft.midlayer(positions, embeds, hidden, attend, qkv_weight=self.qkv)
+    def layer(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor, bucket: int) -> torch.Tensor:
+        """The decoder layer over rows at `positions` (embeds, hidden [1, S, H]): their K/V into the cache, each row
+        attending over the cache's first `bucket` positions up to its own. Returns the pre-norm output state [1, S, H]."""
+        seq, heads, kv_heads, dim = hidden.shape[1], self.heads, self.kv_heads, self.head_dim
+        joined = torch.cat([_rms(embeds, self.w_input, self.eps), _rms(hidden, self.w_hidden, self.eps)], dim=-1)
+        qkv = self._linear(joined, self.qkv)
+        query, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        cos, sin = self.draft.midlayer.self_attn.rope(positions, hidden.dtype)
+        query = query.view(1, seq, heads, dim).transpose(1, 2)
+        key = key.view(1, seq, kv_heads, dim).transpose(1, 2)
+        query = query * cos + rotate_half(query) * sin
+        key = key * cos + rotate_half(key) * sin
+        self.keys.index_copy_(2, positions, key)
+        self.values.index_copy_(2, positions, value.view(1, seq, kv_heads, dim).transpose(1, 2))
+        grouped = query.reshape(1, kv_heads, self.groups * seq, dim)  # row r: head r // seq of the group, position r % seq
+        out = self._attend(grouped, self.keys[:, :, :bucket], self.values[:, :, :bucket], positions)
+        out = out.reshape(1, heads, seq, dim).transpose(1, 2).reshape(1, seq, heads * dim)
+        hidden = self._linear(out, self.o_proj, residual=hidden)
+        gate_up = self._linear(hidden, self.gate_up, norm=self.w_post)
+        return self._linear(gate_up, self.down, residual=hidden, gated=True)
 
-    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """draft._attend_prefix's math over fixed-width keys: visible [S, K] marks what each query row sees."""
-        if self.groups > 1:
-            keys = keys.repeat_interleave(self.groups, dim=1)
-            values = values.repeat_interleave(self.groups, dim=1)
-        scores = query @ keys.transpose(-1, -2) / math.sqrt(query.shape[-1])
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, *, norm=None, residual=None, gated=False) -> torch.Tensor:
+        return routed_linear(self.linear, x, weight, norm=norm, eps=self.eps, residual=residual, gated=gated)
+
+    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Grouped query rows [1, kv_heads, rows, d] over keys/values [1, kv_heads, bucket, d], causal by position."""
+        if self.attention == "triton" and triton_attention.fits(query.shape[2]):
+            return triton_attention.decode_attention(query, keys, values, positions, self.head_dim**-0.5)
+        visible = (torch.arange(keys.shape[2], device=positions.device)[None, :] <= positions[:, None]).repeat(self.groups, 1)
+        scores = query @ keys.transpose(-1, -2) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(~visible, float("-inf"))
         return torch.softmax(scores.float(), dim=-1).to(query.dtype) @ values
-
-    def commit(self, positions: torch.Tensor, bucket: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The attend of step 0 over rows at `positions`: their K/V go into the cache, each row sees keys up to itself."""
-
-        def attend(query, key, value):
-            self.keys.index_copy_(2, positions, key)
-            self.values.index_copy_(2, positions, value)
-            visible = torch.arange(bucket, device=positions.device)[None, :] <= positions[:, None]
-            return self._attend(query, self.keys[:, :, :bucket], self.values[:, :, :bucket], visible)
-
-        return attend
-
-    def step(self, committed: torch.Tensor, slot: int, bucket: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The attend of chained step slot + 1: every committed K/V (positions < committed) and diagonal slots 0..slot."""
-
-        def attend(query, key, value):
-            self.diag_keys[:, :, slot : slot + 1].copy_(key)
-            self.diag_values[:, :, slot : slot + 1].copy_(value)
-            keys = torch.cat([self.keys[:, :, :bucket], self.diag_keys[:, :, : slot + 1]], dim=2)
-            values = torch.cat([self.values[:, :, :bucket], self.diag_values[:, :, : slot + 1]], dim=2)
-            key_index = torch.arange(bucket + slot + 1, device=committed.device)
-            visible = ((key_index < committed) | (key_index >= bucket))[None, :]
-            return self._attend(query, keys, values, visible)
-
-        return attend
 
 
 @dataclass
@@ -419,7 +436,8 @@ class StaticDecoder(SpecDecoder):
         self.buckets = [self.max_len] if compile else length_buckets(self.max_len)
         self.prefill_widths = prefill_widths(self.max_len)
         self.static_target = StaticTarget(target_model, self.aux_layer_ids, feed, self.max_len, attention, linear)
-        self.static_draft = StaticDraft(draft, self.max_len + self.width, num_steps) if draft is not None else None
+        target = self.static_target
+        self.static_draft = StaticDraft(draft, self.max_len + self.width, target.attention, target.linear) if draft is not None else None
         width, feature_width = self.width, self.static_target.feature_width
         # target start, draft start, pending rows, decode token, the prompt's last row
         self.scalars = torch.zeros(5, dtype=torch.long, device=device)
@@ -477,7 +495,7 @@ class StaticDecoder(SpecDecoder):
         start, count = self.scalars[1:2], self.scalars[2:3]
         positions = self._positions(start, width)
         hidden = self._draft_input(self.pending_features)
-        out = state.layer(positions, draft._embed(self.pending_tokens), hidden, state.commit(positions, bucket))
+        out = state.layer(positions, draft._embed(self.pending_tokens), hidden, bucket)
         row = count - 1
         logits = draft.logits(out).index_select(1, row)[:, -1]
         out = out.index_select(1, row)
@@ -487,7 +505,7 @@ class StaticDecoder(SpecDecoder):
             token = draft.draft_to_target_ids(logits.argmax(-1))
             proposals.append(token)
             if step + 1 < self.num_steps:
-                out = state.layer(committed + step, draft._embed(token.view(1, 1)), out, state.step(committed, step, bucket))
+                out = state.layer(committed + step, draft._embed(token.view(1, 1)), out, bucket)
                 logits = draft.logits(out)[:, -1]
         self.verify_tokens[0, :1].copy_(self.pending_tokens[0].index_select(0, row))
         self.verify_tokens[0, 1:].copy_(torch.cat(proposals))
@@ -506,7 +524,7 @@ class StaticDecoder(SpecDecoder):
         assert state is not None
         positions = self.prompt_positions[:width]
         hidden = self._draft_input(self.prompt_features[:, :width])
-        state.layer(positions, draft._embed(self.prompt_tokens[:, 1 : width + 1]), hidden, state.commit(positions, self._bucket(width)))
+        state.layer(positions, draft._embed(self.prompt_tokens[:, 1 : width + 1]), hidden, self._bucket(width))
 
     # --- running them ----------------------------------------------------------------------------------
 

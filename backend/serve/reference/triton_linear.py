@@ -32,14 +32,15 @@ def fits(rows: int) -> bool:
     return rows <= MAX_ROWS
 
 
-def prefers(rows: int, columns: int) -> bool:
+def prefers(rows: int, columns: int, many_rows: bool = False) -> bool:
     """Whether a product of `rows` rows and `columns` outputs should go to the kernel rather than cuBLAS, as measured
     on one H200 (2026-12-03, profile_decode_step.py's linear_shapes, SmolLM2-135M's products, each alone under a
     CUDA graph): at one row the kernel with the norm / gate / residual inside took 2.0-4.1 us where cuBLAS alone
     took 3.2-4.8 us and the eager ops around it 4.8-10.7 us; but its products over 4 rows (then a rows x columns x
     inner tile in registers, now a loop over the rows: not measured yet) lost to cuBLAS (gate_up 12.8 vs 3.2 us),
-    and so did the 49,152-wide lm_head at any row count (42 vs 16 us)."""
-    return rows == 1 and columns <= MAX_PREFERRED_COLUMNS
+    and so did the 49,152-wide lm_head at any row count (42 vs 16 us). many_rows: a step's rows too, up to MAX_ROWS
+    (static_decode's linear kind "triton-all", to measure the row loop inside whole steps)."""
+    return (rows == 1 or (many_rows and fits(rows))) and columns <= MAX_PREFERRED_COLUMNS
 
 
 def _power_of_two_at_most(value: int) -> int:

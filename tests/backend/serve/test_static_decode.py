@@ -33,16 +33,21 @@ class PositionOracle(Eagle3Draft):
     """The real draft computation with its logits forced to the target's known continuation, except at `wrong`
     sequence indices. A draft row at RoPE position p proposes sequence index p + 2 in both decoders (step 0
     pairs features p with token p + 1; chained step k sits at p = t + k), so the oracle reads the positions
-    the decoder layer was called with and works for the eager and the static path alike."""
+    the decoder layer's RoPE was asked for (the eager layer and StaticDraft both ask the draft's attention) and
+    works for the eager and the static path alike."""
 
     def setup(self, sequence: list[int], wrong: set[int]):
         self.sequence, self.wrong = sequence, wrong
+        attention = self.midlayer.self_attn
         if not getattr(self, "hooked", False):
-            self.hooked = self.midlayer.register_forward_pre_hook(self._remember) is not None
-        return self
+            rope = attention.rope
 
-    def _remember(self, _module, args):
-        self.positions = args[0].tolist()
+            def remembering_rope(positions, dtype):
+                self.positions = positions.tolist()
+                return rope(positions, dtype)
+
+            attention.rope, self.hooked = remembering_rope, True
+        return self
 
     def logits(self, hidden):
         forced = torch.full_like(super().logits(hidden), -1e4)
@@ -118,6 +123,9 @@ def gives_the_eager_tokens_and_rounds(**kernels) -> None:
     eager = SpecDecoder(target, draft, AUX, num_steps=3)
     static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=512, **kernels)
     assert (static.static_target.attention, static.static_target.linear) == (kernels.get("attention", "sdpa"), kernels.get("linear", "torch"))
+    # the draft's steps take the target's kernels (its attention is the eager draft's math otherwise)
+    draft_attention = "triton" if kernels.get("attention") == "triton" else "math"
+    assert (static.static_draft.attention, static.static_draft.linear) == (draft_attention, static.static_target.linear)
     prompt = prompts(1, seed=13)[0].tolist()
     plain = eager.plain_generate(torch.tensor(prompt), 30)
     assert static.plain_generate(torch.tensor(prompt), 30) == plain
@@ -137,10 +145,12 @@ def test_every_attention_kind_gives_the_eager_tokens_and_rounds(attention, reque
 
 
 @pytest.mark.slow
-def test_the_triton_linear_gives_the_eager_tokens_and_rounds(triton_interpreter):
-    """A plain step's products (norm, gate, bias and residual inside) in the Triton kernel; a verify's rows, the LM
-    head if it were wide, and the prompt's in F.linear (triton_linear.prefers)."""
-    gives_the_eager_tokens_and_rounds(linear="triton")
+@pytest.mark.parametrize("linear", ["triton", "triton-all"])
+def test_the_triton_linear_gives_the_eager_tokens_and_rounds(linear, triton_interpreter):
+    """triton: a plain step's and a chained draft step's products (norm, gate, bias and residual inside) in the
+    Triton kernel; a verify's rows, the LM head if it were wide, and the prompt's in F.linear (triton_linear.prefers).
+    triton-all: a verify's rows and the draft's commit rows in the kernel too."""
+    gives_the_eager_tokens_and_rounds(linear=linear)
 
 
 @pytest.mark.slow
@@ -379,7 +389,7 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
         patch.delenv("TRITON_INTERPRET")
         with pytest.raises(ValueError, match="attention 'triton' cannot run here: it needs a CUDA device .*; nothing is served"):
             Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="triton")
-    with pytest.raises(ValueError, match="linear 'cublas': expected one of auto, torch, triton; nothing was loaded"):
+    with pytest.raises(ValueError, match="linear 'cublas': expected one of auto, torch, triton, triton-all; nothing was loaded"):
         Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, linear="cublas")
     math = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="math", linear="triton")
     assert (math.decoder.static_target.attention, math.decoder.static_target.linear) == ("math", "triton")

@@ -94,6 +94,9 @@ def test_only_what_beat_cublas_on_the_h200_is_routed_to_the_kernel():
     """One row, outputs up to 8,192 wide (a decode step's qkv, o, gate_up, down); not a verify's rows nor an LM head."""
     assert prefers(1, 960) and prefers(1, 3072) and prefers(1, 8192)
     assert not prefers(4, 960) and not prefers(1, 49152) and not prefers(16, 576)
+    # many_rows (the linear kind "triton-all"): a verify's rows too, within the kernel's rows; never the LM head
+    assert prefers(4, 960, many_rows=True) and prefers(MAX_ROWS, 576, many_rows=True)
+    assert not prefers(MAX_ROWS + 1, 576, many_rows=True) and not prefers(4, 49152, many_rows=True)
 
 
 def test_bad_calls_say_what_was_wrong():
