@@ -468,15 +468,19 @@ class StaticDecoder(SpecDecoder):
             self._decode_fn = torch.compile(self._decode, dynamic=False)
 
     # --- the fixed-shape steps (what the graphs capture) ------------------------------------------------
+    # Each under no_grad of its own: torch.compile traces a step for autograd when the caller has grad on and the draft's
+    # parameters require it, and the Triton kernels have no backward (2026-12-03: a profile's compiled variants failed so).
 
     def _positions(self, start: torch.Tensor, width: int) -> torch.Tensor:
         return start + torch.arange(width, device=start.device)
 
+    @torch.no_grad()
     def _decode(self, bucket: int) -> None:
         """Plain decode: the token in scalars[3] at position scalars[0] -> its greedy successor in `decoded`."""
         logits, _ = self.static_target.forward(self.scalars[3:4].view(1, 1), self.scalars[0:1], bucket, all_logits=False)
         self.decoded.copy_(logits[0, -1:].argmax(-1))
 
+    @torch.no_grad()
     def _verify(self, bucket: int) -> None:
         """Verify `verify_tokens` at positions scalars[0]..+W-1: greedy ids and features become the next pending rows."""
         logits, features = self.static_target.forward(self.verify_tokens, self._positions(self.scalars[0:1], self.width), bucket, all_logits=True)
@@ -486,6 +490,7 @@ class StaticDecoder(SpecDecoder):
         self.report[: self.width].copy_(greedy)
         self.report[self.width :].copy_(self.verify_tokens[0, 1:])
 
+    @torch.no_grad()
     def _draft_round(self, bucket: int) -> None:
         """Commit the first scalars[2] pending rows at draft positions scalars[1].., chain num_steps proposals.
 
@@ -510,6 +515,7 @@ class StaticDecoder(SpecDecoder):
         self.verify_tokens[0, :1].copy_(self.pending_tokens[0].index_select(0, row))
         self.verify_tokens[0, 1:].copy_(torch.cat(proposals))
 
+    @torch.no_grad()
     def _prompt_step(self, width: int) -> None:
         """The target's prefill of prompt_tokens[:, :width] at positions 0..width-1: the logits of row scalars[4] (the
         prompt's last real row) into prompt_logits, every row's features into prompt_features."""
@@ -518,6 +524,7 @@ class StaticDecoder(SpecDecoder):
         self.prompt_logits.copy_(logits)
         self.prompt_features[:, :width].copy_(features)
 
+    @torch.no_grad()
     def _draft_prompt_step(self, width: int) -> None:
         """The draft's prompt rows at positions 0..width-1: prompt features t with prompt token t + 1."""
         draft, state = self._required_draft, self.static_draft

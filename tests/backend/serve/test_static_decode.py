@@ -170,6 +170,12 @@ def test_compiled_steps_with_math_or_triton_kernels_give_the_eager_tokens_and_ro
     assert static.plain_generate(torch.tensor(prompt), 20) == plain
     draft.setup(prompt + plain, {len(prompt) + i for i in (1, 7, 8)})
     same(eager.generate(torch.tensor(prompt), 16), static.generate(torch.tensor(prompt), 16))
+    # a caller with grad on (a profiler, a hook) and a draft whose parameters require grad: the compiled steps still
+    # run (the Triton ops have no backward; a step traced for autograd failed to compile, 2026-12-03)
+    assert torch.is_grad_enabled() and any(p.requires_grad for p in draft.parameters())
+    static._draft_fn(static.max_len)
+    static._verify_fn(static.max_len)
+    assert 0 <= int(static.verify_tokens.min()) and int(static.verify_tokens.max()) < VOCAB
 
 
 def test_an_unknown_attention_kind_is_refused():
