@@ -100,8 +100,9 @@ COMPILED_EXTRA=${COMPILED_EXTRA:-}
 COMPILED_TRITON=${COMPILED_TRITON:-1}
 # COMPILED_LINEAR=1: decode_compiled_linear, the same rows with --attention triton --linear triton (triton_linear.py)
 COMPILED_LINEAR=${COMPILED_LINEAR:-1}
-# COMPILED_LINEAR_ALL=1: decode_compiled_linear_all, the same rows with --linear triton-all (the kernel for a verify's rows too)
-COMPILED_LINEAR_ALL=${COMPILED_LINEAR_ALL:-1}
+# COMPILED_LINEAR_ALL=1: decode_compiled_linear_all, the same rows with --linear triton-all (the kernel for a verify's
+# rows too; off by default: its tl.dot form lost inside whole steps, 1.75 vs 1.08 ms a verify, 2026-12-03)
+COMPILED_LINEAR_ALL=${COMPILED_LINEAR_ALL:-0}
 GROUPING_EXTRA=${GROUPING_EXTRA:---batch 2048 --new-tokens 64 --grouping-prompts 8192}
 REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
 

@@ -260,8 +260,8 @@ def _graphed_us(call, repeats: int = 20, replays: int = 20) -> float:
 
 def linear_shapes(model, aux, prompts, max_new: int, max_len: int) -> list[dict]:
     """Each product of the target's step at 1, 2, 4 and 8 rows (a decode, a verify of 1, 3 and 7 steps), timed alone under a CUDA graph: the eager ops around
-    cuBLAS, cuBLAS alone, and triton_linear's kernel at its default tile and at half / double / 4x the columns
-    (tl.dot over the padded rows where there are several)."""
+    cuBLAS, cuBLAS alone, and triton_linear's kernel at its default tile and at half / double / 4x the columns (its
+    rows in turn against each weight tile where there are several)."""
     import torch
     import torch.nn.functional as F
 
@@ -283,7 +283,7 @@ def linear_shapes(model, aux, prompts, max_new: int, max_len: int) -> list[dict]
             row["triton_us"] = {}
             for factor in (0.5, 1, 2, 4):
                 column_block = int(default[1] * factor)
-                if column_block < (2 if rows == 1 else 16) or column_block > 128:  # several rows: tl.dot's blocks of 16
+                if column_block < 2 or column_block > 128:
                     continue
                 inner_block = max(16, min(next_power_of_two(inner), 2 * MAX_TILE // column_block, MAX_TILE // default[0]))
                 tile = (default[0], column_block, inner_block)

@@ -5,9 +5,7 @@ GEMMs (on an H200 with torch 2.11, SmolLM2-135M: 3.6-3.9 us each for matrices of
 compiled step, 58 %; benchmarks/results/h200_round6_decode_profile.json), and the RMSNorm before a product and the
 SiLU gate before the down projection are kernels of their own. Here one program computes a few output columns for
 every row: it streams its slice of the weight once, normalises (or gates) the rows on the fly (the rows are tiny
-and stay in cache, so every program redoes that), and adds the bias and the residual before it stores. One row is
-an element-wise product and a sum per weight tile; several rows (a verify's) are padded to 16 and multiplied with
-tl.dot on the tensor cores (a loop over the rows against each tile lost to cuBLAS at 4-8 rows on the H200).
+and stay in cache, so every program redoes that), and adds the bias and the residual before it stores.
 
 Rounding follows the eager layer step by step (StaticTarget.forward): the RMSNorm in float32, rounded to the
 dtype, then scaled by its weight and rounded; SiLU rounded, times up rounded; the product accumulated in float32,
@@ -26,7 +24,6 @@ from backend.serve.reference.triton_runtime import next_power_of_two
 
 MAX_ROWS = 16  # rows a call may have (steps); a prompt goes to F.linear
 MAX_TILE = 4096  # float32 values of a program's weight tile (columns x inner block), and of its rows tile
-DOT_BLOCK = 16  # tl.dot's smallest block: several rows are padded to it, and take this many columns a program
 MAX_PREFERRED_COLUMNS = 8192  # wider outputs (an LM head) go to cuBLAS: prefers()
 
 
@@ -39,11 +36,13 @@ def prefers(rows: int, columns: int, many_rows: bool = False) -> bool:
     """Whether a product of `rows` rows and `columns` outputs should go to the kernel rather than cuBLAS, as measured
     on one H200 (2026-12-03, profile_decode_step.py's linear_shapes, SmolLM2-135M's products, each alone under a
     CUDA graph): at one row the kernel with the norm / gate / residual inside took 2.0-4.1 us where cuBLAS alone
-    took 3.2-4.8 us and the eager ops around it 4.8-10.7 us; but over several rows it lost to cuBLAS, first as a
-    rows x columns x inner register tile (4 rows: gate_up 12.8 vs 3.2 us), then as a loop over the rows against each
-    weight tile (4 rows: 2.7-6.5 vs 3.2-4.8 us; 8 rows: 15-53 us), now tl.dot (not measured yet); the 49,152-wide
-    lm_head lost at any row count (17-42 vs 16 us). many_rows: a step's rows too, up to MAX_ROWS (static_decode's
-    linear kind "triton-all", to measure the several-row path inside whole steps against cuBLAS)."""
+    took 3.2-4.8 us and the eager ops around it 4.8-10.7 us. Over several rows, each product alone: a rows x
+    columns x inner register tile lost (4 rows: gate_up 12.8 vs 3.2 us); the loop over the rows against each
+    weight tile (this kernel) beats cuBLAS alone at 2 rows (2.2-3.4 vs 3.2-4.7 us), is even at 4 (2.7-5.9 vs
+    3.2-4.8) and loses at 8 (15-27 us); tl.dot over rows padded to 16, 16 columns a program, lost at every row count
+    (2.9-5.7 us, the gated down projection 28), and inside whole compiled steps (4-row verify 1.75 vs 1.08 ms with
+    cuBLAS; 2026-12-03, benchmarks/results/h200_round8_*). The 49,152-wide lm_head loses at any row count (17-42 vs
+    16 us). many_rows: a step's rows too, up to MAX_ROWS (static_decode's linear kind "triton-all", to measure)."""
     return (rows == 1 or (many_rows and fits(rows))) and columns <= MAX_PREFERRED_COLUMNS
 
 
@@ -52,19 +51,15 @@ def _power_of_two_at_most(value: int) -> int:
 
 
 def tiles(rows: int, columns: int, inner: int, interpreted: bool = False) -> tuple[int, int, int]:
-    """(row block, column block, inner block). One row, on a GPU: enough programs to spread the weight over the
-    H200's 132 SMs (about 256, at most 64 columns each), a weight tile of at most MAX_TILE float32 values. Several
-    rows go through tl.dot, which takes blocks of 16 at least: the rows padded to 16, 16 columns a program, a
-    MAX_TILE rows tile. In Triton's interpreter (interpreted), where each program costs milliseconds of Python, few
-    wide programs."""
-    row_block = 1 if rows <= 1 else max(DOT_BLOCK, next_power_of_two(rows))
+    """(row block, column block, inner block): on a GPU, enough programs to spread the weight over the H200's 132
+    SMs (about 256, at most 64 columns each; the same for any number of rows), a weight tile and a rows tile of at
+    most MAX_TILE float32 values each; in Triton's interpreter (interpreted), where each program costs milliseconds
+    of Python, few wide programs."""
+    row_block = next_power_of_two(max(rows, 1))
     if interpreted:
-        return row_block, min(256, max(next_power_of_two(columns), DOT_BLOCK)), min(256, max(next_power_of_two(inner), DOT_BLOCK))
-    if row_block == 1:
-        column_block = min(64, max(2, _power_of_two_at_most(max(columns // 256, 1))))
-    else:
-        column_block = DOT_BLOCK
-    inner_block = max(DOT_BLOCK, min(next_power_of_two(inner), MAX_TILE // column_block, MAX_TILE // row_block))
+        return row_block, min(256, next_power_of_two(columns)), min(256, next_power_of_two(inner))
+    column_block = min(64, max(2, _power_of_two_at_most(max(columns // 256, 1))))
+    inner_block = max(16, min(next_power_of_two(inner), MAX_TILE // column_block, MAX_TILE // row_block))
     return row_block, column_block, inner_block
 
 
@@ -79,7 +74,6 @@ def _kernel() -> Any:
         rows, columns, stride_x, stride_w, stride_residual, stride_out, eps,
         INNER: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-        PRECISE: tl.constexpr,
     ):  # fmt: skip
         dtype = out_ptr.dtype.element_ty
         row = tl.arange(0, ROWS)
@@ -108,12 +102,13 @@ def _kernel() -> Any:
                 x = (x.to(tl.float32) * inverse[:, None]).to(dtype)
                 x = (x.to(tl.float32) * scale[None, :].to(tl.float32)).to(dtype)
             w = tl.load(w_ptr + column[:, None] * stride_w + k[None, :], mask=real_column[:, None] & real_k[None, :], other=0.0)
+            w, x = w.to(tl.float32), x.to(tl.float32)
             if ROWS == 1:
-                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-            elif PRECISE:  # several rows: one tensor-core product of the (padded) rows tile and the weight tile
-                acc += tl.dot(x.to(dtype).to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x.to(dtype), tl.trans(w.to(dtype)), out_dtype=tl.float32)
+                acc += tl.sum(w * x, axis=1)[None, :]
+            else:  # the weight tile once, each row against it in turn: no rows x columns x inner tile in registers
+                for r in tl.static_range(ROWS):
+                    x_row = tl.sum(tl.where(row[:, None] == r, x, 0.0), axis=0)
+                    acc = tl.where(row[:, None] == r, acc + tl.sum(w * x_row[None, :], axis=1)[None, :], acc)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + column, mask=real_column, other=0.0).to(tl.float32)[None, :]
         out = acc.to(dtype)
@@ -147,9 +142,6 @@ def launch(x, weight, bias, norm, eps: float, residual, gated: bool, tile: tuple
         rows, columns, flat.stride(0), weight.stride(0), flat_residual.stride(0), out.stride(0), eps,
         INNER=inner, ROWS=row_block, BLOCK_N=column_block, BLOCK_K=inner_block,
         HAS_BIAS=bias is not None, HAS_NORM=norm is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
-        # float32 products in float32; Triton's interpreter multiplies bf16 tiles wrongly (2026-12-03: errors of 1e10),
-        # so there the rounded bf16 values are multiplied as float32, as a tensor core does (exact products, float32 sums)
-        PRECISE=x.dtype == torch.float32 or x.device.type == "cpu",
     )  # fmt: skip
     return out.view(*x.shape[:-1], columns)
 
