@@ -23,7 +23,8 @@
 #   PHASE=serve   carries nothing. Both drafts decoded in one process (bench_decode_speed.py: held-out ShareGPT and
 #                 HumanEval, 3 and 7 steps, the transformers anchors); our final draft's compiled steps with SDPA and
 #                 with the Triton attention, and with the Triton linear too, for one-row products and for every
-#                 step's (decode_compiled, decode_compiled_triton, decode_compiled_linear, decode_compiled_linear_all); headless `eagle3-host stop-and-bench --engine
+#                 step's (decode_compiled, decode_compiled_triton, decode_compiled_linear; decode_compiled_linear_all
+#                 with COMPILED_LINEAR_ALL=1); headless `eagle3-host stop-and-bench --engine
 #                 reference` of a short training job (our draft, resumed), then `eagle3-host bench --baseline
 #                 same-engine` per eval set on that server; regeneration's length-grouped batches against arrival
 #                 order (bench_regenerate.py --grouping); real vs fixed-length step time (REAL=1). ~520 s.
