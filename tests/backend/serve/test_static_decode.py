@@ -144,6 +144,19 @@ def test_every_attention_kind_gives_the_eager_tokens_and_rounds(attention, reque
     gives_the_eager_tokens_and_rounds(attention=attention)
 
 
+def test_a_draft_head_size_the_triton_attention_cannot_take_keeps_the_math(triton_interpreter):
+    """The target's Triton attention, a draft with 24-wide heads (the kernel takes powers of two): the draft's steps
+    attend with the eager draft's math instead of failing inside a kernel."""
+    target = random_target()
+    draft = Eagle3Draft(draft_config(num_attention_heads=2, num_key_value_heads=2, head_dim=24)).eval()
+    draft.load_target_embedding(target.get_input_embeddings().weight)
+    static = StaticDecoder(target, draft, AUX, num_steps=2, max_len=256, attention="triton")
+    assert (static.static_target.attention, static.static_draft.attention) == ("triton", "math")
+    prompt = prompts(1, seed=3)[0]
+    same(SpecDecoder(target, draft, AUX, num_steps=2).generate(prompt, 6), static.generate(prompt, 6))
+    assert StaticDecoder(target, random_draft(target), AUX, num_steps=2, max_len=256, attention="triton").static_draft.attention == "triton"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("linear", ["triton", "triton-all"])
 def test_the_triton_linear_gives_the_eager_tokens_and_rounds(linear, triton_interpreter):
