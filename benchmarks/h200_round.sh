@@ -357,6 +357,14 @@ EOF
     note "the draft comes back as $(ls "$OUT"/ours_draft.tar.part* | wc -l) pieces: cat ours_draft.tar.part* | tar xf -"
 }
 
+hand_back_draft_or_log() { # RETURN_DRAFT=1: the draft in pieces (return_draft); else the trainer's log (at most 8 files return)
+    if [ "${RETURN_DRAFT:-0}" = 1 ]; then
+        return_draft
+    else
+        cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
+    fi
+}
+
 train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of steps from its first metrics line, then SIGTERM
     local pid t_start t_val t_stop t_exit watchdog="" rc=0 how=finished limit_at=$(($(date +%s) + STAGE_LIMIT - 30))
     local budget=$TRAIN_S resume=() lines0=0 metrics=$DEV/ours/metrics.jsonl batch=()
@@ -468,11 +476,7 @@ EOF
     fi
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
     cp "$DEV/sf/metrics.jsonl" "$OUT/specforge_metrics.jsonl" 2>/dev/null
-    if [ "${RETURN_DRAFT:-0}" = 1 ]; then # a machine lost before `more` keeps this draft (2026-12-03: the state went between calls)
-        return_draft
-    else
-        cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
-    fi
+    hand_back_draft_or_log # RETURN_DRAFT=1 here: a machine lost before `more` keeps this draft (2026-12-03)
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=more
@@ -497,11 +501,7 @@ EOF
     fi
     stage train_more $((MORE_S + 60)) $((MORE_S + 150)) train_ours resume
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
-    if [ "${RETURN_DRAFT:-0}" = 1 ]; then
-        return_draft
-    else
-        cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
-    fi
+    hand_back_draft_or_log
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=serve

@@ -327,13 +327,12 @@ class StaticDraft:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.groups = self.heads // self.kv_heads
         self.eps = layer.input_layernorm.eps
+        dtype, device = draft.fc.weight.dtype, draft.fc.weight.device
         # the Triton attention where the target's is Triton and the draft's head size suits the kernel; else the eager
         # draft's own math formula
-        device = draft.fc.weight.device
         runs = attention == "triton" and triton_attention.unavailable_reason(device, self.head_dim) is None
         self.attention = "triton" if runs else "math"
         self.linear = linear
-        dtype, device = draft.fc.weight.dtype, draft.fc.weight.device
         self.keys = torch.zeros(1, self.kv_heads, max_len, self.head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         # weights stacked once: q|k|v (2.2 MB for SmolLM2's draft, re-concatenated at every step before), gate|up
