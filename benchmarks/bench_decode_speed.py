@@ -376,6 +376,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--num-steps", type=int, nargs="+", default=[3, 7])
+    parser.add_argument(
+        "--branches",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="first-step branches of our static rows (1: a chain; K: the draft's K best first tokens, each chained)",
+    )
     parser.add_argument("--compile", action="store_true", help="add torch.compile variants of our static rows (CUDA; each cache prefix compiles once)")
     parser.add_argument("--attention", choices=ATTENTION_KINDS, default="sdpa", help="how our static rows' target attends (static_decode.ATTENTION_KINDS)")
     parser.add_argument(
@@ -413,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     first = next(iter(encoded))
     anchors = encoded[first][: args.anchor_prompts]
     max_new = args.max_new_tokens
-    max_len = max(len(ids) for batch in encoded.values() for ids in batch) + max_new + max(args.num_steps) + 1
+    max_len = max(len(ids) for batch in encoded.values() for ids in batch) + max_new + max(args.num_steps) * max(args.branches) + 1
     labels = ", ".join(f"{label} (rows *{suffix})" if suffix else label for suffix, _, _, label in drafts)
     print(f"target {profile.target.path} {dtype} on {device} (loaded in {load_s:.1f} s); drafts {labels}; sets {list(encoded)}", flush=True)
 
@@ -433,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval set {name}: {len(prompts)} prompts", flush=True)
             row = static_row(f"ours_static_plain{suffix}", plain, device, prompts, max_new, speculative=False)
             per_set[name][row["name"]] = row
-        for steps in args.num_steps:
+        for steps, branches in [(steps, branches) for steps in args.num_steps for branches in args.branches]:
+            tree = f"_b{branches}" if branches > 1 else ""
             for draft_suffix, one_draft, one_aux, _label in drafts:
                 decoder = StaticDecoder(
                     model,
@@ -445,14 +453,15 @@ def main(argv: list[str] | None = None) -> int:
                     compile=compiled,
                     attention=args.attention,
                     linear=args.linear,
+                    branches=branches,
                 )
                 for name, prompts in encoded.items():
                     plain_row = per_set[name][f"ours_static_plain{suffix}"]
-                    row = static_row(f"ours_static_eagle_k{steps}{suffix}{draft_suffix}", decoder, device, prompts, max_new, speculative=True)
+                    row = static_row(f"ours_static_eagle_k{steps}{tree}{suffix}{draft_suffix}", decoder, device, prompts, max_new, speculative=True)
                     if "tok_s" in row and "tok_s" in plain_row:
                         row["speedup_vs_our_plain"] = row["tok_s"] / plain_row["tok_s"]
                     row["eagle_equals_plain"] = agreement(plain_row, row)
-                    if not compiled and steps == args.num_steps[0] and "_results" in row:
+                    if not compiled and steps == args.num_steps[0] and branches == 1 and "_results" in row:
                         row["acceptance_anatomy"] = acceptance_anatomy(model, one_draft, one_aux, prompts, row["_results"], eos)
                     per_set[name][row["name"]] = row
                 del decoder
@@ -477,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             "drafts": {name: {"dir": label, "row_suffix": suffix} for (name, suffix, _), (_, _, _, label) in zip(specs, drafts)},
             "max_new_tokens": max_new,
             "num_steps": args.num_steps,
+            "branches": args.branches,
             "weight_bytes": bytes_,
             "bandwidth_bound_tok_s": bound,
             "hbm_tbs": args.hbm_tbs,

@@ -104,6 +104,11 @@ COMPILED_LINEAR=${COMPILED_LINEAR:-1}
 # COMPILED_LINEAR_ALL=1: decode_compiled_linear_all, the same rows with --linear triton-all (the kernel for a verify's
 # rows too; off by default: its tl.dot form lost inside whole steps, 1.75 vs 1.08 ms a verify, 2026-12-03)
 COMPILED_LINEAR_ALL=${COMPILED_LINEAR_ALL:-0}
+# DECODE=0: skip the first serve stage (graphs without compile, 3 and 7 steps, the transformers anchors)
+DECODE=${DECODE:-1}
+# BRANCHES: the compiled stages' first-step branches (bench_decode_speed.py --branches; "1 2": the chain and a tree of
+# two chains, same call)
+BRANCHES=${BRANCHES:-1}
 GROUPING_EXTRA=${GROUPING_EXTRA:---batch 2048 --new-tokens 64 --grouping-prompts 8192}
 REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
 
@@ -541,9 +546,11 @@ chain() { # a training job resumed from our draft, stopped by stop-and-bench (re
 decode_compiled() { # OUT_JSON [OPTIONS...]: our final draft, 3 steps, compiled steps under graphs, with its plain row
     local out=$1
     shift
+    # shellcheck disable=SC2086 # BRANCHES is a list
     timeout --signal=TERM --kill-after=15 "$STAGE_LIMIT" "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" \
         --draft "$DEV/ours_draft" --prompts "$DEV/sgdev/eval.jsonl" --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" \
-        --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 --compile --no-hf --no-fp32-check --out "$out" "$@"
+        --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 --compile --no-hf --no-fp32-check --out "$out" \
+        --branches $BRANCHES "$@"
 }
 
 phase_serve() {
@@ -557,7 +564,7 @@ phase_serve() {
     else
         note "no SpecForge draft (see the train phase): decoding our final draft only"
     fi
-    stage decode 200 330 "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" "${drafts[@]}" --prompts "$DEV/sgdev/eval.jsonl" \
+    [ "$DECODE" = 1 ] && stage decode 200 330 "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" "${drafts[@]}" --prompts "$DEV/sgdev/eval.jsonl" \
         --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 7 \
         --anchor-prompts "$ANCHORS" --out "$OUT/decode.json"
     # shellcheck disable=SC2086 # COMPILED_EXTRA is a list of options

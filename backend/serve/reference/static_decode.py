@@ -93,6 +93,15 @@ def _rms(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * hidden.to(dtype)
 
 
+def visible_keys(bucket: int, slots: torch.Tensor, gaps: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, bucket]: row r sees the keys up to its cache slot, less [gaps[r, 0], gaps[r, 1]) when given."""
+    keys = torch.arange(bucket, device=slots.device)[None, :]
+    visible = keys <= slots[:, None]
+    if gaps is not None:
+        visible = visible & ((keys < gaps[:, :1]) | (keys >= gaps[:, 1:]))
+    return visible
+
+
 def _norm_eps(norm) -> float:
     eps = getattr(norm, "variance_epsilon", None)
     return float(eps if eps is not None else norm.eps)
@@ -251,21 +260,29 @@ class StaticTarget:
         return (angles.cos() * self.rope_scaling).to(self.dtype), (angles.sin() * self.rope_scaling).to(self.dtype)
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, bucket: int, all_logits: bool, logits_row: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        bucket: int,
+        all_logits: bool,
+        logits_row: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+        gaps: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [1, S] at positions [S] (consecutive): writes their K/V, attends over cache[:bucket].
-        Without all_logits only one row gets logits: the last, or `logits_row` (a one-element index on the device:
-        a padded prompt's last real row).
+        """tokens [1, S] at RoPE positions [S]: writes their K/V at cache `slots` (default: the positions), each row
+        attending over cache[:bucket] up to its own slot, less its row of `gaps` [S, 2] ([lo, hi): a tree's other
+        branches). Without all_logits only one row gets logits: the last, or `logits_row` (a one-element index on the
+        device: a padded prompt's last real row).
 
         Returns (logits [1, S or 1, V], features [1, S, F]: the aux layers' outputs concatenated, or the final
         normed hidden state for feed last_hidden). Rows at or past the position counter are never read unmasked.
         """
         seq = tokens.shape[1]
         heads, kv_heads, dim, groups = self.num_heads, self.num_kv_heads, self.head_dim, self.groups
+        slots = positions if slots is None else slots
         hidden = F.embedding(tokens, self.embed)
         cos, sin = self.rope(positions)
-        visible = torch.arange(bucket, device=tokens.device)[None, :] <= positions[:, None]  # [S, bucket]
-        visible = visible.repeat(groups, 1)  # query rows grouped by kv head: row j*S + s is head j of position s
+        visible = visible_keys(bucket, slots, gaps).repeat(groups, 1)  # rows grouped by kv head: row j*S + s is head j of row s
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers):
             qkv = self._linear(hidden, layer.qkv, layer.qkv_bias, norm=layer.w_input)
@@ -275,10 +292,10 @@ class StaticTarget:
             query, key = query_key.split([heads, kv_heads], dim=1)
             value = value.view(1, seq, kv_heads, dim).transpose(1, 2)
             keys, values = self.keys[index], self.values[index]
-            keys.index_copy_(2, positions, key)
-            values.index_copy_(2, positions, value)
+            keys.index_copy_(2, slots, key)
+            values.index_copy_(2, slots, value)
             grouped = query.reshape(1, kv_heads, groups * seq, dim)
-            out = self._attend(grouped, keys[:, :, :bucket], values[:, :, :bucket], visible, positions)
+            out = self._attend(grouped, keys[:, :, :bucket], values[:, :, :bucket], visible, slots, gaps)
             out = out.reshape(1, heads, seq, dim).transpose(1, 2).reshape(1, seq, heads * dim)
             hidden = self._linear(out, layer.o_proj, layer.o_bias, residual=hidden)
             gate_up = self._linear(hidden, layer.gate_up, norm=layer.w_post)
@@ -297,11 +314,13 @@ class StaticTarget:
         input is silu(gate) * up. One Triton kernel where the linear kind prefers it, else the eager ops."""
         return routed_linear(self.linear, x, weight, bias, norm=norm, eps=self.eps, residual=residual, gated=gated)
 
-    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, slots: torch.Tensor, gaps: torch.Tensor | None
+    ) -> torch.Tensor:
         """query [1, kv_heads, rows, d] over keys/values [1, kv_heads, bucket, d]; visible [rows, bucket] (row r is
-        position positions[r % len(positions)])."""
+        the step's row r % len(slots), at cache slot slots[r % len(slots)], skipping its row of gaps)."""
         if self.attention == "triton" and triton_attention.fits(query.shape[2]):
-            return triton_attention.decode_attention(query, keys, values, positions, self.scale)
+            return triton_attention.decode_attention(query, keys, values, slots, self.scale, gaps)
         if self.attention == "math":
             scores = torch.matmul(query, keys.transpose(-1, -2)) * self.scale
             scores = scores.masked_fill(~visible, float("-inf"))
@@ -342,10 +361,20 @@ class StaticDraft:
         self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
         self.down = mlp.down_proj.weight.detach()
 
-    def layer(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor, bucket: int) -> torch.Tensor:
-        """The decoder layer over rows at `positions` (embeds, hidden [1, S, H]): their K/V into the cache, each row
-        attending over the cache's first `bucket` positions up to its own. Returns the pre-norm output state [1, S, H]."""
+    def layer(
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        bucket: int,
+        slots: torch.Tensor | None = None,
+        gaps: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decoder layer over rows at RoPE `positions` (embeds, hidden [1, S, H]): their K/V into the cache at
+        `slots` (default: the positions), each row attending over the cache's first `bucket` slots up to its own, less
+        its row of `gaps` [S, 2]. Returns the pre-norm output state [1, S, H]."""
         seq, heads, kv_heads, dim = hidden.shape[1], self.heads, self.kv_heads, self.head_dim
+        slots = positions if slots is None else slots
         joined = torch.cat([_rms(embeds, self.w_input, self.eps), _rms(hidden, self.w_hidden, self.eps)], dim=-1)
         qkv = self._linear(joined, self.qkv)
         query, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
@@ -354,10 +383,10 @@ class StaticDraft:
         key = key.view(1, seq, kv_heads, dim).transpose(1, 2)
         query = query * cos + rotate_half(query) * sin
         key = key * cos + rotate_half(key) * sin
-        self.keys.index_copy_(2, positions, key)
-        self.values.index_copy_(2, positions, value.view(1, seq, kv_heads, dim).transpose(1, 2))
-        grouped = query.reshape(1, kv_heads, self.groups * seq, dim)  # row r: head r // seq of the group, position r % seq
-        out = self._attend(grouped, self.keys[:, :, :bucket], self.values[:, :, :bucket], positions)
+        self.keys.index_copy_(2, slots, key)
+        self.values.index_copy_(2, slots, value.view(1, seq, kv_heads, dim).transpose(1, 2))
+        grouped = query.reshape(1, kv_heads, self.groups * seq, dim)  # row r: head r // seq of the group, row r % seq
+        out = self._attend(grouped, self.keys[:, :, :bucket], self.values[:, :, :bucket], slots, gaps)
         out = out.reshape(1, heads, seq, dim).transpose(1, 2).reshape(1, seq, heads * dim)
         hidden = self._linear(out, self.o_proj, residual=hidden)
         gate_up = self._linear(hidden, self.gate_up, norm=self.w_post)
@@ -366,11 +395,12 @@ class StaticDraft:
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, *, norm=None, residual=None, gated=False) -> torch.Tensor:
         return routed_linear(self.linear, x, weight, norm=norm, eps=self.eps, residual=residual, gated=gated)
 
-    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Grouped query rows [1, kv_heads, rows, d] over keys/values [1, kv_heads, bucket, d], causal by position."""
+    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, gaps: torch.Tensor | None) -> torch.Tensor:
+        """Grouped query rows [1, kv_heads, rows, d] over keys/values [1, kv_heads, bucket, d], causal by cache slot
+        less the gaps."""
         if self.attention == "triton" and triton_attention.fits(query.shape[2]):
-            return triton_attention.decode_attention(query, keys, values, positions, self.head_dim**-0.5)
-        visible = (torch.arange(keys.shape[2], device=positions.device)[None, :] <= positions[:, None]).repeat(self.groups, 1)
+            return triton_attention.decode_attention(query, keys, values, slots, self.head_dim**-0.5, gaps)
+        visible = visible_keys(keys.shape[2], slots, gaps).repeat(self.groups, 1)
         scores = query @ keys.transpose(-1, -2) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(~visible, float("-inf"))
         return torch.softmax(scores.float(), dim=-1).to(query.dtype) @ values
@@ -425,14 +455,20 @@ class StaticDecoder(SpecDecoder):
         pad_prefill: bool | None = None,
         attention: str = "sdpa",
         linear: str = "torch",
+        branches: int = 1,
     ):
         super().__init__(target_model, draft, aux_layer_ids, num_steps, feed, eos_token_id)
         device = self.target.device
+        if branches < 1 or (draft is not None and branches > draft.config.draft_vocab_size):
+            raise ValueError(f"branches must be between 1 and the draft's vocabulary size, got {branches}")
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.pad_prefill = self.use_graphs if pad_prefill is None else pad_prefill  # prompts padded to prefill_widths
         if self.use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need the target on a CUDA device")
-        self.width = num_steps + 1
+        # a verify's rows: the last emitted token, then each branch's num_steps proposals (branch-major); the draft
+        # commits at most one branch's accepted rows and the bonus row: commit_width
+        self.branches, self.commit_width = branches, num_steps + 1
+        self.width = 1 + branches * num_steps
         limit = getattr(target_model.config, "max_position_embeddings", None) or 4096
         self.max_len = int(max_len or limit)
         # compiled steps attend over the whole cache: one compile per step kind instead of one per prefix
@@ -442,18 +478,21 @@ class StaticDecoder(SpecDecoder):
         target = self.static_target
         self.static_draft = StaticDraft(draft, self.max_len + self.width, target.attention, target.linear) if draft is not None else None
         width, feature_width = self.width, self.static_target.feature_width
-        # target start, draft start, pending rows, decode token, the prompt's last row
-        self.scalars = torch.zeros(5, dtype=torch.long, device=device)
-        self._staged = torch.zeros(5, dtype=torch.long, pin_memory=device.type == "cuda")
+        # target start, draft start, pending rows, decode token, the prompt's last row, a moved branch's first slot, its
+        # new first slot
+        self.scalars = torch.zeros(7, dtype=torch.long, device=device)
+        self._staged = torch.zeros(7, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._tree_layout(device)
         # the prompt (padded with zeros; one more for the draft's shifted tokens), its last row's logits, its features
         self.prompt_tokens = torch.zeros(1, self.max_len + 1, dtype=torch.long, device=device)
         self.prompt_positions = torch.arange(self.max_len + 1, device=device)
         self.prompt_logits = torch.zeros(1, 1, self.static_target.lm_head.shape[0], dtype=self.static_target.dtype, device=device)
         self.prompt_features = torch.zeros(1, self.max_len, feature_width, dtype=self.static_target.dtype, device=device)
-        self.pending_features = torch.zeros(1, width, feature_width, dtype=self.static_target.dtype, device=device)
-        self.pending_tokens = torch.zeros(1, width, dtype=torch.long, device=device)
+        self.pending_features = torch.zeros(1, self.commit_width, feature_width, dtype=self.static_target.dtype, device=device)
+        self.pending_tokens = torch.zeros(1, self.commit_width, dtype=torch.long, device=device)
         self.verify_tokens = torch.zeros(1, width, dtype=torch.long, device=device)
-        self.report = torch.zeros(width + num_steps, dtype=torch.long, device=device)  # verify's greedy ids, then the proposals
+        # the verify's greedy ids, then the proposals, then (branches > 1) the branch whose rows were kept
+        self.report = torch.zeros(2 * width - 1 + (branches > 1), dtype=torch.long, device=device)
         self.decoded = torch.zeros(1, dtype=torch.long, device=device)
         self.graphs: dict[tuple[str, int], Any] = {}
         self.device = device
@@ -461,7 +500,7 @@ class StaticDecoder(SpecDecoder):
             self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.step_times: StepTimes | None = None
         self.compiled = compile
-        self._verify_fn, self._draft_fn, self._decode_fn = self._verify, self._draft_round, self._decode
+        self._verify_fn, self._draft_fn, self._decode_fn, self._move_fn = self._verify, self._draft_round, self._decode, self._move_branch
         if compile:
             import torch._dynamo.config as dynamo_config
 
@@ -469,6 +508,19 @@ class StaticDecoder(SpecDecoder):
             self._verify_fn = torch.compile(self._verify, dynamic=False)
             self._draft_fn = torch.compile(self._draft_round, dynamic=False)
             self._decode_fn = torch.compile(self._decode, dynamic=False)
+            self._move_fn = torch.compile(self._move_branch, dynamic=False)
+
+    def _tree_layout(self, device: torch.device) -> None:
+        """Where a verify's rows sit, relative to its first position s: row 0 (the last emitted token) at s; branch b's
+        proposal j at RoPE position s + 1 + j, in cache slot s + 1 + b * num_steps + j, not seeing the slots of the
+        branches before it ([s + 1, s + 1 + b * num_steps)); parents: the row each proposal is checked against."""
+        steps, branches = self.num_steps, self.branches
+        rows = [(b, j) for b in range(branches) for j in range(steps)]
+        self.tree_offsets = torch.tensor([0] + [1 + j for _, j in rows], device=device)
+        self.tree_gaps = torch.tensor([[0, 0]] + [[1, 1 + b * steps] for b, _ in rows], device=device)
+        self.tree_parents = torch.tensor([0 if j == 0 else b * steps + j for b, j in rows], device=device)
+        # the draft's chained steps: branch b's step in slot committed + b * (num_steps - 1) + step, not seeing the others
+        self.branch_offsets = torch.arange(branches, device=device) * (steps - 1)
 
     # --- the fixed-shape steps (what the graphs capture) ------------------------------------------------
     # Each under no_grad of its own: torch.compile traces a step for autograd when the caller has grad on and the draft's
@@ -485,38 +537,75 @@ class StaticDecoder(SpecDecoder):
 
     @torch.no_grad()
     def _verify(self, bucket: int) -> None:
-        """Verify `verify_tokens` at positions scalars[0]..+W-1: greedy ids and features become the next pending rows."""
-        logits, features = self.static_target.forward(self.verify_tokens, self._positions(self.scalars[0:1], self.width), bucket, all_logits=True)
+        """Verify `verify_tokens` at positions scalars[0].. (a chain, or the branches' tree): greedy ids into the report,
+        and the kept branch's rows (the one whose proposals match longest; a chain's own) become the pending rows."""
+        start = self.scalars[0:1]
+        if self.branches == 1:
+            logits, features = self.static_target.forward(self.verify_tokens, self._positions(start, self.width), bucket, all_logits=True)
+            greedy = logits[0].argmax(-1)
+            self.pending_features.copy_(features)
+            self.pending_tokens[0].copy_(greedy)
+            self.report[: self.width].copy_(greedy)
+            self.report[self.width :].copy_(self.verify_tokens[0, 1:])
+            return
+        slots = self._positions(start, self.width)
+        logits, features = self.static_target.forward(
+            self.verify_tokens, start + self.tree_offsets, bucket, all_logits=True, slots=slots, gaps=start + self.tree_gaps
+        )
         greedy = logits[0].argmax(-1)
-        self.pending_features.copy_(features)
-        self.pending_tokens[0].copy_(greedy)
+        proposals = self.verify_tokens[0, 1:]
+        matched = (proposals == greedy.index_select(0, self.tree_parents)).view(self.branches, self.num_steps)
+        branch = matched.long().cumprod(1).sum(1).argmax()  # the first of the longest
+        rows = torch.cat([torch.zeros_like(start), 1 + branch * self.num_steps + torch.arange(self.num_steps, device=start.device)])
+        self.pending_features.copy_(features.index_select(1, rows))
+        self.pending_tokens[0].copy_(greedy.index_select(0, rows))
         self.report[: self.width].copy_(greedy)
-        self.report[self.width :].copy_(self.verify_tokens[0, 1:])
+        self.report[self.width : -1].copy_(proposals)
+        self.report[-1:].copy_(branch.view(1))
+
+    @torch.no_grad()
+    def _move_branch(self, bucket: int) -> None:
+        """The target's K/V of num_steps slots from scalars[5].. to scalars[6]..: a kept branch other than the first
+        into the positions its tokens now hold (the slots past its accepted ones are overwritten before any read)."""
+        source = self._positions(self.scalars[5:6], self.num_steps)
+        destination = self._positions(self.scalars[6:7], self.num_steps)
+        for keys, values in zip(self.static_target.keys, self.static_target.values):
+            keys.index_copy_(2, destination, keys.index_select(2, source))
+            values.index_copy_(2, destination, values.index_select(2, source))
 
     @torch.no_grad()
     def _draft_round(self, bucket: int) -> None:
-        """Commit the first scalars[2] pending rows at draft positions scalars[1].., chain num_steps proposals.
+        """Commit the first scalars[2] pending rows at draft positions scalars[1].., then draft num_steps proposals
+        per branch: the first step's `branches` best tokens, each chained greedily.
 
-        Writes verify_tokens = [last emitted token, proposals...]."""
-        state, draft, width = self.static_draft, self._required_draft, self.width
+        Writes verify_tokens = [last emitted token, branch 0's proposals, branch 1's, ...]."""
+        state, draft, steps = self.static_draft, self._required_draft, self.num_steps
         assert state is not None
         start, count = self.scalars[1:2], self.scalars[2:3]
-        positions = self._positions(start, width)
+        positions = self._positions(start, self.commit_width)
         hidden = self._draft_input(self.pending_features)
         out = state.layer(positions, draft._embed(self.pending_tokens), hidden, bucket)
         row = count - 1
         logits = draft.logits(out).index_select(1, row)[:, -1]
         out = out.index_select(1, row)
         committed = start + count
-        proposals = []
-        for step in range(self.num_steps):
-            token = draft.draft_to_target_ids(logits.argmax(-1))
-            proposals.append(token)
-            if step + 1 < self.num_steps:
-                out = state.layer(committed + step, draft._embed(token.view(1, 1)), out, bucket)
-                logits = draft.logits(out)[:, -1]
+        if self.branches > 1:  # one row per branch from here on: [1, branches, ...]
+            tokens = draft.draft_to_target_ids(logits.topk(self.branches, dim=-1).indices)
+            out = out.repeat(1, self.branches, 1)
+            gaps = committed + torch.stack([torch.zeros_like(self.branch_offsets), self.branch_offsets], dim=1)
+        else:
+            tokens = draft.draft_to_target_ids(logits.argmax(-1)).view(1, 1)
+        proposals = [tokens]
+        for step in range(steps - 1):
+            if self.branches > 1:
+                where = (committed + step).expand(self.branches)
+                out = state.layer(where, draft._embed(tokens), out, bucket, slots=committed + self.branch_offsets + step, gaps=gaps)
+            else:
+                out = state.layer(committed + step, draft._embed(tokens), out, bucket)
+            tokens = draft.draft_to_target_ids(draft.logits(out).argmax(-1))
+            proposals.append(tokens)
         self.verify_tokens[0, :1].copy_(self.pending_tokens[0].index_select(0, row))
-        self.verify_tokens[0, 1:].copy_(torch.cat(proposals))
+        self.verify_tokens[0, 1:].copy_(torch.cat(proposals).transpose(0, 1).reshape(-1))  # [steps, branches] -> branch-major
 
     @torch.no_grad()
     def _prompt_step(self, width: int) -> None:
@@ -683,6 +772,17 @@ class StaticDecoder(SpecDecoder):
         self._resolve_times()
         return result
 
+    def _kept(self, report: list[int]) -> tuple[int, int, list[int]]:
+        """From a verify's report: the kept branch (the verify's choice: the first of the longest), its accepted
+        proposals, and the tokens the round emits (the accepted ones and the target's next)."""
+        width, steps = self.width, self.num_steps
+        greedy, proposals = report[:width], report[width : 2 * width - 1]
+        branch = report[-1] if self.branches > 1 else 0
+        rows = [0]
+        while len(rows) <= steps and proposals[branch * steps + len(rows) - 1] == greedy[rows[-1]]:
+            rows.append(1 + branch * steps + len(rows) - 1)
+        return branch, len(rows) - 1, [greedy[row] for row in rows]
+
     def _generate(self, input_ids, max_new_tokens: int) -> GenerateResult:
         state = self.static_draft
         if state is None:
@@ -712,14 +812,13 @@ class StaticDecoder(SpecDecoder):
             middle = self._clock()
             self._run("verify", self._verify_fn, bucket)
             end = self._clock()
-            report = self.report.tolist()
-            greedy, proposals = report[:width], report[width:]
-            accepted = 0
-            while accepted < self.num_steps and proposals[accepted] == greedy[accepted]:
-                accepted += 1
+            branch, accepted, emitted = self._kept(self.report.tolist())
+            if branch and accepted:  # the kept branch's K/V into the positions its accepted tokens now hold
+                self._set_scalars(target_start + 1 + branch * self.num_steps, target_start + 1, first=5)
+                self._run("move", self._move_fn, bucket)
             result.verify_ct += 1
             result.accepted_per_round.append(accepted)
-            self._emit(result, greedy[: accepted + 1], max_new_tokens)
+            self._emit(result, emitted, max_new_tokens)
             target_start, draft_start, count = target_start + accepted + 1, draft_start + count, accepted + 1
             if self.step_times is not None:
                 self._interval("draft", begin, middle)

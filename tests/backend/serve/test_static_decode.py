@@ -50,11 +50,13 @@ class PositionOracle(Eagle3Draft):
         return self
 
     def logits(self, hidden):
+        """The forced token first; the runner-up (a branch's first token) is the true one where the first is wrong."""
         forced = torch.full_like(super().logits(hidden), -1e4)
         for row, position in enumerate(self.positions[-hidden.shape[1] :]):
             index = position + 2
             token = self.sequence[index] if index < len(self.sequence) else 0
-            forced[:, row, token if index not in self.wrong else (token + 1) % VOCAB] = 1e4
+            first, second = ((token + 1) % VOCAB, token) if index in self.wrong else (token, (token + 2) % VOCAB)
+            forced[:, row, first], forced[:, row, second] = 1e4, 5e3
         return forced
 
 
@@ -115,6 +117,113 @@ def test_partial_acceptance_rolls_back_both_caches_like_the_eager_crop(num_steps
         assert expected.output_ids == plain[:36]
         assert {0, num_steps} & set(expected.accepted_per_round) and any(0 < a < num_steps for a in expected.accepted_per_round)
         same(expected, static.generate(torch.tensor(prompt), 36))
+
+
+def oracle_rounds(wrong: set[int], new_tokens: int, steps: int, branches: int) -> list[int]:
+    """Accepted proposals per round against the PositionOracle, worked out by hand: a round drafting output index m
+    accepts depth j while m + j is not wrong; with branches, a wrong first depth is the runner-up's (the true token)."""
+    rounds, emitted = [], 1  # the prompt's step emits output 0
+    while emitted < new_tokens:
+        accepted = 0
+        while accepted < steps and (emitted + accepted not in wrong or (accepted == 0 and branches > 1)):
+            accepted += 1
+        rounds.append(accepted)
+        emitted += accepted + 1
+    return rounds
+
+
+BRANCH_CASES = ((11, (3, 4, 9, 16, 17, 18, 19, 25, 31)), (12, (1, 2, 8, 14, 15, 29)))  # prompt seed, wrong output indices
+
+
+def branches_give_the_plain_tokens(steps: int, branches: int, cases=BRANCH_CASES, **options) -> None:
+    target = random_target()
+    draft = oracle_draft(target)
+    eager = SpecDecoder(target, draft, AUX, num_steps=steps)
+    static = StaticDecoder(target, draft, AUX, num_steps=steps, max_len=options.pop("max_len", 512), branches=branches, **options)
+    assert static.width == 1 + branches * steps
+    for seed, wrong_at in cases:
+        prompt = prompts(1, seed=seed)[0].tolist()
+        plain = eager.plain_generate(torch.tensor(prompt), 44)
+        draft.setup(prompt + plain, {len(prompt) + i for i in wrong_at})
+        chain = eager.generate(torch.tensor(prompt), 36)
+        result = static.generate(torch.tensor(prompt), 36)
+        assert result.output_ids == plain[:36]
+        assert result.accepted_per_round == oracle_rounds(set(wrong_at), 36, steps, branches)
+        assert chain.accepted_per_round == oracle_rounds(set(wrong_at), 36, steps, 1)
+        assert result.verify_ct < chain.verify_ct and result.completion_tokens == chain.completion_tokens == 36
+
+
+@pytest.mark.parametrize("steps, branches, pad_prefill", [(3, 2, False), (3, 3, True), (5, 2, False), (1, 4, False)])
+def test_branches_give_the_plain_tokens_and_rescue_a_wrong_first_proposal(steps, branches, pad_prefill):
+    """The runner-up branch is kept where the first proposal is wrong; its K/V move to the positions its tokens now
+    hold, so every later round still gives plain greedy decoding's tokens (float32, exact)."""
+    branches_give_the_plain_tokens(steps, branches, pad_prefill=pad_prefill)
+
+
+@pytest.mark.slow
+def test_branches_with_the_triton_kernels_give_the_plain_tokens(triton_interpreter):
+    """The tree's gaps through the Triton attention, its rows through the Triton linear (triton-all: a verify's rows
+    too), in Triton's interpreter (~3 minutes a case: one)."""
+    branches_give_the_plain_tokens(3, 2, cases=BRANCH_CASES[1:], attention="triton", linear="triton-all", max_len=256)
+
+
+@pytest.mark.slow
+def test_compiled_branches_give_the_plain_tokens():
+    """The tree's steps through torch.compile (top-k, the kept branch chosen on the device, the K/V move), as the GPU
+    captures them."""
+    branches_give_the_plain_tokens(3, 2, cases=BRANCH_CASES[1:], attention="math", compile=True, max_len=256)
+
+
+@pytest.mark.parametrize("attention", ["math", pytest.param("triton", marks=pytest.mark.slow)])
+def test_a_branch_row_of_the_draft_equals_that_branch_drafted_alone(attention, request):
+    """The draft's chained steps for two branches in one call (branch b's step in slot committed + b * (steps - 1) +
+    step, skipping the other branch's slots) give what each branch's chain gives alone from the same commit."""
+    if attention == "triton":
+        request.getfixturevalue("triton_interpreter")
+    from backend.serve.reference.static_decode import StaticDraft
+
+    target = random_target()
+    draft = random_draft(target)
+    torch.manual_seed(2)
+    committed, steps = 9, 3
+    embeds, hidden = torch.randn(1, committed, HIDDEN), torch.randn(1, committed, HIDDEN)
+    tokens, start = torch.randn(1, 2, HIDDEN), torch.randn(1, 2, HIDDEN)
+
+    def fresh() -> StaticDraft:
+        state = StaticDraft(draft, 64, attention=attention)
+        state.layer(torch.arange(committed), embeds, hidden, 64)
+        return state
+
+    tree, offsets = fresh(), torch.tensor([0, steps - 1])
+    gaps = committed + torch.stack([torch.zeros(2, dtype=torch.long), offsets], dim=1)
+    out, both = start, []
+    for step in range(steps - 1):
+        out = tree.layer(torch.full((2,), committed + step), tokens, out, 64, slots=committed + offsets + step, gaps=gaps)
+        both.append(out)
+    for branch in (0, 1):
+        alone, out = fresh(), start[:, branch : branch + 1]
+        for step in range(steps - 1):
+            out = alone.layer(torch.tensor([committed + step]), tokens[:, branch : branch + 1], out, 64)
+            torch.testing.assert_close(both[step][:, branch : branch + 1], out, atol=5e-5, rtol=1e-4)  # rows multiplied together
+
+
+def test_branches_with_a_random_draft_give_the_plain_tokens():
+    target = random_target()
+    draft = random_draft(target)
+    plain = StaticDecoder(target, None, AUX, max_len=512)
+    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=512, branches=3)
+    for prompt in prompts(3, seed=5):
+        result = static.generate(prompt, 24)
+        assert result.output_ids == plain.plain_generate(prompt, 24)
+        assert len(result.accepted_per_round) == result.verify_ct
+
+
+def test_branches_out_of_range_are_refused():
+    target = random_target()
+    draft = random_draft(target)
+    for branches in (0, draft.config.draft_vocab_size + 1):
+        with pytest.raises(ValueError, match="branches must be between 1"):
+            StaticDecoder(target, draft, AUX, num_steps=3, max_len=64, branches=branches)
 
 
 def gives_the_eager_tokens_and_rounds(**kernels) -> None:
@@ -461,17 +570,17 @@ def test_decode_speed_benchmark_runs_on_cpu_with_tiny_settings(mini_target_dir, 
     prompts.write_text('{"conversations": [{"role": "user", "content": "def add(a, b):"}]}\n{"prompt": "x = 1"}\n{"task_id": "t", "prompt": "for"}\n')
     out = tmp_path / "speed.json"
     argv = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_speed.py"), "--profile", str(profile), "--draft", str(draft), "--device", "cpu"]
-    argv += ["--max-new-tokens", "8", "--num-prompts", "2", "--prompts", str(prompts), "--out", str(out)]
+    argv += ["--max-new-tokens", "8", "--num-prompts", "2", "--prompts", str(prompts), "--out", str(out), "--branches", "1", "2"]
     done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert set(report["anchors"]) == {"hf_generate_eager", "hf_generate_static_compile", "ours_eager_plain"}
     rows = report["eval_sets"]["eval"]
-    assert set(rows) == {"ours_static_plain", "ours_static_eagle_k3", "ours_static_eagle_k7"}
+    assert set(rows) == {"ours_static_plain", "ours_static_eagle_k3", "ours_static_eagle_k7", "ours_static_eagle_k3_b2", "ours_static_eagle_k7_b2"}
     for row in [*report["anchors"].values(), *rows.values()]:
         assert "error" not in row and row["tokens"] == 16 and row["tok_s"] > 0, row
-    for steps in (3, 7):
-        eagle = rows[f"ours_static_eagle_k{steps}"]
+    for name in ("k3", "k7", "k3_b2", "k7_b2"):
+        eagle = rows[f"ours_static_eagle_{name}"]
         assert eagle["speedup_vs_our_plain"] > 0 and eagle["accept_length"] >= 1 and eagle["breakdown_ms"]["verify_ms"] > 0
         assert eagle["eagle_equals_plain"] == {"identical": 2, "of": 2, "mean_matching_prefix": 8.0}  # float32: exact
     assert report["checks"]["static_plain_vs_eager_plain"]["identical"] == 2

@@ -4,13 +4,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backend.serve.reference.static_decode import visible_keys
 from backend.serve.reference.triton_attention import MAX_ROWS, block_size, decode_attention, fits, unavailable_reason
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter", "limited_torch_threads")
 
 
-def reference(query, keys, values, positions, groups, scale):
-    visible = (torch.arange(keys.shape[2])[None, :] <= positions[:, None]).repeat(groups, 1)
+def reference(query, keys, values, positions, groups, scale, gaps=None):
+    visible = visible_keys(keys.shape[2], positions, gaps).repeat(groups, 1)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale)
 
 
@@ -36,6 +37,22 @@ def test_equals_sdpa_over_the_keys_each_row_may_see(groups, positions, bucket):
     out = decode_attention(query, keys, values, where, dim**-0.5)
     assert out.shape == query.shape and out.dtype == query.dtype
     torch.testing.assert_close(out, reference(query, keys, values, where, groups, dim**-0.5), atol=2e-6, rtol=1e-5)
+
+
+def test_a_tree_verify_skips_each_rows_gap():
+    """A verify of two branches of 3 after the row at slot 100 (StaticDecoder's tree layout): branch 1's rows skip
+    branch 0's slots 101..103, across a block edge too (the gap is not a multiple of a block)."""
+    torch.manual_seed(5)
+    keys, values = torch.randn(1, 2, 256, 64), torch.randn(1, 2, 256, 64)
+    slots = torch.arange(100, 107)
+    gaps = torch.tensor([[100, 100], [101, 101], [101, 101], [101, 101], [101, 104], [101, 104], [101, 104]])
+    query = torch.randn(1, 2, 3 * 7, 64)
+    out = decode_attention(query, keys, values, slots, 0.125, gaps)
+    torch.testing.assert_close(out, reference(query, keys, values, slots, 3, 0.125, gaps), atol=2e-6, rtol=1e-5)
+    keys[:, :, 101:104], values[:, :, 101:104] = 1e4, -1e4  # what branch 1 must not see
+    again = decode_attention(query, keys, values, slots, 0.125, gaps)
+    branch_1 = [group * 7 + row for group in range(3) for row in (4, 5, 6)]
+    torch.testing.assert_close(again[:, :, branch_1], out[:, :, branch_1], atol=0, rtol=0)
 
 
 def test_keys_past_the_last_position_change_nothing():
