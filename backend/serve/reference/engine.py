@@ -167,13 +167,15 @@ class Engine:
         compile_steps: bool = False,
         attention: str = "auto",
         linear: str = "auto",
+        branches: int = 1,
     ):
         """device: "auto"/None picks cuda:0 when CUDA is available, else cpu. On CUDA the target loads in the profile's
         [serve] dtype and decodes through the static-cache decoder under CUDA graphs; on CPU it loads as it always
         did (the profile's target dtype) and decodes eagerly, unless static_cache=True asks for the static decoder.
         attention: how the static decoder's target attends (static_decode.ATTENTION_CHOICES; auto: the Triton
         kernels on CUDA where they run, else SDPA); linear: how its steps multiply by the weights
-        (static_decode.LINEAR_CHOICES; auto: the Triton kernel on CUDA where it runs, else F.linear)."""
+        (static_decode.LINEAR_CHOICES; auto: the Triton kernel on CUDA where it runs, else F.linear); branches: the
+        static decoder's first-step branches (1: a chain; K > 1 needs the static decoder)."""
         import torch
 
         if speculative and draft_dir is None:
@@ -185,7 +187,8 @@ class Engine:
 
         def load() -> None:
             with torch.no_grad():  # loading and the warm-up decode
-                self._load(profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, {"attention": attention, "linear": linear})
+                kernels = {"attention": attention, "linear": linear, "branches": branches}
+                self._load(profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, kernels)
 
         try:
             self._decode_thread.submit(load).result()
@@ -193,7 +196,7 @@ class Engine:
             self._decode_thread.shutdown(wait=False)
             raise
 
-    def _load(self, profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, kernels: dict[str, str]) -> None:
+    def _load(self, profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, kernels: dict[str, Any]) -> None:
         import torch
 
         from backend.serve.reference.static_decode import ATTENTION_CHOICES, LINEAR_CHOICES
@@ -213,6 +216,9 @@ class Engine:
         self.tokenizer = self.target.tokenizer
         self.tokenizer_path = hf_tokenizer.exposed_tokenizer_dir(self.target.path, log)
         self.num_steps = num_steps or profile.serve.num_steps
+        self.branches = kernels["branches"]
+        if self.branches > 1 and not (on_cuda if static_cache is None else static_cache):
+            raise ValueError(f"branches {self.branches} needs the static-cache decoder (on CPU: static_cache / --static-cache); nothing was loaded")
         self.feed = feed
         self.expected_feature_width = None
         draft = None
@@ -246,16 +252,18 @@ class Engine:
             device = torch.device("cuda", device.index or 0)  # torch 2.11 refuses set_device("cuda") without an index
         return device
 
-    def _build_decoder(self, draft, kwargs: dict[str, Any], static_cache: bool, compile_steps: bool, kernels: dict[str, str]):
+    def _build_decoder(self, draft, kwargs: dict[str, Any], static_cache: bool, compile_steps: bool, kernels: dict[str, Any]):
         """The static-cache decoder when asked (the default on CUDA) and the target is one it runs; else the eager one."""
         self.decoder_kind = "eager"
         if static_cache:
             from backend.serve.reference.static_decode import KernelUnavailable, StaticDecoder, StaticUnsupported
 
             try:
-                # + one verify's width: the server admits prompt + max_new_tokens <= context_len, a verify writes num_steps more
+                # + one verify's width: the server admits prompt + max_new_tokens <= context_len, a verify writes 1 + branches x
+                # num_steps rows past it
+                width = 1 + kernels["branches"] * self.num_steps
                 decoder = streaming_decoder_class(StaticDecoder)(
-                    self.target.model, draft, max_len=self.context_len + self.num_steps + 1, compile=compile_steps, **kernels, **kwargs
+                    self.target.model, draft, max_len=self.context_len + width, compile=compile_steps, **kernels, **kwargs
                 )
                 self._warm(decoder)
                 self.decoder_kind = "static-cuda-graphs" if decoder.use_graphs else "static"
@@ -263,6 +271,8 @@ class Engine:
             except KernelUnavailable as exc:  # asked for by name: an error, not a quiet fallback to eager decoding
                 raise KernelUnavailable(f"{exc}; nothing is served") from None
             except StaticUnsupported as exc:
+                if kernels["branches"] > 1:
+                    raise StaticUnsupported(f"{exc}; branches {kernels['branches']} needs the static decoder: nothing is served") from None
                 log(f"{exc}; decoding eagerly instead")
             except Exception:  # a capture that fails here would fail every request: serve eagerly, say why
                 log("the static-cache decoder failed its warm-up; decoding eagerly instead:\n" + traceback.format_exc(limit=6))

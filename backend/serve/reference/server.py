@@ -1057,7 +1057,8 @@ def server_info(profile, args, engine_path: str) -> dict[str, Any]:
         "speculative_algorithm": "EAGLE3" if speculative else None,
         "speculative_num_steps": steps if speculative else None,
         "speculative_eagle_topk": 1 if speculative else None,
-        "speculative_num_draft_tokens": steps + 1 if speculative else None,
+        "speculative_num_draft_tokens": 1 + args.branches * steps if speculative else None,
+        "first_step_branches": args.branches if speculative else None,  # reference-only: the draft's K best first tokens, each chained
         "speculative_draft_model_path": args.draft if speculative else None,
         "feed": args.feed if speculative else None,
         # reference-only: a /generate body may say "speculative": false to be decoded plainly (a same-engine baseline)
@@ -1092,6 +1093,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="last_hidden: hand the draft the final hidden state and skip fc, as SGLang's silent failure does",
     )
     parser.add_argument("--num-steps", type=int, help="draft steps per verify (default: the profile's)")
+    parser.add_argument(
+        "--branches",
+        type=int,
+        default=1,
+        help="the draft's first-step branches: its K best first tokens, each chained --num-steps deep, verified in one step "
+        "(static-cache decoder; default 1: a chain)",
+    )
     parser.add_argument("--served-model-name", help="the model id /v1/models reports (default: the target's directory)")
     parser.add_argument("--no-speculation", action="store_true", help="plain target decoding (benchmark baseline)")
     parser.add_argument(
@@ -1144,6 +1152,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--header-timeout must be in (0, 86400), --max-connections in 1..4096 and --max-waiting in 1..1000000")
     if not args.no_speculation and not args.draft:
         parser.error("--draft is required unless --no-speculation is given")
+    if args.branches < 1:
+        parser.error("--branches must be >= 1")
     if args.max_body_bytes < 1 or not 0 < args.request_timeout < 86400:
         parser.error("--max-body-bytes must be >= 1 and --request-timeout in (0, 86400)")
     return args
@@ -1217,6 +1227,7 @@ def main(argv: list[str] | None = None) -> int:
                 compile_steps=args.compile_steps,
                 attention=args.attention,
                 linear=args.linear,
+                branches=args.branches,
             )
         except Exception:  # any load failure ends the server with the traceback in its log
             log("loading failed:\n" + traceback.format_exc())
@@ -1230,7 +1241,7 @@ def main(argv: list[str] | None = None) -> int:
             server.metrics.model_name = server.info["served_model_name"]
         server.engine = engine
         server.loading = False
-        mode = f"EAGLE3, {engine.num_steps} steps, feed {args.feed}" if engine.speculative else "no speculation"
+        mode = f"EAGLE3, {engine.num_steps} steps x {engine.branches} branches, feed {args.feed}" if engine.speculative else "no speculation"
         mode += f"; {engine.device}, {engine.decoder_kind} decoder"
         log(f"ready in {time.monotonic() - started:.1f} s on http://{args.host}:{args.port} ({mode})")
 

@@ -526,6 +526,27 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
     assert (plain.decoder.static_target.attention, plain.decoder.static_target.linear) == ("sdpa", "torch")
 
 
+def test_an_engine_with_branches_serves_the_plain_tokens_and_refuses_the_eager_decoder(mini_profile, tmp_path):
+    from backend.serve.reference.engine import Engine, GenerationSpec
+    from backend.serve.reference.server import parse_args, server_info
+    from tests.fixtures.reference import save_untrained_draft
+
+    draft = str(save_untrained_draft(mini_profile, tmp_path / "run"))
+    tree = Engine(mini_profile, draft, "aux", 3, speculative=True, device="cpu", static_cache=True, branches=2)
+    plain = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True)
+    assert (tree.decoder.branches, tree.decoder.width, tree.decoder.max_len) == (2, 7, tree.context_len + 7)
+    spec = GenerationSpec(input_ids=plain.encode("def main():"), max_new_tokens=20, stop_token_ids=frozenset())
+    got = tree.run(spec, "t")
+    assert got.output_ids == plain.run(spec, "p").output_ids and got.verify_ct == len(got.accepted_per_round)
+    with pytest.raises(ValueError, match="branches 2 needs the static-cache decoder .*; nothing was loaded"):
+        Engine(mini_profile, draft, "aux", 3, speculative=True, device="cpu", branches=2)
+    args = parse_args(["--profile", "x", "--port", "1", "--draft", draft, "--num-steps", "3", "--branches", "2"])
+    info = server_info(mini_profile, args, "dir")
+    assert (info["speculative_num_draft_tokens"], info["first_step_branches"], info["speculative_eagle_topk"]) == (7, 2, 1)
+    with pytest.raises(SystemExit):
+        parse_args(["--profile", "x", "--port", "1", "--draft", draft, "--branches", "0"])
+
+
 def test_every_generation_runs_on_the_engine_thread_whatever_thread_asks(mini_profile, tmp_path):
     """A first CUDA call from a new thread cost 45-90 ms to the first token on the H200 (probe_first_token.py), and the
     HTTP server answers each connection on its own thread: so one engine thread loads, warms up and decodes."""
