@@ -2,7 +2,7 @@
 
 StaticDecoder has SpecDecoder's interface and results (plain, plain_generate, generate with the same acceptance
 counts). The target runs from its own weights (a Llama-family causal LM) over a preallocated KV cache; every decode
-step has one of two widths (1 for plain decoding, num_steps + 1 for a verify), attends over a fixed power-of-two
+step has one of two widths (1 for plain decoding, 1 + branches x num_steps for a verify), attends over a fixed power-of-two
 prefix of the cache, and a rejected draft is rolled back by moving a position counter (rows past it are masked and
 overwritten later). The draft's KV is preallocated too, and one draft round (step 0 over the newly committed rows,
 then num_steps - 1 chained steps) is one fixed-shape call. On CUDA each of those calls is captured once per
@@ -43,8 +43,8 @@ ATTENTION_CHOICES = ("auto", *ATTENTION_KINDS)
 # the product, for the products where it beat cuBLAS on an H200 (triton_linear.prefers: one row, not the LM head; a
 # decode step went from 1.01 to 0.83 ms, plain decoding from 897-955 to 1,124-1,127 tok/s in one call, 2026-12-03);
 # the rest (a verify's rows, the LM head, a prompt) go to F.linear. "triton-all": the kernel for a verify's rows too
-# (up to triton_linear.MAX_ROWS; its loop over the rows, to measure against "triton" in whole steps). The draft's
-# steps take the target's kinds.
+# (up to triton_linear.MAX_ROWS; its loop over the rows lost to "triton" in whole steps: a 4-row verify 1.48 vs 1.08
+# ms, a 7-row one 5.48 vs 1.12, one H200, 2026-12-03). The draft's steps take the target's kinds.
 LINEAR_KINDS = ("torch", "triton", "triton-all")
 # "auto": triton on a CUDA device where its kernel runs, else torch.
 LINEAR_CHOICES = ("auto", *LINEAR_KINDS)
@@ -439,7 +439,8 @@ class StaticDecoder(SpecDecoder):
     """SpecDecoder's decoding from a static KV cache: the same tokens and acceptance counts, fixed-shape steps,
     CUDA graphs on CUDA (use_graphs=None: on when the target is on CUDA). compile=True runs the steps through
     torch.compile (fusion of the small element-wise kernels) before they are captured; `attention` picks how the
-    target's steps attend (ATTENTION_CHOICES), `linear` how they multiply by their weights (LINEAR_KINDS)."""
+    target's steps attend (ATTENTION_CHOICES), `linear` how they multiply by their weights (LINEAR_KINDS); `branches`
+    how many of the draft's best first tokens each round chains and verifies (1: a chain, SpecDecoder's rounds)."""
 
     def __init__(
         self,

@@ -42,7 +42,9 @@ def prefers(rows: int, columns: int, many_rows: bool = False) -> bool:
     3.2-4.8) and loses at 8 (15-27 us); tl.dot over rows padded to 16, 16 columns a program, lost at every row count
     (2.9-5.7 us, the gated down projection 28), and inside whole compiled steps (4-row verify 1.75 vs 1.08 ms with
     cuBLAS; 2026-12-03, benchmarks/results/h200_round8_*). The 49,152-wide lm_head loses at any row count (17-42 vs
-    16 us). many_rows: a step's rows too, up to MAX_ROWS (static_decode's linear kind "triton-all", to measure)."""
+    16 us). many_rows: a step's rows too, up to MAX_ROWS (static_decode's linear kind "triton-all"): the row loop lost
+    inside whole compiled steps too (2026-12-03, a trained draft served: a 4-row verify 1.48 vs 1.08 ms with cuBLAS,
+    a 7-row one 5.48 vs 1.12; benchmarks/results/h200_round9_decode_compiled_linear*.json)."""
     return (rows == 1 or (many_rows and fits(rows))) and columns <= MAX_PREFERRED_COLUMNS
 
 
