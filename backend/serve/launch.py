@@ -356,6 +356,7 @@ SERVER_INFO_KEYS = (
     "speculative_num_steps",
     "speculative_eagle_topk",
     "speculative_num_draft_tokens",
+    "first_step_branches",  # the reference engine's --branches
     "dtype",
     "tp_size",
     "version",

@@ -527,6 +527,7 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
 
 
 def test_an_engine_with_branches_serves_the_plain_tokens_and_refuses_the_eager_decoder(mini_profile, tmp_path):
+    from backend.serve.launch import server_summary
     from backend.serve.reference.engine import Engine, GenerationSpec
     from backend.serve.reference.server import parse_args, server_info
     from tests.fixtures.reference import save_untrained_draft
@@ -543,6 +544,7 @@ def test_an_engine_with_branches_serves_the_plain_tokens_and_refuses_the_eager_d
     args = parse_args(["--profile", "x", "--port", "1", "--draft", draft, "--num-steps", "3", "--branches", "2"])
     info = server_info(mini_profile, args, "dir")
     assert (info["speculative_num_draft_tokens"], info["first_step_branches"], info["speculative_eagle_topk"]) == (7, 2, 1)
+    assert server_summary(info)["first_step_branches"] == 2  # what a bench result records of the server
     with pytest.raises(SystemExit):
         parse_args(["--profile", "x", "--port", "1", "--draft", draft, "--branches", "0"])
 
