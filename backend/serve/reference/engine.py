@@ -204,21 +204,24 @@ class Engine:
         for name, choices in (("attention", ATTENTION_CHOICES), ("linear", LINEAR_CHOICES)):
             if kernels[name] not in choices:
                 raise ValueError(f"{name} {kernels[name]!r}: expected one of {', '.join(choices)}; nothing was loaded")
+        if kernels["branches"] < 1:
+            raise ValueError(f"branches must be >= 1, got {kernels['branches']}; nothing was loaded")
 
         self.profile = profile
         self.speculative = speculative
         self.draft_dir = draft_dir
         self.device = self.resolve_device(device)
         on_cuda = self.device.type == "cuda"
+        static_cache = on_cuda if static_cache is None else static_cache
+        self.branches = kernels["branches"]
+        if self.branches > 1 and not static_cache:  # before the target loads
+            raise ValueError(f"branches {self.branches} needs the static-cache decoder (on CPU: static_cache / --static-cache); nothing was loaded")
         if on_cuda:
             torch.cuda.set_device(self.device)
         self.target = load_target(profile, device=self.device, dtype=profile.serve.dtype) if on_cuda else load_target(profile)
         self.tokenizer = self.target.tokenizer
         self.tokenizer_path = hf_tokenizer.exposed_tokenizer_dir(self.target.path, log)
         self.num_steps = num_steps or profile.serve.num_steps
-        self.branches = kernels["branches"]
-        if self.branches > 1 and not (on_cuda if static_cache is None else static_cache):
-            raise ValueError(f"branches {self.branches} needs the static-cache decoder (on CPU: static_cache / --static-cache); nothing was loaded")
         self.feed = feed
         self.expected_feature_width = None
         draft = None
@@ -231,7 +234,7 @@ class Engine:
             self.expected_feature_width = config.aux_width
             aux_ids = list(config.aux_layer_ids)
         kwargs = {"aux_layer_ids": aux_ids, "num_steps": self.num_steps, "feed": feed, "eos_token_id": getattr(self.tokenizer, "eos_token_id", None)}
-        self.decoder = self._build_decoder(draft, kwargs, on_cuda if static_cache is None else static_cache, compile_steps, kernels)
+        self.decoder = self._build_decoder(draft, kwargs, static_cache, compile_steps, kernels)
         self.eos_ids = frozenset(self.decoder.eos)
         self.lock = threading.Lock()
         self.counters_lock = threading.Lock()
@@ -270,12 +273,13 @@ class Engine:
                 return decoder
             except KernelUnavailable as exc:  # asked for by name: an error, not a quiet fallback to eager decoding
                 raise KernelUnavailable(f"{exc}; nothing is served") from None
-            except StaticUnsupported as exc:
-                if kernels["branches"] > 1:
-                    raise StaticUnsupported(f"{exc}; branches {kernels['branches']} needs the static decoder: nothing is served") from None
-                log(f"{exc}; decoding eagerly instead")
-            except Exception:  # a capture that fails here would fail every request: serve eagerly, say why
-                log("the static-cache decoder failed its warm-up; decoding eagerly instead:\n" + traceback.format_exc(limit=6))
+            except Exception as exc:
+                if kernels["branches"] > 1:  # only the static decoder branches: a quiet chain would serve what was not asked
+                    raise RuntimeError(f"branches {kernels['branches']} needs the static decoder, which failed: {exc}; nothing is served") from exc
+                if isinstance(exc, StaticUnsupported):
+                    log(f"{exc}; decoding eagerly instead")
+                else:  # a capture that fails here would fail every request: serve eagerly, say why
+                    log("the static-cache decoder failed its warm-up; decoding eagerly instead:\n" + traceback.format_exc(limit=6))
         return streaming_decoder_class()(self.target.model, draft, **kwargs)
 
     def _warm(self, decoder) -> None:

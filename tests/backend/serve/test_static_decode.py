@@ -541,6 +541,11 @@ def test_an_engine_with_branches_serves_the_plain_tokens_and_refuses_the_eager_d
     assert got.output_ids == plain.run(spec, "p").output_ids and got.verify_ct == len(got.accepted_per_round)
     with pytest.raises(ValueError, match="branches 2 needs the static-cache decoder .*; nothing was loaded"):
         Engine(mini_profile, draft, "aux", 3, speculative=True, device="cpu", branches=2)
+    with pytest.raises(ValueError, match="branches must be >= 1, got 0; nothing was loaded"):
+        Engine(mini_profile, draft, "aux", 3, speculative=True, device="cpu", static_cache=True, branches=0)
+    # a static decoder that cannot be built with the branches asked for: refused, not served as an eager chain
+    with pytest.raises(RuntimeError, match="branches 100000 needs the static decoder, which failed: branches must be between 1 .*; nothing is served"):
+        Engine(mini_profile, draft, "aux", 3, speculative=True, device="cpu", static_cache=True, branches=100_000)
     args = parse_args(["--profile", "x", "--port", "1", "--draft", draft, "--num-steps", "3", "--branches", "2"])
     info = server_info(mini_profile, args, "dir")
     assert (info["speculative_num_draft_tokens"], info["first_step_branches"], info["speculative_eagle_topk"]) == (7, 2, 1)
