@@ -520,8 +520,10 @@ class StaticDecoder(SpecDecoder):
         self.tree_offsets = torch.tensor([0] + [1 + j for _, j in rows], device=device)
         self.tree_gaps = torch.tensor([[0, 0]] + [[1, 1 + b * steps] for b, _ in rows], device=device)
         self.tree_parents = torch.tensor([0 if j == 0 else b * steps + j for b, j in rows], device=device)
-        # the draft's chained steps: branch b's step in slot committed + b * (num_steps - 1) + step, not seeing the others
+        # the draft's chained steps: branch b's step in slot committed + b * (num_steps - 1) + step, not seeing the slots
+        # of the branches before it ([committed, committed + b * (num_steps - 1)))
         self.branch_offsets = torch.arange(branches, device=device) * (steps - 1)
+        self.branch_gaps = torch.stack([torch.zeros_like(self.branch_offsets), self.branch_offsets], dim=1)
 
     # --- the fixed-shape steps (what the graphs capture) ------------------------------------------------
     # Each under no_grad of its own: torch.compile traces a step for autograd when the caller has grad on and the draft's
@@ -593,7 +595,7 @@ class StaticDecoder(SpecDecoder):
         if self.branches > 1:  # one row per branch from here on: [1, branches, ...]
             tokens = draft.draft_to_target_ids(logits.topk(self.branches, dim=-1).indices)
             out = out.repeat(1, self.branches, 1)
-            gaps = committed + torch.stack([torch.zeros_like(self.branch_offsets), self.branch_offsets], dim=1)
+            gaps = committed + self.branch_gaps
         else:
             tokens = draft.draft_to_target_ids(logits.argmax(-1)).view(1, 1)
         proposals = [tokens]
