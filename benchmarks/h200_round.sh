@@ -73,6 +73,10 @@ SPECFORGE=${SPECFORGE:-1}
 # OURS_BATCH: our trainer's sequences a step (default: the profile's 4). Regenerated conversations are short (prompt
 # <= REGEN_PROMPT + answer <= REGEN_NEW tokens), so 4 of them held ~1,400 tokens a step on 2026-12-02 at the same
 # launch-bound ~0.06-0.08 s a step as 4 x 1,024; 12 would hold about the profile's 4,096.
+# EXTRA_DATA=1: our trainer also trains on ShareGPT's own answers (`train --extra-conversations $DEV/sgdev
+# --group-by-length`: the carried prepare dir's train split beside the regenerated one; validation stays the
+# regenerated val split). OURS_LR: our trainer's --lr (default: the profile's 5e-4).
+EXTRA_DATA=${EXTRA_DATA:-0}
 [ -n "${OURS_STEPS:-}" ] && OURS_STEPS_GIVEN=1
 OURS_STEPS=${OURS_STEPS:-$(((TRAIN_S + MORE_S) * 14))} # PHASE=more re-fits it to the measured rate unless given
 EVAL_INTERVAL=${EVAL_INTERVAL:-200} VAL_BATCHES=${VAL_BATCHES:-16} SF_VAL=${SF_VAL:-64}
@@ -374,6 +378,8 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
     local pid t_start t_val t_stop t_exit watchdog="" rc=0 how=finished limit_at=$(($(date +%s) + STAGE_LIMIT - 30))
     local budget=$TRAIN_S resume=() lines0=0 metrics=$DEV/ours/metrics.jsonl batch=()
     [ -n "${OURS_BATCH:-}" ] && batch=(--batch-size "$OURS_BATCH")
+    [ -n "${OURS_LR:-}" ] && batch+=(--lr "$OURS_LR")
+    [ "$EXTRA_DATA" = 1 ] && [ "$DATA" != "$DEV/sgdev" ] && batch+=(--extra-conversations "$DEV/sgdev" --group-by-length)
     if [ "${1:-}" = resume ]; then
         budget=$MORE_S resume=(--resume latest) lines0=$(wc -l <"$metrics")
     fi
@@ -401,9 +407,9 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
     wait "$pid" || rc=$?
     t_exit=$(date +%s%N)
     [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null
-    printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "attn_backend": "%s", "batch_size": "%s", "resumed": %s}\n' \
+    printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "attn_backend": "%s", "batch_size": "%s", "lr": "%s", "extra_data": %s, "resumed": %s}\n' \
         "$(((t_val - t_start) / 1000000))e-3" "$(((t_stop - t_val) / 1000000))e-3" "$how" "$(((t_exit - t_stop) / 1000000))e-3" "$rc" "$OURS_STEPS" "$ATTN" "${OURS_BATCH:-profile}" \
-        "$([ -n "${resume[*]:-}" ] && echo true || echo false)" | tee "$DEV/ours_timing.json"
+        "${OURS_LR:-profile}" "$([ "$EXTRA_DATA" = 1 ] && echo true || echo false)" "$([ -n "${resume[*]:-}" ] && echo true || echo false)" | tee "$DEV/ours_timing.json"
     [ -n "${resume[*]:-}" ] && cat "$DEV/ours_timing.json" >>"$DEV/ours_timings.jsonl"
     tail -5 "$DEV/ours.log"
     rm -rf "$DEV/ours_draft"

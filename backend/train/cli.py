@@ -20,7 +20,7 @@ from backend.train.target import (
 from backend.train.chat_templates import resolve_chat_template, template_text
 from backend.train.tiny import is_tiny_target_dir, cache_root, ensure_tiny_target
 from backend.commands import data_dir_for
-from backend.train.conversations import ensure_sharegpt_sample
+from backend.train.conversations import DataError, ensure_sharegpt_sample
 
 if TYPE_CHECKING:
     from backend.train.trainer import TrainOptions
@@ -141,6 +141,21 @@ def _register_train(subparsers, parent) -> None:
         help="chat data for online HF targets: ShareGPT, OpenAI messages or role/content (JSONL or a JSON array), a `data prepare` dir, "
         "or a `data regenerate` dir (refused when another target wrote it) "
         "(default <data_dir>/conversations.jsonl; a profile data dir under its run dir moves with --run-dir)",
+    )
+    train.add_argument(
+        "--extra-conversations",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="more training conversations (repeatable; any form --conversations takes): their train split is added, validation stays "
+        "--conversations' own, and an added conversation whose first prompt is a val one's is dropped (e.g. ShareGPT's own answers "
+        "beside the target's regenerated ones)",
+    )
+    train.add_argument(
+        "--group-by-length",
+        action="store_true",
+        help="batches of similar-length conversations (less padding where short and long ones are mixed; the order stays seeded)",
     )
     train.add_argument(
         "--regenerate-tokens",
@@ -348,6 +363,8 @@ def train_options(args: argparse.Namespace, chat_template=None, target_placement
         rewarm_steps=args.rewarm_steps,
         data_dir=args.data,
         conversations=args.conversations,
+        extra_conversations=tuple(getattr(args, "extra_conversations", ())),
+        group_by_length=getattr(args, "group_by_length", False),
         regenerate_tokens=args.regenerate_tokens,
         target_placement=target_placement,
         tensorboard=args.tensorboard,
@@ -372,7 +389,13 @@ def _train(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
         template = chat_preflight(profile, args.chat_template, offline=args.data is not None, trust_remote_code=profile.serve.trust_remote_code)
         if args.data is None:
-            regenerated_preflight(profile, args.conversations)
+            for extra in args.extra_conversations:
+                if not extra.expanduser().exists():
+                    raise DataError(f"--extra-conversations {extra} does not exist; nothing was started")
+            for conversations in [args.conversations, *args.extra_conversations]:
+                regenerated_preflight(profile, conversations)
+        elif args.extra_conversations:
+            raise DataError("--extra-conversations adds chat data to an online run; offline --data shards hold their own (nothing was started)")
         placement = target_placement(args)
     except known as exc:
         return _fail(str(exc))

@@ -28,6 +28,7 @@ from backend.train.data import (
     OnlineSource,
     TinyDataSettings,
     TrainBatch,
+    add_train_samples,
     check_feature_width,
     conversation_samples,
     eval_batches,
@@ -113,6 +114,8 @@ class TrainOptions:
     rewarm_steps: int | None = None
     data_dir: Path | None = None  # offline shards written by `extract`
     conversations: Path | None = None  # online HF target: a chat file (any format conversations.py reads) or a `data prepare` dir
+    extra_conversations: tuple[Path, ...] = ()  # online: more training conversations (their train splits; validation stays the above's)
+    group_by_length: bool = False  # batches of similar-length samples (online conversations; see BatchSampler)
     chat_template: ChatTemplate | None = None  # None: the tokenizer's own
     regenerate_tokens: int = 0
     target_placement: TargetPlacement | None = None  # online: the target spread over GPUs/CPU/disk; None: whole on `device`
@@ -449,7 +452,8 @@ class TrainingParts:
                 group.update(lr=s.lr, betas=ADAM_BETAS, weight_decay=s.weight_decay, **fused)
         if resume is not None and self.grokfast and resume.get("grokfast"):
             self.grokfast.load_state_dict(resume["grokfast"], device=ctx.device)
-        self.sampler = BatchSampler(source.size("train"), s.batch_size, s.seed, ctx.rank, ctx.world_size)
+        lengths = source.lengths("train") if options.group_by_length and isinstance(source, OnlineSource) else None
+        self.sampler = BatchSampler(source.size("train"), s.batch_size, s.seed, ctx.rank, ctx.world_size, lengths=lengths)
         if resume is not None and resume.get("sampler"):
             self.sampler.load_state_dict(resume["sampler"])
         # shard reads on the host overlap the GPU step
@@ -646,22 +650,30 @@ class Trainer:
         if target.placement():
             self.log(f"target placed by {options.target_placement.describe() if options.target_placement else 'its device map'}: {target.placement()}")
         if is_tiny_target_dir(target.path):
+            if options.extra_conversations:
+                raise TrainSetupError("--extra-conversations needs a Hugging Face target (the tiny target makes its own data); nothing was trained")
             settings = options.tiny_data or tiny_data_settings(self.settings.seq_len, seed=self.settings.seed)
             splits = tiny_samples(target, settings, log=self.log)
         else:
             data_dir = data_dir_for(profile.paths.data_dir, profile.paths.run_dir, options.run_dir)  # moves with --run-dir
             conversations = options.conversations or Path(data_dir).expanduser() / "conversations.jsonl"
-            splits = conversation_samples(
-                target.tokenizer,
-                conversations,
-                self.settings.seq_len,
-                seed=self.settings.seed,
-                target=target,
-                regenerate_tokens=options.regenerate_tokens,
-                chat_template=options.chat_template,
-                log=self.log,
-            )
+            splits = self._conversation_splits(target, conversations)
+            for extra in options.extra_conversations:
+                splits = add_train_samples(splits, self._conversation_splits(target, extra), str(extra), self.log)
         return OnlineSource(target, splits)
+
+    def _conversation_splits(self, target, conversations: Path) -> dict:
+        options = self.options
+        return conversation_samples(
+            target.tokenizer,
+            conversations,
+            self.settings.seq_len,
+            seed=self.settings.seed,
+            target=target,
+            regenerate_tokens=options.regenerate_tokens,
+            chat_template=options.chat_template,
+            log=self.log,
+        )
 
     def _fresh_draft(self, source: Source, config: DraftModelConfig) -> Eagle3Draft:
         size = source.size("train")

@@ -15,9 +15,11 @@ from backend.train.data import (
     OnlineSource,
     Sample,
     TinyDataSettings,
+    add_train_samples,
     collate,
     conversation_samples,
     eval_batches,
+    first_prompt,
     read_conversations,
     tiny_data_cache_path,
     tiny_samples,
@@ -76,6 +78,48 @@ def test_sampler_state_resumes_the_same_sequence():
     other = BatchSampler(41, batch_size=3, seed=7)
     other.load_state_dict(state)  # different data: same epoch, fresh start within it
     assert (other.epoch, other.cursor) == (state["epoch"], 0)
+
+
+def padded_tokens(batches, lengths):
+    return sum(len(batch) * max(lengths[i] for i in batch) for batch in batches)
+
+
+def test_grouped_batches_hold_similar_lengths_and_each_sample_once_an_epoch():
+    lengths = [40 + (i * 7919) % 900 if i % 3 else 30 + i % 50 for i in range(1000)]  # short regenerated answers beside long chats
+    plain = BatchSampler(1000, batch_size=8, seed=3)
+    grouped = BatchSampler(1000, batch_size=8, seed=3, lengths=lengths)
+    assert grouped.batches_per_epoch == 125
+    for epoch in range(2):
+        batches = [grouped.next() for _ in range(125)]
+        flat = [i for batch in batches for i in batch]
+        assert len(flat) == len(set(flat)) == 1000, f"epoch {epoch}: every sample once"
+        plain_batches = [plain.next() for _ in range(125)]
+        assert padded_tokens(batches, lengths) < 0.6 * padded_tokens(plain_batches, lengths)
+    spread = [max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches]
+    assert sorted(spread)[len(spread) // 2] < 40  # the median batch spans a narrow band of lengths
+    assert [len(b) for b in batches] == [8] * 125
+    firsts = [batch[0] for batch in batches[:10]]
+    assert firsts != sorted(firsts, key=lengths.__getitem__), "batches are shuffled, not served shortest first"
+
+
+def test_grouped_sampler_resumes_and_ranks_share_each_global_batch():
+    lengths = [(i * 37) % 101 + 1 for i in range(90)]
+    sampler = BatchSampler(90, batch_size=4, seed=5, lengths=lengths)
+    for _ in range(30):
+        sampler.next()
+    state = sampler.state_dict()
+    expected = [sampler.next() for _ in range(12)]
+    resumed = BatchSampler(90, batch_size=4, seed=5, lengths=lengths)
+    resumed.load_state_dict(state)
+    assert [resumed.next() for _ in range(12)] == expected
+    ungrouped = BatchSampler(90, batch_size=4, seed=5)
+    ungrouped.load_state_dict(state)  # another order than the checkpoint's: its epoch, from the start
+    assert (ungrouped.epoch, ungrouped.cursor) == (state["epoch"], 0)
+    ranks = [BatchSampler(90, batch_size=3, seed=1, rank=r, world_size=2, lengths=lengths) for r in range(2)]
+    pairs = [[s.next() for s in ranks] for _ in range(15)]
+    assert len({i for pair in pairs for batch in pair for i in batch}) == 90
+    with pytest.raises(ValueError, match="89 lengths for 90 samples"):
+        BatchSampler(90, batch_size=4, lengths=lengths[:89])
 
 
 def test_sampler_refuses_data_smaller_than_one_global_batch():
@@ -167,6 +211,51 @@ def test_conversations_split_into_train_and_held_out_validation(tmp_path):
     assert len(splits["train"]) == 18 and len(splits["val"]) == 2
     train_ids = {tuple(s.input_ids.tolist()) for s in splits["train"]}
     assert not train_ids & {tuple(s.input_ids.tolist()) for s in splits["val"]}
+
+
+def chat_sample(prompt: list[int], answer: list[int]) -> Sample:
+    return Sample(torch.tensor(prompt + answer), torch.tensor([0] * len(prompt) + [1] * len(answer)))
+
+
+def test_added_train_samples_drop_the_conversations_held_out_for_validation():
+    splits = {"train": [chat_sample([1, 2], [3])], "val": [chat_sample([5, 6], [7, 8]), chat_sample([9], [4])]}
+    extra = {
+        "train": [
+            chat_sample([5, 6], [70, 71, 72]),  # the first val conversation, answered by someone else: dropped
+            chat_sample([5, 6, 7], [8]),  # a longer prompt is another conversation: kept
+            chat_sample([9], [4]),  # the second val sample itself: dropped
+            chat_sample([1, 2], [30]),  # a train prompt again: kept (a second answer to learn from)
+            chat_sample([11], [12]),
+        ],
+        "val": [chat_sample([13], [14])],
+    }
+    lines = []
+    merged = add_train_samples(splits, extra, "sharegpt/", lines.append)
+    assert [s.input_ids.tolist() for s in merged["train"]] == [[1, 2, 3], [5, 6, 7, 8], [1, 2, 30], [11, 12]]
+    assert merged["val"] is splits["val"] and len(splits["train"]) == 1  # validation unchanged; the input not mutated
+    assert lines == ["conversations: +3 train samples from sharegpt/ (2 dropped: their first prompt is a val sample's; its 1 val samples not used)"]
+    assert first_prompt(chat_sample([], [1, 2])) == b"" and first_prompt(Sample(torch.tensor([1, 2]), torch.tensor([0, 0]))) == first_prompt(
+        chat_sample([1, 2], [])
+    )
+
+
+def test_worker_processes_tokenize_exactly_what_one_process_does(tmp_path):
+    words = ["hello there", "how are you ?", "fine thanks", "bye !"]
+    records = [
+        {"conversations": [{"role": "user", "content": words[i % 4]}, {"role": "assistant", "content": " ".join(words[: 1 + i % 4] * (1 + i % 5))}]}
+        for i in range(150)
+    ]
+    records[7]["conversations"] = records[7]["conversations"][:1]  # no answer: dropped when read
+    path = write_jsonl(tmp_path / "c.jsonl", records)
+    messages = []
+    one = conversation_samples(chat_tokenizer(), path, max_len=24, workers=1, cache_dir=tmp_path / "one")
+    many = conversation_samples(chat_tokenizer(), path, max_len=24, workers=2, cache_dir=tmp_path / "many", log=messages.append)
+    assert "conversations: tokenizing 149 in 2 worker processes" in messages
+    assert messages[-2].startswith("tokenizing [####################] 149/149 conversations 100%")
+    for split in ("train", "val"):
+        assert len(one[split]) == len(many[split]) and sum(len(s) for s in one.values()) == 149
+        assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(one[split], many[split]))
+    assert max(len(s.input_ids) for s in many["train"]) == 24  # cut at max_len in the workers too
 
 
 @pytest.mark.parametrize("store", ["logits", "last_hidden"])

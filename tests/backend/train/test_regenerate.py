@@ -489,3 +489,43 @@ def test_a_long_prompt_waits_no_more_than_the_window_and_val_goes_first():
     for key, length in [("train:0", 3), ("train:1", 4), ("val:0", 200), ("val:1", 150)]:
         waiting.add(*queued(key, length))
     assert sorted(job.key for job, _ in waiting.next_batch()) == ["val:0", "val:1"]  # a cut run still has its val split
+
+
+@pytest.mark.slow
+def test_train_adds_the_datasets_own_answers_beside_the_targets_and_groups_by_length(world, tmp_path):
+    """`train --conversations REGEN --extra-conversations PREP --group-by-length`: the regeneration's val split alone
+    validates, the prepare dir's train conversations are added (its val ones, the same prompts as the regeneration's
+    val, are not), and two steps run on the mix."""
+    run_regenerate(world, tmp_path / "regen", batch_size=8)
+    profile = write_toml(tmp_path / "mini.toml", world["raw"] | {"train": world["raw"]["train"] | {"batch_size": 2, "max_steps": 2}})
+    env = dict(os.environ, PYTHONPATH=str(ROOT), EAGLE3_CACHE_DIR=str(tmp_path / "cache"))
+    command = [sys.executable, "-m", "backend", "train", "--profile", profile, "--out", tmp_path / "run", "--device", "cpu"]
+    command += ["--conversations", tmp_path / "regen", "--extra-conversations", world["prep"], "--group-by-length"]
+    result = subprocess.run([str(c) for c in command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    train, val = (len((world["prep"] / f"{split}.jsonl").read_text().splitlines()) for split in ("train", "val"))
+    assert train + val <= COUNT and train > val > 0
+    added = f"+{train} train samples from {world['prep']} (0 dropped: their first prompt is a val sample's; its {val} val samples not used)"
+    assert f"[train] conversations: {added}\n" in result.stderr
+    assert "[train] draft vocab: 16 of 300 ids cover" in result.stderr
+    assert (tmp_path / "run" / "checkpoints").is_dir() and any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_extra_conversations_are_refused_offline_or_missing_in_one_line(world, tmp_path):
+    profile = write_toml(tmp_path / "mini.toml", world["raw"])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), EAGLE3_CACHE_DIR=str(tmp_path / "cache"))
+    cases = {
+        ("--data", str(tmp_path / "shards"), "--extra-conversations", str(world["prep"])): "--extra-conversations adds chat data to an online run",
+        (
+            "--conversations",
+            str(world["prep"]),
+            "--extra-conversations",
+            str(tmp_path / "nowhere"),
+        ): f"--extra-conversations {tmp_path / 'nowhere'} does not exist",
+    }
+    for flags, message in cases.items():
+        command = [sys.executable, "-m", "backend", "train", "--profile", str(profile), "--out", str(tmp_path / "run"), *flags]
+        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+        assert result.stderr.startswith(f"error: {message}")
+    assert not (tmp_path / "run").exists()
