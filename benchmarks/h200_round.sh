@@ -78,7 +78,9 @@ SPECFORGE=${SPECFORGE:-1}
 # regenerated val split). OURS_LR: our trainer's --lr (default: the profile's 5e-4).
 EXTRA_DATA=${EXTRA_DATA:-0}
 [ -n "${OURS_STEPS:-}" ] && OURS_STEPS_GIVEN=1
-OURS_STEPS=${OURS_STEPS:-$(((TRAIN_S + MORE_S) * 14))} # PHASE=more re-fits it to the measured rate unless given
+# OURS_RATE: the steps a second the cosine is planned at (14 at 12 sequences a step; 2026-12-03: ~5 at OURS_BATCH=48)
+OURS_RATE=${OURS_RATE:-14}
+OURS_STEPS=${OURS_STEPS:-$(((TRAIN_S + MORE_S) * OURS_RATE))} # PHASE=more re-fits it to the measured rate unless given
 EVAL_INTERVAL=${EVAL_INTERVAL:-200} VAL_BATCHES=${VAL_BATCHES:-16} SF_VAL=${SF_VAL:-64}
 # 2026-12-02: 512 + 32 conversations reached 531 of 544 in 106 s and were cut at 130 s, so nothing was regenerated.
 # Now a time budget: `data regenerate --max-seconds REGEN_S` finalizes what it did (val first), whatever the limit.
@@ -369,6 +371,7 @@ EOF
 hand_back_draft_or_log() { # RETURN_DRAFT=1: the draft in pieces (return_draft); else the trainer's log (at most 8 files return)
     if [ "${RETURN_DRAFT:-0}" = 1 ]; then
         return_draft
+        grep -v '^\[train\] step ' "$DEV/ours.log" 2>/dev/null | tail -150 >"$OUT/ours_train_setup.log" # the setup lines, not the steps
     else
         cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
     fi
