@@ -516,8 +516,17 @@ def _tokenize_splits(
             log(progress_line("tokenizing", done, total, started, unit="conversations"))
 
     def tokenize_all(conversations) -> list[Sample]:
+        nonlocal done
         if workers > 1:
-            return _tokenize_in_workers(tokenizer, conversations, max_len, jinja, workers, advance)
+            from concurrent.futures.process import BrokenProcessPool
+
+            before = done
+            try:
+                return _tokenize_in_workers(tokenizer, conversations, max_len, jinja, workers, advance)
+            except BrokenProcessPool as exc:  # e.g. a parent whose __main__ a spawned process cannot import (python -c, stdin)
+                done = before
+                if log:
+                    log(f"conversations: the worker processes failed ({exc}); tokenizing in this process")
         samples = []
         for conversation in conversations:
             messages = conversation.messages

@@ -1,6 +1,7 @@
 """Draft training data: target-generated tiny samples, chat templates with assistant masks, offline shards, rank sharding."""
 
 import fcntl
+import os
 import threading
 import time
 
@@ -256,6 +257,43 @@ def test_worker_processes_tokenize_exactly_what_one_process_does(tmp_path):
         assert len(one[split]) == len(many[split]) and sum(len(s) for s in one.values()) == 149
         assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(one[split], many[split]))
     assert max(len(s.input_ids) for s in many["train"]) == 24  # cut at max_len in the workers too
+
+
+STDIN_TOKENIZE = """
+import pathlib, sys
+from backend.train.data import conversation_samples
+from tests.fixtures.chat import chat_tokenizer, write_jsonl
+records = [{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bye " * (1 + i % 7)}]} for i in range(60)]
+path = write_jsonl(pathlib.Path(sys.argv[1]) / "c.jsonl", records)
+lines = []
+splits = conversation_samples(chat_tokenizer(), path, 32, workers=2, cache_dir=pathlib.Path(sys.argv[1]) / "cache", log=lines.append)
+print(len(splits["train"]) + len(splits["val"]))
+print("\\n".join(lines))
+"""
+
+
+def test_tokenizing_falls_back_to_one_process_where_workers_cannot_start(tmp_path):
+    """A parent read from stdin cannot be re-imported by a spawned worker: the samples still come, in process."""
+    import subprocess
+    import sys
+
+    from tests.fixtures.env import ROOT
+
+    result = subprocess.run(
+        [sys.executable, "-", str(tmp_path)],
+        input=STDIN_TOKENIZE,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout.splitlines()
+    assert out[0] == "60"
+    assert any(line.startswith("conversations: the worker processes failed (") and line.endswith("tokenizing in this process") for line in out)
+    assert out[-2].startswith("tokenizing [####################] 60/60 conversations 100%")
+    assert out[-1].startswith("conversations: cached the tokenized samples at ")
 
 
 @pytest.mark.parametrize("store", ["logits", "last_hidden"])
