@@ -77,6 +77,10 @@ SPECFORGE=${SPECFORGE:-1}
 # --group-by-length`: the carried prepare dir's train split beside the regenerated one; validation stays the
 # regenerated val split). OURS_LR: our trainer's --lr (default: the profile's 5e-4).
 EXTRA_DATA=${EXTRA_DATA:-0}
+# TIME_BUDGET=1 (default): our trainer gets `--max-seconds TRAIN_S` (MORE_S when resumed): it ends itself with its cosine
+# fitted to the budget at the measured rate (the tenth round's cosine, planned at a guessed rate, never decayed);
+# 0: the old way, --max-steps OURS_STEPS and a SIGTERM at the budget
+TIME_BUDGET=${TIME_BUDGET:-1}
 [ -n "${OURS_STEPS:-}" ] && OURS_STEPS_GIVEN=1
 # OURS_RATE: the steps a second the cosine is planned at (14 at 12 sequences a step; 2026-12-03: ~5 at OURS_BATCH=48)
 OURS_RATE=${OURS_RATE:-14}
@@ -386,8 +390,13 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
     if [ "${1:-}" = resume ]; then
         budget=$MORE_S resume=(--resume latest) lines0=$(wc -l <"$metrics")
     fi
+    local steps=(--max-steps "$OURS_STEPS") grace=0
+    if [ "$TIME_BUDGET" = 1 ]; then # the trainer ends itself at the budget, its cosine fitted to it; SIGTERM only past a grace
+        steps=(--max-seconds "$budget") grace=60
+        [ -n "${OURS_STEPS_GIVEN:-}" ] && steps+=(--max-steps "$OURS_STEPS")
+    fi
     t_start=$(date +%s%N)
-    setsid "${HOST[@]}" train --profile "$PROFILE" --conversations "$DATA" --out "$DEV/ours" --max-steps "$OURS_STEPS" --attn-backend "$ATTN" \
+    setsid "${HOST[@]}" train --profile "$PROFILE" --conversations "$DATA" --out "$DEV/ours" "${steps[@]}" --attn-backend "$ATTN" \
         --eval-interval "$EVAL_INTERVAL" --max-val-batches "$VAL_BATCHES" --save-interval 1000000 --log-interval 10 --device "$DEVICE" \
         ${resume[@]+"${resume[@]}"} ${batch[@]+"${batch[@]}"} >>"$DEV/ours.log" 2>&1 &
     pid=$!
@@ -397,7 +406,7 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
     done
     t_val=$(date +%s%N)
     echo "our trainer: its first metrics line after $(((t_val - t_start) / 1000000)) ms (setup, then the step-0 validation or the resume)"
-    while kill -0 "$pid" 2>/dev/null && [ $(($(date +%s%N) - t_val)) -lt $((budget * 1000000000)) ] && [ "$(date +%s)" -lt "$limit_at" ]; do
+    while kill -0 "$pid" 2>/dev/null && [ $(($(date +%s%N) - t_val)) -lt $(((budget + grace) * 1000000000)) ] && [ "$(date +%s)" -lt "$limit_at" ]; do
         sleep 0.2
     done
     t_stop=$(date +%s%N)
@@ -499,7 +508,7 @@ phase_more() {
         die "the train phase's state is gone from $DEV (was the machine still warm?): start again from PHASE=carry1"
     DATA=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json")
     [ -d "$DEV/ours_draft_at_train_s" ] || cp -r "$DEV/ours_draft" "$DEV/ours_draft_at_train_s" # the equal-time draft, served beside SpecForge's
-    if [ -z "${OURS_STEPS_GIVEN:-}" ]; then # the cosine ends where this phase's steps will: the last step plus the measured rate x MORE_S
+    if [ -z "${OURS_STEPS_GIVEN:-}" ] && [ "$TIME_BUDGET" != 1 ]; then # the cosine ends where this phase's steps will: the last step plus the measured rate x MORE_S
         OURS_STEPS=$("$PY" - "$DEV/ours/metrics.jsonl" "$MORE_S" "$OURS_STEPS" <<'EOF'
 import json, sys
 lines = [m for m in map(json.loads, open(sys.argv[1])) if m.get("split") == "train"]

@@ -120,6 +120,13 @@ def _register_train(subparsers, parent) -> None:
     train.add_argument("--profile", required=True, help="profile name (tiny, llama3.1-8b, kimi-k2.5) or a TOML path")
     train.add_argument("--out", type=Path, help="output dir (default: $EAGLE3_JOB_DIR, else <run-dir>/runs/train-<timestamp>)")
     train.add_argument("--max-steps", type=int, help="total optimizer steps (absolute: a resumed run continues up to it)")
+    train.add_argument(
+        "--max-seconds",
+        type=float,
+        metavar="S",
+        help="a time budget: train S seconds from the step-0 validation, the cosine re-fitted to end then (at the measured steps a "
+        "second); the run ends as at its last step (validation, checkpoint). With --max-steps, whichever comes first",
+    )
     train.add_argument("--schedule", choices=["cosine", "constant"])
     train.add_argument("--lr", type=float)
     train.add_argument("--warmup-steps", type=int)
@@ -307,9 +314,9 @@ def training_estimate(profile, args: argparse.Namespace) -> str | None:
     if profile.target.path == BUILTIN_TINY or not str(device).startswith("cpu") or profile.target.hidden_size < 512 or args.data is not None:
         return None
     batch, seq_len = args.batch_size or profile.train.batch_size, profile.train.seq_len
-    steps = args.max_steps or profile.train.max_steps
+    steps = f"{args.max_seconds:g} s of steps" if getattr(args, "max_seconds", None) else f"{args.max_steps or profile.train.max_steps} steps"
     return (
-        f"estimate: {steps} steps of {batch} x {seq_len} tokens for a {profile.target.num_layers}-layer, {profile.target.hidden_size}-wide target on the CPU. "
+        f"estimate: {steps} of {batch} x {seq_len} tokens for a {profile.target.num_layers}-layer, {profile.target.hidden_size}-wide target on the CPU. "
         f"On a 2-core machine a SmolLM2-135M step of 4 x 1024 tokens takes over 10 minutes (2 x 128: a few seconds), so at this size "
         f"expect days, not minutes: use --max-steps N and --batch-size 1 to watch it train, the tiny profile for a CPU demo, or a GPU host "
         f"(one H200: ~0.2 s a step). The step lines below show the real rate."
@@ -353,6 +360,7 @@ def train_options(args: argparse.Namespace, chat_template=None, target_placement
         out_dir=args.out,
         run_dir=args.run_dir,
         max_steps=args.max_steps,
+        max_seconds=getattr(args, "max_seconds", None),
         schedule=args.schedule,
         lr=args.lr,
         weight_decay=args.weight_decay,
@@ -388,6 +396,8 @@ def _train(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.profile)
         template = chat_preflight(profile, args.chat_template, offline=args.data is not None, trust_remote_code=profile.serve.trust_remote_code)
+        if args.max_seconds is not None and not args.max_seconds > 0:
+            raise DataError(f"--max-seconds {args.max_seconds:g}: expected a positive number of seconds (nothing was started)")
         if args.data is None:
             for extra in args.extra_conversations:
                 if not extra.expanduser().exists():

@@ -66,6 +66,37 @@ class LRSchedule:
         }
 
 
+class TimeBudget:
+    """`train --max-seconds`: the run ends at a wall-clock deadline, and its cosine is re-fitted to end there.
+
+    The steps a second are measured from the `settle`-th step of the run on (its first steps compile); a fit makes
+    the cosine's length the steps done plus that rate times the seconds left, never past `cap`.
+    """
+
+    def __init__(self, seconds: float, start_step: int, started: float, cap: int, settle: int = 10):
+        if seconds <= 0:
+            raise ValueError(f"a time budget must be positive, got {seconds:g} s")
+        self.seconds, self.start_step, self.cap, self.settle = seconds, start_step, cap, settle
+        self.deadline = started + seconds
+        self.reference: tuple[int, float] | None = None
+
+    def observe(self, step: int, now: float) -> None:
+        """Called after every step: the rate is measured from the first step past `settle`."""
+        if self.reference is None and step - self.start_step >= self.settle:
+            self.reference = (step, now)
+
+    def fitted_total(self, step: int, now: float) -> int | None:
+        """The cosine's length that ends at the deadline at the measured rate (None while there is no rate yet)."""
+        self.observe(step, now)
+        if self.reference is None or step <= self.reference[0] or now <= self.reference[1]:
+            return None
+        rate = (step - self.reference[0]) / (now - self.reference[1])
+        return min(self.cap, step + max(1, round(rate * max(0.0, self.deadline - now))))
+
+    def expired(self, now: float) -> bool:
+        return now >= self.deadline
+
+
 class GrokfastEMA:
     """Grokfast-EMA (Lee et al. 2024): mu <- alpha*mu + (1-alpha)*g (mu starts at the first g); g <- g + lambda*mu.
 

@@ -38,7 +38,7 @@ from backend.train.data import (
 from backend.train.draft import DraftModelConfig, Eagle3Draft
 from backend.train.fsutil import PRIVATE_FILE, ForeignPathError, private_dir, private_file_if_present
 from backend.train.loss import TTTLoss, chain_round_histogram, fused_ttt_loss, make_teacher, rounds_accept_length
-from backend.train.schedule import GrokfastEMA, LRSchedule
+from backend.train.schedule import GrokfastEMA, LRSchedule, TimeBudget
 from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
 from backend.layout import latest_checkpoint
 from backend.train.target import load_target
@@ -65,12 +65,17 @@ def _given(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
+# With --max-seconds and no --max-steps the time ends the run, not a step count.
+BUDGET_STEP_CAP = 10**9
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     """What a run trains with: the profile's [train] values with the options' overrides applied.
 
     Recorded as they are (field order kept) in run.json and in every checkpoint's training_state.pt; a resume
-    past the profile's plan replaces max_steps (dataclasses.replace), nothing else changes during a run.
+    past the profile's plan replaces max_steps (dataclasses.replace), and so does a time budget's re-fit
+    (`--max-seconds`: the steps that end at its deadline); nothing else changes during a run.
     """
 
     max_steps: int
@@ -104,6 +109,7 @@ class TrainOptions:
     out_dir: Path | None = None  # None: $EAGLE3_JOB_DIR, else <run_dir>/runs/train-<timestamp> (decided on rank 0)
     run_dir: Path = Path("~/.eagle3")
     max_steps: int | None = None
+    max_seconds: float | None = None  # a time budget for the steps (a run control): the cosine is re-fitted to end with it
     schedule: str | None = None
     lr: float | None = None
     weight_decay: float | None = None
@@ -137,7 +143,7 @@ class TrainOptions:
         train = self.profile.train
         warmup = _given(self.warmup_steps, train.warmup_steps)
         return TrainSettings(
-            max_steps=_given(self.max_steps, train.max_steps),
+            max_steps=_given(self.max_steps, BUDGET_STEP_CAP if self.max_seconds else train.max_steps),
             schedule=_given(self.schedule, train.schedule),
             lr=_given(self.lr, train.learning_rate),
             min_lr_ratio=train.min_lr_ratio,
@@ -841,12 +847,12 @@ class Trainer:
         if self.step >= s.max_steps:
             self.log(f"already at step {self.step} >= max steps {s.max_steps}; nothing to train")
             return
-        self.log(
-            f"training steps {self.step + 1}..{s.max_steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}"
-        )
+        steps = f"{self.options.max_seconds:g} s of steps from step {self.step + 1}" if self.options.max_seconds else f"steps {self.step + 1}..{s.max_steps}"
+        self.log(f"training {steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}")
         self._beat("train")
         if self.options.eval_at_start and self.step == 0:
             self._validate()
+        budget = TimeBudget(self.options.max_seconds, self.step, time.monotonic(), cap=s.max_steps) if self.options.max_seconds else None
         last_saved = last_eval = None
         self.peak_rate = matmul_peak_rate(ctx.device)
         if ctx.device.type == "cuda":
@@ -854,7 +860,7 @@ class Trainer:
         timer = time.perf_counter()
         interval_tokens = 0
         interval_flops = 0.0
-        while self.step < s.max_steps:
+        while self.step < self.settings.max_steps:
             tokens_before = self.tokens
             result, grad_norm, lr = self.train_step(self.step)
             self.step += 1
@@ -862,7 +868,11 @@ class Trainer:
             interval.add(result)
             interval_tokens += self.tokens - tokens_before
             interval_flops += self.last_step_flops
-            if self.step % s.log_interval == 0 or self.step == s.max_steps:
+            if budget is not None:
+                budget.observe(self.step, time.monotonic())
+            if budget is not None and self.step % s.log_interval == 0:
+                self._refit_to_budget(budget)
+            if self.step % s.log_interval == 0 or self.step == self.settings.max_steps:
                 values = interval.reduced(ctx)  # host sync: the wall time below covers finished GPU work
                 elapsed = time.perf_counter() - timer
                 values["step_time"] = elapsed / max(1, values.pop("steps") // ctx.world_size)
@@ -885,6 +895,9 @@ class Trainer:
                 self.log(f"stopped by {by} after step {self.step}; {outcome}")
                 self._flush_metrics()
                 return
+            if budget is not None and self._on_any_rank(budget.expired(time.monotonic())):
+                self.log(f"the time budget of {budget.seconds:g} s is spent after step {self.step}")
+                break
             if last_eval == self.step or last_saved == self.step:
                 timer = time.perf_counter()  # step_time measures training steps only
                 interval_tokens, interval_flops = 0, 0.0
@@ -894,6 +907,26 @@ class Trainer:
             self._save()
         self._flush_metrics()
         self.log(f"done: {self.step} steps" + ("" if self.last_save_ok else "; the final checkpoint was NOT saved"))
+
+    def _refit_to_budget(self, budget: TimeBudget) -> None:
+        """The cosine (and the step count) re-fitted to end at the budget's deadline; every rank takes the largest fit."""
+        total = budget.fitted_total(self.step, time.monotonic())
+        if total is None:
+            return
+        if self.ctx.enabled:
+            agreed = torch.tensor([float(total)], device=self.ctx.device)
+            self.ctx.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            total = int(agreed.item())
+        self.settings = dataclasses.replace(self.settings, max_steps=total)
+        if self._parts is not None:
+            self._parts.schedule.total_steps = max(1, total)
+
+    def _on_any_rank(self, flag: bool) -> bool:
+        if not self.ctx.enabled:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.ctx.device)
+        self.ctx.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     def _beat(self, phase: str | None = None) -> None:
         if self.heartbeat is not None:

@@ -511,7 +511,7 @@ def test_train_adds_the_datasets_own_answers_beside_the_targets_and_groups_by_le
     assert (tmp_path / "run" / "checkpoints").is_dir() and any((tmp_path / "run" / "checkpoints").iterdir())
 
 
-def test_extra_conversations_are_refused_offline_or_missing_in_one_line(world, tmp_path):
+def test_extra_conversations_offline_or_missing_and_a_null_time_budget_are_refused_in_one_line(world, tmp_path):
     profile = write_toml(tmp_path / "mini.toml", world["raw"])
     env = dict(os.environ, PYTHONPATH=str(ROOT), EAGLE3_CACHE_DIR=str(tmp_path / "cache"))
     cases = {
@@ -522,6 +522,7 @@ def test_extra_conversations_are_refused_offline_or_missing_in_one_line(world, t
             "--extra-conversations",
             str(tmp_path / "nowhere"),
         ): f"--extra-conversations {tmp_path / 'nowhere'} does not exist",
+        ("--conversations", str(world["prep"]), "--max-seconds", "0"): "--max-seconds 0: expected a positive number of seconds",
     }
     for flags, message in cases.items():
         command = [sys.executable, "-m", "backend", "train", "--profile", str(profile), "--out", str(tmp_path / "run"), *flags]

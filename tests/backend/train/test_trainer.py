@@ -20,7 +20,7 @@ from backend.layout import latest_checkpoint, list_checkpoints
 from backend.train.data import OnlineSource, Sample, TinyDataSettings, tiny_data_settings, tiny_samples
 from backend.train.draft import FeatureWidthError
 from backend.train.loss import make_teacher, ttt_loss
-from backend.train.schedule import GrokfastEMA, LRSchedule
+from backend.train.schedule import GrokfastEMA, LRSchedule, TimeBudget
 from backend.train.extract import extract
 from backend.train.target import load_target
 from backend.train.trainer import TrainOptions, Trainer, module_group, train
@@ -81,6 +81,25 @@ def test_grokfast_adds_lambda_times_the_gradient_ema():
     assert torch.equal(restored.ema["w"], grokfast.ema["w"])
 
 
+def test_a_time_budget_fits_the_cosine_to_the_measured_rate_and_the_seconds_left():
+    budget = TimeBudget(10.0, start_step=0, started=100.0, cap=40, settle=2)
+    budget.observe(1, 100.5)  # the first steps compile: not measured
+    assert budget.fitted_total(1, 100.6) is None
+    budget.observe(2, 101.0)  # measured from here
+    assert budget.fitted_total(2, 101.0) is None  # no interval yet
+    assert budget.fitted_total(6, 102.0) == 6 + 4 * 8  # 4 steps a second, 8 s left
+    assert budget.fitted_total(12, 103.0) == 40  # 5 a second would end at 47: capped
+    assert budget.fitted_total(30, 111.0) == 31  # past the deadline: one more step at most
+    assert not budget.expired(109.99) and budget.expired(110.0)
+    resumed = TimeBudget(5.0, start_step=1000, started=0.0, cap=10**9, settle=10)
+    resumed.observe(1005, 0.5)
+    assert resumed.fitted_total(1009, 0.9) is None  # settling: 10 steps past the resume first
+    resumed.observe(1010, 1.0)
+    assert resumed.fitted_total(1030, 3.0) == 1030 + 20  # 10 steps a second since step 1,010, 2 s left
+    with pytest.raises(ValueError, match="must be positive"):
+        TimeBudget(0, 0, 0.0, cap=1)
+
+
 def test_weight_norm_modules_group_by_sglang_module():
     assert module_group("midlayer.self_attn.q_proj.weight") == "midlayer.self_attn"
     assert module_group("midlayer.mlp.down_proj.weight") == "midlayer.mlp"
@@ -92,6 +111,26 @@ def test_weight_norm_modules_group_by_sglang_module():
 
 def mini_options(profile, out, **overrides):
     return TrainOptions(profile=profile, out_dir=out, tiny_data=overrides.pop("tiny_data", MINI_DATA), **overrides)
+
+
+@pytest.mark.slow
+def test_a_time_budget_ends_the_run_on_time_with_its_cosine_decayed(mini_profile, mini_env, tmp_path, capfd):
+    """--max-seconds 4 and no --max-steps: the run ends after ~4 s of steps, by the budget or at the fitted last step,
+    validated and saved as a finished run, its learning rate near the floor (not cut mid-cosine as a SIGTERM leaves it)."""
+    out = tmp_path / "run"
+    options = mini_options(mini_profile, out, max_seconds=4.0, log_interval=1, eval_interval=10**6, save_interval=10**6)
+    assert train(options) == 0
+    records = read_records(out)
+    steps = [r for r in records if r["split"] == "train"]
+    vals = [r for r in records if r["split"] == "val"]
+    assert [v["step"] for v in vals] == [0, steps[-1]["step"]] and len(steps) > 20
+    assert 3.0 <= steps[-1]["time"] - vals[0]["time"] <= 6.0
+    peak, floor = 3e-3, 3e-3 * mini_profile.train.min_lr_ratio
+    assert max(r["lr"] for r in steps) > 0.9 * peak
+    assert steps[-1]["lr"] <= floor + 0.25 * (peak - floor)  # a SIGTERM after 4 s of a 600-step plan would leave ~peak
+    assert latest_checkpoint(out).name.endswith(f"_step_{steps[-1]['step']}")
+    err = capfd.readouterr().err
+    assert "training 4 s of steps from step 1" in err and f"done: {steps[-1]['step']} steps" in err
 
 
 @pytest.fixture(scope="module")
