@@ -238,20 +238,19 @@ def _assistant_spans(tokenizer, messages: list[dict], template: str | None) -> t
     return text, spans
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_len: int, chat_template: str | None = None) -> Sample | None:
-    """Chat-template tokens; loss_mask = 1 on each assistant turn's tokens. `chat_template`: Jinja text (None: the tokenizer's own).
+def conversation_tokens(tokenizer, messages: list[dict], max_len: int, chat_template: str | None = None) -> tuple[list[int], list[int]] | None:
+    """Chat-template token ids and the loss mask (1 on each assistant turn's tokens), at most max_len of each; None
+    when no assistant token is left. Plain lists (no torch): tokenizing workers send them back as they are.
 
     A fast tokenizer renders the text once per prefix (cheap) and tokenizes it once, masking the tokens whose
     characters fall in an assistant turn; otherwise each prefix is tokenized and the masks come from their lengths.
     """
-    import torch
-
     found = _assistant_spans(tokenizer, messages, chat_template) if getattr(tokenizer, "is_fast", False) else None
     if found is not None:
         text, spans = found
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(encoded["input_ids"])
-        mask = [int(any(start <= begin < end for start, end in spans)) for begin, _ in encoded["offset_mapping"]]
+        ids = list(encoded["input_ids"][:max_len])
+        mask = [int(any(start <= begin < end for start, end in spans)) for begin, _ in encoded["offset_mapping"][:max_len]]
     else:
         ids = template_ids(tokenizer, messages, False, chat_template)
         mask = [0] * len(ids)
@@ -265,9 +264,17 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int, chat_te
             for position in range(start, min(end, len(ids))):
                 mask[position] = 1
     ids, mask = ids[:max_len], mask[:max_len]
-    if not any(mask):
+    return (ids, mask) if any(mask) else None
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_len: int, chat_template: str | None = None) -> Sample | None:
+    """conversation_tokens as a Sample (int64 ids, uint8 mask). `chat_template`: Jinja text (None: the tokenizer's own)."""
+    import torch
+
+    found = conversation_tokens(tokenizer, messages, max_len, chat_template)
+    if found is None:
         return None
-    return Sample(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.uint8))
+    return Sample(torch.tensor(found[0], dtype=torch.int64), torch.tensor(found[1], dtype=torch.uint8))
 
 
 def regenerate_conversation(target, messages: list[dict], max_new_tokens: int, chat_template: str | None = None) -> list[dict]:
@@ -466,13 +473,10 @@ def _init_tokenize_worker(tokenizer) -> None:
 
 
 def _tokenize_chunk(task: tuple[list[list[dict]], int, str | None]) -> list[tuple | None]:
-    """A worker's share: each conversation's (ids, mask) as numpy arrays (cheap to send back), None where nothing is trained."""
+    """A worker's share: each conversation's (ids, mask) lists, None where nothing is trained. The worker never imports
+    torch: 16 processes importing it at once took ~70 s on the H200 host (h200_round10_probe_tokenize.json)."""
     chunk, max_len, jinja = task
-    out: list[tuple | None] = []
-    for messages in chunk:
-        sample = tokenize_conversation(_worker_tokenizer, messages, max_len, jinja)
-        out.append(None if sample is None else (sample.input_ids.numpy(), sample.loss_mask.numpy()))
-    return out
+    return [conversation_tokens(_worker_tokenizer, messages, max_len, jinja) for messages in chunk]
 
 
 def _tokenize_in_workers(tokenizer, conversations: list, max_len: int, jinja, workers: int, advance: Callable[[int], None]) -> list[Sample]:
@@ -488,7 +492,7 @@ def _tokenize_in_workers(tokenizer, conversations: list, max_len: int, jinja, wo
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA and OpenMP threads
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_tokenize_worker, initargs=(tokenizer,)) as pool:
         for chunk in pool.map(_tokenize_chunk, tasks):
-            samples.extend(Sample(torch.from_numpy(ids), torch.from_numpy(mask)) for ids, mask in filter(None, chunk))
+            samples.extend(Sample(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.uint8)) for ids, mask in filter(None, chunk))
             advance(len(chunk))
     return samples
 

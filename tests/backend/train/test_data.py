@@ -259,6 +259,28 @@ def test_worker_processes_tokenize_exactly_what_one_process_does(tmp_path):
     assert max(len(s.input_ids) for s in many["train"]) == 24  # cut at max_len in the workers too
 
 
+def test_a_tokenizing_worker_never_imports_torch(tmp_path):
+    """16 workers importing torch at once cost ~70 s on the H200 host; a worker's share runs on the tokenizer alone."""
+    import pickle
+    import subprocess
+    import sys
+
+    from tests.fixtures.env import ROOT
+
+    (tmp_path / "tok.pkl").write_bytes(pickle.dumps(chat_tokenizer()))
+    script = (
+        "import pickle, sys\n"
+        "from backend.train.data import _init_tokenize_worker, _tokenize_chunk\n"
+        f"_init_tokenize_worker(pickle.loads(open({str(tmp_path / 'tok.pkl')!r}, 'rb').read()))\n"
+        "chunk = [[{'role': 'user', 'content': 'hello there'}, {'role': 'assistant', 'content': 'bye !'}]]\n"
+        "print(_tokenize_chunk((chunk, 16, None)), 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    expected = tokenize_conversation(chat_tokenizer(), [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "bye !"}], 16)
+    assert result.stdout.strip() == f"[({expected.input_ids.tolist()}, {expected.loss_mask.tolist()})] False"
+
+
 STDIN_TOKENIZE = """
 import pathlib, sys
 from backend.train.data import conversation_samples
