@@ -480,7 +480,7 @@ def _tokenize_chunk(task: tuple[list[list[dict]], int, str | None]) -> list[tupl
 
 
 def _tokenize_in_workers(tokenizer, conversations: list, max_len: int, jinja, workers: int, advance: Callable[[int], None]) -> list[Sample]:
-    """tokenize_conversation over `conversations` in `workers` spawned processes, in order (the same samples as in process)."""
+    """conversation_tokens over `conversations` in `workers` spawned processes, in order (the same samples as in process)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
