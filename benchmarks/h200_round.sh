@@ -484,7 +484,9 @@ EOF
     fi
     note "training data: $(cat "$DEV/data.json")"
     wait "$cold" # bounded by COLD_S; it must not run while the trainers are timed
-    local room=$((PHASE_S - $(elapsed) - 70 - (SPECFORGE == 1 ? SF_S + 60 : 0)))
+    # 100 s for the trainer's setup, step-0 validation, last validation and export: with the time budget the trainer
+    # ends its cosine at TRAIN_S after the step-0 validation, so a setup past the reserve is SIGTERMed short of it
+    local room=$((PHASE_S - $(elapsed) - 100 - (SPECFORGE == 1 ? SF_S + 60 : 0)))
     if [ "$room" -lt "$TRAIN_S" ] && [ "$room" -ge 60 ]; then # a slow regeneration shortens training instead of skipping it
         note "TRAIN_S cut from $TRAIN_S to $room s: what is left of the phase (2026-12-03: a 182 s regeneration skipped a 250 s training)"
         TRAIN_S=$room
