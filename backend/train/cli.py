@@ -314,7 +314,7 @@ def training_estimate(profile, args: argparse.Namespace) -> str | None:
     if profile.target.path == BUILTIN_TINY or not str(device).startswith("cpu") or profile.target.hidden_size < 512 or args.data is not None:
         return None
     batch, seq_len = args.batch_size or profile.train.batch_size, profile.train.seq_len
-    steps = f"{args.max_seconds:g} s of steps" if getattr(args, "max_seconds", None) else f"{args.max_steps or profile.train.max_steps} steps"
+    steps = f"{args.max_seconds:g} s of steps" if args.max_seconds else f"{args.max_steps or profile.train.max_steps} steps"
     return (
         f"estimate: {steps} of {batch} x {seq_len} tokens for a {profile.target.num_layers}-layer, {profile.target.hidden_size}-wide target on the CPU. "
         f"On a 2-core machine a SmolLM2-135M step of 4 x 1024 tokens takes over 10 minutes (2 x 128: a few seconds), so at this size "
@@ -360,7 +360,7 @@ def train_options(args: argparse.Namespace, chat_template=None, target_placement
         out_dir=args.out,
         run_dir=args.run_dir,
         max_steps=args.max_steps,
-        max_seconds=getattr(args, "max_seconds", None),
+        max_seconds=args.max_seconds,
         schedule=args.schedule,
         lr=args.lr,
         weight_decay=args.weight_decay,
@@ -371,8 +371,8 @@ def train_options(args: argparse.Namespace, chat_template=None, target_placement
         rewarm_steps=args.rewarm_steps,
         data_dir=args.data,
         conversations=args.conversations,
-        extra_conversations=tuple(getattr(args, "extra_conversations", ())),
-        group_by_length=getattr(args, "group_by_length", False),
+        extra_conversations=tuple(args.extra_conversations),
+        group_by_length=args.group_by_length,
         regenerate_tokens=args.regenerate_tokens,
         target_placement=target_placement,
         tensorboard=args.tensorboard,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from backend import durable
+from backend.metrics.parallel import available_cpus
 from backend.layout import SHARD_FORMAT, SHARD_META
 from backend.train.chat_templates import ChatTemplate, render_chat, template_ids, template_text, tokenizer_name
 from backend.train.conversations import PREPARE_META, DataError, read_conversation_file
@@ -460,8 +461,7 @@ def tokenize_workers(total: int, regenerate_tokens: int = 0) -> int:
     """Worker processes for tokenizing `total` conversations: 1 (in process) for few, or when the target answers them."""
     if regenerate_tokens or total < PARALLEL_TOKENIZE_FROM:
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(16, cores))
+    return max(1, min(16, available_cpus()))
 
 
 _worker_tokenizer = None

@@ -547,11 +547,7 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """Every rank stops after the same step: a signal seen by any rank counts for all."""
-        if not self.ctx.enabled:
-            return self.stop_signal is not None
-        flag = torch.tensor([1.0 if self.stop_signal is not None else 0.0], device=self.ctx.device)
-        self.ctx.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self._on_any_rank(self.stop_signal is not None)
 
     def log(self, message: str) -> None:
         if self.ctx.is_main:
@@ -922,6 +918,7 @@ class Trainer:
             self._parts.schedule.total_steps = max(1, total)
 
     def _on_any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any (an all-reduce under torchrun)."""
         if not self.ctx.enabled:
             return flag
         value = torch.tensor([1.0 if flag else 0.0], device=self.ctx.device)
