@@ -77,10 +77,11 @@ SPECFORGE=${SPECFORGE:-1}
 # --group-by-length`: the carried prepare dir's train split beside the regenerated one; validation stays the
 # regenerated val split). OURS_LR: our trainer's --lr (default: the profile's 5e-4).
 EXTRA_DATA=${EXTRA_DATA:-0}
-# TIME_BUDGET=1 (default): our trainer gets `--max-seconds TRAIN_S` (MORE_S when resumed): it ends itself with its cosine
-# fitted to the budget at the measured rate (the tenth round's cosine, planned at a guessed rate, never decayed);
-# 0: the old way, --max-steps OURS_STEPS and a SIGTERM at the budget
-TIME_BUDGET=${TIME_BUDGET:-1}
+# TIME_BUDGET=1 (default): our trainer gets `--max-seconds BUDGET_S` (default TRAIN_S + MORE_S: one cosine over both
+# phases, fitted at the measured rate; the tenth round's, planned at a guessed rate, never decayed): the train phase
+# SIGTERMs it after TRAIN_S (its checkpoint records the seconds spent), the more phase resumes it with --max-seconds
+# spent + MORE_S and it ends itself; 0: the old way, --max-steps OURS_STEPS and a SIGTERM at the budget
+TIME_BUDGET=${TIME_BUDGET:-1} BUDGET_S=${BUDGET_S:-$((TRAIN_S + MORE_S))}
 [ -n "${OURS_STEPS:-}" ] && OURS_STEPS_GIVEN=1
 # OURS_RATE: the steps a second the cosine is planned at (14 at 12 sequences a step; 2026-12-03: ~5 at OURS_BATCH=48)
 OURS_RATE=${OURS_RATE:-14}
@@ -381,6 +382,17 @@ hand_back_draft_or_log() { # RETURN_DRAFT=1: the draft in pieces (return_draft);
     fi
 }
 
+seconds_spent() { # the seconds of steps our trainer's latest checkpoint records (`train --max-seconds` counts them)
+    "$PY" - "$DEV/ours" <<'EOF'
+import sys
+from pathlib import Path
+from backend.layout import STATE_FILE, latest_checkpoint
+from backend.train.checkpoint import load_training_state
+state = load_training_state(latest_checkpoint(Path(sys.argv[1])) / STATE_FILE) or {}
+print(int(state.get("seconds_of_steps", 0)))
+EOF
+}
+
 train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of steps from its first metrics line, then SIGTERM
     local pid t_start t_val t_stop t_exit watchdog="" rc=0 how=finished limit_at=$(($(date +%s) + STAGE_LIMIT - 30))
     local budget=$TRAIN_S resume=() lines0=0 metrics=$DEV/ours/metrics.jsonl batch=()
@@ -390,9 +402,11 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
     if [ "${1:-}" = resume ]; then
         budget=$MORE_S resume=(--resume latest) lines0=$(wc -l <"$metrics")
     fi
-    local steps=(--max-steps "$OURS_STEPS") grace=0
+    local steps=(--max-steps "$OURS_STEPS") grace=0 total=$BUDGET_S
     if [ "$TIME_BUDGET" = 1 ]; then # the trainer ends itself at the budget, its cosine fitted to it; SIGTERM only past a grace
-        steps=(--max-seconds "$budget") grace=60
+        [ -n "${resume[*]:-}" ] && total=$(($(seconds_spent) + MORE_S))
+        if [ -n "${resume[*]:-}" ] || [ "$total" -le "$budget" ]; then grace=60; fi # else the train phase stops it at TRAIN_S
+        steps=(--max-seconds "$total")
         [ -n "${OURS_STEPS_GIVEN:-}" ] && steps+=(--max-steps "$OURS_STEPS")
     fi
     t_start=$(date +%s%N)
@@ -419,8 +433,9 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
     wait "$pid" || rc=$?
     t_exit=$(date +%s%N)
     [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null
-    printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "attn_backend": "%s", "batch_size": "%s", "lr": "%s", "extra_data": %s, "resumed": %s}\n' \
-        "$(((t_val - t_start) / 1000000))e-3" "$(((t_stop - t_val) / 1000000))e-3" "$how" "$(((t_exit - t_stop) / 1000000))e-3" "$rc" "$OURS_STEPS" "$ATTN" "${OURS_BATCH:-profile}" \
+    printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "max_seconds": %s, "attn_backend": "%s", "batch_size": "%s", "lr": "%s", "extra_data": %s, "resumed": %s}\n' \
+        "$(((t_val - t_start) / 1000000))e-3" "$(((t_stop - t_val) / 1000000))e-3" "$how" "$(((t_exit - t_stop) / 1000000))e-3" "$rc" "$OURS_STEPS" \
+        "$([ "$TIME_BUDGET" = 1 ] && echo "$total" || echo null)" "$ATTN" "${OURS_BATCH:-profile}" \
         "${OURS_LR:-profile}" "$([ "$EXTRA_DATA" = 1 ] && echo true || echo false)" "$([ -n "${resume[*]:-}" ] && echo true || echo false)" | tee "$DEV/ours_timing.json"
     [ -n "${resume[*]:-}" ] && cat "$DEV/ours_timing.json" >>"$DEV/ours_timings.jsonl"
     tail -5 "$DEV/ours.log"

@@ -124,8 +124,9 @@ def _register_train(subparsers, parent) -> None:
         "--max-seconds",
         type=float,
         metavar="S",
-        help="a time budget: train S seconds from the step-0 validation, the cosine re-fitted to end then (at the measured steps a "
-        "second); the run ends as at its last step (validation, checkpoint). With --max-steps, whichever comes first",
+        help="a time budget: S seconds of steps in all, from the step-0 validation and across resumes (a resumed run trains what "
+        "its checkpoint has not spent), the cosine re-fitted to end then (at the measured steps a second); the run ends as at its "
+        "last step (validation, checkpoint). With --max-steps, whichever comes first",
     )
     train.add_argument("--schedule", choices=["cosine", "constant"])
     train.add_argument("--lr", type=float)

@@ -501,6 +501,8 @@ class Trainer:
         self.start_step = 0
         self.step = 0
         self.tokens = 0
+        self.seconds_before = 0.0  # seconds of steps in the runs this one resumes (what `--max-seconds` has spent)
+        self.steps_started: float | None = None  # monotonic time this run's steps began (after the step-0 validation)
         self.latest_val: dict = {}
         self.peak_rate: float | None = None
         self.last_step_flops = 0.0
@@ -708,7 +710,9 @@ class Trainer:
         self.start_step = int(state.get("step", meta.get("step", 0)))
         self.tokens = int(state.get("tokens", 0))
         self.latest_val = dict(state.get("latest_val") or {})
-        self.log(f"resumed from {checkpoint} at step {self.start_step}; d2t/t2d taken from the checkpoint")
+        self.seconds_before = float(state.get("seconds_of_steps", 0.0))
+        spent = f", {self.seconds_before:.0f} s of steps before" if "seconds_of_steps" in state else " (it does not record its seconds of steps)"
+        self.log(f"resumed from {checkpoint} at step {self.start_step}{spent}; d2t/t2d taken from the checkpoint")
         if self.options.max_steps is None and self.start_step >= self.settings.max_steps:
             # Past the profile's plan and no --max-steps: continue for another profile's worth of steps.
             self.settings = dataclasses.replace(self.settings, max_steps=self.start_step + self.profile.train.max_steps)
@@ -843,12 +847,21 @@ class Trainer:
         if self.step >= s.max_steps:
             self.log(f"already at step {self.step} >= max steps {s.max_steps}; nothing to train")
             return
-        steps = f"{self.options.max_seconds:g} s of steps from step {self.step + 1}" if self.options.max_seconds else f"steps {self.step + 1}..{s.max_steps}"
+        left = None if self.options.max_seconds is None else self.options.max_seconds - self.seconds_before
+        if left is not None and left <= 0:
+            self.log(
+                f"the time budget of {self.options.max_seconds:g} s is spent ({self.seconds_before:.0f} s of steps up to step {self.step}); nothing to train"
+            )
+            return
+        steps = f"steps {self.step + 1}..{s.max_steps}" if left is None else f"{left:g} s of steps from step {self.step + 1}"
+        if left is not None and self.seconds_before:
+            steps += f" (--max-seconds {self.options.max_seconds:g} less {self.seconds_before:.0f} s spent before)"
         self.log(f"training {steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}")
         self._beat("train")
         if self.options.eval_at_start and self.step == 0:
             self._validate()
-        budget = TimeBudget(self.options.max_seconds, self.step, time.monotonic(), cap=s.max_steps) if self.options.max_seconds else None
+        self.steps_started = time.monotonic()
+        budget = None if left is None else TimeBudget(left, self.step, self.steps_started, cap=s.max_steps)
         last_saved = last_eval = None
         self.peak_rate = matmul_peak_rate(ctx.device)
         if ctx.device.type == "cuda":
@@ -892,7 +905,7 @@ class Trainer:
                 self._flush_metrics()
                 return
             if budget is not None and self._on_any_rank(budget.expired(time.monotonic())):
-                self.log(f"the time budget of {budget.seconds:g} s is spent after step {self.step}")
+                self.log(f"the time budget of {self.options.max_seconds:g} s is spent after step {self.step}")
                 break
             if last_eval == self.step or last_saved == self.step:
                 timer = time.perf_counter()  # step_time measures training steps only
@@ -997,12 +1010,17 @@ class Trainer:
                 self.tb.add_scalar(f"{split}/{key}_{index}", value, self.step)
         self.tb.flush()
 
+    def seconds_of_steps(self) -> float:
+        """Wall seconds of training steps in this run and the runs it resumes (validations and saves between steps included)."""
+        return self.seconds_before + (0.0 if self.steps_started is None else time.monotonic() - self.steps_started)
+
     def training_state(self) -> dict:
         parts = self.parts
         return {
             "step": self.step,
             "epoch": self.epoch_progress,
             "tokens": self.tokens,
+            "seconds_of_steps": self.seconds_of_steps(),
             "optimizer": parts.optimizer.state_dict(),
             "sampler": self.data_state(),
             "grokfast": parts.grokfast.state_dict() if parts.grokfast else None,

@@ -133,6 +133,30 @@ def test_a_time_budget_ends_the_run_on_time_with_its_cosine_decayed(mini_profile
     assert "training 4 s of steps from step 1" in err and f"done: {steps[-1]['step']} steps" in err
 
 
+@pytest.mark.slow
+def test_a_time_budget_counts_across_resumes_as_max_steps_does(mini_profile, mini_env, tmp_path, capfd):
+    """--max-seconds is the run's total, like --max-steps: its checkpoint records the seconds of steps spent, the same
+    budget resumed trains nothing more, a larger one trains what is left and the checkpoint adds them up."""
+    out = tmp_path / "run"
+    quiet = {"log_interval": 1, "eval_interval": 10**6, "save_interval": 10**6}
+    assert train(mini_options(mini_profile, out, max_seconds=2.0, **quiet)) == 0
+    first = latest_checkpoint(out)
+    spent = load_checkpoint(first)[3]["seconds_of_steps"]
+    assert 1.5 <= spent <= 4.0
+    lines = len(read_records(out))
+    capfd.readouterr()
+    assert train(mini_options(mini_profile, out, max_seconds=2.0, resume="latest", **quiet)) == 0
+    assert len(read_records(out)) == lines and latest_checkpoint(out) == first  # nothing trained, nothing written
+    assert f"the time budget of 2 s is spent ({spent:.0f} s of steps up to step" in capfd.readouterr().err
+    assert train(mini_options(mini_profile, out, max_seconds=spent + 2.0, eval_at_start=False, resume="latest", **quiet)) == 0
+    resumed = [r for r in read_records(out)[lines:] if r["split"] == "train"]
+    assert resumed and 1.5 <= resumed[-1]["time"] - resumed[0]["time"] + resumed[0]["step_time"] <= 4.0
+    total = load_checkpoint(latest_checkpoint(out))[3]["seconds_of_steps"]
+    assert spent + 1.5 <= total <= spent + 4.0
+    err = capfd.readouterr().err
+    assert "s of steps before; d2t/t2d taken from the checkpoint" in err and f"less {spent:.0f} s spent before" in err
+
+
 @pytest.fixture(scope="module")
 def mini_run(mini_profile, mini_cache, tmp_path_factory):
     """6 steps (log every 2, eval/save every 3), TensorBoard on."""
