@@ -20,6 +20,10 @@
 #                 (ours_draft_at_train_s: the equal-time comparison). ~MORE_S + 60 s. RETURN_DRAFT=1 (here or in
 #                 train) sends the exported draft back in 16 MiB pieces (~48 MB in bf16: 3 files) instead of the
 #                 trainer's log: copied into .h200-draft, a later round serves it without training (PHASE=draft).
+#   PHASE=retrain carries nothing: our draft trained again from scratch for MORE_S seconds (--max-seconds, its cosine
+#                 fitted) on the data the train phase left in $DEV, when that phase's trainer failed (2026-12-03: a
+#                 SIGTERM to its group killed an Inductor compile's ptxas; the trainer now checkpoints then). The tokens
+#                 and compiled kernels are cached by then: its setup is ~20 s. RETURN_DRAFT=1 as in more.
 #   PHASE=serve   carries nothing. Both drafts decoded in one process (bench_decode_speed.py: held-out ShareGPT and
 #                 HumanEval, 3 and 7 steps, the transformers anchors); our final draft's compiled steps with SDPA and
 #                 with the Triton attention, and with the Triton linear too, for one-row products and for every
@@ -48,7 +52,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
-: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more, serve, profile, prepare or draft}"
+: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more, retrain, serve, profile, prepare or draft}"
 if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny sizes (CPU profile: seq_len 128, batch 1, float32)
     : "${DEVICE:=cpu}" "${PY:=.venv/bin/python}" "${WHEEL_DIR:=/tmp/h200-build/whl-local}" "${IMAGE_GUARD:=1}" "${DEV:=/tmp/h200-dry}"
     : "${SITE:=/tmp/h200-dry-site}" "${TRAIN_S:=5}" "${SF_S:=5}" "${OURS_STEPS:=4}" "${EVAL_INTERVAL:=2}" "${VAL_BATCHES:=1}" "${SF_VAL:=1}"
@@ -544,6 +548,17 @@ EOF
     hand_back_draft_or_log
 }
 
+# ------------------------------------------------------------------------------------------------ PHASE=retrain
+phase_retrain() { # our draft trained again from scratch on the train phase's data for MORE_S s (a train phase whose trainer failed)
+    [ -f "$DEV/data.json" ] || die "the train phase's data is gone from $DEV (was the machine still warm?): start again from PHASE=carry1"
+    DATA=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json")
+    rm -rf "$DEV/ours" "$DEV/ours_draft" "$DEV/ours_draft_at_train_s"
+    TRAIN_S=$MORE_S BUDGET_S=$MORE_S
+    stage train_ours $((MORE_S + 60)) $((MORE_S + 150)) train_ours
+    cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
+    hand_back_draft_or_log
+}
+
 # ------------------------------------------------------------------------------------------------ PHASE=serve
 left() { local s=$((limit_at - $(date +%s))); echo $((s > 1 ? s : 1)); } # seconds to a function's limit_at (timeout 0 means none)
 
@@ -629,9 +644,10 @@ prepare) phase_prepare ;;
 draft) phase_draft ;;
 train) phase_train ;;
 more) phase_more ;;
+retrain) phase_retrain ;;
 serve) phase_serve ;;
 profile) phase_profile ;;
-*) die "unknown PHASE (carry1, carry3, train, more, serve, profile, prepare or draft)" ;;
+*) die "unknown PHASE (carry1, carry3, train, more, retrain, serve, profile, prepare or draft)" ;;
 esac
 summarize "$PHASE"
 failed=$(awk -F'\t' '$3 != 0 {print $1}' "$TIMES" | tr '\n' ' ')

@@ -10,6 +10,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -503,6 +504,8 @@ class Trainer:
         self.tokens = 0
         self.seconds_before = 0.0  # seconds of steps in the runs this one resumes (what `--max-seconds` has spent)
         self.steps_started: float | None = None  # monotonic time this run's steps began (after the step-0 validation)
+        self.updating = False  # inside an optimizer step: the weights may be half-updated
+        self.resume_data: dict | None = None  # the sampler state a checkpoint records when a step failed while stopping
         self.latest_val: dict = {}
         self.peak_rate: float | None = None
         self.last_step_flops = 0.0
@@ -769,7 +772,9 @@ class Trainer:
         result = self._forward(batch, parts.model)
         del batch
         result.total.backward()
+        self.updating = True
         grad_norm, lr = self._optimizer_step(step)
+        self.updating = False
         self.tokens += tokens * self.ctx.world_size
         return result, grad_norm, lr
 
@@ -804,6 +809,8 @@ class Trainer:
     def data_state(self) -> dict:
         """Where the next training batch comes from (what a resume continues with)."""
         parts = self.parts
+        if self.resume_data is not None:  # a step failed while stopping: its batch is trained again on resume
+            return dict(self.resume_data)
         return parts.prefetcher.consumed_state() if parts.prefetcher is not None else parts.sampler.state_dict()
 
     @property
@@ -858,8 +865,8 @@ class Trainer:
             steps += f" (--max-seconds {self.options.max_seconds:g} less {self.seconds_before:.0f} s spent before)"
         self.log(f"training {steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}")
         self._beat("train")
-        if self.options.eval_at_start and self.step == 0:
-            self._validate()
+        if self.options.eval_at_start and self.step == 0 and not self._unless_stopping(self._validate)[0]:
+            return
         self.steps_started = time.monotonic()
         budget = None if left is None else TimeBudget(left, self.step, self.steps_started, cap=s.max_steps)
         last_saved = last_eval = None
@@ -871,7 +878,10 @@ class Trainer:
         interval_flops = 0.0
         while self.step < self.settings.max_steps:
             tokens_before = self.tokens
-            result, grad_norm, lr = self.train_step(self.step)
+            done, stepped = self._unless_stopping(self.train_step, self.step)
+            if not done or stepped is None:
+                return
+            result, grad_norm, lr = stepped
             self.step += 1
             self._beat()
             interval.add(result)
@@ -891,7 +901,8 @@ class Trainer:
                 interval_tokens, interval_flops = 0, 0.0
                 timer = time.perf_counter()
             if self.step % s.eval_interval == 0:
-                self._validate()
+                if not self._unless_stopping(self._validate)[0]:
+                    return
                 last_eval = self.step
             stopping = self._stop_requested()
             if stopping or self.step % s.save_interval == 0:
@@ -916,6 +927,33 @@ class Trainer:
             self._save()
         self._flush_metrics()
         self.log(f"done: {self.step} steps" + ("" if self.last_save_ok else "; the final checkpoint was NOT saved"))
+
+    def _unless_stopping(self, work: Callable[..., T], *args: Any) -> tuple[bool, T | None]:
+        """(True, work(*args)), or (False, None) when it fails after a stop signal arrived: the stop's SIGTERM to the process group also
+        reaches this trainer's children (on the H200, 2026-12-03, a ptxas of an Inductor compile died mid-kernel and the
+        run ended in a traceback with no checkpoint). Then the last whole step is checkpointed, the data where it was."""
+        data_before = self.data_state() if self._parts is not None else None
+        try:
+            return True, work(*args)
+        except Exception as exc:
+            if self.stop_signal is None or self.ctx.enabled:  # no stop asked, or ranks that would wait for this one
+                raise
+            what = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            by = signal.Signals(self.stop_signal).name
+            self.stopped = True
+            if self.updating:
+                self.last_save_ok = False
+                self.log(f"step {self.step + 1} failed inside its weight update after {by} ({what}); no checkpoint written, the last one stays")
+            elif self.step == self.start_step:
+                self.log(f"stopped by {by} before step {self.step + 1} ({what}); nothing trained, no checkpoint written")
+            else:
+                self.resume_data = data_before
+                self.log(f"{work.__name__} after step {self.step} failed after {by} ({what}): its signal reached a child; saving step {self.step}")
+                self._save()
+                outcome = "checkpoint written" if self.last_save_ok else "the checkpoint could NOT be written (see above)"
+                self.log(f"stopped by {by} after step {self.step}; {outcome}")
+            self._flush_metrics()
+            return False, None
 
     def _refit_to_budget(self, budget: TimeBudget) -> None:
         """The cosine (and the step count) re-fitted to end at the budget's deadline; every rank takes the largest fit."""

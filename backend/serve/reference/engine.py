@@ -283,10 +283,13 @@ class Engine:
         return streaming_decoder_class()(self.target.model, draft, **kwargs)
 
     def _warm(self, decoder) -> None:
-        """Every padded prompt width once (static decoder on CUDA), then one short plain (and speculative) decode at load:
-        the first cache prefix's graphs are captured now."""
+        """Every padded prompt width and every step at every cache prefix once (static decoder on CUDA: their graphs are
+        captured now, not by the first request that reaches them), then one short plain (and speculative) decode."""
         prompt = [0, 1, 2, 3]
         decoder.warm_prefill()
+        started = time.perf_counter()
+        if steps := decoder.warm_steps():
+            log(f"captured {steps} decode steps at cache prefixes {decoder.buckets} in {time.perf_counter() - started:.1f} s")
         decoder.plain(prompt, 3)
         if decoder.draft is not None:
             decoder.generate(prompt, 2 * self.num_steps + 2)

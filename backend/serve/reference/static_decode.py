@@ -739,6 +739,24 @@ class StaticDecoder(SpecDecoder):
                 if self.static_draft is not None:
                     self._draft_prompt(width)
 
+    def warm_steps(self, every_bucket: bool | None = None) -> int:
+        """Run each step kind once at every cache prefix (on CUDA each is captured then; every_bucket=None: when using
+        graphs) and return how many ran: no request pays a capture. On the H200 (2026-12-03) the first prompt of 3,397
+        tokens took 2.21 s where its plain decode took 0.42 s: verify, draft and move captured at two new prefixes."""
+        if not (self.use_graphs if every_bucket is None else every_bucket):
+            return 0
+        kinds: list[tuple[str, Callable[[int], None]]] = [("decode", self._decode_fn)]
+        if self.static_draft is not None:
+            kinds += [("draft", self._draft_fn), ("verify", self._verify_fn), ("move", self._move_fn)]
+        with torch.no_grad(), self._device_scope():
+            # positions 0.. of the cache: what the steps write there, a request's prefill writes again
+            self._set_scalars(1, 0, 1, 0)
+            self._set_scalars(1 + self.num_steps, 1, first=5)
+            for bucket in self.buckets:
+                for kind, function in kinds:
+                    self._run(kind, function, bucket)
+        return len(self.buckets) * len(kinds)
+
     # --- decoding --------------------------------------------------------------------------------------
 
     def plain(self, input_ids, max_new_tokens: int) -> GenerateResult:

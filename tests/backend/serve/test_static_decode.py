@@ -403,6 +403,25 @@ def test_rounds_crossing_a_cache_prefix_boundary_still_match():
     same(eager.generate(torch.tensor(prompt), 30), static.generate(torch.tensor(prompt), 30))
 
 
+def test_warming_every_step_at_every_cache_prefix_leaves_the_tokens_as_they_were(monkeypatch):
+    """What the server runs at load on CUDA (each run captures a graph there): every kind at every prefix once; the
+    cache rows it writes are rewritten by a request's prefill, so the tokens and rounds stay the eager ones."""
+    target = random_target()
+    draft = random_draft(target)
+    eager = SpecDecoder(target, draft, AUX, num_steps=3)
+    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=600)
+    ran: list[tuple[str, int]] = []
+    run = static._run
+    monkeypatch.setattr(static, "_run", lambda kind, function, bucket: ran.append((kind, bucket)) or run(kind, function, bucket))
+    assert static.warm_steps() == 0 and not ran  # CPU: no graphs, nothing to capture
+    assert static.warm_steps(every_bucket=True) == 12
+    assert ran == [(kind, bucket) for bucket in (256, 512, 600) for kind in ("decode", "draft", "verify", "move")]
+    prompt = torch.randint(0, 256, (490,), generator=torch.Generator().manual_seed(5))  # crosses from the 512 prefix to 600
+    assert static.plain(prompt, 40).output_ids == eager.plain(prompt, 40).output_ids
+    same(eager.generate(prompt, 40), static.generate(prompt, 40))
+    assert StaticDecoder(target, None, AUX, max_len=600).warm_steps(every_bucket=True) == 3  # no draft: decode only
+
+
 def test_a_request_longer_than_the_cache_is_refused_and_the_decoder_still_works():
     target = random_target()
     static = StaticDecoder(target, random_draft(target), AUX, num_steps=3, max_len=64)

@@ -383,6 +383,49 @@ def test_sigterm_mid_run_writes_a_complete_checkpoint_and_exits_zero(tiny_target
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
+# A step that runs a child process (as Inductor runs ptxas) and, at step 4, waits on one that a stop's group signal kills.
+CHILD_IN_STEP = """
+import pathlib, subprocess, sys
+from backend.train import trainer
+step, marker = trainer.Trainer.train_step, pathlib.Path(sys.argv.pop(1))
+def train_step(self, index):
+    if index == 3:
+        marker.touch()
+        subprocess.run(["sleep", "120"], check=True)
+    return step(self, index)
+trainer.Trainer.train_step = train_step
+from backend.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_that_kills_a_child_of_the_step_still_checkpoints_the_last_whole_step(tiny_target_dir, tiny_profile, tiny_target, tmp_path):
+    """The safe stop SIGTERMs the job's process group: a child the step waits on dies too and the step raises (a ptxas
+    of an Inductor compile did on the H200). The run ends as stopped, with steps 1-3 saved and the data cursor of step 3."""
+    tiny_samples(tiny_target, tiny_data_settings(tiny_profile.train.seq_len, seed=tiny_profile.train.seed))  # data cached first
+    out, marker = tmp_path / "run", tmp_path / "in-step-4"
+    argv = [sys.executable, "-c", CHILD_IN_STEP, str(marker), "train", "--profile", "tiny", "--out", str(out), "--max-steps", "100"]
+    argv += ["--log-interval", "1", "--eval-interval", "100000", "--save-interval", "100000"]
+    process = subprocess.Popen(argv, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: marker.exists() or process.poll() is not None, 600, "step 4's child process")
+        time.sleep(0.5)
+        os.killpg(process.pid, signal.SIGTERM)  # as backend/jobs/stop.py signals a job it started
+        _, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err[-3000:]
+    assert "train_step after step 3 failed after SIGTERM (CalledProcessError:" in err
+    assert "stopped by SIGTERM after step 3; checkpoint written" in err and "Traceback" not in err
+    latest = latest_checkpoint(out)
+    assert latest.name.endswith("_step_3")
+    state = load_checkpoint(latest)[3]
+    assert state["step"] == 3 and state["sampler"]["cursor"] == 3  # step 4's batch is trained again on resume
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
 @pytest.mark.slow
 def test_two_process_torchrun_on_cpu_trains_and_writes_one_checkpoint(tiny_target_dir, tiny_profile, tiny_target, tmp_path):
     tiny_samples(tiny_target, tiny_data_settings(tiny_profile.train.seq_len, seed=tiny_profile.train.seed))
