@@ -127,6 +127,8 @@ class ServeConfig(_Strict):
     mem_fraction_static: float = Field(default=0.8, gt=0, le=1)
     trust_remote_code: bool = False
     extra_args: list[str] = Field(default_factory=list)
+    # options for the reference server (`--engine reference`) beyond what the launcher sets, e.g. ["--compile-steps"]
+    reference_args: list[str] = Field(default_factory=list)
     ready_timeout_s: float = Field(default=1200, gt=0)
 
 

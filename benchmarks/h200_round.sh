@@ -625,7 +625,7 @@ phase_serve() {
     if [ "$CHAIN" = 1 ] && [ ! -f "$DEV/ours/checkpoints/latest" ]; then
         note "chain skipped: no training checkpoint in $DEV (a carried draft)"
     elif [ "$CHAIN" = 1 ]; then
-        stage chain 150 240 chain
+        stage chain 200 300 chain # the server compiles its steps at load (smollm2 [serve] reference_args)
     fi
     # shellcheck disable=SC2086 # GROUPING_EXTRA is a list of options
     [ "$GROUPING" = 1 ] && stage regen_grouping 90 150 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" \

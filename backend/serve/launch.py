@@ -104,7 +104,34 @@ def reference_argv(
         argv += ["--draft", str(draft_dir), "--feed", feed, "--num-steps", str(num_steps or profile.serve.num_steps)]
     else:
         argv.append("--no-speculation")
-    return argv
+    return argv + checked_reference_args(argv, profile.serve.reference_args)
+
+
+# What reference_argv sets itself: a profile's [serve] reference_args may not set them again.
+LAUNCHER_SETS = ("--profile", "--host", "--port", "--device", "--draft", "--feed", "--num-steps", "--no-speculation")
+
+
+def checked_reference_args(argv: list[str], extra: list[str]) -> list[str]:
+    """The profile's [serve] reference_args, refused (ValueError, nothing started) when the reference server's own
+    parser would refuse them or they set what the launcher does."""
+    if not extra:
+        return []
+    import contextlib
+    import io
+
+    from backend.serve.reference.server import parse_args
+
+    taken = [arg for arg in extra if arg.split("=", 1)[0] in LAUNCHER_SETS]
+    if taken:
+        raise ValueError(f"[serve] reference_args may not set {', '.join(taken)}: the launcher sets it; nothing was started")
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            parse_args([*argv[3:], *extra])
+    except SystemExit:
+        said = errors.getvalue().strip().splitlines()
+        raise ValueError(f"[serve] reference_args {extra}: {said[-1] if said else 'refused'}; nothing was started") from None
+    return list(extra)
 
 
 def build_argv(

@@ -69,3 +69,28 @@ def test_serve_text_output_carries_the_acceptance_lines_of_its_json(tmp_path, mi
     assert all(line in lines for line in expected), (expected, text)
     assert any(POOLED_LABEL in line for line in lines) and any(MEAN_OF_MEANS_LABEL in line for line in lines)
     assert any(line.strip().startswith("pos  val acc") for line in lines), text
+
+
+def test_a_profiles_reference_args_reach_the_server_argv_or_are_refused_before_anything_starts(mini_profile):
+    """[serve] reference_args: the reference server's own options (the smollm2 profile compiles its steps on CUDA),
+    checked by that server's parser; what the launcher sets itself, or what the server would refuse, is refused."""
+    import pytest
+
+    from backend.profiles import load_profile
+    from backend.serve.launch import reference_argv
+
+    def with_args(args):
+        return mini_profile.model_copy(update={"serve": mini_profile.serve.model_copy(update={"reference_args": args})})
+
+    argv = reference_argv(with_args(["--compile-steps", "--attention", "sdpa"]), "/drafts/d", 31000)
+    assert argv[-3:] == ["--compile-steps", "--attention", "sdpa"] and "--draft" in argv
+    assert reference_argv(mini_profile, "/drafts/d", 31000)[-2:] == ["--num-steps", str(mini_profile.serve.num_steps)]
+    assert reference_argv(load_profile("smollm2-135m"), "/drafts/d", 31000)[-1] == "--compile-steps"
+    for args, words in (
+        (["--port=1"], "may not set --port=1: the launcher sets it; nothing was started"),
+        (["--no-speculation"], "may not set --no-speculation"),
+        (["--bogus"], "unrecognized arguments: --bogus; nothing was started"),
+        (["--branches", "two"], "invalid int value: 'two'"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            reference_argv(with_args(args), "/drafts/d", 31000)
