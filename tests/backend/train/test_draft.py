@@ -438,3 +438,28 @@ def test_checkpoint_keys_are_sglang_s_midlayer_names():
         "midlayer.hidden_norm.weight": (32,),
         "midlayer.post_attention_layernorm.weight": (32,),
     }
+
+
+@pytest.mark.slow
+def test_compiled_layer_regions_compile_two_graphs_for_any_number_of_lengths():
+    """Bucketed real data brings ~11 sequence lengths: the compiled regions (the training path on CUDA, here on the CPU
+    backend) stop compiling after the second length and give the eager layer's states at every length."""
+    from torch._dynamo.utils import counters
+
+    from tests.fixtures.drafts import HIDDEN, draft_config
+
+    torch.manual_seed(0)
+    draft = Eagle3Draft(draft_config(), init_std=0.02)
+    draft.load_target_embedding(torch.randn(draft_config().vocab_size, HIDDEN) * 0.02)
+    draft.set_attention_backend("sdpa")
+    width = draft.fc.weight.shape[1]
+    graphs = []
+    for seq in (16, 24, 32, 48, 64):
+        aux, ids = torch.randn(2, seq, width), torch.randint(0, 200, (2, seq))
+        compiled = list(draft._ttt_steps(aux, ids, 2, 0, compile_regions=True))
+        sum(h.float().pow(2).mean() for h in compiled).backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+        with torch.no_grad():
+            eager = list(draft._ttt_steps(aux, ids, 2, 0))
+        assert all(torch.allclose(a.detach(), b, atol=1e-5, rtol=1e-4) for a, b in zip(compiled, eager))
+    assert graphs[1:] == [graphs[1]] * 4  # the lengths after the second compile nothing (static shapes: each did)
