@@ -380,7 +380,8 @@ EOF
 hand_back_draft_or_log() { # RETURN_DRAFT=1: the draft in pieces (return_draft); else the trainer's log (at most 8 files return)
     if [ "${RETURN_DRAFT:-0}" = 1 ]; then
         return_draft
-        grep -v '^\[train\] step ' "$DEV/ours.log" 2>/dev/null | tail -150 >"$OUT/ours_train_setup.log" # the setup lines, not the steps
+        # the setup lines (not the steps): the first 80 and the last 70, so a traceback at the end keeps the setup's (2026-12-03)
+        grep -v '^\[train\] step ' "$DEV/ours.log" 2>/dev/null | awk '{ line[NR] = $0 } END { for (i = 1; i <= NR; i++) if (i <= 80 || i > NR - 70) print line[i]; else if (i == 81) print "[... " NR - 150 " lines ...]" }' >"$OUT/ours_train_setup.log"
     else
         cp "$DEV/ours.log" "$OUT/ours_train.log" 2>/dev/null
     fi
