@@ -103,6 +103,12 @@ def handle_serve(args) -> int:
     if args.device is not None and engine != "reference":
         print("error: --device exists only with --engine reference (SGLang places the model itself). Nothing was started.", file=sys.stderr)
         return EXIT_USAGE
+    if engine == "reference":
+        try:  # the profile's reference_args, checked by the server's parser before anything starts
+            launch_mod.reference_argv(profile, None, 1, speculative=False)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     if args.dry_run and args.baseline:
         argv = launch_mod.build_argv(profile, None, engine, args.port or profile.serve.port, host=args.host, speculative=False, device=args.device)
         print(json.dumps({"argv": argv, "preflight": None}, indent=1))

@@ -94,3 +94,23 @@ def test_a_profiles_reference_args_reach_the_server_argv_or_are_refused_before_a
     ):
         with pytest.raises(ValueError, match=words):
             reference_argv(with_args(args), "/drafts/d", 31000)
+
+
+def test_serve_refuses_bad_reference_args_in_one_line_and_starts_nothing(tmp_path, mini_target_dir, mini_profile, capsys):
+    from tests.fixtures.env import mini_profile_dict
+    from tests.fixtures.reference import toml_text
+
+    raw = mini_profile_dict(mini_target_dir)
+    raw.setdefault("serve", {})["reference_args"] = ["--bogus"]
+    profile_path = tmp_path / "bogus.toml"
+    profile_path.write_text(toml_text(raw))
+    draft = save_untrained_draft(mini_profile, tmp_path / "draft-run")
+    run_dir = tmp_path / "runs"
+    code = main(["serve", "--run-dir", str(run_dir), "--profile", str(profile_path), "--draft", str(draft), "--engine", "reference"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert (
+        err
+        == "error: [serve] reference_args ['--bogus']: python -m backend.serve.reference.server: error: unrecognized arguments: --bogus; nothing was started"
+    )
+    assert JobRegistry(run_dir).list_jobs() == []  # nothing was started
