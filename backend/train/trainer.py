@@ -504,6 +504,7 @@ class Trainer:
         self.tokens = 0
         self.seconds_before = 0.0  # seconds of steps in the runs this one resumes (what `--max-seconds` has spent)
         self.steps_started: float | None = None  # monotonic time this run's steps began (after the step-0 validation)
+        self.run_started: float | None = None  # monotonic time run() began (the setup's duration is logged)
         self.updating = False  # inside an optimizer step: the weights may be half-updated
         self.resume_data: dict | None = None  # the sampler state a checkpoint records when a step failed while stopping
         self.latest_val: dict = {}
@@ -566,6 +567,7 @@ class Trainer:
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.run_started = time.monotonic()
         self.ctx = init_distributed(self.options.device)
         phase = "failed"
         try:
@@ -863,7 +865,8 @@ class Trainer:
         steps = f"steps {self.step + 1}..{s.max_steps}" if left is None else f"{left:g} s of steps from step {self.step + 1}"
         if left is not None and self.seconds_before:
             steps += f" (--max-seconds {self.options.max_seconds:g} less {self.seconds_before:.0f} s spent before)"
-        self.log(f"training {steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}")
+        setup = f" (setup {time.monotonic() - self.run_started:.1f} s)" if self.run_started is not None else ""
+        self.log(f"training {steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}{setup}")
         self._beat("train")
         if self.options.eval_at_start and self.step == 0 and not self._unless_stopping(self._validate)[0]:
             return
@@ -1023,7 +1026,9 @@ class Trainer:
 
     def _validate(self) -> None:
         self._beat("validate")
+        started = time.monotonic()
         values = self.evaluate()
+        seconds = time.monotonic() - started  # compiles for new shapes show here (the step-0 validation's first)
         self._beat("train")
         self.latest_val = {"step": self.step, **values}
         if self.metrics is None:  # ranks other than 0
@@ -1035,6 +1040,7 @@ class Trainer:
         self.log(
             f"validation at step {self.step}: loss {values['loss']:.4f} acc {' '.join(f'{a:.3f}' for a in values['acc'])}"
             + (f"; chain rounds replayed: accept length {simulated}" if simulated else "")
+            + f" ({seconds:.1f} s)"
         )
 
     def _tensorboard(self, split: str, record: dict) -> None:
