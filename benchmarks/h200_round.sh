@@ -525,10 +525,14 @@ EOF
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=more
+training_data_dir() { # what the train phase trained on ($DEV/data.json: regenerated, else ShareGPT's own answers)
+    "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json"
+}
+
 phase_more() {
     [ -f "$DEV/ours/checkpoints/latest" ] && [ -f "$DEV/data.json" ] ||
         die "the train phase's state is gone from $DEV (was the machine still warm?): start again from PHASE=carry1"
-    DATA=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json")
+    DATA=$(training_data_dir)
     [ -d "$DEV/ours_draft_at_train_s" ] || cp -r "$DEV/ours_draft" "$DEV/ours_draft_at_train_s" # the equal-time draft, served beside SpecForge's
     if [ -z "${OURS_STEPS_GIVEN:-}" ] && [ "$TIME_BUDGET" != 1 ]; then # the cosine ends where this phase's steps will: the last step plus the measured rate x MORE_S
         OURS_STEPS=$("$PY" - "$DEV/ours/metrics.jsonl" "$MORE_S" "$OURS_STEPS" <<'EOF'
@@ -552,7 +556,7 @@ EOF
 # ------------------------------------------------------------------------------------------------ PHASE=retrain
 phase_retrain() { # our draft trained again from scratch on the train phase's data for MORE_S s (a train phase whose trainer failed)
     [ -f "$DEV/data.json" ] || die "the train phase's data is gone from $DEV (was the machine still warm?): start again from PHASE=carry1"
-    DATA=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json")
+    DATA=$(training_data_dir)
     rm -rf "$DEV/ours" "$DEV/ours_draft" "$DEV/ours_draft_at_train_s"
     TRAIN_S=$MORE_S BUDGET_S=$MORE_S
     stage train_ours $((MORE_S + 60)) $((MORE_S + 150)) train_ours
@@ -606,7 +610,7 @@ decode_compiled() { # OUT_JSON [OPTIONS...]: our final draft, 3 steps, compiled 
 
 phase_serve() {
     [ -f "$DEV/data.json" ] && [ -d "$DEV/ours_draft" ] || die "the train phase's state is gone from $DEV (was the machine still warm?)"
-    DATA=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json")
+    DATA=$(training_data_dir)
     MODEL_DIR=$(model_dir)
     local drafts=(--draft "$DEV/ours_draft")
     if [ -d "$DEV/sf/draft" ]; then # our equal-time draft beside SpecForge's

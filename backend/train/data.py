@@ -270,12 +270,15 @@ def conversation_tokens(tokenizer, messages: list[dict], max_len: int, chat_temp
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_len: int, chat_template: str | None = None) -> Sample | None:
     """conversation_tokens as a Sample (int64 ids, uint8 mask). `chat_template`: Jinja text (None: the tokenizer's own)."""
+    found = conversation_tokens(tokenizer, messages, max_len, chat_template)
+    return None if found is None else sample_of(*found)
+
+
+def sample_of(ids: list[int], mask: list[int]) -> Sample:
+    """conversation_tokens' lists as a Sample: int64 ids, uint8 mask."""
     import torch
 
-    found = conversation_tokens(tokenizer, messages, max_len, chat_template)
-    if found is None:
-        return None
-    return Sample(torch.tensor(found[0], dtype=torch.int64), torch.tensor(found[1], dtype=torch.uint8))
+    return Sample(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.uint8))
 
 
 def regenerate_conversation(target, messages: list[dict], max_new_tokens: int, chat_template: str | None = None) -> list[dict]:
@@ -484,15 +487,13 @@ def _tokenize_in_workers(tokenizer, conversations: list, max_len: int, jinja, wo
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    import torch
-
     size = max(32, len(conversations) // (workers * 8))
     tasks = [([c.messages for c in conversations[i : i + size]], max_len, jinja) for i in range(0, len(conversations), size)]
     samples: list[Sample] = []
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA and OpenMP threads
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_tokenize_worker, initargs=(tokenizer,)) as pool:
         for chunk in pool.map(_tokenize_chunk, tasks):
-            samples.extend(Sample(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.uint8)) for ids, mask in filter(None, chunk))
+            samples.extend(sample_of(ids, mask) for ids, mask in filter(None, chunk))
             advance(len(chunk))
     return samples
 
