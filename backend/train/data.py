@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -12,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from backend import durable
-from backend.metrics.parallel import available_cpus
 from backend.layout import SHARD_FORMAT, SHARD_META
 from backend.train.chat_templates import ChatTemplate, render_chat, template_ids, template_text, tokenizer_name
 from backend.train.conversations import PREPARE_META, DataError, read_conversation_file
@@ -241,31 +241,66 @@ def _assistant_spans(tokenizer, messages: list[dict], template: str | None) -> t
 
 def conversation_tokens(tokenizer, messages: list[dict], max_len: int, chat_template: str | None = None) -> tuple[list[int], list[int]] | None:
     """Chat-template token ids and the loss mask (1 on each assistant turn's tokens), at most max_len of each; None
-    when no assistant token is left. Plain lists (no torch): tokenizing workers send them back as they are.
+    when no assistant token is left. Plain lists (no torch).
 
     A fast tokenizer renders the text once per prefix (cheap) and tokenizes it once, masking the tokens whose
     characters fall in an assistant turn; otherwise each prefix is tokenized and the masks come from their lengths.
     """
-    found = _assistant_spans(tokenizer, messages, chat_template) if getattr(tokenizer, "is_fast", False) else None
-    if found is not None:
-        text, spans = found
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(encoded["input_ids"][:max_len])
-        mask = [int(any(start <= begin < end for start, end in spans)) for begin, _ in encoded["offset_mapping"][:max_len]]
-    else:
-        ids = template_ids(tokenizer, messages, False, chat_template)
-        mask = [0] * len(ids)
-        for index, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            start = len(template_ids(tokenizer, messages[:index], True, chat_template)) if index else 0
-            if start >= max_len:
-                break
-            end = len(template_ids(tokenizer, messages[: index + 1], False, chat_template))
-            for position in range(start, min(end, len(ids))):
-                mask[position] = 1
-    ids, mask = ids[:max_len], mask[:max_len]
-    return (ids, mask) if any(mask) else None
+    return conversations_tokens(tokenizer, [messages], max_len, chat_template)[0]
+
+
+def conversations_tokens(
+    tokenizer, conversations: list[list[dict]], max_len: int, chat_template: str | None = None
+) -> list[tuple[list[int], list[int]] | None]:
+    """conversation_tokens of each conversation, the rendered texts of a fast tokenizer encoded in one batch (on all
+    cores: the Rust tokenizer's own threads)."""
+    fast = getattr(tokenizer, "is_fast", False)
+    found = [_assistant_spans(tokenizer, messages, chat_template) if fast else None for messages in conversations]
+    texts = [text for text, _ in filter(None, found)]
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else {"input_ids": [], "offset_mapping": []}
+    batch = iter(zip(encoded["input_ids"], encoded["offset_mapping"]))
+    results = []
+    for messages, spans in zip(conversations, found):
+        if spans is None:
+            ids, mask = _tokens_by_prefix(tokenizer, messages, max_len, chat_template)
+        else:
+            ids, offsets = next(batch)
+            ids, mask = list(ids[:max_len]), _mask_of(offsets[:max_len], spans[1])
+        results.append((ids, mask) if any(mask) else None)
+    return results
+
+
+def _mask_of(offsets, spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token whose first character lies in one of the character spans, else 0."""
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        elif start < end:
+            merged.append([start, end])
+    starts, ends = [start for start, _ in merged], [end for _, end in merged]
+    mask = []
+    for begin, _ in offsets:
+        index = bisect.bisect_right(starts, begin) - 1
+        mask.append(int(index >= 0 and begin < ends[index]))
+    return mask
+
+
+def _tokens_by_prefix(tokenizer, messages: list[dict], max_len: int, chat_template: str | None) -> tuple[list[int], list[int]]:
+    """Ids and mask when a conversation's text cannot be split by characters: each prefix tokenized, the masks from
+    their lengths (a slow tokenizer, or a template whose prefixes do not render as prefixes of the whole)."""
+    ids = template_ids(tokenizer, messages, False, chat_template)
+    mask = [0] * len(ids)
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(template_ids(tokenizer, messages[:index], True, chat_template)) if index else 0
+        if start >= max_len:
+            break
+        end = len(template_ids(tokenizer, messages[: index + 1], False, chat_template))
+        for position in range(start, min(end, len(ids))):
+            mask[position] = 1
+    return ids[:max_len], mask[:max_len]
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_len: int, chat_template: str | None = None) -> Sample | None:
@@ -367,14 +402,13 @@ def conversation_samples(
     chat_template: ChatTemplate | None = None,
     cache_dir: Path | None = None,
     log: Callable[[str], None] | None = None,
-    workers: int | None = None,
 ) -> dict[str, list[Sample]]:
     """Tokenized conversations split into train / held-out val (at least one val sample).
 
     `path`: a chat file in any format backend/train/conversations.py reads (split here by a seeded shuffle), or a
     `data prepare` output dir (its train/val split is used as is). The tokenized splits are cached under the cache
     dir, keyed on the data's sha256, the tokenizer, the template, max_len and the split settings; a run that
-    regenerates answers with the target is not cached. `workers`: tokenizing processes (None: tokenize_workers decides).
+    regenerates answers with the target is not cached.
     """
     import time
 
@@ -403,11 +437,11 @@ def conversation_samples(
             log(f"conversations: {len(splits['train'])}+{len(splits['val'])} tokenized samples from the cache {cache} in {time.monotonic() - started:.1f} s")
         return splits
     if cache is None:
-        return _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, target, regenerate_tokens, jinja, log, workers)
+        return _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, target, regenerate_tokens, jinja, log)
     with cache_lock(cache.with_name(f".{cache.name}.lock"), f"the tokenized conversations {cache.name}", log):
         if cache.is_file():
             return _read_samples_cache(cache)
-        splits = _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, target, regenerate_tokens, jinja, log, workers)
+        splits = _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, target, regenerate_tokens, jinja, log)
         _write_samples_cache(cache, splits, key)
         if log:
             log(f"conversations: cached the tokenized samples at {cache}")
@@ -455,52 +489,15 @@ def _check_regenerated(path: Path, target, regenerate_tokens: int, log) -> None:
         log(f"conversations: regenerated by {meta['target']['path']} (template {meta['template']['name']}, {how}, seed {settings['seed']})")
 
 
-# Tokenizing (chat template + tokenizer) costs ~5-10 ms a ShareGPT conversation on one core: from this many
-# conversations on, worker processes share it (a first read of 15,815 took 163 s on one core).
-PARALLEL_TOKENIZE_FROM = 2000
+# Conversations tokenized a batch at a time, in process: the template renders each in Python (~0.3-0.9 ms a
+# conversation on one core) and the fast tokenizer encodes the batch on every core. Worker processes lost on the H200
+# host: each unpickled the tokenizer through transformers, whose 5.17 imports torch with it (utils/generic.py), and 16
+# importing torch at once spent 70-86 s before the first result (h200_round10_probe_tokenize.json; 2026-12-03, round
+# 12: 99 s of a 103 s setup for 12,324 regenerated conversations).
+TOKENIZE_BATCH = 256
 
 
-def tokenize_workers(total: int, regenerate_tokens: int = 0) -> int:
-    """Worker processes for tokenizing `total` conversations: 1 (in process) for few, or when the target answers them."""
-    if regenerate_tokens or total < PARALLEL_TOKENIZE_FROM:
-        return 1
-    return max(1, min(16, available_cpus()))
-
-
-_worker_tokenizer = None
-
-
-def _init_tokenize_worker(tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
-
-
-def _tokenize_chunk(task: tuple[list[list[dict]], int, str | None]) -> list[tuple | None]:
-    """A worker's share: each conversation's (ids, mask) lists, None where nothing is trained. The worker never imports
-    torch: 16 processes importing it at once took ~70 s on the H200 host (h200_round10_probe_tokenize.json)."""
-    chunk, max_len, jinja = task
-    return [conversation_tokens(_worker_tokenizer, messages, max_len, jinja) for messages in chunk]
-
-
-def _tokenize_in_workers(tokenizer, conversations: list, max_len: int, jinja, workers: int, advance: Callable[[int], None]) -> list[Sample]:
-    """conversation_tokens over `conversations` in `workers` spawned processes, in order (the same samples as in process)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    size = max(32, len(conversations) // (workers * 8))
-    tasks = [([c.messages for c in conversations[i : i + size]], max_len, jinja) for i in range(0, len(conversations), size)]
-    samples: list[Sample] = []
-    context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA and OpenMP threads
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_tokenize_worker, initargs=(tokenizer,)) as pool:
-        for chunk in pool.map(_tokenize_chunk, tasks):
-            samples.extend(sample_of(ids, mask) for ids, mask in filter(None, chunk))
-            advance(len(chunk))
-    return samples
-
-
-def _tokenize_splits(
-    tokenizer, files, max_len, val_fraction, seed, limit, target, regenerate_tokens, jinja, log, workers: int | None = None
-) -> dict[str, list[Sample]]:
+def _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, target, regenerate_tokens, jinja, log) -> dict[str, list[Sample]]:
     import time
 
     read = {name: read_conversation_file(file, limit) for name, file in files.items()}
@@ -509,9 +506,6 @@ def _tokenize_splits(
             for line in summary.describe():
                 log(f"conversations: {line}")
     total = sum(len(conversations) for conversations, _ in read.values())
-    workers = workers or tokenize_workers(total, regenerate_tokens)
-    if log and workers > 1:
-        log(f"conversations: tokenizing {total:,} in {workers} worker processes")
     started, done, every = time.monotonic(), 0, progress_every(total, 10)
 
     def advance(count: int) -> None:
@@ -521,28 +515,16 @@ def _tokenize_splits(
             log(progress_line("tokenizing", done, total, started, unit="conversations"))
 
     def tokenize_all(conversations) -> list[Sample]:
-        nonlocal done
-        if workers > 1:
-            from concurrent.futures.process import BrokenProcessPool
-
-            before = done
-            try:
-                return _tokenize_in_workers(tokenizer, conversations, max_len, jinja, workers, advance)
-            except BrokenProcessPool as exc:  # e.g. a parent whose __main__ a spawned process cannot import (python -c, stdin)
-                done = before
-                if log:
-                    log(f"conversations: the worker processes failed ({exc}); tokenizing in this process")
-        samples = []
-        for conversation in conversations:
-            messages = conversation.messages
+        samples: list[Sample] = []
+        size = 1 if regenerate_tokens else TOKENIZE_BATCH  # regenerating: progress a conversation at a time
+        for start in range(0, len(conversations), size):
+            batch = [conversation.messages for conversation in conversations[start : start + size]]
             if regenerate_tokens:
                 if target is None:
                     raise DataError("regeneration needs the target model")
-                messages = regenerate_conversation(target, messages, regenerate_tokens, jinja)
-            sample = tokenize_conversation(tokenizer, messages, max_len, jinja)
-            if sample is not None:
-                samples.append(sample)
-            advance(1)
+                batch = [regenerate_conversation(target, messages, regenerate_tokens, jinja) for messages in batch]
+            samples.extend(sample_of(ids, mask) for ids, mask in filter(None, conversations_tokens(tokenizer, batch, max_len, jinja)))
+            advance(len(batch))
         return samples
 
     if "all" not in read:

@@ -1,7 +1,6 @@
 """Draft training data: target-generated tiny samples, chat templates with assistant masks, offline shards, rank sharding."""
 
 import fcntl
-import os
 import threading
 import time
 
@@ -240,82 +239,57 @@ def test_added_train_samples_drop_the_conversations_held_out_for_validation():
     )
 
 
-def test_worker_processes_tokenize_exactly_what_one_process_does(tmp_path):
+# Past two turns this template ends in the turn count, so a prefix's rendering is no prefix of the whole text: those
+# conversations take the by-prefix path, the shorter ones the character-span path, in one batch.
+COUNTING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if messages|length > 2 %}{{ 'hello ' * (messages|length) }}{% endif %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def _records(count):
     words = ["hello there", "how are you ?", "fine thanks", "bye !"]
-    records = [
-        {"conversations": [{"role": "user", "content": words[i % 4]}, {"role": "assistant", "content": " ".join(words[: 1 + i % 4] * (1 + i % 5))}]}
-        for i in range(150)
-    ]
+    turns = [[("user", words[i % 4]), ("assistant", " ".join(words[: 1 + i % 4] * (1 + i % 5)))] * (1 + i % 3) for i in range(count)]
+    return [[{"role": role, "content": text} for role, text in conversation] for conversation in turns]
+
+
+def _mask_by_any_span(tokenizer, messages, max_len, template):
+    """The mask the way it was first defined: a token is trained when its first character is in any assistant span."""
+    from backend.train.data import _assistant_spans
+
+    text, spans = _assistant_spans(tokenizer, messages, template)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"][:max_len]
+    return [int(any(start <= begin < end for start, end in spans)) for begin, _ in offsets]
+
+
+@pytest.mark.parametrize("template", [None, COUNTING_TEMPLATE])
+def test_a_batch_tokenizes_each_conversation_as_it_alone_does(template):
+    from backend.train.data import _assistant_spans, conversation_tokens, conversations_tokens
+
+    tokenizer, conversations = chat_tokenizer(), _records(60)
+    batched = conversations_tokens(tokenizer, conversations, 24, template)
+    assert batched == [conversation_tokens(tokenizer, messages, 24, template) for messages in conversations]
+    by_span = [i for i, messages in enumerate(conversations) if _assistant_spans(tokenizer, messages, template) is not None]
+    assert len(by_span) == (60 if template is None else 20)  # the counting template: only the one-answer conversations
+    for i in by_span:
+        assert batched[i] is not None and batched[i][1] == _mask_by_any_span(tokenizer, conversations[i], 24, template)
+    assert max(len(ids) for ids, _ in batched) == 24 and all(len(ids) == len(mask) for ids, mask in batched)
+    cut = conversations_tokens(tokenizer, [[{"role": "user", "content": "hello there " * 20}, {"role": "assistant", "content": "bye"}]], 24, template)
+    assert cut == [None]  # the answer past max_len: nothing trained
+
+
+def test_tokenizing_a_file_logs_progress_and_caches_what_it_tokenized(tmp_path):
+    records = [{"conversations": messages} for messages in _records(150)]
     records[7]["conversations"] = records[7]["conversations"][:1]  # no answer: dropped when read
     path = write_jsonl(tmp_path / "c.jsonl", records)
     messages = []
-    one = conversation_samples(chat_tokenizer(), path, max_len=24, workers=1, cache_dir=tmp_path / "one")
-    many = conversation_samples(chat_tokenizer(), path, max_len=24, workers=2, cache_dir=tmp_path / "many", log=messages.append)
-    assert "conversations: tokenizing 149 in 2 worker processes" in messages
+    splits = conversation_samples(chat_tokenizer(), path, max_len=24, cache_dir=tmp_path / "cache", log=messages.append)
+    assert sum(len(s) for s in splits.values()) == 149
     assert messages[-2].startswith("tokenizing [####################] 149/149 conversations 100%")
+    assert messages[-1].startswith("conversations: cached the tokenized samples at ")
+    again = conversation_samples(chat_tokenizer(), path, max_len=24, cache_dir=tmp_path / "cache")
     for split in ("train", "val"):
-        assert len(one[split]) == len(many[split]) and sum(len(s) for s in one.values()) == 149
-        assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(one[split], many[split]))
-    assert max(len(s.input_ids) for s in many["train"]) == 24  # cut at max_len in the workers too
-
-
-def test_a_tokenizing_worker_never_imports_torch(tmp_path):
-    """16 workers importing torch at once cost ~70 s on the H200 host; a worker's share runs on the tokenizer alone."""
-    import pickle
-    import subprocess
-    import sys
-
-    from tests.fixtures.env import ROOT
-
-    (tmp_path / "tok.pkl").write_bytes(pickle.dumps(chat_tokenizer()))
-    script = (
-        "import pickle, sys\n"
-        "from backend.train.data import _init_tokenize_worker, _tokenize_chunk\n"
-        f"_init_tokenize_worker(pickle.loads(open({str(tmp_path / 'tok.pkl')!r}, 'rb').read()))\n"
-        "chunk = [[{'role': 'user', 'content': 'hello there'}, {'role': 'assistant', 'content': 'bye !'}]]\n"
-        "print(_tokenize_chunk((chunk, 16, None)), 'torch' in sys.modules)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-2000:]
-    expected = tokenize_conversation(chat_tokenizer(), [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "bye !"}], 16)
-    assert result.stdout.strip() == f"[({expected.input_ids.tolist()}, {expected.loss_mask.tolist()})] False"
-
-
-STDIN_TOKENIZE = """
-import pathlib, sys
-from backend.train.data import conversation_samples
-from tests.fixtures.chat import chat_tokenizer, write_jsonl
-records = [{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bye " * (1 + i % 7)}]} for i in range(60)]
-path = write_jsonl(pathlib.Path(sys.argv[1]) / "c.jsonl", records)
-lines = []
-splits = conversation_samples(chat_tokenizer(), path, 32, workers=2, cache_dir=pathlib.Path(sys.argv[1]) / "cache", log=lines.append)
-print(len(splits["train"]) + len(splits["val"]))
-print("\\n".join(lines))
-"""
-
-
-def test_tokenizing_falls_back_to_one_process_where_workers_cannot_start(tmp_path):
-    """A parent read from stdin cannot be re-imported by a spawned worker: the samples still come, in process."""
-    import subprocess
-    import sys
-
-    from tests.fixtures.env import ROOT
-
-    result = subprocess.run(
-        [sys.executable, "-", str(tmp_path)],
-        input=STDIN_TOKENIZE,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    out = result.stdout.splitlines()
-    assert out[0] == "60"
-    assert any(line.startswith("conversations: the worker processes failed (") and line.endswith("tokenizing in this process") for line in out)
-    assert out[-2].startswith("tokenizing [####################] 60/60 conversations 100%")
-    assert out[-1].startswith("conversations: cached the tokenized samples at ")
+        assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(splits[split], again[split]))
 
 
 @pytest.mark.parametrize("store", ["logits", "last_hidden"])
