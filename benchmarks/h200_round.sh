@@ -14,6 +14,10 @@
 #                 conversations as fit) -> our draft and SpecForge v0.3.0's (SPECFORGE=0: ours only), trained on the
 #                 same data for the same wall-clock budget each (TRAIN_S, SF_S) -> both exported for our engine.
 #                 The agent's cold index runs in the background during prepare/regenerate (timing-free stages). ~450 s.
+#                 RETURN_REGEN=1 sends the regenerated conversations back (regen.tar.xz.part*, ~5 MB for 12 k): copied
+#                 into .h200-regen and carried with .h200-carry3, a later train phase starts from them (REGEN_S=0:
+#                 trains at once, ~180 s of regeneration saved; REGEN_S>0: the same command resumes, the conversations
+#                 not yet started). A machine lost between calls keeps them (2026-12-03: it went back after 30 s idle).
 #   PHASE=more    carries nothing: resumes our trainer from the checkpoint its SIGTERM wrote for MORE_S more seconds
 #                 (repeat it; set OURS_STEPS in every phase to the whole run's cosine, ~14 a second), then exports
 #                 it again. SpecForge's draft keeps its train-phase budget; our train-phase draft is kept beside it
@@ -65,7 +69,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
     export PEER_SPECFORGE_VENV=${PEER_SPECFORGE_VENV:-/tmp/h200-build/peer-venv} # SpecForge's triton loss, interpreted
 fi
 DEV=${DEV:-/tmp/dev} DEVICE=${DEVICE:-cuda} PY=${PY:-python3} SITE=${SITE:-/tmp/site}
-C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} CD=${CD:-.h200-draft} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
+C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} CD=${CD:-.h200-draft} CR=${CR:-.h200-regen} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
 PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580} LIMIT_SCALE=${LIMIT_SCALE:-1}
 # train phase
 TRAIN_S=${TRAIN_S:-100} SF_S=${SF_S:-100} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa} MORE_S=${MORE_S:-360}
@@ -358,6 +362,10 @@ phase_carry3() {
     [ -f "$DEV/smol.part.aa" ] || die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again"
     [ -f "$C3/sgdev.tar.xz" ] && [ -f "$C3/smol.part.ab" ] || die "$C3/sgdev.tar.xz or smol.part.ab is missing: run benchmarks/h200_carry.sh here and carry $C3"
     cp "$C3/sgdev.tar.xz" "$C3/smol.part.ab" "$DEV/" && note "carry3: $(du -h "$DEV/sgdev.tar.xz" | cut -f1) of ShareGPT data in $DEV"
+    rm -f "$DEV"/regen.tar.xz.part*
+    if compgen -G "$CR/regen.tar.xz.part*" >/dev/null; then # carried in this call too: carry2's call has no room left (64 MiB)
+        cp "$CR"/regen.tar.xz.part* "$DEV/" && note "carry3: an earlier round's regenerated conversations ($CR) in $DEV"
+    fi
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=train
@@ -375,6 +383,17 @@ for path in source.glob("*.safetensors"):
 EOF
     tar cf - -C "$DEV/return" ours_draft | split -b 16700000 -d -a 1 - "$OUT/ours_draft.tar.part"
     note "the draft comes back as $(ls "$OUT"/ours_draft.tar.part* | wc -l) pieces: cat ours_draft.tar.part* | tar xf -"
+}
+
+carried_regen() { # an earlier round's regenerated conversations (RETURN_REGEN=1; carry3 brought them) as $DEV/regen
+    compgen -G "$DEV/regen.tar.xz.part*" >/dev/null || return 0
+    cat "$DEV"/regen.tar.xz.part* | tar xJf - -C "$DEV" || die "the carried regen.tar.xz.part* did not unpack"
+    note "regenerated conversations carried (carry3 brought them): $("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["counts"])' "$DEV/regen/regenerate.json")"
+}
+
+return_regen() { # the regenerated conversations back (xz, in 16 MiB pieces): carried as $CR, a later round trains at once
+    tar cf - -C "$DEV" --exclude .regenerate.lock regen | xz -T0 -6 | split -b 16700000 -d -a 1 - "$OUT/regen.tar.xz.part"
+    note "the regenerated conversations come back as $(ls "$OUT"/regen.tar.xz.part* | wc -l) piece(s), $(cat "$OUT"/regen.tar.xz.part* | wc -c) bytes: copy them to $CR"
 }
 
 hand_back_draft_or_log() { # RETURN_DRAFT=1: the draft in pieces (return_draft); else the trainer's log (at most 8 files return)
@@ -482,11 +501,18 @@ phase_train() {
     stage prepare 45 150 "${HOST[@]}" target prepare smollm2-135m-instruct --gguf "$DEV/smol.gguf" || die "target prepare failed: nothing to train"
     MODEL_DIR=$(model_dir)
     [ -n "$REGEN_BATCH" ] || REGEN_BATCH=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["batch_size"])' "$DEV/regen_batch.json" 2>/dev/null || echo 256)
-    stage regenerate $((REGEN_S + 45)) $((REGEN_S + 120)) "${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" \
-        --limit "$REGEN_LIMIT" --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" \
-        --max-seconds "$REGEN_S" --device "$DEVICE" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"}
-    regen_rc=$?
-    if [ "$regen_rc" -eq 0 ] && grep -q '"finalized": *true' "$DEV/regen/regenerate.json" 2>/dev/null; then
+    carried_regen
+    if [ "$REGEN_S" -gt 0 ]; then # on a carried dir the same command resumes: the conversations it had not started
+        stage regenerate $((REGEN_S + 45)) $((REGEN_S + 120)) "${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" \
+            --limit "$REGEN_LIMIT" --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" \
+            --max-seconds "$REGEN_S" --device "$DEVICE" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"}
+        regen_rc=$?
+    else
+        regen_rc=$([ -f "$DEV/regen/regenerate.json" ] && echo 0 || echo 1)
+        note "regenerate skipped (REGEN_S=0): $([ "$regen_rc" = 0 ] && echo "the carried conversations as they are" || echo "and none carried")"
+    fi
+    if grep -q '"finalized": *true' "$DEV/regen/regenerate.json" 2>/dev/null; then # a failed resume of a carried dir changed nothing
+        [ "$regen_rc" -eq 0 ] || note "WARNING: regenerate exited $regen_rc; training on the regenerated conversations already in $DEV/regen"
         DATA=$DEV/regen
         "$PY" - "$DEV/regen/regenerate.json" "$DATA" "$REGEN_BATCH" "$REGEN_S" >"$DEV/data.json" <<'EOF'
 import json, sys
@@ -503,6 +529,7 @@ EOF
         note "WARNING: training data NOT regenerated (regenerate exited $regen_rc): both drafts train on ShareGPT's own answers"
     fi
     note "training data: $(cat "$DEV/data.json")"
+    [ "${RETURN_REGEN:-0}" = 1 ] && [ "$DATA" = "$DEV/regen" ] && return_regen
     wait "$cold" # bounded by COLD_S; it must not run while the trainers are timed
     # 100 s for the trainer's setup, step-0 validation, last validation and export: with the time budget the trainer
     # ends its cosine at TRAIN_S after the step-0 validation, so a setup past the reserve is SIGTERMed short of it
