@@ -12,8 +12,8 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from backend.serve.reference import hf_tokenizer
@@ -64,6 +64,16 @@ class Generation:
     input_top_logprobs: list = field(default_factory=list)
     latency: float | None = None
     first_emission: float | None = None  # seconds from the request's start to its first token (the server's side of TTFT)
+
+    def copy(self) -> Generation:
+        """This state as it is now, for another thread to report while decoding goes on (the lists copied)."""
+        return replace(
+            self,
+            output_ids=list(self.output_ids),
+            accepted_per_round=list(self.accepted_per_round),
+            output_logprobs=list(self.output_logprobs),
+            output_top_logprobs=list(self.output_top_logprobs),
+        )
 
 
 def finish_reason(spec: GenerationSpec, output_ids: list[int], stop_string: str | None) -> dict[str, Any] | None:
@@ -339,8 +349,13 @@ class Engine:
 
     def run(self, spec: GenerationSpec, rid: str, on_progress: Callable[[Generation], None] | None = None) -> Generation:
         """Greedy continuation; on_progress(generation) after every emission (one verify round, or one plain token)."""
+        return self.submit(spec, rid, on_progress).result()
+
+    def submit(self, spec: GenerationSpec, rid: str, on_progress: Callable[[Generation], None] | None = None) -> Future[Generation]:
+        """run() without waiting: on_progress is called on the decode thread, between the steps, so it should only hand
+        the state over (Generation.copy); an exception it raises ends the generation."""
         gen = Generation(spec=spec, rid=rid, started=time.perf_counter())  # waiting for the decode thread counts
-        return self._decode_thread.submit(self._run, gen, on_progress).result()
+        return self._decode_thread.submit(self._run, gen, on_progress)
 
     def _run(self, gen: Generation, on_progress: Callable[[Generation], None] | None) -> Generation:
         spec = gen.spec

@@ -164,3 +164,16 @@ def test_503_while_loading_then_clean_exit_on_sigterm(tmp_path, tiny_profile, tr
     assert [v.outcome for v in verdicts if v.role == "leader"] == ["exited_on_term"]
     assert read_exit_file(registry.jobs_dir / "boot")[0] == 0
     assert "shutting down" in Path(registry.jobs_dir / "boot" / "stderr.log").read_text()
+
+
+def test_a_state_handed_to_the_streaming_thread_stays_as_it_was_while_decoding_goes_on():
+    from backend.serve.reference.engine import Generation, GenerationSpec
+
+    gen = Generation(spec=GenerationSpec(input_ids=[1], max_new_tokens=8, stop_token_ids=frozenset()), rid="r", started=0.0, output_ids=[5, 6])
+    gen.accepted_per_round, gen.output_logprobs = [1], [[-0.1, 5, None]]
+    handed = gen.copy()
+    gen.output_ids.append(7)
+    gen.accepted_per_round.append(2)
+    gen.output_logprobs.append([-0.2, 7, None])
+    gen.finish = {"type": "length", "length": 3}
+    assert handed.output_ids == [5, 6] and handed.accepted_per_round == [1] and handed.output_logprobs == [[-0.1, 5, None]] and handed.finish is None
