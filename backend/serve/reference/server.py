@@ -945,20 +945,20 @@ class Handler(BaseHTTPRequestHandler):
         whole text took ~0.1 ms a 128-token emission on one core: on the decode thread it delayed the next step)."""
         self._start_sse()
         updates: queue.SimpleQueue[Generation | None] = queue.SimpleQueue()
-        gone = threading.Event()
+        stopped = threading.Event()
 
         def hand_over(gen: Generation) -> None:  # on the decode thread
-            if gone.is_set():
-                raise ClientGone("the client stopped reading")
+            if stopped.is_set():
+                raise ClientGone("nothing reads this stream any more")
             updates.put(gen.copy())
 
-        future = engine.submit(request.spec, request.rid, hand_over)
-        future.add_done_callback(lambda _: updates.put(None))
         try:
+            future = engine.submit(request.spec, request.rid, hand_over)
+            future.add_done_callback(lambda _: updates.put(None))
             try:
                 sent_final = self._send_updates(engine, request, updates, to_events)
-            except ClientGone:
-                gone.set()  # the generation ends at its next emission
+            except BaseException:  # the client left, or a state failed to render: the generation ends at its next emission
+                stopped.set()
                 futures.wait([future])
                 raise
             gen = self._finished(engine, request, future.result())
