@@ -69,6 +69,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
     export PEER_SPECFORGE_VENV=${PEER_SPECFORGE_VENV:-/tmp/h200-build/peer-venv} # SpecForge's triton loss, interpreted
 fi
 DEV=${DEV:-/tmp/dev} DEVICE=${DEVICE:-cuda} PY=${PY:-python3} SITE=${SITE:-/tmp/site}
+PIECE_BYTES=16700000 # a returned file holds at most 16 MiB: the draft and the regenerated conversations come back in pieces
 C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} CD=${CD:-.h200-draft} CR=${CR:-.h200-regen} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
 PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580} LIMIT_SCALE=${LIMIT_SCALE:-1}
 # train phase
@@ -381,7 +382,7 @@ for path in source.glob("*.safetensors"):
     tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
     save_file(tensors, str(target / path.name), metadata={"format": "pt"})
 EOF
-    tar cf - -C "$DEV/return" ours_draft | split -b 16700000 -d -a 1 - "$OUT/ours_draft.tar.part"
+    tar cf - -C "$DEV/return" ours_draft | split -b "$PIECE_BYTES" -d -a 1 - "$OUT/ours_draft.tar.part"
     note "the draft comes back as $(ls "$OUT"/ours_draft.tar.part* | wc -l) pieces: cat ours_draft.tar.part* | tar xf -"
 }
 
@@ -392,7 +393,7 @@ carried_regen() { # an earlier round's regenerated conversations (RETURN_REGEN=1
 }
 
 return_regen() { # the regenerated conversations back (xz, in 16 MiB pieces): carried as $CR, a later round trains at once
-    tar cf - -C "$DEV" --exclude .regenerate.lock regen | xz -T0 -6 | split -b 16700000 -d -a 1 - "$OUT/regen.tar.xz.part"
+    tar cf - -C "$DEV" --exclude .regenerate.lock regen | xz -T0 -6 | split -b "$PIECE_BYTES" -d -a 1 - "$OUT/regen.tar.xz.part"
     note "the regenerated conversations come back as $(ls "$OUT"/regen.tar.xz.part* | wc -l) piece(s), $(cat "$OUT"/regen.tar.xz.part* | wc -c) bytes: copy them to $CR"
 }
 
