@@ -260,12 +260,12 @@ def conversations_tokens(
     encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else {"input_ids": [], "offset_mapping": []}
     batch = iter(zip(encoded["input_ids"], encoded["offset_mapping"]))
     results = []
-    for messages, spans in zip(conversations, found):
-        if spans is None:
+    for messages, rendered in zip(conversations, found):
+        if rendered is None:
             ids, mask = _tokens_by_prefix(tokenizer, messages, max_len, chat_template)
         else:
             ids, offsets = next(batch)
-            ids, mask = list(ids[:max_len]), _mask_of(offsets[:max_len], spans[1])
+            ids, mask = list(ids[:max_len]), _mask_of(offsets[:max_len], rendered[1])
         results.append((ids, mask) if any(mask) else None)
     return results
 
