@@ -84,8 +84,13 @@ SPECFORGE=${SPECFORGE:-1}
 # launch-bound ~0.06-0.08 s a step as 4 x 1,024; 12 would hold about the profile's 4,096.
 # EXTRA_DATA=1: our trainer also trains on ShareGPT's own answers (`train --extra-conversations $DEV/sgdev
 # --group-by-length`: the carried prepare dir's train split beside the regenerated one; validation stays the
-# regenerated val split). OURS_LR: our trainer's --lr (default: the profile's 5e-4).
-EXTRA_DATA=${EXTRA_DATA:-0}
+# regenerated val split). OURS_LR: our trainer's --lr (default: the profile's 5e-4). DRAFT_HEAD: a fresh draft's
+# lm_head and norm, `train --draft-head` (random: SpecForge's; target: the target's own rows of the draft vocabulary).
+EXTRA_DATA=${EXTRA_DATA:-0} DRAFT_HEAD=${DRAFT_HEAD:-random} RUN=ours
+# HEAD_AB=1: the train phase also trains a second draft of ours from the other --draft-head, same data, same budget and
+# cosine, same TRAIN_S, in $DEV/ours_b (its metrics come back as ours_b_metrics.jsonl): the head's effect measured in
+# one call. The more and serve phases keep to $DEV/ours.
+HEAD_AB=${HEAD_AB:-0}
 # TIME_BUDGET=1 (default): our trainer gets `--max-seconds BUDGET_S` (default TRAIN_S + MORE_S: one cosine over both
 # phases, fitted at the measured rate; the tenth round's, planned at a guessed rate, never decayed): the train phase
 # SIGTERMs it after TRAIN_S (its checkpoint records the seconds spent), the more phase resumes it with --max-seconds
@@ -418,11 +423,12 @@ print(int(state.get("seconds_of_steps", 0)))
 EOF
 }
 
-train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of steps from its first metrics line, then SIGTERM
+train_ours() { # [resume]: our trainer in $DEV/$RUN (default ours): setup, then TRAIN_S (resumed: MORE_S) seconds of steps from its first metrics line, then SIGTERM
     local pid t_start t_val t_stop t_exit watchdog="" rc=0 how=finished limit_at=$(($(date +%s) + STAGE_LIMIT - 30))
-    local budget=$TRAIN_S resume=() lines0=0 metrics=$DEV/ours/metrics.jsonl batch=()
+    local budget=$TRAIN_S resume=() lines0=0 metrics=$DEV/$RUN/metrics.jsonl batch=()
     [ -n "${OURS_BATCH:-}" ] && batch=(--batch-size "$OURS_BATCH")
     [ -n "${OURS_LR:-}" ] && batch+=(--lr "$OURS_LR")
+    [ -z "${1:-}" ] && batch+=(--draft-head "$DRAFT_HEAD") # a resume keeps its checkpoint's head
     [ "$EXTRA_DATA" = 1 ] && [ "$DATA" != "$DEV/sgdev" ] && batch+=(--extra-conversations "$DEV/sgdev" --group-by-length)
     if [ "${1:-}" = resume ]; then
         budget=$MORE_S resume=(--resume latest) lines0=$(wc -l <"$metrics")
@@ -435,9 +441,9 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
         [ -n "${OURS_STEPS_GIVEN:-}" ] && steps+=(--max-steps "$OURS_STEPS")
     fi
     t_start=$(date +%s%N)
-    setsid "${HOST[@]}" train --profile "$PROFILE" --conversations "$DATA" --out "$DEV/ours" "${steps[@]}" --attn-backend "$ATTN" \
+    setsid "${HOST[@]}" train --profile "$PROFILE" --conversations "$DATA" --out "$DEV/$RUN" "${steps[@]}" --attn-backend "$ATTN" \
         --eval-interval "$EVAL_INTERVAL" --max-val-batches "$VAL_BATCHES" --save-interval 1000000 --log-interval 10 --device "$DEVICE" \
-        ${resume[@]+"${resume[@]}"} ${batch[@]+"${batch[@]}"} >>"$DEV/ours.log" 2>&1 &
+        ${resume[@]+"${resume[@]}"} ${batch[@]+"${batch[@]}"} >>"$DEV/$RUN.log" 2>&1 &
     pid=$!
     # the first new metrics line: the step-0 validation of a fresh run, the first logged step of a resumed one
     until [ "$(wc -l 2>/dev/null <"$metrics" || echo 0)" -gt "$lines0" ] || ! kill -0 "$pid" 2>/dev/null || [ "$(date +%s)" -ge "$limit_at" ]; do
@@ -458,14 +464,14 @@ train_ours() { # [resume]: setup, then TRAIN_S (resumed: MORE_S) seconds of step
     wait "$pid" || rc=$?
     t_exit=$(date +%s%N)
     [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null
-    printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "max_seconds": %s, "attn_backend": "%s", "batch_size": "%s", "lr": "%s", "extra_data": %s, "resumed": %s}\n' \
+    printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "max_seconds": %s, "attn_backend": "%s", "batch_size": "%s", "lr": "%s", "extra_data": %s, "resumed": %s, "draft_head": "%s"}\n' \
         "$(((t_val - t_start) / 1000000))e-3" "$(((t_stop - t_val) / 1000000))e-3" "$how" "$(((t_exit - t_stop) / 1000000))e-3" "$rc" "$OURS_STEPS" \
         "$([ "$TIME_BUDGET" = 1 ] && echo "$total" || echo null)" "$ATTN" "${OURS_BATCH:-profile}" \
-        "${OURS_LR:-profile}" "$([ "$EXTRA_DATA" = 1 ] && echo true || echo false)" "$([ -n "${resume[*]:-}" ] && echo true || echo false)" | tee "$DEV/ours_timing.json"
-    [ -n "${resume[*]:-}" ] && cat "$DEV/ours_timing.json" >>"$DEV/ours_timings.jsonl"
-    tail -5 "$DEV/ours.log"
-    rm -rf "$DEV/ours_draft"
-    "${HOST[@]}" export "$DEV/ours" "$DEV/ours_draft"
+        "${OURS_LR:-profile}" "$([ "$EXTRA_DATA" = 1 ] && echo true || echo false)" "$([ -n "${resume[*]:-}" ] && echo true || echo false)" "$DRAFT_HEAD" | tee "$DEV/${RUN}_timing.json"
+    [ -n "${resume[*]:-}" ] && cat "$DEV/${RUN}_timing.json" >>"$DEV/${RUN}_timings.jsonl"
+    tail -5 "$DEV/$RUN.log"
+    rm -rf "$DEV/${RUN}_draft"
+    "${HOST[@]}" export "$DEV/$RUN" "$DEV/${RUN}_draft"
 }
 
 unpack_target_and_data() { # after carry1 and carry3, carrying $C2: the GGUF joined, ShareGPT and HumanEval unpacked in $DEV
@@ -534,12 +540,17 @@ EOF
     wait "$cold" # bounded by COLD_S; it must not run while the trainers are timed
     # 100 s for the trainer's setup, step-0 validation, last validation and export: with the time budget the trainer
     # ends its cosine at TRAIN_S after the step-0 validation, so a setup past the reserve is SIGTERMed short of it
-    local room=$((PHASE_S - $(elapsed) - 100 - (SPECFORGE == 1 ? SF_S + 60 : 0)))
+    local room=$(((PHASE_S - $(elapsed) - 100 - (SPECFORGE == 1 ? SF_S + 60 : 0) - (HEAD_AB == 1 ? 90 : 0)) / (HEAD_AB == 1 ? 2 : 1)))
     if [ "$room" -lt "$TRAIN_S" ] && [ "$room" -ge 60 ]; then # a slow regeneration shortens training instead of skipping it
         note "TRAIN_S cut from $TRAIN_S to $room s: what is left of the phase (2026-12-03: a 182 s regeneration skipped a 250 s training)"
         TRAIN_S=$room
     fi
     stage train_ours $((TRAIN_S + 70)) $((TRAIN_S + 180)) train_ours
+    if [ "$HEAD_AB" = 1 ]; then
+        local other=$([ "$DRAFT_HEAD" = target ] && echo random || echo target)
+        RUN=ours_b DRAFT_HEAD=$other stage train_ours_b $((TRAIN_S + 60)) $((TRAIN_S + 150)) train_ours
+        cp "$DEV/ours_b/metrics.jsonl" "$OUT/ours_b_metrics.jsonl" 2>/dev/null
+    fi
     if [ "$SPECFORGE" = 1 ]; then
         stage train_specforge $((SF_S + 60)) $((SF_S + 150)) "$PY" benchmarks/peer_specforge_train.py --profile "$PROFILE" --data "$DATA" \
             --target-dir "$MODEL_DIR" --specforge-src "$DEV/specforge-v0.3.0" --seconds "$SF_S" --device "$DEVICE" --attention-backend "$SF_ATTN" \
@@ -667,7 +678,7 @@ phase_serve() {
         --steps "$REAL_STEPS" --warmup "$REAL_WARMUP" --out "$OUT/real_steps.json"
 }
 
-[ -n "${IMAGE_GUARD:-}" ] && write_guard
+[ "${IMAGE_GUARD:-0}" = 1 ] && write_guard
 use_profile
 note "phase $PHASE on $DEVICE (profile $PROFILE, state in $DEV)"
 case "$PHASE" in

@@ -172,6 +172,13 @@ def _register_train(subparsers, parent) -> None:
         help="regenerate assistant turns greedily in this run, one at a time, not saved (max new tokens; 0 = off); "
         "`data regenerate` does it batched, resumable and once",
     )
+    train.add_argument(
+        "--draft-head",
+        choices=["random", "target"],
+        default="random",
+        help="a fresh draft's lm_head and final norm: random (default, as SpecForge) or the target's own, its rows of the draft "
+        "vocabulary (needs the draft hidden size to equal the target's; a resumed run keeps its checkpoint's)",
+    )
     _add_chat_template(train)
     _add_target_placement(train)
     train.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files under <out>/tensorboard")
@@ -385,6 +392,7 @@ def train_options(args: argparse.Namespace, chat_template=None, target_placement
         max_val_batches=args.max_val_batches,
         seed=args.seed,
         attn_backend=args.attn_backend,
+        draft_head=args.draft_head,
     )
 
 

@@ -584,6 +584,10 @@ class OnlineSource:
     def embed_weight(self):
         return self.target.embed_weight()
 
+    def head_weights(self):
+        """(lm_head [V, H], final norm [H] or None): the target's output layer, which a fresh draft may start from."""
+        return self.target.lm_head_weight(), self.target.final_norm_weight()
+
     def describe_target(self) -> dict:
         return self.target.describe()
 
@@ -651,6 +655,7 @@ class OfflineSource:
 
         head = load_file(str(self.directory / self.meta["head_file"]))
         self._embed = head["embed_tokens.weight"]
+        self._head = (head["lm_head.weight"], head.get("norm.weight"))  # norm.weight: extracts since 2026-12-04
         self._lm_head = head["lm_head.weight"].to(device) if self.meta["store"] == "last_hidden" else None
 
     def _check_profile(self, profile) -> None:
@@ -719,6 +724,10 @@ class OfflineSource:
 
     def embed_weight(self):
         return self._embed
+
+    def head_weights(self):
+        """(lm_head [V, H], final norm [H] or None, for extracts written before it was stored), as OnlineSource's."""
+        return self._head
 
     def describe_target(self) -> dict:
         return dict(self.meta["target"])

@@ -427,6 +427,23 @@ class Eagle3Draft(nn.Module):
         self.d2t.copy_(d2t.long())
         self.t2d.copy_(t2d.bool())
 
+    def load_target_head(self, lm_head: torch.Tensor, norm: torch.Tensor | None) -> None:
+        """Start the output layer from the target's: lm_head's rows of the draft vocabulary (set_vocab_mapping first)
+        and the target's final norm weight (kept as is when None). Both stay trainable."""
+        vocab, width = self.config.vocab_size, self.config.hidden_size
+        if tuple(lm_head.shape) != (vocab, width):
+            raise ValueError(
+                f"target lm_head has shape {tuple(lm_head.shape)} but the draft's output layer needs ({vocab}, {width}) "
+                "(target vocab x draft hidden size); the draft's lm_head was left as initialised"
+            )
+        if norm is not None and tuple(norm.shape) != (width,):
+            raise ValueError(f"target final norm has shape {tuple(norm.shape)}, the draft's is ({width},); the draft's lm_head was left as initialised")
+        draft_ids = (self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)).to(lm_head.device)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head.detach()[draft_ids])
+            if norm is not None:
+                self.norm.weight.copy_(norm.detach())
+
     def set_attention_backend(self, name: str | None) -> None:
         self.attn_backend = None if name is None else check_backend(name, self.fc.weight.device)
 

@@ -208,9 +208,11 @@ def extract(
             "Nothing was written; extract fewer samples (--samples), choose another --out, or lower --keep-free-gb."
         )
     out.mkdir(parents=True, exist_ok=True)
-    _write_safetensors_atomic(
-        {"embed_tokens.weight": target.embed_weight().detach(), "lm_head.weight": target.lm_head_weight().detach()}, out / TARGET_HEAD_FILE
-    )
+    head = {"embed_tokens.weight": target.embed_weight().detach(), "lm_head.weight": target.lm_head_weight().detach()}
+    norm = target.final_norm_weight()
+    if norm is not None:  # with lm_head: what `train --draft-head target` starts a draft's output layer from
+        head["norm.weight"] = norm.detach()
+    _write_safetensors_atomic(head, out / TARGET_HEAD_FILE)
     meta = {
         "format": SHARD_FORMAT,
         "profile": target.profile.name,

@@ -254,6 +254,17 @@ class TargetModel:
     def lm_head_weight(self):
         return _materialized_weight(self.model.get_output_embeddings())
 
+    def final_norm_weight(self):
+        """The weight of the RMSNorm before the target's lm_head, or None where the model has no `norm` on its decoder."""
+        for getter in (lambda m: m.get_decoder().norm, lambda m: m.model.norm):
+            try:
+                norm = getter(self.model)
+            except AttributeError:
+                continue
+            if getattr(norm, "weight", None) is not None:
+                return _materialized_weight(norm)
+        return None
+
     def placement(self) -> str | None:
         """For a target placed by a device map: how many of its mapped modules sit where, e.g. "cuda:0 31, cuda:1 30, cpu 2"; else None."""
         device_map = getattr(self.model, "hf_device_map", None)

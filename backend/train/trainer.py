@@ -136,6 +136,7 @@ class TrainOptions:
     eval_at_start: bool = True
     seed: int | None = None
     attn_backend: str | None = None
+    draft_head: str = "random"  # a fresh draft's lm_head and norm: "random" (SpecForge's), or "target" (the target's rows)
     compile: bool | None = None  # torch.compile the layer's per-step functions; None: on CUDA unless EAGLE3_COMPILE=0
     master_weights: bool | None = None  # bf16 weights + fp32 masters in the optimizer; None: on CUDA when dtype is bfloat16
     tiny_data: TinyDataSettings | None = None  # None: tiny_data_settings(profile seq_len)
@@ -693,6 +694,14 @@ class Trainer:
         draft = Eagle3Draft(config, attn_backend=self.options.attn_backend)
         draft.load_target_embedding(source.embed_weight().float())
         draft.set_vocab_mapping(d2t, t2d)
+        if self.options.draft_head == "target":
+            lm_head, norm = source.head_weights()
+            try:
+                draft.load_target_head(lm_head.float(), None if norm is None else norm.float())
+            except ValueError as error:
+                raise TrainSetupError(f"--draft-head target: {error}; nothing was trained") from error
+            norm_note = "the target's final norm" if norm is not None else "ones (the target has no final norm this reads)"
+            self.log(f"draft lm_head: the target's rows of the draft vocabulary; norm: {norm_note}")
         return draft
 
     def _load_resume(self, checkpoint: Path, source: Source, config: DraftModelConfig) -> tuple[Eagle3Draft, dict]:

@@ -255,6 +255,28 @@ def test_vocab_mapping_from_counts_and_its_checks():
     assert draft.d2t.tolist() == d2t.tolist()  # a refused mapping leaves the installed one
 
 
+def test_a_draft_head_from_the_target_scores_draft_ids_as_the_target_scores_their_ids():
+    counts = torch.tensor([5, 0, 9, 9, 1, 0, 3, 0])
+    config = small_config(vocab_size=8, draft_vocab_size=5)
+    draft = Eagle3Draft(config)
+    draft.set_vocab_mapping(*build_vocab_mapping(counts, 5))
+    target_head, target_norm = torch.randn(8, config.hidden_size), torch.rand(config.hidden_size) + 0.5
+    draft.load_target_head(target_head, target_norm)
+    hidden = torch.randn(3, config.hidden_size)
+    normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * target_norm
+    target_logits = normed @ target_head.T
+    draft_logits = draft.logits(hidden)
+    torch.testing.assert_close(draft_logits, target_logits[:, [0, 2, 3, 4, 6]])
+    assert draft.lm_head.weight.requires_grad and draft.norm.weight.requires_grad
+
+    before = draft.lm_head.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"target lm_head has shape \(8, 16\).*left as initialised"):
+        draft.load_target_head(torch.randn(8, 16), None)
+    with pytest.raises(ValueError, match="final norm"):
+        draft.load_target_head(target_head, torch.ones(16))
+    assert torch.equal(draft.lm_head.weight, before)
+
+
 def test_bf16_autocast_forward_and_backward_run_and_track_fp32():
     """The trainer runs ttt_forward under bf16 autocast with fp32 weights."""
     config = small_config()

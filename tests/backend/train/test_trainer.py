@@ -157,6 +157,20 @@ def test_a_time_budget_counts_across_resumes_as_max_steps_does(mini_profile, min
     assert "s of steps before; d2t/t2d taken from the checkpoint" in err and f"less {spent:.0f} s spent before" in err
 
 
+def test_a_draft_head_from_the_target_starts_from_its_lm_head_rows_and_final_norm(mini_profile, mini_env, tmp_path, capfd):
+    """--draft-head target: the fresh draft's lm_head holds the target's rows of the draft vocabulary and its norm the
+    target's final norm (lr 0: the one step leaves them as they started)."""
+    out = tmp_path / "run"
+    quiet = {"log_interval": 1, "eval_interval": 10**6, "save_interval": 10**6, "eval_at_start": False}
+    assert train(mini_options(mini_profile, out, max_steps=1, lr=0.0, weight_decay=0.0, draft_head="target", **quiet)) == 0
+    draft = load_checkpoint(latest_checkpoint(out))[0]
+    target = load_target(mini_profile)
+    rows = target.lm_head_weight().detach()[draft.draft_to_target_ids(torch.arange(draft.config.draft_vocab_size))]
+    torch.testing.assert_close(draft.lm_head.weight.detach(), rows)
+    torch.testing.assert_close(draft.norm.weight.detach(), target.final_norm_weight().detach())
+    assert "draft lm_head: the target's rows of the draft vocabulary; norm: the target's final norm" in capfd.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def mini_run(mini_profile, mini_cache, tmp_path_factory):
     """6 steps (log every 2, eval/save every 3), TensorBoard on."""
