@@ -467,7 +467,7 @@ train_ours() { # [resume]: our trainer in $DEV/$RUN (default ours): setup, then 
     printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "max_seconds": %s, "attn_backend": "%s", "batch_size": "%s", "lr": "%s", "extra_data": %s, "resumed": %s, "draft_head": "%s"}\n' \
         "$(((t_val - t_start) / 1000000))e-3" "$(((t_stop - t_val) / 1000000))e-3" "$how" "$(((t_exit - t_stop) / 1000000))e-3" "$rc" "$OURS_STEPS" \
         "$([ "$TIME_BUDGET" = 1 ] && echo "$total" || echo null)" "$ATTN" "${OURS_BATCH:-profile}" \
-        "${OURS_LR:-profile}" "$([ "$EXTRA_DATA" = 1 ] && echo true || echo false)" "$([ -n "${resume[*]:-}" ] && echo true || echo false)" "$DRAFT_HEAD" | tee "$DEV/${RUN}_timing.json"
+        "${OURS_LR:-profile}" "$([ "$EXTRA_DATA" = 1 ] && echo true || echo false)" "$([ -n "${resume[*]:-}" ] && echo true || echo false)" "$([ -n "${resume[*]:-}" ] && echo "its checkpoint's" || echo "$DRAFT_HEAD")" | tee "$DEV/${RUN}_timing.json"
     [ -n "${resume[*]:-}" ] && cat "$DEV/${RUN}_timing.json" >>"$DEV/${RUN}_timings.jsonl"
     tail -5 "$DEV/$RUN.log"
     rm -rf "$DEV/${RUN}_draft"
@@ -568,10 +568,32 @@ training_data_dir() { # what the train phase trained on ($DEV/data.json: regener
     "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json"
 }
 
+continue_the_better_head() { # HEAD_AB=1: of $DEV/ours and $DEV/ours_b, the one with the higher predicted accept length at
+    # the served steps (its last validation) goes on as $DEV/ours; the other is kept as $DEV/ours_other
+    local better
+    better=$("$PY" - "$DEV/ours/metrics.jsonl" "$DEV/ours_b/metrics.jsonl" <<'EOF'
+import json, sys
+def last_val(path):
+    vals = [r for r in map(json.loads, open(path)) if r.get("split") == "val"]
+    return vals[-1]["accept_sim"]["3"] if vals else 0.0
+print("ours_b" if last_val(sys.argv[2]) > last_val(sys.argv[1]) else "ours")
+EOF
+)
+    note "head A/B at TRAIN_S: $better goes on ($(grep -h -o '"draft_head": "[a-z]*"' "$DEV/ours_timing.json" "$DEV/ours_b_timing.json" | tr '\n' ' '))"
+    if [ "$better" = ours_b ]; then
+        rm -rf "$DEV/ours_other" && mv "$DEV/ours" "$DEV/ours_other" && mv "$DEV/ours_b" "$DEV/ours"
+        rm -rf "$DEV/ours_draft" && mv "$DEV/ours_b_draft" "$DEV/ours_draft"
+        mv "$DEV/ours_b_timing.json" "$DEV/ours_timing.json"
+    fi
+    printf '{"continued": "%s"}\n' "$better" >"$DEV/head_ab.json"
+    rm -rf "$DEV/ours_b" "$DEV/ours_b_draft" # one choice per round: a second more phase finds none
+}
+
 phase_more() {
     [ -f "$DEV/ours/checkpoints/latest" ] && [ -f "$DEV/data.json" ] ||
         die "the train phase's state is gone from $DEV (was the machine still warm?): start again from PHASE=carry1"
     DATA=$(training_data_dir)
+    [ "$HEAD_AB" = 1 ] && [ -f "$DEV/ours_b/checkpoints/latest" ] && continue_the_better_head
     [ -d "$DEV/ours_draft_at_train_s" ] || cp -r "$DEV/ours_draft" "$DEV/ours_draft_at_train_s" # the equal-time draft, served beside SpecForge's
     if [ -z "${OURS_STEPS_GIVEN:-}" ] && [ "$TIME_BUDGET" != 1 ]; then # the cosine ends where this phase's steps will: the last step plus the measured rate x MORE_S
         OURS_STEPS=$("$PY" - "$DEV/ours/metrics.jsonl" "$MORE_S" "$OURS_STEPS" <<'EOF'
