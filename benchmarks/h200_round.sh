@@ -86,11 +86,12 @@ SPECFORGE=${SPECFORGE:-1}
 # --group-by-length`: the carried prepare dir's train split beside the regenerated one; validation stays the
 # regenerated val split). OURS_LR: our trainer's --lr (default: the profile's 5e-4). DRAFT_HEAD: a fresh draft's
 # lm_head and norm, `train --draft-head` (random: SpecForge's; target: the target's own rows of the draft vocabulary).
-EXTRA_DATA=${EXTRA_DATA:-0} DRAFT_HEAD=${DRAFT_HEAD:-random} RUN=ours
-# HEAD_AB=1: the train phase also trains a second draft of ours from the other --draft-head, same data, same budget and
-# cosine, same TRAIN_S, in $DEV/ours_b (its metrics come back as ours_b_metrics.jsonl): the head's effect measured in
-# one call. The more and serve phases keep to $DEV/ours.
-HEAD_AB=${HEAD_AB:-0}
+EXTRA_DATA=${EXTRA_DATA:-0} DRAFT_HEAD=${DRAFT_HEAD:-random} RUN=ours RUN_ARGS=""
+# TWIN="<train options>" (e.g. "--lr 1e-3" or "--draft-head target"): the train phase also trains a twin of our draft
+# with those options on top, at the same time on the same GPU (each step is launch-bound: the GPU idles between
+# kernels), same data, budget and cosine, in $DEV/ours_b (its metrics come back as ours_b_metrics.jsonl): one change
+# measured in one call. The more phase goes on with the one whose last validation predicts the longer accept length.
+TWIN=${TWIN:-}
 # TIME_BUDGET=1 (default): our trainer gets `--max-seconds BUDGET_S` (default TRAIN_S + MORE_S: one cosine over both
 # phases, fitted at the measured rate; the tenth round's, planned at a guessed rate, never decayed): the train phase
 # SIGTERMs it after TRAIN_S (its checkpoint records the seconds spent), the more phase resumes it with --max-seconds
@@ -428,7 +429,10 @@ train_ours() { # [resume]: our trainer in $DEV/$RUN (default ours): setup, then 
     local budget=$TRAIN_S resume=() lines0=0 metrics=$DEV/$RUN/metrics.jsonl batch=()
     [ -n "${OURS_BATCH:-}" ] && batch=(--batch-size "$OURS_BATCH")
     [ -n "${OURS_LR:-}" ] && batch+=(--lr "$OURS_LR")
-    [ -z "${1:-}" ] && batch+=(--draft-head "$DRAFT_HEAD") # a resume keeps its checkpoint's head
+    # a fresh run records its options (a twin's RUN_ARGS) in $DEV/${RUN}_args, and its resume takes them again (the lr is not in a checkpoint)
+    [ -z "${1:-}" ] && printf '%s' "$RUN_ARGS" >"$DEV/${RUN}_args" && batch+=(--draft-head "$DRAFT_HEAD") # a resume keeps its checkpoint's head
+    # shellcheck disable=SC2207 # a list of options
+    batch+=($(cat "$DEV/${RUN}_args" 2>/dev/null))
     [ "$EXTRA_DATA" = 1 ] && [ "$DATA" != "$DEV/sgdev" ] && batch+=(--extra-conversations "$DEV/sgdev" --group-by-length)
     if [ "${1:-}" = resume ]; then
         budget=$MORE_S resume=(--resume latest) lines0=$(wc -l <"$metrics")
@@ -464,10 +468,10 @@ train_ours() { # [resume]: our trainer in $DEV/$RUN (default ours): setup, then 
     wait "$pid" || rc=$?
     t_exit=$(date +%s%N)
     [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null
-    printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "max_seconds": %s, "attn_backend": "%s", "batch_size": "%s", "lr": "%s", "extra_data": %s, "resumed": %s, "draft_head": "%s"}\n' \
+    printf '{"setup_and_first_line_s": %s, "train_s": %s, "ended_by": "%s", "stop_to_exit_s": %s, "exit": %s, "max_steps": %s, "max_seconds": %s, "attn_backend": "%s", "batch_size": "%s", "lr": "%s", "extra_data": %s, "resumed": %s, "draft_head": "%s", "options": "%s"}\n' \
         "$(((t_val - t_start) / 1000000))e-3" "$(((t_stop - t_val) / 1000000))e-3" "$how" "$(((t_exit - t_stop) / 1000000))e-3" "$rc" "$OURS_STEPS" \
         "$([ "$TIME_BUDGET" = 1 ] && echo "$total" || echo null)" "$ATTN" "${OURS_BATCH:-profile}" \
-        "${OURS_LR:-profile}" "$([ "$EXTRA_DATA" = 1 ] && echo true || echo false)" "$([ -n "${resume[*]:-}" ] && echo true || echo false)" "$([ -n "${resume[*]:-}" ] && echo "its checkpoint's" || echo "$DRAFT_HEAD")" | tee "$DEV/${RUN}_timing.json"
+        "${OURS_LR:-profile}" "$([ "$EXTRA_DATA" = 1 ] && echo true || echo false)" "$([ -n "${resume[*]:-}" ] && echo true || echo false)" "$([ -n "${resume[*]:-}" ] && echo "its checkpoint's" || echo "$DRAFT_HEAD")" "$(cat "$DEV/${RUN}_args" 2>/dev/null)" | tee "$DEV/${RUN}_timing.json"
     [ -n "${resume[*]:-}" ] && cat "$DEV/${RUN}_timing.json" >>"$DEV/${RUN}_timings.jsonl"
     tail -5 "$DEV/$RUN.log"
     rm -rf "$DEV/${RUN}_draft"
@@ -540,15 +544,21 @@ EOF
     wait "$cold" # bounded by COLD_S; it must not run while the trainers are timed
     # 100 s for the trainer's setup, step-0 validation, last validation and export: with the time budget the trainer
     # ends its cosine at TRAIN_S after the step-0 validation, so a setup past the reserve is SIGTERMed short of it
-    local room=$(((PHASE_S - $(elapsed) - 100 - (SPECFORGE == 1 ? SF_S + 60 : 0) - (HEAD_AB == 1 ? 90 : 0)) / (HEAD_AB == 1 ? 2 : 1)))
+    local room=$((PHASE_S - $(elapsed) - 100 - (SPECFORGE == 1 ? SF_S + 60 : 0) - (${#TWIN} > 0 ? 20 : 0)))
     if [ "$room" -lt "$TRAIN_S" ] && [ "$room" -ge 60 ]; then # a slow regeneration shortens training instead of skipping it
         note "TRAIN_S cut from $TRAIN_S to $room s: what is left of the phase (2026-12-03: a 182 s regeneration skipped a 250 s training)"
         TRAIN_S=$room
     fi
+    local twin=""
+    if [ -n "$TWIN" ]; then
+        (RUN=ours_b RUN_ARGS=$TWIN STAGE_LIMIT=$((TRAIN_S + 180)) train_ours >>"$DEV/ours_b.stage" 2>&1) &
+        twin=$!
+        note "train_ours_b: our draft with $TWIN, beside train_ours on the same GPU"
+    fi
     stage train_ours $((TRAIN_S + 70)) $((TRAIN_S + 180)) train_ours
-    if [ "$HEAD_AB" = 1 ]; then
-        local other=$([ "$DRAFT_HEAD" = target ] && echo random || echo target)
-        RUN=ours_b DRAFT_HEAD=$other stage train_ours_b $((TRAIN_S + 60)) $((TRAIN_S + 150)) train_ours
+    if [ -n "$twin" ]; then
+        wait "$twin"
+        note "train_ours_b exited $?: $(cat "$DEV/ours_b_timing.json" 2>/dev/null)"
         cp "$DEV/ours_b/metrics.jsonl" "$OUT/ours_b_metrics.jsonl" 2>/dev/null
     fi
     if [ "$SPECFORGE" = 1 ]; then
@@ -568,7 +578,7 @@ training_data_dir() { # what the train phase trained on ($DEV/data.json: regener
     "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json"
 }
 
-continue_the_better_head() { # HEAD_AB=1: of $DEV/ours and $DEV/ours_b, the one with the higher predicted accept length at
+continue_the_better_twin() { # TWIN given: of $DEV/ours and $DEV/ours_b, the one with the higher predicted accept length at
     # the served steps (its last validation) goes on as $DEV/ours; the other is kept as $DEV/ours_other
     local better
     better=$("$PY" - "$DEV/ours/metrics.jsonl" "$DEV/ours_b/metrics.jsonl" <<'EOF'
@@ -579,13 +589,13 @@ def last_val(path):
 print("ours_b" if last_val(sys.argv[2]) > last_val(sys.argv[1]) else "ours")
 EOF
 )
-    note "head A/B at TRAIN_S: $better goes on ($(grep -h -o '"draft_head": "[a-z]*"' "$DEV/ours_timing.json" "$DEV/ours_b_timing.json" | tr '\n' ' '))"
+    note "twins at TRAIN_S: $better goes on (ours_b: $(grep -h -o '"options": "[^"]*"' "$DEV/ours_b_timing.json"))"
     if [ "$better" = ours_b ]; then
         rm -rf "$DEV/ours_other" && mv "$DEV/ours" "$DEV/ours_other" && mv "$DEV/ours_b" "$DEV/ours"
         rm -rf "$DEV/ours_draft" && mv "$DEV/ours_b_draft" "$DEV/ours_draft"
-        mv "$DEV/ours_b_timing.json" "$DEV/ours_timing.json"
+        mv "$DEV/ours_b_timing.json" "$DEV/ours_timing.json" && mv "$DEV/ours_b_args" "$DEV/ours_args"
     fi
-    printf '{"continued": "%s"}\n' "$better" >"$DEV/head_ab.json"
+    printf '{"continued": "%s"}\n' "$better" >"$DEV/twins.json"
     rm -rf "$DEV/ours_b" "$DEV/ours_b_draft" # one choice per round: a second more phase finds none
 }
 
@@ -593,7 +603,7 @@ phase_more() {
     [ -f "$DEV/ours/checkpoints/latest" ] && [ -f "$DEV/data.json" ] ||
         die "the train phase's state is gone from $DEV (was the machine still warm?): start again from PHASE=carry1"
     DATA=$(training_data_dir)
-    [ "$HEAD_AB" = 1 ] && [ -f "$DEV/ours_b/checkpoints/latest" ] && continue_the_better_head
+    [ -f "$DEV/ours_b/checkpoints/latest" ] && continue_the_better_twin
     [ -d "$DEV/ours_draft_at_train_s" ] || cp -r "$DEV/ours_draft" "$DEV/ours_draft_at_train_s" # the equal-time draft, served beside SpecForge's
     if [ -z "${OURS_STEPS_GIVEN:-}" ] && [ "$TIME_BUDGET" != 1 ]; then # the cosine ends where this phase's steps will: the last step plus the measured rate x MORE_S
         OURS_STEPS=$("$PY" - "$DEV/ours/metrics.jsonl" "$MORE_S" "$OURS_STEPS" <<'EOF'
