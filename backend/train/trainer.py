@@ -389,8 +389,12 @@ class _Prefetcher:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-class _StoppedDuringSetup(Exception):
-    """SIGTERM/SIGINT arrived before the first training step."""
+class _StoppedDuringSetup(BaseException):
+    """SIGTERM/SIGINT arrived before the first training step.
+
+    A BaseException, as KeyboardInterrupt is: the signal handler raises it wherever setup happens to be, and code
+    there that catches Exception (logging's emit, optional imports) would swallow it and let the build run on.
+    """
 
 
 Source = OfflineSource | OnlineSource  # benchmarks attach a synthetic source with OfflineSource's methods

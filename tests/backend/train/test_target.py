@@ -113,7 +113,8 @@ def test_extract_writes_per_sample_shards_that_match_the_online_capture(mini_tar
     written = sum(p.stat().st_size for p in out.rglob("*.safetensors"))
     assert written <= meta["estimate_bytes"]
     with safe_open(str(out / "target_head.safetensors"), framework="pt") as handle:
-        assert sorted(handle.keys()) == ["embed_tokens.weight", "lm_head.weight"]
+        assert sorted(handle.keys()) == ["embed_tokens.weight", "lm_head.weight", "norm.weight"]
+        assert torch.equal(handle.get_tensor("norm.weight"), mini_target.final_norm_weight().cpu())
 
 
 def test_extract_refuses_when_the_shards_will_not_fit_and_writes_nothing(mini_target, tmp_path, capfd):

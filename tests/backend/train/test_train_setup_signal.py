@@ -1,5 +1,8 @@
 """A stop that arrives while the trainer is still setting up (building the tiny target) ends it at once, cleanly."""
 
+import io
+import logging
+import os
 import signal
 import subprocess
 import sys
@@ -7,6 +10,8 @@ import time
 
 import pytest
 
+from backend.profiles import load_profile
+from backend.train.trainer import TrainOptions, Trainer
 from tests.fixtures.env import ROOT, subprocess_env
 
 
@@ -27,3 +32,31 @@ def test_sigterm_during_the_tiny_target_build_exits_promptly_and_leaves_no_cache
     assert "during setup" in stderr
     assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
     assert not [p for p in cache.rglob("config.json")], "no half-built target may be left as a cache entry"
+
+
+class _SignallingStream(io.StringIO):
+    """A log stream whose write delivers SIGTERM to this process: the handler runs inside logging's emit."""
+
+    def write(self, text):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the handler runs at the next bytecode, still inside StreamHandler.emit's try
+        return super().write(text)
+
+
+def test_a_stop_during_setup_passes_through_code_that_catches_exceptions(tmp_path):
+    """2026-12-04, CI: a SIGTERM 1 s into the tiny target build was lost and the build ran on past the test's 60 s.
+    The handler raises where setup happens to be; logging's emit (and optional imports) catch Exception there."""
+    trainer = Trainer(TrainOptions(profile=load_profile("tiny"), out_dir=tmp_path / "run"))
+    trainer.phase = "setup"
+    logger = logging.getLogger("eagle3-test-setup-stop")
+    logger.propagate = False
+    logger.addHandler(logging.StreamHandler(_SignallingStream()))
+    previous = signal.signal(signal.SIGTERM, trainer._on_signal)
+    try:
+        with pytest.raises(BaseException) as caught:
+            logger.warning("loading the target's weights")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        logger.handlers.clear()
+    assert type(caught.value).__name__ == "_StoppedDuringSetup"
+    assert trainer.stop_signal == signal.SIGTERM
