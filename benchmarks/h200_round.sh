@@ -84,10 +84,10 @@ SPECFORGE=${SPECFORGE:-1}
 # launch-bound ~0.06-0.08 s a step as 4 x 1,024; 12 would hold about the profile's 4,096.
 # EXTRA_DATA=1: our trainer also trains on ShareGPT's own answers (`train --extra-conversations $DEV/sgdev
 # --group-by-length`: the carried prepare dir's train split beside the regenerated one; validation stays the
-# regenerated val split). OURS_LR: our trainer's --lr (default: the profile's 5e-4). DRAFT_HEAD: a fresh draft's
+# regenerated val split). OURS_LR: our trainer's --lr (default: the profile's, 1e-3). DRAFT_HEAD: a fresh draft's
 # lm_head and norm, `train --draft-head` (random: SpecForge's; target: the target's own rows of the draft vocabulary).
 EXTRA_DATA=${EXTRA_DATA:-0} DRAFT_HEAD=${DRAFT_HEAD:-random} RUN=ours RUN_ARGS=""
-# TWIN="<train options>" (e.g. "--lr 1e-3" or "--draft-head target"): the train phase also trains a twin of our draft
+# TWIN="<train options>" (e.g. "--lr 2e-3" or "--draft-head target"): the train phase also trains a twin of our draft
 # with those options on top, at the same time on the same GPU (each step is launch-bound: the GPU idles between
 # kernels), same data, budget and cosine, in $DEV/ours_b (its metrics come back as ours_b_metrics.jsonl): one change
 # measured in one call. The more phase goes on with the one whose last validation predicts the longer accept length.
