@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Keeps one device call's returned files in git the moment they come back: copies them from the device tool's
+# read-only result folder into benchmarks/results as h200_round<ROUND>_<PHASE>_<name> and commits them.
+# The thirteenth round's files were lost because a try was cut off before it copied them out: run this in the same
+# turn as the next call (it takes a second; the machine stays warm ~30 s after a call).
+#
+#   bash benchmarks/h200_keep.sh 15 train /work/.device/3
+#
+# Pieces that are not results (the draft's and the regenerated conversations' *.part* files) go to .h200-draft/
+# and .h200-regen/ instead (git-ignored; PHASE=draft and PHASE=carry3 carry them in a later call of this session).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -eq 3 ] || { echo "usage: $0 ROUND PHASE RESULT_DIR" >&2; exit 2; }
+round=$1 phase=$2 from=$3
+[[ $round =~ ^[0-9]+$ && $phase =~ ^[a-z0-9_]+$ ]] || { echo "h200_keep: ROUND is a number and PHASE a word: got '$round' '$phase'; nothing copied" >&2; exit 2; }
+[ -d "$from" ] || { echo "h200_keep: no folder $from; nothing copied" >&2; exit 2; }
+kept=()
+for file in "$from"/*; do
+    [ -f "$file" ] || continue
+    name=$(basename "$file")
+    case $name in
+    ours_draft.tar.part*) dest=.h200-draft/$name ;;
+    regen.tar.xz.part*) dest=.h200-regen/$name ;;
+    *) dest=benchmarks/results/h200_round${round}_${phase}_${name#"${phase}"_} ;; # train_summary.json: ..._train_summary.json
+    esac
+    mkdir -p "$(dirname "$dest")"
+    cp "$file" "$dest" && chmod 644 "$dest"
+    [[ $dest == benchmarks/results/* ]] && kept+=("$dest")
+    echo "h200_keep: $dest" >&2
+done
+for ignored in /.h200-draft/ /.h200-regen/; do
+    grep -qxF "$ignored" .git/info/exclude 2>/dev/null || echo "$ignored" >>.git/info/exclude
+done
+[ ${#kept[@]} -gt 0 ] || { echo "h200_keep: no result files in $from" >&2; exit 0; }
+git add -- "${kept[@]}"
+git commit -q -m "results: H200 round $round, $phase phase, as returned" -- "${kept[@]}"
+echo "h200_keep: committed ${#kept[@]} file(s)" >&2
