@@ -90,8 +90,10 @@ EXTRA_DATA=${EXTRA_DATA:-0} DRAFT_HEAD=${DRAFT_HEAD:-random} RUN=ours RUN_ARGS="
 # TWIN="<train options>" (e.g. "--lr 2e-3" or "--draft-head target"): the train phase also trains a twin of our draft
 # with those options on top, at the same time on the same GPU (each step is launch-bound: the GPU idles between
 # kernels), same data, budget and cosine, in $DEV/ours_b (its metrics come back as ours_b_metrics.jsonl): one change
-# measured in one call. The more phase goes on with the one whose last validation predicts the longer accept length.
-TWIN=${TWIN:-}
+# measured in one call. The more phase goes on with the one whose last validation predicts the longer accept length
+# (TWIN_MORE=better, default: the choice made mid-cosine, every step of `more` for it), or resumes both side by side
+# and chooses after their last validation (TWIN_MORE=both: the A/B over the whole cosine; both metrics come back).
+TWIN=${TWIN:-} TWIN_MORE=${TWIN_MORE:-better}
 # TIME_BUDGET=1 (default): our trainer gets `--max-seconds BUDGET_S` (default TRAIN_S + MORE_S: one cosine over both
 # phases, fitted at the measured rate; the tenth round's, planned at a guessed rate, never decayed): the train phase
 # SIGTERMs it after TRAIN_S (its checkpoint records the seconds spent), the more phase resumes it with --max-seconds
@@ -232,8 +234,9 @@ class ImageGuard(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, ImageGuard())
 EOF
     export PYTHONPATH=$GUARD_DIR:$PYTHONPATH H200_GUARD_ROOTS=$SITE:$ROOT/backend:$ROOT/benchmarks:$DEV
-    # what this machine's newer versions of image packages import and the image's own versions do not (huggingface_hub 2.x here: httpx2)
-    export H200_GUARD_ALSO=${H200_GUARD_ALSO:-httpx2 httpcore2 truststore}
+    # what this machine's newer versions of image packages import and the image's own versions do not (huggingface_hub 2.x here:
+    # httpx2; transformers 5.25 probes `kernels` with find_spec, which the guard's refusal turns into an import error)
+    export H200_GUARD_ALSO=${H200_GUARD_ALSO:-httpx2 httpcore2 truststore kernels}
 }
 
 use_profile() { # PROFILE: the shipped smollm2-135m on CUDA; on CPU a copy with CPU sizes (seq_len 128, batch 1, float32)
@@ -413,8 +416,8 @@ hand_back_draft_or_log() { # RETURN_DRAFT=1: the draft in pieces (return_draft);
     fi
 }
 
-seconds_spent() { # the seconds of steps our trainer's latest checkpoint records (`train --max-seconds` counts them)
-    "$PY" - "$DEV/ours" <<'EOF'
+seconds_spent() { # the seconds of steps the latest checkpoint of $DEV/$RUN records (`train --max-seconds` counts them)
+    "$PY" - "$DEV/$RUN" <<'EOF'
 import sys
 from pathlib import Path
 from backend.layout import STATE_FILE, latest_checkpoint
@@ -578,9 +581,9 @@ training_data_dir() { # what the train phase trained on ($DEV/data.json: regener
     "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json"
 }
 
-continue_the_better_twin() { # TWIN given: of $DEV/ours and $DEV/ours_b, the one with the higher predicted accept length at
-    # the served steps (its last validation) goes on as $DEV/ours; the other is kept as $DEV/ours_other
-    local better
+continue_the_better_twin() { # WHEN: of $DEV/ours and $DEV/ours_b (TWIN given), the one with the higher predicted accept length
+    # at the served steps (its last validation) goes on as $DEV/ours; the other is kept as $DEV/ours_other
+    local better when=$1
     better=$("$PY" - "$DEV/ours/metrics.jsonl" "$DEV/ours_b/metrics.jsonl" <<'EOF'
 import json, sys
 def last_val(path):
@@ -589,7 +592,7 @@ def last_val(path):
 print("ours_b" if last_val(sys.argv[2]) > last_val(sys.argv[1]) else "ours")
 EOF
 )
-    note "twins at TRAIN_S: $better goes on (ours_b: $(grep -h -o '"options": "[^"]*"' "$DEV/ours_b_timing.json"))"
+    note "twins at $when: $better goes on (ours_b: $(grep -h -o '"options": "[^"]*"' "$DEV/ours_b_timing.json"))"
     if [ "$better" = ours_b ]; then
         rm -rf "$DEV/ours_other" && mv "$DEV/ours" "$DEV/ours_other" && mv "$DEV/ours_b" "$DEV/ours"
         rm -rf "$DEV/ours_draft" && mv "$DEV/ours_b_draft" "$DEV/ours_draft"
@@ -603,7 +606,14 @@ phase_more() {
     [ -f "$DEV/ours/checkpoints/latest" ] && [ -f "$DEV/data.json" ] ||
         die "the train phase's state is gone from $DEV (was the machine still warm?): start again from PHASE=carry1"
     DATA=$(training_data_dir)
-    [ -f "$DEV/ours_b/checkpoints/latest" ] && continue_the_better_twin
+    local twin=""
+    if [ -f "$DEV/ours_b/checkpoints/latest" ] && [ "$TWIN_MORE" = both ]; then
+        (RUN=ours_b STAGE_LIMIT=$((MORE_S + 150)) train_ours resume >>"$DEV/ours_b.stage" 2>&1) &
+        twin=$!
+        note "train_more_b: the twin ($(cat "$DEV/ours_b_args")) resumed beside ours (TWIN_MORE=both)"
+    elif [ -f "$DEV/ours_b/checkpoints/latest" ]; then
+        continue_the_better_twin TRAIN_S
+    fi
     [ -d "$DEV/ours_draft_at_train_s" ] || cp -r "$DEV/ours_draft" "$DEV/ours_draft_at_train_s" # the equal-time draft, served beside SpecForge's
     if [ -z "${OURS_STEPS_GIVEN:-}" ] && [ "$TIME_BUDGET" != 1 ]; then # the cosine ends where this phase's steps will: the last step plus the measured rate x MORE_S
         OURS_STEPS=$("$PY" - "$DEV/ours/metrics.jsonl" "$MORE_S" "$OURS_STEPS" <<'EOF'
@@ -621,6 +631,12 @@ EOF
     fi
     stage train_more $((MORE_S + 60)) $((MORE_S + 150)) train_ours resume
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
+    if [ -n "$twin" ]; then
+        wait "$twin"
+        note "train_more_b exited $?: $(cat "$DEV/ours_b_timing.json" 2>/dev/null)"
+        cp "$DEV/ours_b/metrics.jsonl" "$OUT/ours_b_metrics.jsonl" 2>/dev/null
+        continue_the_better_twin "the end of the cosine" # the serve phase serves the better
+    fi
     hand_back_draft_or_log
 }
 
