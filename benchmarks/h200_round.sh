@@ -87,7 +87,7 @@ SPECFORGE=${SPECFORGE:-1}
 # regenerated val split). OURS_LR: our trainer's --lr (default: the profile's, 1e-3). DRAFT_HEAD: a fresh draft's
 # lm_head and norm, `train --draft-head` (random: SpecForge's; target: the target's own rows of the draft vocabulary).
 EXTRA_DATA=${EXTRA_DATA:-0} DRAFT_HEAD=${DRAFT_HEAD:-random} RUN=ours RUN_ARGS=""
-# TWIN="<train options>" (e.g. "--lr 2e-3" or "--draft-head target"): the train phase also trains a twin of our draft
+# TWIN="<train options>" (e.g. "--ttt-length 3", "--lr 2e-3" or "--draft-head target"): the train phase also trains a twin of our draft
 # with those options on top, at the same time on the same GPU (each step is launch-bound: the GPU idles between
 # kernels), same data, budget and cosine, in $DEV/ours_b (its metrics come back as ours_b_metrics.jsonl): one change
 # measured in one call. The more phase goes on with the one whose last validation predicts the longer accept length

@@ -179,6 +179,13 @@ def _register_train(subparsers, parent) -> None:
         help="a fresh draft's lm_head and final norm: random (default, as SpecForge) or the target's own, its rows of the draft "
         "vocabulary (needs the draft hidden size to equal the target's; a resumed run keeps its checkpoint's)",
     )
+    train.add_argument(
+        "--ttt-length",
+        type=int,
+        metavar="N",
+        help="draft steps unrolled per training step (training-time test; default: the profile's, 7 as SpecForge). A step costs "
+        "about N times one; a draft served with K steps uses positions 0..K-1 only",
+    )
     _add_chat_template(train)
     _add_target_placement(train)
     train.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files under <out>/tensorboard")
@@ -393,6 +400,7 @@ def train_options(args: argparse.Namespace, chat_template=None, target_placement
         seed=args.seed,
         attn_backend=args.attn_backend,
         draft_head=args.draft_head,
+        ttt_length=args.ttt_length,
     )
 
 
@@ -407,6 +415,8 @@ def _train(args: argparse.Namespace) -> int:
         template = chat_preflight(profile, args.chat_template, offline=args.data is not None, trust_remote_code=profile.serve.trust_remote_code)
         if args.max_seconds is not None and not args.max_seconds > 0:
             raise DataError(f"--max-seconds {args.max_seconds:g}: expected a positive number of seconds (nothing was started)")
+        if args.ttt_length is not None and args.ttt_length < 1:
+            raise DataError(f"--ttt-length {args.ttt_length}: expected at least 1 draft step (nothing was started)")
         if args.data is None:
             for extra in args.extra_conversations:
                 if not extra.expanduser().exists():

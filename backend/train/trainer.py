@@ -137,6 +137,7 @@ class TrainOptions:
     seed: int | None = None
     attn_backend: str | None = None
     draft_head: str = "random"  # a fresh draft's lm_head and norm: "random" (SpecForge's), or "target" (the target's rows)
+    ttt_length: int | None = None  # draft steps unrolled per training step (None: the profile's)
     compile: bool | None = None  # torch.compile the layer's per-step functions; None: on CUDA unless EAGLE3_COMPILE=0
     master_weights: bool | None = None  # bf16 weights + fp32 masters in the optimizer; None: on CUDA when dtype is bfloat16
     tiny_data: TinyDataSettings | None = None  # None: tiny_data_settings(profile seq_len)
@@ -159,7 +160,7 @@ class TrainOptions:
             save_interval=_given(self.save_interval, train.save_interval),
             log_interval=_given(self.log_interval, train.log_interval),
             seed=_given(self.seed, train.seed),
-            ttt_length=train.ttt_length,
+            ttt_length=_given(self.ttt_length, train.ttt_length),
             grad_clip=train.grad_clip,
             seq_len=train.seq_len,
             dtype=train.dtype,
@@ -624,7 +625,8 @@ class Trainer:
         ctx.barrier()
         if source is None:
             source = self._make_source()
-        config = DraftModelConfig.from_profile(self.profile)
+        # the exported config records the TTT length this run trains (--ttt-length), not only the profile's
+        config = dataclasses.replace(DraftModelConfig.from_profile(self.profile), ttt_length=self.settings.ttt_length)
         _check_widths(source, config)
         if resume_dir is not None:
             draft, state = self._load_resume(resume_dir, source, config)
@@ -880,6 +882,12 @@ class Trainer:
             steps += f" (--max-seconds {self.options.max_seconds:g} less {self.seconds_before:.0f} s spent before)"
         setup = f" (setup {time.monotonic() - self.run_started:.1f} s)" if self.run_started is not None else ""
         self.log(f"training {steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}{setup}")
+        served = getattr(getattr(self.profile, "serve", None), "num_steps", None)
+        if isinstance(served, int) and served > s.ttt_length:
+            self.log(
+                f"the profile serves {served} draft steps, more than the {s.ttt_length} this run trains (TTT): steps past "
+                f"{s.ttt_length} are drafted untrained, and validation replays chains of {s.ttt_length} steps only"
+            )
         self._beat("train")
         if self.options.eval_at_start and self.step == 0 and not self._unless_stopping(self._validate)[0]:
             return

@@ -654,3 +654,29 @@ def test_train_records_report_speed_mfu_and_peak_memory(mini_run):
     record = [r for r in read_records(mini_run) if r["split"] == "train"][-1]
     assert record["tokens_per_s"] > 0 and record["peak_mem_gib"] > 0
     assert record["mfu"] is None or 0 < record["mfu"] < 1.5
+
+
+def test_a_shorter_ttt_length_trains_and_records_that_many_draft_steps(mini_profile, mini_env, tmp_path, capfd):
+    """--ttt-length 2 (the profile's 7): every train and val record holds 2 positions, validation replays chains of 2
+    steps only, the saved config records 2, and the log says the profile's 3 served steps are more than it trains."""
+    from backend.cli import build_parser
+    from backend.train.cli import train_options
+
+    args = build_parser().parse_args(["train", "--profile", "tiny", "--ttt-length", "2"])
+    assert train_options(args).resolved().ttt_length == 2 and train_options(build_parser().parse_args(["train", "--profile", "tiny"])).ttt_length is None
+    out = tmp_path / "run"
+    assert train(mini_options(mini_profile, out, max_steps=3, eval_interval=3, log_interval=1, ttt_length=2)) == 0
+    records = read_records(out)
+    assert {len(r["acc"]) for r in records} == {2} and all(len(r["ploss"]) == 2 for r in records if r["split"] == "train")
+    assert all(set(r["accept_sim"]) == {"2"} for r in records if r["split"] == "val")
+    config = json.loads((latest_checkpoint(out) / "config.json").read_text())
+    assert config["eagle3_console"]["ttt_length"] == 2
+    err = capfd.readouterr().err
+    assert "TTT 2" in err and "the profile serves 3 draft steps, more than the 2 this run trains" in err
+
+
+def test_a_ttt_length_below_one_is_refused_before_anything_starts(tmp_path, capfd):
+    assert cli_main(["train", "--profile", "tiny", "--ttt-length", "0", "--out", str(tmp_path / "never")]) == 2
+    err = capfd.readouterr().err
+    assert "error: --ttt-length 0: expected at least 1 draft step (nothing was started)" in err
+    assert not (tmp_path / "never").exists()
