@@ -588,7 +588,7 @@ continue_the_better_twin() { # WHEN: of $DEV/ours and $DEV/ours_b (TWIN given), 
 import json, sys
 def last_val(path):
     vals = [r for r in map(json.loads, open(path)) if r.get("split") == "val"]
-    return vals[-1]["accept_sim"]["3"] if vals else 0.0
+    return (vals[-1]["accept_sim"].get("3") or 0.0) if vals else 0.0  # none at 3 steps: a twin that trains fewer (--ttt-length 2)
 print("ours_b" if last_val(sys.argv[2]) > last_val(sys.argv[1]) else "ours")
 EOF
 )
