@@ -20,6 +20,7 @@ import termios
 import time
 from collections import deque
 from dataclasses import is_dataclass
+from pathlib import Path
 
 from console.app import build_app
 from console.client import AgentClient
@@ -64,13 +65,25 @@ def deep_size(root) -> int:
     return total
 
 
+def runqueue_wait() -> float:
+    """Seconds this thread has waited for a CPU while runnable (Linux schedstat; 0 where the kernel does not say)."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 async def loop_lag_while(condition, each=lambda: None, interval: float = 0.05) -> float:
-    """The worst lateness of a 50 ms timer while condition() holds: how long a key press would wait for the loop."""
+    """The worst lateness of a 50 ms timer while condition() holds, less the time the loop's thread waited for a CPU
+    meanwhile: how long a key press would wait for the loop because of this process (a callback that computes, a
+    blocking read, a thread holding the GIL), not because the machine is busy with other processes (2026-12-04, CI:
+    1.03 s late on 2 cores shared with the other test worker and the hostile agent)."""
     worst = 0.0
     while condition():
-        before = time.monotonic()
+        before, waited_before = time.monotonic(), runqueue_wait()
         await asyncio.sleep(interval)
-        worst = max(worst, time.monotonic() - before - interval)
+        late = time.monotonic() - before - interval
+        worst = max(worst, late - (runqueue_wait() - waited_before))
         each()
     return worst
 
@@ -99,7 +112,10 @@ async def test_a_hostile_agent_cannot_freeze_crash_or_bloat_a_host_session(tmp_p
         lag = await loop_lag_while(lambda: time.monotonic() < deadline, lambda: seen.update(text for _, text in state.notes))
         over_cap_reported = lambda: any("65.0 MiB" in text and "line cap" in text for text in seen)  # noqa: E731
         # the 65 MiB line leaves the agent at 1 s; on a loaded machine reading it through the flood can take past 8 s
-        await loop_lag_while(lambda: not over_cap_reported() and time.monotonic() < deadline + 30, lambda: seen.update(text for _, text in state.notes))
+        lag = max(
+            lag,
+            await loop_lag_while(lambda: not over_cap_reported() and time.monotonic() < deadline + 30, lambda: seen.update(text for _, text in state.notes)),
+        )
         assert not pump.done(), pump.exception() if pump.done() else None  # the pump did not die on any event
         assert session.connected and session.events_seen > 200
         pong = await session.request("ping")
