@@ -183,8 +183,8 @@ def _register_train(subparsers, parent) -> None:
         "--ttt-length",
         type=int,
         metavar="N",
-        help="draft steps unrolled per training step (training-time test; default: the profile's, 7 as SpecForge). A step costs "
-        "about N times one; a draft served with K steps uses positions 0..K-1 only",
+        help="draft steps unrolled per training step (training-time test; default: the profile's, 7 as SpecForge). The draft's share "
+        "of a step grows with N (the target's forward does not); a draft served with K steps uses positions 0..K-1 only",
     )
     _add_chat_template(train)
     _add_target_placement(train)

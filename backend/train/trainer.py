@@ -858,11 +858,15 @@ class Trainer:
         reduced["accept_sim"] = {key: rounds_accept_length(histogram) for key, histogram in reduced["rounds"].items()}
         return reduced
 
+    def served_steps(self) -> int | None:
+        """The draft steps the profile serves with (its [serve] num_steps), None where it names none."""
+        served = getattr(getattr(self.profile, "serve", None), "num_steps", None)
+        return served if isinstance(served, int) else None
+
     def simulated_chains(self) -> list[int]:
         """Draft-step counts whose chain rounds validation replays: the profile's served num_steps and the TTT length."""
-        served = getattr(getattr(self.profile, "serve", None), "num_steps", None)
-        ttt = self.settings.ttt_length
-        return sorted({ttt} | ({served} if isinstance(served, int) and 0 < served <= ttt else set()))
+        served, ttt = self.served_steps(), self.settings.ttt_length
+        return sorted({ttt} | ({served} if served is not None and 0 < served <= ttt else set()))
 
     def _loop(self) -> None:
         s, ctx = self.settings, self.ctx
@@ -882,8 +886,8 @@ class Trainer:
             steps += f" (--max-seconds {self.options.max_seconds:g} less {self.seconds_before:.0f} s spent before)"
         setup = f" (setup {time.monotonic() - self.run_started:.1f} s)" if self.run_started is not None else ""
         self.log(f"training {steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}{setup}")
-        served = getattr(getattr(self.profile, "serve", None), "num_steps", None)
-        if isinstance(served, int) and served > s.ttt_length:
+        served = self.served_steps()
+        if served is not None and served > s.ttt_length:
             self.log(
                 f"the profile serves {served} draft steps, more than the {s.ttt_length} this run trains (TTT): steps past "
                 f"{s.ttt_length} are drafted untrained, and validation replays chains of {s.ttt_length} steps only"
