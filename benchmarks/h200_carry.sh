@@ -34,9 +34,6 @@ pip_download() { # quiet, but for this machine's note about index locations it s
     "$PY" -m pip download -q --no-deps --disable-pip-version-check "$@" 2>&1 | { grep -v '^WARNING: Location' || true; } >&2
 }
 
-for path in /.h200-carry1/ /.h200-carry2/ /.h200-carry3/ /.h200-draft/; do  # .h200-draft: a returned draft (PHASE=draft)
-    grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >>.git/info/exclude
-done
 rm -rf "$C1" "$C2" "$C3"
 mkdir -p "$C1/whl" "$C2" "$C3"
 

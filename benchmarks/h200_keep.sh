@@ -7,7 +7,7 @@
 #   bash benchmarks/h200_keep.sh 15 train /work/.device/3
 #
 # Pieces that are not results (the draft's and the regenerated conversations' *.part* files) go to .h200-draft/
-# and .h200-regen/ instead (git-ignored; PHASE=draft and PHASE=carry3 carry them in a later call of this session).
+# and .h200-regen/ instead (ignored by .gitignore's /.h200-*/; PHASE=draft and PHASE=carry3 carry them in a later call).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -eq 3 ] || { echo "usage: $0 ROUND PHASE RESULT_DIR" >&2; exit 2; }
@@ -27,9 +27,6 @@ for file in "$from"/*; do
     cp "$file" "$dest" && chmod 644 "$dest"
     [[ $dest == benchmarks/results/* ]] && kept+=("$dest")
     echo "h200_keep: $dest" >&2
-done
-for ignored in /.h200-draft/ /.h200-regen/; do
-    grep -qxF "$ignored" .git/info/exclude 2>/dev/null || echo "$ignored" >>.git/info/exclude
 done
 [ ${#kept[@]} -gt 0 ] || { echo "h200_keep: no result files in $from" >&2; exit 0; }
 git add -- "${kept[@]}"

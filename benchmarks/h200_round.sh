@@ -559,11 +559,7 @@ EOF
         note "train_ours_b: our draft with $TWIN, beside train_ours on the same GPU"
     fi
     stage train_ours $((TRAIN_S + 70)) $((TRAIN_S + 180)) train_ours
-    if [ -n "$twin" ]; then
-        wait "$twin"
-        note "train_ours_b exited $?: $(cat "$DEV/ours_b_timing.json" 2>/dev/null)"
-        cp "$DEV/ours_b/metrics.jsonl" "$OUT/ours_b_metrics.jsonl" 2>/dev/null
-    fi
+    [ -n "$twin" ] && finish_twin train_ours_b "$twin"
     if [ "$SPECFORGE" = 1 ]; then
         stage train_specforge $((SF_S + 60)) $((SF_S + 150)) "$PY" benchmarks/peer_specforge_train.py --profile "$PROFILE" --data "$DATA" \
             --target-dir "$MODEL_DIR" --specforge-src "$DEV/specforge-v0.3.0" --seconds "$SF_S" --device "$DEVICE" --attention-backend "$SF_ATTN" \
@@ -579,6 +575,12 @@ EOF
 # ------------------------------------------------------------------------------------------------ PHASE=more
 training_data_dir() { # what the train phase trained on ($DEV/data.json: regenerated, else ShareGPT's own answers)
     "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dir"])' "$DEV/data.json"
+}
+
+finish_twin() { # STAGE PID: the twin trained in the background ends; its timing noted, its metrics sent back
+    wait "$2"
+    note "$1 exited $?: $(cat "$DEV/ours_b_timing.json" 2>/dev/null)"
+    cp "$DEV/ours_b/metrics.jsonl" "$OUT/ours_b_metrics.jsonl" 2>/dev/null
 }
 
 continue_the_better_twin() { # WHEN: of $DEV/ours and $DEV/ours_b (TWIN given), the one with the higher predicted accept length
@@ -607,12 +609,14 @@ phase_more() {
         die "the train phase's state is gone from $DEV (was the machine still warm?): start again from PHASE=carry1"
     DATA=$(training_data_dir)
     local twin=""
-    if [ -f "$DEV/ours_b/checkpoints/latest" ] && [ "$TWIN_MORE" = both ]; then
-        (RUN=ours_b STAGE_LIMIT=$((MORE_S + 150)) train_ours resume >>"$DEV/ours_b.stage" 2>&1) &
-        twin=$!
-        note "train_more_b: the twin ($(cat "$DEV/ours_b_args")) resumed beside ours (TWIN_MORE=both)"
-    elif [ -f "$DEV/ours_b/checkpoints/latest" ]; then
-        continue_the_better_twin TRAIN_S
+    if [ -f "$DEV/ours_b/checkpoints/latest" ]; then
+        if [ "$TWIN_MORE" = both ]; then
+            (RUN=ours_b STAGE_LIMIT=$((MORE_S + 150)) train_ours resume >>"$DEV/ours_b.stage" 2>&1) &
+            twin=$!
+            note "train_more_b: the twin ($(cat "$DEV/ours_b_args")) resumed beside ours (TWIN_MORE=both)"
+        else
+            continue_the_better_twin TRAIN_S
+        fi
     fi
     [ -d "$DEV/ours_draft_at_train_s" ] || cp -r "$DEV/ours_draft" "$DEV/ours_draft_at_train_s" # the equal-time draft, served beside SpecForge's
     if [ -z "${OURS_STEPS_GIVEN:-}" ] && [ "$TIME_BUDGET" != 1 ]; then # the cosine ends where this phase's steps will: the last step plus the measured rate x MORE_S
@@ -632,9 +636,7 @@ EOF
     stage train_more $((MORE_S + 60)) $((MORE_S + 150)) train_ours resume
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
     if [ -n "$twin" ]; then
-        wait "$twin"
-        note "train_more_b exited $?: $(cat "$DEV/ours_b_timing.json" 2>/dev/null)"
-        cp "$DEV/ours_b/metrics.jsonl" "$OUT/ours_b_metrics.jsonl" 2>/dev/null
+        finish_twin train_more_b "$twin"
         continue_the_better_twin "the end of the cosine" # the serve phase serves the better
     fi
     hand_back_draft_or_log
