@@ -548,14 +548,14 @@ def _finalize(out: Path, source: Path, meta: dict, order: list[str], complete: b
 
 
 def _progress(done: int, total: int, resumed: int, started: float, tokens: int, width: int = 20) -> str:
-    """e.g. "regenerate [########------------] 80/200 conversations 40% (30 from an earlier run)  612 tok/s  41 s, ~62 s left"."""
+    """e.g. "regenerate [########------------] 80/200 conversations 40% (30 from an earlier run)  25,092 tokens, 612 tok/s  41 s, ~62 s left"."""
     elapsed = time.monotonic() - started
     fraction = done / max(1, total)
     filled = int(round(fraction * width))
     fresh = done - resumed
     left = f", ~{elapsed / fresh * (total - done):.0f} s left" if 0 < fresh and done < total else ""
     earlier = f" ({resumed} from an earlier run)" if resumed else ""
-    rate = f"  {tokens / elapsed:.0f} tok/s" if elapsed > 0 and tokens else ""
+    rate = f"  {tokens:,} tokens, {tokens / elapsed:.0f} tok/s" if elapsed > 0 and tokens else ""
     return f"regenerate [{'#' * filled}{'-' * (width - filled)}] {done}/{total} conversations {100 * fraction:3.0f}%{earlier}{rate}  {elapsed:.0f} s{left}"
 
 
@@ -633,8 +633,8 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
                 prompt_tokens += sum(len(p) for _, p in active)
                 padded_tokens += padded_prompt_tokens([p for _, p in active])
                 results = generate_batch(target, [p for _, p in active], [j.rng for j, _ in active], settings.sampling, stop_ids)
+                generated += sum(len(ids) + (why == "eos") for ids, why in results)  # before any row finishes: progress counts the batch
                 for (job, _prompt), (ids, why) in zip(active, results):
-                    generated += len(ids) + (why == "eos")
                     job.answer(tokenizer.decode(ids, skip_special_tokens=True), len(ids), why)
                     prompt = job.next_prompt(render, settings.max_prompt_tokens, settings.max_answers)
                     if prompt is None:

@@ -3,6 +3,7 @@ losing or repeating a conversation, and `train`/`extract` read the output but re
 
 import dataclasses
 import json
+import re
 import os
 import random
 import signal
@@ -415,6 +416,17 @@ def test_max_answers_keeps_each_conversations_first_turns_only(world, tmp_path):
     assert any(len(r["answer_tokens"]) == 2 for r in rows(tmp_path / "full") + rows(tmp_path / "full", "val"))  # follow-ups were there
     with pytest.raises(DataError, match="settings"):
         regenerate(world["target"], dataclasses.replace(settings, max_answers=2), "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
+
+
+def test_progress_counts_a_batchs_tokens_before_its_first_conversation_finishes(world, tmp_path):
+    """One batch answers every conversation: each progress line after it reports the batch's tokens, not the
+    running sum of the rows finished so far (an H200 run printed "3 tok/s" beside 1,139 finished conversations)."""
+    lines: list[str] = []
+    settings = RegenerateSettings(world["prep"], tmp_path / "one-batch", Sampling(max_new_tokens=12), batch_size=COUNT, progress_seconds=0, max_answers=1)
+    meta = regenerate(world["target"], settings, "chatml", CHATML, "float32", "cpu", log=lines.append)
+    reported = [int(m.group(1).replace(",", "")) for line in lines if (m := re.search(r"  ([\d,]+) tokens, \d+ tok/s", line))]
+    assert meta["complete"] and meta["runs"][-1]["tokens"] > 0
+    assert len(reported) == meta["counts"]["done"] and set(reported) == {meta["runs"][-1]["tokens"]}
 
 
 def test_bad_answer_and_time_limits_are_refused_in_one_line_before_the_target_loads(world, tmp_path):
