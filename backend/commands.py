@@ -21,6 +21,10 @@ CHAIN_CONCURRENCY_DEFAULT = "1,4"
 CHAIN_PROMPTS_DEFAULT = 8
 CHAIN_MAX_NEW_TOKENS_DEFAULT = 64
 GROK_WEIGHT_DECAY_DEFAULT = 0.1
+# the chain result's acceptance["break"]["kind"]: a position breaks away, or every position is short by a like
+# fraction (backend/serve/acceptance.py decides; the console words and colours them)
+ACCEPTANCE_BREAK = "break"
+ACCEPTANCE_SHORTFALL = "shortfall"
 
 # NVLink multicast stays off for every distributed job (the device notes: NVLS/multicast hangs or fails on the
 # shared H200 hosts); the trainer sets them before init_process_group too, so a bare torchrun keeps them.

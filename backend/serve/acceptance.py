@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from backend.commands import ACCEPTANCE_BREAK as BREAK, ACCEPTANCE_SHORTFALL as SHORTFALL
 from backend.train.loss import rounds_accept_length
 
 # Per-position break: served conditional acceptance at position k below val acc_k - max(BREAK_ABS_TOL, BREAK_Z x SE),
@@ -30,6 +31,11 @@ BREAK_ABS_TOL = 0.10
 BREAK_Z = 2.0
 # Fewer verify steps than this reached a position: its served rate is not judged (SE would exceed ~0.1 anyway).
 MIN_STEPS_AT_POSITION = 20
+# A first break at position 0 is a shortfall, not a break, when position 0 keeps at least this share of its predicted
+# rate and no later position falls further below its prediction scaled by that share (the canary's 0.6 x tau-hat:
+# below it acceptance collapses). Every position short by a like fraction is what prompts unlike validation's give
+# (held-out first turns, round 15 in docs/real-model.md); a feed or export defect collapses or breaks at one position.
+SHORTFALL_MIN_RATIO = 0.6
 POOLED_LABEL = "pooled over verify steps (SGLang, vLLM: sum completion_tokens / sum verify_ct)"
 MEAN_OF_MEANS_LABEL = "mean of per-request means (SpecForge benchmark)"
 HISTOGRAM_KEY = "spec_correct_drafts_histogram"
@@ -184,23 +190,50 @@ def compare_with_validation(
         out.update(predicted=predicted, predicted_reached=running, tolerance=tol, judged=judged, broken=broken, val_acc=acc, basis=basis)
         rows.append(out)
         if broken and first is None:
-            first = {
-                "position": k,
-                "served": row["conditional"],
-                "predicted": predicted,
-                "basis": basis,
-                "tolerance": tol,
-                "served_reached": row["reached"],
-                "predicted_reached": running,
-                "steps_at_position": n,
-            }
+            first = _first_break(out)
+    if first is not None and first["position"] == 0 and first["served"] >= SHORTFALL_MIN_RATIO * first["predicted"]:
+        ratio = first["served"] / first["predicted"]
+        away = _breaks_away(rows, ratio)
+        first = _first_break(away) if away is not None else {**first, "kind": SHORTFALL, "ratio": ratio}
     return rows, first
+
+
+def _first_break(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "position": row["position"],
+        "kind": BREAK,
+        "served": row["conditional"],
+        "predicted": row["predicted"],
+        "basis": row["basis"],
+        "tolerance": row["tolerance"],
+        "served_reached": row["reached"],
+        "predicted_reached": row["predicted_reached"],
+        "steps_at_position": row["steps_at_position"],
+    }
+
+
+def _breaks_away(rows: list[dict[str, Any]], ratio: float) -> dict[str, Any] | None:
+    """The first judged position past 0 whose served rate falls below its prediction scaled by position 0's ratio by
+    more than the tolerance: where serving breaks when every position is short (None: a like fraction everywhere)."""
+    for row in rows[1:]:
+        if row.get("judged") and row.get("predicted") is not None:
+            scaled = row["predicted"] * ratio
+            if row["conditional"] < scaled - break_tolerance(scaled, row["steps_at_position"]):
+                return row
+    return None
 
 
 def break_line(first: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
     """One sentence: where served acceptance breaks, or that it holds (and up to where it could be judged)."""
     if first is not None:
         source = "validation's chain rounds replayed" if first.get("basis") == REPLAYED else f"val acc_{first['position']}"
+        if first.get("kind") == SHORTFALL:
+            return (
+                f"served acceptance is below validation's at every position by a like fraction ({first['served']:.2f} served vs "
+                f"{first['predicted']:.2f} predicted at position 0, {source}; no later position breaks away from it): these "
+                "prompts are harder for the draft than validation's conversations, or every position's features are off "
+                "(a broken feed or export collapses acceptance: the canary)"
+            )
         return (
             f"served acceptance breaks at position {first['position']}: {first['served']:.2f} served vs "
             f"{first['predicted']:.2f} predicted ({source}; tolerance {first['tolerance']:.2f}, "
@@ -285,7 +318,7 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
     if rows:
         lines.append(f"pos  {prediction_label(rows):>7}  served|k  predicted reach  served reach  steps")
         for row in rows:
-            mark = "  <- break" if row.get("broken") else ""
+            mark = f"  <- {_mark(report)}" if row.get("broken") else ""
             lines.append(
                 f"{row['position']:>3}  {_num(row.get('predicted')):>7}  {_num(row.get('conditional')):>8}  "
                 f"{_num(row.get('predicted_reached')):>15}  {_num(row.get('reached')):>12}  {row['steps_at_position']:>5}{mark}"
@@ -294,6 +327,12 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
         lines.append(report["break_line"])
     lines += [f"note: {note}" for note in report.get("notes") or []]
     return lines
+
+
+def _mark(report: dict[str, Any]) -> str:
+    """What a flagged row is called: a break, or below (every position short by a like fraction)."""
+    first = report.get("break")
+    return "below" if isinstance(first, dict) and first.get("kind") == SHORTFALL else "break"
 
 
 def _replayed(rows: list[dict[str, Any]]) -> bool:

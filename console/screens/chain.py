@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Footer, Header, Static
 
-from backend.commands import CHAIN_STAGES, chain_training_job
+from backend.commands import ACCEPTANCE_SHORTFALL, CHAIN_STAGES, chain_training_job
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 from backend.safetext import visible
@@ -113,6 +113,13 @@ def _break_caveat(text: Text, result: dict[str, Any]) -> None:
     acceptance = result.get("acceptance")
     broken = acceptance.get("break") if isinstance(acceptance, dict) else None
     if result.get("verdict") != "green" or not isinstance(broken, dict):
+        return
+    if broken.get("kind") == ACCEPTANCE_SHORTFALL:
+        text.append(
+            "  served acceptance is below validation's at every position by a like fraction: the prompts differ from "
+            "validation's conversations, or every position's features are off (table below)\n",
+            style="yellow",
+        )
         return
     text.append(
         f"  but served acceptance breaks at position {visible(broken.get('position', '?'))}: green judges the pooled accept "
@@ -256,18 +263,27 @@ def _acceptance_lines(text: Text, data: dict[str, Any]) -> None:
         )
         label = visible(acceptance.get("prediction_label") or "val acc")[:7]  # "replay": validation's chain rounds replayed
         text.append(f"   pos  {label:>7}  served|k   pred reach  served reach  steps\n", style="dim")
+        first = acceptance.get("break")
+        shortfall = isinstance(first, dict) and first.get("kind") == ACCEPTANCE_SHORTFALL
+        flagged, flag_style = ("  ← below", "yellow") if shortfall else ("  ← break", "bold red")
         for row in rows:
             broken = bool(row.get("broken"))
             line = (
                 f"  {row.get('position', '?'):>4}  {_rate(row.get('predicted')):>7}  {_rate(row.get('conditional')):>8}"
                 f"   {_rate(row.get('predicted_reached')):>10}  {_rate(row.get('reached')):>12}  {row.get('steps_at_position', '?'):>5}"
             )
-            text.append(line + ("  ← break" if broken else "") + "\n", style="bold red" if broken else "" if row.get("judged") else "dim")
+            text.append(line + (flagged if broken else "") + "\n", style=flag_style if broken else "" if row.get("judged") else "dim")
     line = visible(acceptance.get("break_line") or "")
     if line:
-        text.append(f"  {line}\n", style="bold red" if acceptance.get("break") else "green" if line.startswith("no break") else "dim")
+        text.append(f"  {line}\n", style=_break_line_style(acceptance.get("break"), line))
     for note in acceptance.get("notes") or []:
         text.append(f"  note: {visible(note)}\n", style="yellow")
+
+
+def _break_line_style(first: Any, line: str) -> str:
+    if isinstance(first, dict):
+        return "yellow" if first.get("kind") == ACCEPTANCE_SHORTFALL else "bold red"
+    return "green" if line.startswith("no break") else "dim"
 
 
 def _rate(value: Any) -> str:

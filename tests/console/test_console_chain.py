@@ -468,6 +468,21 @@ def test_a_green_verdict_with_a_break_in_served_acceptance_says_so_next_to_the_v
     assert "but served acceptance breaks" not in result_panel_text(clean).plain
 
 
+def test_a_like_shortfall_at_every_position_is_shown_as_below_in_yellow_not_as_a_break():
+    """Round 15's ShareGPT histogram against its checkpoint's replay: every position short by a like fraction."""
+    from backend.serve.acceptance import acceptance_report
+
+    histogram = [239, 149, 63, 139]
+    shortfall = acceptance_report([(1280, 590, histogram)], 3, [0.757, 0.720, 0.683], val_rounds={"3": [1428, 975, 593, 1717]})
+    records = chain_records()
+    records[-1]["result"] = {**RESULT, "acceptance": shortfall}
+    panel = result_panel_text(records)
+    head, table = panel.plain.split("served acceptance per draft position")
+    assert "VERDICT GREEN" in head and "below validation's at every position by a like fraction: the prompts differ" in head
+    assert "but served acceptance breaks" not in panel.plain and "← break" not in table and table.count("← below") == 2
+    assert span_style(panel, "← below") == "yellow" and span_style(panel, "served acceptance is below validation's at every") == "yellow"
+
+
 def test_more_concurrency_with_less_throughput_gets_a_remark():
     slow = chain_records()
     throughput = [{"concurrency": 1, "output_tok_per_s": 21.8}, {"concurrency": 4, "output_tok_per_s": 8.4}]

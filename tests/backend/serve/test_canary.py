@@ -1,5 +1,8 @@
 """Canary arithmetic and verdicts: tau-hat, the zero-acceptance ceiling, red/amber/green, causes in order."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from backend.serve.canary import (
@@ -196,6 +199,41 @@ def test_histogram_from_meta_checks_it_against_the_counts_beside_it():
     ]:
         histogram, note = histogram_from_meta(bad)
         assert histogram is None and words in note
+
+
+ROUND15 = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "h200_round15_serve_bench_same_engine.json"
+ROUND15_VAL_ROUNDS = {"3": [1428, 975, 593, 1717]}  # the served checkpoint's val_rounds (h200_round15_serve_chain.jsonl)
+
+
+def test_every_position_short_by_a_like_fraction_is_a_shortfall_not_a_break():
+    """Round 15 on one H200, HTTP bench at 3 steps: ShareGPT and HumanEval served below validation's replay at every
+    position by a like fraction (the prompts, not the engine: teacher-forced on the served tokens, the draft agreed
+    with serving at 0.995). Named a shortfall; a position that falls away from position 0's ratio is still a break."""
+    saved = json.loads(ROUND15.read_text())
+    val_acc = saved["validation"]["val_acc"]
+    for name, ratio in (("sharegpt", 0.854), ("humaneval", 0.733)):
+        level = next(s for s in saved["sets"] if s["name"] == name)["levels"][0]
+        histogram = level["acceptance"]["histogram"]
+        steps = sum(histogram)
+        request = [(sum(i * h for i, h in enumerate(histogram)) + steps, steps, histogram)]
+        report = acceptance_report(request, num_steps=3, val_acc=val_acc, val_rounds=ROUND15_VAL_ROUNDS)
+        first = report["break"]
+        assert first["position"] == 0 and first["kind"] == "shortfall" and first["ratio"] == pytest.approx(ratio, abs=0.001), name
+        assert report["break_line"].startswith("served acceptance is below validation's at every position by a like fraction")
+        assert "<- below" in "\n".join(acceptance_lines(report)) and "<- break" not in "\n".join(acceptance_lines(report))
+    # position 0 as short as ShareGPT's (0.59 of 0.70), then position 1 collapses: a break at position 1
+    n0, n1 = 1000, 590
+    n2 = round(n1 * 0.1)
+    collapsed_later = [n0 - n1, n1 - n2, n2 - 5, 5]
+    request = [(sum(i * h for i, h in enumerate(collapsed_later)) + n0, n0, collapsed_later)]
+    report = acceptance_report(request, num_steps=3, val_acc=val_acc, val_rounds=ROUND15_VAL_ROUNDS)
+    assert report["break"]["position"] == 1 and report["break"]["kind"] == "break"
+    assert report["break_line"].startswith("served acceptance breaks at position 1: 0.10 served vs 0.70 predicted")
+    assert [r["broken"] for r in report["per_position"][:2]] == [True, True]
+    # position 0 at a third of its prediction: a collapse, a break whatever follows
+    low = [800, 100, 50, 50]
+    report = acceptance_report([(sum(i * h for i, h in enumerate(low)) + 1000, 1000, low)], num_steps=3, val_acc=val_acc, val_rounds=ROUND15_VAL_ROUNDS)
+    assert report["break"]["kind"] == "break" and report["per_position"][0]["conditional"] == pytest.approx(0.2)
 
 
 def test_first_break_is_named_with_served_and_predicted():
