@@ -637,6 +637,41 @@ def test_decode_speed_benchmark_runs_on_cpu_with_tiny_settings(mini_target_dir, 
     assert "ours_static_eagle_k3" in done.stdout and "bandwidth bound" in done.stdout
 
 
+@pytest.mark.slow
+def test_accept_length_benchmark_reports_intervals_and_the_anatomy_per_set(mini_target_dir, mini_profile, tmp_path):
+    """benchmarks/bench_accept_length.py in its own process: per set the pooled accept length inside its bootstrap
+    interval, the subset spread, the per-request numbers, and served rounds equal to their replay (float32)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.fixtures.env import ROOT, subprocess_env
+    from tests.fixtures.reference import save_untrained_draft, write_mini_profile
+
+    profile = write_mini_profile(mini_target_dir, tmp_path / "mini.toml")
+    draft = save_untrained_draft(mini_profile, tmp_path / "run")
+    first, second = tmp_path / "one" / "eval.jsonl", tmp_path / "two" / "eval.jsonl"
+    for path, words in ((first, ("def add(a, b):", "x = 1", "for")), (second, ("while", "import os"))):
+        path.parent.mkdir()
+        path.write_text("".join(json.dumps({"conversations": [{"role": "user", "content": w}, {"role": "assistant", "content": "ok"}]}) + "\n" for w in words))
+    out = tmp_path / "accept.json"
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_accept_length.py"), "--profile", str(profile), "--draft", str(draft), "--device", "cpu"]
+    argv += ["--max-new-tokens", "8", "--prompts", str(first), "--prompts", str(second), "--subset", "2", "--out", str(out)]
+    done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["sets"]) == {"one/eval", "two/eval"} and report["ignore_eos"] and report["num_steps"] == 3
+    for name, count in (("one/eval", 3), ("two/eval", 2)):
+        row = report["sets"][name]
+        assert row["prompts"] == count == len(row["per_request"]) and row["tokens"] == 8 * count
+        low, high = row["pooled_95"]
+        assert 1 <= low <= row["pooled"] <= high <= 4
+        anatomy = row["acceptance_anatomy"]
+        assert anatomy["replayed_rounds"] == anatomy["served_rounds"] and anatomy["served_vs_teacher_forced_agreement"] == 1.0
+    assert "pooled_over_2_prompt_subsets_95" in report["sets"]["one/eval"] and "pooled_over_2_prompt_subsets_95" not in report["sets"]["two/eval"]
+    assert "one/eval: 3 prompts, accept length" in done.stdout
+
+
 def test_the_device_option_reaches_the_reference_server_argv_and_only_that_engine(mini_profile):
     from backend.serve.launch import build_argv
     from backend.serve.reference.server import parse_args

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""A draft's accept length on many prompts per eval set, with its sampling error: how far a 10-prompt number can be trusted.
+
+Each prompt is decoded by our reference engine (the eager SpecDecoder, greedy, ignore-eos, --max-new-tokens) at
+--num-steps; per set it reports the pooled accept length (SGLang's) and the mean of request means (SpecForge's) with a
+bootstrap 95 % interval over prompts, the spread of the mean over random subsets of --subset prompts (the serve
+phase's 10), and the draft's teacher-forced step-0 hits on the served tokens (bench_decode_speed's
+acceptance_anatomy: every row, before the first end of turn, at round starts, and validation's replay of the same
+tokens). Pass the regenerated val conversations as a set to compare with what validation measured: read as prompts,
+their last answer is dropped and the target answers it again.
+
+CPU:  python3 benchmarks/bench_accept_length.py --device cpu --draft DRAFT --prompts sgdev/eval.jsonl \
+        --prompts regen/val.jsonl --num-prompts 200 --out /tmp/accept.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_decode_speed import NO_EOS, acceptance_anatomy, encode, load_draft, read_prompt_file  # noqa: E402
+from backend.serve.reference.spec_decode import SpecDecoder, eos_ids  # noqa: E402
+
+BOOTSTRAP_DRAWS = 2000
+
+
+def pooled(results) -> float:
+    return sum(r.completion_tokens for r in results) / max(1, sum(r.verify_ct for r in results))
+
+
+def mean_of_means(results) -> float:
+    return sum(r.accept_length for r in results) / max(1, len(results))
+
+
+def interval(results, statistic, rng: random.Random, size: int | None = None) -> list[float]:
+    """The 2.5th and 97.5th percentiles of `statistic` over resamples of `size` prompts (None: as many as there are,
+    with replacement: the bootstrap interval; a size below the count: subsets without replacement)."""
+    draws = []
+    for _ in range(BOOTSTRAP_DRAWS):
+        sample = [rng.choice(results) for _ in results] if size is None else rng.sample(results, size)
+        draws.append(statistic(sample))
+    draws.sort()
+    return [draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]]
+
+
+def eval_set(name: str, decoder: SpecDecoder, prompts: list[list[int]], max_new: int, subset: int, anatomy) -> dict:
+    started = time.perf_counter()
+    results = []
+    for index, ids in enumerate(prompts, 1):
+        results.append(decoder.generate(ids, max_new))
+        if index % 20 == 0 or index == len(prompts):
+            print(f"  {name}: {index}/{len(prompts)} prompts, pooled accept length {pooled(results):.3f} ({time.perf_counter() - started:.0f} s)", flush=True)
+    rng = random.Random(0)
+    row = {
+        "prompts": len(results),
+        "tokens": sum(r.completion_tokens for r in results),
+        "pooled": pooled(results),
+        "pooled_95": interval(results, pooled, rng),
+        "mean_of_request_means": mean_of_means(results),
+        "mean_of_request_means_95": interval(results, mean_of_means, rng),
+        "per_request": [round(r.accept_length, 4) for r in results],
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    if subset < len(results):
+        row[f"pooled_over_{subset}_prompt_subsets_95"] = interval(results, pooled, rng, size=subset)
+    row["acceptance_anatomy"] = anatomy(prompts, results)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    from backend.profiles import load_profile
+    from backend.train.target import load_target
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", default="smollm2-135m")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", help="target dtype (default: the profile's [serve] dtype on CUDA, float32 on CPU)")
+    parser.add_argument("--draft", required=True, help="the draft's checkpoint or exported dir")
+    parser.add_argument("--prompts", action="append", type=Path, required=True, help="an eval set (JSONL, .gz too); repeat for several sets")
+    parser.add_argument("--num-prompts", type=int, default=200, help="prompts per set (at most)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--num-steps", type=int, default=3)
+    parser.add_argument("--subset", type=int, default=10, help="the prompts a quick bench uses: the spread of its number")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    torch.set_grad_enabled(False)
+    profile = load_profile(args.profile)
+    dtype = args.dtype or (profile.serve.dtype if device.type == "cuda" else "float32")
+    target = load_target(profile, device=device, dtype=dtype)
+    draft, aux, label = load_draft(args.draft, profile, target, device)
+    decoder = SpecDecoder(target.model, draft, aux, num_steps=args.num_steps, eos_token_id=NO_EOS)
+    eos = eos_ids(target.model, target.tokenizer.eos_token_id)
+    report = {
+        "target": profile.target.path,
+        "device": str(device),
+        "dtype": dtype,
+        "draft": label,
+        "num_steps": args.num_steps,
+        "max_new_tokens": args.max_new_tokens,
+        "ignore_eos": True,
+        "sets": {},
+    }
+    for path in args.prompts:
+        name = path.name.split(".")[0] if path.parent.name in ("", ".") else f"{path.parent.name}/{path.name.split('.')[0]}"
+        prompts = [encode(target.tokenizer, p, args.max_prompt_tokens) for p in read_prompt_file(path)[: args.num_prompts]]
+        print(f"set {name}: {len(prompts)} prompts from {path}", flush=True)
+        report["sets"][name] = eval_set(
+            name, decoder, prompts, args.max_new_tokens, args.subset, lambda ps, rs: acceptance_anatomy(target.model, draft, aux, ps, rs, eos)
+        )
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+    for name, row in report["sets"].items():
+        anatomy = row["acceptance_anatomy"]
+        spread = row.get(f"pooled_over_{args.subset}_prompt_subsets_95")
+        print(
+            f"{name}: {row['prompts']} prompts, accept length {row['pooled']:.3f} pooled (95 % {row['pooled_95'][0]:.3f}-{row['pooled_95'][1]:.3f}), "
+            f"{row['mean_of_request_means']:.3f} mean of request means"
+            + (f"; {args.subset}-prompt subsets span {spread[0]:.3f}-{spread[1]:.3f}" if spread else "")
+            + f"; step 0 teacher-forced {anatomy['teacher_forced_step0_all']:.3f} (before end of turn {anatomy['teacher_forced_step0_before_eos']:.3f})"
+            + f"; served rounds {anatomy['served_rounds']}, replayed {anatomy['replayed_rounds']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
