@@ -3,8 +3,9 @@
 
 Each prompt is decoded by our reference engine (the eager SpecDecoder, greedy, ignore-eos, --max-new-tokens) at
 --num-steps; per set it reports the pooled accept length (SGLang's) and the mean of request means (SpecForge's) with a
-bootstrap 95 % interval over prompts, the spread of the mean over random subsets of --subset prompts (the serve
-phase's 10), and the draft's teacher-forced step-0 hits on the served tokens (bench_decode_speed's
+bootstrap 95 % interval over prompts, the pooled accept length of the answers alone (rounds that start before the
+first end of turn: what a run that stops there serves), the spread of the mean over random subsets of --subset
+prompts (the serve phase's 10), and the draft's teacher-forced step-0 hits on the served tokens (bench_decode_speed's
 acceptance_anatomy: every row, before the first end of turn, at round starts, and validation's replay of the same
 tokens). Pass the regenerated val conversations as a set to compare with what validation measured: read as prompts,
 their last answer is dropped and the target answers it again.
@@ -40,6 +41,21 @@ def mean_of_means(results) -> float:
     return sum(r.accept_length for r in results) / max(1, len(results))
 
 
+def answer_part(result, eos: set[int]) -> tuple[int, int]:
+    """(tokens up to and including the first end of turn, verify rounds that started before it): the accept length of
+    the answer itself, as a run that stops at the end of turn serves it (the first token is the prefill's, as in
+    completion_tokens / verify_ct)."""
+    output = list(result.output_ids)
+    tokens = next((j + 1 for j, token in enumerate(output) if token in eos), len(output))
+    rounds, start = 0, 1
+    for accepted in result.accepted_per_round:
+        if start >= tokens:
+            break
+        rounds += 1
+        start += accepted + 1
+    return tokens, rounds
+
+
 def interval(results, statistic, rng: random.Random, size: int | None = None) -> list[float]:
     """The 2.5th and 97.5th percentiles of `statistic` over resamples of `size` prompts (None: as many as there are,
     with replacement: the bootstrap interval; a size below the count: subsets without replacement)."""
@@ -51,7 +67,7 @@ def interval(results, statistic, rng: random.Random, size: int | None = None) ->
     return [draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]]
 
 
-def eval_set(name: str, decoder: SpecDecoder, prompts: list[list[int]], max_new: int, subset: int, anatomy) -> dict:
+def eval_set(name: str, decoder: SpecDecoder, prompts: list[list[int]], max_new: int, subset: int, eos: set[int], anatomy) -> dict:
     started = time.perf_counter()
     results = []
     for index, ids in enumerate(prompts, 1):
@@ -69,6 +85,10 @@ def eval_set(name: str, decoder: SpecDecoder, prompts: list[list[int]], max_new:
         "per_request": [round(r.accept_length, 4) for r in results],
         "seconds": round(time.perf_counter() - started, 1),
     }
+    answers = [answer_part(r, eos) for r in results]
+    row["pooled_before_eos"] = sum(t for t, _ in answers) / max(1, sum(r for _, r in answers))
+    row["pooled_before_eos_95"] = interval(answers, lambda sample: sum(t for t, _ in sample) / max(1, sum(r for _, r in sample)), rng)
+    row["tokens_before_eos"] = sum(t for t, _ in answers)
     if subset < len(results):
         row[f"pooled_over_{subset}_prompt_subsets_95"] = interval(results, pooled, rng, size=subset)
     row["acceptance_anatomy"] = anatomy(prompts, results)
@@ -116,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [encode(target.tokenizer, p, args.max_prompt_tokens) for p in read_prompt_file(path)[: args.num_prompts]]
         print(f"set {name}: {len(prompts)} prompts from {path}", flush=True)
         report["sets"][name] = eval_set(
-            name, decoder, prompts, args.max_new_tokens, args.subset, lambda ps, rs: acceptance_anatomy(target.model, draft, aux, ps, rs, eos)
+            name, decoder, prompts, args.max_new_tokens, args.subset, eos, lambda ps, rs: acceptance_anatomy(target.model, draft, aux, ps, rs, eos)
         )
         if args.out:
             args.out.write_text(json.dumps(report, indent=1) + "\n")
@@ -126,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name}: {row['prompts']} prompts, accept length {row['pooled']:.3f} pooled (95 % {row['pooled_95'][0]:.3f}-{row['pooled_95'][1]:.3f}), "
             f"{row['mean_of_request_means']:.3f} mean of request means"
+            + f"; {row['pooled_before_eos']:.3f} up to the end of turn"
             + (f"; {args.subset}-prompt subsets span {spread[0]:.3f}-{spread[1]:.3f}" if spread else "")
             + f"; step 0 teacher-forced {anatomy['teacher_forced_step0_all']:.3f} (before end of turn {anatomy['teacher_forced_step0_before_eos']:.3f})"
             + f"; served rounds {anatomy['served_rounds']}, replayed {anatomy['replayed_rounds']}"

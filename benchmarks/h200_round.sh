@@ -114,8 +114,10 @@ REGEN_BENCH_BATCHES=${REGEN_BENCH_BATCHES:-256 512 1024 2048} REGEN_BENCH=${REGE
 # DECODE_PROFILE=1: carry1 also runs benchmarks/profile_decode_step.py (where a decode step's time goes, per compile variant)
 DECODE_PROFILE=${DECODE_PROFILE:-1} DECODE_PROFILE_EXTRA=${DECODE_PROFILE_EXTRA:---budget-s 280}
 # serve phase
+# BENCH_PROMPTS: the chain's HTTP bench per set. 10 prompts span +-0.28 in accept length (bench_accept_length.py on
+# round 15's draft: 10-prompt subsets of 56 val prompts 2.15-2.71); 100 take ~20 s more over HTTP at ~1,000 tok/s
 NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
-CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-10} BENCH_NEW=${BENCH_NEW:-128}
+CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-100} BENCH_NEW=${BENCH_NEW:-128}
 REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30}
 # serve stages beyond `decode`: COMPILED (our final draft, 3 steps, graphs + torch.compile, with its plain row), CHAIN
 # (stop-and-bench + per-set HTTP bench), REAL (real vs fixed-length steps), GROUPING (regeneration's batches by prompt

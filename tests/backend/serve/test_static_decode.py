@@ -666,6 +666,7 @@ def test_accept_length_benchmark_reports_intervals_and_the_anatomy_per_set(mini_
         assert row["prompts"] == count == len(row["per_request"]) and row["tokens"] == 8 * count
         low, high = row["pooled_95"]
         assert 1 <= low <= row["pooled"] <= high <= 4
+        assert 1 <= row["pooled_before_eos"] <= 4 and 0 < row["tokens_before_eos"] <= row["tokens"]
         anatomy = row["acceptance_anatomy"]
         assert anatomy["replayed_rounds"] == anatomy["served_rounds"] and anatomy["served_vs_teacher_forced_agreement"] == 1.0
     assert "pooled_over_2_prompt_subsets_95" in report["sets"]["one/eval"] and "pooled_over_2_prompt_subsets_95" not in report["sets"]["two/eval"]
