@@ -231,7 +231,8 @@ def break_line(first: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
             return (
                 f"served acceptance is below validation's at every position by a like fraction ({first['served']:.2f} served vs "
                 f"{first['predicted']:.2f} predicted at position 0, {source}; no later position breaks away from it): these "
-                "prompts are harder for the draft than validation's conversations, or every position's features are off "
+                "prompts are harder for the draft than validation's conversations (under ignore-eos the text after the end of "
+                "turn counts too), or every position's features are off "
                 "(a broken feed or export collapses acceptance: the canary)"
             )
         return (
