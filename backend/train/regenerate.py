@@ -436,6 +436,8 @@ class RegenerateSettings:
 
 
 def source_identity(source: Path) -> dict:
+    """The prepare dir as written in regenerate.json. A resume compares only its splits' contents: the same prepared
+    data rebuilt elsewhere (its prepare.json records when and in how many seconds) resumes the same regeneration."""
     if not (source / PREPARE_META).is_file():
         raise DataError(f"--input {source} is not a `data prepare` output (no {PREPARE_META}); run `eagle3-host data prepare` first. Nothing was written.")
     return {
@@ -466,7 +468,11 @@ def _identity(settings: RegenerateSettings, target, template_name: str, template
 
 
 def _same_run(old: dict, new: dict) -> list[str]:
-    return [f"{name}: was {old.get(name)!r}, now {new[name]!r}" for name in ("target", "template", "settings", "source") if old.get(name) != new[name]]
+    wrong = [f"{name}: was {old.get(name)!r}, now {new[name]!r}" for name in ("target", "template", "settings") if old.get(name) != new[name]]
+    old_splits, new_splits = (old.get("source") or {}).get("splits"), new["source"]["splits"]
+    if old_splits != new_splits:  # a resume skips keys (split:line), so the split files must hold the same lines
+        wrong.append(f"source splits: was {old_splits!r}, now {new_splits!r}")
+    return wrong
 
 
 def _write_meta(out: Path, meta: dict) -> None:

@@ -418,6 +418,37 @@ def test_max_answers_keeps_each_conversations_first_turns_only(world, tmp_path):
         regenerate(world["target"], dataclasses.replace(settings, max_answers=2), "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
 
 
+def test_the_same_prepared_data_rebuilt_elsewhere_resumes_and_other_splits_are_refused(world, tmp_path, monkeypatch):
+    """`data prepare` run again (a new prepare.json: its time and seconds) into another dir gives the same split files:
+    a regeneration cut on the first resumes on the second (an H200 round carries its answers to a later session that
+    rebuilds the prepared data); a split with other lines is refused, nothing changed."""
+    import backend.train.regenerate as module
+
+    real = module.generate_batch
+    monkeypatch.setattr(module, "generate_batch", lambda *a, **k: (real(*a, **k), time.sleep(0.3))[0])  # cut after one batch
+    out = tmp_path / "out"
+    settings = RegenerateSettings(world["prep"], out, Sampling(max_new_tokens=12), batch_size=6, progress_seconds=0, max_seconds=0.2)
+    assert regenerate(world["target"], settings, "chatml", CHATML, "float32", "cpu", log=lambda _m: None)["counts"]["done"] == 6
+    monkeypatch.setattr(module, "generate_batch", real)
+    rebuilt = tmp_path / "prep-again"
+    prepare([write_jsonl(tmp_path / "chat.jsonl", conversations(COUNT))], rebuilt, val_fraction=0.2, eval_count=2)
+    assert (rebuilt / "prepare.json").read_bytes() != (world["prep"] / "prepare.json").read_bytes()
+    lines: list[str] = []
+    again = dataclasses.replace(settings, source=rebuilt, max_seconds=None)
+    meta = regenerate(world["target"], again, "chatml", CHATML, "float32", "cpu", log=lines.append)
+    assert meta["complete"] and meta["counts"]["done"] == COUNT and meta["runs"][-1]["conversations"] == COUNT - 6
+    assert "(6 done by an earlier run)" in lines[0]
+    run_regenerate(world, tmp_path / "reference", batch_size=6)
+    for split in ("train", "val"):
+        assert [r["key"] for r in rows(out, split)] == [r["key"] for r in rows(tmp_path / "reference", split)]
+    other = tmp_path / "prep-other"
+    prepare([write_jsonl(tmp_path / "chat-other.jsonl", conversations(COUNT - 1))], other, val_fraction=0.2, eval_count=2)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(DataError, match="other inputs .*source splits"):
+        regenerate(world["target"], dataclasses.replace(settings, source=other), "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_progress_counts_a_batchs_tokens_before_its_first_conversation_finishes(world, tmp_path):
     """One batch answers every conversation: each progress line after it reports the batch's tokens, not the
     running sum of the rows finished so far (an H200 run printed "3 tok/s" beside 1,139 finished conversations)."""
