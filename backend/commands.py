@@ -43,6 +43,11 @@ RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 HOST_PATTERN = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252})$")
 
 
+def is_acceptance_shortfall(first_break: Any) -> bool:
+    """Whether an acceptance report's `break` is a shortfall (every position short by a like fraction), not a break."""
+    return isinstance(first_break, dict) and first_break.get("kind") == ACCEPTANCE_SHORTFALL
+
+
 def option_value(argv: list[str], option: str) -> str | None:
     """The value of `--option VALUE` or `--option=VALUE` in a command line (the last one wins)."""
     found = None

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from backend.commands import ACCEPTANCE_BREAK as BREAK, ACCEPTANCE_SHORTFALL as SHORTFALL
+from backend.commands import ACCEPTANCE_BREAK as BREAK, ACCEPTANCE_SHORTFALL as SHORTFALL, is_acceptance_shortfall
 from backend.train.loss import rounds_accept_length
 
 # Per-position break: served conditional acceptance at position k below val acc_k - max(BREAK_ABS_TOL, BREAK_Z x SE),
@@ -227,7 +227,7 @@ def break_line(first: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
     """One sentence: where served acceptance breaks, or that it holds (and up to where it could be judged)."""
     if first is not None:
         source = "validation's chain rounds replayed" if first.get("basis") == REPLAYED else f"val acc_{first['position']}"
-        if first.get("kind") == SHORTFALL:
+        if is_acceptance_shortfall(first):
             return (
                 f"served acceptance is below validation's at every position by a like fraction ({first['served']:.2f} served vs "
                 f"{first['predicted']:.2f} predicted at position 0, {source}; no later position breaks away from it): these "
@@ -332,8 +332,7 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
 
 def _mark(report: dict[str, Any]) -> str:
     """What a flagged row is called: a break, or below (every position short by a like fraction)."""
-    first = report.get("break")
-    return "below" if isinstance(first, dict) and first.get("kind") == SHORTFALL else "break"
+    return "below" if is_acceptance_shortfall(report.get("break")) else "break"
 
 
 def _replayed(rows: list[dict[str, Any]]) -> bool:

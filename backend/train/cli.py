@@ -183,7 +183,7 @@ def _register_train(subparsers, parent) -> None:
         "--ttt-length",
         type=int,
         metavar="N",
-        help="draft steps unrolled per training step (training-time test; default: the profile's, 7 as SpecForge). The draft's share "
+        help="draft steps unrolled per training step (training-time test; default: the profile's [train] ttt_length). The draft's share "
         "of a step grows with N (the target's forward does not); a draft served with K steps uses positions 0..K-1 only",
     )
     _add_chat_template(train)

@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Footer, Header, Static
 
-from backend.commands import ACCEPTANCE_SHORTFALL, CHAIN_STAGES, chain_training_job
+from backend.commands import CHAIN_STAGES, chain_training_job, is_acceptance_shortfall
 from console.screens.base import ConsoleScreen, touches
 from console.widgets.banner import ConnectionBanner
 from backend.safetext import visible
@@ -114,7 +114,7 @@ def _break_caveat(text: Text, result: dict[str, Any]) -> None:
     broken = acceptance.get("break") if isinstance(acceptance, dict) else None
     if result.get("verdict") != "green" or not isinstance(broken, dict):
         return
-    if broken.get("kind") == ACCEPTANCE_SHORTFALL:
+    if is_acceptance_shortfall(broken):
         text.append(
             "  served acceptance is below validation's at every position by a like fraction: the prompts differ from "
             "validation's conversations, or every position's features are off (table below)\n",
@@ -263,9 +263,7 @@ def _acceptance_lines(text: Text, data: dict[str, Any]) -> None:
         )
         label = visible(acceptance.get("prediction_label") or "val acc")[:7]  # "replay": validation's chain rounds replayed
         text.append(f"   pos  {label:>7}  served|k   pred reach  served reach  steps\n", style="dim")
-        first = acceptance.get("break")
-        shortfall = isinstance(first, dict) and first.get("kind") == ACCEPTANCE_SHORTFALL
-        flagged, flag_style = ("  ← below", "yellow") if shortfall else ("  ← break", "bold red")
+        flagged, flag_style = ("  ← below", "yellow") if is_acceptance_shortfall(acceptance.get("break")) else ("  ← break", "bold red")
         for row in rows:
             broken = bool(row.get("broken"))
             line = (
@@ -282,7 +280,7 @@ def _acceptance_lines(text: Text, data: dict[str, Any]) -> None:
 
 def _break_line_style(first: Any, line: str) -> str:
     if isinstance(first, dict):
-        return "yellow" if first.get("kind") == ACCEPTANCE_SHORTFALL else "bold red"
+        return "yellow" if is_acceptance_shortfall(first) else "bold red"
     return "green" if line.startswith("no break") else "dim"
 
 
