@@ -31,8 +31,8 @@ BREAK_ABS_TOL = 0.10
 BREAK_Z = 2.0
 # Fewer verify steps than this reached a position: its served rate is not judged (SE would exceed ~0.1 anyway).
 MIN_STEPS_AT_POSITION = 20
-# A first break at position 0 is a shortfall, not a break, when position 0 keeps at least this share of its predicted
-# rate and no later position falls further below its prediction scaled by that share (the canary's 0.6 x tau-hat:
+# A first break is a shortfall, not a break, when position 0 keeps at least this share of its predicted rate (broken
+# there or not) and no later position falls further below its prediction scaled by that share (the canary's 0.6 x tau-hat:
 # below it acceptance collapses). Every position short by a like fraction is what prompts unlike validation's give
 # (held-out first turns, round 15 in docs/real-model.md); a feed or export defect collapses or breaks at one position.
 SHORTFALL_MIN_RATIO = 0.6
@@ -191,11 +191,23 @@ def compare_with_validation(
         rows.append(out)
         if broken and first is None:
             first = _first_break(out)
-    if first is not None and first["position"] == 0 and first["served"] >= SHORTFALL_MIN_RATIO * first["predicted"]:
-        ratio = first["served"] / first["predicted"]
-        away = _breaks_away(rows, ratio)
-        first = _first_break(away) if away is not None else {**first, "kind": SHORTFALL, "ratio": ratio}
-    return rows, first
+    return rows, _shortfall_or_break(rows, first)
+
+
+def _shortfall_or_break(rows: list[dict[str, Any]], first: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A first break stays one unless position 0 is short by a share (>= SHORTFALL_MIN_RATIO) that every later
+    position keeps: then it is a shortfall, named at position 0. Position 0 may be within its own tolerance (round 16's
+    HumanEval: 0.65 of 0.73 at 0, 0.63 of 0.77 at 2, a flat 0.82-0.89 of the prediction everywhere)."""
+    if first is None or not rows or not rows[0].get("judged") or not rows[0].get("predicted"):
+        return first
+    head = rows[0]
+    ratio = head["conditional"] / head["predicted"]
+    if not SHORTFALL_MIN_RATIO <= ratio < 1.0:
+        return first
+    away = _breaks_away(rows, ratio)
+    if away is not None:
+        return _first_break(away)
+    return {**_first_break(head), "kind": SHORTFALL, "ratio": ratio}
 
 
 def _first_break(row: dict[str, Any]) -> dict[str, Any]:

@@ -236,6 +236,37 @@ def test_every_position_short_by_a_like_fraction_is_a_shortfall_not_a_break():
     assert report["break"]["kind"] == "break" and report["per_position"][0]["conditional"] == pytest.approx(0.2)
 
 
+ROUND16 = ROUND15.with_name("h200_round16_serve_bench_same_engine.json")
+ROUND16_VAL_ROUNDS = {"3": [1210, 908, 548, 1832]}  # the served checkpoint's (h200_round16_serve_chain.jsonl)
+
+
+def test_a_like_shortfall_is_one_when_position_0_is_within_its_tolerance():
+    """Round 16's HumanEval over HTTP (100 prompts): position 0 served 0.65 of the replay's 0.73 (within 0.10), position
+    2 0.63 of 0.77 (0.14 below: the bench called it a break), every position at 0.81-0.90 of its prediction. A shortfall;
+    ShareGPT's (0.64 of 0.73 at 0, the rest within tolerance) was none and stays none."""
+    saved = json.loads(ROUND16.read_text())
+    val_acc = saved["validation"]["val_acc"]
+    humaneval, sharegpt = (next(s for s in saved["sets"] if s["name"] == name)["levels"][0]["acceptance"]["histogram"] for name in ("humaneval", "sharegpt"))
+    assert humaneval == [1947, 1243, 860, 1444] and saved["sets"][1]["levels"][0]["acceptance"]["break"]["kind"] == "break"
+    report = acceptance_report(
+        [(sum(i * h for i, h in enumerate(humaneval)) + sum(humaneval), sum(humaneval), humaneval)], 3, val_acc, val_rounds=ROUND16_VAL_ROUNDS
+    )
+    first = report["break"]
+    assert first["kind"] == "shortfall" and first["position"] == 0 and first["ratio"] == pytest.approx(0.883, abs=0.001)
+    assert [r["broken"] for r in report["per_position"]] == [False, False, True]
+    assert "<- below" in "\n".join(acceptance_lines(report)) and "<- break" not in "\n".join(acceptance_lines(report))
+    report = acceptance_report(
+        [(sum(i * h for i, h in enumerate(sharegpt)) + sum(sharegpt), sum(sharegpt), sharegpt)], 3, val_acc, val_rounds=ROUND16_VAL_ROUNDS
+    )
+    assert report["break"] is None
+    # the same position 0, then position 2 at half its prediction: it falls away from position 0's share, a break
+    n0 = sum(humaneval)
+    n2 = n0 - 1947 - 1243
+    halved = [1947, 1243, n2 - round(n2 * 0.385), round(n2 * 0.385)]
+    report = acceptance_report([(sum(i * h for i, h in enumerate(halved)) + n0, n0, halved)], 3, val_acc, val_rounds=ROUND16_VAL_ROUNDS)
+    assert report["break"]["kind"] == "break" and report["break"]["position"] == 2
+
+
 def test_first_break_is_named_with_served_and_predicted():
     # 400 steps; positions 0 and 1 as validation predicts (0.9, 0.8), position 2 collapses (0.3 vs 0.75).
     n0 = 400
