@@ -8,6 +8,8 @@
 #
 # Pieces that are not results (the draft's and the regenerated conversations' *.part* files) go to .h200-draft/
 # and .h200-regen/ instead (ignored by .gitignore's /.h200-*/; PHASE=draft and PHASE=carry3 carry them in a later call).
+# Trainer metrics are kept xz-compressed (*_metrics.jsonl.xz; read them with xzcat): the working tree travels with
+# every device call beside the carried folder, and round 16's carry1 no longer fit with them raw.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -eq 3 ] || { echo "usage: $0 ROUND PHASE RESULT_DIR" >&2; exit 2; }
@@ -25,6 +27,9 @@ for file in "$from"/*; do
     esac
     mkdir -p "$(dirname "$dest")"
     cp "$file" "$dest" && chmod 644 "$dest"
+    if [[ $dest == benchmarks/results/*metrics.jsonl ]]; then # ~10x smaller: the tree travels with every device call (64 MiB)
+        xz -9 -f "$dest" && dest=$dest.xz
+    fi
     [[ $dest == benchmarks/results/* ]] && kept+=("$dest")
     echo "h200_keep: $dest" >&2
 done
