@@ -340,6 +340,11 @@ class Job:
             return None
         return prompt
 
+    def answers_to_come(self, max_answers: int | None) -> int:
+        """The answers still to generate if no prompt gets too long: the work a progress line's time left counts."""
+        planned = sum(1 for turn in self.source[self.position :] if turn["role"] == "assistant")
+        return planned if max_answers is None else max(0, min(planned, max_answers - len(self.tokens)))
+
     def answer(self, text: str, count: int, finish: str) -> None:
         self.messages.append({"role": "assistant", "content": text})
         self.tokens.append(count)
@@ -553,13 +558,17 @@ def _finalize(out: Path, source: Path, meta: dict, order: list[str], complete: b
     _write_meta(out, meta)
 
 
-def _progress(done: int, total: int, resumed: int, started: float, tokens: int, width: int = 20) -> str:
-    """e.g. "regenerate [########------------] 80/200 conversations 40% (30 from an earlier run)  25,092 tokens, 612 tok/s  41 s, ~62 s left"."""
+def _progress(done: int, total: int, resumed: int, started: float, tokens: int, answers: tuple[int, int] = (0, 0), width: int = 20) -> str:
+    """e.g. "regenerate [########------------] 80/200 conversations 40% (30 from an earlier run)  25,092 tokens, 612 tok/s  41 s, ~62 s left".
+
+    The time left is counted in answers (answers=(generated, still to come) this run), not in finished conversations: a
+    batch finishes its conversations together and a 2-answer one needs two batches (an H200 resume of 1,258
+    conversations said "~26135 s left" after its first batch, with 1 finished, and ended 13 s later)."""
     elapsed = time.monotonic() - started
     fraction = done / max(1, total)
     filled = int(round(fraction * width))
-    fresh = done - resumed
-    left = f", ~{elapsed / fresh * (total - done):.0f} s left" if 0 < fresh and done < total else ""
+    generated, to_come = answers
+    left = f", ~{elapsed / generated * to_come:.0f} s left" if generated > 0 and to_come > 0 and done < total else ""
     earlier = f" ({resumed} from an earlier run)" if resumed else ""
     rate = f"  {tokens:,} tokens, {tokens / elapsed:.0f} tok/s" if elapsed > 0 and tokens else ""
     return f"regenerate [{'#' * filled}{'-' * (width - filled)}] {done}/{total} conversations {100 * fraction:3.0f}%{earlier}{rate}  {elapsed:.0f} s{left}"
@@ -595,6 +604,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
             _write_meta(out, meta)
         writers = {split: LineAppender(out / SPLIT_FILES[split]) for split in SPLITS} | {"skipped": LineAppender(out / SKIPPED_FILE)}
         started, last_report, generated = time.monotonic(), 0.0, 0
+        answered, to_come = 0, sum(job.answers_to_come(settings.max_answers) for job in pending)  # this run's answers: the time left
         prompt_tokens = padded_tokens = 0  # the prompts' own tokens, and what their left-padded batches held
         finished = resumed
 
@@ -602,7 +612,8 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
             return template_ids(tokenizer, messages, True, template)
 
         def finish(job: Job) -> None:
-            nonlocal finished, last_report
+            nonlocal finished, last_report, to_come
+            to_come -= job.answers_to_come(settings.max_answers) if job.cut else 0  # a cut conversation's later answers never come
             if job.tokens:
                 writers[job.key.split(":")[0]].append(job.record())
             else:
@@ -611,7 +622,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
             now = time.monotonic()
             if now - last_report >= settings.progress_seconds or finished == len(jobs):
                 last_report = now
-                log(_progress(finished, len(jobs), resumed, started, generated))
+                log(_progress(finished, len(jobs), resumed, started, generated, answers=(answered, to_come)))
 
         try:
             queue = iter(pending)
@@ -640,6 +651,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
                 padded_tokens += padded_prompt_tokens([p for _, p in active])
                 results = generate_batch(target, [p for _, p in active], [j.rng for j, _ in active], settings.sampling, stop_ids)
                 generated += sum(len(ids) + (why == "eos") for ids, why in results)  # before any row finishes: progress counts the batch
+                answered, to_come = answered + len(active), to_come - len(active)
                 for (job, _prompt), (ids, why) in zip(active, results):
                     job.answer(tokenizer.decode(ids, skip_special_tokens=True), len(ids), why)
                     prompt = job.next_prompt(render, settings.max_prompt_tokens, settings.max_answers)

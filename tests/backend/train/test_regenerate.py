@@ -460,6 +460,26 @@ def test_progress_counts_a_batchs_tokens_before_its_first_conversation_finishes(
     assert len(reported) == meta["counts"]["done"] and set(reported) == {meta["runs"][-1]["tokens"]}
 
 
+def test_time_left_is_counted_in_answers_not_in_finished_conversations(world, tmp_path, monkeypatch):
+    """A batch finishes its conversations together and a 2-answer one needs a second batch: the time left is the time
+    per answer so far times the answers still to come (an H200 resume printed "~26135 s left" with 1 of 1,258
+    finished after its first batch; it ended 13 s later)."""
+    import backend.train.regenerate as regenerate_module
+
+    line = regenerate_module._progress(1, 1258, 0, time.monotonic() - 21.0, 173_292, answers=(1258, 600))
+    assert line.endswith("21 s, ~10 s left")  # 21 s for 1,258 answers, 600 to come
+    assert "s left" not in regenerate_module._progress(5, 20, 0, time.monotonic() - 3.0, 50)  # nothing answered yet: no guess
+    seen: list[tuple[int, int]] = []
+    real = regenerate_module._progress
+    monkeypatch.setattr(regenerate_module, "_progress", lambda *a, answers=(0, 0), **k: seen.append(answers) or real(*a, answers=answers, **k))
+    settings = RegenerateSettings(world["prep"], tmp_path / "two-answers", Sampling(max_new_tokens=6), batch_size=COUNT, progress_seconds=0, max_answers=2)
+    regenerate(world["target"], settings, "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
+    answers = sum(len(r["answer_tokens"]) for split in ("train", "val") for r in rows(tmp_path / "two-answers", split))
+    assert answers > COUNT  # some conversations were answered twice: two batches
+    assert seen[-1] == (answers, 0)  # every answer counted once, nothing left to come at the end
+    assert seen[0][0] == COUNT and seen[0][1] == answers - COUNT  # after the first batch: its answers, and the follow-ups
+
+
 def test_bad_answer_and_time_limits_are_refused_in_one_line_before_the_target_loads(world, tmp_path):
     profile = write_toml(tmp_path / "mini.toml", world["raw"])
     env = dict(os.environ, PYTHONPATH=str(ROOT), EAGLE3_CACHE_DIR=str(tmp_path / "cache"))
