@@ -95,6 +95,14 @@ def _register_regenerate(commands, parent) -> None:
         metavar="S",
         help="start no answer after S seconds; what is done is written as usable data (the val split comes first) and the same command resumes the rest",
     )
+    command.add_argument(
+        "--reuse",
+        type=Path,
+        metavar="DIR",
+        help="an earlier regeneration (same target, dtype, template and answer settings): a conversation whose source content it "
+        "answered is taken from it, not generated again (a grown or re-split prepare dir)",
+    )
+    command.add_argument("--reuse-source", type=Path, metavar="DIR", help="the prepare dir --reuse regenerated, when it has moved (checked by sha256)")
     command.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present)")
     command.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="target dtype (default: the profile's)")
     command.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (see `train --help`)")
@@ -115,6 +123,8 @@ def _regenerate_command(args) -> int:
         if args.max_seconds is not None and args.max_seconds <= 0:
             raise DataError(f"--max-seconds {args.max_seconds:g}: expected a positive number of seconds. Nothing was written.")
         source_identity(args.input.expanduser())  # refuse a wrong --input before the target loads
+        if args.reuse_source is not None and args.reuse is None:
+            raise DataError("--reuse-source names the prepare dir of a --reuse regeneration; give --reuse too. Nothing was written.")
         chosen = chat_preflight(profile, args.chat_template, trust_remote_code=profile.serve.trust_remote_code)
         apply_threads(args.threads)
         import torch
@@ -137,6 +147,8 @@ def _regenerate_command(args) -> int:
             val_limit=args.val_limit,
             max_seconds=args.max_seconds,
             max_answers=args.max_answers,
+            reuse=args.reuse,
+            reuse_source=args.reuse_source,
         )
         regenerate(target, settings, chosen.name if chosen else "tokenizer", template, dtype, device)
     except (DataError, ProfileError, TargetMismatchError) as exc:

@@ -438,6 +438,8 @@ class RegenerateSettings:
     max_seconds: float | None = None  # no new answer is started after this; what is done is finalized (a run control, not identity)
     max_answers: int | None = None  # answer at most the first N assistant turns of each conversation
     window: int = 4  # batches of prompts held to group by length (LengthGroupedQueue); 1: arrival order only
+    reuse: Path | None = None  # an earlier regeneration whose finished conversations are taken where the source content is the same
+    reuse_source: Path | None = None  # the prepare dir `reuse` regenerated, when it is not where its regenerate.json says
 
 
 def source_identity(source: Path) -> dict:
@@ -478,6 +480,51 @@ def _same_run(old: dict, new: dict) -> list[str]:
     if old_splits != new_splits:  # a resume skips keys (split:line), so the split files must hold the same lines
         wrong.append(f"source splits: was {old_splits!r}, now {new_splits!r}")
     return wrong
+
+
+REUSE_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "max_prompt_tokens", "max_answers")  # what an answer depends on
+
+
+def reusable_answers(reuse: Path, reuse_source: Path | None, identity: dict) -> dict[bytes, dict]:
+    """An earlier regeneration's finished conversations keyed by their source content: the output line, or
+    {"skipped": reason}. Refused (DataError, nothing written) unless its target weights, dtype, template and answer
+    settings are this run's; its limits and splits may differ (a grown or re-split prepare dir). Conversations cut by
+    its --max-seconds are left out (they may lack answers)."""
+    reuse = reuse.expanduser()
+    found = regenerated_meta_for(reuse)
+    if found is None:
+        raise DataError(f"--reuse {reuse} is not a `data regenerate` output (no {REGENERATE_META}). Nothing was written.")
+    meta = found[0]
+    wrong = [
+        f"target {key}: was {meta['target'].get(key)!r}, now {identity['target'][key]!r}"
+        for key in ("fingerprint", "dtype")
+        if meta["target"].get(key) != identity["target"][key]
+    ]
+    if meta.get("template", {}).get("sha256") != identity["template"]["sha256"]:
+        wrong.append(f"template: was {meta.get('template', {}).get('name')!r}, now {identity['template']['name']!r}")
+    wrong += [
+        f"{key}: was {meta['settings'].get(key)!r}, now {identity['settings'].get(key)!r}"
+        for key in REUSE_SETTINGS
+        if meta["settings"].get(key) != identity["settings"].get(key)
+    ]
+    if wrong:
+        raise DataError(f"--reuse {reuse} was regenerated differently ({'; '.join(wrong)[:400]}); its answers would not be this run's. Nothing was written.")
+    source = (reuse_source or Path(meta["source"]["dir"])).expanduser()
+    recorded = meta["source"]["splits"]
+    if not all((source / SPLIT_FILES[split]).is_file() and file_sha256(source / SPLIT_FILES[split]) == recorded.get(split) for split in SPLITS):
+        raise DataError(
+            f"--reuse {reuse}: the prepare dir it regenerated ({source}) is missing or changed; pass --reuse-source with a copy whose "
+            f"train/val splits have sha256 {recorded}. Nothing was written."
+        )
+    digests = {split: [content_digest(c.messages) for c in iter_conversations(source / SPLIT_FILES[split])] for split in SPLITS}
+    answers: dict[bytes, dict] = {}
+    for name in (*SPLITS, "skipped"):
+        for row in _finished_lines(reuse / (SKIPPED_FILE if name == "skipped" else SPLIT_FILES[name])):
+            split, index = row["key"].split(":")
+            if "--max-seconds" in str(row.get("cut", "")):
+                continue
+            answers[digests[split][int(index)]] = {"skipped": row["reason"]} if name == "skipped" else row
+    return answers
 
 
 def _write_meta(out: Path, meta: dict) -> None:
@@ -558,6 +605,37 @@ def _finalize(out: Path, source: Path, meta: dict, order: list[str], complete: b
     _write_meta(out, meta)
 
 
+def _finished_lines(path: Path) -> list[dict]:
+    """A finalized regeneration's lines, read only (read_done_lines would truncate a cut last line: not ours to change)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise DataError(f"--reuse: {path} line {number} is not JSON; not a regeneration's output. Nothing was written.") from None
+    return rows
+
+
+def _take_reused(pending: list[Job], answers: dict[bytes, dict], writers: dict[str, LineAppender]) -> tuple[list[Job], int]:
+    """Write the reused conversations under this run's keys (each line appended whole: a kill here resumes);
+    returns the jobs still to generate and how many were reused."""
+    left, reused = [], 0
+    for job in pending:
+        found = answers.get(content_digest(job.source))
+        if found is None:
+            left.append(job)
+            continue
+        if "skipped" in found:
+            writers["skipped"].append({"key": job.key, "reason": found["skipped"]})
+        else:
+            row = {"key": job.key} | ({"id": job.id} if job.id is not None else {})
+            writers[job.key.split(":")[0]].append(row | {k: v for k, v in found.items() if k not in ("key", "id")})
+        reused += 1
+    return left, reused
+
+
 def _progress(done: int, total: int, resumed: int, started: float, tokens: int, answers: tuple[int, int] = (0, 0), width: int = 20) -> str:
     """e.g. "regenerate [########------------] 80/200 conversations 40% (30 from an earlier run)  25,092 tokens, 612 tok/s  41 s, ~62 s left".
 
@@ -584,6 +662,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
     identity = _identity(settings, target, template_name, template, dtype)
     stop_ids = stop_token_ids(target)
     tokenizer = target.tokenizer
+    reused_answers = reusable_answers(settings.reuse, settings.reuse_source, identity) if settings.reuse else {}
     with _OutLock(out):
         meta = _open_out(out, identity)
         done = {r["key"] for split in SPLITS for r in read_done_lines(out / SPLIT_FILES[split])} | {r["key"] for r in read_done_lines(out / SKIPPED_FILE)}
@@ -603,6 +682,11 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
             meta.update(finalized=False, complete=False)
             _write_meta(out, meta)
         writers = {split: LineAppender(out / SPLIT_FILES[split]) for split in SPLITS} | {"skipped": LineAppender(out / SKIPPED_FILE)}
+        if reused_answers:
+            pending, reused = _take_reused(pending, reused_answers, writers)
+            resumed += reused
+            meta["reused"] = int(meta.get("reused", 0)) + reused
+            log(f"regenerate: {reused} of them answered by --reuse {settings.reuse} (the same source conversation, target and settings); {len(pending)} left")
         started, last_report, generated = time.monotonic(), 0.0, 0
         answered, to_come = 0, sum(job.answers_to_come(settings.max_answers) for job in pending)  # this run's answers: the time left
         prompt_tokens = padded_tokens = 0  # the prompts' own tokens, and what their left-padded batches held

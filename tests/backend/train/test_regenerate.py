@@ -17,7 +17,7 @@ import torch
 
 from backend.profiles import parse_profile
 from backend.train.chat_templates import CHATML
-from backend.train.conversations import DataError, prepare
+from backend.train.conversations import DataError, content_digest, iter_conversations, prepare
 from backend.train.data import conversation_samples
 from backend.train.regenerate import (
     LineAppender,
@@ -478,6 +478,66 @@ def test_time_left_is_counted_in_answers_not_in_finished_conversations(world, tm
     assert answers > COUNT  # some conversations were answered twice: two batches
     assert seen[-1] == (answers, 0)  # every answer counted once, nothing left to come at the end
     assert seen[0][0] == COUNT and seen[0][1] == answers - COUNT  # after the first batch: its answers, and the follow-ups
+
+
+def source_digests(prep: Path) -> set[bytes]:
+    return {content_digest(c.messages) for split in ("train", "val") for c in iter_conversations(prep / f"{split}.jsonl")}
+
+
+@pytest.mark.slow
+def test_a_grown_prepare_dir_takes_the_answers_an_earlier_regeneration_gave(world, tmp_path):
+    """--reuse: a prepare dir grown by 6 conversations and written in another order (other split:line keys) takes the
+    earlier regeneration's answers where the source conversation is the same, generates only the rest, and ends byte for
+    byte where a fresh regeneration of it ends."""
+    old = tmp_path / "old"
+    run_regenerate(world, old, batch_size=7)
+    grown = tmp_path / "prep-grown"
+    prepare([write_jsonl(tmp_path / "chat-grown.jsonl", list(reversed(conversations(COUNT + 6))))], grown, val_fraction=0.2, eval_count=2)
+    shared = len(source_digests(grown) & source_digests(world["prep"]))
+    settings = RegenerateSettings(grown, tmp_path / "reused", Sampling(max_new_tokens=12), batch_size=7, progress_seconds=0, reuse=old)
+    lines: list[str] = []
+    meta = regenerate(world["target"], settings, "chatml", CHATML, "float32", "cpu", log=lines.append)
+    fresh = regenerate(
+        world["target"], dataclasses.replace(settings, out=tmp_path / "fresh", reuse=None), "chatml", CHATML, "float32", "cpu", log=lambda _m: None
+    )
+    for split in ("train", "val"):
+        assert (tmp_path / "reused" / f"{split}.jsonl").read_bytes() == (tmp_path / "fresh" / f"{split}.jsonl").read_bytes()
+    assert (tmp_path / "reused" / "skipped.jsonl").is_file() == (tmp_path / "fresh" / "skipped.jsonl").is_file()
+    total = fresh["counts"]["done"]
+    assert 12 <= shared < total and meta["reused"] == shared and meta["runs"][-1]["conversations"] == total - shared
+    assert any(f"{shared} of them answered by --reuse" in line for line in lines)
+    assert [r["key"] for r in rows(tmp_path / "reused")] != [r["key"] for r in rows(old)][: len(rows(tmp_path / "reused"))]
+
+
+@pytest.mark.slow
+def test_reuse_is_refused_for_other_answer_settings_or_a_moved_source(world, tmp_path):
+    moved = tmp_path / "prep-copy"
+    moved.mkdir()
+    for item in world["prep"].iterdir():
+        (moved / item.name).write_bytes(item.read_bytes())
+    old = tmp_path / "old"
+    regenerate(
+        world["target"],
+        RegenerateSettings(moved, old, Sampling(max_new_tokens=8), batch_size=7, progress_seconds=0),
+        "chatml",
+        CHATML,
+        "float32",
+        "cpu",
+        log=lambda _m: None,
+    )
+    later = RegenerateSettings(world["prep"], tmp_path / "new", Sampling(max_new_tokens=9), batch_size=7, progress_seconds=0, reuse=old)
+    with pytest.raises(DataError, match="regenerated differently .*max_new_tokens: was 8, now 9"):
+        regenerate(world["target"], later, "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
+    assert not (tmp_path / "new").exists()
+    later = dataclasses.replace(later, sampling=Sampling(max_new_tokens=8))
+    moved.rename(tmp_path / "prep-moved")
+    with pytest.raises(DataError, match="missing or changed; pass --reuse-source"):
+        regenerate(world["target"], later, "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
+    assert not (tmp_path / "new").exists()
+    meta = regenerate(
+        world["target"], dataclasses.replace(later, reuse_source=tmp_path / "prep-moved"), "chatml", CHATML, "float32", "cpu", log=lambda _m: None
+    )
+    assert meta["complete"] and meta["reused"] == meta["counts"]["done"] and meta["runs"][-1]["conversations"] == 0
 
 
 def test_bad_answer_and_time_limits_are_refused_in_one_line_before_the_target_loads(world, tmp_path):
