@@ -73,10 +73,7 @@ if [ "$SHAREGPT_LIMIT" != "$REUSE_LIMIT" ] && compgen -G "$ROOT/.h200-regen/rege
     say "the carried regeneration's prepare dir ($REUSE_LIMIT conversations), for data regenerate --reuse"
     rm -rf "$BUILD/sgdev_reuse"
     "$PY" -m backend --run-dir "$BUILD/run" data prepare --input "$SHAREGPT" --out "$BUILD/sgdev_reuse" --limit "$REUSE_LIMIT" --val-fraction 0.05 >&2
-    if cat "$ROOT"/.h200-regen/regen.tar.xz.part* | xz -dc | tar xOf - regen/regenerate.json | "$PY" -c '
-import hashlib, json, sys
-recorded = json.load(sys.stdin)["source"]["splits"]
-sys.exit(any(hashlib.sha256(open(f"{sys.argv[1]}/{s}.jsonl", "rb").read()).hexdigest() != recorded[s] for s in ("train", "val")))' "$BUILD/sgdev_reuse"; then
+    if cat "$ROOT"/.h200-regen/regen.tar.xz.part* | xz -dc | tar xOf - regen/regenerate.json | "$PY" "$ROOT/benchmarks/regen_source_matches.py" - "$BUILD/sgdev_reuse"; then
         tar cf - -C "$BUILD" sgdev_reuse | xz -9 -T2 >"$C3/sgdev_reuse.tar.xz"
     else
         say "WARNING: .h200-regen answered another prepare dir than $REUSE_LIMIT conversations (set REUSE_LIMIT): not carried for --reuse"

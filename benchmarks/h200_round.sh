@@ -86,8 +86,8 @@ SPECFORGE=${SPECFORGE:-1}
 # --group-by-length`: the carried prepare dir's train split beside the regenerated one; validation stays the
 # regenerated val split). The default since round 16: a twin trained with them beside one without, same 600 s of
 # steps, ended at val acc 0.782 against 0.762 (position 0) and a replayed accept length of 2.67 against 2.57 at 3
-# steps; the regenerated data alone overfits (train acc 0.83 against val 0.76 after 11 epochs). OURS_LR: our trainer's --lr (default: the profile's, 1e-3). DRAFT_HEAD: a fresh draft's
-# lm_head and norm, `train --draft-head` (random: SpecForge's; target: the target's own rows of the draft vocabulary).
+# steps; the regenerated data alone overfits (train acc 0.83 against val 0.76 after 11 epochs). OURS_LR: our
+# trainer's --lr (default: the profile's, 1e-3). DRAFT_HEAD: a fresh draft's lm_head and norm, `train --draft-head` (random: SpecForge's; target: the target's own rows of the draft vocabulary).
 EXTRA_DATA=${EXTRA_DATA:-1} DRAFT_HEAD=${DRAFT_HEAD:-random} RUN=ours RUN_ARGS="" REUSE_ARGS=()
 # TWIN="<train options>" (e.g. "--ttt-length 3", "--lr 2e-3" or "--draft-head target"): the train phase also trains a twin of our draft
 # with those options on top, at the same time on the same GPU (each step is launch-bound: the GPU idles between
@@ -407,13 +407,7 @@ carried_regen() { # an earlier round's regenerated conversations (RETURN_REGEN=1
     cat "$DEV"/regen.tar.xz.part* | tar xJf - -C "$DEV" || die "the carried regen.tar.xz.part* did not unpack"
     note "regenerated conversations carried (carry3 brought them): $("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["counts"])' "$DEV/regen/regenerate.json")"
     # another prepare dir than $DEV/sgdev (a larger SHAREGPT_LIMIT): its answers are taken by content, not resumed by key
-    if [ -d "$DEV/sgdev_reuse" ] && ! "$PY" - "$DEV/regen/regenerate.json" "$DEV/sgdev" <<'EOF'
-import hashlib, json, sys
-from pathlib import Path
-recorded = json.load(open(sys.argv[1]))["source"]["splits"]
-sys.exit(any(hashlib.sha256((Path(sys.argv[2]) / f"{s}.jsonl").read_bytes()).hexdigest() != recorded[s] for s in ("train", "val")))
-EOF
-    then
+    if [ -d "$DEV/sgdev_reuse" ] && ! "$PY" "$ROOT/benchmarks/regen_source_matches.py" "$DEV/regen/regenerate.json" "$DEV/sgdev"; then
         mv "$DEV/regen" "$DEV/regen_reuse" && REUSE_ARGS=(--reuse "$DEV/regen_reuse" --reuse-source "$DEV/sgdev_reuse")
         note "the carried conversations answered another prepare dir: data regenerate takes them by content (--reuse) and asks the rest"
     fi
@@ -538,15 +532,14 @@ phase_train() {
     [ -n "$REGEN_BATCH" ] || REGEN_BATCH=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["batch_size"])' "$DEV/regen_batch.json" 2>/dev/null || echo 256)
     carried_regen
     if [ "$REGEN_S" -gt 0 ]; then # on a carried dir the same command resumes: the conversations it had not started
-        stage regenerate $((REGEN_S + 45)) $((REGEN_S + 120)) "${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" \
-            --limit "$REGEN_LIMIT" --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" \
-            --max-seconds "$REGEN_S" --device "$DEVICE" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"} ${REUSE_ARGS[@]+"${REUSE_ARGS[@]}"}
+        local regen=("${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" --limit "$REGEN_LIMIT"
+            --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT"
+            --max-seconds "$REGEN_S" --device "$DEVICE" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"})
+        stage regenerate $((REGEN_S + 45)) $((REGEN_S + 120)) "${regen[@]}" ${REUSE_ARGS[@]+"${REUSE_ARGS[@]}"}
         regen_rc=$?
         if [ "$regen_rc" -ne 0 ] && [ ${#REUSE_ARGS[@]} -gt 0 ] && [ ! -f "$DEV/regen/regenerate.json" ]; then # --reuse refused (other settings)
             note "WARNING: data regenerate refused --reuse (its log says why): regenerating without it"
-            stage regenerate_fresh $((REGEN_S + 45)) $((REGEN_S + 120)) "${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" \
-                --limit "$REGEN_LIMIT" --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" \
-                --max-seconds "$REGEN_S" --device "$DEVICE" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"}
+            stage regenerate_fresh $((REGEN_S + 45)) $((REGEN_S + 120)) "${regen[@]}"
             regen_rc=$?
         fi
     else

@@ -442,6 +442,11 @@ class RegenerateSettings:
     reuse_source: Path | None = None  # the prepare dir `reuse` regenerated, when it is not where its regenerate.json says
 
 
+def split_digests(source: Path) -> dict[str, str]:
+    """sha256 of a prepare dir's train and val files: what a regeneration's split:line keys point into (OSError if one is missing)."""
+    return {split: file_sha256(source / SPLIT_FILES[split]) for split in SPLITS}
+
+
 def source_identity(source: Path) -> dict:
     """The prepare dir as written in regenerate.json. A resume compares only its splits' contents: the same prepared
     data rebuilt elsewhere (its prepare.json records when and in how many seconds) resumes the same regeneration."""
@@ -450,7 +455,7 @@ def source_identity(source: Path) -> dict:
     return {
         "dir": str(source.resolve()),
         "prepare_sha256": file_sha256(source / PREPARE_META),
-        "splits": {split: file_sha256(source / SPLIT_FILES[split]) for split in SPLITS},
+        "splits": split_digests(source),
     }
 
 
@@ -511,7 +516,11 @@ def reusable_answers(reuse: Path, reuse_source: Path | None, identity: dict) -> 
         raise DataError(f"--reuse {reuse} was regenerated differently ({'; '.join(wrong)[:400]}); its answers would not be this run's. Nothing was written.")
     source = (reuse_source or Path(meta["source"]["dir"])).expanduser()
     recorded = meta["source"]["splits"]
-    if not all((source / SPLIT_FILES[split]).is_file() and file_sha256(source / SPLIT_FILES[split]) == recorded.get(split) for split in SPLITS):
+    try:
+        found_digests = split_digests(source)
+    except OSError:
+        found_digests = None
+    if found_digests != recorded:
         raise DataError(
             f"--reuse {reuse}: the prepare dir it regenerated ({source}) is missing or changed; pass --reuse-source with a copy whose "
             f"train/val splits have sha256 {recorded}. Nothing was written."
@@ -697,7 +706,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
 
         def finish(job: Job) -> None:
             nonlocal finished, last_report, to_come
-            to_come -= job.answers_to_come(settings.max_answers) if job.cut else 0  # a cut conversation's later answers never come
+            to_come -= job.answers_to_come(settings.max_answers)  # a cut conversation's later answers never come (else 0 are left)
             if job.tokens:
                 writers[job.key.split(":")[0]].append(job.record())
             else:
