@@ -47,7 +47,7 @@ def load_prompts(path: str | Path | None = None, tag: str | None = None, limit: 
     """JSONL with {"prompt"} / {"text"} / {"conversations"} per line; the shipped default set when path is None."""
     source = Path(path) if path else DEFAULT_PROMPTS
     try:
-        lines = source.read_text().splitlines()
+        lines = source.read_text(encoding="utf-8").split("\n")  # not splitlines(): a prompt may hold U+2028 or U+0085
     except (OSError, UnicodeDecodeError) as exc:
         raise PromptFileError(f"cannot read prompt file {source}: {exc}") from None
     prompts = []

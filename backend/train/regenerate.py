@@ -619,7 +619,10 @@ def _finished_lines(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    # split at "\n" only: str.splitlines() also breaks at U+2028 and U+0085, which json.dumps(ensure_ascii=False) leaves raw
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+        if not line:
+            continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:

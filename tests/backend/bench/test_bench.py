@@ -50,6 +50,14 @@ def test_prompt_file_formats(tmp_path):
     assert load_prompts(path).prompts == ["a", "b", "c", "d"]
 
 
+def test_a_prompt_holding_unicode_line_separators_stays_one_prompt(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028, U+2029 and U+0085 raw (ShareGPT has them): a line is split at "\\n" only."""
+    texts = ["first\u2028second", "a\x85b\u2029c", "plain"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": text}, ensure_ascii=False) + "\n" for text in texts), encoding="utf-8")
+    assert load_prompts(path).prompts == texts
+
+
 def test_bad_prompt_files_say_where(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n{"nothing": 1}\n')
