@@ -40,7 +40,8 @@
 #   A round without training, from a draft an earlier round sent back (RETURN_DRAFT=1 in its train or more phase):
 #   PHASE=prepare carry .h200-carry2 after carry1 and carry3: the target prepared, ShareGPT and HumanEval unpacked. ~45 s.
 #   PHASE=draft   carry .h200-draft (the returned ours_draft.tar.part* files): the draft into $DEV/ours_draft. Then serve
-#                 (the chain needs a training checkpoint: skipped). ~5 s.
+#                 (the chain needs a training checkpoint: instead `eagle3-host serve --engine reference` of the draft,
+#                 then the same per-set bench; round 17 lost its machine between calls and came back this way). ~5 s.
 #
 #   PHASE=profile carries nothing: after carry1, at any point (the round's spare device time), profile_decode_step.py
 #                 with DECODE_PROFILE_EXTRA (e.g. "--variants compiled_linear_triton --budget-s 100"). ~110 s a variant.
@@ -122,7 +123,7 @@ NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PRO
 CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-100} BENCH_NEW=${BENCH_NEW:-128}
 REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30}
 # serve stages beyond `decode`: COMPILED (our final draft, 3 steps, graphs + torch.compile, with its plain row), CHAIN
-# (stop-and-bench + per-set HTTP bench), REAL (real vs fixed-length steps), GROUPING (regeneration's batches by prompt
+# (stop-and-bench + per-set HTTP bench; with a carried draft, `serve` of it + the per-set bench), REAL (real vs fixed-length steps), GROUPING (regeneration's batches by prompt
 # length against arrival order: bench_regenerate.py --grouping, a random target-shaped model on the carried prompts);
 # 0 skips one (each but GROUPING was measured on 2026-12-02)
 COMPILED=${COMPILED:-1} CHAIN=${CHAIN:-1} REAL=${REAL:-0} GROUPING=${GROUPING:-1}
@@ -694,17 +695,32 @@ chain() { # a training job resumed from our draft, stopped by stop-and-bench (re
         --num-prompts "$CHAIN_PROMPTS" --max-new-tokens "$CHAIN_NEW" --json >"$DEV/chain.jsonl" || rc=$?
     cp "$DEV/chain.jsonl" "$OUT/chain.jsonl"
     url=$("$PY" -c 'import json, sys; print(next((json.loads(l).get("url") or "" for l in open(sys.argv[1]) if "\"summary\"" in l), ""))' "$DEV/chain.jsonl")
-    if [ -n "$url" ]; then
-        timeout "$(left)" "${HOST[@]}" bench --url "$url" --baseline same-engine --prompts "sharegpt=$DEV/sgdev" --prompts humaneval \
-            --num-prompts "$BENCH_PROMPTS" --max-new-tokens "$BENCH_NEW" --chat-template "$MODEL_DIR" --concurrency 1 \
-            --out "$OUT/bench_same_engine.json" || rc=$((rc ? rc : $?))
-    else
-        echo "no server URL in the stop-and-bench summary: the per-set bench did not run"
-        [ "$rc" -ne 0 ] || rc=1
-    fi
+    bench_per_set "$url" "the stop-and-bench summary" || rc=$((rc ? rc : $?))
     "${HOST[@]}" job stop --all --grace 15 >/dev/null
     # the server's side of TTFT: each request's first token, from its log (bench's TTFT adds the client and the socket)
     grep -h "first token after" "$run_dir/jobs/serve-chain-train/"*.log 2>/dev/null | tail -80
+    return "$rc"
+}
+
+bench_per_set() { # URL WHERE: `bench --baseline same-engine` per eval set against the server at URL (WHERE said where it came from)
+    if [ -z "$1" ]; then
+        echo "no server URL in $2: the per-set bench did not run"
+        return 1
+    fi
+    timeout "$(left)" "${HOST[@]}" bench --url "$1" --baseline same-engine --prompts "sharegpt=$DEV/sgdev" --prompts humaneval \
+        --num-prompts "$BENCH_PROMPTS" --max-new-tokens "$BENCH_NEW" --chat-template "$MODEL_DIR" --concurrency 1 \
+        --out "$OUT/bench_same_engine.json"
+}
+
+serve_carried() { # a carried draft (PHASE=draft: no training job to stop): `serve --engine reference` of it, then the per-set bench
+    local limit_at=$(($(date +%s) + STAGE_LIMIT - 20)) rc=0 url
+    "${HOST[@]}" job stop --all --grace 5 >/dev/null 2>&1
+    timeout "$(left)" "${HOST[@]}" serve --profile "$PROFILE" --engine reference --draft "$DEV/ours_draft" --device "$DEVICE" \
+        --job-name serve-carried --json >"$DEV/serve_carried.json" || rc=$?
+    cp "$DEV/serve_carried.json" "$OUT/serve_carried.json"
+    url=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("url") or "")' "$DEV/serve_carried.json" 2>/dev/null)
+    bench_per_set "$url" "serve's answer" || rc=$((rc ? rc : $?))
+    "${HOST[@]}" job stop --all --grace 15 >/dev/null
     return "$rc"
 }
 
@@ -738,7 +754,8 @@ phase_serve() {
     [ "$COMPILED_LINEAR" = 1 ] && stage decode_compiled_linear 150 240 decode_compiled "$OUT/decode_compiled_linear.json" --attention triton --linear triton
     [ "$COMPILED_LINEAR_ALL" = 1 ] && stage decode_compiled_linear_all 150 240 decode_compiled "$OUT/decode_compiled_linear_all.json" --attention triton --linear triton-all
     if [ "$CHAIN" = 1 ] && [ ! -f "$DEV/ours/checkpoints/latest" ]; then
-        note "chain skipped: no training checkpoint in $DEV (a carried draft)"
+        note "chain skipped: no training checkpoint in $DEV (a carried draft); serving the draft for the per-set bench instead"
+        stage serve_carried 150 270 serve_carried
     elif [ "$CHAIN" = 1 ]; then
         stage chain 200 300 chain # the server compiles its steps at load (smollm2 [serve] reference_args)
     fi
