@@ -11,7 +11,8 @@ AdamW) in one process on one device, with the same target, profile, batch size, 
 
 Reported per row: mean / median step (after --warmup steps), real tokens per step, padded positions per step, and
 the number of graph (re)compiles during the timed steps (torch._dynamo's frame counter); then the ratio
-real / fixed (issue goal: <= 1.3) and the distinct batch lengths seen. --out writes the JSON.
+real / fixed (issue goal: <= 1.3) and the distinct batch lengths seen; --torch-profile-steps N profiles N more real
+steps (bench_trainer.profile_steps: kernel time by group, the GPU's idle share). --out writes the JSON.
 
   H200:  python benchmarks/bench_real_steps.py --data DIR --device cuda --attn-backend flex --steps 300 --out r.json
   CPU:   python benchmarks/bench_real_steps.py --data DIR --device cpu --batch-size 1 --steps 3 --warmup 1 \
@@ -126,6 +127,9 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, help="override the profile's train.seq_len")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=40, help="untimed steps first (compiles of the common lengths)")
+    parser.add_argument(
+        "--torch-profile-steps", type=int, default=0, help="then N more real steps under torch.profiler: kernels by group, the GPU's idle share"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -140,6 +144,10 @@ def main() -> int:
     setup_s = time.perf_counter() - setup_start
     args.target = real_source.target
     real = timed_steps(real_trainer, args.steps, args.warmup, real_trainer.ctx.device)
+    if args.torch_profile_steps > 0:  # where a real step's time goes: launch-bound (GPU idle) or kernel-bound
+        from benchmarks.bench_trainer import profile_steps
+
+        real["torch_profile"] = profile_steps(real_trainer, args.warmup + args.steps + 1, real_trainer.ctx.device, args.torch_profile_steps)
     length = max(2, round(real["real_tokens_per_step"] / args.batch_size))
     del real_trainer
     fixed_trainer, _ = build(profile, args, fixed_length_splits(real_source.splits, length))

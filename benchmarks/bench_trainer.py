@@ -352,7 +352,7 @@ def profile_steps(trainer, first_step: int, device, steps: int = 2) -> dict:
         "steps": steps,
         "wall_ms_per_step": wall * 1e3 / steps,
         "gpu_busy_ms_per_step": busy,
-        "gpu_idle_share": max(0.0, 1 - busy / (wall * 1e3 / steps)) if wall else None,
+        "gpu_idle_share": max(0.0, 1 - busy / (wall * 1e3 / steps)) if wall and device.type == "cuda" else None,
         "groups_ms_per_step": groups,
         "top_kernels": kernels[:40],
         "table": table,
