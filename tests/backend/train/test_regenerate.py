@@ -656,3 +656,48 @@ def test_extra_conversations_offline_or_missing_and_a_null_time_budget_are_refus
         assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
         assert result.stderr.startswith(f"error: {message}")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_same_model_saved_by_another_transformers_version_is_the_same_target(world, tmp_path):
+    """A copy of the target elsewhere whose JSON files carry another `transformers_version` is the same target: a
+    regeneration made with one is read, resumed and reused with the other (round 17's, made on an H200 with
+    transformers 5.17, was "another target" on a host with 5.25). A changed config value is another target, and a
+    regeneration recorded with the legacy fingerprint still reads with the very directory it was made with."""
+    import shutil
+
+    from backend.train.regenerate import check_regenerated_target, target_fingerprints
+
+    copy = tmp_path / "elsewhere" / "target"
+    shutil.copytree(world["target_dir"], copy)
+    for name in ("config.json", "generation_config.json"):
+        stamped = json.loads((copy / name).read_text())
+        (copy / name).write_text(json.dumps(stamped | {"transformers_version": "0.0.1"}, indent=3))
+    assert target_fingerprint(copy) == target_fingerprint(world["target_dir"])
+    assert target_fingerprints(copy)[1] != target_fingerprints(world["target_dir"])[1]  # the legacy fingerprint told them apart
+    changed = tmp_path / "changed"
+    shutil.copytree(copy, changed)
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps(config | {"rms_norm_eps": config["rms_norm_eps"] * 2}))
+    assert target_fingerprint(changed) != target_fingerprint(copy)
+
+    out = tmp_path / "regen"
+    made = run_regenerate(world, out, batch_size=8)
+    assert check_regenerated_target(out, str(copy)) is not None
+    with pytest.raises(DataError, match="not by this run's target"):
+        check_regenerated_target(out, str(changed))
+    copied_target = load_target(parse_profile(profile_dict(copy), "mini"))
+    again = RegenerateSettings(world["prep"], out, Sampling(max_new_tokens=12), batch_size=8, progress_seconds=0)
+    lines: list[str] = []
+    assert regenerate(copied_target, again, "chatml", CHATML, "float32", "cpu", log=lines.append)["counts"] == made["counts"]
+    assert lines == [f"regenerate: {out} is complete ({made['counts']['done']} conversations); nothing to do"]
+    reused = regenerate(
+        copied_target, dataclasses.replace(again, out=tmp_path / "reused", reuse=out), "chatml", CHATML, "float32", "cpu", log=lambda _m: None
+    )
+    assert reused["reused"] == made["counts"]["done"] and reused["runs"][-1]["conversations"] == 0
+
+    meta = json.loads((out / "regenerate.json").read_text())
+    meta["target"]["fingerprint"] = target_fingerprints(world["target_dir"])[1]  # as written before 2026-12-04
+    (out / "regenerate.json").write_text(json.dumps(meta))
+    assert check_regenerated_target(out, str(world["target_dir"])) is not None
+    with pytest.raises(DataError, match="not by this run's target"):
+        check_regenerated_target(out, str(changed))
