@@ -749,10 +749,12 @@ phase_serve() {
         --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 7 \
         --anchor-prompts "$ANCHORS" --out "$OUT/decode.json"
     # shellcheck disable=SC2086 # COMPILED_EXTRA is a list of options
-    [ "$COMPILED" = 1 ] && stage decode_compiled 150 240 decode_compiled "$OUT/decode_compiled.json" $COMPILED_EXTRA
-    [ "$COMPILED_TRITON" = 1 ] && stage decode_compiled_triton 150 240 decode_compiled "$OUT/decode_compiled_triton.json" --attention triton
-    [ "$COMPILED_LINEAR" = 1 ] && stage decode_compiled_linear 150 240 decode_compiled "$OUT/decode_compiled_linear.json" --attention triton --linear triton
-    [ "$COMPILED_LINEAR_ALL" = 1 ] && stage decode_compiled_linear_all 150 240 decode_compiled "$OUT/decode_compiled_linear_all.json" --attention triton --linear triton-all
+    # 10 prompts a set: ~120 s with its compiles; each prompt more adds ~2 s over the 8 rows (round 17: 100 ran past 240 s)
+    local more=$((NUM_PROMPTS > 10 ? 2 * (NUM_PROMPTS - 10) : 0))
+    [ "$COMPILED" = 1 ] && stage decode_compiled $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled.json" $COMPILED_EXTRA
+    [ "$COMPILED_TRITON" = 1 ] && stage decode_compiled_triton $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_triton.json" --attention triton
+    [ "$COMPILED_LINEAR" = 1 ] && stage decode_compiled_linear $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear.json" --attention triton --linear triton
+    [ "$COMPILED_LINEAR_ALL" = 1 ] && stage decode_compiled_linear_all $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear_all.json" --attention triton --linear triton-all
     if [ "$CHAIN" = 1 ] && [ ! -f "$DEV/ours/checkpoints/latest" ]; then
         note "chain skipped: no training checkpoint in $DEV (a carried draft); serving the draft for the per-set bench instead"
         stage serve_carried 150 270 serve_carried
