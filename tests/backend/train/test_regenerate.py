@@ -690,9 +690,7 @@ def test_the_same_model_saved_by_another_transformers_version_is_the_same_target
     lines: list[str] = []
     assert regenerate(copied_target, again, "chatml", CHATML, "float32", "cpu", log=lines.append)["counts"] == made["counts"]
     assert lines == [f"regenerate: {out} is complete ({made['counts']['done']} conversations); nothing to do"]
-    reused = regenerate(
-        copied_target, dataclasses.replace(again, out=tmp_path / "reused", reuse=out), "chatml", CHATML, "float32", "cpu", log=lambda _m: None
-    )
+    reused = regenerate(copied_target, dataclasses.replace(again, out=tmp_path / "reused", reuse=out), "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
     assert reused["reused"] == made["counts"]["done"] and reused["runs"][-1]["conversations"] == 0
 
     meta = json.loads((out / "regenerate.json").read_text())
