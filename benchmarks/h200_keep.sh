@@ -16,6 +16,16 @@ cd "$(dirname "$0")/.."
 round=$1 phase=$2 from=$3
 [[ $round =~ ^[0-9]+$ && $phase =~ ^[a-z0-9_]+$ ]] || { echo "h200_keep: ROUND is a number and PHASE a word: got '$round' '$phase'; nothing copied" >&2; exit 2; }
 [ -d "$from" ] || { echo "h200_keep: no folder $from; nothing copied" >&2; exit 2; }
+# A returned draft or regeneration replaces the kept one whole: its earlier pieces move to .h200-draft.prev/ or
+# .h200-regen.prev/ (not carried), so a piece count that shrank leaves no stale piece behind to corrupt `cat part*`,
+# and the one replaced survives a round that came back with less (round 17's cut regeneration replaced round 16's
+# complete one).
+for kind in draft regen; do
+    pattern=ours_draft.tar.part; [ "$kind" = regen ] && pattern=regen.tar.xz.part
+    compgen -G "$from/$pattern*" >/dev/null && compgen -G ".h200-$kind/$pattern*" >/dev/null || continue
+    rm -rf ".h200-$kind.prev" && mkdir -p ".h200-$kind.prev" && mv ".h200-$kind"/"$pattern"* ".h200-$kind.prev"/
+    echo "h200_keep: the earlier .h200-$kind pieces are in .h200-$kind.prev/" >&2
+done
 kept=()
 for file in "$from"/*; do
     [ -f "$file" ] || continue
