@@ -591,6 +591,7 @@ def _open_out(out: Path, identity: dict) -> dict:
         wrong = _same_run(old, identity)
         if wrong:
             raise DataError(f"--out {out} holds a regeneration with other inputs ({'; '.join(wrong)[:400]}); choose a new --out. Nothing was changed.")
+        old["target"] = identity["target"]  # the same weights, recorded as this run finds them (its path, the current fingerprint)
         return old
     if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()):
         raise DataError(f"--out {out} holds other files and no {REGENERATE_META}; choose a new or empty directory. Nothing was written.")

@@ -699,3 +699,9 @@ def test_the_same_model_saved_by_another_transformers_version_is_the_same_target
     assert check_regenerated_target(out, str(world["target_dir"])) is not None
     with pytest.raises(DataError, match="not by this run's target"):
         check_regenerated_target(out, str(changed))
+    finished = (out / "train.jsonl").read_bytes()  # a legacy record resumes, and records the current fingerprint
+    (out / "train.jsonl").write_bytes(finished[: finished.rstrip(b"\n").rfind(b"\n") + 1])
+    (out / "regenerate.json").write_text(json.dumps(meta | {"complete": False, "finalized": False}))
+    run_regenerate(world, out, batch_size=8)
+    assert (out / "train.jsonl").read_bytes() == finished
+    assert json.loads((out / "regenerate.json").read_text())["target"]["fingerprint"] == target_fingerprint(world["target_dir"])
