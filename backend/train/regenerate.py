@@ -521,10 +521,11 @@ def _same_run(old: dict, new: dict) -> list[str]:
 def _other_target(recorded: dict, target: dict) -> list[str]:
     """What tells a recorded target from this run's: its weights (the fingerprint, current or legacy) and dtype; not
     where it lies (a copy on another host, another cache dir)."""
+    fingerprint = recorded.get("fingerprint")  # this run's is in `target` already: the directory is read again only for a legacy one
     wrong = (
         []
-        if same_target(str(recorded.get("fingerprint")), target["resolved_path"])
-        else [f"target fingerprint: was {recorded.get('fingerprint')!r} ({recorded.get('resolved_path')}), now {target['fingerprint']!r}"]
+        if fingerprint == target["fingerprint"] or same_target(str(fingerprint), target["resolved_path"])
+        else [f"target fingerprint: was {fingerprint!r} ({recorded.get('resolved_path')}), now {target['fingerprint']!r}"]
     )
     if recorded.get("dtype") != target["dtype"]:
         wrong.append(f"target dtype: was {recorded.get('dtype')!r}, now {target['dtype']!r}")
