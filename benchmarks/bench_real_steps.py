@@ -9,6 +9,9 @@ AdamW) in one process on one device, with the same target, profile, batch size, 
   * fixed: the same token stream cut into windows of one length L (L = the mean real tokens per sample of the real
            row), so every batch holds the same real tokens per step as the real row's mean but one shape.
 
+On CUDA the target's pass runs from CUDA graphs (backend.train.target_graphs) in both rows, and a third row repeats
+the real steps with it eager (ratio_target_eager_over_graphs_mean_step; --no-target-eager-row skips it).
+
 Reported per row: mean / median step (after --warmup steps), real tokens per step, padded positions per step, and
 the number of graph (re)compiles during the timed steps (torch._dynamo's frame counter); then the ratio
 real / fixed (issue goal: <= 1.3) and the distinct batch lengths seen; --torch-profile-steps N profiles N more real
@@ -97,7 +100,7 @@ def timed_steps(trainer, steps: int, warmup: int, device) -> dict:
     }
 
 
-def build(profile, args, splits=None):
+def build(profile, args, splits=None, target_graphs: bool | None = None):
     """A Trainer attached to a fresh draft on the real conversations (or on `splits` with the same target)."""
     import torch
 
@@ -106,11 +109,18 @@ def build(profile, args, splits=None):
     from backend.train.trainer import DistContext, TrainOptions, Trainer
 
     options = TrainOptions(
-        profile=profile, conversations=args.data, device=args.device, batch_size=args.batch_size, attn_backend=args.attn_backend, max_steps=10**6, seed=0
+        profile=profile,
+        conversations=args.data,
+        device=args.device,
+        batch_size=args.batch_size,
+        attn_backend=args.attn_backend,
+        max_steps=10**6,
+        seed=0,
+        target_graphs=target_graphs,
     )
     trainer = Trainer(options)
     trainer.ctx = DistContext(device=torch.device(args.device))
-    source = trainer._make_source() if splits is None else OnlineSource(args.target, splits)
+    source = trainer._make_source() if splits is None else OnlineSource(args.target, splits, trainer._target_pass(args.target))
     torch.manual_seed(0)
     draft = trainer._fresh_draft(source, DraftModelConfig.from_profile(profile)).to(trainer.ctx.device)
     trainer.attach(trainer.ctx, source, draft)
@@ -130,6 +140,9 @@ def main() -> int:
     parser.add_argument(
         "--torch-profile-steps", type=int, default=0, help="then N more real steps under torch.profiler: kernels by group, the GPU's idle share"
     )
+    parser.add_argument(
+        "--no-target-eager-row", dest="target_eager_row", action="store_false", help="skip the real row with the target's pass eager (CUDA graphs off)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -144,12 +157,19 @@ def main() -> int:
     setup_s = time.perf_counter() - setup_start
     args.target = real_source.target
     real = timed_steps(real_trainer, args.steps, args.warmup, real_trainer.ctx.device)
+    real["target_pass"] = real_source.target_pass.describe()
     if args.torch_profile_steps > 0:  # where a real step's time goes: launch-bound (GPU idle) or kernel-bound
         from benchmarks.bench_trainer import profile_steps
 
         real["torch_profile"] = profile_steps(real_trainer, args.warmup + args.steps + 1, real_trainer.ctx.device, args.torch_profile_steps)
     length = max(2, round(real["real_tokens_per_step"] / args.batch_size))
     del real_trainer
+    eager = None
+    if args.target_eager_row and real_source.target_pass.enabled:  # the same real steps with the target's pass eager
+        eager_trainer, eager_source = build(profile, args, real_source.splits, target_graphs=False)
+        eager = timed_steps(eager_trainer, args.steps, args.warmup, eager_trainer.ctx.device)
+        eager["target_pass"] = eager_source.target_pass.describe()
+        del eager_trainer
     fixed_trainer, _ = build(profile, args, fixed_length_splits(real_source.splits, length))
     fixed = timed_steps(fixed_trainer, args.steps, args.warmup, fixed_trainer.ctx.device)
     result = {
@@ -163,6 +183,9 @@ def main() -> int:
         "ratio_real_over_fixed_mean_step": real["mean_step_s"] / fixed["mean_step_s"],
         "ratio_per_real_token": (real["mean_step_s"] / real["real_tokens_per_step"]) / (fixed["mean_step_s"] / fixed["real_tokens_per_step"]),
     }
+    if eager is not None:
+        result["real_target_eager"] = eager
+        result["ratio_target_eager_over_graphs_mean_step"] = eager["mean_step_s"] / real["mean_step_s"]
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

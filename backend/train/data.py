@@ -551,9 +551,13 @@ def _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, targe
 class OnlineSource:
     """Samples in memory; the target runs inside the training step to produce aux states and teacher logits."""
 
-    def __init__(self, target, splits: dict[str, list[Sample]]):
+    def __init__(self, target, splits: dict[str, list[Sample]], target_pass=None):
+        from backend.train.target_graphs import TargetPass
+
         self.target = target
         self.splits = splits
+        # right-padded batches run the target causal, without a mask; from CUDA graphs when the trainer enables them
+        self.target_pass = target_pass if target_pass is not None else TargetPass(target, enabled=False)
         self.pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
         self.aux_width = target.aux_width
         self.hidden_size = target.hidden_size
@@ -575,11 +579,12 @@ class OnlineSource:
             yield sample.input_ids, sample.loss_mask
 
     def batch(self, split: str, indices: list[int], device) -> TrainBatch:
+        from backend.train.target_graphs import to_device
+
         data = collate([self.splits[split][i] for i in indices], self.pad_id, cap=self.longest)
-        result = self.target.capture(data["input_ids"], data["attention_mask"], with_logits=True)
-        return TrainBatch(
-            data["input_ids"].to(device), data["loss_mask"].to(device), result.aux_hidden.to(device), result.logits.to(device), tokens=data["tokens"]
-        )
+        ids = to_device(data["input_ids"], self.target.device)
+        result = self.target_pass(ids)
+        return TrainBatch(ids.to(device), to_device(data["loss_mask"], device), result.aux_hidden.to(device), result.logits.to(device), tokens=data["tokens"])
 
     def embed_weight(self):
         return self.target.embed_weight()

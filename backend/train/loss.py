@@ -183,6 +183,18 @@ def _fused_function():
 
 
 _FUSED: dict[str, Any] = {}
+_DECAYS: dict[tuple, Any] = {}
+
+
+def _decays(steps: int, decay: float, device) -> torch.Tensor:
+    """[decay^0 .. decay^(steps-1)] on `device`, made once: a tensor built from host values on a GPU waits for the
+    GPU to finish all queued work, which would stall every training step midway."""
+    import torch
+
+    key = (steps, decay, str(device))
+    if key not in _DECAYS:
+        _DECAYS[key] = torch.tensor([decay**k for k in range(steps)], dtype=torch.float32, device=device)
+    return _DECAYS[key]
 
 
 def fused_ttt_loss(
@@ -216,7 +228,7 @@ def fused_ttt_loss(
     mask = torch.stack(masks)  # [K, B*S]
     counts = mask.sum(-1)
     denom = counts.clamp(min=1).to(torch.float32)
-    decays = torch.tensor([decay**k for k in range(scored)], dtype=torch.float32, device=device)
+    decays = _decays(scored, decay, device)
     row_weight = (mask.to(torch.float32) * (decays / denom)[:, None]).reshape(-1)
     index = teacher.index.reshape(-1).index_select(0, teacher_rows.reshape(-1))
     probs = teacher.probs.reshape(batch * seq, -1)

@@ -41,6 +41,7 @@ from backend.train.fsutil import PRIVATE_FILE, ForeignPathError, private_dir, pr
 from backend.train.loss import TTTLoss, chain_round_histogram, fused_ttt_loss, make_teacher, rounds_accept_length
 from backend.train.schedule import GrokfastEMA, LRSchedule, TimeBudget
 from backend.train.vocab import build_vocab_mapping, count_tokens, coverage
+from backend.train.target_graphs import TargetPass, graphs_wanted
 from backend.layout import latest_checkpoint
 from backend.train.target import load_target
 from backend.train.tiny import is_tiny_target_dir
@@ -139,6 +140,7 @@ class TrainOptions:
     draft_head: str = "random"  # a fresh draft's lm_head and norm: "random" (SpecForge's), or "target" (the target's rows)
     ttt_length: int | None = None  # draft steps unrolled per training step (None: the profile's)
     compile: bool | None = None  # torch.compile the layer's per-step functions; None: on CUDA unless EAGLE3_COMPILE=0
+    target_graphs: bool | None = None  # online: the target's pass from CUDA graphs; None: on CUDA unless EAGLE3_TARGET_GRAPHS=0
     master_weights: bool | None = None  # bf16 weights + fp32 masters in the optimizer; None: on CUDA when dtype is bfloat16
     tiny_data: TinyDataSettings | None = None  # None: tiny_data_settings(profile seq_len)
 
@@ -676,7 +678,13 @@ class Trainer:
             splits = self._conversation_splits(target, conversations)
             for extra in options.extra_conversations:
                 splits = add_train_samples(splits, self._conversation_splits(target, extra), str(extra), self.log)
-        return OnlineSource(target, splits)
+        return OnlineSource(target, splits, self._target_pass(target))
+
+    def _target_pass(self, target) -> TargetPass:
+        enabled, why_not = graphs_wanted(target, self.options.target_graphs, dict(os.environ))
+        if not enabled and target.device.type == "cuda":
+            self.log(f"target pass: eager ({why_not})")
+        return TargetPass(target, enabled, log=self._log_any_rank)
 
     def _conversation_splits(self, target, conversations: Path) -> dict:
         options = self.options

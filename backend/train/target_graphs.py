@@ -1,0 +1,163 @@
+"""The target's pass of an online training step (aux states + teacher logits), replayed from a CUDA graph per batch shape.
+
+Why: a SmolLM2-135M step of 16 x 1,024 tokens took 83 ms on an H200 where its arithmetic is ~15-30 ms, and 4 x 1,024
+took 70 ms: most of a step was host time, and the target's 30 eager transformers layers are ~1,500 of its ~2,600
+kernel launches (benchmarks/bench_real_steps.py counts them on the CPU). One graph replay launches them all at once.
+
+Training batches are right-padded (data.collate), so the target runs causal with no attention mask: every real position
+sees exactly the keys it saw with the mask (padding only ever follows it), transformers takes SDPA's `is_causal` path
+(flash attention, no [B, 1, S, S] mask, no host read of the mask), and the pass has no data-dependent branch to capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import torch
+
+    from backend.train.target import TargetBatch, TargetModel
+
+# Batch shapes given a graph of their own: grouped by length, SmolLM2's ShareGPT batches of 16 take ~10 lengths of the
+# bucket ladder (10,535 positions a batch on average), validation a few more. Each graph keeps its outputs (the logits:
+# 1.6 GB at 16 x 1,024 x 49,152 in bf16), so shapes past either limit run eager.
+MAX_SHAPES = 16
+MAX_OUTPUT_BYTES = 8 << 30
+# Replay against eager, the first time a shape replays: the same kernels on the same inputs should agree to the last
+# bit; a difference above this share of the largest logit means the capture recorded something else, so graphs go off.
+CHECK_TOLERANCE = 1e-3
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    input_ids: torch.Tensor  # the static input the graph reads
+    output: TargetBatch  # the static outputs it writes (overwritten by every replay of this shape)
+    checked: bool = False
+
+
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory without waiting (no host sync in the step)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def graphs_wanted(target: TargetModel, option: bool | None, environ: dict[str, str]) -> tuple[bool, str]:
+    """(use graphs, why not): on a CUDA device for a target wholly on it, unless the option or EAGLE3_TARGET_GRAPHS=0 says no."""
+    if option is False or (option is None and environ.get("EAGLE3_TARGET_GRAPHS", "1") == "0"):
+        return False, "turned off"
+    if target.device.type != "cuda":
+        return False, f"the target runs on {target.device.type}"
+    if target.placement():
+        return False, "the target is placed over several devices"
+    return True, ""
+
+
+class TargetPass:
+    """target.capture(input_ids) of a right-padded training batch: from a CUDA graph per (rows, length) when enabled.
+
+    Each new shape is run eagerly twice on a side stream (warm-up: cuBLAS handles, lazy inits), captured into a graph
+    of its own memory pool, and its first replay compared with an eager pass on the same ids. A refused capture, a
+    mismatch or an out-of-memory turns graphs off for the rest of the run, with one log line saying why; eager serves
+    from there. A replay's outputs stay valid until the next call with the same shape (a step uses them before the next).
+    """
+
+    def __init__(
+        self, target: TargetModel, enabled: bool, log: Callable[[str], None] = print, max_shapes: int = MAX_SHAPES, max_output_bytes: int = MAX_OUTPUT_BYTES
+    ):
+        self.target = target
+        self.enabled = enabled
+        self.log = log
+        self.max_shapes = max_shapes
+        self.max_output_bytes = max_output_bytes
+        self.graphs: dict[tuple[int, ...], _Graph] = {}
+        self.off_reason: str | None = None if enabled else "not enabled"
+        self.replays = 0
+
+    def describe(self) -> str:
+        if self.enabled and self.off_reason is None:
+            return f"CUDA graphs ({len(self.graphs)} shape(s) captured, {self.replays} replays)"
+        return f"eager ({self.off_reason})"
+
+    def eager(self, input_ids: torch.Tensor) -> TargetBatch:
+        return self.target.capture(input_ids, None, with_logits=True)
+
+    def __call__(self, input_ids: torch.Tensor) -> TargetBatch:
+        if self.off_reason is not None:
+            return self.eager(input_ids)
+        shape = tuple(input_ids.shape)
+        entry = self.graphs.get(shape)
+        if entry is None:
+            if not self._room_for(shape):
+                return self.eager(input_ids)
+            entry = self._guarded(f"capturing shape {shape}", self._capture, input_ids)
+            if entry is None:
+                return self.eager(input_ids)
+            self.graphs[shape] = entry
+        entry.input_ids.copy_(input_ids, non_blocking=True)
+        entry.graph.replay()
+        self.replays += 1
+        if not entry.checked and not self._guarded(f"checking shape {shape}", self._check, entry, input_ids):
+            return self.eager(input_ids)
+        return entry.output
+
+    def output_bytes(self, shape: tuple[int, ...]) -> int:
+        """What a graph of this batch shape keeps: its aux states and logits."""
+        rows, length = shape
+        width = self.target.aux_width + self.target.vocab_size
+        return rows * length * width * self.target.dtype.itemsize
+
+    def _room_for(self, shape: tuple[int, ...]) -> bool:
+        held = sum(self.output_bytes(kept) for kept in self.graphs)
+        return len(self.graphs) < self.max_shapes and held + self.output_bytes(shape) <= self.max_output_bytes
+
+    def _guarded(self, what: str, work: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return work(*args)
+        except Exception as exc:  # noqa: BLE001 - any failure of a capture means: run eager, and say why once
+            self._turn_off(f"{what} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            return None
+
+    def _turn_off(self, reason: str) -> None:
+        self.off_reason = reason
+        self.graphs.clear()
+        self.log(f"target pass: CUDA graphs off, eager from here ({reason})")
+
+    def _capture(self, input_ids: torch.Tensor) -> _Graph:
+        import torch
+
+        static = input_ids.clone()
+        side = torch.cuda.Stream(device=static.device)
+        side.wait_stream(torch.cuda.current_stream(static.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.eager(static)
+        torch.cuda.current_stream(static.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = self.eager(static)
+        return _Graph(graph, static, output)
+
+    def _check(self, entry: _Graph, input_ids: torch.Tensor) -> bool:
+        expected = self.eager(input_ids)
+        worst = self._largest_difference(entry.output, expected)
+        scale = max(1.0, float(expected.logits.abs().max()))
+        if worst > CHECK_TOLERANCE * scale:
+            self._turn_off(f"a replay of shape {tuple(input_ids.shape)} differs from eager by {worst:.3g} (largest logit {scale:.3g})")
+            return False
+        entry.checked = True
+        if len(self.graphs) == 1:
+            self.log(f"target pass: CUDA graph of shape {tuple(input_ids.shape)} matches eager (largest difference {worst:.3g})")
+        return True
+
+    @staticmethod
+    def _largest_difference(got: TargetBatch, want: TargetBatch) -> float:
+        worst = 0.0
+        for a, b in ((got.aux_hidden, want.aux_hidden), (got.logits, want.logits)):
+            worst = max(worst, float((a.float() - b.float()).abs().max()))
+        return worst
