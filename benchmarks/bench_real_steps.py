@@ -10,7 +10,9 @@ AdamW) in one process on one device, with the same target, profile, batch size, 
            row), so every batch holds the same real tokens per step as the real row's mean but one shape.
 
 On CUDA the target's pass runs from CUDA graphs (backend.train.target_graphs) in both rows, and a third row repeats
-the real steps with it eager (ratio_target_eager_over_graphs_mean_step; --no-target-eager-row skips it).
+the real steps with it eager (ratio_target_eager_over_graphs_mean_step; --no-target-eager-row skips it). Then three
+more real steps run under torch.cuda.set_sync_debug_mode("error"): host_syncs says "none" or where the host first
+waited for the GPU (a wait empties the GPU's queue: the step becomes host time plus GPU time).
 
 Reported per row: mean / median step (after --warmup steps), real tokens per step, padded positions per step, and
 the number of graph (re)compiles during the timed steps (torch._dynamo's frame counter); then the ratio
@@ -100,6 +102,27 @@ def timed_steps(trainer, steps: int, warmup: int, device) -> dict:
     }
 
 
+def host_syncs(trainer, first_step: int, steps: int, device) -> str:
+    """Run `steps` more steps under torch's sync debug mode: "none", or where the first host sync happened (CUDA only)."""
+    import traceback
+
+    import torch
+
+    if device.type != "cuda":
+        return "not checked (CPU)"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(first_step, first_step + steps):
+            trainer.train_step(step)
+    except RuntimeError as exc:
+        frames = [f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} {frame.name}" for frame in traceback.extract_tb(exc.__traceback__)[-4:]]
+        return f"{str(exc).splitlines()[0]} at " + " <- ".join(reversed(frames))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return "none"
+
+
 def build(profile, args, splits=None, target_graphs: bool | None = None):
     """A Trainer attached to a fresh draft on the real conversations (or on `splits` with the same target)."""
     import torch
@@ -157,11 +180,12 @@ def main() -> int:
     setup_s = time.perf_counter() - setup_start
     args.target = real_source.target
     real = timed_steps(real_trainer, args.steps, args.warmup, real_trainer.ctx.device)
+    real["host_syncs"] = host_syncs(real_trainer, args.warmup + args.steps + 1, 3, real_trainer.ctx.device)
     real["target_pass"] = real_source.target_pass.describe()
     if args.torch_profile_steps > 0:  # where a real step's time goes: launch-bound (GPU idle) or kernel-bound
         from benchmarks.bench_trainer import profile_steps
 
-        real["torch_profile"] = profile_steps(real_trainer, args.warmup + args.steps + 1, real_trainer.ctx.device, args.torch_profile_steps)
+        real["torch_profile"] = profile_steps(real_trainer, args.warmup + args.steps + 4, real_trainer.ctx.device, args.torch_profile_steps)
     length = max(2, round(real["real_tokens_per_step"] / args.batch_size))
     del real_trainer
     eager = None
