@@ -139,7 +139,7 @@ class TargetPass:
                 self.eager(static)
         torch.cuda.current_stream(static.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the trainer's other threads never touch this stream
             output = self.eager(static)
         return _Graph(graph, static, output)
 

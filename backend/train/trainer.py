@@ -962,7 +962,9 @@ class Trainer:
         if last_saved != self.step:
             self._save()
         self._flush_metrics()
-        self.log(f"done: {self.step} steps" + ("" if self.last_save_ok else "; the final checkpoint was NOT saved"))
+        target_pass = getattr(self.parts.source, "target_pass", None)
+        passes = f"; the target's pass: {target_pass.describe()}" if target_pass is not None and target_pass.enabled else ""
+        self.log(f"done: {self.step} steps{passes}" + ("" if self.last_save_ok else "; the final checkpoint was NOT saved"))
 
     def _unless_stopping(self, work: Callable[..., T], *args: Any) -> tuple[bool, T | None]:
         """(True, work(*args)), or (False, None) when it fails after a stop signal arrived: the stop's SIGTERM to the process group also
