@@ -334,8 +334,25 @@ def regenerate_conversation(target, messages: list[dict], max_new_tokens: int, c
     return result
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_source(tokenizer) -> str:
+    """The tokenizer's name, or for one loaded from a local dir the sha256 of its files: a cache keyed on it holds
+    wherever that dir lies (a prepared target lives under each host's cache dir; the tokens are the same)."""
+    name = tokenizer_name(tokenizer)
+    folder = Path(name).expanduser()
+    present = [folder / file for file in TOKENIZER_FILES if (folder / file).is_file()] if folder.is_dir() else []
+    if not present:
+        return name
+    digest = hashlib.sha256()
+    for file in present:
+        digest.update(file.name.encode() + b"\0" + file_sha256(file).encode() + b"\0")
+    return f"files:{digest.hexdigest()[:24]}"
+
+
 def tokenizer_identity(tokenizer, template_text: str) -> dict:
-    """What a tokenization depends on besides the data: the tokenizer's name, size, special tokens, and the template."""
+    """What a tokenization depends on besides the data: the tokenizer (its files), size, special tokens, and the template."""
     specials = json.dumps(
         {
             "special": sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []) or []),
@@ -344,7 +361,7 @@ def tokenizer_identity(tokenizer, template_text: str) -> dict:
         },
         sort_keys=True,
     )
-    return {"name": tokenizer_name(tokenizer), "vocab": len(tokenizer), "specials": hashlib.sha256(specials.encode()).hexdigest()[:16]}
+    return {"name": tokenizer_source(tokenizer), "vocab": len(tokenizer), "specials": hashlib.sha256(specials.encode()).hexdigest()[:16]}
 
 
 def chat_cache_path(key: dict, cache_dir: Path | None = None) -> Path:

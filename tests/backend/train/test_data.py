@@ -330,3 +330,27 @@ def test_an_unfinished_extraction_is_refused(tmp_path, mini_profile):
     (tmp_path / "train").mkdir()
     with pytest.raises(DataError, match="did not finish"):
         OfflineSource(tmp_path, mini_profile)
+
+
+def test_the_token_cache_follows_a_tokenizers_files_not_the_dir_they_lie_in(tmp_path):
+    """A prepared target lies under each host's own cache dir: a cache made on one host is found on another (carried
+    to the H200), and a tokenizer whose files differ never reads it."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = write_jsonl(tmp_path / "c.jsonl", [{"conversations": messages} for messages in _records(40)])
+    chat_tokenizer().save_pretrained(tmp_path / "here")
+    shutil.copytree(tmp_path / "here", tmp_path / "there")
+    messages = []
+    first = conversation_samples(AutoTokenizer.from_pretrained(tmp_path / "here"), path, max_len=24, cache_dir=tmp_path / "cache", log=messages.append)
+    assert messages[-1].startswith("conversations: cached the tokenized samples at ")
+    moved: list[str] = []
+    again = conversation_samples(AutoTokenizer.from_pretrained(tmp_path / "there"), path, max_len=24, cache_dir=tmp_path / "cache", log=moved.append)
+    assert len(moved) == 1 and moved[0].startswith(f"conversations: {len(first['train'])}+{len(first['val'])} tokenized samples from the cache")
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(first["train"], again["train"]))
+    vocab = tmp_path / "there" / "tokenizer.json"
+    vocab.write_text(vocab.read_text().replace('"thanks"', '"thanx"'))
+    changed: list[str] = []
+    conversation_samples(AutoTokenizer.from_pretrained(tmp_path / "there"), path, max_len=24, cache_dir=tmp_path / "cache", log=changed.append)
+    assert changed[-1].startswith("conversations: cached the tokenized samples at ")  # tokenized anew, its own cache
