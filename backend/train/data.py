@@ -334,12 +334,14 @@ def regenerate_conversation(target, messages: list[dict], max_new_tokens: int, c
     return result
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
+# What encodes text into ids. tokenizer_config.json is left out: what it adds that matters here (special tokens, the
+# template) is in tokenizer_identity's "specials", and transformers stamps it per version and per load (is_local, ...).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def tokenizer_source(tokenizer) -> str:
-    """The tokenizer's name, or for one loaded from a local dir the sha256 of its files: a cache keyed on it holds
-    wherever that dir lies (a prepared target lives under each host's cache dir; the tokens are the same)."""
+    """The tokenizer's name, or for one loaded from a local dir the sha256 of its vocabulary files: a cache keyed on it
+    holds wherever that dir lies (a prepared target lives under each host's cache dir; the tokens are the same)."""
     name = tokenizer_name(tokenizer)
     folder = Path(name).expanduser()
     present = [folder / file for file in TOKENIZER_FILES if (folder / file).is_file()] if folder.is_dir() else []
@@ -600,8 +602,8 @@ class OnlineSource:
 
         data = collate([self.splits[split][i] for i in indices], self.pad_id, cap=self.longest)
         ids = to_device(data["input_ids"], self.target.device)
-        result = self.target_pass(ids)
-        return TrainBatch(ids.to(device), to_device(data["loss_mask"], device), result.aux_hidden.to(device), result.logits.to(device), tokens=data["tokens"])
+        aux, logits = self.target_pass(ids)
+        return TrainBatch(ids.to(device), to_device(data["loss_mask"], device), aux.to(device), logits.to(device), tokens=data["tokens"])
 
     def embed_weight(self):
         return self.target.embed_weight()

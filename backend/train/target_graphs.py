@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     import torch
 
-    from backend.train.target import TargetBatch, TargetModel
+    from backend.train.target import TargetModel
 
 # Batch shapes given a graph of their own: grouped by length, SmolLM2's ShareGPT batches of 16 take ~10 lengths of the
 # bucket ladder (10,535 positions a batch on average), validation a few more. Each graph keeps its outputs (the logits:
@@ -33,7 +33,7 @@ CHECK_TOLERANCE = 1e-3
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     input_ids: torch.Tensor  # the static input the graph reads
-    output: TargetBatch  # the static outputs it writes (overwritten by every replay of this shape)
+    output: tuple[torch.Tensor, torch.Tensor]  # the static aux states and logits it writes (overwritten by every replay)
     checked: bool = False
 
 
@@ -84,10 +84,14 @@ class TargetPass:
             return f"CUDA graphs ({len(self.graphs)} shape(s) captured, {self.replays} replays)"
         return f"eager ({self.off_reason})"
 
-    def eager(self, input_ids: torch.Tensor) -> TargetBatch:
-        return self.target.capture(input_ids, None, with_logits=True)
+    def eager(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux states [B, S, 3H], logits [B, S, V]) of one causal pass, no mask."""
+        batch = self.target.capture(input_ids, None, with_logits=True)
+        if batch.logits is None:
+            raise RuntimeError("the target's capture returned no logits")
+        return batch.aux_hidden, batch.logits
 
-    def __call__(self, input_ids: torch.Tensor) -> TargetBatch:
+    def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.off_reason is not None:
             return self.eager(input_ids)
         shape = tuple(input_ids.shape)
@@ -132,21 +136,22 @@ class TargetPass:
         import torch
 
         static = input_ids.clone()
-        side = torch.cuda.Stream(device=static.device)
-        side.wait_stream(torch.cuda.current_stream(static.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.eager(static)
-        torch.cuda.current_stream(static.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the trainer's other threads never touch this stream
-            output = self.eager(static)
+        with torch.cuda.device(static.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.eager(static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the trainer's other threads never touch this stream
+                output = self.eager(static)
         return _Graph(graph, static, output)
 
     def _check(self, entry: _Graph, input_ids: torch.Tensor) -> bool:
         expected = self.eager(input_ids)
         worst = self._largest_difference(entry.output, expected)
-        scale = max(1.0, float(expected.logits.abs().max()))
+        scale = max(1.0, float(expected[1].abs().max()))
         if worst > CHECK_TOLERANCE * scale:
             self._turn_off(f"a replay of shape {tuple(input_ids.shape)} differs from eager by {worst:.3g} (largest logit {scale:.3g})")
             return False
@@ -156,8 +161,5 @@ class TargetPass:
         return True
 
     @staticmethod
-    def _largest_difference(got: TargetBatch, want: TargetBatch) -> float:
-        worst = 0.0
-        for a, b in ((got.aux_hidden, want.aux_hidden), (got.logits, want.logits)):
-            worst = max(worst, float((a.float() - b.float()).abs().max()))
-        return worst
+    def _largest_difference(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> float:
+        return max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))

@@ -44,8 +44,8 @@ def test_graphs_run_only_on_a_gpu_holding_the_whole_target(mini_target):
 def test_an_eager_pass_says_so_and_gives_the_targets_own_outputs(mini_target):
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(3))
     target_pass = TargetPass(mini_target, enabled=False)
-    got, want = target_pass(ids), mini_target.capture(ids)
-    assert torch.equal(got.logits, want.logits) and torch.equal(got.aux_hidden, want.aux_hidden)
+    (aux, logits), want = target_pass(ids), mini_target.capture(ids)
+    assert torch.equal(logits, want.logits) and torch.equal(aux, want.aux_hidden)
     assert target_pass.describe() == "eager (not enabled)" and target_pass.graphs == {} and target_pass.replays == 0
 
 
@@ -73,10 +73,10 @@ def test_on_a_gpu_graph_replays_give_the_eager_pass_for_every_shape(mini_profile
     generator = torch.Generator().manual_seed(4)
     for shape in [(3, 24), (3, 24), (2, 16), (3, 24), (1, 8), (2, 16)]:  # (1, 8) would pass the byte budget: eager
         ids = torch.randint(0, 256, shape, generator=generator).cuda()
-        got = target_pass(ids)
+        aux, logits = target_pass(ids)
         want = target.capture(ids)
-        torch.testing.assert_close(got.aux_hidden, want.aux_hidden, rtol=0.0, atol=1e-5)
-        torch.testing.assert_close(got.logits, want.logits, rtol=0.0, atol=1e-5)
+        torch.testing.assert_close(aux, want.aux_hidden, rtol=0.0, atol=1e-5)
+        torch.testing.assert_close(logits, want.logits, rtol=0.0, atol=1e-5)
     assert sorted(target_pass.graphs) == [(2, 16), (3, 24)] and target_pass.replays == 5
     assert target_pass.off_reason is None and target_pass.describe() == "CUDA graphs (2 shape(s) captured, 5 replays)"
     assert logged == ["target pass: CUDA graph of shape (3, 24) matches eager (largest difference 0)"]
