@@ -20,7 +20,7 @@
 #                 not yet started). A machine lost between calls keeps them (2026-12-03: it went back after 30 s idle).
 #   PHASE=more    carries nothing: resumes our trainer from the checkpoint its SIGTERM wrote for MORE_S more seconds
 #                 (repeat it; set OURS_STEPS in every phase to the whole run's cosine, ~14 a second), then exports
-#                 it again. SpecForge's draft keeps its train-phase budget; our train-phase draft is kept beside it
+#                 it again (REAL=1: then bench_real_steps.py, as in serve). SpecForge's draft keeps its train-phase budget; our train-phase draft is kept beside it
 #                 (ours_draft_at_train_s: the equal-time comparison). ~MORE_S + 60 s. RETURN_DRAFT=1 (here or in
 #                 train) sends the exported draft back in 16 MiB pieces (~48 MB in bf16: 3 files) instead of the
 #                 trainer's log: copied into .h200-draft, a later round serves it without training (PHASE=draft).
@@ -666,6 +666,7 @@ EOF
         continue_the_better_twin "the end of the cosine" # the serve phase serves the better
     fi
     hand_back_draft_or_log
+    if [ "$REAL" = 1 ]; then real_steps; fi # REAL=1 here: the serve call keeps its time for serving (~120 s: three rows of real steps)
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=retrain
@@ -768,7 +769,11 @@ phase_serve() {
     # shellcheck disable=SC2086 # GROUPING_EXTRA is a list of options
     [ "$GROUPING" = 1 ] && stage regen_grouping 90 150 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" \
         --grouping "$DEV/sgdev" --tokenizer "$MODEL_DIR" $GROUPING_EXTRA --out "$OUT/regen_grouping.json"
-    [ "$REAL" = 1 ] && stage real_steps 100 150 "$PY" benchmarks/bench_real_steps.py --profile "$PROFILE" --data "$DATA" --device "$DEVICE" --attn-backend "$ATTN" \
+    [ "$REAL" = 1 ] && real_steps
+}
+
+real_steps() { # real vs fixed-length step time, the target's pass from graphs vs eager, host syncs, a GPU profile
+    stage real_steps 120 170 "$PY" benchmarks/bench_real_steps.py --profile "$PROFILE" --data "$DATA" --device "$DEVICE" --attn-backend "$ATTN" \
         --steps "$REAL_STEPS" --warmup "$REAL_WARMUP" --torch-profile-steps "$REAL_PROFILE" --out "$OUT/real_steps.json"
 }
 
