@@ -121,11 +121,19 @@ class TargetPass:
         return len(self.graphs) < self.max_shapes and held + self.output_bytes(shape) <= self.max_output_bytes
 
     def _guarded(self, what: str, work: Callable[..., Any], *args: Any) -> Any:
+        """work(*args), or None after turning graphs off. A capture and its check wait for the GPU (once a shape):
+        allowed even under torch.cuda.set_sync_debug_mode, which is there to catch the steps' own waits."""
+        import torch
+
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
         try:
             return work(*args)
         except Exception as exc:  # noqa: BLE001 - any failure of a capture means: run eager, and say why once
             self._turn_off(f"{what} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             return None
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
 
     def _turn_off(self, reason: str) -> None:
         self.off_reason = reason

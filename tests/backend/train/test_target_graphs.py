@@ -80,13 +80,23 @@ def test_on_a_gpu_graph_replays_give_the_eager_pass_for_every_shape(mini_profile
     assert sorted(target_pass.graphs) == [(2, 16), (3, 24)] and target_pass.replays == 5
     assert target_pass.off_reason is None and target_pass.describe() == "CUDA graphs (2 shape(s) captured, 5 replays)"
     assert logged == ["target pass: CUDA graph of shape (3, 24) matches eager (largest difference 0)"]
+    wide = TargetPass(target, enabled=True, log=logged.append)
+    ids = torch.randint(0, 256, (4, 12), generator=generator).cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # a new shape's capture and check wait for the GPU once, allowed; a replay never waits
+        first, again = wide(ids), wide(ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert wide.off_reason is None and wide.replays == 2 and first[1] is again[1]
+    torch.testing.assert_close(again[1], target.capture(ids).logits, rtol=0.0, atol=1e-5)
 
 
 @needs_cuda
 def test_on_a_gpu_a_training_step_never_waits_for_the_gpu(mini_profile):
     """Each host sync empties the GPU's queue and leaves it idle while the host launches the next kernels: a real
     SmolLM2 step was host-bound (4 x 1,024 took 70 ms, 16 x 1,024 83 ms). After the first steps (compiles, captures)
-    none may wait (one batch shape here: a new one is captured and checked, which reads the GPU); torch's sync debug mode raises at any that does."""
+    none may wait (one batch shape here: a new one also compiles the draft's regions anew); torch's sync debug mode
+    raises at any that does."""
     from backend.train.draft import DraftModelConfig
     from backend.train.trainer import DistContext, TrainOptions, Trainer
 
