@@ -7,12 +7,17 @@ kernel launches (benchmarks/bench_real_steps.py counts them on the CPU). One gra
 Training batches are right-padded (data.collate), so the target runs causal with no attention mask: every real position
 sees exactly the keys it saw with the mask (padding only ever follows it), transformers takes SDPA's `is_causal` path
 (flash attention, no [B, 1, S, S] mask, no host read of the mask), and the pass has no data-dependent branch to capture.
+While a CUDA stream captures, transformers (5.17 on the H200 image) will not take that path: its mask skip checks
+`is_tracing()`, which counts stream capture, and builds the full causal mask instead (the memory-efficient kernel over
+every block). So the pass attends through an attention function of its own (causal_attention), registered with
+transformers' AttentionInterface: no mask is built for it, and it calls transformers' SDPA with is_causal set.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +32,35 @@ MAX_OUTPUT_BYTES = 8 << 30
 # Replay against eager, the first time a shape replays: the same kernels on the same inputs should agree to the last
 # bit; a difference above this share of the largest logit means the capture recorded something else, so graphs go off.
 CHECK_TOLERANCE = 1e-3
+
+
+CAUSAL_ATTENTION = "eagle3-causal-sdpa"
+
+
+def _causal_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention with is_causal and no mask (what a right-padded batch's real positions need)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("is_causal", None)
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+
+@contextmanager
+def causal_attention(model) -> Iterator[None]:
+    """Inside, a model loaded with SDPA attends through _causal_sdpa (others are left as they are)."""
+    config = model.config
+    before = getattr(config, "_attn_implementation", None)
+    if before != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAUSAL_ATTENTION, _causal_sdpa)
+    config._attn_implementation = CAUSAL_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 @dataclass
@@ -86,7 +120,8 @@ class TargetPass:
 
     def eager(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux states [B, S, 3H], logits [B, S, V]) of one causal pass, no mask."""
-        batch = self.target.capture(input_ids, None, with_logits=True)
+        with causal_attention(self.target.model):
+            batch = self.target.capture(input_ids, None, with_logits=True)
         if batch.logits is None:
             raise RuntimeError("the target's capture returned no logits")
         return batch.aux_hidden, batch.logits

@@ -5,7 +5,7 @@ import torch
 
 from backend.train.data import OnlineSource, Sample, collate
 from backend.train.target import load_target
-from backend.train.target_graphs import TargetPass, graphs_wanted, to_device
+from backend.train.target_graphs import CAUSAL_ATTENTION, TargetPass, causal_attention, graphs_wanted, to_device
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,22 @@ def test_a_right_padded_batch_gives_each_conversation_its_own_states_and_logits(
         torch.testing.assert_close(batch.target_logits[row, :n], alone.logits[0], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(batch.target_logits[row, :n], masked.logits[row, :n], atol=2e-5, rtol=1e-5)  # the masked pass it replaces
         assert batch.loss_mask[row, n:].sum() == 0  # padded positions are never scored
+
+
+def test_the_pass_attends_through_its_causal_function_and_puts_sdpa_back(mini_target):
+    """Under stream capture transformers would build a full mask for "sdpa"; its own registered function builds none."""
+    ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(6))
+    model = mini_target.model
+    assert model.config._attn_implementation == "sdpa"
+    with causal_attention(model):
+        assert model.config._attn_implementation == CAUSAL_ATTENTION
+        inside = mini_target.capture(ids)
+    assert model.config._attn_implementation == "sdpa"
+    outside = mini_target.capture(ids)
+    assert torch.equal(inside.logits, outside.logits) and torch.equal(inside.aux_hidden, outside.aux_hidden)
+    with pytest.raises(RuntimeError, match="stop"), causal_attention(model):
+        raise RuntimeError("stop")
+    assert model.config._attn_implementation == "sdpa"  # put back after a failure too
 
 
 def test_graphs_run_only_on_a_gpu_holding_the_whole_target(mini_target):
