@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 
     from backend.train.target import TargetModel
 
-# Batch shapes given a graph of their own: grouped by length, SmolLM2's ShareGPT batches of 16 take ~10 lengths of the
-# bucket ladder (10,535 positions a batch on average), validation a few more. Each graph keeps its outputs (the logits:
-# 1.6 GB at 16 x 1,024 x 49,152 in bf16), so shapes past either limit run eager.
+# Batch shapes given a graph of their own: grouped by length, round 18's batches of 16 come in 9 lengths of the bucket
+# ladder (benchmarks/step_launches.py: 16 x 1,024 44 %, 16 x 256 21 %, ...; 5.6 GB of outputs in all), validation a
+# few more. Each graph keeps its outputs (the logits: 1.6 GB at 16 x 1,024 x 49,152 in bf16): shapes past either
+# limit run eager.
 MAX_SHAPES = 16
 MAX_OUTPUT_BYTES = 8 << 30
 # Replay against eager, the first time a shape replays: the same kernels on the same inputs should agree to the last
