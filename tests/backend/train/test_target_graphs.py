@@ -95,7 +95,7 @@ def test_on_a_gpu_graph_replays_give_the_eager_pass_for_every_shape(mini_profile
         torch.testing.assert_close(logits, want.logits, rtol=0.0, atol=1e-5)
     assert sorted(target_pass.graphs) == [(2, 16), (3, 24)] and target_pass.replays == 5
     assert target_pass.off_reason is None and target_pass.describe() == "CUDA graphs (2 shape(s) captured, 5 replays)"
-    assert logged == ["target pass: CUDA graph of shape (3, 24) matches eager (largest difference 0)"]
+    assert len(logged) == 1 and logged[0].startswith("target pass: CUDA graph of shape (3, 24) matches eager (largest difference ")
     wide = TargetPass(target, enabled=True, log=logged.append)
     ids = torch.randint(0, 256, (4, 12), generator=generator).cuda()
     torch.cuda.set_sync_debug_mode("error")
