@@ -8,7 +8,9 @@
 #                 (profile_decode_step.py, DECODE_PROFILE=1, ~300 s: its default variants), and times `data regenerate`'s batched generation against
 #                 transformers' generate on a random model of the target's shape (bench_regenerate.py): the batch size
 #                 with the most answer tokens/s is the train phase's REGEN_BATCH. ~90 s.
-#   PHASE=carry3  carry .h200-carry3: the rest of the GGUF's first half and the ShareGPT `data prepare` dir to $DEV. ~5 s.
+#   PHASE=carry3  carry .h200-carry3: the rest of the GGUF's first half and the ShareGPT `data prepare` dir to $DEV (its
+#                 tokens for the trainer's cache too); also .h200-regen and .h200-compile when carried (an earlier round's
+#                 regenerated conversations, its torch.compile artifacts). ~5 s.
 #   PHASE=train   carry .h200-carry2: the GGUF's second half and HumanEval (the data from carry3). target
 #                 prepare -> data regenerate for REGEN_S seconds (--max-seconds: the val split first, then as many train
 #                 conversations as fit) -> our draft and SpecForge v0.3.0's (SPECFORGE=0: ours only), trained on the
@@ -71,7 +73,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
 fi
 DEV=${DEV:-/tmp/dev} DEVICE=${DEVICE:-cuda} PY=${PY:-python3} SITE=${SITE:-/tmp/site}
 PIECE_BYTES=16700000 # a returned file holds at most 16 MiB: the draft and the regenerated conversations come back in pieces
-C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} CD=${CD:-.h200-draft} CR=${CR:-.h200-regen} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
+C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} CD=${CD:-.h200-draft} CR=${CR:-.h200-regen} CC=${CC:-.h200-compile} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
 PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580} LIMIT_SCALE=${LIMIT_SCALE:-1}
 # train phase
 TRAIN_S=${TRAIN_S:-100} SF_S=${SF_S:-100} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa} MORE_S=${MORE_S:-360}
@@ -148,6 +150,11 @@ REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
 START=$(date +%s)
 mkdir -p "$OUT" "$DEV"
 export PYTHONUNBUFFERED=1 EAGLE3_CACHE_DIR=$DEV/cache PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+# torch.compile's artifacts (backend/train/compile_cache.py): the trainer loads them before it compiles and writes them
+# when it ends; the train phase sends them back (RETURN_COMPILE=1, when a returned file is left; their size on the GPU
+# is not measured yet), h200_keep.sh keeps them in .h200-compile/, and carry3 brings them to the next round's fresh
+# machine (with [".h200-carry3", ".h200-regen", ".h200-compile"]; the same torch, Triton and GPU make them hits)
+export EAGLE3_COMPILE_CACHE=$DEV/compile_artifacts.bin
 HOST=("$PY" -m backend --run-dir "$DEV/run")
 LOG=$OUT/log.txt TIMES=$DEV/times-$PHASE.tsv
 : >"$TIMES"
@@ -384,6 +391,9 @@ phase_carry3() {
     if [ -f "$C3/sgdev_reuse.tar.xz" ]; then # the prepare dir they answered, when sgdev is another (h200_carry.sh: REUSE_LIMIT)
         cp "$C3/sgdev_reuse.tar.xz" "$DEV/" && note "carry3: the prepare dir those conversations answered (data regenerate --reuse) in $DEV"
     fi
+    if [ -f "$CC/compile_artifacts.bin" ]; then # an earlier round's torch.compile artifacts (carried beside carry3)
+        cp "$CC/compile_artifacts.bin" "$DEV/" && note "carry3: torch.compile's artifacts from an earlier round ($(du -h "$CC/compile_artifacts.bin" | cut -f1)) in $DEV"
+    fi
     if [ -f "$C3/chat_tokens.tar.xz" ]; then # ShareGPT tokenized here: the trainer's cache finds it when its key matches
         "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$C3/chat_tokens.tar.xz" "$EAGLE3_CACHE_DIR" &&
             note "carry3: ShareGPT's tokenized samples in $EAGLE3_CACHE_DIR/chat-tokens (used when the tokenizer's files match)"
@@ -596,6 +606,18 @@ EOF
     cp "$DEV/ours/metrics.jsonl" "$OUT/ours_metrics.jsonl" 2>/dev/null
     cp "$DEV/sf/metrics.jsonl" "$OUT/specforge_metrics.jsonl" 2>/dev/null
     hand_back_draft_or_log # RETURN_DRAFT=1 here: a machine lost before `more` keeps this draft (2026-12-03)
+    return_compile_artifacts
+}
+
+return_compile_artifacts() { # RETURN_COMPILE=1 (default): the trainer's torch.compile artifacts, when a returned file is left
+    [ "${RETURN_COMPILE:-1}" = 1 ] && [ -f "$DEV/compile_artifacts.bin" ] || return 0
+    local files
+    files=$(find "$OUT" -maxdepth 1 -type f ! -name "$PHASE"_summary.json | wc -l) # the summary is written after this
+    if [ "$files" -le 6 ] && [ "$(stat -c %s "$DEV/compile_artifacts.bin")" -le 16000000 ]; then
+        cp "$DEV/compile_artifacts.bin" "$OUT/" && note "compile artifacts returned ($(du -h "$DEV/compile_artifacts.bin" | cut -f1)): h200_keep.sh keeps them in .h200-compile"
+    else
+        note "compile artifacts NOT returned: $files files already in \$OUT (8 at most with the summary) or over 16 MB"
+    fi
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=more

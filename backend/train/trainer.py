@@ -23,6 +23,7 @@ from backend.commands import NVLINK_MULTICAST_OFF, data_dir_for
 from backend.durable import write_atomic
 from backend.layout import CHECKPOINTS_DIR, METRICS_FILENAME, HeartbeatWriter
 from backend.profiles import Profile
+from backend.train.compile_cache import cache_file, load_artifacts, save_artifacts
 from backend.train.data import (
     BatchSampler,
     OfflineSource,
@@ -592,6 +593,7 @@ class Trainer:
                 return 0
             self.phase = "training"
             self._loop()
+            self._save_compile_cache()
             phase = "stopped" if self.stopped else "done"
             return 0 if self.last_save_ok else 1
         finally:
@@ -621,6 +623,9 @@ class Trainer:
         job_dir = os.environ.get("EAGLE3_JOB_DIR")
         self.heartbeat = HeartbeatWriter(Path(job_dir).expanduser() if job_dir else out_dir, ctx.rank, ctx.local_rank, ctx.world_size, log=self._log_any_rank)
         self.log(f"output: {out_dir} (world size {ctx.world_size}, device {ctx.device})")
+        compile_cache = cache_file(os.environ)
+        if compile_cache is not None:
+            load_artifacts(compile_cache, self.log)
         resume_dir = self._resume_checkpoint(out_dir)
         # Rank 0 builds caches (tiny target, generated data) first; the others then read them.
         source = self._make_source() if ctx.is_main else None
@@ -636,6 +641,12 @@ class Trainer:
         else:
             self._parts = TrainingParts(self.options, self.settings, ctx, source, self._fresh_draft(source, config), config)
         self._open_outputs(out_dir, resume_dir)
+
+    def _save_compile_cache(self) -> None:
+        """EAGLE3_COMPILE_CACHE: what this run compiled, for the next run on another machine (main rank only)."""
+        path = cache_file(os.environ)
+        if path is not None and self.ctx.is_main and self._parts is not None and self._parts.compiled:
+            save_artifacts(path, self.log)
 
     def attach(self, ctx: DistContext, source: Source, draft: Eagle3Draft) -> None:
         """Train a prepared draft on a prepared source (benchmarks): width checks, optimizer, DDP; writes no files."""
