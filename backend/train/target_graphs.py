@@ -1,8 +1,8 @@
 """The target's pass of an online training step (aux states + teacher logits), replayed from a CUDA graph per batch shape.
 
-Why: a SmolLM2-135M step of 16 x 1,024 tokens took 83 ms on an H200 where its arithmetic is ~15-30 ms, and 4 x 1,024
-took 70 ms: most of a step was host time, and the target's 30 eager transformers layers are ~1,500 of its ~2,600
-kernel launches (benchmarks/bench_real_steps.py counts them on the CPU). One graph replay launches them all at once.
+Why: a SmolLM2-135M step of 16 sequences (10.5 k positions) took 75-83 ms on an H200 and one of 4 x 1,024 took 70 ms:
+most of a step was host time, and the target's 30 eager transformers layers are 1,542 of its 2,609 kernel launches
+(benchmarks/step_launches.py counts them on the CPU). One graph replay launches them all at once.
 
 Training batches are right-padded (data.collate), so the target runs causal with no attention mask: every real position
 sees exactly the keys it saw with the mask (padding only ever follows it), transformers takes SDPA's `is_causal` path
