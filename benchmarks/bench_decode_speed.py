@@ -18,6 +18,7 @@ CPU:   python3 benchmarks/bench_decode_speed.py --device cpu --max-new-tokens 8 
 from __future__ import annotations
 
 import argparse
+import os
 import copy
 import gzip
 import json
@@ -357,6 +358,7 @@ def public(row: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from backend.profiles import load_profile
+    from backend.train.compile_cache import cache_file, load_artifacts, save_artifacts
     from backend.train.target import load_target
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -431,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(eager_row)
     variants = [False, True] if args.compile else [False]
     inductor_options = apply_inductor_options(args.inductor) if args.compile else {}
+    compile_cache = cache_file(os.environ) if args.compile else None  # EAGLE3_COMPILE_CACHE: an earlier run's compiles
+    if compile_cache is not None:
+        load_artifacts(compile_cache, print)
     per_set: dict[str, dict] = {name: {} for name in encoded}
     checks: dict[str, Any] = {}
     for compiled in variants:  # one decoder per variant, shared by the eval sets: graphs (and compiles) are made once
@@ -505,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.out}", flush=True)
 
     write()
+    if compile_cache is not None:  # this run's compiles, for the next machine (h200_round.sh returns and carries the file)
+        save_artifacts(compile_cache, print)
     if not args.no_hf:
         rows[:0] = hf_rows(model, anchors, max_new, device)
         write()

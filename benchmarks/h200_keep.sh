@@ -7,7 +7,7 @@
 #   bash benchmarks/h200_keep.sh 15 train /work/.device/3
 #
 # Pieces that are not results (the draft's and the regenerated conversations' *.part* files, torch.compile's
-# compile_artifacts.bin) go to .h200-draft/, .h200-regen/ and .h200-compile/ instead (ignored by .gitignore's /.h200-*/; PHASE=draft and PHASE=carry3 carry them in a later call).
+# compile_*.bin) go to .h200-draft/, .h200-regen/ and .h200-compile/ instead (ignored by .gitignore's /.h200-*/; PHASE=draft and PHASE=carry3 carry them in a later call).
 # Trainer metrics are kept xz-compressed (*_metrics.jsonl.xz; read them with xzcat): the working tree travels with
 # every device call beside the carried folder, and round 16's carry1 no longer fit with them raw.
 set -euo pipefail
@@ -33,7 +33,7 @@ for file in "$from"/*; do
     case $name in
     ours_draft.tar.part*) dest=.h200-draft/$name ;;
     regen.tar.xz.part*) dest=.h200-regen/$name ;;
-    compile_artifacts.bin) dest=.h200-compile/$name ;; # torch.compile's artifacts: carry3 brings them to the next round
+    compile_*.bin) dest=.h200-compile/$name ;; # torch.compile's artifacts: carry3 brings them to the next round
     *) dest=benchmarks/results/h200_round${round}_${phase}_${name#"${phase}"_} ;; # train_summary.json: ..._train_summary.json
     esac
     mkdir -p "$(dirname "$dest")"

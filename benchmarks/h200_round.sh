@@ -391,8 +391,8 @@ phase_carry3() {
     if [ -f "$C3/sgdev_reuse.tar.xz" ]; then # the prepare dir they answered, when sgdev is another (h200_carry.sh: REUSE_LIMIT)
         cp "$C3/sgdev_reuse.tar.xz" "$DEV/" && note "carry3: the prepare dir those conversations answered (data regenerate --reuse) in $DEV"
     fi
-    if [ -f "$CC/compile_artifacts.bin" ]; then # an earlier round's torch.compile artifacts (carried beside carry3)
-        cp "$CC/compile_artifacts.bin" "$DEV/" && note "carry3: torch.compile's artifacts from an earlier round ($(du -h "$CC/compile_artifacts.bin" | cut -f1)) in $DEV"
+    if compgen -G "$CC/compile_*.bin" >/dev/null; then # an earlier round's torch.compile artifacts (carried beside carry3)
+        cp "$CC"/compile_*.bin "$DEV/" && note "carry3: torch.compile's artifacts from an earlier round in $DEV: $(cd "$CC" && du -h compile_*.bin | tr '\n\t' ', ')"
     fi
     if [ -f "$C3/chat_tokens.tar.xz" ]; then # ShareGPT tokenized here: the trainer's cache finds it when its key matches
         "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$C3/chat_tokens.tar.xz" "$EAGLE3_CACHE_DIR" &&
@@ -609,15 +609,18 @@ EOF
     return_compile_artifacts
 }
 
-return_compile_artifacts() { # RETURN_COMPILE=1 (default): the trainer's torch.compile artifacts, when a returned file is left
-    [ "${RETURN_COMPILE:-1}" = 1 ] && [ -f "$DEV/compile_artifacts.bin" ] || return 0
-    local files
-    files=$(find "$OUT" -maxdepth 1 -type f ! -name "$PHASE"_summary.json | wc -l) # the summary is written after this
-    if [ "$files" -le 6 ] && [ "$(stat -c %s "$DEV/compile_artifacts.bin")" -le 16000000 ]; then
-        cp "$DEV/compile_artifacts.bin" "$OUT/" && note "compile artifacts returned ($(du -h "$DEV/compile_artifacts.bin" | cut -f1)): h200_keep.sh keeps them in .h200-compile"
-    else
-        note "compile artifacts NOT returned: $files files already in \$OUT (8 at most with the summary) or over 16 MB"
-    fi
+return_compile_artifacts() { # [NAME...] (default compile_artifacts.bin, the trainer's): torch.compile artifacts back, while a returned file is left
+    [ "${RETURN_COMPILE:-1}" = 1 ] || return 0
+    local name files
+    for name in "${@:-compile_artifacts.bin}"; do
+        [ -f "$DEV/$name" ] || continue
+        files=$(find "$OUT" -maxdepth 1 -type f ! -name "$PHASE"_summary.json | wc -l) # the summary is written after this
+        if [ "$files" -le 6 ] && [ "$(stat -c %s "$DEV/$name")" -le 16000000 ]; then
+            cp "$DEV/$name" "$OUT/" && note "$name returned ($(du -h "$DEV/$name" | cut -f1)): h200_keep.sh keeps it in .h200-compile"
+        else
+            note "$name NOT returned: $files files already in \$OUT (8 at most with the summary) or over 16 MB"
+        fi
+    done
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=more
@@ -754,8 +757,11 @@ serve_carried() { # a carried draft (PHASE=draft: no training job to stop): `ser
 decode_compiled() { # OUT_JSON [OPTIONS...]: our final draft, 3 steps, compiled steps under graphs, with its plain row
     local out=$1
     shift
+    # torch.compile's artifacts of this variant's steps (compile_decode_compiled_linear.bin, ...): loaded when carried
+    # (.h200-compile), written after our rows; the serve phase returns them when a returned file is left
     # shellcheck disable=SC2086 # BRANCHES is a list
-    timeout --signal=TERM --kill-after=15 "$STAGE_LIMIT" "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" \
+    EAGLE3_COMPILE_CACHE="$DEV/compile_$(basename "$out" .json).bin" \
+        timeout --signal=TERM --kill-after=15 "$STAGE_LIMIT" "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" \
         --draft "$DEV/ours_draft" --prompts "$DEV/sgdev/eval.jsonl" --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" \
         --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 --compile --no-hf --no-fp32-check --out "$out" \
         --branches $BRANCHES "$@"
@@ -792,6 +798,7 @@ phase_serve() {
     [ "$GROUPING" = 1 ] && stage regen_grouping 90 150 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" \
         --grouping "$DEV/sgdev" --tokenizer "$MODEL_DIR" $GROUPING_EXTRA --out "$OUT/regen_grouping.json"
     [ "$REAL" = 1 ] && real_steps
+    return_compile_artifacts compile_decode_compiled_linear.bin compile_decode_compiled_triton.bin compile_decode_compiled.bin
 }
 
 real_steps() { # real vs fixed-length step time, the target's pass from graphs vs eager, host syncs, a GPU profile
