@@ -624,7 +624,7 @@ class Trainer:
         self.heartbeat = HeartbeatWriter(Path(job_dir).expanduser() if job_dir else out_dir, ctx.rank, ctx.local_rank, ctx.world_size, log=self._log_any_rank)
         self.log(f"output: {out_dir} (world size {ctx.world_size}, device {ctx.device})")
         compile_cache = cache_file(os.environ)
-        if compile_cache is not None:
+        if compile_cache is not None and ctx.device.type == "cuda":  # the trainer compiles on CUDA only
             load_artifacts(compile_cache, self.log)
         resume_dir = self._resume_checkpoint(out_dir)
         # Rank 0 builds caches (tiny target, generated data) first; the others then read them.
