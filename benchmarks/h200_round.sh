@@ -798,7 +798,7 @@ phase_serve() {
     [ "$GROUPING" = 1 ] && stage regen_grouping 90 150 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" \
         --grouping "$DEV/sgdev" --tokenizer "$MODEL_DIR" $GROUPING_EXTRA --out "$OUT/regen_grouping.json"
     [ "$REAL" = 1 ] && real_steps
-    return_compile_artifacts compile_decode_compiled_linear.bin compile_decode_compiled_triton.bin compile_decode_compiled.bin
+    return_compile_artifacts compile_decode_compiled_linear.bin compile_artifacts-serve.bin compile_decode_compiled_triton.bin compile_decode_compiled.bin
 }
 
 real_steps() { # real vs fixed-length step time, the target's pass from graphs vs eager, host syncs, a GPU profile

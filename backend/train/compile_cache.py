@@ -19,10 +19,15 @@ from backend.durable import write_atomic
 ENV = "EAGLE3_COMPILE_CACHE"
 
 
-def cache_file(environ: Mapping[str, str]) -> Path | None:
-    """The artifacts file EAGLE3_COMPILE_CACHE names, or None."""
+def cache_file(environ: Mapping[str, str], role: str | None = None) -> Path | None:
+    """The artifacts file EAGLE3_COMPILE_CACHE names, or None. With a role, a file of that role's beside it
+    (compile_artifacts.bin -> compile_artifacts-serve.bin): a save writes only what its own process compiled, so
+    processes that compile other graphs (the trainer, a server) keep a file each instead of overwriting one."""
     value = environ.get(ENV, "").strip()
-    return Path(value).expanduser() if value else None
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    return path if role is None else path.with_name(f"{path.stem}-{role}{path.suffix}")
 
 
 def _count(info) -> int:

@@ -8,6 +8,7 @@ come from a separate target pass (LogprobTracker), so greedy output is unchanged
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from backend.serve.reference import hf_tokenizer
+from backend.train.compile_cache import cache_file, load_artifacts, save_artifacts
 from backend.train.target import load_target
 
 WEIGHT_VERSION = "default"
@@ -271,7 +273,11 @@ class Engine:
         if static_cache:
             from backend.serve.reference.static_decode import KernelUnavailable, StaticDecoder, StaticUnsupported
 
+            # EAGLE3_COMPILE_CACHE: compiled steps from an earlier machine, and this one's for the next (a file of its own)
+            compile_cache = cache_file(os.environ, "serve") if compile_steps else None
             try:
+                if compile_cache is not None:
+                    load_artifacts(compile_cache, log)
                 # + one verify's width: the server admits prompt + max_new_tokens <= context_len, a verify writes 1 + branches x
                 # num_steps rows past it
                 width = 1 + kernels["branches"] * self.num_steps
@@ -279,6 +285,8 @@ class Engine:
                     self.target.model, draft, max_len=self.context_len + width, compile=compile_steps, **kernels, **kwargs
                 )
                 self._warm(decoder)
+                if compile_cache is not None:
+                    save_artifacts(compile_cache, log)
                 self.decoder_kind = "static-cuda-graphs" if decoder.use_graphs else "static"
                 return decoder
             except KernelUnavailable as exc:  # asked for by name: an error, not a quiet fallback to eager decoding

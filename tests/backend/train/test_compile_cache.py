@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[3]
 def test_the_file_comes_from_the_environment():
     assert cache_file({}) is None and cache_file({"EAGLE3_COMPILE_CACHE": "  "}) is None
     assert cache_file({"EAGLE3_COMPILE_CACHE": "/tmp/x/artifacts.bin"}) == Path("/tmp/x/artifacts.bin")
+    assert cache_file({"EAGLE3_COMPILE_CACHE": "/tmp/x/artifacts.bin"}, "serve") == Path("/tmp/x/artifacts-serve.bin")  # a server's own
 
 
 def test_a_missing_or_foreign_file_is_only_reported(tmp_path):
