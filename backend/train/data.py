@@ -567,6 +567,17 @@ def _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, targe
 # ----------------------------------------------------------------------------------------------
 
 
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory without waiting (no host sync in the step; the
+    offline source pins in its prefetch thread instead, OfflineSource.load)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class OnlineSource:
     """Samples in memory; the target runs inside the training step to produce aux states and teacher logits."""
 
@@ -598,8 +609,6 @@ class OnlineSource:
             yield sample.input_ids, sample.loss_mask
 
     def batch(self, split: str, indices: list[int], device) -> TrainBatch:
-        from backend.train.target_graphs import to_device
-
         data = collate([self.splits[split][i] for i in indices], self.pad_id, cap=self.longest)
         ids = to_device(data["input_ids"], self.target.device)
         aux, logits = self.target_pass(ids)

@@ -72,16 +72,6 @@ class _Graph:
     checked: bool = False
 
 
-def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU through pinned memory without waiting (no host sync in the step)."""
-    import torch
-
-    device = torch.device(device)
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def graphs_wanted(target: TargetModel, option: bool | None, environ: dict[str, str]) -> tuple[bool, str]:
     """(use graphs, why not): on a CUDA device for a target wholly on it, unless the option or EAGLE3_TARGET_GRAPHS=0 says no."""
     if option is False or (option is None and environ.get("EAGLE3_TARGET_GRAPHS", "1") == "0"):

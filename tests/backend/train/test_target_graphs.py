@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from backend.train.data import OnlineSource, Sample, collate
+from backend.train.data import OnlineSource, Sample, collate, to_device
 from backend.train.target import load_target
-from backend.train.target_graphs import CAUSAL_ATTENTION, TargetPass, causal_attention, graphs_wanted, to_device
+from backend.train.target_graphs import CAUSAL_ATTENTION, TargetPass, causal_attention, graphs_wanted
 
 
 @pytest.fixture(scope="module")
