@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from backend.durable import write_atomic
+from backend.train.fsutil import ForeignPathError, private_file_if_present
 
 ENV = "EAGLE3_COMPILE_CACHE"
 
@@ -35,9 +36,14 @@ def _count(info) -> int:
 
 
 def load_artifacts(path: Path, log: Callable[[str], None]) -> None:
-    """Hand FILE's artifacts to torch's compile caches; a missing or unreadable file only says so."""
+    """Hand FILE's artifacts to torch's compile caches; a missing, unreadable or foreign file only says so."""
     if not path.is_file():
         log(f"compile cache: none at {path} yet; this run compiles and writes it")
+        return
+    try:  # torch unpickles the artifacts and runs the code in them: a link or another user's file is refused first
+        private_file_if_present(path)
+    except ForeignPathError as exc:
+        log(f"compile cache: {exc}; compiling as usual")
         return
     try:
         import torch

@@ -27,6 +27,17 @@ def test_a_missing_or_foreign_file_is_only_reported(tmp_path):
     assert said[1].startswith(f"compile cache: {tmp_path / 'junk.bin'} ") and said[1].endswith("; compiling as usual")
 
 
+def test_a_linked_file_is_refused_before_torch_unpickles_it(tmp_path):
+    """Loading artifacts runs code from them: a symbolic link (another user could aim it anywhere) is never read."""
+    (tmp_path / "elsewhere.bin").write_bytes(b"not torch's artifacts")
+    (tmp_path / "artifacts.bin").symlink_to(tmp_path / "elsewhere.bin")
+    said: list[str] = []
+    load_artifacts(tmp_path / "artifacts.bin", said.append)
+    assert said == [
+        f"compile cache: {tmp_path / 'artifacts.bin'} is a symbolic link (writes never follow one); refused, nothing was changed; compiling as usual"
+    ]
+
+
 def test_a_process_that_compiled_nothing_writes_nothing(tmp_path):
     """In a fresh process (a test worker may have compiled for other tests before)."""
     code = "import sys; from pathlib import Path; from backend.train.compile_cache import save_artifacts; save_artifacts(Path(sys.argv[1]), print)"
