@@ -28,15 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_decode_speed import NO_EOS, acceptance_anatomy, encode, load_draft, read_prompt_file  # noqa: E402
-from backend.serve.acceptance import mean_of_request_means  # noqa: E402
+from backend.serve.acceptance import bootstrap_interval, mean_of_request_means, pooled_accept_length  # noqa: E402
 from backend.serve.reference.spec_decode import SpecDecoder, eos_ids  # noqa: E402
-
-BOOTSTRAP_DRAWS = 2000
-
-
-def pooled(pairs: list[tuple[int, int]]) -> float:
-    """SGLang's accept length over (tokens, verify rounds) pairs: sum of tokens / sum of rounds."""
-    return sum(t for t, _ in pairs) / max(1, sum(v for _, v in pairs))
 
 
 def answer_part(result, eos: set[int]) -> tuple[int, int]:
@@ -54,17 +47,6 @@ def answer_part(result, eos: set[int]) -> tuple[int, int]:
     return tokens, rounds
 
 
-def interval(pairs, statistic, rng: random.Random, size: int | None = None) -> list[float]:
-    """The 2.5th and 97.5th percentiles of `statistic` over resamples of `size` prompts (None: as many as there are,
-    with replacement: the bootstrap interval; a size below the count: subsets without replacement)."""
-    draws = []
-    for _ in range(BOOTSTRAP_DRAWS):
-        sample = [rng.choice(pairs) for _ in pairs] if size is None else rng.sample(pairs, size)
-        draws.append(statistic(sample))
-    draws.sort()
-    return [draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]]
-
-
 def eval_set(name: str, decoder: SpecDecoder, prompts: list[list[int]], max_new: int, subset: int, eos: set[int], anatomy) -> dict:
     started = time.perf_counter()
     results, whole = [], []  # whole: (completion tokens, verify rounds) per request
@@ -72,24 +54,27 @@ def eval_set(name: str, decoder: SpecDecoder, prompts: list[list[int]], max_new:
         results.append(decoder.generate(ids, max_new))
         whole.append((results[-1].completion_tokens, results[-1].verify_ct))
         if index % 20 == 0 or index == len(prompts):
-            print(f"  {name}: {index}/{len(prompts)} prompts, pooled accept length {pooled(whole):.3f} ({time.perf_counter() - started:.0f} s)", flush=True)
+            print(
+                f"  {name}: {index}/{len(prompts)} prompts, pooled accept length {pooled_accept_length(whole):.3f} ({time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
     rng = random.Random(0)
     answers = [answer_part(r, eos) for r in results]
     row = {
         "prompts": len(results),
         "tokens": sum(t for t, _ in whole),
-        "pooled": pooled(whole),
-        "pooled_95": interval(whole, pooled, rng),
+        "pooled": pooled_accept_length(whole),
+        "pooled_95": bootstrap_interval(whole, pooled_accept_length, rng),
         "mean_of_request_means": mean_of_request_means(whole),
-        "mean_of_request_means_95": interval(whole, mean_of_request_means, rng),
+        "mean_of_request_means_95": bootstrap_interval(whole, mean_of_request_means, rng),
         "per_request": [round(r.accept_length, 4) for r in results],
         "seconds": round(time.perf_counter() - started, 1),
-        "pooled_before_eos": pooled(answers),
-        "pooled_before_eos_95": interval(answers, pooled, rng),
+        "pooled_before_eos": pooled_accept_length(answers),
+        "pooled_before_eos_95": bootstrap_interval(answers, pooled_accept_length, rng),
         "tokens_before_eos": sum(t for t, _ in answers),
     }
     if subset < len(results):
-        row[f"pooled_over_{subset}_prompt_subsets_95"] = interval(whole, pooled, rng, size=subset)
+        row[f"pooled_over_{subset}_prompt_subsets_95"] = bootstrap_interval(whole, pooled_accept_length, rng, size=subset)
     row["acceptance_anatomy"] = anatomy(prompts, results)
     return row
 

@@ -1,4 +1,4 @@
-"""`eagle3-host bench`: benchmark an SGLang-compatible server over eval sets, against plain decoding (same engine or a second server)."""
+"""`eagle3-host bench` (an SGLang-compatible server over eval sets, against plain decoding) and `spec-settings` (a draft's accept length per speculative setting, no server)."""
 
 from __future__ import annotations
 
@@ -29,16 +29,7 @@ def register(subparsers, parent) -> None:
         description="Greedy streaming benchmark over one or more eval sets at several concurrency levels, against a baseline.",
     )
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
-    parser.add_argument(
-        "--prompts",
-        action="append",
-        metavar="[NAME=]PATH",
-        help="an eval set (repeat for several): a JSONL file with {prompt}|{text}|{conversations} per line, a `data prepare` "
-        "output dir (its held-out eval.jsonl), or `humaneval` (HumanEval's 164 prompts); NAME defaults to the file's stem "
-        "(default: the shipped set)",
-    )
-    parser.add_argument("--tag", help="only prompts with this tag from JSONL sets (the shipped set has chat, code)")
-    parser.add_argument("--num-prompts", type=int, help="use only the first N prompts of each set")
+    add_eval_set_options(parser)
     parser.add_argument("--chat-template", metavar="MODEL_DIR", help="wrap each prompt in this tokenizer's chat template (as the draft saw chats in training)")
     parser.add_argument("--concurrency", type=concurrency_levels, default=[1, 4, 16], help="levels, e.g. 1,4,16 (default)")
     parser.add_argument(
@@ -53,6 +44,49 @@ def register(subparsers, parent) -> None:
     parser.add_argument("--out", type=Path, help="result file (default: RUN_DIR/benchmarks/bench-<time>.json)")
     parser.add_argument("--json", action="store_true", help="print the result document as JSON")
     parser.set_defaults(handler=handle_bench)
+    register_spec_settings(subparsers, parent)
+
+
+def add_eval_set_options(parser) -> None:
+    """--prompts, --tag, --num-prompts: the eval sets `bench` and `spec-settings` read."""
+    parser.add_argument(
+        "--prompts",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="an eval set (repeat for several): a JSONL file with {prompt}|{text}|{conversations} per line, a `data prepare` "
+        "output dir (its held-out eval.jsonl), or `humaneval` (HumanEval's 164 prompts); NAME defaults to the file's stem "
+        "(default: the shipped set)",
+    )
+    parser.add_argument("--tag", help="only prompts with this tag from JSONL sets (the shipped set has chat, code)")
+    parser.add_argument("--num-prompts", type=int, help="use only the first N prompts of each set")
+
+
+def register_spec_settings(subparsers, parent) -> None:
+    from backend.bench.spec_settings import DEFAULT_SETTINGS
+
+    parser = subparsers.add_parser(
+        "spec-settings",
+        parents=[parent],
+        help="a draft's accept length at SGLang's speculative settings (steps, topk, draft tokens), replayed without a server",
+        description="Decode each prompt once with the target (greedy), replay every setting's rounds with the draft (SGLang's "
+        "tree of top-k beams), and report the accept length per setting against the first one. CPU or GPU; no SGLang.",
+    )
+    parser.add_argument("--profile", required=True, help="the target's profile (its [target] is loaded)")
+    parser.add_argument("--draft", required=True, help="the draft: a checkpoint, a run dir (its latest checkpoint) or an exported dir")
+    add_eval_set_options(parser)
+    parser.add_argument(
+        "--settings",
+        action="append",
+        metavar="STEPS,TOPK,TOKENS",
+        help=f"settings to replay, space-separated or repeated; STEPS,1 is a chain; the first is the baseline (default: {' '.join(DEFAULT_SETTINGS)})",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt (end of turn ignored)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last N tokens")
+    parser.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda where there is one)")
+    parser.add_argument("--dtype", help="the target's dtype (default: the profile's [serve] dtype on CUDA, float32 on CPU)")
+    parser.add_argument("--out", type=Path, help="result file (default: RUN_DIR/benchmarks/spec-settings-<time>.json)")
+    parser.add_argument("--json", action="store_true", help="print the result document as JSON")
+    parser.set_defaults(handler=handle_spec_settings)
 
 
 def baseline_choice(args) -> str | None:
@@ -68,7 +102,7 @@ def eval_sets(args):
 
     specs = [eval_sets.parse_spec(text) for text in args.prompts] if args.prompts else [eval_sets.default_spec()]
     sets = eval_sets.load_eval_sets(specs, tag=args.tag, limit=args.num_prompts)
-    if args.chat_template:
+    if getattr(args, "chat_template", None):
         sets = [eval_sets.EvalSet(s.name, client.templated(s.prompts, args.chat_template)) for s in sets]
     return sets
 
@@ -96,6 +130,28 @@ async def run(args) -> dict:
         baseline_info=baseline_info,
         started_at=started,
     )
+
+
+def handle_spec_settings(args) -> int:
+    from backend.bench import results, spec_settings
+    from backend.profiles import ProfileError
+    from backend.train.checkpoint import CheckpointError
+
+    if args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
+        print("spec-settings: --max-new-tokens and --max-prompt-tokens must be at least 1. Nothing was measured.", file=sys.stderr)
+        return 2
+    try:
+        spec_settings.parse_settings(args.settings or list(spec_settings.DEFAULT_SETTINGS))
+        sets = eval_sets(args)
+        document = spec_settings.run(args, sets)
+    except (spec_settings.SettingsError, PromptFileError, ProfileError, CheckpointError) as exc:
+        print(f"spec-settings: {exc}. Nothing was measured.", file=sys.stderr)
+        return 2
+    path = args.out or results.default_path(Path(args.run_dir).expanduser(), document["time"], kind="spec-settings")
+    document["saved_to"] = str(path)
+    results.save(document, path)
+    print(json.dumps(document, indent=1) if args.json else spec_settings.table(document) + f"\nsaved {path}")
+    return 0
 
 
 def handle_bench(args) -> int:

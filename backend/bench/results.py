@@ -181,9 +181,10 @@ def first_error(document: dict[str, Any]) -> str | None:
     return next((level["errors"][0] for level in levels if level.get("errors")), None)
 
 
-def default_path(run_dir: Path, started_at: float) -> Path:
+def default_path(run_dir: Path, started_at: float, kind: str = "bench") -> Path:
+    """RUN_DIR/benchmarks/<kind>-<local time>.json: where a result is kept unless --out says otherwise."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started_at))
-    return run_dir / "benchmarks" / f"bench-{stamp}.json"
+    return run_dir / "benchmarks" / f"{kind}-{stamp}.json"
 
 
 def save(document: dict[str, Any], path: Path) -> Path:

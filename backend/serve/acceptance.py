@@ -16,11 +16,14 @@ steps reached the position) is where serving breaks. See docs/serving.md, "Per-p
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from backend.commands import ACCEPTANCE_BREAK as BREAK, ACCEPTANCE_SHORTFALL as SHORTFALL, is_acceptance_shortfall
 from backend.train.loss import rounds_accept_length
+
+BOOTSTRAP_DRAWS = 2000  # resamples behind a bootstrap interval over requests
 
 # Per-position break: served conditional acceptance at position k below val acc_k - max(BREAK_ABS_TOL, BREAK_Z x SE),
 # SE = sqrt(acc_k (1 - acc_k) / n_k) over the n_k verify steps that reached position k. 0.10: a uniform shortfall of
@@ -259,6 +262,25 @@ def break_line(first: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
         return f"too few verify steps reached any position to judge (each needs {MIN_STEPS_AT_POSITION})"
     replayed = " (its chain rounds replayed)" if _replayed(rows) else ""
     return f"no break: served acceptance within tolerance of validation{replayed} at positions 0-{max(judged)}"
+
+
+def pooled_accept_length(pairs: Sequence[tuple[int, int]]) -> float:
+    """SGLang's accept length over requests' (completion_tokens, verify_ct): all tokens over all verify steps."""
+    return sum(t for t, _ in pairs) / max(1, sum(v for _, v in pairs))
+
+
+def bootstrap_interval(items: Sequence[Any], statistic: Callable[[list[Any]], float | None], rng: random.Random, size: int | None = None) -> list[float]:
+    """The 2.5th and 97.5th percentiles of `statistic` over BOOTSTRAP_DRAWS resamples of the requests: with
+    replacement, as many as there are (size None: the bootstrap interval), or subsets of `size` without replacement
+    (how far a bench of that many prompts may land from the whole set's number)."""
+    draws = []
+    for _ in range(BOOTSTRAP_DRAWS):
+        sample = [rng.choice(items) for _ in items] if size is None else rng.sample(list(items), size)
+        value = statistic(sample)
+        if value is not None:
+            draws.append(value)
+    draws.sort()
+    return [draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]] if draws else []
 
 
 def mean_of_request_means(pairs: list[tuple[int, int]]) -> float | None:
