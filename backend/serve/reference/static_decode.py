@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backend.serve.reference import triton_attention, triton_linear, triton_runtime
+from backend.serve.reference.draft_tree import TreeSetting
 from backend.serve.reference.spec_decode import NO_DRAFT, GenerateResult, SpecDecoder
+from backend.serve.reference.static_tree import ROOT, accepted_path, ancestor_bits, candidate_depths, choose_nodes, expand_beams, level_start
 from backend.train.draft import Eagle3Draft, rotate_half
 
 MIN_BUCKET = 256  # smallest cache prefix a step attends over; prefixes double up to max_len
@@ -93,12 +95,18 @@ def _rms(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * hidden.to(dtype)
 
 
-def visible_keys(bucket: int, slots: torch.Tensor, gaps: torch.Tensor | None = None) -> torch.Tensor:
-    """[rows, bucket]: row r sees the keys up to its cache slot, less [gaps[r, 0], gaps[r, 1]) when given."""
+def visible_keys(bucket: int, slots: torch.Tensor, gaps: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, bucket]: row r sees the keys up to its cache slot, less [gaps[r, 0], gaps[r, 1]) when given, and with
+    tree [rows, 2] (window start, int64 bits) only those keys of [start, start + TREE_WINDOW) whose bit is set."""
     keys = torch.arange(bucket, device=slots.device)[None, :]
     visible = keys <= slots[:, None]
     if gaps is not None:
         visible = visible & ((keys < gaps[:, :1]) | (keys >= gaps[:, 1:]))
+    if tree is not None:
+        offset = keys - tree[:, :1]
+        inside = (offset >= 0) & (offset < triton_attention.TREE_WINDOW)
+        seen = torch.bitwise_right_shift(tree[:, 1:], torch.where(inside, offset, 0)) & 1
+        visible = visible & (~inside | (seen == 1))
     return visible
 
 
@@ -268,10 +276,11 @@ class StaticTarget:
         logits_row: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
         gaps: torch.Tensor | None = None,
+        tree: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [1, S] at RoPE positions [S]: writes their K/V at cache `slots` (default: the positions), each row
         attending over cache[:bucket] up to its own slot, less its row of `gaps` [S, 2] ([lo, hi): a tree's other
-        branches). Without all_logits only one row gets logits: the last, or `logits_row` (a one-element index on the
+        branches), and of `tree` [S, 2] (window start, bits: an EAGLE tree's verify, each node seeing its ancestors). Without all_logits only one row gets logits: the last, or `logits_row` (a one-element index on the
         device: a padded prompt's last real row).
 
         Returns (logits [1, S or 1, V], features [1, S, F]: the aux layers' outputs concatenated, or the final
@@ -282,7 +291,7 @@ class StaticTarget:
         slots = positions if slots is None else slots
         hidden = F.embedding(tokens, self.embed)
         cos, sin = self.rope(positions)
-        visible = visible_keys(bucket, slots, gaps).repeat(groups, 1)  # rows grouped by kv head: row j*S + s is head j of row s
+        visible = visible_keys(bucket, slots, gaps, tree).repeat(groups, 1)  # rows grouped by kv head: row j*S + s is head j of row s
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers):
             qkv = self._linear(hidden, layer.qkv, layer.qkv_bias, norm=layer.w_input)
@@ -295,7 +304,7 @@ class StaticTarget:
             keys.index_copy_(2, slots, key)
             values.index_copy_(2, slots, value)
             grouped = query.reshape(1, kv_heads, groups * seq, dim)
-            out = self._attend(grouped, keys[:, :, :bucket], values[:, :, :bucket], visible, slots, gaps)
+            out = self._attend(grouped, keys[:, :, :bucket], values[:, :, :bucket], visible, slots, gaps, tree)
             out = out.reshape(1, heads, seq, dim).transpose(1, 2).reshape(1, seq, heads * dim)
             hidden = self._linear(out, layer.o_proj, layer.o_bias, residual=hidden)
             gate_up = self._linear(hidden, layer.gate_up, norm=layer.w_post)
@@ -315,12 +324,20 @@ class StaticTarget:
         return routed_linear(self.linear, x, weight, bias, norm=norm, eps=self.eps, residual=residual, gated=gated)
 
     def _attend(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, slots: torch.Tensor, gaps: torch.Tensor | None
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        visible: torch.Tensor,
+        slots: torch.Tensor,
+        gaps: torch.Tensor | None,
+        tree: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [1, kv_heads, rows, d] over keys/values [1, kv_heads, bucket, d]; visible [rows, bucket] (row r is
-        the step's row r % len(slots), at cache slot slots[r % len(slots)], skipping its row of gaps)."""
+        the step's row r % len(slots), at cache slot slots[r % len(slots)], skipping its row of gaps and its tree's
+        hidden slots)."""
         if self.attention == "triton" and triton_attention.fits(query.shape[2]):
-            return triton_attention.decode_attention(query, keys, values, slots, self.scale, gaps)
+            return triton_attention.decode_attention(query, keys, values, slots, self.scale, gaps, tree)
         if self.attention == "math":
             scores = torch.matmul(query, keys.transpose(-1, -2)) * self.scale
             scores = scores.masked_fill(~visible, float("-inf"))
@@ -440,7 +457,9 @@ class StaticDecoder(SpecDecoder):
     CUDA graphs on CUDA (use_graphs=None: on when the target is on CUDA). compile=True runs the steps through
     torch.compile (fusion of the small element-wise kernels) before they are captured; `attention` picks how the
     target's steps attend (ATTENTION_CHOICES), `linear` how they multiply by their weights (LINEAR_KINDS); `branches`
-    how many of the draft's best first tokens each round chains and verifies (1: a chain, SpecDecoder's rounds)."""
+    how many of the draft's best first tokens each round chains and verifies (1: a chain, SpecDecoder's rounds);
+    `topk` > 1 drafts SGLang's EAGLE tree instead (top-k beams over num_steps, the best num_draft_tokens - 1
+    candidates verified: static_tree.py), with the rounds draft_tree.replay predicts."""
 
     def __init__(
         self,
@@ -457,19 +476,29 @@ class StaticDecoder(SpecDecoder):
         attention: str = "sdpa",
         linear: str = "torch",
         branches: int = 1,
+        topk: int = 1,
+        num_draft_tokens: int | None = None,
     ):
         super().__init__(target_model, draft, aux_layer_ids, num_steps, feed, eos_token_id)
         device = self.target.device
         if branches < 1 or (draft is not None and branches > draft.config.draft_vocab_size):
             raise ValueError(f"branches must be between 1 and the draft's vocabulary size, got {branches}")
+        tree = TreeSetting(num_steps, topk, num_draft_tokens or num_steps + 1)  # refuses what SGLang would not run
+        if topk > 1 and branches > 1:
+            raise ValueError(f"first-step branches ({branches}) and an EAGLE tree (topk {topk}) do not combine: choose one")
+        if tree.num_draft_tokens - 1 > triton_attention.TREE_WINDOW or (draft is not None and topk > draft.config.draft_vocab_size):
+            raise ValueError(f"setting {tree.label}: at most {triton_attention.TREE_WINDOW + 1} draft tokens and a topk within the draft's vocabulary")
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.pad_prefill = self.use_graphs if pad_prefill is None else pad_prefill  # prompts padded to prefill_widths
         if self.use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need the target on a CUDA device")
         # a verify's rows: the last emitted token, then each branch's num_steps proposals (branch-major); the draft
         # commits at most one branch's accepted rows and the bonus row: commit_width
-        self.branches, self.commit_width = branches, num_steps + 1
-        self.width = 1 + branches * num_steps
+        self.branches, self.commit_width, self.topk = branches, num_steps + 1, topk
+        # a tree verifies num_draft_tokens rows (the root, then the chosen nodes in candidate order); its beams, like the
+        # branches, draft in lanes of their own
+        self.width = tree.num_draft_tokens if topk > 1 else 1 + branches * num_steps
+        self.lanes = topk if topk > 1 else branches
         limit = getattr(target_model.config, "max_position_embeddings", None) or 4096
         self.max_len = int(max_len or limit)
         # compiled steps attend over the whole cache: one compile per step kind instead of one per prefix
@@ -477,7 +506,8 @@ class StaticDecoder(SpecDecoder):
         self.prefill_widths = prefill_widths(self.max_len)
         self.static_target = StaticTarget(target_model, self.aux_layer_ids, feed, self.max_len, attention, linear)
         target = self.static_target
-        self.static_draft = StaticDraft(draft, self.max_len + self.width, target.attention, target.linear) if draft is not None else None
+        draft_room = max(self.width, self.commit_width + self.lanes * (num_steps - 1))  # past a request's last position
+        self.static_draft = StaticDraft(draft, self.max_len + draft_room, target.attention, target.linear) if draft is not None else None
         width, feature_width = self.width, self.static_target.feature_width
         # target start, draft start, pending rows, decode token, the prompt's last row, a moved branch's first slot, its
         # new first slot
@@ -492,8 +522,10 @@ class StaticDecoder(SpecDecoder):
         self.pending_features = torch.zeros(1, self.commit_width, feature_width, dtype=self.static_target.dtype, device=device)
         self.pending_tokens = torch.zeros(1, self.commit_width, dtype=torch.long, device=device)
         self.verify_tokens = torch.zeros(1, width, dtype=torch.long, device=device)
-        # the verify's greedy ids, then the proposals, then (branches > 1) the branch whose rows were kept
-        self.report = torch.zeros(2 * width - 1 + (branches > 1), dtype=torch.long, device=device)
+        # the verify's greedy ids, then the proposals, then (branches > 1) the branch whose rows were kept; a tree's: the
+        # accepted count, the greedy ids of the root and the accepted nodes' rows, those rows (static_tree.accepted_path)
+        report_size = 2 + 2 * num_steps if topk > 1 else 2 * width - 1 + (branches > 1)
+        self.report = torch.zeros(report_size, dtype=torch.long, device=device)
         self.decoded = torch.zeros(1, dtype=torch.long, device=device)
         self.graphs: dict[tuple[str, int], Any] = {}
         self.device = device
@@ -522,8 +554,14 @@ class StaticDecoder(SpecDecoder):
         self.tree_parents = torch.tensor([0 if j == 0 else b * steps + j for b, j in rows], device=device)
         # the draft's chained steps: branch b's step in slot committed + b * (num_steps - 1) + step, not seeing the slots
         # of the branches before it ([committed, committed + b * (num_steps - 1)))
-        self.branch_offsets = torch.arange(branches, device=device) * (steps - 1)
+        self.branch_offsets = torch.arange(self.lanes, device=device) * (steps - 1)
         self.branch_gaps = torch.stack([torch.zeros_like(self.branch_offsets), self.branch_offsets], dim=1)
+        # an EAGLE tree's (topk > 1): each candidate's depth; the chosen nodes' parents and depths (the draft round writes them for the
+        # verify); the accepted nodes' rows by depth (the verify writes them for the K/V move)
+        self.candidate_depths = candidate_depths(steps, self.topk, device)
+        self.node_parents = torch.full((self.width - 1,), ROOT, dtype=torch.long, device=device)
+        self.node_depths = torch.ones(self.width - 1, dtype=torch.long, device=device)
+        self.path_rows = torch.zeros(steps, dtype=torch.long, device=device)
 
     # --- the fixed-shape steps (what the graphs capture) ------------------------------------------------
     # Each under no_grad of its own: torch.compile traces a step for autograd when the caller has grad on and the draft's
@@ -543,6 +581,9 @@ class StaticDecoder(SpecDecoder):
         """Verify `verify_tokens` at positions scalars[0].. (a chain, or the branches' tree): greedy ids into the report,
         and the kept branch's rows (the one whose proposals match longest; a chain's own) become the pending rows."""
         start = self.scalars[0:1]
+        if self.topk > 1:
+            self._verify_tree(start, bucket)
+            return
         if self.branches == 1:
             logits, features = self.static_target.forward(self.verify_tokens, self._positions(start, self.width), bucket, all_logits=True)
             greedy = logits[0].argmax(-1)
@@ -566,12 +607,37 @@ class StaticDecoder(SpecDecoder):
         self.report[self.width : -1].copy_(proposals)
         self.report[-1:].copy_(branch.view(1))
 
+    def _verify_tree(self, start: torch.Tensor, bucket: int) -> None:
+        """Verify the tree the draft round left (verify_tokens, node_parents, node_depths): node n in slot start + 1 + n
+        at RoPE position start + its depth, seeing the committed keys, the root and its own ancestors' slots. The
+        accepted path's rows become the pending rows and path_rows; the report says how many and which."""
+        steps, zero = self.num_steps, torch.zeros(1, dtype=torch.long, device=start.device)
+        masks = torch.stack([(start + 1).expand(self.width), torch.cat([zero, ancestor_bits(self.node_parents, steps)])], dim=1)
+        positions = start + torch.cat([zero, self.node_depths])
+        slots = self._positions(start, self.width)
+        logits, features = self.static_target.forward(self.verify_tokens, positions, bucket, all_logits=True, slots=slots, tree=masks)
+        greedy = logits[0].argmax(-1)
+        accepted, path = accepted_path(self.verify_tokens[0, 1:], greedy, self.node_parents, self.node_depths, steps)
+        rows = torch.cat([zero, path])
+        self.pending_features.copy_(features.index_select(1, rows))
+        self.pending_tokens[0].copy_(greedy.index_select(0, rows))
+        self.path_rows.copy_(path)
+        self.report[:1].copy_(accepted)
+        self.report[1 : steps + 2].copy_(greedy.index_select(0, rows))
+        self.report[steps + 2 :].copy_(path)
+
     @torch.no_grad()
     def _move_branch(self, bucket: int) -> None:
         """The target's K/V of num_steps slots from scalars[5].. to scalars[6]..: a kept branch other than the first
-        into the positions its tokens now hold (the slots past its accepted ones are overwritten before any read)."""
-        source = self._positions(self.scalars[5:6], self.num_steps)
-        destination = self._positions(self.scalars[6:7], self.num_steps)
+        into the positions its tokens now hold (the slots past its accepted ones are overwritten before any read). A
+        tree's accepted nodes move from their slots (path_rows) to the positions after the round's first."""
+        if self.topk > 1:
+            start, depth = self.scalars[0:1], torch.arange(self.num_steps, device=self.scalars.device)
+            destination = start + 1 + depth
+            source = torch.where(depth < self.report[:1], start + self.path_rows, destination)
+        else:
+            source = self._positions(self.scalars[5:6], self.num_steps)
+            destination = self._positions(self.scalars[6:7], self.num_steps)
         for keys, values in zip(self.static_target.keys, self.static_target.values):
             keys.index_copy_(2, destination, keys.index_select(2, source))
             values.index_copy_(2, destination, values.index_select(2, source))
@@ -582,16 +648,12 @@ class StaticDecoder(SpecDecoder):
         per branch: the first step's `branches` best tokens, each chained greedily.
 
         Writes verify_tokens = [last emitted token, branch 0's proposals, branch 1's, ...]."""
+        if self.topk > 1:
+            self._draft_tree(bucket)
+            return
         state, draft, steps = self.static_draft, self._required_draft, self.num_steps
         assert state is not None
-        start, count = self.scalars[1:2], self.scalars[2:3]
-        positions = self._positions(start, self.commit_width)
-        hidden = self._draft_input(self.pending_features)
-        out = state.layer(positions, draft._embed(self.pending_tokens), hidden, bucket)
-        row = count - 1
-        logits = draft.logits(out).index_select(1, row)[:, -1]
-        out = out.index_select(1, row)
-        committed = start + count
+        out, logits, row, committed = self._commit_pending(bucket)
         if self.branches > 1:  # one row per branch from here on: [1, branches, ...]
             tokens = draft.draft_to_target_ids(logits.topk(self.branches, dim=-1).indices)
             out = out.repeat(1, self.branches, 1)
@@ -609,6 +671,48 @@ class StaticDecoder(SpecDecoder):
             proposals.append(tokens)
         self.verify_tokens[0, :1].copy_(self.pending_tokens[0].index_select(0, row))
         self.verify_tokens[0, 1:].copy_(torch.cat(proposals).transpose(0, 1).reshape(-1))  # [steps, branches] -> branch-major
+
+    def _commit_pending(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft's step 0 over the first scalars[2] pending rows at draft positions scalars[1]..: the last committed
+        row's output [1, 1, H] and logits [1, Vd], that row's index, and the first position past the committed ones."""
+        state, draft = self.static_draft, self._required_draft
+        assert state is not None
+        start, count = self.scalars[1:2], self.scalars[2:3]
+        positions = self._positions(start, self.commit_width)
+        hidden = self._draft_input(self.pending_features)
+        out = state.layer(positions, draft._embed(self.pending_tokens), hidden, bucket)
+        row = count - 1
+        logits = draft.logits(out).index_select(1, row)[:, -1]
+        return out.index_select(1, row), logits, row, start + count
+
+    def _draft_tree(self, bucket: int) -> None:
+        """Commit the pending rows, then SGLang's tree: the draft's top-k first tokens as beams, num_steps - 1 chained
+        steps over them (beam j in lane j's slots, committed + j * (num_steps - 1) + step, whichever beam its parent
+        was, as SGLang's KV lanes), each expanding every beam by its top-k children and keeping the best k; the best
+        width - 1 candidates by path probability go to verify_tokens[1:], their parents and depths to node_parents
+        and node_depths."""
+        state, draft, steps, k = self.static_draft, self._required_draft, self.num_steps, self.topk
+        assert state is not None
+        out, logits, row, committed = self._commit_pending(bucket)
+        beam_scores, beam_ids = torch.softmax(logits.float(), dim=-1)[0].topk(k)
+        scores, ids, parents = [beam_scores], [beam_ids], [torch.full((k,), ROOT, dtype=torch.long, device=logits.device)]
+        beams, out = torch.arange(k, device=logits.device), out.expand(1, k, -1)
+        gaps = committed + self.branch_gaps
+        for step in range(steps - 1):
+            embeds = draft._embed(draft.draft_to_target_ids(beam_ids).view(1, k))
+            out = state.layer((committed + step).expand(k), embeds, out, bucket, slots=committed + self.branch_offsets + step, gaps=gaps)
+            child_probs, child_ids = torch.softmax(draft.logits(out)[0].float(), dim=-1).topk(k)
+            level, level_ids, kept, beam_scores, beam_ids = expand_beams(beam_scores, child_probs, child_ids, k)
+            scores.append(level)
+            ids.append(level_ids)
+            parents.append(beams.repeat_interleave(k))
+            out = out.index_select(1, torch.div(kept, k, rounding_mode="floor"))
+            beams = level_start(step, k) + kept
+        chosen, node_parents = choose_nodes(torch.cat(scores), torch.cat(parents), self.width - 1)
+        self.verify_tokens[0, :1].copy_(self.pending_tokens[0].index_select(0, row))
+        self.verify_tokens[0, 1:].copy_(draft.draft_to_target_ids(torch.cat(ids).index_select(0, chosen)))
+        self.node_parents.copy_(node_parents)
+        self.node_depths.copy_(self.candidate_depths.index_select(0, chosen))
 
     @torch.no_grad()
     def _prompt_step(self, width: int) -> None:
@@ -795,8 +899,13 @@ class StaticDecoder(SpecDecoder):
 
     def _kept(self, report: list[int]) -> tuple[int, int, list[int]]:
         """From a verify's report: the kept branch (the verify's choice: the first of the longest), its accepted
-        proposals, and the tokens the round emits (the accepted ones and the target's next)."""
+        proposals, and the tokens the round emits (the accepted ones and the target's next). A tree's "branch" is 1
+        when its accepted nodes are not in the slots their positions name (their K/V must move), else 0."""
         width, steps = self.width, self.num_steps
+        if self.topk > 1:
+            accepted = report[0]
+            moved = report[steps + 2 : steps + 2 + accepted] != list(range(1, accepted + 1))
+            return int(moved), accepted, report[1 : accepted + 2]
         greedy, proposals = report[:width], report[width : 2 * width - 1]
         branch = report[-1] if self.branches > 1 else 0
         rows = [0]
@@ -834,8 +943,9 @@ class StaticDecoder(SpecDecoder):
             self._run("verify", self._verify_fn, bucket)
             end = self._clock()
             branch, accepted, emitted = self._kept(self.report.tolist())
-            if branch and accepted:  # the kept branch's K/V into the positions its accepted tokens now hold
-                self._set_scalars(target_start + 1 + branch * self.num_steps, target_start + 1, first=5)
+            if branch and accepted:  # the kept branch's (or tree path's) K/V into the positions its accepted tokens now hold
+                if self.topk == 1:
+                    self._set_scalars(target_start + 1 + branch * self.num_steps, target_start + 1, first=5)
                 self._run("move", self._move_fn, bucket)
             result.verify_ct += 1
             result.accepted_per_round.append(accepted)

@@ -10,7 +10,8 @@ bucket and the positions are read on the device, so one captured graph serves ev
 
 Row r of a KV head's query block is head r // seq of its group at position positions[r % seq] (StaticTarget's
 grouped layout); with `gaps`, row r also skips the keys in [gaps[r % seq, 0], gaps[r % seq, 1]) (a tree's other
-branches). Softmax in float32; the probabilities are rounded to the values' dtype before their product, as
+branches); with `tree` [seq, 2] of (window start, bits), row r sees a key k of [start, start + 63) only where bit
+k - start of its bits is set (an EAGLE tree's verify: a node sees its ancestors among the draft's slots). Softmax in float32; the probabilities are rounded to the values' dtype before their product, as
 flash kernels do. On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1), which
 is how the CPU tests check them against SDPA.
 """
@@ -28,6 +29,7 @@ from backend.serve.reference.triton_runtime import next_power_of_two
 MAX_ROWS = 64  # query rows per KV head the kernel takes (steps); wider calls (a prompt) go to SDPA
 MAX_BLOCKS = 128  # key blocks per KV head; a longer cache takes wider blocks
 MIN_BLOCK = 64
+TREE_WINDOW = 63  # draft slots a tree mask covers: the bits of an int64 below its sign
 
 
 def unavailable_reason(device: torch.device, head_dim: int) -> str | None:
@@ -55,10 +57,10 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit
     def block_partials(
-        q_ptr, k_ptr, v_ptr, pos_ptr, gap_ptr, m_ptr, l_ptr, acc_ptr,
+        q_ptr, k_ptr, v_ptr, pos_ptr, gap_ptr, tree_ptr, m_ptr, l_ptr, acc_ptr,
         seq, rows, bucket, scale, blocks,
         stride_qh, stride_qr, stride_kh, stride_kn, stride_vh, stride_vn,
-        ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, PRECISE: tl.constexpr, GAPS: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, PRECISE: tl.constexpr, GAPS: tl.constexpr, TREE: tl.constexpr,
     ):  # fmt: skip
         head, block = tl.program_id(0), tl.program_id(1)
         row = tl.arange(0, ROWS)
@@ -79,6 +81,13 @@ def _kernels() -> tuple[Any, Any]:
             lo = tl.load(gap_ptr + (row % seq) * 2, mask=real, other=0)
             hi = tl.load(gap_ptr + (row % seq) * 2 + 1, mask=real, other=0)
             visible = visible & ((key[None, :] < lo[:, None]) | (key[None, :] >= hi[:, None]))
+        if TREE:  # (window start, bits) per row: a key in the window is seen where its bit is set
+            window = tl.load(tree_ptr + (row % seq) * 2, mask=real, other=0)
+            bits = tl.load(tree_ptr + (row % seq) * 2 + 1, mask=real, other=0)
+            offset = key[None, :] - window[:, None]
+            inside = (offset >= 0) & (offset < 63)  # TREE_WINDOW
+            seen = ((bits[:, None] >> tl.where(inside, offset, 0)) & 1) == 1
+            visible = visible & (~inside | seen)
         scores = tl.where(visible, scores * scale, float("-inf"))
         peak = tl.max(scores, axis=1)  # -inf for a row that sees no key in this block: the merge gives it weight 0
         weights = tl.exp(scores - tl.where(peak == float("-inf"), 0.0, peak)[:, None])
@@ -116,7 +125,13 @@ def _kernels() -> tuple[Any, Any]:
 # as one call in its graph, shapes from the fake below, instead of breaking the graph around the kernels.
 @torch.library.custom_op("eagle3::decode_attention", mutates_args=())
 def _attend(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float, gaps: torch.Tensor | None = None
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    gaps: torch.Tensor | None = None,
+    tree: torch.Tensor | None = None,
 ) -> torch.Tensor:
     block_partials, merge_blocks = _kernels()
     _, kv_heads, rows, dim = query.shape
@@ -130,10 +145,12 @@ def _attend(
     partial = torch.empty(kv_heads, blocks, padded_rows, dim, dtype=torch.float32, device=query.device)
     out = torch.empty(1, kv_heads, rows, dim, dtype=query.dtype, device=query.device)
     block_partials[(kv_heads, blocks)](
-        query, keys, values, positions, positions if gaps is None else gaps.contiguous(), peaks, totals, partial,
+        query, keys, values, positions, positions if gaps is None else gaps.contiguous(), positions if tree is None else tree.contiguous(),
+        peaks, totals, partial,
         seq, rows, bucket, scale, blocks,
         query.stride(1), query.stride(2), keys.stride(1), keys.stride(2), values.stride(1), values.stride(2),
         ROWS=padded_rows, BLOCK=block, DIM=dim, PRECISE=query.dtype == torch.float32, GAPS=gaps is not None,
+        TREE=tree is not None,
     )  # fmt: skip
     merge_blocks[(kv_heads, rows)](
         peaks, totals, partial, out, blocks, out.stride(1), out.stride(2),
@@ -143,19 +160,24 @@ def _attend(
 
 
 @_attend.register_fake
-def _attend_shape(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float, gaps: torch.Tensor | None = None
-) -> torch.Tensor:
+def _attend_shape(query, keys, values, positions, scale, gaps=None, tree=None) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
 def decode_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float, gaps: torch.Tensor | None = None
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    gaps: torch.Tensor | None = None,
+    tree: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [1, kv_heads, rows, d] (rows = heads per group x len(positions), group-major) over keys/values
     [1, kv_heads, bucket, d] (strided views of the cache are fine); row r sees keys 0..positions[r % len(positions)],
-    except, with gaps [len(positions), 2], the keys in [gaps[r % len, 0], gaps[r % len, 1]).
+    except, with gaps [len(positions), 2], the keys in [gaps[r % len, 0], gaps[r % len, 1]), and with tree
+    [len(positions), 2] (int64 window start, bits) the keys of its window [start, start + TREE_WINDOW) whose bit is clear.
     Returns [1, kv_heads, rows, d] in the query's dtype."""
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("keys and values need unit stride along the head dimension")
-    return _attend(query, keys, values, positions, scale, gaps)
+    return _attend(query, keys, values, positions, scale, gaps, tree)

@@ -10,8 +10,8 @@ from backend.serve.reference.triton_attention import MAX_ROWS, block_size, decod
 pytestmark = pytest.mark.usefixtures("triton_interpreter", "limited_torch_threads")
 
 
-def reference(query, keys, values, positions, groups, scale, gaps=None):
-    visible = visible_keys(keys.shape[2], positions, gaps).repeat(groups, 1)
+def reference(query, keys, values, positions, groups, scale, gaps=None, tree=None):
+    visible = visible_keys(keys.shape[2], positions, gaps, tree).repeat(groups, 1)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale)
 
 
@@ -53,6 +53,25 @@ def test_a_tree_verify_skips_each_rows_gap():
     again = decode_attention(query, keys, values, slots, 0.125, gaps)
     branch_1 = [group * 7 + row for group in range(3) for row in (4, 5, 6)]
     torch.testing.assert_close(again[:, :, branch_1], out[:, :, branch_1], atol=0, rtol=0)
+
+
+def test_a_tree_row_sees_its_ancestors_slots_and_no_other_node():
+    """An EAGLE tree's verify at slots 100..106: root, nodes 0-1 under it, 2-3 under node 0, 4 under node 2, 5 under
+    node 1; each row's bits name itself and its ancestors among the window [101, 164)."""
+    torch.manual_seed(6)
+    keys, values = torch.randn(1, 2, 256, 64), torch.randn(1, 2, 256, 64)
+    slots = torch.arange(100, 107)
+    ancestors = [set(), {0}, {1}, {0, 2}, {0, 3}, {0, 2, 4}, {1, 5}]
+    tree = torch.tensor([[101, sum(1 << m for m in seen)] for seen in ancestors])
+    query = torch.randn(1, 2, 3 * 7, 64)
+    out = decode_attention(query, keys, values, slots, 0.125, tree=tree)
+    torch.testing.assert_close(out, reference(query, keys, values, slots, 3, 0.125, tree=tree), atol=2e-6, rtol=1e-5)
+    keys[:, :, 102], values[:, :, 102] = 1e4, -1e4  # node 1's slot: only rows 2 (itself) and 6 (its child) see it
+    again = decode_attention(query, keys, values, slots, 0.125, tree=tree)
+    blind = [group * 7 + row for group in range(3) for row in (0, 1, 3, 4, 5)]
+    torch.testing.assert_close(again[:, :, blind], out[:, :, blind], atol=0, rtol=0)
+    seeing = [group * 7 + row for group in range(3) for row in (2, 6)]
+    assert not torch.allclose(again[:, :, seeing], out[:, :, seeing])
 
 
 def test_keys_past_the_last_position_change_nothing():
