@@ -280,8 +280,9 @@ class StaticTarget:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [1, S] at RoPE positions [S]: writes their K/V at cache `slots` (default: the positions), each row
         attending over cache[:bucket] up to its own slot, less its row of `gaps` [S, 2] ([lo, hi): a tree's other
-        branches), and of `tree` [S, 2] (window start, bits: an EAGLE tree's verify, each node seeing its ancestors). Without all_logits only one row gets logits: the last, or `logits_row` (a one-element index on the
-        device: a padded prompt's last real row).
+        branches), and of `tree` [S, 2] (window start, bits: an EAGLE tree's verify, each node seeing its
+        ancestors). Without all_logits only one row gets logits: the last, or `logits_row` (a one-element index on
+        the device: a padded prompt's last real row).
 
         Returns (logits [1, S or 1, V], features [1, S, F]: the aux layers' outputs concatenated, or the final
         normed hidden state for feed last_hidden). Rows at or past the position counter are never read unmasked.
