@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from backend.serve.reference.draft_tree import TreeSetting
 from backend.serve.reference.spec_decode import SpecDecoder, eos_ids
 from backend.serve.reference.static_decode import ATTENTION_KINDS, LINEAR_KINDS, StaticDecoder, StepTimes
 from backend.train.draft import DraftKVCache
@@ -385,6 +386,13 @@ def main(argv: list[str] | None = None) -> int:
         default=[1],
         help="first-step branches of our static rows (1: a chain; K: the draft's K best first tokens, each chained)",
     )
+    parser.add_argument(
+        "--trees",
+        nargs="*",
+        default=[],
+        metavar="STEPS,TOPK,TOKENS",
+        help="SGLang EAGLE trees of our static rows besides the chains (e.g. 3,4,8: 3 steps of top-4 beams, 8 tokens verified)",
+    )
     parser.add_argument("--compile", action="store_true", help="add torch.compile variants of our static rows (CUDA; each cache prefix compiles once)")
     parser.add_argument("--attention", choices=ATTENTION_KINDS, default="sdpa", help="how our static rows' target attends (static_decode.ATTENTION_KINDS)")
     parser.add_argument(
@@ -402,6 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hbm-tbs", type=float, default=4.8, help="memory bandwidth for the bound, TB/s (H200: 4.8)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    try:
+        trees = [TreeSetting.parse(text) for text in args.trees]
+    except ValueError as error:
+        parser.error(f"--trees: {error}; nothing was measured")
+    if any(tree.topk == 1 for tree in trees):
+        parser.error("--trees takes topk > 1 (a chain is --num-steps); nothing was measured")
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -422,7 +436,16 @@ def main(argv: list[str] | None = None) -> int:
     first = next(iter(encoded))
     anchors = encoded[first][: args.anchor_prompts]
     max_new = args.max_new_tokens
-    max_len = max(len(ids) for batch in encoded.values() for ids in batch) + max_new + max(args.num_steps) * max(args.branches) + 1
+    shapes = [
+        (f"k{steps}" + (f"_b{branches}" if branches > 1 else ""), {"num_steps": steps, "branches": branches})
+        for steps in args.num_steps
+        for branches in args.branches
+    ]
+    for tree in trees:
+        shape_args = {"num_steps": tree.num_steps, "topk": tree.topk, "num_draft_tokens": tree.num_draft_tokens}
+        shapes.append((f"t{tree.num_steps}x{tree.topk}n{tree.num_draft_tokens}", shape_args))
+    widest = max([max(args.num_steps) * max(args.branches) + 1] + [tree.num_draft_tokens for tree in trees])
+    max_len = max(len(ids) for batch in encoded.values() for ids in batch) + max_new + widest
     labels = ", ".join(f"{label} (rows *{suffix})" if suffix else label for suffix, _, _, label in drafts)
     print(f"target {profile.target.path} {dtype} on {device} (loaded in {load_s:.1f} s); drafts {labels}; sets {list(encoded)}", flush=True)
 
@@ -445,28 +468,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval set {name}: {len(prompts)} prompts", flush=True)
             row = static_row(f"ours_static_plain{suffix}", plain, device, prompts, max_new, speculative=False)
             per_set[name][row["name"]] = row
-        for steps, branches in [(steps, branches) for steps in args.num_steps for branches in args.branches]:
-            tree = f"_b{branches}" if branches > 1 else ""
+        for shape, (tag, shape_args) in enumerate(shapes):
             for draft_suffix, one_draft, one_aux, _label in drafts:
                 decoder = StaticDecoder(
                     model,
                     one_draft,
                     one_aux,
-                    num_steps=steps,
                     eos_token_id=NO_EOS,
                     max_len=max_len,
                     compile=compiled,
                     attention=args.attention,
                     linear=args.linear,
-                    branches=branches,
+                    **shape_args,
                 )
                 for name, prompts in encoded.items():
                     plain_row = per_set[name][f"ours_static_plain{suffix}"]
-                    row = static_row(f"ours_static_eagle_k{steps}{tree}{suffix}{draft_suffix}", decoder, device, prompts, max_new, speculative=True)
+                    row = static_row(f"ours_static_eagle_{tag}{suffix}{draft_suffix}", decoder, device, prompts, max_new, speculative=True)
                     if "tok_s" in row and "tok_s" in plain_row:
                         row["speedup_vs_our_plain"] = row["tok_s"] / plain_row["tok_s"]
                     row["eagle_equals_plain"] = agreement(plain_row, row)
-                    if not compiled and steps == args.num_steps[0] and branches == 1 and "_results" in row:
+                    if not compiled and shape == 0 and "_results" in row:
                         row["acceptance_anatomy"] = acceptance_anatomy(model, one_draft, one_aux, prompts, row["_results"], eos)
                     per_set[name][row["name"]] = row
                 del decoder
@@ -492,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": max_new,
             "num_steps": args.num_steps,
             "branches": args.branches,
+            "trees": args.trees,
             "weight_bytes": bytes_,
             "bandwidth_bound_tok_s": bound,
             "hbm_tbs": args.hbm_tbs,

@@ -102,13 +102,15 @@ def reference_argv(
         if draft_dir is None:
             raise ValueError("a speculative reference server needs the draft checkpoint directory")
         argv += ["--draft", str(draft_dir), "--feed", feed, "--num-steps", str(num_steps or profile.serve.num_steps)]
+        if profile.serve.eagle_topk > 1 and num_steps in (None, profile.serve.num_steps):  # the profile's SGLang tree, as SGLang would draft it
+            argv += ["--eagle-topk", str(profile.serve.eagle_topk), "--num-draft-tokens", str(profile.serve.num_draft_tokens), "--static-cache"]
     else:
         argv.append("--no-speculation")
     return argv + checked_reference_args(argv, profile.serve.reference_args)
 
 
 # What reference_argv sets itself: a profile's [serve] reference_args may not set them again.
-LAUNCHER_SETS = ("--profile", "--host", "--port", "--device", "--draft", "--feed", "--num-steps", "--no-speculation")
+LAUNCHER_SETS = ("--profile", "--host", "--port", "--device", "--draft", "--feed", "--num-steps", "--no-speculation", "--eagle-topk", "--num-draft-tokens")
 
 
 def checked_reference_args(argv: list[str], extra: list[str]) -> list[str]:

@@ -180,6 +180,8 @@ class Engine:
         attention: str = "auto",
         linear: str = "auto",
         branches: int = 1,
+        topk: int = 1,
+        num_draft_tokens: int | None = None,
     ):
         """device: "auto"/None picks cuda:0 when CUDA is available, else cpu. On CUDA the target loads in the profile's
         [serve] dtype and decodes through the static-cache decoder under CUDA graphs; on CPU it loads as it always
@@ -187,7 +189,8 @@ class Engine:
         attention: how the static decoder's target attends (static_decode.ATTENTION_CHOICES; auto: the Triton
         kernels on CUDA where they run, else SDPA); linear: how its steps multiply by the weights
         (static_decode.LINEAR_CHOICES; auto: the Triton kernel on CUDA where it runs, else F.linear); branches: the
-        static decoder's first-step branches (1: a chain; K > 1 needs the static decoder)."""
+        static decoder's first-step branches (1: a chain; K > 1 needs the static decoder); topk > 1: SGLang's EAGLE tree
+        of num_draft_tokens (static decoder too)."""
         import torch
 
         if speculative and draft_dir is None:
@@ -199,7 +202,7 @@ class Engine:
 
         def load() -> None:
             with torch.no_grad():  # loading and the warm-up decode
-                kernels = {"attention": attention, "linear": linear, "branches": branches}
+                kernels = {"attention": attention, "linear": linear, "branches": branches, "topk": topk, "num_draft_tokens": num_draft_tokens}
                 self._load(profile, draft_dir, feed, num_steps, speculative, device, static_cache, compile_steps, kernels)
 
         try:
@@ -228,6 +231,10 @@ class Engine:
         self.branches = kernels["branches"]
         if self.branches > 1 and not static_cache:  # before the target loads
             raise ValueError(f"branches {self.branches} needs the static-cache decoder (on CPU: static_cache / --static-cache); nothing was loaded")
+        if kernels["topk"] > 1 and not static_cache:
+            raise ValueError(
+                f"an EAGLE tree (topk {kernels['topk']}) needs the static-cache decoder (on CPU: static_cache / --static-cache); nothing was loaded"
+            )
         if on_cuda:
             torch.cuda.set_device(self.device)
         self.target = load_target(profile, device=self.device, dtype=profile.serve.dtype) if on_cuda else load_target(profile)
@@ -279,8 +286,8 @@ class Engine:
                 if compile_cache is not None:
                     load_artifacts(compile_cache, log)
                 # + one verify's width: the server admits prompt + max_new_tokens <= context_len, a verify writes 1 + branches x
-                # num_steps rows past it
-                width = 1 + kernels["branches"] * self.num_steps
+                # num_steps rows past it (a tree: num_draft_tokens)
+                width = (kernels["num_draft_tokens"] or self.num_steps + 1) if kernels["topk"] > 1 else 1 + kernels["branches"] * self.num_steps
                 decoder = streaming_decoder_class(StaticDecoder)(
                     self.target.model, draft, max_len=self.context_len + width, compile=compile_steps, **kernels, **kwargs
                 )
@@ -292,8 +299,9 @@ class Engine:
             except KernelUnavailable as exc:  # asked for by name: an error, not a quiet fallback to eager decoding
                 raise KernelUnavailable(f"{exc}; nothing is served") from None
             except Exception as exc:
-                if kernels["branches"] > 1:  # only the static decoder branches: a quiet chain would serve what was not asked
-                    raise RuntimeError(f"branches {kernels['branches']} needs the static decoder, which failed: {exc}; nothing is served") from exc
+                if kernels["branches"] > 1 or kernels["topk"] > 1:  # only the static decoder branches: a quiet chain would serve what was not asked
+                    shape = f"topk {kernels['topk']}" if kernels["topk"] > 1 else f"branches {kernels['branches']}"
+                    raise RuntimeError(f"{shape} needs the static decoder, which failed: {exc}; nothing is served") from exc
                 if isinstance(exc, StaticUnsupported):
                     log(f"{exc}; decoding eagerly instead")
                 else:  # a capture that fails here would fail every request: serve eagerly, say why

@@ -1059,11 +1059,19 @@ def metric_gauges(info: dict[str, Any], engine: Engine | None) -> dict[str, tupl
         rate = (average - 1) / steps if average is not None and steps else None
         gauges["sglang:spec_accept_rate"] = ("Speculative acceptance rate (`accepted drafts / proposed drafts` in batch).", rate)
         gauges["sglang:spec_num_steps"] = ("Currently active speculative_num_steps.", float(steps))
-        gauges["sglang:spec_num_draft_tokens"] = ("Currently active speculative_num_draft_tokens (decouples from steps under topk>1).", float(steps + 1))
+        tokens = info["speculative_num_draft_tokens"]
+        gauges["sglang:spec_num_draft_tokens"] = ("Currently active speculative_num_draft_tokens (decouples from steps under topk>1).", float(tokens))
     return gauges
 
 
 # --------------------------------------------------------------------------- main
+
+
+def verify_width(args, steps: int) -> int:
+    """Tokens a verify step holds: a tree's --num-draft-tokens (SGLang's num_steps + 1 at topk 1), else 1 + branches x steps."""
+    if args.eagle_topk > 1:
+        return args.num_draft_tokens or steps + 1
+    return 1 + args.branches * steps
 
 
 def server_info(profile, args, engine_path: str) -> dict[str, Any]:
@@ -1080,8 +1088,8 @@ def server_info(profile, args, engine_path: str) -> dict[str, Any]:
         "architecture": profile.target.architecture,
         "speculative_algorithm": "EAGLE3" if speculative else None,
         "speculative_num_steps": steps if speculative else None,
-        "speculative_eagle_topk": 1 if speculative else None,
-        "speculative_num_draft_tokens": 1 + args.branches * steps if speculative else None,
+        "speculative_eagle_topk": args.eagle_topk if speculative else None,
+        "speculative_num_draft_tokens": verify_width(args, steps) if speculative else None,
         "first_step_branches": args.branches if speculative else None,  # reference-only: the draft's K best first tokens, each chained
         "speculative_draft_model_path": args.draft if speculative else None,
         "feed": args.feed if speculative else None,
@@ -1124,6 +1132,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the draft's first-step branches: its K best first tokens, each chained --num-steps deep, verified in one step "
         "(static-cache decoder; default 1: a chain)",
     )
+    parser.add_argument(
+        "--eagle-topk",
+        type=int,
+        default=1,
+        help="SGLang's EAGLE tree: the draft's top-k beams at every step, --num-draft-tokens verified (static-cache decoder; default 1: a chain)",
+    )
+    parser.add_argument("--num-draft-tokens", type=int, help="tokens a tree's verify holds, the root included (SGLang's --speculative-num-draft-tokens)")
     parser.add_argument("--served-model-name", help="the model id /v1/models reports (default: the target's directory)")
     parser.add_argument("--no-speculation", action="store_true", help="plain target decoding (benchmark baseline)")
     parser.add_argument(
@@ -1178,6 +1193,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--draft is required unless --no-speculation is given")
     if args.branches < 1:
         parser.error("--branches must be >= 1")
+    if args.eagle_topk > 1 or args.num_draft_tokens is not None:
+        from backend.serve.reference.draft_tree import TreeSetting
+
+        steps = args.num_steps or 0
+        try:
+            if args.branches > 1:
+                raise ValueError("--branches and --eagle-topk do not combine: choose one")
+            if steps:
+                TreeSetting(steps, args.eagle_topk, args.num_draft_tokens or steps + 1)
+        except ValueError as error:
+            parser.error(str(error))
     if args.max_body_bytes < 1 or not 0 < args.request_timeout < 86400:
         parser.error("--max-body-bytes must be >= 1 and --request-timeout in (0, 86400)")
     return args
@@ -1252,6 +1278,8 @@ def main(argv: list[str] | None = None) -> int:
                 attention=args.attention,
                 linear=args.linear,
                 branches=args.branches,
+                topk=args.eagle_topk,
+                num_draft_tokens=args.num_draft_tokens,
             )
         except Exception:  # any load failure ends the server with the traceback in its log
             log("loading failed:\n" + traceback.format_exc())
@@ -1265,7 +1293,8 @@ def main(argv: list[str] | None = None) -> int:
             server.metrics.model_name = server.info["served_model_name"]
         server.engine = engine
         server.loading = False
-        mode = f"EAGLE3, {engine.num_steps} steps x {engine.branches} branches, feed {args.feed}" if engine.speculative else "no speculation"
+        shape = f"top-{args.eagle_topk} tree, {server.info['speculative_num_draft_tokens']} tokens" if args.eagle_topk > 1 else f"{engine.branches} branches"
+        mode = f"EAGLE3, {engine.num_steps} steps x {shape}, feed {args.feed}" if engine.speculative else "no speculation"
         mode += f"; {engine.device}, {engine.decoder_kind} decoder"
         log(f"ready in {time.monotonic() - started:.1f} s on http://{args.host}:{args.port} ({mode})")
 

@@ -573,6 +573,36 @@ def test_an_engine_with_branches_serves_the_plain_tokens_and_refuses_the_eager_d
         parse_args(["--profile", "x", "--port", "1", "--draft", draft, "--branches", "0"])
 
 
+def test_an_engine_with_an_eagle_tree_serves_the_plain_tokens_and_says_so(mini_profile, tmp_path, capsys):
+    from backend.serve.launch import reference_argv
+    from backend.serve.reference.engine import Engine, GenerationSpec
+    from backend.serve.reference.server import parse_args, server_info
+    from tests.fixtures.reference import save_untrained_draft
+
+    draft = str(save_untrained_draft(mini_profile, tmp_path / "run"))
+    tree = Engine(mini_profile, draft, "aux", 3, speculative=True, device="cpu", static_cache=True, topk=4, num_draft_tokens=8)
+    plain = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True)
+    assert (tree.decoder.topk, tree.decoder.width, tree.decoder.max_len) == (4, 8, tree.context_len + 8)
+    spec = GenerationSpec(input_ids=plain.encode("def main():"), max_new_tokens=20, stop_token_ids=frozenset())
+    got = tree.run(spec, "t")
+    assert got.output_ids == plain.run(spec, "p").output_ids and got.verify_ct == len(got.accepted_per_round)
+    with pytest.raises(ValueError, match=r"an EAGLE tree \(topk 4\) needs the static-cache decoder"):
+        Engine(mini_profile, draft, "aux", 3, speculative=True, device="cpu", topk=4, num_draft_tokens=8)
+    with pytest.raises(RuntimeError, match="topk 4 needs the static decoder, which failed: setting 3,4,40: .*; nothing is served"):
+        Engine(mini_profile, draft, "aux", 3, speculative=True, device="cpu", static_cache=True, topk=4, num_draft_tokens=40)
+    args = parse_args(["--profile", "x", "--port", "1", "--draft", draft, "--num-steps", "3", "--eagle-topk", "4", "--num-draft-tokens", "8"])
+    info = server_info(mini_profile, args, "dir")
+    assert (info["speculative_num_steps"], info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (3, 4, 8)
+    for bad, says in ((["--eagle-topk", "4", "--num-draft-tokens", "40"], "between 2 and 37"), (["--eagle-topk", "2", "--branches", "2"], "do not combine")):
+        with pytest.raises(SystemExit):
+            parse_args(["--profile", "x", "--port", "1", "--draft", draft, "--num-steps", "3", *bad])
+        assert says in capsys.readouterr().err
+    profile = mini_profile.model_copy(update={"serve": mini_profile.serve.model_copy(update={"eagle_topk": 4, "num_draft_tokens": 8})})
+    argv = reference_argv(profile, draft, 1234)
+    assert argv[argv.index("--eagle-topk") + 1] == "4" and argv[argv.index("--num-draft-tokens") + 1] == "8" and "--static-cache" in argv
+    assert "--eagle-topk" not in reference_argv(mini_profile, draft, 1234)
+
+
 def test_every_generation_runs_on_the_engine_thread_whatever_thread_asks(mini_profile, tmp_path):
     """A first CUDA call from a new thread cost 45-90 ms to the first token on the H200 (probe_first_token.py), and the
     HTTP server answers each connection on its own thread: so one engine thread loads, warms up and decodes."""
@@ -617,16 +647,18 @@ def test_decode_speed_benchmark_runs_on_cpu_with_tiny_settings(mini_target_dir, 
     prompts.write_text('{"conversations": [{"role": "user", "content": "def add(a, b):"}]}\n{"prompt": "x = 1"}\n{"task_id": "t", "prompt": "for"}\n')
     out = tmp_path / "speed.json"
     argv = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_speed.py"), "--profile", str(profile), "--draft", str(draft), "--device", "cpu"]
-    argv += ["--max-new-tokens", "8", "--num-prompts", "2", "--prompts", str(prompts), "--out", str(out), "--branches", "1", "2"]
+    argv += ["--max-new-tokens", "8", "--num-prompts", "2", "--prompts", str(prompts), "--out", str(out), "--branches", "1", "2", "--trees", "3,2,6"]
     done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert set(report["anchors"]) == {"hf_generate_eager", "hf_generate_static_compile", "ours_eager_plain"}
     rows = report["eval_sets"]["eval"]
-    assert set(rows) == {"ours_static_plain", "ours_static_eagle_k3", "ours_static_eagle_k7", "ours_static_eagle_k3_b2", "ours_static_eagle_k7_b2"}
+    tree = "ours_static_eagle_t3x2n6"
+    assert set(rows) == {"ours_static_plain", "ours_static_eagle_k3", "ours_static_eagle_k7", "ours_static_eagle_k3_b2", "ours_static_eagle_k7_b2", tree}
     for row in [*report["anchors"].values(), *rows.values()]:
         assert "error" not in row and row["tokens"] == 16 and row["tok_s"] > 0, row
-    for name in ("k3", "k7", "k3_b2", "k7_b2"):
+    assert report["trees"] == ["3,2,6"]
+    for name in ("k3", "k7", "k3_b2", "k7_b2", "t3x2n6"):
         eagle = rows[f"ours_static_eagle_{name}"]
         assert eagle["speedup_vs_our_plain"] > 0 and eagle["accept_length"] >= 1 and eagle["breakdown_ms"]["verify_ms"] > 0
         assert eagle["eagle_equals_plain"] == {"identical": 2, "of": 2, "mean_matching_prefix": 8.0}  # float32: exact
