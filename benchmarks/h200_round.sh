@@ -144,6 +144,9 @@ DECODE=${DECODE:-1}
 # BRANCHES: the compiled stages' first-step branches (bench_decode_speed.py --branches; "1 2": the chain and a tree of
 # two chains, same call)
 BRANCHES=${BRANCHES:-1}
+# TREES: SGLang EAGLE trees beside the chain in the compiled stages (bench_decode_speed.py --trees; "3,4,8 3,4,16": 3
+# steps of top-4 beams verifying 8 / 16 tokens); each adds a compiled decoder (~45 s with its rows)
+TREES=${TREES:-}
 GROUPING_EXTRA=${GROUPING_EXTRA:---batch 2048 --new-tokens 64 --grouping-prompts 8192}
 REGEN_BENCH_EXTRA=${REGEN_BENCH_EXTRA:-}
 
@@ -759,12 +762,12 @@ decode_compiled() { # OUT_JSON [OPTIONS...]: our final draft, 3 steps, compiled 
     shift
     # torch.compile's artifacts of this variant's steps (compile_decode_compiled_linear.bin, ...): loaded when carried
     # (.h200-compile), written after our rows; the serve phase returns them when a returned file is left
-    # shellcheck disable=SC2086 # BRANCHES is a list
+    # shellcheck disable=SC2086 # BRANCHES and TREES are lists
     EAGLE3_COMPILE_CACHE="$DEV/compile_$(basename "$out" .json).bin" \
         timeout --signal=TERM --kill-after=15 "$STAGE_LIMIT" "$PY" benchmarks/bench_decode_speed.py --profile "$PROFILE" --device "$DEVICE" \
         --draft "$DEV/ours_draft" --prompts "$DEV/sgdev/eval.jsonl" --prompts "$DEV/humaneval.jsonl" --num-prompts "$NUM_PROMPTS" \
         --max-new-tokens "$MAX_NEW" --max-prompt-tokens "$PROMPT_TOKENS" --num-steps 3 --compile --no-hf --no-fp32-check --out "$out" \
-        --branches $BRANCHES "$@"
+        --branches $BRANCHES ${TREES:+--trees $TREES} "$@"
 }
 
 phase_serve() {
@@ -783,7 +786,10 @@ phase_serve() {
         --anchor-prompts "$ANCHORS" --out "$OUT/decode.json"
     # shellcheck disable=SC2086 # COMPILED_EXTRA is a list of options
     # 10 prompts a set: ~120 s with its compiles; each prompt more adds ~2 s over the 8 rows (round 17: 100 ran past 240 s)
+    local trees
+    trees=$(echo "$TREES" | wc -w)
     local more=$((NUM_PROMPTS > 10 ? 2 * (NUM_PROMPTS - 10) : 0))
+    more=$((more + 45 * trees))
     [ "$COMPILED" = 1 ] && stage decode_compiled $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled.json" $COMPILED_EXTRA
     [ "$COMPILED_TRITON" = 1 ] && stage decode_compiled_triton $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_triton.json" --attention triton
     [ "$COMPILED_LINEAR" = 1 ] && stage decode_compiled_linear $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear.json" --attention triton --linear triton
