@@ -6,7 +6,19 @@ import torch
 from backend.serve.reference.spec_decode import SpecDecoder
 from backend.serve.reference.static_decode import ATTENTION_KINDS, ContextTooLong, KernelUnavailable, StaticDecoder, StaticUnsupported, length_buckets
 from backend.train.draft import Eagle3Draft
-from tests.fixtures.drafts import AUX, HIDDEN, VOCAB, constant_target, draft_config, draft_predicting, prompts, random_draft, random_target
+from tests.fixtures.drafts import (
+    AUX,
+    HIDDEN,
+    VOCAB,
+    PositionReadingDraft,
+    constant_target,
+    draft_config,
+    draft_predicting,
+    identity_vocab_draft,
+    prompts,
+    random_draft,
+    random_target,
+)
 
 
 pytestmark = pytest.mark.usefixtures("limited_torch_threads")
@@ -29,7 +41,7 @@ def pair(target, draft, num_steps, pad_prefill=False, **kwargs):
     return eager, StaticDecoder(target, draft, AUX, num_steps=num_steps, max_len=512, pad_prefill=pad_prefill, **kwargs)
 
 
-class PositionOracle(Eagle3Draft):
+class PositionOracle(PositionReadingDraft):
     """The real draft computation with its logits forced to the target's known continuation, except at `wrong`
     sequence indices. A draft row at RoPE position p proposes sequence index p + 2 in both decoders (step 0
     pairs features p with token p + 1; chained step k sits at p = t + k), so the oracle reads the positions
@@ -38,15 +50,7 @@ class PositionOracle(Eagle3Draft):
 
     def setup(self, sequence: list[int], wrong: set[int]):
         self.sequence, self.wrong = sequence, wrong
-        attention = self.midlayer.self_attn
-        if not getattr(self, "hooked", False):
-            rope = attention.rope
-
-            def remembering_rope(positions, dtype):
-                self.positions = positions.tolist()
-                return rope(positions, dtype)
-
-            attention.rope, self.hooked = remembering_rope, True
+        self.read_positions()
         return self
 
     def logits(self, hidden):
@@ -61,10 +65,7 @@ class PositionOracle(Eagle3Draft):
 
 
 def oracle_draft(target) -> PositionOracle:
-    torch.manual_seed(1)
-    draft = PositionOracle(draft_config(draft_vocab_size=VOCAB), init_std=0.3).eval()  # identity d2t
-    draft.load_target_embedding(target.get_input_embeddings().weight)
-    return draft
+    return identity_vocab_draft(PositionOracle, target)
 
 
 def test_padded_prompts_take_few_widths_and_warming_runs_each_once(monkeypatch):

@@ -10,30 +10,21 @@ from backend.serve.reference.draft_tree import DETACHED, TreeSetting, greedy_row
 from backend.serve.reference.spec_decode import SpecDecoder
 from backend.serve.reference.static_decode import StaticDecoder
 from backend.serve.reference.static_tree import ROOT, accepted_path, ancestor_bits, candidate_depths, choose_nodes
-from backend.train.draft import Eagle3Draft
-from tests.fixtures.drafts import AUX, VOCAB, draft_config, prompts, random_draft, random_target
+from tests.fixtures.drafts import AUX, VOCAB, PositionReadingDraft, identity_vocab_draft, prompts, random_draft, random_target
 
 pytestmark = pytest.mark.usefixtures("limited_torch_threads")
 
 NO_EOS = -1
 
 
-class PositionScript(Eagle3Draft):
+class PositionScript(PositionReadingDraft):
     """The real draft computation with its probabilities replaced by a script read off the rows' RoPE positions (a
-    row at position p proposes sequence index p + 2, in the eager and the static draft alike): `table[i]`
-    ({token: probability}) at index i, else the true token with certainty."""
+    row at position p proposes sequence index p + 2): `table[i]` ({token: probability}) at index i, else the true
+    token with certainty."""
 
     def setup(self, sequence: list[int], table: dict[int, dict[int, float]]):
         self.sequence, self.table = sequence, table
-        attention = self.midlayer.self_attn
-        if not getattr(self, "hooked", False):
-            rope = attention.rope
-
-            def remembering_rope(positions, dtype):
-                self.positions = positions.tolist()
-                return rope(positions, dtype)
-
-            attention.rope, self.hooked = remembering_rope, True
+        self.read_positions()
         return self
 
     def logits(self, hidden):
@@ -47,10 +38,7 @@ class PositionScript(Eagle3Draft):
 
 
 def scripted_draft(target) -> PositionScript:
-    torch.manual_seed(1)
-    draft = PositionScript(draft_config(draft_vocab_size=VOCAB), init_std=0.3).eval()  # identity d2t
-    draft.load_target_embedding(target.get_input_embeddings().weight)
-    return draft
+    return identity_vocab_draft(PositionScript, target)
 
 
 def recorded_trees(decoder: StaticDecoder) -> list[tuple[list[int], list[int]]]:
