@@ -42,26 +42,17 @@ def pair(target, draft, num_steps, pad_prefill=False, **kwargs):
 
 
 class PositionOracle(PositionReadingDraft):
-    """The real draft computation with its logits forced to the target's known continuation, except at `wrong`
-    sequence indices. A draft row at RoPE position p proposes sequence index p + 2 in both decoders (step 0
-    pairs features p with token p + 1; chained step k sits at p = t + k), so the oracle reads the positions
-    the decoder layer's RoPE was asked for (the eager layer and StaticDraft both ask the draft's attention) and
-    works for the eager and the static path alike."""
+    """The target's known continuation forced, except at `wrong` sequence indices (PositionReadingDraft)."""
 
     def setup(self, sequence: list[int], wrong: set[int]):
-        self.sequence, self.wrong = sequence, wrong
-        self.read_positions()
-        return self
+        self.wrong = wrong
+        return self.read(sequence)
 
-    def logits(self, hidden):
+    def choices(self, index: int, true: int) -> dict[int, float]:
         """The forced token first; the runner-up (a branch's first token) is the true one where the first is wrong."""
-        forced = torch.full_like(super().logits(hidden), -1e4)
-        for row, position in enumerate(self.positions[-hidden.shape[1] :]):
-            index = position + 2
-            token = self.sequence[index] if index < len(self.sequence) else 0
-            first, second = ((token + 1) % VOCAB, token) if index in self.wrong else (token, (token + 2) % VOCAB)
-            forced[:, row, first], forced[:, row, second] = 1e4, 5e3
-        return forced
+        if index in self.wrong:
+            return {(true + 1) % VOCAB: 1e4, true: 5e3}
+        return {true: 1e4, (true + 2) % VOCAB: 5e3}
 
 
 def oracle_draft(target) -> PositionOracle:

@@ -18,23 +18,15 @@ NO_EOS = -1
 
 
 class PositionScript(PositionReadingDraft):
-    """The real draft computation with its probabilities replaced by a script read off the rows' RoPE positions (a
-    row at position p proposes sequence index p + 2): `table[i]` ({token: probability}) at index i, else the true
-    token with certainty."""
+    """Probabilities from a script (PositionReadingDraft): `table[i]` ({token: probability}) at sequence index i,
+    else the true token with certainty."""
 
     def setup(self, sequence: list[int], table: dict[int, dict[int, float]]):
-        self.sequence, self.table = sequence, table
-        self.read_positions()
-        return self
+        self.table = table
+        return self.read(sequence)
 
-    def logits(self, hidden):
-        forced = torch.full_like(super().logits(hidden), -1e4)
-        for row, position in enumerate(self.positions[-hidden.shape[1] :]):
-            index = position + 2
-            true = self.sequence[index] if index < len(self.sequence) else 0
-            for token, probability in self.table.get(index, {true: 1.0}).items():
-                forced[:, row, token] = math.log(probability)
-        return forced
+    def choices(self, index: int, true: int) -> dict[int, float]:
+        return {token: math.log(p) for token, p in self.table.get(index, {true: 1.0}).items()}
 
 
 def scripted_draft(target) -> PositionScript:
