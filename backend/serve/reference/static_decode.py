@@ -557,8 +557,8 @@ class StaticDecoder(SpecDecoder):
         # of the branches before it ([committed, committed + b * (num_steps - 1)))
         self.branch_offsets = torch.arange(self.lanes, device=device) * (steps - 1)
         self.branch_gaps = torch.stack([torch.zeros_like(self.branch_offsets), self.branch_offsets], dim=1)
-        # an EAGLE tree's (topk > 1): each candidate's depth; the chosen nodes' parents and depths (the draft round writes them for the
-        # verify); the accepted nodes' rows by depth (the verify writes them for the K/V move)
+        # an EAGLE tree's (topk > 1): each candidate's depth; the chosen nodes' parents and depths (the draft round
+        # writes them for the verify); the accepted nodes' rows by depth (the verify writes them for the K/V move)
         self.candidate_depths = candidate_depths(steps, self.topk, device)
         self.node_parents = torch.full((self.width - 1,), ROOT, dtype=torch.long, device=device)
         self.node_depths = torch.ones(self.width - 1, dtype=torch.long, device=device)
