@@ -27,9 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_decode_speed import NO_EOS, acceptance_anatomy, encode, load_draft, read_prompt_file  # noqa: E402
+from benchmarks.bench_decode_speed import acceptance_anatomy, load_draft, read_prompt_file  # noqa: E402
+from backend.bench.spec_settings import chat_prompt_ids  # noqa: E402
 from backend.serve.acceptance import bootstrap_interval, mean_of_request_means, pooled_accept_length  # noqa: E402
-from backend.serve.reference.spec_decode import SpecDecoder, eos_ids  # noqa: E402
+from backend.serve.reference.spec_decode import NO_EOS, SpecDecoder, eos_ids  # noqa: E402
 
 
 def answer_part(result, eos: set[int]) -> tuple[int, int]:
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for path in args.prompts:
         name = path.name.split(".")[0] if path.parent.name in ("", ".") else f"{path.parent.name}/{path.name.split('.')[0]}"
-        prompts = [encode(target.tokenizer, p, args.max_prompt_tokens) for p in read_prompt_file(path)[: args.num_prompts]]
+        prompts = [chat_prompt_ids(target.tokenizer, p, args.max_prompt_tokens) for p in read_prompt_file(path)[: args.num_prompts]]
         print(f"set {name}: {len(prompts)} prompts from {path}", flush=True)
         report["sets"][name] = eval_set(
             name, decoder, prompts, args.max_new_tokens, args.subset, eos, lambda ps, rs: acceptance_anatomy(target.model, draft, aux, ps, rs, eos)

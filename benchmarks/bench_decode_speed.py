@@ -32,12 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from backend.bench.spec_settings import chat_prompt_ids
 from backend.serve.reference.draft_tree import TreeSetting
-from backend.serve.reference.spec_decode import SpecDecoder, eos_ids
+from backend.serve.reference.spec_decode import NO_EOS, SpecDecoder, eos_ids
 from backend.serve.reference.static_decode import ATTENTION_KINDS, LINEAR_KINDS, StaticDecoder, StepTimes
 from backend.train.draft import DraftKVCache
 
-NO_EOS = -1  # an id no tokenizer emits: every row decodes exactly --max-new-tokens
 BUILTIN_PROMPTS = [
     "Write a Python function that reverses a string and explain how it works.",
     "Give me three tips for writing a clear bug report.",
@@ -64,16 +64,6 @@ def read_prompt_file(path: Path) -> list[Any]:
             else:
                 raise SystemExit(f"{path}:{number}: expected a 'conversations' list or a 'prompt' string; nothing was measured")
     return records
-
-
-def encode(tokenizer, prompt: Any, max_tokens: int) -> list[int]:
-    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
-    else:
-        ids = list(tokenizer.encode("\n".join(m["content"] for m in messages)))
-    return ids[-max_tokens:]
 
 
 def set_inductor(options: dict[str, Any]) -> dict[str, Any]:
@@ -432,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     drafts = [(suffix, *load_draft(path, profile, target, device)) for _name, suffix, path in specs]
     _, draft, aux, draft_label = drafts[0]
     sets = {path.name.split(".")[0]: read_prompt_file(path) for path in args.prompts} if args.prompts else {"builtin": list(BUILTIN_PROMPTS)}
-    encoded = {name: [encode(tokenizer, p, args.max_prompt_tokens) for p in prompts[: args.num_prompts]] for name, prompts in sets.items()}
+    encoded = {name: [chat_prompt_ids(tokenizer, p, args.max_prompt_tokens) for p in prompts[: args.num_prompts]] for name, prompts in sets.items()}
     first = next(iter(encoded))
     anchors = encoded[first][: args.anchor_prompts]
     max_new = args.max_new_tokens

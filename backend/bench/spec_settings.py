@@ -18,12 +18,12 @@ from typing import Any, Callable
 
 from backend.serve.acceptance import bootstrap_interval, mean_of_request_means, pooled_accept_length
 from backend.serve.reference.draft_tree import TreeSetting, greedy_rows, replay
+from backend.serve.reference.spec_decode import NO_EOS
 
 # The chain the project's profiles serve first (the baseline every other row is compared with), deeper chains, trees
 # verifying as many tokens as the chain (3,2,4 and 3,4,4: the same verify width), and SGLang's documented example
 # (3,4,16; `docs/advanced_features/speculative_decoding.md`).
 DEFAULT_SETTINGS = ("3,1,4", "5,1,6", "7,1,8", "3,2,4", "3,4,4", "3,2,6", "3,4,8", "5,4,8", "3,4,16", "5,4,16")
-NO_EOS = -1  # an id no tokenizer emits: every prompt decodes exactly --max-new-tokens
 
 
 class SettingsError(ValueError):
@@ -104,18 +104,21 @@ def table(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def chat_prompt_ids(tokenizer, prompt: str | list[dict[str, str]], max_tokens: int) -> list[int]:
+    """A prompt (text: one user turn; or a conversation's messages) in the tokenizer's chat template with the
+    assistant's turn opened, as the draft saw chats in training (without a template: the turns' text, one a line);
+    its last max_tokens ids."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    else:
+        ids = list(tokenizer.encode("\n".join(m["content"] for m in messages)))
+    return ids[-max_tokens:]
+
+
 def encode_prompts(tokenizer, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Each prompt as the user turn of a chat (the tokenizer's template, the assistant's turn opened), as the draft saw
-    chats in training; the last max_tokens ids."""
-    encoded = []
-    for prompt in prompts:
-        if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-            ids = list(tokenizer.encode(text, add_special_tokens=False))
-        else:
-            ids = list(tokenizer.encode(prompt))
-        encoded.append(ids[-max_tokens:])
-    return encoded
+    return [chat_prompt_ids(tokenizer, prompt, max_tokens) for prompt in prompts]
 
 
 def run(args, sets) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from backend.train.draft import DraftKVCache, Eagle3Draft
 
 FEEDS = ("aux", "last_hidden")
 NO_DRAFT = "this decoder was built without a draft: only plain / plain_generate are available"
+NO_EOS = -1  # an end-of-turn id no tokenizer emits: a decoder built with it decodes every token it is asked for
 
 
 @dataclass

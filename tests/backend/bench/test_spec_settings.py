@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from backend.bench.spec_settings import NO_EOS, encode_prompts, parse_settings, SettingsError
+from backend.bench.spec_settings import SettingsError, encode_prompts, parse_settings
 from backend.cli import main
 from backend.profiles import load_profile
 from backend.serve.acceptance import pooled_accept_length
-from backend.serve.reference.spec_decode import SpecDecoder
+from backend.serve.reference.spec_decode import NO_EOS, SpecDecoder
 from backend.train.checkpoint import load_checkpoint
 from backend.train.target import load_target
 from tests.fixtures.reference import save_untrained_draft, write_mini_profile

@@ -6,13 +6,11 @@ import pytest
 import torch
 
 from backend.serve.reference.draft_tree import DETACHED, DraftTree, TreeSetting, draft_tree, greedy_rows, replay
-from backend.serve.reference.spec_decode import SpecDecoder
+from backend.serve.reference.spec_decode import NO_EOS, SpecDecoder
 from backend.train.draft import DraftKVCache, Eagle3Draft
 from tests.fixtures.drafts import AUX, VOCAB, draft_config, prompts, random_draft, random_target
 
 pytestmark = pytest.mark.usefixtures("limited_torch_threads")
-
-NO_EOS = -1
 
 
 class ScriptedDraft(Eagle3Draft):

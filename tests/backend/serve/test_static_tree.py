@@ -7,14 +7,12 @@ import torch
 
 from backend.serve.reference import draft_tree as replay_module
 from backend.serve.reference.draft_tree import DETACHED, TreeSetting, greedy_rows, replay
-from backend.serve.reference.spec_decode import SpecDecoder
+from backend.serve.reference.spec_decode import NO_EOS, SpecDecoder
 from backend.serve.reference.static_decode import StaticDecoder
 from backend.serve.reference.static_tree import ROOT, accepted_path, ancestor_bits, candidate_depths, choose_nodes
 from tests.fixtures.drafts import AUX, VOCAB, PositionReadingDraft, identity_vocab_draft, prompts, random_draft, random_target
 
 pytestmark = pytest.mark.usefixtures("limited_torch_threads")
-
-NO_EOS = -1
 
 
 class PositionScript(PositionReadingDraft):
