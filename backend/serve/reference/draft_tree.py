@@ -27,6 +27,7 @@ import torch
 from backend.serve.reference.spec_decode import GenerateResult, SpecDecoder
 from backend.train.draft import DraftKVCache, Eagle3Draft
 
+ROOT = -1  # a node's parent when it hangs off the root (the last emitted token)
 DETACHED = -2  # a selected node whose parent was not selected (a tie in scores): verification never reaches it
 
 
@@ -82,12 +83,12 @@ class DraftTree:
     """A round's verified draft tokens in SGLang's order (level by level, as the candidates were made)."""
 
     tokens: list[int]  # target token ids
-    parents: list[int]  # each node's parent node index; -1: the root (the last emitted token); DETACHED
+    parents: list[int]  # each node's parent node index, ROOT or DETACHED
     scores: list[float]  # the product of the draft's probabilities along the node's path
 
     def accepted(self, continuation: Sequence[int]) -> int:
         """The nodes greedy verification accepts against the target's greedy continuation after the root."""
-        node, depth = -1, 0
+        node, depth = ROOT, 0
         while depth < len(continuation):
             child = next((c for c, p in enumerate(self.parents) if p == node and self.tokens[c] == continuation[depth]), None)
             if child is None:
@@ -103,8 +104,8 @@ def draft_tree(draft: Eagle3Draft, last_out: torch.Tensor, last_logits: torch.Te
     run in lanes of their own)."""
     topk = setting.topk
     probs, ids = torch.softmax(last_logits.float(), dim=-1)[0].topk(topk)
-    scores, tokens, parents = [probs], [ids], [torch.full((topk,), -1, dtype=torch.long)]
-    beam_scores, beam_ids, beam_nodes = probs, ids, torch.arange(topk)
+    scores, tokens, parents = [probs], [ids], [torch.full((topk,), ROOT, dtype=torch.long, device=ids.device)]
+    beam_scores, beam_ids, beam_nodes = probs, ids, torch.arange(topk, device=ids.device)
     hidden = last_out.expand(topk, -1, -1)
     lanes = _lanes(cache, topk)
     made = topk  # candidates so far: the next level's flat indices start here
@@ -126,7 +127,7 @@ def draft_tree(draft: Eagle3Draft, last_out: torch.Tensor, last_logits: torch.Te
     all_parents = torch.cat(parents).tolist()
     return DraftTree(
         tokens=[all_tokens[c] for c in chosen],
-        parents=[-1 if all_parents[c] == -1 else node_of.get(all_parents[c], DETACHED) for c in chosen],
+        parents=[ROOT if all_parents[c] == ROOT else node_of.get(all_parents[c], DETACHED) for c in chosen],
         scores=[float(all_scores[c]) for c in chosen],
     )
 

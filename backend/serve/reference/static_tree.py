@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.serve.reference.draft_tree import DETACHED
-
-ROOT = -1
+from backend.serve.reference.draft_tree import DETACHED, ROOT
 
 
 def candidate_depths(num_steps: int, topk: int, device=None) -> torch.Tensor:
