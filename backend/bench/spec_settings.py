@@ -122,7 +122,15 @@ def encode_prompts(tokenizer, prompts: list[str], max_tokens: int) -> list[list[
 
 
 def run(args, sets) -> dict[str, Any]:
-    """Load the profile's target and the draft on args.device, then measure each eval set."""
+    """Load the profile's target and the draft on args.device, then measure each eval set; without autograd, the
+    caller's grad mode left as it was (the command runs in-process under `eagle3-host` and its tests)."""
+    import torch
+
+    with torch.no_grad():
+        return _run(args, sets)
+
+
+def _run(args, sets) -> dict[str, Any]:
     import torch
 
     from backend.profiles import load_profile
@@ -132,7 +140,6 @@ def run(args, sets) -> dict[str, Any]:
     from backend.train.target import load_target
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.set_grad_enabled(False)
     profile = load_profile(args.profile)
     dtype = args.dtype or (profile.serve.dtype if device.type == "cuda" else "float32")
     target = load_target(profile, device=device, dtype=dtype)
