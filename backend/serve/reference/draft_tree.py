@@ -25,10 +25,10 @@ from typing import Sequence
 import torch
 
 from backend.serve.reference.spec_decode import GenerateResult, SpecDecoder
+from backend.serve.reference.static_tree import DETACHED, ROOT, grow_tree
 from backend.train.draft import DraftKVCache, Eagle3Draft
 
-ROOT = -1  # a node's parent when it hangs off the root (the last emitted token)
-DETACHED = -2  # a selected node whose parent was not selected (a tie in scores): verification never reaches it
+__all__ = ["DETACHED", "ROOT", "DraftTree", "TreeSetting", "draft_tree", "greedy_rows", "replay"]
 
 
 @dataclass(frozen=True)
@@ -103,33 +103,15 @@ def draft_tree(draft: Eagle3Draft, last_out: torch.Tensor, last_logits: torch.Te
     last_logits [1, Vd] are its last row's output state and logits. `cache` is left as extend left it (the beams
     run in lanes of their own)."""
     topk = setting.topk
-    probs, ids = torch.softmax(last_logits.float(), dim=-1)[0].topk(topk)
-    scores, tokens, parents = [probs], [ids], [torch.full((topk,), ROOT, dtype=torch.long, device=ids.device)]
-    beam_scores, beam_ids, beam_nodes = probs, ids, torch.arange(topk, device=ids.device)
-    hidden = last_out.expand(topk, -1, -1)
     lanes = _lanes(cache, topk)
-    made = topk  # candidates so far: the next level's flat indices start here
-    for _ in range(1, setting.num_steps):
-        out, logits = draft.draft_step(hidden, draft.draft_to_target_ids(beam_ids).view(topk, 1), lanes)
-        child_probs, child_ids = torch.softmax(logits[:, -1].float(), dim=-1).topk(topk)  # [beam, child]
-        expanded = (beam_scores[:, None] * child_probs).flatten()
-        scores.append(expanded)
-        tokens.append(child_ids.flatten())
-        parents.append(beam_nodes.repeat_interleave(topk))
-        beam_scores, best = expanded.topk(topk)
-        beam_ids, hidden = child_ids.flatten()[best], out[best // topk]
-        beam_nodes = made + best
-        made += topk * topk
-    all_scores = torch.cat(scores)
-    chosen = torch.sort(all_scores.topk(setting.num_draft_tokens - 1).indices).values.tolist()
-    node_of = {candidate: node for node, candidate in enumerate(chosen)}
-    all_tokens = draft.draft_to_target_ids(torch.cat(tokens)).tolist()
-    all_parents = torch.cat(parents).tolist()
-    return DraftTree(
-        tokens=[all_tokens[c] for c in chosen],
-        parents=[ROOT if all_parents[c] == ROOT else node_of.get(all_parents[c], DETACHED) for c in chosen],
-        scores=[float(all_scores[c]) for c in chosen],
-    )
+
+    def chained(_index: int, draft_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, logits = draft.draft_step(hidden, draft.draft_to_target_ids(draft_ids).view(topk, 1), lanes)
+        return out, logits[:, -1]
+
+    hidden = last_out.expand(topk, -1, -1)  # the beams along the batch
+    _, ids, parents, scores = grow_tree(last_logits[0], hidden, chained, setting.num_steps, topk, setting.num_draft_tokens - 1, beam_axis=0)
+    return DraftTree(tokens=draft.draft_to_target_ids(ids).tolist(), parents=parents.tolist(), scores=scores.tolist())
 
 
 def _lanes(cache: DraftKVCache, lanes: int) -> DraftKVCache:
@@ -157,7 +139,7 @@ def replay(draft: Eagle3Draft, features: torch.Tensor, sequence: Sequence[int], 
         )
     device = draft.fc.weight.device
     hidden = draft.input_hidden(features.to(device=device, dtype=draft.fc.weight.dtype))
-    ids = torch.as_tensor(list(sequence), dtype=torch.long, device=device).view(1, -1)
+    ids = torch.as_tensor(sequence, dtype=torch.long, device=device).view(1, -1)
     result = GenerateResult(output_ids=[], completion_tokens=min(1, max_new_tokens), verify_ct=0, num_steps=setting.num_steps)
     cache, start, end = DraftKVCache(), 0, prompt_len  # the rows [start, end) join the draft's cache next
     while result.completion_tokens < max_new_tokens:
@@ -169,7 +151,7 @@ def replay(draft: Eagle3Draft, features: torch.Tensor, sequence: Sequence[int], 
         result.accepted_per_round.append(accepted)
         result.completion_tokens = min(max_new_tokens, result.completion_tokens + accepted + 1)
         start, end = end, end + accepted + 1
-    result.output_ids = list(sequence[prompt_len : prompt_len + result.completion_tokens])
+    result.output_ids = sequence[prompt_len : prompt_len + result.completion_tokens]
     return result
 
 

@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from backend.serve.reference import triton_attention, triton_linear, triton_runtime
 from backend.serve.reference.draft_tree import TreeSetting
 from backend.serve.reference.spec_decode import NO_DRAFT, GenerateResult, SpecDecoder
-from backend.serve.reference.static_tree import ROOT, accepted_path, ancestor_bits, candidate_depths, choose_nodes, expand_beams, level_start
+from backend.serve.reference.static_tree import ROOT, accepted_path, ancestor_bits, candidate_depths, grow_tree
 from backend.train.draft import Eagle3Draft, rotate_half
 
 MIN_BUCKET = 256  # smallest cache prefix a step attends over; prefixes double up to max_len
@@ -695,23 +695,17 @@ class StaticDecoder(SpecDecoder):
         state, draft, steps, k = self.static_draft, self._required_draft, self.num_steps, self.topk
         assert state is not None
         out, logits, row, committed = self._commit_pending(bucket)
-        beam_scores, beam_ids = torch.softmax(logits.float(), dim=-1)[0].topk(k)
-        scores, ids, parents = [beam_scores], [beam_ids], [torch.full((k,), ROOT, dtype=torch.long, device=logits.device)]
-        beams, out = torch.arange(k, device=logits.device), out.expand(1, k, -1)
         gaps = committed + self.branch_gaps
-        for step in range(steps - 1):
-            embeds = draft._embed(draft.draft_to_target_ids(beam_ids).view(1, k))
-            out = state.layer((committed + step).expand(k), embeds, out, bucket, slots=committed + self.branch_offsets + step, gaps=gaps)
-            child_probs, child_ids = torch.softmax(draft.logits(out)[0].float(), dim=-1).topk(k)
-            level, level_ids, kept, beam_scores, beam_ids = expand_beams(beam_scores, child_probs, child_ids, k)
-            scores.append(level)
-            ids.append(level_ids)
-            parents.append(beams.repeat_interleave(k))
-            out = out.index_select(1, torch.div(kept, k, rounding_mode="floor"))
-            beams = level_start(step, k) + kept
-        chosen, node_parents = choose_nodes(torch.cat(scores), torch.cat(parents), self.width - 1)
+
+        def chained(step: int, draft_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            embeds = draft._embed(draft.draft_to_target_ids(draft_ids).view(1, k))
+            out = state.layer((committed + step).expand(k), embeds, hidden, bucket, slots=committed + self.branch_offsets + step, gaps=gaps)
+            return out, draft.logits(out)[0]
+
+        # the beams along the sequence of one row
+        chosen, ids, node_parents, _ = grow_tree(logits[0], out.expand(1, k, -1), chained, steps, k, self.width - 1, beam_axis=1)
         self.verify_tokens[0, :1].copy_(self.pending_tokens[0].index_select(0, row))
-        self.verify_tokens[0, 1:].copy_(draft.draft_to_target_ids(torch.cat(ids).index_select(0, chosen)))
+        self.verify_tokens[0, 1:].copy_(draft.draft_to_target_ids(ids))
         self.node_parents.copy_(node_parents)
         self.node_depths.copy_(self.candidate_depths.index_select(0, chosen))
 

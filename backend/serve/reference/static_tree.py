@@ -1,17 +1,21 @@
 """SGLang's EAGLE tree on the static decoder, as fixed-shape tensor ops: candidates, selection, ancestor masks, accepted path.
 
-The same tree as draft_tree.py's replay (SGLang's `select_top_k_tokens` and `organize_draft_results`), but each piece
-is a tensor function of fixed shapes, with no host sync, so a draft round and a verify stay one captured CUDA graph
-each. Nodes are the num_draft_tokens - 1 chosen candidates in candidate order (level by level); a verify's row n + 1
+One tree for the static decoder's rounds and draft_tree.py's replay (SGLang's `select_top_k_tokens` and
+`organize_draft_results`): each piece is a tensor function of fixed shapes, with no host sync, so a draft round and a
+verify stay one captured CUDA graph each; the two callers differ only in how they run a draft step (grow_tree's
+`step`). Nodes are the num_draft_tokens - 1 chosen candidates in candidate order (level by level); a verify's row n + 1
 is node n, row 0 the root (the last emitted token). parents: a node's parent node, ROOT, or DETACHED (a parent not
 chosen, possible only on a tie of scores: never reached).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from backend.serve.reference.draft_tree import DETACHED, ROOT
+ROOT = -1  # a node's parent when it hangs off the root (the last emitted token)
+DETACHED = -2  # a chosen node whose parent was not chosen (a tie in scores): verification never reaches it
 
 
 def candidate_depths(num_steps: int, topk: int, device=None) -> torch.Tensor:
@@ -25,13 +29,38 @@ def level_start(step: int, topk: int) -> int:
     return topk + step * topk * topk
 
 
-def expand_beams(beam_scores: torch.Tensor, child_probs: torch.Tensor, child_ids: torch.Tensor, topk: int):
-    """One step of SGLang's beams: every beam's top-k children scored parent x child; returns the level's candidate
-    scores and ids (flattened beam-major), the kept beams' flat indices, scores and ids."""
-    scores = (beam_scores[:, None] * child_probs).flatten()
-    ids = child_ids.flatten()
-    kept_scores, kept = scores.topk(topk)
-    return scores, ids, kept, kept_scores, ids.index_select(0, kept)
+def grow_tree(
+    first_logits: torch.Tensor,
+    hidden: torch.Tensor,
+    step: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    num_steps: int,
+    topk: int,
+    nodes: int,
+    beam_axis: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SGLang's tree from the draft's logits at the last committed row (first_logits [Vd]) and that row's output
+    expanded to topk beams (`hidden`, the beams along beam_axis): the top-k first tokens are the beams; chained step i
+    runs as step(i, the beams' draft ids [topk], hidden) -> (out, logits [topk, Vd]), every beam's top-k children are
+    scored parent x child and the best k kept (their parents' outputs become `hidden`). Returns the `nodes` best
+    candidates of all levels (choose_nodes), their draft ids, parent nodes and scores."""
+    beam_scores, beam_ids = torch.softmax(first_logits.float(), dim=-1).topk(topk)
+    scores, ids = [beam_scores], [beam_ids]
+    parents = [torch.full((topk,), ROOT, dtype=torch.long, device=beam_ids.device)]
+    beams = torch.arange(topk, device=beam_ids.device)
+    for index in range(num_steps - 1):
+        out, logits = step(index, beam_ids, hidden)
+        child_probs, child_ids = torch.softmax(logits.float(), dim=-1).topk(topk)  # [beam, child]
+        level, level_ids = (beam_scores[:, None] * child_probs).flatten(), child_ids.flatten()
+        scores.append(level)
+        ids.append(level_ids)
+        parents.append(beams.repeat_interleave(topk))
+        beam_scores, kept = level.topk(topk)
+        beam_ids = level_ids.index_select(0, kept)
+        hidden = out.index_select(beam_axis, torch.div(kept, topk, rounding_mode="floor"))
+        beams = level_start(index, topk) + kept
+    all_scores = torch.cat(scores)
+    chosen, node_parents = choose_nodes(all_scores, torch.cat(parents), nodes)
+    return chosen, torch.cat(ids).index_select(0, chosen), node_parents, all_scores.index_select(0, chosen)
 
 
 def choose_nodes(scores: torch.Tensor, parents: torch.Tensor, nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
