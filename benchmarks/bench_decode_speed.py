@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.bench.spec_settings import chat_prompt_ids
-from backend.serve.reference.draft_tree import TreeSetting
+from backend.serve.spec_setting import TreeSetting, verify_width
 from backend.serve.reference.spec_decode import NO_EOS, SpecDecoder, eos_ids
 from backend.serve.reference.static_decode import ATTENTION_KINDS, LINEAR_KINDS, StaticDecoder, StepTimes
 from backend.train.draft import DraftKVCache
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     for tree in trees:
         shape_args = {"num_steps": tree.num_steps, "topk": tree.topk, "num_draft_tokens": tree.num_draft_tokens}
         shapes.append((f"t{tree.num_steps}x{tree.topk}n{tree.num_draft_tokens}", shape_args))
-    widest = max([max(args.num_steps) * max(args.branches) + 1] + [tree.num_draft_tokens for tree in trees])
+    widest = max([verify_width(max(args.num_steps), branches=max(args.branches))] + [verify_width(t.num_steps, t.topk, t.num_draft_tokens) for t in trees])
     max_len = max(len(ids) for batch in encoded.values() for ids in batch) + max_new + widest
     labels = ", ".join(f"{label} (rows *{suffix})" if suffix else label for suffix, _, _, label in drafts)
     print(f"target {profile.target.path} {dtype} on {device} (loaded in {load_s:.1f} s); drafts {labels}; sets {list(encoded)}", flush=True)

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from backend.serve.acceptance import bootstrap_interval, mean_of_request_means, pooled_accept_length
-from backend.serve.reference.draft_tree import TreeSetting, greedy_rows, replay
+from backend.serve.reference.draft_tree import greedy_rows, replay
+from backend.serve.spec_setting import TreeSetting
 from backend.serve.reference.spec_decode import NO_EOS
 
 # The chain the project's profiles serve first (the baseline every other row is compared with), deeper chains, trees

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from backend.profiles import Profile
+from backend.serve.spec_setting import verify_width
 
 # Flags of reference/sglang-eagle3.md section 1 that every EAGLE-3 launch sets explicitly.
 REQUIRED_FLAGS = (
@@ -117,7 +118,7 @@ def parse_flag_values(argv: list[str]) -> dict[str, Any]:
 def expected_spec_settings(profile: Profile) -> dict[str, int]:
     """What /get_server_info should report after SGLang's own adjustment (topk 1 forces draft tokens = steps + 1)."""
     serve = profile.serve
-    tokens = serve.num_steps + 1 if serve.eagle_topk == 1 else serve.num_draft_tokens
+    tokens = verify_width(serve.num_steps, serve.eagle_topk, serve.num_draft_tokens)
     return {"speculative_num_steps": serve.num_steps, "speculative_eagle_topk": serve.eagle_topk, "speculative_num_draft_tokens": tokens}
 
 

@@ -26,56 +26,10 @@ import torch
 
 from backend.serve.reference.spec_decode import GenerateResult, SpecDecoder
 from backend.serve.reference.static_tree import DETACHED, ROOT, grow_tree
+from backend.serve.spec_setting import TreeSetting
 from backend.train.draft import DraftKVCache, Eagle3Draft
 
-__all__ = ["DETACHED", "ROOT", "DraftTree", "TreeSetting", "draft_tree", "greedy_rows", "replay"]
-
-
-@dataclass(frozen=True)
-class TreeSetting:
-    """SGLang's three speculative settings: draft steps (tree depth), branching per step, tokens verified per round
-    (the root included)."""
-
-    num_steps: int
-    topk: int
-    num_draft_tokens: int
-
-    def __post_init__(self) -> None:
-        if self.num_steps < 1 or self.topk < 1:
-            raise ValueError(f"setting {self.label}: num_steps and topk must be at least 1")
-        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(
-                f"setting {self.label}: at topk 1 SGLang verifies num_steps + 1 = {self.num_steps + 1} tokens (it adjusts num_draft_tokens to that)"
-            )
-        if not 2 <= self.num_draft_tokens <= self.candidates + 1:
-            raise ValueError(
-                f"setting {self.label}: num_draft_tokens must be between 2 and {self.candidates + 1} "
-                f"(the root and the {self.candidates} candidates of {self.num_steps} steps at topk {self.topk})"
-            )
-
-    @classmethod
-    def parse(cls, text: str) -> TreeSetting:
-        """STEPS,TOPK,TOKENS (SpecForge's bench_eagle3 --config-list order, without the batch size), or STEPS,1
-        for a chain."""
-        parts = text.split(",")
-        try:
-            values = [int(part) for part in parts]
-        except ValueError:
-            values = []
-        if len(values) == 2 and values[1] == 1:
-            values.append(values[0] + 1)
-        if len(values) != 3:
-            raise ValueError(f"setting {text!r}: expected STEPS,TOPK,TOKENS (e.g. 3,4,8) or STEPS,1 for a chain")
-        return cls(*values)
-
-    @property
-    def label(self) -> str:
-        return f"{self.num_steps},{self.topk},{self.num_draft_tokens}"
-
-    @property
-    def candidates(self) -> int:
-        """Draft tokens scored per round, before the best num_draft_tokens - 1 are kept."""
-        return self.topk + (self.num_steps - 1) * self.topk**2
+__all__ = ["DETACHED", "ROOT", "DraftTree", "draft_tree", "greedy_rows", "replay"]
 
 
 @dataclass

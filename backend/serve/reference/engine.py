@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from backend.serve.reference import hf_tokenizer
+from backend.serve.spec_setting import verify_width
 from backend.train.compile_cache import cache_file, load_artifacts, save_artifacts
 from backend.train.target import load_target
 
@@ -285,9 +286,8 @@ class Engine:
             try:
                 if compile_cache is not None:
                     load_artifacts(compile_cache, log)
-                # + one verify's width: the server admits prompt + max_new_tokens <= context_len, a verify writes 1 + branches x
-                # num_steps rows past it (a tree: num_draft_tokens)
-                width = (kernels["num_draft_tokens"] or self.num_steps + 1) if kernels["topk"] > 1 else 1 + kernels["branches"] * self.num_steps
+                # + one verify's width: the server admits prompt + max_new_tokens <= context_len, a verify writes its rows past it
+                width = verify_width(self.num_steps, kernels["topk"], kernels["num_draft_tokens"], kernels["branches"])
                 decoder = streaming_decoder_class(StaticDecoder)(
                     self.target.model, draft, max_len=self.context_len + width, compile=compile_steps, **kernels, **kwargs
                 )

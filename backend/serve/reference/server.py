@@ -42,6 +42,7 @@ from backend.serve.reference import openai_api, serving_metrics
 from backend.serve.reference.engine import WEIGHT_VERSION, Engine, Generation, log
 from backend.serve.reference.native_api import PLAIN_SWITCH_INFO, NativeRequest, RequestError, parse_generate
 from backend.serve.reference.openai_api import OpenAIRequestError
+from backend.serve.spec_setting import TreeSetting, verify_width
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
@@ -1067,13 +1068,6 @@ def metric_gauges(info: dict[str, Any], engine: Engine | None) -> dict[str, tupl
 # --------------------------------------------------------------------------- main
 
 
-def verify_width(args, steps: int) -> int:
-    """Tokens a verify step holds: a tree's --num-draft-tokens (SGLang's num_steps + 1 at topk 1), else 1 + branches x steps."""
-    if args.eagle_topk > 1:
-        return args.num_draft_tokens or steps + 1
-    return 1 + args.branches * steps
-
-
 def server_info(profile, args, engine_path: str) -> dict[str, Any]:
     speculative = not args.no_speculation
     steps = args.num_steps or profile.serve.num_steps
@@ -1089,7 +1083,7 @@ def server_info(profile, args, engine_path: str) -> dict[str, Any]:
         "speculative_algorithm": "EAGLE3" if speculative else None,
         "speculative_num_steps": steps if speculative else None,
         "speculative_eagle_topk": args.eagle_topk if speculative else None,
-        "speculative_num_draft_tokens": verify_width(args, steps) if speculative else None,
+        "speculative_num_draft_tokens": verify_width(steps, args.eagle_topk, args.num_draft_tokens, args.branches) if speculative else None,
         "first_step_branches": args.branches if speculative else None,  # reference-only: the draft's K best first tokens, each chained
         "speculative_draft_model_path": args.draft if speculative else None,
         "feed": args.feed if speculative else None,
@@ -1194,14 +1188,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.branches < 1:
         parser.error("--branches must be >= 1")
     if args.eagle_topk > 1 or args.num_draft_tokens is not None:
-        from backend.serve.reference.draft_tree import TreeSetting
-
         steps = args.num_steps or 0
         try:
             if args.branches > 1:
                 raise ValueError("--branches and --eagle-topk do not combine: choose one")
             if steps:
-                TreeSetting(steps, args.eagle_topk, args.num_draft_tokens or steps + 1)
+                TreeSetting.served(steps, args.eagle_topk, args.num_draft_tokens)
         except ValueError as error:
             parser.error(str(error))
     if args.max_body_bytes < 1 or not 0 < args.request_timeout < 86400:

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backend.serve.reference import triton_attention, triton_linear, triton_runtime
-from backend.serve.reference.draft_tree import TreeSetting
 from backend.serve.reference.spec_decode import NO_DRAFT, GenerateResult, SpecDecoder
 from backend.serve.reference.static_tree import ROOT, accepted_path, ancestor_bits, candidate_depths, grow_tree
+from backend.serve.spec_setting import TreeSetting, verify_width
 from backend.train.draft import Eagle3Draft, rotate_half
 
 MIN_BUCKET = 256  # smallest cache prefix a step attends over; prefixes double up to max_len
@@ -484,7 +484,7 @@ class StaticDecoder(SpecDecoder):
         device = self.target.device
         if branches < 1 or (draft is not None and branches > draft.config.draft_vocab_size):
             raise ValueError(f"branches must be between 1 and the draft's vocabulary size, got {branches}")
-        tree = TreeSetting(num_steps, topk, num_draft_tokens or num_steps + 1)  # refuses what SGLang would not run
+        tree = TreeSetting.served(num_steps, topk, num_draft_tokens)  # refuses what SGLang would not run
         if topk > 1 and branches > 1:
             raise ValueError(f"first-step branches ({branches}) and an EAGLE tree (topk {topk}) do not combine: choose one")
         if tree.num_draft_tokens - 1 > triton_attention.TREE_WINDOW or (draft is not None and topk > draft.config.draft_vocab_size):
@@ -498,7 +498,7 @@ class StaticDecoder(SpecDecoder):
         self.branches, self.commit_width, self.topk = branches, num_steps + 1, topk
         # a tree verifies num_draft_tokens rows (the root, then the chosen nodes in candidate order); its beams, like the
         # branches, draft in lanes of their own
-        self.width = tree.num_draft_tokens if topk > 1 else 1 + branches * num_steps
+        self.width = verify_width(num_steps, topk, tree.num_draft_tokens, branches)
         self.lanes = topk if topk > 1 else branches
         limit = getattr(target_model.config, "max_position_embeddings", None) or 4096
         self.max_len = int(max_len or limit)

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from backend.serve.reference.draft_tree import DETACHED, DraftTree, TreeSetting, draft_tree, greedy_rows, replay
+from backend.serve.reference.draft_tree import DETACHED, DraftTree, draft_tree, greedy_rows, replay
 from backend.serve.reference.spec_decode import NO_EOS, SpecDecoder
+from backend.serve.spec_setting import TreeSetting
 from backend.train.draft import DraftKVCache, Eagle3Draft
 from tests.fixtures.drafts import AUX, VOCAB, draft_config, prompts, random_draft, random_target
 
@@ -47,32 +48,6 @@ def scripted(target, sequence, table) -> ScriptedDraft:
 
 def other(token: int, shift: int = 1) -> int:
     return (token + shift) % VOCAB
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [("3,1,4", (3, 1, 4)), ("3,1", (3, 1, 4)), ("7,1", (7, 1, 8)), ("3,4,8", (3, 4, 8)), ("5,4,16", (5, 4, 16)), ("1,4,5", (1, 4, 5))],
-)
-def test_a_setting_reads_as_steps_topk_tokens(text, expected):
-    setting = TreeSetting.parse(text)
-    assert (setting.num_steps, setting.topk, setting.num_draft_tokens) == expected
-    assert setting.label == ",".join(map(str, expected))
-
-
-@pytest.mark.parametrize(
-    ("text", "says"),
-    [
-        ("3,1,6", r"verifies num_steps \+ 1 = 4"),
-        ("3,4,40", "between 2 and 37"),
-        ("3,4,1", "between 2 and 37"),
-        ("0,1", "at least 1"),
-        ("3,4", "expected STEPS,TOPK,TOKENS"),
-        ("three", "expected STEPS,TOPK,TOKENS"),
-    ],
-)
-def test_a_setting_sglang_would_not_run_is_refused_with_the_reason(text, says):
-    with pytest.raises(ValueError, match=says):
-        TreeSetting.parse(text)
 
 
 def test_the_tree_keeps_the_best_candidates_by_path_probability_and_verification_walks_it():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from backend.serve.reference import draft_tree as replay_module
-from backend.serve.reference.draft_tree import DETACHED, TreeSetting, greedy_rows, replay
+from backend.serve.reference.draft_tree import DETACHED, greedy_rows, replay
+from backend.serve.spec_setting import TreeSetting
 from backend.serve.reference.spec_decode import NO_EOS, SpecDecoder
 from backend.serve.reference.static_decode import StaticDecoder
 from backend.serve.reference.static_tree import ROOT, accepted_path, ancestor_bits, candidate_depths, choose_nodes
