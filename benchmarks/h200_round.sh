@@ -15,7 +15,8 @@
 #                 prepare -> data regenerate for REGEN_S seconds (--max-seconds: the val split first, then as many train
 #                 conversations as fit) -> our draft and SpecForge v0.3.0's (SPECFORGE=0: ours only), trained on the
 #                 same data for the same wall-clock budget each (TRAIN_S, SF_S) -> both exported for our engine.
-#                 The agent's cold index runs in the background during prepare/regenerate (timing-free stages). ~450 s.
+#                 The agent's cold index runs in the background during prepare/regenerate (timing-free stages; COLD=0
+#                 skips it, as a REGEN_S=0 phase should: nothing hides its wait then). ~450 s.
 #                 RETURN_REGEN=1 sends the regenerated conversations back (regen.tar.xz.part*, ~5 MB for 12 k): copied
 #                 into .h200-regen and carried with .h200-carry3, a later train phase starts from them (REGEN_S=0:
 #                 trains at once, ~180 s of regeneration saved; REGEN_S>0: the same command resumes, the conversations
@@ -543,8 +544,12 @@ phase_draft() { # carry $CD: the pieces an earlier round's RETURN_DRAFT=1 sent b
 
 phase_train() {
     unpack_target_and_data
-    (timeout "$COLD_S" "$PY" benchmarks/bench_cold_index.py --size-mib "$COLD_MIB" --dir "$DEV/cold" --out "$DEV/cold_index.json" >"$DEV/cold.log" 2>&1) &
-    local cold=$! regen_rc
+    # COLD=0 skips it: with REGEN_S=0 nothing hides it, and its wait came out of training (2026-12-05: 68 s)
+    local cold="" regen_rc
+    if [ "${COLD:-1}" = 1 ]; then
+        (timeout "$COLD_S" "$PY" benchmarks/bench_cold_index.py --size-mib "$COLD_MIB" --dir "$DEV/cold" --out "$DEV/cold_index.json" >"$DEV/cold.log" 2>&1) &
+        cold=$!
+    fi
     stage prepare 45 150 "${HOST[@]}" target prepare smollm2-135m-instruct --gguf "$DEV/smol.gguf" || die "target prepare failed: nothing to train"
     MODEL_DIR=$(model_dir)
     [ -n "$REGEN_BATCH" ] || REGEN_BATCH=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["batch_size"])' "$DEV/regen_batch.json" 2>/dev/null || echo 256)
@@ -583,7 +588,7 @@ EOF
     fi
     note "training data: $(cat "$DEV/data.json")"
     [ "${RETURN_REGEN:-0}" = 1 ] && [ "$DATA" = "$DEV/regen" ] && return_regen
-    wait "$cold" # bounded by COLD_S; it must not run while the trainers are timed
+    [ -z "$cold" ] || wait "$cold" # bounded by COLD_S; it must not run while the trainers are timed
     # 100 s for the trainer's setup, step-0 validation, last validation and export: with the time budget the trainer
     # ends its cosine at TRAIN_S after the step-0 validation, so a setup past the reserve is SIGTERMed short of it
     local room=$((PHASE_S - $(elapsed) - 100 - (SPECFORGE == 1 ? SF_S + 60 : 0) - (${#TWIN} > 0 ? 20 : 0)))
