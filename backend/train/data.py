@@ -334,23 +334,51 @@ def regenerate_conversation(target, messages: list[dict], max_new_tokens: int, c
     return result
 
 
-# What encodes text into ids. tokenizer_config.json is left out: what it adds that matters here (special tokens, the
-# template) is in tokenizer_identity's "specials", and transformers stamps it per version and per load (is_local, ...).
+# A slow tokenizer's files (no tokenizers backend to read the vocabulary and merges from). tokenizer_config.json is
+# left out: what it adds that matters here (special tokens, the template) is in tokenizer_identity's "specials".
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
+# Text that exercises what turns text into ids besides the vocabulary and merges: runs of spaces, tabs and newlines,
+# accents, scripts without spaces, emoji with modifiers and joiners, digits, code, special-token text.
+ENCODING_PROBE = (
+    "Hello, world!  Two  spaces,\tone tab,\nnew line\r\n\n   and trailing   ",
+    "naïve café — “quotes” ‘single’ … ½ ² é vs e\u0301",
+    "数据集 日本語のテキスト 한국어 العربية עברית ไทย",
+    "emoji 🙂👍🏽 and 👩‍💻 joined",
+    "x = f(a_1, b2) ** 3 // 7; print(\"ok\")  # code\n\tif x: return {'k': [1, 2]}",
+    "1234567890 3.14159 1e-9 0x1F 2026-12-05",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|><s></s>[INST]",
+    "\u00a0no-break\u2009thin\u3000ideographic\u200bzero-width",
+)
 
 
 def tokenizer_source(tokenizer) -> str:
-    """The tokenizer's name, or for one loaded from a local dir the sha256 of its vocabulary files: a cache keyed on it
-    holds wherever that dir lies (a prepared target lives under each host's cache dir; the tokens are the same)."""
+    """The tokenizer's name, or for one loaded from a local dir a digest of what it encodes with: its vocabulary, its
+    merges, its added tokens and the ids it gives a probe text. A cache keyed on it holds wherever that dir lies (a
+    prepared target lives under each host's cache dir) and whichever transformers wrote its files: 5.17 and 5.25 write
+    SmolLM2's tokenizer.json differently (another decoder, an empty normalizer) and encode alike."""
     name = tokenizer_name(tokenizer)
     folder = Path(name).expanduser()
-    present = [folder / file for file in TOKENIZER_FILES if (folder / file).is_file()] if folder.is_dir() else []
-    if not present:
+    if not folder.is_dir():
         return name
-    digest = hashlib.sha256()
-    for file in present:
-        digest.update(file.name.encode() + b"\0" + file_sha256(file).encode() + b"\0")
-    return f"files:{digest.hexdigest()[:24]}"
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow tokenizer: its files
+        present = [folder / file for file in TOKENIZER_FILES if (folder / file).is_file()]
+        if not present:
+            return name
+        digest = hashlib.sha256()
+        for file in present:
+            digest.update(file.name.encode() + b"\0" + file_sha256(file).encode() + b"\0")
+        return f"files:{digest.hexdigest()[:24]}"
+    model = json.loads(backend.to_str()).get("model", {})
+    merges = [" ".join(merge) if isinstance(merge, list) else merge for merge in model.get("merges") or []]
+    parts = {
+        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]),
+        "model": model.get("type"),
+        "merges": merges,
+        "added": sorted((index, str(token)) for token, index in tokenizer.get_added_vocab().items()),
+        "probe": tokenizer(list(ENCODING_PROBE), add_special_tokens=False)["input_ids"],
+    }
+    return f"encodes:{hashlib.sha256(json.dumps(parts, ensure_ascii=False).encode()).hexdigest()[:24]}"
 
 
 def tokenizer_identity(tokenizer, template_text: str) -> dict:

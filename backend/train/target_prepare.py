@@ -26,7 +26,7 @@ WHEEL_SCHEME = "wheel:"
 PREPARED_FILE = "prepared.json"
 WHEELS_DIR = "wheels"
 # Bump when the conversion recipe changes, so that directories prepared by an older recipe are not reused.
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2  # 2: the GGUF's own special tokens (eos) over transformers' reading of them
 DEFAULT_DRAFT_VOCAB = 32000
 
 Log = Callable[[str], None]
@@ -208,6 +208,39 @@ def locate_gguf(target: WheelTarget, root: Path, scratch: Path, log: Log, gguf: 
 # --------------------------------------------------------------------------- de-quantizing
 
 
+# The roles a GGUF names by token id. transformers 5.17 (the lent H200's) read SmolLM2's GGUF with <|im_start|> as its
+# eos, where the GGUF says <|im_end|>; 5.25 reads it right. A served target then stopped at the next turn's start.
+GGUF_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+
+
+def gguf_special_tokens(gguf_path: Path) -> dict[str, str]:
+    """{role: token text} for each special-token id the GGUF's tokenizer metadata names (tokenizer.ggml.*_token_id)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    vocab = fields.get("tokenizer.ggml.tokens")
+    if vocab is None:
+        return {}
+    roles = {}
+    for role, key in GGUF_SPECIAL_IDS.items():
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is None:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        if 0 <= token_id < len(vocab.data):
+            roles[role] = bytes(vocab.parts[vocab.data[token_id]]).decode("utf-8")
+    return roles
+
+
+def name_special_tokens(tokenizer, roles: dict[str, str], log: Log) -> None:
+    """Give the tokenizer the GGUF's special tokens where transformers read another (each change logged)."""
+    for role, token in roles.items():
+        current = getattr(tokenizer, role, None)
+        if current != token:
+            setattr(tokenizer, role, token)
+            log(f"  the tokenizer's {role} was {current!r}; the GGUF names {token!r}: set")
+
+
 def dequantized_model(gguf_path: Path, log: Log):
     """(model, tokenizer) from a GGUF: transformers' own de-quantization into a plain (unquantized) fp32 model.
 
@@ -222,6 +255,7 @@ def dequantized_model(gguf_path: Path, log: Log):
     started = time.monotonic()
     config = AutoConfig.from_pretrained(directory, gguf_file=name)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    name_special_tokens(tokenizer, gguf_special_tokens(gguf_path), log)
     log(f"  read the config ({config.model_type}, {config.num_hidden_layers} layers) and tokenizer in {time.monotonic() - started:.1f} s")
     started = time.monotonic()
     with torch.device("meta"):

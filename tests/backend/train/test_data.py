@@ -3,6 +3,7 @@
 import fcntl
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -354,3 +355,37 @@ def test_the_token_cache_follows_a_tokenizers_files_not_the_dir_they_lie_in(tmp_
     changed: list[str] = []
     conversation_samples(AutoTokenizer.from_pretrained(tmp_path / "there"), path, max_len=24, cache_dir=tmp_path / "cache", log=changed.append)
     assert changed[-1].startswith("conversations: cached the tokenized samples at ")  # tokenized anew, its own cache
+
+
+def test_the_token_cache_follows_what_a_tokenizer_encodes_not_how_its_file_is_written(tmp_path):
+    """transformers 5.17 and 5.25 write SmolLM2's tokenizer.json differently (an empty normalizer, another decoder)
+    with the same ids: the cache carried from one is read under the other. A normalizer that changes ids is another key."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    path = write_jsonl(tmp_path / "c.jsonl", [{"conversations": messages} for messages in _records(40)])
+    chat_tokenizer().save_pretrained(tmp_path / "here")
+    written = json.loads((tmp_path / "here" / "tokenizer.json").read_text())
+
+    def variant(name: str, **fields) -> Path:
+        (tmp_path / name).mkdir()
+        for file in (tmp_path / "here").iterdir():
+            (tmp_path / name / file.name).write_bytes(file.read_bytes())
+        (tmp_path / name / "tokenizer.json").write_text(json.dumps({**written, **fields}, indent=4))
+        return tmp_path / name
+
+    def load(folder: Path, log: list[str]):
+        return conversation_samples(AutoTokenizer.from_pretrained(folder), path, max_len=24, cache_dir=tmp_path / "cache", log=log.append)
+
+    first: list[str] = []
+    load(tmp_path / "here", first)
+    assert first[-1].startswith("conversations: cached the tokenized samples at ")
+    rewritten = variant("rewritten", normalizer={"type": "Sequence", "normalizers": []}, decoder={"type": "Sequence", "decoders": []})
+    same: list[str] = []
+    load(rewritten, same)
+    assert len(same) == 1 and "tokenized samples from the cache" in same[0]
+    lowercasing = variant("lowercasing", normalizer={"type": "Lowercase"})
+    other: list[str] = []
+    load(lowercasing, other)
+    assert other[-1].startswith("conversations: cached the tokenized samples at ")  # tokenized anew, its own cache

@@ -19,9 +19,11 @@ from backend.train.target_prepare import (
     KNOWN_TARGETS,
     TargetPrepareError,
     derive_profile,
+    gguf_special_tokens,
     installed_gguf,
     known_target,
     locate_gguf,
+    name_special_tokens,
     prepare_target,
     prepared_dir,
 )
@@ -205,6 +207,28 @@ def test_prepared_tokenizer_round_trips_and_applies_the_chatml_template(prepared
     assert prompt == theirs.apply_chat_template(chat[1:2], tokenize=False, add_generation_prompt=True)
     config = json.loads((prepared / "generation_config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+
+
+@pytest.mark.slow
+def test_a_tokenizer_read_with_another_eos_gets_the_ggufs_own(gguf_path):
+    """transformers 5.17 reads SmolLM2's GGUF with <|im_start|> as eos; the preparation names the GGUF's tokens."""
+    from transformers import AutoTokenizer
+
+    assert gguf_special_tokens(gguf_path) == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>"}
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    text = "<|im_start|>user\nHi<|im_end|>\n"
+    before = tokenizer(text, add_special_tokens=False)["input_ids"]
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_start|>", None  # what 5.17 read
+    lines: list[str] = []
+    name_special_tokens(tokenizer, gguf_special_tokens(gguf_path), lines.append)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token_id) == ("<|im_end|>", 2, 2)
+    assert lines == [
+        "  the tokenizer's eos_token was '<|im_start|>'; the GGUF names '<|im_end|>': set",
+        "  the tokenizer's pad_token was None; the GGUF names '<|im_end|>': set",
+    ]
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == before  # roles only: the same ids
+    name_special_tokens(tokenizer, gguf_special_tokens(gguf_path), lines.append)
+    assert len(lines) == 2  # nothing left to change
 
 
 @pytest.mark.slow
