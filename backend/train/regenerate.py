@@ -50,10 +50,12 @@ def target_fingerprints(path: str | os.PathLike) -> tuple[str, str]:
 
     Config, generation config, tokenizer and template files are hashed whole; each weight file by its name, size and
     its first and last MiB (a safetensors file opens with the name, shape and offset of every tensor). A copy of the
-    same directory elsewhere has the same fingerprint, and so has the same model saved by another transformers
-    version (the fingerprint leaves out the `transformers_version` it writes into its JSON files; the legacy one did
-    not: round 17's regeneration, made on an H200 with transformers 5.17, was "another target" on a host with 5.25).
-    Retrained or other weights, another tokenizer or another config value do not.
+    same directory elsewhere has the same fingerprint; the `transformers_version` a library writes into its JSON files
+    is left out (the legacy one kept it). Tokenizer files are hashed as written, and another transformers may write
+    the same tokenizer otherwise: SmolLM2's prepared on the H200's 5.17 and on 5.25 differ in tokenizer.json and
+    tokenizer_config.json with the same ids, so the two are "another target" to each other (a regeneration carried
+    between them is re-stamped by hand, docs/real-model.md, round 18). Retrained or other weights, another tokenizer
+    or another config value give another fingerprint.
     """
     directory = Path(path).expanduser()
     current, legacy = hashlib.sha256(b"eagle3-target-fingerprint/2\n"), hashlib.sha256(b"eagle3-target-fingerprint/1\n")
