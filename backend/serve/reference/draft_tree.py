@@ -105,7 +105,7 @@ def replay(draft: Eagle3Draft, features: torch.Tensor, sequence: Sequence[int], 
         result.accepted_per_round.append(accepted)
         result.completion_tokens = min(max_new_tokens, result.completion_tokens + accepted + 1)
         start, end = end, end + accepted + 1
-    result.output_ids = sequence[prompt_len : prompt_len + result.completion_tokens]
+    result.output_ids = list(sequence[prompt_len : prompt_len + result.completion_tokens])
     return result
 
 
