@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Callable
 
 from backend import durable
 from backend.layout import SHARD_FORMAT, SHARD_META
-from backend.train.chat_templates import ChatTemplate, render_chat, template_ids, template_text, tokenizer_name
+from backend.train.chat_templates import ChatTemplate, render_chat, template_ids, template_text
 from backend.train.conversations import PREPARE_META, DataError, read_conversation_file
 from backend.train.fsutil import file_sha256
-from backend.train.regenerate import REGENERATE_META, check_regenerated_target, regenerated_meta_for
+from backend.train.regenerate import REGENERATE_META, check_regenerated_target, regenerated_meta_for, stop_token_ids
+from backend.train.tokenizer_identity import tokenizer_identity
 from backend.train.tiny import cache_root, cache_lock, progress_every, progress_line, read_corpus
 
 if TYPE_CHECKING:
@@ -317,81 +318,22 @@ def sample_of(ids: list[int], mask: list[int]) -> Sample:
 
 
 def regenerate_conversation(target, messages: list[dict], max_new_tokens: int, chat_template: str | None = None) -> list[dict]:
-    """Replace each assistant turn with the target's own greedy answer to the (regenerated) history before it."""
+    """Replace each assistant turn with the target's own greedy answer to the (regenerated) history before it; an
+    answer ends where `data regenerate`'s do, at the tokenizer's or the generation config's eos (stop_token_ids)."""
     import torch
 
     tokenizer = target.tokenizer
+    stops = stop_token_ids(target)
     result: list[dict] = []
     for message in messages:
         if message["role"] != "assistant":
             result.append(message)
             continue
         prompt = torch.tensor([template_ids(tokenizer, result, True, chat_template)], dtype=torch.int64)
-        generated = target.greedy_generate(prompt, max_new_tokens, stop_token_id=tokenizer.eos_token_id)[0].tolist()
-        if tokenizer.eos_token_id in generated:
-            generated = generated[: generated.index(tokenizer.eos_token_id)]
+        generated = target.greedy_generate(prompt, max_new_tokens, stop_token_ids=stops)[0].tolist()
+        generated = generated[: next((i for i, token in enumerate(generated) if token in stops), len(generated))]
         result.append({"role": "assistant", "content": tokenizer.decode(generated, skip_special_tokens=True)})
     return result
-
-
-# A slow tokenizer's files (no tokenizers backend to read the vocabulary and merges from). tokenizer_config.json is
-# left out: what it adds that matters here (special tokens, the template) is in tokenizer_identity's "specials".
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
-# Text that exercises what turns text into ids besides the vocabulary and merges: runs of spaces, tabs and newlines,
-# accents, scripts without spaces, emoji with modifiers and joiners, digits, code, special-token text.
-ENCODING_PROBE = (
-    "Hello, world!  Two  spaces,\tone tab,\nnew line\r\n\n   and trailing   ",
-    "naïve café — “quotes” ‘single’ … ½ ² é vs e\u0301",
-    "数据集 日本語のテキスト 한국어 العربية עברית ไทย",
-    "emoji 🙂👍🏽 and 👩‍💻 joined",
-    "x = f(a_1, b2) ** 3 // 7; print(\"ok\")  # code\n\tif x: return {'k': [1, 2]}",
-    "1234567890 3.14159 1e-9 0x1F 2026-12-05",
-    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|><s></s>[INST]",
-    "\u00a0no-break\u2009thin\u3000ideographic\u200bzero-width",
-)
-
-
-def tokenizer_source(tokenizer) -> str:
-    """The tokenizer's name, or for one loaded from a local dir a digest of what it encodes with: its vocabulary, its
-    merges, its added tokens and the ids it gives a probe text. A cache keyed on it holds wherever that dir lies (a
-    prepared target lives under each host's cache dir) and whichever transformers wrote its files: 5.17 and 5.25 write
-    SmolLM2's tokenizer.json differently (another decoder, an empty normalizer) and encode alike."""
-    name = tokenizer_name(tokenizer)
-    folder = Path(name).expanduser()
-    if not folder.is_dir():
-        return name
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:  # a slow tokenizer: its files
-        present = [folder / file for file in TOKENIZER_FILES if (folder / file).is_file()]
-        if not present:
-            return name
-        digest = hashlib.sha256()
-        for file in present:
-            digest.update(file.name.encode() + b"\0" + file_sha256(file).encode() + b"\0")
-        return f"files:{digest.hexdigest()[:24]}"
-    model = json.loads(backend.to_str()).get("model", {})
-    merges = [" ".join(merge) if isinstance(merge, list) else merge for merge in model.get("merges") or []]
-    parts = {
-        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]),
-        "model": model.get("type"),
-        "merges": merges,
-        "added": sorted((index, str(token)) for token, index in tokenizer.get_added_vocab().items()),
-        "probe": tokenizer(list(ENCODING_PROBE), add_special_tokens=False)["input_ids"],
-    }
-    return f"encodes:{hashlib.sha256(json.dumps(parts, ensure_ascii=False).encode()).hexdigest()[:24]}"
-
-
-def tokenizer_identity(tokenizer, template_text: str) -> dict:
-    """What a tokenization depends on besides the data: the tokenizer (its files), size, special tokens, and the template."""
-    specials = json.dumps(
-        {
-            "special": sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []) or []),
-            "added": sorted(str(t) for t in (getattr(tokenizer, "get_added_vocab", dict)() or {})),
-            "template": template_text,
-        },
-        sort_keys=True,
-    )
-    return {"name": tokenizer_source(tokenizer), "vocab": len(tokenizer), "specials": hashlib.sha256(specials.encode()).hexdigest()[:16]}
 
 
 def chat_cache_path(key: dict, cache_dir: Path | None = None) -> Path:

@@ -18,7 +18,8 @@ from backend.train.chat_templates import template_ids
 from backend.train.conversations import PREPARE_META, SPLIT_FILES, DataError, content_digest, iter_conversations
 from backend.durable import fsync_path
 from backend.train.fsutil import PRIVATE_DIR, PRIVATE_FILE, file_sha256
-from backend.train.target import _output_cache
+from backend.train.target import _output_cache, load_tokenizer
+from backend.train.tokenizer_identity import tokenizer_behaviour
 from backend.durable import write_atomic
 
 REGENERATE_META = "regenerate.json"  # written first (settings) and again last (complete: true); a complete dir trains
@@ -27,7 +28,8 @@ SKIPPED_FILE = "skipped.jsonl"  # conversations that produced no answer (the fir
 LOCK_FILE = ".regenerate.lock"
 SPLITS = ("train", "val")
 # Files whose bytes identify a target besides its weights (hashed whole); weights are hashed by size, head and tail.
-_IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "model.safetensors.index.json")
+_TOKENIZER_IDENTITY_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # hashed by behaviour now
+_IDENTITY_FILES = ("config.json", "generation_config.json", *_TOKENIZER_IDENTITY_FILES, "model.safetensors.index.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SAMPLE_BYTES = 1 << 20
 _VERSION_STAMPS = ("transformers_version",)  # written by whichever library version saved the dir: not the model
@@ -44,36 +46,53 @@ def _stderr(message: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def target_fingerprints(path: str | os.PathLike) -> tuple[str, str]:
-    """(the fingerprint, the legacy one written before 2026-12-04): hashes that tell one target directory from another
-    without reading every weight byte.
+def target_fingerprints(path: str | os.PathLike) -> tuple[str, ...]:
+    """The fingerprint of a target directory, then the earlier forms a regeneration may have recorded (2: before
+    2026-12-05, 1: before 2026-12-04): hashes that tell one target from another without reading every weight byte.
 
-    Config, generation config, tokenizer and template files are hashed whole; each weight file by its name, size and
-    its first and last MiB (a safetensors file opens with the name, shape and offset of every tensor). A copy of the
-    same directory elsewhere has the same fingerprint; the `transformers_version` a library writes into its JSON files
-    is left out (the legacy one kept it). Tokenizer files are hashed as written, and another transformers may write
-    the same tokenizer otherwise: SmolLM2's prepared on the H200's 5.17 and on 5.25 differ in tokenizer.json and
-    tokenizer_config.json with the same ids, so the two are "another target" to each other (a regeneration carried
-    between them is re-stamped by hand, docs/real-model.md, round 18). Retrained or other weights, another tokenizer
-    or another config value give another fingerprint.
+    Config and generation config are hashed whole, without the `transformers_version` a library writes into them
+    (form 1 kept it); each weight file by its name, size and its first and last MiB (a safetensors file opens with the
+    name, shape and offset of every tensor); the tokenizer by what it does (tokenizer_behaviour: what it encodes with,
+    its special tokens and their ids, its chat template), read by loading it, not by its files' bytes, which another
+    transformers writes otherwise (SmolLM2's prepared on the H200's 5.17 and on 5.25: another tokenizer.json and
+    tokenizer_config.json, the same tokenizer; forms 1 and 2 hashed the files, so those were "another target" to each
+    other). A directory whose tokenizer does not load has its tokenizer files hashed instead. A copy elsewhere, or one
+    written by another transformers, has the same fingerprint; retrained or other weights, another tokenizer, eos or
+    template, or another config value give another.
     """
     directory = Path(path).expanduser()
-    current, legacy = hashlib.sha256(b"eagle3-target-fingerprint/2\n"), hashlib.sha256(b"eagle3-target-fingerprint/1\n")
     if not directory.is_dir():
         raise DataError(f"target {directory} is not a model directory")
+    behaviour = _tokenizer_behaviour(directory)
+    forms = [hashlib.sha256(f"eagle3-target-fingerprint/{form}\n".encode()) for form in (3, 2, 1)]
+    current, files, legacy = forms
     for entry in sorted(directory.iterdir()):
         if entry.name in _IDENTITY_FILES and entry.is_file():
             legacy.update(f"{entry.name}\n".encode() + bytes.fromhex(file_sha256(entry)))
-            current.update(f"{entry.name}\n".encode() + _identity_file_digest(entry))
+            named = f"{entry.name}\n".encode() + _identity_file_digest(entry)
+            files.update(named)
+            if behaviour is None or entry.name not in _TOKENIZER_IDENTITY_FILES:
+                current.update(named)
         elif entry.suffix in _WEIGHT_SUFFIXES and entry.is_file():
             size = entry.stat().st_size
             with open(entry, "rb") as handle:
                 head = handle.read(_SAMPLE_BYTES)
                 handle.seek(max(0, size - _SAMPLE_BYTES))
                 tail = handle.read(_SAMPLE_BYTES)
-            for digest in (current, legacy):
+            for digest in forms:
                 digest.update(f"{entry.name} {size}\n".encode() + head + tail)
-    return current.hexdigest(), legacy.hexdigest()
+    if behaviour is not None:
+        current.update(f"tokenizer {behaviour}\n".encode())
+    return tuple(digest.hexdigest() for digest in forms)
+
+
+def _tokenizer_behaviour(directory: Path) -> str | None:
+    """tokenizer_behaviour of the directory's tokenizer; None where none loads (weights alone, remote code)."""
+    try:
+        tokenizer = load_tokenizer(str(directory))
+    except Exception:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError... for a dir it cannot read
+        return None
+    return tokenizer_behaviour(tokenizer)
 
 
 def _identity_file_digest(path: Path) -> bytes:
@@ -95,7 +114,7 @@ def target_fingerprint(path: str | os.PathLike) -> str:
 
 
 def same_target(recorded: str, path: str | os.PathLike) -> bool:
-    """Whether a recorded fingerprint, current or legacy, is the target directory at `path`."""
+    """Whether a recorded fingerprint, of any form, is the target directory at `path`."""
     return recorded in target_fingerprints(path)
 
 

@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Collection
 from backend.train.tiny import ensure_tiny_target, ByteTokenizer, is_tiny_target_dir
 from backend.train.target_prepare import resolve_wheel_target
 
@@ -319,7 +319,7 @@ class TargetModel:
                 return TargetBatch(aux_hidden=aux, logits=self.model.get_output_embeddings()(last).to(out))
         return TargetBatch(aux_hidden=aux, last_hidden=last.to(out))
 
-    def greedy_generate(self, prompt_ids, max_new_tokens: int, prompt_mask=None, stop_token_id: int | None = None):
+    def greedy_generate(self, prompt_ids, max_new_tokens: int, prompt_mask=None, stop_token_ids: Collection[int] = ()):
         """KV-cached greedy continuation of left-padded prompts [B, P] -> generated ids [B, N] (pad after a stop)."""
         import torch
 
@@ -329,6 +329,7 @@ class TargetModel:
         pad_id = getattr(self.tokenizer, "pad_token_id", None)
         pad_id = 0 if pad_id is None else pad_id
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+        stop_ids = torch.tensor(sorted(stop_token_ids), dtype=torch.int64, device=device)
         generated = []
         cache = None
         step_input = ids
@@ -341,8 +342,8 @@ class TargetModel:
                 token = output.logits[:, -1].argmax(-1)
                 token = torch.where(finished, torch.full_like(token, pad_id), token)
                 generated.append(token)
-                if stop_token_id is not None:
-                    finished |= token == stop_token_id
+                if stop_token_ids:
+                    finished |= torch.isin(token, stop_ids)
                     if bool(finished.all()):
                         break
                 step_input = token[:, None]

@@ -673,7 +673,7 @@ def test_the_same_model_saved_by_another_transformers_version_is_the_same_target
         stamped = json.loads((copy / name).read_text())
         (copy / name).write_text(json.dumps(stamped | {"transformers_version": "0.0.1"}, indent=3))
     assert target_fingerprint(copy) == target_fingerprint(world["target_dir"])
-    assert target_fingerprints(copy)[1] != target_fingerprints(world["target_dir"])[1]  # the legacy fingerprint told them apart
+    assert target_fingerprints(copy)[2] != target_fingerprints(world["target_dir"])[2]  # the first form told them apart
     changed = tmp_path / "changed"
     shutil.copytree(copy, changed)
     config = json.loads((changed / "config.json").read_text())
@@ -694,7 +694,7 @@ def test_the_same_model_saved_by_another_transformers_version_is_the_same_target
     assert reused["reused"] == made["counts"]["done"] and reused["runs"][-1]["conversations"] == 0
 
     meta = json.loads((out / "regenerate.json").read_text())
-    meta["target"]["fingerprint"] = target_fingerprints(world["target_dir"])[1]  # as written before 2026-12-04
+    meta["target"]["fingerprint"] = target_fingerprints(world["target_dir"])[2]  # as written before 2026-12-04
     (out / "regenerate.json").write_text(json.dumps(meta))
     assert check_regenerated_target(out, str(world["target_dir"])) is not None
     with pytest.raises(DataError, match="not by this run's target"):
@@ -705,3 +705,57 @@ def test_the_same_model_saved_by_another_transformers_version_is_the_same_target
     run_regenerate(world, out, batch_size=8)
     assert (out / "train.jsonl").read_bytes() == finished
     assert json.loads((out / "regenerate.json").read_text())["target"]["fingerprint"] == target_fingerprint(world["target_dir"])
+
+
+def test_regenerate_tokens_ends_each_answer_where_data_regenerate_does(world, tmp_path):
+    """train's --regenerate-tokens (data.regenerate_conversation) stops an answer at the ids `data regenerate` stops at:
+    the tokenizer's eos and the generation config's. transformers 5.17 read SmolLM2's GGUF with <|im_start|> as the
+    tokenizer's eos (round 18): the old path stopped at that alone and ran on through <|im_end|>."""
+    from backend.train.data import regenerate_conversation
+
+    run_regenerate(world, tmp_path / "regen", batch_size=8)
+    target = load_target(parse_profile(world["raw"], "mini"))
+    target.tokenizer.eos_token = "<|im_start|>"  # the generation config still names <|im_end|>
+    assert stop_token_ids(target) == {target.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
+    made = {row["key"]: row for row in rows(tmp_path / "regen")}
+    sources = list(iter_conversations(world["prep"] / "train.jsonl"))
+    assert len(made) == len(sources) and any("eos" in row["finish"] for row in made.values())
+    for index, conversation in enumerate(sources):
+        answered = regenerate_conversation(target, conversation.messages, 12, CHATML)
+        assert answered == made[f"train:{index}"]["conversations"], index
+
+
+def test_a_tokenizer_written_otherwise_is_the_same_target_and_another_eos_is_not(world, tmp_path):
+    """The fingerprint reads the tokenizer by what it does, not its files' bytes: transformers 5.17 and 5.25 write
+    SmolLM2's tokenizer.json and tokenizer_config.json differently (other keys, another decoder block) with the same
+    behaviour, and a regeneration made on one host is read on the other. Another eos is another target (5.17 read
+    the GGUF's eos as <|im_start|>, round 18), and a regeneration recorded with the earlier file-hash form still reads
+    with the very directory it was made with."""
+    import shutil
+
+    from backend.train.regenerate import check_regenerated_target, target_fingerprints
+
+    out = tmp_path / "regen"
+    run_regenerate(world, out, batch_size=8)
+    rewritten = tmp_path / "rewritten"
+    shutil.copytree(world["target_dir"], rewritten)
+    config = json.loads((rewritten / "tokenizer_config.json").read_text())
+    (rewritten / "tokenizer_config.json").write_text(json.dumps(config | {"is_local": True, "local_files_only": False}, indent=1))
+    tokenizer_json = json.loads((rewritten / "tokenizer.json").read_text())
+    (rewritten / "tokenizer.json").write_text(json.dumps(tokenizer_json, indent=4, ensure_ascii=True))
+    assert target_fingerprints(rewritten)[1] != target_fingerprints(world["target_dir"])[1]  # the file-hash form: "another"
+    assert target_fingerprint(rewritten) == target_fingerprint(world["target_dir"])
+    assert check_regenerated_target(out, str(rewritten)) is not None
+
+    other_eos = tmp_path / "other-eos"
+    shutil.copytree(world["target_dir"], other_eos)
+    (other_eos / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": "<|im_start|>"}))
+    assert target_fingerprint(other_eos) != target_fingerprint(world["target_dir"])
+    with pytest.raises(DataError, match="not by this run's target"):
+        check_regenerated_target(out, str(other_eos))
+
+    meta = json.loads((out / "regenerate.json").read_text())
+    (out / "regenerate.json").write_text(json.dumps(meta | {"target": meta["target"] | {"fingerprint": target_fingerprints(world["target_dir"])[1]}}))
+    assert check_regenerated_target(out, str(world["target_dir"])) is not None
+    with pytest.raises(DataError, match="not by this run's target"):
+        check_regenerated_target(out, str(rewritten))  # recorded as files: only the same files match it
