@@ -395,9 +395,7 @@ phase_carry3() {
     if [ -f "$C3/sgdev_reuse.tar.xz" ]; then # the prepare dir they answered, when sgdev is another (h200_carry.sh: REUSE_LIMIT)
         cp "$C3/sgdev_reuse.tar.xz" "$DEV/" && note "carry3: the prepare dir those conversations answered (data regenerate --reuse) in $DEV"
     fi
-    if compgen -G "$CC/compile_*.bin" >/dev/null; then # an earlier round's torch.compile artifacts (carried beside carry3)
-        cp "$CC"/compile_*.bin "$DEV/" && note "carry3: torch.compile's artifacts from an earlier round in $DEV: $(cd "$CC" && du -h compile_*.bin | tr '\n\t' ', ')"
-    fi
+    unpack_compile_artifacts
     if [ -f "$C3/chat_tokens.tar.xz" ]; then # ShareGPT tokenized here: the trainer's cache finds it when its key matches
         "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$C3/chat_tokens.tar.xz" "$EAGLE3_CACHE_DIR" &&
             note "carry3: ShareGPT's tokenized samples in $EAGLE3_CACHE_DIR/chat-tokens (used when the tokenizer's files match)"
@@ -512,6 +510,13 @@ train_ours() { # [resume]: our trainer in $DEV/$RUN (default ours): setup, then 
     "${HOST[@]}" export "$DEV/$RUN" "$DEV/${RUN}_draft"
 }
 
+unpack_compile_artifacts() { # an earlier round's torch.compile artifacts, when this call carries $CC: beside carry3
+    # when it fits (64 MiB with the working tree), else with the train call after PHASE=prepare, which carries nothing else
+    if compgen -G "$CC/compile_*.bin" >/dev/null; then
+        cp "$CC"/compile_*.bin "$DEV/" && note "$PHASE: torch.compile's artifacts from an earlier round in $DEV: $(cd "$CC" && du -h compile_*.bin | tr '\n\t' ', ')"
+    fi
+}
+
 unpack_target_and_data() { # after carry1 and carry3, carrying $C2: the GGUF joined, ShareGPT and HumanEval unpacked in $DEV
     # (after PHASE=prepare on this machine the GGUF is joined already: a train phase then carries nothing)
     [ -d "$DEV/specforge-v0.3.0" ] && [ -d "$SITE/pydantic" ] ||
@@ -526,6 +531,7 @@ unpack_target_and_data() { # after carry1 and carry3, carrying $C2: the GGUF joi
     rm -rf "$DEV/regen" "$DEV/regen_reuse" "$DEV/ours" "$DEV/ours_draft" "$DEV/sf" "$DEV/sgdev" "$DEV/sgdev_reuse" "$DEV/data.json"
     if [ "$joined" = 1 ]; then
         note "the GGUF and HumanEval from an earlier phase on this machine ($DEV/smol.gguf): $C2 not needed"
+        unpack_compile_artifacts
     else
         cat "$DEV/smol.part.aa" "$DEV/smol.part.ab" "$C2/smol.part.ac" >"$DEV/smol.gguf" && rm "$DEV/smol.part.aa" "$DEV/smol.part.ab"
         cp "$C2/humaneval.jsonl" "$DEV/"
