@@ -140,6 +140,9 @@ COMPILED_LINEAR=${COMPILED_LINEAR:-1}
 # COMPILED_LINEAR_ALL=1: decode_compiled_linear_all, the same rows with --linear triton-all (the kernel for a verify's
 # rows too; off by default: its tl.dot form lost inside whole steps, 1.75 vs 1.08 ms a verify, 2026-12-03)
 COMPILED_LINEAR_ALL=${COMPILED_LINEAR_ALL:-0}
+# COMPILED_LINEAR_ROWS=1: decode_compiled_linear_rows, the same rows with --linear triton-rows (a verify's rows as a
+# row grid of the one-row kernel; written 2026-12-05, not yet timed on a GPU)
+COMPILED_LINEAR_ROWS=${COMPILED_LINEAR_ROWS:-0}
 # DECODE=0: skip the first serve stage (graphs without compile, 3 and 7 steps, the transformers anchors)
 DECODE=${DECODE:-1}
 # BRANCHES: the compiled stages' first-step branches (bench_decode_speed.py --branches; "1 2": the chain and a tree of
@@ -815,6 +818,7 @@ phase_serve() {
     [ "$COMPILED_TRITON" = 1 ] && stage decode_compiled_triton $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_triton.json" --attention triton
     [ "$COMPILED_LINEAR" = 1 ] && stage decode_compiled_linear $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear.json" --attention triton --linear triton
     [ "$COMPILED_LINEAR_ALL" = 1 ] && stage decode_compiled_linear_all $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear_all.json" --attention triton --linear triton-all
+    [ "$COMPILED_LINEAR_ROWS" = 1 ] && stage decode_compiled_linear_rows $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear_rows.json" --attention triton --linear triton-rows
     if [ "$CHAIN" = 1 ] && [ ! -f "$DEV/ours/checkpoints/latest" ]; then
         note "chain skipped: no training checkpoint in $DEV (a carried draft); serving the draft for the per-set bench instead"
         stage serve_carried 150 270 serve_carried

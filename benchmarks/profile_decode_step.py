@@ -55,6 +55,9 @@ VARIANTS = {
     # the kernel for a verify's (and the draft commit's) rows too: its loop over the rows inside whole steps
     "graphs_linear_triton_all": {"compile": False, "attention": "triton", "linear": "triton-all"},
     "compiled_linear_triton_all": {"compile": True, "attention": "triton", "linear": "triton-all"},
+    # those rows as a row grid: each row in programs of its own, the one-row kernel (2026-12-05, untimed until then)
+    "graphs_linear_triton_rows": {"compile": False, "attention": "triton", "linear": "triton-rows"},
+    "compiled_linear_triton_rows": {"compile": True, "attention": "triton", "linear": "triton-rows"},
 }
 KINDS = (  # kernel name fragments, first match wins
     ("attention", ("fmha", "flash", "attention", "efficient_attention")),
@@ -261,7 +264,8 @@ def _graphed_us(call, repeats: int = 20, replays: int = 20) -> float:
 def linear_shapes(model, aux, prompts, max_new: int, max_len: int) -> list[dict]:
     """Each product of the target's step at 1, 2, 4 and 8 rows (a decode, a verify of 1, 3 and 7 steps), timed alone under a CUDA graph: the eager ops around
     cuBLAS, cuBLAS alone, and triton_linear's kernel at its default tile and at half / double / 4x the columns (its
-    rows in turn against each weight tile where there are several)."""
+    rows in turn against each weight tile where there are several), and over several rows as a row grid (each row in
+    programs of its own at the one-row tile: the linear kind "triton-rows")."""
     import torch
     import torch.nn.functional as F
 
@@ -289,6 +293,10 @@ def linear_shapes(model, aux, prompts, max_new: int, max_len: int) -> list[dict]
                 tile = (default[0], column_block, inner_block)
                 row["triton_us"][f"{column_block}x{inner_block}"] = round(
                     _graphed_us(lambda tile=tile: launch(x, weight, None, norm, 1e-5, residual, gated, tile)), 2
+                )
+            if rows > 1:
+                row["triton_row_grid_us"] = round(
+                    _graphed_us(lambda: launch(x, weight, None, norm, 1e-5, residual, gated, tiles(1, columns, inner), row_grid=True)), 2
                 )
             rows_out.append(row)
     return rows_out

@@ -46,8 +46,11 @@ ATTENTION_CHOICES = ("auto", *ATTENTION_KINDS)
 # decode step went from 1.01 to 0.83 ms, plain decoding from 897-955 to 1,124-1,127 tok/s in one call, 2026-12-03);
 # the rest (a verify's rows, the LM head, a prompt) go to F.linear. "triton-all": the kernel for a verify's rows too
 # (up to triton_linear.MAX_ROWS; its loop over the rows lost to "triton" in whole steps: a 4-row verify 1.48 vs 1.08
-# ms, a 7-row one 5.48 vs 1.12, one H200, 2026-12-03). The draft's steps take the target's kinds.
-LINEAR_KINDS = ("torch", "triton", "triton-all")
+# ms, a 7-row one 5.48 vs 1.12, one H200, 2026-12-03). "triton-rows": a verify's rows too, each row in programs of
+# its own running the one-row kernel (the weight read once per row, the later rows from L2; written 2026-12-05 on a
+# CPU, not yet timed on a GPU). The draft's steps take the target's kinds.
+LINEAR_KINDS = ("torch", "triton", "triton-all", "triton-rows")
+MANY_ROW_KINDS = ("triton-all", "triton-rows")  # the kinds that send a verify's rows to the kernel
 # "auto": triton on a CUDA device where its kernel runs, else torch.
 LINEAR_CHOICES = ("auto", *LINEAR_KINDS)
 
@@ -141,8 +144,8 @@ def routed_linear(
 ) -> torch.Tensor:
     """eager_linear's result for a step's rows x [1, rows, in], through the Triton kernel where linear kind `kind`
     (LINEAR_KINDS, resolved) prefers it, else the eager ops."""
-    if kind != "torch" and triton_linear.prefers(x.shape[1], weight.shape[0], many_rows=kind == "triton-all"):
-        return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated)
+    if kind != "torch" and triton_linear.prefers(x.shape[1], weight.shape[0], many_rows=kind in MANY_ROW_KINDS):
+        return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated, row_grid=kind == "triton-rows")
     return eager_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated)
 
 

@@ -78,6 +78,10 @@ def _kernel() -> Any:
         HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     ):  # fmt: skip
         dtype = out_ptr.dtype.element_ty
+        first_row = tl.program_id(1)  # a row grid (launch's row_grid): this program's row; else 0, one program for all rows
+        x_ptr += first_row * stride_x
+        residual_ptr += first_row * stride_residual
+        out_ptr += first_row * stride_out
         row = tl.arange(0, ROWS)
         column = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         real_row, real_column = row < rows, column < columns
@@ -129,8 +133,10 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-def launch(x, weight, bias, norm, eps: float, residual, gated: bool, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """The kernel on x's rows (skinny_linear's arguments); `tile` (row, column, inner block) overrides tiles()."""
+def launch(x, weight, bias, norm, eps: float, residual, gated: bool, tile: tuple[int, int, int] | None = None, row_grid: bool = False) -> torch.Tensor:
+    """The kernel on x's rows (skinny_linear's arguments); `tile` (row, column, inner block) overrides tiles().
+    row_grid: one program per row and column block, each the one-row kernel (the weight tile read once per row, the
+    later reads from L2) instead of one program per column block looping over every row."""
     columns = weight.shape[0]
     inner = x.shape[-1] // 2 if gated else x.shape[-1]
     flat = _rows(x)
@@ -138,10 +144,11 @@ def launch(x, weight, bias, norm, eps: float, residual, gated: bool, tile: tuple
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
     flat_residual = _rows(residual) if residual is not None else out
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    row_block, column_block, inner_block = tile or tiles(rows, columns, inner, interpreted=x.device.type == "cpu")
-    _kernel()[(-(-columns // column_block),)](
+    row_grid = row_grid and rows > 1
+    row_block, column_block, inner_block = tile or tiles(1 if row_grid else rows, columns, inner, interpreted=x.device.type == "cpu")
+    _kernel()[(-(-columns // column_block), rows if row_grid else 1)](
         flat, weight, bias if bias is not None else out, norm if norm is not None else out, flat_residual, out,
-        rows, columns, flat.stride(0), weight.stride(0), flat_residual.stride(0), out.stride(0), eps,
+        1 if row_grid else rows, columns, flat.stride(0), weight.stride(0), flat_residual.stride(0), out.stride(0), eps,
         INNER=inner, ROWS=row_block, BLOCK_N=column_block, BLOCK_K=inner_block,
         HAS_BIAS=bias is not None, HAS_NORM=norm is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
     )  # fmt: skip
@@ -151,13 +158,20 @@ def launch(x, weight, bias, norm, eps: float, residual, gated: bool, tile: tuple
 # An opaque custom op (registered at import; triton itself is imported at the first call), as decode_attention is.
 @torch.library.custom_op("eagle3::skinny_linear", mutates_args=())
 def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None, eps: float, residual: torch.Tensor | None, gated: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    gated: bool,
+    row_grid: bool,
 ) -> torch.Tensor:
-    return launch(x, weight, bias, norm, eps, residual, gated)
+    return launch(x, weight, bias, norm, eps, residual, gated, row_grid=row_grid)
 
 
 @_linear.register_fake
-def _linear_shape(x, weight, bias, norm, eps, residual, gated):
+def _linear_shape(x, weight, bias, norm, eps, residual, gated, row_grid):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -170,13 +184,15 @@ def skinny_linear(
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
     gated: bool = False,
+    row_grid: bool = False,
 ) -> torch.Tensor:
     """residual + linear(rms_norm(x) * norm, weight, bias), each part optional; gated: x is gate | up and the input is
-    silu(gate) * up. x [..., in] with at most MAX_ROWS rows; weight [out, in]; returns [..., out] in x's dtype."""
+    silu(gate) * up. x [..., in] with at most MAX_ROWS rows; weight [out, in]; returns [..., out] in x's dtype.
+    row_grid: the rows in programs of their own (launch)."""
     rows = x.numel() // x.shape[-1]
     if not fits(rows):
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {rows}")
     inner = x.shape[-1] // 2 if gated else x.shape[-1]
     if weight.shape[1] != inner or (norm is not None and norm.shape[0] != inner):
         raise ValueError(f"shapes: x {tuple(x.shape)} (gated={gated}), weight {tuple(weight.shape)}, norm {None if norm is None else tuple(norm.shape)}")
-    return _linear(x, weight, bias, norm, float(eps), residual, gated)
+    return _linear(x, weight, bias, norm, float(eps), residual, gated, row_grid)

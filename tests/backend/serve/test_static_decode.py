@@ -259,11 +259,11 @@ def test_a_draft_head_size_the_triton_attention_cannot_take_keeps_the_math(trito
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("linear", ["triton", "triton-all"])
+@pytest.mark.parametrize("linear", ["triton", "triton-all", "triton-rows"])
 def test_the_triton_linear_gives_the_eager_tokens_and_rounds(linear, triton_interpreter):
     """triton: a plain step's and a chained draft step's products (norm, gate, bias and residual inside) in the
     Triton kernel; a verify's rows, the LM head if it were wide, and the prompt's in F.linear (triton_linear.prefers).
-    triton-all: a verify's rows and the draft's commit rows in the kernel too."""
+    triton-all: a verify's rows and the draft's commit rows in the kernel too; triton-rows: those rows as a row grid."""
     gives_the_eager_tokens_and_rounds(linear=linear)
 
 

@@ -150,10 +150,11 @@ def test_a_tree_keeps_the_right_second_guess_and_gives_the_plain_tokens(steps, t
 
 
 @pytest.mark.slow
-def test_a_tree_through_the_triton_kernels_gives_the_plain_tokens(triton_interpreter):
-    """The tree's ancestor masks through the Triton attention, its rows through the Triton linear, in Triton's
-    interpreter (seconds a round there: 12 tokens)."""
-    tree_rescues(TreeSetting(3, 2, 6), new_tokens=12, attention="triton", linear="triton-all", max_len=256)
+@pytest.mark.parametrize("linear", ["triton-all", "triton-rows"])
+def test_a_tree_through_the_triton_kernels_gives_the_plain_tokens(linear, triton_interpreter):
+    """The tree's ancestor masks through the Triton attention, its rows through the Triton linear (the row loop, or
+    a row grid), in Triton's interpreter (seconds a round there: 12 tokens)."""
+    tree_rescues(TreeSetting(3, 2, 6), new_tokens=12, attention="triton", linear=linear, max_len=256)
 
 
 @pytest.mark.slow

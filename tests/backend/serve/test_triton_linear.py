@@ -60,6 +60,31 @@ def test_equals_the_eager_ops(parts, rows, columns, inner, gpu_tiles):
     torch.testing.assert_close(skinny_linear(x, weight, gated=gated, eps=EPS, **kwargs), out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "parts, dtype", [(parts, torch.float32) for parts in PARTS] + [("qkv: norm + bias", torch.bfloat16), ("down: gate + residual", torch.bfloat16)]
+)
+def test_a_row_grid_computes_each_row_as_the_one_row_kernel_does(parts, dtype):
+    """row_grid (the linear kind "triton-rows"): each row in programs of its own, the one-row kernel's tiles and
+    order, so every row equals that row alone, bit for bit, and the eager ops within rounding; the residual and the
+    output are addressed per row (a residual with a row stride of its own included)."""
+    has_bias, has_norm, has_residual, gated = PARTS[parts]
+    rows, columns, inner = 3, 136, 72
+    x, weight, bias, norm, residual = operands(rows, columns, inner, seed=11, dtype=dtype, gated=gated)
+    residual = torch.cat([residual, residual], dim=-1)[..., :columns] if has_residual else None  # row stride 2 x columns
+    kwargs = {"bias": bias if has_bias else None, "norm": norm if has_norm else None, "residual": residual}
+    for gpu_tiles in (False, True):
+        tile = tiles(1, columns, inner) if gpu_tiles else None
+        grid = launch(x, weight, kwargs["bias"], kwargs["norm"], EPS, residual, gated, tile, row_grid=True)
+        alone = [
+            launch(x[:, r : r + 1], weight, kwargs["bias"], kwargs["norm"], EPS, None if residual is None else residual[:, r : r + 1], gated, tile)
+            for r in range(rows)
+        ]
+        assert torch.equal(grid, torch.cat(alone, dim=1))
+    loose = {"atol": 2e-2, "rtol": 1.6e-2} if dtype == torch.bfloat16 else {"atol": 2e-6, "rtol": 1e-5}
+    torch.testing.assert_close(grid.float(), eager(x, weight, gated=gated, **kwargs).float(), **loose)
+    torch.testing.assert_close(skinny_linear(x, weight, gated=gated, eps=EPS, row_grid=True, **kwargs), grid, atol=0, rtol=0)
+
+
 def test_bfloat16_rounds_where_the_eager_ops_round():
     """Each eager op rounds its result to bf16 (norm, scale, SiLU, product, residual); the kernel rounds at the same
     places, so the two differ by accumulation order only: within one bf16 step of the values."""
