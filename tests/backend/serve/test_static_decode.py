@@ -268,11 +268,11 @@ def test_the_triton_linear_gives_the_eager_tokens_and_rounds(linear, triton_inte
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention, linear", [("math", "torch"), ("triton", "triton")])
+@pytest.mark.parametrize("attention, linear", [("math", "torch"), ("triton", "triton"), ("triton", "triton-rows")])
 def test_compiled_steps_with_math_or_triton_kernels_give_the_eager_tokens_and_rounds(attention, linear, request):
-    """compile=True on CPU (~100 s of inductor each): the fused masked softmax between the two products, or the
-    Triton kernels as opaque ops in the compiled graph (run by Triton's interpreter here), keep every token and
-    round; the GPU captures these same compiled steps."""
+    """compile=True on CPU (~70-100 s of inductor each): the fused masked softmax between the two products, or the
+    Triton kernels as opaque ops in the compiled graph (run by Triton's interpreter here; triton-rows: a verify's
+    rows as a row grid), keep every token and round; the GPU captures these same compiled steps."""
     if attention == "triton":
         request.getfixturevalue("triton_interpreter")
     target = random_target()
