@@ -264,8 +264,8 @@ def _graphed_us(call, repeats: int = 20, replays: int = 20) -> float:
 def linear_shapes(model, aux, prompts, max_new: int, max_len: int) -> list[dict]:
     """Each product of the target's step at 1, 2, 4 and 8 rows (a decode, a verify of 1, 3 and 7 steps), timed alone under a CUDA graph: the eager ops around
     cuBLAS, cuBLAS alone, and triton_linear's kernel at its default tile and at half / double / 4x the columns (its
-    rows in turn against each weight tile where there are several), and over several rows as a row grid (each row in
-    programs of its own at the one-row tile: the linear kind "triton-rows")."""
+    rows in turn against each weight tile where there are several), and over several rows as a row grid of 1, 2 or 4
+    rows a program (1: the linear kind "triton-rows", each row the one-row kernel at its tile)."""
     import torch
     import torch.nn.functional as F
 
@@ -295,9 +295,13 @@ def linear_shapes(model, aux, prompts, max_new: int, max_len: int) -> list[dict]
                     _graphed_us(lambda tile=tile: launch(x, weight, None, norm, 1e-5, residual, gated, tile)), 2
                 )
             if rows > 1:
-                row["triton_row_grid_us"] = round(
-                    _graphed_us(lambda: launch(x, weight, None, norm, 1e-5, residual, gated, tiles(1, columns, inner), row_grid=True)), 2
-                )
+                row["triton_row_grid_us"] = {  # rows a program: 1 (the linear kind "triton-rows"), 2, 4
+                    per: round(
+                        _graphed_us(lambda per=per: launch(x, weight, None, norm, 1e-5, residual, gated, tiles(per, columns, inner), rows_per_program=per)), 2
+                    )
+                    for per in (1, 2, 4)
+                    if per < rows
+                }
             rows_out.append(row)
     return rows_out
 

@@ -78,13 +78,13 @@ def _kernel() -> Any:
         HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     ):  # fmt: skip
         dtype = out_ptr.dtype.element_ty
-        first_row = tl.program_id(1)  # a row grid (launch's row_grid): this program's row; else 0, one program for all rows
+        first_row = tl.program_id(1) * ROWS  # a row grid (launch's rows_per_program): this program's first row; else 0
         x_ptr += first_row * stride_x
         residual_ptr += first_row * stride_residual
         out_ptr += first_row * stride_out
         row = tl.arange(0, ROWS)
         column = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        real_row, real_column = row < rows, column < columns
+        real_row, real_column = row < rows - first_row, column < columns
         if HAS_NORM:
             squares = tl.zeros([ROWS], dtype=tl.float32)
             for start in range(0, INNER, BLOCK_K):
@@ -133,10 +133,11 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-def launch(x, weight, bias, norm, eps: float, residual, gated: bool, tile: tuple[int, int, int] | None = None, row_grid: bool = False) -> torch.Tensor:
+def launch(x, weight, bias, norm, eps: float, residual, gated: bool, tile: tuple[int, int, int] | None = None, rows_per_program: int = 0) -> torch.Tensor:
     """The kernel on x's rows (skinny_linear's arguments); `tile` (row, column, inner block) overrides tiles().
-    row_grid: one program per row and column block, each the one-row kernel (the weight tile read once per row, the
-    later reads from L2) instead of one program per column block looping over every row."""
+    rows_per_program (a power of two; 0: all of them): a row grid, each program taking that many rows of one column
+    block. At 1 every row runs the one-row kernel at its tile (the weight tile read once per row, the later reads from
+    L2), instead of one program per column block looping over every row."""
     columns = weight.shape[0]
     inner = x.shape[-1] // 2 if gated else x.shape[-1]
     flat = _rows(x)
@@ -144,11 +145,14 @@ def launch(x, weight, bias, norm, eps: float, residual, gated: bool, tile: tuple
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
     flat_residual = _rows(residual) if residual is not None else out
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    row_grid = row_grid and rows > 1
-    row_block, column_block, inner_block = tile or tiles(1 if row_grid else rows, columns, inner, interpreted=x.device.type == "cpu")
-    _kernel()[(-(-columns // column_block), rows if row_grid else 1)](
+    if rows_per_program and rows_per_program != next_power_of_two(rows_per_program):
+        raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
+    group = min(rows_per_program, next_power_of_two(rows)) if rows_per_program else next_power_of_two(max(rows, 1))
+    row_block, column_block, inner_block = tile or tiles(group, columns, inner, interpreted=x.device.type == "cpu")
+    row_block = group if rows_per_program else row_block
+    _kernel()[(-(-columns // column_block), -(-rows // row_block))](
         flat, weight, bias if bias is not None else out, norm if norm is not None else out, flat_residual, out,
-        1 if row_grid else rows, columns, flat.stride(0), weight.stride(0), flat_residual.stride(0), out.stride(0), eps,
+        rows, columns, flat.stride(0), weight.stride(0), flat_residual.stride(0), out.stride(0), eps,
         INNER=inner, ROWS=row_block, BLOCK_N=column_block, BLOCK_K=inner_block,
         HAS_BIAS=bias is not None, HAS_NORM=norm is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
     )  # fmt: skip
@@ -167,7 +171,7 @@ def _linear(
     gated: bool,
     row_grid: bool,
 ) -> torch.Tensor:
-    return launch(x, weight, bias, norm, eps, residual, gated, row_grid=row_grid)
+    return launch(x, weight, bias, norm, eps, residual, gated, rows_per_program=1 if row_grid else 0)
 
 
 @_linear.register_fake

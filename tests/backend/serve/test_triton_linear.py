@@ -64,9 +64,10 @@ def test_equals_the_eager_ops(parts, rows, columns, inner, gpu_tiles):
     "parts, dtype", [(parts, torch.float32) for parts in PARTS] + [("qkv: norm + bias", torch.bfloat16), ("down: gate + residual", torch.bfloat16)]
 )
 def test_a_row_grid_computes_each_row_as_the_one_row_kernel_does(parts, dtype):
-    """row_grid (the linear kind "triton-rows"): each row in programs of its own, the one-row kernel's tiles and
-    order, so every row equals that row alone, bit for bit, and the eager ops within rounding; the residual and the
-    output are addressed per row (a residual with a row stride of its own included)."""
+    """rows_per_program=1 (the linear kind "triton-rows"): each row in programs of its own, the one-row kernel's tiles
+    and order, so every row equals that row alone, bit for bit, and the eager ops within rounding; the residual and
+    the output are addressed per row (a residual with a row stride of its own included). At 2 rows a program, the
+    last program's second row is masked off."""
     has_bias, has_norm, has_residual, gated = PARTS[parts]
     rows, columns, inner = 3, 136, 72
     x, weight, bias, norm, residual = operands(rows, columns, inner, seed=11, dtype=dtype, gated=gated)
@@ -74,7 +75,7 @@ def test_a_row_grid_computes_each_row_as_the_one_row_kernel_does(parts, dtype):
     kwargs = {"bias": bias if has_bias else None, "norm": norm if has_norm else None, "residual": residual}
     for gpu_tiles in (False, True):
         tile = tiles(1, columns, inner) if gpu_tiles else None
-        grid = launch(x, weight, kwargs["bias"], kwargs["norm"], EPS, residual, gated, tile, row_grid=True)
+        grid = launch(x, weight, kwargs["bias"], kwargs["norm"], EPS, residual, gated, tile, rows_per_program=1)
         alone = [
             launch(x[:, r : r + 1], weight, kwargs["bias"], kwargs["norm"], EPS, None if residual is None else residual[:, r : r + 1], gated, tile)
             for r in range(rows)
@@ -82,6 +83,8 @@ def test_a_row_grid_computes_each_row_as_the_one_row_kernel_does(parts, dtype):
         assert torch.equal(grid, torch.cat(alone, dim=1))
     loose = {"atol": 2e-2, "rtol": 1.6e-2} if dtype == torch.bfloat16 else {"atol": 2e-6, "rtol": 1e-5}
     torch.testing.assert_close(grid.float(), eager(x, weight, gated=gated, **kwargs).float(), **loose)
+    pairs = launch(x, weight, kwargs["bias"], kwargs["norm"], EPS, residual, gated, tiles(2, columns, inner), rows_per_program=2)
+    torch.testing.assert_close(pairs.float(), eager(x, weight, gated=gated, **kwargs).float(), **loose)  # 2 + a masked 1
     torch.testing.assert_close(skinny_linear(x, weight, gated=gated, eps=EPS, row_grid=True, **kwargs), grid, atol=0, rtol=0)
 
 
@@ -126,6 +129,8 @@ def test_only_what_beat_cublas_on_the_h200_is_routed_to_the_kernel():
 
 def test_bad_calls_say_what_was_wrong():
     assert fits(MAX_ROWS) and not fits(MAX_ROWS + 1)
+    with pytest.raises(ValueError, match="rows_per_program must be a power of two, got 3"):
+        launch(torch.randn(1, 4, 8), torch.randn(4, 8), None, None, EPS, None, False, rows_per_program=3)
     with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows, got 17"):
         skinny_linear(torch.randn(1, 17, 8), torch.randn(4, 8))
     with pytest.raises(ValueError, match=r"shapes: x \(1, 2, 8\) \(gated=True\), weight \(4, 8\)"):
