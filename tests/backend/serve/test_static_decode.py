@@ -528,7 +528,7 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
         patch.delenv("TRITON_INTERPRET")
         with pytest.raises(ValueError, match="attention 'triton' cannot run here: it needs a CUDA device .*; nothing is served"):
             Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="triton")
-    with pytest.raises(ValueError, match="linear 'cublas': expected one of auto, torch, triton, triton-all; nothing was loaded"):
+    with pytest.raises(ValueError, match="linear 'cublas': expected one of auto, torch, triton, triton-all, triton-rows; nothing was loaded"):
         Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, linear="cublas")
     math = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="math", linear="triton")
     assert (math.decoder.static_target.attention, math.decoder.static_target.linear) == ("math", "triton")

@@ -694,7 +694,7 @@ def test_the_same_model_saved_by_another_transformers_version_is_the_same_target
     assert reused["reused"] == made["counts"]["done"] and reused["runs"][-1]["conversations"] == 0
 
     meta = json.loads((out / "regenerate.json").read_text())
-    meta["target"]["fingerprint"] = target_fingerprints(world["target_dir"])[2]  # as written before 2026-12-04
+    meta["target"] = one_form(meta["target"], target_fingerprints(world["target_dir"])[2])  # as written before 2026-12-04
     (out / "regenerate.json").write_text(json.dumps(meta))
     assert check_regenerated_target(out, str(world["target_dir"])) is not None
     with pytest.raises(DataError, match="not by this run's target"):
@@ -704,7 +704,14 @@ def test_the_same_model_saved_by_another_transformers_version_is_the_same_target
     (out / "regenerate.json").write_text(json.dumps(meta | {"complete": False, "finalized": False}))
     run_regenerate(world, out, batch_size=8)
     assert (out / "train.jsonl").read_bytes() == finished
-    assert json.loads((out / "regenerate.json").read_text())["target"]["fingerprint"] == target_fingerprint(world["target_dir"])
+    resumed = json.loads((out / "regenerate.json").read_text())["target"]
+    assert resumed["fingerprint"] == target_fingerprint(world["target_dir"])
+    assert resumed["fingerprint_forms"] == list(target_fingerprints(world["target_dir"]))
+
+
+def one_form(recorded: dict, fingerprint: str) -> dict:
+    """A recorded target as records before 2026-12-05 hold it: one fingerprint, no list of forms."""
+    return {key: value for key, value in recorded.items() if key != "fingerprint_forms"} | {"fingerprint": fingerprint}
 
 
 def test_regenerate_tokens_ends_each_answer_where_data_regenerate_does(world, tmp_path):
@@ -755,7 +762,15 @@ def test_a_tokenizer_written_otherwise_is_the_same_target_and_another_eos_is_not
         check_regenerated_target(out, str(other_eos))
 
     meta = json.loads((out / "regenerate.json").read_text())
-    (out / "regenerate.json").write_text(json.dumps(meta | {"target": meta["target"] | {"fingerprint": target_fingerprints(world["target_dir"])[1]}}))
+    forms = target_fingerprints(world["target_dir"])
+    (out / "regenerate.json").write_text(json.dumps(meta | {"target": one_form(meta["target"], forms[1])}))
     assert check_regenerated_target(out, str(world["target_dir"])) is not None
     with pytest.raises(DataError, match="not by this run's target"):
         check_regenerated_target(out, str(rewritten))  # recorded as files: only the same files match it
+
+    # every form recorded: a host whose form 3 came out otherwise (another tokenizers library) matches on form 2
+    elsewhere = {"fingerprint": "0" * 64, "fingerprint_forms": ["0" * 64, forms[1], forms[2]]}
+    (out / "regenerate.json").write_text(json.dumps(meta | {"target": meta["target"] | elsewhere}))
+    assert check_regenerated_target(out, str(world["target_dir"])) is not None
+    with pytest.raises(DataError, match="not by this run's target"):
+        check_regenerated_target(out, str(rewritten))
