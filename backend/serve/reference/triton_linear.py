@@ -5,7 +5,9 @@ GEMMs (on an H200 with torch 2.11, SmolLM2-135M: 3.6-3.9 us each for matrices of
 compiled step, 58 %; benchmarks/results/h200_round6_decode_profile.json), and the RMSNorm before a product and the
 SiLU gate before the down projection are kernels of their own. Here one program computes a few output columns for
 every row: it streams its slice of the weight once, normalises (or gates) the rows on the fly (the rows are tiny
-and stay in cache, so every program redoes that), and adds the bias and the residual before it stores.
+and stay in cache, so every program redoes that), and adds the bias and the residual before it stores. Launched as a
+row grid (launch's rows_per_program), each program takes a group of the rows instead, the weight slice read once per
+group.
 
 Rounding follows the eager layer step by step (StaticTarget.forward): the RMSNorm in float32, rounded to the
 dtype, then scaled by its weight and rounded; SiLU rounded, times up rounded; the product accumulated in float32,
