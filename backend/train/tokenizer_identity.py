@@ -74,9 +74,10 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")  # the one
 
 def tokenizer_behaviour(tokenizer) -> str:
     """A digest of what a loaded tokenizer does to a conversation: what it encodes with (tokenizer_source), its size,
-    how it decodes the probe text's ids, its special tokens with their ids and its own chat template. Two copies of one tokenizer written by different
-    transformers versions give the same digest (SmolLM2's by 5.17 and 5.25: other tokenizer.json and
-    tokenizer_config.json bytes, the same behaviour); another eos, template or vocabulary gives another."""
+    how it decodes the probe text's ids, its special tokens with their ids and its own chat template. Two copies of
+    one tokenizer written by different transformers versions give the same digest (SmolLM2's by 5.17 and 5.25: other
+    tokenizer.json and tokenizer_config.json bytes, the same behaviour); another eos, template or vocabulary gives
+    another."""
     specials = {name: [str(getattr(tokenizer, name, None)), getattr(tokenizer, f"{name}_id", None)] for name in SPECIAL_TOKENS}
     source = tokenizer_source(tokenizer)
     parts = {
