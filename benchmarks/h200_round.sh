@@ -517,6 +517,8 @@ unpack_compile_artifacts() { # an earlier round's torch.compile artifacts, when 
     # when it fits (64 MiB with the working tree), else with the train call after PHASE=prepare, which carries nothing else
     if compgen -G "$CC/compile_*.bin" >/dev/null; then
         cp "$CC"/compile_*.bin "$DEV/" && note "$PHASE: torch.compile's artifacts from an earlier round in $DEV: $(cd "$CC" && du -h compile_*.bin | tr '\n\t' ', ')"
+    else # round 19's train call carried $CC and found none here, for a reason not found: say what there was
+        note "$PHASE: no compile_*.bin in $ROOT/$CC ($(ls -la "$CC" 2>&1 | tail -n +2 | head -4 | tr -s ' \n' ' ')): the steps compile afresh"
     fi
 }
 

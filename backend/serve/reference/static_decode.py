@@ -46,12 +46,13 @@ ATTENTION_CHOICES = ("auto", *ATTENTION_KINDS)
 # decode step went from 1.01 to 0.83 ms, plain decoding from 897-955 to 1,124-1,127 tok/s in one call, 2026-12-03);
 # the rest (a verify's rows, the LM head, a prompt) go to F.linear. "triton-all": the kernel for a verify's rows too
 # (up to triton_linear.MAX_ROWS; its loop over the rows lost to "triton" in whole steps: a 4-row verify 1.48 vs 1.08
-# ms, a 7-row one 5.48 vs 1.12, one H200, 2026-12-03). "triton-rows": a verify's rows too, each row in programs of
-# its own running the one-row kernel (the weight read once per row, the later rows from L2; written 2026-12-05 on a
-# CPU, not yet timed on a GPU). The draft's steps take the target's kinds.
+# ms, a 7-row one 5.48 vs 1.12, one H200, 2026-12-03). "triton-rows": a step's rows too, up to
+# triton_linear.ROW_GRID_MAX_ROWS, each row in programs of its own running the one-row kernel, so each row's product
+# is the one-row decode's bit for bit: on one H100 (2026-12-05, one call) a 3-step chain's 4-row verify took 1.068 ms
+# against 1.098 with "triton", its rounds 1.39 against 1.45 ms, and its greedy tokens equalled plain decoding's on
+# 20 of 20 prompts (128 tokens each) against 9 of 20. The draft's steps take the target's kinds.
 LINEAR_KINDS = ("torch", "triton", "triton-all", "triton-rows")
-MANY_ROW_KINDS = ("triton-all", "triton-rows")  # the kinds that send a verify's rows to the kernel
-# "auto": triton on a CUDA device where its kernel runs, else torch.
+# "auto": triton-rows on a CUDA device where its kernel runs, else torch.
 LINEAR_CHOICES = ("auto", *LINEAR_KINDS)
 
 
@@ -144,19 +145,20 @@ def routed_linear(
 ) -> torch.Tensor:
     """eager_linear's result for a step's rows x [1, rows, in], through the Triton kernel where linear kind `kind`
     (LINEAR_KINDS, resolved) prefers it, else the eager ops."""
-    if kind != "torch" and triton_linear.prefers(x.shape[1], weight.shape[0], many_rows=kind in MANY_ROW_KINDS):
+    rows, columns = x.shape[1], weight.shape[0]
+    if kind != "torch" and triton_linear.prefers(rows, columns, many_rows=kind == "triton-all", row_grid=kind == "triton-rows"):
         return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated, row_grid=kind == "triton-rows")
     return eager_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated)
 
 
-def _resolve_kind(what: str, choice: str, device: torch.device, triton_reason: Callable[[], str | None], fallback: str) -> str:
-    """An attention or linear choice as run on `device`: "auto" is triton on a CUDA device where its kernels run,
-    else `fallback`; "triton" where they cannot run is refused with the reason (KernelUnavailable)."""
+def _resolve_kind(what: str, choice: str, device: torch.device, triton_reason: Callable[[], str | None], fallback: str, auto: str) -> str:
+    """An attention or linear choice as run on `device`: "auto" is `auto` (a triton kind) on a CUDA device where its
+    kernels run, else `fallback`; a triton kind where they cannot run is refused with the reason (KernelUnavailable)."""
     if choice != "auto" and not choice.startswith("triton"):
         return choice
     reason = triton_reason()
     if choice == "auto":
-        return "triton" if device.type == "cuda" and reason is None else fallback
+        return auto if device.type == "cuda" and reason is None else fallback
     if reason:
         raise KernelUnavailable(f"{what} {choice!r} cannot run here: {reason}")
     return choice
@@ -199,8 +201,8 @@ class StaticTarget:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         device = inner.embed_tokens.weight.device
-        self.attention = _resolve_kind("attention", attention, device, lambda: triton_attention.unavailable_reason(device, self.head_dim), "sdpa")
-        self.linear = _resolve_kind("linear", linear, device, lambda: triton_runtime.unavailable_reason(device), "torch")
+        self.attention = _resolve_kind("attention", attention, device, lambda: triton_attention.unavailable_reason(device, self.head_dim), "sdpa", "triton")
+        self.linear = _resolve_kind("linear", linear, device, lambda: triton_runtime.unavailable_reason(device), "torch", "triton-rows")
         self.groups = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight.detach()

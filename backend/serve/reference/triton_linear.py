@@ -27,6 +27,11 @@ from backend.serve.reference.triton_runtime import next_power_of_two
 MAX_ROWS = 16  # rows a call may have (steps); a prompt goes to F.linear
 MAX_TILE = 4096  # float32 values of a program's weight tile (columns x inner block), and of its rows tile
 MAX_PREFERRED_COLUMNS = 8192  # wider outputs (an LM head) go to cuBLAS: prefers()
+# Rows the row grid (launch's rows_per_program=1) takes; more go to cuBLAS: prefers(). On one H100 (2026-12-05, a
+# trained SmolLM2 draft served, compiled steps, one call): a 4-row verify 1.068 ms against 1.098 with cuBLAS, the
+# 4-beam draft steps of a 5,4,16 tree 0.844 against 0.897 ms a round, but its 16-row verify 2.015 against 1.212
+# (benchmarks/results/h200_round19_serve_decode_compiled_linear*.json; 8 rows were not measured).
+ROW_GRID_MAX_ROWS = 4
 
 
 def fits(rows: int) -> bool:
@@ -34,7 +39,7 @@ def fits(rows: int) -> bool:
     return rows <= MAX_ROWS
 
 
-def prefers(rows: int, columns: int, many_rows: bool = False) -> bool:
+def prefers(rows: int, columns: int, many_rows: bool = False, row_grid: bool = False) -> bool:
     """Whether a product of `rows` rows and `columns` outputs should go to the kernel rather than cuBLAS, as measured
     on one H200 (2026-12-03, profile_decode_step.py's linear_shapes, SmolLM2-135M's products, each alone under a
     CUDA graph): at one row the kernel with the norm / gate / residual inside took 2.0-4.1 us where cuBLAS alone
@@ -46,8 +51,10 @@ def prefers(rows: int, columns: int, many_rows: bool = False) -> bool:
     cuBLAS; 2026-12-03, benchmarks/results/h200_round8_*). The 49,152-wide lm_head loses at any row count (17-42 vs
     16 us). many_rows: a step's rows too, up to MAX_ROWS (static_decode's linear kind "triton-all"): the row loop lost
     inside whole compiled steps too (2026-12-03, a trained draft served: a 4-row verify 1.48 vs 1.08 ms with cuBLAS,
-    a 7-row one 5.48 vs 1.12; benchmarks/results/h200_round9_decode_compiled_linear*.json)."""
-    return (rows == 1 or (many_rows and fits(rows))) and columns <= MAX_PREFERRED_COLUMNS
+    a 7-row one 5.48 vs 1.12; benchmarks/results/h200_round9_decode_compiled_linear*.json). row_grid: a step's rows
+    too, up to ROW_GRID_MAX_ROWS, each row the one-row kernel (static_decode's linear kind "triton-rows")."""
+    several = (many_rows and fits(rows)) or (row_grid and rows <= ROW_GRID_MAX_ROWS)
+    return (rows == 1 or several) and columns <= MAX_PREFERRED_COLUMNS
 
 
 def _power_of_two_at_most(value: int) -> int:

@@ -268,6 +268,37 @@ def test_the_triton_linear_gives_the_eager_tokens_and_rounds(linear, triton_inte
 
 
 @pytest.mark.slow
+def test_the_row_grid_makes_speculation_bitwise_lossless_in_bfloat16(triton_interpreter):
+    """linear "triton-rows" (auto on CUDA): each verify row's products are the one-row decode step's, bit for bit, so
+    in bfloat16 EAGLE's greedy tokens are plain decoding's even where a wrong row's rounding would flip a token. With
+    "triton" (a verify's rows through F.linear) this prompt's speculative tokens left plain decoding's at the fifth
+    (2026-12-05, the interpreter here); on one H100 the row grid's equalled plain on 20 of 20 served prompts against
+    9 of 20 (benchmarks/results/h200_round19_serve_decode_compiled_linear*.json, eagle_equals_plain)."""
+    target = random_target().to(torch.bfloat16)
+    draft = oracle_draft(target).to(torch.bfloat16)
+    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=256, attention="triton", linear="triton-rows")
+    prompt = prompts(1, seed=21)[0].tolist()
+    plain = static.plain_generate(torch.tensor(prompt), 24)
+    draft.setup(prompt + plain, {len(prompt) + i for i in (2, 3, 11, 12, 13)})
+    spec = static.generate(torch.tensor(prompt), 24)
+    assert spec.output_ids[:24] == plain
+    assert 0 in spec.accepted_per_round and 3 in spec.accepted_per_round
+
+
+def test_auto_is_the_triton_attention_and_the_row_grid_where_the_kernels_run():
+    from backend.serve.reference.static_decode import _resolve_kind
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _resolve_kind("linear", "auto", cuda, lambda: None, "torch", "triton-rows") == "triton-rows"
+    assert _resolve_kind("attention", "auto", cuda, lambda: None, "sdpa", "triton") == "triton"
+    assert _resolve_kind("linear", "auto", cuda, lambda: "no triton", "torch", "triton-rows") == "torch"
+    assert _resolve_kind("linear", "auto", cpu, lambda: None, "torch", "triton-rows") == "torch"
+    assert _resolve_kind("linear", "triton", cuda, lambda: None, "torch", "triton-rows") == "triton"
+    with pytest.raises(KernelUnavailable, match="linear 'triton-rows' cannot run here: no triton"):
+        _resolve_kind("linear", "triton-rows", cuda, lambda: "no triton", "torch", "triton-rows")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("attention, linear", [("math", "torch"), ("triton", "triton"), ("triton", "triton-rows")])
 def test_compiled_steps_with_math_or_triton_kernels_give_the_eager_tokens_and_rounds(attention, linear, request):
     """compile=True on CPU (~70-100 s of inductor each): the fused masked softmax between the two products, or the

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.serve.reference.triton_linear import MAX_ROWS, fits, launch, prefers, skinny_linear, tiles
+from backend.serve.reference.triton_linear import MAX_ROWS, ROW_GRID_MAX_ROWS, fits, launch, prefers, skinny_linear, tiles
 from backend.serve.reference.triton_runtime import unavailable_reason
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter", "limited_torch_threads")
@@ -125,6 +125,10 @@ def test_only_what_beat_cublas_on_the_h200_is_routed_to_the_kernel():
     # many_rows (the linear kind "triton-all"): a verify's rows too, within the kernel's rows; never the LM head
     assert prefers(4, 960, many_rows=True) and prefers(MAX_ROWS, 576, many_rows=True)
     assert not prefers(MAX_ROWS + 1, 576, many_rows=True) and not prefers(4, 49152, many_rows=True)
+    # row_grid (the linear kind "triton-rows"): up to ROW_GRID_MAX_ROWS rows (a 16-row verify lost to cuBLAS on an H100)
+    assert prefers(ROW_GRID_MAX_ROWS, 3072, row_grid=True) and prefers(2, 576, row_grid=True)
+    assert not prefers(ROW_GRID_MAX_ROWS + 1, 576, row_grid=True) and not prefers(16, 576, row_grid=True)
+    assert not prefers(4, 49152, row_grid=True)
 
 
 def test_bad_calls_say_what_was_wrong():
