@@ -378,8 +378,11 @@ EOF
 
 # ------------------------------------------------------------------------------------------------ PHASE=carry3
 decode_profile() { # kernels of one decode step by kind, per compile variant (a random target: no GGUF needed)
+    # PROFILE_S: the stage's expected seconds (a short profile, --variants X --budget-s N, fits a round's last minutes;
+    # round 19's was skipped at 250 s left behind the fixed 300)
+    local expected=${PROFILE_S:-300}
     # shellcheck disable=SC2086 # word lists on purpose
-    stage decode_profile 300 420 "$PY" benchmarks/profile_decode_step.py --profile "$PROFILE" --out "$OUT/decode_profile.json" $DECODE_PROFILE_EXTRA
+    stage decode_profile "$expected" $((expected + 120)) "$PY" benchmarks/profile_decode_step.py --profile "$PROFILE" --out "$OUT/decode_profile.json" $DECODE_PROFILE_EXTRA
 }
 
 phase_profile() { # after carry1 (its wheels in $SITE), at any point: the device time a round has left, spent on a profile
