@@ -47,10 +47,9 @@ ATTENTION_CHOICES = ("auto", *ATTENTION_KINDS)
 # the rest (a verify's rows, the LM head, a prompt) go to F.linear. "triton-all": the kernel for a verify's rows too
 # (up to triton_linear.MAX_ROWS; its loop over the rows lost to "triton" in whole steps: a 4-row verify 1.48 vs 1.08
 # ms, a 7-row one 5.48 vs 1.12, one H200, 2026-12-03). "triton-rows": a step's rows too, up to
-# triton_linear.ROW_GRID_MAX_ROWS, each row in programs of its own running the one-row kernel, so each row's product
-# is the one-row decode's bit for bit: on one H100 (2026-12-05, one call) a 3-step chain's 4-row verify took 1.068 ms
-# against 1.098 with "triton", its rounds 1.39 against 1.45 ms, and its greedy tokens equalled plain decoding's on
-# 20 of 20 prompts (128 tokens each) against 9 of 20. The draft's steps take the target's kinds.
+# triton_linear.ROW_GRID_MAX_ROWS (its comment has the timings that set it), each row in programs of its own running
+# the one-row kernel, so each row's product is the one-row decode's bit for bit and bf16 speculation gives plain
+# decoding's tokens. The draft's steps take the target's kinds.
 LINEAR_KINDS = ("torch", "triton", "triton-all", "triton-rows")
 # "auto": triton-rows on a CUDA device where its kernel runs, else torch.
 LINEAR_CHOICES = ("auto", *LINEAR_KINDS)
@@ -145,9 +144,9 @@ def routed_linear(
 ) -> torch.Tensor:
     """eager_linear's result for a step's rows x [1, rows, in], through the Triton kernel where linear kind `kind`
     (LINEAR_KINDS, resolved) prefers it, else the eager ops."""
-    rows, columns = x.shape[1], weight.shape[0]
-    if kind != "torch" and triton_linear.prefers(rows, columns, many_rows=kind == "triton-all", row_grid=kind == "triton-rows"):
-        return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated, row_grid=kind == "triton-rows")
+    row_grid = kind == "triton-rows"
+    if kind != "torch" and triton_linear.prefers(x.shape[1], weight.shape[0], many_rows=kind == "triton-all", row_grid=row_grid):
+        return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated, row_grid=row_grid)
     return eager_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated)
 
 

@@ -28,8 +28,9 @@ MAX_ROWS = 16  # rows a call may have (steps); a prompt goes to F.linear
 MAX_TILE = 4096  # float32 values of a program's weight tile (columns x inner block), and of its rows tile
 MAX_PREFERRED_COLUMNS = 8192  # wider outputs (an LM head) go to cuBLAS: prefers()
 # Rows the row grid (launch's rows_per_program=1) takes; more go to cuBLAS: prefers(). On one H100 (2026-12-05, a
-# trained SmolLM2 draft served, compiled steps, one call): a 4-row verify 1.068 ms against 1.098 with cuBLAS, the
-# 4-beam draft steps of a 5,4,16 tree 0.844 against 0.897 ms a round, but its 16-row verify 2.015 against 1.212
+# trained SmolLM2 draft served, compiled steps, one call): a 4-row verify 1.068 ms against 1.098 with cuBLAS (the
+# chain's rounds 1.39 against 1.45 ms, its tokens plain decoding's on 20 of 20 prompts against 9 of 20), the 4-beam
+# draft steps of a 5,4,16 tree 0.844 against 0.897 ms a round, but its 16-row verify 2.015 against 1.212
 # (benchmarks/results/h200_round19_serve_decode_compiled_linear*.json; 8 rows were not measured).
 ROW_GRID_MAX_ROWS = 4
 

@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from backend.serve.reference.spec_decode import SpecDecoder
-from backend.serve.reference.static_decode import ATTENTION_KINDS, ContextTooLong, KernelUnavailable, StaticDecoder, StaticUnsupported, length_buckets
+from backend.serve.reference.static_decode import (
+    ATTENTION_KINDS,
+    ContextTooLong,
+    KernelUnavailable,
+    StaticDecoder,
+    StaticUnsupported,
+    _resolve_kind,
+    length_buckets,
+)
 from backend.train.draft import Eagle3Draft
 from tests.fixtures.drafts import (
     AUX,
@@ -286,8 +294,6 @@ def test_the_row_grid_makes_speculation_bitwise_lossless_in_bfloat16(triton_inte
 
 
 def test_auto_is_the_triton_attention_and_the_row_grid_where_the_kernels_run():
-    from backend.serve.reference.static_decode import _resolve_kind
-
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert _resolve_kind("linear", "auto", cuda, lambda: None, "torch", "triton-rows") == "triton-rows"
     assert _resolve_kind("attention", "auto", cuda, lambda: None, "sdpa", "triton") == "triton"
