@@ -12,7 +12,9 @@ Per batch size: prefill seconds (a 1-token call), seconds per decode step and an
 sampled at temperature 1), and the same for transformers' `generate` (greedy, the same prompts and padding) as the
 peer measured in the same run, the ratio of our greedy to it, and the GPU memory peak. (On the H200 before the switch,
 2026-12-02, our loop ran greedy at 0.27x / 0.61x the peer at batch 256 / 2,048.) --profile-batch adds a torch.profiler table of the top operators for one call.
---choose FILE writes {"batch_size": B} for the batch size with the most tokens/s (h200_round.sh's train phase reads it).
+--static adds `data regenerate --cache static` (ours_static: every batch filled to the batch size, every prompt padded to
+--prompt-tokens, one StaticCache that transformers compiles on CUDA; its warm-up holds the compile).
+--choose FILE writes {"batch_size": B, "cache": C} for the setting with the most tokens/s (h200_round.sh's train phase reads it).
 
 --grouping PREPARE_DIR --tokenizer TARGET_DIR measures instead what batching by prompt length saves
 (regenerate.LengthGroupedQueue): the first prompts of a `data prepare` dir's train split, rendered through the
@@ -85,12 +87,20 @@ def timed(device, call) -> float:
     return time.perf_counter() - started
 
 
-def ours(target, prompts, new_tokens: int, temperature: float = 0.0) -> None:
+def ours(target, prompts, new_tokens: int, temperature: float = 0.0, static=None) -> None:
     from backend.train.regenerate import Sampling, generate_batch
 
     rngs = [random.Random(i) for i in range(len(prompts))]
-    answers = generate_batch(target, prompts, rngs, Sampling(max_new_tokens=new_tokens, temperature=temperature), stop_ids=set())
+    answers = generate_batch(target, prompts, rngs, Sampling(max_new_tokens=new_tokens, temperature=temperature), stop_ids=set(), static=static)
     assert all(len(ids) == new_tokens for ids, _ in answers), "a row stopped early: the timing would not be per full step"
+
+
+def ours_static_for(batch: int, args):
+    """`data regenerate --cache static`'s generation: one StaticBatches per batch size, as a regeneration holds one."""
+    from backend.train.regenerate import StaticBatches
+
+    static = StaticBatches(batch, args.prompt_tokens, args.new_tokens)
+    return lambda target, prompts, new_tokens: ours(target, prompts, new_tokens, static=static)
 
 
 def ours_sampled(target, prompts, new_tokens: int) -> None:
@@ -114,8 +124,11 @@ def measure(target, batch: int, args) -> dict:
 
     prompts = prompts_for(batch, target.model.config.vocab_size, args.prompt_tokens, seed=batch)
     row: dict = {"batch": batch, "prompt_tokens_mean": sum(map(len, prompts)) / batch}
-    for name, call in (("ours", ours), ("ours_sampled", ours_sampled), ("transformers_generate", theirs)):
-        call(target, prompts[: min(batch, 8)], 2)  # warm-up: kernels and allocator
+    calls = [("ours", ours), ("ours_sampled", ours_sampled), ("transformers_generate", theirs)]
+    if args.static:
+        calls.insert(1, ("ours_static", ours_static_for(batch, args)))
+    for name, call in calls:
+        warm_up = timed(target.device, lambda: call(target, prompts[: min(batch, 8)], 2))  # kernels, allocator, a static cache's compile
         if target.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -133,11 +146,28 @@ def measure(target, batch: int, args) -> dict:
             "step_ms": round(1000 * step, 3),
             "answer_tokens_per_s": round(batch / step, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if target.device.type == "cuda" else None,
+            "warm_up_s": round(warm_up, 2),
         }
         print(f"batch {batch:5d} {name:22s} prefill {prefill:6.3f} s  step {1000 * step:7.2f} ms  {batch / step:9.0f} tok/s", flush=True)
     if all("answer_tokens_per_s" in row[name] for name in ("ours", "transformers_generate")):
         row["ours_over_transformers"] = round(row["ours"]["answer_tokens_per_s"] / row["transformers_generate"]["answer_tokens_per_s"], 3)
+    if "answer_tokens_per_s" in row.get("ours_static", {}) and "answer_tokens_per_s" in row["ours"]:
+        row["static_over_dynamic"] = round(row["ours_static"]["answer_tokens_per_s"] / row["ours"]["answer_tokens_per_s"], 3)
     return row
+
+
+def best_setting(rows: list[dict]) -> dict | None:
+    """The batch size and cache with the most answer tokens/s (greedy: regeneration's default)."""
+    options = [
+        (r[name]["answer_tokens_per_s"], r["batch"], cache)
+        for r in rows
+        for name, cache in (("ours", "dynamic"), ("ours_static", "static"))
+        if "answer_tokens_per_s" in r.get(name, {})
+    ]
+    if not options:
+        return None
+    _rate, batch, cache = max(options)
+    return {"batch_size": batch, "cache": cache}
 
 
 def first_prompts(prepare_dir: Path, tokenizer_dir: Path, longest: int) -> list[list[int]]:
@@ -245,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prompt-tokens", type=int, default=384, help="longest prompt (rows draw 100..N)")
     parser.add_argument("--layers", type=int, help="fewer layers than the profile's (a quick CPU check)")
+    parser.add_argument(
+        "--static", action="store_true", help="also time `data regenerate --cache static` (ours_static: one preallocated cache, compiled on CUDA)"
+    )
     parser.add_argument("--profile-batch", type=int, help="also profile one call at this batch size")
     parser.add_argument("--choose", type=Path, help='write {"batch_size": B} (the most tokens/s) here')
     parser.add_argument("--grouping", type=Path, help="a `data prepare` dir: measure batching by prompt length instead")
@@ -279,12 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for batch in args.batch:
         result["rows"].append(measure(target, batch, args))
-    measured = [r for r in result["rows"] if "answer_tokens_per_s" in r["ours"]]
-    if measured:
-        best = max(measured, key=lambda r: r["ours"]["answer_tokens_per_s"])
-        result["best_batch"] = best["batch"]
+    best = best_setting(result["rows"])
+    if best:
+        result["best_batch"], result["best_cache"] = best["batch_size"], best["cache"]
         if args.choose:
-            args.choose.write_text(json.dumps({"batch_size": best["batch"]}) + "\n")
+            args.choose.write_text(json.dumps(best) + "\n")
     if args.profile_batch:
         result["profile_table"] = profile_table(target, args.profile_batch, args)
         print(result["profile_table"])

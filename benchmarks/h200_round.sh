@@ -117,6 +117,9 @@ REGEN_LIMIT=${REGEN_LIMIT:-12000} REGEN_VAL=${REGEN_VAL:-64} REGEN_BATCH=${REGEN
 REGEN_PROMPT=${REGEN_PROMPT:-384} REGEN_S=${REGEN_S:-120} COLD_MIB=${COLD_MIB:-1024} COLD_S=${COLD_S:-150}
 # REGEN_ANSWERS=N: `data regenerate --max-answers N` (first N answers of each conversation: more conversations per second)
 REGEN_BENCH_BATCHES=${REGEN_BENCH_BATCHES:-256 512 1024 2048} REGEN_BENCH=${REGEN_BENCH:-1} # 0: carry1 skips it (REGEN_BATCH given)
+# REGEN_BENCH_STATIC=1: the bench also times `--cache static` (a compile per batch size: give it one or two sizes) and
+# the train phase takes the faster cache; REGEN_CACHE (dynamic | static) sets it outright
+REGEN_BENCH_STATIC=${REGEN_BENCH_STATIC:-0} REGEN_CACHE=${REGEN_CACHE:-}
 # DECODE_PROFILE=1: carry1 also runs benchmarks/profile_decode_step.py (where a decode step's time goes, per compile variant)
 DECODE_PROFILE=${DECODE_PROFILE:-1} DECODE_PROFILE_EXTRA=${DECODE_PROFILE_EXTRA:---budget-s 280}
 # serve phase
@@ -372,8 +375,9 @@ EOF
     [ "$DECODE_PROFILE" = 1 ] && decode_profile
     [ "$REGEN_BENCH" = 1 ] || { note "regen_bench skipped (REGEN_BENCH=0): the train phase takes REGEN_BATCH=${REGEN_BATCH:-256}"; return 0; }
     # shellcheck disable=SC2086 # word lists on purpose
-    stage regen_bench 90 170 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" --batch $REGEN_BENCH_BATCHES \
-        --profile-batch "${REGEN_BENCH_BATCHES%% *}" --choose "$DEV/regen_batch.json" --out "$OUT/regen_bench.json" $REGEN_BENCH_EXTRA
+    stage regen_bench $((REGEN_BENCH_STATIC ? 180 : 90)) $((REGEN_BENCH_STATIC ? 300 : 170)) "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" \
+        --device "$DEVICE" --batch $REGEN_BENCH_BATCHES --profile-batch "${REGEN_BENCH_BATCHES%% *}" --choose "$DEV/regen_batch.json" \
+        --out "$OUT/regen_bench.json" $([ "$REGEN_BENCH_STATIC" = 1 ] && echo --static) $REGEN_BENCH_EXTRA
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=carry3
@@ -577,11 +581,12 @@ phase_train() {
     stage prepare 45 150 "${HOST[@]}" target prepare smollm2-135m-instruct --gguf "$DEV/smol.gguf" || die "target prepare failed: nothing to train"
     MODEL_DIR=$(model_dir)
     [ -n "$REGEN_BATCH" ] || REGEN_BATCH=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["batch_size"])' "$DEV/regen_batch.json" 2>/dev/null || echo 256)
+    [ -n "$REGEN_CACHE" ] || REGEN_CACHE=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("cache", "dynamic"))' "$DEV/regen_batch.json" 2>/dev/null || echo dynamic)
     carried_regen
     if [ "$REGEN_S" -gt 0 ]; then # on a carried dir the same command resumes: the conversations it had not started
         local regen=("${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" --out "$DEV/regen" --limit "$REGEN_LIMIT"
             --val-limit "$REGEN_VAL" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT"
-            --max-seconds "$REGEN_S" --device "$DEVICE" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"})
+            --max-seconds "$REGEN_S" --device "$DEVICE" --cache "$REGEN_CACHE" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"})
         stage regenerate $((REGEN_S + 45)) $((REGEN_S + 120)) "${regen[@]}" ${REUSE_ARGS[@]+"${REUSE_ARGS[@]}"}
         regen_rc=$?
         if [ "$regen_rc" -ne 0 ] && [ ${#REUSE_ARGS[@]} -gt 0 ] && [ ! -f "$DEV/regen/regenerate.json" ]; then # --reuse refused (other settings)

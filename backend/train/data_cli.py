@@ -79,6 +79,14 @@ def _register_regenerate(commands, parent) -> None:
     command.add_argument("--seed", type=int, default=0, help="sampling seed; each conversation's draws are fixed by it and its content")
     command.add_argument("--batch-size", type=int, default=16, help="conversations generated together (default 16)")
     command.add_argument("--max-prompt-tokens", type=int, help="a conversation ends before an answer whose prompt is longer (default: the profile's seq_len)")
+    command.add_argument(
+        "--cache",
+        choices=("dynamic", "static"),
+        default="dynamic",
+        help="static: greedy batches share one preallocated KV cache, --batch-size rows by --max-prompt-tokens + --max-new-tokens, "
+        "so on CUDA transformers compiles the decode step once and replays it (keep --max-prompt-tokens near the prompts you have: "
+        "every step attends over the whole width); dynamic (default): the cache grows with each batch",
+    )
     command.add_argument("--limit", type=int, metavar="N", help="regenerate the first N train conversations only")
     command.add_argument("--val-limit", type=int, metavar="N", help="regenerate the first N val conversations only")
     command.add_argument(
@@ -125,18 +133,6 @@ def _regenerate_command(args) -> int:
         source_identity(args.input.expanduser())  # refuse a wrong --input before the target loads
         if args.reuse_source is not None and args.reuse is None:
             raise DataError("--reuse-source names the prepare dir of a --reuse regeneration; give --reuse too. Nothing was written.")
-        chosen = chat_preflight(profile, args.chat_template, trust_remote_code=profile.serve.trust_remote_code)
-        apply_threads(args.threads)
-        import torch
-
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = args.dtype or profile.target.dtype
-        target = load_target(profile, device=device, dtype=dtype)
-        if is_tiny_target_dir(target.path):
-            raise DataError(
-                "the built-in tiny target trains on its own generated continuations and has no chat template; regenerate with a Hugging Face target"
-            )
-        template = template_text(target.tokenizer, chosen)
         settings = RegenerateSettings(
             source=args.input,
             out=args.out,
@@ -149,7 +145,21 @@ def _regenerate_command(args) -> int:
             max_answers=args.max_answers,
             reuse=args.reuse,
             reuse_source=args.reuse_source,
+            cache=args.cache,
         )
+        settings.static_batches()  # a wrong --cache is refused before the target loads
+        chosen = chat_preflight(profile, args.chat_template, trust_remote_code=profile.serve.trust_remote_code)
+        apply_threads(args.threads)
+        import torch
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = args.dtype or profile.target.dtype
+        target = load_target(profile, device=device, dtype=dtype)
+        if is_tiny_target_dir(target.path):
+            raise DataError(
+                "the built-in tiny target trains on its own generated continuations and has no chat template; regenerate with a Hugging Face target"
+            )
+        template = template_text(target.tokenizer, chosen)
         regenerate(target, settings, chosen.name if chosen else "tokenizer", template, dtype, device)
     except (DataError, ProfileError, TargetMismatchError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -27,6 +27,7 @@ REGENERATE_FORMAT = "eagle3-console-regenerated-chat/1"
 SKIPPED_FILE = "skipped.jsonl"  # conversations that produced no answer (the first prompt was too long), so a resume skips them
 LOCK_FILE = ".regenerate.lock"
 SPLITS = ("train", "val")
+CACHE_KINDS = ("dynamic", "static")  # how `generate` keeps the KV cache (RegenerateSettings.cache)
 # Files whose bytes identify a target besides its weights (hashed whole); weights are hashed by size, head and tail.
 _TOKENIZER_IDENTITY_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # hashed by behaviour now
 _IDENTITY_FILES = ("config.json", "generation_config.json", *_TOKENIZER_IDENTITY_FILES, "model.safetensors.index.json")
@@ -269,23 +270,61 @@ def _forward_kwargs(model) -> dict[str, Any]:
     return {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
 
 
-def generate_batch(target, prompts: list[list[int]], rngs: list[random.Random], sampling: Sampling, stop_ids: set[int]) -> list[tuple[list[int], str]]:
+def generate_batch(
+    target, prompts: list[list[int]], rngs: list[random.Random], sampling: Sampling, stop_ids: set[int], static: StaticBatches | None = None
+) -> list[tuple[list[int], str]]:
     """(answer ids without the stop token, "eos" | "length") for each prompt, generated together with one KV cache.
 
     Prompts are left-padded and masked; positions count real tokens only, so a row sees what it would alone.
     Greedy answers come from transformers' own `generate` (on the H200 it decoded 1.6-3.7x the tokens a second of
-    the loop below at batch 256-2048: benchmarks/bench_regenerate.py); sampled ones from the loop, which draws each
-    row from its own generator so that a row's tokens never depend on the batch.
+    the loop below at batch 256-2048: benchmarks/bench_regenerate.py), from `static`'s preallocated cache when given;
+    sampled ones from the loop, which draws each row from its own generator so that a row's tokens never depend on the batch.
     """
     if sampling.temperature <= 0:
-        return _greedy_batch(target, prompts, sampling.max_new_tokens, stop_ids)
+        return _greedy_batch(target, prompts, sampling.max_new_tokens, stop_ids, static)
     return _sampled_batch(target, prompts, rngs, sampling, stop_ids)
 
 
-def _padded(prompts: list[list[int]], pad_id: int, device) -> tuple[Any, Any]:
+class StaticBatches:
+    """One preallocated KV cache (transformers' StaticCache) shared by every batch of a greedy regeneration.
+
+    Every batch is filled to `rows` (one-token filler rows, their answers dropped) and every prompt left-padded to
+    `prompt_width`, so each `generate` call has the same shapes and the same cache: on CUDA transformers compiles a
+    static cache's decode step (torch.compile, CUDA graphs) once and replays it for every step of every batch,
+    where the dynamic cache's eager step re-launches ~30 layers of kernels and grows the cache by copying it.
+    """
+
+    def __init__(self, rows: int, prompt_width: int, max_new_tokens: int):
+        if rows <= 0 or prompt_width <= 0 or max_new_tokens <= 0:
+            raise DataError(
+                f"a static cache needs positive rows, prompt width and new tokens (got {rows}, {prompt_width}, {max_new_tokens}). Nothing was written."
+            )
+        self.rows, self.prompt_width, self.max_new_tokens = rows, prompt_width, max_new_tokens
+        self._cache = None
+
+    def cache(self, model):
+        """The cache for the next call: made on the first, emptied in place (same tensors, same compiled graph) after."""
+        if self._cache is None:
+            from transformers import StaticCache
+
+            self._cache = StaticCache(config=model.config, max_cache_len=self.prompt_width + self.max_new_tokens)
+        else:
+            self._cache.reset()
+        return self._cache
+
+    def fill(self, prompts: list[list[int]], pad_id: int) -> list[list[int]]:
+        """The prompts and as many one-token filler rows as make `rows`; a prompt wider than the cache is refused."""
+        if len(prompts) > self.rows:
+            raise ValueError(f"{len(prompts)} prompts for a static cache of {self.rows} rows")
+        if any(len(p) > self.prompt_width for p in prompts):
+            raise ValueError(f"a prompt of {max(map(len, prompts))} tokens for a static cache {self.prompt_width} tokens wide")
+        return prompts + [[pad_id]] * (self.rows - len(prompts))
+
+
+def _padded(prompts: list[list[int]], pad_id: int, device, width: int | None = None) -> tuple[Any, Any]:
     import torch
 
-    width = max(len(p) for p in prompts)
+    width = width or max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.int64, device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.int64, device=device)
     return ids, mask
@@ -296,19 +335,22 @@ def _pad_id(target) -> int:
     return 0 if pad_id is None else int(pad_id)
 
 
-def _greedy_batch(target, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[tuple[list[int], str]]:
+def _greedy_batch(
+    target, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], static: StaticBatches | None = None
+) -> list[tuple[list[int], str]]:
     """Greedy answers through model.generate with a generation config of our own (no sampling, penalties or length
     rules from the model's generation_config.json); each row is cut at its first stop token."""
     import torch
     from transformers import GenerationConfig
 
     pad_id = _pad_id(target)
-    ids, mask = _padded(prompts, pad_id, target.device)
+    rows, cache = (static.fill(prompts, pad_id), {target._cache_kwarg: static.cache(target.model)}) if static else (prompts, {})
+    ids, mask = _padded(rows, pad_id, target.device, static.prompt_width if static else None)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(stop_ids) or None, pad_token_id=pad_id, use_cache=True)
     with torch.no_grad():
-        output = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        output = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **cache)
     answers = []
-    for row in output[:, ids.shape[1] :].tolist():
+    for row in output[: len(prompts), ids.shape[1] :].tolist():
         stop = next((i for i, token in enumerate(row) if token in stop_ids), None)
         answers.append((row, "length") if stop is None else (row[:stop], "eos"))
     return answers
@@ -502,6 +544,16 @@ class RegenerateSettings:
     window: int = 4  # batches of prompts held to group by length (LengthGroupedQueue); 1: arrival order only
     reuse: Path | None = None  # an earlier regeneration whose finished conversations are taken where the source content is the same
     reuse_source: Path | None = None  # the prepare dir `reuse` regenerated, when it is not where its regenerate.json says
+    cache: str = "dynamic"  # "static": one preallocated cache for every batch (StaticBatches; greedy only); how, not what (not identity)
+
+    def static_batches(self) -> StaticBatches | None:
+        if self.cache not in CACHE_KINDS:
+            raise DataError(f"--cache {self.cache}: expected one of {', '.join(CACHE_KINDS)}. Nothing was written.")
+        if self.cache != "static":
+            return None
+        if self.sampling.temperature > 0:
+            raise DataError("--cache static is for greedy answers (--temperature 0); sampled answers use the dynamic cache. Nothing was written.")
+        return StaticBatches(self.batch_size, self.max_prompt_tokens, self.sampling.max_new_tokens)
 
 
 def split_digests(source: Path) -> dict[str, str]:
@@ -749,6 +801,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
     settings.sampling.check()
     if settings.batch_size <= 0 or settings.max_prompt_tokens <= 0:
         raise DataError("--batch-size and --max-prompt-tokens must be positive. Nothing was written.")
+    static = settings.static_batches()
     settings = dataclasses.replace(settings, source=settings.source.expanduser(), out=settings.out.expanduser())
     source, out = settings.source, settings.out
     identity = _identity(settings, target, template_name, template, dtype)
@@ -767,7 +820,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
             return meta
         log(
             f"regenerate: {len(pending)} of {len(jobs)} conversations to do{f' ({resumed} done by an earlier run)' if resumed else ''}; "
-            f"batch {settings.batch_size}, {'greedy' if settings.sampling.temperature <= 0 else f'temperature {settings.sampling.temperature}, top-p {settings.sampling.top_p}'}, "
+            f"batch {settings.batch_size}{', one static cache' if static else ''}, {'greedy' if settings.sampling.temperature <= 0 else f'temperature {settings.sampling.temperature}, top-p {settings.sampling.top_p}'}, "
             f"at most {settings.sampling.max_new_tokens} new tokens per answer, on {device}"
         )
         if meta.get("finalized"):  # appending again: readers refuse the dir until it is finalized anew (a kill leaves it refused)
@@ -824,8 +877,8 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
                     break
                 active = waiting.next_batch()
                 prompt_tokens += sum(len(p) for _, p in active)
-                padded_tokens += padded_prompt_tokens([p for _, p in active])
-                results = generate_batch(target, [p for _, p in active], [j.rng for j, _ in active], settings.sampling, stop_ids)
+                padded_tokens += static.rows * static.prompt_width if static else padded_prompt_tokens([p for _, p in active])
+                results = generate_batch(target, [p for _, p in active], [j.rng for j, _ in active], settings.sampling, stop_ids, static)
                 generated += sum(len(ids) + (why == "eos") for ids, why in results)  # before any row finishes: progress counts the batch
                 answered, to_come = answered + len(active), to_come - len(active)
                 for (job, _prompt), (ids, why) in zip(active, results):
@@ -842,6 +895,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
                 {
                     "device": device,
                     "batch_size": settings.batch_size,
+                    "cache": settings.cache,
                     "conversations": finished - resumed,
                     "tokens": generated,
                     "prompt_tokens": prompt_tokens,

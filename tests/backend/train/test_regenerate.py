@@ -23,6 +23,7 @@ from backend.train.regenerate import (
     LineAppender,
     RegenerateSettings,
     Sampling,
+    StaticBatches,
     generate_batch,
     read_done_lines,
     regenerate,
@@ -96,8 +97,8 @@ def world(tmp_path_factory):
     return {"base": base, "target_dir": target_dir, "raw": raw, "target": target, "prep": base / "prep"}
 
 
-def run_regenerate(world, out: Path, batch_size: int, **sampling) -> dict:
-    settings = RegenerateSettings(world["prep"], out, Sampling(**({"max_new_tokens": 12} | sampling)), batch_size=batch_size, progress_seconds=0)
+def run_regenerate(world, out: Path, batch_size: int, cache: str = "dynamic", **sampling) -> dict:
+    settings = RegenerateSettings(world["prep"], out, Sampling(**({"max_new_tokens": 12} | sampling)), batch_size=batch_size, progress_seconds=0, cache=cache)
     return regenerate(world["target"], settings, "chatml", CHATML, "float32", "cpu", log=lambda _m: None)
 
 
@@ -333,6 +334,38 @@ def test_an_output_dir_of_other_settings_or_files_is_refused(world, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_static_cache_answers_as_the_dynamic_one_batch_after_batch(world, tmp_path):
+    """`--cache static`: every batch filled to the batch size and padded to --max-prompt-tokens in one reused StaticCache
+    (rows stopping at different steps, a short last batch, second answers of multi-turn conversations) writes the
+    same bytes as the dynamic cache, and the run records which cache it used."""
+    dynamic = run_regenerate(world, tmp_path / "dynamic", batch_size=7)
+    static = run_regenerate(world, tmp_path / "static", batch_size=7, cache="static")
+    for split in ("train", "val", "eval"):
+        assert (tmp_path / "static" / f"{split}.jsonl").read_bytes() == (tmp_path / "dynamic" / f"{split}.jsonl").read_bytes()
+    assert [r["cache"] for r in static["runs"]] == ["static"] and [r["cache"] for r in dynamic["runs"]] == ["dynamic"]
+    assert static["settings"] == dynamic["settings"]  # how the cache is kept is not what the answers are: a resume may switch
+    assert {f for r in rows(tmp_path / "static") for f in r["finish"]} == {"eos", "length"}
+
+
+def test_a_static_cache_is_reused_across_calls_and_refuses_what_it_cannot_hold(world):
+    target = world["target"]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    rngs = [random.Random(0) for _ in prompts]
+    sampling, stops = Sampling(max_new_tokens=8), stop_token_ids(target)
+    static = StaticBatches(rows=4, prompt_width=6, max_new_tokens=8)
+    first = generate_batch(target, prompts, rngs, sampling, stops, static)
+    cache = static.cache(target.model)
+    again = generate_batch(target, prompts[1:], rngs, sampling, stops, static)  # fewer rows: filler rows, the same cache emptied
+    assert static.cache(target.model) is cache
+    assert first == generate_batch(target, prompts, rngs, sampling, stops) and again == first[1:]
+    with pytest.raises(ValueError, match="5 prompts for a static cache of 4 rows"):
+        generate_batch(target, prompts + prompts[:2], [random.Random(0)] * 5, sampling, stops, static)
+    with pytest.raises(ValueError, match="a prompt of 7 tokens for a static cache 6 tokens wide"):
+        generate_batch(target, [list(range(1, 8))], rngs, sampling, stops, static)
+    with pytest.raises(DataError, match="--cache other: expected one of dynamic, static"):
+        RegenerateSettings(world["prep"], Path("x"), sampling, cache="other").static_batches()
+
+
 def test_on_the_real_smollm2_batched_regeneration_equals_one_at_a_time_in_float32(tmp_path):
     """SmolLM2-135M-Instruct from its wheel, its own ChatML template, float32 on CPU: three conversations (one with a
     follow-up) regenerated three at a time give the same bytes as one at a time, and the answers are the model's."""
@@ -363,21 +396,26 @@ def test_on_the_real_smollm2_batched_regeneration_equals_one_at_a_time_in_float3
 
 def test_the_regeneration_benchmark_measures_each_path_and_chooses_a_batch(tmp_path):
     """benchmarks/bench_regenerate.py in its own process on the CPU: a one-layer model of SmolLM2's shape, every row
-    measured for our greedy and sampled paths and for transformers' generate, and the fastest batch written."""
+    measured for our greedy paths (dynamic and static cache) and sampled path and for transformers' generate, and the
+    fastest batch and cache written."""
     out, choose = tmp_path / "bench.json", tmp_path / "choose.json"
     argv = [sys.executable, str(ROOT / "benchmarks" / "bench_regenerate.py"), "--profile", "smollm2-135m", "--device", "cpu"]
     argv += ["--dtype", "float32", "--layers", "1", "--batch", "1", "2", "--new-tokens", "8", "--prompt-tokens", "8"]
     result = subprocess.run(
-        argv + ["--out", str(out), "--choose", str(choose)], capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT))
+        argv + ["--static", "--out", str(out), "--choose", str(choose)], capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT))
     )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert [row["batch"] for row in report["rows"]] == [1, 2] and report["layers"] == 1
     for row in report["rows"]:
-        for name in ("ours", "ours_sampled", "transformers_generate"):
-            assert row[name]["answer_tokens_per_s"] > 0 and row[name]["prefill_s"] > 0
-        assert row["ours_over_transformers"] > 0
-    assert json.loads(choose.read_text()) == {"batch_size": report["best_batch"]} and report["best_batch"] in (1, 2)
+        for name in ("ours", "ours_static", "ours_sampled", "transformers_generate"):
+            assert row[name]["answer_tokens_per_s"] > 0 and row[name]["prefill_s"] > 0 and row[name]["warm_up_s"] > 0
+        assert row["ours_over_transformers"] > 0 and row["static_over_dynamic"] > 0
+    rates = {
+        (row["batch"], cache): row[name]["answer_tokens_per_s"] for row in report["rows"] for name, cache in (("ours", "dynamic"), ("ours_static", "static"))
+    }
+    best = max(rates, key=rates.__getitem__)
+    assert json.loads(choose.read_text()) == {"batch_size": best[0], "cache": best[1]} == {"batch_size": report["best_batch"], "cache": report["best_cache"]}
 
 
 def test_the_regeneration_benchmark_measures_length_grouping_against_arrival_order(world, tmp_path):
@@ -546,7 +584,12 @@ def test_reuse_is_refused_for_other_answer_settings_or_a_moved_source(world, tmp
 def test_bad_answer_and_time_limits_are_refused_in_one_line_before_the_target_loads(world, tmp_path):
     profile = write_toml(tmp_path / "mini.toml", world["raw"])
     env = dict(os.environ, PYTHONPATH=str(ROOT), EAGLE3_CACHE_DIR=str(tmp_path / "cache"))
-    for flag, value, words in (("--max-answers", "0", "expected at least 1 answer"), ("--max-seconds", "-1", "expected a positive number")):
+    cases = [
+        (["--max-answers", "0"], "expected at least 1 answer"),
+        (["--max-seconds", "-1"], "expected a positive number"),
+        (["--cache", "static", "--temperature", "0.7"], "--cache static is for greedy answers"),
+    ]
+    for flags, words in cases:
         result = subprocess.run(
             [
                 sys.executable,
@@ -560,8 +603,7 @@ def test_bad_answer_and_time_limits_are_refused_in_one_line_before_the_target_lo
                 str(world["prep"]),
                 "--out",
                 str(tmp_path / "out"),
-                flag,
-                value,
+                *flags,
             ],
             cwd=tmp_path,
             env=env,
