@@ -146,10 +146,6 @@ COMPILED_LINEAR_ALL=${COMPILED_LINEAR_ALL:-0}
 # COMPILED_LINEAR_ROWS=1: decode_compiled_linear_rows, the same rows with --linear triton-rows (a verify's rows as a
 # row grid of the one-row kernel; written 2026-12-05, not yet timed on a GPU)
 COMPILED_LINEAR_ROWS=${COMPILED_LINEAR_ROWS:-0}
-# COMPILED_LINEAR_TILE=1: decode_compiled_linear_tile, the same rows with --linear triton-tile (a verify's rows through
-# the shared-tile kernel, each weight tile loaded once for all of them; not yet timed on a GPU). The serve phase returns
-# at most 8 files: with the default stages on (7 with the summary), turn one off (e.g. COMPILED_TRITON=0) to add two
-COMPILED_LINEAR_TILE=${COMPILED_LINEAR_TILE:-0}
 # DECODE=0: skip the first serve stage (graphs without compile, 3 and 7 steps, the transformers anchors)
 DECODE=${DECODE:-1}
 # BRANCHES: the compiled stages' first-step branches (bench_decode_speed.py --branches; "1 2": the chain and a tree of
@@ -833,7 +829,6 @@ phase_serve() {
     [ "$COMPILED_LINEAR" = 1 ] && stage decode_compiled_linear $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear.json" --attention triton --linear triton
     [ "$COMPILED_LINEAR_ALL" = 1 ] && stage decode_compiled_linear_all $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear_all.json" --attention triton --linear triton-all
     [ "$COMPILED_LINEAR_ROWS" = 1 ] && stage decode_compiled_linear_rows $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear_rows.json" --attention triton --linear triton-rows
-    [ "$COMPILED_LINEAR_TILE" = 1 ] && stage decode_compiled_linear_tile $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear_tile.json" --attention triton --linear triton-tile
     if [ "$CHAIN" = 1 ] && [ ! -f "$DEV/ours/checkpoints/latest" ]; then
         note "chain skipped: no training checkpoint in $DEV (a carried draft); serving the draft for the per-set bench instead"
         stage serve_carried 150 270 serve_carried

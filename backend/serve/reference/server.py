@@ -3,7 +3,7 @@
 python -m backend.serve.reference.server --profile P --draft DIR --port N [--host 127.0.0.1]
        [--feed aux|last_hidden] [--num-steps K] [--no-speculation] [--served-model-name NAME]
        [--device auto|cpu|cuda[:N]] [--static-cache] [--compile-steps] [--attention auto|sdpa|efficient|math|triton]
-       [--linear auto|torch|triton|triton-rows|triton-tile|triton-all]
+       [--linear auto|torch|triton|triton-rows|triton-all]
        [--max-body-bytes B] [--request-timeout S] [--header-timeout S] [--max-connections N] [--max-waiting N]
        [--enable-metrics]
 
@@ -1153,8 +1153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="how the static decoder's steps multiply by the target's weights: auto (triton-rows on CUDA where it runs, "
         "else torch), torch (F.linear), triton (one kernel with the norm, gate and residual inside, for one row), "
-        "triton-rows (that kernel for each of up to 4 rows: a verify's rows equal plain decoding's bit for bit), "
-        "triton-tile (the same rows, each weight tile loaded once for all of them) or triton-all",
+        "triton-rows (that kernel for each of up to 4 rows: a verify's rows equal plain decoding's bit for bit) or triton-all",
     )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies are refused with 413 (default %(default)s)")
     parser.add_argument(

@@ -49,10 +49,8 @@ ATTENTION_CHOICES = ("auto", *ATTENTION_KINDS)
 # ms, a 7-row one 5.48 vs 1.12, one H200, 2026-12-03). "triton-rows": a step's rows too, up to
 # triton_linear.ROW_GRID_MAX_ROWS (its comment has the timings that set it), each row in programs of its own running
 # the one-row kernel, so each row's product is the one-row decode's bit for bit and bf16 speculation gives plain
-# decoding's tokens. "triton-tile": the same rows through the shared-tile kernel (one program per column block loads
-# each weight tile once and multiplies every row by it with the one-row kernel's code), so the same bitwise rows
-# without reading the weight once per row; not yet measured on a GPU. The draft's steps take the target's kinds.
-LINEAR_KINDS = ("torch", "triton", "triton-all", "triton-rows", "triton-tile")
+# decoding's tokens. The draft's steps take the target's kinds.
+LINEAR_KINDS = ("torch", "triton", "triton-all", "triton-rows")
 # "auto": triton-rows on a CUDA device where its kernel runs, else torch.
 LINEAR_CHOICES = ("auto", *LINEAR_KINDS)
 
@@ -146,10 +144,9 @@ def routed_linear(
 ) -> torch.Tensor:
     """eager_linear's result for a step's rows x [1, rows, in], through the Triton kernel where linear kind `kind`
     (LINEAR_KINDS, resolved) prefers it, else the eager ops."""
-    row_grid, shared_tile = kind == "triton-rows", kind == "triton-tile"
-    rows, columns = x.shape[1], weight.shape[0]
-    if kind != "torch" and triton_linear.prefers(rows, columns, many_rows=kind == "triton-all", row_grid=row_grid, shared_tile=shared_tile):
-        return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated, row_grid=row_grid, shared_tile=shared_tile)
+    row_grid = kind == "triton-rows"
+    if kind != "torch" and triton_linear.prefers(x.shape[1], weight.shape[0], many_rows=kind == "triton-all", row_grid=row_grid):
+        return triton_linear.skinny_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated, row_grid=row_grid)
     return eager_linear(x, weight, bias, norm=norm, eps=eps, residual=residual, gated=gated)
 
 

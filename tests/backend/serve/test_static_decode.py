@@ -267,27 +267,24 @@ def test_a_draft_head_size_the_triton_attention_cannot_take_keeps_the_math(trito
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("linear", ["triton", "triton-all", "triton-rows", "triton-tile"])
+@pytest.mark.parametrize("linear", ["triton", "triton-all", "triton-rows"])
 def test_the_triton_linear_gives_the_eager_tokens_and_rounds(linear, triton_interpreter):
     """triton: a plain step's and a chained draft step's products (norm, gate, bias and residual inside) in the
     Triton kernel; a verify's rows, the LM head if it were wide, and the prompt's in F.linear (triton_linear.prefers).
-    triton-all: a verify's rows and the draft's commit rows in the kernel too; triton-rows: those rows as a row grid;
-    triton-tile: those rows through the shared-tile kernel."""
+    triton-all: a verify's rows and the draft's commit rows in the kernel too; triton-rows: those rows as a row grid."""
     gives_the_eager_tokens_and_rounds(linear=linear)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("linear", ["triton-rows", "triton-tile"])
-def test_the_row_grid_makes_speculation_bitwise_lossless_in_bfloat16(linear, triton_interpreter):
-    """linear "triton-rows" (auto on CUDA) and "triton-tile" (the shared-tile kernel, the same rows): each verify
-    row's products are the one-row decode step's, bit for bit, so in bfloat16 EAGLE's greedy tokens are plain
-    decoding's even where a wrong row's rounding would flip a token. With
+def test_the_row_grid_makes_speculation_bitwise_lossless_in_bfloat16(triton_interpreter):
+    """linear "triton-rows" (auto on CUDA): each verify row's products are the one-row decode step's, bit for bit, so
+    in bfloat16 EAGLE's greedy tokens are plain decoding's even where a wrong row's rounding would flip a token. With
     "triton" (a verify's rows through F.linear) this prompt's speculative tokens left plain decoding's at the fifth
     (2026-12-05, the interpreter here); on one H100 the row grid's equalled plain on 20 of 20 served prompts against
     9 of 20 (benchmarks/results/h200_round19_serve_decode_compiled_linear*.json, eagle_equals_plain)."""
     target = random_target().to(torch.bfloat16)
     draft = oracle_draft(target).to(torch.bfloat16)
-    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=256, attention="triton", linear=linear)
+    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=256, attention="triton", linear="triton-rows")
     prompt = prompts(1, seed=21)[0].tolist()
     plain = static.plain_generate(torch.tensor(prompt), 24)
     draft.setup(prompt + plain, {len(prompt) + i for i in (2, 3, 11, 12, 13)})
@@ -308,11 +305,11 @@ def test_auto_is_the_triton_attention_and_the_row_grid_where_the_kernels_run():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention, linear", [("math", "torch"), ("triton", "triton"), ("triton", "triton-rows"), ("triton", "triton-tile")])
+@pytest.mark.parametrize("attention, linear", [("math", "torch"), ("triton", "triton"), ("triton", "triton-rows")])
 def test_compiled_steps_with_math_or_triton_kernels_give_the_eager_tokens_and_rounds(attention, linear, request):
     """compile=True on CPU (~70-100 s of inductor each): the fused masked softmax between the two products, or the
     Triton kernels as opaque ops in the compiled graph (run by Triton's interpreter here; triton-rows: a verify's
-    rows as a row grid; triton-tile: through the shared-tile kernel), keep every token and round; the GPU captures these same compiled steps."""
+    rows as a row grid), keep every token and round; the GPU captures these same compiled steps."""
     if attention == "triton":
         request.getfixturevalue("triton_interpreter")
     target = random_target()
@@ -568,7 +565,7 @@ def test_engine_with_the_static_cache_serves_what_the_eager_engine_serves(mini_p
         patch.delenv("TRITON_INTERPRET")
         with pytest.raises(ValueError, match="attention 'triton' cannot run here: it needs a CUDA device .*; nothing is served"):
             Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="triton")
-    with pytest.raises(ValueError, match="linear 'cublas': expected one of auto, torch, triton, triton-all, triton-rows, triton-tile; nothing was loaded"):
+    with pytest.raises(ValueError, match="linear 'cublas': expected one of auto, torch, triton, triton-all, triton-rows; nothing was loaded"):
         Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, linear="cublas")
     math = Engine(mini_profile, None, "aux", None, speculative=False, device="cpu", static_cache=True, attention="math", linear="triton")
     assert (math.decoder.static_target.attention, math.decoder.static_target.linear) == ("math", "triton")

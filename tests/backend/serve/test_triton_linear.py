@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.serve.reference.triton_linear import MAX_ROWS, ROW_GRID_MAX_ROWS, TILE_ROWS, fits, launch, prefers, skinny_linear, tiles
+from backend.serve.reference.triton_linear import MAX_ROWS, ROW_GRID_MAX_ROWS, fits, launch, prefers, skinny_linear, tiles
 from backend.serve.reference.triton_runtime import unavailable_reason
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter", "limited_torch_threads")
@@ -88,31 +88,6 @@ def test_a_row_grid_computes_each_row_as_the_one_row_kernel_does(parts, dtype):
     torch.testing.assert_close(skinny_linear(x, weight, gated=gated, eps=EPS, row_grid=True, **kwargs), grid, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("parts", list(PARTS))
-def test_a_shared_tile_computes_each_row_as_the_one_row_kernel_does(parts, dtype):
-    """shared_tile (the linear kind "triton-tile"): 1 to 4 rows a program against each weight tile loaded once, each
-    row with the one-row kernel's code at its shapes, so every row equals that row alone through the one-row kernel,
-    bit for bit: at the interpreter's wide tiles and at small ones (several column blocks, an inner loop, both masks
-    partial); 3 rows in a 4-row program (the fourth masked off); 6 rows in two programs; a residual with a row stride
-    of its own."""
-    has_bias, has_norm, has_residual, gated = PARTS[parts]
-    columns, inner = 136, 72
-    for rows, rows_per_program in ((1, 0), (2, 0), (3, 0), (4, 0), (3, TILE_ROWS), (6, TILE_ROWS)):
-        x, weight, bias, norm, residual = operands(rows, columns, inner, seed=rows, dtype=dtype, gated=gated)
-        residual = torch.cat([residual, residual], dim=-1)[..., :columns] if has_residual else None
-        bias, norm = bias if has_bias else None, norm if has_norm else None
-        for tile in (None, (1, 16, 32)):
-            shared = launch(x, weight, bias, norm, EPS, residual, gated, tile, rows_per_program=rows_per_program, shared_tile=True)
-            alone = [launch(x[:, r : r + 1], weight, bias, norm, EPS, None if residual is None else residual[:, r : r + 1], gated, tile) for r in range(rows)]
-            assert torch.equal(shared, torch.cat(alone, dim=1)), (rows, rows_per_program, tile)
-    loose = {"atol": 2e-2, "rtol": 1.6e-2} if dtype == torch.bfloat16 else {"atol": 2e-6, "rtol": 1e-5}
-    torch.testing.assert_close(shared.float(), eager(x, weight, bias, norm, residual, gated).float(), **loose)
-    x, residual = x[:, :4], None if residual is None else residual[:, :4]
-    tiled = skinny_linear(x, weight, bias, norm=norm, eps=EPS, residual=residual, gated=gated, shared_tile=True)
-    assert torch.equal(tiled, launch(x, weight, bias, norm, EPS, residual, gated, shared_tile=True))
-
-
 def test_bfloat16_rounds_where_the_eager_ops_round():
     """Each eager op rounds its result to bf16 (norm, scale, SiLU, product, residual); the kernel rounds at the same
     places, so the two differ by accumulation order only: within one bf16 step of the values."""
@@ -154,20 +129,12 @@ def test_only_what_beat_cublas_on_the_h200_is_routed_to_the_kernel():
     assert prefers(ROW_GRID_MAX_ROWS, 3072, row_grid=True) and prefers(2, 576, row_grid=True)
     assert not prefers(ROW_GRID_MAX_ROWS + 1, 576, row_grid=True) and not prefers(16, 576, row_grid=True)
     assert not prefers(4, 49152, row_grid=True)
-    # shared_tile (the linear kind "triton-tile"): the same rows as the row grid
-    assert prefers(ROW_GRID_MAX_ROWS, 3072, shared_tile=True) and prefers(1, 960, shared_tile=True) and prefers(3, 576, shared_tile=True)
-    assert not prefers(ROW_GRID_MAX_ROWS + 1, 576, shared_tile=True) and not prefers(16, 576, shared_tile=True)
-    assert not prefers(4, 49152, shared_tile=True) and not prefers(1, 49152, shared_tile=True)
 
 
 def test_bad_calls_say_what_was_wrong():
     assert fits(MAX_ROWS) and not fits(MAX_ROWS + 1)
     with pytest.raises(ValueError, match="rows_per_program must be a power of two, got 3"):
         launch(torch.randn(1, 4, 8), torch.randn(4, 8), None, None, EPS, None, False, rows_per_program=3)
-    with pytest.raises(ValueError, match=f"the shared tile takes 1 to {TILE_ROWS} rows a program, got 5"):
-        launch(torch.randn(1, 4, 8), torch.randn(4, 8), None, None, EPS, None, False, rows_per_program=5, shared_tile=True)
-    with pytest.raises(ValueError, match="a row grid or a shared tile, not both"):
-        skinny_linear(torch.randn(1, 2, 8), torch.randn(4, 8), row_grid=True, shared_tile=True)
     with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows, got 17"):
         skinny_linear(torch.randn(1, 17, 8), torch.randn(4, 8))
     with pytest.raises(ValueError, match=r"shapes: x \(1, 2, 8\) \(gated=True\), weight \(4, 8\)"):
