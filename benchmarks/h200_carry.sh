@@ -69,7 +69,13 @@ tar cf - -C "$BUILD" sgdev | xz -9 -T2 >"$C3/sgdev.tar.xz" # the round unpacks i
 say "ShareGPT tokenized for the trainer: the target prepared here from the same GGUF, its tokenizer and template"
 rm -rf "$BUILD/tokcache"
 "$PY" -m backend target prepare smollm2-135m-instruct --gguf "$GGUF" >&2
-# and the carried regeneration's conversations (.h200-regen), which the train phase trains on
+# and the carried regeneration's conversations (.h200-regen), which the train phase trains on. A fresh checkout has no
+# .h200-regen (ignored by git): it is restored from the newest regeneration kept in git (RESTORE_REGEN=0: none).
+kept_regen=$(ls benchmarks/results/h200_round*_train_regen.tar.xz 2>/dev/null | sort -V | tail -1)
+if [ "${RESTORE_REGEN:-1}" = 1 ] && ! compgen -G "$ROOT/.h200-regen/regen.tar.xz.part*" >/dev/null && [ -n "$kept_regen" ]; then
+    mkdir -p "$ROOT/.h200-regen" && cp "$kept_regen" "$ROOT/.h200-regen/regen.tar.xz.part0"
+    say "no .h200-regen here: restored from $kept_regen (carry it with .h200-carry3)"
+fi
 rm -rf "$BUILD/regen-carried" && mkdir -p "$BUILD/regen-carried"
 if compgen -G "$ROOT/.h200-regen/regen.tar.xz.part*" >/dev/null; then
     cat "$ROOT"/.h200-regen/regen.tar.xz.part* | xz -dc | tar xf - -C "$BUILD/regen-carried"
