@@ -14,15 +14,13 @@ from backend.serve.reference.static_decode import (
     length_buckets,
 )
 from backend.train.draft import Eagle3Draft
+from tests.fixtures.static_decoding import BRANCH_CASES, PositionOracle, branches_give_the_plain_tokens, gives_the_eager_tokens_and_rounds, oracle_draft, same
 from tests.fixtures.drafts import (
     AUX,
     HIDDEN,
-    VOCAB,
-    PositionReadingDraft,
     constant_target,
     draft_config,
     draft_predicting,
-    identity_vocab_draft,
     prompts,
     random_draft,
     random_target,
@@ -32,39 +30,9 @@ from tests.fixtures.drafts import (
 pytestmark = pytest.mark.usefixtures("limited_torch_threads")
 
 
-def same(eager, static) -> None:
-    assert static.output_ids == eager.output_ids
-    assert static.accepted_per_round == eager.accepted_per_round
-    assert (static.verify_ct, static.completion_tokens) == (eager.verify_ct, eager.completion_tokens)
-    assert (static.feature_width, static.feature_source, static.fc_applied, static.num_steps) == (
-        eager.feature_width,
-        eager.feature_source,
-        eager.fc_applied,
-        eager.num_steps,
-    )
-
-
 def pair(target, draft, num_steps, pad_prefill=False, **kwargs):
     eager = SpecDecoder(target, draft, AUX, num_steps=num_steps, **kwargs)
     return eager, StaticDecoder(target, draft, AUX, num_steps=num_steps, max_len=512, pad_prefill=pad_prefill, **kwargs)
-
-
-class PositionOracle(PositionReadingDraft):
-    """The target's known continuation forced, except at `wrong` sequence indices (PositionReadingDraft)."""
-
-    def setup(self, sequence: list[int], wrong: set[int]):
-        self.wrong = wrong
-        return self.read(sequence)
-
-    def choices(self, index: int, true: int) -> dict[int, float]:
-        """The forced token first; the runner-up (a branch's first token) is the true one where the first is wrong."""
-        if index in self.wrong:
-            return {(true + 1) % VOCAB: 1e4, true: 5e3}
-        return {true: 1e4, (true + 2) % VOCAB: 5e3}
-
-
-def oracle_draft(target) -> PositionOracle:
-    return identity_vocab_draft(PositionOracle, target)
 
 
 def test_padded_prompts_take_few_widths_and_warming_runs_each_once(monkeypatch):
@@ -119,52 +87,11 @@ def test_partial_acceptance_rolls_back_both_caches_like_the_eager_crop(num_steps
         same(expected, static.generate(torch.tensor(prompt), 36))
 
 
-def oracle_rounds(wrong: set[int], new_tokens: int, steps: int, branches: int) -> list[int]:
-    """Accepted proposals per round against the PositionOracle, worked out by hand: a round drafting output index m
-    accepts depth j while m + j is not wrong; with branches, a wrong first depth is the runner-up's (the true token)."""
-    rounds, emitted = [], 1  # the prompt's step emits output 0
-    while emitted < new_tokens:
-        accepted = 0
-        while accepted < steps and (emitted + accepted not in wrong or (accepted == 0 and branches > 1)):
-            accepted += 1
-        rounds.append(accepted)
-        emitted += accepted + 1
-    return rounds
-
-
-BRANCH_CASES = ((11, (3, 4, 9, 16, 17, 18, 19, 25, 31)), (12, (1, 2, 8, 14, 15, 29)))  # prompt seed, wrong output indices
-
-
-def branches_give_the_plain_tokens(steps: int, branches: int, cases=BRANCH_CASES, new_tokens: int = 36, **options) -> None:
-    target = random_target()
-    draft = oracle_draft(target)
-    eager = SpecDecoder(target, draft, AUX, num_steps=steps)
-    static = StaticDecoder(target, draft, AUX, num_steps=steps, max_len=options.pop("max_len", 512), branches=branches, **options)
-    assert static.width == 1 + branches * steps
-    for seed, wrong_at in cases:
-        prompt = prompts(1, seed=seed)[0].tolist()
-        plain = eager.plain_generate(torch.tensor(prompt), new_tokens + 8)
-        draft.setup(prompt + plain, {len(prompt) + i for i in wrong_at})
-        chain = eager.generate(torch.tensor(prompt), new_tokens)
-        result = static.generate(torch.tensor(prompt), new_tokens)
-        assert result.output_ids == plain[:new_tokens]
-        assert result.accepted_per_round == oracle_rounds(set(wrong_at), new_tokens, steps, branches)
-        assert chain.accepted_per_round == oracle_rounds(set(wrong_at), new_tokens, steps, 1)
-        assert result.verify_ct < chain.verify_ct and result.completion_tokens == chain.completion_tokens == new_tokens
-
-
 @pytest.mark.parametrize("steps, branches, pad_prefill", [(3, 2, False), (3, 3, True), (5, 2, False), (1, 4, False)])
 def test_branches_give_the_plain_tokens_and_rescue_a_wrong_first_proposal(steps, branches, pad_prefill):
     """The runner-up branch is kept where the first proposal is wrong; its K/V move to the positions its tokens now
     hold, so every later round still gives plain greedy decoding's tokens (float32, exact)."""
     branches_give_the_plain_tokens(steps, branches, pad_prefill=pad_prefill)
-
-
-@pytest.mark.slow
-def test_branches_with_the_triton_kernels_give_the_plain_tokens(triton_interpreter):
-    """The tree's gaps through the Triton attention, its rows through the Triton linear (triton-all: a verify's rows
-    too), in Triton's interpreter (each round costs seconds there: one case, 18 tokens, a second branch kept twice)."""
-    branches_give_the_plain_tokens(3, 2, cases=BRANCH_CASES[1:], new_tokens=18, attention="triton", linear="triton-all", max_len=256)
 
 
 @pytest.mark.slow
@@ -226,24 +153,6 @@ def test_branches_out_of_range_are_refused():
             StaticDecoder(target, draft, AUX, num_steps=3, max_len=64, branches=branches)
 
 
-def gives_the_eager_tokens_and_rounds(**kernels) -> None:
-    target = random_target()
-    draft = oracle_draft(target)
-    eager = SpecDecoder(target, draft, AUX, num_steps=3)
-    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=512, **kernels)
-    assert (static.static_target.attention, static.static_target.linear) == (kernels.get("attention", "sdpa"), kernels.get("linear", "torch"))
-    # the draft's steps take the target's kernels (its attention is the eager draft's math otherwise)
-    draft_attention = "triton" if kernels.get("attention") == "triton" else "math"
-    assert (static.static_draft.attention, static.static_draft.linear) == (draft_attention, static.static_target.linear)
-    prompt = prompts(1, seed=13)[0].tolist()
-    plain = eager.plain_generate(torch.tensor(prompt), 30)
-    assert static.plain_generate(torch.tensor(prompt), 30) == plain
-    draft.setup(prompt + plain, {len(prompt) + i for i in (2, 3, 11, 12, 13)})
-    expected = eager.generate(torch.tensor(prompt), 26)
-    assert 0 in expected.accepted_per_round and 3 in expected.accepted_per_round
-    same(expected, static.generate(torch.tensor(prompt), 26))
-
-
 @pytest.mark.parametrize("attention", [pytest.param(kind, marks=pytest.mark.slow) if kind == "triton" else kind for kind in ATTENTION_KINDS])
 def test_every_attention_kind_gives_the_eager_tokens_and_rounds(attention, request):
     """sdpa, efficient (math on CPU), the explicit math form and the Triton kernels (in Triton's interpreter here):
@@ -266,33 +175,6 @@ def test_a_draft_head_size_the_triton_attention_cannot_take_keeps_the_math(trito
     assert StaticDecoder(target, random_draft(target), AUX, num_steps=2, max_len=256, attention="triton").static_draft.attention == "triton"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("linear", ["triton", "triton-all", "triton-rows"])
-def test_the_triton_linear_gives_the_eager_tokens_and_rounds(linear, triton_interpreter):
-    """triton: a plain step's and a chained draft step's products (norm, gate, bias and residual inside) in the
-    Triton kernel; a verify's rows, the LM head if it were wide, and the prompt's in F.linear (triton_linear.prefers).
-    triton-all: a verify's rows and the draft's commit rows in the kernel too; triton-rows: those rows as a row grid."""
-    gives_the_eager_tokens_and_rounds(linear=linear)
-
-
-@pytest.mark.slow
-def test_the_row_grid_makes_speculation_bitwise_lossless_in_bfloat16(triton_interpreter):
-    """linear "triton-rows" (auto on CUDA): each verify row's products are the one-row decode step's, bit for bit, so
-    in bfloat16 EAGLE's greedy tokens are plain decoding's even where a wrong row's rounding would flip a token. With
-    "triton" (a verify's rows through F.linear) this prompt's speculative tokens left plain decoding's at the fifth
-    (2026-12-05, the interpreter here); on one H100 the row grid's equalled plain on 20 of 20 served prompts against
-    9 of 20 (benchmarks/results/h200_round19_serve_decode_compiled_linear*.json, eagle_equals_plain)."""
-    target = random_target().to(torch.bfloat16)
-    draft = oracle_draft(target).to(torch.bfloat16)
-    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=256, attention="triton", linear="triton-rows")
-    prompt = prompts(1, seed=21)[0].tolist()
-    plain = static.plain_generate(torch.tensor(prompt), 24)
-    draft.setup(prompt + plain, {len(prompt) + i for i in (2, 3, 11, 12, 13)})
-    spec = static.generate(torch.tensor(prompt), 24)
-    assert spec.output_ids[:24] == plain
-    assert 0 in spec.accepted_per_round and 3 in spec.accepted_per_round
-
-
 def test_auto_is_the_triton_attention_and_the_row_grid_where_the_kernels_run():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert _resolve_kind("linear", "auto", cuda, lambda: None, "torch", "triton-rows") == "triton-rows"
@@ -302,31 +184,6 @@ def test_auto_is_the_triton_attention_and_the_row_grid_where_the_kernels_run():
     assert _resolve_kind("linear", "triton", cuda, lambda: None, "torch", "triton-rows") == "triton"
     with pytest.raises(KernelUnavailable, match="linear 'triton-rows' cannot run here: no triton"):
         _resolve_kind("linear", "triton-rows", cuda, lambda: "no triton", "torch", "triton-rows")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("attention, linear", [("math", "torch"), ("triton", "triton"), ("triton", "triton-rows")])
-def test_compiled_steps_with_math_or_triton_kernels_give_the_eager_tokens_and_rounds(attention, linear, request):
-    """compile=True on CPU (~70-100 s of inductor each): the fused masked softmax between the two products, or the
-    Triton kernels as opaque ops in the compiled graph (run by Triton's interpreter here; triton-rows: a verify's
-    rows as a row grid), keep every token and round; the GPU captures these same compiled steps."""
-    if attention == "triton":
-        request.getfixturevalue("triton_interpreter")
-    target = random_target()
-    draft = oracle_draft(target)
-    eager = SpecDecoder(target, draft, AUX, num_steps=3)
-    static = StaticDecoder(target, draft, AUX, num_steps=3, max_len=256, compile=True, attention=attention, linear=linear)
-    prompt = prompts(1, seed=14)[0].tolist()
-    plain = eager.plain_generate(torch.tensor(prompt), 20)
-    assert static.plain_generate(torch.tensor(prompt), 20) == plain
-    draft.setup(prompt + plain, {len(prompt) + i for i in (1, 7, 8)})
-    same(eager.generate(torch.tensor(prompt), 16), static.generate(torch.tensor(prompt), 16))
-    # a caller with grad on (a profiler, a hook) and a draft whose parameters require grad: the compiled steps still
-    # run (the Triton ops have no backward; a step traced for autograd failed to compile, 2026-12-03)
-    assert torch.is_grad_enabled() and any(p.requires_grad for p in draft.parameters())
-    static._draft_fn(static.max_len)
-    static._verify_fn(static.max_len)
-    assert 0 <= int(static.verify_tokens.min()) and int(static.verify_tokens.max()) < VOCAB
 
 
 def test_an_unknown_attention_kind_is_refused():
