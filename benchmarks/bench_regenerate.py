@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "--static", action="store_true", help="also time `data regenerate --cache static` (ours_static: one preallocated cache, compiled on CUDA)"
     )
     parser.add_argument("--profile-batch", type=int, help="also profile one call at this batch size")
-    parser.add_argument("--choose", type=Path, help='write {"batch_size": B} (the most tokens/s) here')
+    parser.add_argument("--choose", type=Path, help='write {"batch_size": B, "cache": C} (the most tokens/s) here')
     parser.add_argument("--grouping", type=Path, help="a `data prepare` dir: measure batching by prompt length instead")
     parser.add_argument("--tokenizer", type=Path, help="with --grouping: the target dir whose tokenizer and chat template render the prompts")
     parser.add_argument("--window", type=int, default=4, help="with --grouping: batches of prompts grouped (regenerate's default)")

@@ -366,6 +366,7 @@ def test_a_static_cache_is_reused_across_calls_and_refuses_what_it_cannot_hold(w
         RegenerateSettings(world["prep"], Path("x"), sampling, cache="other").static_batches()
 
 
+@pytest.mark.slow
 def test_on_the_real_smollm2_batched_regeneration_equals_one_at_a_time_in_float32(tmp_path):
     """SmolLM2-135M-Instruct from its wheel, its own ChatML template, float32 on CPU: three conversations (one with a
     follow-up) regenerated three at a time give the same bytes as one at a time, and the answers are the model's."""
