@@ -186,6 +186,13 @@ def _register_train(subparsers, parent) -> None:
         help="draft steps unrolled per training step (training-time test; default: the profile's [train] ttt_length). The draft's share "
         "of a step grows with N (the target's forward does not); a draft served with K steps uses positions 0..K-1 only",
     )
+    train.add_argument(
+        "--draft-intermediate-size",
+        type=int,
+        metavar="N",
+        help="the draft MLP's width (default: the profile's [draft] intermediate_size). Exported in the draft's config.json, which "
+        "SGLang reads; a resumed run must give the width its checkpoint has",
+    )
     _add_chat_template(train)
     _add_target_placement(train)
     train.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files under <out>/tensorboard")
@@ -401,6 +408,7 @@ def train_options(args: argparse.Namespace, chat_template=None, target_placement
         attn_backend=args.attn_backend,
         draft_head=args.draft_head,
         ttt_length=args.ttt_length,
+        draft_intermediate_size=args.draft_intermediate_size,
     )
 
 
@@ -417,6 +425,8 @@ def _train(args: argparse.Namespace) -> int:
             raise DataError(f"--max-seconds {args.max_seconds:g}: expected a positive number of seconds (nothing was started)")
         if args.ttt_length is not None and args.ttt_length < 1:
             raise DataError(f"--ttt-length {args.ttt_length}: expected at least 1 draft step (nothing was started)")
+        if args.draft_intermediate_size is not None and args.draft_intermediate_size < 1:
+            raise DataError(f"--draft-intermediate-size {args.draft_intermediate_size}: expected a positive width (nothing was started)")
         if args.data is None:
             for extra in args.extra_conversations:
                 if not extra.expanduser().exists():

@@ -140,6 +140,7 @@ class TrainOptions:
     attn_backend: str | None = None
     draft_head: str = "random"  # a fresh draft's lm_head and norm: "random" (SpecForge's), or "target" (the target's rows)
     ttt_length: int | None = None  # draft steps unrolled per training step (None: the profile's)
+    draft_intermediate_size: int | None = None  # the draft MLP's width (None: the profile's [draft] intermediate_size)
     compile: bool | None = None  # torch.compile the layer's per-step functions; None: on CUDA unless EAGLE3_COMPILE=0
     target_graphs: bool | None = None  # online: the target's pass from CUDA graphs; None: on CUDA unless EAGLE3_TARGET_GRAPHS=0
     master_weights: bool | None = None  # bf16 weights + fp32 masters in the optimizer; None: on CUDA when dtype is bfloat16
@@ -632,8 +633,7 @@ class Trainer:
         ctx.barrier()
         if source is None:
             source = self._make_source()
-        # the exported config records the TTT length this run trains (--ttt-length), not only the profile's
-        config = dataclasses.replace(DraftModelConfig.from_profile(self.profile), ttt_length=self.settings.ttt_length)
+        config = self._draft_shape()
         _check_widths(source, config)
         if resume_dir is not None:
             draft, state = self._load_resume(resume_dir, source, config)
@@ -641,6 +641,14 @@ class Trainer:
         else:
             self._parts = TrainingParts(self.options, self.settings, ctx, source, self._fresh_draft(source, config), config)
         self._open_outputs(out_dir, resume_dir)
+
+    def _draft_shape(self) -> DraftModelConfig:
+        """The profile's draft with this run's overrides: the TTT length it trains (--ttt-length, recorded in the
+        exported config) and the MLP width (--draft-intermediate-size)."""
+        config = dataclasses.replace(DraftModelConfig.from_profile(self.profile), ttt_length=self.settings.ttt_length)
+        if self.options.draft_intermediate_size is not None:
+            config = dataclasses.replace(config, intermediate_size=self.options.draft_intermediate_size)
+        return config
 
     def _save_compile_cache(self) -> None:
         """EAGLE3_COMPILE_CACHE: what this run compiled, for the next run on another machine (main rank only)."""
@@ -740,7 +748,8 @@ class Trainer:
         differs = [k for k in ours if k not in ("torch_dtype", "ttt_length") and ours[k] != theirs.get(k)]
         if differs:
             raise TrainSetupError(
-                f"checkpoint {checkpoint} has a different draft shape ({', '.join(f'{k}: {theirs.get(k)} vs profile {ours[k]}' for k in differs)}); nothing was resumed"
+                f"checkpoint {checkpoint} has a different draft shape ({', '.join(f'{k}: {theirs.get(k)} vs this run {ours[k]}' for k in differs)}; "
+                "the profile's unless --draft-intermediate-size is given); nothing was resumed"
             )
         draft = draft.float()
         if self.options.attn_backend:

@@ -23,7 +23,7 @@ from backend.train.loss import make_teacher, ttt_loss
 from backend.train.schedule import GrokfastEMA, LRSchedule, TimeBudget
 from backend.train.extract import extract
 from backend.train.target import load_target
-from backend.train.trainer import TrainOptions, Trainer, module_group, train
+from backend.train.trainer import TrainOptions, Trainer, TrainSetupError, module_group, train
 from backend.train.tiny import read_corpus
 from backend.train.vocab import build_vocab_mapping, count_tokens
 from tests.fixtures.env import ROOT, mini_profile_dict, subprocess_env
@@ -679,4 +679,32 @@ def test_a_ttt_length_below_one_is_refused_before_anything_starts(tmp_path, capf
     assert cli_main(["train", "--profile", "tiny", "--ttt-length", "0", "--out", str(tmp_path / "never")]) == 2
     err = capfd.readouterr().err
     assert "error: --ttt-length 0: expected at least 1 draft step (nothing was started)" in err
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_wider_draft_mlp_trains_exports_its_width_and_resumes_only_with_it(mini_profile, mini_env, tmp_path, capfd):
+    """--draft-intermediate-size 96 (the profile's 64): the draft's MLP has that width, the checkpoint's config.json
+    says so (what SGLang reads), the same width resumes, and a resume without it is refused naming both widths,
+    the checkpoint left as it was."""
+    from backend.cli import build_parser
+    from backend.train.cli import train_options
+
+    assert mini_profile.draft.intermediate_size != 96
+    args = build_parser().parse_args(["train", "--profile", "tiny", "--draft-intermediate-size", "96"])
+    assert train_options(args).draft_intermediate_size == 96
+    out = tmp_path / "run"
+    assert train(mini_options(mini_profile, out, max_steps=2, eval_interval=2, log_interval=1, draft_intermediate_size=96)) == 0
+    saved = latest_checkpoint(out)
+    assert json.loads((saved / "config.json").read_text())["intermediate_size"] == 96
+    before = sorted((p.name, p.stat().st_size) for p in saved.iterdir())
+    with pytest.raises(TrainSetupError, match=rf"intermediate_size: 96 vs this run {mini_profile.draft.intermediate_size}.*nothing was resumed"):
+        train(mini_options(mini_profile, out, max_steps=3, resume="latest"))
+    assert sorted((p.name, p.stat().st_size) for p in latest_checkpoint(out).iterdir()) == before
+    assert train(mini_options(mini_profile, out, max_steps=3, resume="latest", log_interval=1, draft_intermediate_size=96)) == 0
+    assert [r["step"] for r in read_records(out) if r["split"] == "train"][-1] == 3
+
+
+def test_a_draft_width_below_one_is_refused_before_anything_starts(tmp_path, capfd):
+    assert cli_main(["train", "--profile", "tiny", "--draft-intermediate-size", "0", "--out", str(tmp_path / "never")]) == 2
+    assert "error: --draft-intermediate-size 0: expected a positive width (nothing was started)" in capfd.readouterr().err
     assert not (tmp_path / "never").exists()
