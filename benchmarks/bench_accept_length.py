@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_decode_speed import acceptance_anatomy, load_draft, read_prompt_file  # noqa: E402
 from backend.bench.spec_settings import chat_prompt_ids  # noqa: E402
 from backend.serve.acceptance import bootstrap_interval, mean_of_request_means, pooled_accept_length  # noqa: E402
-from backend.serve.reference.spec_decode import NO_EOS, SpecDecoder, eos_ids  # noqa: E402
+from backend.serve.reference.spec_decode import FEEDS, NO_EOS, SpecDecoder, eos_ids  # noqa: E402
 
 
 def answer_part(result, eos: set[int]) -> tuple[int, int]:
@@ -95,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--subset", type=int, default=10, help="the prompts a quick bench uses: the spread of its number")
+    parser.add_argument(
+        "--feed",
+        choices=FEEDS,
+        default="aux",
+        help="what the draft reads: aux (as trained), or last_hidden, SGLang's silent failure (the target's final hidden "
+        "state, fc skipped): the accept length a broken feed gives this draft, which the canary must tell apart",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or (profile.serve.dtype if device.type == "cuda" else "float32")
     target = load_target(profile, device=device, dtype=dtype)
     draft, aux, label = load_draft(args.draft, profile, target, device)
-    decoder = SpecDecoder(target.model, draft, aux, num_steps=args.num_steps, eos_token_id=NO_EOS)
+    decoder = SpecDecoder(target.model, draft, aux, num_steps=args.num_steps, eos_token_id=NO_EOS, feed=args.feed)
     eos = eos_ids(target.model, target.tokenizer.eos_token_id)
     report = {
         "target": profile.target.path,
@@ -112,17 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": dtype,
         "draft": label,
         "num_steps": args.num_steps,
+        "feed": args.feed,
         "max_new_tokens": args.max_new_tokens,
         "ignore_eos": True,
         "sets": {},
     }
+
+    def anatomy_of(prompts, results):  # the teacher-forced replay reads the aux feed: none for a broken one
+        return acceptance_anatomy(target.model, draft, aux, prompts, results, eos) if args.feed == "aux" else None
+
     for path in args.prompts:
         name = path.name.split(".")[0] if path.parent.name in ("", ".") else f"{path.parent.name}/{path.name.split('.')[0]}"
         prompts = [chat_prompt_ids(target.tokenizer, p, args.max_prompt_tokens) for p in read_prompt_file(path)[: args.num_prompts]]
         print(f"set {name}: {len(prompts)} prompts from {path}", flush=True)
-        report["sets"][name] = eval_set(
-            name, decoder, prompts, args.max_new_tokens, args.subset, eos, lambda ps, rs: acceptance_anatomy(target.model, draft, aux, ps, rs, eos)
-        )
+        report["sets"][name] = eval_set(name, decoder, prompts, args.max_new_tokens, args.subset, eos, anatomy_of)
         if args.out:
             args.out.write_text(json.dumps(report, indent=1) + "\n")
     for name, row in report["sets"].items():
@@ -133,8 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['mean_of_request_means']:.3f} mean of request means"
             + f"; {row['pooled_before_eos']:.3f} up to the end of turn"
             + (f"; {args.subset}-prompt subsets span {spread[0]:.3f}-{spread[1]:.3f}" if spread else "")
-            + f"; step 0 teacher-forced {anatomy['teacher_forced_step0_all']:.3f} (before end of turn {anatomy['teacher_forced_step0_before_eos']:.3f})"
-            + f"; served rounds {anatomy['served_rounds']}, replayed {anatomy['replayed_rounds']}"
+            + (
+                f"; step 0 teacher-forced {anatomy['teacher_forced_step0_all']:.3f} (before end of turn {anatomy['teacher_forced_step0_before_eos']:.3f})"
+                f"; served rounds {anatomy['served_rounds']}, replayed {anatomy['replayed_rounds']}"
+                if anatomy
+                else f"; feed {args.feed}"
+            )
         )
     return 0
 

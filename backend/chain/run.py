@@ -297,13 +297,15 @@ class StopAndBench:
 
     def canary(self) -> tuple[str, Any]:
         from backend.serve import canary as canary_mod
-        from backend.serve.launch import canary_prompts
+        from backend.serve.launch import draft_canary_prompts
 
         info = self.summary.get("server_info") or {}
         steps = int(info.get("speculative_num_steps") or self.profile.serve.num_steps)
+        prompts, prompt_source = draft_canary_prompts(self.profile, self.summary["checkpoint"])
         outcome = canary_mod.run_canary(
             self.summary["url"],
-            canary_prompts(self.profile),
+            prompts,
+            prompt_source=prompt_source,
             num_steps=steps,
             val_acc=self.summary.get("val_acc"),
             max_new_tokens=self.options.max_new_tokens,

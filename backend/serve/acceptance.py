@@ -45,16 +45,27 @@ HISTOGRAM_KEY = "spec_correct_drafts_histogram"
 LEGACY_HISTOGRAM_KEY = "spec_accept_histogram"  # SGLang's older name, still sent beside the new one
 
 
-def checkpoint_validation(draft_dir: Any) -> tuple[list[float] | None, dict[str, Any] | None]:
-    """(val_acc, val_rounds) a checkpoint recorded in its config.json (eagle3_console), each None when absent or unreadable."""
+def _console_block(draft_dir: Any) -> dict[str, Any]:
+    """The eagle3_console block of a checkpoint's config.json; {} when absent or unreadable."""
     if not isinstance(draft_dir, (str, Path)) or not str(draft_dir):
-        return None, None
+        return {}
     try:
         config = json.loads((Path(draft_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return None, None
+        return {}
     meta = config.get("eagle3_console") if isinstance(config, dict) else None
-    meta = meta if isinstance(meta, dict) else {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def checkpoint_val_data(draft_dir: Any) -> dict[str, Any] | None:
+    """Where a checkpoint's validation conversations are (`val_data`: conversations path, chat template name); None if unrecorded."""
+    val_data = _console_block(draft_dir).get("val_data")
+    return val_data if isinstance(val_data, dict) and isinstance(val_data.get("conversations"), str) else None
+
+
+def checkpoint_validation(draft_dir: Any) -> tuple[list[float] | None, dict[str, Any] | None]:
+    """(val_acc, val_rounds) a checkpoint recorded in its config.json (eagle3_console), each None when absent or unreadable."""
+    meta = _console_block(draft_dir)
     acc, rounds = meta.get("val_acc"), meta.get("val_rounds")
     if not (isinstance(acc, list) and acc and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in acc)):
         acc = None

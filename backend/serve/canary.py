@@ -139,6 +139,7 @@ class CanaryResult:
     # per-position comparison with validation (acceptance_report).
     accept_length_mean_of_request_means: float | None = None
     acceptance: dict[str, Any] = field(default_factory=dict)
+    prompt_source: str | None = None  # what the prompts were (the draft's validation conversations, the shipped set)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -265,6 +266,7 @@ def run_canary(
     val_rounds: dict | None = None,
     ratio: float = REPRODUCE_RATIO,
     timeout_s: float = 600.0,
+    prompt_source: str | None = None,
 ) -> CanaryResult:
     """Flush, send greedy requests one at a time, read the server's average, judge."""
     started = time.monotonic()
@@ -324,6 +326,7 @@ def run_canary(
         elapsed_s=time.monotonic() - started,
         accept_length_mean_of_request_means=acceptance["mean_of_request_means"],
         acceptance=acceptance,
+        prompt_source=prompt_source,
     )
 
 

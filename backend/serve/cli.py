@@ -156,6 +156,8 @@ def render(result, problems_text) -> str:
             f"canary: accept length {canary['accept_length']}, server avg {canary['server_avg_accept_length']}, "
             f"tau-hat {canary['tau_hat']}, verdict {canary['verdict'].upper()}"
         )
+        if canary.get("prompt_source"):
+            lines.append(f"  prompts: {canary['prompt_source']}")
         lines += [f"  - {reason}" for reason in canary["reasons"]]
         if canary.get("acceptance"):
             lines += [f"  {line}" for line in acceptance_lines(canary["acceptance"])]

@@ -12,10 +12,12 @@ from typing import Any, Callable
 from backend.profiles import Profile
 from backend.serve import canary as canary_mod
 from backend.serve import http
-from backend.serve.acceptance import checkpoint_validation
+from backend.serve.acceptance import checkpoint_val_data, checkpoint_validation
 from backend.serve.preflight import resolve_draft_dir, run_preflight
 from backend.serve.prompts import load_prompts
 from backend.serve.sglang_args import build_sglang_argv, expected_spec_settings
+from backend.train.chat_templates import render_chat, resolve_chat_template
+from backend.train.conversations import validation_prompts
 from backend.train.target import resolve_target_path, load_tokenizer
 from backend.train.tiny import read_corpus
 from backend.host.gpu import open_gpu_source
@@ -167,6 +169,42 @@ def canary_prompts(profile: Profile, count: int = 4) -> list[str]:
     return apply_chat_template(profile, load_prompts(tag="chat", limit=count).prompts)
 
 
+DRAFT_CANARY_PROMPTS = 8  # 4-prompt subsets of one set spread 1.54-2.21 in accept length for one SmolLM2 draft (2026-12-05)
+
+
+def draft_canary_prompts(profile: Profile, draft_dir: Any, count: int = DRAFT_CANARY_PROMPTS) -> tuple[list[str], str]:
+    """(prompts, where they came from) for the canary of a trained draft: the prompts of the conversations its
+    validation ran on (the checkpoint's `val_data`), so that the accept length served and tau-hat predicted from
+    validation measure the same distribution; canary_prompts when it records none or they cannot be read here.
+
+    On 2026-12-05 a healthy SmolLM2 draft (tau-hat 2.72, 2.32 served in process on held-out ShareGPT) accepted 1.62
+    on 4 shipped chat prompts over HTTP: RED at 0.6 x tau-hat, the server stopped. On the CPU, 64 tokens a prompt, it
+    accepts 1.82 on 8 shipped prompts, 1.98 on 8 of its validation prompts, and 1.02 on both with the broken feed
+    (docs/serving.md)."""
+    fallback = "the shipped chat prompts"
+    val_data = checkpoint_val_data(draft_dir)
+    if val_data is not None and profile.target.path != "builtin:tiny":
+        try:
+            prompts = _validation_chat_prompts(profile, val_data, count)
+        except (OSError, ValueError) as exc:  # moved or deleted (DataError is a ValueError), a template that no longer renders
+            fallback += f" (the draft's validation prompts could not be used: {exc})"
+        else:
+            if prompts:
+                return prompts, f"the draft's validation conversations ({len(prompts)} of {val_data['conversations']})"
+            fallback += f" ({val_data['conversations']} holds no validation conversation)"
+    elif profile.target.path == "builtin:tiny":
+        fallback = "held-out windows of the tiny target's corpus"
+    return canary_prompts(profile, count), fallback
+
+
+def _validation_chat_prompts(profile: Profile, val_data: dict[str, Any], count: int) -> list[str]:
+    conversations = validation_prompts(val_data["conversations"], count)
+    template = resolve_chat_template(val_data.get("chat_template"))
+    tokenizer = load_tokenizer(target_dir(profile), profile.serve.trust_remote_code)
+    text = template.text if template is not None else None
+    return [render_chat(tokenizer, messages, add_generation_prompt=True, template=text, tokenize=False) for messages in conversations]
+
+
 def apply_chat_template(profile: Profile, prompts: list[str]) -> list[str]:
     """Chat-format prompts with the target's tokenizer (drafts are trained on templated chats); raw when unavailable."""
     try:
@@ -304,9 +342,11 @@ def launch(
 
     canary_started = time.monotonic()
     val_acc, val_rounds = checkpoint_validation(draft)
+    prompts, prompt_source = (prompts, "given by the caller") if prompts else draft_canary_prompts(profile, draft)
     outcome = canary_mod.run_canary(
         url,
-        prompts or canary_prompts(profile),
+        prompts,
+        prompt_source=prompt_source,
         num_steps=int(result.server_info.get("speculative_num_steps") or profile.serve.num_steps),
         val_acc=val_acc,
         val_rounds=val_rounds,

@@ -409,6 +409,17 @@ def eval_prompt(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return messages[:first_answer]
 
 
+def validation_prompts(source: str | os.PathLike, count: int) -> list[list[dict[str, str]]]:
+    """The prompts (eval_prompt) of the first `count` held-out conversations of a `data prepare` or `data regenerate`
+    dir: the conversations training validated on. A plain chat file is split inside training: refused (DataError)."""
+    path = Path(source).expanduser()
+    val = path / SPLIT_FILES["val"]
+    if not val.is_file():
+        what = "a plain chat file (its validation split is made inside training)" if path.is_file() else "no `data prepare` dir"
+        raise DataError(f"{path}: {what}, no {SPLIT_FILES['val']} to take prompts from")
+    return [eval_prompt(conversation.messages) for conversation in iter_conversations(val, limit=count)]
+
+
 class _LinesOut:
     """A JSONL output written under a temporary name beside its final one, hashed as it is written."""
 

@@ -518,6 +518,7 @@ class Trainer:
         self.updating = False  # inside an optimizer step: the weights may be half-updated
         self.resume_data: dict | None = None  # the sampler state a checkpoint records when a step failed while stopping
         self.latest_val: dict = {}
+        self.val_data: dict | None = None  # online chat data: where validation's conversations are (checkpoints record it)
         self.peak_rate: float | None = None
         self.last_step_flops = 0.0
         self._parts: TrainingParts | None = None
@@ -695,6 +696,8 @@ class Trainer:
             data_dir = data_dir_for(profile.paths.data_dir, profile.paths.run_dir, options.run_dir)  # moves with --run-dir
             conversations = options.conversations or Path(data_dir).expanduser() / "conversations.jsonl"
             splits = self._conversation_splits(target, conversations)
+            template = options.chat_template.name if options.chat_template is not None else None
+            self.val_data = {"conversations": str(Path(conversations).expanduser().resolve()), "chat_template": template}
             for extra in options.extra_conversations:
                 splits = add_train_samples(splits, self._conversation_splits(target, extra), str(extra), self.log)
         return OnlineSource(target, splits, self._target_pass(target))
@@ -1149,6 +1152,8 @@ class Trainer:
                 "profile": self.profile.name,
                 "tokens": self.tokens,
             }
+            if self.val_data is not None:  # where validation's prompts are: the canary asks those (serve/launch.py)
+                extra["val_data"] = self.val_data
             try:
                 path = save_checkpoint(
                     self.out_dir,

@@ -44,6 +44,14 @@ def test_render_lists_the_acceptance_lines_under_the_canary_line():
     assert acceptance["break_line"] and f"  {acceptance['break_line']}" in lines
 
 
+def test_render_says_what_the_canary_asked_under_its_line():
+    canary = canary_dict({}) | {"prompt_source": "the draft's validation conversations (8 of /data/regen)"}
+    result = LaunchResult(ok=False, state="ready", message="m", engine="reference", url="u", argv=["x"], canary=canary)
+    lines = render(result, problems_text).splitlines()
+    canary_at = next(i for i, line in enumerate(lines) if line.startswith("canary: "))
+    assert lines[canary_at + 1] == "  prompts: the draft's validation conversations (8 of /data/regen)"
+
+
 def test_render_without_an_acceptance_report_prints_no_acceptance_lines():
     result = LaunchResult(ok=False, state="ready", message="m", engine="reference", url="u", argv=["x"], canary=canary_dict({}))
     text = render(result, problems_text)

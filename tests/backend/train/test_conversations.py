@@ -382,6 +382,52 @@ def test_training_on_a_sharegpt_array_with_a_named_template_reuses_the_tokens(tm
     assert "tokenized samples from the cache" in logged
 
 
+def test_the_canary_asks_the_prompts_the_draft_was_validated_on(tmp_path, monkeypatch):
+    """A run on a `data prepare` dir records where its validation conversations are (checkpoint config.json,
+    `val_data`); the canary of that checkpoint asks their first prompts through the run's template, in the split's
+    order, and says so. Moved away, the shipped prompts are asked and the reason is said; a plain chat file (split
+    inside training) has no val file to read and is refused by name."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from backend.layout import latest_checkpoint
+    from backend.profiles import parse_profile
+    from backend.serve.launch import canary_prompts, draft_canary_prompts
+    from backend.train.trainer import TrainOptions, train
+
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = bpe_tokenizer()
+    target_dir = tmp_path / "target"
+    tokenizer.save_pretrained(target_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(target_dir)
+    raw = mini_profile_dict(target_dir, max_steps=1, batch_size=2, log_interval=1, seq_len=48)
+    raw["target"]["vocab_size"] = len(tokenizer)
+    raw["draft"]["draft_vocab_size"] = 16
+    profile = parse_profile(raw, "hf-mini")
+    source = tmp_path / "sharegpt.jsonl"
+    write_jsonl(source, [sharegpt(("human", f"question number {i}?"), ("gpt", f"answer {i}")) for i in range(40)])
+    data = tmp_path / "prepared"
+    meta = prepare([source], data, val_fraction=0.2, eval_count=2, seed=1)
+    assert meta["splits"]["val"]["count"] >= 3
+    chatml = resolve_chat_template("chatml")
+    assert train(TrainOptions(profile=profile, out_dir=tmp_path / "run", conversations=data, chat_template=chatml)) == 0
+    checkpoint = latest_checkpoint(tmp_path / "run")
+    recorded = json.loads((checkpoint / "config.json").read_text())["eagle3_console"]["val_data"]
+    assert recorded == {"conversations": str(data.resolve()), "chat_template": "chatml"}
+
+    val_questions = [c.messages[0]["content"] for c in iter_conversations(data / "val.jsonl")][:3]
+    prompts, where = draft_canary_prompts(profile, checkpoint, count=3)
+    assert prompts == [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in val_questions]
+    assert where == f"the draft's validation conversations (3 of {data.resolve()})"
+
+    data.rename(tmp_path / "moved")
+    prompts, where = draft_canary_prompts(profile, checkpoint, count=3)
+    assert prompts == canary_prompts(profile, 3)
+    assert where.startswith("the shipped chat prompts (the draft's validation prompts could not be used: ") and "val.jsonl" in where
+    with pytest.raises(DataError, match=r"sharegpt.jsonl: a plain chat file \(its validation split is made inside training\), no val.jsonl"):
+        conv.validation_prompts(source, 3)
+
+
 # --- the default data of a wheel target: a ShareGPT V3 sample from its wheel ---------------------
 
 
