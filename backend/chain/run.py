@@ -316,7 +316,7 @@ class StopAndBench:
         self.summary["canary"] = canary
         if outcome.verdict not in (canary_mod.GREEN, canary_mod.AMBER):
             causes = "; ".join(c.get("cause", str(c)) if isinstance(c, dict) else str(c) for c in outcome.causes[:3])
-            raise ChainFailed(f"canary RED: {outcome.headline}. Likely causes, in order: {causes}.")
+            raise ChainFailed(f"canary RED: {outcome.headline}. Likely causes, in order: {causes}. Its prompts: {prompt_source}.")
         return f"{outcome.verdict}: {outcome.headline}", canary
 
     def bench(self) -> tuple[str, Any]:

@@ -98,6 +98,8 @@ def _canary_lines(text: Text, verdict: str | None, canary: dict[str, Any], resul
     headline = canary.get("headline") or result.get("verdict_headline")
     if headline:
         text.append(f"canary: {tau_symbol(visible(headline))}\n", style=verdict_style(verdict))
+    if canary.get("prompt_source"):
+        text.append(f"  prompts: {visible(str(canary['prompt_source']))}\n", style="dim")
     if verdict == "amber":
         for reason in canary.get("reasons") or result.get("verdict_reasons") or []:
             text.append(f"  {tau_symbol(visible(reason))}\n", style="yellow")

@@ -195,6 +195,15 @@ async def test_an_amber_canary_shows_in_yellow_with_its_reasons_and_the_bench_st
         assert str(verdict) == "amber" and verdict.style == "yellow"
 
 
+def test_the_result_panel_says_which_prompts_the_canary_asked():
+    records = amber_records()
+    canary = next(r for r in records if r["stage"] == "canary" and r["status"] == "ok")
+    canary["result"] = dict(canary["result"], prompt_source="the draft's validation conversations (8 of /data/regen)")
+    panel = result_panel_text(records)
+    assert span_style(panel, "  prompts: the draft's validation conversations (8 of /data/regen)") == "dim"
+    assert "prompts:" not in result_panel_text(amber_records()).plain  # a canary that does not say, as before
+
+
 def test_chain_amber_snapshot(snap_compare):
     state = chain_state(amber_records())
     state.results["train-kimi"] = [EARLIER, {"path": SAVED, **amber_records()[-1]["result"]}]

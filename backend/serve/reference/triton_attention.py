@@ -8,8 +8,8 @@ position loads nothing (masked loads) and costs only its launch slot, so the wor
 not the cache's. A second kernel merges the blocks' partial softmaxes. Under CUDA graphs the grid is fixed per
 bucket and the positions are read on the device, so one captured graph serves every position.
 
-Row r of a KV head's query block is head r // seq of its group at position positions[r % seq] (StaticTarget's
-grouped layout); with `gaps`, row r also skips the keys in [gaps[r % seq, 0], gaps[r % seq, 1]) (a tree's other
+Row r of a KV head's query block is head r // seq of its group at position positions[r % seq], read where it lies
+in the step's [1, seq, heads, d] query (heads_attention; decode_attention takes the grouped layout); with `gaps`, row r also skips the keys in [gaps[r % seq, 0], gaps[r % seq, 1]) (a tree's other
 branches); with `tree` [seq, 2] of (window start, bits), row r sees a key k of [start, start + 63) only where bit
 k - start of its bits is set (an EAGLE tree's verify: a node sees its ancestors among the draft's slots). Softmax in float32; the probabilities are rounded to the values' dtype before their product, as
 flash kernels do. On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1), which
@@ -58,8 +58,8 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit
     def block_partials(
         q_ptr, k_ptr, v_ptr, pos_ptr, gap_ptr, tree_ptr, m_ptr, l_ptr, acc_ptr,
-        seq, rows, bucket, scale, blocks,
-        stride_qh, stride_qr, stride_kh, stride_kn, stride_vh, stride_vn,
+        seq, rows, bucket, scale, blocks, groups,
+        stride_qhead, stride_qseq, stride_kh, stride_kn, stride_vh, stride_vn,
         ROWS: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, PRECISE: tl.constexpr, GAPS: tl.constexpr, TREE: tl.constexpr,
     ):  # fmt: skip
         head, block = tl.program_id(0), tl.program_id(1)
@@ -69,7 +69,8 @@ def _kernels() -> tuple[Any, Any]:
         real = row < rows
         position = tl.load(pos_ptr + row % seq, mask=real, other=-1)
         key_needed = (key <= tl.max(position, axis=0)) & (key < bucket)  # past the last position: nothing is read
-        q = tl.load(q_ptr + head * stride_qh + row[:, None] * stride_qr + dim[None, :], mask=real[:, None], other=0.0)
+        q_row = (head * groups + row // seq) * stride_qhead + (row % seq) * stride_qseq  # query head, then position
+        q = tl.load(q_ptr + q_row[:, None] + dim[None, :], mask=real[:, None], other=0.0)
         k = tl.load(k_ptr + head * stride_kh + key[:, None] * stride_kn + dim[None, :], mask=key_needed[:, None], other=0.0)
         v = tl.load(v_ptr + head * stride_vh + key[:, None] * stride_vn + dim[None, :], mask=key_needed[:, None], other=0.0)
         if PRECISE:
@@ -102,7 +103,7 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit
     def merge_blocks(
-        m_ptr, l_ptr, acc_ptr, o_ptr, blocks, stride_oh, stride_or,
+        m_ptr, l_ptr, acc_ptr, o_ptr, blocks, seq, groups, stride_ohead, stride_oseq,
         ROWS: tl.constexpr, BLOCKS: tl.constexpr, DIM: tl.constexpr,
     ):  # fmt: skip
         head, row = tl.program_id(0), tl.program_id(1)
@@ -116,7 +117,8 @@ def _kernels() -> tuple[Any, Any]:
         total = tl.sum(scale * tl.load(l_ptr + at, mask=used, other=0.0), axis=0)
         acc = tl.load(acc_ptr + at[:, None] * DIM + dim[None, :], mask=used[:, None], other=0.0)
         out = tl.sum(acc * scale[:, None], axis=0) / total
-        tl.store(o_ptr + head * stride_oh + row * stride_or + dim, out.to(o_ptr.dtype.element_ty))
+        o_row = (head * groups + row // seq) * stride_ohead + (row % seq) * stride_oseq
+        tl.store(o_ptr + o_row + dim, out.to(o_ptr.dtype.element_ty))
 
     return block_partials, merge_blocks
 
@@ -134,8 +136,9 @@ def _attend(
     tree: torch.Tensor | None = None,
 ) -> torch.Tensor:
     block_partials, merge_blocks = _kernels()
-    _, kv_heads, rows, dim = query.shape
-    bucket, seq = keys.shape[2], positions.shape[0]
+    _, seq, heads, dim = query.shape
+    kv_heads, bucket = keys.shape[1], keys.shape[2]
+    groups, rows = heads // kv_heads, heads // kv_heads * seq
     query = query if query.stride(-1) == 1 else query.contiguous()
     block = block_size(bucket)
     blocks = -(-bucket // block)
@@ -143,17 +146,17 @@ def _attend(
     peaks = torch.empty(kv_heads, blocks, padded_rows, dtype=torch.float32, device=query.device)
     totals = torch.empty_like(peaks)
     partial = torch.empty(kv_heads, blocks, padded_rows, dim, dtype=torch.float32, device=query.device)
-    out = torch.empty(1, kv_heads, rows, dim, dtype=query.dtype, device=query.device)
+    out = torch.empty(1, seq, heads, dim, dtype=query.dtype, device=query.device)
     block_partials[(kv_heads, blocks)](
         query, keys, values, positions, positions if gaps is None else gaps.contiguous(), positions if tree is None else tree.contiguous(),
         peaks, totals, partial,
-        seq, rows, bucket, scale, blocks,
-        query.stride(1), query.stride(2), keys.stride(1), keys.stride(2), values.stride(1), values.stride(2),
+        seq, rows, bucket, scale, blocks, groups,
+        query.stride(2), query.stride(1), keys.stride(1), keys.stride(2), values.stride(1), values.stride(2),
         ROWS=padded_rows, BLOCK=block, DIM=dim, PRECISE=query.dtype == torch.float32, GAPS=gaps is not None,
         TREE=tree is not None,
     )  # fmt: skip
     merge_blocks[(kv_heads, rows)](
-        peaks, totals, partial, out, blocks, out.stride(1), out.stride(2),
+        peaks, totals, partial, out, blocks, seq, groups, out.stride(2), out.stride(1),
         ROWS=padded_rows, BLOCKS=max(2, next_power_of_two(blocks)), DIM=dim,
     )  # fmt: skip
     return out
@@ -162,6 +165,25 @@ def _attend(
 @_attend.register_fake
 def _attend_shape(query, keys, values, positions, scale, gaps=None, tree=None) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def heads_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    gaps: torch.Tensor | None = None,
+    tree: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """query [1, len(positions), heads, d] in the step's own layout (a strided view of the QKV product is fine: rows
+    are read where they lie, so a verify's rows need no copy into a grouped layout) over keys/values [1, kv_heads,
+    bucket, d]; query head h reads KV head h // (heads / kv_heads); the row at positions[s] sees keys 0..positions[s],
+    less its row of gaps and of tree as decode_attention says. Returns [1, len(positions), heads, d], contiguous (the
+    output projection's input as a view), in the query's dtype."""
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys and values need unit stride along the head dimension")
+    return _attend(query, keys, values, positions, scale, gaps, tree)
 
 
 def decode_attention(
@@ -178,6 +200,8 @@ def decode_attention(
     except, with gaps [len(positions), 2], the keys in [gaps[r % len, 0], gaps[r % len, 1]), and with tree
     [len(positions), 2] (int64 window start, bits) the keys of its window [start, start + TREE_WINDOW) whose bit is clear.
     Returns [1, kv_heads, rows, d] in the query's dtype."""
-    if keys.stride(-1) != 1 or values.stride(-1) != 1:
-        raise ValueError("keys and values need unit stride along the head dimension")
-    return _attend(query, keys, values, positions, scale, gaps, tree)
+    kv_heads, rows, dim = query.shape[1], query.shape[2], query.shape[3]
+    seq = positions.shape[0]
+    by_position = query.view(1, kv_heads * rows // seq, seq, dim).transpose(1, 2)  # [1, seq, heads, d]
+    out = heads_attention(by_position, keys, values, positions, scale, gaps, tree)
+    return out.transpose(1, 2).reshape(1, kv_heads, rows, dim)

@@ -146,6 +146,7 @@ def test_a_green_canary_says_green_and_a_red_one_stops_the_server(tmp_path, monk
     red, stopped = stubbed_chain(tmp_path / "r", monkeypatch, accept_length=1.44, val_acc=[0.825] * 7)
     summary = red.run()
     assert summary["ok"] is False and summary["failed_stage"] == "canary" and summary["reason"].startswith("canary RED")
+    assert "Its prompts: held-out windows of the tiny target's corpus" in summary["reason"]  # the red line says what was asked
     assert stopped == [["serve-train-x"]] and stage_records(tmp_path / "r")["bench"]["status"] == "skipped"
 
 

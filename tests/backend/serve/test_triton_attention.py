@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.serve.reference.static_decode import visible_keys
-from backend.serve.reference.triton_attention import MAX_ROWS, block_size, decode_attention, fits, unavailable_reason
+from backend.serve.reference.triton_attention import MAX_ROWS, block_size, decode_attention, fits, heads_attention, unavailable_reason
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter", "limited_torch_threads")
 
@@ -37,6 +37,27 @@ def test_equals_sdpa_over_the_keys_each_row_may_see(groups, positions, bucket):
     out = decode_attention(query, keys, values, where, dim**-0.5)
     assert out.shape == query.shape and out.dtype == query.dtype
     torch.testing.assert_close(out, reference(query, keys, values, where, groups, dim**-0.5), atol=2e-6, rtol=1e-5)
+
+
+def test_a_steps_query_is_read_where_it_lies_in_the_qkv_product():
+    """A 4-row verify's query as StaticTarget slices it from its QKV product ([1, seq, heads, d], rows strided by the
+    whole product's width): the output equals the grouped call's bit for bit and comes back [1, seq, heads, d]
+    contiguous, so the output projection takes it as a view."""
+    torch.manual_seed(9)
+    kv_heads, groups, dim, seq = 3, 3, 64, 4
+    heads = kv_heads * groups
+    keys, values = torch.randn(1, kv_heads, 300, dim), torch.randn(1, kv_heads, 300, dim)
+    where = torch.tensor([120, 121, 122, 123])
+    qkv = torch.randn(1, seq, (heads + 2 * kv_heads) * dim)
+    query = qkv[..., : heads * dim].view(1, seq, heads, dim)
+    assert not query.is_contiguous()
+    out = heads_attention(query, keys, values, where, dim**-0.5)
+    assert out.shape == (1, seq, heads, dim) and out.is_contiguous()
+    grouped = query.transpose(1, 2).reshape(1, kv_heads, groups * seq, dim)
+    expected = decode_attention(grouped, keys, values, where, dim**-0.5).reshape(1, heads, seq, dim).transpose(1, 2)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    sdpa = reference(grouped, keys, values, where, groups, dim**-0.5).reshape(1, heads, seq, dim).transpose(1, 2)
+    torch.testing.assert_close(out, sdpa, atol=2e-6, rtol=1e-5)
 
 
 def test_a_tree_verify_skips_each_rows_gap():
