@@ -126,7 +126,7 @@ def _kernels() -> tuple[Any, Any]:
 # An opaque custom op (registered at import; triton itself is imported at the first call): torch.compile keeps it
 # as one call in its graph, shapes from the fake below, instead of breaking the graph around the kernels.
 @torch.library.custom_op("eagle3::decode_attention", mutates_args=())
-def _attend(
+def heads_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -135,6 +135,13 @@ def _attend(
     gaps: torch.Tensor | None = None,
     tree: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """query [1, len(positions), heads, d] in the step's own layout (a strided view of the QKV product is fine: rows
+    are read where they lie, so a verify's rows need no copy into a grouped layout) over keys/values [1, kv_heads,
+    bucket, d]; query head h reads KV head h // (heads / kv_heads); the row at positions[s] sees keys 0..positions[s],
+    less its row of gaps and of tree as decode_attention says. Returns [1, len(positions), heads, d], contiguous (the
+    output projection's input as a view), in the query's dtype."""
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys and values need unit stride along the head dimension")
     block_partials, merge_blocks = _kernels()
     _, seq, heads, dim = query.shape
     kv_heads, bucket = keys.shape[1], keys.shape[2]
@@ -162,28 +169,9 @@ def _attend(
     return out
 
 
-@_attend.register_fake
+@heads_attention.register_fake
 def _attend_shape(query, keys, values, positions, scale, gaps=None, tree=None) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)
-
-
-def heads_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
-    gaps: torch.Tensor | None = None,
-    tree: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """query [1, len(positions), heads, d] in the step's own layout (a strided view of the QKV product is fine: rows
-    are read where they lie, so a verify's rows need no copy into a grouped layout) over keys/values [1, kv_heads,
-    bucket, d]; query head h reads KV head h // (heads / kv_heads); the row at positions[s] sees keys 0..positions[s],
-    less its row of gaps and of tree as decode_attention says. Returns [1, len(positions), heads, d], contiguous (the
-    output projection's input as a view), in the query's dtype."""
-    if keys.stride(-1) != 1 or values.stride(-1) != 1:
-        raise ValueError("keys and values need unit stride along the head dimension")
-    return _attend(query, keys, values, positions, scale, gaps, tree)
 
 
 def decode_attention(
@@ -202,6 +190,6 @@ def decode_attention(
     Returns [1, kv_heads, rows, d] in the query's dtype."""
     kv_heads, rows, dim = query.shape[1], query.shape[2], query.shape[3]
     seq = positions.shape[0]
-    by_position = query.view(1, kv_heads * rows // seq, seq, dim).transpose(1, 2)  # [1, seq, heads, d]
+    by_position = query.reshape(1, kv_heads * rows // seq, seq, dim).transpose(1, 2)  # [1, seq, heads, d]
     out = heads_attention(by_position, keys, values, positions, scale, gaps, tree)
     return out.transpose(1, 2).reshape(1, kv_heads, rows, dim)

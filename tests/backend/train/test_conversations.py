@@ -356,22 +356,28 @@ def test_the_real_sharegpt_file_recovers_every_complete_conversation(tmp_path):
     print(f"real ShareGPT: {complete} complete records, {summary.kept} kept, read in {seconds:.2f} s")
 
 
-def test_training_on_a_sharegpt_array_with_a_named_template_reuses_the_tokens(tmp_path, monkeypatch, capfd):
+def hf_mini_profile(target_dir: Path):
+    """A 4-layer random Llama saved with a small BPE tokenizer that has no chat template, and a profile training it
+    online for one step."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from backend.profiles import parse_profile
-    from backend.train.trainer import TrainOptions, train
 
-    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
-    tokenizer = bpe_tokenizer()  # no template of its own: --chat-template chatml supplies it
-    target_dir = tmp_path / "target"
+    tokenizer = bpe_tokenizer()
     tokenizer.save_pretrained(target_dir)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2)
     LlamaForCausalLM(config).save_pretrained(target_dir)
     raw = mini_profile_dict(target_dir, max_steps=1, batch_size=2, log_interval=1, seq_len=48)
     raw["target"]["vocab_size"] = len(tokenizer)
     raw["draft"]["draft_vocab_size"] = 16
-    profile = parse_profile(raw, "hf-mini")
+    return parse_profile(raw, "hf-mini")
+
+
+def test_training_on_a_sharegpt_array_with_a_named_template_reuses_the_tokens(tmp_path, monkeypatch, capfd):
+    from backend.train.trainer import TrainOptions, train
+
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
+    profile = hf_mini_profile(tmp_path / "target")  # its tokenizer has no template: --chat-template chatml supplies it
     data = tmp_path / "sharegpt.json"
     data.write_text(json.dumps([sharegpt(("human", "hello there, how are you?"), ("gpt", f"fine thanks {i}")) for i in range(12)])[:-40])  # cut off
     chatml = resolve_chat_template("chatml")
@@ -387,23 +393,12 @@ def test_the_canary_asks_the_prompts_the_draft_was_validated_on(tmp_path, monkey
     `val_data`); the canary of that checkpoint asks their first prompts through the run's template, in the split's
     order, and says so. Moved away, the shipped prompts are asked and the reason is said; a plain chat file (split
     inside training) has no val file to read and is refused by name."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from backend.layout import latest_checkpoint
-    from backend.profiles import parse_profile
     from backend.serve.launch import canary_prompts, draft_canary_prompts
     from backend.train.trainer import TrainOptions, train
 
     monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "cache"))
-    tokenizer = bpe_tokenizer()
-    target_dir = tmp_path / "target"
-    tokenizer.save_pretrained(target_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2)
-    LlamaForCausalLM(config).save_pretrained(target_dir)
-    raw = mini_profile_dict(target_dir, max_steps=1, batch_size=2, log_interval=1, seq_len=48)
-    raw["target"]["vocab_size"] = len(tokenizer)
-    raw["draft"]["draft_vocab_size"] = 16
-    profile = parse_profile(raw, "hf-mini")
+    profile = hf_mini_profile(tmp_path / "target")
     source = tmp_path / "sharegpt.jsonl"
     write_jsonl(source, [sharegpt(("human", f"question number {i}?"), ("gpt", f"answer {i}")) for i in range(40)])
     data = tmp_path / "prepared"
