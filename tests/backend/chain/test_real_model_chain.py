@@ -161,6 +161,9 @@ def test_the_real_smollm2_prepares_trains_exports_passes_preflight_serves_and_be
         spec = json.loads(host("serve spec", "serve", "--profile", profile, "--draft", run / "draft", "--engine", "reference", "--device", "cpu",
                                "--job-name", "spec", "--max-new-tokens", "4", "--json", ok=(0, 1)).stdout)  # fmt: skip
         assert spec["canary"] is not None and spec["canary"]["verdict"] in ("green", "amber"), spec
+        # it asked the prompts the draft was validated on (the regenerated dir's val split, through the target's template)
+        asked = min(8, regen_meta["counts"]["val"])
+        assert spec["canary"]["prompt_source"] == f"the draft's validation conversations ({asked} of {regen.resolve()})", spec["canary"]
         plain = json.loads(host("serve plain", "serve", "--profile", profile, "--baseline", "--engine", "reference", "--device", "cpu", "--job-name", "plain",
                                 "--json").stdout)  # fmt: skip
         urls = [document["url"] for document in (spec, plain)]
