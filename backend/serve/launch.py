@@ -181,9 +181,11 @@ def draft_canary_prompts(profile: Profile, draft_dir: Any, count: int = DRAFT_CA
     on 4 shipped chat prompts over HTTP: RED at 0.6 x tau-hat, the server stopped. On the CPU, 64 tokens a prompt, it
     accepts 1.82 on 8 shipped prompts, 1.98 on 8 of its validation prompts, and 1.02 on both with the broken feed
     (docs/serving.md)."""
+    if profile.target.path == "builtin:tiny":  # its drafts train on generated corpus windows, not chat data
+        return canary_prompts(profile, count), "held-out windows of the tiny target's corpus"
     fallback = "the shipped chat prompts"
     val_data = checkpoint_val_data(draft_dir)
-    if val_data is not None and profile.target.path != "builtin:tiny":
+    if val_data is not None:
         try:
             prompts = _validation_chat_prompts(profile, val_data, count)
         except (OSError, ValueError) as exc:  # moved or deleted (DataError is a ValueError), a template that no longer renders
@@ -192,8 +194,6 @@ def draft_canary_prompts(profile: Profile, draft_dir: Any, count: int = DRAFT_CA
             if prompts:
                 return prompts, f"the draft's validation conversations ({len(prompts)} of {val_data['conversations']})"
             fallback += f" ({val_data['conversations']} holds no validation conversation)"
-    elif profile.target.path == "builtin:tiny":
-        fallback = "held-out windows of the tiny target's corpus"
     return canary_prompts(profile, count), fallback
 
 

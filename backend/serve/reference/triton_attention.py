@@ -9,10 +9,11 @@ not the cache's. A second kernel merges the blocks' partial softmaxes. Under CUD
 bucket and the positions are read on the device, so one captured graph serves every position.
 
 Row r of a KV head's query block is head r // seq of its group at position positions[r % seq], read where it lies
-in the step's [1, seq, heads, d] query (heads_attention; decode_attention takes the grouped layout); with `gaps`, row r also skips the keys in [gaps[r % seq, 0], gaps[r % seq, 1]) (a tree's other
-branches); with `tree` [seq, 2] of (window start, bits), row r sees a key k of [start, start + 63) only where bit
-k - start of its bits is set (an EAGLE tree's verify: a node sees its ancestors among the draft's slots). Softmax in float32; the probabilities are rounded to the values' dtype before their product, as
-flash kernels do. On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1), which
+in the step's [1, seq, heads, d] query (heads_attention; decode_attention takes the grouped layout); with `gaps`,
+row r also skips the keys in [gaps[r % seq, 0], gaps[r % seq, 1]) (a tree's other branches); with `tree` [seq, 2]
+of (window start, bits), row r sees a key k of [start, start + 63) only where bit k - start of its bits is set (an
+EAGLE tree's verify: a node sees its ancestors among the draft's slots). Softmax in float32; the probabilities are
+rounded to the values' dtype before their product, as flash kernels do. On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1), which
 is how the CPU tests check them against SDPA.
 """
 
