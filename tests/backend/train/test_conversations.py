@@ -388,6 +388,7 @@ def test_training_on_a_sharegpt_array_with_a_named_template_reuses_the_tokens(tm
     assert "tokenized samples from the cache" in logged
 
 
+@pytest.mark.slow  # trains a mini draft a few steps: the default suite trains nothing
 def test_the_canary_asks_the_prompts_the_draft_was_validated_on(tmp_path, monkeypatch):
     """A run on a `data prepare` dir records where its validation conversations are (checkpoint config.json,
     `val_data`); the canary of that checkpoint asks their first prompts through the run's template, in the split's

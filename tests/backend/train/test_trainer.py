@@ -682,6 +682,7 @@ def test_a_ttt_length_below_one_is_refused_before_anything_starts(tmp_path, capf
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.slow  # trains a mini draft a few steps: the default suite trains nothing
 def test_a_wider_draft_mlp_trains_exports_its_width_and_resumes_only_with_it(mini_profile, mini_env, tmp_path, capfd):
     """--draft-intermediate-size 96 (the profile's 64): the draft's MLP has that width, the checkpoint's config.json
     says so (what SGLang reads), the same width resumes, and a resume without it is refused naming both widths,
