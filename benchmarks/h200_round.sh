@@ -74,7 +74,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
 fi
 DEV=${DEV:-/tmp/dev} DEVICE=${DEVICE:-cuda} PY=${PY:-python3} SITE=${SITE:-/tmp/site}
 PIECE_BYTES=16700000 # a returned file holds at most 16 MiB: the draft and the regenerated conversations come back in pieces
-C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} CD=${CD:-.h200-draft} CR=${CR:-.h200-regen} CC=${CC:-.h200-compile} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
+C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} CD=${CD:-.h200-draft} CR=${CR:-.h200-regen} CCOMP=${CCOMP:-.h200-compile} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
 PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580} LIMIT_SCALE=${LIMIT_SCALE:-1}
 # train phase
 TRAIN_S=${TRAIN_S:-100} SF_S=${SF_S:-100} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa} MORE_S=${MORE_S:-360}
@@ -520,12 +520,13 @@ train_ours() { # [resume]: our trainer in $DEV/$RUN (default ours): setup, then 
     "${HOST[@]}" export "$DEV/$RUN" "$DEV/${RUN}_draft"
 }
 
-unpack_compile_artifacts() { # an earlier round's torch.compile artifacts, when this call carries $CC: beside carry3
-    # when it fits (64 MiB with the working tree), else with the train call after PHASE=prepare, which carries nothing else
-    if compgen -G "$CC/compile_*.bin" >/dev/null; then
-        cp "$CC"/compile_*.bin "$DEV/" && note "$PHASE: torch.compile's artifacts from an earlier round in $DEV: $(cd "$CC" && du -h compile_*.bin | tr '\n\t' ', ')"
-    else # round 19's train call carried $CC and found none here, for a reason not found: say what there was
-        note "$PHASE: no compile_*.bin in $ROOT/$CC ($(ls -la "$CC" 2>&1 | tail -n +2 | head -4 | tr -s ' \n' ' ')): the steps compile afresh"
+unpack_compile_artifacts() { # an earlier round's torch.compile artifacts, when this call carries $CCOMP: beside carry3
+    # when it fits (64 MiB with the working tree), else with the train call after PHASE=prepare, which carries nothing else.
+    # Not $CC: the device image sets CC=/opt/gcc/bin/gcc, which hid the carried folder in rounds 19-22 (round 22's log)
+    if compgen -G "$CCOMP/compile_*.bin" >/dev/null; then
+        cp "$CCOMP"/compile_*.bin "$DEV/" && note "$PHASE: torch.compile's artifacts from an earlier round in $DEV: $(cd "$CCOMP" && du -h compile_*.bin | tr '\n\t' ', ')"
+    else
+        note "$PHASE: no compile_*.bin in $ROOT/$CCOMP ($(ls -la "$CCOMP" 2>&1 | tail -n +2 | head -4 | tr -s ' \n' ' ')): the steps compile afresh"
     fi
 }
 

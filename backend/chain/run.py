@@ -26,7 +26,6 @@ from backend.jobs.records import JobNotFound
 from backend.host.holders import list_holders
 from backend.serve.acceptance import checkpoint_validation
 from backend.serve.preflight import resolve_draft_dir, run_preflight
-from backend.serve.prompts import load_prompts
 from backend.host.gpu import open_gpu_source
 
 if TYPE_CHECKING:
@@ -325,7 +324,10 @@ class StopAndBench:
 
         from backend.bench import client, results
 
-        prompts = self._bench_prompts()
+        from backend.serve.launch import draft_bench_prompts
+
+        prompts, source = draft_bench_prompts(self.profile, self.summary.get("checkpoint"), self.options.num_prompts)
+        self.summary["bench_prompts"] = source
         url = self.summary["url"]
         info = asyncio.run(client.fetch_server_info(url))
         baseline = client.resolve_baseline(None, info)
@@ -346,7 +348,7 @@ class StopAndBench:
         first = next(iter(self.summary["bench_baseline"]["comparison"]), None)
         if first is not None and first["speedup"] is not None:
             detail += f", {first['speedup']:.2f}x plain decoding in the same engine at concurrency {first['concurrency']}"
-        return detail, rows
+        return f"{detail}; prompts: {source}", rows
 
     def save_result(self) -> tuple[str, Any]:
         result = self.result_panel()
@@ -381,19 +383,13 @@ class StopAndBench:
             # "same-engine": every row also holds the plain decode of the same prompts (ignore_eos) and the speed-up
             "speedup_baseline": baseline.get("mode"),
             "speedup_c1": (speedups.get(1) or {}).get("speedup"),
+            "bench_prompts": self.summary.get("bench_prompts"),  # what the throughput rows asked (draft_bench_prompts)
             "checkpoint": self.summary.get("checkpoint"),
             "engine": self.summary.get("engine"),
             "argv": self.summary.get("argv"),
             "server_job": self.server_job,
             "server": "running" if self.server_job else None,
         }
-
-    def _bench_prompts(self) -> list[str]:
-        from backend.serve.launch import canary_prompts
-
-        if self.profile.target.path == "builtin:tiny":
-            return canary_prompts(self.profile, count=self.options.num_prompts)
-        return load_prompts(limit=self.options.num_prompts).prompts
 
     @staticmethod
     def _gpu_source():

@@ -17,7 +17,7 @@ from backend.serve.preflight import resolve_draft_dir, run_preflight
 from backend.serve.prompts import load_prompts
 from backend.serve.sglang_args import build_sglang_argv, expected_spec_settings
 from backend.train.chat_templates import render_chat, resolve_chat_template
-from backend.train.conversations import validation_prompts
+from backend.train.conversations import PROMPT_SPLITS, split_prompts
 from backend.train.target import resolve_target_path, load_tokenizer
 from backend.train.tiny import read_corpus
 from backend.host.gpu import open_gpu_source
@@ -160,13 +160,25 @@ def build_argv(
 
 
 def canary_prompts(profile: Profile, count: int = 4) -> list[str]:
-    """Prompts like the training data: held-out corpus windows for the tiny target, the shipped set otherwise."""
+    """Prompts like the training data: held-out corpus windows for the tiny target, the shipped chat set otherwise."""
+    return shipped_prompts(profile, count, tag="chat")[0]
+
+
+def shipped_prompts(profile: Profile, count: int, tag: str | None = None) -> tuple[list[str], str]:
+    """(prompts, what they are): held-out windows of the tiny target's corpus; otherwise the shipped set (`tag`
+    filters it) through the target's chat template, or raw, and why, where the target has none."""
     if profile.target.path == "builtin:tiny":
         text = read_corpus(target_dir(profile), "val")
         stride = max(TINY_PROMPT_BYTES, len(text) // (count + 1))
         windows = [text[i * stride : i * stride + TINY_PROMPT_BYTES] for i in range(count)]
-        return [w.decode("utf-8", errors="ignore") for w in windows]
-    return apply_chat_template(profile, load_prompts(tag="chat", limit=count).prompts)
+        return [w.decode("utf-8", errors="ignore") for w in windows], "held-out windows of the tiny target's corpus"
+    prompts = load_prompts(tag=tag, limit=count).prompts
+    label = "the shipped chat prompts" if tag == "chat" else "the shipped prompts"
+    try:
+        tokenizer = load_tokenizer(target_dir(profile), profile.serve.trust_remote_code)
+        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts], label
+    except Exception as exc:  # no tokenizer files, no template, no transformers: the raw prompts still exercise the draft
+        return prompts, f"{label}, raw (no chat template: {type(exc).__name__})"
 
 
 DRAFT_CANARY_PROMPTS = 8  # 4-prompt subsets of one set spread 1.54-2.21 in accept length for one SmolLM2 draft (2026-12-05)
@@ -175,43 +187,53 @@ DRAFT_CANARY_PROMPTS = 8  # 4-prompt subsets of one set spread 1.54-2.21 in acce
 def draft_canary_prompts(profile: Profile, draft_dir: Any, count: int = DRAFT_CANARY_PROMPTS) -> tuple[list[str], str]:
     """(prompts, where they came from) for the canary of a trained draft: the prompts of the conversations its
     validation ran on (the checkpoint's `val_data`), so that the accept length served and tau-hat predicted from
-    validation measure the same distribution; canary_prompts when it records none or they cannot be read here.
+    validation measure the same distribution; the shipped chat prompts when it records none or they cannot be read here.
 
     On 2026-12-05 a healthy SmolLM2 draft (tau-hat 2.72, 2.32 served in process on held-out ShareGPT) accepted 1.62
     on 4 shipped chat prompts over HTTP: RED at 0.6 x tau-hat, the server stopped. On the CPU, 64 tokens a prompt, it
     accepts 1.82 on 8 shipped prompts, 1.98 on 8 of its validation prompts, and 1.02 on both with the broken feed
     (docs/serving.md)."""
-    if profile.target.path == "builtin:tiny":  # its drafts train on generated corpus windows, not chat data
-        return canary_prompts(profile, count), "held-out windows of the tiny target's corpus"
-    fallback = "the shipped chat prompts"
+    return _draft_data_prompts(profile, draft_dir, "val", count, tag="chat")
+
+
+def draft_bench_prompts(profile: Profile, draft_dir: Any, count: int) -> tuple[list[str], str]:
+    """(prompts, where they came from) for stop & bench's benchmark: the held-out eval prompts of the data the draft
+    was trained on (the eval split beside its checkpoint's `val_data`: prompts training never saw), through its
+    template; the whole shipped set through the target's chat template otherwise.
+
+    On 2026-12-05 (one H100) the chain's benchmark asked the shipped prompts raw, without the chat template the draft
+    was trained on: accept length 1.55 and 0.95x plain decoding, for a draft that served 2.39 and 1.43x on 100 held-out
+    ShareGPT prompts through the template on the same server (docs/real-model.md, round 22)."""
+    return _draft_data_prompts(profile, draft_dir, "eval", count)
+
+
+def _draft_data_prompts(profile: Profile, draft_dir: Any, split: str, count: int, tag: str | None = None) -> tuple[list[str], str]:
+    """The first `count` prompts of `split` of the data dir the draft's checkpoint records, through its template;
+    else shipped_prompts, with the reason. The tiny target's drafts train on corpus windows: always shipped_prompts."""
+    if profile.target.path == "builtin:tiny":
+        return shipped_prompts(profile, count, tag)
+    why = ""
     val_data = checkpoint_val_data(draft_dir)
     if val_data is not None:
+        what = PROMPT_SPLITS[split]
         try:
-            prompts = _validation_chat_prompts(profile, val_data, count)
+            prompts = _recorded_chat_prompts(profile, val_data, split, count)
         except (OSError, ValueError) as exc:  # moved or deleted (DataError is a ValueError), a template that no longer renders
-            fallback += f" (the draft's validation prompts could not be used: {exc})"
+            why = f" (the draft's {what} could not be used: {exc})"
         else:
             if prompts:
-                return prompts, f"the draft's validation conversations ({len(prompts)} of {val_data['conversations']})"
-            fallback += f" ({val_data['conversations']} holds no validation conversation)"
-    return canary_prompts(profile, count), fallback
+                return prompts, f"the draft's {what} ({len(prompts)} of {val_data['conversations']})"
+            why = f" ({val_data['conversations']} holds no {what})"
+    prompts, label = shipped_prompts(profile, count, tag)
+    return prompts, label + why
 
 
-def _validation_chat_prompts(profile: Profile, val_data: dict[str, Any], count: int) -> list[str]:
-    conversations = validation_prompts(val_data["conversations"], count)
+def _recorded_chat_prompts(profile: Profile, val_data: dict[str, Any], split: str, count: int) -> list[str]:
+    conversations = split_prompts(val_data["conversations"], split, count)
     template = resolve_chat_template(val_data.get("chat_template"))
     tokenizer = load_tokenizer(target_dir(profile), profile.serve.trust_remote_code)
     text = template.text if template is not None else None
     return [render_chat(tokenizer, messages, add_generation_prompt=True, template=text, tokenize=False) for messages in conversations]
-
-
-def apply_chat_template(profile: Profile, prompts: list[str]) -> list[str]:
-    """Chat-format prompts with the target's tokenizer (drafts are trained on templated chats); raw when unavailable."""
-    try:
-        tokenizer = load_tokenizer(target_dir(profile), profile.serve.trust_remote_code)
-        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
-    except Exception:  # no tokenizer files, no template, no transformers: the raw prompts still exercise the draft
-        return prompts
 
 
 # --------------------------------------------------------------------------- waiting

@@ -409,15 +409,44 @@ def eval_prompt(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return messages[:first_answer]
 
 
-def validation_prompts(source: str | os.PathLike, count: int) -> list[list[dict[str, str]]]:
-    """The prompts (eval_prompt) of the first `count` held-out conversations of a `data prepare` or `data regenerate`
-    dir: the conversations training validated on. A plain chat file is split inside training: refused (DataError)."""
+PROMPT_SPLITS = {"val": "validation conversations", "eval": "held-out eval prompts"}
+
+
+def split_prompts(source: str | os.PathLike, split: str, count: int) -> list[list[dict[str, str]]]:
+    """The prompt turns (those before the first answer) of the first `count` records of a `data prepare` or `data
+    regenerate` dir's split: "val", the conversations training validated on, or "eval", the held-out prompts (those
+    of the val conversations of lowest split point) training never saw. A plain chat file (split inside training) has
+    neither: DataError."""
     path = Path(source).expanduser()
-    val = path / SPLIT_FILES["val"]
-    if not val.is_file():
-        what = "a plain chat file (its validation split is made inside training)" if path.is_file() else "no `data prepare` dir"
-        raise DataError(f"{path}: {what}, no {SPLIT_FILES['val']} to take prompts from")
-    return [eval_prompt(conversation.messages) for conversation in iter_conversations(val, limit=count)]
+    file = path / SPLIT_FILES[split]
+    if not file.is_file():
+        what = "a plain chat file (its splits are made inside training)" if path.is_file() else "no `data prepare` dir"
+        raise DataError(f"{path}: {what}, no {SPLIT_FILES[split]} to take prompts from")
+    if split == "eval":
+        return _eval_prompts(file, count)
+    return [eval_prompt(conversation.messages) for conversation in iter_conversations(file, limit=count)]
+
+
+def _eval_prompts(file: Path, count: int) -> list[list[dict[str, str]]]:
+    """The `conversations` (turns ending with the user's) of the first `count` lines of an eval.jsonl `prepare` wrote."""
+    prompts: list[list[dict[str, str]]] = []
+    with _open_text(file) as handle:
+        for number, line in enumerate(handle, 1):
+            if len(prompts) >= count:
+                break
+            if not line.strip():
+                continue
+            try:
+                turns = json.loads(line).get("conversations")
+            except (json.JSONDecodeError, AttributeError):
+                raise DataError(f"{file}:{number}: not a JSON object") from None
+            well_formed = isinstance(turns, list) and all(
+                isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns
+            )
+            if not well_formed or not turns or turns[-1]["role"] != "user":
+                raise DataError(f"{file}:{number}: 'conversations' is not a list of role/content turns ending with the user's")
+            prompts.append([{"role": t["role"], "content": t["content"]} for t in turns])
+    return prompts
 
 
 class _LinesOut:

@@ -240,6 +240,8 @@ def _throughput_lines(text: Text, result: dict[str, Any]) -> None:
             f"{accept_length(row.get('accept_length'))} / {accept_length(row.get('accept_length_mean_of_request_means'))}",
         )
         text.append(_throughput_row(cells) + "\n")
+    if result.get("bench_prompts"):
+        text.append(f"  prompts: {visible(str(result['bench_prompts']))}\n", style="dim")
 
 
 def _throughput_row(cells: tuple[str, ...]) -> str:

@@ -204,6 +204,15 @@ def test_the_result_panel_says_which_prompts_the_canary_asked():
     assert "prompts:" not in result_panel_text(amber_records()).plain  # a canary that does not say, as before
 
 
+def test_the_result_panel_says_which_prompts_the_benchmark_asked():
+    records = amber_records()
+    result = records[-1]["result"]
+    result["bench_prompts"] = "the draft's held-out eval prompts (8 of /data/regen)"
+    panel = result_panel_text(records)
+    assert span_style(panel, "  prompts: the draft's held-out eval prompts (8 of /data/regen)") == "dim"
+    assert panel.plain.index("throughput per concurrency") < panel.plain.index("held-out eval prompts") < panel.plain.index("checkpoint:")
+
+
 def test_chain_amber_snapshot(snap_compare):
     state = chain_state(amber_records())
     state.results["train-kimi"] = [EARLIER, {"path": SAVED, **amber_records()[-1]["result"]}]

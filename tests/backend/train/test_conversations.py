@@ -419,9 +419,49 @@ def test_the_canary_asks_the_prompts_the_draft_was_validated_on(tmp_path, monkey
     data.rename(tmp_path / "moved")
     prompts, where = draft_canary_prompts(profile, checkpoint, count=3)
     assert prompts == canary_prompts(profile, 3)
-    assert where.startswith("the shipped chat prompts (the draft's validation prompts could not be used: ") and "val.jsonl" in where
-    with pytest.raises(DataError, match=r"sharegpt.jsonl: a plain chat file \(its validation split is made inside training\), no val.jsonl"):
-        conv.validation_prompts(source, 3)
+    assert where.startswith("the shipped chat prompts, raw (no chat template: ") and "val.jsonl" in where  # this tokenizer has none
+    assert "(the draft's validation conversations could not be used: " in where
+    with pytest.raises(DataError, match=r"sharegpt.jsonl: a plain chat file \(its splits are made inside training\), no val.jsonl"):
+        conv.split_prompts(source, "val", 3)
+
+
+def test_stop_and_bench_asks_the_held_out_prompts_beside_the_drafts_data(tmp_path):
+    """The chain's benchmark asks the eval split of the data dir a checkpoint records (`val_data`, as training writes
+    it), through the recorded template: held-out prompts training never saw. Without a record, or with the
+    data gone, it asks the whole shipped set through the target's template, here raw (this tokenizer has none), and
+    says why; an eval file whose turns do not end with the user's is refused by line."""
+    from backend.serve.launch import draft_bench_prompts
+    from backend.serve.prompts import load_prompts
+
+    profile = hf_mini_profile(tmp_path / "target")
+    source = tmp_path / "sharegpt.jsonl"
+    write_jsonl(source, [sharegpt(("human", f"question number {i}?"), ("gpt", f"answer {i}")) for i in range(40)])
+    data = tmp_path / "prepared"
+    prepare([source], data, val_fraction=0.2, eval_count=3, seed=1)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    val_data = {"conversations": str(data.resolve()), "chat_template": "chatml"}
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle3_console": {"val_data": val_data}}))
+
+    held_out = [json.loads(line)["prompt"] for line in (data / "eval.jsonl").read_text().splitlines()]
+    trained = {c.messages[0]["content"] for c in iter_conversations(data / "train.jsonl")}
+    assert len(held_out) == 3 and not trained & set(held_out)
+    prompts, where = draft_bench_prompts(profile, draft, 2)
+    assert prompts == [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in held_out[:2]]
+    assert where == f"the draft's held-out eval prompts (2 of {data.resolve()})"
+
+    shipped = load_prompts(limit=5).prompts
+    prompts, where = draft_bench_prompts(profile, tmp_path / "target", 5)  # an exported dir that records no data
+    assert prompts == shipped and where.startswith("the shipped prompts, raw (no chat template: ")
+    lines = (data / "eval.jsonl").read_text().splitlines()
+    answered = json.loads(lines[1]) | {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    (data / "eval.jsonl").write_text("\n".join([lines[0], json.dumps(answered), lines[2]]) + "\n")
+    with pytest.raises(DataError, match=r"eval.jsonl:2: 'conversations' is not a list of role/content turns ending with the user's"):
+        conv.split_prompts(data, "eval", 3)
+    assert conv.split_prompts(data, "eval", 1) == [[{"role": "user", "content": held_out[0]}]]  # the lines before it still read
+    data.rename(tmp_path / "moved")
+    prompts, where = draft_bench_prompts(profile, draft, 5)
+    assert prompts == shipped and "(the draft's held-out eval prompts could not be used: " in where and "no `data prepare` dir" in where
 
 
 # --- the default data of a wheel target: a ShareGPT V3 sample from its wheel ---------------------
