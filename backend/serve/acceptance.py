@@ -9,8 +9,9 @@ Per-position acceptance comes from SGLang's spec_correct_drafts_histogram (entry
 exactly i drafts): served acceptance at draft position k (0-based, like val acc_k) is the fraction of verify steps
 that accepted at least k+1 drafts, and the conditional rate is that fraction given k were accepted. The conditional
 rate is what validation acc_k predicts (tau-hat treats acc_k that way), so the first position whose conditional
-rate falls below acc_k by more than the tolerance (BREAK_ABS_TOL, or two binomial standard errors when fewer
-steps reached the position) is where serving breaks. See docs/serving.md, "Per-position acceptance".
+rate falls below acc_k by more than the tolerance (BREAK_ABS_TOL, or two standard errors when larger: binomial over
+the verify steps, or over the requests when their steps move together) is where serving breaks. See
+docs/serving.md, "Per-position acceptance".
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ BOOTSTRAP_DRAWS = 2000  # resamples behind a bootstrap interval over requests
 # 0.10 per position at the calibrated draft's acc 0.825 (K = 5) gives 0.79 x tau-hat, the low end of what healthy
 # serving reached on the calibration runs (0.80-0.98 x tau-hat, docs/serving.md); a larger shortfall at one position is
 # more than healthy runs showed. BREAK_Z = 2: one-sided 2.3 % false alarms per position from sampling noise alone.
+# The verify steps of one request are not independent draws (a repetitive answer accepts at every step, a creative one
+# seldom), so where requests' own histograms are known the standard error is also taken over requests (cluster-robust,
+# request_se) and the larger one counts: on 2026-12-05 a healthy SmolLM2 draft's canary, 8 prompts x 64 tokens,
+# served 0.53 at position 2 against 0.78 replayed, a "break" that 100 prompts x 128 tokens on the same server (0.71)
+# did not show.
 BREAK_ABS_TOL = 0.10
 BREAK_Z = 2.0
 # Fewer verify steps than this reached a position: its served rate is not judged (SE would exceed ~0.1 anyway).
@@ -117,13 +123,14 @@ def merge_histograms(histograms: list[list[int]]) -> list[int]:
     return merged
 
 
-def per_position_acceptance(histogram: list[int], num_steps: int | None = None) -> list[dict[str, Any]]:
+def per_position_acceptance(histogram: list[int], num_steps: int | None = None, requests: Sequence[list[int]] = ()) -> list[dict[str, Any]]:
     """Served acceptance per draft position k = 0..K-1 from a histogram of drafts accepted per verify step.
 
     reached: fraction of verify steps that accepted at least k+1 drafts (position k accepted);
     conditional: reached_k / reached_{k-1} (reached_{-1} = 1), the rate at position k given k drafts were accepted,
     None when no step got that far; steps_at_position: verify steps that accepted at least k (the conditional's n).
-    1 + sum(reached) is the accept length per verify step (prefill token excluded).
+    1 + sum(reached) is the accept length per verify step (prefill token excluded). With `requests` (each request's
+    own histogram, `histogram` their sum) each row also has request_se: the conditional's standard error over them.
     """
     total = sum(histogram)
     if total <= 0:
@@ -133,24 +140,38 @@ def per_position_acceptance(histogram: list[int], num_steps: int | None = None) 
     at_least = total  # steps that accepted >= k drafts
     for k in range(max(positions, 0)):
         accepted = sum(histogram[k + 1 :])  # steps that accepted >= k+1
-        rows.append(
-            {
-                "position": k,
-                "reached": accepted / total,
-                "conditional": accepted / at_least if at_least else None,
-                "steps_at_position": at_least,
-                "steps_accepted": accepted,
-            }
-        )
+        row: dict[str, Any] = {
+            "position": k,
+            "reached": accepted / total,
+            "conditional": accepted / at_least if at_least else None,
+            "steps_at_position": at_least,
+            "steps_accepted": accepted,
+        }
+        if len(requests) > 1:
+            row["request_se"] = request_standard_error([(sum(h[k:]), sum(h[k + 1 :])) for h in requests])
+        rows.append(row)
         at_least = accepted
     return rows
 
 
-def break_tolerance(predicted: float, steps_at_position: int) -> float:
-    """How far below val acc_k the served conditional rate may fall before it counts as a break."""
+def request_standard_error(pairs: Sequence[tuple[int, int]]) -> float | None:
+    """The standard error of sum(accepted) / sum(steps) over requests' (steps, accepted) at one position, with the
+    requests as the independent units (the cluster-robust variance of a ratio estimator); None for fewer than 2
+    requests or no step."""
+    steps = sum(n for n, _ in pairs)
+    if len(pairs) < 2 or steps <= 0:
+        return None
+    rate = sum(a for _, a in pairs) / steps
+    spread = sum((a - rate * n) ** 2 for n, a in pairs)
+    return (len(pairs) / (len(pairs) - 1) * spread) ** 0.5 / steps
+
+
+def break_tolerance(predicted: float, steps_at_position: int, request_se: float | None = None) -> float:
+    """How far below val acc_k the served conditional rate may fall before it counts as a break: BREAK_ABS_TOL, or
+    BREAK_Z standard errors when larger (binomial over the steps; over the requests where request_se is known)."""
     p = max(0.0, min(1.0, predicted))
     spread = BREAK_Z * (p * (1.0 - p) / steps_at_position) ** 0.5 if steps_at_position > 0 else 1.0
-    return max(BREAK_ABS_TOL, spread)
+    return max(BREAK_ABS_TOL, spread, BREAK_Z * request_se if request_se is not None else 0.0)
 
 
 REPLAYED = "replayed"  # a row's prediction: validation's chain rounds replayed (the trainer's val_rounds)
@@ -198,7 +219,7 @@ def compare_with_validation(
             rows.append(out)
             continue
         n = row["steps_at_position"]
-        tol = break_tolerance(predicted, n)
+        tol = break_tolerance(predicted, n, row.get("request_se"))
         judged = n >= MIN_STEPS_AT_POSITION and row["conditional"] is not None
         broken = bool(judged and row["conditional"] < predicted - tol)
         out.update(predicted=predicted, predicted_reached=running, tolerance=tol, judged=judged, broken=broken, val_acc=acc, basis=basis)
@@ -244,7 +265,7 @@ def _breaks_away(rows: list[dict[str, Any]], ratio: float) -> dict[str, Any] | N
     for row in rows[1:]:
         if row.get("judged") and row.get("predicted") is not None:
             scaled = row["predicted"] * ratio
-            if row["conditional"] < scaled - break_tolerance(scaled, row["steps_at_position"]):
+            if row["conditional"] < scaled - break_tolerance(scaled, row["steps_at_position"], row.get("request_se")):
                 return row
     return None
 
@@ -329,7 +350,7 @@ def acceptance_report(
         )
     elif histograms:
         histogram = merge_histograms(histograms)
-        per_position, first = compare_with_validation(per_position_acceptance(histogram, num_steps), val_acc, replay)
+        per_position, first = compare_with_validation(per_position_acceptance(histogram, num_steps, histograms), val_acc, replay)
     report: dict[str, Any] = {
         "pooled": completion / verify if verify else None,
         "pooled_label": POOLED_LABEL,

@@ -295,6 +295,26 @@ def test_tolerance_absorbs_small_shortfalls_and_sampling_noise():
     assert compare_with_validation(rows, [0.95])[1]["position"] == 0
 
 
+def test_steps_that_move_together_per_request_widen_the_tolerance_of_a_few_requests():
+    """A repetitive answer accepts at almost every verify step, a creative one seldom: 8 such requests, half of each,
+    serve 0.625 at position 0 against 0.80 predicted. Over the 160 steps as independent draws that is a break; over
+    the 8 requests it is within two standard errors. 100 requests of the same mixture: a break again."""
+    easy, hard = [1, 1, 2, 16], [14, 4, 1, 1]  # drafts accepted per verify step, 20 steps each
+
+    def report(requests):
+        return acceptance_report([(20 + sum(i * c for i, c in enumerate(h)), 20, h) for h in requests], 3, [0.8] * 3)
+
+    few = report([easy, hard] * 4)
+    head = few["per_position"][0]
+    assert head["conditional"] == pytest.approx(0.625) and head["steps_at_position"] == 160
+    assert head["request_se"] == pytest.approx((8 / 7 * 8 * 6.5**2) ** 0.5 / 160)  # 0.123: the requests' spread
+    assert head["tolerance"] == pytest.approx(2 * head["request_se"]) and few["break"] is None
+    assert break_tolerance(0.8, 160) == BREAK_ABS_TOL  # the binomial over steps alone: 0.175 short would break
+    many = report([easy, hard] * 50)
+    assert many["per_position"][0]["tolerance"] == BREAK_ABS_TOL and many["break"] is not None
+    assert "request_se" not in report([easy])["per_position"][0]  # one request: no spread over requests to take
+
+
 def test_positions_reached_by_too_few_steps_are_not_judged():
     # 208 steps: 203 reached position 1, 3 of them went on to position 2 (3 < MIN_STEPS_AT_POSITION).
     rows, first = compare_with_validation(per_position_acceptance([5, 200, 0, 3], num_steps=3), [0.97, 0.9, 0.9])
