@@ -78,7 +78,7 @@ def stubbed_chain(tmp_path: Path, monkeypatch, accept_length: float, val_acc: li
     chain.profile = load_profile("tiny")
     stopped: list = []
     monkeypatch.setattr(chain.registry, "stop", lambda names, **_: stopped.append(list(names)) or [])
-    monkeypatch.setattr(launch_mod, "canary_prompts", lambda profile, count=4: ["prompt"] * count)
+    monkeypatch.setattr(launch_mod, "shipped_prompts", lambda profile, count, tag=None: (["prompt"] * count, "stub prompts"))
     monkeypatch.setattr(
         canary_mod,
         "run_canary",
@@ -146,7 +146,7 @@ def test_a_green_canary_says_green_and_a_red_one_stops_the_server(tmp_path, monk
     red, stopped = stubbed_chain(tmp_path / "r", monkeypatch, accept_length=1.44, val_acc=[0.825] * 7)
     summary = red.run()
     assert summary["ok"] is False and summary["failed_stage"] == "canary" and summary["reason"].startswith("canary RED")
-    assert "Its prompts: held-out windows of the tiny target's corpus" in summary["reason"]  # the red line says what was asked
+    assert "Its prompts: stub prompts" in summary["reason"]  # the red line says what was asked
     assert stopped == [["serve-train-x"]] and stage_records(tmp_path / "r")["bench"]["status"] == "skipped"
 
 
