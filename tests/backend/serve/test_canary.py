@@ -315,6 +315,17 @@ def test_steps_that_move_together_per_request_widen_the_tolerance_of_a_few_reque
     assert "request_se" not in report([easy])["per_position"][0]  # one request: no spread over requests to take
 
 
+def test_canary_positions_reports_both_tolerances_of_one_set_of_requests():
+    """benchmarks/canary_positions.py's judgement: the canary's report (with request_se) beside the binomial-only one."""
+    from benchmarks.canary_positions import judged
+
+    easy, hard = [1, 1, 2, 16], [14, 4, 1, 1]
+    report = judged([(20 + sum(i * c for i, c in enumerate(h)), 20, h) for h in [easy, hard] * 4], 3, [0.8] * 3, None)
+    assert report["break_line"].startswith("no break") and report["per_position"][0]["request_se"] > 0.1
+    assert report["binomial_only_break_line"].startswith("served acceptance")  # 0.625 vs 0.80 over 160 steps
+    assert len(report["requests"]) == 8 and report["pooled"] == pytest.approx(4 * (73 + 29) / 160)  # completion / verify
+
+
 def test_positions_reached_by_too_few_steps_are_not_judged():
     # 208 steps: 203 reached position 1, 3 of them went on to position 2 (3 < MIN_STEPS_AT_POSITION).
     rows, first = compare_with_validation(per_position_acceptance([5, 200, 0, 3], num_steps=3), [0.97, 0.9, 0.9])
