@@ -271,12 +271,14 @@ def test_load_target_resolves_the_wheel_source_to_the_prepared_dir(prepared):
 
 @pytest.mark.slow
 def test_serving_a_wheel_profile_hands_sglang_the_prepared_dir_and_templates_the_canary(prepared):
-    from backend.serve.launch import apply_chat_template, build_argv, target_config_for
+    from backend.serve.launch import build_argv, shipped_prompts, target_config_for
+    from backend.serve.prompts import load_prompts
     from backend.serve.sglang_args import parse_flag_values
 
     profile = load_profile("smollm2-135m")
     flags = parse_flag_values(build_argv(profile, "/models/drafts/eagle3", "sglang", 30000))
     assert flags["--model-path"] == str(prepared)
     assert target_config_for(profile) == str(prepared / "config.json")
-    [prompt] = apply_chat_template(profile, ["Hi"])
-    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    [question] = load_prompts(tag="chat", limit=1).prompts
+    [prompt], label = shipped_prompts(profile, 1, tag="chat")
+    assert prompt.endswith(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n") and label == "the shipped chat prompts"
