@@ -25,19 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_decode_speed import load_draft  # noqa: E402
 from backend.bench.spec_settings import chat_prompt_ids  # noqa: E402
 from backend.serve import acceptance  # noqa: E402
+from backend.serve.reference.engine import correct_drafts_histogram  # noqa: E402
 from backend.serve.reference.spec_decode import NO_EOS, SpecDecoder  # noqa: E402
 from backend.train.conversations import PROMPT_SPLITS, split_prompts  # noqa: E402
 
 
-def request_histograms(decoder: SpecDecoder, prompts: list[list[int]], max_new: int, num_steps: int) -> list[tuple[int, int, list[int]]]:
-    """(completion tokens, verify rounds, drafts accepted per round as a histogram) per prompt, as a server reports them."""
+def request_histograms(decoder: SpecDecoder, prompts: list[list[int]], max_new: int) -> list[tuple[int, int, list[int]]]:
+    """(completion tokens, verify rounds, drafts accepted per round as a histogram) per prompt, as the reference server
+    reports them (its own correct_drafts_histogram)."""
     requests = []
     for ids in prompts:
         result = decoder.generate(ids, max_new)
-        histogram = [0] * (num_steps + 1)
-        for accepted in result.accepted_per_round:
-            histogram[accepted] += 1
-        requests.append((result.completion_tokens, result.verify_ct, histogram))
+        requests.append((result.completion_tokens, result.verify_ct, correct_drafts_histogram(result.accepted_per_round)))
     return requests
 
 
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "device": str(device),
-        **judged(request_histograms(decoder, prompts, args.max_new_tokens, args.num_steps), args.num_steps, val_acc, val_rounds),
+        **judged(request_histograms(decoder, prompts, args.max_new_tokens), args.num_steps, val_acc, val_rounds),
     }
     for row in report["per_position"]:
         se = row["request_se"]
