@@ -176,7 +176,7 @@ def shipped_prompts(profile: Profile, count: int, tag: str | None = None) -> tup
     label = "the shipped chat prompts" if tag == "chat" else "the shipped prompts"
     try:
         tokenizer = load_tokenizer(target_dir(profile), profile.serve.trust_remote_code)
-        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts], label
+        return [render_chat(tokenizer, [{"role": "user", "content": p}], add_generation_prompt=True, template=None, tokenize=False) for p in prompts], label
     except Exception as exc:  # no tokenizer files, no template, no transformers: the raw prompts still exercise the draft
         return prompts, f"{label}, raw (no chat template: {type(exc).__name__})"
 
