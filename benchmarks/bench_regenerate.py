@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Answer throughput of `data regenerate`'s batched generation (regenerate.generate_batch: greedy, which goes through
-transformers' generate since 2026-12-02, and sampled, our own loop) against transformers' own `generate` called
-directly, at several batch sizes, on one device, in one process.
+"""Answer throughput of `data regenerate`'s batched generation (regenerate.generate_batch: greedy and sampled both go
+through transformers' generate, sampled ones with our per-row SeededSampler since 2026-12-05) against transformers'
+own `generate` called directly, at several batch sizes, on one device, in one process.
 
 The model is a randomly initialised Llama of the profile's target shape (hidden, layers, heads, vocabulary from the
 profile), so the numbers need no weights and no tokenizer: decode speed does not depend on the weights' values. Every
@@ -11,9 +11,11 @@ row of a batch gets a random prompt of 100..--prompt-tokens ids (left-padded, as
 Per batch size: prefill seconds (a 1-token call), seconds per decode step and answer tokens/s for ours (greedy and
 sampled at temperature 1), and the same for transformers' `generate` (greedy, the same prompts and padding) as the
 peer measured in the same run, the ratio of our greedy to it, and the GPU memory peak. (On the H200 before the switch,
-2026-12-02, our loop ran greedy at 0.27x / 0.61x the peer at batch 256 / 2,048.) --profile-batch adds a torch.profiler table of the top operators for one call.
+2026-12-02, our loop ran greedy at 0.27x / 0.61x the peer at batch 256 / 2,048; sampled answers kept that loop until
+2026-12-05.) --profile-batch adds a torch.profiler table of the top operators for one call.
 --static adds `data regenerate --cache static` (ours_static: every batch filled to the batch size, every prompt padded to
---prompt-tokens, one StaticCache that transformers compiles on CUDA; its warm-up holds the compile).
+--prompt-tokens, one StaticCache that transformers compiles on CUDA; its warm-up holds the compile) and the same
+sampled at temperature 1 (ours_static_sampled).
 --choose FILE writes {"batch_size": B, "cache": C} for the setting with the most tokens/s (h200_round.sh's train phase reads it).
 
 --grouping PREPARE_DIR --tokenizer TARGET_DIR measures instead what batching by prompt length saves
@@ -95,12 +97,12 @@ def ours(target, prompts, new_tokens: int, temperature: float = 0.0, static=None
     assert all(len(ids) == new_tokens for ids, _ in answers), "a row stopped early: the timing would not be per full step"
 
 
-def ours_static_for(batch: int, args):
+def ours_static_for(batch: int, args, temperature: float = 0.0):
     """`data regenerate --cache static`'s generation: one StaticBatches per batch size, as a regeneration holds one."""
     from backend.train.regenerate import StaticBatches
 
     static = StaticBatches(batch, args.prompt_tokens, args.new_tokens)
-    return lambda target, prompts, new_tokens: ours(target, prompts, new_tokens, static=static)
+    return lambda target, prompts, new_tokens: ours(target, prompts, new_tokens, temperature=temperature, static=static)
 
 
 def ours_sampled(target, prompts, new_tokens: int) -> None:
@@ -126,7 +128,7 @@ def measure(target, batch: int, args) -> dict:
     row: dict = {"batch": batch, "prompt_tokens_mean": sum(map(len, prompts)) / batch}
     calls = [("ours", ours), ("ours_sampled", ours_sampled), ("transformers_generate", theirs)]
     if args.static:
-        calls.insert(1, ("ours_static", ours_static_for(batch, args)))
+        calls[1:1] = [("ours_static", ours_static_for(batch, args)), ("ours_static_sampled", ours_static_for(batch, args, temperature=1.0))]
     for name, call in calls:
         warm_up = timed(target.device, lambda: call(target, prompts[: min(batch, 8)], 2))  # kernels, allocator, a static cache's compile
         if target.device.type == "cuda":

@@ -46,6 +46,12 @@
 #                 (the chain needs a training checkpoint: instead `eagle3-host serve --engine reference` of the draft,
 #                 then the same per-set bench; round 17 lost its machine between calls and came back this way). ~5 s.
 #
+#   PHASE=sampled carry .h200-carry2 after carry1 and carry3 (or nothing after prepare): a SECOND regeneration of the
+#                 same prompts, sampled (--temperature SAMPLED_T, --seed SAMPLED_SEED, the static cache), into
+#                 $DEV/regen_sampled for SAMPLED_S seconds; it comes back as regen_sampled.tar.xz.part* and a later train
+#                 phase on this machine (carrying nothing but .h200-compile) adds its train split to our draft's data
+#                 (--extra-conversations; SAMPLED_EXTRA=0 leaves it out, TWIN="--extra-conversations ..." A/Bs it). ~SAMPLED_S + 90 s.
+#
 #   PHASE=profile carries nothing: after carry1, at any point (the round's spare device time), profile_decode_step.py
 #                 with DECODE_PROFILE_EXTRA (e.g. "--variants compiled_linear_triton --budget-s 100"). ~110 s a variant.
 #
@@ -60,7 +66,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
-: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more, retrain, serve, profile, prepare or draft}"
+: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more, retrain, serve, profile, prepare, draft or sampled}"
 if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny sizes (CPU profile: seq_len 128, batch 1, float32)
     : "${DEVICE:=cpu}" "${PY:=.venv/bin/python}" "${WHEEL_DIR:=/tmp/h200-build/whl-local}" "${IMAGE_GUARD:=1}" "${DEV:=/tmp/h200-dry}"
     : "${SITE:=/tmp/h200-dry-site}" "${TRAIN_S:=5}" "${SF_S:=5}" "${OURS_STEPS:=4}" "${EVAL_INTERVAL:=2}" "${VAL_BATCHES:=1}" "${SF_VAL:=1}"
@@ -100,6 +106,8 @@ EXTRA_DATA=${EXTRA_DATA:-1} DRAFT_HEAD=${DRAFT_HEAD:-random} RUN=ours RUN_ARGS="
 # (TWIN_MORE=better, default: the choice made mid-cosine, every step of `more` for it), or resumes both side by side
 # and chooses after their last validation (TWIN_MORE=both: the A/B over the whole cosine; both metrics come back).
 TWIN=${TWIN:-} TWIN_MORE=${TWIN_MORE:-better}
+# PHASE=sampled: the sampled second regeneration (SAMPLED_S seconds; batch REGEN_BATCH, default 2048, static cache)
+SAMPLED_S=${SAMPLED_S:-240} SAMPLED_T=${SAMPLED_T:-0.7} SAMPLED_TOP_P=${SAMPLED_TOP_P:-1.0} SAMPLED_SEED=${SAMPLED_SEED:-1} SAMPLED_EXTRA=${SAMPLED_EXTRA:-1}
 # TIME_BUDGET=1 (default): our trainer gets `--max-seconds BUDGET_S` (default TRAIN_S + MORE_S: one cosine over both
 # phases, fitted at the measured rate; the tenth round's, planned at a guessed rate, never decayed): the train phase
 # SIGTERMs it after TRAIN_S (its checkpoint records the seconds spent), the more phase resumes it with --max-seconds
@@ -475,6 +483,8 @@ train_ours() { # [resume]: our trainer in $DEV/$RUN (default ours): setup, then 
     [ -z "${1:-}" ] && printf '%s' "$RUN_ARGS" >"$DEV/${RUN}_args" && batch+=(--draft-head "$DRAFT_HEAD") # a resume keeps its checkpoint's head
     # shellcheck disable=SC2207 # a list of options
     batch+=($(cat "$DEV/${RUN}_args" 2>/dev/null))
+    [ "$SAMPLED_EXTRA" = 1 ] && grep -q '"finalized": *true' "$DEV/regen_sampled/regenerate.json" 2>/dev/null &&
+        batch+=(--extra-conversations "$DEV/regen_sampled") # PHASE=sampled's answers, on this machine
     [ "$EXTRA_DATA" = 1 ] && [ "$DATA" != "$DEV/sgdev" ] && batch+=(--extra-conversations "$DEV/sgdev" --group-by-length)
     if [ "${1:-}" = resume ]; then
         budget=$MORE_S resume=(--resume latest) lines0=$(wc -l <"$metrics")
@@ -561,6 +571,19 @@ phase_prepare() { # a round without training (a draft returned by an earlier one
     unpack_target_and_data
     stage prepare 45 150 "${HOST[@]}" target prepare smollm2-135m-instruct --gguf "$DEV/smol.gguf" || die "target prepare failed: nothing to serve"
     printf '{"dir": "%s", "regenerated": false, "note": "no training in this round: the draft was carried (PHASE=draft)"}\n' "$DEV/sgdev" >"$DEV/data.json"
+}
+
+phase_sampled() { # the same prompts answered again, sampled: more distinct training data a GPU-minute than more epochs
+    unpack_target_and_data
+    stage prepare 45 150 "${HOST[@]}" target prepare smollm2-135m-instruct --gguf "$DEV/smol.gguf" || die "target prepare failed: nothing to regenerate"
+    stage regenerate_sampled $((SAMPLED_S + 45)) $((SAMPLED_S + 120)) "${HOST[@]}" data regenerate --profile "$PROFILE" --input "$DEV/sgdev" \
+        --out "$DEV/regen_sampled" --limit "$REGEN_LIMIT" --val-limit "$REGEN_VAL" --batch-size "${REGEN_BATCH:-2048}" --cache static \
+        --max-new-tokens "$REGEN_NEW" --max-prompt-tokens "$REGEN_PROMPT" --max-seconds "$SAMPLED_S" --device "$DEVICE" \
+        --temperature "$SAMPLED_T" --top-p "$SAMPLED_TOP_P" --seed "$SAMPLED_SEED" ${REGEN_ANSWERS:+--max-answers "$REGEN_ANSWERS"}
+    grep -q '"finalized": *true' "$DEV/regen_sampled/regenerate.json" 2>/dev/null || die "the sampled regeneration wrote nothing readable"
+    note "sampled conversations: $("$PY" -c 'import json, sys; m = json.load(open(sys.argv[1])); print(m["counts"], m["settings"], [r["seconds"] for r in m["runs"]])' "$DEV/regen_sampled/regenerate.json")"
+    tar cf - -C "$DEV" --exclude .regenerate.lock regen_sampled | xz -T0 -6 | split -b "$PIECE_BYTES" -d -a 1 - "$OUT/regen_sampled.tar.xz.part"
+    note "they come back as $(ls "$OUT"/regen_sampled.tar.xz.part* | wc -l) piece(s), $(cat "$OUT"/regen_sampled.tar.xz.part* | wc -c) bytes"
 }
 
 phase_draft() { # carry $CD: the pieces an earlier round's RETURN_DRAFT=1 sent back, as $DEV/ours_draft
@@ -861,7 +884,8 @@ more) phase_more ;;
 retrain) phase_retrain ;;
 serve) phase_serve ;;
 profile) phase_profile ;;
-*) die "unknown PHASE (carry1, carry3, train, more, retrain, serve, profile, prepare or draft)" ;;
+sampled) phase_sampled ;;
+*) die "unknown PHASE (carry1, carry3, train, more, retrain, serve, profile, prepare, draft or sampled)" ;;
 esac
 summarize "$PHASE"
 failed=$(awk -F'\t' '$3 != 0 {print $1}' "$TIMES" | tr '\n' ' ')

@@ -83,7 +83,7 @@ def _register_regenerate(commands, parent) -> None:
         "--cache",
         choices=("dynamic", "static"),
         default="dynamic",
-        help="static: greedy batches share one preallocated KV cache, --batch-size rows by --max-prompt-tokens + --max-new-tokens, "
+        help="static: batches (greedy or sampled) share one preallocated KV cache, --batch-size rows by --max-prompt-tokens + --max-new-tokens, "
         "so on CUDA transformers compiles the decode step once and replays it (keep --max-prompt-tokens near the prompts you have: "
         "every step attends over the whole width); dynamic (default): the cache grows with each batch",
     )
@@ -147,7 +147,8 @@ def _regenerate_command(args) -> int:
             reuse_source=args.reuse_source,
             cache=args.cache,
         )
-        settings.static_batches()  # a wrong --cache is refused before the target loads
+        settings.sampling.check()  # wrong answer settings and a wrong --cache are refused before the target loads
+        settings.static_batches()
         chosen = chat_preflight(profile, args.chat_template, trust_remote_code=profile.serve.trust_remote_code)
         apply_threads(args.threads)
         import torch

@@ -18,7 +18,7 @@ from backend.train.chat_templates import template_ids
 from backend.train.conversations import PREPARE_META, SPLIT_FILES, DataError, content_digest, iter_conversations
 from backend.durable import fsync_path
 from backend.train.fsutil import PRIVATE_DIR, PRIVATE_FILE, file_sha256
-from backend.train.target import _output_cache, load_tokenizer
+from backend.train.target import load_tokenizer
 from backend.train.tokenizer_identity import tokenizer_behaviour
 from backend.durable import write_atomic
 
@@ -245,48 +245,79 @@ class Sampling:
             raise DataError(f"--temperature {self.temperature} / --top-p {self.top_p}: expected temperature >= 0 and 0 < top-p <= 1. Nothing was written.")
 
 
-def pick_tokens(logits, rngs: list[random.Random], sampling: Sampling) -> list[int]:
-    """The next token of each row: argmax when greedy, else one draw from the row's own generator (inverse CDF over
-    the tokens sorted by probability, cut to the top-p mass), so a row's tokens never depend on the other rows."""
-    import torch
+SAMPLER = "uniform-table/1"  # how a sampled answer turns its row's draws into tokens: recorded, a resume compares it
 
+
+def answer_draws(rngs: list[random.Random], sampling: Sampling) -> list[list[float]] | None:
+    """Each row's uniforms for one answer, max_new_tokens of them drawn from the row's own generator before the answer
+    starts (None when greedy): a row's tokens depend on its conversation's seed alone, never on the batch."""
     if sampling.temperature <= 0:
-        return logits.argmax(-1).tolist()
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    ordered, order = probs.sort(dim=-1, descending=True)
-    if sampling.top_p < 1:
-        before = ordered.cumsum(-1) - ordered
-        ordered = ordered.masked_fill(before >= sampling.top_p, 0.0)  # the smallest prefix holding top-p (the first always stays)
-    cumulative = ordered.cumsum(-1)
-    draws = torch.tensor([rng.random() for rng in rngs], dtype=cumulative.dtype, device=cumulative.device)
-    positions = torch.searchsorted(cumulative, (draws * cumulative[:, -1])[:, None]).clamp(max=ordered.shape[-1] - 1)
-    return order.gather(1, positions).squeeze(1).tolist()
+        return None
+    return [[rng.random() for _ in range(sampling.max_new_tokens)] for rng in rngs]
 
 
-def _forward_kwargs(model) -> dict[str, Any]:
-    import inspect
+class SeededSampler:
+    """A logits processor that turns greedy decoding into sampling: row r's token at new position t is the inverse CDF
+    of softmax(logits / temperature), cut to the top-p mass, at draws[r][t]; every other token is masked, so the
+    greedy pick is the sample. It runs inside transformers' `generate`, so sampled answers use the same batched
+    (and static, compiled) cache as greedy ones, with no host sync per token."""
 
-    parameters = inspect.signature(model.forward).parameters
-    return {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+    def __init__(self, draws, prompt_width: int, sampling: Sampling):
+        self.draws, self.prompt_width, self.sampling = draws, prompt_width, sampling
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        step = input_ids.shape[1] - self.prompt_width
+        probs = torch.softmax(scores.float() / self.sampling.temperature, dim=-1)
+        order = None
+        if self.sampling.top_p < 1:
+            probs, order = probs.sort(dim=-1, descending=True)
+            before = probs.cumsum(-1) - probs
+            probs = probs.masked_fill(before >= self.sampling.top_p, 0.0)  # the smallest prefix holding top-p (the first always stays)
+        cumulative = probs.cumsum(-1)
+        draw = self.draws[: scores.shape[0], step : step + 1].to(cumulative.dtype) * cumulative[:, -1:]
+        chosen = torch.searchsorted(cumulative, draw).clamp(max=scores.shape[-1] - 1)
+        tokens = chosen if order is None else order.gather(1, chosen)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens, 0.0)
 
 
 def generate_batch(
     target, prompts: list[list[int]], rngs: list[random.Random], sampling: Sampling, stop_ids: set[int], static: StaticBatches | None = None
 ) -> list[tuple[list[int], str]]:
-    """(answer ids without the stop token, "eos" | "length") for each prompt, generated together with one KV cache.
+    """(answer ids without the stop token, "eos" | "length") for each prompt, generated together with one KV cache
+    through transformers' own `generate` (on the H200 it decoded 1.6-3.7x the tokens a second of a hand-written
+    loop at batch 256-2048: benchmarks/bench_regenerate.py), from `static`'s preallocated cache when given.
 
-    Prompts are left-padded and masked; positions count real tokens only, so a row sees what it would alone.
-    Greedy answers come from transformers' own `generate` (on the H200 it decoded 1.6-3.7x the tokens a second of
-    the loop below at batch 256-2048: benchmarks/bench_regenerate.py), from `static`'s preallocated cache when given;
-    sampled ones from the loop, which draws each row from its own generator so that a row's tokens never depend on the batch.
+    Prompts are left-padded and masked; positions count real tokens only, so a row sees what it would alone. A
+    sampled row draws from its own generator (SeededSampler), so its tokens never depend on the batch either.
     """
-    if sampling.temperature <= 0:
-        return _greedy_batch(target, prompts, sampling.max_new_tokens, stop_ids, static)
-    return _sampled_batch(target, prompts, rngs, sampling, stop_ids)
+    import torch
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    pad_id = _pad_id(target)
+    rows, cache = (static.fill(prompts, pad_id), {target._cache_kwarg: static.cache(target.model)}) if static else (prompts, {})
+    ids, mask = _padded(rows, pad_id, target.device, static.prompt_width if static else None)
+    processors = LogitsProcessorList()
+    draws = answer_draws(rngs, sampling)
+    if draws is not None:
+        table = torch.tensor(draws + [[0.5] * sampling.max_new_tokens] * (len(rows) - len(prompts)), dtype=torch.float64, device=target.device)
+        processors.append(SeededSampler(table, ids.shape[1], sampling))
+    # a generation config of our own: no sampling, penalties or length rules from the model's generation_config.json
+    config = GenerationConfig(
+        max_new_tokens=sampling.max_new_tokens, do_sample=False, eos_token_id=sorted(stop_ids) or None, pad_token_id=pad_id, use_cache=True
+    )
+    with torch.no_grad():
+        output = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors, **cache)
+    answers = []
+    for row in output[: len(prompts), ids.shape[1] :].tolist():
+        stop = next((i for i, token in enumerate(row) if token in stop_ids), None)
+        answers.append((row, "length") if stop is None else (row[:stop], "eos"))
+    return answers
 
 
 class StaticBatches:
-    """One preallocated KV cache (transformers' StaticCache) shared by every batch of a greedy regeneration.
+    """One preallocated KV cache (transformers' StaticCache) shared by every batch of a regeneration, greedy or sampled.
 
     Every batch is filled to `rows` (one-token filler rows, their answers dropped) and every prompt left-padded to
     `prompt_width`, so each `generate` call has the same shapes and the same cache: on CUDA transformers compiles a
@@ -333,62 +364,6 @@ def _padded(prompts: list[list[int]], pad_id: int, device, width: int | None = N
 def _pad_id(target) -> int:
     pad_id = getattr(target.tokenizer, "pad_token_id", None)
     return 0 if pad_id is None else int(pad_id)
-
-
-def _greedy_batch(
-    target, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], static: StaticBatches | None = None
-) -> list[tuple[list[int], str]]:
-    """Greedy answers through model.generate with a generation config of our own (no sampling, penalties or length
-    rules from the model's generation_config.json); each row is cut at its first stop token."""
-    import torch
-    from transformers import GenerationConfig
-
-    pad_id = _pad_id(target)
-    rows, cache = (static.fill(prompts, pad_id), {target._cache_kwarg: static.cache(target.model)}) if static else (prompts, {})
-    ids, mask = _padded(rows, pad_id, target.device, static.prompt_width if static else None)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(stop_ids) or None, pad_token_id=pad_id, use_cache=True)
-    with torch.no_grad():
-        output = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **cache)
-    answers = []
-    for row in output[: len(prompts), ids.shape[1] :].tolist():
-        stop = next((i for i, token in enumerate(row) if token in stop_ids), None)
-        answers.append((row, "length") if stop is None else (row[:stop], "eos"))
-    return answers
-
-
-def _sampled_batch(target, prompts: list[list[int]], rngs: list[random.Random], sampling: Sampling, stop_ids: set[int]) -> list[tuple[list[int], str]]:
-    """The sampling loop: a row that stops leaves the batch (its cache rows are dropped) so the others do not pay for it."""
-    import torch
-
-    model, device = target.model, target.device
-    ids, mask = _padded(prompts, _pad_id(target), device)
-    answers: list[list[int]] = [[] for _ in prompts]
-    finish = ["length"] * len(prompts)
-    live = list(range(len(prompts)))  # prompt index of each row still in the batch
-    extra, cache, step_input = _forward_kwargs(model), None, ids
-    with torch.no_grad():
-        for _ in range(sampling.max_new_tokens):
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1] :]
-            cached: dict[str, Any] = {target._cache_kwarg: cache} if cache is not None else {}
-            output = model(input_ids=step_input, attention_mask=mask, position_ids=positions, use_cache=True, **cached, **extra)
-            cache = _output_cache(output)
-            tokens = pick_tokens(output.logits[:, -1], [rngs[row] for row in live], sampling)
-            keep = []
-            for slot, (row, token) in enumerate(zip(live, tokens)):
-                if token in stop_ids:
-                    finish[row] = "eos"
-                else:
-                    answers[row].append(token)
-                    keep.append(slot)
-            if not keep:
-                break
-            if len(keep) < len(live):
-                index = torch.tensor(keep, dtype=torch.int64, device=device)
-                cache.batch_select_indices(index)
-                mask, live, tokens = mask[index], [live[s] for s in keep], [tokens[s] for s in keep]
-            step_input = torch.tensor(tokens, dtype=torch.int64, device=device)[:, None]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-    return list(zip(answers, finish))
 
 
 def stop_token_ids(target) -> set[int]:
@@ -544,15 +519,13 @@ class RegenerateSettings:
     window: int = 4  # batches of prompts held to group by length (LengthGroupedQueue); 1: arrival order only
     reuse: Path | None = None  # an earlier regeneration whose finished conversations are taken where the source content is the same
     reuse_source: Path | None = None  # the prepare dir `reuse` regenerated, when it is not where its regenerate.json says
-    cache: str = "dynamic"  # "static": one preallocated cache for every batch (StaticBatches; greedy only); how, not what (not identity)
+    cache: str = "dynamic"  # "static": one preallocated cache for every batch (StaticBatches); how, not what (not identity)
 
     def static_batches(self) -> StaticBatches | None:
         if self.cache not in CACHE_KINDS:
             raise DataError(f"--cache {self.cache}: expected one of {', '.join(CACHE_KINDS)}. Nothing was written.")
         if self.cache != "static":
             return None
-        if self.sampling.temperature > 0:
-            raise DataError("--cache static is for greedy answers (--temperature 0); sampled answers use the dynamic cache. Nothing was written.")
         return StaticBatches(self.batch_size, self.max_prompt_tokens, self.sampling.max_new_tokens)
 
 
@@ -591,6 +564,7 @@ def _identity(settings: RegenerateSettings, target, template_name: str, template
             "temperature": settings.sampling.temperature,
             "top_p": settings.sampling.top_p,
             "seed": settings.sampling.seed,
+            **({"sampler": SAMPLER} if settings.sampling.temperature > 0 else {}),  # greedy runs made before it resume
             "max_prompt_tokens": settings.max_prompt_tokens,
             "limit": settings.limit,
             "val_limit": settings.val_limit,
@@ -622,7 +596,7 @@ def _other_target(recorded: dict, target: dict) -> list[str]:
     return wrong
 
 
-REUSE_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "max_prompt_tokens", "max_answers")  # what an answer depends on
+REUSE_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "sampler", "max_prompt_tokens", "max_answers")  # what an answer depends on
 
 
 def reusable_answers(reuse: Path, reuse_source: Path | None, identity: dict) -> dict[bytes, dict]:

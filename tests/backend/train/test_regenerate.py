@@ -21,8 +21,10 @@ from backend.train.conversations import DataError, content_digest, iter_conversa
 from backend.train.data import conversation_samples
 from backend.train.regenerate import (
     LineAppender,
+    SAMPLER,
     RegenerateSettings,
     Sampling,
+    SeededSampler,
     StaticBatches,
     generate_batch,
     read_done_lines,
@@ -143,7 +145,16 @@ def test_sampling_is_fixed_per_conversation_whatever_the_batch(world, tmp_path):
     assert rows(tmp_path / "s6") == rows(tmp_path / "s1")
     assert rows(tmp_path / "other") != rows(tmp_path / "s1") and rows(tmp_path / "greedy") != rows(tmp_path / "s1")
     meta = json.loads((tmp_path / "s6" / "regenerate.json").read_text())
-    assert meta["settings"] == {"max_new_tokens": 12, "temperature": 1.0, "top_p": 0.9, "seed": 5, "max_prompt_tokens": 2048, "limit": None, "val_limit": None}
+    assert meta["settings"] == {
+        "max_new_tokens": 12,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "seed": 5,
+        "sampler": SAMPLER,
+        "max_prompt_tokens": 2048,
+        "limit": None,
+        "val_limit": None,
+    }
     assert meta["target"]["fingerprint"] == target_fingerprint(world["target_dir"]) and meta["template"]["name"] == "chatml"
 
 
@@ -154,10 +165,36 @@ def test_generate_batch_drops_stopped_rows_and_keeps_each_rows_answer(world):
     prompts = [p["input_ids"] if hasattr(p, "keys") else list(p) for p in prompts]
     import random
 
-    sampling = Sampling(max_new_tokens=12)
-    alone = [generate_batch(target, [p], [random.Random(0)], sampling, stop_token_ids(target))[0] for p in prompts]
-    together = generate_batch(target, prompts, [random.Random(0) for _ in prompts], sampling, stop_token_ids(target))
-    assert together == alone and len({len(p) for p in prompts}) > 1  # prompts of several lengths, left-padded
+    for sampling in (Sampling(max_new_tokens=12), Sampling(max_new_tokens=12, temperature=1.0, top_p=0.9)):
+        alone = [generate_batch(target, [p], [random.Random(i)], sampling, stop_token_ids(target))[0] for i, p in enumerate(prompts)]
+        together = generate_batch(target, prompts, [random.Random(i) for i in range(len(prompts))], sampling, stop_token_ids(target))
+        assert together == alone and len({len(p) for p in prompts}) > 1  # prompts of several lengths, left-padded
+
+
+def test_the_seeded_sampler_draws_softmax_at_the_temperature_cut_to_top_p():
+    """Inverse-CDF sampling with the row's own uniforms: 20,000 rows of one logit vector give softmax(logits / T)'s
+    frequencies (each within 4 binomial standard errors), top-p keeps the smallest prefix holding its mass, and the
+    same uniforms give the same tokens whatever the other rows hold."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    rows, generator = 20_000, torch.Generator().manual_seed(0)
+    draws = torch.rand(rows, 3, generator=generator, dtype=torch.float64)
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.8)):
+        sampler = SeededSampler(draws, prompt_width=5, sampling=Sampling(max_new_tokens=3, temperature=temperature, top_p=top_p))
+        masked = sampler(torch.zeros(rows, 6, dtype=torch.int64), logits.expand(rows, -1).clone())  # step 1 of 3: draws[:, 1]
+        assert torch.isfinite(masked).sum(-1).eq(1).all()  # exactly one token left for the greedy pick
+        counts = torch.bincount(masked.argmax(-1), minlength=6).double() / rows
+        expected = torch.softmax(logits.double() / temperature, -1)
+        if top_p < 1:  # the logits are in descending order: 0.561 + 0.206 < 0.8, so three tokens stay, renormalised
+            expected = expected * ((expected.cumsum(-1) - expected) < top_p)
+            expected /= expected.sum()
+            assert (expected > 0).sum() == 3
+        error = (expected * (1 - expected) / rows).sqrt()
+        assert ((counts - expected).abs() <= 4 * error + 1e-12).all(), (temperature, top_p, counts, expected)
+    other = torch.randn(rows, 6, generator=generator)
+    other[7] = logits
+    again = SeededSampler(draws, 5, Sampling(max_new_tokens=3, temperature=1.0))(torch.zeros(rows, 6, dtype=torch.int64), other)
+    first = SeededSampler(draws, 5, Sampling(max_new_tokens=3, temperature=1.0))(torch.zeros(rows, 6, dtype=torch.int64), logits.expand(rows, -1).clone())
+    assert again[7].argmax() == first[7].argmax()
 
 
 def test_a_torn_last_line_is_cut_off_and_a_bad_middle_line_refused(tmp_path):
@@ -334,17 +371,19 @@ def test_an_output_dir_of_other_settings_or_files_is_refused(world, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_static_cache_answers_as_the_dynamic_one_batch_after_batch(world, tmp_path):
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.95, "seed": 3}], ids=["greedy", "sampled"])
+def test_a_static_cache_answers_as_the_dynamic_one_batch_after_batch(world, tmp_path, sampling):
     """`--cache static`: every batch filled to the batch size and padded to --max-prompt-tokens in one reused StaticCache
     (rows stopping at different steps, a short last batch, second answers of multi-turn conversations) writes the
-    same bytes as the dynamic cache, and the run records which cache it used."""
-    dynamic = run_regenerate(world, tmp_path / "dynamic", batch_size=7)
-    static = run_regenerate(world, tmp_path / "static", batch_size=7, cache="static")
+    same bytes as the dynamic cache, greedy or sampled, and the run records which cache it used."""
+    dynamic = run_regenerate(world, tmp_path / "dynamic", batch_size=7, **sampling)
+    static = run_regenerate(world, tmp_path / "static", batch_size=7, cache="static", **sampling)
     for split in ("train", "val", "eval"):
         assert (tmp_path / "static" / f"{split}.jsonl").read_bytes() == (tmp_path / "dynamic" / f"{split}.jsonl").read_bytes()
     assert [r["cache"] for r in static["runs"]] == ["static"] and [r["cache"] for r in dynamic["runs"]] == ["dynamic"]
     assert static["settings"] == dynamic["settings"]  # how the cache is kept is not what the answers are: a resume may switch
-    assert {f for r in rows(tmp_path / "static") for f in r["finish"]} == {"eos", "length"}
+    if not sampling:  # sampled answers of this near-uniform target seldom end: its eos holds ~0.3 % of a step's mass
+        assert {f for r in rows(tmp_path / "static") for f in r["finish"]} == {"eos", "length"}
 
 
 def test_a_static_cache_is_reused_across_calls_and_refuses_what_it_cannot_hold(world):
@@ -358,6 +397,10 @@ def test_a_static_cache_is_reused_across_calls_and_refuses_what_it_cannot_hold(w
     again = generate_batch(target, prompts[1:], rngs, sampling, stops, static)  # fewer rows: filler rows, the same cache emptied
     assert static.cache(target.model) is cache
     assert first == generate_batch(target, prompts, rngs, sampling, stops) and again == first[1:]
+    sampled = Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9)  # sampled answers share the cache: the dynamic cache's tokens
+    assert generate_batch(target, prompts, [random.Random(i) for i in range(3)], sampled, stops, static) == generate_batch(
+        target, prompts, [random.Random(i) for i in range(3)], sampled, stops
+    )
     with pytest.raises(ValueError, match="5 prompts for a static cache of 4 rows"):
         generate_batch(target, prompts + prompts[:2], [random.Random(0)] * 5, sampling, stops, static)
     with pytest.raises(ValueError, match="a prompt of 7 tokens for a static cache 6 tokens wide"):
@@ -588,7 +631,7 @@ def test_bad_answer_and_time_limits_are_refused_in_one_line_before_the_target_lo
     cases = [
         (["--max-answers", "0"], "expected at least 1 answer"),
         (["--max-seconds", "-1"], "expected a positive number"),
-        (["--cache", "static", "--temperature", "0.7"], "--cache static is for greedy answers"),
+        (["--temperature", "-0.5"], "expected temperature >= 0"),
     ]
     for flags, words in cases:
         result = subprocess.run(
