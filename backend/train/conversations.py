@@ -388,7 +388,7 @@ def no_conversations_message(summary: ReadSummary) -> str:
 # ----------------------------------------------------------------------------------------------
 
 PREPARE_META = "prepare.json"  # written last: a dir holding it is a complete prepare output
-PREPARE_FORMAT = "eagle3-console-prepared-chat/1"
+PREPARE_FORMAT = "eagle3-console-prepared-chat/2"  # /2: split by the first prompt (/1: by the whole conversation)
 SPLIT_FILES = {"train": "train.jsonl", "val": "val.jsonl", "eval": "eval.jsonl"}
 DUPLICATE = "duplicate"
 
@@ -482,10 +482,11 @@ class _LinesOut:
 
 
 def _keep_lowest(lowest: list, count: int, point: float, order: int, conversation: Conversation) -> None:
-    """Keep the `count` held-out prompts of lowest split point (a max-heap on the negated point)."""
+    """Keep the `count` held-out prompts of lowest split point (a max-heap on the negated point), each prompt once
+    (conversations that open alike share their point)."""
     import heapq
 
-    if count == 0 or (len(lowest) >= count and -lowest[0][0] <= point):
+    if count == 0 or (len(lowest) >= count and -lowest[0][0] <= point) or any(-kept == point for kept, _, _ in lowest):
         return
     prompt = eval_prompt(conversation.messages)
     entry = {"prompt": prompt[-1]["content"], "conversations": prompt, "tags": ["eval"]} | ({"id": conversation.id} if conversation.id else {})
@@ -517,9 +518,12 @@ def prepare(
 ) -> dict[str, Any]:
     """Normalize, de-duplicate and split conversations; returns what prepare.json says.
 
-    A conversation is held out (val) when split_point(its content, seed) < val_fraction, so it lands in the
-    same split whatever else is read with it or how much (--limit). eval.jsonl holds the prompts of the
-    eval_count held-out conversations of lowest split point: never trained on, ready for `bench --prompts`.
+    A conversation is held out (val) when split_point(its first prompt, seed) < val_fraction, so it lands in the
+    same split whatever else is read with it or how much (--limit), and conversations that open with the same
+    prompt (ShareGPT holds ~6 % such: one question, several chats) share a split: a held-out prompt is never a
+    training one, also after `data regenerate` answers it (greedy answers to one prompt are one answer). eval.jsonl
+    holds the prompts of the eval_count held-out conversations of lowest split point, one per prompt: never trained
+    on, ready for `bench --prompts`.
     """
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction}: expected a fraction between 0 and 1 (exclusive). Nothing was written.")
@@ -551,7 +555,7 @@ def prepare(
                 row: dict[str, Any] = {"conversations": conversation.messages}
                 if conversation.id is not None:
                     row["id"] = conversation.id
-                point = split_point(digest, seed)
+                point = split_point(content_digest(eval_prompt(conversation.messages)), seed)
                 if point < val_fraction:
                     outputs["val"].write(row)
                     _keep_lowest(lowest, eval_count, point, kept, conversation)

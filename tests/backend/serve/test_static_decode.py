@@ -587,8 +587,21 @@ def test_accept_length_benchmark_reports_intervals_and_the_anatomy_per_set(mini_
         assert 1 <= row["pooled_before_eos"] <= 4 and 0 < row["tokens_before_eos"] <= row["tokens"]
         anatomy = row["acceptance_anatomy"]
         assert anatomy["replayed_rounds"] == anatomy["served_rounds"] and anatomy["served_vs_teacher_forced_agreement"] == 1.0
+        assert [b["from"] for b in row["by_answer_position"]] == [0, 64, 128, 256, 512] and row["by_answer_position"][0]["rounds"] > 0
     assert "pooled_over_2_prompt_subsets_95" in report["sets"]["one/eval"] and "pooled_over_2_prompt_subsets_95" not in report["sets"]["two/eval"]
     assert "one/eval: 3 prompts, accept length" in done.stdout
+
+
+def test_tokens_a_round_by_answer_position_stop_at_the_end_of_turn():
+    """Rounds binned by where they start in the answer; the round that crosses the end of turn counts its tokens up to
+    it, and rounds after it count nowhere."""
+    from backend.serve.reference.spec_decode import GenerateResult
+    from benchmarks.bench_accept_length import by_answer_position
+
+    eos = 2
+    result = GenerateResult(output_ids=[5] * 70 + [eos] + [5] * 10, completion_tokens=81, verify_ct=20, accepted_per_round=[3] * 20)
+    bins = by_answer_position([result], {eos})
+    assert [(b["from"], b["rounds"], b["tokens_per_round"]) for b in bins] == [(0, 16, 4.0), (64, 2, 3.0), (128, 0, None), (256, 0, None), (512, 0, None)]
 
 
 def test_the_device_option_reaches_the_reference_server_argv_and_only_that_engine(mini_profile):

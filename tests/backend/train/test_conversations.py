@@ -234,6 +234,27 @@ def test_prepare_splits_by_content_stably_across_runs_and_limits(tmp_path):
     assert other_seed["splits"]["val"]["sha256"] != meta["splits"]["val"]["sha256"]
 
 
+def test_conversations_that_open_with_one_prompt_share_a_split_and_eval_asks_it_once(tmp_path):
+    """ShareGPT holds one question asked in several chats; regenerated, their first answers are one answer. Grouped by
+    the first prompt (system turn included), a held-out prompt is never a training one."""
+    rows = []
+    for i in range(300):
+        question = f"question number {i}"
+        rows.append(sharegpt(("human", question), ("gpt", f"answer {i}"), id=f"a{i}"))
+        rows.append(sharegpt(("human", question), ("gpt", f"another answer {i}"), ("human", "more"), ("gpt", "ok"), id=f"b{i}"))
+        rows.append(sharegpt(("system", "be brief"), ("human", question), ("gpt", f"answer {i}"), id=f"s{i}"))  # another prompt
+    meta = prepare([write_jsonl(tmp_path / "a.jsonl", rows)], tmp_path / "out", val_fraction=0.2, eval_count=40, seed=1)
+    ids = split_ids(tmp_path / "out")
+    assert meta["kept"] == 900 and meta["format"].endswith("/2")
+    val = set(ids["val"])
+    assert {f"a{i}" in val for i in range(300)} != {True} and all((f"a{i}" in val) == (f"b{i}" in val) for i in range(300))
+    assert any((f"a{i}" in val) != (f"s{i}" in val) for i in range(300))  # a system turn makes it another prompt
+    prompts = [json.dumps(json.loads(line)["conversations"]) for line in (tmp_path / "out" / "eval.jsonl").read_text().splitlines()]
+    assert len(prompts) == 40 == len(set(prompts))
+    train_prompts = {json.dumps(conv.eval_prompt(c.messages)) for c in conv.iter_conversations(tmp_path / "out" / "train.jsonl")}
+    assert not train_prompts & set(prompts)
+
+
 def test_prepare_outputs_are_atomic_and_a_refusal_leaves_everything_in_place(tmp_path):
     data = write_jsonl(tmp_path / "a.jsonl", many_conversations(50))
     out = tmp_path / "out"
@@ -269,7 +290,8 @@ def test_data_prepare_command_prints_what_it_kept_and_dropped(tmp_path):
         "(empty 2, no assistant turn 1, no user turn 1, unknown role only 1, malformed record 2)"
     )
     assert lines[1].startswith("  repaired: ") and len(lines) <= 7
-    assert lines[-1].startswith(f"data prepare: wrote {tmp_path / 'out'}: train ") and "; 1 duplicates dropped)" in lines[-1]
+    wrote = next(line for line in lines if line.startswith("data prepare: wrote"))
+    assert wrote.startswith(f"data prepare: wrote {tmp_path / 'out'}: train ") and "; 1 duplicates dropped)" in wrote
     meta = json.loads((tmp_path / "out" / "prepare.json").read_text())
     assert meta["kept"] == 3 and meta["dropped"]["duplicate"] == 1  # records 3 and 5 normalize to the same conversation
 
