@@ -72,7 +72,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
     : "${SITE:=/tmp/h200-dry-site}" "${TRAIN_S:=5}" "${SF_S:=5}" "${OURS_STEPS:=4}" "${EVAL_INTERVAL:=2}" "${VAL_BATCHES:=1}" "${SF_VAL:=1}"
     : "${REGEN_LIMIT:=3}" "${REGEN_VAL:=1}" "${REGEN_BATCH:=4}" "${REGEN_NEW:=4}" "${REGEN_PROMPT:=64}" "${REGEN_S:=400}" "${COLD_MIB:=8}"
     : "${NUM_PROMPTS:=1}" "${MAX_NEW:=4}" "${PROMPT_TOKENS:=32}" "${CHAIN_PROMPTS:=1}" "${CHAIN_NEW:=4}" "${BENCH_PROMPTS:=1}"
-    : "${BENCH_NEW:=4}" "${REAL_STEPS:=1}" "${REAL_WARMUP:=1}" "${REAL_PROFILE:=1}" "${PHASE_S:=5000}" "${HARD_S:=6000}"
+    : "${BENCH_NEW:=4}" "${WHOLE_NEW:=8}" "${REAL_STEPS:=1}" "${REAL_WARMUP:=1}" "${REAL_PROFILE:=1}" "${PHASE_S:=5000}" "${HARD_S:=6000}"
     : "${GROUPING_EXTRA:=--dtype float32 --layers 2 --batch 4 --new-tokens 4 --grouping-prompts 16}"
     : "${DECODE_PROFILE:=0}" "${REGEN_BENCH_BATCHES:=2 4}" "${REGEN_BENCH_EXTRA:=--dtype float32 --layers 2 --new-tokens 4 --prompt-tokens 48}"
     : "${LIMIT_SCALE:=5}" # stage limits are sized for the H200; a shared 2-core machine runs the CPU stages 2-3x slower at load 5
@@ -135,6 +135,9 @@ DECODE_PROFILE=${DECODE_PROFILE:-1} DECODE_PROFILE_EXTRA=${DECODE_PROFILE_EXTRA:
 # round 15's draft: 10-prompt subsets of 56 val prompts 2.15-2.71); 100 take ~20 s more over HTTP at ~1,000 tok/s
 NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
 CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-100} BENCH_NEW=${BENCH_NEW:-128}
+# WHOLE_NEW > 0: the per-set bench again with whole answers (--stop-at-eos, at most WHOLE_NEW tokens: SpecForge's benchmarker
+# asks 2048); the first 128 tokens of an answer are its hardest for the draft (bench_accept_length.py's by_answer_position)
+WHOLE_NEW=${WHOLE_NEW:-1024}
 REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30} REAL_PROFILE=${REAL_PROFILE:-3} # REAL_PROFILE: steps under torch.profiler after
 # serve stages beyond `decode`: COMPILED (our final draft, 3 steps, graphs + torch.compile, with its plain row), CHAIN
 # (stop-and-bench + per-set HTTP bench; with a carried draft, `serve` of it + the per-set bench), REAL (real vs fixed-length steps), GROUPING (regeneration's batches by prompt
@@ -800,7 +803,11 @@ bench_per_set() { # URL WHERE: `bench --baseline same-engine` per eval set again
     fi
     timeout "$(left)" "${HOST[@]}" bench --url "$1" --baseline same-engine --prompts "sharegpt=$DEV/sgdev" --prompts humaneval \
         --num-prompts "$BENCH_PROMPTS" --max-new-tokens "$BENCH_NEW" --chat-template "$MODEL_DIR" --concurrency 1 \
-        --out "$OUT/bench_same_engine.json"
+        --out "$OUT/bench_same_engine.json" || return $?
+    [ "$WHOLE_NEW" -gt 0 ] || return 0 # whole answers (to the end of turn, at most WHOLE_NEW tokens), as SpecForge's benchmarker measures
+    timeout "$(left)" "${HOST[@]}" bench --url "$1" --baseline same-engine --prompts "sharegpt=$DEV/sgdev" --prompts humaneval \
+        --num-prompts "$BENCH_PROMPTS" --max-new-tokens "$WHOLE_NEW" --stop-at-eos --chat-template "$MODEL_DIR" --concurrency 1 \
+        --out "$OUT/bench_whole_answers.json"
 }
 
 serve_carried() { # a carried draft (PHASE=draft: no training job to stop): `serve --engine reference` of it, then the per-set bench

@@ -41,6 +41,13 @@ def register(subparsers, parent) -> None:
     )
     parser.add_argument("--baseline-url", help="a non-speculative server of the same target (the same as --baseline URL)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="end every request, on both sides, at the target's end of turn: the accept length and speed of whole answers, as "
+        "SpecForge's benchmarker and SGLang's MT-bench script measure them (with --max-new-tokens 2048 there); default: "
+        "ignore_eos, every request exactly --max-new-tokens",
+    )
     parser.add_argument("--out", type=Path, help="result file (default: RUN_DIR/benchmarks/bench-<time>.json)")
     parser.add_argument("--json", action="store_true", help="print the result document as JSON")
     parser.set_defaults(handler=handle_bench)
@@ -118,7 +125,9 @@ async def run(args) -> dict:
     baseline_info = await client.fetch_server_info(baseline.url) if baseline.mode == client.BASELINE_URL and baseline.url else None
     runs = []
     for eval_set in sets:
-        levels, baseline_levels = await client.measure_set(url, baseline, eval_set.prompts.prompts, args.concurrency, args.max_new_tokens)
+        levels, baseline_levels = await client.measure_set(
+            url, baseline, eval_set.prompts.prompts, args.concurrency, args.max_new_tokens, stop_at_eos=args.stop_at_eos
+        )
         runs.append(results.SetRun(eval_set.name, eval_set.prompts, levels, baseline_levels))
     return results.build_document(
         url=url,
@@ -129,6 +138,7 @@ async def run(args) -> dict:
         baseline=baseline,
         baseline_info=baseline_info,
         started_at=started,
+        stop_at_eos=args.stop_at_eos,
     )
 
 

@@ -269,13 +269,19 @@ async def warm_up(url: str, prompt: str, max_new_tokens: int, options: RequestOp
         await stream_generate(client, url, prompt, -1, max_new_tokens, options)
 
 
+def side_options(baseline: Baseline, stop_at_eos: bool = False) -> tuple[RequestOptions, RequestOptions]:
+    """(speculative side, plain side). With a baseline every request ignores eos, so both sides decode exactly
+    max_new_tokens per prompt; stop_at_eos ends both at the target's end of turn instead (whole answers: greedy
+    sides that produce equal outputs produce equal lengths, which the comparison's outputs_equal shows)."""
+    fixed = not stop_at_eos
+    return RequestOptions(ignore_eos=baseline.measured and fixed), RequestOptions(ignore_eos=fixed, plain=baseline.mode == SAME_ENGINE)
+
+
 async def measure_set(
-    url: str, baseline: Baseline, prompts: list[str], concurrency: list[int], max_new_tokens: int
+    url: str, baseline: Baseline, prompts: list[str], concurrency: list[int], max_new_tokens: int, stop_at_eos: bool = False
 ) -> tuple[list[LevelResult], list[LevelResult]]:
-    """(speculative levels, baseline levels) over one prompt set; with a baseline every request ignores eos, so both
-    sides decode exactly max_new_tokens per prompt, and the two sides alternate level by level."""
-    spec_side = RequestOptions(ignore_eos=baseline.measured)
-    plain_side = RequestOptions(ignore_eos=True, plain=baseline.mode == SAME_ENGINE)
+    """(speculative levels, baseline levels) over one prompt set (side_options), the two sides alternating level by level."""
+    spec_side, plain_side = side_options(baseline, stop_at_eos)
     plain_url = url if baseline.mode == SAME_ENGINE else baseline.url or url
     await warm_up(url, prompts[0], max_new_tokens, spec_side)
     if baseline.measured:

@@ -51,8 +51,9 @@ def exact_lengths(level: LevelResult, max_new_tokens: int) -> bool:
     return level.completion_tokens_min == level.completion_tokens_max == max_new_tokens
 
 
-def compare(spec: list[LevelResult], baseline: list[LevelResult], max_new_tokens: int) -> list[dict[str, Any]]:
-    """Per concurrency level both sides ran: tok/s both ways, the speed-up, TTFT and ITL of both, accept length, equality."""
+def compare(spec: list[LevelResult], baseline: list[LevelResult], max_new_tokens: int, fixed_lengths: bool = True) -> list[dict[str, Any]]:
+    """Per concurrency level both sides ran: tok/s both ways, the speed-up, TTFT and ITL of both, accept length, equality
+    (exact_lengths: None for whole answers, which end at the end of turn)."""
     by_level = {b.concurrency: b for b in baseline}
     rows = []
     for level in spec:
@@ -71,7 +72,7 @@ def compare(spec: list[LevelResult], baseline: list[LevelResult], max_new_tokens
                 "accept_length_mean_of_request_means": level.accept_length_mean_of_request_means,
                 "output_tokens": level.output_tokens,
                 "baseline_output_tokens": base.output_tokens,
-                "exact_lengths": exact_lengths(level, max_new_tokens) and exact_lengths(base, max_new_tokens),
+                "exact_lengths": exact_lengths(level, max_new_tokens) and exact_lengths(base, max_new_tokens) if fixed_lengths else None,
                 "failed": level.failed,
                 "baseline_failed": base.failed,
                 "outputs_equal": outputs_equal(level, base),
@@ -84,8 +85,10 @@ def speedup_at(rows: list[dict[str, Any]], concurrency: int) -> float | None:
     return next((row["speedup"] for row in rows if row["concurrency"] == concurrency), None)
 
 
-def set_section(run: SetRun, max_new_tokens: int, val_acc: list[float] | None, steps: Any, val_rounds: Any = None) -> dict[str, Any]:
-    rows = compare(run.levels, run.baseline_levels, max_new_tokens)
+def set_section(
+    run: SetRun, max_new_tokens: int, val_acc: list[float] | None, steps: Any, val_rounds: Any = None, fixed_lengths: bool = True
+) -> dict[str, Any]:
+    rows = compare(run.levels, run.baseline_levels, max_new_tokens, fixed_lengths)
     return {
         "name": run.name,
         "prompts": run.prompts.describe(),
@@ -129,14 +132,16 @@ def build_document(
     baseline_info: dict[str, Any] | None = None,
     started_at: float | None = None,
     val_acc: list[float] | None = None,
+    stop_at_eos: bool = False,
 ) -> dict[str, Any]:
     """val_acc: the served checkpoint's per-step validation accuracy; read from its config.json when not given
-    (with its replayed chain rounds, val_rounds, when it recorded them)."""
+    (with its replayed chain rounds, val_rounds, when it recorded them). stop_at_eos: every request ended at the end
+    of turn (whole answers), not at exactly max_new_tokens."""
     recorded_acc, val_rounds = checkpoint_validation(server_info.get("speculative_draft_model_path"))
     if val_acc is None:
         val_acc = recorded_acc
     steps = server_info.get("speculative_num_steps")
-    sections = [set_section(run, max_new_tokens, val_acc, steps, val_rounds) for run in sets]
+    sections = [set_section(run, max_new_tokens, val_acc, steps, val_rounds, fixed_lengths=not stop_at_eos) for run in sets]
     return {
         "schema": SCHEMA,
         "kind": "eagle3-bench",
@@ -153,7 +158,8 @@ def build_document(
         },
         "max_new_tokens": max_new_tokens,
         "temperature": 0,
-        "ignore_eos": baseline.measured,
+        "ignore_eos": baseline.measured and not stop_at_eos,
+        "stop_at_eos": stop_at_eos,
         "concurrency": concurrency,
         "baseline": {
             "mode": baseline.mode,
@@ -255,7 +261,7 @@ def table(document: dict[str, Any]) -> str:
     lines = [
         f"benchmark of {document['url']}  ({document['flags'].get('speculative_algorithm')}, "
         f"steps {document['flags'].get('speculative_num_steps')}, max_new_tokens {document['max_new_tokens']}, "
-        f"{against}{', ignore_eos' if document['ignore_eos'] else ''})",
+        f"{against}{', ignore_eos' if document['ignore_eos'] else ''}{', whole answers: every request ends at the end of turn' if document.get('stop_at_eos') else ''})",
         "  accept length: pooled = over verify steps (SGLang, vLLM: sum completion / sum verify_ct); "
         "req_mean = mean of per-request means (SpecForge benchmark)",
     ]

@@ -381,6 +381,34 @@ def test_bench_same_engine_over_two_eval_sets_on_a_mini_reference_server(tmp_pat
     assert "set held-out: 3 prompts" in done.stdout and "plain decoding in the same engine, ignore_eos" in done.stdout
 
 
+def test_whole_answers_send_no_ignore_eos_on_either_side():
+    same = client.Baseline(client.SAME_ENGINE)
+    spec, plain = client.side_options(same)
+    assert spec.payload("p", 8)["sampling_params"]["ignore_eos"] and plain.payload("p", 8)["sampling_params"]["ignore_eos"]
+    spec, plain = client.side_options(same, stop_at_eos=True)
+    for side in (spec, plain):
+        assert side.payload("p", 8)["sampling_params"] == {"temperature": 0, "max_new_tokens": 8}
+    assert plain.plain and not spec.plain
+    spec, _ = client.side_options(client.Baseline(client.NO_BASELINE))
+    assert "ignore_eos" not in spec.payload("p", 8)["sampling_params"]  # nothing to match lengths with
+
+
+def test_bench_stop_at_eos_measures_whole_answers_on_both_sides(tmp_path, mini_servers):
+    """--stop-at-eos: neither side ignores eos; equal greedy outputs have equal lengths, so the speed-up compares like
+    with like; the document and the table say whole answers, and exact lengths are not claimed."""
+    out_file = tmp_path / "result.json"
+    argv = [sys.executable, "-m", "backend", "bench", "--url", mini_servers["spec"].url, "--baseline", "same-engine", "--stop-at-eos"]
+    argv += ["--tag", "code", "--num-prompts", "2", "--concurrency", "1", "--max-new-tokens", "12", "--out", str(out_file), "--run-dir", str(tmp_path)]
+    done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    doc = results.load(out_file)
+    assert doc["stop_at_eos"] is True and doc["ignore_eos"] is False
+    (row,) = doc["sets"][0]["comparison"]
+    assert row["exact_lengths"] is None and row["outputs_equal"]["equal"] == row["outputs_equal"]["compared"] == 2
+    assert row["output_tokens"] == row["baseline_output_tokens"] <= 2 * 12 and row["speedup"] > 0
+    assert "whole answers: every request ends at the end of turn" in done.stdout and "ignore_eos" not in done.stdout.splitlines()[0]
+
+
 def test_same_engine_against_a_plain_server_is_refused_with_exit_2(tmp_path, mini_servers):
     argv = [sys.executable, "-m", "backend", "bench", "--url", mini_servers["plain"].url, "--baseline", "same-engine", "--run-dir", str(tmp_path)]
     done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
