@@ -7,7 +7,8 @@ bootstrap 95 % interval over prompts, the pooled accept length of the answers al
 first end of turn: what a run that stops there serves), the spread of the mean over random subsets of --subset
 prompts (the serve phase's 10), and the draft's teacher-forced step-0 hits on the served tokens (bench_decode_speed's
 acceptance_anatomy: every row, before the first end of turn, at round starts, and validation's replay of the same
-tokens), and the tokens a round by where in the answer the round starts (0-63, 64-127, 128-255, 256-511, 512-).
+tokens), and the tokens a round by where in the answer the round starts (0-63, 64-127, 128-255, 256-511, 512-)
+beside the share of those tokens that repeat an earlier 8-gram of the answer (loops a small greedy target falls into).
 Pass the regenerated val conversations as a set to compare with what validation measured: read as prompts,
 their last answer is dropped and the target answers it again.
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_decode_speed import acceptance_anatomy, load_draft, read_prompt_file  # noqa: E402
 from backend.bench.spec_settings import chat_prompt_ids  # noqa: E402
-from backend.serve.acceptance import bootstrap_interval, mean_of_request_means, pooled_accept_length  # noqa: E402
+from backend.serve.acceptance import bootstrap_interval, mean_of_request_means, pooled_accept_length, repeated_positions  # noqa: E402
 from backend.serve.reference.spec_decode import FEEDS, NO_EOS, SpecDecoder, eos_ids  # noqa: E402
 
 
@@ -53,25 +54,42 @@ def answer_part(result, eos: set[int]) -> tuple[int, int]:
 ANSWER_BINS = (0, 64, 128, 256, 512)  # where in the answer a verify round starts: the lower edges of the bins
 
 
+def _bin_of(position: int) -> int:
+    return max(i for i, edge in enumerate(ANSWER_BINS) if position >= edge)
+
+
 def by_answer_position(results, eos: set[int]) -> list[dict]:
     """Tokens a round per bin of where the round starts in the answer (before the first end of turn): whether the
-    first tokens of an answer, which a short benchmark serves, are harder for the draft than the rest."""
+    first tokens of an answer, which a short benchmark serves, are harder for the draft than the rest; and the
+    share of the bin's tokens that repeat an earlier 8-gram of the answer (repeated_share)."""
     rounds = [0] * len(ANSWER_BINS)
     tokens = [0] * len(ANSWER_BINS)
+    answer_tokens = [0] * len(ANSWER_BINS)
+    repeats = [0] * len(ANSWER_BINS)
     for result in results:
         end, _ = answer_part(result, eos)
+        for position, repeated in enumerate(repeated_positions(list(result.output_ids)[:end])):
+            answer_tokens[_bin_of(position)] += 1
+            repeats[_bin_of(position)] += repeated
         start = 1  # the first token is the prefill's
         for accepted in result.accepted_per_round:
             if start >= end:
                 break
-            slot = max(i for i, edge in enumerate(ANSWER_BINS) if start >= edge)
+            slot = _bin_of(start)
             rounds[slot] += 1
             tokens[slot] += min(accepted + 1, end - start)
             start += accepted + 1
     edges = [*ANSWER_BINS[1:], None]
     return [
-        {"from": low, "to": high, "rounds": r, "tokens_per_round": round(t / r, 4) if r else None}
-        for low, high, r, t in zip(ANSWER_BINS, edges, rounds, tokens)
+        {
+            "from": low,
+            "to": high,
+            "rounds": r,
+            "tokens_per_round": round(t / r, 4) if r else None,
+            "tokens": a,
+            "repeated_share": round(k / a, 4) if a else None,
+        }
+        for low, high, r, t, a, k in zip(ANSWER_BINS, edges, rounds, tokens, answer_tokens, repeats)
     ]
 
 
@@ -135,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         help="what the draft reads: aux (as trained), or last_hidden, SGLang's silent failure (the target's final hidden "
         "state, fc skipped): the accept length a broken feed gives this draft, which the canary must tell apart",
     )
+    parser.add_argument(
+        "--no-anatomy", action="store_true", help="skip the teacher-forced replay of the served tokens (on whole answers it takes as long as serving them)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
@@ -159,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def anatomy_of(prompts, results):  # the teacher-forced replay reads the aux feed: none for a broken one
-        return acceptance_anatomy(target.model, draft, aux, prompts, results, eos) if args.feed == "aux" else None
+        return acceptance_anatomy(target.model, draft, aux, prompts, results, eos) if args.feed == "aux" and not args.no_anatomy else None
 
     for path in args.prompts:
         name = path.name.split(".")[0] if path.parent.name in ("", ".") else f"{path.parent.name}/{path.name.split('.')[0]}"
@@ -176,13 +197,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['mean_of_request_means']:.3f} mean of request means"
             + f"; {row['pooled_before_eos']:.3f} up to the end of turn"
             + "; tokens a round by where in the answer the round starts: "
-            + ", ".join(f"{b['from']}-{b['to'] or ''} {b['tokens_per_round']} ({b['rounds']})" for b in row["by_answer_position"] if b["rounds"])
+            + ", ".join(
+                f"{b['from']}-{b['to'] or ''} {b['tokens_per_round']} ({b['rounds']} rounds, {b['repeated_share']:.0%} repeats)"
+                for b in row["by_answer_position"]
+                if b["rounds"]
+            )
             + (f"; {args.subset}-prompt subsets span {spread[0]:.3f}-{spread[1]:.3f}" if spread else "")
             + (
                 f"; step 0 teacher-forced {anatomy['teacher_forced_step0_all']:.3f} (before end of turn {anatomy['teacher_forced_step0_before_eos']:.3f})"
                 f"; served rounds {anatomy['served_rounds']}, replayed {anatomy['replayed_rounds']}"
                 if anatomy
-                else f"; feed {args.feed}"
+                else f"; feed {args.feed}{', no anatomy' if args.no_anatomy else ''}"
             )
         )
     return 0

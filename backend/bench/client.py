@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from backend.serve import http
-from backend.serve.acceptance import acceptance_report, histogram_from_meta
+from backend.serve.acceptance import acceptance_report, histogram_from_meta, repeated_word_share
 from backend.serve.prompts import PromptSet
 from backend.serve.reference.native_api import PLAIN_SWITCH, PLAIN_SWITCH_INFO
 from backend.train.target import load_tokenizer
@@ -180,6 +180,7 @@ class LevelResult:
     completion_tokens_max: int | None = None
     # acceptance.acceptance_report without validation: both definitions labelled, served acceptance per draft position
     acceptance: dict[str, Any] = field(default_factory=dict)
+    repeated_word_share: float | None = None  # answers' words that repeat an earlier 8-word run of their answer (loops)
 
     def to_dict(self, with_texts: bool = False) -> dict[str, Any]:
         data = asdict(self)
@@ -249,6 +250,7 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float, s
         completion_tokens_min=min((r.completion_tokens for r in done), default=None),
         completion_tokens_max=max((r.completion_tokens for r in done), default=None),
         acceptance=acceptance,
+        repeated_word_share=repeated_word_share([r.text for r in done]),
     )
 
 

@@ -14,6 +14,7 @@ from backend.durable import write_atomic
 from backend.bench.client import NO_BASELINE, SAME_ENGINE, Baseline, LevelResult
 from backend.train.loss import rounds_accept_length
 from backend.serve.acceptance import (
+    LOOP_WARNING_SHARE,
     acceptance_lines,
     break_line,
     checkpoint_validation,
@@ -233,8 +234,20 @@ def comparison_line(row: dict[str, Any]) -> str:
         f"({row['output_tok_per_s']:.1f} vs {row['baseline_output_tok_per_s']:.1f} tok/s baseline; "
         f"ttft50 {_fmt(row['ttft_p50_s'], 1000, 1)} vs {_fmt(row['baseline_ttft_p50_s'], 1000, 1)} ms, "
         f"itl50 {_fmt(row['itl_p50_s'], 1000, 1)} vs {_fmt(row['baseline_itl_p50_s'], 1000, 1)} ms; "
-        f"outputs equal {equal['equal']}/{equal['compared']}" + ("" if row["exact_lengths"] else "; NOT all exactly max_new_tokens") + ")"
+        f"outputs equal {equal['equal']}/{equal['compared']}" + ("; NOT all exactly max_new_tokens" if row["exact_lengths"] is False else "") + ")"
     )
+
+
+def loop_lines(levels: list[dict[str, Any]]) -> list[str]:
+    """A warning when the answers loop: the repeated words are tokens any draft predicts, so accept length and
+    speed-up then measure the target's loops as much as the draft."""
+    shares = [lv.get("repeated_word_share") for lv in levels if lv.get("repeated_word_share") is not None]
+    if not shares or max(shares) < LOOP_WARNING_SHARE:
+        return []
+    return [
+        f"loops: {max(shares):.0%} of the answers' words repeat an earlier 8-word run of their own answer; accept length counts "
+        "them (a fixed short --max-new-tokens reads less of them: docs/serving.md, Benchmark)"
+    ]
 
 
 def set_block(section: dict[str, Any], baseline_mode: str) -> list[str]:
@@ -248,6 +261,7 @@ def set_block(section: dict[str, Any], baseline_mode: str) -> list[str]:
     if section["baseline_levels"]:
         lines += [f"  baseline ({baseline_mode})", *[f"  {level_line(lv)}" for lv in section["baseline_levels"]]]
     lines += [f"  {comparison_line(row)}" for row in section["comparison"]]
+    lines += [f"  {line}" for line in loop_lines(section["levels"])]
     for level in section["levels"]:
         if level.get("acceptance"):
             lines.append(f"  concurrency {level['concurrency']}:")

@@ -174,6 +174,30 @@ def break_tolerance(predicted: float, steps_at_position: int, request_se: float 
     return max(BREAK_ABS_TOL, spread, BREAK_Z * request_se if request_se is not None else 0.0)
 
 
+REPEAT_NGRAM = 8  # an item repeats when the 8 ending at it occurred earlier in the same answer
+LOOP_WARNING_SHARE = 0.2  # a bench level whose answers repeat this share of their words says so under its numbers
+
+
+def repeated_positions(items: Sequence[Any], n: int = REPEAT_NGRAM) -> list[bool]:
+    """Per item (token or word): whether the n-gram ending at it occurred earlier in the answer. A loop or a copied
+    passage is what any draft predicts; a small target decoded greedily falls into loops in long answers (SmolLM2-135M:
+    92 % of the tokens from 256 on, docs/real-model.md), and accept length then measures the loops."""
+    seen: set[tuple[Any, ...]] = set()
+    repeated = []
+    for i in range(len(items)):
+        gram = tuple(items[i - n + 1 : i + 1]) if i >= n - 1 else None
+        repeated.append(gram is not None and gram in seen)
+        if gram is not None:
+            seen.add(gram)
+    return repeated
+
+
+def repeated_word_share(texts: Sequence[str]) -> float | None:
+    """The share of the answers' words that repeat an earlier 8-word run of their own answer (None without words)."""
+    flags = [flag for text in texts for flag in repeated_positions(text.split())]
+    return sum(flags) / len(flags) if flags else None
+
+
 REPLAYED = "replayed"  # a row's prediction: validation's chain rounds replayed (the trainer's val_rounds)
 VAL_ACC = "val_acc"  # a row's prediction: val acc_k (what tau-hat assumes)
 

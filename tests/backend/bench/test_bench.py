@@ -407,6 +407,22 @@ def test_bench_stop_at_eos_measures_whole_answers_on_both_sides(tmp_path, mini_s
     assert row["exact_lengths"] is None and row["outputs_equal"]["equal"] == row["outputs_equal"]["compared"] == 2
     assert row["output_tokens"] == row["baseline_output_tokens"] <= 2 * 12 and row["speedup"] > 0
     assert "whole answers: every request ends at the end of turn" in done.stdout and "ignore_eos" not in done.stdout.splitlines()[0]
+    assert "NOT all exactly max_new_tokens" not in done.stdout and doc["sets"][0]["levels"][0]["repeated_word_share"] is not None
+
+
+def test_a_level_of_looping_answers_says_so_under_its_numbers():
+    """SmolLM2's greedy answers loop past ~128 tokens; the bench measures the repeated words and warns from 20 %."""
+    from backend.serve.acceptance import repeated_word_share
+
+    novel = " ".join(f"word{i}" for i in range(40))
+    looping = "the cat sat on the mat and then " * 6
+    assert repeated_word_share([novel]) == 0.0 and repeated_word_share([]) is None
+    assert repeated_word_share([looping]) == pytest.approx(33 / 48)  # from the 16th word on: one period, then a whole 8-gram again
+    assert repeated_word_share([novel, looping]) == pytest.approx(33 / 88)
+    quiet = {"repeated_word_share": 0.1}
+    assert results.loop_lines([quiet]) == [] and results.loop_lines([{"repeated_word_share": None}]) == []
+    (line,) = results.loop_lines([quiet, {"repeated_word_share": 0.45}])
+    assert line.startswith("loops: 45% of the answers' words repeat")
 
 
 def test_same_engine_against_a_plain_server_is_refused_with_exit_2(tmp_path, mini_servers):

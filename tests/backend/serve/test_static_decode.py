@@ -596,12 +596,17 @@ def test_tokens_a_round_by_answer_position_stop_at_the_end_of_turn():
     """Rounds binned by where they start in the answer; the round that crosses the end of turn counts its tokens up to
     it, and rounds after it count nowhere."""
     from backend.serve.reference.spec_decode import GenerateResult
+    from backend.serve.acceptance import repeated_positions
     from benchmarks.bench_accept_length import by_answer_position
 
     eos = 2
     result = GenerateResult(output_ids=[5] * 70 + [eos] + [5] * 10, completion_tokens=81, verify_ct=20, accepted_per_round=[3] * 20)
     bins = by_answer_position([result], {eos})
     assert [(b["from"], b["rounds"], b["tokens_per_round"]) for b in bins] == [(0, 16, 4.0), (64, 2, 3.0), (128, 0, None), (256, 0, None), (512, 0, None)]
+    # 5 5 5 ...: every token from the 9th on repeats the 8-gram before it; the eos (the 71st) does not
+    assert [(b["tokens"], b["repeated_share"]) for b in bins[:3]] == [(64, 56 / 64), (7, round(6 / 7, 4)), (0, None)]
+    looped = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert repeated_positions(looped) == [False] * 16 + [True, True, False]  # 1..8 and 2..9 come again
 
 
 def test_the_device_option_reaches_the_reference_server_argv_and_only_that_engine(mini_profile):
