@@ -241,7 +241,7 @@ def comparison_line(row: dict[str, Any]) -> str:
 def loop_lines(levels: list[dict[str, Any]]) -> list[str]:
     """A warning when the answers loop: the repeated words are tokens any draft predicts, so accept length and
     speed-up then measure the target's loops as much as the draft."""
-    shares = [lv.get("repeated_word_share") for lv in levels if lv.get("repeated_word_share") is not None]
+    shares: list[float] = [lv["repeated_word_share"] for lv in levels if lv.get("repeated_word_share") is not None]
     if not shares or max(shares) < LOOP_WARNING_SHARE:
         return []
     return [
