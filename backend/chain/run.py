@@ -334,6 +334,7 @@ class StopAndBench:
         levels, plain_levels = asyncio.run(client.measure_set(url, baseline, prompts, self.options.concurrency, self.options.max_new_tokens))
         rows = [level.to_dict() for level in levels]
         self.summary["bench"] = rows
+        self.summary["bench_loops"] = results.loop_lines(rows)
         self.summary["bench_baseline"] = {
             "mode": baseline.mode,
             "ignore_eos": baseline.measured,
@@ -384,6 +385,7 @@ class StopAndBench:
             "speedup_baseline": baseline.get("mode"),
             "speedup_c1": (speedups.get(1) or {}).get("speedup"),
             "bench_prompts": self.summary.get("bench_prompts"),  # what the throughput rows asked (draft_bench_prompts)
+            "bench_loops": self.summary.get("bench_loops") or [],  # a warning when the answers loop (accept length counts them)
             "checkpoint": self.summary.get("checkpoint"),
             "engine": self.summary.get("engine"),
             "argv": self.summary.get("argv"),

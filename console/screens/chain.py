@@ -242,6 +242,8 @@ def _throughput_lines(text: Text, result: dict[str, Any]) -> None:
         text.append(_throughput_row(cells) + "\n")
     if result.get("bench_prompts"):
         text.append(f"  prompts: {visible(str(result['bench_prompts']))}\n", style="dim")
+    for line in result.get("bench_loops") or []:
+        text.append(f"  {visible(str(line))}\n", style="yellow")
 
 
 def _throughput_row(cells: tuple[str, ...]) -> str:

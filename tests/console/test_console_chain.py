@@ -213,6 +213,16 @@ def test_the_result_panel_says_which_prompts_the_benchmark_asked():
     assert panel.plain.index("throughput per concurrency") < panel.plain.index("held-out eval prompts") < panel.plain.index("checkpoint:")
 
 
+def test_the_result_panel_warns_when_the_benchmarked_answers_loop():
+    records = amber_records()
+    result = records[-1]["result"]
+    warning = "loops: 45% of the answers' words repeat an earlier 8-word run of their own answer; accept length counts them"
+    result["bench_loops"] = [warning]
+    panel = result_panel_text(records)
+    assert span_style(panel, f"  {warning}") == "yellow"
+    assert "loops:" not in result_panel_text(amber_records()).plain
+
+
 def test_chain_amber_snapshot(snap_compare):
     state = chain_state(amber_records())
     state.results["train-kimi"] = [EARLIER, {"path": SAVED, **amber_records()[-1]["result"]}]

@@ -254,6 +254,8 @@ def test_the_bench_stage_measures_plain_decoding_in_the_same_engine(tmp_path, mi
     assert all(row["output_tokens"] == 2 * 12 for row in rows + baseline["levels"]), "ignore_eos: exactly max_new_tokens per prompt"
     panel = chain.result_panel()
     assert panel["speedup_baseline"] == "same-engine" and panel["speedup_c1"] == panel["throughput"][0]["speedup"] > 0
+    shares = [row["repeated_word_share"] for row in rows]
+    assert all(0 <= share <= 1 for share in shares) and (panel["bench_loops"] != []) == (max(shares) >= 0.2)
     # no checkpoint recording its data, a target without a chat template: the shipped set as it is, and the panel says so
     assert panel["bench_prompts"].startswith("the shipped prompts, raw (no chat template") and detail.endswith(f"; prompts: {panel['bench_prompts']}")
     for row in panel["throughput"]:
