@@ -7,7 +7,7 @@
 #   bash benchmarks/h200_keep.sh 15 train /work/.device/3
 #
 # Pieces that are not results (the draft's and the regenerated conversations' *.part* files, torch.compile's
-# compile_*.bin) go to .h200-draft/, .h200-regen/ and .h200-compile/ instead (ignored by .gitignore's /.h200-*/; PHASE=draft and PHASE=carry3 carry them in a later call).
+# compile_*.bin) go to .h200-draft/, .h200-regen/, .h200-regen-sampled/ and .h200-compile/ instead (ignored by .gitignore's /.h200-*/; PHASE=draft and PHASE=carry3 carry them in a later call).
 # Trainer metrics are kept xz-compressed (*_metrics.jsonl.xz; read them with xzcat): the working tree travels with
 # every device call beside the carried folder, and round 16's carry1 no longer fit with them raw.
 set -euo pipefail
@@ -20,8 +20,8 @@ round=$1 phase=$2 from=$3
 # .h200-regen.prev/ (not carried), so a piece count that shrank leaves no stale piece behind to corrupt `cat part*`,
 # and the one replaced survives a round that came back with less (round 17's cut regeneration replaced round 16's
 # complete one).
-for kind in draft regen; do
-    pattern=ours_draft.tar.part; [ "$kind" = regen ] && pattern=regen.tar.xz.part
+for kind in draft regen regen-sampled; do
+    case $kind in draft) pattern=ours_draft.tar.part ;; regen) pattern=regen.tar.xz.part ;; *) pattern=regen_sampled.tar.xz.part ;; esac
     compgen -G "$from/$pattern*" >/dev/null && compgen -G ".h200-$kind/$pattern*" >/dev/null || continue
     rm -rf ".h200-$kind.prev" && mkdir -p ".h200-$kind.prev" && mv ".h200-$kind"/"$pattern"* ".h200-$kind.prev"/
     echo "h200_keep: the earlier .h200-$kind pieces are in .h200-$kind.prev/" >&2
@@ -33,6 +33,7 @@ for file in "$from"/*; do
     case $name in
     ours_draft.tar.part*) dest=.h200-draft/$name ;;
     regen.tar.xz.part*) dest=.h200-regen/$name ;;
+    regen_sampled.tar.xz.part*) dest=.h200-regen-sampled/$name ;; # PHASE=sampled's answers: carry3 brings them back
     compile_*.bin) dest=.h200-compile/$name ;; # torch.compile's artifacts: carry3 brings them to the next round
     *) dest=benchmarks/results/h200_round${round}_${phase}_${name#"${phase}"_} ;; # train_summary.json: ..._train_summary.json
     esac

@@ -48,8 +48,9 @@
 #
 #   PHASE=sampled carry .h200-carry2 after carry1 and carry3 (or nothing after prepare): a SECOND regeneration of the
 #                 same prompts, sampled (--temperature SAMPLED_T, --seed SAMPLED_SEED, the static cache), into
-#                 $DEV/regen_sampled for SAMPLED_S seconds; it comes back as regen_sampled.tar.xz.part* and a later train
-#                 phase on this machine (carrying nothing but .h200-compile) adds its train split to our draft's data
+#                 $DEV/regen_sampled for SAMPLED_S seconds; it comes back as regen_sampled.tar.xz.part* (h200_keep.sh keeps
+#                 them in .h200-regen-sampled/, which carry3 brings to a later machine) and a later train phase on this
+#                 machine (carrying nothing but .h200-compile) adds its train split to our draft's data
 #                 (--extra-conversations; SAMPLED_EXTRA=0 leaves it out, TWIN="--extra-conversations ..." A/Bs it). ~SAMPLED_S + 90 s.
 #
 #   PHASE=profile carries nothing: after carry1, at any point (the round's spare device time), profile_decode_step.py
@@ -80,7 +81,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
 fi
 DEV=${DEV:-/tmp/dev} DEVICE=${DEVICE:-cuda} PY=${PY:-python3} SITE=${SITE:-/tmp/site}
 PIECE_BYTES=16700000 # a returned file holds at most 16 MiB: the draft and the regenerated conversations come back in pieces
-C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} CD=${CD:-.h200-draft} CR=${CR:-.h200-regen} CCOMP=${CCOMP:-.h200-compile} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
+C1=${C1:-.h200-carry1} C2=${C2:-.h200-carry2} C3=${C3:-.h200-carry3} CD=${CD:-.h200-draft} CR=${CR:-.h200-regen} CRS=${CRS:-.h200-regen-sampled} CCOMP=${CCOMP:-.h200-compile} WHEEL_DIR=${WHEEL_DIR:-.h200-carry1/whl} GUARD_DIR=${GUARD_DIR:-/tmp/h200-guard}
 PHASE_S=${PHASE_S:-560} HARD_S=${HARD_S:-580} LIMIT_SCALE=${LIMIT_SCALE:-1}
 # train phase
 TRAIN_S=${TRAIN_S:-100} SF_S=${SF_S:-100} ATTN=${ATTN:-sdpa} SF_ATTN=${SF_ATTN:-sdpa} MORE_S=${MORE_S:-360}
@@ -415,6 +416,10 @@ phase_carry3() {
     fi
     if [ -f "$C3/sgdev_reuse.tar.xz" ]; then # the prepare dir they answered, when sgdev is another (h200_carry.sh: REUSE_LIMIT)
         cp "$C3/sgdev_reuse.tar.xz" "$DEV/" && note "carry3: the prepare dir those conversations answered (data regenerate --reuse) in $DEV"
+    fi
+    if compgen -G "$CRS/regen_sampled.tar.xz.part*" >/dev/null; then # an earlier PHASE=sampled's answers (h200_keep.sh keeps them there)
+        rm -rf "$DEV/regen_sampled" && cat "$CRS"/regen_sampled.tar.xz.part* | tar xJf - -C "$DEV" &&
+            note "carry3: an earlier round's sampled answers ($CRS) in $DEV/regen_sampled: the train phase adds them (SAMPLED_EXTRA=1)"
     fi
     unpack_compile_artifacts
     if [ -f "$C3/chat_tokens.tar.xz" ]; then # ShareGPT tokenized here: the trainer's cache finds it when its key matches
