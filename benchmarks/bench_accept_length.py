@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_decode_speed import acceptance_anatomy, load_draft, read_prompt_file  # noqa: E402
 from backend.bench.spec_settings import chat_prompt_ids  # noqa: E402
-from backend.serve.acceptance import bootstrap_interval, mean_of_request_means, pooled_accept_length, repeated_positions  # noqa: E402
+from backend.repetition import repeated_positions  # noqa: E402
+from backend.serve.acceptance import bootstrap_interval, mean_of_request_means, pooled_accept_length  # noqa: E402
 from backend.serve.reference.spec_decode import FEEDS, NO_EOS, SpecDecoder, eos_ids  # noqa: E402
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from backend.commands import ACCEPTANCE_BREAK as BREAK, ACCEPTANCE_SHORTFALL as SHORTFALL, is_acceptance_shortfall
+from backend.repetition import repeated_positions
 from backend.train.loss import rounds_accept_length
 
 BOOTSTRAP_DRAWS = 2000  # resamples behind a bootstrap interval over requests
@@ -174,22 +175,7 @@ def break_tolerance(predicted: float, steps_at_position: int, request_se: float 
     return max(BREAK_ABS_TOL, spread, BREAK_Z * request_se if request_se is not None else 0.0)
 
 
-REPEAT_NGRAM = 8  # an item repeats when the 8 ending at it occurred earlier in the same answer
 LOOP_WARNING_SHARE = 0.2  # a bench level whose answers repeat this share of their words says so under its numbers
-
-
-def repeated_positions(items: Sequence[Any], n: int = REPEAT_NGRAM) -> list[bool]:
-    """Per item (token or word): whether the n-gram ending at it occurred earlier in the answer. A loop or a copied
-    passage is what any draft predicts; a small target decoded greedily falls into loops in long answers (SmolLM2-135M:
-    92 % of the tokens from 256 on, docs/real-model.md), and accept length then measures the loops."""
-    seen: set[tuple[Any, ...]] = set()
-    repeated = []
-    for i in range(len(items)):
-        gram = tuple(items[i - n + 1 : i + 1]) if i >= n - 1 else None
-        repeated.append(gram is not None and gram in seen)
-        if gram is not None:
-            seen.add(gram)
-    return repeated
 
 
 def repeated_word_share(texts: Sequence[str]) -> float | None:

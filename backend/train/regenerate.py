@@ -18,6 +18,7 @@ from backend.train.chat_templates import template_ids
 from backend.train.conversations import PREPARE_META, SPLIT_FILES, DataError, content_digest, iter_conversations
 from backend.durable import fsync_path
 from backend.train.fsutil import PRIVATE_DIR, PRIVATE_FILE, file_sha256
+from backend.repetition import repeated_positions
 from backend.train.target import load_tokenizer
 from backend.train.tokenizer_identity import tokenizer_behaviour
 from backend.durable import write_atomic
@@ -809,6 +810,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
         started, last_report, generated = time.monotonic(), 0.0, 0
         answered, to_come = 0, sum(job.answers_to_come(settings.max_answers) for job in pending)  # this run's answers: the time left
         prompt_tokens = padded_tokens = 0  # the prompts' own tokens, and what their left-padded batches held
+        repeated = 0  # answer tokens that repeat an earlier 8-gram of their answer: the target's loops
         finished = resumed
 
         def render(messages: list[dict]) -> list[int]:
@@ -854,6 +856,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
                 padded_tokens += static.rows * static.prompt_width if static else padded_prompt_tokens([p for _, p in active])
                 results = generate_batch(target, [p for _, p in active], [j.rng for j, _ in active], settings.sampling, stop_ids, static)
                 generated += sum(len(ids) + (why == "eos") for ids, why in results)  # before any row finishes: progress counts the batch
+                repeated += sum(sum(repeated_positions(ids)) for ids, _why in results)
                 answered, to_come = answered + len(active), to_come - len(active)
                 for (job, _prompt), (ids, why) in zip(active, results):
                     job.answer(tokenizer.decode(ids, skip_special_tokens=True), len(ids), why)
@@ -872,6 +875,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
                     "cache": settings.cache,
                     "conversations": finished - resumed,
                     "tokens": generated,
+                    "repeated_tokens": repeated,
                     "prompt_tokens": prompt_tokens,
                     "padded_prompt_tokens": padded_tokens,
                     "seconds": round(time.monotonic() - started, 3),
@@ -886,6 +890,7 @@ def regenerate(target, settings: RegenerateSettings, template_name: str, templat
             f"regenerate: wrote {out}: train {meta['counts']['train']}, val {meta['counts']['val']}, skipped {meta['counts']['skipped']} "
             f"({generated} tokens in {time.monotonic() - started:.1f} s"
             + (f"; prompts filled {prompt_tokens / padded_tokens:.0%} of their padded batches" if padded_tokens else "")
+            + (f"; {repeated / generated:.0%} of the answer tokens repeat an earlier 8-gram of their answer (loops)" if generated else "")
             + ")"
             + (f"; --max-seconds {settings.max_seconds:g} reached with {left} conversations not started: the same command does them" if left else "")
         )

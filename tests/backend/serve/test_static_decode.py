@@ -596,7 +596,7 @@ def test_tokens_a_round_by_answer_position_stop_at_the_end_of_turn():
     """Rounds binned by where they start in the answer; the round that crosses the end of turn counts its tokens up to
     it, and rounds after it count nowhere."""
     from backend.serve.reference.spec_decode import GenerateResult
-    from backend.serve.acceptance import repeated_positions
+    from backend.repetition import repeated_positions
     from benchmarks.bench_accept_length import by_answer_position
 
     eos = 2

@@ -382,6 +382,8 @@ def test_a_static_cache_answers_as_the_dynamic_one_batch_after_batch(world, tmp_
         assert (tmp_path / "static" / f"{split}.jsonl").read_bytes() == (tmp_path / "dynamic" / f"{split}.jsonl").read_bytes()
     assert [r["cache"] for r in static["runs"]] == ["static"] and [r["cache"] for r in dynamic["runs"]] == ["dynamic"]
     assert static["settings"] == dynamic["settings"]  # how the cache is kept is not what the answers are: a resume may switch
+    loops = [(run["repeated_tokens"], run["tokens"]) for run in (static["runs"][-1], dynamic["runs"][-1])]
+    assert loops[0] == loops[1] and 0 <= loops[0][0] < loops[0][1]  # the same answers, the same repeats of their own 8-grams
     if not sampling:  # sampled answers of this near-uniform target seldom end: its eos holds ~0.3 % of a step's mass
         assert {f for r in rows(tmp_path / "static") for f in r["finish"]} == {"eos", "length"}
 
