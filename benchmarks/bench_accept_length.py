@@ -70,8 +70,9 @@ def by_answer_position(results, eos: set[int]) -> list[dict]:
     for result in results:
         end, _ = answer_part(result, eos)
         for position, repeated in enumerate(repeated_positions(list(result.output_ids)[:end])):
-            answer_tokens[_bin_of(position)] += 1
-            repeats[_bin_of(position)] += repeated
+            slot = _bin_of(position)
+            answer_tokens[slot] += 1
+            repeats[slot] += repeated
         start = 1  # the first token is the prefill's
         for accepted in result.accepted_per_round:
             if start >= end:

@@ -172,21 +172,19 @@ def best_setting(rows: list[dict]) -> dict | None:
     return {"batch_size": batch, "cache": cache}
 
 
-def first_prompts(prepare_dir: Path, tokenizer_dir: Path, longest: int) -> list[list[int]]:
-    """Each train conversation's first prompt (the turns before its first answer) as regeneration renders it."""
-    from transformers import AutoTokenizer
-
+def first_prompts(prepare_dir: Path, tokenizer, longest: int, count: int | None = None) -> list[list[int]]:
+    """Each train conversation's first prompt (the turns before its first answer) as regeneration renders it, those
+    over `longest` tokens left out (regeneration skips them); the first `count` when given."""
     from backend.train.chat_templates import template_ids
-    from backend.train.conversations import SPLIT_FILES, iter_conversations
+    from backend.train.conversations import SPLIT_FILES, eval_prompt, iter_conversations
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     prompts = []
     for conversation in iter_conversations(prepare_dir / SPLIT_FILES["train"]):
-        messages = conversation.messages
-        first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        ids = template_ids(tokenizer, messages[:first_answer], True, tokenizer.chat_template)
+        ids = template_ids(tokenizer, eval_prompt(conversation.messages), True, tokenizer.chat_template)
         if len(ids) <= longest:
             prompts.append(ids)
+        if count is not None and len(prompts) == count:
+            break
     return prompts
 
 
@@ -211,7 +209,9 @@ def attended_rows(batches: list[list[list[int]]], new_tokens: int) -> int:
 def grouping(target, args) -> dict:
     from backend.train.regenerate import padded_prompt_tokens
 
-    prompts = first_prompts(args.grouping, args.tokenizer, args.prompt_tokens)
+    from transformers import AutoTokenizer
+
+    prompts = first_prompts(args.grouping, AutoTokenizer.from_pretrained(args.tokenizer), args.prompt_tokens)
     lengths = sorted(map(len, prompts))
     result: dict = {
         "prompts": len(prompts),

@@ -23,20 +23,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def first_prompts(tokenizer, prepare_dir: Path, count: int, longest: int) -> list[list[int]]:
-    from backend.train.chat_templates import template_ids
-    from backend.train.conversations import SPLIT_FILES, eval_prompt, iter_conversations
-
-    prompts = []
-    for conversation in iter_conversations(prepare_dir / SPLIT_FILES["train"]):
-        ids = template_ids(tokenizer, eval_prompt(conversation.messages), True, tokenizer.chat_template)
-        if len(ids) <= longest:
-            prompts.append(ids)
-        if len(prompts) == count:
-            break
-    return prompts
-
-
 def loop_report(answers: list[tuple[list[int], str]], seconds: float) -> dict:
     from backend.repetition import repeated_positions
 
@@ -58,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from backend.profiles import load_profile
     from backend.train.regenerate import Sampling, generate_batch, stop_token_ids
+    from benchmarks.bench_regenerate import first_prompts
     from backend.train.target import load_target
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -74,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     target = load_target(load_profile(args.profile), device=device, dtype="float32" if device.type == "cpu" else None)
-    prompts = first_prompts(target.tokenizer, args.prepare, args.num_prompts, args.max_prompt_tokens)
+    prompts = first_prompts(args.prepare, target.tokenizer, args.max_prompt_tokens, args.num_prompts)
     stops = stop_token_ids(target)
     report: dict = {"profile": args.profile, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": str(device)}
     for name, sampling in (

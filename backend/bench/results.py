@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.durable import write_atomic
-from backend.bench.client import NO_BASELINE, SAME_ENGINE, Baseline, LevelResult
+from backend.bench.client import NO_BASELINE, SAME_ENGINE, Baseline, LevelResult, side_options
 from backend.train.loss import rounds_accept_length
 from backend.serve.acceptance import (
     LOOP_WARNING_SHARE,
@@ -159,7 +159,7 @@ def build_document(
         },
         "max_new_tokens": max_new_tokens,
         "temperature": 0,
-        "ignore_eos": baseline.measured and not stop_at_eos,
+        "ignore_eos": side_options(baseline, stop_at_eos)[0].ignore_eos,  # what the speculative side sent
         "stop_at_eos": stop_at_eos,
         "concurrency": concurrency,
         "baseline": {
