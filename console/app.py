@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 from platformdirs import user_downloads_path  # Textual's own dependency: where its screenshots go
 from textual import work
-from textual.app import App
+from textual.app import App, ScreenStackError
 from textual.notifications import SeverityLevel
-from textual.screen import ModalScreen
+from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
@@ -245,7 +245,7 @@ class ConsoleApp(App):
 
     def _history_grew(self) -> None:
         """New records for the selected job: keep its whole-history buckets fresh and a following zoom on the newest step."""
-        screen = self.screen
+        screen = self.shown_screen
         log_x = bool(getattr(screen, "view_is_log", lambda: False)())
         self.ensure_summary(self.selected_job, log_x=False)
         if log_x:
@@ -285,17 +285,27 @@ class ConsoleApp(App):
             self.call_later(self._redraw)
 
     @property
+    def shown_screen(self) -> Screen[object] | None:
+        """The screen on top, or None while there is none: Textual's `screen` raises then. At shutdown Textual empties
+        the screen stacks before it stops the app's timers and workers, so a poll tick, a redraw or an agent's event
+        that comes in between finds no screen (and must not raise: that fails the app, and the test that ran it)."""
+        try:
+            return self.screen
+        except ScreenStackError:
+            return None
+
+    @property
     def modal_open(self) -> bool:
-        return isinstance(self.screen, ModalScreen)
+        return isinstance(self.shown_screen, ModalScreen)
 
     def _redraw(self) -> None:
         self._refresh_scheduled = False
-        if self.modal_open:
-            return  # kept in _pending_sections; drawn when the modal closes (on_screen_resume)
+        screen = self.shown_screen
+        if screen is None or isinstance(screen, ModalScreen):
+            return  # kept in _pending_sections; drawn when the modal closes (on_screen_resume), never at shutdown
         sections, self._pending_sections = self._pending_sections, set()
         started = time.perf_counter()
         self._paint_cost = 0.0
-        screen = self.screen
         if isinstance(screen, ConsoleScreen):
             screen.show_state(sections)
         self._state_cost = time.perf_counter() - started
@@ -310,8 +320,9 @@ class ConsoleApp(App):
     def redraw_now(self) -> None:
         """Draw everything at once (tests and the benchmark push data, then call this)."""
         self._pending_sections = set()
-        if isinstance(self.screen, ConsoleScreen):
-            self.screen.show_state(None)
+        screen = self.shown_screen
+        if isinstance(screen, ConsoleScreen):
+            screen.show_state(None)
 
     # -- selection ------------------------------------------------------------------------------
 
@@ -395,7 +406,7 @@ class ConsoleApp(App):
                 self._select_default_job()
             if self.selected_job:
                 await self._load_job(self.selected_job)
-            if isinstance(self.screen, ChainScreen):
+            if isinstance(self.shown_screen, ChainScreen):
                 self.chain_flow.attach(self.chain_flow.current_job())
             self.signals.grokking_shown(force=True)
         except AgentError as exc:
@@ -413,7 +424,8 @@ class ConsoleApp(App):
 
     async def _load_job(self, name: str, session: HostSession | None = None) -> None:
         session = session or self.active
-        log_x_too = isinstance(self.screen, ConsoleScreen) and bool(getattr(self.screen, "LOG_X_DEFAULT", False))
+        screen = self.shown_screen
+        log_x_too = isinstance(screen, ConsoleScreen) and bool(getattr(screen, "LOG_X_DEFAULT", False))
         for pending in await session.load_metrics(name, log_x_too=log_x_too):
             self.refresh_summary(*pending)
         if not session.state.is_external(name):  # a watched run has no logs of ours
@@ -483,8 +495,10 @@ class ConsoleApp(App):
             pass  # disconnected or timed out: the next stages event finds the gap again and asks again
 
     def _poll_tick(self) -> None:
-        """Slow poll of what the agents do not push (GPU holders), every connected host; paused while a modal is open."""
-        if self.modal_open:
+        """Slow poll of what the agents do not push (GPU holders), every connected host; paused while a modal is open,
+        and over once no screen is left (the app is shutting down: its timers tick until they are stopped)."""
+        screen = self.shown_screen
+        if screen is None or isinstance(screen, ModalScreen):
             return
         for session in self.sessions:
             if session.connected:
@@ -494,7 +508,7 @@ class ConsoleApp(App):
     async def _poll(self, session: HostSession) -> None:
         try:
             await session.refresh_holders()
-            if session is self.active and isinstance(self.screen, LogsScreen) and self.selected_job:
+            if session is self.active and isinstance(self.shown_screen, LogsScreen) and self.selected_job:
                 other = tuple(s for s in STREAMS if s != self.log_stream)
                 await session.tail_logs(self.selected_job, other)
         except AgentError:
@@ -602,7 +616,7 @@ class ConsoleApp(App):
         self.exit()
 
     def action_help(self) -> None:
-        if isinstance(self.screen, HelpModal):
+        if isinstance(self.shown_screen, HelpModal):
             return
         shown = [a for a in ACTIONS if offered(a, self)]
         disabled = {a.name: reason for a in shown if (reason := self.disabled_reason(a.name))}

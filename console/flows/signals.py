@@ -29,7 +29,7 @@ class SignalsFeed:
         self._data_scaling_at: dict[str, float] = {}
 
     def _shown(self) -> bool:
-        return getattr(self.app.screen, "MODE", None) == "grokking" and self.app.active.connected
+        return getattr(self.app.shown_screen, "MODE", None) == "grokking" and self.app.active.connected
 
     def grokking_shown(self, force: bool = False) -> None:
         """The Grokking screen came up (or its job changed): signals now (throttled), data scaling when old."""

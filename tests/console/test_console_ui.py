@@ -144,6 +144,21 @@ async def test_redraws_wait_while_a_modal_is_open():
         assert table.row_count == 0
 
 
+async def test_a_poll_tick_or_redraw_that_comes_once_the_screens_are_gone_does_nothing():
+    """At shutdown Textual empties the screen stack before it stops the app's timers: a poll tick or a redraw due then
+    found no screen and raised ScreenStackError, which failed the app (and, now and then, the test that ran it)."""
+    app = frozen_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.select_job("train-kimi")
+        await pilot.pause()
+    assert app.screen_stack == [] and app.shown_screen is None and not app.modal_open
+    app._poll_tick()
+    app.handle_event({"type": "jobs", "jobs": []})
+    app._redraw()
+    app.redraw_now()
+    app.signals.request("train-kimi")
+
+
 async def test_without_a_host_guarded_actions_are_disabled_and_say_why():
     app = frozen_app()
     async with app.run_test(size=SIZE) as pilot:
