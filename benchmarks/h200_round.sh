@@ -73,7 +73,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
     : "${SITE:=/tmp/h200-dry-site}" "${TRAIN_S:=5}" "${SF_S:=5}" "${OURS_STEPS:=4}" "${EVAL_INTERVAL:=2}" "${VAL_BATCHES:=1}" "${SF_VAL:=1}"
     : "${REGEN_LIMIT:=3}" "${REGEN_VAL:=1}" "${REGEN_BATCH:=4}" "${REGEN_NEW:=4}" "${REGEN_PROMPT:=64}" "${REGEN_S:=400}" "${COLD_MIB:=8}"
     : "${NUM_PROMPTS:=1}" "${MAX_NEW:=4}" "${PROMPT_TOKENS:=32}" "${CHAIN_PROMPTS:=1}" "${CHAIN_NEW:=4}" "${BENCH_PROMPTS:=1}"
-    : "${BENCH_NEW:=4}" "${WHOLE_NEW:=8}" "${REAL_STEPS:=1}" "${REAL_WARMUP:=1}" "${REAL_PROFILE:=1}" "${PHASE_S:=5000}" "${HARD_S:=6000}"
+    : "${BENCH_NEW:=4}" "${WHOLE_NEW:=8}" "${WHOLE_PROMPTS:=1}" "${REAL_STEPS:=1}" "${REAL_WARMUP:=1}" "${REAL_PROFILE:=1}" "${PHASE_S:=5000}" "${HARD_S:=6000}"
     : "${GROUPING_EXTRA:=--dtype float32 --layers 2 --batch 4 --new-tokens 4 --grouping-prompts 16}"
     : "${DECODE_PROFILE:=0}" "${REGEN_BENCH_BATCHES:=2 4}" "${REGEN_BENCH_EXTRA:=--dtype float32 --layers 2 --new-tokens 4 --prompt-tokens 48}"
     : "${LIMIT_SCALE:=5}" # stage limits are sized for the H200; a shared 2-core machine runs the CPU stages 2-3x slower at load 5
@@ -137,8 +137,10 @@ DECODE_PROFILE=${DECODE_PROFILE:-1} DECODE_PROFILE_EXTRA=${DECODE_PROFILE_EXTRA:
 NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
 CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-100} BENCH_NEW=${BENCH_NEW:-128}
 # WHOLE_NEW > 0: the per-set bench again with whole answers (--stop-at-eos, at most WHOLE_NEW tokens: SpecForge's benchmarker
-# asks 2048); the first 128 tokens of an answer are its hardest for the draft (bench_accept_length.py's by_answer_position)
-WHOLE_NEW=${WHOLE_NEW:-1024}
+# asks 2048); the first 128 tokens of an answer are its hardest for the draft (bench_accept_length.py's by_answer_position).
+# WHOLE_PROMPTS a set: SmolLM2's answers mostly run to 1,024 tokens (loops), ~2.6 s a prompt for both sides over HTTP on
+# an H100 (round 23, where 100 a set ran the chain stage out of time)
+WHOLE_NEW=${WHOLE_NEW:-1024} WHOLE_PROMPTS=${WHOLE_PROMPTS:-20}
 REAL_STEPS=${REAL_STEPS:-60} REAL_WARMUP=${REAL_WARMUP:-30} REAL_PROFILE=${REAL_PROFILE:-3} # REAL_PROFILE: steps under torch.profiler after
 # serve stages beyond `decode`: COMPILED (our final draft, 3 steps, graphs + torch.compile, with its plain row), CHAIN
 # (stop-and-bench + per-set HTTP bench; with a carried draft, `serve` of it + the per-set bench), REAL (real vs fixed-length steps), GROUPING (regeneration's batches by prompt
@@ -811,7 +813,7 @@ bench_per_set() { # URL WHERE: `bench --baseline same-engine` per eval set again
         --out "$OUT/bench_same_engine.json" || return $?
     [ "$WHOLE_NEW" -gt 0 ] || return 0 # whole answers (to the end of turn, at most WHOLE_NEW tokens), as SpecForge's benchmarker measures
     timeout "$(left)" "${HOST[@]}" bench --url "$1" --baseline same-engine --prompts "sharegpt=$DEV/sgdev" --prompts humaneval \
-        --num-prompts "$BENCH_PROMPTS" --max-new-tokens "$WHOLE_NEW" --stop-at-eos --chat-template "$MODEL_DIR" --concurrency 1 \
+        --num-prompts "$WHOLE_PROMPTS" --max-new-tokens "$WHOLE_NEW" --stop-at-eos --chat-template "$MODEL_DIR" --concurrency 1 \
         --out "$OUT/bench_whole_answers.json"
 }
 
@@ -865,11 +867,12 @@ phase_serve() {
     [ "$COMPILED_LINEAR" = 1 ] && stage decode_compiled_linear $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear.json" --attention triton --linear triton
     [ "$COMPILED_LINEAR_ALL" = 1 ] && stage decode_compiled_linear_all $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear_all.json" --attention triton --linear triton-all
     [ "$COMPILED_LINEAR_ROWS" = 1 ] && stage decode_compiled_linear_rows $((150 + more)) $((240 + more)) decode_compiled "$OUT/decode_compiled_linear_rows.json" --attention triton --linear triton-rows
+    local whole=$((WHOLE_NEW > 0 ? 6 * WHOLE_PROMPTS : 0)) # the whole-answer bench: two sets, both sides, with room
     if [ "$CHAIN" = 1 ] && [ ! -f "$DEV/ours/checkpoints/latest" ]; then
         note "chain skipped: no training checkpoint in $DEV (a carried draft); serving the draft for the per-set bench instead"
-        stage serve_carried 150 270 serve_carried
+        stage serve_carried $((150 + whole)) $((270 + whole)) serve_carried
     elif [ "$CHAIN" = 1 ]; then
-        stage chain 200 300 chain # the server compiles its steps at load (smollm2 [serve] reference_args)
+        stage chain $((200 + whole)) $((300 + whole)) chain # the server compiles its steps at load (smollm2 [serve] reference_args)
     fi
     # shellcheck disable=SC2086 # GROUPING_EXTRA is a list of options
     [ "$GROUPING" = 1 ] && stage regen_grouping 90 150 "$PY" benchmarks/bench_regenerate.py --profile "$PROFILE" --device "$DEVICE" \
