@@ -12,7 +12,7 @@ import asyncio
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from platformdirs import user_downloads_path  # Textual's own dependency: where its screenshots go
 from textual import work
@@ -194,7 +194,7 @@ class ConsoleApp(App):
     def on_mount(self) -> None:
         for session in self.sessions:
             if session.client is not None:
-                self.run_worker(session.run(), name=f"agent events {session.name}", group=f"agent:{session.name}", exit_on_error=False)
+                self._start(session.run, name=f"agent events {session.name}", group=f"agent:{session.name}")
         if self.poll_interval:
             self.set_interval(self.poll_interval, self._poll_tick)
 
@@ -224,7 +224,7 @@ class ConsoleApp(App):
         if Section.METRICS_GAP in changed and session.client is not None:
             self.catch_up_metrics(session)
         if Section.STAGES_GAP in changed and session.client is not None:
-            self.run_worker(self._catch_up_stages(session, str(event.get("job"))), group=f"stages:{session.name}", exit_on_error=False)
+            self._start(self._catch_up_stages, session, str(event.get("job")), group=f"stages:{session.name}")
         if session is not self.active:
             return
         kind, job = event.get("type"), event.get("job")
@@ -390,9 +390,15 @@ class ConsoleApp(App):
 
     # -- agent conversations (workers; one group per host so one host's work never cancels another's) ------------
 
+    def _start(self, work: Callable[..., Awaitable[object]], *args: Any, group: str, name: str = "", exclusive: bool = False) -> None:
+        """WORK(*ARGS) in a worker of GROUP (exclusive: it replaces the group's running one). The worker makes the
+        coroutine when it starts, so one cancelled before it ran (replaced, or at shutdown) leaves no coroutine that was
+        never awaited (a RuntimeWarning at garbage collection)."""
+        self.run_worker(partial(work, *args), name=name, group=group, exclusive=exclusive, exit_on_error=False)
+
     def resync(self, session: HostSession | None = None) -> None:
         session = session or self.active
-        self.run_worker(self._resync(session), name=f"resync {session.name}", group=f"resync:{session.name}", exclusive=True, exit_on_error=False)
+        self._start(self._resync, session, name=f"resync {session.name}", group=f"resync:{session.name}", exclusive=True)
 
     async def _resync(self, session: HostSession) -> None:
         """After (re)connecting: snapshot, watched runs, holders, and (on the active host) the selected job's metrics and logs."""
@@ -414,7 +420,7 @@ class ConsoleApp(App):
 
     def load_job(self, name: str) -> None:
         session = self.active
-        self.run_worker(self._load_job_reporting(session, name), name=f"load {name}", group=f"job:{session.name}", exclusive=True, exit_on_error=False)
+        self._start(self._load_job_reporting, session, name, name=f"load {name}", group=f"job:{session.name}", exclusive=True)
 
     async def _load_job_reporting(self, session: HostSession, name: str) -> None:
         try:
@@ -433,7 +439,7 @@ class ConsoleApp(App):
 
     def refresh_summary(self, name: str, log_x: bool) -> None:
         session = self.active
-        self.run_worker(self._refresh_summary(session, name, log_x), name=f"summary {name}", group=f"summary:{session.name}", exit_on_error=False)
+        self._start(self._refresh_summary, session, name, log_x, name=f"summary {name}", group=f"summary:{session.name}")
 
     async def _refresh_summary(self, session: HostSession, name: str, log_x: bool) -> None:
         try:
@@ -465,9 +471,7 @@ class ConsoleApp(App):
     def request_zoom(self, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None:
         """Buckets of the zoomed range (the plot's width of them), for every series the screens plot."""
         session = self.active
-        self.run_worker(
-            self._zoom(session, name, step_from, step_to, points, log_x), name=f"zoom {name}", group=f"zoom:{session.name}", exclusive=True, exit_on_error=False
-        )
+        self._start(self._zoom, session, name, step_from, step_to, points, log_x, name=f"zoom {name}", group=f"zoom:{session.name}", exclusive=True)
 
     async def _zoom(self, session: HostSession, name: str, step_from: int, step_to: int, points: int, log_x: bool) -> None:
         try:
@@ -480,7 +484,7 @@ class ConsoleApp(App):
 
     def catch_up_metrics(self, session: HostSession | None = None) -> None:
         session = session or self.active
-        self.run_worker(session.catch_up_metrics(), name=f"catch up {session.name}", group=f"catchup:{session.name}", exclusive=True, exit_on_error=False)
+        self._start(session.catch_up_metrics, name=f"catch up {session.name}", group=f"catchup:{session.name}", exclusive=True)
 
     async def _reload_stages(self, session: HostSession) -> None:
         """Every chain whose stages this console holds, read again: lines written while the link was down came in no
@@ -502,7 +506,7 @@ class ConsoleApp(App):
             return
         for session in self.sessions:
             if session.connected:
-                self.run_worker(self._poll(session), group=f"poll:{session.name}", exclusive=True, exit_on_error=False)
+                self._start(self._poll, session, name=f"poll {session.name}", group=f"poll:{session.name}", exclusive=True)
         self.state_changed({Section.CONNECTION, Section.HOSTS})  # keeps "N s ago" in the banners moving
 
     async def _poll(self, session: HostSession) -> None:

@@ -4,6 +4,8 @@ The reason of each job that exited non-zero (its last stderr line) is asked of i
 
 from __future__ import annotations
 
+from functools import partial
+
 from backend.protocol import Request
 from backend.safetext import visible
 from console.alerts import ENDED_STATES, AlertMemory, new_alerts
@@ -59,7 +61,7 @@ class Alerting:
             if job.state in ENDED_STATES and job.exit_code not in (None, 0) and key not in self._exit_reasons_asked and not state.is_external(name):
                 self._exit_reasons_asked.add(key)
                 if session.connected:
-                    self.app.run_worker(self._exit_reason(session, name), group=f"exit-reason:{session.name}", exit_on_error=False)
+                    self.app.run_worker(partial(self._exit_reason, session, name), group=f"exit-reason:{session.name}", exit_on_error=False)
 
     async def _exit_reason(self, session: HostSession, name: str) -> None:
         try:
