@@ -190,8 +190,10 @@ def checkpoint_name(epoch: int, step: int) -> str:
 
 
 def checkpoints_dir_of(path: str | Path) -> Path:
-    """Accept a run output dir (holding checkpoints/) or the checkpoints dir itself."""
+    """Accept a run output dir (holding checkpoints/), the checkpoints dir itself, or its `latest` pointer file."""
     path = Path(path)
+    if path.name == LATEST_FILE and path.is_file():
+        return path.parent
     return path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
 
 

@@ -20,7 +20,7 @@ def register(subparsers, parent) -> None:
         "Exit 0 when ok, 1 when problems were found, 2 on a usage error.",
     )
     pre.add_argument("draft", type=Path, help="draft checkpoint dir (or a training run dir: its latest checkpoint)")
-    pre.add_argument("--target-config", required=True, type=Path, help="the target model's config.json")
+    pre.add_argument("--target-config", required=True, type=Path, help="the target model's config.json (or its model dir)")
     pre.add_argument("--profile", help="profile whose [serve] flags are checked too (algorithm, dtype)")
     pre.add_argument("--json", action="store_true", help='print {"ok", "problems": [{"code","message","hint"}], ...}')
     pre.add_argument("--no-sglang", action="store_true", help="skip the target_support check (importing SGLang's model registry takes ~20 s)")
@@ -46,7 +46,7 @@ def register(subparsers, parent) -> None:
     serve.add_argument(
         "--device", help="reference engine only: auto (default: cuda:0 when CUDA is available), cpu, cuda or cuda:N (CUDA: static KV cache, CUDA graphs)"
     )
-    serve.add_argument("--target-config", help="target config.json for preflight (default: from the profile)")
+    serve.add_argument("--target-config", help="target config.json (or model dir) for preflight (default: from the profile)")
     serve.add_argument("--job-name", help="owned job name (default serve-<profile>-<engine>)")
     serve.add_argument("--force", action="store_true", help="launch even when preflight reports problems")
     serve.add_argument("--max-new-tokens", type=int, default=128, help="tokens per canary request")
@@ -69,8 +69,10 @@ def _load_profile(name: str):
 def handle_preflight(args) -> int:
     from backend.serve.sglang_args import build_sglang_argv
 
+    if (args.target_config / "config.json").is_file():  # the model dir, as `target profile --from-config` takes it
+        args.target_config = args.target_config / "config.json"
     if not args.target_config.is_file():
-        print(f"error: --target-config {args.target_config} is not a file. Nothing was checked.", file=sys.stderr)
+        print(f"error: --target-config {args.target_config} is neither a config.json nor a model dir holding one. Nothing was checked.", file=sys.stderr)
         return EXIT_USAGE
     argv = None
     if args.profile:

@@ -67,9 +67,10 @@ def target_dir(profile: Profile) -> str:
 
 
 def target_config_for(profile: Profile, explicit: str | None = None) -> str | dict[str, Any]:
-    """--target-config when given; else the target dir's config.json; else the profile's own target facts."""
+    """--target-config when given (a model dir means its config.json); else the target dir's config.json; else the
+    profile's own target facts."""
     if explicit:
-        return explicit
+        return str(Path(explicit, "config.json")) if Path(explicit, "config.json").is_file() else explicit
     path = Path(os.path.expanduser(profile.target.path))
     if profile.target.path.startswith(("builtin:", "wheel:")):
         path = Path(target_dir(profile))

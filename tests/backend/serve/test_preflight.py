@@ -388,6 +388,12 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert out.returncode == 1 and "[architecture]" in out.stdout
     out = run_cli("preflight", str(good), "--target-config", str(tmp_path / "missing.json"))
     assert out.returncode == 2 and "missing.json" in out.stderr
+    model_dir = tmp_path / "target-model"  # the model dir, as `target profile --from-config` takes it
+    model_dir.mkdir()
+    target.rename(model_dir / "config.json")
+    out = run_cli("preflight", str(good), "--target-config", str(model_dir), "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["target_config"] == str(model_dir / "config.json"), out.stderr
+    target = model_dir / "config.json"
     out = run_cli("preflight", str(good), "--target-config", str(target), "--profile", "no-such-profile")
     assert out.returncode == 2
 

@@ -108,6 +108,7 @@ def test_latest_and_listing_order_skip_temp_dirs_and_fall_back(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["epoch_0_step_900", "epoch_0_step_1000", "epoch_1_step_50"]
     assert latest_checkpoint(tmp_path) == checkpoints / "epoch_1_step_50"
     assert latest_checkpoint(checkpoints) == checkpoints / "epoch_1_step_50"
+    assert latest_checkpoint(checkpoints / "latest") == checkpoints / "epoch_1_step_50"  # the pointer file, as a shell completes it
     # a save killed half-way leaves a temp dir owned by a dead pid: readers ignore it, the next save removes it
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
     stale = checkpoints / f".tmp-epoch_2_step_0-{dead}-abcd1234"

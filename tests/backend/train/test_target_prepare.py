@@ -279,6 +279,7 @@ def test_serving_a_wheel_profile_hands_sglang_the_prepared_dir_and_templates_the
     flags = parse_flag_values(build_argv(profile, "/models/drafts/eagle3", "sglang", 30000))
     assert flags["--model-path"] == str(prepared)
     assert target_config_for(profile) == str(prepared / "config.json")
+    assert target_config_for(profile, str(prepared)) == str(prepared / "config.json")  # --target-config DIR means its config.json
     [question] = load_prompts(tag="chat", limit=1).prompts
     [prompt], label = shipped_prompts(profile, 1, tag="chat")
     assert prompt.endswith(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n") and label == "the shipped chat prompts"

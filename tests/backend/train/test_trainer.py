@@ -490,6 +490,8 @@ def test_export_copies_the_serving_files_after_checking_keys(mini_run, tmp_path,
     assert sorted(p.name for p in (tmp_path / "serve").iterdir()) == ["config.json", "model.safetensors"]
     latest = latest_checkpoint(mini_run)
     assert (tmp_path / "serve" / "model.safetensors").read_bytes() == (latest / "model.safetensors").read_bytes()
+    assert cli_main(["export", str(mini_run / "checkpoints" / "latest"), str(tmp_path / "by-pointer")]) == 0  # the pointer file names it too
+    assert (tmp_path / "by-pointer" / "model.safetensors").read_bytes() == (latest / "model.safetensors").read_bytes()
     assert cli_main(["export", str(mini_run), str(tmp_path / "serve")]) == 2  # not empty: refused
     assert "not an empty directory" in capsys.readouterr().err
     broken = tmp_path / "broken"
