@@ -296,11 +296,12 @@ class StopAndBench:
 
     def canary(self) -> tuple[str, Any]:
         from backend.serve import canary as canary_mod
-        from backend.serve.launch import draft_canary_prompts
+        from backend.serve.launch import draft_canary_prompts, served_prompt_fit
 
         info = self.summary.get("server_info") or {}
         steps = int(info.get("speculative_num_steps") or self.profile.serve.num_steps)
-        prompts, prompt_source = draft_canary_prompts(self.profile, self.summary["checkpoint"])
+        fit = served_prompt_fit(self.summary["url"], self.options.max_new_tokens)
+        prompts, prompt_source = draft_canary_prompts(self.profile, self.summary["checkpoint"], fit=fit)
         outcome = canary_mod.run_canary(
             self.summary["url"],
             prompts,
@@ -324,11 +325,12 @@ class StopAndBench:
 
         from backend.bench import client, results
 
-        from backend.serve.launch import draft_bench_prompts
+        from backend.serve.launch import draft_bench_prompts, served_prompt_fit
 
-        prompts, source = draft_bench_prompts(self.profile, self.summary.get("checkpoint"), self.options.num_prompts)
-        self.summary["bench_prompts"] = source
         url = self.summary["url"]
+        fit = served_prompt_fit(url, self.options.max_new_tokens)
+        prompts, source = draft_bench_prompts(self.profile, self.summary.get("checkpoint"), self.options.num_prompts, fit=fit)
+        self.summary["bench_prompts"] = source
         info = asyncio.run(client.fetch_server_info(url))
         baseline = client.resolve_baseline(None, info)
         levels, plain_levels = asyncio.run(client.measure_set(url, baseline, prompts, self.options.concurrency, self.options.max_new_tokens))

@@ -185,7 +185,7 @@ def shipped_prompts(profile: Profile, count: int, tag: str | None = None) -> tup
 DRAFT_CANARY_PROMPTS = 8  # 4-prompt subsets of one set spread 1.54-2.21 in accept length for one SmolLM2 draft (2026-12-05)
 
 
-def draft_canary_prompts(profile: Profile, draft_dir: Any, count: int = DRAFT_CANARY_PROMPTS) -> tuple[list[str], str]:
+def draft_canary_prompts(profile: Profile, draft_dir: Any, count: int = DRAFT_CANARY_PROMPTS, fit: PromptFit | None = None) -> tuple[list[str], str]:
     """(prompts, where they came from) for the canary of a trained draft: the prompts of the conversations its
     validation ran on (the checkpoint's `val_data`), so that the accept length served and tau-hat predicted from
     validation measure the same distribution; the shipped chat prompts when it records none or they cannot be read here.
@@ -194,10 +194,10 @@ def draft_canary_prompts(profile: Profile, draft_dir: Any, count: int = DRAFT_CA
     on 4 shipped chat prompts over HTTP: RED at 0.6 x tau-hat, the server stopped. On the CPU, 64 tokens a prompt, it
     accepts 1.82 on 8 shipped prompts, 1.98 on 8 of its validation prompts, and 1.02 on both with the broken feed
     (docs/serving.md)."""
-    return _draft_data_prompts(profile, draft_dir, "val", count, tag="chat")
+    return _draft_data_prompts(profile, draft_dir, "val", count, tag="chat", fit=fit)
 
 
-def draft_bench_prompts(profile: Profile, draft_dir: Any, count: int) -> tuple[list[str], str]:
+def draft_bench_prompts(profile: Profile, draft_dir: Any, count: int, fit: PromptFit | None = None) -> tuple[list[str], str]:
     """(prompts, where they came from) for stop & bench's benchmark: the held-out eval prompts of the data the draft
     was trained on (the eval split beside its checkpoint's `val_data`: prompts training never saw), through its
     template; the whole shipped set through the target's chat template otherwise.
@@ -205,12 +205,39 @@ def draft_bench_prompts(profile: Profile, draft_dir: Any, count: int) -> tuple[l
     On 2026-12-05 (one H100) the chain's benchmark asked the shipped prompts raw, without the chat template the draft
     was trained on: accept length 1.55 and 0.95x plain decoding, for a draft that served 2.39 and 1.43x on 100 held-out
     ShareGPT prompts through the template on the same server (docs/real-model.md, round 22)."""
-    return _draft_data_prompts(profile, draft_dir, "eval", count)
+    return _draft_data_prompts(profile, draft_dir, "eval", count, fit=fit)
 
 
-def _draft_data_prompts(profile: Profile, draft_dir: Any, split: str, count: int, tag: str | None = None) -> tuple[list[str], str]:
-    """The first `count` prompts of `split` of the data dir the draft's checkpoint records, through its template;
-    else shipped_prompts, with the reason. The tiny target's drafts train on corpus windows: always shipped_prompts."""
+@dataclass(frozen=True)
+class PromptFit:
+    """What a server admits: prompt tokens + max_new_tokens <= its context length (SGLang and the reference server
+    answer a longer request with HTTP 400)."""
+
+    context_len: int
+    max_new_tokens: int
+
+    def admits(self, prompt_tokens: int) -> bool:
+        return prompt_tokens + self.max_new_tokens <= self.context_len
+
+    def describe(self, skipped: int) -> str:
+        return f"{skipped} longer than the server's {self.context_len}-token context less {self.max_new_tokens} new tokens skipped"
+
+
+def served_prompt_fit(url: str, max_new_tokens: int) -> PromptFit | None:
+    """The fit of a running server from GET /v1/models (`max_model_len`: SGLang's model card and ours); None when it
+    does not say, and then prompts are taken as they come."""
+    reply = http.get(f"{url}/v1/models", timeout=30)
+    cards = reply.body.get("data") if reply.ok and isinstance(reply.body, dict) else None
+    length = cards[0].get("max_model_len") if isinstance(cards, list) and cards and isinstance(cards[0], dict) else None
+    return PromptFit(length, max_new_tokens) if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+
+
+def _draft_data_prompts(
+    profile: Profile, draft_dir: Any, split: str, count: int, tag: str | None = None, fit: PromptFit | None = None
+) -> tuple[list[str], str]:
+    """The first `count` prompts of `split` of the data dir the draft's checkpoint records, through its template,
+    that `fit` admits; else shipped_prompts, with the reason. The tiny target's drafts train on corpus windows: always
+    shipped_prompts."""
     if profile.target.path == "builtin:tiny":
         return shipped_prompts(profile, count, tag)
     why = ""
@@ -218,23 +245,38 @@ def _draft_data_prompts(profile: Profile, draft_dir: Any, split: str, count: int
     if val_data is not None:
         what = PROMPT_SPLITS[split]
         try:
-            prompts = _recorded_chat_prompts(profile, val_data, split, count)
+            prompts, skipped = _recorded_chat_prompts(profile, val_data, split, count, fit)
         except (OSError, ValueError) as exc:  # moved or deleted (DataError is a ValueError), a template that no longer renders
             why = f" (the draft's {what} could not be used: {exc})"
         else:
+            too_long = f"; {fit.describe(skipped)}" if fit is not None and skipped else ""
             if prompts:
-                return prompts, f"the draft's {what} ({len(prompts)} of {val_data['conversations']})"
-            why = f" ({val_data['conversations']} holds no {what})"
+                return prompts, f"the draft's {what} ({len(prompts)} of {val_data['conversations']}{too_long})"
+            why = f" ({val_data['conversations']} holds no {what}{too_long})"
     prompts, label = shipped_prompts(profile, count, tag)
     return prompts, label + why
 
 
-def _recorded_chat_prompts(profile: Profile, val_data: dict[str, Any], split: str, count: int) -> list[str]:
-    conversations = split_prompts(val_data["conversations"], split, count)
+FIT_SCAN = 4  # with a fit, up to this many times `count` prompts are read to find `count` that it admits
+
+
+def _recorded_chat_prompts(profile: Profile, val_data: dict[str, Any], split: str, count: int, fit: PromptFit | None) -> tuple[list[str], int]:
+    """(the first `count` rendered prompts `fit` admits, how many it did not admit before them)."""
+    conversations = split_prompts(val_data["conversations"], split, count if fit is None else FIT_SCAN * count)
     template = resolve_chat_template(val_data.get("chat_template"))
     tokenizer = load_tokenizer(target_dir(profile), profile.serve.trust_remote_code)
     text = template.text if template is not None else None
-    return [render_chat(tokenizer, messages, add_generation_prompt=True, template=text, tokenize=False) for messages in conversations]
+    prompts: list[str] = []
+    skipped = 0
+    for messages in conversations:
+        if len(prompts) == count:
+            break
+        prompt = render_chat(tokenizer, messages, add_generation_prompt=True, template=text, tokenize=False)
+        if fit is None or fit.admits(len(tokenizer.encode(prompt))):  # encoded as the servers encode a request's text
+            prompts.append(prompt)
+        else:
+            skipped += 1
+    return prompts, skipped
 
 
 # --------------------------------------------------------------------------- waiting
@@ -365,7 +407,10 @@ def launch(
 
     canary_started = time.monotonic()
     val_acc, val_rounds = checkpoint_validation(draft)
-    prompts, prompt_source = (prompts, "given by the caller") if prompts else draft_canary_prompts(profile, draft)
+    if not prompts:
+        prompts, prompt_source = draft_canary_prompts(profile, draft, fit=served_prompt_fit(url, max_new_tokens))
+    else:
+        prompt_source = "given by the caller"
     outcome = canary_mod.run_canary(
         url,
         prompts,

@@ -87,6 +87,22 @@ def test_server_info_and_generate_speak_sglang(servers, tiny_profile):
 
 
 @pytest.mark.slow
+def test_the_canary_reads_what_prompts_the_server_admits_from_its_model_card(servers, tiny_profile):
+    """served_prompt_fit: the server's max_model_len (GET /v1/models, as SGLang's) less the new tokens asked; a
+    prompt it admits is served, one token longer is refused with HTTP 400, as the fit predicts."""
+    from backend.serve.launch import PromptFit, served_prompt_fit
+
+    fit = served_prompt_fit(servers["spec"], 16)
+    assert fit == PromptFit(tiny_profile.draft.max_position_embeddings, 16)
+    longest = "x" * (fit.context_len - 16)  # the tiny target's tokens are bytes
+    assert fit.admits(len(longest)) and not fit.admits(len(longest) + 1)
+    assert generate(servers["spec"], longest, 16).ok
+    refused = generate(servers["spec"], longest + "x", 16)
+    assert refused.status == 400 and "exceeds the context length" in refused.text
+    assert served_prompt_fit(f"http://127.0.0.1:{http.free_port()}", 16) is None  # nothing listening: prompts as they come
+
+
+@pytest.mark.slow
 def test_speculative_output_equals_plain_decoding(servers, tiny_profile):
     for prompt in canary_prompts(tiny_profile, 4) + ["def main(argv=None):\n    "]:
         spec = generate(servers["spec"], prompt, 96).body

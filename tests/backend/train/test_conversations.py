@@ -486,6 +486,46 @@ def test_stop_and_bench_asks_the_held_out_prompts_beside_the_drafts_data(tmp_pat
     assert prompts == shipped and "(the draft's held-out eval prompts could not be used: " in where and "no `data prepare` dir" in where
 
 
+def test_prompts_longer_than_the_server_admits_are_skipped_and_counted(tmp_path):
+    """With the server's fit (its context length less the new tokens asked), the canary and the benchmark take the
+    first prompts of their split that it admits and say how many longer ones they skipped: a long ShareGPT paste
+    asked anyway came back as HTTP 400 and one canary request fewer (a 1,024-token Qwen3 target, 2026-12-06)."""
+    from backend.serve.launch import PromptFit, draft_bench_prompts, draft_canary_prompts
+    from backend.train.target import load_tokenizer
+
+    profile = hf_mini_profile(tmp_path / "target")
+    source = tmp_path / "sharegpt.jsonl"
+    question = lambda i: f"question number {i}?" + (" and more words" * 60 if i % 3 == 0 else "")  # noqa: E731
+    write_jsonl(source, [sharegpt(("human", question(i)), ("gpt", f"answer {i}")) for i in range(60)])
+    data = tmp_path / "prepared"
+    prepare([source], data, val_fraction=0.3, eval_count=6, seed=1)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    val_data = {"conversations": str(data.resolve()), "chat_template": "chatml"}
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle3_console": {"val_data": val_data}}))
+    tokenizer = load_tokenizer(tmp_path / "target")
+    fit = PromptFit(context_len=100, max_new_tokens=32)
+
+    every, _ = draft_canary_prompts(profile, draft, count=30)
+    lengths = [len(tokenizer.encode(p)) for p in every]
+    admitted = [p for p, n in zip(every, lengths) if n + 32 <= 100]
+    skipped = every.index(admitted[-1]) + 1 - len(admitted)  # the long ones read before the last admitted one
+    assert skipped > 0, lengths
+    prompts, where = draft_canary_prompts(profile, draft, count=len(admitted), fit=fit)
+    assert prompts == admitted
+    n = len(admitted)
+    assert (
+        where
+        == f"the draft's validation conversations ({n} of {data.resolve()}; {skipped} longer than the server's 100-token context less 32 new tokens skipped)"
+    )
+    held_out, _ = draft_bench_prompts(profile, draft, 6)
+    fits = [p for p in held_out if len(tokenizer.encode(p)) + 32 <= 100]
+    assert len(fits) < len(held_out) and draft_bench_prompts(profile, draft, 6, fit=fit)[0] == fits
+    prompts, where = draft_canary_prompts(profile, draft, count=3, fit=PromptFit(10, 32))  # nothing fits: the shipped set, and why
+    assert where.startswith("the shipped chat prompts, raw") and "holds no validation conversations; " in where and "skipped)" in where
+    assert draft_canary_prompts(profile, draft, count=3)[0] == draft_canary_prompts(profile, draft, count=3, fit=PromptFit(10**6, 32))[0]
+
+
 # --- the default data of a wheel target: a ShareGPT V3 sample from its wheel ---------------------
 
 
