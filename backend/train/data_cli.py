@@ -120,7 +120,7 @@ def _register_regenerate(commands, parent) -> None:
 def _regenerate_command(args) -> int:
     from backend.profiles import ProfileError, load_profile
     from backend.train.cli import apply_threads, chat_preflight
-    from backend.train.regenerate import RegenerateSettings, Sampling, regenerate, source_identity
+    from backend.train.regenerate import RegenerateSettings, Sampling, fit_prompts_to_positions, regenerate, source_identity
 
     try:
         profile = load_profile(args.profile)
@@ -160,6 +160,7 @@ def _regenerate_command(args) -> int:
             raise DataError(
                 "the built-in tiny target trains on its own generated continuations and has no chat template; regenerate with a Hugging Face target"
             )
+        settings = fit_prompts_to_positions(settings, target, explicit=args.max_prompt_tokens is not None)
         template = template_text(target.tokenizer, chosen)
         regenerate(target, settings, chosen.name if chosen else "tokenizer", template, dtype, device)
     except (DataError, ProfileError, TargetMismatchError) as exc:

@@ -771,6 +771,25 @@ def _progress(done: int, total: int, resumed: int, started: float, tokens: int, 
     return f"regenerate [{'#' * filled}{'-' * (width - filled)}] {done}/{total} conversations {100 * fraction:3.0f}%{earlier}{rate}  {elapsed:.0f} s{left}"
 
 
+def fit_prompts_to_positions(settings: RegenerateSettings, target, explicit: bool, log: Log = _stderr) -> RegenerateSettings:
+    """A prompt budget whose answers stay within the target's positions (prompt + new tokens <= max_position_embeddings):
+    past them an answer is the model's extrapolation, not its answer, and transformers only warns. The default (the
+    profile's seq_len) is lowered to fit and says so; a --max-prompt-tokens that does not fit is refused."""
+    positions = getattr(target.model.config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or settings.max_prompt_tokens + settings.sampling.max_new_tokens <= positions:
+        return settings
+    room = positions - settings.sampling.max_new_tokens
+    asked = f"--max-prompt-tokens {settings.max_prompt_tokens}" if explicit else f"the profile's seq_len {settings.max_prompt_tokens}"
+    if explicit or room < 1:
+        fix = f"pass --max-prompt-tokens {room} or less" if room >= 1 else "pass a --max-new-tokens below it"
+        raise DataError(
+            f"{asked} + --max-new-tokens {settings.sampling.max_new_tokens} exceeds the target's {positions} positions "
+            f"(max_position_embeddings): answers past them are not the model's own; {fix}. Nothing was written."
+        )
+    log(f"regenerate: prompts of at most {room} tokens ({asked} + {settings.sampling.max_new_tokens} new tokens would pass the target's {positions} positions)")
+    return dataclasses.replace(settings, max_prompt_tokens=room)
+
+
 def regenerate(target, settings: RegenerateSettings, template_name: str, template: str, dtype: str, device: str, log: Log = _stderr) -> dict:
     """Regenerate every conversation of settings.source into settings.out; returns the final regenerate.json."""
     settings.sampling.check()

@@ -27,6 +27,7 @@ from backend.train.regenerate import (
     Sampling,
     SeededSampler,
     StaticBatches,
+    fit_prompts_to_positions,
     generate_batch,
     read_done_lines,
     regenerate,
@@ -673,6 +674,34 @@ def test_bad_answer_and_time_limits_are_refused_in_one_line_before_the_target_lo
         )
         assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and words in result.stderr, result.stderr
         assert not (tmp_path / "out").exists()
+
+
+def test_prompts_and_answers_stay_within_the_targets_positions(world, tmp_path):
+    """prompt + new tokens <= max_position_embeddings (2,048 here): the profile's seq_len as default is lowered to fit
+    and says so, a --max-prompt-tokens that does not fit is refused, and so are more new tokens than positions. A
+    derived profile's seq_len is min(2048, positions), so its default met the limit exactly and 16 new tokens passed it:
+    transformers only warned (a random Qwen3 of 1,024 positions, 2026-12-06)."""
+    said: list[str] = []
+    settings = RegenerateSettings(world["prep"], tmp_path / "out", Sampling(max_new_tokens=48), max_prompt_tokens=2048)
+    assert fit_prompts_to_positions(dataclasses.replace(settings, max_prompt_tokens=2000), world["target"], explicit=True).max_prompt_tokens == 2000
+    lowered = fit_prompts_to_positions(settings, world["target"], explicit=False, log=said.append)
+    assert lowered.max_prompt_tokens == 2000 and said == [
+        "regenerate: prompts of at most 2000 tokens (the profile's seq_len 2048 + 48 new tokens would pass the target's 2048 positions)"
+    ]
+    with pytest.raises(
+        DataError, match=r"^--max-prompt-tokens 2048 \+ --max-new-tokens 48 exceeds the target's 2048 positions .*pass --max-prompt-tokens 2000 or less"
+    ):
+        fit_prompts_to_positions(settings, world["target"], explicit=True)
+    too_many = dataclasses.replace(settings, sampling=Sampling(max_new_tokens=2048))
+    with pytest.raises(DataError, match="pass a --max-new-tokens below it. Nothing was written."):
+        fit_prompts_to_positions(too_many, world["target"], explicit=False)
+    profile = write_toml(tmp_path / "mini.toml", world["raw"])
+    argv = [sys.executable, "-m", "backend", "data", "regenerate", "--profile", str(profile), "--input", str(world["prep"]), "--out", str(tmp_path / "out")]
+    result = subprocess.run(
+        argv + ["--max-prompt-tokens", "2040", "--device", "cpu"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True
+    )
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: --max-prompt-tokens 2040 + --max-new-tokens")
+    assert not (tmp_path / "out").exists()
 
 
 def queued(key: str, length: int):
