@@ -447,6 +447,18 @@ def test_the_canary_asks_the_prompts_the_draft_was_validated_on(tmp_path, monkey
         conv.split_prompts(source, "val", 3)
 
 
+def draft_recording_prepared_data(tmp_path: Path, questions: list[str], val_fraction: float, eval_count: int) -> tuple[Path, Path]:
+    """(a `data prepare` dir of one-turn ShareGPT chats, a draft dir whose config.json records it as training writes it)."""
+    source = write_jsonl(tmp_path / "sharegpt.jsonl", [sharegpt(("human", q), ("gpt", f"answer {i}")) for i, q in enumerate(questions)])
+    data = tmp_path / "prepared"
+    prepare([source], data, val_fraction=val_fraction, eval_count=eval_count, seed=1)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    val_data = {"conversations": str(data.resolve()), "chat_template": "chatml"}
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle3_console": {"val_data": val_data}}))
+    return data, draft
+
+
 def test_stop_and_bench_asks_the_held_out_prompts_beside_the_drafts_data(tmp_path):
     """The chain's benchmark asks the eval split of the data dir a checkpoint records (`val_data`, as training writes
     it), through the recorded template: held-out prompts training never saw. Without a record, or with the
@@ -456,14 +468,7 @@ def test_stop_and_bench_asks_the_held_out_prompts_beside_the_drafts_data(tmp_pat
     from backend.serve.prompts import load_prompts
 
     profile = hf_mini_profile(tmp_path / "target")
-    source = tmp_path / "sharegpt.jsonl"
-    write_jsonl(source, [sharegpt(("human", f"question number {i}?"), ("gpt", f"answer {i}")) for i in range(40)])
-    data = tmp_path / "prepared"
-    prepare([source], data, val_fraction=0.2, eval_count=3, seed=1)
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    val_data = {"conversations": str(data.resolve()), "chat_template": "chatml"}
-    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle3_console": {"val_data": val_data}}))
+    data, draft = draft_recording_prepared_data(tmp_path, [f"question number {i}?" for i in range(40)], val_fraction=0.2, eval_count=3)
 
     held_out = [json.loads(line)["prompt"] for line in (data / "eval.jsonl").read_text().splitlines()]
     trained = {c.messages[0]["content"] for c in iter_conversations(data / "train.jsonl")}
@@ -494,15 +499,8 @@ def test_prompts_longer_than_the_server_admits_are_skipped_and_counted(tmp_path)
     from backend.train.target import load_tokenizer
 
     profile = hf_mini_profile(tmp_path / "target")
-    source = tmp_path / "sharegpt.jsonl"
-    question = lambda i: f"question number {i}?" + (" and more words" * 60 if i % 3 == 0 else "")  # noqa: E731
-    write_jsonl(source, [sharegpt(("human", question(i)), ("gpt", f"answer {i}")) for i in range(60)])
-    data = tmp_path / "prepared"
-    prepare([source], data, val_fraction=0.3, eval_count=6, seed=1)
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    val_data = {"conversations": str(data.resolve()), "chat_template": "chatml"}
-    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "eagle3_console": {"val_data": val_data}}))
+    questions = [f"question number {i}?" + (" and more words" * 60 if i % 3 == 0 else "") for i in range(60)]
+    data, draft = draft_recording_prepared_data(tmp_path, questions, val_fraction=0.3, eval_count=6)
     tokenizer = load_tokenizer(tmp_path / "target")
     fit = PromptFit(context_len=100, max_new_tokens=32)
 
