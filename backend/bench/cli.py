@@ -114,6 +114,32 @@ def eval_sets(args):
     return sets
 
 
+def admitted_sets(sets, url: str, info: dict, args) -> list:
+    """Each set without the prompts the server's context cannot hold with --max-new-tokens (a request it would answer
+    with HTTP 400), counted with the tokenizer the prompts were templated with, else the server's own where its
+    tokenizer_path is a directory here; as they are when neither the context nor a tokenizer is known. A set left
+    empty is refused."""
+    from backend.bench import eval_sets as sets_mod
+    from backend.serve.prompts import admitted, served_prompt_fit
+
+    fit = served_prompt_fit(url, args.max_new_tokens)
+    tokenizer_dir = getattr(args, "chat_template", None) or info.get("tokenizer_path")
+    if fit is None or not tokenizer_dir or not Path(tokenizer_dir).expanduser().is_dir():
+        return sets
+    from backend.train.target import load_tokenizer
+
+    tokenizer = load_tokenizer(str(Path(tokenizer_dir).expanduser()))
+    kept = []
+    for eval_set in sets:
+        prompts, skipped = admitted(eval_set.prompts, lambda text: len(tokenizer.encode(text)), fit)
+        if skipped:
+            print(f"bench: set {eval_set.name}: {fit.describe(skipped)}; {len(prompts.prompts)} asked", file=sys.stderr)
+        if not prompts.prompts:
+            raise PromptFileError(f"set {eval_set.name}: every prompt is longer than the server admits ({fit.describe(skipped)})")
+        kept.append(sets_mod.EvalSet(eval_set.name, prompts))
+    return kept
+
+
 async def run(args) -> dict:
     from backend.bench import client, results
 
@@ -122,6 +148,7 @@ async def run(args) -> dict:
     url = args.url.rstrip("/")
     info = await client.fetch_server_info(url)
     baseline = client.resolve_baseline(baseline_choice(args), info)
+    sets = admitted_sets(sets, url, info, args)
     baseline_info = await client.fetch_server_info(baseline.url) if baseline.mode == client.BASELINE_URL and baseline.url else None
     runs = []
     for eval_set in sets:

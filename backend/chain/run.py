@@ -296,7 +296,8 @@ class StopAndBench:
 
     def canary(self) -> tuple[str, Any]:
         from backend.serve import canary as canary_mod
-        from backend.serve.launch import draft_canary_prompts, served_prompt_fit
+        from backend.serve.launch import draft_canary_prompts
+        from backend.serve.prompts import served_prompt_fit
 
         info = self.summary.get("server_info") or {}
         steps = int(info.get("speculative_num_steps") or self.profile.serve.num_steps)
@@ -325,7 +326,8 @@ class StopAndBench:
 
         from backend.bench import client, results
 
-        from backend.serve.launch import draft_bench_prompts, served_prompt_fit
+        from backend.serve.launch import draft_bench_prompts
+        from backend.serve.prompts import served_prompt_fit
 
         url = self.summary["url"]
         fit = served_prompt_fit(url, self.options.max_new_tokens)

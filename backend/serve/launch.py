@@ -14,7 +14,7 @@ from backend.serve import canary as canary_mod
 from backend.serve import http
 from backend.serve.acceptance import checkpoint_val_data, checkpoint_validation
 from backend.serve.preflight import resolve_draft_dir, run_preflight
-from backend.serve.prompts import load_prompts
+from backend.serve.prompts import PromptFit, load_prompts, served_prompt_fit
 from backend.serve.sglang_args import build_sglang_argv, expected_spec_settings
 from backend.train.chat_templates import render_chat, resolve_chat_template
 from backend.train.conversations import PROMPT_SPLITS, split_prompts
@@ -206,30 +206,6 @@ def draft_bench_prompts(profile: Profile, draft_dir: Any, count: int, fit: Promp
     was trained on: accept length 1.55 and 0.95x plain decoding, for a draft that served 2.39 and 1.43x on 100 held-out
     ShareGPT prompts through the template on the same server (docs/real-model.md, round 22)."""
     return _draft_data_prompts(profile, draft_dir, "eval", count, fit=fit)
-
-
-@dataclass(frozen=True)
-class PromptFit:
-    """What a server admits: prompt tokens + max_new_tokens <= its context length (SGLang and the reference server
-    answer a longer request with HTTP 400)."""
-
-    context_len: int
-    max_new_tokens: int
-
-    def admits(self, prompt_tokens: int) -> bool:
-        return prompt_tokens + self.max_new_tokens <= self.context_len
-
-    def describe(self, skipped: int) -> str:
-        return f"{skipped} longer than the server's {self.context_len}-token context less {self.max_new_tokens} new tokens skipped"
-
-
-def served_prompt_fit(url: str, max_new_tokens: int) -> PromptFit | None:
-    """The fit of a running server from GET /v1/models (`max_model_len`: SGLang's model card and ours); None when it
-    does not say, and then prompts are taken as they come."""
-    reply = http.get(f"{url}/v1/models", timeout=30)
-    cards = reply.body.get("data") if reply.ok and isinstance(reply.body, dict) else None
-    length = cards[0].get("max_model_len") if isinstance(cards, list) and cards and isinstance(cards[0], dict) else None
-    return PromptFit(length, max_new_tokens) if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
 
 
 def _draft_data_prompts(

@@ -381,6 +381,35 @@ def test_bench_same_engine_over_two_eval_sets_on_a_mini_reference_server(tmp_pat
     assert "set held-out: 3 prompts" in done.stdout and "plain decoding in the same engine, ignore_eos" in done.stdout
 
 
+def test_prompts_longer_than_the_server_admits_are_left_out_and_counted(tmp_path, mini_servers):
+    """bench reads the server's context (GET /v1/models) and counts each prompt with the server's own tokenizer (its
+    tokenizer_path, a directory here): a prompt that would come back HTTP 400 is left out and counted, not asked; a set
+    left empty is refused before anything is measured. On a 1,024-token Qwen3 target a ShareGPT paste failed 6 of 24
+    requests before (2026-12-06)."""
+    from backend.serve.prompts import served_prompt_fit
+
+    context = served_prompt_fit(mini_servers["spec"].url, 16).context_len
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("import os\n", "x = " * context, "for i in range(")))
+    out_file = tmp_path / "result.json"
+    argv = [sys.executable, "-m", "backend", "bench", "--url", mini_servers["spec"].url, "--baseline", "same-engine", "--concurrency", "1"]
+    argv += ["--max-new-tokens", "16", "--run-dir", str(tmp_path / "run")]
+    done = subprocess.run(argv + ["--prompts", str(mixed), "--out", str(out_file)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    skipped = f"1 longer than the server's {context}-token context less 16 new tokens skipped"
+    assert f"bench: set mixed: {skipped}; 2 asked" in done.stderr and "requests failed" not in done.stderr
+    [section] = results.load(out_file)["sets"]
+    assert section["prompts"]["count"] == 2 and section["prompts"]["source"] == f"{mixed} [{skipped}]"
+    assert all(level["failed"] == 0 for level in section["levels"] + section["baseline_levels"])
+    too_long = tmp_path / "long.jsonl"
+    too_long.write_text(json.dumps({"prompt": "x = " * context}) + "\n")
+    refused = subprocess.run(
+        argv + ["--prompts", str(too_long), "--out", str(tmp_path / "never.json")], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
+    assert refused.returncode == 2 and "set long: every prompt is longer than the server admits" in refused.stderr and "Nothing was measured" in refused.stderr
+    assert not (tmp_path / "never.json").exists()
+
+
 def test_whole_answers_send_no_ignore_eos_on_either_side():
     same = client.Baseline(client.SAME_ENGINE)
     spec, plain = client.side_options(same)

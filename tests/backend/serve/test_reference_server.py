@@ -90,7 +90,7 @@ def test_server_info_and_generate_speak_sglang(servers, tiny_profile):
 def test_the_canary_reads_what_prompts_the_server_admits_from_its_model_card(servers, tiny_profile):
     """served_prompt_fit: the server's max_model_len (GET /v1/models, as SGLang's) less the new tokens asked; a
     prompt it admits is served, one token longer is refused with HTTP 400, as the fit predicts."""
-    from backend.serve.launch import PromptFit, served_prompt_fit
+    from backend.serve.prompts import PromptFit, served_prompt_fit
 
     fit = served_prompt_fit(servers["spec"], 16)
     assert fit == PromptFit(tiny_profile.draft.max_position_embeddings, 16)

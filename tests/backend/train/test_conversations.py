@@ -495,7 +495,8 @@ def test_prompts_longer_than_the_server_admits_are_skipped_and_counted(tmp_path)
     """With the server's fit (its context length less the new tokens asked), the canary and the benchmark take the
     first prompts of their split that it admits and say how many longer ones they skipped: a long ShareGPT paste
     asked anyway came back as HTTP 400 and one canary request fewer (a 1,024-token Qwen3 target, 2026-12-06)."""
-    from backend.serve.launch import PromptFit, draft_bench_prompts, draft_canary_prompts
+    from backend.serve.launch import draft_bench_prompts, draft_canary_prompts
+    from backend.serve.prompts import PromptFit
     from backend.train.target import load_tokenizer
 
     profile = hf_mini_profile(tmp_path / "target")
