@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from backend.serve.preflight import problems_text, run_preflight, resolve_draft_dir, PreflightReport, Problem
+from backend.serve.preflight import problems_text, run_preflight, resolve_draft_dir, target_config_file, PreflightReport, Problem
 from backend.serve.acceptance import acceptance_lines
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
@@ -69,8 +69,7 @@ def _load_profile(name: str):
 def handle_preflight(args) -> int:
     from backend.serve.sglang_args import build_sglang_argv
 
-    if (args.target_config / "config.json").is_file():  # the model dir, as `target profile --from-config` takes it
-        args.target_config = args.target_config / "config.json"
+    args.target_config = target_config_file(args.target_config)
     if not args.target_config.is_file():
         print(f"error: --target-config {args.target_config} is neither a config.json nor a model dir holding one. Nothing was checked.", file=sys.stderr)
         return EXIT_USAGE

@@ -13,7 +13,7 @@ from backend.profiles import Profile
 from backend.serve import canary as canary_mod
 from backend.serve import http
 from backend.serve.acceptance import checkpoint_val_data, checkpoint_validation
-from backend.serve.preflight import resolve_draft_dir, run_preflight
+from backend.serve.preflight import resolve_draft_dir, run_preflight, target_config_file
 from backend.serve.prompts import PromptFit, load_prompts, served_prompt_fit
 from backend.serve.sglang_args import build_sglang_argv, expected_spec_settings
 from backend.train.chat_templates import render_chat, resolve_chat_template
@@ -70,7 +70,7 @@ def target_config_for(profile: Profile, explicit: str | None = None) -> str | di
     """--target-config when given (a model dir means its config.json); else the target dir's config.json; else the
     profile's own target facts."""
     if explicit:
-        return str(Path(explicit, "config.json")) if Path(explicit, "config.json").is_file() else explicit
+        return str(target_config_file(explicit))
     path = Path(os.path.expanduser(profile.target.path))
     if profile.target.path.startswith(("builtin:", "wheel:")):
         path = Path(target_dir(profile))

@@ -327,6 +327,12 @@ def trained_block(config: dict[str, Any]) -> dict[str, Any]:
     return block if isinstance(block, dict) else {}
 
 
+def target_config_file(path: str | os.PathLike) -> Path:
+    """--target-config as given, or, for a model dir holding one, its config.json (`target profile --from-config` takes either)."""
+    inside = Path(path, "config.json")
+    return inside if inside.is_file() else Path(path)
+
+
 def resolve_draft_dir(path: Path) -> Path:
     """A checkpoint dir as given; a run dir (or its checkpoints/) resolves to its latest checkpoint (backend/layout.py)."""
     if (path / "config.json").exists():
