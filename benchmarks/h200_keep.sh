@@ -20,8 +20,8 @@ round=$1 phase=$2 from=$3
 # .h200-regen.prev/ (not carried), so a piece count that shrank leaves no stale piece behind to corrupt `cat part*`,
 # and the one replaced survives a round that came back with less (round 17's cut regeneration replaced round 16's
 # complete one).
-for kind in draft regen regen-sampled; do
-    case $kind in draft) pattern=ours_draft.tar.part ;; regen) pattern=regen.tar.xz.part ;; *) pattern=regen_sampled.tar.xz.part ;; esac
+for kind in draft draft-other regen regen-sampled; do
+    case $kind in draft) pattern=ours_draft.tar.part ;; draft-other) pattern=ours_other_draft.tar.part ;; regen) pattern=regen.tar.xz.part ;; *) pattern=regen_sampled.tar.xz.part ;; esac
     compgen -G "$from/$pattern*" >/dev/null && compgen -G ".h200-$kind/$pattern*" >/dev/null || continue
     rm -rf ".h200-$kind.prev" && mkdir -p ".h200-$kind.prev" && mv ".h200-$kind"/"$pattern"* ".h200-$kind.prev"/
     echo "h200_keep: the earlier .h200-$kind pieces are in .h200-$kind.prev/" >&2
@@ -32,6 +32,7 @@ for file in "$from"/*; do
     name=$(basename "$file")
     case $name in
     ours_draft.tar.part*) dest=.h200-draft/$name ;;
+    ours_other_draft.tar.part*) dest=.h200-draft-other/$name ;; # PHASE=other: the A/B's other twin
     regen.tar.xz.part*) dest=.h200-regen/$name ;;
     regen_sampled.tar.xz.part*) dest=.h200-regen-sampled/$name ;; # PHASE=sampled's answers: carry3 brings them back
     compile_*.bin) dest=.h200-compile/$name ;; # torch.compile's artifacts: carry3 brings them to the next round

@@ -27,6 +27,9 @@
 #                 (ours_draft_at_train_s: the equal-time comparison). ~MORE_S + 60 s. RETURN_DRAFT=1 (here or in
 #                 train) sends the exported draft back in 16 MiB pieces (~48 MB in bf16: 3 files) instead of the
 #                 trainer's log: copied into .h200-draft, a later round serves it without training (PHASE=draft).
+#   PHASE=other   carries nothing: after `more` with TWIN and TWIN_MORE=both, the twin not continued ($DEV/ours_other)
+#                 exported and sent back as ours_other_draft.tar.part* (h200_keep.sh keeps them in .h200-draft-other/), so
+#                 both drafts of the A/B can be replayed on the same prompts on another machine. ~30 s.
 #   PHASE=retrain carries nothing: our draft trained again from scratch for MORE_S seconds (--max-seconds, its cosine
 #                 fitted) on the data the train phase left in $DEV, when that phase's trainer failed (2026-12-03: a
 #                 SIGTERM to its group killed an Inductor compile's ptxas; the trainer now checkpoints then). The tokens
@@ -67,7 +70,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
-: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more, retrain, serve, profile, prepare, draft or sampled}"
+: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more, other, retrain, serve, profile, prepare, draft or sampled}"
 if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny sizes (CPU profile: seq_len 128, batch 1, float32)
     : "${DEVICE:=cpu}" "${PY:=.venv/bin/python}" "${WHEEL_DIR:=/tmp/h200-build/whl-local}" "${IMAGE_GUARD:=1}" "${DEV:=/tmp/h200-dry}"
     : "${SITE:=/tmp/h200-dry-site}" "${TRAIN_S:=5}" "${SF_S:=5}" "${OURS_STEPS:=4}" "${EVAL_INTERVAL:=2}" "${VAL_BATCHES:=1}" "${SF_VAL:=1}"
@@ -431,8 +434,9 @@ phase_carry3() {
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=train
-return_draft() { # the exported draft back in pieces a returned file may hold (16 MiB); carry them as $CD (PHASE=draft)
-    "$PY" - "$DEV/ours_draft" "$DEV/return/ours_draft" <<'EOF' # float weights as bf16 (what serving loads), so 3 pieces, not 6
+return_draft() { # [NAME]: the exported draft $DEV/NAME (ours_draft) back in pieces a returned file may hold (16 MiB); carry them as $CD (PHASE=draft)
+    local name=${1:-ours_draft}
+    "$PY" - "$DEV/$name" "$DEV/return/$name" <<'EOF' # float weights as bf16 (what serving loads), so 3 pieces, not 6
 import shutil, sys, torch
 from pathlib import Path
 from safetensors.torch import load_file, save_file
@@ -443,8 +447,8 @@ for path in source.glob("*.safetensors"):
     tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
     save_file(tensors, str(target / path.name), metadata={"format": "pt"})
 EOF
-    tar cf - -C "$DEV/return" ours_draft | split -b "$PIECE_BYTES" -d -a 1 - "$OUT/ours_draft.tar.part"
-    note "the draft comes back as $(ls "$OUT"/ours_draft.tar.part* | wc -l) pieces: cat ours_draft.tar.part* | tar xf -"
+    tar cf - -C "$DEV/return" "$name" | split -b "$PIECE_BYTES" -d -a 1 - "$OUT/$name.tar.part"
+    note "the draft comes back as $(ls "$OUT/$name".tar.part* | wc -l) pieces: cat $name.tar.part* | tar xf -"
 }
 
 carried_regen() { # an earlier round's regenerated conversations (RETURN_REGEN=1; carry3 brought them) as $DEV/regen
@@ -721,8 +725,10 @@ EOF
         rm -rf "$DEV/ours_other" && mv "$DEV/ours" "$DEV/ours_other" && mv "$DEV/ours_b" "$DEV/ours"
         rm -rf "$DEV/ours_draft" && mv "$DEV/ours_b_draft" "$DEV/ours_draft"
         mv "$DEV/ours_b_timing.json" "$DEV/ours_timing.json" && mv "$DEV/ours_b_args" "$DEV/ours_args"
+    else # the twin not chosen stays as $DEV/ours_other either way (PHASE=other sends its draft back)
+        rm -rf "$DEV/ours_other" && mv "$DEV/ours_b" "$DEV/ours_other"
     fi
-    printf '{"continued": "%s"}\n' "$better" >"$DEV/twins.json"
+    printf '{"continued": "%s", "other": "%s"}\n' "$better" "$([ "$better" = ours ] && echo ours_b || echo ours)" >"$DEV/twins.json"
     rm -rf "$DEV/ours_b" "$DEV/ours_b_draft" # one choice per round: a second more phase finds none
 }
 
@@ -763,6 +769,16 @@ EOF
     fi
     hand_back_draft_or_log
     if [ "$REAL" = 1 ]; then real_steps; fi # REAL=1 here: the serve call keeps its time for serving (~120 s: three rows of real steps)
+}
+
+# ------------------------------------------------------------------------------------------------ PHASE=other
+phase_other() { # after `more` with TWIN_MORE=both: the twin not chosen ($DEV/ours_other) exported and sent back, so both
+    # drafts of an A/B can be replayed on the same prompts elsewhere (a call returns one draft's pieces at most: 64 MiB)
+    [ -f "$DEV/ours_other/checkpoints/latest" ] || die "no $DEV/ours_other: run PHASE=more with TWIN set and TWIN_MORE=both first, on this machine"
+    rm -rf "$DEV/ours_other_draft"
+    stage export_other 60 90 "${HOST[@]}" export "$DEV/ours_other" "$DEV/ours_other_draft"
+    note "the other twin, exported from $DEV/ours_other: $(cat "$DEV/twins.json" 2>/dev/null)"
+    return_draft ours_other_draft
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=retrain
@@ -900,7 +916,8 @@ retrain) phase_retrain ;;
 serve) phase_serve ;;
 profile) phase_profile ;;
 sampled) phase_sampled ;;
-*) die "unknown PHASE (carry1, carry3, train, more, retrain, serve, profile, prepare, draft or sampled)" ;;
+other) phase_other ;;
+*) die "unknown PHASE (carry1, carry3, train, more, other, retrain, serve, profile, prepare, draft or sampled)" ;;
 esac
 summarize "$PHASE"
 failed=$(awk -F'\t' '$3 != 0 {print $1}' "$TIMES" | tr '\n' ' ')
