@@ -111,6 +111,9 @@ class TrainConfig(_Strict):
     log_interval: int = Field(default=10, gt=0)
     grokfast_alpha: float | None = Field(default=None, gt=0, lt=1)
     grokfast_lambda: float = Field(default=2.0, ge=0)
+    # the teacher's softmax temperature over the draft vocabulary: 1 is the target's distribution (EAGLE-3's and
+    # SpecForge's objective); below 1 a sharper teacher, the argmax (what a greedy chain accepts) weighted more
+    teacher_temperature: float = Field(default=1.0, gt=0)
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
 

@@ -187,6 +187,15 @@ def _register_train(subparsers, parent) -> None:
         "of a step grows with N (the target's forward does not); a draft served with K steps uses positions 0..K-1 only",
     )
     train.add_argument(
+        "--teacher-temperature",
+        type=float,
+        metavar="T",
+        help="the loss's teacher is softmax(target logits / T) over the draft vocabulary (default: the profile's [train] "
+        "teacher_temperature, 1: the target's own distribution, as EAGLE-3 and SpecForge train). Below 1 the teacher is "
+        "sharper and the argmax, which a greedy chain accepts, weighs more; accuracy and accept length do not depend on T, "
+        "the logged loss does",
+    )
+    train.add_argument(
         "--draft-intermediate-size",
         type=int,
         metavar="N",
@@ -409,6 +418,7 @@ def train_options(args: argparse.Namespace, chat_template=None, target_placement
         draft_head=args.draft_head,
         ttt_length=args.ttt_length,
         draft_intermediate_size=args.draft_intermediate_size,
+        teacher_temperature=args.teacher_temperature,
     )
 
 
@@ -425,6 +435,8 @@ def _train(args: argparse.Namespace) -> int:
             raise DataError(f"--max-seconds {args.max_seconds:g}: expected a positive number of seconds (nothing was started)")
         if args.ttt_length is not None and args.ttt_length < 1:
             raise DataError(f"--ttt-length {args.ttt_length}: expected at least 1 draft step (nothing was started)")
+        if args.teacher_temperature is not None and not args.teacher_temperature > 0:
+            raise DataError(f"--teacher-temperature {args.teacher_temperature:g}: expected a positive temperature (nothing was started)")
         if args.draft_intermediate_size is not None and args.draft_intermediate_size < 1:
             raise DataError(f"--draft-intermediate-size {args.draft_intermediate_size}: expected a positive width (nothing was started)")
         if args.data is None:

@@ -31,13 +31,17 @@ class Teacher:
     scored: Any = None  # [B, S] bool: loss_mask alone (the positions a served draft would be asked to predict)
 
 
-def make_teacher(target_logits, loss_mask, t2d, draft_ids=None, probs_dtype=None) -> Teacher:
+def make_teacher(target_logits, loss_mask, t2d, draft_ids=None, probs_dtype=None, temperature: float = 1.0) -> Teacher:
     """Target distribution restricted to the draft vocab; positions whose argmax is outside it are masked.
 
     draft_ids: the target ids of the draft vocab, ascending (d2t + arange(Vd)); given, no device sync is
     needed to find them. probs_dtype: store the probabilities in this dtype (the trainer keeps them in
     bf16 on the GPU: computed once per batch in fp32, then rounded, half the bytes of fp32).
+    temperature: the probabilities are softmax(logits / temperature); 1 is the target's own distribution, below 1
+    sharper (the argmax, index, and the masks do not depend on it).
     """
+    if not temperature > 0:
+        raise ValueError(f"teacher temperature must be positive, got {temperature}")
     import torch
 
     with torch.no_grad():
@@ -48,7 +52,8 @@ def make_teacher(target_logits, loss_mask, t2d, draft_ids=None, probs_dtype=None
         in_draft = t2d[target_logits.argmax(-1)]
         valid = loss_mask.to(target_logits.device).bool() & in_draft
         index = restricted.argmax(-1)
-        probs = torch.softmax(restricted.float(), dim=-1)
+        scaled = restricted.float() if temperature == 1.0 else restricted.float() / temperature
+        probs = torch.softmax(scaled, dim=-1)
         if probs_dtype is not None:
             probs = probs.to(probs_dtype)
         return Teacher(probs=probs, index=index, valid=valid, scored=loss_mask.to(target_logits.device).bool())

@@ -90,6 +90,7 @@ class TrainSettings:
     rewarm_steps: int
     grokfast_alpha: float | None
     grokfast_lambda: float
+    teacher_temperature: float
     batch_size: int
     eval_interval: int
     save_interval: int
@@ -119,6 +120,7 @@ class TrainOptions:
     warmup_steps: int | None = None
     grokfast_alpha: float | None = None
     grokfast_lambda: float | None = None
+    teacher_temperature: float | None = None  # the loss's teacher: softmax(target logits / T) over the draft vocab (None: the profile's)
     resume: str | None = None  # None: fresh run; "latest": newest checkpoint under out_dir; else a checkpoint dir
     rewarm_steps: int | None = None
     data_dir: Path | None = None  # offline shards written by `extract`
@@ -159,6 +161,7 @@ class TrainOptions:
             rewarm_steps=_given(self.rewarm_steps, max(1, warmup // 2)),
             grokfast_alpha=_given(self.grokfast_alpha, train.grokfast_alpha),
             grokfast_lambda=_given(self.grokfast_lambda, train.grokfast_lambda),
+            teacher_temperature=_given(self.teacher_temperature, train.teacher_temperature),
             batch_size=_given(self.batch_size, train.batch_size),
             eval_interval=_given(self.eval_interval, train.eval_interval),
             save_interval=_given(self.save_interval, train.save_interval),
@@ -800,7 +803,14 @@ class Trainer:
         """Teacher (once per batch; bf16 probabilities in mixed mode), TTT unroll, fused lm_head + loss. No host sync."""
         parts = self.parts
         probs_dtype = torch.bfloat16 if parts.mixed else None
-        teacher = make_teacher(batch.target_logits, batch.loss_mask, parts.draft.t2d, draft_ids=parts.draft_ids, probs_dtype=probs_dtype)
+        teacher = make_teacher(
+            batch.target_logits,
+            batch.loss_mask,
+            parts.draft.t2d,
+            draft_ids=parts.draft_ids,
+            probs_dtype=probs_dtype,
+            temperature=self.settings.teacher_temperature,
+        )
         batch.target_logits = None  # [B, S, V]: not needed past the teacher; free it before the unroll
         aux = batch.aux_hidden.to(parts.draft.fc.weight.dtype)
         _total, result = module(aux, batch.input_ids, teacher)
@@ -916,7 +926,8 @@ class Trainer:
         if left is not None and self.seconds_before:
             steps += f" (--max-seconds {self.options.max_seconds:g} less {self.seconds_before:.0f} s spent before)"
         setup = f" (setup {time.monotonic() - self.run_started:.1f} s)" if self.run_started is not None else ""
-        self.log(f"training {steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}{setup}")
+        teacher = "" if s.teacher_temperature == 1.0 else f", teacher temperature {s.teacher_temperature:g}"
+        self.log(f"training {steps}: batch {s.batch_size} x {ctx.world_size} rank(s), lr {s.lr} ({s.schedule}), TTT {s.ttt_length}{teacher}{setup}")
         served = self.served_steps()
         if served is not None and served > s.ttt_length:
             self.log(

@@ -179,6 +179,29 @@ def test_bf16_teacher_probabilities_stay_within_rounding_of_fp32():
     assert (bf16.probs.float() - fp32.probs).abs().max() <= 2**-8 * fp32.probs.max()
 
 
+def test_a_sharper_teacher_is_the_tempered_softmax_with_the_same_argmax_and_masks():
+    """--teacher-temperature: probabilities softmax(restricted logits / T); the argmax, the masks and so the accuracies
+    do not move; below 1 the argmax gets more of the mass, and a small T is nearly the one-hot argmax."""
+    target_logits, loss_mask, t2d = setup_case()
+    draft_ids = torch.nonzero(t2d).flatten()
+    plain = make_teacher(target_logits, loss_mask, t2d)
+    assert torch.equal(make_teacher(target_logits, loss_mask, t2d, temperature=1.0).probs, plain.probs)
+    sharp = make_teacher(target_logits, loss_mask, t2d, temperature=0.5)
+    assert torch.allclose(sharp.probs, torch.softmax(target_logits[..., draft_ids] / 0.5, -1), rtol=1e-6, atol=1e-7)
+    assert torch.equal(sharp.index, plain.index) and torch.equal(sharp.valid, plain.valid) and torch.equal(sharp.scored, plain.scored)
+    top = sharp.probs.gather(-1, sharp.index[..., None]) > plain.probs.gather(-1, plain.index[..., None])
+    assert bool(top.all())
+    near_hard = make_teacher(target_logits, loss_mask, t2d, temperature=0.01)
+    assert float(near_hard.probs.gather(-1, near_hard.index[..., None]).min()) > 0.99
+    step_logits = [torch.randn(B, S, VD, generator=torch.Generator().manual_seed(10 + k)) for k in range(2)]
+    tempered = ttt_loss(step_logits, sharp)
+    assert [float(a) for a in tempered.accs] == [float(a) for a in ttt_loss(step_logits, plain).accs]
+    assert float(tempered.plosses[0]) == pytest.approx(reference(step_logits, target_logits / 0.5, loss_mask, t2d)[0][0], rel=1e-5)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="teacher temperature must be positive"):
+            make_teacher(target_logits, loss_mask, t2d, temperature=bad)
+
+
 def test_chain_rounds_replay_serving_on_teacher_forced_hits():
     """Rounds start where an answer token follows, take the leading run of hits, and jump past the bonus token."""
     hits = torch.zeros(3, 1, 12, dtype=torch.bool)

@@ -707,6 +707,35 @@ def test_a_wider_draft_mlp_trains_exports_its_width_and_resumes_only_with_it(min
     assert [r["step"] for r in read_records(out) if r["split"] == "train"][-1] == 3
 
 
+@pytest.mark.slow  # trains a mini draft a step: the default suite trains nothing
+def test_a_teacher_temperature_reaches_the_loss_and_the_run_records_it(mini_profile, mini_env, tmp_path, capfd):
+    """--teacher-temperature 0.5 against the profile's 1, same seed and data: the first step's loss differs (the teacher
+    is sharper), its accuracies do not (the argmax is the same), and the run's settings and log say which."""
+    from backend.cli import build_parser
+    from backend.train.cli import train_options
+
+    assert mini_profile.train.teacher_temperature == 1.0
+    args = build_parser().parse_args(["train", "--profile", "tiny", "--teacher-temperature", "0.5"])
+    assert train_options(args).teacher_temperature == 0.5
+    first = {}
+    for temperature in (None, 0.5):
+        out = tmp_path / f"run-{temperature}"
+        options = mini_options(mini_profile, out, max_steps=1, eval_interval=10**6, log_interval=1, teacher_temperature=temperature)
+        assert train(options) == 0
+        first[temperature] = next(r for r in read_records(out) if r["split"] == "train")
+        assert json.loads((out / "run.json").read_text())["settings"]["teacher_temperature"] == (temperature or 1.0)
+    assert first[0.5]["acc"] == first[None]["acc"]
+    assert first[0.5]["loss"] != pytest.approx(first[None]["loss"], rel=1e-3)
+    err = capfd.readouterr().err
+    assert err.count("teacher temperature 0.5") == 1
+
+
+def test_a_teacher_temperature_not_above_zero_is_refused_before_anything_starts(tmp_path, capfd):
+    assert cli_main(["train", "--profile", "tiny", "--teacher-temperature", "0", "--out", str(tmp_path / "never")]) == 2
+    assert "error: --teacher-temperature 0: expected a positive temperature (nothing was started)" in capfd.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
 def test_a_draft_width_below_one_is_refused_before_anything_starts(tmp_path, capfd):
     assert cli_main(["train", "--profile", "tiny", "--draft-intermediate-size", "0", "--out", str(tmp_path / "never")]) == 2
     assert "error: --draft-intermediate-size 0: expected a positive width (nothing was started)" in capfd.readouterr().err
