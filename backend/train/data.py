@@ -317,19 +317,30 @@ def sample_of(ids: list[int], mask: list[int]) -> Sample:
     return Sample(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.uint8))
 
 
-def regenerate_conversation(target, messages: list[dict], max_new_tokens: int, chat_template: str | None = None) -> list[dict]:
+# A turn whose prompt is this many tokens past max_len is not answered: the prompt's last tokens may merge otherwise
+# with the text after them once the whole conversation is encoded, but no more than a few.
+PAST_MAX_LEN_MARGIN = 4
+
+
+def regenerate_conversation(target, messages: list[dict], max_new_tokens: int, chat_template: str | None = None, max_len: int | None = None) -> list[dict]:
     """Replace each assistant turn with the target's own greedy answer to the (regenerated) history before it; an
-    answer ends where `data regenerate`'s do, at the tokenizer's or the generation config's eos (stop_token_ids)."""
+    answer ends where `data regenerate`'s do, at the tokenizer's or the generation config's eos (stop_token_ids).
+
+    max_len: the sample's length (tokens past it are cut): once a turn's prompt lies past it, that turn and every later
+    one are kept as they are, not answered; they are cut whole, so the sample is the one answering them would give."""
     import torch
 
     tokenizer = target.tokenizer
     stops = stop_token_ids(target)
     result: list[dict] = []
-    for message in messages:
+    for index, message in enumerate(messages):
         if message["role"] != "assistant":
             result.append(message)
             continue
-        prompt = torch.tensor([template_ids(tokenizer, result, True, chat_template)], dtype=torch.int64)
+        prompt_ids = template_ids(tokenizer, result, True, chat_template)
+        if max_len is not None and len(prompt_ids) >= max_len + PAST_MAX_LEN_MARGIN:
+            return result + messages[index:]
+        prompt = torch.tensor([prompt_ids], dtype=torch.int64)
         generated = target.greedy_generate(prompt, max_new_tokens, stop_token_ids=stops)[0].tolist()
         generated = generated[: next((i for i, token in enumerate(generated) if token in stops), len(generated))]
         result.append({"role": "assistant", "content": tokenizer.decode(generated, skip_special_tokens=True)})
@@ -511,7 +522,7 @@ def _tokenize_splits(tokenizer, files, max_len, val_fraction, seed, limit, targe
             if regenerate_tokens:
                 if target is None:
                     raise DataError("regeneration needs the target model")
-                batch = [regenerate_conversation(target, messages, regenerate_tokens, jinja) for messages in batch]
+                batch = [regenerate_conversation(target, messages, regenerate_tokens, jinja, max_len) for messages in batch]
             samples.extend(sample_of(ids, mask) for ids, mask in filter(None, conversations_tokens(tokenizer, batch, max_len, jinja)))
             advance(len(batch))
         return samples

@@ -864,6 +864,37 @@ def test_regenerate_tokens_ends_each_answer_where_data_regenerate_does(world, tm
         assert answered == made[f"train:{index}"]["conversations"], index
 
 
+def test_regenerate_tokens_answers_no_turn_that_the_sample_cuts_and_gives_the_same_sample(world):
+    """A multi-turn conversation longer than max_len: the turns whose prompt lies past max_len are not answered (one
+    target call fewer for each), and the tokens and loss mask cut to max_len equal those of answering every turn."""
+    from backend.train.data import conversations_tokens, regenerate_conversation
+
+    target = world["target"]
+    messages = []
+    for conversation in iter_conversations(world["prep"] / "train.jsonl"):
+        messages += conversation.messages
+    assert sum(m["role"] == "assistant" for m in messages) >= 6
+    calls = []
+    answer = target.greedy_generate
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return answer(*args, **kwargs)
+
+    target.greedy_generate = counted
+    try:
+        every = regenerate_conversation(target, messages, 12, CHATML)
+        answered_all = len(calls)
+        rendered = len(conversations_tokens(target.tokenizer, [every], 10**6, CHATML)[0][0])
+        for max_len in (rendered // 3, rendered // 2):
+            calls.clear()
+            cut = regenerate_conversation(target, messages, 12, CHATML, max_len=max_len)
+            assert 0 < len(calls) < answered_all, max_len
+            assert conversations_tokens(target.tokenizer, [cut], max_len, CHATML) == conversations_tokens(target.tokenizer, [every], max_len, CHATML)
+    finally:
+        del target.greedy_generate
+
+
 def test_a_tokenizer_written_otherwise_is_the_same_target_and_another_eos_is_not(world, tmp_path):
     """The fingerprint reads the tokenizer by what it does, not its files' bytes: transformers 5.17 and 5.25 write
     SmolLM2's tokenizer.json and tokenizer_config.json differently (other keys, another decoder block) with the same
