@@ -116,6 +116,7 @@ def eval_set(name: str, decoder: SpecDecoder, prompts: list[list[int]], max_new:
         "mean_of_request_means": mean_of_request_means(whole),
         "mean_of_request_means_95": bootstrap_interval(whole, mean_of_request_means, rng),
         "per_request": [round(r.accept_length, 4) for r in results],
+        "per_request_rounds": [list(pair) for pair in whole],  # (completion tokens, verify rounds): paired_accept.py reads them
         "seconds": round(time.perf_counter() - started, 1),
         "pooled_before_eos": pooled_accept_length(answers),
         "pooled_before_eos_95": bootstrap_interval(answers, pooled_accept_length, rng),

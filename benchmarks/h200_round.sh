@@ -30,6 +30,9 @@
 #   PHASE=other   carries nothing: after `more` with TWIN and TWIN_MORE=both, the twin not continued ($DEV/ours_other)
 #                 exported and sent back as ours_other_draft.tar.part* (h200_keep.sh keeps them in .h200-draft-other/), so
 #                 both drafts of the A/B can be replayed on the same prompts on another machine. ~30 s.
+#   PHASE=replay  carries nothing: after `other`, both twins' drafts decode the same REPLAY_PROMPTS (60) held-out prompts
+#                 (bench_accept_length.py, float32) and paired_accept.py says whether B (the twin with TWIN's options)
+#                 beats A by more than the prompts' paired interval (paired.json). ~250 s.
 #   PHASE=retrain carries nothing: our draft trained again from scratch for MORE_S seconds (--max-seconds, its cosine
 #                 fitted) on the data the train phase left in $DEV, when that phase's trainer failed (2026-12-03: a
 #                 SIGTERM to its group killed an Inductor compile's ptxas; the trainer now checkpoints then). The tokens
@@ -70,7 +73,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
-: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more, other, retrain, serve, profile, prepare, draft or sampled}"
+: "${OUT:?an output dir}" "${PHASE:?carry1, carry3, train, more, other, replay, retrain, serve, profile, prepare, draft or sampled}"
 if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny sizes (CPU profile: seq_len 128, batch 1, float32)
     : "${DEVICE:=cpu}" "${PY:=.venv/bin/python}" "${WHEEL_DIR:=/tmp/h200-build/whl-local}" "${IMAGE_GUARD:=1}" "${DEV:=/tmp/h200-dry}"
     : "${SITE:=/tmp/h200-dry-site}" "${TRAIN_S:=5}" "${SF_S:=5}" "${OURS_STEPS:=4}" "${EVAL_INTERVAL:=2}" "${VAL_BATCHES:=1}" "${SF_VAL:=1}"
@@ -137,6 +140,7 @@ DECODE_PROFILE=${DECODE_PROFILE:-1} DECODE_PROFILE_EXTRA=${DECODE_PROFILE_EXTRA:
 # serve phase
 # BENCH_PROMPTS: the chain's HTTP bench per set. 10 prompts span +-0.28 in accept length (bench_accept_length.py on
 # round 15's draft: 10-prompt subsets of 56 val prompts 2.15-2.71); 100 take ~20 s more over HTTP at ~1,000 tok/s
+REPLAY_PROMPTS=${REPLAY_PROMPTS:-60}
 NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
 CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-100} BENCH_NEW=${BENCH_NEW:-128}
 # WHOLE_NEW > 0: the per-set bench again with whole answers (--stop-at-eos, at most WHOLE_NEW tokens: SpecForge's benchmarker
@@ -781,6 +785,23 @@ phase_other() { # after `more` with TWIN_MORE=both: the twin not chosen ($DEV/ou
     return_draft ours_other_draft
 }
 
+# ------------------------------------------------------------------------------------------------ PHASE=replay
+phase_replay() { # after `other`: both twins' drafts decode the same REPLAY_PROMPTS held-out ShareGPT prompts (float32,
+    # 128 tokens, ignore-eos, 3 steps, no anatomy; ~110 s a draft on one H100), then paired_accept.py: the A/B's verdict
+    [ -d "$DEV/ours_draft" ] && [ -d "$DEV/ours_other_draft" ] || die "no $DEV/ours_draft and ours_other_draft: run PHASE=more (TWIN, TWIN_MORE=both) and PHASE=other first, on this machine"
+    local other base
+    other=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["other"])' "$DEV/twins.json")
+    for draft in ours_draft ours_other_draft; do
+        stage "replay_$draft" 130 200 "$PY" benchmarks/bench_accept_length.py --device "$DEVICE" --dtype float32 --draft "$DEV/$draft" \
+            --prompts "$DEV/sgdev/eval.jsonl" --num-prompts "$REPLAY_PROMPTS" --subset 10 --no-anatomy --out "$OUT/replay_$draft.json"
+    done
+    # A: the twin without TWIN's options (ours), B: with them (ours_b), whichever the more phase continued
+    if [ "$other" = ours ]; then base=ours_other_draft; else base=ours_draft; fi
+    note "paired: A is $DEV/$base (the twin without TWIN's options), B the other (with them)"
+    "$PY" benchmarks/paired_accept.py "$OUT/replay_$base.json" "$OUT/replay_$([ "$base" = ours_draft ] && echo ours_other_draft || echo ours_draft).json" \
+        --out "$OUT/paired.json" | tee -a "$LOG"
+}
+
 # ------------------------------------------------------------------------------------------------ PHASE=retrain
 phase_retrain() { # our draft trained again from scratch on the train phase's data for MORE_S s (a train phase whose trainer failed)
     [ -f "$DEV/data.json" ] || die "the train phase's data is gone from $DEV (was the machine still warm?): start again from PHASE=carry1"
@@ -917,7 +938,8 @@ serve) phase_serve ;;
 profile) phase_profile ;;
 sampled) phase_sampled ;;
 other) phase_other ;;
-*) die "unknown PHASE (carry1, carry3, train, more, other, retrain, serve, profile, prepare, draft or sampled)" ;;
+replay) phase_replay ;;
+*) die "unknown PHASE (carry1, carry3, train, more, other, replay, retrain, serve, profile, prepare, draft or sampled)" ;;
 esac
 summarize "$PHASE"
 failed=$(awk -F'\t' '$3 != 0 {print $1}' "$TIMES" | tr '\n' ' ')

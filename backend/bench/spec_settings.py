@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from backend.serve.acceptance import bootstrap_interval, mean_of_request_means, pooled_accept_length
+from backend.serve.acceptance import bootstrap_interval, mean_of_request_means, paired_pooled_difference, pooled_accept_length
 from backend.serve.reference.draft_tree import greedy_rows, replay
 from backend.serve.spec_setting import TreeSetting
 from backend.serve.reference.spec_decode import NO_EOS
@@ -80,14 +80,10 @@ def measure_set(decoder, draft, prompts: list[list[int]], max_new_tokens: int, s
             "pooled_95": bootstrap_interval(pairs, pooled_accept_length, rng),
             "mean_of_request_means": mean_of_request_means(pairs),
             "minus_baseline": pooled_accept_length(pairs) - pooled_accept_length(base),
-            "minus_baseline_95": bootstrap_interval(list(zip(base, pairs)), _paired_difference, rng),
+            "minus_baseline_95": bootstrap_interval(list(zip(base, pairs)), paired_pooled_difference, rng),
             "per_request": [round(t / v, 4) for t, v in pairs if v],
         }
     return {"prompts": len(prompts), "baseline": base_label, "seconds": round(time.perf_counter() - started, 1), "settings": rows}
-
-
-def _paired_difference(sample: list[tuple[tuple[int, int], tuple[int, int]]]) -> float:
-    return pooled_accept_length([other for _, other in sample]) - pooled_accept_length([base for base, _ in sample])
 
 
 def table(document: dict[str, Any]) -> str:

@@ -325,6 +325,12 @@ def bootstrap_interval(items: Sequence[Any], statistic: Callable[[list[Any]], fl
     return [draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]] if draws else []
 
 
+def paired_pooled_difference(sample: Sequence[tuple[tuple[int, int], tuple[int, int]]]) -> float:
+    """Pooled accept length of the second of each request's (completion_tokens, verify_ct) pairs less the first's: the
+    statistic a paired bootstrap over requests resamples when two drafts or settings decoded the same prompts."""
+    return pooled_accept_length([other for _, other in sample]) - pooled_accept_length([base for base, _ in sample])
+
+
 def mean_of_request_means(pairs: list[tuple[int, int]]) -> float | None:
     """SpecForge's benchmark: the mean over requests of completion_tokens / verify_ct (requests without a verify step left out)."""
     means = [completion / verify for completion, verify in pairs if verify > 0]

@@ -590,6 +590,12 @@ def test_accept_length_benchmark_reports_intervals_and_the_anatomy_per_set(mini_
         assert [b["from"] for b in row["by_answer_position"]] == [0, 64, 128, 256, 512] and row["by_answer_position"][0]["rounds"] > 0
     assert "pooled_over_2_prompt_subsets_95" in report["sets"]["one/eval"] and "pooled_over_2_prompt_subsets_95" not in report["sets"]["two/eval"]
     assert "one/eval: 3 prompts, accept length" in done.stdout
+    for row in report["sets"].values():
+        rounds = row["per_request_rounds"]
+        assert sum(t for t, _ in rounds) == row["tokens"] and [round(t / v, 4) for t, v in rounds] == row["per_request"]
+    paired = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paired_accept.py"), str(out), str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert paired.returncode == 0, paired.stderr
+    assert "one/eval: 3 prompts" in paired.stdout and "B - A +0.000 (paired 95 % +0.000 to +0.000)" in paired.stdout
 
 
 def test_tokens_a_round_by_answer_position_stop_at_the_end_of_turn():
