@@ -79,7 +79,7 @@ if [ -n "${DRY:-}" ]; then # the CPU dry run: this venv, the image guard, tiny s
     : "${SITE:=/tmp/h200-dry-site}" "${TRAIN_S:=5}" "${SF_S:=5}" "${OURS_STEPS:=4}" "${EVAL_INTERVAL:=2}" "${VAL_BATCHES:=1}" "${SF_VAL:=1}"
     : "${REGEN_LIMIT:=3}" "${REGEN_VAL:=1}" "${REGEN_BATCH:=4}" "${REGEN_NEW:=4}" "${REGEN_PROMPT:=64}" "${REGEN_S:=400}" "${COLD_MIB:=8}"
     : "${NUM_PROMPTS:=1}" "${MAX_NEW:=4}" "${PROMPT_TOKENS:=32}" "${CHAIN_PROMPTS:=1}" "${CHAIN_NEW:=4}" "${BENCH_PROMPTS:=1}"
-    : "${BENCH_NEW:=4}" "${WHOLE_NEW:=8}" "${WHOLE_PROMPTS:=1}" "${REAL_STEPS:=1}" "${REAL_WARMUP:=1}" "${REAL_PROFILE:=1}" "${PHASE_S:=5000}" "${HARD_S:=6000}"
+    : "${REPLAY_PROMPTS:=2}" "${REPLAY_NEW:=8}" "${BENCH_NEW:=4}" "${WHOLE_NEW:=8}" "${WHOLE_PROMPTS:=1}" "${REAL_STEPS:=1}" "${REAL_WARMUP:=1}" "${REAL_PROFILE:=1}" "${PHASE_S:=5000}" "${HARD_S:=6000}"
     : "${GROUPING_EXTRA:=--dtype float32 --layers 2 --batch 4 --new-tokens 4 --grouping-prompts 16}"
     : "${DECODE_PROFILE:=0}" "${REGEN_BENCH_BATCHES:=2 4}" "${REGEN_BENCH_EXTRA:=--dtype float32 --layers 2 --new-tokens 4 --prompt-tokens 48}"
     : "${LIMIT_SCALE:=5}" # stage limits are sized for the H200; a shared 2-core machine runs the CPU stages 2-3x slower at load 5
@@ -140,7 +140,7 @@ DECODE_PROFILE=${DECODE_PROFILE:-1} DECODE_PROFILE_EXTRA=${DECODE_PROFILE_EXTRA:
 # serve phase
 # BENCH_PROMPTS: the chain's HTTP bench per set. 10 prompts span +-0.28 in accept length (bench_accept_length.py on
 # round 15's draft: 10-prompt subsets of 56 val prompts 2.15-2.71); 100 take ~20 s more over HTTP at ~1,000 tok/s
-REPLAY_PROMPTS=${REPLAY_PROMPTS:-60}
+REPLAY_PROMPTS=${REPLAY_PROMPTS:-60} REPLAY_NEW=${REPLAY_NEW:-128} # PHASE=replay: the A/B's prompts and tokens (the CPU replays' since round 16)
 NUM_PROMPTS=${NUM_PROMPTS:-10} MAX_NEW=${MAX_NEW:-128} ANCHORS=${ANCHORS:-1} PROMPT_TOKENS=${PROMPT_TOKENS:-1024}
 CHAIN_PROMPTS=${CHAIN_PROMPTS:-8} CHAIN_NEW=${CHAIN_NEW:-64} BENCH_PROMPTS=${BENCH_PROMPTS:-100} BENCH_NEW=${BENCH_NEW:-128}
 # WHOLE_NEW > 0: the per-set bench again with whole answers (--stop-at-eos, at most WHOLE_NEW tokens: SpecForge's benchmarker
@@ -793,7 +793,7 @@ phase_replay() { # after `other`: both twins' drafts decode the same REPLAY_PROM
     other=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["other"])' "$DEV/twins.json")
     for draft in ours_draft ours_other_draft; do
         stage "replay_$draft" 130 200 "$PY" benchmarks/bench_accept_length.py --device "$DEVICE" --dtype float32 --draft "$DEV/$draft" \
-            --prompts "$DEV/sgdev/eval.jsonl" --num-prompts "$REPLAY_PROMPTS" --subset 10 --no-anatomy --out "$OUT/replay_$draft.json"
+            --prompts "$DEV/sgdev/eval.jsonl" --num-prompts "$REPLAY_PROMPTS" --max-new-tokens "$REPLAY_NEW" --subset 10 --no-anatomy --out "$OUT/replay_$draft.json"
     done
     # A: the twin without TWIN's options (ours), B: with them (ours_b), whichever the more phase continued
     if [ "$other" = ours ]; then base=ours_other_draft; else base=ours_draft; fi
