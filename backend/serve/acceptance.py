@@ -396,7 +396,10 @@ def acceptance_lines(report: dict[str, Any]) -> list[str]:
         f"accept length {_num(report.get('mean_of_request_means'))}  {report.get('mean_of_request_means_label', MEAN_OF_MEANS_LABEL)}",
     ]
     if report.get("accept_replayed") is not None:
-        lines.append(f"accept length {_num(report['accept_replayed'])}  predicted: validation's chain rounds replayed (tau-hat {_num(report.get('tau_hat'))})")
+        lines.append(
+            f"accept length {_num(report['accept_replayed'])}  predicted: validation's chain rounds replayed on its own prompts "
+            f"(tau-hat {_num(report.get('tau_hat'))}); other prompts may serve less"
+        )
     rows = report.get("per_position") or []
     if rows:
         lines.append(f"pos  {prediction_label(rows):>7}  served|k  predicted reach  served reach  steps")

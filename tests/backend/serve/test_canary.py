@@ -436,7 +436,7 @@ def test_replayed_chain_rounds_predict_the_served_rate_where_val_acc_cannot():
     assert report["accept_replayed"] == pytest.approx(1 + (190 + 260 + 600) / 1000) == rounds_accept_length(replay)
     assert report["prediction_label"] == "replay" and by_val["prediction_label"] == "val acc"
     text = "\n".join(acceptance_lines(report))
-    assert "pos   replay  served|k" in text and "predicted: validation's chain rounds replayed" in text
+    assert "pos   replay  served|k" in text and "predicted: validation's chain rounds replayed on its own prompts" in text
     collapsed = [950, 30, 10, 10]
     broken = acceptance_report([(1100, 1000, collapsed)], num_steps=3, val_acc=val_acc, val_rounds={"3": replay})
     assert broken["break"]["position"] == 0 and "validation's chain rounds replayed" in broken["break_line"]
