@@ -9,6 +9,7 @@ runs can be compared.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -30,6 +31,7 @@ from backend.host.gpu import open_gpu_source
 
 if TYPE_CHECKING:
     from backend.profiles import Profile
+    from backend.serve.prompts import PromptFit
 
 
 class ChainFailed(Exception):
@@ -152,6 +154,13 @@ class StopAndBench:
     @profile.setter
     def profile(self, value: Profile) -> None:
         self._profile = value
+
+    @functools.cached_property
+    def prompt_fit(self) -> PromptFit | None:
+        """What the launched server admits (GET /v1/models), asked once for the canary and the bench."""
+        from backend.serve.prompts import served_prompt_fit
+
+        return served_prompt_fit(self.summary["url"], self.options.max_new_tokens)
 
     # ------------------------------------------------------------------ driver
     def run(self) -> dict[str, Any]:
@@ -297,12 +306,10 @@ class StopAndBench:
     def canary(self) -> tuple[str, Any]:
         from backend.serve import canary as canary_mod
         from backend.serve.launch import draft_canary_prompts
-        from backend.serve.prompts import served_prompt_fit
 
         info = self.summary.get("server_info") or {}
         steps = int(info.get("speculative_num_steps") or self.profile.serve.num_steps)
-        fit = served_prompt_fit(self.summary["url"], self.options.max_new_tokens)
-        prompts, prompt_source = draft_canary_prompts(self.profile, self.summary["checkpoint"], fit=fit)
+        prompts, prompt_source = draft_canary_prompts(self.profile, self.summary["checkpoint"], fit=self.prompt_fit)
         outcome = canary_mod.run_canary(
             self.summary["url"],
             prompts,
@@ -327,11 +334,9 @@ class StopAndBench:
         from backend.bench import client, results
 
         from backend.serve.launch import draft_bench_prompts
-        from backend.serve.prompts import served_prompt_fit
 
         url = self.summary["url"]
-        fit = served_prompt_fit(url, self.options.max_new_tokens)
-        prompts, source = draft_bench_prompts(self.profile, self.summary.get("checkpoint"), self.options.num_prompts, fit=fit)
+        prompts, source = draft_bench_prompts(self.profile, self.summary.get("checkpoint"), self.options.num_prompts, fit=self.prompt_fit)
         self.summary["bench_prompts"] = source
         info = asyncio.run(client.fetch_server_info(url))
         baseline = client.resolve_baseline(None, info)
