@@ -789,17 +789,16 @@ phase_other() { # after `more` with TWIN_MORE=both: the twin not chosen ($DEV/ou
 phase_replay() { # after `other`: both twins' drafts decode the same REPLAY_PROMPTS held-out ShareGPT prompts (float32,
     # 128 tokens, ignore-eos, 3 steps, no anatomy; ~110 s a draft on one H100), then paired_accept.py: the A/B's verdict
     [ -d "$DEV/ours_draft" ] && [ -d "$DEV/ours_other_draft" ] || die "no $DEV/ours_draft and ours_other_draft: run PHASE=more (TWIN, TWIN_MORE=both) and PHASE=other first, on this machine"
-    local other base
+    local other a b
     other=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["other"])' "$DEV/twins.json")
     for draft in ours_draft ours_other_draft; do
         stage "replay_$draft" 130 200 "$PY" benchmarks/bench_accept_length.py --device "$DEVICE" --dtype float32 --draft "$DEV/$draft" \
             --prompts "$DEV/sgdev/eval.jsonl" --num-prompts "$REPLAY_PROMPTS" --max-new-tokens "$REPLAY_NEW" --subset 10 --no-anatomy --out "$OUT/replay_$draft.json"
     done
     # A: the twin without TWIN's options (ours), B: with them (ours_b), whichever the more phase continued
-    if [ "$other" = ours ]; then base=ours_other_draft; else base=ours_draft; fi
-    note "paired: A is $DEV/$base (the twin without TWIN's options), B the other (with them)"
-    "$PY" benchmarks/paired_accept.py "$OUT/replay_$base.json" "$OUT/replay_$([ "$base" = ours_draft ] && echo ours_other_draft || echo ours_draft).json" \
-        --out "$OUT/paired.json" | tee -a "$LOG"
+    if [ "$other" = ours ]; then a=ours_other_draft b=ours_draft; else a=ours_draft b=ours_other_draft; fi
+    note "paired: A is $DEV/$a (the twin without TWIN's options), B $DEV/$b (with them)"
+    "$PY" benchmarks/paired_accept.py "$OUT/replay_$a.json" "$OUT/replay_$b.json" --out "$OUT/paired.json" | tee -a "$LOG"
 }
 
 # ------------------------------------------------------------------------------------------------ PHASE=retrain
